@@ -1,0 +1,1 @@
+"""dflop_ds.plan"""

@@ -1,0 +1,176 @@
+"""Sample shapes: what the encoder and the LLM will see for one training sample.
+
+A :class:`SampleShape` is the only thing the profiler, the planner and the scheduler know about
+a sample. It is derived from a dataset record by a :class:`ShapePolicy`, which reproduces how
+AnyRes-style MLLMs (LLaVA-NeXT / LLaVA-OneVision, InternVL) cut images into tiles and sample
+video frames.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+Tokenizer = Callable[[str], int]
+
+
+def default_token_count(text: str) -> int:
+    """Estimate the token count of ``text`` without a tokenizer.
+
+    The default is one token per four UTF-8 bytes (rounded up), the usual rule of thumb for
+    English BPE vocabularies (GPT-2, LLaMA). Pass a real tokenizer's length function to
+    :class:`ShapePolicy` for exact counts.
+    """
+    return math.ceil(len(text.encode("utf-8")) / 4)
+
+
+@dataclass(frozen=True)
+class SampleShape:
+    """The cost-relevant shape of one sample.
+
+    Raw fields come from the dataset; ``encoder_tiles`` and ``llm_tokens`` are derived by a
+    :class:`ShapePolicy` (use :meth:`ShapePolicy.shape` rather than filling them by hand).
+
+    Attributes:
+        sample_id: the dataset's id for the sample (used in every error message).
+        image_sizes: ``(width, height)`` in pixels of each image, in order.
+        video_frames: frames in the source video (0 when there is no video).
+        text_tokens: text tokens of the whole conversation, placeholders excluded.
+        label_tokens: supervised tokens (those the loss is computed on), ``<= text_tokens``.
+        encoder_tiles: tiles plus sampled frames the vision encoder processes.
+        visual_tokens: tokens the projector inserts into the LLM sequence.
+        llm_tokens: LLM sequence length: ``visual_tokens + text_tokens``.
+    """
+
+    sample_id: str
+    image_sizes: tuple[tuple[int, int], ...] = ()
+    video_frames: int = 0
+    text_tokens: int = 0
+    label_tokens: int = 0
+    encoder_tiles: int = 0
+    visual_tokens: int = 0
+    llm_tokens: int = 0
+
+    @property
+    def modality(self) -> str:
+        """One of ``"text"``, ``"image"``, ``"multi_image"``, ``"video"``."""
+        if self.video_frames > 0:
+            return "video"
+        if len(self.image_sizes) > 1:
+            return "multi_image"
+        if len(self.image_sizes) == 1:
+            return "image"
+        return "text"
+
+
+@dataclass(frozen=True)
+class ShapePolicy:
+    """How pixels and frames become encoder tiles and LLM tokens (AnyRes-style).
+
+    Each image is resized onto the grid of ``tile_size`` tiles (``cols x rows``, at most
+    ``max_tiles``) that keeps the most of its resolution while wasting the least canvas, as
+    LLaVA-NeXT's best-resolution rule does; a grid of more than one tile also gets a
+    downscaled thumbnail tile when ``add_thumbnail`` is set. A video contributes
+    ``min(frames, max_frames)`` uniformly sampled frames, each one tile of
+    ``tokens_per_frame`` tokens.
+
+    The defaults follow LLaVA-OneVision-SI at 384 px with SigLIP (729 tokens per tile,
+    196 per pooled video frame, 32 frames).
+    """
+
+    tile_size: int = 384
+    max_tiles: int = 9
+    add_thumbnail: bool = True
+    tokens_per_tile: int = 729
+    max_frames: int = 32
+    tokens_per_frame: int = 196
+    tokenizer: Tokenizer = field(default=default_token_count, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("tile_size", "max_tiles", "tokens_per_tile", "max_frames", "tokens_per_frame"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ShapePolicy.{name} must be >= 1, got {getattr(self, name)}")
+
+    def tile_grid(self, width: int, height: int) -> tuple[int, int]:
+        """The ``(cols, rows)`` tile grid chosen for an image of ``width x height`` pixels."""
+        if width <= 0 or height <= 0:
+            raise ValueError(f"image size must be positive, got {width}x{height}")
+        best: tuple[int, int] = (1, 1)
+        best_key: tuple[float, float] = (-1.0, 0.0)
+        for cols in range(1, self.max_tiles + 1):
+            for rows in range(1, self.max_tiles // cols + 1):
+                canvas_w, canvas_h = cols * self.tile_size, rows * self.tile_size
+                scale = min(canvas_w / width, canvas_h / height)
+                kept = min(width * scale * height * scale, width * height)
+                wasted = canvas_w * canvas_h - kept
+                key = (kept, -wasted)
+                if key > best_key:
+                    best, best_key = (cols, rows), key
+        return best
+
+    def image_tiles(self, width: int, height: int) -> int:
+        """Tiles the encoder sees for one image, the thumbnail included."""
+        cols, rows = self.tile_grid(width, height)
+        grid = cols * rows
+        return grid + 1 if grid > 1 and self.add_thumbnail else grid
+
+    def sampled_frames(self, video_frames: int) -> int:
+        """Frames sampled from a video of ``video_frames`` frames."""
+        if video_frames < 0:
+            raise ValueError(f"video_frames must be >= 0, got {video_frames}")
+        return min(video_frames, self.max_frames)
+
+    def count_tokens(self, text: str) -> int:
+        """Text tokens of ``text`` by this policy's tokenizer."""
+        return int(self.tokenizer(text))
+
+    def shape(
+        self,
+        sample_id: str,
+        *,
+        image_sizes: Sequence[tuple[int, int]] = (),
+        video_frames: int = 0,
+        text_tokens: int = 0,
+        label_tokens: int | None = None,
+    ) -> SampleShape:
+        """Build the :class:`SampleShape` of one sample, deriving tiles and LLM tokens.
+
+        ``label_tokens`` defaults to ``text_tokens`` (every text token supervised).
+        """
+        if text_tokens < 0:
+            raise ValueError(f"sample {sample_id!r}: text_tokens must be >= 0, got {text_tokens}")
+        labels = text_tokens if label_tokens is None else label_tokens
+        if not 0 <= labels <= text_tokens:
+            raise ValueError(
+                f"sample {sample_id!r}: label_tokens must be in [0, text_tokens={text_tokens}], got {labels}"
+            )
+        sizes = tuple((int(w), int(h)) for w, h in image_sizes)
+        image_tiles = sum(self.image_tiles(w, h) for w, h in sizes)
+        frames = self.sampled_frames(video_frames)
+        visual = image_tiles * self.tokens_per_tile + frames * self.tokens_per_frame
+        return SampleShape(
+            sample_id=str(sample_id),
+            image_sizes=sizes,
+            video_frames=int(video_frames),
+            text_tokens=int(text_tokens),
+            label_tokens=int(labels),
+            encoder_tiles=image_tiles + frames,
+            visual_tokens=visual,
+            llm_tokens=visual + int(text_tokens),
+        )
+
+    def reshape(self, shape: SampleShape) -> SampleShape:
+        """Re-derive ``shape`` under this policy (e.g. a manifest read with another policy)."""
+        return self.shape(
+            shape.sample_id,
+            image_sizes=shape.image_sizes,
+            video_frames=shape.video_frames,
+            text_tokens=shape.text_tokens,
+            label_tokens=shape.label_tokens,
+        )
+
+
+#: The policy of the bundled tiny MLLM: real AnyRes tiling of real image sizes, but few
+#: tokens per tile so that CPU training stays fast.
+TINY_POLICY = ShapePolicy(tile_size=336, max_tiles=4, tokens_per_tile=16, max_frames=8, tokens_per_frame=16)
