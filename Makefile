@@ -1,0 +1,47 @@
+# dflop-ds: `make demo` and `make test` set up .venv themselves on a fresh clone.
+#
+# GPU machines: the CPU torch pin is only a default. Keep a CUDA torch you already have with
+#   make demo VENV_FLAGS=--system-site-packages TORCH_SPEC=
+# or pick another build, e.g. TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>".
+
+PYTHON     ?= python3
+VENV       ?= .venv
+VENV_FLAGS ?=
+TORCH_SPEC ?= torch==2.13.0
+PY         := $(VENV)/bin/python
+# DeepSpeed's launcher and its JIT build (ninja) must be found on PATH.
+RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONUNBUFFERED=1
+
+.PHONY: setup demo test bench bench-partition bench-costmodel bench-plan bench-e2e clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(if $(strip $(TORCH_SPEC)),$(PY) -m pip install --quiet $(TORCH_SPEC))
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(RUN) $(PY) examples/demo.py
+
+test: setup
+	$(RUN) $(PY) -m pytest -q -p no:cacheprovider
+
+bench-partition: setup
+	$(RUN) $(PY) benchmarks/bench_partition.py
+
+bench-costmodel: setup
+	$(RUN) $(PY) benchmarks/bench_costmodel.py
+
+bench-plan: setup
+	$(RUN) $(PY) benchmarks/bench_plan.py
+
+bench-e2e: setup
+	$(RUN) $(PY) benchmarks/bench_e2e.py
+
+bench: bench-partition bench-costmodel bench-plan bench-e2e
+
+clean:
+	rm -rf $(VENV) out runs .pytest_cache *.egg-info

@@ -1,0 +1,233 @@
+"""Batch samplers that feed DeepSpeed's pipeline engine one microbatch per ``next()``.
+
+Every global batch is drawn from a seeded per-epoch permutation and split into exactly
+``gradient_accumulation_steps`` microbatches for each data-parallel rank. The split is a pure
+function of ``(seed, epoch, batch)``: the first and last pipeline stages of a rank, which both
+read the data iterator, and all other ranks compute the same schedule without talking.
+
+Use it in existing DeepSpeed code::
+
+    sampler = DFLOPBatchSampler(shapes, global_batch_size=64,
+                                gradient_accumulation_steps=engine.gradient_accumulation_steps(),
+                                dp_rank=engine.grid.get_data_parallel_rank(),
+                                dp_size=engine.grid.get_data_parallel_world_size(),
+                                cost_model=cost_model)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
+    data_iter = iter(deepspeed.utils.RepeatingLoader(loader))
+    engine.train_batch(data_iter)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional, Protocol, Sequence
+
+import numpy as np
+
+from dflop_ds.schedule.epoch import epoch_permutation, global_batches
+from dflop_ds.schedule.index import ScheduledIndex
+from dflop_ds.schedule.prefetch import BackgroundMap
+from dflop_ds.schedule.split import SplitResult, split_balanced, split_stock
+from dflop_ds.shapes import SampleShape
+
+
+class CostPredictor(Protocol):
+    """What a sampler needs from a cost model (``CostModel`` and ``ProxyCost`` both fit)."""
+
+    def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class BatchSchedule:
+    """The schedule of one global batch, identical on every rank.
+
+    Attributes:
+        epoch, batch_id: which batch of which epoch.
+        split: the per-rank microbatches with their predicted costs.
+        loss_denominator: label tokens of the batch / (gradient_accumulation_steps * dp).
+        label_tokens: label tokens of the whole batch.
+        schedule_s: wall time spent computing the split.
+    """
+
+    epoch: int
+    batch_id: int
+    split: SplitResult
+    loss_denominator: float
+    label_tokens: int
+    schedule_s: float
+
+    @property
+    def n_samples(self) -> int:
+        """Samples in the global batch."""
+        return sum(len(mb) for rank in self.split.ranks for mb in rank)
+
+    def imbalance(self) -> np.ndarray:
+        """Predicted max / mean microbatch cost, per cost column (1.0 is perfect balance)."""
+        costs = self.split.predicted.reshape(-1, self.split.predicted.shape[-1])
+        mean = costs.mean(axis=0)
+        return np.divide(costs.max(axis=0), mean, out=np.ones_like(mean), where=mean > 0)
+
+
+class GlobalBatchSampler:
+    """Base of the batch samplers: epochs, global batches, background scheduling, iteration.
+
+    Args:
+        shapes: one :class:`SampleShape` per dataset index.
+        global_batch_size: samples per optimizer step over all data-parallel ranks.
+        gradient_accumulation_steps: microbatches per rank per step (DeepSpeed's GAS).
+        dp_rank, dp_size: this process's data-parallel rank and the data-parallel world size.
+        cost_model: predicts per-sample ``[encoder, llm]`` costs (see ``ProxyCost``).
+        seed: seeds the epoch permutations.
+        prefetch: global batches scheduled ahead in a background thread (0: inline).
+    """
+
+    method = "base"
+
+    def __init__(
+        self,
+        shapes: Sequence[SampleShape],
+        *,
+        global_batch_size: int,
+        gradient_accumulation_steps: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        cost_model: Optional[CostPredictor] = None,
+        seed: int = 0,
+        prefetch: int = 1,
+    ) -> None:
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        if cost_model is None:
+            from dflop_ds.profile.proxy import ProxyCost
+
+            cost_model = ProxyCost()
+        self.shapes = list(shapes)
+        self.global_batch_size = int(global_batch_size)
+        self.n_mb = int(gradient_accumulation_steps)
+        self.dp_rank = int(dp_rank)
+        self.dp_size = int(dp_size)
+        self.cost_model = cost_model
+        self.seed = int(seed)
+        self.prefetch = int(prefetch)
+        self.costs = np.asarray(cost_model.predict_samples(self.shapes), dtype=float).reshape(len(self.shapes), -1)
+        self.label_tokens = np.array([s.label_tokens for s in self.shapes], dtype=np.int64)
+        self.epoch = 0
+        self.next_batch = 0
+        self.last_schedule: Optional[BatchSchedule] = None
+        self.batches_in_epoch()  # validates the sizes up front
+
+    # -- the schedule: pure in (seed, epoch, batch) -------------------------------------------
+    def batches_in_epoch(self, epoch: Optional[int] = None) -> list[np.ndarray]:
+        """The global batches (arrays of dataset indices) of ``epoch`` (default: the current)."""
+        order = epoch_permutation(len(self.shapes), self.seed, self.epoch if epoch is None else epoch)
+        return global_batches(order, self.global_batch_size, self.n_mb * self.dp_size)
+
+    def split(self, batch: np.ndarray, batch_seed: int) -> SplitResult:
+        """Split one global batch into per-rank microbatches (subclasses decide how)."""
+        raise NotImplementedError
+
+    def _microbatch_cost(self, batch: np.ndarray):
+        """The cost model's collated-microbatch predictor over positions in ``batch``, if any."""
+        predict = getattr(self.cost_model, "predict_microbatch", None)
+        if predict is None:
+            return None
+        shapes = [self.shapes[i] for i in batch]
+        return lambda positions: predict([shapes[p] for p in positions])
+
+    def schedule(self, epoch: int, batch_id: int, batch: np.ndarray) -> BatchSchedule:
+        """Compute the schedule of one global batch."""
+        start = time.perf_counter()
+        split = self.split(batch, batch_seed=self.seed * 1_000_003 + epoch * 10_007 + batch_id)
+        elapsed = time.perf_counter() - start
+        tokens = int(self.label_tokens[batch].sum())
+        denominator = max(tokens, 1) / (self.n_mb * self.dp_size)
+        return BatchSchedule(epoch, batch_id, split, denominator, tokens, elapsed)
+
+    # -- iteration -----------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its first batch at the next iteration."""
+        self.epoch = int(epoch)
+        self.next_batch = 0
+
+    def __len__(self) -> int:
+        """Microbatches this rank yields per epoch."""
+        return len(self.batches_in_epoch()) * self.n_mb
+
+    def _schedules(self, epoch: int, start: int) -> Iterator[BatchSchedule]:
+        batches = self.batches_in_epoch(epoch)
+        keys = range(start, len(batches))
+        if self.prefetch == 0:
+            yield from (self.schedule(epoch, b, batches[b]) for b in keys)
+            return
+        with BackgroundMap(lambda b: self.schedule(epoch, b, batches[b]), keys, depth=self.prefetch) as ahead:
+            yield from ahead
+
+    def __iter__(self) -> Iterator[list[ScheduledIndex]]:
+        """Yield this rank's microbatches of the rest of the current epoch, then move to the next
+        epoch (so a ``RepeatingLoader`` sees a fresh order every epoch)."""
+        epoch = self.epoch
+        for sched in self._schedules(epoch, self.next_batch):
+            self.last_schedule = sched
+            for microbatch in sched.split.ranks[self.dp_rank]:
+                yield [ScheduledIndex(i, sched.loss_denominator, sched.batch_id) for i in microbatch]
+            self.next_batch = sched.batch_id + 1
+        self.set_epoch(epoch + 1)
+
+    # -- checkpointing -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Where the sampler is: enough to resume at the next unconsumed global batch."""
+        return {"method": self.method, "seed": self.seed, "epoch": self.epoch, "next_batch": self.next_batch,
+                "n_samples": len(self.shapes), "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`; refuses a state from a different dataset or batch size."""
+        for key in ("seed", "n_samples", "global_batch_size"):
+            mine = self.state_dict()[key]
+            if state.get(key) != mine:
+                raise ValueError(f"sampler state has {key}={state.get(key)!r}, this sampler has {mine!r}")
+        self.epoch = int(state["epoch"])
+        self.next_batch = int(state["next_batch"])
+
+
+class StockBatchSampler(GlobalBatchSampler):
+    """Stock DeepSpeed behaviour: random order, fixed sample count per microbatch."""
+
+    method = "stock"
+
+    def split(self, batch: np.ndarray, batch_seed: int) -> SplitResult:
+        """Contiguous equal-count chunks (see :func:`split_stock`)."""
+        return split_stock(batch.tolist(), self.costs[batch], self.n_mb, self.dp_size, self._microbatch_cost(batch))
+
+
+class DFLOPBatchSampler(GlobalBatchSampler):
+    """DFLOP's sampler: every global batch split into balanced microbatches on predicted costs.
+
+    ``time_limit_s`` bounds the exact solver per batch; the default 0 uses the fast
+    deterministic heuristic only, which keeps all ranks' schedules identical.
+    """
+
+    method = "dflop"
+
+    def __init__(self, shapes: Sequence[SampleShape], *, time_limit_s: float = 0.0, **kwargs) -> None:
+        self.time_limit_s = float(time_limit_s)
+        super().__init__(shapes, **kwargs)
+
+    def split(self, batch: np.ndarray, batch_seed: int) -> SplitResult:
+        """Balanced split (see :func:`split_balanced`)."""
+        return split_balanced(
+            batch.tolist(), self.costs[batch], self.n_mb, self.dp_size, self._microbatch_cost(batch),
+            time_limit_s=self.time_limit_s, seed=batch_seed,
+        )
+
+
+def make_sampler(method: str, shapes: Sequence[SampleShape], **kwargs) -> GlobalBatchSampler:
+    """Build the sampler named ``method`` (``"dflop"`` or ``"stock"``)."""
+    samplers = {"dflop": DFLOPBatchSampler, "stock": StockBatchSampler}
+    if method not in samplers:
+        raise ValueError(f"unknown sampler {method!r}: choose one of {sorted(samplers)}")
+    if method == "stock":
+        kwargs.pop("time_limit_s", None)
+    return samplers[method](shapes, **kwargs)

@@ -1,0 +1,114 @@
+"""Split one global batch into per-rank microbatches: the stock way and the balanced way.
+
+Both are pure functions of their inputs, so every rank computes the same split independently.
+A split is ``list[rank] -> list[microbatch] -> list[sample index]`` with exactly ``n_mb``
+non-empty microbatches per rank and every sample of the batch exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+RankSplit = list[list[list[int]]]
+MicrobatchCost = Callable[[Sequence[int]], np.ndarray]
+
+
+@dataclass(frozen=True)
+class SplitResult:
+    """A split with how it was found.
+
+    Attributes:
+        ranks: ``ranks[r][j]`` is the sample indices of rank ``r``'s ``j``-th microbatch.
+        predicted: ``(dp, n_mb, k)`` predicted cost of each microbatch.
+        makespan: the largest predicted microbatch cost over all columns.
+        lower_bound: a lower bound on any split's makespan (0 when not computed).
+        solver: the method that produced the split.
+    """
+
+    ranks: RankSplit
+    predicted: np.ndarray
+    makespan: float
+    lower_bound: float
+    solver: str
+
+
+def _predict(ranks: RankSplit, costs: np.ndarray, microbatch_cost: Optional[MicrobatchCost]) -> np.ndarray:
+    def one(mb: list[int]) -> np.ndarray:
+        if microbatch_cost is not None:
+            return np.asarray(microbatch_cost(mb), dtype=float)
+        return costs[mb].sum(axis=0)
+
+    return np.array([[one(mb) for mb in rank] for rank in ranks], dtype=float)
+
+
+def _check_sizes(n_items: int, n_mb: int, dp: int) -> None:
+    if n_mb < 1 or dp < 1:
+        raise ValueError(f"need n_mb >= 1 and dp >= 1, got n_mb={n_mb}, dp={dp}")
+    if n_items < n_mb * dp:
+        raise ValueError(f"a batch of {n_items} samples cannot fill {n_mb} microbatches on each of {dp} ranks")
+
+
+def split_stock(
+    batch: Sequence[int],
+    costs: np.ndarray,
+    n_mb: int,
+    dp: int,
+    microbatch_cost: Optional[MicrobatchCost] = None,
+) -> SplitResult:
+    """What stock DeepSpeed does: each rank takes a contiguous slice of the (shuffled) batch and
+    cuts it into ``n_mb`` consecutive microbatches of equal sample count (sizes differ by at most
+    one when the count does not divide)."""
+    _check_sizes(len(batch), n_mb, dp)
+    positions = np.arange(len(batch))
+    local = [[chunk.tolist() for chunk in np.array_split(part, n_mb)] for part in np.array_split(positions, dp)]
+    return _result(local, batch, costs, microbatch_cost, 0.0, "stock")
+
+
+def _result(
+    local: RankSplit,
+    batch: Sequence[int],
+    costs: np.ndarray,
+    microbatch_cost: Optional[MicrobatchCost],
+    lower_bound: float,
+    solver: str,
+) -> SplitResult:
+    """Turn a split over batch positions into a :class:`SplitResult` over sample indices."""
+    items = np.asarray(batch)
+    predicted = _predict(local, np.asarray(costs, dtype=float).reshape(len(items), -1), microbatch_cost)
+    ranks = [[[int(items[p]) for p in mb] for mb in rank] for rank in local]
+    return SplitResult(ranks, predicted, float(predicted.max()), lower_bound, solver)
+
+
+def split_balanced(
+    batch: Sequence[int],
+    costs: np.ndarray,
+    n_mb: int,
+    dp: int,
+    microbatch_cost: Optional[MicrobatchCost] = None,
+    time_limit_s: float = 0.0,
+    seed: int = 0,
+) -> SplitResult:
+    """DFLOP's split: partition the batch into ``n_mb * dp`` microbatches minimising the slowest
+    one on every cost column (encoder and LLM), assign them to ranks evenly, order each rank's
+    microbatches to shorten pipeline fill and drain.
+
+    ``costs`` is ``(len(batch), k)``, row ``i`` the predicted cost of ``batch[i]``;
+    ``microbatch_cost`` maps positions within the batch to a microbatch's true (e.g. padded)
+    cost. ``time_limit_s`` bounds the exact solver (0: heuristic only, the deterministic choice
+    when ranks compute the split independently).
+    """
+    from dflop_ds.schedule.partition import partition_batch
+    from dflop_ds.schedule.ranks import assign_to_ranks
+
+    _check_sizes(len(batch), n_mb, dp)
+    cost_matrix = np.asarray(costs, dtype=float).reshape(len(batch), -1)
+    partition = partition_batch(
+        cost_matrix, n_mb * dp, time_limit_s=time_limit_s, seed=seed, microbatch_cost=microbatch_cost
+    )
+    bucket_costs = _predict([partition.buckets], cost_matrix, microbatch_cost)[0]
+    order = assign_to_ranks(bucket_costs, dp, n_mb)
+    local = [[list(partition.buckets[b]) for b in rank] for rank in order]
+    return _result(local, batch, cost_matrix, microbatch_cost, float(partition.lower_bound), partition.solver)
