@@ -1,0 +1,170 @@
+"""Raw records of a JSON-array or JSONL file, and the shared read loop of all readers.
+
+:func:`load_records` turns a file into :class:`RawRecord` objects (malformed JSONL lines
+included, flagged). :func:`read_records` runs a reader's per-record parser over them, enforces
+unique ids and applies the ``on_bad_sample`` policy, returning a :class:`ReadResult` (a list of
+shapes carrying a :class:`ReadReport`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from dflop_ds.data.checks import FieldProblems, peek_id, type_name
+from dflop_ds.data.errors import DataError, PathArg
+from dflop_ds.shapes import SampleShape
+
+logger = logging.getLogger(__name__)
+
+BAD_SAMPLE_POLICIES = ("error", "skip")
+
+#: A reader's per-record parser: returns the shape, or None after recording problems.
+RecordParser = Callable[[Mapping[str, Any], FieldProblems], "SampleShape | None"]
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """One record of a file before parsing.
+
+    ``number`` is the 1-based line (``kind == "line"``, JSONL) or the 0-based array index
+    (``kind == "index"``, JSON array). ``value`` is the decoded JSON; ``error`` is set instead
+    when the line is not valid JSON.
+    """
+
+    number: int
+    kind: str
+    value: Any = None
+    error: str | None = None
+
+
+def load_records(path: PathArg) -> list[RawRecord]:
+    """Read ``path`` as a JSON array (first non-blank character ``[``) or as JSONL.
+
+    Raises:
+        DataError: the file cannot be read, is not UTF-8, or is a JSON array that does not
+            parse (a malformed JSONL line does not raise: it becomes a flagged record).
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read file: {exc}", path=path) from exc
+    if text.lstrip().startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"invalid JSON array: {exc.msg} (column {exc.colno})", path=path,
+                            record=exc.lineno, record_kind="line") from exc
+        return [RawRecord(index, "index", value) for index, value in enumerate(values)]
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(RawRecord(number, "line", json.loads(line)))
+        except json.JSONDecodeError as exc:
+            records.append(RawRecord(number, "line", error=f"malformed JSON: {exc.msg} (column {exc.colno})"))
+    return records
+
+
+@dataclass
+class ReadReport:
+    """What a reader did with a file: samples read, records skipped and why."""
+
+    path: str
+    n_records: int = 0
+    n_read: int = 0
+    skipped_records: list[int] = field(default_factory=list)
+    problems: list[DataError] = field(default_factory=list)
+
+    @property
+    def n_skipped(self) -> int:
+        """Records dropped under ``on_bad_sample="skip"``."""
+        return len(self.skipped_records)
+
+    def summary(self) -> str:
+        """One line: read and skipped counts."""
+        return (f"{self.path}: read {self.n_read} of {self.n_records} records, "
+                f"skipped {self.n_skipped} bad record(s)")
+
+
+class ReadResult(list):
+    """A ``list[SampleShape]`` that also carries the :class:`ReadReport` of its read."""
+
+    report: ReadReport
+
+    def __init__(self, shapes: Iterable[SampleShape], report: ReadReport) -> None:
+        super().__init__(shapes)
+        self.report = report
+
+
+def check_policy(on_bad_sample: str) -> None:
+    """Reject an unknown ``on_bad_sample`` value."""
+    if on_bad_sample not in BAD_SAMPLE_POLICIES:
+        raise ValueError(f"on_bad_sample must be one of {BAD_SAMPLE_POLICIES}, got {on_bad_sample!r}")
+
+
+def read_records(
+    path: PathArg,
+    records: Iterable[RawRecord],
+    parse: RecordParser,
+    *,
+    on_bad_sample: str = "error",
+) -> ReadResult:
+    """Parse every record with ``parse``; bad records raise or are skipped and reported.
+
+    A record is bad when it is malformed JSON, not an object, has field problems, or repeats
+    an earlier record's id. Under ``"error"`` the first bad record raises :class:`DataError`;
+    under ``"skip"`` it is dropped, every one of its problems is kept in the report, and a
+    warning with the count is logged.
+    """
+    check_policy(on_bad_sample)
+    report = ReadReport(path=str(path))
+    shapes: list[SampleShape] = []
+    first_seen: dict[str, int] = {}
+    for raw in records:
+        report.n_records += 1
+        errors = _record_errors(path, raw, parse, first_seen)
+        if isinstance(errors, SampleShape):
+            first_seen[errors.sample_id] = raw.number
+            shapes.append(errors)
+            continue
+        if on_bad_sample == "error":
+            raise errors[0]
+        report.skipped_records.append(raw.number)
+        report.problems.extend(errors)
+    report.n_read = len(shapes)
+    if report.n_skipped:
+        logger.warning("%s; first problem: %s", report.summary(), report.problems[0])
+    return ReadResult(shapes, report)
+
+
+def _record_errors(
+    path: PathArg, raw: RawRecord, parse: RecordParser, first_seen: Mapping[str, int],
+) -> SampleShape | list[DataError]:
+    """The parsed shape of ``raw``, or the list of its problems as DataErrors."""
+    def error(reason: str, field_name: str | None = None, sample_id: str | None = None) -> DataError:
+        return DataError(reason, path=path, record=raw.number, record_kind=raw.kind,
+                         sample_id=sample_id, field=field_name)
+
+    if raw.error is not None:
+        return [error(raw.error)]
+    if not isinstance(raw.value, Mapping):
+        return [error(f"record must be a JSON object, got {type_name(raw.value)}")]
+    problems = FieldProblems()
+    try:
+        shape = parse(raw.value, problems)
+    except ValueError as exc:  # a policy rejecting a value the checks let through
+        problems.add(None, str(exc))
+        shape = None
+    sample_id = peek_id(raw.value)
+    if sample_id is not None and sample_id in first_seen:
+        problems.add("id", f"duplicate id, first seen at {raw.kind} {first_seen[sample_id]}")
+    if problems or shape is None:
+        if not problems:
+            problems.add(None, "record could not be parsed")
+        return [error(message, field_name, sample_id) for field_name, message in problems.items]
+    return shape
