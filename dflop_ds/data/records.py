@@ -92,13 +92,19 @@ class ReadReport:
 
 
 class ReadResult(list):
-    """A ``list[SampleShape]`` that also carries the :class:`ReadReport` of its read."""
+    """A ``list[SampleShape]`` that also carries the :class:`ReadReport` of its read.
+
+    ``record_numbers[i]`` is the line (JSONL) or index (JSON array) that ``self[i]`` came from.
+    """
 
     report: ReadReport
+    record_numbers: list[int]
 
-    def __init__(self, shapes: Iterable[SampleShape], report: ReadReport) -> None:
+    def __init__(self, shapes: Iterable[SampleShape], report: ReadReport,
+                 record_numbers: Iterable[int] = ()) -> None:
         super().__init__(shapes)
         self.report = report
+        self.record_numbers = list(record_numbers)
 
 
 def check_policy(on_bad_sample: str) -> None:
@@ -113,17 +119,19 @@ def read_records(
     parse: RecordParser,
     *,
     on_bad_sample: str = "error",
+    warn: bool = True,
 ) -> ReadResult:
     """Parse every record with ``parse``; bad records raise or are skipped and reported.
 
     A record is bad when it is malformed JSON, not an object, has field problems, or repeats
     an earlier record's id. Under ``"error"`` the first bad record raises :class:`DataError`;
     under ``"skip"`` it is dropped, every one of its problems is kept in the report, and a
-    warning with the count is logged.
+    warning with the count is logged (unless ``warn`` is False).
     """
     check_policy(on_bad_sample)
     report = ReadReport(path=str(path))
     shapes: list[SampleShape] = []
+    numbers: list[int] = []
     first_seen: dict[str, int] = {}
     for raw in records:
         report.n_records += 1
@@ -131,15 +139,16 @@ def read_records(
         if isinstance(errors, SampleShape):
             first_seen[errors.sample_id] = raw.number
             shapes.append(errors)
+            numbers.append(raw.number)
             continue
         if on_bad_sample == "error":
             raise errors[0]
         report.skipped_records.append(raw.number)
         report.problems.extend(errors)
     report.n_read = len(shapes)
-    if report.n_skipped:
+    if report.n_skipped and warn:
         logger.warning("%s; first problem: %s", report.summary(), report.problems[0])
-    return ReadResult(shapes, report)
+    return ReadResult(shapes, report, numbers)
 
 
 def _record_errors(

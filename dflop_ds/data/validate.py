@@ -1,0 +1,129 @@
+"""Validate a whole dataset file and report every problem, not only the first.
+
+Checks, for a shape manifest or a LLaVA file: the file can be read and parsed; every record
+is a JSON object with the right fields of the right types; sizes, frame counts and token counts
+are positive and plausible (image sides <= 100000 px, frames <= 10^7); ids are unique; every
+image has a size (record, side table or fallback); and, when caps are given, no sample is
+larger than the model can take (``max_llm_tokens``, ``max_encoder_tiles``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from dflop_ds.data.dispatch import LLAVA, detect_format, record_parser
+from dflop_ds.data.errors import DataError, PathArg, describe_location
+from dflop_ds.data.llava import MediaLookup
+from dflop_ds.data.records import ReadResult, load_records, read_records
+from dflop_ds.data.sizes import Fallback, load_frame_table, load_size_table
+from dflop_ds.shapes import ShapePolicy
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem found in a dataset: where (file, record, id, field) and what."""
+
+    path: str | None
+    record: int | None
+    record_kind: str
+    sample_id: str | None
+    field: str | None
+    message: str
+
+    @classmethod
+    def from_error(cls, error: DataError) -> "Problem":
+        """The problem a :class:`DataError` describes."""
+        return cls(error.path, error.record, error.record_kind, error.sample_id, error.field, error.reason)
+
+    def __str__(self) -> str:
+        return f"{describe_location(self.path, self.record, self.record_kind, self.sample_id, self.field)}: {self.message}"
+
+
+def _load_table(loader, table, problems: list[Problem]) -> dict:
+    """A side table, or an empty one after recording why it could not be loaded."""
+    try:
+        return loader(table)
+    except DataError as error:
+        problems.append(Problem.from_error(error))
+        return {}
+
+
+def check_dataset(
+    path: PathArg,
+    policy: ShapePolicy = ShapePolicy(),
+    *,
+    max_llm_tokens: int | None = None,
+    max_encoder_tiles: int | None = None,
+    image_sizes: PathArg | Mapping[str, Sequence[int]] | None = None,
+    video_frames: PathArg | Mapping[str, int] | None = None,
+    fallback_size: Fallback = None,
+    fallback_frames: int | None = None,
+) -> tuple[list[Problem], ReadResult | None]:
+    """Like :func:`validate_dataset`, also returning the shapes of the good records.
+
+    The second item is ``None`` when the file could not be read or its format not told.
+    """
+    problems: list[Problem] = []
+    sizes = _load_table(load_size_table, image_sizes, problems)
+    frames = _load_table(load_frame_table, video_frames, problems)
+    try:
+        records = load_records(path)
+        fmt = detect_format(records, path)
+    except DataError as error:
+        return problems + [Problem.from_error(error)], None
+    media = MediaLookup(sizes, frames, fallback_size, fallback_frames) if fmt == LLAVA else None
+    result = read_records(path, records, record_parser(fmt, policy, media), on_bad_sample="skip", warn=False)
+    problems.extend(Problem.from_error(error) for error in result.report.problems)
+    kind = records[0].kind if records else "line"
+    caps = (("llm_tokens", max_llm_tokens), ("encoder_tiles", max_encoder_tiles))
+    for shape, number in zip(result, result.record_numbers):
+        for name, cap in caps:
+            value = getattr(shape, name)
+            if cap is not None and value > cap:
+                problems.append(Problem(str(path), number, kind, shape.sample_id, name,
+                                        f"sample has {value} {name.replace('_', ' ')}, over the cap of {cap}"))
+    problems.sort(key=lambda p: (p.path or "", p.record if p.record is not None else -1))
+    return problems, result
+
+
+def validate_dataset(
+    path: PathArg,
+    policy: ShapePolicy = ShapePolicy(),
+    *,
+    max_llm_tokens: int | None = None,
+    max_encoder_tiles: int | None = None,
+    image_sizes: PathArg | Mapping[str, Sequence[int]] | None = None,
+    video_frames: PathArg | Mapping[str, int] | None = None,
+    fallback_size: Fallback = None,
+    fallback_frames: int | None = None,
+) -> list[Problem]:
+    """Every problem of the dataset at ``path`` (empty when it is clean), in file order.
+
+    Unlike the readers, ``fallback_size`` defaults to ``None`` here, so images without a known
+    size are reported; pass the fallback you train with to accept them.
+
+    Args:
+        path: a shape manifest or LLaVA JSON/JSONL file.
+        policy: the shape policy (the caps are checked against its derived shapes).
+        max_llm_tokens: report samples whose LLM sequence is longer.
+        max_encoder_tiles: report samples with more encoder tiles (tiles + sampled frames).
+        image_sizes, video_frames: side tables, as for :func:`~dflop_ds.data.read_llava`.
+        fallback_size, fallback_frames: fallbacks, as for :func:`~dflop_ds.data.read_llava`.
+    """
+    problems, _ = check_dataset(path, policy, max_llm_tokens=max_llm_tokens,
+                                max_encoder_tiles=max_encoder_tiles, image_sizes=image_sizes,
+                                video_frames=video_frames, fallback_size=fallback_size,
+                                fallback_frames=fallback_frames)
+    return problems
+
+
+def format_problems(problems: Sequence[Problem]) -> str:
+    """One line per problem, then a count line (``"no problems found"`` when empty)."""
+    if not problems:
+        return "no problems found"
+    records = {(p.path, p.record) for p in problems if p.record is not None}
+    lines = [str(p) for p in problems]
+    where = f" in {len(records)} record(s)" if records else ""
+    lines.append(f"{len(problems)} problem(s){where}")
+    return "\n".join(lines)
