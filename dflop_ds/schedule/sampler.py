@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Protocol, Sequence
+from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -80,6 +80,8 @@ class GlobalBatchSampler:
         cost_model: predicts per-sample ``[encoder, llm]`` costs (see ``ProxyCost``).
         seed: seeds the epoch permutations.
         prefetch: global batches scheduled ahead in a background thread (0: inline).
+        label_tokens_fn: supervised tokens of a sample as the loss will count them (default
+            ``shape.label_tokens``); the loss denominator of a batch is their sum.
     """
 
     method = "base"
@@ -95,6 +97,7 @@ class GlobalBatchSampler:
         cost_model: Optional[CostPredictor] = None,
         seed: int = 0,
         prefetch: int = 1,
+        label_tokens_fn: Optional[Callable[[SampleShape], int]] = None,
     ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
@@ -113,7 +116,8 @@ class GlobalBatchSampler:
         self.seed = int(seed)
         self.prefetch = int(prefetch)
         self.costs = np.asarray(cost_model.predict_samples(self.shapes), dtype=float).reshape(len(self.shapes), -1)
-        self.label_tokens = np.array([s.label_tokens for s in self.shapes], dtype=np.int64)
+        count = label_tokens_fn or (lambda shape: shape.label_tokens)
+        self.label_tokens = np.array([count(s) for s in self.shapes], dtype=np.int64)
         self.epoch = 0
         self.next_batch = 0
         self.last_schedule: Optional[BatchSchedule] = None

@@ -1,0 +1,89 @@
+"""The ``"dflop"`` block of a DeepSpeed JSON config: dflop-ds settings live beside DeepSpeed's own."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+
+@dataclass
+class DFLOPConfig:
+    """Settings read from the ``"dflop"`` block of a DeepSpeed config (all optional).
+
+    Attributes:
+        sampler: ``"dflop"`` (balanced microbatches) or ``"stock"`` (fixed sample count).
+        data: dataset path (shape manifest JSONL or LLaVA JSON/JSONL), relative to the working
+            directory.
+        max_samples: use only the first ``max_samples`` samples of the dataset (None: all).
+        policy: ``"tiny"`` (the bundled tiny model's tiling) or ``"default"`` (LLaVA-OneVision).
+        pipeline_stages: pipeline stages; the data-parallel size is world size / stages.
+        stage_bounds: layer index bounds of each stage over encoder + projector + LLM layers
+            (None: split by predicted layer cost).
+        cost_model: a profiled CostModel JSON (None: the unitless proxy).
+        plan: a plan JSON written by ``dflop-ds plan`` (overrides stage and batch settings).
+        time_limit_s: exact-solver time per global batch (0: deterministic heuristic only).
+        prefetch: global batches scheduled ahead in a background thread.
+        seed: seeds data order and model initialisation.
+        steps: optimizer steps to run; warmup_steps of them are left out of throughput figures.
+        lr: AdamW learning rate (used when the DeepSpeed config has no "optimizer").
+        freeze_encoder: freeze the vision encoder (LLaVA's second stage).
+        model: overrides of :class:`dflop_ds.models.TinyMLLMConfig` fields.
+    """
+
+    sampler: str = "dflop"
+    data: str = "examples/data/mixture.jsonl"
+    max_samples: Optional[int] = None
+    policy: str = "tiny"
+    pipeline_stages: int = 2
+    stage_bounds: Optional[list[int]] = None
+    cost_model: Optional[str] = None
+    plan: Optional[str] = None
+    time_limit_s: float = 0.0
+    prefetch: int = 1
+    seed: int = 0
+    steps: int = 20
+    warmup_steps: int = 2
+    lr: float = 1e-3
+    freeze_encoder: bool = False
+    model: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, block: dict[str, Any], source: str = "config") -> "DFLOPConfig":
+        """Build from a ``"dflop"`` block; unknown keys and bad values name the key at fault."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(block) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown key(s) in the \"dflop\" block: {unknown}; known: {sorted(known)}")
+        config = cls(**block)
+        config.validate(source)
+        return config
+
+    @classmethod
+    def from_deepspeed_config(cls, path: str | Path) -> "DFLOPConfig":
+        """Read the ``"dflop"`` block of the DeepSpeed JSON config at ``path``."""
+        try:
+            ds_config = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON: {error}") from error
+        return cls.from_dict(ds_config.get("dflop", {}), source=str(path))
+
+    def validate(self, source: str = "config") -> None:
+        """Raise ``ValueError`` naming the first bad key."""
+        checks = {
+            "sampler": self.sampler in ("dflop", "stock"),
+            "policy": self.policy in ("tiny", "default"),
+            "pipeline_stages": isinstance(self.pipeline_stages, int) and self.pipeline_stages >= 1,
+            "max_samples": self.max_samples is None or self.max_samples >= 1,
+            "time_limit_s": self.time_limit_s >= 0,
+            "prefetch": isinstance(self.prefetch, int) and self.prefetch >= 0,
+            "steps": isinstance(self.steps, int) and self.steps >= 1,
+            "warmup_steps": isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps < self.steps,
+            "lr": self.lr > 0,
+            "stage_bounds": self.stage_bounds is None or len(self.stage_bounds) == self.pipeline_stages + 1,
+        }
+        for key, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{source}: \"dflop\".{key} has an invalid value {getattr(self, key)!r}")

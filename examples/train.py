@@ -1,0 +1,156 @@
+"""Train the bundled tiny MLLM under DeepSpeed's pipeline engine with a dflop-ds sampler.
+
+    deepspeed --num_gpus 2 examples/train.py --deepspeed_config ds_configs/tiny_mllm_pp2.json
+
+The config's "dflop" block chooses the sampler ("dflop" or "stock"), the data and the stage
+split (see dflop_ds.config.DFLOPConfig). The lines marked `# dflop-ds` are all an existing
+DeepSpeed pipeline script changes to adopt dflop-ds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import deepspeed
+import numpy as np
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import RepeatingLoader
+
+from dflop_ds.config import DFLOPConfig
+from dflop_ds.data import read_dataset
+from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers
+from dflop_ds.pipe import MLLMPipelineModule, token_normalized_loss
+from dflop_ds.schedule.sampler import make_sampler
+from dflop_ds.shapes import TINY_POLICY, ShapePolicy
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON config with a \"dflop\" block")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    parser.add_argument("--sampler", choices=["dflop", "stock"], help="override \"dflop\".sampler")
+    parser.add_argument("--steps", type=int, help="override \"dflop\".steps")
+    parser.add_argument("--data", help="override \"dflop\".data")
+    parser.add_argument("--cost-model", help="override \"dflop\".cost_model (a CostModel JSON)")
+    parser.add_argument("--summary", help="write the run's figures as JSON to this path (rank 0)")
+    return parser.parse_args()
+
+
+def load_settings(args: argparse.Namespace) -> tuple[dict, DFLOPConfig]:
+    """The DeepSpeed config without its "dflop" block, and the validated "dflop" block."""
+    ds_config = json.loads(Path(args.deepspeed_config).read_text())
+    block = ds_config.pop("dflop", {})
+    for key, value in (("sampler", args.sampler), ("steps", args.steps), ("data", args.data),
+                       ("cost_model", args.cost_model)):
+        if value is not None:
+            block[key] = value
+    return ds_config, DFLOPConfig.from_dict(block, source=args.deepspeed_config)
+
+
+def load_cost_model(path: str | None):
+    """A profiled CostModel, or None for the sampler's built-in proxy."""
+    if path is None:
+        return None
+    from dflop_ds.profile import CostModel
+
+    return CostModel.load(path)
+
+
+def main() -> int:
+    args = parse_args()
+    ds_config, cfg = load_settings(args)
+    torch.manual_seed(cfg.seed)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    world = torch.distributed.get_world_size()
+    if world % cfg.pipeline_stages:
+        raise ValueError(f"world size {world} is not a multiple of \"dflop\".pipeline_stages={cfg.pipeline_stages}")
+
+    model_config = TinyMLLMConfig(**cfg.model)
+    policy = TINY_POLICY if cfg.policy == "tiny" else ShapePolicy()
+    shapes = read_dataset(cfg.data, policy)[: cfg.max_samples]
+    dataset = TinyMLLMDataset(shapes, model_config, seed=cfg.seed)
+
+    encoder, projector, llm = tiny_mllm_layers(model_config, seed=cfg.seed)
+    module = MLLMPipelineModule(  # dflop-ds: encoder + projector + LLM with an explicit split
+        encoder, projector, llm, num_stages=cfg.pipeline_stages, stage_bounds=cfg.stage_bounds,
+        loss_fn=token_normalized_loss, freeze_encoder=cfg.freeze_encoder,
+    )
+    optimizer = None
+    if "optimizer" not in ds_config:
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=cfg.lr)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
+                                           model_parameters=[p for p in module.parameters() if p.requires_grad])
+
+    dp_size = engine.grid.get_data_parallel_world_size()
+    sampler = make_sampler(  # dflop-ds: balanced global batches, GAS microbatches per dp rank
+        cfg.sampler, shapes, global_batch_size=engine.train_batch_size(),
+        gradient_accumulation_steps=engine.gradient_accumulation_steps(),
+        dp_rank=engine.grid.get_data_parallel_rank(), dp_size=dp_size,
+        cost_model=load_cost_model(cfg.cost_model), seed=cfg.seed, prefetch=cfg.prefetch,
+        time_limit_s=cfg.time_limit_s, label_tokens_fn=supervised_count,
+    )
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_microbatch)
+    data_iter = iter(RepeatingLoader(loader))
+
+    rank = torch.distributed.get_rank()
+    records = []
+    for step in range(cfg.steps):
+        start = time.perf_counter()
+        loss = engine.train_batch(data_iter)
+        elapsed = time.perf_counter() - start
+        sched = sampler.last_schedule
+        record = {"step": step, "loss": float(loss), "step_s": elapsed}
+        if sched is not None and engine.is_first_stage():
+            batch = [i for r in sched.split.ranks for mb in r for i in mb]
+            record.update(
+                samples=len(batch),
+                tokens=int(sum(shapes[i].llm_tokens for i in batch)),
+                padded_tokens=int(sum(len(mb) * max(shapes[i].llm_tokens for i in mb)
+                                      for r in sched.split.ranks for mb in r)),
+                imbalance=[round(float(x), 4) for x in sched.imbalance()],
+                schedule_ms=1e3 * sched.schedule_s,
+                solver=sched.split.solver,
+            )
+        records.append(record)
+        if rank == 0:
+            print(f"[dflop-ds] step {step:3d} loss {record['loss']:.4f} time {elapsed:.3f}s "
+                  f"samples/s {record.get('samples', 0) / elapsed:.1f} "
+                  f"imbalance(enc,llm) {record.get('imbalance')} sampler={cfg.sampler}", flush=True)
+
+    if rank == 0:
+        summary = summarize(records, cfg, dp_size)
+        print("[dflop-ds] summary " + json.dumps(summary), flush=True)
+        if args.summary:
+            Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.summary).write_text(json.dumps({"summary": summary, "steps": records}, indent=1))
+    return 0
+
+
+def summarize(records: list[dict], cfg: DFLOPConfig, dp_size: int) -> dict:
+    """Throughput and balance over the steps after warm-up."""
+    timed = records[cfg.warmup_steps:]
+    seconds = sum(r["step_s"] for r in timed)
+    return {
+        "sampler": cfg.sampler,
+        "steps": len(timed),
+        "dp": dp_size,
+        "pipeline_stages": cfg.pipeline_stages,
+        "samples_per_s": sum(r["samples"] for r in timed) / seconds,
+        "tokens_per_s": sum(r["tokens"] for r in timed) / seconds,
+        "median_step_s": float(np.median([r["step_s"] for r in timed])),
+        "padding_efficiency": sum(r["tokens"] for r in timed) / sum(r["padded_tokens"] for r in timed),
+        "imbalance_llm": float(np.mean([r["imbalance"][-1] for r in timed])),
+        "imbalance_encoder": float(np.mean([r["imbalance"][0] for r in timed])),
+        "first_loss": records[0]["loss"],
+        "last_loss": records[-1]["loss"],
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
