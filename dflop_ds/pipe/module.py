@@ -1,0 +1,174 @@
+"""MLLMPipelineModule: a DeepSpeed ``PipelineModule`` for encoder + projector + LLM with a planned split.
+
+The flat layer list is ``encoder_layers + [projector] + llm_layers`` (any modules or
+``LayerSpec``s following the tuple contract of ``docs/architecture.md``). What it adds to stock
+``PipelineModule``:
+
+* an explicit stage split (``stage_bounds``, or a cost-balanced split with the encoder and
+  projector on the first ``encoder_stages`` stages) instead of DeepSpeed's ``partition_method``;
+* ``dynamic_shape=True`` always, since balanced microbatches differ in shape;
+* stage outputs that are safe to send: a floating-point output without grad history (what a
+  frozen encoder produces) is marked ``requires_grad`` so the engine's backward over it works;
+* ``freeze_encoder`` and the token-normalized loss by default;
+* python-int layer seeds when ``seed_layers`` is on (DeepSpeed's balanced partitions give numpy
+  ints, which ``random.seed`` rejects on Python 3.11).
+
+A float tensor sent to the next stage must also be *used* there (the engine asserts that every
+received float tensor gets a gradient), so layers must drop float tensors they no longer need;
+the bundled projector, for one, consumes the visual features and sends only ``hidden``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime import utils as ds_utils
+from deepspeed.utils import logger
+
+from dflop_ds.pipe.loss import token_normalized_loss
+from dflop_ds.pipe.split import check_stage_bounds, split_by_cost
+
+
+def mark_boundary_outputs(outputs: Any) -> Any:
+    """Make every floating-point tensor of ``outputs`` differentiable for the pipeline engine.
+
+    A float tensor without grad history (e.g. from a frozen encoder) is turned into a leaf that
+    requires grad, so the engine's ``tensor.backward(grad)`` on it is a no-op instead of an
+    error. Only acts when grad mode is on; returns ``outputs`` (tensor or tuple) unchanged in form.
+    """
+    if not torch.is_grad_enabled():
+        return outputs
+    tensors = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    for t in tensors:
+        if torch.is_tensor(t) and t.is_floating_point() and not t.requires_grad:
+            t.requires_grad_()
+    return outputs
+
+
+def int_seed(seed: int) -> None:
+    """Seed python, numpy and torch from ``seed`` cast to a python int (a ``seed_fn`` for DeepSpeed)."""
+    ds_utils.set_random_seed(int(seed))
+
+
+def layer_name(layer: Any) -> str:
+    """Readable name of a layer, a ``LayerSpec`` or a function."""
+    typename = getattr(layer, "typename", None)
+    if typename is not None:
+        return typename.__name__
+    if isinstance(layer, torch.nn.Module):
+        return layer.__class__.__name__
+    return getattr(layer, "__name__", repr(layer))
+
+
+class MLLMPipelineModule(PipelineModule):
+    """A pipeline of ``encoder_layers + [projector] + llm_layers`` with an explicit stage split.
+
+    Args:
+        encoder_layers: vision-encoder layers (modules or ``LayerSpec``), first one taking pixels.
+        projector: the layer merging visual features and text into ``(hidden, seq_lens)``.
+        llm_layers: decoder layers, the last one returning logits.
+        num_stages: pipeline stages (or give ``topology``).
+        encoder_stages: stages holding exactly the encoder + projector (the first ones).
+        stage_bounds: ``num_stages + 1`` layer boundaries of the flat list; wins over costs.
+        layer_costs: per-layer costs for the balanced split when ``stage_bounds`` is not given
+            (default: one per layer).
+        loss_fn: defaults to :func:`~dflop_ds.pipe.loss.token_normalized_loss`.
+        freeze_encoder: freeze the encoder layers' parameters (the projector stays trainable).
+        activation_checkpoint_interval, seed_layers, seed_fn, base_seed, topology and further
+            keyword arguments go to ``PipelineModule``.
+    """
+
+    def __init__(
+        self,
+        encoder_layers: Sequence[Any],
+        projector: Any,
+        llm_layers: Sequence[Any],
+        num_stages: int | None = None,
+        *,
+        encoder_stages: int | None = None,
+        stage_bounds: Sequence[int] | None = None,
+        layer_costs: Sequence[float] | None = None,
+        loss_fn: Callable | None = token_normalized_loss,
+        freeze_encoder: bool = False,
+        activation_checkpoint_interval: int = 0,
+        seed_layers: bool = False,
+        seed_fn: Callable[[int], None] | None = None,
+        topology: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        layers = [*encoder_layers, projector, *llm_layers]
+        if not encoder_layers or not llm_layers:
+            raise ValueError("MLLMPipelineModule needs at least one encoder layer and one LLM layer")
+        if layer_costs is not None and len(layer_costs) != len(layers):
+            raise ValueError(f"layer_costs has {len(layer_costs)} entries for {len(layers)} layers")
+        if "dynamic_shape" in kwargs or "partition_method" in kwargs:
+            raise TypeError("MLLMPipelineModule sets dynamic_shape and the partitioning itself")
+        # read by _partition_layers, which PipelineModule.__init__ calls
+        self._dflop_split = dict(
+            n_encoder=len(encoder_layers) + 1,
+            encoder_stages=encoder_stages,
+            stage_bounds=None if stage_bounds is None else list(stage_bounds),
+            layer_costs=[1.0] * len(layers) if layer_costs is None else [float(c) for c in layer_costs],
+        )
+        if seed_layers and seed_fn is None:
+            seed_fn = int_seed
+        super().__init__(
+            layers,
+            num_stages=num_stages,
+            topology=topology,
+            loss_fn=loss_fn,
+            seed_layers=seed_layers,
+            seed_fn=seed_fn,
+            activation_checkpoint_interval=activation_checkpoint_interval,
+            dynamic_shape=True,
+            **kwargs,
+        )
+        self.n_encoder_layers = len(encoder_layers)
+        self.projector_index = len(encoder_layers)
+        self.freeze_encoder = freeze_encoder
+        if freeze_encoder:
+            for name, module in self.named_children():
+                if name.isdigit() and int(name) < self.n_encoder_layers:
+                    module.requires_grad_(False)
+
+    def resolve_bounds(self) -> list[int]:
+        """The stage boundaries of this module's split (python ints)."""
+        split = self._dflop_split
+        n_layers, num_stages = len(self._layer_specs), self.num_stages
+        if split["stage_bounds"] is not None:
+            parts = check_stage_bounds(split["stage_bounds"], n_layers, num_stages)
+            stages = split["encoder_stages"]
+            if stages is not None and parts[stages] != split["n_encoder"]:
+                raise ValueError(
+                    f"stage_bounds {parts} do not end the encoder+projector ({split['n_encoder']} layers) "
+                    f"after encoder_stages={stages} stages"
+                )
+            return parts
+        if num_stages == 1:
+            return [0, n_layers]
+        parts = split_by_cost(split["layer_costs"], num_stages, split["encoder_stages"], split["n_encoder"])
+        return check_stage_bounds(parts, n_layers, num_stages)
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        """Impose the planned split (DeepSpeed's ``partition_method`` is not used)."""
+        self.parts = self.resolve_bounds()
+        if self.global_rank == 0:
+            for stage, (start, stop) in enumerate(zip(self.parts, self.parts[1:])):
+                names = ", ".join(layer_name(layer) for layer in self._layer_specs[start:stop])
+                logger.info(f"MLLMPipelineModule stage={stage} layers {start}..{stop - 1}: {names}")
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+    @property
+    def is_last_stage(self) -> bool:
+        """True on the stage that computes the loss."""
+        return self.stage_id == self.num_stages - 1
+
+    def forward(self, forward_input: Any) -> Any:
+        """Run this stage's layers; outputs sent to the next stage are made differentiable."""
+        outputs = super().forward(forward_input)
+        if not self.is_last_stage:
+            outputs = mark_boundary_outputs(outputs)
+        return outputs
