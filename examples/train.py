@@ -113,6 +113,7 @@ def main() -> int:
                 tokens=int(sum(shapes[i].llm_tokens for i in batch)),
                 padded_tokens=int(sum(len(mb) * max(shapes[i].llm_tokens for i in mb)
                                       for r in sched.split.ranks for mb in r)),
+                microbatch_sizes=[len(mb) for mb in sched.split.ranks[sampler.dp_rank]],
                 imbalance=[round(float(x), 4) for x in sched.imbalance()],
                 schedule_ms=1e3 * sched.schedule_s,
                 solver=sched.split.solver,
