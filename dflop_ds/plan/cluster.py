@@ -1,0 +1,91 @@
+"""The cluster the planner targets: GPU counts, memory, links, and the planner's own cost terms.
+
+Tensor parallelism, communication and optimizer-state memory are the planner's business (the
+cost model only predicts tp=1 compute), so their formulas live here, each one stated:
+
+- tensor-parallel speed-up: ``tp / (1 + tp_overhead * log2(tp))`` (communication and smaller
+  matmuls eat ``tp_overhead`` of the time per doubling); tp groups stay inside one node;
+- ring all-reduce of ``b`` bytes over ``dp`` ranks: ``2 (dp - 1) / dp * b / bandwidth``, with the
+  inter-node bandwidth once the group leaves a node;
+- point-to-point transfer: ``bytes / bandwidth`` (intra- or inter-node);
+- training state per weight byte (bf16 weights): weights 1x + bf16 gradients 1x + fp32
+  master copy and Adam moments 6x, the 6x divided by dp under ZeRO stage 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs and links.
+
+    Args:
+        gpus: GPUs in the job.
+        gpus_per_node: GPUs sharing a fast intra-node link (tensor-parallel groups stay inside).
+        gpu_memory_bytes: memory per GPU.
+        intra_node_bw: bytes/s of one direction of the intra-node link (NVLink), effective.
+        inter_node_bw: bytes/s per GPU across nodes (e.g. 200 Gb/s InfiniBand ~ 25e9), effective.
+        tp_overhead: fraction of time lost per doubling of tensor parallelism.
+        zero_stage: 0 (no sharding) or 1 (optimizer states sharded over data parallel ranks).
+        memory_reserve_bytes: per-GPU memory kept free (CUDA context, allocator, comm buffers).
+        max_tp: largest tensor-parallel degree considered (default: ``gpus_per_node``).
+    """
+
+    gpus: int
+    gpus_per_node: int = 8
+    gpu_memory_bytes: float = 80e9
+    intra_node_bw: float = 200e9
+    inter_node_bw: float = 25e9
+    tp_overhead: float = 0.1
+    zero_stage: int = 1
+    memory_reserve_bytes: float = 6e9
+    max_tp: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"Cluster needs gpus >= 1 and gpus_per_node >= 1, got {self.gpus}, {self.gpus_per_node}")
+        if self.gpu_memory_bytes <= self.memory_reserve_bytes:
+            raise ValueError(
+                f"Cluster.gpu_memory_bytes={self.gpu_memory_bytes:.3g} must exceed memory_reserve_bytes={self.memory_reserve_bytes:.3g}"
+            )
+        if self.zero_stage not in (0, 1):
+            raise ValueError(f"Cluster.zero_stage must be 0 or 1, got {self.zero_stage}")
+
+    @property
+    def usable_memory(self) -> float:
+        """Bytes per GPU the plan may fill: memory minus the reserve."""
+        return self.gpu_memory_bytes - self.memory_reserve_bytes
+
+    def tp_degrees(self) -> list[int]:
+        """Tensor-parallel degrees considered: powers of two up to ``max_tp`` within a node."""
+        limit = min(self.gpus_per_node, self.max_tp or self.gpus_per_node, self.gpus)
+        return [1 << k for k in range(int(math.log2(limit)) + 1) if (1 << k) <= limit]
+
+    def tp_speedup(self, tp: int) -> float:
+        """Compute speed-up of ``tp``-way tensor parallelism."""
+        return tp / (1.0 + self.tp_overhead * math.log2(tp))
+
+    def state_factor(self, dp: int) -> float:
+        """Training-state bytes per bf16 weight byte (weights, gradients, optimizer)."""
+        optimizer = 6.0 / dp if self.zero_stage >= 1 else 6.0
+        return 2.0 + optimizer
+
+    def allreduce_seconds(self, nbytes: float, dp: int, inner: int) -> float:
+        """Ring all-reduce of ``nbytes`` over ``dp`` ranks spaced ``inner`` GPUs apart."""
+        if dp <= 1 or nbytes <= 0:
+            return 0.0
+        bw = self.intra_node_bw if dp * inner <= self.gpus_per_node else self.inter_node_bw
+        return 2.0 * (dp - 1) / dp * nbytes / bw
+
+    def p2p_seconds(self, nbytes: float, stride: int) -> float:
+        """Send ``nbytes`` to a GPU ``stride`` ranks away (inter-node once the stride spans a node)."""
+        bw = self.intra_node_bw if stride < self.gpus_per_node else self.inter_node_bw
+        return nbytes / bw
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready fields."""
+        return asdict(self)

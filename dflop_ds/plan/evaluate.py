@@ -1,0 +1,198 @@
+"""Score one layout on one global batch: split it into microbatches, time every stage, simulate.
+
+Per-stage time of a microbatch = encoder seconds x (stage's encoder layers / encoder depth) +
+LLM seconds x (stage's LLM layers / LLM depth), divided by the tensor-parallel speed-up
+(layers are identical, as the cost-model contract says). When the encoder runs with a different
+dp than the LLM (separate GPU sets), the encoder replicas share the encoding of every slot's
+microbatches across all LLM pipelines, so an encoder stage's time per slot is the encoder
+seconds of that slot summed over LLM ranks, divided by the encoder dp.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from dflop_ds.plan.cluster import Cluster
+from dflop_ds.plan.layout import Layout
+from dflop_ds.plan.simulator import SimResult, simulate_1f1b
+from dflop_ds.shapes import SampleShape
+
+Buckets = list[list[int]]
+
+
+@dataclass
+class Evaluation:
+    """A layout scored on one batch.
+
+    Attributes:
+        sim: the simulated step.
+        memory: ``(n_stages,)`` predicted peak bytes per GPU of each stage.
+        feasible: every stage fits the cluster's usable memory.
+        order: ``order[r][j]``: sample indices (into the batch) of rank ``r``'s ``j``-th microbatch.
+    """
+
+    sim: SimResult
+    memory: np.ndarray
+    feasible: bool
+    order: list[Buckets]
+
+
+def forward_fraction(model: Any) -> float:
+    """Share of forward+backward time spent in the forward: 1/3, or 1/4 with recompute."""
+    explicit = getattr(model, "forward_fraction", None)
+    if explicit is not None:
+        return float(explicit)
+    return 0.25 if getattr(model, "activation_checkpointing", False) else 1.0 / 3.0
+
+
+def stock_split(n_items: int, dp: int, n_mb: int) -> list[Buckets]:
+    """Stock DeepSpeed: the (randomly ordered) batch cut into ``dp * n_mb`` equal sequential chunks."""
+    if n_items < dp * n_mb:
+        raise ValueError(f"a batch of {n_items} samples cannot fill {n_mb} microbatches on {dp} ranks")
+    bounds = np.linspace(0, n_items, dp * n_mb + 1).round().astype(int)
+    chunks = [list(range(bounds[i], bounds[i + 1])) for i in range(dp * n_mb)]
+    return [chunks[r * n_mb:(r + 1) * n_mb] for r in range(dp)]
+
+
+def _fast_partition(costs: np.ndarray, n_buckets: int, seed: int) -> Buckets:
+    """Our scheduler's vector LPT (no improving moves): the search's inner loop."""
+    from dflop_ds.schedule.lpt import greedy_assign, item_order, labels_to_buckets
+
+    return labels_to_buckets(greedy_assign(costs, n_buckets, item_order(costs, seed)), n_buckets)
+
+
+def _full_partition(costs: np.ndarray, n_buckets: int, seed: int) -> Buckets:
+    """Our scheduler's ``partition_batch`` (heuristic with improving moves, no ILP)."""
+    from dflop_ds.schedule.partition import partition_batch
+
+    return partition_batch(costs, n_buckets, time_limit_s=0.0, seed=seed).buckets
+
+
+def _local_assign(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
+    """Fallback rank assignment: heaviest buckets first, each to the least-loaded rank with room."""
+    heap = [(0.0, r) for r in range(dp)]
+    ranks: list[list[int]] = [[] for _ in range(dp)]
+    for b in np.argsort(-bucket_costs.max(axis=1), kind="stable").tolist():
+        load, r = heapq.heappop(heap)
+        ranks[r].append(b)
+        if len(ranks[r]) < n_mb:
+            heapq.heappush(heap, (load + float(bucket_costs[b].max()), r))
+    return ranks
+
+
+def assign_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
+    """``dflop_ds.schedule.assign_to_ranks`` when it exists, else a local greedy stand-in."""
+    try:
+        from dflop_ds.schedule.ranks import assign_to_ranks
+    except ImportError:
+        return _local_assign(bucket_costs, dp, n_mb)
+    return [list(map(int, r)) for r in assign_to_ranks(bucket_costs, dp, n_mb)]
+
+
+def balanced_split(costs: np.ndarray, dp: int, n_mb: int, *, fast: bool, seed: int = 0) -> list[Buckets]:
+    """Our scheduler: ``dp * n_mb`` balanced buckets, then ordered onto ranks."""
+    n_buckets = dp * n_mb
+    if costs.shape[0] < n_buckets:
+        raise ValueError(f"a batch of {costs.shape[0]} samples cannot fill {n_mb} microbatches on {dp} ranks")
+    buckets = (_fast_partition if fast else _full_partition)(costs, n_buckets, seed)
+    bucket_costs = np.array([costs[b].sum(axis=0) for b in buckets])
+    return [[buckets[b] for b in rank] for rank in assign_ranks(bucket_costs, dp, n_mb)]
+
+
+@dataclass
+class _MicrobatchStats:
+    time: np.ndarray  # (R, m, 2) seconds at tp=1, whole depth
+    act: np.ndarray  # (R, m, 2) kept activation bytes, whole depth
+    work: np.ndarray  # (R, m, 2) transient bytes of one layer
+    enc_bytes: np.ndarray  # (R, m) hidden bytes crossing an encoder cut
+    llm_bytes: np.ndarray  # (R, m) hidden bytes crossing an LLM cut
+
+
+def _stats(model: Any, shapes: Sequence[SampleShape], order: list[Buckets]) -> _MicrobatchStats:
+    R, m = len(order), len(order[0])
+    time, act, work = (np.zeros((R, m, 2)) for _ in range(3))
+    enc_bytes, llm_bytes = np.zeros((R, m)), np.zeros((R, m))
+    has_work = hasattr(model, "predict_working_bytes")
+    enc_hbpt = float(getattr(model, "encoder_hidden_bytes_per_token", model.hidden_bytes_per_token))
+    llm_hbpt = float(model.hidden_bytes_per_token)
+    for r, rank in enumerate(order):
+        for j, idx in enumerate(rank):
+            mb = [shapes[i] for i in idx]
+            time[r, j] = model.predict_microbatch(mb)
+            act[r, j] = model.predict_activation_bytes(mb)
+            if has_work:
+                work[r, j] = model.predict_working_bytes(mb)
+            enc_bytes[r, j] = enc_hbpt * sum(s.visual_tokens for s in mb)
+            llm_bytes[r, j] = llm_hbpt * len(mb) * max((s.llm_tokens for s in mb), default=0)
+    return _MicrobatchStats(time, act, work, enc_bytes, llm_bytes)
+
+
+def split_batch(layout: Layout, costs: np.ndarray, *, fast: bool, seed: int, cluster: Cluster, model: Any) -> list[Buckets]:
+    """The microbatches of ``layout`` for one batch with per-sample ``costs`` ``(n, 2)``."""
+    if not layout.balanced:
+        return stock_split(costs.shape[0], layout.llm.dp, layout.n_mb)
+    e_frac = max(s[0] for s in layout.stages) / model.encoder_layers
+    l_frac = max(s[2] for s in layout.stages) / model.llm_layers
+    scale = np.array([
+        e_frac / cluster.tp_speedup(layout.encoder.tp) * layout.llm.dp / (layout.encoder.dp if not layout.shared else layout.llm.dp),
+        l_frac / cluster.tp_speedup(layout.llm.tp),
+    ])
+    return balanced_split(costs * scale, layout.llm.dp, layout.n_mb, fast=fast, seed=seed)
+
+
+def evaluate(
+    model: Any,
+    cluster: Cluster,
+    layout: Layout,
+    shapes: Sequence[SampleShape],
+    costs: np.ndarray,
+    *,
+    fast: bool = True,
+    seed: int = 0,
+) -> Evaluation:
+    """Split ``shapes`` (one global batch, per-sample ``costs``) for ``layout`` and simulate the step."""
+    order = split_batch(layout, costs, fast=fast, seed=seed, cluster=cluster, model=model)
+    st = _stats(model, shapes, order)
+    stages = layout.stages
+    p = len(stages)
+    enc_frac = np.array([s[0] for s in stages], float) / model.encoder_layers
+    llm_frac = np.array([s[2] for s in stages], float) / model.llm_layers
+    segs = [layout.stage_segment(s) for s in range(p)]
+    tp = np.array([g.tp for g in segs], float)
+    dp = np.array([g.dp for g in segs])
+    speed = np.array([cluster.tp_speedup(g.tp) for g in segs])
+
+    enc_time, enc_act, enc_bytes = st.time[..., 0], st.act[..., 0], st.enc_bytes
+    if not layout.shared and layout.encoder.dp != layout.llm.dp:
+        share = 1.0 / layout.encoder.dp
+        enc_time = np.broadcast_to(enc_time.sum(axis=0) * share, enc_time.shape)
+        enc_act = np.broadcast_to(enc_act.sum(axis=0) * share, enc_act.shape)
+        enc_bytes = np.broadcast_to(enc_bytes.sum(axis=0) * share, enc_bytes.shape)
+    total = (enc_time[..., None] * enc_frac + st.time[..., 1][..., None] * llm_frac) / speed
+    ff = forward_fraction(model)
+
+    comm = np.zeros(total.shape[:2] + (max(p - 1, 0),))
+    projector_passed = np.cumsum([st[1] for st in stages]) > 0
+    for s in range(p - 1):
+        in_encoder = not projector_passed[s]
+        nbytes = enc_bytes if in_encoder else st.llm_bytes
+        crossing = segs[s] is not segs[s + 1]
+        stride = cluster.gpus_per_node if crossing else int(tp[s] * dp[s])
+        comm[..., s] = nbytes / tp[s] / (cluster.intra_node_bw if stride < cluster.gpus_per_node else cluster.inter_node_bw)
+
+    params = model.param_bytes
+    weights = np.array([params["encoder"] * enc_frac[s] + params["projector"] * stages[s][1] + params["llm"] * llm_frac[s] for s in range(p)])
+    allreduce = np.array([cluster.allreduce_seconds(weights[s] / tp[s], int(dp[s]), int(tp[s])) for s in range(p)])
+    sim = simulate_1f1b(total * ff, total * (1.0 - ff), act_comm=comm, allreduce=allreduce)
+
+    act = (enc_act[..., None] * enc_frac + st.act[..., 1][..., None] * llm_frac).reshape(-1, p).max(axis=0) / tp
+    work = np.maximum(np.where(enc_frac > 0, st.work[..., 0].max(), 0.0), np.where(llm_frac > 0, st.work[..., 1].max(), 0.0)) / tp
+    in_flight = np.minimum(p - np.arange(p), layout.n_mb)
+    static = np.array([weights[s] / tp[s] * cluster.state_factor(int(dp[s])) for s in range(p)])
+    memory = static + in_flight * act + work
+    return Evaluation(sim=sim, memory=memory, feasible=bool(memory.max() <= cluster.usable_memory), order=order)
+

@@ -1,0 +1,185 @@
+"""Layouts: how the GPUs and the layers of encoder + projector + LLM are arranged.
+
+A layout is a pipeline of stages, each holding a contiguous range of the flat layer list
+``encoder layers + projector + LLM layers`` (the order of ``MLLMPipelineModule``). Stages that
+hold encoder layers run with the encoder's (tp, dp), the others with the LLM's. When both
+segments share tp and dp, the layout is one DeepSpeed pipeline of ``n_stages * tp * dp`` GPUs
+(a stage may then hold the last encoder layers and the first LLM layers together); otherwise
+the encoder and the LLM run on separate GPU sets, DFLOP's general case, which stock DeepSpeed
+cannot run (its topology gives every stage the same dp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+StageLayers = tuple[int, int, int]  # (encoder layers, projector layers, LLM layers) of one stage
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Parallel degrees of one model segment (encoder or LLM)."""
+
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of the segment: ``tp * pp * dp``."""
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate arrangement, scored by the simulator.
+
+    Attributes:
+        encoder, llm: degrees; for a shared pipeline both have the same tp and dp and ``pp``
+            counts the stages holding layers of that segment.
+        n_mb: microbatches per data-parallel rank and step (DeepSpeed's gradient accumulation).
+        stages: ``(encoder, projector, llm)`` layer counts per stage, in pipeline order.
+        balanced: True for our data-aware microbatches; False for stock fixed-size ones.
+    """
+
+    encoder: Segment
+    llm: Segment
+    n_mb: int
+    stages: tuple[StageLayers, ...]
+    balanced: bool = True
+
+    @property
+    def n_stages(self) -> int:
+        """Stages of the whole pipeline."""
+        return len(self.stages)
+
+    @property
+    def shared(self) -> bool:
+        """True when encoder and LLM share tp and dp: one DeepSpeed pipeline."""
+        return self.encoder.tp == self.llm.tp and self.encoder.dp == self.llm.dp
+
+    @property
+    def deepspeed_compatible(self) -> bool:
+        """Runs on stock DeepSpeed as is (one topology: same dp and tp for every stage)."""
+        return self.shared
+
+    @property
+    def gpus(self) -> int:
+        """GPUs used."""
+        if self.shared:
+            return self.n_stages * self.llm.tp * self.llm.dp
+        return self.encoder.gpus + self.llm.gpus
+
+    def stage_segment(self, s: int) -> Segment:
+        """The degrees stage ``s`` runs with (the encoder's when it holds encoder layers)."""
+        return self.encoder if self.stages[s][0] > 0 else self.llm
+
+    def describe(self) -> str:
+        """A one-line summary such as ``E(tp1,pp1,dp8) L(tp1,pp2,dp8) mb4``."""
+        e, l = self.encoder, self.llm
+        kind = "shared" if self.shared else "separate"
+        return f"E(tp{e.tp},pp{e.pp},dp{e.dp}) L(tp{l.tp},pp{l.pp},dp{l.dp}) mb{self.n_mb} {kind}"
+
+
+def flat_bounds(stages: Sequence[StageLayers]) -> list[int]:
+    """Stage boundaries over the flat layer list: ``bounds[s]:bounds[s+1]`` is stage ``s``."""
+    bounds = [0]
+    for e, p, l in stages:
+        bounds.append(bounds[-1] + e + p + l)
+    return bounds
+
+
+def stages_from_bounds(bounds: Sequence[int], encoder_layers: int, projector_layers: int, llm_layers: int) -> tuple[StageLayers, ...]:
+    """Inverse of :func:`flat_bounds` for given segment depths."""
+    total = encoder_layers + projector_layers + llm_layers
+    if bounds[0] != 0 or bounds[-1] != total or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"stage bounds {list(bounds)} must rise strictly from 0 to {total}")
+    cuts = (encoder_layers, encoder_layers + projector_layers)
+    out = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        e = max(0, min(hi, cuts[0]) - lo)
+        p = max(0, min(hi, cuts[1]) - max(lo, cuts[0]))
+        l = max(0, hi - max(lo, cuts[1]))
+        out.append((e, p, l))
+    return tuple(out)
+
+
+def uniform_bounds(n_layers: int, n_parts: int) -> list[int]:
+    """DeepSpeed's ``partition_method="uniform"``: equal counts, the remainder to the first parts."""
+    if n_parts < 1 or n_layers < n_parts:
+        raise ValueError(f"cannot split {n_layers} layers into {n_parts} non-empty stages")
+    size, extra = divmod(n_layers, n_parts)
+    bounds = [0]
+    for i in range(n_parts):
+        bounds.append(bounds[-1] + size + (1 if i < extra else 0))
+    return bounds
+
+
+def segment_counts(n_layers: int, n_parts: int) -> list[int]:
+    """Equal layer counts for identical layers; the remainder goes to the last parts (fewer in flight)."""
+    if n_parts < 1 or n_layers < n_parts:
+        raise ValueError(f"cannot split {n_layers} layers into {n_parts} non-empty stages")
+    size, extra = divmod(n_layers, n_parts)
+    return [size + (1 if i >= n_parts - extra else 0) for i in range(n_parts)]
+
+
+def separate_stages(encoder_layers: int, llm_layers: int, e_pp: int, l_pp: int) -> tuple[StageLayers, ...]:
+    """Encoder stages then LLM stages; the projector joins the first LLM stage."""
+    enc = [(k, 0, 0) for k in segment_counts(encoder_layers, e_pp)]
+    llm = [(0, 1 if i == 0 else 0, k) for i, k in enumerate(segment_counts(llm_layers, l_pp))]
+    return tuple(enc + llm)
+
+
+def balanced_bounds(
+    weights: Sequence[float],
+    n_parts: int,
+    stage_memory: Callable[[int, int, int], float] | None = None,
+    memory_cap: float = float("inf"),
+) -> list[int] | None:
+    """Contiguous split of ``weights`` into ``n_parts`` non-empty stages minimising the heaviest.
+
+    ``stage_memory(stage, lo, hi)`` (optional) gives the memory of layers ``lo:hi`` on ``stage``
+    (it must grow with ``hi``); no stage may exceed ``memory_cap``. Binary search on the
+    bottleneck with a greedy fill; returns None when no split fits the memory cap.
+    """
+    n = len(weights)
+    if n_parts < 1 or n < n_parts:
+        raise ValueError(f"cannot split {n} layers into {n_parts} non-empty stages")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + float(w))
+
+    def fill(limit: float) -> list[int] | None:
+        bounds = [0]
+        for stage in range(n_parts):
+            lo = bounds[-1]
+            left_after = n_parts - stage - 1
+            hi = lo + 1
+            if prefix[hi] - prefix[lo] > limit or (stage_memory and stage_memory(stage, lo, hi) > memory_cap):
+                return None
+            while hi < n - left_after and prefix[hi + 1] - prefix[lo] <= limit and (
+                stage_memory is None or stage_memory(stage, lo, hi + 1) <= memory_cap
+            ):
+                hi += 1
+            if stage == n_parts - 1 and hi < n:
+                return None
+            bounds.append(hi)
+        return bounds
+
+    lo_t, hi_t = max(weights, default=0.0), prefix[-1]
+    best = fill(hi_t) if stage_memory is None else None
+    if best is None:
+        best = fill(float("inf"))
+        if best is None:
+            return None
+    for _ in range(40):
+        if hi_t - lo_t <= 1e-9 * max(hi_t, 1e-30):
+            break
+        mid = 0.5 * (lo_t + hi_t)
+        found = fill(mid)
+        if found is None:
+            lo_t = mid
+        else:
+            best, hi_t = found, mid
+    return best

@@ -1,0 +1,269 @@
+"""Analytic (not measured) cost models of LLaVA-OneVision-like MLLMs on A100 / H100 GPUs.
+
+These models exist so the planner can be exercised at cluster scale without a cluster. Every
+number they produce comes from FLOP counts divided by a *stated* achieved throughput and from
+*stated* memory formulas; nothing here was timed. Each model says so: ``is_analytic = True``.
+
+Formulas (``n`` tokens of one sample, ``h`` hidden size, ``f`` MLP size, ``P`` parameters):
+
+- time of forward+backward = FLOPs / (peak_flops * mfu), with
+  FLOPs = ``6 * P_layers * n`` (matmuls: 2 forward + 4 backward per parameter and token)
+  + attention ``3 * c * n**2 * h`` per layer (``c = 4`` bidirectional encoder, ``2`` causal LLM)
+  + the LM head ``6 * vocab * h * n``; activation checkpointing multiplies the forward share
+  (one third) by two, i.e. all FLOPs by 4/3.
+- the encoder column also holds the projector (a 2-layer MLP over every visual token) and
+  runs ``tokens_per_tile`` tokens for every tile or sampled video frame;
+- kept activations (bf16) per token and layer: ``2 * h`` bytes with checkpointing (the layer
+  input), ``17 * h + 6 * f`` without (after Korthikanti et al. 2022 with flash attention and a
+  gated MLP); the transient working set of one layer's recompute, plus fp32 logits
+  ``4 * vocab`` bytes per LLM token, is reported by ``predict_working_bytes``;
+- parameters in bf16 (2 bytes each); gradients and Adam states are the planner's business.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from dflop_ds.shapes import SampleShape
+
+FORMAT_VERSION = 1
+KIND = "dflop_ds.plan.reference.AnalyticMLLM"
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """Sizes of one transformer stack (encoder or LLM)."""
+
+    name: str
+    layers: int
+    hidden: int
+    mlp: int
+    heads: int
+    kv_heads: int
+    gated_mlp: bool
+    vocab: int = 0
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one block: attention projections plus the MLP (norms ignored)."""
+        kv_dim = self.hidden * self.kv_heads // self.heads
+        attention = 2 * self.hidden * self.hidden + 2 * self.hidden * kv_dim
+        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.mlp
+        return attention + mlp
+
+    @property
+    def embedding_params(self) -> int:
+        """Token embedding plus an untied LM head (0 for an encoder)."""
+        return 2 * self.vocab * self.hidden
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """A GPU as the analytic models see it: bf16 dense peak and the achieved fraction of it."""
+
+    name: str
+    peak_flops: float
+    mfu: float
+    memory_bytes: float
+
+    @property
+    def achieved_flops(self) -> float:
+        """FLOP/s actually reached: ``peak_flops * mfu`` (an assumption, stated per GPU)."""
+        return self.peak_flops * self.mfu
+
+
+SIGLIP_400M = TransformerSpec("siglip-so400m-384", layers=27, hidden=1152, mlp=4304, heads=16, kv_heads=16, gated_mlp=False)
+QWEN2_0_5B = TransformerSpec("qwen2-0.5b", layers=24, hidden=896, mlp=4864, heads=14, kv_heads=2, gated_mlp=True, vocab=151936)
+QWEN2_7B = TransformerSpec("qwen2-7b", layers=28, hidden=3584, mlp=18944, heads=28, kv_heads=4, gated_mlp=True, vocab=152064)
+QWEN2_72B = TransformerSpec("qwen2-72b", layers=80, hidden=8192, mlp=29568, heads=64, kv_heads=8, gated_mlp=True, vocab=152064)
+
+A100_80GB = GPUSpec("A100-80GB", peak_flops=312e12, mfu=0.45, memory_bytes=80e9)
+H100_80GB = GPUSpec("H100-80GB", peak_flops=989e12, mfu=0.40, memory_bytes=80e9)
+
+LLMS = {"0.5b": QWEN2_0_5B, "7b": QWEN2_7B, "72b": QWEN2_72B}
+GPUS = {"a100": A100_80GB, "h100": H100_80GB}
+
+
+@dataclass
+class AnalyticMLLM:
+    """FLOP-count cost model of encoder + projector + LLM with the planner's cost-model interface.
+
+    Args:
+        encoder, llm: transformer sizes.
+        gpu: the GPU and its assumed achieved throughput.
+        tokens_per_tile: encoder tokens per tile or video frame (729 for SigLIP at 384 px).
+        activation_checkpointing: recompute each layer in backward (LLaVA-OneVision trains so).
+        name: label used in plans and printouts.
+    """
+
+    encoder: TransformerSpec
+    llm: TransformerSpec
+    gpu: GPUSpec
+    tokens_per_tile: int = 729
+    activation_checkpointing: bool = True
+    name: str = "analytic"
+    is_analytic: bool = field(default=True, init=False)
+
+    # -- the planner's interface -------------------------------------------------------------
+    @property
+    def encoder_layers(self) -> int:
+        """Encoder depth the predictions refer to."""
+        return self.encoder.layers
+
+    @property
+    def llm_layers(self) -> int:
+        """LLM depth the predictions refer to."""
+        return self.llm.layers
+
+    @property
+    def param_bytes(self) -> dict[str, float]:
+        """bf16 weight bytes of ``encoder``, ``projector`` and ``llm``."""
+        return {
+            "encoder": 2.0 * self.encoder.layer_params * self.encoder.layers,
+            "projector": 2.0 * self._projector_params,
+            "llm": 2.0 * (self.llm.layer_params * self.llm.layers + self.llm.embedding_params),
+        }
+
+    @property
+    def hidden_bytes_per_token(self) -> float:
+        """bf16 hidden state sent between LLM stages, per token."""
+        return 2.0 * self.llm.hidden
+
+    @property
+    def encoder_hidden_bytes_per_token(self) -> float:
+        """bf16 hidden state sent between encoder stages, per encoder token."""
+        return 2.0 * self.encoder.hidden
+
+    def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """Forward+backward seconds ``(n, 2)`` ``[encoder, llm]`` of each sample at tp=1."""
+        tiles = np.array([s.encoder_tiles for s in shapes], dtype=float)
+        tokens = np.array([s.llm_tokens for s in shapes], dtype=float)
+        return np.stack([self.encoder_seconds(tiles), self.llm_seconds(tokens)], axis=1).reshape(-1, 2)
+
+    def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """Seconds ``(2,)`` of one microbatch: tiles batched, LLM sequences padded to the longest."""
+        if not shapes:
+            return np.zeros(2)
+        tiles = float(sum(s.encoder_tiles for s in shapes))
+        longest = float(max(s.llm_tokens for s in shapes))
+        return np.array([self.encoder_seconds(tiles), len(shapes) * self.llm_seconds(longest)])
+
+    def predict_activation_bytes(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """Activation bytes ``(2,)`` kept for backward by one padded microbatch over the whole depth."""
+        if not shapes:
+            return np.zeros(2)
+        enc_tokens = self.tokens_per_tile * float(sum(s.encoder_tiles for s in shapes))
+        llm_tokens = len(shapes) * float(max(s.llm_tokens for s in shapes))
+        return np.array([
+            enc_tokens * self._kept_per_token(self.encoder) * self.encoder.layers,
+            llm_tokens * self._kept_per_token(self.llm) * self.llm.layers,
+        ])
+
+    def predict_working_bytes(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """Transient bytes ``(2,)`` of one layer's recompute (and the LLM's fp32 logits) for a microbatch."""
+        if not shapes:
+            return np.zeros(2)
+        enc_tokens = self.tokens_per_tile * float(sum(s.encoder_tiles for s in shapes))
+        llm_tokens = len(shapes) * float(max(s.llm_tokens for s in shapes))
+        return np.array([
+            enc_tokens * self._layer_activation_per_token(self.encoder),
+            llm_tokens * (self._layer_activation_per_token(self.llm) + 4.0 * self.llm.vocab),
+        ])
+
+    # -- formulas ------------------------------------------------------------------------------
+    @property
+    def _projector_params(self) -> int:
+        return self.encoder.hidden * self.llm.hidden + self.llm.hidden * self.llm.hidden
+
+    @property
+    def _recompute_factor(self) -> float:
+        return 4.0 / 3.0 if self.activation_checkpointing else 1.0
+
+    def encoder_flops_per_tile(self) -> float:
+        """Forward+backward FLOPs of the encoder and projector for one tile (no recompute)."""
+        n = float(self.tokens_per_tile)
+        e = self.encoder
+        matmul = 6.0 * (e.layer_params * e.layers + self._projector_params) * n
+        attention = 3.0 * 4.0 * n * n * e.hidden * e.layers
+        return matmul + attention
+
+    def llm_flops(self, tokens: np.ndarray | float) -> np.ndarray | float:
+        """Forward+backward FLOPs of the LLM (head included) for sequences of ``tokens`` (no recompute)."""
+        m = self.llm
+        matmul = 6.0 * (m.layer_params * m.layers + m.vocab * m.hidden) * tokens
+        attention = 3.0 * 2.0 * tokens * tokens * m.hidden * m.layers
+        return matmul + attention
+
+    def encoder_seconds(self, tiles: np.ndarray | float) -> np.ndarray | float:
+        """Seconds for ``tiles`` tiles through encoder and projector at tp=1."""
+        return tiles * self.encoder_flops_per_tile() * self._recompute_factor / self.gpu.achieved_flops
+
+    def llm_seconds(self, tokens: np.ndarray | float) -> np.ndarray | float:
+        """Seconds for one sequence of ``tokens`` tokens through the LLM at tp=1."""
+        return self.llm_flops(tokens) * self._recompute_factor / self.gpu.achieved_flops
+
+    @staticmethod
+    def _layer_activation_per_token(spec: TransformerSpec) -> float:
+        return 17.0 * spec.hidden + 6.0 * spec.mlp
+
+    def _kept_per_token(self, spec: TransformerSpec) -> float:
+        return 2.0 * spec.hidden if self.activation_checkpointing else self._layer_activation_per_token(spec)
+
+    # -- serialisation ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready description (with ``kind``, ``format_version`` and ``is_analytic``)."""
+        return {
+            "kind": KIND,
+            "format_version": FORMAT_VERSION,
+            "is_analytic": True,
+            "note": "analytic: FLOP counts / assumed achieved throughput, stated memory formulas; not measured",
+            "name": self.name,
+            "encoder": asdict(self.encoder),
+            "llm": asdict(self.llm),
+            "gpu": asdict(self.gpu),
+            "tokens_per_tile": self.tokens_per_tile,
+            "activation_checkpointing": self.activation_checkpointing,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "AnalyticMLLM":
+        """Inverse of :meth:`to_dict`."""
+        if data.get("kind") != KIND:
+            raise ValueError(f"not an analytic MLLM cost model: kind={data.get('kind')!r}")
+        if data.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"analytic cost model format_version {data.get('format_version')!r}, expected {FORMAT_VERSION}")
+        return cls(
+            encoder=TransformerSpec(**data["encoder"]),
+            llm=TransformerSpec(**data["llm"]),
+            gpu=GPUSpec(**data["gpu"]),
+            tokens_per_tile=int(data["tokens_per_tile"]),
+            activation_checkpointing=bool(data["activation_checkpointing"]),
+            name=str(data["name"]),
+        )
+
+    def save(self, path: str | Path) -> None:
+        """Write :meth:`to_dict` as JSON."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "AnalyticMLLM":
+        """Read a file written by :meth:`save`."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def reference_names() -> list[str]:
+    """Names of the shipped reference models, ``llava-ov-<llm>-<gpu>``."""
+    return [f"llava-ov-{llm}-{gpu}" for llm in LLMS for gpu in GPUS]
+
+
+def reference_model(name: str) -> AnalyticMLLM:
+    """The analytic reference model called ``name`` (see :func:`reference_names`)."""
+    parts = name.lower().split("-")
+    if len(parts) != 4 or parts[:2] != ["llava", "ov"] or parts[2] not in LLMS or parts[3] not in GPUS:
+        raise KeyError(f"unknown reference profile {name!r}; known: {', '.join(reference_names())}")
+    return AnalyticMLLM(encoder=SIGLIP_400M, llm=LLMS[parts[2]], gpu=GPUS[parts[3]], name=name.lower())

@@ -1,0 +1,444 @@
+"""The parallelism search: enumerate layouts, rank them by a cheap estimate, simulate the best.
+
+Three families are searched for a cluster, a cost model and the data (a list of sample shapes
+global batches are drawn from):
+
+- ``separate``: DFLOP's general space, encoder and LLM on separate GPU sets,
+  ``E_tp*E_pp*E_dp + L_tp*L_pp*L_dp = GPUs``, our balanced microbatches;
+- ``deepspeed``: one DeepSpeed pipeline, shared tp and dp, ``GPUs = stages * tp * dp``, layers
+  split by cost (a stage may hold encoder and LLM layers), our balanced microbatches;
+- ``monolithic``: the stock baseline, same space as ``deepspeed`` but DeepSpeed's uniform layer
+  split and fixed-size sequential microbatches.
+
+Pruning, in order: (1) every layout gets a vectorised memory estimate and step-time estimate
+``n_mb * d_mean + (stages - 1) * d_max + all-reduce`` (``d_mean`` the average per-stage time of
+a microbatch, ``d_max`` that of a microbatch holding the heaviest sample); layouts over the
+memory estimate are dropped; (2) only the ``top_k`` best estimates per family are simulated, on
+``n_batches`` sampled global batches, with our scheduler's vector LPT; a simulated layout whose
+exact memory check fails is replaced by the next; (3) the winners are re-scored with our
+scheduler's full ``partition_batch`` (heuristic with improving moves, no ILP).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from dflop_ds.plan.cluster import Cluster
+from dflop_ds.plan.evaluate import Evaluation, evaluate
+from dflop_ds.plan.layout import Layout, Segment, balanced_bounds, separate_stages, stages_from_bounds, uniform_bounds
+from dflop_ds.shapes import SampleShape
+
+FAMILIES = ("separate", "deepspeed", "monolithic")
+DEFAULT_NMB = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+class PlanError(ValueError):
+    """No layout fits the cluster (memory, GPU count or batch size)."""
+
+
+@dataclass
+class Scored:
+    """A simulated layout.
+
+    Attributes:
+        layout: the layout.
+        family: ``"separate"``, ``"deepspeed"`` or ``"monolithic"``.
+        step_time: mean simulated step seconds over the sampled batches.
+        step_times: per batch.
+        bubble_fraction: mean pipeline idle share (slowest rank).
+        memory: ``(n_stages,)`` peak bytes per GPU of each stage over the batches.
+        estimate: the analytic estimate that ranked it.
+        evaluations: the per-batch evaluations (simulations, microbatches).
+    """
+
+    layout: Layout
+    family: str
+    step_time: float
+    step_times: list[float]
+    bubble_fraction: float
+    memory: np.ndarray
+    estimate: float
+    evaluations: list[Evaluation] = field(repr=False, default_factory=list)
+
+    @property
+    def feasible(self) -> bool:
+        """Every batch fitted in memory."""
+        return all(e.feasible for e in self.evaluations)
+
+
+@dataclass
+class SearchResult:
+    """The outcome of :func:`search`.
+
+    Attributes:
+        best: best layout overall (any family).
+        best_deepspeed: best layout stock DeepSpeed runs as is (ours: balanced, cost split).
+        monolithic: the stock baseline (uniform split, fixed-size microbatches).
+        candidates: every simulated layout.
+        n_layouts: layouts enumerated (before pruning).
+        seconds: wall time of the search.
+    """
+
+    best: Scored
+    best_deepspeed: Scored
+    monolithic: Scored
+    candidates: list[Scored]
+    n_layouts: int
+    seconds: float
+
+    @property
+    def gap(self) -> float:
+        """How much slower the best DeepSpeed-runnable plan is than the best overall (0.1 = 10%)."""
+        return self.best_deepspeed.step_time / self.best.step_time - 1.0
+
+    def speedup(self, scored: Scored) -> float:
+        """Predicted speed-up of ``scored`` over the monolithic baseline."""
+        return self.monolithic.step_time / scored.step_time
+
+
+def sample_batches(n_pool: int, global_batch: int, n_batches: int, seed: int) -> list[np.ndarray]:
+    """``n_batches`` random global batches (indices into the pool; with replacement only if the pool is smaller)."""
+    if n_pool < 1:
+        raise PlanError("no sample shapes to draw global batches from")
+    rng = np.random.default_rng(seed)
+    replace = n_pool < global_batch
+    return [rng.choice(n_pool, size=global_batch, replace=replace) for _ in range(n_batches)]
+
+
+@dataclass
+class _Data:
+    """Batch statistics the estimates use (seconds at tp=1, bytes over the whole depth)."""
+
+    batch: int
+    work: np.ndarray  # (2,) mean per-batch seconds [enc, llm]
+    heavy: np.ndarray  # (2,) seconds of the heaviest sample
+    act_mean: np.ndarray  # (2,) mean activation bytes per sample
+    act_heavy: np.ndarray  # (2,) largest single-sample activation bytes
+    work_bytes: np.ndarray  # (2,) largest single-sample one-layer working bytes
+
+
+def _data_stats(model: Any, pool: Sequence[SampleShape], costs: np.ndarray, batches: list[np.ndarray]) -> _Data:
+    used = np.unique(np.concatenate(batches))
+    act = np.array([model.predict_activation_bytes([pool[i]]) for i in used])
+    if hasattr(model, "predict_working_bytes"):
+        work = np.array([model.predict_working_bytes([pool[i]]) for i in used]).max(axis=0)
+    else:
+        work = np.zeros(2)
+    return _Data(
+        batch=len(batches[0]),
+        work=np.mean([costs[b].sum(axis=0) for b in batches], axis=0),
+        heavy=costs[used].max(axis=0),
+        act_mean=act.mean(axis=0),
+        act_heavy=act.max(axis=0),
+        work_bytes=work,
+    )
+
+
+def _allreduce(nbytes, dp, tp, cluster: Cluster):
+    bw = np.where(dp * tp <= cluster.gpus_per_node, cluster.intra_node_bw, cluster.inter_node_bw)
+    return 2.0 * (dp - 1) / np.maximum(dp, 1) * nbytes / bw
+
+
+def _speed(tp, cluster: Cluster):
+    return tp / (1.0 + cluster.tp_overhead * np.log2(tp))
+
+
+def _state(dp, cluster: Cluster):
+    return 2.0 + (6.0 / dp if cluster.zero_stage >= 1 else 6.0)
+
+
+def _segment_grid(n_layers: int, max_gpus: int, cluster: Cluster) -> np.ndarray:
+    """All (tp, pp, dp) with pp <= n_layers and tp*pp*dp <= max_gpus, as an int array (k, 3)."""
+    rows = [(tp, pp, dp) for tp in cluster.tp_degrees() for pp in range(1, n_layers + 1)
+            for dp in range(1, max_gpus // (tp * pp) + 1)]
+    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+def _nmb_grid(nmb: Sequence[int], batch: int) -> np.ndarray:
+    return np.array([m for m in nmb if m <= batch], dtype=np.int64)
+
+
+def _shared_grid(cluster: Cluster, n_flat: int, batch: int, nmb: Sequence[int]) -> np.ndarray:
+    """(tp, pp, dp, n_mb) of one DeepSpeed pipeline using every GPU."""
+    rows = []
+    for tp in cluster.tp_degrees():
+        if cluster.gpus % tp:
+            continue
+        rest = cluster.gpus // tp
+        for pp in range(1, min(n_flat, rest) + 1):
+            if rest % pp:
+                continue
+            dp = rest // pp
+            rows.extend((tp, pp, dp, m) for m in nmb if dp * m <= batch)
+    return np.array(rows, dtype=np.int64).reshape(-1, 4)
+
+
+def _shared_estimates(model: Any, cluster: Cluster, data: _Data, grid: np.ndarray, uniform: bool):
+    """Step-time and stage-0 memory estimates of shared layouts (rows of ``grid``)."""
+    E, L = model.encoder_layers, model.llm_layers
+    pb = model.param_bytes
+    tp, pp, dp, m = (grid[:, i].astype(float) for i in range(4))
+    sp = _speed(tp, cluster)
+    slots = dp * m
+    if uniform:
+        # exact stage fractions of DeepSpeed's uniform split; the heaviest stage sets the pace
+        d_mean = np.empty(len(grid))
+        frac = np.empty((len(grid), 2))
+        for i, p in enumerate(grid[:, 1]):
+            bounds = uniform_bounds(E + 1 + L, int(p))
+            stg = stages_from_bounds(bounds, E, 1, L)
+            fr = np.array([[s[0] / E, s[2] / L] for s in stg])
+            t = fr @ data.work
+            k = int(np.argmax(t))
+            d_mean[i] = t[k]
+            frac[i] = fr[k]
+        d_mean = d_mean / (slots * sp)
+        d_heavy = (frac @ data.heavy) / sp
+        stage_w = frac @ np.array([pb["encoder"], pb["llm"]])
+        act_frac = frac
+    else:
+        layer = np.maximum(data.work[0] / E, data.work[1] / L)
+        d_mean = (data.work.sum() / pp + 0.5 * layer) / (slots * sp)
+        d_heavy = data.heavy.sum() / pp / sp
+        stage_w = (pb["encoder"] + pb["projector"] + pb["llm"]) / pp
+        act_frac = np.repeat(1.0 / pp[:, None], 2, axis=1)
+    d_max = np.maximum(d_mean, d_heavy)
+    est = m * d_mean + (pp - 1) * d_max + _allreduce(stage_w / tp, dp, tp, cluster)
+    per_mb = np.maximum(data.batch / slots, 1.0)
+    act_mb = np.maximum(per_mb[:, None] * data.act_mean, data.act_heavy)
+    act0 = (act_mb * act_frac).sum(axis=1) / tp
+    mem = stage_w / tp * _state(dp, cluster) + np.minimum(pp, m) * act0 + data.work_bytes.max() / tp
+    return est, mem
+
+
+def _separate_candidates(model: Any, cluster: Cluster, data: _Data, nmb: Sequence[int], keep: int):
+    """Vectorised estimates over DFLOP's separate-sets space; the ``keep`` best feasible rows."""
+    E, L, G = model.encoder_layers, model.llm_layers, cluster.gpus
+    if G < 2:
+        return np.zeros((0, 7), dtype=np.int64), 0
+    enc = _segment_grid(E, G - 1, cluster)
+    llm = _segment_grid(L, G - 1, cluster)
+    n_e, n_l = enc.prod(axis=1), llm.prod(axis=1)
+    order = np.argsort(n_l, kind="stable")
+    llm, n_l = llm[order], n_l[order]
+    lo = np.searchsorted(n_l, G - n_e, side="left")
+    hi = np.searchsorted(n_l, G - n_e, side="right")
+    counts = hi - lo
+    ei = np.repeat(np.arange(len(enc)), counts)
+    li = np.repeat(lo, counts) + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts))
+    e, l = enc[ei].astype(float), llm[li].astype(float)
+    not_shared = (e[:, 0] != l[:, 0]) | (e[:, 2] != l[:, 2])
+    e, l = e[not_shared], l[not_shared]
+    ms = _nmb_grid(nmb, data.batch).astype(float)
+    n_layouts = len(e) * len(ms)
+    if n_layouts == 0:
+        return np.zeros((0, 7), dtype=np.int64), 0
+    pb = model.param_bytes
+    fe = np.ceil(E / e[:, 1]) / E  # heaviest encoder stage's share
+    fl = np.ceil(L / l[:, 1]) / L
+    se, sl = _speed(e[:, 0], cluster), _speed(l[:, 0], cluster)
+    M = ms[None, :]
+    d_e = data.work[0] * fe[:, None] / (e[:, 2:3] * M * se[:, None])
+    d_l = data.work[1] * fl[:, None] / (l[:, 2:3] * M * sl[:, None])
+    h_e = np.where(e[:, 2] == l[:, 2], data.heavy[0] * fe / se, 0.0)[:, None]
+    h_l = (data.heavy[1] * fl / sl)[:, None]
+    d_mean = np.maximum(d_e, d_l)
+    d_max = np.maximum(d_mean, np.maximum(h_e, h_l))
+    P = (e[:, 1] + l[:, 1])[:, None]
+    ar = np.maximum(_allreduce(pb["encoder"] * fe / e[:, 0], e[:, 2], e[:, 0], cluster),
+                    _allreduce((pb["llm"] * fl + pb["projector"]) / l[:, 0], l[:, 2], l[:, 0], cluster))
+    est = M * d_mean + (P - 1) * d_max + ar[:, None]
+    per_e = np.maximum(data.batch / (e[:, 2:3] * M), 1.0)
+    per_l = np.maximum(data.batch / (l[:, 2:3] * M), 1.0)
+    act_e = np.maximum(per_e * data.act_mean[0], data.act_heavy[0]) * fe[:, None] / e[:, 0:1]
+    act_l = np.maximum(per_l * data.act_mean[1], data.act_heavy[1]) * fl[:, None] / l[:, 0:1]
+    mem_e = (pb["encoder"] * fe / e[:, 0] * _state(e[:, 2], cluster))[:, None] + np.minimum(P, M) * act_e + data.work_bytes[0] / e[:, 0:1]
+    mem_l = ((pb["llm"] * fl + pb["projector"]) / l[:, 0] * _state(l[:, 2], cluster))[:, None] + np.minimum(l[:, 1:2], M) * act_l + data.work_bytes[1] / l[:, 0:1]
+    ok = (np.maximum(mem_e, mem_l) <= cluster.usable_memory) & (l[:, 2:3] * M <= data.batch)
+    est = np.where(ok, est, np.inf)
+    flat = est.ravel()
+    k = min(keep, int(np.isfinite(flat).sum()))
+    if k == 0:
+        return np.zeros((0, 7), dtype=np.int64), n_layouts
+    pick = np.argpartition(flat, k - 1)[:k]
+    pick = pick[np.argsort(flat[pick])]
+    rows, cols = np.unravel_index(pick, est.shape)
+    out = np.column_stack([e[rows], l[rows], ms[cols]]).astype(np.int64)
+    return out, n_layouts, flat[pick]
+
+
+def _shared_layout(model: Any, cluster: Cluster, data: _Data, tp: int, pp: int, dp: int, m: int, uniform: bool) -> Layout | None:
+    E, L = model.encoder_layers, model.llm_layers
+    if uniform:
+        stages = stages_from_bounds(uniform_bounds(E + 1 + L, pp), E, 1, L)
+    else:
+        pb = model.param_bytes
+        w_e, w_l = data.work[0] / E, data.work[1] / L
+        weights = [w_e] * E + [0.0] + [w_l] * L
+        per_mb = max(data.batch / (dp * m), 1.0)
+        act_mb = np.maximum(per_mb * data.act_mean, data.act_heavy)
+        layer_mem = ([pb["encoder"] / E * _state(dp, cluster) / tp] * E + [pb["projector"] * _state(dp, cluster) / tp]
+                     + [pb["llm"] / L * _state(dp, cluster) / tp] * L)
+        layer_act = [act_mb[0] / E / tp] * E + [0.0] + [act_mb[1] / L / tp] * L
+        pm = np.concatenate([[0.0], np.cumsum(layer_mem)])
+        pa = np.concatenate([[0.0], np.cumsum(layer_act)])
+        work = data.work_bytes.max() / tp
+
+        def stage_memory(stage: int, lo: int, hi: int) -> float:
+            return pm[hi] - pm[lo] + min(pp - stage, m) * (pa[hi] - pa[lo]) + work
+
+        bounds = balanced_bounds(weights, pp, stage_memory, cluster.usable_memory)
+        if bounds is None:
+            return None
+        stages = stages_from_bounds(bounds, E, 1, L)
+    e_pp = sum(1 for s in stages if s[0] > 0)
+    l_pp = sum(1 for s in stages if s[2] > 0 or s[1] > 0)
+    return Layout(Segment(tp, e_pp, dp), Segment(tp, l_pp, dp), m, stages, balanced=not uniform)
+
+
+def _score(model, cluster, layout, family, pool, costs, batches, estimate, fast, seed, done=()) -> Scored:
+    """Evaluate ``layout`` on ``batches`` (after the evaluations ``done``), stopping at a memory failure."""
+    evals = list(done)
+    for i in range(len(evals), len(batches)):
+        if evals and not evals[-1].feasible:
+            break
+        b = batches[i]
+        shapes = [pool[j] for j in b]
+        evals.append(evaluate(model, cluster, layout, shapes, costs[b], fast=fast, seed=seed + i))
+    times = [e.sim.step_time for e in evals]
+    return Scored(
+        layout=layout,
+        family=family,
+        step_time=float(np.mean(times)),
+        step_times=times,
+        bubble_fraction=float(np.mean([e.sim.bubble_fraction for e in evals])),
+        memory=np.max([e.memory for e in evals], axis=0),
+        estimate=float(estimate),
+        evaluations=evals,
+    )
+
+
+def search(
+    model: Any,
+    cluster: Cluster,
+    shapes: Sequence[SampleShape],
+    global_batch: int,
+    *,
+    n_batches: int = 3,
+    top_k: int = 6,
+    refine_margin: float = 0.1,
+    nmb_choices: Sequence[int] = DEFAULT_NMB,
+    families: Sequence[str] = FAMILIES,
+    final_partition: bool = True,
+    seed: int = 0,
+) -> SearchResult:
+    """Find the best layout of each family for ``cluster``, the data ``shapes`` and ``global_batch``.
+
+    Args:
+        model: a cost model (planner interface in docs/architecture.md).
+        cluster: GPUs, memory and links.
+        shapes: the data: global batches of ``global_batch`` samples are drawn from it.
+        n_batches: sampled batches each simulated layout is scored on (mean step time).
+        top_k: layouts simulated per family (more if some fail the exact memory check), on
+            the first sampled batch.
+        refine_margin: layouts within this fraction of their family's best on the first batch
+            are simulated on the other batches too; the winners come from those.
+        nmb_choices: microbatch counts per rank considered.
+        families: which of ``FAMILIES`` to search (``"monolithic"`` and ``"deepspeed"`` are required).
+        final_partition: re-score the winners with the full ``partition_batch``.
+        seed: batch sampling and tie-breaking.
+
+    Raises:
+        PlanError: no layout of a required family fits.
+    """
+    start = time.perf_counter()
+    if global_batch < 1:
+        raise PlanError(f"global_batch must be >= 1, got {global_batch}")
+    pool = list(shapes)
+    batches = sample_batches(len(pool), global_batch, n_batches, seed)
+    costs = np.asarray(model.predict_samples(pool), dtype=float)
+    data = _data_stats(model, pool, costs, batches)
+    E, L = model.encoder_layers, model.llm_layers
+    n_layouts = 0
+    scored: dict[str, list[Scored]] = {f: [] for f in FAMILIES}
+
+    def run(family: str, ranked: list[tuple[float, Any]], build) -> None:
+        # first pass: one batch each, until top_k layouts fit in memory
+        for estimate, key in ranked:
+            if sum(1 for s in scored[family] if s.feasible) >= top_k:
+                break
+            layout = build(key)
+            if layout is not None:
+                scored[family].append(_score(model, cluster, layout, family, pool, costs, batches[:1], estimate, True, seed))
+        # second pass: the remaining batches only for layouts close to the family's best
+        fits = [s for s in scored[family] if s.feasible]
+        if not fits:
+            return
+        cutoff = (1.0 + refine_margin) * min(s.step_time for s in fits)
+        scored[family] = [
+            _score(model, cluster, s.layout, family, pool, costs, batches, s.estimate, True, seed, s.evaluations)
+            if s.feasible and s.step_time <= cutoff else s
+            for s in scored[family]
+        ]
+
+    for family in ("deepspeed", "monolithic"):
+        if family not in families:
+            continue
+        grid = _shared_grid(cluster, E + 1 + L, global_batch, nmb_choices)
+        uniform = family == "monolithic"
+        if uniform:
+            grid = grid[global_batch % (grid[:, 2] * grid[:, 3]) == 0]
+        n_layouts += len(grid)
+        if len(grid) == 0:
+            continue
+        est, mem = _shared_estimates(model, cluster, data, grid, uniform)
+        ok = np.flatnonzero(mem <= cluster.usable_memory)
+        ok = ok[np.argsort(est[ok], kind="stable")][: 4 * top_k]
+        run(family, [(est[i], tuple(int(x) for x in grid[i])) for i in ok],
+            lambda key, u=uniform: _shared_layout(model, cluster, data, *key, uniform=u))
+
+    if "separate" in families:
+        rows, n_sep, *rest = _separate_candidates(model, cluster, data, nmb_choices, 4 * top_k)
+        n_layouts += n_sep
+        ests = rest[0] if rest else []
+
+        def build_separate(r: tuple[int, ...]) -> Layout:
+            e_tp, e_pp, e_dp, l_tp, l_pp, l_dp, m = r
+            return Layout(Segment(e_tp, e_pp, e_dp), Segment(l_tp, l_pp, l_dp), m, separate_stages(E, L, e_pp, l_pp))
+
+        run("separate", [(float(x), tuple(int(v) for v in r)) for x, r in zip(ests, rows)], build_separate)
+
+    def best_of(family_names: Sequence[str]) -> Scored | None:
+        pool_ = [s for f in family_names for s in scored[f] if s.feasible and len(s.evaluations) == len(batches)]
+        return min(pool_, key=lambda s: s.step_time) if pool_ else None
+
+    winners = {f: best_of([f]) for f in FAMILIES}
+    for f in ("deepspeed", "monolithic"):
+        if winners[f] is None:
+            raise PlanError(
+                f"no {f} layout fits {cluster.gpus} GPUs of {cluster.gpu_memory_bytes / 1e9:.0f} GB "
+                f"for a global batch of {global_batch} (memory or batch size too small)"
+            )
+    if final_partition:
+        for f in ("deepspeed", "separate"):
+            w = winners[f]
+            if w is not None:
+                final = _score(model, cluster, w.layout, f, pool, costs, batches, w.estimate, False, seed)
+                if final.feasible and final.step_time <= w.step_time:
+                    scored[f].append(final)
+                    winners[f] = final
+    best_ds = winners["deepspeed"]
+    best = min((w for w in (winners["separate"], best_ds) if w is not None), key=lambda s: s.step_time)
+    return SearchResult(
+        best=best,
+        best_deepspeed=best_ds,
+        monolithic=winners["monolithic"],
+        candidates=[s for f in FAMILIES for s in scored[f]],
+        n_layouts=n_layouts,
+        seconds=time.perf_counter() - start,
+    )

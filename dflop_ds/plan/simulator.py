@@ -1,0 +1,212 @@
+"""Discrete-event simulation of one training step under DeepSpeed's 1F1B schedule.
+
+Each stage runs its operations in the order of :mod:`dflop_ds.plan.schedule`; an operation
+starts when its stage is free and its input has arrived:
+
+- forward of microbatch ``j`` on stage ``s``: after the forward of ``j`` on ``s - 1`` plus the
+  activation transfer ``s - 1 -> s``;
+- backward of ``j`` on ``s``: after the backward of ``j`` on ``s + 1`` plus the gradient transfer
+  ``s + 1 -> s`` (on the last stage: after its own forward of ``j``).
+
+Transfers overlap with compute (a link per stage pair). After its last backward each stage
+all-reduces its gradients across data-parallel replicas; the step ends when every stage of
+every data-parallel rank is done. All ranks run the same schedule, so the simulation is
+vectorised over ranks (and over the stages active in one slot), which keeps a 128-rank,
+32-microbatch, 16-stage step at a few milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflop_ds.plan.schedule import n_slots, slot_op
+
+
+@dataclass
+class SimResult:
+    """The outcome of one simulated step.
+
+    Arrays are indexed ``[rank, microbatch, stage]`` (times) or ``[rank, stage]``.
+
+    Attributes:
+        step_time: seconds from the first forward to the end of the last all-reduce, slowest rank.
+        rank_step_times: ``(R,)`` the same per data-parallel rank.
+        pipeline_time: ``(R,)`` seconds until each rank's last backward ends (no all-reduce).
+        busy: ``(R, p)`` compute seconds per stage.
+        idle: ``(R, p)`` ``pipeline_time - busy`` per stage (pipeline bubbles).
+        bubble_fraction: idle share of the slowest rank's pipeline phase,
+            ``sum(idle) / (p * pipeline_time)``; equals ``(p - 1) / (m + p - 1)`` for equal
+            microbatches without transfer time.
+        critical_rank: index of the slowest rank.
+        f_start, f_end, b_start, b_end: ``(R, m, p)`` operation times.
+        allreduce: ``(R, p)`` all-reduce seconds per stage, started after each stage's last backward.
+    """
+
+    step_time: float
+    rank_step_times: np.ndarray
+    pipeline_time: np.ndarray
+    busy: np.ndarray
+    idle: np.ndarray
+    bubble_fraction: float
+    critical_rank: int
+    f_start: np.ndarray
+    f_end: np.ndarray
+    b_start: np.ndarray
+    b_end: np.ndarray
+    allreduce: np.ndarray
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages simulated."""
+        return int(self.busy.shape[1])
+
+    @property
+    def n_mb(self) -> int:
+        """Microbatches per rank."""
+        return int(self.f_start.shape[1])
+
+    def summary(self) -> dict:
+        """Plain numbers of the slowest rank (for printing and JSON)."""
+        r = self.critical_rank
+        return {
+            "step_time_s": float(self.step_time),
+            "pipeline_time_s": float(self.pipeline_time[r]),
+            "bubble_fraction": float(self.bubble_fraction),
+            "busy_s": [float(x) for x in self.busy[r]],
+            "idle_s": [float(x) for x in self.idle[r]],
+        }
+
+
+def _as_rmp(name: str, x: np.ndarray | float, shape: tuple[int, int, int]) -> np.ndarray:
+    arr = np.asarray(x, dtype=float)
+    if arr.ndim == 2 and shape[0] == 1:
+        arr = arr[None]
+    try:
+        return np.broadcast_to(arr, shape).astype(float, copy=True)
+    except ValueError:
+        raise ValueError(f"{name}: shape {arr.shape} does not broadcast to {shape}") from None
+
+
+def _slot_tables(n_stages: int, n_mb: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per slot: (forward stages, their microbatches, backward stages, their microbatches)."""
+    tables = []
+    for t in range(n_slots(n_stages, n_mb)):
+        fs, fm, bs, bm = [], [], [], []
+        for s in range(n_stages):
+            op = slot_op(t, s, n_stages, n_mb)
+            if op is None:
+                continue
+            (fs if op.kind == "F" else bs).append(s)
+            (fm if op.kind == "F" else bm).append(op.microbatch)
+        tables.append(tuple(np.array(v, dtype=int) for v in (fs, fm, bs, bm)))
+    return tables
+
+
+_TABLE_CACHE: dict[tuple[int, int], list] = {}
+
+
+def _cached_tables(n_stages: int, n_mb: int) -> list:
+    key = (n_stages, n_mb)
+    if key not in _TABLE_CACHE:
+        if len(_TABLE_CACHE) > 256:
+            _TABLE_CACHE.clear()
+        _TABLE_CACHE[key] = _slot_tables(n_stages, n_mb)
+    return _TABLE_CACHE[key]
+
+
+def simulate_1f1b(
+    fwd: np.ndarray,
+    bwd: np.ndarray,
+    *,
+    act_comm: np.ndarray | float = 0.0,
+    grad_comm: np.ndarray | float | None = None,
+    allreduce: np.ndarray | float = 0.0,
+) -> SimResult:
+    """Simulate one step from per-microbatch, per-stage times.
+
+    Args:
+        fwd: forward seconds, ``(m, p)`` for one rank or ``(R, m, p)`` for R data-parallel ranks.
+        bwd: backward seconds, same shape as ``fwd``.
+        act_comm: activation transfer seconds ``s -> s + 1``: scalar, ``(m, p - 1)`` or ``(R, m, p - 1)``.
+        grad_comm: gradient transfer seconds ``s + 1 -> s``, same shapes (default: ``act_comm``).
+        allreduce: gradient all-reduce seconds per stage: scalar, ``(p,)`` or ``(R, p)``.
+
+    Returns:
+        A :class:`SimResult`.
+    """
+    fwd = np.asarray(fwd, dtype=float)
+    if fwd.ndim == 2:
+        fwd = fwd[None]
+    if fwd.ndim != 3:
+        raise ValueError(f"fwd must be (m, p) or (R, m, p), got shape {fwd.shape}")
+    n_ranks, n_mb, n_stages = fwd.shape
+    if n_mb < 1 or n_stages < 1:
+        raise ValueError(f"need at least one microbatch and one stage, got fwd shape {fwd.shape}")
+    bwd = _as_rmp("bwd", bwd, fwd.shape)
+    links = (n_ranks, n_mb, max(n_stages - 1, 0))
+    act = _as_rmp("act_comm", act_comm, links)
+    grad = act if grad_comm is None else _as_rmp("grad_comm", grad_comm, links)
+    ar = np.asarray(allreduce, dtype=float)
+    ar = np.broadcast_to(ar[None] if ar.ndim == 1 else ar, (n_ranks, n_stages)).astype(float)
+
+    f_start = np.zeros_like(fwd)
+    f_end = np.zeros_like(fwd)
+    b_start = np.zeros_like(fwd)
+    b_end = np.zeros_like(fwd)
+    free = np.zeros((n_ranks, n_stages))
+    for fs, fm, bs, bm in _cached_tables(n_stages, n_mb):
+        if fs.size:
+            prev = np.maximum(fs - 1, 0)
+            ready = np.where(fs > 0, f_end[:, fm, prev] + act[:, fm, np.minimum(prev, links[2] - 1)] if links[2] else 0.0, 0.0)
+            start = np.maximum(free[:, fs], ready)
+            end = start + fwd[:, fm, fs]
+            f_start[:, fm, fs], f_end[:, fm, fs], free[:, fs] = start, end, end
+        if bs.size:
+            nxt = np.minimum(bs + 1, n_stages - 1)
+            from_next = b_end[:, bm, nxt] + (grad[:, bm, np.minimum(bs, links[2] - 1)] if links[2] else 0.0)
+            ready = np.where(bs < n_stages - 1, from_next, f_end[:, bm, bs])
+            start = np.maximum(free[:, bs], ready)
+            end = start + bwd[:, bm, bs]
+            b_start[:, bm, bs], b_end[:, bm, bs], free[:, bs] = start, end, end
+
+    busy = fwd.sum(axis=1) + bwd.sum(axis=1)
+    last_backward = b_end.max(axis=1)
+    pipeline_time = last_backward.max(axis=1)
+    rank_step = (last_backward + ar).max(axis=1)
+    idle = pipeline_time[:, None] - busy
+    critical = int(np.argmax(rank_step))
+    denom = n_stages * pipeline_time[critical]
+    bubble = float(idle[critical].sum() / denom) if denom > 0 else 0.0
+    return SimResult(
+        step_time=float(rank_step[critical]),
+        rank_step_times=rank_step,
+        pipeline_time=pipeline_time,
+        busy=busy,
+        idle=idle,
+        bubble_fraction=bubble,
+        critical_rank=critical,
+        f_start=f_start,
+        f_end=f_end,
+        b_start=b_start,
+        b_end=b_end,
+        allreduce=ar,
+    )
+
+
+def simulate_stage_times(
+    fwd: np.ndarray,
+    bwd: np.ndarray,
+    *,
+    p2p_s: np.ndarray | float = 0.0,
+    allreduce_s: np.ndarray | float = 0.0,
+) -> SimResult:
+    """Simulate measured (or predicted) per-microbatch stage times, for validation runs.
+
+    ``fwd[j][s]`` / ``bwd[j][s]`` are the forward / backward seconds of microbatch ``j`` on stage
+    ``s`` of one data-parallel rank (nested lists are fine); ``p2p_s`` is the transfer time
+    between neighbouring stages (scalar or ``(m, p - 1)``), ``allreduce_s`` the gradient
+    all-reduce per stage. Compare ``result.step_time`` with a measured step.
+    """
+    return simulate_1f1b(np.asarray(fwd, float), np.asarray(bwd, float), act_comm=p2p_s, allreduce=allreduce_s)
