@@ -31,6 +31,9 @@ class DFLOPConfig:
         lr: AdamW learning rate (used when the DeepSpeed config has no "optimizer").
         freeze_encoder: freeze the vision encoder (LLaVA's second stage).
         model: overrides of :class:`dflop_ds.models.TinyMLLMConfig` fields.
+        checkpoint_dir: where DeepSpeed checkpoints go (None: no checkpoints).
+        checkpoint_every: save a checkpoint every this many steps (0: only at the end).
+        resume: resume from the latest checkpoint in ``checkpoint_dir`` if there is one.
     """
 
     sampler: str = "dflop"
@@ -49,6 +52,9 @@ class DFLOPConfig:
     lr: float = 1e-3
     freeze_encoder: bool = False
     model: dict[str, Any] = field(default_factory=dict)
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    resume: bool = False
 
     @classmethod
     def from_dict(cls, block: dict[str, Any], source: str = "config") -> "DFLOPConfig":
@@ -82,6 +88,8 @@ class DFLOPConfig:
             "steps": isinstance(self.steps, int) and self.steps >= 1,
             "warmup_steps": isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps < self.steps,
             "lr": self.lr > 0,
+            "checkpoint_every": isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
+            "resume": not self.resume or self.checkpoint_dir is not None,
             "stage_bounds": self.stage_bounds is None or len(self.stage_bounds) == self.pipeline_stages + 1,
         }
         for key, ok in checks.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--data", help="override \"dflop\".data")
     parser.add_argument("--cost-model", help="override \"dflop\".cost_model (a CostModel JSON)")
     parser.add_argument("--summary", help="write the run's figures as JSON to this path (rank 0)")
+    parser.add_argument("--trace", help="append the samples each step trained, one JSON line per step and "
+                                        "data-parallel rank (written by first-stage ranks)")
+    parser.add_argument("--resume", action="store_true", help="resume from \"dflop\".checkpoint_dir")
+    parser.add_argument("--exit-after-step", type=int,
+                        help="stop abruptly (no clean-up) after this step: simulates a crash in tests")
     return parser.parse_args()
 
 
@@ -46,7 +52,7 @@ def load_settings(args: argparse.Namespace) -> tuple[dict, DFLOPConfig]:
     ds_config = json.loads(Path(args.deepspeed_config).read_text())
     block = ds_config.pop("dflop", {})
     for key, value in (("sampler", args.sampler), ("steps", args.steps), ("data", args.data),
-                       ("cost_model", args.cost_model)):
+                       ("cost_model", args.cost_model), ("resume", args.resume or None)):
         if value is not None:
             block[key] = value
     return ds_config, DFLOPConfig.from_dict(block, source=args.deepspeed_config)
@@ -99,30 +105,26 @@ def main() -> int:
     data_iter = iter(RepeatingLoader(loader))
 
     rank = torch.distributed.get_rank()
+    first_step = resume(engine, sampler, cfg) if cfg.resume else 0
     records = []
-    for step in range(cfg.steps):
+    for step in range(first_step, cfg.steps):
         start = time.perf_counter()
         loss = engine.train_batch(data_iter)
         elapsed = time.perf_counter() - start
-        sched = sampler.last_schedule
-        record = {"step": step, "loss": float(loss), "step_s": elapsed}
-        if sched is not None and engine.is_first_stage():
-            batch = [i for r in sched.split.ranks for mb in r for i in mb]
-            record.update(
-                samples=len(batch),
-                tokens=int(sum(shapes[i].llm_tokens for i in batch)),
-                padded_tokens=int(sum(len(mb) * max(shapes[i].llm_tokens for i in mb)
-                                      for r in sched.split.ranks for mb in r)),
-                microbatch_sizes=[len(mb) for mb in sched.split.ranks[sampler.dp_rank]],
-                imbalance=[round(float(x), 4) for x in sched.imbalance()],
-                schedule_ms=1e3 * sched.schedule_s,
-                solver=sched.split.solver,
-            )
+        record = step_record(step, float(loss), elapsed, sampler, shapes, engine.is_first_stage())
         records.append(record)
+        if args.trace and engine.is_first_stage():
+            write_trace(args.trace, step, sampler)
         if rank == 0:
             print(f"[dflop-ds] step {step:3d} loss {record['loss']:.4f} time {elapsed:.3f}s "
                   f"samples/s {record.get('samples', 0) / elapsed:.1f} "
                   f"imbalance(enc,llm) {record.get('imbalance')} sampler={cfg.sampler}", flush=True)
+        done = step + 1
+        if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
+            engine.save_checkpoint(cfg.checkpoint_dir, tag=f"step{done}",
+                                   client_state={"dflop_sampler": sampler.state_dict(), "dflop_step": done})
+        if args.exit_after_step is not None and step == args.exit_after_step:
+            os._exit(17)
 
     if rank == 0:
         summary = summarize(records, cfg, dp_size)
@@ -131,6 +133,48 @@ def main() -> int:
             Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
             Path(args.summary).write_text(json.dumps({"summary": summary, "steps": records}, indent=1))
     return 0
+
+
+def resume(engine, sampler, cfg: DFLOPConfig) -> int:
+    """Load the latest checkpoint, restore the sampler's position; the step to continue from."""
+    load_path, client_state = engine.load_checkpoint(cfg.checkpoint_dir)
+    if load_path is None:
+        print(f"[dflop-ds] no checkpoint in {cfg.checkpoint_dir}: starting from step 0", flush=True)
+        return 0
+    if "dflop_sampler" not in client_state:
+        raise ValueError(f"checkpoint {load_path} has no dflop sampler state: it was not written by this script")
+    sampler.load_state_dict(client_state["dflop_sampler"])
+    print(f"[dflop-ds] resumed from {load_path} at step {client_state['dflop_step']}", flush=True)
+    return int(client_state["dflop_step"])
+
+
+def step_record(step: int, loss: float, elapsed: float, sampler, shapes, first_stage: bool) -> dict:
+    """Loss, time and, on first-stage ranks, the size and balance of the step's global batch."""
+    record = {"step": step, "loss": loss, "step_s": elapsed}
+    sched = sampler.last_schedule
+    if sched is None or not first_stage:
+        return record
+    microbatches = [mb for r in sched.split.ranks for mb in r]
+    batch = [i for mb in microbatches for i in mb]
+    record.update(
+        samples=len(batch),
+        tokens=int(sum(shapes[i].llm_tokens for i in batch)),
+        padded_tokens=int(sum(len(mb) * max(shapes[i].llm_tokens for i in mb) for mb in microbatches)),
+        microbatch_sizes=[len(mb) for mb in sched.split.ranks[sampler.dp_rank]],
+        imbalance=[round(float(x), 4) for x in sched.imbalance()],
+        schedule_ms=1e3 * sched.schedule_s,
+        solver=sched.split.solver,
+    )
+    return record
+
+
+def write_trace(path: str, step: int, sampler) -> None:
+    """Append the samples this data-parallel rank trained in ``step``."""
+    sched = sampler.last_schedule
+    line = {"step": step, "epoch": sched.epoch, "batch_id": sched.batch_id, "dp_rank": sampler.dp_rank,
+            "microbatches": sched.split.ranks[sampler.dp_rank]}
+    with open(path, "a") as handle:
+        handle.write(json.dumps(line) + "\n")
 
 
 def summarize(records: list[dict], cfg: DFLOPConfig, dp_size: int) -> dict:

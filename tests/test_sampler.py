@@ -117,10 +117,10 @@ def test_bad_sizes_are_refused_clearly():
 
 
 class ExplodingSampler(DFLOPBatchSampler):
-    def split(self, batch, batch_seed):
+    def split(self, batch, costs, batch_seed):
         if self.boom_at == int(batch_seed % 10_007):
             raise ZeroDivisionError("solver exploded")
-        return super().split(batch, batch_seed)
+        return super().split(batch, costs, batch_seed)
 
 
 def test_a_scheduler_error_in_the_background_thread_surfaces_in_the_training_loop():

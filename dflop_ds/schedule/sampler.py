@@ -32,6 +32,18 @@ from dflop_ds.schedule.split import SplitResult, split_balanced, split_stock
 from dflop_ds.shapes import SampleShape
 
 
+class CostAdjuster(Protocol):
+    """Adjusts predicted costs from what training observed (e.g. adaptive correction).
+
+    ``adjust(version, costs, shapes)`` returns the costs to schedule with, using the adjuster's
+    state as of ``version`` (the number of completed training steps it reflects); it may block
+    until that version exists. Every rank must hold the same state per version, so schedules
+    stay identical.
+    """
+
+    def adjust(self, version: int, costs: np.ndarray, shapes: Sequence[SampleShape]) -> np.ndarray: ...
+
+
 class CostPredictor(Protocol):
     """What a sampler needs from a cost model (``CostModel`` and ``ProxyCost`` both fit)."""
 
@@ -82,6 +94,9 @@ class GlobalBatchSampler:
         prefetch: global batches scheduled ahead in a background thread (0: inline).
         label_tokens_fn: supervised tokens of a sample as the loss will count them (default
             ``shape.label_tokens``); the loss denominator of a batch is their sum.
+        cost_adjuster: optional :class:`CostAdjuster`; global batch ``g`` (counted over epochs)
+            is scheduled with its state after step ``g - prefetch - 1``, so scheduling ahead
+            never waits on the step being trained.
     """
 
     method = "base"
@@ -98,6 +113,7 @@ class GlobalBatchSampler:
         seed: int = 0,
         prefetch: int = 1,
         label_tokens_fn: Optional[Callable[[SampleShape], int]] = None,
+        cost_adjuster: Optional[CostAdjuster] = None,
     ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
@@ -118,6 +134,7 @@ class GlobalBatchSampler:
         self.costs = np.asarray(cost_model.predict_samples(self.shapes), dtype=float).reshape(len(self.shapes), -1)
         count = label_tokens_fn or (lambda shape: shape.label_tokens)
         self.label_tokens = np.array([count(s) for s in self.shapes], dtype=np.int64)
+        self.cost_adjuster = cost_adjuster
         self.epoch = 0
         self.next_batch = 0
         self.last_schedule: Optional[BatchSchedule] = None
@@ -129,9 +146,20 @@ class GlobalBatchSampler:
         order = epoch_permutation(len(self.shapes), self.seed, self.epoch if epoch is None else epoch)
         return global_batches(order, self.global_batch_size, self.n_mb * self.dp_size)
 
-    def split(self, batch: np.ndarray, batch_seed: int) -> SplitResult:
-        """Split one global batch into per-rank microbatches (subclasses decide how)."""
+    def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
+        """Split one global batch (``costs`` its rows' costs) into per-rank microbatches."""
         raise NotImplementedError
+
+    def batch_costs(self, epoch: int, batch_id: int, batch: np.ndarray) -> np.ndarray:
+        """Predicted costs of ``batch``'s samples, adjusted when a cost adjuster is set."""
+        costs = self.costs[batch]
+        if self.cost_adjuster is None:
+            return costs
+        global_batch = epoch * len(self.batches_in_epoch(epoch)) + batch_id
+        version = global_batch - self.prefetch - 1
+        if version < 0:
+            return costs
+        return np.asarray(self.cost_adjuster.adjust(version, costs, [self.shapes[i] for i in batch]), dtype=float)
 
     def _microbatch_cost(self, batch: np.ndarray):
         """The cost model's collated-microbatch predictor over positions in ``batch``, if any."""
@@ -144,7 +172,8 @@ class GlobalBatchSampler:
     def schedule(self, epoch: int, batch_id: int, batch: np.ndarray) -> BatchSchedule:
         """Compute the schedule of one global batch."""
         start = time.perf_counter()
-        split = self.split(batch, batch_seed=self.seed * 1_000_003 + epoch * 10_007 + batch_id)
+        costs = self.batch_costs(epoch, batch_id, batch)
+        split = self.split(batch, costs, batch_seed=self.seed * 1_000_003 + epoch * 10_007 + batch_id)
         elapsed = time.perf_counter() - start
         tokens = int(self.label_tokens[batch].sum())
         denominator = max(tokens, 1) / (self.n_mb * self.dp_size)
@@ -171,14 +200,26 @@ class GlobalBatchSampler:
 
     def __iter__(self) -> Iterator[list[ScheduledIndex]]:
         """Yield this rank's microbatches of the rest of the current epoch, then move to the next
-        epoch (so a ``RepeatingLoader`` sees a fresh order every epoch)."""
+        epoch (so a ``RepeatingLoader`` sees a fresh order every epoch).
+
+        The position (:meth:`state_dict`) advances when a batch's last microbatch is handed out,
+        so a checkpoint taken after a training step resumes at the next batch.
+        """
         epoch = self.epoch
+        n_batches = len(self.batches_in_epoch(epoch))
         for sched in self._schedules(epoch, self.next_batch):
             self.last_schedule = sched
-            for microbatch in sched.split.ranks[self.dp_rank]:
+            microbatches = sched.split.ranks[self.dp_rank]
+            for j, microbatch in enumerate(microbatches):
+                if j == len(microbatches) - 1:
+                    self._advance(epoch, sched.batch_id + 1, n_batches)
                 yield [ScheduledIndex(i, sched.loss_denominator, sched.batch_id) for i in microbatch]
-            self.next_batch = sched.batch_id + 1
-        self.set_epoch(epoch + 1)
+
+    def _advance(self, epoch: int, next_batch: int, n_batches: int) -> None:
+        if next_batch >= n_batches:
+            self.set_epoch(epoch + 1)
+        else:
+            self.epoch, self.next_batch = epoch, next_batch
 
     # -- checkpointing -------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -201,9 +242,9 @@ class StockBatchSampler(GlobalBatchSampler):
 
     method = "stock"
 
-    def split(self, batch: np.ndarray, batch_seed: int) -> SplitResult:
+    def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
         """Contiguous equal-count chunks (see :func:`split_stock`)."""
-        return split_stock(batch.tolist(), self.costs[batch], self.n_mb, self.dp_size, self._microbatch_cost(batch))
+        return split_stock(batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch))
 
 
 class DFLOPBatchSampler(GlobalBatchSampler):
@@ -219,10 +260,10 @@ class DFLOPBatchSampler(GlobalBatchSampler):
         self.time_limit_s = float(time_limit_s)
         super().__init__(shapes, **kwargs)
 
-    def split(self, batch: np.ndarray, batch_seed: int) -> SplitResult:
+    def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
         """Balanced split (see :func:`split_balanced`)."""
         return split_balanced(
-            batch.tolist(), self.costs[batch], self.n_mb, self.dp_size, self._microbatch_cost(batch),
+            batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch),
             time_limit_s=self.time_limit_s, seed=batch_seed,
         )
 
