@@ -1,0 +1,363 @@
+"""The fast half of the partitioner: vector LPT, then improving moves and swaps.
+
+All functions are pure: they take a cost matrix ``(n, k)`` and return a bucket label per item
+(an ``(n,)`` int array). A bucket's load is its summed cost per column; its time is the largest
+column of its load; the makespan is the largest bucket time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+MicrobatchCost = Callable[[Sequence[int]], np.ndarray]
+
+_INF = np.inf
+
+
+class InfeasibleError(ValueError):
+    """No split satisfies the memory cap (or the greedy search could not find one)."""
+
+
+@dataclass(frozen=True)
+class MemoryCap:
+    """Per-item memory and the per-bucket cap it must respect."""
+
+    memory: np.ndarray
+    cap: float
+
+
+def item_order(costs: np.ndarray, seed: int) -> np.ndarray:
+    """Items by decreasing largest column, then decreasing total; equal items in seeded order."""
+    rng = np.random.default_rng(seed)
+    shuffle = rng.permutation(costs.shape[0])
+    return np.lexsort((shuffle, -costs.sum(axis=1), -costs.max(axis=1)))
+
+
+def greedy_assign(
+    costs: np.ndarray, n_buckets: int, order: np.ndarray, memory: Optional[MemoryCap] = None
+) -> np.ndarray:
+    """Place items in ``order``, each in the bucket whose time grows the least (vector LPT).
+
+    Ties go to the bucket with the fewest items; the last items fill any still-empty bucket, so
+    no bucket stays empty. Raises :class:`InfeasibleError` when an item fits no bucket's memory.
+    """
+    n, k = costs.shape
+    loads = np.zeros((k, n_buckets))
+    counts = np.zeros(n_buckets, dtype=np.int64)
+    used = np.zeros(n_buckets)
+    labels = np.empty(n, dtype=np.int64)
+    columns = costs.tolist()
+    empty = n_buckets
+    for position, item in enumerate(order.tolist()):
+        row = columns[item]
+        times = loads[0] + row[0]
+        for c in range(1, k):
+            np.maximum(times, loads[c] + row[c], out=times)
+        if memory is not None:
+            times[used + memory.memory[item] > memory.cap] = _INF
+        if n - position <= empty:
+            times[counts > 0] = _INF
+        bucket = int(times.argmin())
+        best = times[bucket]
+        if not np.isfinite(best):
+            raise InfeasibleError(f"item {int(item)} fits in no bucket under memory_cap={memory.cap if memory else None}")
+        ties = np.flatnonzero(times <= best)
+        if ties.size > 1:
+            bucket = int(ties[np.argmin(counts[ties])])
+        labels[item] = bucket
+        empty -= counts[bucket] == 0
+        counts[bucket] += 1
+        for c in range(k):
+            loads[c, bucket] += row[c]
+        if memory is not None:
+            used[bucket] += memory.memory[item]
+    return labels
+
+
+def differencing_assign(costs: np.ndarray, n_buckets: int, equal_size: bool = True) -> np.ndarray:
+    """Karmarkar-Karp largest differencing, generalised to cost vectors.
+
+    A partial solution is ``n_buckets`` groups with summed cost vectors; its spread is the gap
+    between its slowest and fastest group (time = largest column). The two partial solutions
+    with the largest spreads are merged, slowest group of one with fastest of the other, until
+    one remains. With ``equal_size`` the start is items in ascending order, ``n_buckets`` at a
+    time, one per group (zero-cost padding fills the last ones), so every group ends with the
+    same count and none is empty when ``n >= n_buckets``; otherwise each item starts alone.
+    """
+    n, k = costs.shape
+    order = np.argsort(costs.max(axis=1), kind="stable")
+    if equal_size:
+        padded = -(-n // n_buckets) * n_buckets
+        slots = np.concatenate([np.full(padded - n, -1), order])
+        starts = slots.reshape(-1, n_buckets)
+    else:
+        starts = np.full((n, n_buckets), -1)
+        starts[:, 0] = order
+    padded_costs = np.vstack([costs, np.zeros((1, k))])  # index -1 is the zero padding
+    heap: list[tuple[float, int, np.ndarray, list[list[int]]]] = []
+    for tie, row in enumerate(starts):
+        sums = padded_costs[row]
+        groups = [[int(i)] if i >= 0 else [] for i in row]
+        heap.append(_kk_entry(sums, groups, tie))
+    import heapq
+
+    heapq.heapify(heap)
+    tie = len(heap)
+    while len(heap) > 1:
+        _, _, sums_a, groups_a = heapq.heappop(heap)
+        _, _, sums_b, groups_b = heapq.heappop(heap)
+        # entries keep groups slowest first: pair slowest of a with fastest of b
+        sums = sums_a + sums_b[::-1]
+        groups = [ga + gb for ga, gb in zip(groups_a, groups_b[::-1])]
+        heapq.heappush(heap, _kk_entry(sums, groups, tie))
+        tie += 1
+    labels = np.empty(n, dtype=np.int64)
+    for bucket, group in enumerate(heap[0][3]):
+        labels[group] = bucket
+    return labels
+
+
+def _kk_entry(sums: np.ndarray, groups: list[list[int]], tie: int):
+    """Heap entry of a partial solution: groups sorted slowest first, keyed by largest spread."""
+    times = sums.max(axis=1)
+    rank = np.argsort(-times, kind="stable")
+    return (-(times[rank[0]] - times[rank[-1]]), tie, sums[rank], [groups[r] for r in rank])
+
+
+def bucket_loads(costs: np.ndarray, labels: np.ndarray, n_buckets: int) -> np.ndarray:
+    """Summed cost ``(n_buckets, k)`` of each bucket."""
+    loads = np.zeros((n_buckets, costs.shape[1]))
+    np.add.at(loads, labels, costs)
+    return loads
+
+
+def _move_values(loads: np.ndarray, b: int, c_in: np.ndarray, used, memory, inside) -> np.ndarray:
+    """``(p, n_buckets)``: the larger new time of bucket ``b`` and target ``q`` when item ``a``
+    of ``b`` moves to ``q`` (``inf`` where not allowed). ``loads`` is ``(n_buckets, k)``."""
+    k = loads.shape[1]
+    value = np.maximum.reduce([loads[None, :, c] + c_in[:, c, None] for c in range(k)])
+    stay = np.maximum.reduce([loads[b, c] - c_in[:, c] for c in range(k)])
+    np.maximum(value, stay[:, None], out=value)
+    value[:, b] = _INF
+    if used is not None:
+        value[used[None, :] + memory.memory[inside][:, None] > memory.cap] = _INF
+    return value
+
+
+def _swap_values(costs, loads, labels, b, inside, outside, used, memory) -> np.ndarray:
+    """``(p, q)``: the larger new time of bucket ``b`` and of the other item's bucket when item
+    ``inside[a]`` swaps with ``outside[z]`` (``inf`` where the memory cap forbids it)."""
+    other_labels = labels[outside]
+    value = None
+    for c in range(costs.shape[1]):
+        delta = costs[outside, c][None, :] - costs[inside, c][:, None]
+        column = np.maximum(loads[b, c] + delta, loads[other_labels, c][None, :] - delta)
+        value = column if value is None else np.maximum(value, column, out=value)
+    if used is not None:
+        shift = memory.memory[outside][None, :] - memory.memory[inside][:, None]
+        over = (used[b] + shift > memory.cap) | (used[other_labels][None, :] - shift > memory.cap)
+        value[over] = _INF
+    return value
+
+
+def improve(
+    costs: np.ndarray,
+    labels: np.ndarray,
+    n_buckets: int,
+    memory: Optional[MemoryCap] = None,
+    max_rounds: int = 20_000,
+    partners: Sequence[int] = (12, 48),
+    resplit: int = 8,
+    target: float = 0.0,
+) -> np.ndarray:
+    """Lower the makespan by moving or swapping items out of the slowest bucket.
+
+    Each round takes the slowest bucket ``b`` and evaluates, all at once, every move of one of its
+    items to another bucket and every swap of one of its items with an item elsewhere; it applies
+    the one that leaves the larger of the two touched buckets smallest, if that is below ``b``'s
+    time. Every applied change strictly lowers the number of buckets at the current makespan or
+    the makespan itself, so the search terminates (and it is deterministic: no clock involved).
+    Swaps are sought with the ``partners[0]`` lightest buckets first (fast), then with the
+    ``partners[1]`` lightest, and so on (pass a size ``>= n_buckets`` to end with all buckets).
+    When no single move or swap helps, the slowest bucket and each of the ``resplit`` lightest
+    buckets in turn are pooled and split afresh by two-way differencing; the first re-split
+    that lowers both below the slowest time is kept, and the search goes on. The search stops
+    early once the makespan is at most ``target`` (e.g. a lower bound).
+    A move never empties a bucket or breaks the memory cap.
+    """
+    labels = labels.copy()
+    loads = bucket_loads(costs, labels, n_buckets)
+    counts = np.bincount(labels, minlength=n_buckets)
+    used = np.bincount(labels, weights=memory.memory, minlength=n_buckets) if memory is not None else None
+    everyone = np.arange(costs.shape[0])
+    for _ in range(max_rounds):
+        times = loads.max(axis=1)
+        b = int(times.argmax())
+        if times[b] <= target:
+            break
+        inside = everyone[labels == b]
+        best_value, best_change = times[b] * (1.0 - 1e-12), None
+        if counts[b] > 1:
+            value = _move_values(loads, b, costs[inside], used, memory, inside)
+            flat = int(value.argmin())
+            if value.flat[flat] < best_value:
+                best_value, best_change = value.flat[flat], (inside[flat // n_buckets], -1, flat % n_buckets)
+        # Swaps with the lightest buckets usually win: look there first, then a wider circle.
+        by_time = np.argsort(times)
+        for size in partners:
+            pool = np.zeros(n_buckets, dtype=bool)
+            pool[by_time[:size]] = True
+            pool[b] = False
+            outside = everyone[pool[labels]]
+            if outside.size:
+                value = _swap_values(costs, loads, labels, b, inside, outside, used, memory)
+                flat = int(value.argmin())
+                if value.flat[flat] < best_value:
+                    other = int(outside[flat % outside.size])
+                    best_value, best_change = value.flat[flat], (inside[flat // outside.size], other, labels[other])
+            if best_change is not None or size >= n_buckets:
+                break
+        if best_change is None:
+            if not _resplit_pair(costs, labels, loads, counts, used, memory, b, by_time[:resplit]):
+                break
+            continue
+        item, other, destination = (int(v) for v in best_change)
+        _relabel(item, destination, costs, labels, loads, counts, used, memory)
+        if other >= 0:
+            _relabel(other, b, costs, labels, loads, counts, used, memory)
+    return labels
+
+
+def _resplit_pair(costs, labels, loads, counts, used, memory, b: int, partners: np.ndarray) -> bool:
+    """Re-split bucket ``b`` with one of ``partners`` by two-way differencing (in place).
+
+    Returns True when a re-split lowered the larger of the pair below ``b``'s time, kept both
+    non-empty and respected the memory cap."""
+    worst = loads[b].max() * (1.0 - 1e-12)
+    for q in partners.tolist():
+        if q == b:
+            continue
+        pooled = np.flatnonzero((labels == b) | (labels == q))
+        halves = differencing_assign(costs[pooled], 2, equal_size=False)
+        sizes = np.bincount(halves, minlength=2)
+        if sizes.min() == 0:
+            continue
+        pair_loads = bucket_loads(costs[pooled], halves, 2)
+        if pair_loads.max() >= worst:
+            continue
+        if used is not None:
+            pair_used = np.bincount(halves, weights=memory.memory[pooled], minlength=2)
+            if pair_used.max() > memory.cap:
+                continue
+            used[b], used[q] = pair_used
+        labels[pooled] = np.where(halves == 0, b, q)
+        loads[b], loads[q] = pair_loads
+        counts[b], counts[q] = sizes
+        return True
+    return False
+
+
+def _relabel(item, bucket, costs, labels, loads, counts, used, memory) -> None:
+    """Move ``item`` to ``bucket``, keeping loads, counts and memory use in step (in place)."""
+    source = labels[item]
+    loads[source] -= costs[item]
+    loads[bucket] += costs[item]
+    counts[source] -= 1
+    counts[bucket] += 1
+    if used is not None:
+        used[source] -= memory.memory[item]
+        used[bucket] += memory.memory[item]
+    labels[item] = bucket
+
+
+def labels_to_buckets(labels: np.ndarray, n_buckets: int) -> list[list[int]]:
+    """Bucket label per item -> list of item-index lists (items ascending within a bucket)."""
+    buckets: list[list[int]] = [[] for _ in range(n_buckets)]
+    for item, bucket in enumerate(labels.tolist()):
+        buckets[bucket].append(item)
+    return buckets
+
+
+def true_times(buckets: Sequence[Sequence[int]], microbatch_cost: MicrobatchCost, k: int) -> np.ndarray:
+    """``(n_buckets, k)`` costs of each bucket by ``microbatch_cost``, shape-checked."""
+    rows = []
+    for index, bucket in enumerate(buckets):
+        row = np.asarray(microbatch_cost(list(bucket)), dtype=float).reshape(-1)
+        if row.shape != (k,) or not np.isfinite(row).all():
+            raise ValueError(f"microbatch_cost of bucket {index} returned {row.tolist()}, expected {k} finite numbers")
+        rows.append(row)
+    return np.array(rows).reshape(len(buckets), k)
+
+
+def improve_with_cost(
+    costs: np.ndarray,
+    labels: np.ndarray,
+    n_buckets: int,
+    microbatch_cost: MicrobatchCost,
+    memory: Optional[MemoryCap] = None,
+    deadline: float = _INF,
+    candidates: int = 12,
+    max_rounds: int = 2_000,
+) -> np.ndarray:
+    """Like :func:`improve`, but bucket times come from ``microbatch_cost`` (non-additive costs).
+
+    The slowest bucket by the true cost is the one worked on; every move and swap out of it is
+    ranked by its additive estimate (true loads plus the items' additive costs), and only the
+    ``candidates`` most promising are evaluated exactly. The best exact improvement is applied.
+    """
+    labels = labels.copy()
+    k = costs.shape[1]
+    buckets = [set(b) for b in labels_to_buckets(labels, n_buckets)]
+    loads = true_times([sorted(b) for b in buckets], microbatch_cost, k)
+    used = np.bincount(labels, weights=memory.memory, minlength=n_buckets) if memory is not None else None
+    everyone = np.arange(costs.shape[0])
+    for _ in range(max_rounds):
+        if time.perf_counter() > deadline:
+            break
+        times = loads.max(axis=1)
+        b = int(times.argmax())
+        worst = times[b]
+        inside = everyone[labels == b]
+        outside = everyone[labels != b]
+        changes: list[tuple[float, int, int, int]] = []  # (estimate, item, other or -1, target)
+        if inside.size > 1:
+            value = _move_values(loads, b, costs[inside], used, memory, inside)
+            for flat in np.argsort(value, axis=None)[:candidates]:
+                a, q = divmod(int(flat), n_buckets)
+                if np.isfinite(value[a, q]):
+                    changes.append((float(value[a, q]), int(inside[a]), -1, q))
+        if outside.size:
+            value = _swap_values(costs, loads, labels, b, inside, outside, used, memory)
+            for flat in np.argsort(value, axis=None)[:candidates]:
+                a, z = divmod(int(flat), outside.size)
+                if np.isfinite(value[a, z]):
+                    changes.append((float(value[a, z]), int(inside[a]), int(outside[z]), int(labels[outside[z]])))
+        changes.sort()
+        best = None
+        for _, item, other, target in changes[:candidates]:
+            new_b = buckets[b] - {item}
+            new_t = buckets[target] | {item}
+            if other >= 0:
+                new_b = new_b | {other}
+                new_t = new_t - {other}
+            row_b = true_times([sorted(new_b)], microbatch_cost, k)[0]
+            row_t = true_times([sorted(new_t)], microbatch_cost, k)[0]
+            value = max(row_b.max(), row_t.max())
+            if value < worst * (1.0 - 1e-12) and (best is None or value < best[0]):
+                best = (value, item, other, target, new_b, new_t, row_b, row_t)
+        if best is None:
+            break
+        _, item, other, target, new_b, new_t, row_b, row_t = best
+        buckets[b], buckets[target] = new_b, new_t
+        loads[b], loads[target] = row_b, row_t
+        labels[item] = target
+        if other >= 0:
+            labels[other] = b
+        if used is not None:
+            used[b] = memory.memory[sorted(new_b)].sum()
+            used[target] = memory.memory[sorted(new_t)].sum()
+    return labels

@@ -1,0 +1,240 @@
+"""``partition_batch``: split a global batch into balanced microbatches (DFLOP's scheduler).
+
+Strategy: vector LPT, then improving moves and swaps out of the slowest bucket (vectorised, a
+few milliseconds at thousands of items); then, only where it can help within the time limit
+(small instances whose heuristic answer is not already at the lower bound), the exact ILP
+warm-started with the heuristic's split. The best answer found is kept.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from dflop_ds.schedule.bounds import as_cost_matrix, lower_bound
+from dflop_ds.schedule.ilp import solve_ilp
+from dflop_ds.schedule.lpt import (
+    InfeasibleError,
+    MemoryCap,
+    MicrobatchCost,
+    bucket_loads,
+    differencing_assign,
+    greedy_assign,
+    improve,
+    improve_with_cost,
+    item_order,
+    labels_to_buckets,
+    true_times,
+)
+
+#: The ILP is skipped when the heuristic is within this relative gap of the lower bound.
+OPTIMALITY_TOLERANCE = 1e-5
+#: The local search stops (and no further start is tried) this close to the lower bound.
+STOP_TOLERANCE = 1e-5
+#: How many of the lightest buckets the local search may re-split with the slowest one.
+RESPLIT_PARTNERS = 32
+#: Binary variables the ILP may have per second of time limit (beyond that it cannot help).
+ILP_VARIABLES_PER_SECOND = 3000
+#: Never build an ILP with more binary variables than this (model building itself is slow).
+ILP_MAX_VARIABLES = 20_000
+
+__all__ = ["Partition", "InfeasibleError", "partition_batch"]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A split of ``n`` items into buckets.
+
+    Attributes:
+        buckets: item indices per bucket; every item exactly once, no bucket empty.
+        makespan: the largest bucket cost over buckets and columns (by ``microbatch_cost`` when
+            one was given, else the sum of the items' costs).
+        lower_bound: a valid lower bound on the additive makespan of any split; it also bounds
+            the true makespan when ``microbatch_cost`` is super-additive.
+        solver: what produced the split: ``"lpt"``, ``"lpt+moves"``, ``"ilp-optimal"`` (proved
+            optimal) or ``"ilp-cbc"`` / ``"ilp-highs"`` (best found within the time limit).
+        additive_makespan: the makespan with summed item costs (equal to ``makespan`` without
+            ``microbatch_cost``).
+        bucket_costs: ``(n_buckets, k)`` cost of each bucket, as ``makespan`` measures it.
+    """
+
+    buckets: list[list[int]]
+    makespan: float
+    lower_bound: float
+    solver: str
+    additive_makespan: float = 0.0
+    bucket_costs: np.ndarray = field(default_factory=lambda: np.zeros((0, 1)), repr=False)
+
+    @property
+    def ratio(self) -> float:
+        """``makespan / lower_bound`` (1.0 is certified optimal); ``inf`` for a zero bound."""
+        if self.lower_bound > 0:
+            return self.makespan / self.lower_bound
+        return 1.0 if self.makespan == 0 else float("inf")
+
+
+def _memory_cap(memory, memory_cap, n: int, n_buckets: int) -> Optional[MemoryCap]:
+    """Validate the memory arguments; raise naming the first item that cannot fit anywhere."""
+    if memory is None and memory_cap is None:
+        return None
+    if memory is None or memory_cap is None:
+        raise ValueError("memory and memory_cap must be given together")
+    usage = np.asarray(memory, dtype=float).reshape(-1)
+    if usage.shape != (n,):
+        raise ValueError(f"memory must have one entry per item ({n}), got shape {np.shape(memory)}")
+    cap = float(memory_cap)
+    bad = np.flatnonzero(~np.isfinite(usage) | (usage < 0))
+    if bad.size:
+        raise ValueError(f"item {int(bad[0])} has invalid memory {usage[bad[0]]}")
+    too_big = np.flatnonzero(usage > cap)
+    if too_big.size:
+        i = int(too_big[0])
+        raise ValueError(f"item {i} needs memory {usage[i]:g} > memory_cap {cap:g}: it fits in no bucket")
+    if usage.sum() > n_buckets * cap:
+        raise InfeasibleError(
+            f"items need {usage.sum():g} memory in total, more than {n_buckets} buckets x memory_cap {cap:g}"
+        )
+    return MemoryCap(usage, cap)
+
+
+def _fits(labels: np.ndarray, n_buckets: int, memory: Optional[MemoryCap]) -> bool:
+    """Whether a labelling respects the memory cap (always true without one)."""
+    if memory is None:
+        return True
+    return bool(np.bincount(labels, weights=memory.memory, minlength=n_buckets).max() <= memory.cap)
+
+
+def _starts(costs: np.ndarray, n_buckets: int, seed: int, memory: Optional[MemoryCap]):
+    """Starting splits, best first: vector differencing (equal counts), then vector LPT (by
+    cost; under a memory cap, by memory when cost order fails). Yields only splits that
+    respect the memory cap; may yield none."""
+    kk = differencing_assign(costs, n_buckets, equal_size=True)
+    if _fits(kk, n_buckets, memory):
+        yield kk
+    try:
+        yield greedy_assign(costs, n_buckets, item_order(costs, seed), memory)
+        return
+    except InfeasibleError:
+        if memory is None:
+            raise
+    try:
+        yield greedy_assign(costs, n_buckets, np.lexsort((-costs.max(axis=1), -memory.memory)), memory)
+    except InfeasibleError:
+        return
+
+
+def _heuristic(costs: np.ndarray, n_buckets: int, seed: int, memory: Optional[MemoryCap],
+               bound: float) -> tuple[Optional[np.ndarray], str]:
+    """Best improved start; later starts are tried only while the best is off the bound."""
+    best, best_value, solver = None, np.inf, "lpt"
+    target = bound * (1 + STOP_TOLERANCE)
+    for start in _starts(costs, n_buckets, seed, memory):
+        start_value = bucket_loads(costs, start, n_buckets).max()
+        moved = improve(costs, start, n_buckets, memory, target=target, resplit=RESPLIT_PARTNERS)
+        value = bucket_loads(costs, moved, n_buckets).max()
+        if value < best_value:
+            best, best_value = moved, value
+            solver = "lpt+moves" if value < start_value else "lpt"
+        if best_value <= target:
+            break
+    return best, solver
+
+
+def partition_batch(
+    costs: np.ndarray,
+    n_buckets: int,
+    *,
+    memory: Optional[np.ndarray] = None,
+    memory_cap: Optional[float] = None,
+    time_limit_s: float = 1.0,
+    seed: int = 0,
+    microbatch_cost: Optional[MicrobatchCost] = None,
+) -> Partition:
+    """Split items into ``n_buckets`` non-empty buckets minimising the makespan.
+
+    Args:
+        costs: ``(n, k)`` per-item costs (e.g. ``[encoder, llm]`` seconds); 1-D means ``k = 1``.
+            Columns are compared as they are, so they should share a unit.
+        n_buckets: number of buckets (microbatches x data-parallel ranks); at most ``n``.
+        memory: ``(n,)`` per-item memory; with ``memory_cap``, no bucket may exceed the cap.
+        memory_cap: per-bucket memory cap.
+        time_limit_s: time the exact ILP may take (0 runs the heuristic only, which is
+            deterministic; a time-limited ILP may return different splits on different runs
+            unless it proves optimality).
+        seed: orders equal items in the heuristic and seeds the solver.
+        microbatch_cost: optional ``callable(list of item indices) -> (k,)`` true cost of a
+            bucket (padding, attention); when given, the improving moves use it and ``makespan``
+            is measured with it.
+
+    Raises:
+        ValueError: bad shapes or values, ``n < n_buckets``, or an item alone over the cap.
+        InfeasibleError: (a ``ValueError``) no split respects the memory cap.
+    """
+    matrix = as_cost_matrix(costs)
+    n, k = matrix.shape
+    if int(n_buckets) != n_buckets or n_buckets < 1:
+        raise ValueError(f"n_buckets must be a positive integer, got {n_buckets}")
+    n_buckets = int(n_buckets)
+    if n < n_buckets:
+        raise ValueError(f"cannot fill {n_buckets} buckets with {n} items: no bucket may be empty")
+    if time_limit_s < 0:
+        raise ValueError(f"time_limit_s must be >= 0, got {time_limit_s}")
+    cap = _memory_cap(memory, memory_cap, n, n_buckets)
+    bound = lower_bound(matrix, n_buckets)
+    started = time.perf_counter()
+
+    def score(labels: np.ndarray) -> float:
+        if microbatch_cost is None:
+            return float(bucket_loads(matrix, labels, n_buckets).max())
+        return float(true_times(labels_to_buckets(labels, n_buckets), microbatch_cost, k).max())
+
+    best, solver = _heuristic(matrix, n_buckets, seed, cap, bound)
+    best_score = np.inf
+    if best is not None:
+        best_score = score(best)
+        if microbatch_cost is not None:
+            moved = improve_with_cost(matrix, best, n_buckets, microbatch_cost, cap,
+                                      deadline=started + max(time_limit_s, 1.0))
+            moved_score = score(moved)
+            if moved_score < best_score:
+                best, best_score, solver = moved, moved_score, "lpt+moves"
+
+    additive = float(bucket_loads(matrix, best, n_buckets).max()) if best is not None else np.inf
+    variables = n * n_buckets
+    ilp_helps = (
+        time_limit_s > 0
+        and additive > bound * (1 + OPTIMALITY_TOLERANCE)
+        and variables <= min(ILP_MAX_VARIABLES, ILP_VARIABLES_PER_SECOND * time_limit_s)
+    )
+    if ilp_helps:
+        remaining = time_limit_s - (time.perf_counter() - started)
+        result = solve_ilp(
+            matrix, n_buckets, item_order(matrix, seed),
+            lower=bound, upper=None if best is None else additive * (1 + 1e-9), warm_labels=best,
+            time_limit_s=max(remaining, 0.05), seed=seed, memory=cap,
+        )
+        if result.infeasible and best is None:
+            raise InfeasibleError(f"no split of {n} items into {n_buckets} buckets keeps every bucket under memory_cap {memory_cap:g}")
+        if result.labels is not None:
+            candidate = result.labels
+            if microbatch_cost is not None:
+                candidate = improve_with_cost(matrix, candidate, n_buckets, microbatch_cost, cap,
+                                              deadline=time.perf_counter() + 1.0)
+            candidate_score = score(candidate)
+            if candidate_score < best_score * (1 - 1e-12) or best is None:
+                best, best_score = candidate, candidate_score
+                solver = "ilp-optimal" if result.optimal and microbatch_cost is None else f"ilp-{result.solver}"
+    if best is None:
+        raise InfeasibleError(
+            f"found no split of {n} items into {n_buckets} buckets under memory_cap {memory_cap:g}"
+            f" (greedy placement failed{'' if ilp_helps else '; the exact solver was not run: raise time_limit_s'})"
+        )
+    buckets = labels_to_buckets(best, n_buckets)
+    if any(not bucket for bucket in buckets):  # guarded by construction; never silently wrong
+        raise AssertionError("partition produced an empty bucket")
+    loads = bucket_loads(matrix, best, n_buckets)
+    measured = loads if microbatch_cost is None else true_times(buckets, microbatch_cost, k)
+    return Partition(buckets, float(measured.max()), bound, solver, float(loads.max()), measured)
