@@ -28,7 +28,7 @@ from deepspeed.runtime import utils as ds_utils
 from deepspeed.utils import logger
 
 from dflop_ds.pipe.loss import token_normalized_loss
-from dflop_ds.pipe.split import check_stage_bounds, split_by_cost
+from dflop_ds.pipe.split import plan_stage_bounds
 
 
 def mark_boundary_outputs(outputs: Any) -> Any:
@@ -110,7 +110,7 @@ class MLLMPipelineModule(PipelineModule):
             n_encoder=len(encoder_layers) + 1,
             encoder_stages=encoder_stages,
             stage_bounds=None if stage_bounds is None else list(stage_bounds),
-            layer_costs=[1.0] * len(layers) if layer_costs is None else [float(c) for c in layer_costs],
+            layer_costs=None if layer_costs is None else [float(c) for c in layer_costs],
         )
         if seed_layers and seed_fn is None:
             seed_fn = int_seed
@@ -136,20 +136,14 @@ class MLLMPipelineModule(PipelineModule):
     def resolve_bounds(self) -> list[int]:
         """The stage boundaries of this module's split (python ints)."""
         split = self._dflop_split
-        n_layers, num_stages = len(self._layer_specs), self.num_stages
-        if split["stage_bounds"] is not None:
-            parts = check_stage_bounds(split["stage_bounds"], n_layers, num_stages)
-            stages = split["encoder_stages"]
-            if stages is not None and parts[stages] != split["n_encoder"]:
-                raise ValueError(
-                    f"stage_bounds {parts} do not end the encoder+projector ({split['n_encoder']} layers) "
-                    f"after encoder_stages={stages} stages"
-                )
-            return parts
-        if num_stages == 1:
-            return [0, n_layers]
-        parts = split_by_cost(split["layer_costs"], num_stages, split["encoder_stages"], split["n_encoder"])
-        return check_stage_bounds(parts, n_layers, num_stages)
+        return plan_stage_bounds(
+            len(self._layer_specs),
+            split["n_encoder"],
+            self.num_stages,
+            encoder_stages=split["encoder_stages"],
+            stage_bounds=split["stage_bounds"],
+            layer_costs=split["layer_costs"],
+        )
 
     def _partition_layers(self, method: str = "uniform") -> None:
         """Impose the planned split (DeepSpeed's ``partition_method`` is not used)."""

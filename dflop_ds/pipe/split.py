@@ -85,3 +85,34 @@ def check_stage_bounds(bounds: Sequence[int], n_layers: int, num_stages: int) ->
 def stage_costs(layer_costs: Sequence[float], bounds: Sequence[int]) -> list[float]:
     """Summed cost of every stage of a split."""
     return [float(sum(layer_costs[a:b])) for a, b in zip(bounds, bounds[1:])]
+
+
+def plan_stage_bounds(
+    n_layers: int,
+    n_encoder: int,
+    num_stages: int,
+    *,
+    encoder_stages: int | None = None,
+    stage_bounds: Sequence[int] | None = None,
+    layer_costs: Sequence[float] | None = None,
+) -> list[int]:
+    """The split a pipeline of ``n_layers`` layers (the first ``n_encoder`` being encoder +
+    projector) should use: ``stage_bounds`` if given (validated, and checked to end the encoder
+    after ``encoder_stages`` stages when both are given), else :func:`split_by_cost` over
+    ``layer_costs`` (one per layer by default)."""
+    if stage_bounds is not None:
+        parts = check_stage_bounds(stage_bounds, n_layers, num_stages)
+        if encoder_stages is not None and parts[encoder_stages] != n_encoder:
+            raise ValueError(
+                f"stage_bounds {parts} do not end the encoder+projector ({n_encoder} layers) "
+                f"after encoder_stages={encoder_stages} stages"
+            )
+        return parts
+    costs = [1.0] * n_layers if layer_costs is None else [float(c) for c in layer_costs]
+    if len(costs) != n_layers:
+        raise ValueError(f"layer_costs has {len(costs)} entries for {n_layers} layers")
+    if num_stages == 1:
+        if encoder_stages not in (None, 0):
+            raise ValueError(f"encoder_stages={encoder_stages} needs more than one stage")
+        return [0, n_layers]
+    return check_stage_bounds(split_by_cost(costs, num_stages, encoder_stages, n_encoder), n_layers, num_stages)

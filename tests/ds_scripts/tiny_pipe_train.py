@@ -1,0 +1,157 @@
+"""Train the tiny MLLM on a 2-stage MLLMPipelineModule with variable-shape microbatches.
+
+Launched by tests/test_pipe_deepspeed.py as ``deepspeed --num_gpus 2 tiny_pipe_train.py ...``.
+Step 1 uses the token-normalized loss with scheduled denominators and is compared with a
+single-process reference that runs the same global batch as one batch (token mean) and takes
+the same SGD step: the parameters must match. Later steps cycle over a few global batches so
+the test can check the loss goes down. Each rank writes ``<out>/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+
+import torch
+
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+
+from dflop_ds.models import TinyMLLMDataset, build_reference, collate_microbatch, label_tokens_in, tiny_mllm_layers
+from dflop_ds.pipe import MLLMPipelineModule, token_normalized_loss
+from dflop_ds.schedule.index import ScheduledIndex
+from dflop_ds.shapes import TINY_POLICY, SampleShape
+
+# image sizes giving 1, 3 and 5 tiles under TINY_POLICY
+IMAGE_CHOICES = [(), ((336, 336),), ((672, 336),), ((672, 672),)]
+
+
+def make_shapes(n: int, seed: int) -> list[SampleShape]:
+    """Random small shapes: text-only, images of 1..5 tiles, short videos; varied text lengths."""
+    rng = random.Random(seed)
+    shapes = []
+    for i in range(n):
+        kind = rng.randrange(5)
+        images = IMAGE_CHOICES[kind] if kind < 4 else ()
+        frames = 2 if kind == 4 else 0
+        text = rng.randint(6, 40)
+        labels = rng.choice([text, rng.randint(1, text)])
+        shapes.append(TINY_POLICY.shape(f"s{i}", image_sizes=images, video_frames=frames, text_tokens=text, label_tokens=labels))
+    return shapes
+
+
+def make_batches(n_batches: int, sizes: list[int]) -> list[list[list[int]]]:
+    """Global batches as lists of microbatches (sample indices) of the given sizes."""
+    per_batch = sum(sizes)
+    batches = []
+    for b in range(n_batches):
+        start, mbs = b * per_batch, []
+        for size in sizes:
+            mbs.append(list(range(start, start + size)))
+            start += size
+        batches.append(mbs)
+    return batches
+
+
+def scheduled(dataset: TinyMLLMDataset, batch: list[list[int]], gas: int, dp: int, batch_id: int):
+    """Collated microbatches of one global batch with the global-batch loss denominator."""
+    global_tokens = label_tokens_in([dataset[i] for mb in batch for i in mb])
+    denominator = global_tokens / (gas * dp)
+    return [collate_microbatch([dataset[ScheduledIndex(i, denominator, batch_id)] for i in mb]) for mb in batch]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--freeze", action="store_true")
+    parser.add_argument("--bounds", default="", help="comma-separated stage bounds; default encoder_stages=1")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--ckpt", type=int, default=0, help="activation_checkpoint_interval")
+    parser.add_argument("--local_rank", type=int, default=0)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    rank = torch.distributed.get_rank()
+    device = torch.device(get_accelerator().device_name())
+
+    # microbatches of 1, 3 and 2 samples: tensor shapes change every microbatch
+    sizes = [1, 3, 2]
+    gas, dp, n_batches = len(sizes), 1, 4
+    shapes = make_shapes(sum(sizes) * n_batches, seed=7)
+    shapes[0] = TINY_POLICY.shape("text_only_alone", text_tokens=12, label_tokens=12)  # a zero-tile microbatch
+    dataset = TinyMLLMDataset(shapes, seed=3)
+    batches = make_batches(n_batches, sizes)
+
+    encoder, projector, llm = tiny_mllm_layers(seed=11)
+    split = {"stage_bounds": [int(b) for b in args.bounds.split(",")]} if args.bounds else {"encoder_stages": 1}
+    model = MLLMPipelineModule(
+        encoder, projector, llm, num_stages=2, freeze_encoder=args.freeze, activation_checkpoint_interval=args.ckpt, **split
+    )
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    # a stage holding only a frozen encoder has nothing to train, but the engine needs an optimizer
+    params = trainable or [torch.nn.Parameter(torch.zeros(1, device=device))]
+    optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
+    config = {
+        "train_batch_size": gas * dp,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": gas,
+        "steps_per_print": 10**9,
+        # DeepSpeed clips each pipeline stage by its own norm (not the global one) and fails on a
+        # stage without gradients; clipping is off so that step 1 can match the reference exactly
+        "gradient_clipping": 0.0,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+
+    # single-process reference of step 1: the whole global batch as one batch, token-mean loss
+    reference = build_reference(seed=11).to(device)
+    if args.freeze:
+        for i in range(len(encoder)):
+            reference[i].requires_grad_(False)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=args.lr, momentum=0.9)
+    first = [i for mb in batches[0] for i in mb]
+    inputs, labels = collate_microbatch([dataset[i] for i in first])
+    inputs = tuple(t.to(device) for t in inputs)
+    ref_loss = token_normalized_loss(reference(inputs), tuple(t.to(device) for t in labels))
+    ref_opt.zero_grad()
+    ref_loss.backward()
+    ref_opt.step()
+
+    losses = []
+    max_diff = max_change = 0.0
+    ref_state = reference.state_dict()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for step in range(args.steps):
+        b = step % n_batches
+        loss = engine.train_batch(iter(scheduled(dataset, batches[b], gas, dp, step)))
+        losses.append(float(loss))
+        if step == 0:
+            for name, p in model.named_parameters():
+                max_diff = max(max_diff, float((p.detach() - ref_state[name]).abs().max()))
+                max_change = max(max_change, float((p.detach() - before[name]).abs().max()))
+    frozen_moved = any(
+        not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters() if not p.requires_grad
+    )
+    result = {
+        "rank": rank,
+        "stage": engine.stage_id,
+        "parts": list(model.parts),
+        "losses": losses,
+        "ref_loss": float(ref_loss.detach()),
+        "step1_max_param_diff": max_diff,
+        "step1_max_param_change": max_change,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "n_frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad),
+        "frozen_moved": frozen_moved,
+        "tiles_per_microbatch": [[sum(shapes[i].encoder_tiles for i in mb) for mb in batch] for batch in batches],
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+
+
+if __name__ == "__main__":
+    main()
