@@ -159,7 +159,11 @@ def simulate_1f1b(
     for fs, fm, bs, bm in _cached_tables(n_stages, n_mb):
         if fs.size:
             prev = np.maximum(fs - 1, 0)
-            ready = np.where(fs > 0, f_end[:, fm, prev] + act[:, fm, np.minimum(prev, links[2] - 1)] if links[2] else 0.0, 0.0)
+            if links[2]:
+                arrived = f_end[:, fm, prev] + act[:, fm, np.minimum(prev, links[2] - 1)]
+                ready = np.where(fs > 0, arrived, 0.0)
+            else:
+                ready = np.zeros((n_ranks, fs.size))
             start = np.maximum(free[:, fs], ready)
             end = start + fwd[:, fm, fs]
             f_start[:, fm, fs], f_end[:, fm, fs], free[:, fs] = start, end, end
@@ -178,7 +182,7 @@ def simulate_1f1b(
     idle = pipeline_time[:, None] - busy
     critical = int(np.argmax(rank_step))
     denom = n_stages * pipeline_time[critical]
-    bubble = float(idle[critical].sum() / denom) if denom > 0 else 0.0
+    bubble = max(0.0, float(idle[critical].sum() / denom)) if denom > 0 else 0.0
     return SimResult(
         step_time=float(rank_step[critical]),
         rank_step_times=rank_step,

@@ -1,0 +1,112 @@
+"""``dflop-ds plan`` and ``dflop-ds simulate``: search a parallelism plan, draw its Gantt chart."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from dflop_ds.plan.cluster import Cluster
+from dflop_ds.plan.plan_file import Plan
+from dflop_ds.plan.planner import cluster_of, load_cost_model, make_plans, simulate_layout
+from dflop_ds.plan.reference import reference_names
+from dflop_ds.shapes import TINY_POLICY, ShapePolicy
+
+
+def _read_shapes(path: str, policy: str) -> list:
+    from dflop_ds.data import read_dataset
+
+    shapes = list(read_dataset(path, TINY_POLICY if policy == "tiny" else ShapePolicy()))
+    if not shapes:
+        raise ValueError(f"{path}: no samples")
+    return shapes
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cost-model", required=True,
+                        help=f"a cost-model JSON file or a reference profile: {', '.join(reference_names())}")
+    parser.add_argument("--data", required=True, help="dataset to draw global batches from (shape manifest or LLaVA JSON/JSONL)")
+    parser.add_argument("--policy", choices=["default", "tiny"], default="default",
+                        help="shape policy: LLaVA-OneVision tiling (default) or the tiny model's")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled global batches")
+
+
+def _summary(tag: str, plan: Plan) -> str:
+    p = plan.predicted
+    mem = max(p.get("peak_memory_bytes", [0.0])) / 1e9
+    ds = "yes" if plan.deepspeed_compatible else "no (separate GPU sets)"
+    return (f"{tag:<11} {plan.layout.describe():<48} step {p['step_time_s']:.4g} s  "
+            f"bubble {p['bubble_fraction']:.1%}  peak {mem:.1f} GB  x{p['speedup_vs_monolithic']:.3f} vs monolithic  "
+            f"stock DeepSpeed: {ds}")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``dflop-ds plan``: search and write the chosen plan."""
+    model = load_cost_model(args.cost_model)
+    memory = args.gpu_memory_gb * 1e9 if args.gpu_memory_gb else getattr(getattr(model, "gpu", None), "memory_bytes", 80e9)
+    cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory_bytes=memory,
+                      max_tp=args.max_tp)
+    shapes = _read_shapes(args.data, args.policy)
+    plans = make_plans(model, cluster, shapes, args.global_batch, n_batches=args.batches, top_k=args.top_k, seed=args.seed)
+    r = plans.result
+    if getattr(model, "is_analytic", False):
+        print(f"cost model {plans.best.cost_model['name']}: ANALYTIC (FLOP counts and an assumed throughput), not measured")
+    print(f"searched {r.n_layouts} layouts, simulated {len(r.candidates)} in {r.seconds:.2f} s "
+          f"({args.gpus} GPUs, global batch {args.global_batch}, {args.batches} sampled batches)")
+    print(_summary("best", plans.best))
+    print(_summary("deepspeed", plans.best_deepspeed))
+    print(_summary("monolithic", plans.monolithic))
+    print(f"gap of the best stock-DeepSpeed plan to the best plan: {r.gap:.1%}")
+    chosen = plans.best if args.allow_separate else plans.best_deepspeed
+    chosen.save(args.output)
+    print(f"wrote {args.output} ({chosen.family} plan, stage bounds {chosen.stage_bounds()})")
+    return 0
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """``dflop-ds simulate``: Gantt chart of a plan and of its monolithic baseline on sampled batches."""
+    from dflop_ds.plan.gantt import plot_gantt
+
+    plan = Plan.load(args.plan)
+    model = load_cost_model(args.cost_model)
+    cluster = cluster_of(plan)
+    shapes = _read_shapes(args.data, args.policy)
+    panels: list[tuple[str, Any]] = []
+    layouts = [("ours (balanced)", plan.layout)]
+    if plan.baseline_layout is not None:
+        layouts.append(("monolithic baseline", plan.baseline_layout))
+    for title, layout in layouts:
+        evals = simulate_layout(model, cluster, layout, shapes, plan.global_batch_size, n_batches=args.batches, seed=args.seed)
+        worst = max(evals, key=lambda e: e.sim.step_time)
+        mean = sum(e.sim.step_time for e in evals) / len(evals)
+        print(f"{title:<20} {layout.describe():<48} mean step {mean:.4g} s over {len(evals)} batch(es), "
+              f"bubble {worst.sim.bubble_fraction:.1%}, peak memory {worst.memory.max() / 1e9:.1f} GB")
+        panels.append((f"{title} {layout.describe()}", worst.sim))
+    if getattr(model, "is_analytic", False):
+        print("times come from an ANALYTIC cost model (not measured)")
+    plot_gantt(panels, args.png)
+    print(f"wrote {args.png}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``plan`` and ``simulate`` to the ``dflop-ds`` command."""
+    p = subparsers.add_parser("plan", help="search encoder/LLM parallelism and microbatching for a cluster and data")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (tensor parallelism stays inside)")
+    p.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU in GB (default: the profile's GPU, else 80)")
+    p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    p.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel degree (1 for modules without TP layers)")
+    p.add_argument("--batches", type=int, default=3, help="sampled global batches per simulated layout")
+    p.add_argument("--top-k", type=int, default=6, help="layouts simulated per family")
+    p.add_argument("--allow-separate", action="store_true",
+                   help="write the best plan even if it needs separate GPU sets (default: best stock-DeepSpeed plan)")
+    p.add_argument("-o", "--output", required=True, help="plan JSON to write")
+    _common(p)
+    p.set_defaults(func=run_plan)
+
+    s = subparsers.add_parser("simulate", help="draw the Gantt chart of a plan and its monolithic baseline")
+    s.add_argument("--plan", required=True, help="plan JSON written by `dflop-ds plan`")
+    s.add_argument("--batches", type=int, default=1, help="sampled global batches (the slowest is drawn)")
+    s.add_argument("--png", default="plan_gantt.png", help="output PNG")
+    _common(s)
+    s.set_defaults(func=run_simulate)

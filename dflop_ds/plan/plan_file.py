@@ -1,0 +1,256 @@
+"""``Plan``: the planner's output, saved as JSON and turned into what DeepSpeed and the sampler read.
+
+A plan holds the chosen layout (encoder and LLM degrees, microbatches per rank, the layer split
+of the planned model), the settings it was planned for, and the simulator's predictions. From
+it come:
+
+- the stage split of ``MLLMPipelineModule``: :meth:`Plan.stage_bounds` over the flat layer list
+  ``encoder layers + projector + LLM layers`` (rescaled when the model has other depths);
+- the DeepSpeed config's batch keys: :meth:`Plan.deepspeed_config`;
+- the sampler's settings: :meth:`Plan.sampler_settings`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflop_ds.plan.layout import Layout, Segment, StageLayers, flat_bounds, stages_from_bounds
+
+PLAN_FORMAT_VERSION = 1
+
+
+class PlanFileError(ValueError):
+    """A plan file or plan use is invalid (the message names the file or key)."""
+
+
+def layout_to_dict(layout: Layout) -> dict[str, Any]:
+    """A :class:`Layout` as plain JSON data."""
+    return {"encoder": asdict(layout.encoder), "llm": asdict(layout.llm), "n_mb": layout.n_mb,
+            "stages": [list(s) for s in layout.stages], "balanced": layout.balanced}
+
+
+def layout_from_dict(data: dict[str, Any]) -> Layout:
+    """Inverse of :func:`layout_to_dict`."""
+    return Layout(Segment(**data["encoder"]), Segment(**data["llm"]), int(data["n_mb"]),
+                  tuple(tuple(int(x) for x in s) for s in data["stages"]), balanced=bool(data["balanced"]))
+
+
+@dataclass
+class Plan:
+    """A parallelism plan.
+
+    Attributes:
+        encoder, llm: ``Segment(tp, pp, dp)`` of each model segment.
+        n_mb: microbatches per data-parallel rank per step (gradient accumulation steps).
+        stages: ``(encoder, projector, llm)`` layer counts of each pipeline stage, for the
+            planned model's depths ``layer_counts``.
+        layer_counts: ``{"encoder": E, "projector": 1, "llm": L}`` of the planned model.
+        global_batch_size: samples per optimizer step.
+        gpus, gpus_per_node, gpu_memory_bytes: the cluster planned for.
+        balanced: True when microbatches come from our scheduler (False: stock fixed-size).
+        family: ``"deepspeed"``, ``"separate"`` or ``"monolithic"``.
+        predicted: the simulator's figures (step time, bubble fraction, memory, speed-ups).
+        cost_model: name of the cost model and whether it is analytic (not measured).
+        baseline: the monolithic baseline's layout (:func:`layout_to_dict`), for comparisons.
+        format_version: JSON format version.
+    """
+
+    encoder: Segment
+    llm: Segment
+    n_mb: int
+    stages: tuple[StageLayers, ...]
+    layer_counts: dict[str, int]
+    global_batch_size: int
+    gpus: int
+    gpus_per_node: int
+    gpu_memory_bytes: float
+    balanced: bool = True
+    family: str = "deepspeed"
+    predicted: dict[str, Any] = field(default_factory=dict)
+    cost_model: dict[str, Any] = field(default_factory=dict)
+    baseline: dict[str, Any] | None = None
+    format_version: int = PLAN_FORMAT_VERSION
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def from_layout(cls, layout: Layout, *, layer_counts: dict[str, int], global_batch_size: int, gpus: int,
+                    gpus_per_node: int, gpu_memory_bytes: float, family: str,
+                    predicted: dict[str, Any] | None = None, cost_model: dict[str, Any] | None = None) -> "Plan":
+        """A plan for ``layout`` (see :func:`dflop_ds.plan.make_plans` for plans with predictions)."""
+        return cls(encoder=layout.encoder, llm=layout.llm, n_mb=layout.n_mb, stages=tuple(layout.stages),
+                   layer_counts=dict(layer_counts), global_batch_size=global_batch_size, gpus=gpus,
+                   gpus_per_node=gpus_per_node, gpu_memory_bytes=gpu_memory_bytes, balanced=layout.balanced,
+                   family=family, predicted=dict(predicted or {}), cost_model=dict(cost_model or {}))
+
+    @property
+    def baseline_layout(self) -> Layout | None:
+        """The monolithic baseline's layout, when the plan records one."""
+        return None if self.baseline is None else layout_from_dict(self.baseline)
+
+    @property
+    def layout(self) -> Layout:
+        """The plan's :class:`Layout` (for simulation)."""
+        return Layout(self.encoder, self.llm, self.n_mb, tuple(self.stages), balanced=self.balanced)
+
+    @property
+    def deepspeed_compatible(self) -> bool:
+        """Stock DeepSpeed runs it as is: encoder and LLM share tp and dp in one pipeline."""
+        return self.layout.deepspeed_compatible
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Stages of the pipeline."""
+        return len(self.stages)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree the sampler splits batches for (the LLM's)."""
+        return self.llm.dp
+
+    # -- outputs -----------------------------------------------------------------------------------
+    def stage_bounds(self, encoder_layers: int | None = None, llm_layers: int | None = None,
+                     projector_layers: int | None = None) -> list[int]:
+        """Stage bounds over ``encoder + projector + llm`` layers for a model of these depths.
+
+        With the planned depths (the defaults) the split is exact; for other depths every
+        segment's cut points are scaled proportionally (a stage keeps at least one layer).
+        """
+        E0, P0, L0 = self.layer_counts["encoder"], self.layer_counts["projector"], self.layer_counts["llm"]
+        E = E0 if encoder_layers is None else int(encoder_layers)
+        P = P0 if projector_layers is None else int(projector_layers)
+        L = L0 if llm_layers is None else int(llm_layers)
+        if (E, P, L) == (E0, P0, L0):
+            return flat_bounds(self.stages)
+        if E + P + L < self.pipeline_stages:
+            raise PlanFileError(f"a model of {E + P + L} layers cannot fill the plan's {self.pipeline_stages} stages")
+        bounds, done = [0], [0, 0, 0]
+        for e, p, l in self.stages[:-1]:
+            done = [done[0] + e, done[1] + p, done[2] + l]
+            cut = round(done[0] / E0 * E) + round(done[1] / max(P0, 1) * P) + round(done[2] / L0 * L)
+            bounds.append(cut)
+        bounds.append(E + P + L)
+        for i in range(1, len(bounds)):  # keep every stage non-empty
+            bounds[i] = max(bounds[i], bounds[i - 1] + 1)
+        for i in range(len(bounds) - 2, 0, -1):
+            bounds[i] = min(bounds[i], bounds[i + 1] - 1)
+        return bounds
+
+    def micro_batch_size(self) -> int:
+        """Nominal samples per microbatch: ``global_batch_size // (dp * n_mb)`` (at least 1).
+
+        DeepSpeed never checks it against real microbatches; our sampler's microbatches vary.
+        """
+        return max(1, self.global_batch_size // (self.dp * self.n_mb))
+
+    def deepspeed_config(self, base: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``base`` (a DeepSpeed config dict, not modified) with the plan's batch keys set.
+
+        Sets ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps = n_mb`` and
+        ``train_batch_size = micro * n_mb * dp`` (DeepSpeed's identity), and the ``"dflop"``
+        block's ``pipeline_stages`` and ``stage_bounds``. The sampler's global batch is
+        :meth:`sampler_settings`' ``global_batch_size``.
+
+        Raises:
+            PlanFileError: the plan needs separate GPU sets (not runnable on stock DeepSpeed).
+        """
+        if not self.deepspeed_compatible:
+            raise PlanFileError(
+                f"plan {self.layout.describe()} puts encoder and LLM on separate GPU sets "
+                "(different dp or tp); stock DeepSpeed's topology cannot run it"
+            )
+        config = json.loads(json.dumps(base or {}))
+        micro = self.micro_batch_size()
+        config["train_micro_batch_size_per_gpu"] = micro
+        config["gradient_accumulation_steps"] = self.n_mb
+        config["train_batch_size"] = micro * self.n_mb * self.dp
+        block = config.setdefault("dflop", {})
+        block["pipeline_stages"] = self.pipeline_stages
+        block["stage_bounds"] = self.stage_bounds()
+        block["sampler"] = "dflop" if self.balanced else "stock"
+        return config
+
+    def sampler_settings(self) -> dict[str, int]:
+        """What the batch sampler needs: ``global_batch_size``, ``dp``, ``n_mb``."""
+        return {"global_batch_size": self.global_batch_size, "dp": self.dp, "n_mb": self.n_mb}
+
+    def world_size(self) -> int:
+        """GPUs (processes) the plan occupies."""
+        return self.layout.gpus
+
+    # -- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (with ``format_version`` and ``deepspeed_compatible``)."""
+        data = asdict(self)
+        data["stages"] = [list(s) for s in self.stages]
+        data["deepspeed_compatible"] = self.deepspeed_compatible
+        data["stage_bounds"] = self.stage_bounds()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "plan") -> "Plan":
+        """Inverse of :meth:`to_dict`; errors name ``source`` and the key at fault."""
+        version = data.get("format_version")
+        if version != PLAN_FORMAT_VERSION:
+            raise PlanFileError(f"{source}: format_version {version!r} is not supported (expected {PLAN_FORMAT_VERSION})")
+        try:
+            plan = cls(
+                encoder=Segment(**data["encoder"]),
+                llm=Segment(**data["llm"]),
+                n_mb=int(data["n_mb"]),
+                stages=tuple(tuple(int(x) for x in s) for s in data["stages"]),
+                layer_counts={k: int(v) for k, v in data["layer_counts"].items()},
+                global_batch_size=int(data["global_batch_size"]),
+                gpus=int(data["gpus"]),
+                gpus_per_node=int(data["gpus_per_node"]),
+                gpu_memory_bytes=float(data["gpu_memory_bytes"]),
+                balanced=bool(data.get("balanced", True)),
+                family=str(data.get("family", "deepspeed")),
+                predicted=dict(data.get("predicted", {})),
+                cost_model=dict(data.get("cost_model", {})),
+                baseline=data.get("baseline"),
+            )
+            if plan.baseline is not None:
+                layout_from_dict(plan.baseline)
+        except KeyError as error:
+            raise PlanFileError(f"{source}: missing key {error.args[0]!r}") from None
+        except (TypeError, ValueError) as error:
+            raise PlanFileError(f"{source}: bad value: {error}") from None
+        plan.validate(source)
+        return plan
+
+    def validate(self, source: str = "plan") -> None:
+        """Check internal consistency; raise :class:`PlanFileError` naming the problem."""
+        for key in ("encoder", "projector", "llm"):
+            if key not in self.layer_counts:
+                raise PlanFileError(f"{source}: layer_counts lacks {key!r}")
+        totals = [sum(s[i] for s in self.stages) for i in range(3)]
+        want = [self.layer_counts["encoder"], self.layer_counts["projector"], self.layer_counts["llm"]]
+        if totals != want:
+            raise PlanFileError(f"{source}: stages hold {totals} (encoder, projector, llm) layers, layer_counts say {want}")
+        if any(sum(s) == 0 for s in self.stages):
+            raise PlanFileError(f"{source}: a stage holds no layers: {list(self.stages)}")
+        stages_from_bounds(flat_bounds(self.stages), *want)
+        if self.n_mb < 1 or self.global_batch_size < self.dp * self.n_mb:
+            raise PlanFileError(
+                f"{source}: global_batch_size={self.global_batch_size} cannot fill n_mb={self.n_mb} microbatches on dp={self.dp} ranks"
+            )
+        if self.layout.gpus > self.gpus:
+            raise PlanFileError(f"{source}: the layout needs {self.layout.gpus} GPUs, the plan has {self.gpus}")
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        """Read a plan written by :meth:`save`."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as error:
+            raise PlanFileError(f"{path}: not valid JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise PlanFileError(f"{path}: a plan file holds one JSON object")
+        return cls.from_dict(data, source=str(path))

@@ -1,0 +1,123 @@
+"""The planner's front door: search, turn the winners into :class:`Plan` objects, re-simulate plans."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from dflop_ds.plan.cluster import Cluster
+from dflop_ds.plan.evaluate import Evaluation, evaluate
+from dflop_ds.plan.layout import Layout
+from dflop_ds.plan.plan_file import Plan, layout_to_dict
+from dflop_ds.plan.reference import KIND as ANALYTIC_KIND
+from dflop_ds.plan.reference import AnalyticMLLM, reference_model, reference_names
+from dflop_ds.plan.search import Scored, SearchResult, sample_batches, search
+from dflop_ds.shapes import SampleShape
+
+
+@dataclass
+class PlanSet:
+    """Plans from one search.
+
+    Attributes:
+        best: best plan overall (may need separate GPU sets).
+        best_deepspeed: best plan stock DeepSpeed runs as is.
+        monolithic: the stock baseline plan (uniform split, fixed-size microbatches).
+        result: the underlying :class:`SearchResult`.
+    """
+
+    best: Plan
+    best_deepspeed: Plan
+    monolithic: Plan
+    result: SearchResult
+
+
+def describe_cost_model(model: Any) -> dict[str, Any]:
+    """Name and provenance of a cost model for plan files and printouts."""
+    analytic = bool(getattr(model, "is_analytic", False))
+    return {
+        "name": str(getattr(model, "name", type(model).__name__)),
+        "is_analytic": analytic,
+        "note": "analytic: FLOP counts and stated throughput, not measured" if analytic else "measured",
+    }
+
+
+def _plan(model: Any, cluster: Cluster, global_batch: int, scored: Scored, result: SearchResult) -> Plan:
+    predicted = {
+        "step_time_s": scored.step_time,
+        "step_times_s": list(scored.step_times),
+        "bubble_fraction": scored.bubble_fraction,
+        "peak_memory_bytes": [float(x) for x in scored.memory],
+        "monolithic_step_time_s": result.monolithic.step_time,
+        "speedup_vs_monolithic": result.speedup(scored),
+        "best_step_time_s": result.best.step_time,
+        "sampled_batches": len(scored.step_times),
+        "search_s": result.seconds,
+        "is_analytic": bool(getattr(model, "is_analytic", False)),
+    }
+    return Plan.from_layout(
+        scored.layout,
+        layer_counts={"encoder": model.encoder_layers, "projector": 1, "llm": model.llm_layers},
+        global_batch_size=global_batch,
+        gpus=cluster.gpus,
+        gpus_per_node=cluster.gpus_per_node,
+        gpu_memory_bytes=cluster.gpu_memory_bytes,
+        family=scored.family,
+        predicted=predicted,
+        cost_model=describe_cost_model(model),
+    )
+
+
+def make_plans(model: Any, cluster: Cluster, shapes: Sequence[SampleShape], global_batch: int, **search_kwargs: Any) -> PlanSet:
+    """Search (see :func:`dflop_ds.plan.search.search`) and return the three plans.
+
+    Every plan records the monolithic baseline's layout, so ``simulate`` can redraw both.
+    """
+    result = search(model, cluster, shapes, global_batch, **search_kwargs)
+    plans = [_plan(model, cluster, global_batch, s, result) for s in (result.best, result.best_deepspeed, result.monolithic)]
+    baseline = layout_to_dict(result.monolithic.layout)
+    for p in plans:
+        p.baseline = baseline
+    return PlanSet(best=plans[0], best_deepspeed=plans[1], monolithic=plans[2], result=result)
+
+
+def cluster_of(plan: Plan, **overrides: Any) -> Cluster:
+    """The cluster a plan was made for (link and memory assumptions at their defaults unless overridden)."""
+    fields = {"gpus": plan.gpus, "gpus_per_node": plan.gpus_per_node, "gpu_memory_bytes": plan.gpu_memory_bytes}
+    fields.update(overrides)
+    return Cluster(**fields)
+
+
+def simulate_layout(model: Any, cluster: Cluster, layout: Layout, shapes: Sequence[SampleShape], global_batch: int,
+                    *, n_batches: int = 1, seed: int = 0, fast: bool = False) -> list[Evaluation]:
+    """Simulate ``layout`` on ``n_batches`` global batches drawn from ``shapes`` (same draws as the search)."""
+    pool = list(shapes)
+    costs = np.asarray(model.predict_samples(pool), dtype=float)
+    return [evaluate(model, cluster, layout, [pool[j] for j in b], costs[b], fast=fast, seed=seed + i)
+            for i, b in enumerate(sample_batches(len(pool), global_batch, n_batches, seed))]
+
+
+def load_cost_model(spec: str) -> Any:
+    """A reference profile name (see :func:`reference_names`) or a cost-model JSON file.
+
+    JSON files written by :meth:`AnalyticMLLM.save` load as analytic models; others go to
+    ``dflop_ds.profile.CostModel.load``.
+    """
+    if spec.lower() in reference_names():
+        return reference_model(spec)
+    path = Path(spec)
+    if not path.exists():
+        raise FileNotFoundError(f"cost model {spec!r} is neither a reference profile ({', '.join(reference_names())}) nor a file")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON: {error}") from None
+    if isinstance(data, dict) and data.get("kind") == ANALYTIC_KIND:
+        return AnalyticMLLM.from_dict(data)
+    from dflop_ds.profile import CostModel  # measured models (issue 3)
+
+    return CostModel.load(path)
