@@ -1,0 +1,117 @@
+"""One rank of the end-to-end benchmark (launched by bench_e2e.py under `deepspeed`).
+
+All methods train the same global batches, interleaved round by round (the method order rotates
+every round) so that the machine's drift hits them alike. Baselines run on a pipeline split by
+layer count (DeepSpeed's ``partition_method="uniform"``); dflop-ds runs on its own engine with
+the planner's stage split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import deepspeed
+import numpy as np
+import torch
+from deepspeed.accelerator import get_accelerator
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.e2e_methods import METHODS, split_for  # noqa: E402
+from dflop_ds.data import read_dataset  # noqa: E402
+from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
+from dflop_ds.pipe import MLLMPipelineModule  # noqa: E402
+from dflop_ds.profile import CostModel  # noqa: E402
+from dflop_ds.schedule.epoch import epoch_permutation, global_batches  # noqa: E402
+from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
+from dflop_ds.shapes import TINY_POLICY  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument("--data", default=str(ROOT / "examples" / "data" / "mixture.jsonl"))
+    parser.add_argument("--cost-model", required=True)
+    parser.add_argument("--dflop-bounds", required=True, help="stage bounds of the dflop engine, e.g. 0,7,12")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--gas", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--time-limit", type=float, default=0.0, help="dflop's exact-solver limit per batch")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    return parser.parse_args()
+
+
+def build_engine(bounds, gas: int, global_batch: int, dp: int, seed: int):
+    """A 2-stage pipeline engine of the tiny MLLM with the given stage bounds (None: uniform)."""
+    config = TinyMLLMConfig()
+    encoder, projector, llm = tiny_mllm_layers(config, seed=seed)
+    module = MLLMPipelineModule(encoder, projector, llm, num_stages=2, stage_bounds=bounds)
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-3)
+    ds_config = {"train_batch_size": global_batch, "gradient_accumulation_steps": gas,
+                 "train_micro_batch_size_per_gpu": max(1, global_batch // (gas * dp)),
+                 "gradient_clipping": 1.0, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
+    return engine
+
+
+def main() -> int:
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    dp = torch.distributed.get_world_size() // 2
+    shapes = read_dataset(args.data, TINY_POLICY)
+    dataset = TinyMLLMDataset(shapes, TinyMLLMConfig(), seed=args.seed)
+    cost_model = CostModel.load(args.cost_model)
+    costs = cost_model.predict_samples(shapes)
+    labels = np.array([supervised_count(s) for s in shapes])
+    methods = args.methods.split(",")
+    bounds = [int(b) for b in args.dflop_bounds.split(",")]
+    engines = {"uniform": build_engine(None, args.gas, args.global_batch, dp, args.seed),
+               "dflop": build_engine(bounds, args.gas, args.global_batch, dp, args.seed)}
+    dp_rank = engines["dflop"].grid.get_data_parallel_rank()
+    batches = global_batches(epoch_permutation(len(shapes), args.seed, 0), args.global_batch, args.gas * dp)
+    rank = torch.distributed.get_rank()
+    rows = []
+    for round_id in range(args.warmup + args.rounds):
+        batch = batches[round_id % len(batches)]
+        denominator = max(int(labels[batch].sum()), 1) / (args.gas * dp)
+        order = methods[round_id % len(methods):] + methods[: round_id % len(methods)]
+        for method in order:
+            group = [shapes[i] for i in batch]
+            start = time.perf_counter()
+            split = split_for(method, batch.tolist(), shapes, costs[batch], args.gas, dp,
+                              microbatch_cost=lambda pos: cost_model.predict_microbatch([group[p] for p in pos]),
+                              time_limit_s=args.time_limit, seed=args.seed + round_id)
+            schedule_s = time.perf_counter() - start
+            microbatches = [collate_microbatch([dataset[ScheduledIndex(i, denominator)] for i in mb])
+                            for mb in split[dp_rank]]
+            engine = engines["dflop" if method == "dflop" else "uniform"]
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            engine.train_batch(iter(microbatches))
+            step_s = time.perf_counter() - start
+            flat = [mb for r in split for mb in r]
+            rows.append({
+                "round": round_id, "warmup": round_id < args.warmup, "method": method, "step_s": step_s,
+                "schedule_s": schedule_s, "samples": len(batch),
+                "tokens": int(sum(shapes[i].llm_tokens for i in batch)),
+                "padded_tokens": int(sum(len(mb) * max(shapes[i].llm_tokens for i in mb) for mb in flat)),
+            })
+            if rank == 0:
+                print(f"[e2e] round {round_id:2d} {method:6s} step {step_s:.3f}s", flush=True)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"rows": rows, "dp": dp, "global_batch": args.global_batch,
+                                              "gas": args.gas, "dflop_bounds": bounds}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
