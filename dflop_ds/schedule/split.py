@@ -7,6 +7,7 @@ non-empty microbatches per rank and every sample of the batch exactly once.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -14,6 +15,11 @@ import numpy as np
 
 RankSplit = list[list[list[int]]]
 MicrobatchCost = Callable[[Sequence[int]], np.ndarray]
+
+logger = logging.getLogger(__name__)
+#: Suffix of ``SplitResult.solver`` when the exact solver failed and the heuristic answered.
+FALLBACK_SUFFIX = "+fallback"
+_warned_fallback: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -105,10 +111,37 @@ def split_balanced(
 
     _check_sizes(len(batch), n_mb, dp)
     cost_matrix = np.asarray(costs, dtype=float).reshape(len(batch), -1)
-    partition = partition_batch(
-        cost_matrix, n_mb * dp, time_limit_s=time_limit_s, seed=seed, microbatch_cost=microbatch_cost
-    )
+    partition, solver = _partition_or_fallback(partition_batch, cost_matrix, n_mb * dp, time_limit_s, seed,
+                                               microbatch_cost)
     bucket_costs = _predict([partition.buckets], cost_matrix, microbatch_cost)[0]
     order = assign_to_ranks(bucket_costs, dp, n_mb)
     local = [[list(partition.buckets[b]) for b in rank] for rank in order]
-    return _result(local, batch, cost_matrix, microbatch_cost, float(partition.lower_bound), partition.solver)
+    return _result(local, batch, cost_matrix, microbatch_cost, float(partition.lower_bound), solver)
+
+
+def _partition_or_fallback(partition_batch, cost_matrix: np.ndarray, n_buckets: int, time_limit_s: float,
+                           seed: int, microbatch_cost: Optional[MicrobatchCost]):
+    """``partition_batch``, falling back to its heuristic alone when the exact solver fails.
+
+    Bad input (a ``ValueError``, e.g. a negative or NaN cost) is raised as is. Any other error
+    with the solver enabled (a PuLP error, a missing CBC binary, an OS error starting it) is
+    logged once per error type and answered by the deterministic heuristic; ``solver`` then
+    ends in :data:`FALLBACK_SUFFIX`. Returns ``(partition, solver)``.
+    """
+    try:
+        partition = partition_batch(cost_matrix, n_buckets, time_limit_s=time_limit_s, seed=seed,
+                                    microbatch_cost=microbatch_cost)
+        return partition, partition.solver
+    except ValueError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any solver failure must not stop training
+        if time_limit_s <= 0:
+            raise
+        kind = type(error).__name__
+        if kind not in _warned_fallback:
+            _warned_fallback.add(kind)
+            logger.warning("exact partition solver failed (%s: %s); using the heuristic split instead "
+                           "(logged once per error type)", kind, error)
+    partition = partition_batch(cost_matrix, n_buckets, time_limit_s=0.0, seed=seed,
+                                microbatch_cost=microbatch_cost)
+    return partition, partition.solver + FALLBACK_SUFFIX
