@@ -163,5 +163,6 @@ def collate_microbatch(items: Sequence[TinyItem]) -> tuple[tuple[torch.Tensor, .
     for b, item in enumerate(items):
         input_ids[b, : item.input_ids.numel()] = item.input_ids
         targets[b, : item.targets.numel()] = item.targets
-    denominator = torch.tensor(microbatch_denominator(items), dtype=torch.float32)
+    # float64 keeps ratios like 83 / 6 exact enough; the loss casts it to its own dtype
+    denominator = torch.tensor(microbatch_denominator(items), dtype=torch.float64)
     return (pixels, input_ids, text_lens, tiles), (targets, denominator)
