@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from dflop_ds.data.records import BAD_SAMPLE_POLICIES
+
 
 @dataclass
 class DFLOPConfig:
@@ -18,6 +20,9 @@ class DFLOPConfig:
         data: dataset path (shape manifest JSONL or LLaVA JSON/JSONL), relative to the working
             directory.
         max_samples: use only the first ``max_samples`` samples of the dataset (None: all).
+        on_bad_sample: what a bad dataset record does: ``"error"`` (default) stops with a
+            message naming the file, record and field; ``"skip"`` drops it, counts it and
+            prints the skip report (nothing is dropped silently).
         policy: ``"tiny"`` (the bundled tiny model's tiling) or ``"default"`` (LLaVA-OneVision).
         pipeline_stages: pipeline stages; the data-parallel size is world size / stages.
         stage_bounds: layer index bounds of each stage over encoder + projector + LLM layers
@@ -39,6 +44,7 @@ class DFLOPConfig:
     sampler: str = "dflop"
     data: str = "examples/data/mixture.jsonl"
     max_samples: Optional[int] = None
+    on_bad_sample: str = "error"
     policy: str = "tiny"
     pipeline_stages: int = 2
     stage_bounds: Optional[list[int]] = None
@@ -83,6 +89,7 @@ class DFLOPConfig:
             "policy": self.policy in ("tiny", "default"),
             "pipeline_stages": isinstance(self.pipeline_stages, int) and self.pipeline_stages >= 1,
             "max_samples": self.max_samples is None or self.max_samples >= 1,
+            "on_bad_sample": self.on_bad_sample in BAD_SAMPLE_POLICIES,
             "time_limit_s": self.time_limit_s >= 0,
             "prefetch": isinstance(self.prefetch, int) and self.prefetch >= 0,
             "steps": isinstance(self.steps, int) and self.steps >= 1,
