@@ -163,7 +163,11 @@ def _dflop_cpsat(costs: np.ndarray, n_buckets: int, time_limit_s: float, scale: 
 
 
 def _dflop_pulp(costs: np.ndarray, n_buckets: int, time_limit_s: float) -> Optional[Buckets]:
+    import warnings
+
     import pulp
+
+    warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.x deprecates its 2.x API
 
     n, k = costs.shape
     problem = pulp.LpProblem("dflop", pulp.LpMinimize)

@@ -10,6 +10,7 @@ whose split is given to the solver as its starting incumbent.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -72,6 +73,13 @@ def solve_ilp(
     best); ``lower``/``upper`` box the makespan variable (``upper`` must be achievable, e.g. the
     warm start's makespan); ``warm_labels`` seeds the incumbent.
     """
+    with warnings.catch_warnings():  # PuLP 3.x deprecates the 2.x API we keep for compatibility
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _solve(costs, n_buckets, order, lower, upper, warm_labels, time_limit_s, seed, memory)
+
+
+def _solve(costs, n_buckets, order, lower, upper, warm_labels, time_limit_s, seed, memory) -> IlpResult:
+    """Build and solve the model (see :func:`solve_ilp`)."""
     n, k = costs.shape
     name = available_solver()
     rank = np.empty(n, dtype=np.int64)

@@ -121,6 +121,34 @@ def differencing_assign(costs: np.ndarray, n_buckets: int, equal_size: bool = Tr
     return labels
 
 
+def two_way_split(rows: list[tuple[float, ...]]) -> list[int]:
+    """Two-way vector differencing in plain Python (fast for the few dozen items of a pair).
+
+    Same rule as :func:`differencing_assign` with two groups and no size constraint; returns
+    the side (0 or 1) of each row."""
+    import heapq
+
+    k = len(rows[0]) if rows else 1
+    zero = (0.0,) * k
+    heap = [(-max(row), i, row, zero, [i], []) for i, row in enumerate(rows)]
+    heapq.heapify(heap)
+    tie = len(heap)
+    while len(heap) > 1:
+        _, _, slow_a, fast_a, items_sa, items_fa = heapq.heappop(heap)
+        _, _, slow_b, fast_b, items_sb, items_fb = heapq.heappop(heap)
+        one = tuple(x + y for x, y in zip(slow_a, fast_b))
+        two = tuple(x + y for x, y in zip(fast_a, slow_b))
+        if max(one) >= max(two):
+            heapq.heappush(heap, (max(two) - max(one), tie, one, two, items_sa + items_fb, items_fa + items_sb))
+        else:
+            heapq.heappush(heap, (max(one) - max(two), tie, two, one, items_fa + items_sb, items_sa + items_fb))
+        tie += 1
+    sides = [0] * len(rows)
+    for i in heap[0][5]:
+        sides[i] = 1
+    return sides
+
+
 def _kk_entry(sums: np.ndarray, groups: list[list[int]], tie: int):
     """Heap entry of a partial solution: groups sorted slowest first, keyed by largest spread."""
     times = sums.max(axis=1)
@@ -173,6 +201,7 @@ def improve(
     partners: Sequence[int] = (12, 48),
     resplit: int = 8,
     target: float = 0.0,
+    allow_moves: bool = True,
 ) -> np.ndarray:
     """Lower the makespan by moving or swapping items out of the slowest bucket.
 
@@ -186,7 +215,8 @@ def improve(
     When no single move or swap helps, the slowest bucket and each of the ``resplit`` lightest
     buckets in turn are pooled and split afresh by two-way differencing; the first re-split
     that lowers both below the slowest time is kept, and the search goes on. The search stops
-    early once the makespan is at most ``target`` (e.g. a lower bound).
+    early once the makespan is at most ``target`` (e.g. a lower bound). With
+    ``allow_moves=False`` and ``resplit=0`` only swaps are made, so bucket sizes never change.
     A move never empties a bucket or breaks the memory cap.
     """
     labels = labels.copy()
@@ -201,7 +231,7 @@ def improve(
             break
         inside = everyone[labels == b]
         best_value, best_change = times[b] * (1.0 - 1e-12), None
-        if counts[b] > 1:
+        if allow_moves and counts[b] > 1:
             value = _move_values(loads, b, costs[inside], used, memory, inside)
             flat = int(value.argmin())
             if value.flat[flat] < best_value:
@@ -222,7 +252,7 @@ def improve(
             if best_change is not None or size >= n_buckets:
                 break
         if best_change is None:
-            if not _resplit_pair(costs, labels, loads, counts, used, memory, b, by_time[:resplit]):
+            if resplit <= 0 or not _resplit_pair(costs, labels, loads, counts, used, memory, b, by_time[:resplit]):
                 break
             continue
         item, other, destination = (int(v) for v in best_change)
@@ -242,7 +272,7 @@ def _resplit_pair(costs, labels, loads, counts, used, memory, b: int, partners: 
         if q == b:
             continue
         pooled = np.flatnonzero((labels == b) | (labels == q))
-        halves = differencing_assign(costs[pooled], 2, equal_size=False)
+        halves = np.array(two_way_split([tuple(row) for row in costs[pooled].tolist()]), dtype=np.int64)
         sizes = np.bincount(halves, minlength=2)
         if sizes.min() == 0:
             continue

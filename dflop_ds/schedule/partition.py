@@ -34,6 +34,8 @@ from dflop_ds.schedule.lpt import (
 OPTIMALITY_TOLERANCE = 1e-5
 #: The local search stops (and no further start is tried) this close to the lower bound.
 STOP_TOLERANCE = 1e-5
+#: Largest ``n * n_buckets`` for which unconstrained differencing is tried as a start.
+FREE_DIFFERENCING_MAX = 65_536
 #: How many of the lightest buckets the local search may re-split with the slowest one.
 RESPLIT_PARTNERS = 32
 #: Binary variables the ILP may have per second of time limit (beyond that it cannot help).
@@ -108,12 +110,17 @@ def _fits(labels: np.ndarray, n_buckets: int, memory: Optional[MemoryCap]) -> bo
 
 
 def _starts(costs: np.ndarray, n_buckets: int, seed: int, memory: Optional[MemoryCap]):
-    """Starting splits, best first: vector differencing (equal counts), then vector LPT (by
+    """Starting splits, best first: vector differencing (equal counts), differencing without
+    the count constraint (small instances only: it costs ``O(n * n_buckets)``), vector LPT (by
     cost; under a memory cap, by memory when cost order fails). Yields only splits that
     respect the memory cap; may yield none."""
     kk = differencing_assign(costs, n_buckets, equal_size=True)
     if _fits(kk, n_buckets, memory):
         yield kk
+    if costs.shape[0] * n_buckets <= FREE_DIFFERENCING_MAX:
+        free = differencing_assign(costs, n_buckets, equal_size=False)
+        if _fits(free, n_buckets, memory) and np.bincount(free, minlength=n_buckets).min() > 0:
+            yield free
     try:
         yield greedy_assign(costs, n_buckets, item_order(costs, seed), memory)
         return

@@ -1,0 +1,70 @@
+"""Map balanced microbatches (buckets) to data-parallel ranks and order them for the pipeline.
+
+DeepSpeed runs ``gradient_accumulation_steps`` microbatches on every dp rank, so each rank must
+get exactly ``n_mb`` buckets; the slowest rank gates the step, so the ranks' totals must be
+balanced; and within a rank the order decides how long the pipeline fills and drains.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflop_ds.schedule.bounds import as_cost_matrix
+from dflop_ds.schedule.lpt import differencing_assign, improve
+
+__all__ = ["assign_to_ranks", "pipeline_order", "rank_totals"]
+
+
+def rank_totals(bucket_costs: np.ndarray, ranks: list[list[int]]) -> np.ndarray:
+    """``(dp, k)`` summed bucket costs of each rank."""
+    matrix = as_cost_matrix(bucket_costs)
+    return np.array([matrix[rank].sum(axis=0) for rank in ranks]).reshape(len(ranks), matrix.shape[1])
+
+
+def pipeline_order(bucket_costs: np.ndarray, buckets: list[int]) -> list[int]:
+    """Order one rank's buckets to shorten the pipeline's fill and drain.
+
+    In a 1F1B pipeline the first microbatch's forward pass must cross every stage before the
+    last stage has work (fill), and the last microbatch's backward pass must cross every stage
+    back while the others idle (drain); microbatches in between overlap with each other. The
+    bubble therefore grows with the first microbatch's cost on the first stages and the last
+    microbatch's cost on the last stages. Column 0 (the encoder) runs on the first stages and
+    the last column (the LLM) on the last, so: the bucket with the smallest first-column cost
+    goes first, the one with the smallest last-column cost (of the rest) goes last, and the
+    others rise then fall in total cost, larger ones in the middle, where they overlap with
+    their neighbours (verl places small microbatches at both ends for the same reason).
+    """
+    matrix = as_cost_matrix(bucket_costs)
+    rest = sorted(buckets, key=lambda j: (matrix[j].sum(), j))
+    if len(rest) <= 1:
+        return list(rest)
+    first = min(rest, key=lambda j: (matrix[j, 0], matrix[j].sum(), j))
+    rest.remove(first)
+    last = min(rest, key=lambda j: (matrix[j, -1], matrix[j].sum(), j))
+    rest.remove(last)
+    middle = rest[0::2] + rest[1::2][::-1]
+    return [first, *middle, last]
+
+
+def assign_to_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
+    """Assign ``dp * n_mb`` buckets to ``dp`` ranks, exactly ``n_mb`` each, in execution order.
+
+    ``bucket_costs`` is ``(m, k)`` (columns ``[encoder, llm]``; 1-D means one column). A rank's
+    time is taken as the largest of its column sums (each column is a group of pipeline stages
+    working through all of the rank's microbatches); the slowest rank gates the step. Ranks are
+    balanced by equal-count vector differencing (Karmarkar-Karp), then swaps between the slowest
+    rank and the others; each rank's buckets are then ordered by :func:`pipeline_order`.
+    """
+    matrix = as_cost_matrix(bucket_costs)
+    if dp < 1 or n_mb < 1:
+        raise ValueError(f"dp and n_mb must be >= 1, got dp={dp}, n_mb={n_mb}")
+    if matrix.shape[0] != dp * n_mb:
+        raise ValueError(f"expected dp * n_mb = {dp * n_mb} buckets, got {matrix.shape[0]}")
+    labels = differencing_assign(matrix, dp, equal_size=True)
+    if dp > 1:
+        labels = improve(matrix, labels, dp, allow_moves=False, resplit=0, partners=(dp,))
+    counts = np.bincount(labels, minlength=dp)
+    if (counts != n_mb).any():  # guaranteed by equal-size differencing and swaps; checked anyway
+        raise AssertionError(f"rank sizes {counts.tolist()} differ from n_mb={n_mb}")
+    ranks = [np.flatnonzero(labels == r).tolist() for r in range(dp)]
+    return [pipeline_order(matrix, rank) for rank in ranks]

@@ -1,0 +1,80 @@
+"""assign_to_ranks: equal counts per rank, balanced totals, pipeline-friendly order."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflop_ds.schedule.ranks import assign_to_ranks, pipeline_order, rank_totals
+
+
+@st.composite
+def bucket_sets(draw):
+    dp = draw(st.integers(1, 6))
+    n_mb = draw(st.integers(1, 6))
+    k = draw(st.integers(1, 2))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    return rng.gamma(2.0, 1.0, size=(dp * n_mb, k)), dp, n_mb
+
+
+@settings(max_examples=80, deadline=None)
+@given(bucket_sets())
+def test_every_rank_gets_exactly_n_mb_distinct_buckets(case):
+    costs, dp, n_mb = case
+    ranks = assign_to_ranks(costs, dp, n_mb)
+    assert len(ranks) == dp
+    assert all(len(rank) == n_mb for rank in ranks)
+    assert sorted(b for rank in ranks for b in rank) == list(range(dp * n_mb))
+
+
+@settings(max_examples=60, deadline=None)
+@given(bucket_sets())
+def test_totals_are_no_worse_than_a_round_robin_deal(case):
+    costs, dp, n_mb = case
+    ranks = assign_to_ranks(costs, dp, n_mb)
+    ours = rank_totals(costs, ranks).max()
+    by_size = np.argsort(-costs.max(axis=1))
+    round_robin = [by_size[r::dp].tolist() for r in range(dp)]
+    assert ours <= rank_totals(costs, round_robin).max() + 1e-9
+    assert ours >= costs.sum(axis=0).max() / dp - 1e-9
+
+
+def test_totals_are_optimal_on_a_small_exhaustive_case():
+    rng = np.random.default_rng(3)
+    costs = rng.gamma(2.0, 1.0, size=(6, 2))
+    best = min(
+        rank_totals(costs, [list(a), [b for b in range(6) if b not in a]]).max()
+        for a in itertools.combinations(range(6), 3)
+    )
+    ours = rank_totals(costs, assign_to_ranks(costs, 2, 3)).max()
+    assert ours <= best * 1.05
+
+
+def test_imbalanced_buckets_are_spread():
+    # two heavy buckets must not land on the same rank
+    costs = np.array([[1.0, 10.0], [1.0, 10.0], [1.0, 1.0], [1.0, 1.0]])
+    ranks = assign_to_ranks(costs, 2, 2)
+    assert all(sorted(costs[rank, 1].tolist()) == [1.0, 10.0] for rank in ranks)
+
+
+def test_order_puts_cheap_first_stage_first_and_cheap_last_stage_last():
+    costs = np.array([[5.0, 5.0], [1.0, 9.0], [9.0, 1.0], [6.0, 6.0], [7.0, 7.0]])
+    order = pipeline_order(costs, [0, 1, 2, 3, 4])
+    assert order[0] == 1  # smallest encoder cost
+    assert order[-1] == 2  # smallest LLM cost among the rest
+    middle_totals = [costs[b].sum() for b in order[1:-1]]
+    peak = int(np.argmax(middle_totals))
+    assert middle_totals[:peak + 1] == sorted(middle_totals[:peak + 1])
+    assert middle_totals[peak:] == sorted(middle_totals[peak:], reverse=True)
+
+
+def test_one_column_and_wrong_sizes():
+    ranks = assign_to_ranks(np.arange(1.0, 9.0), 2, 4)
+    assert [len(r) for r in ranks] == [4, 4]
+    assert rank_totals(np.arange(1.0, 9.0), ranks).ravel().tolist() == [18.0, 18.0]
+    with pytest.raises(ValueError, match="dp \\* n_mb"):
+        assign_to_ranks(np.ones((5, 2)), 2, 3)
