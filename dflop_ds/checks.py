@@ -1,0 +1,171 @@
+"""Refuse a training setup whose pieces disagree, before any process builds an engine.
+
+The DeepSpeed config's batch keys, the ``"dflop"`` block, the world size, an optional plan and
+the dataset size must tell one consistent story. :func:`check_training_setup` checks them all
+and raises :class:`SetupError` naming the key at fault, so a mistake costs seconds at start-up
+instead of a hang or a silently different schedule hours later.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Protocol, Sequence
+
+from dflop_ds.config import DFLOPConfig
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+class SetupError(ValueError):
+    """The DeepSpeed config, the ``"dflop"`` block, the plan and the data disagree."""
+
+
+class PlanLike(Protocol):
+    """What the checks read from a :class:`dflop_ds.plan.Plan`."""
+
+    n_mb: int
+    global_batch_size: int
+    deepspeed_compatible: bool
+
+    @property
+    def pipeline_stages(self) -> int: ...
+
+    @property
+    def dp(self) -> int: ...
+
+    def micro_batch_size(self) -> int: ...
+
+    def world_size(self) -> int: ...
+
+    def stage_bounds(self) -> list[int]: ...
+
+
+def _positive_int(ds_config: Mapping[str, Any], key: str) -> Optional[int]:
+    """``ds_config[key]`` as a positive int, ``None`` when absent (``"auto"`` is not resolved here)."""
+    value = ds_config.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SetupError(f"DeepSpeed config: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def resolve_batch_keys(ds_config: Mapping[str, Any], dp: int) -> tuple[int, int, int]:
+    """``(train_batch_size, micro_batch, gradient_accumulation_steps)`` as DeepSpeed derives them.
+
+    DeepSpeed needs ``train_batch_size = micro * GAS * dp``; given two of the three keys it
+    derives the third, given one it takes ``GAS = 1``. Raises :class:`SetupError` naming the
+    keys when they cannot agree.
+    """
+    total, micro, gas = (_positive_int(ds_config, key) for key in BATCH_KEYS)
+    if total is None and micro is None:
+        raise SetupError("DeepSpeed config: give train_batch_size or train_micro_batch_size_per_gpu")
+    if micro is None:
+        gas = gas or 1
+        if total % (gas * dp):
+            raise SetupError(
+                f"DeepSpeed config: train_batch_size={total} is not a multiple of gradient_accumulation_steps={gas}"
+                f" x data-parallel size {dp}"
+            )
+        micro = total // (gas * dp)
+    elif gas is None:
+        gas = 1 if total is None else total // (micro * dp)
+        if total is not None and (gas < 1 or total != micro * gas * dp):
+            raise SetupError(
+                f"DeepSpeed config: train_batch_size={total} is not a multiple of "
+                f"train_micro_batch_size_per_gpu={micro} x data-parallel size {dp}"
+            )
+    total = micro * gas * dp if total is None else total
+    if total != micro * gas * dp:
+        raise SetupError(
+            f"DeepSpeed config: train_batch_size={total} must equal train_micro_batch_size_per_gpu={micro}"
+            f" x gradient_accumulation_steps={gas} x data-parallel size {dp} (= {micro * gas * dp});"
+            f" data-parallel size = world size / \"dflop\".pipeline_stages"
+        )
+    return total, micro, gas
+
+
+def check_stage_bounds(bounds: Sequence[int], num_stages: int, n_layers: Optional[int]) -> None:
+    """``"dflop".stage_bounds`` must run from 0 to the layer count, strictly increasing."""
+    bounds = list(bounds)
+    if len(bounds) != num_stages + 1:
+        raise SetupError(f"\"dflop\".stage_bounds {bounds} needs pipeline_stages + 1 = {num_stages + 1} entries")
+    if any(isinstance(b, bool) or not isinstance(b, int) for b in bounds):
+        raise SetupError(f"\"dflop\".stage_bounds {bounds} must be integers")
+    if bounds[0] != 0:
+        raise SetupError(f"\"dflop\".stage_bounds {bounds} must start at layer 0")
+    steps = [b - a for a, b in zip(bounds, bounds[1:])]
+    if min(steps) < 1:
+        stage = steps.index(min(steps))
+        raise SetupError(f"\"dflop\".stage_bounds {bounds} are not increasing: stage {stage} gets no layers")
+    if n_layers is not None and bounds[-1] != n_layers:
+        raise SetupError(
+            f"\"dflop\".stage_bounds {bounds} end at layer {bounds[-1]}, but the model has {n_layers}"
+            " layers (encoder + projector + LLM)"
+        )
+
+
+def check_plan(plan: PlanLike, *, stages: int, world_size: int, dp: int, total: int, micro: int, gas: int,
+               stage_bounds: Optional[Sequence[int]], n_layers: Optional[int]) -> None:
+    """The plan must describe the run the DeepSpeed config and world size set up."""
+    if not plan.deepspeed_compatible:
+        raise SetupError("plan: it puts encoder and LLM on separate GPU sets; stock DeepSpeed cannot run it")
+    if plan.global_batch_size < plan.n_mb * plan.dp:
+        raise SetupError(
+            f"plan: global_batch_size={plan.global_batch_size} cannot give n_mb={plan.n_mb} non-empty"
+            f" microbatches to each of dp={plan.dp} data-parallel ranks"
+        )
+    expected = plan.micro_batch_size() * plan.n_mb * plan.dp
+    mismatches = [
+        ("world size", world_size, plan.world_size()),
+        ("\"dflop\".pipeline_stages", stages, plan.pipeline_stages),
+        ("data-parallel size (world size / pipeline_stages)", dp, plan.dp),
+        ("gradient_accumulation_steps", gas, plan.n_mb),
+        ("train_micro_batch_size_per_gpu", micro, plan.micro_batch_size()),
+        ("train_batch_size", total, expected),
+    ]
+    if stage_bounds is not None and n_layers is not None and plan.stage_bounds()[-1] == n_layers:
+        mismatches.append(("\"dflop\".stage_bounds", list(stage_bounds), plan.stage_bounds()))
+    for key, have, want in mismatches:
+        if have != want:
+            raise SetupError(f"{key} is {have}, but the plan says {want}: run with the plan's DeepSpeed config"
+                             " (Plan.deepspeed_config) or re-plan for this setup")
+
+
+def check_training_setup(
+    ds_config: Mapping[str, Any],
+    dflop: DFLOPConfig,
+    world_size: int,
+    plan: Optional[PlanLike] = None,
+    n_samples: Optional[int] = None,
+    *,
+    n_layers: Optional[int] = None,
+) -> None:
+    """Raise :class:`SetupError` (a ``ValueError``) naming the key at fault, or return None.
+
+    Checks: ``"dflop".pipeline_stages`` divides ``world_size``; the batch keys satisfy
+    ``train_batch_size = micro * GAS * dp`` (with ``micro >= 1``, so one global batch fills
+    ``GAS`` microbatches on every data-parallel rank); ``"dflop".stage_bounds`` (when given) is increasing from 0 to
+    ``n_layers`` (when known); a plan agrees with all of these; the dataset (``n_samples``)
+    holds at least one global batch.
+    """
+    stages = dflop.pipeline_stages
+    if world_size < 1:
+        raise SetupError(f"world size must be >= 1, got {world_size}")
+    if world_size % stages:
+        raise SetupError(f"\"dflop\".pipeline_stages={stages} does not divide the world size {world_size}")
+    dp = world_size // stages
+    total, micro, gas = resolve_batch_keys(ds_config, dp)  # micro >= 1, so total >= gas * dp
+    if dflop.stage_bounds is not None:
+        check_stage_bounds(dflop.stage_bounds, stages, n_layers)
+    if plan is not None:
+        check_plan(plan, stages=stages, world_size=world_size, dp=dp, total=total, micro=micro, gas=gas,
+                   stage_bounds=dflop.stage_bounds, n_layers=n_layers)
+    if n_samples is not None and n_samples < total:
+        raise SetupError(
+            f"\"dflop\".data ({dflop.data}) has {n_samples} usable samples"
+            f"{'' if dflop.max_samples is None else f' (max_samples={dflop.max_samples})'},"
+            f" fewer than one global batch (train_batch_size={total})"
+        )
+
+
+__all__ = ["SetupError", "check_training_setup", "resolve_batch_keys", "check_stage_bounds", "check_plan"]
