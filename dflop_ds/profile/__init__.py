@@ -1,1 +1,29 @@
-"""dflop_ds.profile"""
+"""dflop_ds.profile: model profiler, data profiler and the fitted CostModel.
+
+* :func:`profile_model` times forward+backward (attention separately) and memory of an encoder
+  and an LLM given as flat lists of pipeline layers; :func:`tiny_target` is the bundled model.
+* :class:`CostModel` fits monotone, non-negative regressors on a :class:`ModelProfile`.
+* :func:`profile_data` / :class:`DataProfile`: the shape distribution of a dataset.
+* :class:`ProxyCost`: the no-profiling fallback with the same prediction interface.
+"""
+
+from dflop_ds.profile.costmodel import CostModel
+from dflop_ds.profile.data import DataProfile, profile_data
+from dflop_ds.profile.inputs import ContractEncoderInputs, ContractLLMInputs
+from dflop_ds.profile.model import Measurement, ModelProfile, profile_model
+from dflop_ds.profile.proxy import ProxyCost
+from dflop_ds.profile.tiny import ProfileTarget, tiny_target
+
+__all__ = [
+    "ContractEncoderInputs",
+    "ContractLLMInputs",
+    "CostModel",
+    "DataProfile",
+    "Measurement",
+    "ModelProfile",
+    "ProfileTarget",
+    "ProxyCost",
+    "profile_data",
+    "profile_model",
+    "tiny_target",
+]

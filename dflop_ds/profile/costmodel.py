@@ -1,0 +1,252 @@
+"""CostModel: fitted forward+backward time and memory of the encoder and the LLM.
+
+Fitted on a :class:`~dflop_ds.profile.model.ModelProfile`. The encoder's cost is a function of
+the tiles it processes, the LLM's of ``(batch, longest sequence)``, because the collate pads
+every sample of a microbatch to its longest one: a microbatch of one long and three short
+samples costs the LLM as much as four long ones. Per-sample predictions treat each sample as
+a microbatch of its own.
+"""
+
+from __future__ import annotations
+
+import json
+from os import PathLike
+from typing import Any, Sequence, Union
+
+import numpy as np
+
+from dflop_ds.profile.fit import MonotoneFit
+from dflop_ds.profile.model import Measurement, ModelProfile
+from dflop_ds.shapes import SampleShape
+
+PathArg = Union[str, "PathLike[str]"]
+FORMAT = "dflop-ds-costmodel"
+FORMAT_VERSION = 1
+
+ENCODER_TIME = ("1", "T")
+LLM_LINEAR_TIME = ("1", "B", "B*S", "B*S^2")
+LLM_ATTENTION_TIME = ("B*S", "B*S^2")
+ENCODER_BYTES = ("1", "T")
+LLM_BYTES = ("B", "B*S", "B*S^2")
+
+
+def _encoder_vars(points: Sequence[Measurement]) -> dict[str, np.ndarray]:
+    return {"T": np.array([p.tiles for p in points], dtype=float)}
+
+
+def _llm_vars(points: Sequence[Measurement]) -> dict[str, np.ndarray]:
+    return {
+        "B": np.array([p.batch for p in points], dtype=float),
+        "S": np.array([p.seq_len for p in points], dtype=float),
+    }
+
+
+class CostModel:
+    """Measured cost model with the planner's and the scheduler's interface.
+
+    Args:
+        encoder_features: features of the encoder time in the tile count ``T``.
+        llm_linear_features: features of the LLM's non-attention time in ``B`` and ``S``.
+        llm_attention_features: features of the LLM's attention time (quadratic in ``S``).
+        separate_attention: fit attention and the rest separately when attention was timed;
+            otherwise one fit of the total on the union of both feature sets.
+
+    Fitted attributes: ``encoder_time_``, ``llm_time_`` (list of fits summed),
+    ``encoder_bytes_``, ``llm_bytes_``, ``encoder_peak_``, ``llm_peak_`` (``None`` when peak
+    memory was not measured), ``profile_``. Planner attributes: ``encoder_layers``,
+    ``llm_layers``, ``param_bytes``, ``hidden_bytes_per_token``, ``is_analytic`` (False).
+    """
+
+    is_analytic = False
+
+    def __init__(
+        self,
+        encoder_features: Sequence[str] = ENCODER_TIME,
+        llm_linear_features: Sequence[str] = LLM_LINEAR_TIME,
+        llm_attention_features: Sequence[str] = LLM_ATTENTION_TIME,
+        separate_attention: bool = True,
+    ) -> None:
+        self.encoder_features = tuple(encoder_features)
+        self.llm_linear_features = tuple(llm_linear_features)
+        self.llm_attention_features = tuple(llm_attention_features)
+        self.separate_attention = separate_attention
+
+    # -- fitting -------------------------------------------------------------------------
+    def fit(self, profile: ModelProfile) -> "CostModel":
+        """Fit every regressor on ``profile``; returns ``self``."""
+        if not profile.encoder or not profile.llm:
+            raise ValueError("the profile needs both encoder and LLM measurements to fit a CostModel")
+        enc, llm = _encoder_vars(profile.encoder), _llm_vars(profile.llm)
+        self.encoder_time_ = MonotoneFit(self.encoder_features).fit(enc, [p.time_s for p in profile.encoder])
+        timed_attention = all(p.attention_s is not None for p in profile.llm)
+        if self.separate_attention and timed_attention:
+            attention = [p.attention_s or 0.0 for p in profile.llm]
+            total = [p.time_s for p in profile.llm]
+            rest = [t - a for t, a in zip(total, attention)]
+            self.llm_time_ = [
+                MonotoneFit(self.llm_linear_features).fit(llm, rest, scale=total),
+                MonotoneFit(self.llm_attention_features).fit(llm, attention, scale=total),
+            ]
+        else:
+            union = tuple(dict.fromkeys(self.llm_linear_features + self.llm_attention_features))
+            self.llm_time_ = [MonotoneFit(union).fit(llm, [p.time_s for p in profile.llm])]
+        self.encoder_bytes_ = MonotoneFit(ENCODER_BYTES, relative=False).fit(
+            enc, [p.activation_bytes for p in profile.encoder]
+        )
+        self.llm_bytes_ = MonotoneFit(LLM_BYTES, relative=False).fit(llm, [p.activation_bytes for p in profile.llm])
+        self.encoder_peak_ = self._fit_peak(ENCODER_BYTES, enc, profile.encoder)
+        self.llm_peak_ = self._fit_peak(LLM_BYTES, llm, profile.llm)
+        self._set_planner_attributes(profile)
+        return self
+
+    @staticmethod
+    def _fit_peak(features: Sequence[str], variables: dict, points: Sequence[Measurement]) -> MonotoneFit | None:
+        if any(p.peak_bytes is None for p in points):
+            return None
+        return MonotoneFit(features, relative=False).fit(variables, [p.peak_bytes for p in points])
+
+    def _set_planner_attributes(self, profile: ModelProfile) -> None:
+        self.profile_ = profile
+        self.encoder_layers = profile.encoder_layers
+        self.llm_layers = profile.llm_layers
+        self.param_bytes = dict(profile.param_bytes)
+        self.hidden_bytes_per_token = profile.hidden_bytes_per_token
+
+    def _check_fitted(self) -> None:
+        if not hasattr(self, "encoder_time_"):
+            raise RuntimeError("this CostModel is not fitted: call fit(profile) or CostModel.load(path)")
+
+    # -- raw curves ----------------------------------------------------------------------
+    def encoder_time(self, tiles: Sequence[float]) -> np.ndarray:
+        """Encoder (+projector) seconds for microbatches of ``tiles`` tiles in total."""
+        self._check_fitted()
+        return self.encoder_time_.predict({"T": np.asarray(tiles, dtype=float)})
+
+    def llm_time(self, batch: Sequence[float], seq_len: Sequence[float]) -> np.ndarray:
+        """LLM seconds for microbatches of ``batch`` samples padded to ``seq_len``."""
+        self._check_fitted()
+        variables = {"B": np.asarray(batch, dtype=float), "S": np.asarray(seq_len, dtype=float)}
+        return np.sum([fit.predict(variables) for fit in self.llm_time_], axis=0)
+
+    def llm_attention_time(self, batch: Sequence[float], seq_len: Sequence[float]) -> np.ndarray | None:
+        """The attention share of :meth:`llm_time`, or ``None`` when attention was not separated."""
+        self._check_fitted()
+        if len(self.llm_time_) < 2:
+            return None
+        return self.llm_time_[1].predict({"B": np.asarray(batch, dtype=float), "S": np.asarray(seq_len, dtype=float)})
+
+    # -- the scheduling and planning interface ------------------------------------------
+    def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """``(n, 2)`` seconds ``[encoder, llm]`` of each sample alone, over the full depth.
+
+        A sample without tiles costs the encoder nothing; one without tokens costs the LLM nothing.
+        """
+        tiles = np.array([s.encoder_tiles for s in shapes], dtype=float)
+        tokens = np.array([s.llm_tokens for s in shapes], dtype=float)
+        encoder = np.where(tiles > 0, self.encoder_time(tiles), 0.0)
+        llm = np.where(tokens > 0, self.llm_time(np.ones_like(tokens), tokens), 0.0)
+        return np.stack([encoder, llm], axis=1).reshape(-1, 2)
+
+    @staticmethod
+    def _microbatch_vars(shapes: Sequence[SampleShape]) -> tuple[float, float, float]:
+        tiles = float(sum(s.encoder_tiles for s in shapes))
+        longest = float(max(s.llm_tokens for s in shapes))
+        return tiles, float(len(shapes)), longest
+
+    def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """``(2,)`` seconds ``[encoder, llm]`` of one collated microbatch (padded to its longest)."""
+        if not shapes:
+            return np.zeros(2)
+        tiles, batch, longest = self._microbatch_vars(shapes)
+        return np.array([self.encoder_time([tiles])[0], self.llm_time([batch], [longest])[0]])
+
+    def predict_activation_bytes(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """``(2,)`` activation bytes kept for backward by one microbatch over the full depth."""
+        self._check_fitted()
+        if not shapes:
+            return np.zeros(2)
+        tiles, batch, longest = self._microbatch_vars(shapes)
+        return np.array([
+            self.encoder_bytes_.predict({"T": [tiles]})[0],
+            self.llm_bytes_.predict({"B": [batch], "S": [longest]})[0],
+        ])
+
+    def predict_memory(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """``(2,)`` peak bytes above the parameters while one microbatch runs forward+backward.
+
+        Uses the measured peak where the platform measured one, else the activation bytes.
+        """
+        if not shapes:
+            return np.zeros(2)
+        activations = self.predict_activation_bytes(shapes)
+        tiles, batch, longest = self._microbatch_vars(shapes)
+        peaks = [
+            None if self.encoder_peak_ is None else self.encoder_peak_.predict({"T": [tiles]})[0],
+            None if self.llm_peak_ is None else self.llm_peak_.predict({"B": [batch], "S": [longest]})[0],
+        ]
+        return np.array([a if p is None else max(a, p) for a, p in zip(activations, peaks)])
+
+    # -- serialization -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict: format header, constructor parameters, fits and the measurements."""
+        self._check_fitted()
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "params": {
+                "encoder_features": list(self.encoder_features),
+                "llm_linear_features": list(self.llm_linear_features),
+                "llm_attention_features": list(self.llm_attention_features),
+                "separate_attention": self.separate_attention,
+            },
+            "fits": {
+                "encoder_time": self.encoder_time_.to_dict(),
+                "llm_time": [fit.to_dict() for fit in self.llm_time_],
+                "encoder_bytes": self.encoder_bytes_.to_dict(),
+                "llm_bytes": self.llm_bytes_.to_dict(),
+                "encoder_peak": None if self.encoder_peak_ is None else self.encoder_peak_.to_dict(),
+                "llm_peak": None if self.llm_peak_ is None else self.llm_peak_.to_dict(),
+            },
+            "profile": self.profile_.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "cost model") -> "CostModel":
+        """Inverse of :meth:`to_dict`; refuses another format or version, naming ``source``."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"{source} is not a dflop-ds cost model (missing format {FORMAT!r})")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"{source} has cost-model format_version {version!r}, but this dflop-ds reads "
+                f"version {FORMAT_VERSION}: re-run `dflop-ds profile model` to rebuild it"
+            )
+        try:
+            model = cls(**data["params"])
+            fits = data["fits"]
+            model.encoder_time_ = MonotoneFit.from_dict(fits["encoder_time"])
+            model.llm_time_ = [MonotoneFit.from_dict(f) for f in fits["llm_time"]]
+            model.encoder_bytes_ = MonotoneFit.from_dict(fits["encoder_bytes"])
+            model.llm_bytes_ = MonotoneFit.from_dict(fits["llm_bytes"])
+            model.encoder_peak_ = None if fits["encoder_peak"] is None else MonotoneFit.from_dict(fits["encoder_peak"])
+            model.llm_peak_ = None if fits["llm_peak"] is None else MonotoneFit.from_dict(fits["llm_peak"])
+            model._set_planner_attributes(ModelProfile.from_dict(data["profile"]))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{source}: malformed cost model, {type(exc).__name__}: {exc}") from exc
+        return model
+
+    def save(self, path: PathArg) -> None:
+        """Write the model as JSON to ``path``."""
+        with open(path, "w", encoding="utf-8") as out:
+            json.dump(self.to_dict(), out, indent=1)
+            out.write("\n")
+
+    @classmethod
+    def load(cls, path: PathArg) -> "CostModel":
+        """Read a model written by :meth:`save`; errors name the file."""
+        try:
+            with open(path, encoding="utf-8") as src:
+                data = json.load(src)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        return cls.from_dict(data, source=str(path))

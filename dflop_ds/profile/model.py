@@ -1,0 +1,344 @@
+"""Model profiler: forward+backward time, attention time and memory of the real layers.
+
+The encoder segment (its layers, then the projector if given) is swept over tile counts; the
+LLM segment over ``(batch, seq_len)`` grids, every sample ``seq_len`` long as in a microbatch
+padded to its longest sample. Each profiled layer is timed on its own (inputs are fresh leaves
+that require grad, as at a pipeline stage boundary); a few identical blocks stand for the full
+depth (:mod:`dflop_ds.profile.layers`). Attention is timed as the difference between a layer
+with and without its attention (:class:`dflop_ds.profile.attention.AttentionOff`).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from dflop_ds.profile.attention import AttentionOff
+from dflop_ds.profile.inputs import EncoderInputFactory, LLMInputFactory
+from dflop_ds.profile.layers import ProfiledLayer, describe_selection, parameter_bytes, select_layers
+from dflop_ds.profile.timing import (
+    Inputs,
+    PeakMemory,
+    clock_function,
+    forward_backward,
+    prepare_inputs,
+    profiling_device,
+    resolve_clock,
+    robust_statistic,
+    saved_activation_bytes,
+    time_once,
+)
+
+#: Default sweeps for the bundled tiny model (TINY_POLICY: 16 tokens per tile/frame).
+DEFAULT_TILES = (1, 2, 4, 8, 16, 24, 32, 48)
+DEFAULT_SEQ_LENS = (16, 64, 128, 256, 384, 512, 768)
+DEFAULT_BATCH_SIZES = (1, 2, 4)
+
+
+@dataclass
+class Measurement:
+    """Full-depth measurements of one segment at one input size.
+
+    ``tiles`` is set for the encoder, ``batch`` and ``seq_len`` for the LLM. Times are robust
+    seconds of forward+backward; ``attention_s`` is ``None`` when no attention call was seen.
+    ``peak_bytes`` is ``None`` when the platform cannot measure peak memory.
+    """
+
+    time_s: float
+    attention_s: float | None
+    activation_bytes: int
+    peak_bytes: int | None
+    tiles: int = 0
+    batch: int = 1
+    seq_len: int = 0
+
+
+@dataclass
+class ModelProfile:
+    """Measurements of an encoder and an LLM segment, scaled to their full depths."""
+
+    encoder: list[Measurement]
+    llm: list[Measurement]
+    encoder_layers: int
+    llm_layers: int
+    param_bytes: dict[str, int]
+    hidden_bytes_per_token: float
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict."""
+        data = asdict(self)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelProfile":
+        """Inverse of :meth:`to_dict`."""
+        try:
+            return cls(
+                encoder=[Measurement(**m) for m in data["encoder"]],
+                llm=[Measurement(**m) for m in data["llm"]],
+                encoder_layers=int(data["encoder_layers"]),
+                llm_layers=int(data["llm_layers"]),
+                param_bytes={k: int(v) for k, v in data["param_bytes"].items()},
+                hidden_bytes_per_token=float(data["hidden_bytes_per_token"]),
+                meta=dict(data.get("meta", {})),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed model profile: {exc}") from exc
+
+
+@dataclass
+class SegmentRun:
+    """Settings shared by every timing of a profiling run."""
+
+    warmup: int = 2
+    repeats: int = 5
+    statistic: str = "median"
+    clock: str = "auto"
+    attention_off: Callable[[], AbstractContextManager[Any]] | None = None
+    device: torch.device = field(default_factory=profiling_device)
+
+
+@dataclass
+class LayerJob:
+    """One profiled layer at one input size: prepared inputs, memory, and its timings."""
+
+    point: int
+    layer: torch.nn.Module
+    weight: float
+    inputs: Inputs
+    activation_bytes: int
+    transient_bytes: int | None
+    attention_off: Callable[[], AbstractContextManager[Any]] | None
+    full: list[float] = field(default_factory=list)
+    without_attention: list[float] = field(default_factory=list)
+
+
+def _uses_attention(layer: torch.nn.Module, inputs: Inputs) -> bool:
+    probe = AttentionOff()
+    with torch.no_grad(), probe:
+        layer(inputs)
+    return probe.calls > 0
+
+
+def prepare_jobs(
+    point: int,
+    layers: Sequence[torch.nn.Module],
+    selection: Sequence[ProfiledLayer],
+    inputs: Inputs,
+    run: SegmentRun,
+    *,
+    first_input_grad: bool,
+) -> list[LayerJob]:
+    """The jobs of one input size: run the selected layers in order, each on the (detached)
+    output of the previous one, measuring its saved activations and peak memory once."""
+    jobs = []
+    current = inputs
+    for position, chosen in enumerate(selection):
+        layer = layers[chosen.index]
+        leaf = prepare_inputs(current, run.device, requires_grad=first_input_grad or position > 0)
+        with saved_activation_bytes(list(layer.parameters())) as saved:
+            forward_backward(layer, leaf)
+        with PeakMemory() as peak:
+            forward_backward(layer, leaf)
+        transient = None if peak.bytes is None else max(0, peak.bytes - saved[0])
+        if run.attention_off is not None:
+            off: Callable[[], AbstractContextManager[Any]] | None = run.attention_off
+        else:
+            off = AttentionOff if _uses_attention(layer, leaf) else None
+        jobs.append(LayerJob(point, layer, chosen.weight, leaf, saved[0], transient, off))
+        with torch.no_grad():
+            out = layer(leaf)
+        current = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    return jobs
+
+
+def run_rounds(jobs: Sequence[LayerJob], run: SegmentRun, bar: Any = None) -> None:
+    """Time every job ``warmup + repeats`` times, one pass per job per round.
+
+    Rounds sweep all jobs, so a change of machine load during profiling spreads over all
+    input sizes instead of bending one end of a curve. Each timed pass follows an untimed
+    pass of the same job, so that it finds the caches as a layer in a running model does,
+    not as the previous (maybe much larger) job left them.
+    """
+    now = clock_function(run.clock)
+    for round_index in range(run.warmup + run.repeats):
+        keep = round_index >= run.warmup
+        for job in jobs:
+            forward_backward(job.layer, job.inputs)
+            elapsed = time_once(job.layer, job.inputs, now)
+            if job.attention_off is not None:
+                without = time_once(job.layer, job.inputs, now, job.attention_off)
+                if keep:
+                    job.without_attention.append(without)
+            if keep:
+                job.full.append(elapsed)
+        if bar is not None:
+            bar.update(1)
+
+
+def summarize_point(jobs: Sequence[LayerJob], statistic: str) -> tuple[float, float | None, int, int | None]:
+    """Full-depth ``(time_s, attention_s, activation_bytes, peak_bytes)`` of one input size.
+
+    Peak memory at full depth is every layer's saved activations plus the largest transient.
+    """
+    time_s, attention_s, activations = 0.0, None, 0.0
+    transients = [job.transient_bytes for job in jobs if job.transient_bytes is not None]
+    for job in jobs:
+        full = robust_statistic(job.full, statistic)
+        time_s += job.weight * full
+        if job.without_attention:
+            share = max(0.0, full - robust_statistic(job.without_attention, statistic))
+            attention_s = (attention_s or 0.0) + job.weight * share
+        activations += job.weight * job.activation_bytes
+    peak = int(activations + max(transients)) if transients and len(transients) == len(jobs) else None
+    return time_s, attention_s, int(activations), peak
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``torch.set_num_threads(threads)`` (unchanged when ``None``)."""
+    if threads is None:
+        yield
+        return
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _progress(total: int, enabled: bool, desc: str):  # noqa: ANN202 - tqdm or a no-op
+    if not enabled:
+        return nullcontext(None)
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="round", leave=False)
+
+
+def profile_model(
+    encoder_layers: Sequence[torch.nn.Module],
+    llm_layers: Sequence[torch.nn.Module],
+    *,
+    encoder_inputs: EncoderInputFactory,
+    llm_inputs: LLMInputFactory,
+    projector: torch.nn.Module | None = None,
+    tiles: Sequence[int] = DEFAULT_TILES,
+    seq_lens: Sequence[int] = DEFAULT_SEQ_LENS,
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    max_blocks: int = 2,
+    warmup: int = 2,
+    repeats: int = 5,
+    statistic: str = "median",
+    clock: str = "auto",
+    threads: int | None = 1,
+    attention_off: Callable[[], AbstractContextManager[Any]] | None = None,
+    progress: bool = True,
+    seed: int = 0,
+) -> ModelProfile:
+    """Profile forward+backward of an encoder and an LLM, given as flat lists of layers.
+
+    Args:
+        encoder_layers: vision encoder layers; the first receives the factory's raw inputs.
+        llm_layers: LLM layers (the head included if it is one of them).
+        encoder_inputs: ``(tiles, batch) -> tuple`` inputs of the first encoder layer.
+        llm_inputs: ``(batch, seq_len) -> tuple`` inputs of the first LLM layer.
+        projector: optional layer run after the encoder; its time counts as encoder time.
+        tiles, seq_lens, batch_sizes: the sweeps (encoder: one sample of ``tiles`` tiles).
+        max_blocks: identical blocks profiled per segment; they are scaled to the full depth.
+        warmup, repeats, statistic: timing protocol (see :func:`robust_statistic`).
+        clock: ``"wall"``, ``"cpu"`` (process CPU time) or ``"auto"`` (CPU time on a CPU device,
+            wall time on an accelerator), see :func:`resolve_clock`.
+        threads: torch threads while profiling (training ranks use 1); ``None`` keeps the current.
+        attention_off: context factory disabling attention, for models that do not call
+            ``scaled_dot_product_attention``.
+        progress: show a tqdm progress bar.
+        seed: seeds the random inputs.
+    """
+    run = SegmentRun(
+        warmup=warmup, repeats=repeats, statistic=statistic, clock=resolve_clock(clock), attention_off=attention_off
+    )
+    encoder_chain = list(encoder_layers) + ([projector] if projector is not None else [])
+    encoder_pick = select_layers(encoder_chain, max_blocks)
+    llm_pick = select_layers(list(llm_layers), max_blocks)
+    for module in encoder_chain + list(llm_layers):
+        module.to(run.device).train()
+    torch.manual_seed(seed)
+    grid = [(b, s) for b in batch_sizes for s in seq_lens]
+    started = time.perf_counter()
+    with torch_threads(threads):
+        encoder_jobs = [
+            prepare_jobs(i, encoder_chain, encoder_pick, encoder_inputs(count, 1), run, first_input_grad=False)
+            for i, count in enumerate(tiles)
+        ]
+        llm_jobs = [
+            prepare_jobs(i, list(llm_layers), llm_pick, llm_inputs(b, s), run, first_input_grad=True)
+            for i, (b, s) in enumerate(grid)
+        ]
+        # each segment in its own rounds, smallest inputs first, so that every job follows
+        # one of a similar size
+        by_tokens = sorted(range(len(grid)), key=lambda i: (grid[i][0] * grid[i][1], grid[i]))
+        with _progress(2 * (warmup + repeats), progress, "profile model") as bar:
+            run_rounds([job for jobs in encoder_jobs for job in jobs], run, bar)
+            run_rounds([job for i in by_tokens for job in llm_jobs[i]], run, bar)
+    encoder_points = [
+        Measurement(*summarize_point(jobs, statistic), tiles=int(count)) for jobs, count in zip(encoder_jobs, tiles)
+    ]
+    llm_points = [
+        Measurement(*summarize_point(jobs, statistic), batch=int(b), seq_len=int(s))
+        for jobs, (b, s) in zip(llm_jobs, grid)
+    ]
+    sample_hidden = llm_inputs(1, 1)[0]
+    notes = [
+        describe_selection("encoder", encoder_pick, len(encoder_chain)),
+        describe_selection("llm", llm_pick, len(llm_layers)),
+    ]
+    meta = {
+        "device": str(run.device),
+        "threads": threads if threads is not None else torch.get_num_threads(),
+        "warmup": warmup,
+        "repeats": repeats,
+        "statistic": statistic,
+        "clock": run.clock,
+        "max_blocks": max_blocks,
+        "scaling": notes,
+        "projector_in_encoder": projector is not None,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    return ModelProfile(
+        encoder=encoder_points,
+        llm=llm_points,
+        encoder_layers=len(encoder_layers),
+        llm_layers=len(llm_layers),
+        param_bytes={
+            "encoder": parameter_bytes(list(encoder_layers)),
+            "projector": parameter_bytes([projector]) if projector is not None else 0,
+            "llm": parameter_bytes(list(llm_layers)),
+        },
+        hidden_bytes_per_token=float(sample_hidden.shape[-1] * sample_hidden.element_size()),
+        meta=meta,
+    )
+
+
+__all__ = [
+    "DEFAULT_BATCH_SIZES",
+    "DEFAULT_SEQ_LENS",
+    "DEFAULT_TILES",
+    "Measurement",
+    "ModelProfile",
+    "prepare_jobs",
+    "profile_model",
+    "run_rounds",
+    "summarize_point",
+    "torch_threads",
+]

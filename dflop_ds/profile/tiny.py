@@ -1,0 +1,54 @@
+"""The bundled tiny MLLM as a profiling target (the default of ``dflop-ds profile model``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from dflop_ds.profile.inputs import ContractEncoderInputs, ContractLLMInputs
+
+
+@dataclass
+class ProfileTarget:
+    """Everything :func:`~dflop_ds.profile.model.profile_model` needs about a model."""
+
+    encoder_layers: Sequence[torch.nn.Module]
+    projector: torch.nn.Module | None
+    llm_layers: Sequence[torch.nn.Module]
+    encoder_inputs: ContractEncoderInputs
+    llm_inputs: ContractLLMInputs
+
+    def profile_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``profile_model``."""
+        return {
+            "encoder_layers": self.encoder_layers,
+            "llm_layers": self.llm_layers,
+            "projector": self.projector,
+            "encoder_inputs": self.encoder_inputs,
+            "llm_inputs": self.llm_inputs,
+        }
+
+
+def tiny_target(config: Any = None, *, seed: int = 0, text_tokens: int = 8) -> ProfileTarget:
+    """The tiny MLLM's built layers and contract input factories for ``config``.
+
+    ``text_tokens`` is the text each encoder sample carries into the projector.
+    """
+    from dflop_ds.models import TinyMLLMConfig, tiny_mllm_layers
+
+    config = config or TinyMLLMConfig()
+    encoder, projector, llm = tiny_mllm_layers(config, seed=seed, as_specs=False)
+    return ProfileTarget(
+        encoder_layers=encoder,
+        projector=projector,
+        llm_layers=llm,
+        encoder_inputs=ContractEncoderInputs(
+            image_size=config.image_size,
+            channels=config.channels,
+            text_tokens=text_tokens,
+            vocab_size=config.vocab_size,
+        ),
+        llm_inputs=ContractLLMInputs(hidden_size=config.llm_dim),
+    )
