@@ -34,9 +34,10 @@ def _summary(tag: str, plan: Plan) -> str:
     p = plan.predicted
     mem = max(p.get("peak_memory_bytes", [0.0])) / 1e9
     ds = "yes" if plan.deepspeed_compatible else "no (separate GPU sets)"
+    speedup = p["speedup_vs_monolithic"]
+    vs = "no monolithic layout fits" if speedup is None else f"x{speedup:.3f} vs monolithic"
     return (f"{tag:<11} {plan.layout.describe():<48} step {p['step_time_s']:.4g} s  "
-            f"bubble {p['bubble_fraction']:.1%}  peak {mem:.1f} GB  x{p['speedup_vs_monolithic']:.3f} vs monolithic  "
-            f"stock DeepSpeed: {ds}")
+            f"bubble {p['bubble_fraction']:.1%}  peak {mem:.1f} GB  {vs}  stock DeepSpeed: {ds}")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -54,7 +55,8 @@ def run_plan(args: argparse.Namespace) -> int:
           f"({args.gpus} GPUs, global batch {args.global_batch}, {args.batches} sampled batches)")
     print(_summary("best", plans.best))
     print(_summary("deepspeed", plans.best_deepspeed))
-    print(_summary("monolithic", plans.monolithic))
+    if plans.monolithic is not None:
+        print(_summary("monolithic", plans.monolithic))
     print(f"gap of the best stock-DeepSpeed plan to the best plan: {r.gap:.1%}")
     chosen = plans.best if args.allow_separate else plans.best_deepspeed
     chosen.save(args.output)

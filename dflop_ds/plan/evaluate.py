@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -58,18 +58,42 @@ def stock_split(n_items: int, dp: int, n_mb: int) -> list[Buckets]:
     return [chunks[r * n_mb:(r + 1) * n_mb] for r in range(dp)]
 
 
-def _fast_partition(costs: np.ndarray, n_buckets: int, seed: int) -> Buckets:
-    """Our scheduler's vector LPT (no improving moves): the search's inner loop."""
-    from dflop_ds.schedule.lpt import greedy_assign, item_order, labels_to_buckets
+def padded_lpt(costs: np.ndarray, lengths: np.ndarray, n_buckets: int) -> Buckets:
+    """Padding-aware vector LPT, the search's fast inner loop.
 
-    return labels_to_buckets(greedy_assign(costs, n_buckets, item_order(costs, seed)), n_buckets)
-
-
-def _full_partition(costs: np.ndarray, n_buckets: int, seed: int) -> Buckets:
-    """Our scheduler's ``partition_batch`` (heuristic with improving moves, no ILP)."""
-    from dflop_ds.schedule.partition import partition_batch
-
-    return partition_batch(costs, n_buckets, time_limit_s=0.0, seed=seed).buckets
+    Items go in order of decreasing LLM length, so the first item of a bucket is its longest:
+    adding a shorter one costs the bucket the longest item's LLM cost again (it is padded to
+    that length), while the encoder column simply adds up (tiles are batched, not padded).
+    Each item opens a new bucket when that is no worse than the best used bucket's larger
+    column after adding it, else joins that bucket; the last items fill the still-empty buckets.
+    """
+    n = costs.shape[0]
+    if n < n_buckets:
+        raise ValueError(f"{n} items cannot fill {n_buckets} non-empty buckets")
+    order = np.lexsort((-costs.sum(axis=1), -np.asarray(lengths)))
+    enc = np.zeros(n_buckets)
+    llm = np.zeros(n_buckets)
+    unit = np.zeros(n_buckets)
+    buckets: Buckets = [[] for _ in range(n_buckets)]
+    used = 0  # buckets 0..used-1 hold items, the others are empty
+    rows = costs.tolist()
+    for position, item in enumerate(order.tolist()):
+        c_enc, c_llm = rows[item]
+        must_open = n - position <= n_buckets - used
+        if used and not must_open:
+            grown = np.maximum(enc[:used] + c_enc, llm[:used] + unit[:used])
+            b = int(grown.argmin())
+            if used < n_buckets and max(c_enc, c_llm) <= grown[b]:
+                b = used
+        else:
+            b = used
+        if b == used:
+            unit[b] = c_llm
+            used += 1
+        llm[b] += unit[b]
+        enc[b] += c_enc
+        buckets[b].append(item)
+    return buckets
 
 
 def _local_assign(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
@@ -93,14 +117,37 @@ def assign_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]
     return [list(map(int, r)) for r in assign_to_ranks(bucket_costs, dp, n_mb)]
 
 
-def balanced_split(costs: np.ndarray, dp: int, n_mb: int, *, fast: bool, seed: int = 0) -> list[Buckets]:
-    """Our scheduler: ``dp * n_mb`` balanced buckets, then ordered onto ranks."""
+def balanced_split(
+    costs: np.ndarray,
+    dp: int,
+    n_mb: int,
+    *,
+    lengths: np.ndarray,
+    microbatch_cost: Callable[[list[int]], np.ndarray] | None = None,
+    fast: bool = True,
+    seed: int = 0,
+) -> list[Buckets]:
+    """Our scheduler: ``dp * n_mb`` balanced microbatches, ordered onto ranks.
+
+    ``fast`` uses :func:`padded_lpt` and a greedy rank assignment (the search's inner loop);
+    otherwise our scheduler's ``partition_batch`` (heuristic with improving moves measured by
+    ``microbatch_cost``, no ILP) and ``assign_to_ranks``, as the sampler runs them.
+    """
     n_buckets = dp * n_mb
     if costs.shape[0] < n_buckets:
         raise ValueError(f"a batch of {costs.shape[0]} samples cannot fill {n_mb} microbatches on {dp} ranks")
-    buckets = (_fast_partition if fast else _full_partition)(costs, n_buckets, seed)
-    bucket_costs = np.array([costs[b].sum(axis=0) for b in buckets])
-    return [[buckets[b] for b in rank] for rank in assign_ranks(bucket_costs, dp, n_mb)]
+    if fast:
+        buckets = padded_lpt(costs, lengths, n_buckets)
+    else:
+        from dflop_ds.schedule.partition import partition_batch
+
+        buckets = partition_batch(costs, n_buckets, time_limit_s=0.0, seed=seed, microbatch_cost=microbatch_cost).buckets
+    if microbatch_cost is not None:
+        bucket_costs = np.array([microbatch_cost(list(b)) for b in buckets], dtype=float)
+    else:
+        bucket_costs = np.array([costs[b].sum(axis=0) for b in buckets])
+    ranks = _local_assign(bucket_costs, dp, n_mb) if fast else assign_ranks(bucket_costs, dp, n_mb)
+    return [[list(buckets[b]) for b in rank] for rank in ranks]
 
 
 @dataclass
@@ -131,17 +178,26 @@ def _stats(model: Any, shapes: Sequence[SampleShape], order: list[Buckets]) -> _
     return _MicrobatchStats(time, act, work, enc_bytes, llm_bytes)
 
 
-def split_batch(layout: Layout, costs: np.ndarray, *, fast: bool, seed: int, cluster: Cluster, model: Any) -> list[Buckets]:
-    """The microbatches of ``layout`` for one batch with per-sample ``costs`` ``(n, 2)``."""
+def split_batch(layout: Layout, shapes: Sequence[SampleShape], costs: np.ndarray, *, fast: bool, seed: int,
+                cluster: Cluster, model: Any) -> list[Buckets]:
+    """The microbatches of ``layout`` for one batch (``shapes`` with per-sample ``costs`` ``(n, 2)``).
+
+    For balancing, the two cost columns are scaled to the seconds they add to the heaviest
+    encoder and LLM stage, so that the larger column is the one that paces the pipeline.
+    """
     if not layout.balanced:
         return stock_split(costs.shape[0], layout.llm.dp, layout.n_mb)
     e_frac = max(s[0] for s in layout.stages) / model.encoder_layers
     l_frac = max(s[2] for s in layout.stages) / model.llm_layers
-    scale = np.array([
-        e_frac / cluster.tp_speedup(layout.encoder.tp) * layout.llm.dp / (layout.encoder.dp if not layout.shared else layout.llm.dp),
-        l_frac / cluster.tp_speedup(layout.llm.tp),
-    ])
-    return balanced_split(costs * scale, layout.llm.dp, layout.n_mb, fast=fast, seed=seed)
+    enc_share = 1.0 if layout.shared else layout.llm.dp / layout.encoder.dp
+    scale = np.array([e_frac / cluster.tp_speedup(layout.encoder.tp) * enc_share, l_frac / cluster.tp_speedup(layout.llm.tp)])
+
+    def microbatch_cost(items: list[int]) -> np.ndarray:
+        return np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float) * scale
+
+    lengths = np.array([s.llm_tokens for s in shapes])
+    return balanced_split(costs * scale, layout.llm.dp, layout.n_mb, lengths=lengths,
+                          microbatch_cost=microbatch_cost, fast=fast, seed=seed)
 
 
 def evaluate(
@@ -155,7 +211,7 @@ def evaluate(
     seed: int = 0,
 ) -> Evaluation:
     """Split ``shapes`` (one global batch, per-sample ``costs``) for ``layout`` and simulate the step."""
-    order = split_batch(layout, costs, fast=fast, seed=seed, cluster=cluster, model=model)
+    order = split_batch(layout, shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model)
     st = _stats(model, shapes, order)
     stages = layout.stages
     p = len(stages)

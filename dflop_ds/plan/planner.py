@@ -26,13 +26,14 @@ class PlanSet:
     Attributes:
         best: best plan overall (may need separate GPU sets).
         best_deepspeed: best plan stock DeepSpeed runs as is.
-        monolithic: the stock baseline plan (uniform split, fixed-size microbatches).
+        monolithic: the stock baseline plan (uniform split, fixed-size microbatches), or None
+            when no such layout fits in memory.
         result: the underlying :class:`SearchResult`.
     """
 
     best: Plan
     best_deepspeed: Plan
-    monolithic: Plan
+    monolithic: Plan | None
     result: SearchResult
 
 
@@ -52,7 +53,7 @@ def _plan(model: Any, cluster: Cluster, global_batch: int, scored: Scored, resul
         "step_times_s": list(scored.step_times),
         "bubble_fraction": scored.bubble_fraction,
         "peak_memory_bytes": [float(x) for x in scored.memory],
-        "monolithic_step_time_s": result.monolithic.step_time,
+        "monolithic_step_time_s": None if result.monolithic is None else result.monolithic.step_time,
         "speedup_vs_monolithic": result.speedup(scored),
         "best_step_time_s": result.best.step_time,
         "sampled_batches": len(scored.step_times),
@@ -78,10 +79,12 @@ def make_plans(model: Any, cluster: Cluster, shapes: Sequence[SampleShape], glob
     Every plan records the monolithic baseline's layout, so ``simulate`` can redraw both.
     """
     result = search(model, cluster, shapes, global_batch, **search_kwargs)
-    plans = [_plan(model, cluster, global_batch, s, result) for s in (result.best, result.best_deepspeed, result.monolithic)]
-    baseline = layout_to_dict(result.monolithic.layout)
-    for p in plans:
-        p.baseline = baseline
+    chosen = (result.best, result.best_deepspeed, result.monolithic)
+    plans = [None if s is None else _plan(model, cluster, global_batch, s, result) for s in chosen]
+    if result.monolithic is not None:
+        baseline = layout_to_dict(result.monolithic.layout)
+        for p in plans:
+            p.baseline = baseline
     return PlanSet(best=plans[0], best_deepspeed=plans[1], monolithic=plans[2], result=result)
 
 

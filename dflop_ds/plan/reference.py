@@ -15,8 +15,8 @@ Formulas (``n`` tokens of one sample, ``h`` hidden size, ``f`` MLP size, ``P`` p
   runs ``tokens_per_tile`` tokens for every tile or sampled video frame;
 - kept activations (bf16) per token and layer: ``2 * h`` bytes with checkpointing (the layer
   input), ``17 * h + 6 * f`` without (after Korthikanti et al. 2022 with flash attention and a
-  gated MLP); the transient working set of one layer's recompute, plus fp32 logits
-  ``4 * vocab`` bytes per LLM token, is reported by ``predict_working_bytes``;
+  gated MLP); the transient working set of one layer's recompute is reported by
+  ``predict_working_bytes`` (fp32 logits are left out: a chunked or fused loss keeps them small);
 - parameters in bf16 (2 bytes each); gradients and Adam states are the planner's business.
 """
 
@@ -109,6 +109,25 @@ class AnalyticMLLM:
     name: str = "analytic"
     is_analytic: bool = field(default=True, init=False)
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AnalyticMLLM) and self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        # per-unit constants, so the planner's many microbatch predictions stay cheap
+        rate = self._recompute_factor / self.gpu.achieved_flops
+        self._s_per_tile = self.encoder_flops_per_tile() * rate
+        self._s_lin = float(self.llm_flops(1.0) - self.llm_flops(0.0)) * rate - self._s_quad_raw() * rate
+        self._s_quad = self._s_quad_raw() * rate
+        self._kept = (self.tokens_per_tile * self._kept_per_token(self.encoder) * self.encoder.layers,
+                      self._kept_per_token(self.llm) * self.llm.layers)
+        self._work = (self.tokens_per_tile * self._layer_activation_per_token(self.encoder),
+                      self._layer_activation_per_token(self.llm))
+
+    def _s_quad_raw(self) -> float:
+        return 3.0 * 2.0 * self.llm.hidden * self.llm.layers
+
     # -- the planner's interface -------------------------------------------------------------
     @property
     def encoder_layers(self) -> int:
@@ -149,31 +168,25 @@ class AnalyticMLLM:
         """Seconds ``(2,)`` of one microbatch: tiles batched, LLM sequences padded to the longest."""
         if not shapes:
             return np.zeros(2)
-        tiles = float(sum(s.encoder_tiles for s in shapes))
-        longest = float(max(s.llm_tokens for s in shapes))
-        return np.array([self.encoder_seconds(tiles), len(shapes) * self.llm_seconds(longest)])
+        tiles = sum(s.encoder_tiles for s in shapes)
+        longest = max(s.llm_tokens for s in shapes)
+        return np.array([tiles * self._s_per_tile, len(shapes) * longest * (self._s_lin + self._s_quad * longest)])
 
     def predict_activation_bytes(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """Activation bytes ``(2,)`` kept for backward by one padded microbatch over the whole depth."""
         if not shapes:
             return np.zeros(2)
-        enc_tokens = self.tokens_per_tile * float(sum(s.encoder_tiles for s in shapes))
-        llm_tokens = len(shapes) * float(max(s.llm_tokens for s in shapes))
-        return np.array([
-            enc_tokens * self._kept_per_token(self.encoder) * self.encoder.layers,
-            llm_tokens * self._kept_per_token(self.llm) * self.llm.layers,
-        ])
+        tiles = sum(s.encoder_tiles for s in shapes)
+        llm_tokens = len(shapes) * max(s.llm_tokens for s in shapes)
+        return np.array([tiles * self._kept[0], llm_tokens * self._kept[1]], dtype=float)
 
     def predict_working_bytes(self, shapes: Sequence[SampleShape]) -> np.ndarray:
-        """Transient bytes ``(2,)`` of one layer's recompute (and the LLM's fp32 logits) for a microbatch."""
+        """Transient bytes ``(2,)`` of one layer's recompute for a microbatch (logits not included)."""
         if not shapes:
             return np.zeros(2)
-        enc_tokens = self.tokens_per_tile * float(sum(s.encoder_tiles for s in shapes))
-        llm_tokens = len(shapes) * float(max(s.llm_tokens for s in shapes))
-        return np.array([
-            enc_tokens * self._layer_activation_per_token(self.encoder),
-            llm_tokens * (self._layer_activation_per_token(self.llm) + 4.0 * self.llm.vocab),
-        ])
+        tiles = sum(s.encoder_tiles for s in shapes)
+        llm_tokens = len(shapes) * max(s.llm_tokens for s in shapes)
+        return np.array([tiles * self._work[0], llm_tokens * self._work[1]], dtype=float)
 
     # -- formulas ------------------------------------------------------------------------------
     @property

@@ -14,9 +14,11 @@ Pruning, in order: (1) every layout gets a vectorised memory estimate and step-t
 ``n_mb * d_mean + (stages - 1) * d_max + all-reduce`` (``d_mean`` the average per-stage time of
 a microbatch, ``d_max`` that of a microbatch holding the heaviest sample); layouts over the
 memory estimate are dropped; (2) only the ``top_k`` best estimates per family are simulated, on
-``n_batches`` sampled global batches, with our scheduler's vector LPT; a simulated layout whose
-exact memory check fails is replaced by the next; (3) the winners are re-scored with our
-scheduler's full ``partition_batch`` (heuristic with improving moves, no ILP).
+the first sampled global batch, with a padding-aware vector LPT; a simulated layout whose
+exact memory check fails is replaced by the next; those within ``refine_margin`` of their
+family's best are scored on the other sampled batches too; (3) the best few are re-scored with
+our scheduler's ``partition_batch`` (heuristic with improving moves measured by the cost
+model's padded microbatch cost, no ILP), as the sampler would split the batches.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ class SearchResult:
     Attributes:
         best: best layout overall (any family).
         best_deepspeed: best layout stock DeepSpeed runs as is (ours: balanced, cost split).
-        monolithic: the stock baseline (uniform split, fixed-size microbatches).
+        monolithic: the stock baseline (uniform split, fixed-size microbatches); None when no
+            such layout fits in memory (ours may still fit: its split is memory-aware).
         candidates: every simulated layout.
         n_layouts: layouts enumerated (before pruning).
         seconds: wall time of the search.
@@ -86,7 +89,7 @@ class SearchResult:
 
     best: Scored
     best_deepspeed: Scored
-    monolithic: Scored
+    monolithic: Scored | None
     candidates: list[Scored]
     n_layouts: int
     seconds: float
@@ -96,9 +99,9 @@ class SearchResult:
         """How much slower the best DeepSpeed-runnable plan is than the best overall (0.1 = 10%)."""
         return self.best_deepspeed.step_time / self.best.step_time - 1.0
 
-    def speedup(self, scored: Scored) -> float:
-        """Predicted speed-up of ``scored`` over the monolithic baseline."""
-        return self.monolithic.step_time / scored.step_time
+    def speedup(self, scored: Scored) -> float | None:
+        """Predicted speed-up of ``scored`` over the monolithic baseline (None without a baseline)."""
+        return None if self.monolithic is None else self.monolithic.step_time / scored.step_time
 
 
 def sample_batches(n_pool: int, global_batch: int, n_batches: int, seed: int) -> list[np.ndarray]:
@@ -185,34 +188,37 @@ def _shared_estimates(model: Any, cluster: Cluster, data: _Data, grid: np.ndarra
     tp, pp, dp, m = (grid[:, i].astype(float) for i in range(4))
     sp = _speed(tp, cluster)
     slots = dp * m
+    per_mb = np.maximum(data.batch / slots, 1.0)
+    act_mb = np.maximum(per_mb[:, None] * data.act_mean, data.act_heavy)
+    seg_w = np.array([pb["encoder"], pb["llm"]])
     if uniform:
         # exact stage fractions of DeepSpeed's uniform split; the heaviest stage sets the pace
         d_mean = np.empty(len(grid))
-        frac = np.empty((len(grid), 2))
-        for i, p in enumerate(grid[:, 1]):
-            bounds = uniform_bounds(E + 1 + L, int(p))
-            stg = stages_from_bounds(bounds, E, 1, L)
+        d_heavy = np.empty(len(grid))
+        stage_w = np.empty(len(grid))
+        mem = np.empty(len(grid))
+        for i, (t, p, d, mb) in enumerate(grid.tolist()):
+            stg = stages_from_bounds(uniform_bounds(E + 1 + L, p), E, 1, L)
             fr = np.array([[s[0] / E, s[2] / L] for s in stg])
-            t = fr @ data.work
-            k = int(np.argmax(t))
-            d_mean[i] = t[k]
-            frac[i] = fr[k]
+            w = fr @ seg_w + pb["projector"] * np.array([s[1] for s in stg])
+            k = int(np.argmax(fr @ data.work))
+            d_mean[i] = fr[k] @ data.work
+            d_heavy[i] = fr[k] @ data.heavy
+            stage_w[i] = w.max()
+            in_flight = np.minimum(p - np.arange(p), mb)
+            mem[i] = np.max(w / t * _state(d, cluster) + in_flight * (fr @ act_mb[i]) / t)
         d_mean = d_mean / (slots * sp)
-        d_heavy = (frac @ data.heavy) / sp
-        stage_w = frac @ np.array([pb["encoder"], pb["llm"]])
-        act_frac = frac
+        d_heavy = d_heavy / sp
+        mem = mem + data.work_bytes.max() / tp
     else:
         layer = np.maximum(data.work[0] / E, data.work[1] / L)
         d_mean = (data.work.sum() / pp + 0.5 * layer) / (slots * sp)
         d_heavy = data.heavy.sum() / pp / sp
         stage_w = (pb["encoder"] + pb["projector"] + pb["llm"]) / pp
-        act_frac = np.repeat(1.0 / pp[:, None], 2, axis=1)
+        act0 = act_mb.sum(axis=1) / pp / tp
+        mem = stage_w / tp * _state(dp, cluster) + np.minimum(pp, m) * act0 + data.work_bytes.max() / tp
     d_max = np.maximum(d_mean, d_heavy)
     est = m * d_mean + (pp - 1) * d_max + _allreduce(stage_w / tp, dp, tp, cluster)
-    per_mb = np.maximum(data.batch / slots, 1.0)
-    act_mb = np.maximum(per_mb[:, None] * data.act_mean, data.act_heavy)
-    act0 = (act_mb * act_frac).sum(axis=1) / tp
-    mem = stage_w / tp * _state(dp, cluster) + np.minimum(pp, m) * act0 + data.work_bytes.max() / tp
     return est, mem
 
 
@@ -221,8 +227,13 @@ def _separate_candidates(model: Any, cluster: Cluster, data: _Data, nmb: Sequenc
     E, L, G = model.encoder_layers, model.llm_layers, cluster.gpus
     if G < 2:
         return np.zeros((0, 7), dtype=np.int64), 0
+    pb = model.param_bytes
     enc = _segment_grid(E, G - 1, cluster)
     llm = _segment_grid(L, G - 1, cluster)
+    # weights and optimizer states alone are a lower bound of a stage's memory: drop what cannot fit
+    enc = enc[pb["encoder"] * np.ceil(E / enc[:, 1]) / E / enc[:, 0] * _state(enc[:, 2], cluster) <= cluster.usable_memory]
+    llm = llm[(pb["llm"] * np.ceil(L / llm[:, 1]) / L + pb["projector"]) / llm[:, 0] * _state(llm[:, 2], cluster)
+              <= cluster.usable_memory]
     n_e, n_l = enc.prod(axis=1), llm.prod(axis=1)
     order = np.argsort(n_l, kind="stable")
     llm, n_l = llm[order], n_l[order]
@@ -238,7 +249,6 @@ def _separate_candidates(model: Any, cluster: Cluster, data: _Data, nmb: Sequenc
     n_layouts = len(e) * len(ms)
     if n_layouts == 0:
         return np.zeros((0, 7), dtype=np.int64), 0
-    pb = model.param_bytes
     fe = np.ceil(E / e[:, 1]) / E  # heaviest encoder stage's share
     fl = np.ceil(L / l[:, 1]) / L
     se, sl = _speed(e[:, 0], cluster), _speed(l[:, 0], cluster)
@@ -332,9 +342,11 @@ def search(
     n_batches: int = 3,
     top_k: int = 6,
     refine_margin: float = 0.1,
+    max_tries: int = 4,
     nmb_choices: Sequence[int] = DEFAULT_NMB,
     families: Sequence[str] = FAMILIES,
     final_partition: bool = True,
+    final_k: int = 2,
     seed: int = 0,
 ) -> SearchResult:
     """Find the best layout of each family for ``cluster``, the data ``shapes`` and ``global_batch``.
@@ -346,15 +358,18 @@ def search(
         n_batches: sampled batches each simulated layout is scored on (mean step time).
         top_k: layouts simulated per family (more if some fail the exact memory check), on
             the first sampled batch.
+        max_tries: at most ``max_tries * top_k`` layouts per family are tried (simulated or
+            found over memory) before giving up.
         refine_margin: layouts within this fraction of their family's best on the first batch
             are simulated on the other batches too; the winners come from those.
         nmb_choices: microbatch counts per rank considered.
-        families: which of ``FAMILIES`` to search (``"monolithic"`` and ``"deepspeed"`` are required).
-        final_partition: re-score the winners with the full ``partition_batch``.
+        families: which of ``FAMILIES`` to search (``"deepspeed"`` is required).
+        final_partition: re-score the ``final_k`` best layouts of the balanced families with our
+            scheduler's ``partition_batch`` and pick the winners by those scores.
         seed: batch sampling and tie-breaking.
 
     Raises:
-        PlanError: no layout of a required family fits.
+        PlanError: no layout stock DeepSpeed can run fits.
     """
     start = time.perf_counter()
     if global_batch < 1:
@@ -398,12 +413,12 @@ def search(
             continue
         est, mem = _shared_estimates(model, cluster, data, grid, uniform)
         ok = np.flatnonzero(mem <= cluster.usable_memory)
-        ok = ok[np.argsort(est[ok], kind="stable")][: 4 * top_k]
+        ok = ok[np.argsort(est[ok], kind="stable")][: max_tries * top_k]
         run(family, [(est[i], tuple(int(x) for x in grid[i])) for i in ok],
             lambda key, u=uniform: _shared_layout(model, cluster, data, *key, uniform=u))
 
     if "separate" in families:
-        rows, n_sep, *rest = _separate_candidates(model, cluster, data, nmb_choices, 4 * top_k)
+        rows, n_sep, *rest = _separate_candidates(model, cluster, data, nmb_choices, max_tries * top_k)
         n_layouts += n_sep
         ests = rest[0] if rest else []
 
@@ -418,7 +433,7 @@ def search(
         return min(pool_, key=lambda s: s.step_time) if pool_ else None
 
     winners = {f: best_of([f]) for f in FAMILIES}
-    for f in ("deepspeed", "monolithic"):
+    for f in ("deepspeed",):
         if winners[f] is None:
             raise PlanError(
                 f"no {f} layout fits {cluster.gpus} GPUs of {cluster.gpu_memory_bytes / 1e9:.0f} GB "
@@ -426,12 +441,13 @@ def search(
             )
     if final_partition:
         for f in ("deepspeed", "separate"):
-            w = winners[f]
-            if w is not None:
-                final = _score(model, cluster, w.layout, f, pool, costs, batches, w.estimate, False, seed)
-                if final.feasible and final.step_time <= w.step_time:
-                    scored[f].append(final)
-                    winners[f] = final
+            done = [s for s in scored[f] if s.feasible and len(s.evaluations) == len(batches)]
+            finalists = sorted(done, key=lambda s: s.step_time)[:final_k]
+            finals = [_score(model, cluster, s.layout, f, pool, costs, batches, s.estimate, False, seed) for s in finalists]
+            finals = [s for s in finals if s.feasible]
+            if finals:  # report what the sampler's partition_batch gives
+                scored[f].extend(finals)
+                winners[f] = min(finals, key=lambda s: s.step_time)
     best_ds = winners["deepspeed"]
     best = min((w for w in (winners["separate"], best_ds) if w is not None), key=lambda s: s.step_time)
     return SearchResult(
