@@ -149,6 +149,29 @@ def two_way_split(rows: list[tuple[float, ...]]) -> list[int]:
     return sides
 
 
+def subset_split(values: Sequence[float], resolution: int = 1 << 17) -> list[int]:
+    """Two-way split of scalar ``values`` whose halves are as equal as the rounding allows.
+
+    Subset-sum dynamic programming over ``values`` rounded to ``resolution`` units of their total,
+    with Python integers as bitsets (one shift-or per item). Returns the side (0 or 1) of each
+    value; side 1 holds the subset whose rounded sum is the largest not above half."""
+    total = float(sum(values))
+    if total <= 0 or len(values) < 2:
+        return [0] * len(values)
+    weights = [int(round(v / total * resolution)) for v in values]
+    reachable = [1]
+    for w in weights:
+        reachable.append(reachable[-1] | (reachable[-1] << w))
+    half = sum(weights) // 2
+    best = (reachable[-1] & ((1 << (half + 1)) - 1)).bit_length() - 1
+    sides = [0] * len(values)
+    for i in range(len(values) - 1, -1, -1):
+        if not (reachable[i] >> best) & 1:
+            sides[i] = 1
+            best -= weights[i]
+    return sides
+
+
 def _kk_entry(sums: np.ndarray, groups: list[list[int]], tie: int):
     """Heap entry of a partial solution: groups sorted slowest first, keyed by largest spread."""
     times = sums.max(axis=1)
@@ -262,6 +285,51 @@ def improve(
     return labels
 
 
+def best_two_way_split(rows: np.ndarray) -> np.ndarray:
+    """The better (smaller slower half) of :func:`two_way_split` and :func:`subset_split` on the
+    column with the largest total, as a 0/1 side per row of ``rows`` (``(p, k)``)."""
+    candidates = [two_way_split([tuple(r) for r in rows.tolist()])]
+    column = int(rows.sum(axis=0).argmax())
+    candidates.append(subset_split(rows[:, column].tolist()))
+    best, best_value = None, np.inf
+    for sides in candidates:
+        side = np.asarray(sides, dtype=np.int64)
+        value = max(rows[side == 0].sum(axis=0).max(initial=0.0), rows[side == 1].sum(axis=0).max(initial=0.0))
+        if value < best_value and 0 < side.sum() < side.size:
+            best, best_value = side, value
+    return best if best is not None else np.asarray(candidates[0], dtype=np.int64)
+
+
+def pair_sweep(
+    costs: np.ndarray, labels: np.ndarray, n_buckets: int, memory: Optional[MemoryCap] = None
+) -> np.ndarray:
+    """One sweep of pairwise re-splits: the i-th slowest bucket is pooled with the i-th fastest
+    and the pair split afresh by :func:`two_way_split`, kept where it lowers the pair's slower
+    time (and respects the memory cap, leaving neither empty). A coarse, fast leveller to run
+    before :func:`improve`, which then only polishes."""
+    labels = labels.copy()
+    times = bucket_loads(costs, labels, n_buckets).max(axis=1)
+    order = np.argsort(times, kind="stable")
+    members = [[] for _ in range(n_buckets)]
+    for item, bucket in enumerate(labels.tolist()):
+        members[bucket].append(item)
+    for i in range(n_buckets // 2):
+        slow, fast = int(order[-1 - i]), int(order[i])
+        pooled = members[slow] + members[fast]
+        sides = best_two_way_split(costs[pooled])
+        left = [j for j, side in zip(pooled, sides.tolist()) if side == 0]
+        right = [j for j, side in zip(pooled, sides.tolist()) if side == 1]
+        if not left or not right:
+            continue
+        new_max = max(costs[left].sum(axis=0).max(), costs[right].sum(axis=0).max())
+        if new_max >= times[slow] * (1.0 - 1e-12):
+            continue
+        if memory is not None and max(memory.memory[left].sum(), memory.memory[right].sum()) > memory.cap:
+            continue
+        labels[left], labels[right] = slow, fast
+    return labels
+
+
 def _resplit_pair(costs, labels, loads, counts, used, memory, b: int, partners: np.ndarray) -> bool:
     """Re-split bucket ``b`` with one of ``partners`` by two-way differencing (in place).
 
@@ -272,7 +340,7 @@ def _resplit_pair(costs, labels, loads, counts, used, memory, b: int, partners: 
         if q == b:
             continue
         pooled = np.flatnonzero((labels == b) | (labels == q))
-        halves = np.array(two_way_split([tuple(row) for row in costs[pooled].tolist()]), dtype=np.int64)
+        halves = best_two_way_split(costs[pooled])
         sizes = np.bincount(halves, minlength=2)
         if sizes.min() == 0:
             continue

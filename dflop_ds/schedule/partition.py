@@ -27,6 +27,7 @@ from dflop_ds.schedule.lpt import (
     improve_with_cost,
     item_order,
     labels_to_buckets,
+    pair_sweep,
     true_times,
 )
 
@@ -36,6 +37,8 @@ OPTIMALITY_TOLERANCE = 1e-5
 STOP_TOLERANCE = 1e-5
 #: Largest ``n * n_buckets`` for which unconstrained differencing is tried as a start.
 FREE_DIFFERENCING_MAX = 65_536
+#: Sweeps of pairwise re-splits (slowest with fastest) that level a start before the search.
+PAIR_SWEEPS = 1
 #: How many of the lightest buckets the local search may re-split with the slowest one.
 RESPLIT_PARTNERS = 32
 #: Binary variables the ILP may have per second of time limit (beyond that it cannot help).
@@ -140,7 +143,10 @@ def _heuristic(costs: np.ndarray, n_buckets: int, seed: int, memory: Optional[Me
     target = bound * (1 + STOP_TOLERANCE)
     for start in _starts(costs, n_buckets, seed, memory):
         start_value = bucket_loads(costs, start, n_buckets).max()
-        moved = improve(costs, start, n_buckets, memory, target=target, resplit=RESPLIT_PARTNERS)
+        moved = start
+        for _ in range(PAIR_SWEEPS):
+            moved = pair_sweep(costs, moved, n_buckets, memory)
+        moved = improve(costs, moved, n_buckets, memory, target=target, resplit=RESPLIT_PARTNERS)
         value = bucket_loads(costs, moved, n_buckets).max()
         if value < best_value:
             best, best_value = moved, value
