@@ -31,15 +31,19 @@ class IlpResult:
 
 
 def available_solver() -> str:
-    """``"highs"`` when PuLP can reach HiGHS, else ``"cbc"`` (bundled with PuLP)."""
+    """``"highs"`` when PuLP can reach HiGHS (its command line or its Python API), else
+    ``"cbc"`` (bundled with PuLP)."""
     names = pulp.listSolvers(onlyAvailable=True)
-    return "highs" if "HiGHS" in names else "cbc"
+    return "highs" if "HiGHS_CMD" in names or "HiGHS" in names else "cbc"
 
 
 def _solver(name: str, time_limit_s: float, seed: int, warm: bool) -> pulp.LpSolver:
+    """A single-threaded, time-limited, seeded solver; warm-started where PuLP supports it."""
     limit = max(float(time_limit_s), 0.01)
     if name == "highs":
-        return pulp.HiGHS(msg=False, timeLimit=limit, warmStart=warm, threads=1, random_seed=seed)
+        if "HiGHS_CMD" in pulp.listSolvers(onlyAvailable=True):
+            return pulp.HiGHS_CMD(msg=False, timeLimit=limit, warmStart=warm, threads=1)
+        return pulp.HiGHS(msg=False, timeLimit=limit, threads=1, random_seed=seed)
     return pulp.PULP_CBC_CMD(
         msg=False, timeLimit=limit, warmStart=warm, threads=1, gapRel=1e-7,
         options=[f"randomSeed {seed + 1}", f"randomCbcSeed {seed + 1}"],

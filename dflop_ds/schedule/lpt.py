@@ -1,4 +1,10 @@
-"""The fast half of the partitioner: vector LPT, then improving moves and swaps.
+"""The fast half of the partitioner: starting splits, then improving moves.
+
+Starts: vector LPT (:func:`greedy_assign`) and vector Karmarkar-Karp differencing
+(:func:`differencing_assign`). Two-way splits for re-splitting a pair of buckets:
+:func:`two_way_split` (differencing) and :func:`subset_split` (subset-sum DP). Improvement:
+:func:`pair_sweep` (coarse levelling), :func:`improve` (moves, swaps and pair re-splits out of
+the slowest bucket) and :func:`improve_with_cost` (the same with a non-additive bucket cost).
 
 All functions are pure: they take a cost matrix ``(n, k)`` and return a bucket label per item
 (an ``(n,)`` int array). A bucket's load is its summed cost per column; its time is the largest
@@ -7,7 +13,7 @@ column of its load; the makespan is the largest bucket time.
 
 from __future__ import annotations
 
-import time
+import heapq
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -103,8 +109,6 @@ def differencing_assign(costs: np.ndarray, n_buckets: int, equal_size: bool = Tr
         sums = padded_costs[row]
         groups = [[int(i)] if i >= 0 else [] for i in row]
         heap.append(_kk_entry(sums, groups, tie))
-    import heapq
-
     heapq.heapify(heap)
     tie = len(heap)
     while len(heap) > 1:
@@ -126,8 +130,6 @@ def two_way_split(rows: list[tuple[float, ...]]) -> list[int]:
 
     Same rule as :func:`differencing_assign` with two groups and no size constraint; returns
     the side (0 or 1) of each row."""
-    import heapq
-
     k = len(rows[0]) if rows else 1
     zero = (0.0,) * k
     heap = [(-max(row), i, row, zero, [i], []) for i, row in enumerate(rows)]
@@ -397,15 +399,15 @@ def improve_with_cost(
     n_buckets: int,
     microbatch_cost: MicrobatchCost,
     memory: Optional[MemoryCap] = None,
-    deadline: float = _INF,
     candidates: int = 12,
-    max_rounds: int = 2_000,
+    max_rounds: int = 500,
 ) -> np.ndarray:
     """Like :func:`improve`, but bucket times come from ``microbatch_cost`` (non-additive costs).
 
     The slowest bucket by the true cost is the one worked on; every move and swap out of it is
     ranked by its additive estimate (true loads plus the items' additive costs), and only the
-    ``candidates`` most promising are evaluated exactly. The best exact improvement is applied.
+    ``candidates`` most promising are evaluated exactly. The best exact improvement is applied,
+    for at most ``max_rounds`` rounds (no clock: the result is deterministic).
     """
     labels = labels.copy()
     k = costs.shape[1]
@@ -414,8 +416,6 @@ def improve_with_cost(
     used = np.bincount(labels, weights=memory.memory, minlength=n_buckets) if memory is not None else None
     everyone = np.arange(costs.shape[0])
     for _ in range(max_rounds):
-        if time.perf_counter() > deadline:
-            break
         times = loads.max(axis=1)
         b = int(times.argmax())
         worst = times[b]

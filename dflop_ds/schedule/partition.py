@@ -209,8 +209,7 @@ def partition_batch(
     if best is not None:
         best_score = score(best)
         if microbatch_cost is not None:
-            moved = improve_with_cost(matrix, best, n_buckets, microbatch_cost, cap,
-                                      deadline=started + max(time_limit_s, 1.0))
+            moved = improve_with_cost(matrix, best, n_buckets, microbatch_cost, cap)
             moved_score = score(moved)
             if moved_score < best_score:
                 best, best_score, solver = moved, moved_score, "lpt+moves"
@@ -234,8 +233,7 @@ def partition_batch(
         if result.labels is not None:
             candidate = result.labels
             if microbatch_cost is not None:
-                candidate = improve_with_cost(matrix, candidate, n_buckets, microbatch_cost, cap,
-                                              deadline=time.perf_counter() + 1.0)
+                candidate = improve_with_cost(matrix, candidate, n_buckets, microbatch_cost, cap)
             candidate_score = score(candidate)
             if candidate_score < best_score * (1 - 1e-12) or best is None:
                 best, best_score = candidate, candidate_score
