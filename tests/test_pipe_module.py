@@ -165,6 +165,16 @@ def test_single_stage_module_matches_the_reference(single_rank) -> None:
     assert all(p.grad is None for n, p in module.named_parameters() if n.startswith("0."))
     assert module.get_parameter("3.embed.weight").grad is not None
 
+    trainable = module.optimizer_parameters()
+    assert len(trainable) == sum(1 for p in module.parameters() if p.requires_grad) > 0
+    n_params = len(list(module.parameters()))
+    module.requires_grad_(False)  # a stage with nothing to train still gets an optimizer parameter
+    placeholder = module.optimizer_parameters()
+    assert len(placeholder) == 1 and placeholder[0].requires_grad
+    assert module.optimizer_parameters()[0] is placeholder[0]
+    assert len(list(module.parameters())) == n_params and "_frozen_stage_placeholder" not in module.state_dict()
+    torch.optim.SGD(placeholder, lr=0.1)
+
     with pytest.raises(ValueError, match="entries"):
         MLLMPipelineModule(encoder, projector, llm, num_stages=1, stage_bounds=[0, 4, 8])
     with pytest.raises(TypeError, match="dynamic_shape"):

@@ -155,6 +155,26 @@ class MLLMPipelineModule(PipelineModule):
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 
+    def optimizer_parameters(self) -> list[torch.nn.Parameter]:
+        """This stage's trainable parameters, for building its optimizer.
+
+        A stage holding only frozen layers (e.g. a frozen encoder alone on stage 0) has none,
+        yet DeepSpeed's pipeline engine needs an optimizer on every stage and torch optimizers
+        reject an empty list: such a stage gets one zero placeholder parameter that never
+        receives a gradient. (Also set ``"gradient_clipping": 0`` for such a plan: DeepSpeed
+        0.19.8 fails to clip a stage without gradients.)
+        """
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        if trainable:
+            return trainable
+        placeholder = self.__dict__.get("_frozen_stage_placeholder")
+        if placeholder is None:
+            device = next(iter(self.parameters()), torch.zeros(())).device
+            placeholder = torch.nn.Parameter(torch.zeros(1, device=device))
+            # kept outside the module's parameters so checkpoints and DeepSpeed never see it
+            self.__dict__["_frozen_stage_placeholder"] = placeholder
+        return [placeholder]
+
     @property
     def is_last_stage(self) -> bool:
         """True on the stage that computes the loss."""

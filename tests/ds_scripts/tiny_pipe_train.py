@@ -91,10 +91,8 @@ def main() -> None:
     model = MLLMPipelineModule(
         encoder, projector, llm, num_stages=2, freeze_encoder=args.freeze, activation_checkpoint_interval=args.ckpt, **split
     )
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    # a stage holding only a frozen encoder has nothing to train, but the engine needs an optimizer
-    params = trainable or [torch.nn.Parameter(torch.zeros(1, device=device))]
-    optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
+    # a stage holding only the frozen encoder gets a placeholder parameter (the engine needs an optimizer)
+    optimizer = torch.optim.SGD(model.optimizer_parameters(), lr=args.lr, momentum=0.9)
     config = {
         "train_batch_size": gas * dp,
         "train_micro_batch_size_per_gpu": 1,
