@@ -23,6 +23,7 @@ from dflop_ds.profile.inputs import EncoderInputFactory, LLMInputFactory
 from dflop_ds.profile.layers import ProfiledLayer, describe_selection, parameter_bytes, select_layers
 from dflop_ds.profile.timing import (
     Inputs,
+    OutputLoss,
     PeakMemory,
     clock_function,
     forward_backward,
@@ -35,7 +36,7 @@ from dflop_ds.profile.timing import (
 )
 
 #: Default sweeps for the bundled tiny model (TINY_POLICY: 16 tokens per tile/frame).
-DEFAULT_TILES = (1, 2, 4, 8, 16, 24, 32, 48)
+DEFAULT_TILES = (1, 2, 4, 8, 16, 32, 64, 96)
 DEFAULT_SEQ_LENS = (16, 64, 128, 256, 384, 512, 768)
 DEFAULT_BATCH_SIZES = (1, 2, 4)
 
@@ -115,6 +116,7 @@ class LayerJob:
     activation_bytes: int
     transient_bytes: int | None
     attention_off: Callable[[], AbstractContextManager[Any]] | None
+    loss: OutputLoss | None = None
     full: list[float] = field(default_factory=list)
     without_attention: list[float] = field(default_factory=list)
 
@@ -134,24 +136,29 @@ def prepare_jobs(
     run: SegmentRun,
     *,
     first_input_grad: bool,
+    output_loss: OutputLoss | None = None,
 ) -> list[LayerJob]:
     """The jobs of one input size: run the selected layers in order, each on the (detached)
-    output of the previous one, measuring its saved activations and peak memory once."""
+    output of the previous one, measuring its saved activations and peak memory once.
+
+    ``output_loss`` turns the outputs of the segment's last layer into the scalar loss.
+    """
     jobs = []
     current = inputs
     for position, chosen in enumerate(selection):
         layer = layers[chosen.index]
+        loss = output_loss if chosen.index == len(layers) - 1 else None
         leaf = prepare_inputs(current, run.device, requires_grad=first_input_grad or position > 0)
         with saved_activation_bytes(list(layer.parameters())) as saved:
-            forward_backward(layer, leaf)
+            forward_backward(layer, leaf, loss)
         with PeakMemory() as peak:
-            forward_backward(layer, leaf)
+            forward_backward(layer, leaf, loss)
         transient = None if peak.bytes is None else max(0, peak.bytes - saved[0])
         if run.attention_off is not None:
             off: Callable[[], AbstractContextManager[Any]] | None = run.attention_off
         else:
             off = AttentionOff if _uses_attention(layer, leaf) else None
-        jobs.append(LayerJob(point, layer, chosen.weight, leaf, saved[0], transient, off))
+        jobs.append(LayerJob(point, layer, chosen.weight, leaf, saved[0], transient, off, loss))
         with torch.no_grad():
             out = layer(leaf)
         current = tuple(out) if isinstance(out, (tuple, list)) else (out,)
@@ -170,10 +177,10 @@ def run_rounds(jobs: Sequence[LayerJob], run: SegmentRun, bar: Any = None) -> No
     for round_index in range(run.warmup + run.repeats):
         keep = round_index >= run.warmup
         for job in jobs:
-            forward_backward(job.layer, job.inputs)
-            elapsed = time_once(job.layer, job.inputs, now)
+            forward_backward(job.layer, job.inputs, job.loss)
+            elapsed = time_once(job.layer, job.inputs, now, loss=job.loss)
             if job.attention_off is not None:
-                without = time_once(job.layer, job.inputs, now, job.attention_off)
+                without = time_once(job.layer, job.inputs, now, job.attention_off, job.loss)
                 if keep:
                     job.without_attention.append(without)
             if keep:
@@ -234,6 +241,7 @@ def profile_model(
     tiles: Sequence[int] = DEFAULT_TILES,
     seq_lens: Sequence[int] = DEFAULT_SEQ_LENS,
     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    llm_shapes: Sequence[tuple[int, int]] | None = None,
     max_blocks: int = 2,
     warmup: int = 2,
     repeats: int = 5,
@@ -241,6 +249,7 @@ def profile_model(
     clock: str = "auto",
     threads: int | None = 1,
     attention_off: Callable[[], AbstractContextManager[Any]] | None = None,
+    output_loss: OutputLoss | None = None,
     progress: bool = True,
     seed: int = 0,
 ) -> ModelProfile:
@@ -252,7 +261,9 @@ def profile_model(
         encoder_inputs: ``(tiles, batch) -> tuple`` inputs of the first encoder layer.
         llm_inputs: ``(batch, seq_len) -> tuple`` inputs of the first LLM layer.
         projector: optional layer run after the encoder; its time counts as encoder time.
-        tiles, seq_lens, batch_sizes: the sweeps (encoder: one sample of ``tiles`` tiles).
+        tiles, seq_lens, batch_sizes: the sweeps (encoder: one sample of ``tiles`` tiles; LLM:
+            the grid ``batch_sizes x seq_lens``).
+        llm_shapes: explicit ``(batch, seq_len)`` pairs for the LLM instead of the grid.
         max_blocks: identical blocks profiled per segment; they are scaled to the full depth.
         warmup, repeats, statistic: timing protocol (see :func:`robust_statistic`).
         clock: ``"wall"``, ``"cpu"`` (process CPU time) or ``"auto"`` (CPU time on a CPU device,
@@ -260,6 +271,8 @@ def profile_model(
         threads: torch threads while profiling (training ranks use 1); ``None`` keeps the current.
         attention_off: context factory disabling attention, for models that do not call
             ``scaled_dot_product_attention``.
+        output_loss: maps the last LLM layer's outputs to the scalar training loss, so that its
+            cost is counted (default: backward from a gradient of ones).
         progress: show a tqdm progress bar.
         seed: seeds the random inputs.
     """
@@ -272,7 +285,7 @@ def profile_model(
     for module in encoder_chain + list(llm_layers):
         module.to(run.device).train()
     torch.manual_seed(seed)
-    grid = [(b, s) for b in batch_sizes for s in seq_lens]
+    grid = list(llm_shapes) if llm_shapes is not None else [(b, s) for b in batch_sizes for s in seq_lens]
     started = time.perf_counter()
     with torch_threads(threads):
         encoder_jobs = [
@@ -280,7 +293,9 @@ def profile_model(
             for i, count in enumerate(tiles)
         ]
         llm_jobs = [
-            prepare_jobs(i, list(llm_layers), llm_pick, llm_inputs(b, s), run, first_input_grad=True)
+            prepare_jobs(
+                i, list(llm_layers), llm_pick, llm_inputs(b, s), run, first_input_grad=True, output_loss=output_loss
+            )
             for i, (b, s) in enumerate(grid)
         ]
         # each segment in its own rounds, smallest inputs first, so that every job follows
@@ -311,6 +326,7 @@ def profile_model(
         "max_blocks": max_blocks,
         "scaling": notes,
         "projector_in_encoder": projector is not None,
+        "output_loss": output_loss is not None,
         "torch": torch.__version__,
         "machine": platform.machine(),
         "seconds": round(time.perf_counter() - started, 3),

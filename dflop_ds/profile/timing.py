@@ -162,9 +162,19 @@ def prepare_inputs(inputs: Sequence[torch.Tensor], device: torch.device, require
     return tuple(prepared)
 
 
-def forward_backward(layer: torch.nn.Module, inputs: Inputs) -> None:
-    """One forward and backward pass of ``layer`` on ``inputs`` (gradient of ones)."""
+OutputLoss = Callable[[object], torch.Tensor]
+
+
+def forward_backward(layer: torch.nn.Module, inputs: Inputs, loss: OutputLoss | None = None) -> None:
+    """One forward and backward pass of ``layer`` on ``inputs``.
+
+    With ``loss``, backward starts from ``loss(outputs)`` (a scalar, as on a pipeline's last
+    stage); otherwise from a gradient of ones on every floating-point output.
+    """
     outputs = layer(inputs)
+    if loss is not None:
+        loss(outputs).backward()
+        return
     grads_of = float_outputs(outputs)
     if grads_of:
         torch.autograd.backward(grads_of, [torch.ones_like(t) for t in grads_of])
@@ -175,13 +185,14 @@ def time_once(
     inputs: Inputs,
     now: Callable[[], float],
     context: Callable[[], ContextManager[object]] = nullcontext,
+    loss: OutputLoss | None = None,
 ) -> float:
     """Seconds (by the timer ``now``) of one synchronized forward+backward inside ``context``."""
     acc = accelerator()
     acc.synchronize()
     start = now()
     with context():
-        forward_backward(layer, inputs)
+        forward_backward(layer, inputs, loss)
     acc.synchronize()
     return now() - start
 

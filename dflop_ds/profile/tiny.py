@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -19,6 +19,7 @@ class ProfileTarget:
     llm_layers: Sequence[torch.nn.Module]
     encoder_inputs: ContractEncoderInputs
     llm_inputs: ContractLLMInputs
+    output_loss: Callable[[Any], torch.Tensor] | None = None
 
     def profile_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``profile_model``."""
@@ -28,7 +29,16 @@ class ProfileTarget:
             "projector": self.projector,
             "encoder_inputs": self.encoder_inputs,
             "llm_inputs": self.llm_inputs,
+            "output_loss": self.output_loss,
         }
+
+
+def summed_cross_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``logits [B, S, V]`` against token 0 everywhere, summed: the cost of
+    the training loss on the last stage, whatever the targets."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    targets = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+    return torch.nn.functional.cross_entropy(flat.float(), targets, reduction="sum")
 
 
 def tiny_target(config: Any = None, *, seed: int = 0, text_tokens: int = 8) -> ProfileTarget:
@@ -51,4 +61,5 @@ def tiny_target(config: Any = None, *, seed: int = 0, text_tokens: int = 8) -> P
             vocab_size=config.vocab_size,
         ),
         llm_inputs=ContractLLMInputs(hidden_size=config.llm_dim),
+        output_loss=summed_cross_entropy,
     )

@@ -1,0 +1,160 @@
+"""Cost-model accuracy on the tiny MLLM: fit on one set of shapes, predict held-out ones.
+
+1. Profile the tiny model on the default sweeps and fit a :class:`CostModel`.
+2. Held-out shapes: profile other tile counts and other ``(batch, seq_len)`` pairs (batch 3
+   and sequence lengths never fitted) and compare with the predictions.
+3. Held-out real microbatches: draw samples from ``examples/data/mixture.jsonl`` under
+   ``TINY_POLICY``, group them into microbatches of 1..4 samples as a sampler does, collate
+   them with the tiny model's collate and time the real forward+backward of the whole tiny
+   model (loss included), and of its encoder part and LLM part, against
+   ``predict_microbatch``.
+
+Prints the mean absolute percentage error (MAPE) per module; the last line reads
+``costmodel heldout mape encoder=<x> llm=<y> microbatch=<z>`` (fractions).
+
+Run: ``.venv/bin/python benchmarks/bench_costmodel.py`` from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dflop_ds.data import read_dataset  # noqa: E402
+from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, build_reference, collate_microbatch  # noqa: E402
+from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
+from dflop_ds.profile import CostModel, profile_model, tiny_target  # noqa: E402
+from dflop_ds.profile.model import torch_threads  # noqa: E402
+from dflop_ds.profile.timing import clock_function, resolve_clock, robust_statistic  # noqa: E402
+from dflop_ds.shapes import TINY_POLICY, SampleShape  # noqa: E402
+
+HELDOUT_TILES = (3, 6, 12, 24, 40, 56, 80)
+HELDOUT_LLM = ((1, 100), (1, 200), (1, 320), (1, 600), (2, 96), (2, 300), (2, 480),
+               (3, 64), (3, 200), (3, 420), (4, 150), (4, 350), (4, 700))
+
+
+def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Mean absolute percentage error, as a fraction."""
+    p, m = np.asarray(predicted, dtype=float), np.asarray(measured, dtype=float)
+    return float(np.mean(np.abs(p - m) / m))
+
+
+def draw_microbatches(shapes: Sequence[SampleShape], count: int, seed: int, max_size: int) -> list[list[int]]:
+    """``count`` microbatches of 1..``max_size`` distinct sample indices (seeded)."""
+    rng = random.Random(seed)
+    return [rng.sample(range(len(shapes)), rng.randint(1, max_size)) for _ in range(count)]
+
+
+class RealMicrobatch:
+    """A collated microbatch and closures running the whole model, or its two parts, fwd+bwd."""
+
+    def __init__(self, model: torch.nn.Sequential, n_encoder: int, items: list) -> None:
+        self.inputs, self.labels = collate_microbatch(items)
+        self.model = model
+        self.encoder = model[:n_encoder]
+        self.llm = model[n_encoder:]
+        with torch.no_grad():
+            self.hidden = tuple(t.detach() for t in self.encoder(self.inputs))
+        self.hidden[0].requires_grad_(True)
+
+    def whole(self) -> None:
+        token_normalized_loss(self.model(self.inputs), self.labels).backward()
+
+    def encoder_part(self) -> None:
+        out = self.encoder(self.inputs)[0]
+        out.backward(torch.ones_like(out))
+
+    def llm_part(self) -> None:
+        token_normalized_loss(self.llm(self.hidden), self.labels).backward()
+
+
+def time_real(batches: Sequence[RealMicrobatch], repeats: int, statistic: str, clock: str) -> np.ndarray:
+    """``(n, 3)`` robust seconds ``[whole, encoder part, llm part]``, timed in interleaved rounds."""
+    now = clock_function(clock)
+    samples = [[[], [], []] for _ in batches]
+    for round_index in range(repeats + 1):
+        for b, batch in enumerate(batches):
+            for slot, run in enumerate((batch.whole, batch.encoder_part, batch.llm_part)):
+                run()  # an untimed pass first, as the profiler does
+                start = now()
+                run()
+                if round_index > 0:
+                    samples[b][slot].append(now() - start)
+    return np.array([[robust_statistic(s, statistic) for s in row] for row in samples])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; returns the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--statistic", default="min", choices=("min", "median", "trimmed_mean"))
+    parser.add_argument("--clock", default="auto", choices=("auto", "wall", "cpu"))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument("--max-microbatch", type=int, default=4)
+    parser.add_argument("--data", default=str(ROOT / "examples" / "data" / "mixture.jsonl"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    clock = resolve_clock(args.clock)
+    timing = dict(repeats=args.repeats, statistic=args.statistic, clock=clock, threads=args.threads, progress=False)
+
+    started = time.perf_counter()
+    fit_profile = profile_model(**tiny_target(seed=args.seed).profile_kwargs(), **timing)
+    model = CostModel().fit(fit_profile)
+    print(f"fit profile: {len(fit_profile.encoder)} encoder + {len(fit_profile.llm)} LLM shapes in "
+          f"{time.perf_counter() - started:.1f} s wall ({clock} clock, {args.statistic} of {args.repeats})")
+    for note in fit_profile.meta["scaling"]:
+        print(f"  {note}")
+
+    held = profile_model(**tiny_target(seed=args.seed).profile_kwargs(), tiles=HELDOUT_TILES,
+                         llm_shapes=HELDOUT_LLM, **timing)
+    enc_pred = model.encoder_time([m.tiles for m in held.encoder])
+    enc_meas = [m.time_s for m in held.encoder]
+    llm_pred = model.llm_time([m.batch for m in held.llm], [m.seq_len for m in held.llm])
+    llm_meas = [m.time_s for m in held.llm]
+    print("\nheld-out encoder shapes (ms)        tiles  measured  predicted  error")
+    for m, p in zip(held.encoder, enc_pred):
+        print(f"  {'':30s}{m.tiles:7d} {m.time_s * 1e3:9.2f} {p * 1e3:10.2f} {p / m.time_s - 1:+6.1%}")
+    print("held-out LLM shapes (ms)        batch x seq  measured  predicted  error")
+    for m, p in zip(held.llm, llm_pred):
+        print(f"  {'':28s}{m.batch:3d} x {m.seq_len:5d} {m.time_s * 1e3:9.2f} {p * 1e3:10.2f} {p / m.time_s - 1:+6.1%}")
+
+    shapes = read_dataset(args.data, TINY_POLICY)
+    groups = draw_microbatches(shapes, args.microbatches, args.seed, args.max_microbatch)
+    config = TinyMLLMConfig()
+    dataset = TinyMLLMDataset(shapes, config, seed=args.seed)
+    reference = build_reference(config, seed=args.seed).train()
+    n_encoder = 1 + config.vision_layers + 1  # patch embedding, vision blocks, projector
+    with torch_threads(args.threads):
+        batches = [RealMicrobatch(reference, n_encoder, [dataset[i] for i in group]) for group in groups]
+        real = time_real(batches, args.repeats, args.statistic, clock)
+    predicted = np.array([model.predict_microbatch([shapes[i] for i in group]) for group in groups])
+    print("\nreal microbatches (ms)   B  tiles  longest   whole  predicted  error | encoder  pred | llm    pred")
+    for group, row, pred in zip(groups, real, predicted):
+        mb = [shapes[i] for i in group]
+        longest = max(s.llm_tokens for s in mb)
+        tiles = sum(s.encoder_tiles for s in mb)
+        print(f"  {'':21s}{len(mb):3d} {tiles:6d} {longest:8d} {row[0] * 1e3:7.2f} {pred.sum() * 1e3:10.2f} "
+              f"{pred.sum() / row[0] - 1:+6.1%} | {row[1] * 1e3:7.2f} {pred[0] * 1e3:5.2f} | "
+              f"{row[2] * 1e3:6.2f} {pred[1] * 1e3:6.2f}")
+    enc_real = [(p, m) for p, m in zip(predicted[:, 0], real[:, 1]) if m > 0]
+    print(f"\nreal microbatch parts: encoder mape={mape(*zip(*enc_real)):.3f} "
+          f"llm mape={mape(predicted[:, 1], real[:, 2]):.3f}")
+    print(f"total benchmark wall time {time.perf_counter() - started:.1f} s")
+    print(f"costmodel heldout mape encoder={mape(enc_pred, enc_meas):.3f} llm={mape(llm_pred, llm_meas):.3f} "
+          f"microbatch={mape(predicted.sum(axis=1), real[:, 0]):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
