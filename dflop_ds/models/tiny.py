@@ -181,31 +181,32 @@ class VisionBlock(nn.Module):
         return self.block(vis), input_ids, text_lens, tiles_per_sample
 
 
-def merged_positions(text_lens: torch.Tensor, tiles_per_sample: torch.Tensor, tokens_per_tile: int) -> tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, int
-]:
+def _positions_in_rows(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For runs of ``lengths[i]`` items per row: each item's row and its offset within the row."""
+    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    offsets = torch.arange(rows.numel(), device=lengths.device) - starts[rows]
+    return rows, offsets
+
+
+def merged_positions(
+    text_lens: torch.Tensor, tiles_per_sample: torch.Tensor, tokens_per_tile: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Where visual and text tokens go in the right-padded merged batch ``[B, S]`` (flattened).
 
-    Returns ``(visual_index, text_mask_index, seq_lens, S)``: ``visual_index[k]`` is the flat
-    position of the k-th visual token (tiles in sample order); ``text_mask_index`` holds the flat
-    positions of the valid text tokens, in row-major ``[B, S_text]`` order.
+    Returns ``(visual_index, text_index, seq_lens, S)``: ``visual_index[k]`` is the flat position
+    of the k-th visual token (tiles in sample order), ``text_index`` the flat positions of the
+    valid text tokens in row-major ``[B, S_text]`` order. Sample ``i``'s sequence is its
+    ``tiles * tokens_per_tile`` visual tokens followed by its ``text_lens[i]`` text tokens.
     """
-    device = text_lens.device
     vis_lens = tiles_per_sample.to(torch.long) * tokens_per_tile
-    seq_lens = vis_lens + text_lens.to(torch.long)
-    b = int(seq_lens.shape[0])
-    s = int(seq_lens.max().item()) if b else 0
-    row_start = torch.arange(b, device=device, dtype=torch.long) * s
-    # visual token k of sample i sits at i*S + k
-    vis_rows = torch.repeat_interleave(torch.arange(b, device=device), vis_lens)
-    vis_first = torch.repeat_interleave(torch.cumsum(vis_lens, 0) - vis_lens, vis_lens)
-    vis_offset = torch.arange(vis_rows.numel(), device=device) - vis_first
-    visual_index = row_start[vis_rows] + vis_offset
-    # text token j of sample i sits at i*S + vis_lens[i] + j
-    txt_rows = torch.repeat_interleave(torch.arange(b, device=device), text_lens.to(torch.long))
-    txt_first = torch.repeat_interleave(torch.cumsum(text_lens.to(torch.long), 0) - text_lens, text_lens.to(torch.long))
-    txt_offset = torch.arange(txt_rows.numel(), device=device) - txt_first
-    text_index = row_start[txt_rows] + vis_lens[txt_rows] + txt_offset
+    text_lens = text_lens.to(torch.long)
+    seq_lens = vis_lens + text_lens
+    s = int(seq_lens.max().item()) if seq_lens.numel() else 0
+    vis_rows, vis_offsets = _positions_in_rows(vis_lens)
+    txt_rows, txt_offsets = _positions_in_rows(text_lens)
+    visual_index = vis_rows * s + vis_offsets
+    text_index = txt_rows * s + vis_lens[txt_rows] + txt_offsets
     return visual_index, text_index, seq_lens, s
 
 
