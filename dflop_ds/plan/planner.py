@@ -98,7 +98,7 @@ def cluster_of(plan: Plan, **overrides: Any) -> Cluster:
 def simulate_layout(model: Any, cluster: Cluster, layout: Layout, shapes: Sequence[SampleShape], global_batch: int,
                     *, n_batches: int = 1, seed: int = 0, fast: bool = False) -> list[Evaluation]:
     """Simulate ``layout`` on ``n_batches`` global batches drawn from ``shapes`` (same draws as the search)."""
-    pool = list(shapes)
+    pool = list(getattr(shapes, "shapes", shapes))  # a DataProfile or a list of shapes
     costs = np.asarray(model.predict_samples(pool), dtype=float)
     return [evaluate(model, cluster, layout, [pool[j] for j in b], costs[b], fast=fast, seed=seed + i)
             for i, b in enumerate(sample_batches(len(pool), global_batch, n_batches, seed))]

@@ -11,8 +11,9 @@ global batches are drawn from):
   split and fixed-size sequential microbatches.
 
 Pruning, in order: (1) every layout gets a vectorised memory estimate and step-time estimate
-``n_mb * d_mean + (stages - 1) * d_max + all-reduce`` (``d_mean`` the average per-stage time of
-a microbatch, ``d_max`` that of a microbatch holding the heaviest sample); layouts over the
+``max(n_mb * d_mean, d_heavy) + (stages - 1) * d_max + all-reduce`` (``d_mean`` the average
+per-stage time of a microbatch, ``d_heavy`` that of the heaviest sample, ``d_max`` the larger of
+the two; stock microbatches are charged their expected padding by order statistics); layouts over the
 memory estimate are dropped; (2) only the ``top_k`` best estimates per family are simulated, on
 the first sampled global batch, with a padding-aware vector LPT; a simulated layout whose
 exact memory check fails is replaced by the next; those within ``refine_margin`` of their
@@ -123,6 +124,18 @@ class _Data:
     act_mean: np.ndarray  # (2,) mean activation bytes per sample
     act_heavy: np.ndarray  # (2,) largest single-sample activation bytes
     work_bytes: np.ndarray  # (2,) largest single-sample one-layer working bytes
+    llm_sorted: np.ndarray  # per-sample LLM seconds of the sampled batches, ascending
+
+    def padded_llm_work(self, k: np.ndarray) -> np.ndarray:
+        """Expected LLM seconds of a batch cut into random microbatches of ``k`` samples, each
+        padded to its longest: ``batch * E[max of k sample costs]`` (order statistics)."""
+        c = self.llm_sorted
+        n = len(c)
+        ks, inverse = np.unique(np.asarray(k, dtype=float), return_inverse=True)
+        frac = np.arange(n + 1) / n
+        cdf = frac[None, :] ** ks[:, None]  # P(max of k <= c_(i))
+        expected_max = (cdf[:, 1:] - cdf[:, :-1]) @ c
+        return self.batch * expected_max[inverse]
 
 
 def _data_stats(model: Any, pool: Sequence[SampleShape], costs: np.ndarray, batches: list[np.ndarray]) -> _Data:
@@ -139,6 +152,7 @@ def _data_stats(model: Any, pool: Sequence[SampleShape], costs: np.ndarray, batc
         act_mean=act.mean(axis=0),
         act_heavy=act.max(axis=0),
         work_bytes=work,
+        llm_sorted=np.sort(np.concatenate([costs[b, 1] for b in batches])),
     )
 
 
@@ -192,7 +206,11 @@ def _shared_estimates(model: Any, cluster: Cluster, data: _Data, grid: np.ndarra
     act_mb = np.maximum(per_mb[:, None] * data.act_mean, data.act_heavy)
     seg_w = np.array([pb["encoder"], pb["llm"]])
     if uniform:
-        # exact stage fractions of DeepSpeed's uniform split; the heaviest stage sets the pace
+        # exact stage fractions of DeepSpeed's uniform split; the heaviest stage sets the pace;
+        # random fixed-size microbatches are padded to their longest sample
+        k = data.batch / slots
+        works = np.column_stack([np.full(len(grid), data.work[0]), data.padded_llm_work(k)])
+        heavies = np.column_stack([np.full(len(grid), data.heavy[0]), k * data.heavy[1]])
         d_mean = np.empty(len(grid))
         d_heavy = np.empty(len(grid))
         stage_w = np.empty(len(grid))
@@ -201,9 +219,9 @@ def _shared_estimates(model: Any, cluster: Cluster, data: _Data, grid: np.ndarra
             stg = stages_from_bounds(uniform_bounds(E + 1 + L, p), E, 1, L)
             fr = np.array([[s[0] / E, s[2] / L] for s in stg])
             w = fr @ seg_w + pb["projector"] * np.array([s[1] for s in stg])
-            k = int(np.argmax(fr @ data.work))
-            d_mean[i] = fr[k] @ data.work
-            d_heavy[i] = fr[k] @ data.heavy
+            j = int(np.argmax(fr @ works[i]))
+            d_mean[i] = fr[j] @ works[i]
+            d_heavy[i] = fr[j] @ heavies[i]
             stage_w[i] = w.max()
             in_flight = np.minimum(p - np.arange(p), mb)
             mem[i] = np.max(w / t * _state(d, cluster) + in_flight * (fr @ act_mb[i]) / t)
@@ -218,7 +236,9 @@ def _shared_estimates(model: Any, cluster: Cluster, data: _Data, grid: np.ndarra
         act0 = act_mb.sum(axis=1) / pp / tp
         mem = stage_w / tp * _state(dp, cluster) + np.minimum(pp, m) * act0 + data.work_bytes.max() / tp
     d_max = np.maximum(d_mean, d_heavy)
-    est = m * d_mean + (pp - 1) * d_max + _allreduce(stage_w / tp, dp, tp, cluster)
+    # a rank is no faster than its share of the work nor than its heaviest sample; fill and
+    # drain cost (pp - 1) microbatches that may hold a heavy sample
+    est = np.maximum(m * d_mean, d_heavy) + (pp - 1) * d_max + _allreduce(stage_w / tp, dp, tp, cluster)
     return est, mem
 
 
@@ -262,7 +282,7 @@ def _separate_candidates(model: Any, cluster: Cluster, data: _Data, nmb: Sequenc
     P = (e[:, 1] + l[:, 1])[:, None]
     ar = np.maximum(_allreduce(pb["encoder"] * fe / e[:, 0], e[:, 2], e[:, 0], cluster),
                     _allreduce((pb["llm"] * fl + pb["projector"]) / l[:, 0], l[:, 2], l[:, 0], cluster))
-    est = M * d_mean + (P - 1) * d_max + ar[:, None]
+    est = np.maximum(M * d_mean, np.maximum(h_e, h_l)) + (P - 1) * d_max + ar[:, None]
     per_e = np.maximum(data.batch / (e[:, 2:3] * M), 1.0)
     per_l = np.maximum(data.batch / (l[:, 2:3] * M), 1.0)
     act_e = np.maximum(per_e * data.act_mean[0], data.act_heavy[0]) * fe[:, None] / e[:, 0:1]
@@ -311,6 +331,14 @@ def _shared_layout(model: Any, cluster: Cluster, data: _Data, tp: int, pp: int, 
     return Layout(Segment(tp, e_pp, dp), Segment(tp, l_pp, dp), m, stages, balanced=not uniform)
 
 
+def _layout_key(layout: Layout, family: str) -> tuple[int, ...]:
+    """The search key of a layout: ``(tp, pp, dp, n_mb)`` for one pipeline, the 7 degrees otherwise."""
+    e, l = layout.encoder, layout.llm
+    if family == "separate":
+        return (e.tp, e.pp, e.dp, l.tp, l.pp, l.dp, layout.n_mb)
+    return (l.tp, layout.n_stages, l.dp, layout.n_mb)
+
+
 def _score(model, cluster, layout, family, pool, costs, batches, estimate, fast, seed, done=()) -> Scored:
     """Evaluate ``layout`` on ``batches`` (after the evaluations ``done``), stopping at a memory failure."""
     evals = list(done)
@@ -354,7 +382,8 @@ def search(
     Args:
         model: a cost model (planner interface in docs/architecture.md).
         cluster: GPUs, memory and links.
-        shapes: the data: global batches of ``global_batch`` samples are drawn from it.
+        shapes: the data: a list of sample shapes or a ``DataProfile`` (its ``.shapes``);
+            global batches of ``global_batch`` samples are drawn from it.
         n_batches: sampled batches each simulated layout is scored on (mean step time).
         top_k: layouts simulated per family (more if some fail the exact memory check), on
             the first sampled batch.
@@ -365,7 +394,8 @@ def search(
         nmb_choices: microbatch counts per rank considered.
         families: which of ``FAMILIES`` to search (``"deepspeed"`` is required).
         final_partition: re-score the ``final_k`` best layouts of the balanced families with our
-            scheduler's ``partition_batch`` and pick the winners by those scores.
+            scheduler's ``partition_batch`` and pick the winners by those scores (the separate
+            family only when its fast score beats the DeepSpeed family's).
         seed: batch sampling and tie-breaking.
 
     Raises:
@@ -374,7 +404,7 @@ def search(
     start = time.perf_counter()
     if global_batch < 1:
         raise PlanError(f"global_batch must be >= 1, got {global_batch}")
-    pool = list(shapes)
+    pool = list(getattr(shapes, "shapes", shapes))  # a DataProfile or a list of shapes
     batches = sample_batches(len(pool), global_batch, n_batches, seed)
     costs = np.asarray(model.predict_samples(pool), dtype=float)
     data = _data_stats(model, pool, costs, batches)
@@ -382,14 +412,35 @@ def search(
     n_layouts = 0
     scored: dict[str, list[Scored]] = {f: [] for f in FAMILIES}
 
-    def run(family: str, ranked: list[tuple[float, Any]], build) -> None:
-        # first pass: one batch each, until top_k layouts fit in memory
+    def run(family: str, ranked: list[tuple[float, Any]], build, valid_mb) -> None:
+        def simulate(estimate: float, key: tuple[int, ...]) -> None:
+            layout = build(key)
+            tried.add(key)
+            if layout is not None:
+                scored[family].append(_score(model, cluster, layout, family, pool, costs, batches[:1], estimate, True, seed))
+
+        # first pass: one batch each, in order of estimate, at most two microbatch counts per
+        # layout, until top_k layouts fit in memory
+        tried: set[tuple[int, ...]] = set()
+        per_layout: dict[tuple[int, ...], int] = {}
+        estimates: dict[tuple[int, ...], float] = {}
         for estimate, key in ranked:
             if sum(1 for s in scored[family] if s.feasible) >= top_k:
                 break
-            layout = build(key)
-            if layout is not None:
-                scored[family].append(_score(model, cluster, layout, family, pool, costs, batches[:1], estimate, True, seed))
+            if per_layout.get(key[:-1], 0) >= 2:
+                continue
+            per_layout[key[:-1]] = per_layout.get(key[:-1], 0) + 1
+            estimates[key[:-1]] = estimate
+            simulate(estimate, key)
+        # the best layout so far with every other microbatch count (the estimate cannot rank them)
+        fits = [s for s in scored[family] if s.feasible]
+        if fits:
+            top = min(fits, key=lambda s: s.step_time)
+            key = _layout_key(top.layout, family)
+            for m in nmb_choices:
+                other = key[:-1] + (m,)
+                if other not in tried and valid_mb(other):
+                    simulate(top.estimate, other)
         # second pass: the remaining batches only for layouts close to the family's best
         fits = [s for s in scored[family] if s.feasible]
         if not fits:
@@ -415,7 +466,8 @@ def search(
         ok = np.flatnonzero(mem <= cluster.usable_memory)
         ok = ok[np.argsort(est[ok], kind="stable")][: max_tries * top_k]
         run(family, [(est[i], tuple(int(x) for x in grid[i])) for i in ok],
-            lambda key, u=uniform: _shared_layout(model, cluster, data, *key, uniform=u))
+            lambda key, u=uniform: _shared_layout(model, cluster, data, *key, uniform=u),
+            lambda key, u=uniform: key[2] * key[3] <= global_batch and (not u or global_batch % (key[2] * key[3]) == 0))
 
     if "separate" in families:
         rows, n_sep, *rest = _separate_candidates(model, cluster, data, nmb_choices, max_tries * top_k)
@@ -426,7 +478,8 @@ def search(
             e_tp, e_pp, e_dp, l_tp, l_pp, l_dp, m = r
             return Layout(Segment(e_tp, e_pp, e_dp), Segment(l_tp, l_pp, l_dp), m, separate_stages(E, L, e_pp, l_pp))
 
-        run("separate", [(float(x), tuple(int(v) for v in r)) for x, r in zip(ests, rows)], build_separate)
+        run("separate", [(float(x), tuple(int(v) for v in r)) for x, r in zip(ests, rows)], build_separate,
+            lambda key: key[5] * key[6] <= global_batch)
 
     def best_of(family_names: Sequence[str]) -> Scored | None:
         pool_ = [s for f in family_names for s in scored[f] if s.feasible and len(s.evaluations) == len(batches)]
@@ -441,6 +494,8 @@ def search(
             )
     if final_partition:
         for f in ("deepspeed", "separate"):
+            if f == "separate" and (winners[f] is None or winners[f].step_time >= winners["deepspeed"].step_time):
+                continue  # it would not be the best overall: keep its fast score
             done = [s for s in scored[f] if s.feasible and len(s.evaluations) == len(batches)]
             finalists = sorted(done, key=lambda s: s.step_time)[:final_k]
             finals = [_score(model, cluster, s.layout, f, pool, costs, batches, s.estimate, False, seed) for s in finalists]

@@ -1,0 +1,102 @@
+"""Parallelism planning at cluster scale with the analytic LLaVA-OneVision reference profiles.
+
+For each reference profile (SigLIP-400M-class encoder with a 0.5B / 7B / 72B Qwen2-class LLM,
+on A100-80GB and H100-80GB) and 8, 64, 256 and 1024 GPUs, search the plans for global
+batches drawn from ``examples/data/mixture.jsonl`` (read under the real-scale
+``ShapePolicy()``) and print:
+
+- the chosen plan: the best one stock DeepSpeed runs as is (our balanced microbatches, cost
+  split of the layers), its predicted step time, pipeline bubble and peak memory;
+- its predicted speed-up over the monolithic baseline (same search space, DeepSpeed's uniform
+  layer split, fixed-size sequential microbatches);
+- the best plan overall (it may need separate encoder/LLM GPU sets) and the gap to it;
+- the search time.
+
+ALL TIMES ARE PREDICTIONS OF ANALYTIC COST MODELS (FLOP counts over an assumed throughput),
+NOT MEASUREMENTS. The last line reads
+``plan speedup_vs_monolithic@256=<x> search_s@1024=<y>``: ``x`` is the geometric mean over the
+six profiles of the chosen plan's predicted speed-up at 256 GPUs, ``y`` the longest search
+(wall seconds) at 1024 GPUs.
+
+Run: ``.venv/bin/python benchmarks/bench_plan.py`` from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dflop_ds.data import read_manifest  # noqa: E402
+from dflop_ds.plan import Cluster, PlanError, make_plans, reference_model, reference_names  # noqa: E402
+from dflop_ds.shapes import ShapePolicy  # noqa: E402
+
+GLOBAL_BATCH = {8: 64, 64: 256, 256: 512, 1024: 2048}
+
+
+def _row(name: str, gpus: int, batch: int, plans, seconds: float, cpu: float) -> str:
+    ds, best = plans.best_deepspeed, plans.best
+    p = ds.predicted
+    speedup = p["speedup_vs_monolithic"]
+    mono = plans.monolithic.layout.describe() if plans.monolithic else "none fits"
+    gap = plans.result.gap
+    over = "same" if best is ds else f"{best.layout.describe()} ({gap:+.1%} for DeepSpeed)"
+    vs = f"{speedup:6.3f}" if speedup is not None else "   n/a"
+    return (f"{name:<20} {gpus:>5} {batch:>5}  {ds.layout.describe():<46} {p['step_time_s']:>8.3f} "
+            f"{p['bubble_fraction']:>6.1%} {max(p['peak_memory_bytes']) / 1e9:>6.1f}  {vs}  "
+            f"{seconds:>6.2f} {cpu:>6.2f}  mono: {mono}  best overall: {over}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=str(ROOT / "examples/data/mixture.jsonl"))
+    parser.add_argument("--gpus", type=int, nargs="+", default=sorted(GLOBAL_BATCH))
+    parser.add_argument("--profiles", nargs="+", default=reference_names())
+    parser.add_argument("--batches", type=int, default=3, help="sampled global batches per layout")
+    args = parser.parse_args()
+
+    shapes = list(read_manifest(args.data, ShapePolicy()))
+    if hasattr(os, "getloadavg"):
+        print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start "
+              "(wall_s is the search's wall time, cpu_s its process CPU time)")
+    print(f"data: {args.data}: {len(shapes)} samples under ShapePolicy() (LLaVA-OneVision tiling)")
+    print("cost models: ANALYTIC reference profiles (FLOP counts / assumed throughput), not measured")
+    print(f"cluster: 8 GPUs per node, 80 GB each, ZeRO-1; global batch per GPU count: {GLOBAL_BATCH}")
+    print(f"{'profile':<20} {'GPUs':>5} {'batch':>5}  {'chosen plan (stock DeepSpeed runs it)':<46} "
+          f"{'step_s':>8} {'bubble':>6} {'mem_GB':>6}  {'x_mono':>6}  {'wall_s':>6} {'cpu_s':>6}")
+    speedups_256: list[float] = []
+    search_1024: list[float] = []
+    for name in args.profiles:
+        model = reference_model(name)
+        for gpus in args.gpus:
+            batch = GLOBAL_BATCH.get(gpus, 2 * gpus)
+            cluster = Cluster(gpus=gpus, gpu_memory_bytes=model.gpu.memory_bytes)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            try:
+                plans = make_plans(model, cluster, shapes, batch, n_batches=args.batches)
+            except PlanError as error:
+                print(f"{name:<20} {gpus:>5} {batch:>5}  no plan: {error}")
+                continue
+            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+            print(_row(name, gpus, batch, plans, seconds, cpu), flush=True)
+            speedup = plans.best_deepspeed.predicted["speedup_vs_monolithic"]
+            if gpus == 256 and speedup is not None:
+                speedups_256.append(speedup)
+            if gpus == 1024:
+                search_1024.append(seconds)
+    x = math.exp(sum(math.log(s) for s in speedups_256) / len(speedups_256)) if speedups_256 else float("nan")
+    y = max(search_1024) if search_1024 else float("nan")
+    print(f"(speed-up: geometric mean over {len(speedups_256)} profiles at 256 GPUs; search: slowest of "
+          f"{len(search_1024)} searches at 1024 GPUs, wall seconds, predictions of analytic models)")
+    print(f"plan speedup_vs_monolithic@256={x:.3f} search_s@1024={y:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
