@@ -110,3 +110,36 @@ def test_bad_plan_files_name_the_problem(tmp_path) -> None:
     path.write_text("{not json")
     with pytest.raises(PlanFileError, match="not valid JSON"):
         Plan.load(path)
+
+
+def test_cli_plan_then_simulate(tmp_path, capsys) -> None:
+    import argparse
+
+    from dflop_ds.plan.cli import register
+
+    manifest = tmp_path / "data.jsonl"
+    lines = []
+    for i, s in enumerate(_shapes(60)):
+        record = {"id": s.sample_id, "text_tokens": s.text_tokens}
+        if s.image_sizes:
+            record["images"] = [list(x) for x in s.image_sizes]
+        if s.video_frames:
+            record["video_frames"] = s.video_frames
+        lines.append(json.dumps(record))
+    manifest.write_text("\n".join(lines) + "\n")
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    out = tmp_path / "plan.json"
+    args = parser.parse_args(["plan", "--gpus", "8", "--global-batch", "32", "--cost-model", "llava-ov-0.5b-a100",
+                              "--data", str(manifest), "--batches", "1", "--top-k", "2", "-o", str(out)])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "ANALYTIC" in text and "gap of the best stock-DeepSpeed plan" in text
+    plan = Plan.load(out)
+    assert plan.deepspeed_compatible and plan.gpus == 8 and plan.global_batch_size == 32
+    png = tmp_path / "gantt.png"
+    args = parser.parse_args(["simulate", "--plan", str(out), "--cost-model", "llava-ov-0.5b-a100",
+                              "--data", str(manifest), "--png", str(png)])
+    assert args.func(args) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "monolithic baseline" in capsys.readouterr().out

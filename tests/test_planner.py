@@ -151,3 +151,31 @@ def test_reference_models_are_analytic_flop_counts() -> None:
     assert AnalyticMLLM.from_dict(m.to_dict()) == m
     with pytest.raises(KeyError, match="unknown reference profile"):
         reference_model("llava-ov-13b-a100")
+
+
+class _ContractOnly:
+    """A cost model exposing only what docs/architecture.md requires of the planner's input."""
+
+    is_analytic = False
+
+    def __init__(self) -> None:
+        inner = reference_model("llava-ov-7b-a100")
+        self._inner = inner
+        self.encoder_layers, self.llm_layers = inner.encoder_layers, inner.llm_layers
+        self.param_bytes = inner.param_bytes
+        self.hidden_bytes_per_token = inner.hidden_bytes_per_token
+
+    def predict_samples(self, shapes):
+        return self._inner.predict_samples(shapes)
+
+    def predict_microbatch(self, shapes):
+        return self._inner.predict_microbatch(shapes)
+
+    def predict_activation_bytes(self, shapes):
+        return self._inner.predict_activation_bytes(shapes)
+
+
+def test_search_needs_only_the_documented_cost_model_interface() -> None:
+    plans = make_plans(_ContractOnly(), Cluster(gpus=8), POOL, 32, n_batches=1, top_k=2)
+    assert plans.best_deepspeed.cost_model == {"name": "_ContractOnly", "is_analytic": False, "note": "measured"}
+    assert plans.best_deepspeed.predicted["step_time_s"] > 0
