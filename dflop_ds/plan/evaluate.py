@@ -232,11 +232,12 @@ def evaluate(
     ff = forward_fraction(model)
 
     comm = np.zeros(total.shape[:2] + (max(p - 1, 0),))
-    projector_passed = np.cumsum([st[1] for st in stages]) > 0
+    projector_passed = np.cumsum([stage[1] for stage in stages]) > 0
     for s in range(p - 1):
-        in_encoder = not projector_passed[s]
-        nbytes = enc_bytes if in_encoder else st.llm_bytes
-        crossing = segs[s] is not segs[s + 1]
+        nbytes = st.llm_bytes if projector_passed[s] else enc_bytes
+        # separate GPU sets: the encoder-to-LLM hand-over leaves the node; one pipeline: the
+        # next stage sits tp * dp ranks further (DeepSpeed's pipe-data-model axis order)
+        crossing = not layout.shared and segs[s] is not segs[s + 1]
         stride = cluster.gpus_per_node if crossing else int(tp[s] * dp[s])
         comm[..., s] = nbytes / tp[s] / (cluster.intra_node_bw if stride < cluster.gpus_per_node else cluster.inter_node_bw)
 

@@ -243,10 +243,15 @@ def _shared_estimates(model: Any, cluster: Cluster, data: _Data, grid: np.ndarra
 
 
 def _separate_candidates(model: Any, cluster: Cluster, data: _Data, nmb: Sequence[int], keep: int):
-    """Vectorised estimates over DFLOP's separate-sets space; the ``keep`` best feasible rows."""
+    """Vectorised estimates over DFLOP's separate-sets space.
+
+    Returns ``(rows, n_layouts, estimates)``: the ``keep`` best rows ``(E_tp, E_pp, E_dp, L_tp,
+    L_pp, L_dp, n_mb)`` within the memory estimate, best first, and how many were enumerated.
+    """
     E, L, G = model.encoder_layers, model.llm_layers, cluster.gpus
+    none = (np.zeros((0, 7), dtype=np.int64), 0, np.zeros(0))
     if G < 2:
-        return np.zeros((0, 7), dtype=np.int64), 0
+        return none
     pb = model.param_bytes
     enc = _segment_grid(E, G - 1, cluster)
     llm = _segment_grid(L, G - 1, cluster)
@@ -268,7 +273,7 @@ def _separate_candidates(model: Any, cluster: Cluster, data: _Data, nmb: Sequenc
     ms = _nmb_grid(nmb, data.batch).astype(float)
     n_layouts = len(e) * len(ms)
     if n_layouts == 0:
-        return np.zeros((0, 7), dtype=np.int64), 0
+        return none
     fe = np.ceil(E / e[:, 1]) / E  # heaviest encoder stage's share
     fl = np.ceil(L / l[:, 1]) / L
     se, sl = _speed(e[:, 0], cluster), _speed(l[:, 0], cluster)
@@ -294,7 +299,7 @@ def _separate_candidates(model: Any, cluster: Cluster, data: _Data, nmb: Sequenc
     flat = est.ravel()
     k = min(keep, int(np.isfinite(flat).sum()))
     if k == 0:
-        return np.zeros((0, 7), dtype=np.int64), n_layouts
+        return none[0], n_layouts, none[2]
     pick = np.argpartition(flat, k - 1)[:k]
     pick = pick[np.argsort(flat[pick])]
     rows, cols = np.unravel_index(pick, est.shape)
@@ -470,9 +475,8 @@ def search(
             lambda key, u=uniform: key[2] * key[3] <= global_batch and (not u or global_batch % (key[2] * key[3]) == 0))
 
     if "separate" in families:
-        rows, n_sep, *rest = _separate_candidates(model, cluster, data, nmb_choices, max_tries * top_k)
+        rows, n_sep, ests = _separate_candidates(model, cluster, data, nmb_choices, max_tries * top_k)
         n_layouts += n_sep
-        ests = rest[0] if rest else []
 
         def build_separate(r: tuple[int, ...]) -> Layout:
             e_tp, e_pp, e_dp, l_tp, l_pp, l_dp, m = r
