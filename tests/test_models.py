@@ -19,9 +19,10 @@ from dflop_ds.models import (
     supervised_count,
     tiny_mllm_layers,
 )
-from dflop_ds.models.tiny import merged_positions
+from dflop_ds.models.tiny import merged_positions, sinusoidal_positions
+from dflop_ds.pipe.loss import token_normalized_loss
 from dflop_ds.schedule.index import ScheduledIndex
-from dflop_ds.shapes import TINY_POLICY
+from dflop_ds.shapes import TINY_POLICY, SampleShape
 
 torch.set_num_threads(1)
 
@@ -78,8 +79,6 @@ def test_projector_merge_content(model: torch.nn.Sequential) -> None:
     vis = torch.randn(3, SMALL.patches_per_tile, SMALL.vision_dim)
     ids = torch.tensor([[5, 6, 0], [7, 8, 9]])
     hidden, seq_lens = projector((vis, ids, torch.tensor([2, 3]), torch.tensor([2, 1])))
-    from dflop_ds.models.tiny import sinusoidal_positions
-
     pos = sinusoidal_positions(hidden.shape[1], SMALL.llm_dim, hidden.device, hidden.dtype)
     visual = projector.mlp(projector.norm(projector.pool(vis))).reshape(-1, SMALL.llm_dim)
     text = projector.embed(ids)
@@ -127,8 +126,6 @@ def test_zero_tile_microbatch_runs_forward_and_backward() -> None:
     assert vis.grad_fn is not None  # a trainable encoder keeps grad history even with no tiles
     logits = model(inputs)
     assert logits.shape == (2, 9, SMALL.vocab_size)
-    from dflop_ds.pipe.loss import token_normalized_loss
-
     token_normalized_loss(logits, (targets, denom)).backward()
     assert model[0].proj.weight.grad is not None and float(model[0].proj.weight.grad.abs().sum()) == 0.0
     assert float(model[-1].proj.weight.grad.abs().sum()) > 0
@@ -141,8 +138,6 @@ def test_frozen_encoder_gets_no_grads() -> None:
         model[i].requires_grad_(False)
     ds = TinyMLLMDataset([shape("a", THREE_TILES, text=8), shape("b", text=5)], SMALL)
     inputs, labels = collate_microbatch([ds[0], ds[1]])
-    from dflop_ds.pipe.loss import token_normalized_loss
-
     token_normalized_loss(model(inputs), labels).backward()
     for i, layer in enumerate(model):
         grads = [p.grad for p in layer.parameters()]
@@ -213,8 +208,6 @@ def test_scheduled_index_denominator_reaches_the_collate() -> None:
 
 
 def test_dataset_errors_name_the_sample() -> None:
-    from dflop_ds.shapes import SampleShape
-
     with pytest.raises(ValueError, match="'empty'"):
         TinyMLLMDataset([SampleShape("empty")], SMALL)
     ds = TinyMLLMDataset([shape("a", text=3)], SMALL)

@@ -63,14 +63,14 @@ def supervised_count(shape: SampleShape) -> int:
     return shape.label_tokens
 
 
-def _token_rule(vocab_size: int) -> torch.Tensor:
+def _token_rule(vocab_size: int) -> list[int]:
     """The fixed bigram rule: ``next = rule[current]`` over the active tokens."""
     if FIRST_TOKEN + ACTIVE_TOKENS > vocab_size:
         raise ValueError(f"vocab_size {vocab_size} is too small for {FIRST_TOKEN + ACTIVE_TOKENS} synthetic tokens")
     g = torch.Generator().manual_seed(1234)
     rule = torch.arange(vocab_size)
     rule[FIRST_TOKEN : FIRST_TOKEN + ACTIVE_TOKENS] = FIRST_TOKEN + torch.randperm(ACTIVE_TOKENS, generator=g)
-    return rule
+    return rule.tolist()
 
 
 class TinyMLLMDataset(Dataset):
@@ -109,14 +109,12 @@ class TinyMLLMDataset(Dataset):
         cls = int(torch.randint(N_CLASSES, (1,), generator=g))
         noise = 0.5 * torch.randn(shape.encoder_tiles, c.channels, c.image_size, c.image_size, generator=g)
         pixels = noise + self._colours[cls][None, :, None, None]
-        ids = torch.empty(shape.text_tokens, dtype=torch.long)
-        token = FIRST_TOKEN + cls * (ACTIVE_TOKENS // N_CLASSES)
-        for j in range(shape.text_tokens):
-            if j > 0:
-                token = int(self._rule[token])
-                if float(torch.rand((), generator=g)) < NOISE_RATE:
-                    token = FIRST_TOKEN + int(torch.randint(ACTIVE_TOKENS, (1,), generator=g))
-            ids[j] = token
+        noisy = (torch.rand(shape.text_tokens, generator=g) < NOISE_RATE).tolist()
+        random_tokens = (FIRST_TOKEN + torch.randint(ACTIVE_TOKENS, (shape.text_tokens,), generator=g)).tolist()
+        tokens = [FIRST_TOKEN + cls * (ACTIVE_TOKENS // N_CLASSES)]  # the class shows in the first token
+        for j in range(1, shape.text_tokens):
+            tokens.append(random_tokens[j] if noisy[j] else self._rule[tokens[-1]])
+        ids = torch.tensor(tokens[: shape.text_tokens], dtype=torch.long)
         visual = shape.encoder_tiles * c.tokens_per_tile
         targets = torch.full((visual + shape.text_tokens,), IGNORE_INDEX, dtype=torch.long)
         for j in range(shape.text_tokens - shape.label_tokens, shape.text_tokens):
