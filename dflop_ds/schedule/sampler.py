@@ -38,7 +38,9 @@ class CostAdjuster(Protocol):
     ``adjust(version, costs, shapes)`` returns the costs to schedule with, using the adjuster's
     state as of ``version`` (the number of completed training steps it reflects); it may block
     until that version exists. Every rank must hold the same state per version, so schedules
-    stay identical.
+    stay identical. An adjuster whose costs are in other columns than the cost model's (e.g.
+    seconds per pipeline stage) sets ``replaces_columns = True``; a microbatch then costs the
+    sum of its samples' adjusted costs.
     """
 
     def adjust(self, version: int, costs: np.ndarray, shapes: Sequence[SampleShape]) -> np.ndarray: ...
@@ -161,13 +163,32 @@ class GlobalBatchSampler:
             return costs
         return np.asarray(self.cost_adjuster.adjust(version, costs, [self.shapes[i] for i in batch]), dtype=float)
 
-    def _microbatch_cost(self, batch: np.ndarray):
-        """The cost model's collated-microbatch predictor over positions in ``batch``, if any."""
+    def _microbatch_cost(self, batch: np.ndarray, costs: Optional[np.ndarray] = None):
+        """The cost model's collated-microbatch predictor over positions in ``batch``, if any.
+
+        With adjusted ``costs`` (from the cost adjuster) of the same columns, each column is
+        scaled by the microbatch's adjusted / unadjusted cost ratio; if the adjuster changed the
+        cost columns (``replaces_columns``), a microbatch costs the sum of its samples' adjusted
+        costs (None).
+        """
         predict = getattr(self.cost_model, "predict_microbatch", None)
         if predict is None:
             return None
         shapes = [self.shapes[i] for i in batch]
-        return lambda positions: predict([shapes[p] for p in positions])
+        if costs is None or self.cost_adjuster is None or costs is self.costs[batch]:
+            return lambda positions: predict([shapes[p] for p in positions])
+        base, adjusted = self.costs[batch], np.asarray(costs, dtype=float)
+        if adjusted.shape != base.shape or getattr(self.cost_adjuster, "replaces_columns", False):
+            return None
+        if np.array_equal(adjusted, base):
+            return lambda positions: predict([shapes[p] for p in positions])
+
+        def corrected(positions):
+            raw = np.asarray(predict([shapes[p] for p in positions]), dtype=float)
+            before, after = base[positions].sum(axis=0), adjusted[positions].sum(axis=0)
+            return raw * np.divide(after, before, out=np.ones_like(after), where=before > 0)
+
+        return corrected
 
     def schedule(self, epoch: int, batch_id: int, batch: np.ndarray) -> BatchSchedule:
         """Compute the schedule of one global batch."""
@@ -244,7 +265,7 @@ class StockBatchSampler(GlobalBatchSampler):
 
     def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
         """Contiguous equal-count chunks (see :func:`split_stock`)."""
-        return split_stock(batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch))
+        return split_stock(batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch, costs))
 
 
 class DFLOPBatchSampler(GlobalBatchSampler):
@@ -263,7 +284,7 @@ class DFLOPBatchSampler(GlobalBatchSampler):
     def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
         """Balanced split (see :func:`split_balanced`)."""
         return split_balanced(
-            batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch),
+            batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch, costs),
             time_limit_s=self.time_limit_s, seed=batch_seed,
         )
 

@@ -1,0 +1,79 @@
+"""Fault injection: make one shape class slower than the cost model believes, at run time."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """The ``"fault"`` entry of the ``"dflop"`` block: samples with more than ``min_tiles``
+    encoder tiles cost ``seconds_per_tile`` extra per tile in the first encoder layer's forward,
+    from step ``start_step`` on (counted in forward calls of microbatches: ``start_step * GAS``)."""
+
+    min_tiles: int
+    seconds_per_tile: float
+    start_step: int = 0
+
+    @classmethod
+    def from_dict(cls, block: Optional[dict[str, Any]], source: str = "fault") -> Optional["FaultSpec"]:
+        """Build and validate (None stays None); bad keys and values are named."""
+        if block is None:
+            return None
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(block) - known)
+        missing = sorted({"min_tiles", "seconds_per_tile"} - set(block))
+        if unknown or missing:
+            raise ValueError(f"{source}: unknown key(s) {unknown} / missing key(s) {missing}; known: {sorted(known)}")
+        spec = cls(**block)
+        if not isinstance(spec.min_tiles, int) or spec.min_tiles < 0:
+            raise ValueError(f"{source}.min_tiles must be an integer >= 0, got {spec.min_tiles!r}")
+        if not spec.seconds_per_tile >= 0:
+            raise ValueError(f"{source}.seconds_per_tile must be >= 0, got {spec.seconds_per_tile!r}")
+        if not isinstance(spec.start_step, int) or spec.start_step < 0:
+            raise ValueError(f"{source}.start_step must be an integer >= 0, got {spec.start_step!r}")
+        return spec
+
+    def delay(self, tiles_per_sample: torch.Tensor) -> float:
+        """Seconds of extra work for a microbatch with these per-sample tile counts."""
+        tiles = tiles_per_sample.detach().to("cpu")
+        return float(tiles[tiles > self.min_tiles].sum().item()) * self.seconds_per_tile
+
+
+class SlowTiles(nn.Module):
+    """Wraps a first encoder layer ``(vis, input_ids, text_lens, tiles_per_sample) -> ...`` and
+    sleeps in its forward for the samples the :class:`FaultSpec` makes slow.
+
+    Args:
+        layer: the wrapped layer (its parameters stay trainable), or a DeepSpeed ``LayerSpec`` of
+            it (built here, so ``LayerSpec(SlowTiles, spec_of_layer, fault)`` works in a
+            ``PipelineModule``).
+        spec: which samples and how slow.
+        start_call: forward calls to run at normal speed first (a fault that appears mid-run).
+    """
+
+    def __init__(self, layer: nn.Module, spec: FaultSpec, start_call: int = 0) -> None:
+        super().__init__()
+        if not isinstance(layer, nn.Module) and hasattr(layer, "build"):
+            layer = layer.build()
+        self.layer = layer
+        self.spec = spec
+        self.start_call = int(start_call)
+        self.calls = 0
+        self.slept_s = 0.0
+
+    def forward(self, inputs):
+        """The wrapped layer's forward, after the injected delay."""
+        self.calls += 1
+        if self.calls > self.start_call:
+            delay = self.spec.delay(inputs[3])
+            if delay > 0:
+                time.sleep(delay)
+                self.slept_s += delay
+        return self.layer(inputs)
