@@ -39,6 +39,12 @@ class DFLOPConfig:
         checkpoint_dir: where DeepSpeed checkpoints go (None: no checkpoints).
         checkpoint_every: save a checkpoint every this many steps (0: only at the end).
         resume: resume from the latest checkpoint in ``checkpoint_dir`` if there is one.
+        telemetry: time every pipeline instruction and write per-step telemetry (monitor, log).
+        correction: adaptive correction settings (see
+            :class:`dflop_ds.schedule.correction.CorrectionSettings`; ``{"enabled": true}`` turns
+            it on; needs ``telemetry``).
+        fault: inject a slow shape class for tests and demos (see
+            :class:`dflop_ds.testing.FaultSpec`), e.g. ``{"min_tiles": 6, "seconds_per_tile": 0.01}``.
     """
 
     sampler: str = "dflop"
@@ -61,6 +67,9 @@ class DFLOPConfig:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     resume: bool = False
+    telemetry: bool = True
+    correction: dict[str, Any] = field(default_factory=dict)
+    fault: Optional[dict[str, Any]] = None
 
     @classmethod
     def from_dict(cls, block: dict[str, Any], source: str = "config") -> "DFLOPConfig":
@@ -102,3 +111,9 @@ class DFLOPConfig:
         for key, ok in checks.items():
             if not ok:
                 raise ValueError(f"{source}: \"dflop\".{key} has an invalid value {getattr(self, key)!r}")
+        from dflop_ds.schedule.correction import CorrectionSettings
+        from dflop_ds.testing.faults import FaultSpec
+
+        if CorrectionSettings.from_dict(self.correction, f"{source}: \"dflop\".correction").enabled and not self.telemetry:
+            raise ValueError(f"{source}: \"dflop\".correction needs \"dflop\".telemetry = true")
+        FaultSpec.from_dict(self.fault, f"{source}: \"dflop\".fault")

@@ -28,6 +28,8 @@ from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch,
 from dflop_ds.pipe import MLLMPipelineModule, token_normalized_loss
 from dflop_ds.schedule.sampler import make_sampler
 from dflop_ds.shapes import TINY_POLICY, ShapePolicy
+from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
+from dflop_ds.telemetry.setup import inject_fault, make_correction
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--summary", help="write the run's figures as JSON to this path (rank 0)")
     parser.add_argument("--trace", help="append the samples each step trained, one JSON line per step and "
                                         "data-parallel rank (written by first-stage ranks)")
+    parser.add_argument("--telemetry", help="append per-step telemetry JSON lines here (rank 0; default: "
+                                            "dflop_telemetry.jsonl in the csv_monitor folder)")
     parser.add_argument("--resume", action="store_true", help="resume from \"dflop\".checkpoint_dir")
     parser.add_argument("--exit-after-step", type=int,
                         help="stop abruptly (no clean-up) after this step: simulates a crash in tests")
@@ -82,6 +86,7 @@ def main() -> int:
     dataset = TinyMLLMDataset(shapes, model_config, seed=cfg.seed)
 
     encoder, projector, llm = tiny_mllm_layers(model_config, seed=cfg.seed)
+    encoder = inject_fault(encoder, cfg.fault, ds_config)  # testing only: an optional slow shape class
     module = MLLMPipelineModule(  # dflop-ds: encoder + projector + LLM with an explicit split
         encoder, projector, llm, num_stages=cfg.pipeline_stages, stage_bounds=cfg.stage_bounds,
         loss_fn=token_normalized_loss, freeze_encoder=cfg.freeze_encoder,
@@ -94,24 +99,31 @@ def main() -> int:
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])
 
     dp_size = engine.grid.get_data_parallel_world_size()
+    correction = make_correction(cfg.correction, engine.num_stages)  # dflop-ds: adaptive correction (opt-in)
     sampler = make_sampler(  # dflop-ds: balanced global batches, GAS microbatches per dp rank
         cfg.sampler, shapes, global_batch_size=engine.train_batch_size(),
         gradient_accumulation_steps=engine.gradient_accumulation_steps(),
         dp_rank=engine.grid.get_data_parallel_rank(), dp_size=dp_size,
         cost_model=load_cost_model(cfg.cost_model), seed=cfg.seed, prefetch=cfg.prefetch,
-        time_limit_s=cfg.time_limit_s, label_tokens_fn=supervised_count,
+        time_limit_s=cfg.time_limit_s, label_tokens_fn=supervised_count, cost_adjuster=correction,
     )
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_microbatch)
     data_iter = iter(RepeatingLoader(loader))
 
     rank = torch.distributed.get_rank()
-    first_step = resume(engine, sampler, cfg) if cfg.resume else 0
+    first_step = resume(engine, sampler, cfg, correction) if cfg.resume else 0
+    tracker = RuntimeTracker(engine, sampler, correction,  # dflop-ds: timers, correction feed, telemetry
+                             jsonl_path=args.telemetry or default_jsonl_path(ds_config)) if cfg.telemetry else None
     records = []
     for step in range(first_step, cfg.steps):
+        if tracker:
+            tracker.start_step()
         start = time.perf_counter()
         loss = engine.train_batch(data_iter)
         elapsed = time.perf_counter() - start
         record = step_record(step, float(loss), elapsed, sampler, shapes, engine.is_first_stage())
+        if tracker:  # a collective: every rank, every step
+            record["telemetry"] = tracker.end_step(step, elapsed, float(loss))
         records.append(record)
         if args.trace and engine.is_first_stage():
             write_trace(args.trace, step, sampler)
@@ -122,7 +134,8 @@ def main() -> int:
         done = step + 1
         if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
             engine.save_checkpoint(cfg.checkpoint_dir, tag=f"step{done}",
-                                   client_state={"dflop_sampler": sampler.state_dict(), "dflop_step": done})
+                                   client_state={"dflop_sampler": sampler.state_dict(), "dflop_step": done,
+                                                 "dflop_correction": correction.state_dict() if correction else None})
         if args.exit_after_step is not None and step == args.exit_after_step:
             os._exit(17)
 
@@ -135,8 +148,9 @@ def main() -> int:
     return 0
 
 
-def resume(engine, sampler, cfg: DFLOPConfig) -> int:
-    """Load the latest checkpoint, restore the sampler's position; the step to continue from."""
+def resume(engine, sampler, cfg: DFLOPConfig, correction=None) -> int:
+    """Load the latest checkpoint, restore the sampler's position (and the correction's state);
+    the step to continue from."""
     load_path, client_state = engine.load_checkpoint(cfg.checkpoint_dir)
     if load_path is None:
         print(f"[dflop-ds] no checkpoint in {cfg.checkpoint_dir}: starting from step 0", flush=True)
@@ -144,6 +158,8 @@ def resume(engine, sampler, cfg: DFLOPConfig) -> int:
     if "dflop_sampler" not in client_state:
         raise ValueError(f"checkpoint {load_path} has no dflop sampler state: it was not written by this script")
     sampler.load_state_dict(client_state["dflop_sampler"])
+    if correction is not None and client_state.get("dflop_correction"):
+        correction.load_state_dict(client_state["dflop_correction"])
     print(f"[dflop-ds] resumed from {load_path} at step {client_state['dflop_step']}", flush=True)
     return int(client_state["dflop_step"])
 
@@ -194,7 +210,16 @@ def summarize(records: list[dict], cfg: DFLOPConfig, dp_size: int) -> dict:
         "imbalance_encoder": float(np.mean([r["imbalance"][0] for r in timed])),
         "first_loss": records[0]["loss"],
         "last_loss": records[-1]["loss"],
+        **telemetry_summary([r["telemetry"] for r in timed if "telemetry" in r]),
     }
+
+
+def telemetry_summary(telemetry: list[dict]) -> dict:
+    """Observed balance and the measurement's own cost over the timed steps (empty without telemetry)."""
+    if not telemetry:
+        return {}
+    return {"imbalance_observed": float(np.nanmean([t["imbalance_observed"] for t in telemetry])),
+            "telemetry_overhead_frac": float(np.median([t["telemetry_overhead_frac"] for t in telemetry]))}
 
 
 if __name__ == "__main__":
