@@ -28,7 +28,8 @@ class DFLOPConfig:
         stage_bounds: layer index bounds of each stage over encoder + projector + LLM layers
             (None: split by predicted layer cost).
         cost_model: a profiled CostModel JSON (None: the unitless proxy).
-        plan: a plan JSON written by ``dflop-ds plan`` (overrides stage and batch settings).
+        plan: a plan JSON written by ``dflop-ds plan``; the run is refused unless the DeepSpeed
+            config and this block agree with it (``Plan.deepspeed_config`` writes such a config).
         time_limit_s: exact-solver time per global batch (0: deterministic heuristic only).
         prefetch: global batches scheduled ahead in a background thread.
         seed: seeds data order and model initialisation.

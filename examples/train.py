@@ -22,6 +22,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import RepeatingLoader
 
+from dflop_ds.checks import check_training_setup
 from dflop_ds.config import DFLOPConfig
 from dflop_ds.data import read_dataset
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers
@@ -71,22 +72,46 @@ def load_cost_model(path: str | None):
     return CostModel.load(path)
 
 
+def load_plan(path: str | None):
+    """The plan the run must match, or None (a missing or malformed file raises naming it)."""
+    if path is None:
+        return None
+    from dflop_ds.plan import Plan
+
+    return Plan.load(path)
+
+
+def print_skip_report(report, limit: int = 20) -> None:
+    """Print what ``on_bad_sample="skip"`` dropped: the count and the first ``limit`` problems."""
+    if not report.n_skipped:
+        return
+    print(f"[dflop-ds] {report.summary()}", flush=True)
+    for problem in report.problems[:limit]:
+        print(f"[dflop-ds]   skipped: {problem}", flush=True)
+    if len(report.problems) > limit:
+        print(f"[dflop-ds]   ... and {len(report.problems) - limit} more problem(s)", flush=True)
+
+
 def main() -> int:
     args = parse_args()
     ds_config, cfg = load_settings(args)
     torch.manual_seed(cfg.seed)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     world = torch.distributed.get_world_size()
-    if world % cfg.pipeline_stages:
-        raise ValueError(f"world size {world} is not a multiple of \"dflop\".pipeline_stages={cfg.pipeline_stages}")
+    rank = torch.distributed.get_rank()
 
     model_config = TinyMLLMConfig(**cfg.model)
     policy = TINY_POLICY if cfg.policy == "tiny" else ShapePolicy()
-    shapes = read_dataset(cfg.data, policy)[: cfg.max_samples]
+    data = read_dataset(cfg.data, policy, on_bad_sample=cfg.on_bad_sample)  # dflop-ds: bad records named
+    if rank == 0:
+        print_skip_report(data.report)
+    shapes = data[: cfg.max_samples]
     dataset = TinyMLLMDataset(shapes, model_config, seed=cfg.seed)
 
     encoder, projector, llm = tiny_mllm_layers(model_config, seed=cfg.seed)
     encoder = inject_fault(encoder, cfg.fault, ds_config)  # testing only: an optional slow shape class
+    check_training_setup(ds_config, cfg, world, plan=load_plan(cfg.plan), n_samples=len(shapes),  # dflop-ds
+                         n_layers=len(encoder) + 1 + len(llm))
     module = MLLMPipelineModule(  # dflop-ds: encoder + projector + LLM with an explicit split
         encoder, projector, llm, num_stages=cfg.pipeline_stages, stage_bounds=cfg.stage_bounds,
         loss_fn=token_normalized_loss, freeze_encoder=cfg.freeze_encoder,
@@ -110,7 +135,6 @@ def main() -> int:
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_microbatch)
     data_iter = iter(RepeatingLoader(loader))
 
-    rank = torch.distributed.get_rank()
     first_step = resume(engine, sampler, cfg, correction) if cfg.resume else 0
     tracker = RuntimeTracker(engine, sampler, correction,  # dflop-ds: timers, correction feed, telemetry
                              jsonl_path=args.telemetry or default_jsonl_path(ds_config)) if cfg.telemetry else None
