@@ -22,6 +22,8 @@ import numpy as np
 MicrobatchCost = Callable[[Sequence[int]], np.ndarray]
 
 _INF = np.inf
+#: Candidate swap pairs :func:`improve` evaluates in its first circle of partner buckets.
+SWAP_PAIRS = 32_768
 
 
 class InfeasibleError(ValueError):
@@ -262,8 +264,11 @@ def improve(
             if value.flat[flat] < best_value:
                 best_value, best_change = value.flat[flat], (inside[flat // n_buckets], -1, flat % n_buckets)
         # Swaps with the lightest buckets usually win: look there first, then a wider circle.
+        # With big buckets the swap matrix grows as (items per bucket)^2: shrink the circles so
+        # that the first holds about SWAP_PAIRS candidate pairs.
         by_time = np.argsort(times)
-        for size in partners:
+        shrink = max(1.0, inside.size * costs.shape[0] / n_buckets * partners[0] / SWAP_PAIRS)
+        for size in (max(1, int(width / shrink)) if width < n_buckets else width for width in partners):
             pool = np.zeros(n_buckets, dtype=bool)
             pool[by_time[:size]] = True
             pool[b] = False
