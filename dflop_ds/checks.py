@@ -145,7 +145,8 @@ def check_training_setup(
     Checks: ``"dflop".pipeline_stages`` divides ``world_size``; the batch keys satisfy
     ``train_batch_size = micro * GAS * dp`` (with ``micro >= 1``, so one global batch fills
     ``GAS`` microbatches on every data-parallel rank); ``"dflop".stage_bounds`` (when given) is increasing from 0 to
-    ``n_layers`` (when known); a plan agrees with all of these; the dataset (``n_samples``)
+    ``n_layers`` (when known); ``"dflop".time_limit_s`` is 0 when more than one process
+    computes the schedule (only the deterministic heuristic agrees across ranks); a plan agrees with all of these; the dataset (``n_samples``)
     holds at least one global batch.
     """
     stages = dflop.pipeline_stages
@@ -157,6 +158,12 @@ def check_training_setup(
     total, micro, gas = resolve_batch_keys(ds_config, dp)  # micro >= 1, so total >= gas * dp
     if dflop.stage_bounds is not None:
         check_stage_bounds(dflop.stage_bounds, stages, n_layers)
+    if dflop.time_limit_s > 0 and world_size > 1:
+        raise SetupError(
+            f"\"dflop\".time_limit_s={dflop.time_limit_s:g}: each of the {world_size} processes computes the"
+            " schedule itself, and a time-limited solver can answer differently on each, so stages and"
+            " ranks would train mismatched microbatches; use 0 (the deterministic heuristic) when world size > 1"
+        )
     if plan is not None:
         check_plan(plan, stages=stages, world_size=world_size, dp=dp, total=total, micro=micro, gas=gas,
                    stage_bounds=dflop.stage_bounds, n_layers=n_layers)

@@ -139,3 +139,10 @@ def test_dataset_smaller_than_one_global_batch_is_refused():
 
 def test_setup_error_is_a_value_error():
     assert issubclass(SetupError, ValueError)
+
+
+def test_time_limited_solver_is_refused_when_ranks_schedule_independently():
+    with pytest.raises(SetupError, match=r'"dflop"\.time_limit_s=0\.5: each of the 2 processes'):
+        check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, time_limit_s=0.5), 2)
+    check_training_setup(ds(32, 4, 8), DFLOPConfig(pipeline_stages=1, time_limit_s=0.5), 1)
+    check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, time_limit_s=0), 2)
