@@ -376,6 +376,7 @@ def search(
     top_k: int = 6,
     refine_margin: float = 0.1,
     max_tries: int = 4,
+    refine_layouts: int = 2,
     nmb_choices: Sequence[int] = DEFAULT_NMB,
     families: Sequence[str] = FAMILIES,
     final_partition: bool = True,
@@ -394,6 +395,8 @@ def search(
             the first sampled batch.
         max_tries: at most ``max_tries * top_k`` layouts per family are tried (simulated or
             found over memory) before giving up.
+        refine_layouts: the best this many layouts (tp, pp, dp) are also simulated with every
+            other microbatch count in ``nmb_choices``.
         refine_margin: layouts within this fraction of their family's best on the first batch
             are simulated on the other batches too; the winners come from those.
         nmb_choices: microbatch counts per rank considered.
@@ -437,15 +440,15 @@ def search(
             per_layout[key[:-1]] = per_layout.get(key[:-1], 0) + 1
             estimates[key[:-1]] = estimate
             simulate(estimate, key)
-        # the best layout so far with every other microbatch count (the estimate cannot rank them)
-        fits = [s for s in scored[family] if s.feasible]
-        if fits:
-            top = min(fits, key=lambda s: s.step_time)
-            key = _layout_key(top.layout, family)
+        # the best layouts so far with every other microbatch count (the estimate ranks them poorly)
+        best_keys: dict[tuple[int, ...], Scored] = {}
+        for sc in sorted((s for s in scored[family] if s.feasible), key=lambda s: s.step_time):
+            best_keys.setdefault(_layout_key(sc.layout, family)[:-1], sc)
+        for group, sc in list(best_keys.items())[:refine_layouts]:
             for m in nmb_choices:
-                other = key[:-1] + (m,)
+                other = group + (m,)
                 if other not in tried and valid_mb(other):
-                    simulate(top.estimate, other)
+                    simulate(sc.estimate, other)
         # second pass: the remaining batches only for layouts close to the family's best
         fits = [s for s in scored[family] if s.feasible]
         if not fits:
@@ -469,7 +472,8 @@ def search(
             continue
         est, mem = _shared_estimates(model, cluster, data, grid, uniform)
         ok = np.flatnonzero(mem <= cluster.usable_memory)
-        ok = ok[np.argsort(est[ok], kind="stable")][: max_tries * top_k]
+        # ties (common: with pp = 1 the estimate ignores n_mb) go to more, smaller microbatches
+        ok = ok[np.lexsort((-grid[ok, 3], est[ok]))][: max_tries * top_k]
         run(family, [(est[i], tuple(int(x) for x in grid[i])) for i in ok],
             lambda key, u=uniform: _shared_layout(model, cluster, data, *key, uniform=u),
             lambda key, u=uniform: key[2] * key[3] <= global_batch and (not u or global_batch % (key[2] * key[3]) == 0))
