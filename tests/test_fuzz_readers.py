@@ -3,7 +3,8 @@
 Invariant: reading either returns shapes whose derived fields are consistent, or raises a
 DataError that names the file and the record (and the field, for a field problem); never any
 other exception. Under ``on_bad_sample="skip"`` every record is either read or skipped and
-reported, and the records read are exactly those a strict read accepts.
+reported, the records read are exactly those a strict read accepts, and ``validate_dataset``
+(``dflop-ds validate``) names exactly the skipped records.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflop_ds.data import DataError, read_dataset
+from dflop_ds.data import DEFAULT_FALLBACK_SIZE, DataError, read_dataset, validate_dataset
 from dflop_ds.shapes import TINY_POLICY, SampleShape
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -121,11 +122,13 @@ def read_both_ways(text_lines: list[str]) -> None:
         except DataError as error:
             check_error(error, path, len(text_lines))
             strict_error = error
+        problems = validate_dataset(path, TINY_POLICY, fallback_size=DEFAULT_FALLBACK_SIZE, fallback_frames=16)
         try:
             lenient = read_dataset(path, TINY_POLICY, fallback_frames=16, on_bad_sample="skip")
         except DataError as error:  # nothing to read at all: the same file-level refusal
             check_error(error, path, len(text_lines))
             assert strict_error is not None and error.record == strict_error.record
+            assert [p.message for p in problems] == [error.reason]
             return
     report = lenient.report
     for shape in lenient:
@@ -137,6 +140,9 @@ def read_both_ways(text_lines: list[str]) -> None:
     for problem in report.problems:
         check_error(problem, path, len(text_lines))
         assert problem.record in report.skipped_records
+    # `dflop-ds validate` names every bad record, and only those
+    assert {p.record for p in problems} == set(report.skipped_records)
+    assert len(problems) == len(report.problems)
     if strict_error is None:
         assert report.n_skipped == 0 and list(strict) == list(lenient)
     else:
