@@ -22,6 +22,8 @@ import numpy as np
 MicrobatchCost = Callable[[Sequence[int]], np.ndarray]
 
 _INF = np.inf
+#: Largest pooled pair that :func:`best_two_way_split` also splits by subset-sum DP.
+SUBSET_MAX_ROWS = 512
 #: Candidate swap pairs :func:`improve` evaluates in its first circle of partner buckets.
 SWAP_PAIRS = 32_768
 
@@ -240,7 +242,7 @@ def improve(
     Swaps are sought with the ``partners[0]`` lightest buckets first (fast), then with the
     ``partners[1]`` lightest, and so on (pass a size ``>= n_buckets`` to end with all buckets).
     When no single move or swap helps, the slowest bucket and each of the ``resplit`` lightest
-    buckets in turn are pooled and split afresh by two-way differencing; the first re-split
+    buckets in turn are pooled and split afresh (best_two_way_split); the first re-split
     that lowers both below the slowest time is kept, and the search goes on. The search stops
     early once the makespan is at most ``target`` (e.g. a lower bound). With
     ``allow_moves=False`` and ``resplit=0`` only swaps are made, so bucket sizes never change.
@@ -294,10 +296,12 @@ def improve(
 
 def best_two_way_split(rows: np.ndarray) -> np.ndarray:
     """The better (smaller slower half) of :func:`two_way_split` and :func:`subset_split` on the
-    column with the largest total, as a 0/1 side per row of ``rows`` (``(p, k)``)."""
+    column with the largest total, as a 0/1 side per row of ``rows`` (``(p, k)``). The subset
+    DP keeps one bitset per row, so it is skipped beyond ``SUBSET_MAX_ROWS`` rows."""
     candidates = [two_way_split([tuple(r) for r in rows.tolist()])]
-    column = int(rows.sum(axis=0).argmax())
-    candidates.append(subset_split(rows[:, column].tolist()))
+    if rows.shape[0] <= SUBSET_MAX_ROWS:
+        column = int(rows.sum(axis=0).argmax())
+        candidates.append(subset_split(rows[:, column].tolist()))
     best, best_value = None, np.inf
     for sides in candidates:
         side = np.asarray(sides, dtype=np.int64)
@@ -311,7 +315,7 @@ def pair_sweep(
     costs: np.ndarray, labels: np.ndarray, n_buckets: int, memory: Optional[MemoryCap] = None
 ) -> np.ndarray:
     """One sweep of pairwise re-splits: the i-th slowest bucket is pooled with the i-th fastest
-    and the pair split afresh by :func:`two_way_split`, kept where it lowers the pair's slower
+    and the pair split afresh by :func:`best_two_way_split`, kept where it lowers the pair's slower
     time (and respects the memory cap, leaving neither empty). A coarse, fast leveller to run
     before :func:`improve`, which then only polishes."""
     labels = labels.copy()
@@ -338,7 +342,7 @@ def pair_sweep(
 
 
 def _resplit_pair(costs, labels, loads, counts, used, memory, b: int, partners: np.ndarray) -> bool:
-    """Re-split bucket ``b`` with one of ``partners`` by two-way differencing (in place).
+    """Re-split bucket ``b`` with one of ``partners`` by :func:`best_two_way_split` (in place).
 
     Returns True when a re-split lowered the larger of the pair below ``b``'s time, kept both
     non-empty and respected the memory cap."""
