@@ -97,9 +97,9 @@ class ModelProfile:
 class SegmentRun:
     """Settings shared by every timing of a profiling run."""
 
-    warmup: int = 2
+    warmup: int = 1
     repeats: int = 5
-    statistic: str = "median"
+    statistic: str = "min"
     clock: str = "auto"
     attention_off: Callable[[], AbstractContextManager[Any]] | None = None
     device: torch.device = field(default_factory=profiling_device)
@@ -243,9 +243,9 @@ def profile_model(
     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
     llm_shapes: Sequence[tuple[int, int]] | None = None,
     max_blocks: int = 2,
-    warmup: int = 2,
+    warmup: int = 1,
     repeats: int = 5,
-    statistic: str = "median",
+    statistic: str = "min",
     clock: str = "auto",
     threads: int | None = 1,
     attention_off: Callable[[], AbstractContextManager[Any]] | None = None,

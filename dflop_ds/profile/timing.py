@@ -7,7 +7,6 @@ through ``/proc/self/clear_refs``), since the CPU accelerator only samples the c
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
@@ -93,7 +92,6 @@ class PeakMemory:
         self._base = 0
 
     def __enter__(self) -> "PeakMemory":
-        gc.collect()
         if self._cpu:
             try:
                 with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:

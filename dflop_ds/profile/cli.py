@@ -1,0 +1,155 @@
+"""``dflop-ds profile model | data | report``: profile a model and a dataset, inspect the fits."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+from typing import Any, Callable
+
+from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES
+from dflop_ds.profile.timing import CLOCKS, STATISTICS
+
+
+def int_list(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (argparse type)."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
+def load_target(spec: str) -> Any:
+    """Call ``module:function`` and return its :class:`~dflop_ds.profile.tiny.ProfileTarget`."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--target must look like 'package.module:function', got {spec!r}")
+    factory: Callable[[], Any] = getattr(importlib.import_module(module_name), attr)
+    return factory()
+
+
+def run_model(args: argparse.Namespace) -> int:
+    """``profile model``: profile, fit and save a CostModel (measurements included)."""
+    from dflop_ds.profile.costmodel import CostModel
+    from dflop_ds.profile.model import profile_model
+    from dflop_ds.profile.tiny import tiny_target
+
+    if args.target:
+        target = load_target(args.target)
+    else:
+        from dflop_ds.models import TinyMLLMConfig
+
+        config = TinyMLLMConfig(vision_layers=args.vision_layers, llm_layers=args.llm_layers)
+        target = tiny_target(config, seed=args.seed)
+    started = time.perf_counter()
+    profile = profile_model(
+        **target.profile_kwargs(),
+        tiles=args.tiles,
+        seq_lens=args.seq_lens,
+        batch_sizes=args.batch_sizes,
+        max_blocks=args.max_blocks,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        statistic=args.statistic,
+        clock=args.clock,
+        threads=args.threads,
+        progress=not args.no_progress,
+        seed=args.seed,
+    )
+    model = CostModel().fit(profile)
+    model.save(args.output)
+    for note in profile.meta["scaling"]:
+        print(note)
+    print(f"profiled {len(profile.encoder)} encoder and {len(profile.llm)} LLM shapes in "
+          f"{time.perf_counter() - started:.1f} s ({profile.meta['clock']} clock); wrote {args.output}")
+    return 0
+
+
+def run_data(args: argparse.Namespace) -> int:
+    """``profile data``: sample a dataset's shapes and save a DataProfile."""
+    from dflop_ds.data.cli import POLICIES
+    from dflop_ds.profile.data import profile_data
+
+    started = time.perf_counter()
+    profile = profile_data(args.data, POLICIES[args.policy], samples=args.samples, seed=args.seed,
+                           bins=args.bins, on_bad_sample=args.on_bad_sample)
+    profile.save(args.output)
+    from dflop_ds.profile.report import data_profile_table
+
+    print(data_profile_table(profile))
+    print(f"profiled in {time.perf_counter() - started:.1f} s; wrote {args.output}")
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """``profile report``: print the fit tables and write a PNG of the curves."""
+    from dflop_ds.profile.costmodel import CostModel
+    from dflop_ds.profile.data import DataProfile
+    from dflop_ds.profile.report import cost_model_table, data_profile_table, plot_report
+
+    model = CostModel.load(args.cost_model)
+    data = DataProfile.load(args.data_profile) if args.data_profile else None
+    print(cost_model_table(model))
+    if data is not None:
+        print()
+        print(data_profile_table(data))
+    if args.png:
+        plot_report(model, args.png, data)
+        print(f"wrote {args.png}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``profile model``, ``profile data`` and ``profile report``."""
+    profile = subparsers.add_parser("profile", help="profile a model or a dataset; report a cost model",
+                                    description="Model profiler, data profiler and cost-model report.")
+    commands = profile.add_subparsers(dest="profile_command", metavar="WHAT")
+    profile.set_defaults(func=lambda args: (profile.print_help(), 2)[1])
+
+    model = commands.add_parser(
+        "model", help="time forward+backward of the model's layers; fit and save a CostModel",
+        description="Profile the bundled tiny MLLM (or --target) over tile counts and (batch, sequence "
+                    "length) grids, a few blocks scaled to the full depth, and save the fitted CostModel.")
+    model.add_argument("--target", default=None, metavar="MODULE:FUNC",
+                       help="a function returning a dflop_ds.profile.ProfileTarget (your own layers)")
+    model.add_argument("--vision-layers", type=int, default=4, help="tiny model: vision blocks (default 4)")
+    model.add_argument("--llm-layers", type=int, default=4, help="tiny model: decoder blocks (default 4)")
+    model.add_argument("--max-blocks", type=int, default=2, help="identical blocks profiled per segment (default 2)")
+    model.add_argument("--tiles", type=int_list, default=list(DEFAULT_TILES), help="encoder tile counts")
+    model.add_argument("--seq-lens", type=int_list, default=list(DEFAULT_SEQ_LENS), help="LLM sequence lengths")
+    model.add_argument("--batch-sizes", type=int_list, default=list(DEFAULT_BATCH_SIZES), help="LLM batch sizes")
+    model.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
+    model.add_argument("--repeats", type=int, default=5, help="timed rounds (default 5)")
+    model.add_argument("--statistic", choices=STATISTICS, default="min", help="summary of the repeats")
+    model.add_argument("--clock", choices=CLOCKS, default="auto",
+                       help="auto: process CPU time on a CPU device, wall time on an accelerator")
+    model.add_argument("--threads", type=int, default=1, help="torch threads while profiling (default 1)")
+    model.add_argument("--seed", type=int, default=0)
+    model.add_argument("--no-progress", action="store_true", help="no progress bar")
+    model.add_argument("--output", "-o", default="costmodel.json", help="output JSON (default costmodel.json)")
+    model.set_defaults(func=run_model)
+
+    data = commands.add_parser(
+        "data", help="sample a dataset's shapes and save a DataProfile",
+        description="Read a shape manifest or LLaVA file, sample shapes (seeded) and save their "
+                    "distribution (statistics, histograms and the sampled shapes).")
+    data.add_argument("data", metavar="DATA", help="shape manifest (JSONL) or LLaVA JSON/JSONL file")
+    data.add_argument("--policy", choices=("tiny", "default"), default="tiny",
+                      help="shape policy: 'tiny' (bundled tiny model, default) or 'default' (LLaVA-OneVision-like)")
+    data.add_argument("--samples", type=int, default=2000, help="samples to draw (default 2000; all if fewer)")
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--bins", type=int, default=20, help="histogram bins (default 20)")
+    data.add_argument("--on-bad-sample", choices=("error", "skip"), default="error")
+    data.add_argument("--output", "-o", default="dataprofile.json", help="output JSON (default dataprofile.json)")
+    data.set_defaults(func=run_data)
+
+    report = commands.add_parser(
+        "report", help="print a cost model's fit against its measurements; plot it",
+        description="Print the measurements next to the fitted predictions and write a PNG of the curves.")
+    report.add_argument("cost_model", metavar="COSTMODEL", help="JSON written by `dflop-ds profile model`")
+    report.add_argument("--data-profile", default=None, metavar="JSON", help="also summarize this DataProfile")
+    report.add_argument("--png", default="costmodel.png", help="PNG to write (default costmodel.png; '' for none)")
+    report.set_defaults(func=run_report)
