@@ -169,7 +169,8 @@ class RuntimeTracker:
                 schedule_ms=1e3 * sched.schedule_s, solver=sched.split.solver,
                 solver_exact=float(sched.split.solver.startswith("ilp")), mb_predicted=predicted.tolist(),
             )
-            if not self._stage_space(step):
+            record["predicted_space"] = "stage" if self._stage_space(step) else "model"
+            if record["predicted_space"] == "model":
                 record.update(imbalance_predicted_encoder=columns[0], imbalance_predicted_llm=columns[-1])
         if self.correction is not None:
             summary = self.correction.summary()
