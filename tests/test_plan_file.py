@@ -59,6 +59,7 @@ def test_deepspeed_config_and_stage_bounds_agree(plans) -> None:
     assert cfg["gradient_clipping"] == 1.0
     assert cfg["gradient_accumulation_steps"] == plan.n_mb
     assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * plan.n_mb * plan.dp
+    assert cfg["train_batch_size"] == plan.global_batch_size == plan.sampler_settings()["global_batch_size"]
     bounds = cfg["dflop"]["stage_bounds"]
     assert cfg["dflop"]["pipeline_stages"] == len(bounds) - 1 == plan.pipeline_stages
     assert bounds[0] == 0 and bounds[-1] == 27 + 1 + 28

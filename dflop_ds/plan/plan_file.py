@@ -149,9 +149,9 @@ class Plan:
         """``base`` (a DeepSpeed config dict, not modified) with the plan's batch keys set.
 
         Sets ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps = n_mb`` and
-        ``train_batch_size = micro * n_mb * dp`` (DeepSpeed's identity), and the ``"dflop"``
-        block's ``pipeline_stages`` and ``stage_bounds``. The sampler's global batch is
-        :meth:`sampler_settings`' ``global_batch_size``.
+        ``train_batch_size = micro * n_mb * dp`` (DeepSpeed's identity; equal to the global
+        batch for plans of the search, whose ``dp * n_mb`` divides it), and the ``"dflop"``
+        block's ``pipeline_stages``, ``stage_bounds`` and ``sampler``.
 
         Raises:
             PlanFileError: the plan needs separate GPU sets (not runnable on stock DeepSpeed).

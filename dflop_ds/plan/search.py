@@ -6,7 +6,8 @@ global batches are drawn from):
 - ``separate``: DFLOP's general space, encoder and LLM on separate GPU sets,
   ``E_tp*E_pp*E_dp + L_tp*L_pp*L_dp = GPUs``, our balanced microbatches;
 - ``deepspeed``: one DeepSpeed pipeline, shared tp and dp, ``GPUs = stages * tp * dp``, layers
-  split by cost (a stage may hold encoder and LLM layers), our balanced microbatches;
+  split by cost (a stage may hold encoder and LLM layers), our balanced microbatches; ``dp * n_mb``
+  divides the global batch, so DeepSpeed's ``train_batch_size`` equals it;
 - ``monolithic``: the stock baseline, same space as ``deepspeed`` but DeepSpeed's uniform layer
   split and fixed-size sequential microbatches.
 
@@ -465,8 +466,8 @@ def search(
             continue
         grid = _shared_grid(cluster, E + 1 + L, global_batch, nmb_choices)
         uniform = family == "monolithic"
-        if uniform:
-            grid = grid[global_batch % (grid[:, 2] * grid[:, 3]) == 0]
+        # DeepSpeed's train_batch_size = micro * n_mb * dp must equal the sampler's global batch
+        grid = grid[global_batch % (grid[:, 2] * grid[:, 3]) == 0]
         n_layouts += len(grid)
         if len(grid) == 0:
             continue
@@ -476,7 +477,7 @@ def search(
         ok = ok[np.lexsort((-grid[ok, 3], est[ok]))][: max_tries * top_k]
         run(family, [(est[i], tuple(int(x) for x in grid[i])) for i in ok],
             lambda key, u=uniform: _shared_layout(model, cluster, data, *key, uniform=u),
-            lambda key, u=uniform: key[2] * key[3] <= global_batch and (not u or global_batch % (key[2] * key[3]) == 0))
+            lambda key: global_batch % (key[2] * key[3]) == 0)
 
     if "separate" in families:
         rows, n_sep, ests = _separate_candidates(model, cluster, data, nmb_choices, max_tries * top_k)
