@@ -4,6 +4,9 @@ before training, with the key at fault named."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,3 +149,27 @@ def test_time_limited_solver_is_refused_when_ranks_schedule_independently():
         check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, time_limit_s=0.5), 2)
     check_training_setup(ds(32, 4, 8), DFLOPConfig(pipeline_stages=1, time_limit_s=0.5), 1)
     check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, time_limit_s=0), 2)
+
+
+@pytest.mark.slow
+def test_train_script_prints_the_skip_report_and_refuses_the_setup(tmp_path):
+    """examples/train.py, one process: bad records are skipped and listed, then the too-small
+    dataset is refused before any engine is built."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"id": "a", "text_tokens": 5}\n{"id": "b", "text_tokens": -1}\nnot json\n'
+                    '{"id": "c", "text_tokens": 7}\n')
+    config = json.loads((ROOT / "ds_configs" / "tiny_mllm_pp2.json").read_text())
+    config["dflop"].update(data=str(data), on_bad_sample="skip", pipeline_stages=1)
+    config.pop("csv_monitor", None)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(29400 + os.getpid() % 1000)}
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), "--deepspeed_config", str(path)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "read 2 of 4 records, skipped 2 bad record(s)" in output
+    assert f"skipped: {data} line 2 (id 'b'), field 'text_tokens'" in output
+    assert f"skipped: {data} line 3: malformed JSON" in output
+    assert "SetupError" in output and "has 2 usable samples" in output and "train_batch_size=32" in output
