@@ -82,3 +82,20 @@ def test_errors_without_solver_are_not_hidden(monkeypatch):
     monkeypatch.setattr(partition, "partition_batch", broken)
     with pytest.raises(RuntimeError, match="bug in the heuristic"):
         split_balanced(list(range(8)), np.ones((8, 2)), N_MB, DP, time_limit_s=0)
+
+
+def test_solver_without_a_solution_keeps_the_heuristic_split(monkeypatch):
+    """A time-out or non-optimal status with no incumbent: the heuristic answer stands."""
+    costs = off_bound_costs()
+    calls = []
+
+    def no_solution(*args, **kwargs):
+        calls.append(1)
+        return ilp.IlpResult(labels=None, optimal=False, infeasible=False, solver="cbc")
+
+    monkeypatch.setattr(partition, "solve_ilp", no_solution)
+    result = split_balanced(list(range(len(costs))), costs, N_MB, DP, time_limit_s=1.0)
+    heuristic = split_balanced(list(range(len(costs))), costs, N_MB, DP, time_limit_s=0)
+    assert calls, "the exact solver was never tried"
+    check_split(result, len(costs))
+    assert result.ranks == heuristic.ranks and not result.solver.startswith("ilp")
