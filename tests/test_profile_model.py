@@ -236,3 +236,22 @@ def test_bundled_tiny_model_profiles_with_its_loss() -> None:
     profile = profile_model(**target.profile_kwargs(), tiles=(1, 2), seq_lens=(16,), batch_sizes=(1,), **FAST)
     assert profile.meta["output_loss"] and profile.meta["projector_in_encoder"]
     assert profile.encoder[1].time_s > 0 and profile.llm[0].attention_s is not None
+
+
+def test_model_cli_writes_a_loadable_cost_model(tmp_path, capsys) -> None:
+    pytest.importorskip("dflop_ds.models")
+    from dflop_ds.cli import main as cli_main
+    from dflop_ds.profile import CostModel
+
+    out = tmp_path / "cm.json"
+    code = cli_main([
+        "profile", "model", "--vision-layers", "3", "--llm-layers", "2", "--tiles", "1,2",
+        "--seq-lens", "16,32", "--batch-sizes", "1", "--warmup", "0", "--repeats", "1", "--no-progress",
+        "-o", str(out),
+    ])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "2 of 3 VisionBlock" in printed and "wrote" in printed
+    model = CostModel.load(out)
+    assert model.encoder_layers == 4 and model.llm_layers == 3
+    assert model.predict_microbatch([]).shape == (2,)
