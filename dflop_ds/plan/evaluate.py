@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from dflop_ds.schedule.padded import padded_lpt
+
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.layout import Layout
 from dflop_ds.plan.simulator import SimResult, simulate_1f1b
@@ -56,44 +58,6 @@ def stock_split(n_items: int, dp: int, n_mb: int) -> list[Buckets]:
     bounds = np.linspace(0, n_items, dp * n_mb + 1).round().astype(int)
     chunks = [list(range(bounds[i], bounds[i + 1])) for i in range(dp * n_mb)]
     return [chunks[r * n_mb:(r + 1) * n_mb] for r in range(dp)]
-
-
-def padded_lpt(costs: np.ndarray, lengths: np.ndarray, n_buckets: int) -> Buckets:
-    """Padding-aware vector LPT, the search's fast inner loop.
-
-    Items go in order of decreasing LLM length, so the first item of a bucket is its longest:
-    adding a shorter one costs the bucket the longest item's LLM cost again (it is padded to
-    that length), while the encoder column simply adds up (tiles are batched, not padded).
-    Each item opens a new bucket when that is no worse than the best used bucket's larger
-    column after adding it, else joins that bucket; the last items fill the still-empty buckets.
-    """
-    n = costs.shape[0]
-    if n < n_buckets:
-        raise ValueError(f"{n} items cannot fill {n_buckets} non-empty buckets")
-    order = np.lexsort((-costs.sum(axis=1), -np.asarray(lengths)))
-    enc = np.zeros(n_buckets)
-    llm = np.zeros(n_buckets)
-    unit = np.zeros(n_buckets)
-    buckets: Buckets = [[] for _ in range(n_buckets)]
-    used = 0  # buckets 0..used-1 hold items, the others are empty
-    rows = costs.tolist()
-    for position, item in enumerate(order.tolist()):
-        c_enc, c_llm = rows[item]
-        must_open = n - position <= n_buckets - used
-        if used and not must_open:
-            grown = np.maximum(enc[:used] + c_enc, llm[:used] + unit[:used])
-            b = int(grown.argmin())
-            if used < n_buckets and max(c_enc, c_llm) <= grown[b]:
-                b = used
-        else:
-            b = used
-        if b == used:
-            unit[b] = c_llm
-            used += 1
-        llm[b] += unit[b]
-        enc[b] += c_enc
-        buckets[b].append(item)
-    return buckets
 
 
 def _local_assign(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:

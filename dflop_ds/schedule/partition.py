@@ -18,6 +18,7 @@ import numpy as np
 
 from dflop_ds.schedule.bounds import as_cost_matrix, lower_bound
 from dflop_ds.schedule.ilp import solve_ilp
+from dflop_ds.schedule.padded import padded_contiguous, padded_lpt
 from dflop_ds.schedule.lpt import (
     InfeasibleError,
     MemoryCap,
@@ -158,6 +159,31 @@ def _heuristic(costs: np.ndarray, n_buckets: int, seed: int, memory: Optional[Me
     return best, solver
 
 
+def _padded_candidates(matrix, lengths, n_buckets, cap, microbatch_cost, score, incumbent):
+    """Try the padding-aware starts (then the non-additive moves); keep whichever scores best."""
+    if lengths.shape != (matrix.shape[0],):
+        raise ValueError(f"lengths must have one entry per item ({matrix.shape[0]}), got shape {lengths.shape}")
+    best, best_score, solver = incumbent
+    for name, build in (("padded-lpt", padded_lpt), ("padded-contiguous", padded_contiguous)):
+        labels = buckets_to_labels(build(matrix, lengths, n_buckets), matrix.shape[0])
+        if not _fits(labels, n_buckets, cap):
+            continue
+        if microbatch_cost is not None:
+            labels = improve_with_cost(matrix, labels, n_buckets, microbatch_cost, cap)
+        value = score(labels)
+        if value < best_score * (1 - 1e-12):
+            best, best_score, solver = labels, value, f"{name}+moves"
+    return best, best_score, solver
+
+
+def buckets_to_labels(buckets: list[list[int]], n: int) -> np.ndarray:
+    """Bucket lists -> ``labels[item] = bucket``."""
+    labels = np.empty(n, dtype=np.int64)
+    for b, items in enumerate(buckets):
+        labels[items] = b
+    return labels
+
+
 def partition_batch(
     costs: np.ndarray,
     n_buckets: int,
@@ -167,6 +193,7 @@ def partition_batch(
     time_limit_s: float = 1.0,
     seed: int = 0,
     microbatch_cost: Optional[MicrobatchCost] = None,
+    lengths: Optional[np.ndarray] = None,
 ) -> Partition:
     """Split items into ``n_buckets`` non-empty buckets minimising the makespan.
 
@@ -183,6 +210,9 @@ def partition_batch(
         microbatch_cost: optional ``callable(list of item indices) -> (k,)`` true cost of a
             bucket (padding, attention); when given, the improving moves use it and ``makespan``
             is measured with it.
+        lengths: optional ``(n,)`` padded dimension of each item (e.g. LLM sequence length) when
+            ``microbatch_cost`` pads every item to the bucket's longest: padding-aware starts
+            (:mod:`dflop_ds.schedule.padded`) then compete with the additive ones.
 
     Raises:
         ValueError: bad shapes or values, ``n < n_buckets``, or an item alone over the cap.
@@ -215,6 +245,11 @@ def partition_batch(
             moved_score = score(moved)
             if moved_score < best_score:
                 best, best_score, solver = moved, moved_score, "lpt+moves"
+
+    if lengths is not None:
+        best, best_score, solver = _padded_candidates(
+            matrix, np.asarray(lengths, dtype=float), n_buckets, cap, microbatch_cost, score, (best, best_score, solver)
+        )
 
     additive = float(bucket_loads(matrix, best, n_buckets).max()) if best is not None else np.inf
     variables = n * n_buckets

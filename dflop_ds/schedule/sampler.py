@@ -136,6 +136,7 @@ class GlobalBatchSampler:
         self.costs = np.asarray(cost_model.predict_samples(self.shapes), dtype=float).reshape(len(self.shapes), -1)
         count = label_tokens_fn or (lambda shape: shape.label_tokens)
         self.label_tokens = np.array([count(s) for s in self.shapes], dtype=np.int64)
+        self.lengths = np.array([s.llm_tokens for s in self.shapes], dtype=float)
         self.cost_adjuster = cost_adjuster
         self.epoch = 0
         self.next_batch = 0
@@ -285,7 +286,7 @@ class DFLOPBatchSampler(GlobalBatchSampler):
         """Balanced split (see :func:`split_balanced`)."""
         return split_balanced(
             batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch, costs),
-            time_limit_s=self.time_limit_s, seed=batch_seed,
+            time_limit_s=self.time_limit_s, seed=batch_seed, lengths=self.lengths[batch],
         )
 
 

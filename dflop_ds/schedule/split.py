@@ -96,6 +96,7 @@ def split_balanced(
     microbatch_cost: Optional[MicrobatchCost] = None,
     time_limit_s: float = 0.0,
     seed: int = 0,
+    lengths: Optional[Sequence[float]] = None,
 ) -> SplitResult:
     """DFLOP's split: partition the batch into ``n_mb * dp`` microbatches minimising the slowest
     one on every cost column (encoder and LLM), assign them to ranks evenly, order each rank's
@@ -103,16 +104,19 @@ def split_balanced(
 
     ``costs`` is ``(len(batch), k)``, row ``i`` the predicted cost of ``batch[i]``;
     ``microbatch_cost`` maps positions within the batch to a microbatch's true (e.g. padded)
-    cost. ``time_limit_s`` bounds the exact solver (0: heuristic only, the deterministic choice
-    when ranks compute the split independently).
+    cost; ``lengths`` (per batch row, e.g. LLM tokens) enable the padding-aware starts when
+    that cost pads to the longest sample. ``time_limit_s`` bounds the exact solver (0: heuristic
+    only, the deterministic choice when ranks compute the split independently).
     """
     from dflop_ds.schedule.partition import partition_batch
     from dflop_ds.schedule.ranks import assign_to_ranks
 
     _check_sizes(len(batch), n_mb, dp)
     cost_matrix = np.asarray(costs, dtype=float).reshape(len(batch), -1)
-    partition, solver = _partition_or_fallback(partition_batch, cost_matrix, n_mb * dp, time_limit_s, seed,
-                                               microbatch_cost)
+    partition, solver = _partition_or_fallback(
+        partition_batch, cost_matrix, n_mb * dp, time_limit_s,
+        seed=seed, microbatch_cost=microbatch_cost, lengths=None if lengths is None else np.asarray(lengths, float),
+    )
     bucket_costs = _predict([partition.buckets], cost_matrix, microbatch_cost)[0]
     order = assign_to_ranks(bucket_costs, dp, n_mb)
     local = [[list(partition.buckets[b]) for b in rank] for rank in order]
@@ -120,17 +124,17 @@ def split_balanced(
 
 
 def _partition_or_fallback(partition_batch, cost_matrix: np.ndarray, n_buckets: int, time_limit_s: float,
-                           seed: int, microbatch_cost: Optional[MicrobatchCost]):
+                           **options):
     """``partition_batch``, falling back to its heuristic alone when the exact solver fails.
 
     Bad input (a ``ValueError``, e.g. a negative or NaN cost) is raised as is. Any other error
     with the solver enabled (a PuLP error, a missing CBC binary, an OS error starting it) is
     logged once per error type and answered by the deterministic heuristic; ``solver`` then
-    ends in :data:`FALLBACK_SUFFIX`. Returns ``(partition, solver)``.
+    ends in :data:`FALLBACK_SUFFIX`. ``options`` go to ``partition_batch`` as they are.
+    Returns ``(partition, solver)``.
     """
     try:
-        partition = partition_batch(cost_matrix, n_buckets, time_limit_s=time_limit_s, seed=seed,
-                                    microbatch_cost=microbatch_cost)
+        partition = partition_batch(cost_matrix, n_buckets, time_limit_s=time_limit_s, **options)
         return partition, partition.solver
     except ValueError:
         raise
@@ -142,6 +146,5 @@ def _partition_or_fallback(partition_batch, cost_matrix: np.ndarray, n_buckets: 
             _warned_fallback.add(kind)
             logger.warning("exact partition solver failed (%s: %s); using the heuristic split instead "
                            "(logged once per error type)", kind, error)
-    partition = partition_batch(cost_matrix, n_buckets, time_limit_s=0.0, seed=seed,
-                                microbatch_cost=microbatch_cost)
+    partition = partition_batch(cost_matrix, n_buckets, time_limit_s=0.0, **options)
     return partition, partition.solver + FALLBACK_SUFFIX
