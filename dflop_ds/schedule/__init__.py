@@ -1,1 +1,29 @@
-"""dflop_ds.schedule"""
+"""dflop_ds.schedule: balanced microbatches: the partitioner, rank assignment and batch samplers."""
+
+from dflop_ds.schedule.index import ScheduledIndex
+from dflop_ds.schedule.partition import InfeasibleError, Partition, partition_batch
+from dflop_ds.schedule.ranks import assign_to_ranks
+from dflop_ds.schedule.sampler import (
+    BatchSchedule,
+    DFLOPBatchSampler,
+    GlobalBatchSampler,
+    StockBatchSampler,
+    make_sampler,
+)
+from dflop_ds.schedule.split import SplitResult, split_balanced, split_stock
+
+__all__ = [
+    "BatchSchedule",
+    "DFLOPBatchSampler",
+    "GlobalBatchSampler",
+    "InfeasibleError",
+    "Partition",
+    "ScheduledIndex",
+    "SplitResult",
+    "StockBatchSampler",
+    "assign_to_ranks",
+    "make_sampler",
+    "partition_batch",
+    "split_balanced",
+    "split_stock",
+]
