@@ -255,3 +255,14 @@ def test_model_cli_writes_a_loadable_cost_model(tmp_path, capsys) -> None:
     model = CostModel.load(out)
     assert model.encoder_layers == 4 and model.llm_layers == 3
     assert model.predict_microbatch([]).shape == (2,)
+
+
+def test_cli_target_spec_loads_a_user_factory() -> None:
+    pytest.importorskip("dflop_ds.models")
+    from dflop_ds.profile import ProfileTarget
+    from dflop_ds.profile.cli import int_list, load_target
+
+    assert isinstance(load_target("dflop_ds.profile.tiny:tiny_target"), ProfileTarget)
+    with pytest.raises(ValueError, match="module:function"):
+        load_target("no_colon_here")
+    assert int_list("1, 2,8") == [1, 2, 8]
