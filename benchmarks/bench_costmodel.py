@@ -1,8 +1,10 @@
 """Cost-model accuracy on the tiny MLLM: fit on one set of shapes, predict held-out ones.
 
-1. Profile the tiny model on the default sweeps and fit a :class:`CostModel`.
-2. Held-out shapes: profile other tile counts and other ``(batch, seq_len)`` pairs (batch 3
-   and sequence lengths never fitted) and compare with the predictions.
+1. Profile the tiny model on the default sweeps plus held-out shapes (other tile counts, and
+   ``(batch, seq_len)`` pairs with batch 3 and sequence lengths never fitted), all in one
+   session so that a change of machine speed between two runs does not count as model error.
+2. Fit a :class:`CostModel` on the default sweeps only; compare its predictions with the
+   held-out shapes' measurements.
 3. Held-out real microbatches: draw samples from ``examples/data/mixture.jsonl`` under
    ``TINY_POLICY``, group them into microbatches of 1..4 samples as a sampler does, collate
    them with the tiny model's collate and time the real forward+backward of the whole tiny
@@ -33,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, build_reference, collate_microbatch  # noqa: E402
 from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
-from dflop_ds.profile import CostModel, profile_model, tiny_target  # noqa: E402
-from dflop_ds.profile.model import torch_threads  # noqa: E402
+from dflop_ds.profile import CostModel, ModelProfile, profile_model, tiny_target  # noqa: E402
+from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES, torch_threads  # noqa: E402
 from dflop_ds.profile.timing import clock_function, resolve_clock, robust_statistic  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY, SampleShape  # noqa: E402
 
@@ -47,6 +49,21 @@ def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
     """Mean absolute percentage error, as a fraction."""
     p, m = np.asarray(predicted, dtype=float), np.asarray(measured, dtype=float)
     return float(np.mean(np.abs(p - m) / m))
+
+
+def split_profile(profile: ModelProfile, tiles: Sequence[int], llm_shapes: Sequence[tuple[int, int]]) -> tuple[
+    ModelProfile, ModelProfile
+]:
+    """``(selected, rest)``: the measurements at ``tiles`` / ``llm_shapes``, and the others."""
+    def pick(keep: bool) -> ModelProfile:
+        return ModelProfile(
+            encoder=[m for m in profile.encoder if (m.tiles in tiles) == keep],
+            llm=[m for m in profile.llm if ((m.batch, m.seq_len) in llm_shapes) == keep],
+            encoder_layers=profile.encoder_layers, llm_layers=profile.llm_layers,
+            param_bytes=profile.param_bytes, hidden_bytes_per_token=profile.hidden_bytes_per_token,
+            meta=profile.meta,
+        )
+    return pick(True), pick(False)
 
 
 def draw_microbatches(shapes: Sequence[SampleShape], count: int, seed: int, max_size: int) -> list[list[int]]:
@@ -109,15 +126,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     timing = dict(repeats=args.repeats, statistic=args.statistic, clock=clock, threads=args.threads, progress=False)
 
     started = time.perf_counter()
-    fit_profile = profile_model(**tiny_target(seed=args.seed).profile_kwargs(), **timing)
+    fit_llm = [(b, s) for b in DEFAULT_BATCH_SIZES for s in DEFAULT_SEQ_LENS]
+    session = profile_model(**tiny_target(seed=args.seed).profile_kwargs(), tiles=DEFAULT_TILES + HELDOUT_TILES,
+                            llm_shapes=fit_llm + list(HELDOUT_LLM), **timing)
+    fit_profile, held = split_profile(session, DEFAULT_TILES, fit_llm)
     model = CostModel().fit(fit_profile)
-    print(f"fit profile: {len(fit_profile.encoder)} encoder + {len(fit_profile.llm)} LLM shapes in "
-          f"{time.perf_counter() - started:.1f} s wall ({clock} clock, {args.statistic} of {args.repeats})")
-    for note in fit_profile.meta["scaling"]:
+    print(f"profiled {len(session.encoder)} encoder + {len(session.llm)} LLM shapes in "
+          f"{time.perf_counter() - started:.1f} s wall ({clock} clock, {args.statistic} of {args.repeats}); "
+          f"fitted on {len(fit_profile.encoder)} + {len(fit_profile.llm)}, held out {len(held.encoder)} + {len(held.llm)}")
+    for note in session.meta["scaling"]:
         print(f"  {note}")
-
-    held = profile_model(**tiny_target(seed=args.seed).profile_kwargs(), tiles=HELDOUT_TILES,
-                         llm_shapes=HELDOUT_LLM, **timing)
     enc_pred = model.encoder_time([m.tiles for m in held.encoder])
     enc_meas = [m.time_s for m in held.encoder]
     llm_pred = model.llm_time([m.batch for m in held.llm], [m.seq_len for m in held.llm])
