@@ -6,6 +6,14 @@ padded to its longest sample. Each profiled layer is timed on its own (inputs ar
 that require grad, as at a pipeline stage boundary); a few identical blocks stand for the full
 depth (:mod:`dflop_ds.profile.layers`). Attention is timed as the difference between a layer
 with and without its attention (:class:`dflop_ds.profile.attention.AttentionOff`).
+
+Timing protocol, built for a shared machine: every (layer, size) job is prepared once, then
+timed in rounds that sweep all jobs (each timed pass right after an untimed one), and the
+repeats are summarized by a robust statistic (``min`` by default: the pass least disturbed by
+other processes; ``median`` and ``trimmed_mean`` are available). On a CPU the clock is the
+process's CPU time, which a co-running process does not inflate the way it inflates wall time.
+Memory: the bytes autograd saves for backward (exact, any device) and the peak growth
+(accelerator peak allocation; on a CPU the peak RSS, which the allocator's cache often hides).
 """
 
 from __future__ import annotations
