@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import socket
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflop_ds.pipe import check_stage_bounds, plan_stage_bounds, split_by_cost, stage_costs
-from dflop_ds.pipe.module import int_seed, mark_boundary_outputs
+from dflop_ds.pipe.module import int_seed, mark_boundary_outputs, unused_float_inputs
 
 torch.set_num_threads(1)
 
@@ -104,6 +105,24 @@ def test_mark_boundary_outputs() -> None:
     frozen_out.backward(torch.ones_like(frozen_out))
 
 
+def test_unused_float_inputs_finds_ignored_received_tensors() -> None:
+    hidden = torch.randn(2, 3, requires_grad=True)  # as the engine receives it
+    extra = torch.randn(2, requires_grad=True)
+    empty = torch.randn(0, 4, requires_grad=True)
+    lens = torch.tensor([3, 2])
+    layer = torch.nn.Linear(3, 3)
+    out = layer(hidden) + empty.sum()
+    assert unused_float_inputs((hidden, empty, extra, lens), (out, lens)) == [2]
+    assert unused_float_inputs((hidden, empty, lens), (out, lens)) == []
+    assert unused_float_inputs((hidden, extra), (hidden, extra * 2)) == []  # pass-through counts as used
+    with torch.no_grad():
+        detached = layer(hidden)
+    assert unused_float_inputs((hidden,), detached) == [0]
+    # the engine passes clones of the received buffers: non-leaf inputs
+    cloned, cloned_extra = hidden.clone(), extra.clone()
+    assert unused_float_inputs((cloned, cloned_extra, lens), (layer(cloned), lens)) == [1]
+
+
 def test_int_seed_accepts_numpy_ints() -> None:
     int_seed(np.int64(1234) + np.int64(3))
     a = torch.rand(1)
@@ -127,7 +146,10 @@ def single_rank():
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        # one rank needs no shared-memory all-reduce: skip JIT-building DeepSpeed's shm comm op
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
+            deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     os.environ.setdefault("LOCAL_RANK", "0")
     yield
     if created:

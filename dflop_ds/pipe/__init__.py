@@ -12,6 +12,7 @@ from dflop_ds.pipe.split import check_stage_bounds, plan_stage_bounds, split_by_
 __all__ = [
     "MLLMPipelineModule",
     "mark_boundary_outputs",
+    "unused_float_inputs",
     "check_stage_bounds",
     "plan_stage_bounds",
     "split_by_cost",
@@ -22,7 +23,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("MLLMPipelineModule", "mark_boundary_outputs"):
+    if name in ("MLLMPipelineModule", "mark_boundary_outputs", "unused_float_inputs"):
         from dflop_ds.pipe import module
 
         return getattr(module, name)

@@ -47,6 +47,37 @@ def mark_boundary_outputs(outputs: Any) -> Any:
     return outputs
 
 
+def unused_float_inputs(inputs: Any, outputs: Any) -> list[int]:
+    """Positions of ``inputs``' grad-requiring float tensors that no float output depends on.
+
+    The pipeline engine sends a gradient back for every float tensor a stage received and
+    asserts it exists; a received float tensor the stage ignores breaks that (``assert
+    buffer.grad is not None``). Walks the autograd graph of the outputs once.
+    """
+    ins = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    out_ids = {id(t) for t in outs}
+    # a leaf shows up in the graph as the `variable` of its AccumulateGrad node, a non-leaf (the
+    # engine hands a stage clones of the received buffers) as its own grad_fn node
+    wanted: dict[int, int] = {}
+    for i, t in enumerate(ins):
+        if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad and id(t) not in out_ids:
+            wanted[id(t) if t.grad_fn is None else id(t.grad_fn)] = i
+    stack = [t.grad_fn for t in outs if torch.is_tensor(t) and t.grad_fn is not None]
+    seen: set[int] = set()
+    while stack and wanted:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        wanted.pop(id(node), None)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            wanted.pop(id(variable), None)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return sorted(wanted.values())
+
+
 def int_seed(seed: int) -> None:
     """Seed python, numpy and torch from ``seed`` cast to a python int (a ``seed_fn`` for DeepSpeed)."""
     ds_utils.set_random_seed(int(seed))
@@ -181,8 +212,22 @@ class MLLMPipelineModule(PipelineModule):
         return self.stage_id == self.num_stages - 1
 
     def forward(self, forward_input: Any) -> Any:
-        """Run this stage's layers; outputs sent to the next stage are made differentiable."""
+        """Run this stage's layers; outputs sent to the next stage are made differentiable.
+
+        On the first training forward of a stage that receives activations, also checks that
+        every received float tensor is used (a clear error instead of the engine's assert).
+        """
         outputs = super().forward(forward_input)
+        if self.stage_id > 0 and torch.is_grad_enabled() and not self.__dict__.get("_inputs_checked", False):
+            unused = unused_float_inputs(forward_input, outputs)
+            if unused:
+                start, stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+                raise ValueError(
+                    f"stage {self.stage_id} (layers {start}..{stop - 1}) ignores the float input tensor(s) at "
+                    f"position(s) {unused} sent by the previous stage; the previous stage's last layer must "
+                    "drop float tensors that later layers do not use"
+                )
+            self.__dict__["_inputs_checked"] = True
         if not self.is_last_stage:
             outputs = mark_boundary_outputs(outputs)
         return outputs
