@@ -59,17 +59,21 @@ def unused_float_inputs(inputs: Any, outputs: Any) -> list[int]:
     out_ids = {id(t) for t in outs}
     # a leaf shows up in the graph as the `variable` of its AccumulateGrad node, a non-leaf (the
     # engine hands a stage clones of the received buffers) as its own grad_fn node
+    # python wrappers of graph nodes are kept alive in `seen`/`anchors` so that ids stay unique
     wanted: dict[int, int] = {}
+    anchors: list[Any] = []
     for i, t in enumerate(ins):
         if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad and id(t) not in out_ids:
-            wanted[id(t) if t.grad_fn is None else id(t.grad_fn)] = i
+            key = t if t.grad_fn is None else t.grad_fn
+            anchors.append(key)
+            wanted[id(key)] = i
     stack = [t.grad_fn for t in outs if torch.is_tensor(t) and t.grad_fn is not None]
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}
     while stack and wanted:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         wanted.pop(id(node), None)
         variable = getattr(node, "variable", None)
         if variable is not None:
