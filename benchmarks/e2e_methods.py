@@ -73,6 +73,7 @@ def split_for(
     if method == "verl":
         return split_verl(batch, shapes, n_mb, dp)
     if method == "dflop":
+        lengths = [shapes[i].llm_tokens for i in batch]
         return split_balanced(list(batch), costs, n_mb, dp, microbatch_cost,
-                              time_limit_s=time_limit_s, seed=seed).ranks
+                              time_limit_s=time_limit_s, seed=seed, lengths=lengths).ranks
     raise ValueError(f"unknown method {method!r}: choose from {METHODS}")

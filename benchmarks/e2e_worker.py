@@ -30,6 +30,8 @@ from dflop_ds.profile import CostModel  # noqa: E402
 from dflop_ds.schedule.epoch import epoch_permutation, global_batches  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
+from dflop_ds.telemetry.record import bubble_fraction  # noqa: E402
+from dflop_ds.telemetry.timers import PipelineTimer  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,6 +78,7 @@ def main() -> int:
     bounds = [int(b) for b in args.dflop_bounds.split(",")]
     engines = {"uniform": build_engine(None, args.gas, args.global_batch, dp, args.seed),
                "dflop": build_engine(bounds, args.gas, args.global_batch, dp, args.seed)}
+    timers = {name: PipelineTimer(engine, args.gas).install() for name, engine in engines.items()}
     dp_rank = engines["dflop"].grid.get_data_parallel_rank()
     batches = global_batches(epoch_permutation(len(shapes), args.seed, 0), args.global_batch, args.gas * dp)
     rank = torch.distributed.get_rank()
@@ -93,15 +96,20 @@ def main() -> int:
             schedule_s = time.perf_counter() - start
             microbatches = [collate_microbatch([dataset[ScheduledIndex(i, denominator)] for i in mb])
                             for mb in split[dp_rank]]
-            engine = engines["dflop" if method == "dflop" else "uniform"]
+            name = "dflop" if method == "dflop" else "uniform"
             torch.distributed.barrier()
+            timers[name].start_step()
             start = time.perf_counter()
-            engine.train_batch(iter(microbatches))
+            engines[name].train_batch(iter(microbatches))
             step_s = time.perf_counter() - start
+            compute = torch.tensor([float(timers[name].finish_step().compute.sum())])
+            every_rank = [torch.zeros(1) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(every_rank, compute)
             flat = [mb for r in split for mb in r]
             rows.append({
                 "round": round_id, "warmup": round_id < args.warmup, "method": method, "step_s": step_s,
                 "schedule_s": schedule_s, "samples": len(batch),
+                "idle_fraction": bubble_fraction(np.array([float(c) for c in every_rank]), step_s),
                 "tokens": int(sum(shapes[i].llm_tokens for i in batch)),
                 "padded_tokens": int(sum(len(mb) * max(shapes[i].llm_tokens for i in mb) for mb in flat)),
             })
