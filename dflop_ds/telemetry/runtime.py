@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,7 +29,7 @@ from dflop_ds.schedule.correction import CostCorrection, StepObservation, compos
 from dflop_ds.telemetry.record import bubble_fraction, imbalance, log_line, monitor_events, observed_imbalance
 from dflop_ds.telemetry.timers import PipelineTimer, StageTiming
 
-HEADER = 6  # has_schedule, stage, dp_rank, step_s, timer_overhead_s, tracking_overhead_s
+HEADER = 7  # has_schedule, stage, dp_rank, step_s, timer_overhead_s, tracking_overhead_s, schedule fingerprint
 
 
 class RuntimeTracker:
@@ -80,6 +81,7 @@ class RuntimeTracker:
         tracking = self.correction is not None and self.correction.tracking()
         sched = self.sampler.last_schedule if self.sampler is not None else None
         rows = self._gather(self._local_vector(timing, step_s, sched, tracking))
+        check_same_schedule(rows, step)
         gathered = time.perf_counter()
         stage_times, waits, step_max = self._stage_arrays(rows)
         update_s = 0.0
@@ -104,7 +106,9 @@ class RuntimeTracker:
         return self.dp * self.n_mb * self.correction.n_columns * self.correction.scheme.n_buckets
 
     def _local_vector(self, timing: StageTiming, step_s: float, sched, tracking: bool) -> np.ndarray:
-        head = [float(sched is not None), self.stage, self.dp_rank, step_s, timing.overhead_s, self._tracking_overhead_s]
+        fingerprint = zlib.crc32(json.dumps(sched.split.ranks).encode()) if sched is not None else -1
+        head = [float(sched is not None), self.stage, self.dp_rank, step_s, timing.overhead_s, self._tracking_overhead_s,
+                float(fingerprint)]
         parts = [np.asarray(head, dtype=float), timing.compute, timing.wait, timing.per_mb["load"]]
         if tracking:
             comp = np.zeros(self._comp_size())
@@ -199,6 +203,15 @@ class RuntimeTracker:
                 handle.write(json.dumps(record) + "\n")
         if self.log:
             print(log_line(record), flush=True)
+
+
+def check_same_schedule(rows: np.ndarray, step: int) -> None:
+    """Raise if ranks that ran the sampler scheduled the step's global batch differently."""
+    prints = {int(row[6]) for row in rows if row[0] > 0}
+    if len(prints) > 1:
+        ranks = [i for i, row in enumerate(rows) if row[0] > 0]
+        raise RuntimeError(f"step {step}: ranks {ranks} computed different schedules (fingerprints {sorted(prints)}); "
+                           "the sampler or its cost adjuster is not deterministic across ranks")
 
 
 def default_jsonl_path(ds_config: dict) -> Optional[str]:

@@ -15,11 +15,17 @@ from torch import nn
 class FaultSpec:
     """The ``"fault"`` entry of the ``"dflop"`` block: samples with more than ``min_tiles``
     encoder tiles cost ``seconds_per_tile`` extra per tile in the first encoder layer's forward,
-    from step ``start_step`` on (counted in forward calls of microbatches: ``start_step * GAS``)."""
+    from step ``start_step`` on (counted in forward calls of microbatches: ``start_step * GAS``).
+
+    ``base_seconds_per_tile`` adds that much per tile of *every* sample from the start: an encoder
+    whose time the tile count predicts well, so that on a small shared CPU the encoder stage's
+    time is dominated by a known cost rather than by other processes' noise (tests, demos).
+    """
 
     min_tiles: int
     seconds_per_tile: float
     start_step: int = 0
+    base_seconds_per_tile: float = 0.0
 
     @classmethod
     def from_dict(cls, block: Optional[dict[str, Any]], source: str = "fault") -> Optional["FaultSpec"]:
@@ -36,14 +42,20 @@ class FaultSpec:
             raise ValueError(f"{source}.min_tiles must be an integer >= 0, got {spec.min_tiles!r}")
         if not spec.seconds_per_tile >= 0:
             raise ValueError(f"{source}.seconds_per_tile must be >= 0, got {spec.seconds_per_tile!r}")
+        if not spec.base_seconds_per_tile >= 0:
+            raise ValueError(f"{source}.base_seconds_per_tile must be >= 0, got {spec.base_seconds_per_tile!r}")
         if not isinstance(spec.start_step, int) or spec.start_step < 0:
             raise ValueError(f"{source}.start_step must be an integer >= 0, got {spec.start_step!r}")
         return spec
 
-    def delay(self, tiles_per_sample: torch.Tensor) -> float:
-        """Seconds of extra work for a microbatch with these per-sample tile counts."""
+    def delay(self, tiles_per_sample: torch.Tensor, faulty: bool = True) -> float:
+        """Seconds of extra work for a microbatch with these per-sample tile counts (``faulty``:
+        whether the slow class is slow yet)."""
         tiles = tiles_per_sample.detach().to("cpu")
-        return float(tiles[tiles > self.min_tiles].sum().item()) * self.seconds_per_tile
+        seconds = float(tiles.sum().item()) * self.base_seconds_per_tile
+        if faulty:
+            seconds += float(tiles[tiles > self.min_tiles].sum().item()) * self.seconds_per_tile
+        return seconds
 
 
 class SlowTiles(nn.Module):
@@ -71,9 +83,8 @@ class SlowTiles(nn.Module):
     def forward(self, inputs):
         """The wrapped layer's forward, after the injected delay."""
         self.calls += 1
-        if self.calls > self.start_call:
-            delay = self.spec.delay(inputs[3])
-            if delay > 0:
-                time.sleep(delay)
-                self.slept_s += delay
+        delay = self.spec.delay(inputs[3], faulty=self.calls > self.start_call)
+        if delay > 0:
+            time.sleep(delay)
+            self.slept_s += delay
         return self.layer(inputs)
