@@ -163,6 +163,7 @@ class MLLMPipelineModule(PipelineModule):
         self.n_encoder_layers = len(encoder_layers)
         self.projector_index = len(encoder_layers)
         self.freeze_encoder = freeze_encoder
+        self._inputs_checked = False  # set after the first training forward has been checked
         if freeze_encoder:
             for name, module in self.named_children():
                 if name.isdigit() and int(name) < self.n_encoder_layers:
@@ -222,7 +223,7 @@ class MLLMPipelineModule(PipelineModule):
         every received float tensor is used (a clear error instead of the engine's assert).
         """
         outputs = super().forward(forward_input)
-        if self.stage_id > 0 and torch.is_grad_enabled() and not self.__dict__.get("_inputs_checked", False):
+        if self.stage_id > 0 and torch.is_grad_enabled() and not self._inputs_checked:
             unused = unused_float_inputs(forward_input, outputs)
             if unused:
                 start, stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
@@ -231,7 +232,7 @@ class MLLMPipelineModule(PipelineModule):
                     f"position(s) {unused} sent by the previous stage; the previous stage's last layer must "
                     "drop float tensors that later layers do not use"
                 )
-            self.__dict__["_inputs_checked"] = True
+            self._inputs_checked = True
         if not self.is_last_stage:
             outputs = mark_boundary_outputs(outputs)
         return outputs
