@@ -14,7 +14,7 @@ from deepspeed.runtime.pipe import schedule
 
 from dflop_ds.cli import main as cli_main
 from dflop_ds.telemetry import PipelineTimer, bubble_fraction, imbalance, log_line, monitor_events, observed_imbalance
-from dflop_ds.telemetry.report import read_log, scatter_points, summarize
+from dflop_ds.telemetry.report import read_log, scatter_points, split_runs, summarize
 
 FORWARD_S = [0.004, 0.012, 0.002, 0.008]  # per microbatch
 
@@ -126,6 +126,17 @@ def test_report_reads_a_log_and_writes_plots(tmp_path, capsys):
     assert len(points[0][0]) == 3 * 4 and len(points[1][0]) == 3 * 3  # stage-space steps only, unobserved dropped
     np.testing.assert_allclose(points[0][0], points[0][1])
     assert summarize(records)["correction_active_steps"] == 3
+
+
+def test_report_splits_runs_appended_to_one_log(tmp_path, capsys):
+    log = tmp_path / "dflop_telemetry.jsonl"
+    _write_log(log, steps=4)
+    with open(log, "a") as handle:
+        handle.write(open(log).read().splitlines()[0] + "\n")  # a second run: step 0 again
+    assert [len(run) for run in split_runs(read_log(log))] == [4, 1]
+    assert cli_main(["report", str(log), "--run-index", "0", "--out", str(tmp_path)]) == 0
+    assert "run 1 of 2, 4 steps" in capsys.readouterr().out
+    assert cli_main(["report", str(log), "--run-index", "5"]) == 1
 
 
 def test_report_names_a_bad_line_and_a_missing_run(tmp_path, capsys):

@@ -14,18 +14,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "output folder) and write imbalance.png and predicted_vs_observed.png.")
     parser.add_argument("run", metavar="RUN", help="telemetry JSONL file or a folder containing dflop_telemetry.jsonl")
     parser.add_argument("--out", help="folder for the plots (default: next to the log)")
+    parser.add_argument("--run-index", type=int, default=-1,
+                        help="which run of a log that several runs appended to (default: the last)")
     parser.set_defaults(func=run_report)
 
 
 def run_report(args: argparse.Namespace) -> int:
     """Write the plots, print the summary; 0 on success."""
-    from dflop_ds.telemetry.report import find_log, format_summary, plot_run, read_log, summarize
+    from dflop_ds.telemetry.report import find_log, format_summary, plot_run, read_log, split_runs, summarize
 
     log = find_log(args.run)
-    records = read_log(log)
+    runs = split_runs(read_log(log))
+    if not -len(runs) <= args.run_index < len(runs):
+        raise ValueError(f"{log}: holds {len(runs)} run(s), no run index {args.run_index}")
+    records = runs[args.run_index]
     out_dir = Path(args.out) if args.out else log.parent
     written = plot_run(records, out_dir, title=f"{log.parent.name}: microbatch imbalance")
-    print(f"{log}: {len(records)} steps")
+    print(f"{log}: run {args.run_index % len(runs) + 1} of {len(runs)}, {len(records)} steps")
     print(format_summary(summarize(records)))
     for path in written:
         print(f"wrote {path}")

@@ -41,6 +41,17 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def split_runs(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Records of several runs appended to one log, one list per run (a run starts where the
+    step number stops increasing)."""
+    runs: list[list[dict[str, Any]]] = []
+    for record in records:
+        if not runs or record.get("step", 0) <= runs[-1][-1].get("step", 0):
+            runs.append([])
+        runs[-1].append(record)
+    return runs
+
+
 def _series(records: list[dict], key: str) -> np.ndarray:
     values = [r.get(key) for r in records]
     return np.array([v if isinstance(v, (int, float)) and v is not None else np.nan for v in values], dtype=float)
