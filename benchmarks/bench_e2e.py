@@ -23,20 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dflop_ds.data import read_dataset  # noqa: E402
-from dflop_ds.pipe import split_by_cost  # noqa: E402
+from dflop_ds.plan.stages import cost_balanced_bounds  # noqa: E402
 from dflop_ds.profile import CostModel  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 
 BASELINES = ("stock", "llava", "verl")
-
-
-def planned_bounds(cost_model: CostModel, data: str, stages: int = 2) -> list[int]:
-    """Stage bounds over the tiny model's flat layers (encoder + projector, then LLM) that balance
-    the predicted mean per-sample cost; encoder time is spread over its layers and the projector."""
-    costs = cost_model.predict_samples(read_dataset(data, TINY_POLICY)).mean(axis=0)
-    n_enc = cost_model.encoder_layers + 1  # the projector's time is inside the encoder's
-    layer_costs = [costs[0] / n_enc] * n_enc + [costs[1] / cost_model.llm_layers] * cost_model.llm_layers
-    return split_by_cost(layer_costs, stages)
 
 
 def summarize(rows: list[dict]) -> dict[str, dict]:
@@ -103,7 +94,7 @@ def main() -> int:
         print("profiling the tiny model (1 thread, as the training ranks run) ...", flush=True)
         subprocess.run([sys.executable, "-m", "dflop_ds.cli", "profile", "model", "--no-progress", "-o", cost_path],
                        check=True, cwd=ROOT, env=env)
-    bounds = planned_bounds(CostModel.load(cost_path), args.data)
+    bounds = cost_balanced_bounds(CostModel.load(cost_path), read_dataset(args.data, TINY_POLICY), 2)
     print(f"dflop stage bounds from the cost model: {bounds} (baselines: split by layer count)", flush=True)
 
     raw = out / "e2e_rows.json"

@@ -118,3 +118,25 @@ class DFLOPConfig:
         if CorrectionSettings.from_dict(self.correction, f"{source}: \"dflop\".correction").enabled and not self.telemetry:
             raise ValueError(f"{source}: \"dflop\".correction needs \"dflop\".telemetry = true")
         FaultSpec.from_dict(self.fault, f"{source}: \"dflop\".fault")
+
+
+#: DeepSpeed config keys a plan decides.
+PLAN_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def fill_from_plan(ds_config: dict[str, Any], block: dict[str, Any], plan: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Copies of a DeepSpeed config and its "dflop" block with what ``plan`` decides filled in.
+
+    The plan supplies the batch keys (:data:`PLAN_BATCH_KEYS`) and the block's
+    ``pipeline_stages``, ``stage_bounds`` and ``sampler`` wherever the config leaves them out;
+    values the config does set are kept, so a config that contradicts its plan is caught by
+    :func:`dflop_ds.checks.check_training_setup` rather than silently overridden.
+    """
+    planned = plan.deepspeed_config({})
+    config = dict(ds_config)
+    for key in PLAN_BATCH_KEYS:
+        config.setdefault(key, planned[key])
+    filled = dict(block)
+    for key, value in planned["dflop"].items():
+        filled.setdefault(key, value)
+    return config, filled

@@ -23,7 +23,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import RepeatingLoader
 
 from dflop_ds.checks import check_training_setup
-from dflop_ds.config import DFLOPConfig
+from dflop_ds.config import DFLOPConfig, fill_from_plan
 from dflop_ds.data import read_dataset
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers
 from dflop_ds.pipe import MLLMPipelineModule, token_normalized_loss
@@ -60,6 +60,8 @@ def load_settings(args: argparse.Namespace) -> tuple[dict, DFLOPConfig]:
                        ("cost_model", args.cost_model), ("resume", args.resume or None)):
         if value is not None:
             block[key] = value
+    if block.get("plan"):  # dflop-ds: a plan from `dflop-ds plan` fills batch keys and the stage split
+        ds_config, block = fill_from_plan(ds_config, block, load_plan(block["plan"]))
     return ds_config, DFLOPConfig.from_dict(block, source=args.deepspeed_config)
 
 
@@ -165,6 +167,9 @@ def main() -> int:
 
     if rank == 0:
         summary = summarize(records, cfg, dp_size)
+        summary.update(stage_bounds=[int(b) for b in engine.module.parts],
+                       gradient_accumulation_steps=engine.gradient_accumulation_steps(),
+                       train_batch_size=engine.train_batch_size())
         print("[dflop-ds] summary " + json.dumps(summary), flush=True)
         if args.summary:
             Path(args.summary).parent.mkdir(parents=True, exist_ok=True)

@@ -47,3 +47,41 @@ def test_two_rank_pipeline_training_with_varying_shapes_lowers_the_loss(tmp_path
     assert len({s["tokens"] for s in steps}) > 10
     assert any(len(set(s["microbatch_sizes"])) > 1 for s in steps)
     assert run["summary"]["samples_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_a_plan_file_starts_a_two_rank_training(tmp_path):
+    from dflop_ds.plan import Plan
+    from dflop_ds.plan.layout import Layout, Segment
+
+    layout = Layout(Segment(1, 1, 1), Segment(1, 2, 1), n_mb=4, stages=((5, 1, 1), (0, 0, 4)))
+    plan = Plan.from_layout(layout, layer_counts={"encoder": 5, "projector": 1, "llm": 5}, global_batch_size=12,
+                            gpus=2, gpus_per_node=2, gpu_memory_bytes=8e9, family="deepspeed")
+    plan.save(tmp_path / "plan.json")
+    config = {"steps_per_print": 10**6, "dflop": {"plan": str(tmp_path / "plan.json"), "max_samples": 60,
+                                                  "steps": 3, "warmup_steps": 1}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    env = {**os.environ, "PATH": f"{DEEPSPEED.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    result = subprocess.run(
+        [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(29700 + os.getpid() % 1000),
+         str(ROOT / "examples" / "train.py"), "--deepspeed_config", str(tmp_path / "config.json"),
+         "--summary", str(tmp_path / "summary.json")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["summary"]["stage_bounds"] == plan.stage_bounds() == [0, 7, 11]
+    assert summary["summary"]["gradient_accumulation_steps"] == 4
+    assert summary["summary"]["train_batch_size"] == 12
+    assert all(len(s["microbatch_sizes"]) == 4 and sum(s["microbatch_sizes"]) == 12 for s in summary["steps"])
+
+    # a config that contradicts its plan is refused before training, naming the key
+    config["gradient_accumulation_steps"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = subprocess.run(
+        [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(29800 + os.getpid() % 1000),
+         str(ROOT / "examples" / "train.py"), "--deepspeed_config", str(tmp_path / "config.json")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
+    )
+    assert result.returncode != 0
+    assert "gradient_accumulation_steps" in result.stdout + result.stderr
