@@ -12,7 +12,7 @@ PY         := $(VENV)/bin/python
 # DeepSpeed's launcher and its JIT build (ninja) must be found on PATH.
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONUNBUFFERED=1
 
-.PHONY: setup demo test bench bench-partition bench-costmodel bench-plan bench-e2e clean
+.PHONY: setup demo test bench bench-partition bench-costmodel bench-plan bench-e2e validate-simulator clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -30,6 +30,7 @@ test: setup
 	$(RUN) $(PY) -m pytest -q -p no:cacheprovider
 
 bench-partition: setup
+	$(PY) -m pip install --quiet -e ".[bench]" || echo "ortools not installable: the DFLOP ILP baseline uses PuLP/CBC"
 	$(RUN) $(PY) benchmarks/bench_partition.py
 
 bench-costmodel: setup
@@ -40,6 +41,9 @@ bench-plan: setup
 
 bench-e2e: setup
 	$(RUN) $(PY) benchmarks/bench_e2e.py
+
+validate-simulator: setup
+	$(RUN) $(PY) benchmarks/validate_simulator.py
 
 bench: bench-partition bench-costmodel bench-plan bench-e2e
 
