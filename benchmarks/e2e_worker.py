@@ -59,7 +59,7 @@ def build_engine(bounds, gas: int, global_batch: int, dp: int, seed: int):
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-3)
     ds_config = {"train_batch_size": global_batch, "gradient_accumulation_steps": gas,
                  "train_micro_batch_size_per_gpu": max(1, global_batch // (gas * dp)),
-                 "gradient_clipping": 1.0, "steps_per_print": 10**9}
+                 "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
     return engine
 
