@@ -272,6 +272,7 @@ class CostCorrection:
         self.rhs_ = np.zeros((self.n_stages, features))
         self.theta_ = np.zeros((self.n_stages, self.n_columns, self.scheme.n_buckets))
         self.pooled_ = np.zeros((self.n_stages, self.n_columns))
+        self.column_units_ = np.zeros(self.n_columns)  # mean predicted units per microbatch, per column
         self.observations_ = 0
         self.active_ = bool(self.settings.enabled)
         self.gain_s_ = 0.0
@@ -325,6 +326,8 @@ class CostCorrection:
             ok = np.isfinite(times[s])
             self.gram_[s] += X[ok].T @ X[ok]
             self.rhs_[s] += X[ok].T @ times[s, ok]
+        self.column_units_ = decay * self.column_units_ + (1 - decay) * comp.sum(axis=2).mean(axis=0) \
+            if self.observations_ else comp.sum(axis=2).mean(axis=0)
         self.observations_ += 1
         self.steps_since_probe_ = 0
         self._fit()
@@ -433,7 +436,8 @@ class CostCorrection:
         return {
             "settings": dataclasses.asdict(self.settings), "n_columns": self.n_columns, "n_stages": self.n_stages,
             "gram": self.gram_.tolist(), "rhs": self.rhs_.tolist(), "theta": self.theta_.tolist(),
-            "pooled": self.pooled_.tolist(), "observations": self.observations_, "active": self.active_,
+            "pooled": self.pooled_.tolist(), "column_units": self.column_units_.tolist(),
+            "observations": self.observations_, "active": self.active_,
             "gain_s": self.gain_s_, "overhead_s": self.overhead_s_, "losing_steps": self.losing_steps_,
             "steps_since_probe": self.steps_since_probe_, "snapshots": snaps,
         }
@@ -451,6 +455,7 @@ class CostCorrection:
         self.rhs_ = np.asarray(state["rhs"], dtype=float)
         self.theta_ = np.asarray(state["theta"], dtype=float)
         self.pooled_ = np.asarray(state["pooled"], dtype=float)
+        self.column_units_ = np.asarray(state["column_units"], dtype=float)
         self.observations_ = int(state["observations"])
         self.active_ = bool(state["active"])
         self.gain_s_, self.overhead_s_ = float(state["gain_s"]), float(state["overhead_s"])
@@ -464,7 +469,12 @@ class CostCorrection:
     def summary(self) -> dict:
         """A small JSON-friendly view for telemetry."""
         penalty = self.penalties()
-        worst = np.unravel_index(int(np.abs(np.log(penalty)).argmax()), penalty.shape)
+        # only (stage, column) pairs carrying at least 10% of the stage's predicted time count
+        share = self.pooled_ * self.column_units_[None, :]
+        total = share.sum(axis=1, keepdims=True)
+        matters = np.divide(share, total, out=np.zeros_like(share), where=total > 0) >= 0.1
+        effect = np.where(matters[:, :, None], penalty, -1.0)  # the most penalized (slowest) bucket
+        worst = np.unravel_index(int(effect.argmax()), penalty.shape)
         return {
             "active": bool(self.applying()), "tracking": bool(self.tracking()), "observations": self.observations_,
             "gain_s": self.gain_s_, "overhead_s": self.overhead_s_, "penalty": float(penalty[worst]),
