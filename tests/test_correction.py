@@ -210,3 +210,31 @@ def test_sampler_microbatch_cost_follows_the_adjuster():
     replacing = DFLOPBatchSampler(shapes, global_batch_size=32, gradient_accumulation_steps=4, prefetch=0,
                                   cost_adjuster=correction)
     assert replacing._microbatch_cost(batch, costs * 3) is None  # per-stage seconds: sums of samples
+
+
+def _threaded_run(steps: int) -> list[list[list[int]]]:
+    """The sampler's own iteration with a background scheduler one batch ahead, fed by the loop."""
+    rng = np.random.default_rng(5)
+    correction = CostCorrection(CorrectionSettings(enabled=True, gate=False, warmup_steps=1), n_stages=2,
+                                wait_timeout_s=20)
+    sampler = DFLOPBatchSampler(SHAPES[:640], global_batch_size=32, gradient_accumulation_steps=4, prefetch=1,
+                                cost_adjuster=correction)
+    correction.publish(0)
+    buckets = correction.scheme.buckets(SHAPES[:640])
+    stream = iter(sampler)
+    schedules = []
+    for step in range(steps):
+        microbatches = [[int(i) for i in next(stream)] for _ in range(4)]
+        schedules.append(microbatches)
+        times = true_times(microbatches, 0.006, 6, rng)
+        comp = composition(microbatches, sampler.costs, buckets, correction.scheme.n_buckets)
+        correction.update(StepObservation(comp, times, microbatches_per_rank=4))
+        time.sleep(0.01 * (step % 3))  # the loop's pace must not matter
+        correction.publish(step + 1)
+    return schedules
+
+
+def test_background_scheduling_reads_only_published_versions_and_is_reproducible():
+    first, second = _threaded_run(10), _threaded_run(10)
+    assert first == second
+    assert sorted(i for step in first for mb in step for i in mb) == sorted(set(i for step in first for mb in step for i in mb))
