@@ -115,6 +115,28 @@ def test_learns_the_penalty_of_a_slow_bucket_and_leaves_others_near_one():
     assert correction.penalties()[0][:, slow].max() > 1.3  # the slow bucket carries a penalty
 
 
+def test_an_outlier_microbatch_does_not_wreck_the_fit():
+    costs = np.stack([TILES, TOKENS], axis=1).astype(float)
+
+    def fitted(outlier: bool) -> np.ndarray:
+        correction = CostCorrection(CorrectionSettings(enabled=True, gate=False), n_stages=2)
+        rng = np.random.default_rng(2)
+        buckets = correction.scheme.buckets(SHAPES)
+        for step in range(12):
+            batch = rng.choice(len(SHAPES), 64, replace=False)
+            microbatches = [batch[i::8].tolist() for i in range(8)]
+            times = true_times(microbatches, 0.006, 6, rng)
+            if outlier and step == 8:
+                times[0, 3] *= 30  # another process stole the core for one microbatch
+            correction.update(StepObservation(composition(microbatches, costs, buckets, correction.scheme.n_buckets),
+                                              times))
+        return correction.publish(1).stage_costs(costs, buckets)[:, 0]
+
+    clean, hit = fitted(False), fitted(True)
+    seen = clean > 0
+    assert np.median(np.abs(hit[seen] / clean[seen] - 1)) < 0.15
+
+
 def test_same_observations_give_identical_state_and_costs_and_state_round_trips():
     _, first = run_loop(True, 10, fault_from=3)
     _, second = run_loop(True, 10, fault_from=3)

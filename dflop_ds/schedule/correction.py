@@ -324,14 +324,26 @@ class CostCorrection:
         self.rhs_ *= decay
         for s in range(self.n_stages):
             ok = np.isfinite(times[s])
-            self.gram_[s] += X[ok].T @ X[ok]
-            self.rhs_[s] += X[ok].T @ times[s, ok]
+            weights = self._huber_weights(X[ok], times[s, ok], s)
+            self.gram_[s] += (X[ok] * weights[:, None]).T @ X[ok]
+            self.rhs_[s] += X[ok].T @ (weights * times[s, ok])
         self.column_units_ = decay * self.column_units_ + (1 - decay) * comp.sum(axis=2).mean(axis=0) \
             if self.observations_ else comp.sum(axis=2).mean(axis=0)
         self.observations_ += 1
         self.steps_since_probe_ = 0
         self._fit()
         self._update_gate(comp, times, obs)
+
+    def _huber_weights(self, X: np.ndarray, y: np.ndarray, stage: int, c: float = 2.5) -> np.ndarray:
+        """Down-weight microbatches the current fit calls outliers (a shared machine's hiccups):
+        weight ``min(1, c * scale / |residual|)`` with the residuals' robust scale (MAD)."""
+        if self.observations_ == 0 or y.size < 3:
+            return np.ones(y.size)
+        residual = y - X @ self.theta_[stage].ravel()
+        scale = 1.4826 * np.median(np.abs(residual - np.median(residual)))
+        if scale <= 0:
+            return np.ones(y.size)
+        return np.minimum(1.0, c * scale / np.maximum(np.abs(residual), 1e-300))
 
     def _fit(self) -> None:
         n_b = self.scheme.n_buckets
