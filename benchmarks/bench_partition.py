@@ -91,7 +91,7 @@ def run(batches: int, dflop_batches: int, dflop_limits: dict[int, float], seed: 
     backend = "cpsat" if baselines.ortools_available() else "cbc"
     print(f"mixture: {len(shapes)} samples from {MIXTURE.relative_to(ROOT)}; throughput {THROUGHPUT:.3g} FLOP/s; "
           f"DFLOP ILP backend: {backend} (1 worker); our time_limit_s={ours_limit}")
-    print(f"DFLOP ILP time limits per size: " + ", ".join(f"{n} items: {t:g} s" for n, t in dflop_limits.items())
+    print("DFLOP ILP time limits per size: " + ", ".join(f"{n} items: {t:g} s" for n, t in dflop_limits.items())
           + "  (the published 10 s on the smallest; shorter on larger sizes to keep the run short)")
     print("ratio = makespan / lower bound (1.0 = certified optimal); ms = solve time on one core;"
           " 'beats ours' = instances where that method's makespan is below ours")

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from dflop_ds.data.records import BAD_SAMPLE_POLICIES
+from dflop_ds.jsonio import read_json_object
 
 
 @dataclass
@@ -86,11 +86,7 @@ class DFLOPConfig:
     @classmethod
     def from_deepspeed_config(cls, path: str | Path) -> "DFLOPConfig":
         """Read the ``"dflop"`` block of the DeepSpeed JSON config at ``path``."""
-        try:
-            ds_config = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: not valid JSON: {error}") from error
-        return cls.from_dict(ds_config.get("dflop", {}), source=str(path))
+        return cls.from_dict(read_json_object(path).get("dflop", {}), source=str(path))
 
     def validate(self, source: str = "config") -> None:
         """Raise ``ValueError`` naming the first bad key."""

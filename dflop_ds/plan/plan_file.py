@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dflop_ds.plan.layout import Layout, Segment, StageLayers, flat_bounds, stages_from_bounds
+from dflop_ds.jsonio import read_json_object, write_json
 
 PLAN_FORMAT_VERSION = 1
 
@@ -242,15 +243,9 @@ class Plan:
 
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_json(path, self.to_dict(), indent=2)
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         """Read a plan written by :meth:`save`."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as error:
-            raise PlanFileError(f"{path}: not valid JSON: {error}") from None
-        if not isinstance(data, dict):
-            raise PlanFileError(f"{path}: a plan file holds one JSON object")
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_json_object(path, PlanFileError), source=str(path))

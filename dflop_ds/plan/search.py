@@ -25,7 +25,6 @@ model's padded microbatch cost, no ILP), as the sampler would split the batches.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence

@@ -9,7 +9,6 @@ a microbatch of its own.
 
 from __future__ import annotations
 
-import json
 from os import PathLike
 from typing import Any, Sequence, Union
 
@@ -18,6 +17,7 @@ import numpy as np
 from dflop_ds.profile.fit import MonotoneFit
 from dflop_ds.profile.model import Measurement, ModelProfile
 from dflop_ds.shapes import SampleShape
+from dflop_ds.jsonio import read_json_object, write_json
 
 PathArg = Union[str, "PathLike[str]"]
 FORMAT = "dflop-ds-costmodel"
@@ -237,16 +237,9 @@ class CostModel:
 
     def save(self, path: PathArg) -> None:
         """Write the model as JSON to ``path``."""
-        with open(path, "w", encoding="utf-8") as out:
-            json.dump(self.to_dict(), out, indent=1)
-            out.write("\n")
+        write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: PathArg) -> "CostModel":
         """Read a model written by :meth:`save`; errors name the file."""
-        try:
-            with open(path, encoding="utf-8") as src:
-                data = json.load(src)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_json_object(path), source=str(path))

@@ -7,7 +7,6 @@ from it with :meth:`DataProfile.sample_shapes`.
 
 from __future__ import annotations
 
-import json
 import random
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -17,6 +16,7 @@ from typing import Any, Sequence, Union
 import numpy as np
 
 from dflop_ds.shapes import SampleShape, ShapePolicy
+from dflop_ds.jsonio import read_json_object, write_json
 
 PathArg = Union[str, "PathLike[str]"]
 FORMAT = "dflop-ds-dataprofile"
@@ -151,19 +151,12 @@ class DataProfile:
 
     def save(self, path: PathArg) -> None:
         """Write the profile as JSON."""
-        with open(path, "w", encoding="utf-8") as out:
-            json.dump(self.to_dict(), out)
-            out.write("\n")
+        write_json(path, self.to_dict(), indent=None)
 
     @classmethod
     def load(cls, path: PathArg) -> "DataProfile":
         """Read a profile written by :meth:`save`; errors name the file."""
-        try:
-            with open(path, encoding="utf-8") as src:
-                data = json.load(src)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_json_object(path), source=str(path))
 
 
 def _shape_to_dict(shape: SampleShape) -> dict[str, Any]:
