@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,9 +20,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import profiled_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
+from dflop_ds.launch import run_deepspeed  # noqa: E402
 from dflop_ds.plan.stages import cost_balanced_bounds  # noqa: E402
-from dflop_ds.profile import CostModel  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 
 BASELINES = ("stock", "llava", "verl")
@@ -86,23 +85,16 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-
     cost_path = args.cost_model or str(out / "costmodel_tiny.json")
-    if args.cost_model is None:
-        print("profiling the tiny model (1 thread, as the training ranks run) ...", flush=True)
-        subprocess.run([sys.executable, "-m", "dflop_ds.cli", "profile", "model", "--no-progress", "-o", cost_path],
-                       check=True, cwd=ROOT, env=env)
-    bounds = cost_balanced_bounds(CostModel.load(cost_path), read_dataset(args.data, TINY_POLICY), 2)
+    cost_model = profiled_cost_model(cost_path, reuse=args.cost_model is not None)
+    bounds = cost_balanced_bounds(cost_model, read_dataset(args.data, TINY_POLICY), 2)
     print(f"dflop stage bounds from the cost model: {bounds} (baselines: split by layer count)", flush=True)
 
     raw = out / "e2e_rows.json"
-    command = [str(bin_dir / "deepspeed"), "--num_gpus", "2", str(ROOT / "benchmarks" / "e2e_worker.py"),
+    run_deepspeed(ROOT / "benchmarks" / "e2e_worker.py", [
                "--cost-model", cost_path, "--dflop-bounds", ",".join(map(str, bounds)), "--data", args.data,
                "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--global-batch", str(args.global_batch),
-               "--gas", str(args.gas), "--out", str(raw)]
-    subprocess.run(command, check=True, cwd=ROOT, env=env)
+               "--gas", str(args.gas), "--out", str(raw)], cwd=ROOT, check=True)
     table = summarize(json.loads(raw.read_text())["rows"])
     write_outputs(table, out)
 

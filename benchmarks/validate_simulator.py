@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,11 +19,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import profiled_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
+from dflop_ds.launch import run_deepspeed  # noqa: E402
 from dflop_ds.plan.evaluate import forward_fraction  # noqa: E402
 from dflop_ds.plan.simulator import simulate_stage_times  # noqa: E402
 from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares, stage_times  # noqa: E402
-from dflop_ds.profile import CostModel  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 
 
@@ -47,12 +46,7 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    if not Path(args.cost_model).exists():
-        subprocess.run([sys.executable, "-m", "dflop_ds.cli", "profile", "model", "--no-progress",
-                        "-o", args.cost_model], check=True, cwd=ROOT, env=env)
-    cost_model = CostModel.load(args.cost_model)
+    cost_model = profiled_cost_model(args.cost_model, reuse=True)
 
     config = json.loads(Path(args.config).read_text())
     block = config["dflop"]
@@ -63,9 +57,8 @@ def main() -> int:
     run_config, trace, summary = out / "validate_config.json", out / "validate_trace.jsonl", out / "validate.json"
     run_config.write_text(json.dumps(config))
     trace.unlink(missing_ok=True)
-    subprocess.run([str(bin_dir / "deepspeed"), "--num_gpus", "2", str(ROOT / "examples" / "train.py"),
-                    "--deepspeed_config", str(run_config), "--trace", str(trace), "--summary", str(summary)],
-                   check=True, cwd=ROOT, env=env)
+    run_deepspeed(ROOT / "examples" / "train.py",
+                  ["--deepspeed_config", run_config, "--trace", trace, "--summary", summary], cwd=ROOT, check=True)
 
     measured = {r["step"]: r["step_s"] for r in json.loads(summary.read_text())["steps"]}
     shares = stage_shares(bounds, cost_model.encoder_layers, cost_model.llm_layers)

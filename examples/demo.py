@@ -8,33 +8,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+from dflop_ds.launch import run_deepspeed
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def launcher() -> list[str]:
-    """The deepspeed launcher next to this Python, else the one on PATH."""
-    local = Path(sys.executable).parent / "deepspeed"
-    found = str(local) if local.exists() else shutil.which("deepspeed")
-    if found is None:
-        raise SystemExit("the `deepspeed` launcher is not installed: run `make demo` (it sets up .venv)")
-    return [found]
 
 
 def run(sampler: str, config: str, steps: int, gpus: int, out_dir: Path, extra: list[str]) -> dict:
     """Launch one training run and return its summary."""
     summary = out_dir / f"demo_{sampler}.json"
-    command = launcher() + ["--num_gpus", str(gpus), str(ROOT / "examples" / "train.py"),
-                            "--deepspeed_config", config, "--sampler", sampler, "--steps", str(steps),
-                            "--summary", str(summary)] + extra
-    print(f"\n=== {sampler} sampler: {' '.join(command)}", flush=True)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    result = subprocess.run(command, cwd=ROOT, env=env)
+    args = ["--deepspeed_config", config, "--sampler", sampler, "--steps", str(steps), "--summary", str(summary),
+            *extra]
+    print(f"\n=== {sampler} sampler: deepspeed --num_gpus {gpus} examples/train.py {' '.join(args)}", flush=True)
+    result = run_deepspeed(ROOT / "examples" / "train.py", args, ranks=gpus, cwd=ROOT)
     if result.returncode != 0:
         raise SystemExit(f"the {sampler} run failed with exit code {result.returncode}")
     return json.loads(summary.read_text())["summary"]

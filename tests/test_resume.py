@@ -4,24 +4,21 @@ from __future__ import annotations
 
 import collections
 import json
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 
+from dflop_ds.launch import run_deepspeed
+
 ROOT = Path(__file__).resolve().parent.parent
-DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 SAMPLES, BATCH, STEPS_PER_EPOCH = 96, 16, 6
 
 
 def train(config: Path, trace: Path, *extra: str, expect: int = 0) -> None:
-    env = {**os.environ, "PATH": f"{DEEPSPEED.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    result = subprocess.run(
-        [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(29600 + os.getpid() % 1000),
-         str(ROOT / "examples" / "train.py"), "--deepspeed_config", str(config), "--trace", str(trace), *extra],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
+    result = run_deepspeed(
+        ROOT / "examples" / "train.py", ["--deepspeed_config", str(config), "--trace", str(trace), *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=400,
     )
     assert result.returncode == expect, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -41,8 +38,7 @@ def test_killed_run_resumes_without_losing_or_repeating_a_sample(tmp_path):
 
     train(path, tmp_path / "reference.jsonl")  # one uninterrupted epoch
     reference = steps(tmp_path / "reference.jsonl")
-    for sub in (tmp_path / "ckpt").iterdir():
-        subprocess.run(["rm", "-rf", str(sub)], check=True)
+    shutil.rmtree(tmp_path / "ckpt")
 
     train(path, tmp_path / "killed.jsonl", "--exit-after-step", "2", expect=17)  # dies after step 2
     killed = steps(tmp_path / "killed.jsonl")

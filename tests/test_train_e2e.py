@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from dflop_ds.launch import run_deepspeed
+
 ROOT = Path(__file__).resolve().parent.parent
-DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 
 
 def launch_training(tmp_path: Path, dflop: dict, ds: dict | None = None, timeout: int = 400) -> dict:
@@ -22,11 +20,9 @@ def launch_training(tmp_path: Path, dflop: dict, ds: dict | None = None, timeout
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(config))
     summary = tmp_path / "summary.json"
-    env = {**os.environ, "PATH": f"{DEEPSPEED.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    result = subprocess.run(
-        [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(29500 + os.getpid() % 1000),
-         str(ROOT / "examples" / "train.py"), "--deepspeed_config", str(config_path), "--summary", str(summary)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    result = run_deepspeed(
+        ROOT / "examples" / "train.py", ["--deepspeed_config", str(config_path), "--summary", str(summary)],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return json.loads(summary.read_text())
@@ -61,12 +57,10 @@ def test_a_plan_file_starts_a_two_rank_training(tmp_path):
     config = {"steps_per_print": 10**6, "dflop": {"plan": str(tmp_path / "plan.json"), "max_samples": 60,
                                                   "steps": 3, "warmup_steps": 1}}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    env = {**os.environ, "PATH": f"{DEEPSPEED.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    result = subprocess.run(
-        [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(29700 + os.getpid() % 1000),
-         str(ROOT / "examples" / "train.py"), "--deepspeed_config", str(tmp_path / "config.json"),
+    result = run_deepspeed(
+        ROOT / "examples" / "train.py", ["--deepspeed_config", str(tmp_path / "config.json"),
          "--summary", str(tmp_path / "summary.json")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
+        cwd=ROOT, capture_output=True, text=True, timeout=400,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -78,10 +72,9 @@ def test_a_plan_file_starts_a_two_rank_training(tmp_path):
     # a config that contradicts its plan is refused before training, naming the key
     config["gradient_accumulation_steps"] = 2
     (tmp_path / "config.json").write_text(json.dumps(config))
-    result = subprocess.run(
-        [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(29800 + os.getpid() % 1000),
-         str(ROOT / "examples" / "train.py"), "--deepspeed_config", str(tmp_path / "config.json")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
+    result = run_deepspeed(
+        ROOT / "examples" / "train.py", ["--deepspeed_config", str(tmp_path / "config.json")],
+        cwd=ROOT, capture_output=True, text=True, timeout=400,
     )
     assert result.returncode != 0
     assert "gradient_accumulation_steps" in result.stdout + result.stderr

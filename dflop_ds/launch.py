@@ -1,0 +1,44 @@
+"""Starting `deepspeed` launches from Python (demo, benchmarks, tests) with this interpreter's tools."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+
+def launch_env() -> dict[str, str]:
+    """The environment with this interpreter's ``bin`` first on PATH, where pip put the
+    ``deepspeed`` launcher and ``ninja`` (DeepSpeed JIT-builds a communication op with it)."""
+    bin_dir = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def deepspeed_launcher() -> str:
+    """Path of the ``deepspeed`` launcher next to this interpreter, else the one on PATH."""
+    local = Path(sys.executable).parent / "deepspeed"
+    found = str(local) if local.exists() else shutil.which("deepspeed")
+    if found is None:
+        raise FileNotFoundError("the `deepspeed` launcher is not installed (run `make setup`)")
+    return found
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for the launcher's ``--master_port``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def run_deepspeed(script: str | Path, args: Sequence[str], *, ranks: int = 2, master_port: int | None = None,
+                  cwd: str | Path | None = None, **run_kwargs) -> subprocess.CompletedProcess:
+    """Run ``deepspeed --num_gpus ranks script args...`` on a free master port (unless given);
+    ``run_kwargs`` go to ``subprocess.run``."""
+    port = free_port() if master_port is None else master_port
+    command = [deepspeed_launcher(), "--num_gpus", str(ranks), "--master_port", str(port), str(script),
+               *map(str, args)]
+    return subprocess.run(command, cwd=cwd, env=launch_env(), **run_kwargs)
