@@ -26,7 +26,7 @@ from dflop_ds.launch import run_deepspeed  # noqa: E402
 from dflop_ds.plan.stages import cost_balanced_bounds  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 
-BASELINES = ("stock", "llava", "verl")
+BASELINES = ("stock", "llava", "verl")  # dflop_uniform is an ablation of dflop, not a baseline
 
 
 def summarize(rows: list[dict]) -> dict[str, dict]:

@@ -14,7 +14,8 @@ from benchmarks.baselines import llava_modality_grouped, verl_karmarkar_karp, ve
 from dflop_ds.schedule.split import RankSplit, split_balanced, split_stock
 from dflop_ds.shapes import SampleShape
 
-METHODS = ("stock", "llava", "verl", "dflop")
+#: ``dflop_uniform`` is dflop-ds's scheduling alone, on the baselines' layer-count stage split.
+METHODS = ("stock", "llava", "verl", "dflop_uniform", "dflop")
 
 
 def _deal(buckets: list[list[int]], batch: Sequence[int], n_mb: int, dp: int) -> RankSplit:
@@ -72,7 +73,7 @@ def split_for(
         return split_llava(batch, shapes, n_mb, dp, seed)
     if method == "verl":
         return split_verl(batch, shapes, n_mb, dp)
-    if method == "dflop":
+    if method in ("dflop", "dflop_uniform"):
         lengths = [shapes[i].llm_tokens for i in batch]
         return split_balanced(list(batch), costs, n_mb, dp, microbatch_cost,
                               time_limit_s=time_limit_s, seed=seed, lengths=lengths).ranks

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.e2e_methods import METHODS, split_for  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
+from dflop_ds.launch import share_cpu_threads  # noqa: E402
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
 from dflop_ds.pipe import MLLMPipelineModule  # noqa: E402
 from dflop_ds.profile import CostModel  # noqa: E402
@@ -68,6 +69,7 @@ def main() -> int:
     args = parse_args()
     torch.manual_seed(args.seed)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    share_cpu_threads()
     dp = torch.distributed.get_world_size() // 2
     shapes = read_dataset(args.data, TINY_POLICY)
     dataset = TinyMLLMDataset(shapes, TinyMLLMConfig(), seed=args.seed)

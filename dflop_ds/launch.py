@@ -42,3 +42,18 @@ def run_deepspeed(script: str | Path, args: Sequence[str], *, ranks: int = 2, ma
     command = [deepspeed_launcher(), "--num_gpus", str(ranks), "--master_port", str(port), str(script),
                *map(str, args)]
     return subprocess.run(command, cwd=cwd, env=launch_env(), **run_kwargs)
+
+
+def share_cpu_threads() -> int:
+    """On the CPU accelerator, give each local rank its share of the cores as torch threads.
+
+    Several ranks on one machine each default to every core, oversubscribing it (steps then
+    stall unpredictably). Does nothing on GPUs. Returns the thread count in effect.
+    """
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_ranks)))
+    return torch.get_num_threads()

@@ -23,6 +23,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import RepeatingLoader
 
 from dflop_ds.checks import check_training_setup
+from dflop_ds.launch import share_cpu_threads
 from dflop_ds.config import DFLOPConfig, fill_from_plan
 from dflop_ds.data import read_dataset
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers
@@ -99,6 +100,7 @@ def main() -> int:
     ds_config, cfg = load_settings(args)
     torch.manual_seed(cfg.seed)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    share_cpu_threads()  # CPU ranks on one machine: a share of the cores each, not all of them
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
 
