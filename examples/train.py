@@ -176,6 +176,10 @@ def main() -> int:
         if args.summary:
             Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
             Path(args.summary).write_text(json.dumps({"summary": summary, "steps": records}, indent=1))
+    if tracker:
+        tracker.close()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # an orderly exit: gloo's threads stop before teardown
     return 0
 
 
