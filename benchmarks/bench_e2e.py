@@ -98,10 +98,10 @@ def main() -> int:
     table = summarize(json.loads(raw.read_text())["rows"])
     write_outputs(table, out)
 
-    print(f"\n{'method':8s} {'samples/s':>10s} {'tokens/s':>10s} {'median step s':>14s} {'idle':>6s} "
+    print(f"\n{'method':14s} {'samples/s':>10s} {'tokens/s':>10s} {'median step s':>14s} {'idle':>6s} "
           f"{'padding eff':>12s} {'sched ms':>9s} {'vs stock':>9s}")
     for method, v in table.items():
-        print(f"{method:8s} {v['samples_per_s']:10.2f} {v['tokens_per_s']:10.0f} {v['median_step_s']:14.3f} "
+        print(f"{method:14s} {v['samples_per_s']:10.2f} {v['tokens_per_s']:10.0f} {v['median_step_s']:14.3f} "
               f"{v['idle_fraction']:6.1%} {v['padding_efficiency']:12.3f} {v['median_schedule_ms']:9.1f} "
               f"{v['vs_stock']:9.3f}")
     best_baseline = max(table[m]["samples_per_s"] for m in BASELINES if m in table)
