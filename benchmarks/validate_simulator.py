@@ -1,10 +1,16 @@
 """Check the 1F1B simulator against a real run: `make validate-simulator`.
 
-Trains the tiny MLLM for a few steps on 2 ranks (2 pipeline stages, the DFLOP sampler, the
-profiled cost model, its cost-balanced stage split), then simulates every timed step from the
-cost model alone (per-microbatch encoder/LLM predictions, split over the stages) and compares
-the simulated step time with the measured one. Last line:
-`simulator step_time error mean=<x> median=<y> total=<z>` (relative errors).
+Trains the tiny MLLM on 2 ranks (2 pipeline stages, the DFLOP sampler, the profiled cost model,
+its cost-balanced stage split) and simulates every timed step two ways:
+
+* from the cost model alone (per-microbatch encoder/LLM predictions split over the stages);
+* calibrated: the first half of the timed steps measures how much slower each stage computes in
+  training than in the isolated profile (two ranks share the machine) and the step time the
+  simulation leaves out (DeepSpeed's per-instruction work, p2p, optimizer); the second half,
+  never used for calibration, is predicted with both.
+
+Last line: `simulator step_time error raw=<x> calibrated=<y>` (mean relative error over the
+held-out half).
 """
 
 from __future__ import annotations
@@ -28,12 +34,14 @@ from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares, stage_times
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 
 
-def simulate_step(cost_model, shapes, microbatches, shares) -> float:
-    """Predicted step time of one rank's microbatches (lists of dataset indices)."""
-    costs = np.array([cost_model.predict_microbatch([shapes[i] for i in mb]) for mb in microbatches])
-    per_stage = stage_times(costs, shares)
-    ff = forward_fraction(cost_model)
-    return simulate_stage_times(ff * per_stage, (1 - ff) * per_stage).step_time
+def microbatch_costs(cost_model, shapes, microbatches) -> np.ndarray:
+    """``(m, 2)`` predicted [encoder, llm] seconds of one rank's microbatches (dataset indices)."""
+    return np.array([cost_model.predict_microbatch([shapes[i] for i in mb]) for mb in microbatches])
+
+
+def simulate(stage_seconds: np.ndarray, forward_share: float) -> float:
+    """1F1B step time of ``(m, stages)`` forward+backward seconds."""
+    return simulate_stage_times(forward_share * stage_seconds, (1 - forward_share) * stage_seconds).step_time
 
 
 def main() -> int:
@@ -41,7 +49,7 @@ def main() -> int:
     parser.add_argument("--cost-model", default=str(ROOT / "out" / "costmodel_tiny.json"),
                         help="profiled CostModel JSON (profiled now if missing)")
     parser.add_argument("--config", default=str(ROOT / "ds_configs" / "tiny_mllm_pp2.json"))
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=27, help="steps to train (3 warm-up, then half/half)")
     parser.add_argument("--out", default=str(ROOT / "out"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -60,23 +68,32 @@ def main() -> int:
     run_deepspeed(ROOT / "examples" / "train.py",
                   ["--deepspeed_config", run_config, "--trace", trace, "--summary", summary], cwd=ROOT, check=True)
 
-    measured = {r["step"]: r["step_s"] for r in json.loads(summary.read_text())["steps"]}
+    steps = {r["step"]: r for r in json.loads(summary.read_text())["steps"]}
     shares = stage_shares(bounds, cost_model.encoder_layers, cost_model.llm_layers)
-    rows = []
-    for line in map(json.loads, trace.read_text().splitlines()):
-        if line["dp_rank"] != 0 or line["step"] < block["warmup_steps"]:
-            continue
-        rows.append((line["step"], measured[line["step"]], simulate_step(cost_model, shapes, line["microbatches"], shares)))
-    print(f"\nstage bounds {bounds}; {len(rows)} timed steps (2 ranks, 2 stages, CPU)")
-    print(f"{'step':>4s} {'measured s':>11s} {'simulated s':>12s} {'error':>8s}")
-    errors = []
-    for step, real, sim in rows:
-        errors.append((sim - real) / real)
-        print(f"{step:4d} {real:11.3f} {sim:12.3f} {errors[-1]:+8.1%}")
-    total = (sum(r[2] for r in rows) - sum(r[1] for r in rows)) / sum(r[1] for r in rows)
-    abs_errors = np.abs(errors)
-    print(f"simulator step_time error mean={abs_errors.mean():.3f} median={np.median(abs_errors):.3f} "
-          f"total={total:+.3f}")
+    timed = [line for line in map(json.loads, trace.read_text().splitlines())
+             if line["dp_rank"] == 0 and line["step"] >= block["warmup_steps"]]
+    predicted = [stage_times(microbatch_costs(cost_model, shapes, line["microbatches"]), shares) for line in timed]
+    measured = np.array([steps[line["step"]]["step_s"] for line in timed])
+    half = len(timed) // 2
+    compute = np.array([steps[line["step"]]["telemetry"]["stage_compute_s"] for line in timed[:half]])
+    scale = compute.sum(axis=0) / np.sum([p.sum(axis=0) for p in predicted[:half]], axis=0)
+    ff = forward_fraction(cost_model)
+    raw = np.array([simulate(p, ff) for p in predicted])
+    scaled = np.array([simulate(p * scale, ff) for p in predicted])
+    overhead = float(np.median(measured[:half] - scaled[:half]))
+    calibrated = scaled + overhead
+
+    print(f"\nstage bounds {bounds}; {len(timed)} timed steps (2 ranks, 2 stages); calibrated on the first {half}: "
+          f"stage compute x{np.round(scale, 3).tolist()} of the profile, +{overhead * 1e3:.0f} ms per step")
+    print(f"{'step':>4s} {'measured s':>11s} {'raw sim s':>10s} {'error':>8s} {'calibrated s':>13s} {'error':>8s}")
+    for k, line in enumerate(timed):
+        tag = "" if k >= half else "  (calibration)"
+        print(f"{line['step']:4d} {measured[k]:11.3f} {raw[k]:10.3f} {raw[k] / measured[k] - 1:+8.1%} "
+              f"{calibrated[k]:13.3f} {calibrated[k] / measured[k] - 1:+8.1%}{tag}")
+    held = slice(half, None)
+    raw_error = float(np.mean(np.abs(raw[held] / measured[held] - 1)))
+    calibrated_error = float(np.mean(np.abs(calibrated[held] / measured[held] - 1)))
+    print(f"simulator step_time error raw={raw_error:.3f} calibrated={calibrated_error:.3f}")
     return 0
 
 
