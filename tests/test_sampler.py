@@ -150,3 +150,20 @@ def test_proxy_cost_is_the_default_cost_model():
     shapes = mixed_shapes(20)
     sampler = DFLOPBatchSampler(shapes, global_batch_size=10, gradient_accumulation_steps=2)
     np.testing.assert_allclose(sampler.costs, ProxyCost().predict_samples(shapes))
+
+
+def test_a_given_cost_model_drives_costs_and_microbatch_predictions():
+    from test_costmodel import synthetic_profile
+
+    from dflop_ds.profile import CostModel
+
+    cost_model = CostModel().fit(synthetic_profile())
+    shapes = mixed_shapes(80)
+    sampler = DFLOPBatchSampler(shapes, global_batch_size=40, gradient_accumulation_steps=4, dp_size=2,
+                                cost_model=cost_model, prefetch=0)
+    np.testing.assert_allclose(sampler.costs, cost_model.predict_samples(shapes))
+    sched = next(sampler._schedules(0, 0))
+    for rank, predicted in zip(sched.split.ranks, sched.split.predicted):
+        for microbatch, cost in zip(rank, predicted):
+            np.testing.assert_allclose(cost, cost_model.predict_microbatch([shapes[i] for i in microbatch]))
+    assert not np.allclose(sampler.costs, ProxyCost().predict_samples(shapes))
