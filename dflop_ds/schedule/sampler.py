@@ -141,7 +141,7 @@ class GlobalBatchSampler:
         self.epoch = 0
         self.next_batch = 0
         self.last_schedule: Optional[BatchSchedule] = None
-        self.batches_in_epoch()  # validates the sizes up front
+        self.batches_per_epoch = len(self.batches_in_epoch())  # the same every epoch; validates sizes
 
     # -- the schedule: pure in (seed, epoch, batch) -------------------------------------------
     def batches_in_epoch(self, epoch: Optional[int] = None) -> list[np.ndarray]:
@@ -158,7 +158,7 @@ class GlobalBatchSampler:
         costs = self.costs[batch]
         if self.cost_adjuster is None:
             return costs
-        global_batch = epoch * len(self.batches_in_epoch(epoch)) + batch_id
+        global_batch = epoch * self.batches_per_epoch + batch_id
         version = global_batch - self.prefetch - 1
         if version < 0:
             return costs
@@ -176,7 +176,7 @@ class GlobalBatchSampler:
         if predict is None:
             return None
         shapes = [self.shapes[i] for i in batch]
-        if costs is None or self.cost_adjuster is None or costs is self.costs[batch]:
+        if costs is None or self.cost_adjuster is None:
             return lambda positions: predict([shapes[p] for p in positions])
         base, adjusted = self.costs[batch], np.asarray(costs, dtype=float)
         if adjusted.shape != base.shape or getattr(self.cost_adjuster, "replaces_columns", False):
@@ -209,7 +209,7 @@ class GlobalBatchSampler:
 
     def __len__(self) -> int:
         """Microbatches this rank yields per epoch."""
-        return len(self.batches_in_epoch()) * self.n_mb
+        return self.batches_per_epoch * self.n_mb
 
     def _schedules(self, epoch: int, start: int) -> Iterator[BatchSchedule]:
         batches = self.batches_in_epoch(epoch)
@@ -228,17 +228,16 @@ class GlobalBatchSampler:
         so a checkpoint taken after a training step resumes at the next batch.
         """
         epoch = self.epoch
-        n_batches = len(self.batches_in_epoch(epoch))
         for sched in self._schedules(epoch, self.next_batch):
             self.last_schedule = sched
             microbatches = sched.split.ranks[self.dp_rank]
             for j, microbatch in enumerate(microbatches):
                 if j == len(microbatches) - 1:
-                    self._advance(epoch, sched.batch_id + 1, n_batches)
+                    self._advance(epoch, sched.batch_id + 1)
                 yield [ScheduledIndex(i, sched.loss_denominator, sched.batch_id) for i in microbatch]
 
-    def _advance(self, epoch: int, next_batch: int, n_batches: int) -> None:
-        if next_batch >= n_batches:
+    def _advance(self, epoch: int, next_batch: int) -> None:
+        if next_batch >= self.batches_per_epoch:
             self.set_epoch(epoch + 1)
         else:
             self.epoch, self.next_batch = epoch, next_batch

@@ -70,20 +70,15 @@ def split_stock(
     _check_sizes(len(batch), n_mb, dp)
     positions = np.arange(len(batch))
     local = [[chunk.tolist() for chunk in np.array_split(part, n_mb)] for part in np.array_split(positions, dp)]
-    return _result(local, batch, costs, microbatch_cost, 0.0, "stock")
+    predicted = _predict(local, np.asarray(costs, dtype=float).reshape(len(batch), -1), microbatch_cost)
+    return _result(local, batch, predicted, 0.0, "stock")
 
 
-def _result(
-    local: RankSplit,
-    batch: Sequence[int],
-    costs: np.ndarray,
-    microbatch_cost: Optional[MicrobatchCost],
-    lower_bound: float,
-    solver: str,
-) -> SplitResult:
-    """Turn a split over batch positions into a :class:`SplitResult` over sample indices."""
+def _result(local: RankSplit, batch: Sequence[int], predicted: np.ndarray, lower_bound: float,
+            solver: str) -> SplitResult:
+    """Turn a split over batch positions, with its ``(dp, n_mb, k)`` predicted costs, into a
+    :class:`SplitResult` over sample indices."""
     items = np.asarray(batch)
-    predicted = _predict(local, np.asarray(costs, dtype=float).reshape(len(items), -1), microbatch_cost)
     ranks = [[[int(items[p]) for p in mb] for mb in rank] for rank in local]
     return SplitResult(ranks, predicted, float(predicted.max()), lower_bound, solver)
 
@@ -117,10 +112,10 @@ def split_balanced(
         partition_batch, cost_matrix, n_mb * dp, time_limit_s,
         seed=seed, microbatch_cost=microbatch_cost, lengths=None if lengths is None else np.asarray(lengths, float),
     )
-    bucket_costs = _predict([partition.buckets], cost_matrix, microbatch_cost)[0]
-    order = assign_to_ranks(bucket_costs, dp, n_mb)
+    order = assign_to_ranks(partition.bucket_costs, dp, n_mb)  # costs as the partitioner measured them
     local = [[list(partition.buckets[b]) for b in rank] for rank in order]
-    return _result(local, batch, cost_matrix, microbatch_cost, float(partition.lower_bound), solver)
+    predicted = partition.bucket_costs[np.asarray(order)]
+    return _result(local, batch, predicted, float(partition.lower_bound), solver)
 
 
 def _partition_or_fallback(partition_batch, cost_matrix: np.ndarray, n_buckets: int, time_limit_s: float,
