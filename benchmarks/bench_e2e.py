@@ -24,6 +24,7 @@ from benchmarks.common import profiled_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import run_deepspeed  # noqa: E402
 from dflop_ds.plan.stages import cost_balanced_bounds  # noqa: E402
+from dflop_ds.telemetry.record import throughput  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 
 BASELINES = ("stock", "llava", "verl")  # dflop_uniform is an ablation of dflop, not a baseline
@@ -34,13 +35,9 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
     table: dict[str, dict] = {}
     for method in dict.fromkeys(r["method"] for r in rows):
         timed = [r for r in rows if r["method"] == method and not r["warmup"]]
-        seconds = sum(r["step_s"] for r in timed)
         table[method] = {
-            "samples_per_s": sum(r["samples"] for r in timed) / seconds,
-            "tokens_per_s": sum(r["tokens"] for r in timed) / seconds,
-            "median_step_s": float(np.median([r["step_s"] for r in timed])),
+            **throughput(timed),
             "idle_fraction": float(np.mean([r["idle_fraction"] for r in timed])),
-            "padding_efficiency": sum(r["tokens"] for r in timed) / sum(r["padded_tokens"] for r in timed),
             "median_schedule_ms": 1e3 * float(np.median([r["schedule_s"] for r in timed])),
             "rounds": len(timed),
         }

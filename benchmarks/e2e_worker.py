@@ -31,7 +31,7 @@ from dflop_ds.profile import CostModel  # noqa: E402
 from dflop_ds.schedule.epoch import epoch_permutation, global_batches  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
-from dflop_ds.telemetry.record import bubble_fraction  # noqa: E402
+from dflop_ds.telemetry.record import batch_tokens, bubble_fraction  # noqa: E402
 from dflop_ds.telemetry.timers import PipelineTimer  # noqa: E402
 
 
@@ -107,13 +107,10 @@ def main() -> int:
             compute = torch.tensor([float(timers[name].finish_step().compute.sum())])
             every_rank = [torch.zeros(1) for _ in range(torch.distributed.get_world_size())]
             torch.distributed.all_gather(every_rank, compute)
-            flat = [mb for r in split for mb in r]
             rows.append({
                 "round": round_id, "warmup": round_id < args.warmup, "method": method, "step_s": step_s,
-                "schedule_s": schedule_s, "samples": len(batch),
+                "schedule_s": schedule_s, **batch_tokens([mb for r in split for mb in r], shapes),
                 "idle_fraction": bubble_fraction(np.array([float(c) for c in every_rank]), step_s),
-                "tokens": int(sum(shapes[i].llm_tokens for i in batch)),
-                "padded_tokens": int(sum(len(mb) * max(shapes[i].llm_tokens for i in mb) for mb in flat)),
             })
             if rank == 0:
                 print(f"[e2e] round {round_id:2d} {method:6s} step {step_s:.3f}s", flush=True)

@@ -23,13 +23,14 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import RepeatingLoader
 
 from dflop_ds.checks import check_training_setup
-from dflop_ds.launch import share_cpu_threads
 from dflop_ds.config import DFLOPConfig, fill_from_plan
 from dflop_ds.data import read_dataset
+from dflop_ds.launch import share_cpu_threads
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers
 from dflop_ds.pipe import MLLMPipelineModule, token_normalized_loss
 from dflop_ds.schedule.sampler import make_sampler
 from dflop_ds.shapes import TINY_POLICY, ShapePolicy
+from dflop_ds.telemetry.record import batch_tokens, throughput
 from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
 from dflop_ds.telemetry.setup import inject_fault, make_correction
 
@@ -205,12 +206,8 @@ def step_record(step: int, loss: float, elapsed: float, sampler, shapes, first_s
     sched = sampler.last_schedule
     if sched is None or not first_stage:
         return record
-    microbatches = [mb for r in sched.split.ranks for mb in r]
-    batch = [i for mb in microbatches for i in mb]
     record.update(
-        samples=len(batch),
-        tokens=int(sum(shapes[i].llm_tokens for i in batch)),
-        padded_tokens=int(sum(len(mb) * max(shapes[i].llm_tokens for i in mb) for mb in microbatches)),
+        **batch_tokens([mb for r in sched.split.ranks for mb in r], shapes),
         microbatch_sizes=[len(mb) for mb in sched.split.ranks[sampler.dp_rank]],
         imbalance=[round(float(x), 4) for x in sched.imbalance()],
         schedule_ms=1e3 * sched.schedule_s,
@@ -231,16 +228,12 @@ def write_trace(path: str, step: int, sampler) -> None:
 def summarize(records: list[dict], cfg: DFLOPConfig, dp_size: int) -> dict:
     """Throughput and balance over the steps after warm-up."""
     timed = records[cfg.warmup_steps:]
-    seconds = sum(r["step_s"] for r in timed)
     return {
         "sampler": cfg.sampler,
         "steps": len(timed),
         "dp": dp_size,
         "pipeline_stages": cfg.pipeline_stages,
-        "samples_per_s": sum(r["samples"] for r in timed) / seconds,
-        "tokens_per_s": sum(r["tokens"] for r in timed) / seconds,
-        "median_step_s": float(np.median([r["step_s"] for r in timed])),
-        "padding_efficiency": sum(r["tokens"] for r in timed) / sum(r["padded_tokens"] for r in timed),
+        **throughput(timed),
         "imbalance_llm": float(np.mean([r["imbalance"][-1] for r in timed])),
         "imbalance_encoder": float(np.mean([r["imbalance"][0] for r in timed])),
         "first_loss": records[0]["loss"],

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
+
+from dflop_ds.shapes import SampleShape
 
 #: record key -> monitor event name (numbers only: TensorBoard scalars and CSV columns)
 MONITOR_FIELDS = {
@@ -86,3 +88,22 @@ def log_line(record: dict[str, Any]) -> str:
             f"sched {_fmt(record.get('schedule_ms'), '.1f')}ms/{record.get('solver', '-')} "
             f"correction {correction} "
             f"telemetry {_fmt(100 * record.get('telemetry_overhead_frac', float('nan')), '.2f')}%")
+
+
+def batch_tokens(microbatches: Sequence[Sequence[int]], shapes: Sequence[SampleShape]) -> dict[str, int]:
+    """Samples, real LLM tokens and tokens after padding each microbatch to its longest sample."""
+    lengths = [[shapes[i].llm_tokens for i in mb] for mb in microbatches if len(mb)]
+    return {"samples": sum(len(mb) for mb in lengths), "tokens": int(sum(sum(mb) for mb in lengths)),
+            "padded_tokens": int(sum(len(mb) * max(mb) for mb in lengths))}
+
+
+def throughput(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Samples/s, tokens/s, median step and padding efficiency of step rows that carry
+    ``step_s`` and the fields of :func:`batch_tokens`."""
+    seconds = sum(r["step_s"] for r in rows)
+    return {
+        "samples_per_s": sum(r["samples"] for r in rows) / seconds,
+        "tokens_per_s": sum(r["tokens"] for r in rows) / seconds,
+        "median_step_s": float(np.median([r["step_s"] for r in rows])),
+        "padding_efficiency": sum(r["tokens"] for r in rows) / sum(r["padded_tokens"] for r in rows),
+    }
