@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Sequence
 
 
-def launch_env() -> dict[str, str]:
+def launch_env(**extra: str) -> dict[str, str]:
     """The environment with this interpreter's ``bin`` first on PATH, where pip put the
-    ``deepspeed`` launcher and ``ninja`` (DeepSpeed JIT-builds a communication op with it)."""
+    ``deepspeed`` launcher and ``ninja`` (DeepSpeed JIT-builds a communication op with it),
+    plus ``extra`` variables."""
     bin_dir = str(Path(sys.executable).parent)
-    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", **extra}
 
 
 def deepspeed_launcher() -> str:
@@ -34,14 +35,21 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def run_deepspeed(script: str | Path, args: Sequence[str], *, ranks: int = 2, master_port: int | None = None,
-                  cwd: str | Path | None = None, **run_kwargs) -> subprocess.CompletedProcess:
-    """Run ``deepspeed --num_gpus ranks script args...`` on a free master port (unless given);
-    ``run_kwargs`` go to ``subprocess.run``."""
+def deepspeed_command(script: str | Path, args: Sequence[str], *, ranks: int = 2,
+                      master_port: int | None = None) -> list[str]:
+    """``deepspeed --num_gpus ranks --master_port PORT script args...`` (a free port unless given)."""
     port = free_port() if master_port is None else master_port
-    command = [deepspeed_launcher(), "--num_gpus", str(ranks), "--master_port", str(port), str(script),
-               *map(str, args)]
-    return subprocess.run(command, cwd=cwd, env=launch_env(), **run_kwargs)
+    return [deepspeed_launcher(), "--num_gpus", str(ranks), "--master_port", str(port), str(script),
+            *map(str, args)]
+
+
+def run_deepspeed(script: str | Path, args: Sequence[str], *, ranks: int = 2, master_port: int | None = None,
+                  cwd: str | Path | None = None, extra_env: dict[str, str] | None = None,
+                  **run_kwargs) -> subprocess.CompletedProcess:
+    """Run :func:`deepspeed_command` with :func:`launch_env` (plus ``extra_env``);
+    ``run_kwargs`` go to ``subprocess.run``."""
+    command = deepspeed_command(script, args, ranks=ranks, master_port=master_port)
+    return subprocess.run(command, cwd=cwd, env=launch_env(**(extra_env or {})), **run_kwargs)
 
 
 def share_cpu_threads() -> int:

@@ -12,14 +12,14 @@ import csv
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from dflop_ds.launch import deepspeed_command, launch_env
+
 ROOT = Path(__file__).resolve().parent.parent
-DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 STEPS, FAULT_FROM = 18, 5
 SMALL_MODEL = {"vision_dim": 32, "vision_heads": 2, "llm_dim": 32, "llm_heads": 2, "vocab_size": 128, "mlp_ratio": 2}
 FAULT = {"min_tiles": 6, "seconds_per_tile": 0.012, "base_seconds_per_tile": 0.004, "start_step": FAULT_FROM}
@@ -33,13 +33,10 @@ def start_run(tmp_path: Path, name: str, correction: bool, port: int) -> tuple[s
                            correction={"enabled": correction})
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(config))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PATH": f"{DEEPSPEED.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     log = tmp_path / f"{name}.log"
     process = subprocess.Popen(
-        [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(port), str(ROOT / "examples" / "train.py"),
-         "--deepspeed_config", str(path)],
-        cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+        deepspeed_command(ROOT / "examples" / "train.py", ["--deepspeed_config", path], master_port=port),
+        cwd=ROOT, env=launch_env(OMP_NUM_THREADS="1"), stdout=open(log, "w"), stderr=subprocess.STDOUT,
     )
     return process, log
 

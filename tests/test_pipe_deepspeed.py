@@ -12,42 +12,22 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from dflop_ds.launch import run_deepspeed
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "ds_scripts" / "tiny_pipe_train.py"
 STEPS = 20
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launcher() -> list[str]:
-    bin_dir = Path(sys.executable).parent
-    if (bin_dir / "deepspeed").exists():
-        return [str(bin_dir / "deepspeed")]
-    if shutil.which("deepspeed"):
-        return [shutil.which("deepspeed")]
-    return [sys.executable, "-m", "deepspeed.launcher.runner"]
-
-
 def run_pipeline(out: Path, *args: str) -> list[dict]:
-    env = dict(os.environ)
-    # the first run JIT-builds DeepSpeed's shared-memory comm op, which needs ninja from the venv
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [*launcher(), "--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPT), "--out", str(out)]
-    proc = subprocess.run([*cmd, "--steps", str(STEPS), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    extra_env = {"PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = run_deepspeed(SCRIPT, ["--out", out, "--steps", STEPS, *args], cwd=REPO, extra_env=extra_env,
+                         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"deepspeed run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["stage"] for r in results] == [0, 1]
