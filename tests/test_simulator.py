@@ -107,10 +107,64 @@ def test_vectorised_simulation_matches_a_naive_one(p: int, m: int, comm: float, 
     rng = np.random.default_rng(seed)
     fwd = rng.uniform(0.1, 2.0, (m, p))
     bwd = rng.uniform(0.1, 4.0, (m, p))
-    res = simulate_1f1b(fwd, bwd, act_comm=comm)
+    res = simulate_1f1b(fwd, bwd, act_comm=comm, transfers="overlapped")
     assert res.pipeline_time[0] == pytest.approx(_reference_sim(fwd, bwd, comm))
     # every operation respects its stage order and its inputs
     assert np.all(res.f_end >= res.f_start) and np.all(res.b_start >= res.f_end - 1e-12)
+
+
+def _deepspeed_instruction_sim(fwd: np.ndarray, bwd: np.ndarray, act: np.ndarray, grad: np.ndarray) -> float:
+    """Independent check of blocking transfers: run DeepSpeed's own ``TrainSchedule`` command
+    lists; in every step a stage's sends/receives pair with its neighbour's, both wait for the
+    later of the two, then spend the message's transfer time together."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    m, p = fwd.shape
+    commands = [list(ds.TrainSchedule(m, p, s).steps()) for s in range(p)]
+    free = np.zeros(p)
+    done = {"ForwardPass": [0] * p, "BackwardPass": [0] * p}
+    for step in range(len(commands[0])):
+        for s in range(1, p):
+            upper = [type(c).__name__ for c in commands[s][step]]
+            lower = [type(c).__name__ for c in commands[s - 1][step]]
+            assert ("SendGrad" in upper) == ("RecvGrad" in lower)
+            assert ("RecvActivation" in upper) == ("SendActivation" in lower)
+            seconds = 0.0
+            if "SendGrad" in upper:  # the microbatch stage s ran backward on last
+                seconds += grad[done["BackwardPass"][s] - 1, s - 1]
+            if "RecvActivation" in upper:
+                seconds += act[done["ForwardPass"][s], s - 1]
+            if "SendGrad" in upper or "RecvActivation" in upper:
+                free[s - 1] = free[s] = max(free[s - 1], free[s]) + seconds
+        for s in range(p):
+            for command in commands[s][step]:
+                kind = type(command).__name__
+                if kind in done:
+                    times = fwd if kind == "ForwardPass" else bwd
+                    free[s] += times[done[kind][s], s]
+                    done[kind][s] += 1
+    return float(free.max())
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(1, 5), m=st.integers(1, 6), seed=st.integers(0, 10_000))
+def test_blocking_transfers_match_deepspeeds_own_schedule(p: int, m: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    fwd, bwd = rng.uniform(0.1, 2.0, (m, p)), rng.uniform(0.1, 4.0, (m, p))
+    act, grad = rng.uniform(0.0, 0.5, (m, max(p - 1, 1))), rng.uniform(0.0, 0.5, (m, max(p - 1, 1)))
+    res = simulate_1f1b(fwd, bwd, act_comm=act[:, :p - 1], grad_comm=grad[:, :p - 1])
+    assert res.pipeline_time[0] == pytest.approx(_deepspeed_instruction_sim(fwd, bwd, act, grad))
+
+
+def test_blocking_transfers_hold_both_stages() -> None:
+    # 2 stages, 2 microbatches, 1 s per transfer: a blocking exchange also stalls the sender,
+    # so the step is longer than with background transfers
+    fwd, bwd = np.ones((2, 2)), 2 * np.ones((2, 2))
+    blocking = simulate_1f1b(fwd, bwd, act_comm=1.0).step_time
+    overlapped = simulate_1f1b(fwd, bwd, act_comm=1.0, transfers="overlapped").step_time
+    assert blocking > overlapped
+    with pytest.raises(ValueError, match="transfers"):
+        simulate_1f1b(fwd, bwd, transfers="async")
 
 
 def test_gantt_png_is_written(tmp_path) -> None:

@@ -8,11 +8,18 @@ starts when its stage is free and its input has arrived:
 - backward of ``j`` on ``s``: after the backward of ``j`` on ``s + 1`` plus the gradient transfer
   ``s + 1 -> s`` (on the last stage: after its own forward of ``j``).
 
-Transfers overlap with compute (a link per stage pair). After its last backward each stage
-all-reduces its gradients across data-parallel replicas; the step ends when every stage of
-every data-parallel rank is done. All ranks run the same schedule, so the simulation is
-vectorised over ranks (and over the stages active in one slot), which keeps a 128-rank,
-32-microbatch, 16-stage step at a few milliseconds.
+Two transfer models:
+
+- ``"blocking"`` (default): what DeepSpeed's engine does. A slot of ``TrainSchedule`` starts
+  with the neighbours' exchange (``SendGrad``/``RecvActivation`` on the stage running a
+  forward, ``RecvGrad``/``SendActivation`` on the one before it); the sends and receives
+  block, so both stages wait for each other and then spend the transfer time together.
+- ``"overlapped"``: each link transfers in the background, as with asynchronous sends.
+
+After its last backward each stage all-reduces its gradients across data-parallel replicas;
+the step ends when every stage of every data-parallel rank is done. All ranks run the same
+schedule, so the simulation is vectorised over ranks (and over the stages active in one
+slot), which keeps a 128-rank, 32-microbatch, 16-stage step at a few milliseconds.
 """
 
 from __future__ import annotations
@@ -89,18 +96,31 @@ def _as_rmp(name: str, x: np.ndarray | float, shape: tuple[int, int, int]) -> np
         raise ValueError(f"{name}: shape {arr.shape} does not broadcast to {shape}") from None
 
 
-def _slot_tables(n_stages: int, n_mb: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """Per slot: (forward stages, their microbatches, backward stages, their microbatches)."""
+TRANSFERS = ("blocking", "overlapped")
+
+
+def _slot_tables(n_stages: int, n_mb: int) -> list[tuple[np.ndarray, ...]]:
+    """Per slot: forward stages and their microbatches, backward stages and theirs, and the
+    exchanges that open the slot: stages ``s`` trading with ``s - 1``, the microbatch whose
+    gradient goes back and the one whose activation comes in (``-1``: none)."""
     tables = []
     for t in range(n_slots(n_stages, n_mb)):
-        fs, fm, bs, bm = [], [], [], []
+        fs, fm, bs, bm, xs, xg, xa = [], [], [], [], [], [], []
         for s in range(n_stages):
             op = slot_op(t, s, n_stages, n_mb)
+            if s > 0 and s % 2 == t % 2:  # a forward slot of s: DeepSpeed's exchange with s - 1
+                before = slot_op(t - 1, s, n_stages, n_mb) if t > 0 else None
+                grad_mb = before.microbatch if before is not None else -1
+                act_mb = op.microbatch if op is not None else -1
+                if grad_mb >= 0 or act_mb >= 0:
+                    xs.append(s)
+                    xg.append(grad_mb)
+                    xa.append(act_mb)
             if op is None:
                 continue
             (fs if op.kind == "F" else bs).append(s)
             (fm if op.kind == "F" else bm).append(op.microbatch)
-        tables.append(tuple(np.array(v, dtype=int) for v in (fs, fm, bs, bm)))
+        tables.append(tuple(np.array(v, dtype=int) for v in (fs, fm, bs, bm, xs, xg, xa)))
     return tables
 
 
@@ -123,6 +143,7 @@ def simulate_1f1b(
     act_comm: np.ndarray | float = 0.0,
     grad_comm: np.ndarray | float | None = None,
     allreduce: np.ndarray | float = 0.0,
+    transfers: str = "blocking",
 ) -> SimResult:
     """Simulate one step from per-microbatch, per-stage times.
 
@@ -132,10 +153,15 @@ def simulate_1f1b(
         act_comm: activation transfer seconds ``s -> s + 1``: scalar, ``(m, p - 1)`` or ``(R, m, p - 1)``.
         grad_comm: gradient transfer seconds ``s + 1 -> s``, same shapes (default: ``act_comm``).
         allreduce: gradient all-reduce seconds per stage: scalar, ``(p,)`` or ``(R, p)``.
+        transfers: ``"blocking"`` (DeepSpeed's engine: neighbours exchange at the start of a
+            slot and both wait for it) or ``"overlapped"`` (background transfers).
 
     Returns:
         A :class:`SimResult`.
     """
+    if transfers not in TRANSFERS:
+        raise ValueError(f"unknown transfers {transfers!r}; choose one of {TRANSFERS}")
+    blocking = transfers == "blocking"
     fwd = np.asarray(fwd, dtype=float)
     if fwd.ndim == 2:
         fwd = fwd[None]
@@ -156,10 +182,16 @@ def simulate_1f1b(
     b_start = np.zeros_like(fwd)
     b_end = np.zeros_like(fwd)
     free = np.zeros((n_ranks, n_stages))
-    for fs, fm, bs, bm in _cached_tables(n_stages, n_mb):
+    for fs, fm, bs, bm, xs, xg, xa in _cached_tables(n_stages, n_mb):
+        if blocking and xs.size:
+            link = xs - 1
+            seconds = (np.where(xg >= 0, grad[:, np.maximum(xg, 0), link], 0.0)
+                       + np.where(xa >= 0, act[:, np.maximum(xa, 0), link], 0.0))
+            done = np.maximum(free[:, link], free[:, xs]) + seconds
+            free[:, link], free[:, xs] = done, done
         if fs.size:
             prev = np.maximum(fs - 1, 0)
-            if links[2]:
+            if links[2] and not blocking:
                 arrived = f_end[:, fm, prev] + act[:, fm, np.minimum(prev, links[2] - 1)]
                 ready = np.where(fs > 0, arrived, 0.0)
             else:
@@ -169,7 +201,8 @@ def simulate_1f1b(
             f_start[:, fm, fs], f_end[:, fm, fs], free[:, fs] = start, end, end
         if bs.size:
             nxt = np.minimum(bs + 1, n_stages - 1)
-            from_next = b_end[:, bm, nxt] + (grad[:, bm, np.minimum(bs, links[2] - 1)] if links[2] else 0.0)
+            sent = grad[:, bm, np.minimum(bs, links[2] - 1)] if links[2] and not blocking else 0.0
+            from_next = b_end[:, bm, nxt] + sent
             ready = np.where(bs < n_stages - 1, from_next, f_end[:, bm, bs])
             start = np.maximum(free[:, bs], ready)
             end = start + bwd[:, bm, bs]
@@ -205,6 +238,7 @@ def simulate_stage_times(
     *,
     p2p_s: np.ndarray | float = 0.0,
     allreduce_s: np.ndarray | float = 0.0,
+    transfers: str = "blocking",
 ) -> SimResult:
     """Simulate measured (or predicted) per-microbatch stage times, for validation runs.
 
@@ -213,4 +247,5 @@ def simulate_stage_times(
     between neighbouring stages (scalar or ``(m, p - 1)``), ``allreduce_s`` the gradient
     all-reduce per stage. Compare ``result.step_time`` with a measured step.
     """
-    return simulate_1f1b(np.asarray(fwd, float), np.asarray(bwd, float), act_comm=p2p_s, allreduce=allreduce_s)
+    return simulate_1f1b(np.asarray(fwd, float), np.asarray(bwd, float), act_comm=p2p_s, allreduce=allreduce_s,
+                         transfers=transfers)
