@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from dflop_ds.schedule.correction import CostCorrection, StepObservation, composition
 from dflop_ds.telemetry.record import bubble_fraction, imbalance, log_line, monitor_events, observed_imbalance
-from dflop_ds.telemetry.timers import PipelineTimer, StageTiming
+from dflop_ds.telemetry.timers import STEP_KINDS, PipelineTimer, StageTiming
 
 HEADER = 7  # has_schedule, stage, dp_rank, step_s, timer_overhead_s, tracking_overhead_s, schedule fingerprint
 
@@ -109,7 +109,8 @@ class RuntimeTracker:
         fingerprint = zlib.crc32(json.dumps(sched.split.ranks).encode()) if sched is not None else -1
         head = [float(sched is not None), self.stage, self.dp_rank, step_s, timing.overhead_s, self._tracking_overhead_s,
                 float(fingerprint)]
-        parts = [np.asarray(head, dtype=float), timing.compute, timing.wait, timing.per_mb["load"]]
+        totals = [timing.totals.get(kind, 0.0) for kind in STEP_KINDS]
+        parts = [np.asarray(head, dtype=float), timing.compute, timing.wait, timing.per_mb["load"], np.asarray(totals)]
         if tracking:
             comp = np.zeros(self._comp_size())
             if sched is not None:
@@ -144,7 +145,7 @@ class RuntimeTracker:
         with_schedule = np.flatnonzero(rows[:, 0] > 0)
         if with_schedule.size == 0:
             raise RuntimeError("no rank reported a schedule: is the sampler iterated on the first/last stages?")
-        offset = HEADER + 3 * self.n_mb
+        offset = HEADER + 3 * self.n_mb + len(STEP_KINDS)
         comp = rows[with_schedule[0], offset:offset + self._comp_size()].reshape(
             self.dp * self.n_mb, self.correction.n_columns, self.correction.scheme.n_buckets)
         obs = StepObservation(comp, stage_times, overhead_s=float(rows[:, 5].max()), microbatches_per_rank=self.n_mb)
@@ -163,6 +164,9 @@ class RuntimeTracker:
             "stage_compute_s": np.nansum(stage_times, axis=1).tolist(),
             "stage_wait_s": np.nansum(waits, axis=1).tolist(),
             "mb_observed": np.where(np.isfinite(stage_times), stage_times, -1.0).tolist(),
+            "mb_wait": np.where(np.isfinite(waits), waits, -1.0).tolist(),
+            "stage_totals_s": self._stage_totals(rows),
+            "stage_bounds": [int(b) for b in getattr(self.engine.module, "parts", [])],
         }
         if sched is not None:
             predicted = sched.split.predicted.reshape(-1, sched.split.predicted.shape[-1])
@@ -172,6 +176,7 @@ class RuntimeTracker:
                 imbalance_predicted=columns[busiest], imbalance_predicted_columns=columns,
                 schedule_ms=1e3 * sched.schedule_s, solver=sched.split.solver,
                 solver_exact=float(sched.split.solver.startswith("ilp")), mb_predicted=predicted.tolist(),
+                microbatches=[[[int(i) for i in mb] for mb in rank] for rank in sched.split.ranks],
             )
             record["predicted_space"] = "stage" if self._stage_space(step) else "model"
             if record["predicted_space"] == "model":
@@ -182,6 +187,14 @@ class RuntimeTracker:
                           correction_gain_s=summary["gain_s"], correction_overhead_s=summary["overhead_s"],
                           correction_penalty=summary["penalty"], correction_penalty_where=summary["penalty_where"])
         return record
+
+    def _stage_totals(self, rows: np.ndarray) -> dict[str, list[float]]:
+        """Instruction kind -> seconds per stage over the step (mean over data-parallel ranks)."""
+        offset = HEADER + 3 * self.n_mb
+        totals = np.zeros((self.n_stages, len(STEP_KINDS)))
+        for row in rows:
+            totals[int(row[1])] += row[offset:offset + len(STEP_KINDS)] / self.dp
+        return {kind: totals[:, k].tolist() for k, kind in enumerate(STEP_KINDS)}
 
     def _stage_space(self, step: int) -> bool:
         """Whether the step's batch was scheduled on corrected per-stage seconds."""

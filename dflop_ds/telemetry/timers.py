@@ -24,6 +24,8 @@ KINDS = {
     "ReduceGrads": "reduce", "ReduceTiedGrads": "reduce", "OptimizerStep": "optimizer",
 }
 PER_MICROBATCH = ("forward", "backward", "load", "send", "recv")
+#: every kind, in the order step totals are reported
+STEP_KINDS = ("forward", "backward", "load", "send", "recv", "reduce", "optimizer")
 
 
 @dataclass
