@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +14,9 @@ from dflop_ds.launch import run_deepspeed
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def launch_training(tmp_path: Path, dflop: dict, ds: dict | None = None, timeout: int = 400) -> dict:
-    """Run examples/train.py on 2 ranks with a config derived from the bundled pp2 one."""
+def launch_training(tmp_path: Path, dflop: dict, ds: dict | None = None, timeout: int = 400,
+                    args: tuple[str, ...] = ()) -> dict:
+    """Run examples/train.py on 2 ranks with a config derived from the bundled pp2 one (plus ``args``)."""
     config = json.loads((ROOT / "ds_configs" / "tiny_mllm_pp2.json").read_text())
     config.update(ds or {})
     config["dflop"].update(dflop)
@@ -21,7 +24,7 @@ def launch_training(tmp_path: Path, dflop: dict, ds: dict | None = None, timeout
     config_path.write_text(json.dumps(config))
     summary = tmp_path / "summary.json"
     result = run_deepspeed(
-        ROOT / "examples" / "train.py", ["--deepspeed_config", str(config_path), "--summary", str(summary)],
+        ROOT / "examples" / "train.py", ["--deepspeed_config", str(config_path), "--summary", str(summary), *args],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -78,3 +81,34 @@ def test_a_plan_file_starts_a_two_rank_training(tmp_path):
     )
     assert result.returncode != 0
     assert "gradient_accumulation_steps" in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_path):
+    from dflop_ds.data import read_dataset
+    from dflop_ds.profile import CostModel
+    from dflop_ds.profile.engine import engine_profile_from_run, read_engine_steps
+    from dflop_ds.shapes import TINY_POLICY
+
+    cost_model = tmp_path / "costmodel.json"
+    profiled = subprocess.run(
+        [sys.executable, "-m", "dflop_ds.cli", "profile", "model", "--no-progress", "--tiles", "1,8,32,96",
+         "--seq-lens", "16,128,512,768", "--batch-sizes", "1,4", "--repeats", "2", "-o", str(cost_model)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert profiled.returncode == 0, profiled.stderr[-3000:]
+    telemetry = tmp_path / "telemetry.jsonl"
+    launch_training(tmp_path, {"sampler": "stock", "steps": 8, "warmup_steps": 2},
+                    args=("--telemetry", str(telemetry)))
+    model = CostModel.load(cost_model)
+    shapes = read_dataset(ROOT / "examples" / "data" / "mixture.jsonl", TINY_POLICY)
+    engine = engine_profile_from_run(telemetry, shapes, model, skip_steps=2)
+    assert engine.meta["steps"] == 6 and engine.meta["stage_bounds"][0] == 0
+    assert all(0 < s < 10 for s in engine.compute_scale) and 0 < engine.forward_fraction < 1
+    assert all(x > 0 for x in engine.load_s) and all(x > 0 for x in engine.tail_s) and engine.exchange_s >= 0
+    steps, bounds = read_engine_steps(telemetry, shapes, model, skip_steps=2)
+    from dflop_ds.plan.stages import stage_shares
+
+    shares = stage_shares(bounds, model.encoder_layers, model.llm_layers)
+    simulated = sum(engine.simulate(step.costs, shares).step_time for step in steps)
+    measured = sum(step.step_s for step in steps)
+    assert simulated == pytest.approx(measured, rel=0.25)

@@ -5,10 +5,13 @@
 * :class:`CostModel` fits monotone, non-negative regressors on a :class:`ModelProfile`.
 * :func:`profile_data` / :class:`DataProfile`: the shape distribution of a dataset.
 * :class:`ProxyCost`: the no-profiling fallback with the same prediction interface.
+* :class:`EngineProfile`: the pipeline engine's own costs, fitted from a short run's telemetry
+  (:func:`engine_profile_from_run`), which the simulator adds to the cost model.
 """
 
 from dflop_ds.profile.costmodel import CostModel
 from dflop_ds.profile.data import DataProfile, profile_data
+from dflop_ds.profile.engine import EngineProfile, engine_profile_from_run
 from dflop_ds.profile.inputs import ContractEncoderInputs, ContractLLMInputs
 from dflop_ds.profile.model import Measurement, ModelProfile, profile_model
 from dflop_ds.profile.proxy import ProxyCost
@@ -19,10 +22,12 @@ __all__ = [
     "ContractLLMInputs",
     "CostModel",
     "DataProfile",
+    "EngineProfile",
     "Measurement",
     "ModelProfile",
     "ProfileTarget",
     "ProxyCost",
+    "engine_profile_from_run",
     "profile_data",
     "profile_model",
     "tiny_target",

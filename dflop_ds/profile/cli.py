@@ -1,4 +1,4 @@
-"""``dflop-ds profile model | data | report``: profile a model and a dataset, inspect the fits."""
+"""``dflop-ds profile model | data | engine | report``: profile a model and a dataset, inspect the fits."""
 
 from __future__ import annotations
 
@@ -84,6 +84,28 @@ def run_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_engine(args: argparse.Namespace) -> int:
+    """``profile engine``: fit an EngineProfile from a profiling run's telemetry and save it."""
+    from dflop_ds.data import read_dataset
+    from dflop_ds.data.cli import POLICIES
+    from dflop_ds.profile.costmodel import CostModel
+    from dflop_ds.profile.engine import engine_profile_from_run
+
+    shapes = read_dataset(args.data, POLICIES[args.policy])
+    profile = engine_profile_from_run(args.telemetry, shapes, CostModel.load(args.cost_model),
+                                      skip_steps=args.skip_steps)
+    profile.save(args.output)
+    print(f"engine profile from {profile.meta['steps']} steps of {args.telemetry} (stage split "
+          f"{profile.meta['stage_bounds']}):")
+    print(f"  compute inside the engine: encoder x{profile.compute_scale[0]:.3f}, llm x{profile.compute_scale[1]:.3f} "
+          f"of the profiled cost model; forward share {profile.forward_fraction:.3f}")
+    print("  load per microbatch (ms): " + ", ".join(f"{x * 1e3:.2f}" for x in profile.load_s))
+    print("  step tail, reduce + optimizer (ms): " + ", ".join(f"{x * 1e3:.2f}" for x in profile.tail_s))
+    print(f"  one blocking exchange: {profile.exchange_s * 1e3:.3f} ms")
+    print(f"wrote {args.output}")
+    return 0
+
+
 def run_report(args: argparse.Namespace) -> int:
     """``profile report``: print the fit tables and write a PNG of the curves."""
     from dflop_ds.profile.costmodel import CostModel
@@ -103,7 +125,7 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``profile model``, ``profile data`` and ``profile report``."""
+    """Add ``profile model``, ``profile data``, ``profile engine`` and ``profile report``."""
     profile = subparsers.add_parser("profile", help="profile a model or a dataset; report a cost model",
                                     description="Model profiler, data profiler and cost-model report.")
     commands = profile.add_subparsers(dest="profile_command", metavar="WHAT")
@@ -145,6 +167,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     data.add_argument("--on-bad-sample", choices=("error", "skip"), default="error")
     data.add_argument("--output", "-o", default="dataprofile.json", help="output JSON (default dataprofile.json)")
     data.set_defaults(func=run_data)
+
+    engine = commands.add_parser(
+        "engine", help="fit the engine's own costs from a short training run's telemetry",
+        description="Fit an EngineProfile (in-engine compute multipliers, microbatch load, the step's "
+                    "reduce+optimizer tail, the cost of a blocking exchange) from the telemetry JSONL of a "
+                    "few steps of DeepSpeed pipeline training, so the simulator predicts other runs.")
+    engine.add_argument("telemetry", metavar="TELEMETRY", help="telemetry JSONL written by RuntimeTracker (rank 0)")
+    engine.add_argument("--cost-model", required=True, help="the CostModel JSON of `dflop-ds profile model`")
+    engine.add_argument("--data", required=True, help="the run's dataset (shape manifest or LLaVA file)")
+    engine.add_argument("--policy", choices=("tiny", "default"), default="tiny", help="shape policy of the data")
+    engine.add_argument("--skip-steps", type=int, default=3, help="warm-up steps to leave out (default 3)")
+    engine.add_argument("--output", "-o", default="engine_profile.json", help="output JSON")
+    engine.set_defaults(func=run_engine)
 
     report = commands.add_parser(
         "report", help="print a cost model's fit against its measurements; plot it",
