@@ -75,7 +75,7 @@ def main() -> int:
     train(config, {**block, "sampler": "dflop", "cost_model": str(Path(args.cost_model).resolve()),
                    "stage_bounds": bounds, "steps": args.steps, "warmup_steps": WARMUP}, validated, out, "validate")
     steps, run_bounds = read_engine_steps(validated, shapes, cost_model, skip_steps=WARMUP)
-    shares = stage_shares(run_bounds, cost_model.encoder_layers, cost_model.llm_layers)
+    shares = stage_shares(run_bounds, cost_model)
     report(engine, steps, shares, forward_fraction(cost_model), run_bounds)
     return 0
 

@@ -179,3 +179,32 @@ def test_search_needs_only_the_documented_cost_model_interface() -> None:
     plans = make_plans(_ContractOnly(), Cluster(gpus=8), POOL, 32, n_batches=1, top_k=2)
     assert plans.best_deepspeed.cost_model == {"name": "_ContractOnly", "is_analytic": False, "note": "measured"}
     assert plans.best_deepspeed.predicted["step_time_s"] > 0
+
+
+def test_stage_shares_follow_the_models_layer_shares() -> None:
+    from types import SimpleNamespace
+
+    from dflop_ds.plan.stages import layer_costs, segment_layer_shares, stage_shares
+
+    measured = SimpleNamespace(encoder_layers=2, llm_layers=3,
+                               layer_shares={"encoder": [0.4, 0.4, 0.2], "llm": [0.45, 0.45, 0.1]})
+    # flat list: enc, enc, projector | llm, llm, head
+    np.testing.assert_allclose(stage_shares([0, 3, 6], measured), [[1.0, 0.0], [0.0, 1.0]])
+    np.testing.assert_allclose(stage_shares([0, 2, 4, 6], measured), [[0.8, 0.0], [0.2, 0.45], [0.0, 0.55]])
+    assert layer_costs([10.0, 20.0], measured) == pytest.approx([4, 4, 2, 9, 9, 2])
+    # without measured shares: encoder layers share equally, the projector is free
+    plain = SimpleNamespace(encoder_layers=2, llm_layers=2)
+    np.testing.assert_allclose(np.concatenate(segment_layer_shares(plain)), [0.5, 0.5, 0.0, 0.5, 0.5])
+    with pytest.raises(ValueError, match="layer_shares"):
+        segment_layer_shares(SimpleNamespace(encoder_layers=3, llm_layers=3, layer_shares=measured.layer_shares))
+    with pytest.raises(ValueError, match="stage bounds"):
+        stage_shares([0, 4], measured)
+
+
+def test_reference_models_give_the_projector_its_flop_share() -> None:
+    from dflop_ds.plan.reference import reference_model
+
+    model = reference_model("llava-ov-7b-h100")
+    encoder = model.layer_shares["encoder"]
+    assert len(encoder) == model.encoder_layers + 1 and sum(encoder) == pytest.approx(1.0)
+    assert len(set(encoder[:-1])) == 1 and 0 < encoder[-1] < 2 * encoder[0]  # a projector costs about a layer

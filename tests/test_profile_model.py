@@ -238,6 +238,34 @@ def test_bundled_tiny_model_profiles_with_its_loss() -> None:
     assert profile.encoder[1].time_s > 0 and profile.llm[0].attention_s is not None
 
 
+def test_layer_shares_are_measured_per_layer() -> None:
+    pytest.importorskip("dflop_ds.models")
+    from dflop_ds.profile import tiny_target
+
+    target = tiny_target()
+    profile = profile_model(**target.profile_kwargs(), tiles=(4, 16), seq_lens=(128,), batch_sizes=(2,),
+                            max_blocks=2, warmup=1, repeats=3, progress=False)
+    encoder, llm = profile.layer_shares["encoder"], profile.layer_shares["llm"]
+    # patch embedding, 4 vision blocks, projector | 4 decoder blocks, LM head
+    assert len(encoder) == 6 and len(llm) == 5
+    assert sum(encoder) == pytest.approx(1.0) and sum(llm) == pytest.approx(1.0)
+    # blocks 3 and 4 were not profiled: they take their profiled siblings' mean
+    assert encoder[3] == encoder[4] and llm[2] == llm[3]
+    # the small layers cost less than a block: equal shares per layer would be wrong
+    assert encoder[0] < encoder[1] and encoder[5] < encoder[1] and llm[4] < llm[0]
+    again = ModelProfile.from_dict(json.loads(json.dumps(profile.to_dict())))
+    assert again.layer_shares == profile.layer_shares
+    older = profile.to_dict()
+    del older["layer_shares"]
+    assert ModelProfile.from_dict(older).layer_shares is None
+
+
+def test_a_profile_without_projector_gives_it_no_time() -> None:
+    profile = run_toy(tiles=(2,), seq_lens=(8,), batch_sizes=(1,))
+    assert len(profile.layer_shares["encoder"]) == profile.encoder_layers + 1
+    assert profile.layer_shares["encoder"][-1] == 0.0
+
+
 def test_model_cli_writes_a_loadable_cost_model(tmp_path, capsys) -> None:
     pytest.importorskip("dflop_ds.models")
     from dflop_ds.cli import main as cli_main

@@ -108,7 +108,7 @@ def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_pat
     steps, bounds = read_engine_steps(telemetry, shapes, model, skip_steps=2)
     from dflop_ds.plan.stages import stage_shares
 
-    shares = stage_shares(bounds, model.encoder_layers, model.llm_layers)
+    shares = stage_shares(bounds, model)
     simulated = sum(engine.simulate(step.costs, shares).step_time for step in steps)
     measured = sum(step.step_s for step in steps)
     assert simulated == pytest.approx(measured, rel=0.25)

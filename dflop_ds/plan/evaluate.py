@@ -19,8 +19,9 @@ import numpy as np
 from dflop_ds.schedule.padded import padded_lpt
 
 from dflop_ds.plan.cluster import Cluster
-from dflop_ds.plan.layout import Layout
+from dflop_ds.plan.layout import Layout, flat_bounds
 from dflop_ds.plan.simulator import SimResult, simulate_1f1b
+from dflop_ds.plan.stages import stage_shares
 from dflop_ds.shapes import SampleShape
 
 Buckets = list[list[int]]
@@ -179,8 +180,9 @@ def evaluate(
     st = _stats(model, shapes, order)
     stages = layout.stages
     p = len(stages)
-    enc_frac = np.array([s[0] for s in stages], float) / model.encoder_layers
+    enc_frac = np.array([s[0] for s in stages], float) / model.encoder_layers  # of the layers (memory)
     llm_frac = np.array([s[2] for s in stages], float) / model.llm_layers
+    time_share = stage_shares(flat_bounds(stages), model)  # of the time (the model's layer shares)
     segs = [layout.stage_segment(s) for s in range(p)]
     tp = np.array([g.tp for g in segs], float)
     dp = np.array([g.dp for g in segs])
@@ -192,7 +194,7 @@ def evaluate(
         enc_time = np.broadcast_to(enc_time.sum(axis=0) * share, enc_time.shape)
         enc_act = np.broadcast_to(enc_act.sum(axis=0) * share, enc_act.shape)
         enc_bytes = np.broadcast_to(enc_bytes.sum(axis=0) * share, enc_bytes.shape)
-    total = (enc_time[..., None] * enc_frac + st.time[..., 1][..., None] * llm_frac) / speed
+    total = (enc_time[..., None] * time_share[:, 0] + st.time[..., 1][..., None] * time_share[:, 1]) / speed
     ff = forward_fraction(model)
 
     comm = np.zeros(total.shape[:2] + (max(p - 1, 0),))

@@ -140,6 +140,17 @@ class AnalyticMLLM:
         return self.llm.layers
 
     @property
+    def layer_shares(self) -> dict[str, list[float]]:
+        """FLOP shares of each encoder layer and the projector (last) in the encoder time, and of
+        each LLM layer in the LLM time (the head's FLOPs spread over the layers)."""
+        n, e = float(self.tokens_per_tile), self.encoder
+        layer = 6.0 * e.layer_params * n + 3.0 * 4.0 * n * n * e.hidden
+        projector = 6.0 * self._projector_params * n
+        total = layer * e.layers + projector
+        return {"encoder": [layer / total] * e.layers + [projector / total],
+                "llm": [1.0 / self.llm.layers] * self.llm.layers}
+
+    @property
     def param_bytes(self) -> dict[str, float]:
         """bf16 weight bytes of ``encoder``, ``projector`` and ``llm``."""
         return {

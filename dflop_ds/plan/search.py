@@ -33,6 +33,7 @@ import numpy as np
 
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.evaluate import Evaluation, evaluate
+from dflop_ds.plan.stages import layer_costs
 from dflop_ds.plan.layout import Layout, Segment, balanced_bounds, separate_stages, stages_from_bounds, uniform_bounds
 from dflop_ds.shapes import SampleShape
 
@@ -313,8 +314,7 @@ def _shared_layout(model: Any, cluster: Cluster, data: _Data, tp: int, pp: int, 
         stages = stages_from_bounds(uniform_bounds(E + 1 + L, pp), E, 1, L)
     else:
         pb = model.param_bytes
-        w_e, w_l = data.work[0] / E, data.work[1] / L
-        weights = [w_e] * E + [0.0] + [w_l] * L
+        weights = layer_costs(data.work, model)
         per_mb = max(data.batch / (dp * m), 1.0)
         act_mb = np.maximum(per_mb * data.act_mean, data.act_heavy)
         layer_mem = ([pb["encoder"] / E * _state(dp, cluster) / tp] * E + [pb["projector"] * _state(dp, cluster) / tp]

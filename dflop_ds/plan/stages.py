@@ -1,9 +1,10 @@
-"""Pipeline stage splits from a cost model, and the per-stage times they imply.
+"""Where a cost model's time goes along the pipeline's flat layer list, and per-stage shares.
 
 The flat layer list of an :class:`~dflop_ds.pipe.MLLMPipelineModule` is ``encoder layers +
 projector + LLM layers``. A cost model predicts the whole encoder (projector included) and the
-whole LLM; spreading each evenly over its layers, as the planner does, gives per-layer costs to
-split on and per-stage shares of a microbatch's time.
+whole LLM; its ``layer_shares`` say how each segment's time divides over its layers (measured by
+the profiler, from FLOPs for the analytic models). One convention serves the stage split, the
+simulator's per-stage times and the planner.
 """
 
 from __future__ import annotations
@@ -16,30 +17,41 @@ from dflop_ds.pipe.split import split_by_cost
 from dflop_ds.shapes import SampleShape
 
 
-def layer_costs(mean_costs: Sequence[float], encoder_layers: int, llm_layers: int) -> list[float]:
-    """Per-layer costs of the flat list: ``mean_costs = [encoder, llm]`` spread over the
-    ``encoder_layers + 1`` encoder layers and projector, and over the ``llm_layers``."""
-    n_enc = encoder_layers + 1
-    return [float(mean_costs[0]) / n_enc] * n_enc + [float(mean_costs[1]) / llm_layers] * llm_layers
+def segment_layer_shares(model: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(encoder_layers + 1,)`` shares of the encoder time (projector last) and
+    ``(llm_layers,)`` shares of the LLM time.
+
+    From ``model.layer_shares`` when the model has them; otherwise the encoder layers share
+    equally and the projector counts as free.
+    """
+    n_enc, n_llm = int(model.encoder_layers), int(model.llm_layers)
+    shares = getattr(model, "layer_shares", None)
+    if shares:
+        encoder, llm = np.asarray(shares["encoder"], dtype=float), np.asarray(shares["llm"], dtype=float)
+        if encoder.shape != (n_enc + 1,) or llm.shape != (n_llm,):
+            raise ValueError(f"layer_shares hold {encoder.size} encoder+projector and {llm.size} LLM entries for a "
+                             f"model of {n_enc} encoder layers (+1 projector) and {n_llm} LLM layers")
+        return encoder / encoder.sum(), llm / llm.sum()
+    return np.r_[np.full(n_enc, 1.0 / n_enc), 0.0], np.full(n_llm, 1.0 / n_llm)
+
+
+def layer_costs(mean_costs: Sequence[float], model: Any) -> list[float]:
+    """Per-layer costs of the flat list from ``mean_costs = [encoder, llm]`` of the whole segments."""
+    encoder, llm = segment_layer_shares(model)
+    return [float(x) for x in np.r_[float(mean_costs[0]) * encoder, float(mean_costs[1]) * llm]]
 
 
 def cost_balanced_bounds(cost_model: Any, shapes: Sequence[SampleShape], num_stages: int) -> list[int]:
     """Stage bounds balancing the data's mean predicted per-sample cost across ``num_stages``."""
     mean = np.asarray(cost_model.predict_samples(shapes), dtype=float).mean(axis=0)
-    return split_by_cost(layer_costs(mean, cost_model.encoder_layers, cost_model.llm_layers), num_stages)
+    return split_by_cost(layer_costs(mean, cost_model), num_stages)
 
 
-def stage_shares(bounds: Sequence[int], encoder_layers: int, llm_layers: int) -> np.ndarray:
-    """``(num_stages, 2)``: the share of the encoder and of the LLM time each stage holds."""
-    n_enc = encoder_layers + 1
-    shares = []
-    for start, stop in zip(bounds, bounds[1:]):
-        enc = max(0, min(stop, n_enc) - start)
-        llm = max(0, stop - max(start, n_enc))
-        shares.append([enc / n_enc, llm / llm_layers])
-    return np.asarray(shares, dtype=float)
-
-
-def stage_times(microbatch_costs: np.ndarray, shares: np.ndarray) -> np.ndarray:
-    """``(m, num_stages)`` stage times from ``(m, 2)`` microbatch ``[encoder, llm]`` times."""
-    return np.asarray(microbatch_costs, dtype=float) @ np.asarray(shares, dtype=float).T
+def stage_shares(bounds: Sequence[int], model: Any) -> np.ndarray:
+    """``(num_stages, 2)``: the share of the encoder and of the LLM time each stage holds,
+    for stage ``bounds`` over the flat layer list."""
+    encoder, llm = segment_layer_shares(model)
+    flat = np.concatenate([np.c_[encoder, np.zeros_like(encoder)], np.c_[np.zeros_like(llm), llm]])
+    if bounds[0] != 0 or bounds[-1] != len(flat) or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"stage bounds {list(bounds)} must rise strictly from 0 to {len(flat)} layers")
+    return np.array([flat[lo:hi].sum(axis=0) for lo, hi in zip(bounds, bounds[1:])])

@@ -54,7 +54,8 @@ class CostModel:
     Fitted attributes: ``encoder_time_``, ``llm_time_`` (list of fits summed),
     ``encoder_bytes_``, ``llm_bytes_``, ``encoder_peak_``, ``llm_peak_`` (``None`` when peak
     memory was not measured), ``profile_``. Planner attributes: ``encoder_layers``,
-    ``llm_layers``, ``param_bytes``, ``hidden_bytes_per_token``, ``is_analytic`` (False).
+    ``llm_layers``, ``param_bytes``, ``hidden_bytes_per_token``, ``layer_shares`` (measured
+    share of each layer in its segment's time, or ``None``), ``is_analytic`` (False).
     """
 
     is_analytic = False
@@ -111,6 +112,7 @@ class CostModel:
         self.llm_layers = profile.llm_layers
         self.param_bytes = dict(profile.param_bytes)
         self.hidden_bytes_per_token = profile.hidden_bytes_per_token
+        self.layer_shares = profile.layer_shares
 
     def _check_fitted(self) -> None:
         if not hasattr(self, "encoder_time_"):

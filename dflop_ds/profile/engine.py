@@ -265,7 +265,7 @@ def engine_profile_from_run(telemetry: str | Path, shapes: Sequence[SampleShape]
                             skip_steps: int = 3) -> EngineProfile:
     """Fit an :class:`EngineProfile` from a profiling run's telemetry JSONL (see :func:`read_engine_steps`)."""
     steps, bounds = read_engine_steps(telemetry, shapes, cost_model, skip_steps=skip_steps)
-    shares = stage_shares(bounds, cost_model.encoder_layers, cost_model.llm_layers)
+    shares = stage_shares(bounds, cost_model)
     return fit_engine_profile(steps, shares, meta={"source": str(telemetry), "stage_bounds": bounds,
                                                    "skip_steps": skip_steps})
 

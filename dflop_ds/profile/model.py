@@ -24,6 +24,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from dflop_ds.profile.attention import AttentionOff
@@ -69,7 +70,12 @@ class Measurement:
 
 @dataclass
 class ModelProfile:
-    """Measurements of an encoder and an LLM segment, scaled to their full depths."""
+    """Measurements of an encoder and an LLM segment, scaled to their full depths.
+
+    ``layer_shares`` (``None`` in profiles of older versions): each layer's measured share of its
+    segment's time, ``"encoder"`` over the encoder layers plus the projector slot (last),
+    ``"llm"`` over the LLM layers.
+    """
 
     encoder: list[Measurement]
     llm: list[Measurement]
@@ -78,6 +84,7 @@ class ModelProfile:
     param_bytes: dict[str, int]
     hidden_bytes_per_token: float
     meta: dict[str, Any] = field(default_factory=dict)
+    layer_shares: dict[str, list[float]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict."""
@@ -96,9 +103,16 @@ class ModelProfile:
                 param_bytes={k: int(v) for k, v in data["param_bytes"].items()},
                 hidden_bytes_per_token=float(data["hidden_bytes_per_token"]),
                 meta=dict(data.get("meta", {})),
+                layer_shares=_read_layer_shares(data.get("layer_shares")),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed model profile: {exc}") from exc
+
+
+def _read_layer_shares(data: Any) -> dict[str, list[float]] | None:
+    if data is None:
+        return None
+    return {"encoder": [float(x) for x in data["encoder"]], "llm": [float(x) for x in data["llm"]]}
 
 
 @dataclass
@@ -215,6 +229,30 @@ def summarize_point(jobs: Sequence[LayerJob], statistic: str) -> tuple[float, fl
     return time_s, attention_s, int(activations), peak
 
 
+def layer_time_shares(
+    jobs_per_point: Sequence[Sequence[LayerJob]],
+    selection: Sequence[ProfiledLayer],
+    layer_names: Sequence[str],
+    statistic: str,
+) -> list[float]:
+    """Each layer's share of its segment's time, averaged over the profiled input sizes.
+
+    ``jobs_per_point[k][i]`` times ``selection[i]``; a block that was not profiled takes the
+    mean time of its profiled siblings (same class name).
+    """
+    shares = np.zeros(len(layer_names))
+    for jobs in jobs_per_point:
+        measured = {chosen.index: robust_statistic(job.full, statistic) for chosen, job in zip(selection, jobs)}
+        by_name: dict[str, list[float]] = {}
+        for index, seconds in measured.items():
+            by_name.setdefault(layer_names[index], []).append(seconds)
+        times = np.array([measured.get(i, float(np.mean(by_name[name]))) for i, name in enumerate(layer_names)])
+        if times.sum() > 0:
+            shares += times / times.sum()
+    total = shares.sum()
+    return [float(x) for x in (shares / total if total > 0 else np.full(len(layer_names), 1 / len(layer_names)))]
+
+
 @contextmanager
 def torch_threads(threads: int | None) -> Iterator[None]:
     """Run the block with ``torch.set_num_threads(threads)`` (unchanged when ``None``)."""
@@ -319,6 +357,12 @@ def profile_model(
         Measurement(*summarize_point(jobs, statistic), batch=int(b), seq_len=int(s))
         for jobs, (b, s) in zip(llm_jobs, grid)
     ]
+    shares = {
+        "encoder": layer_time_shares(encoder_jobs, encoder_pick, [type(m).__name__ for m in encoder_chain], statistic),
+        "llm": layer_time_shares(llm_jobs, llm_pick, [type(m).__name__ for m in llm_layers], statistic),
+    }
+    if projector is None:  # the flat pipeline list always has a projector slot; none costs nothing
+        shares["encoder"].append(0.0)
     sample_hidden = llm_inputs(1, 1)[0]
     notes = [
         describe_selection("encoder", encoder_pick, len(encoder_chain)),
@@ -351,6 +395,7 @@ def profile_model(
         },
         hidden_bytes_per_token=float(sample_hidden.shape[-1] * sample_hidden.element_size()),
         meta=meta,
+        layer_shares=shares,
     )
 
 
@@ -360,6 +405,7 @@ __all__ = [
     "DEFAULT_TILES",
     "Measurement",
     "ModelProfile",
+    "layer_time_shares",
     "prepare_jobs",
     "profile_model",
     "run_rounds",
