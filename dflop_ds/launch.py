@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -47,9 +49,88 @@ def run_deepspeed(script: str | Path, args: Sequence[str], *, ranks: int = 2, ma
                   cwd: str | Path | None = None, extra_env: dict[str, str] | None = None,
                   **run_kwargs) -> subprocess.CompletedProcess:
     """Run :func:`deepspeed_command` with :func:`launch_env` (plus ``extra_env``);
-    ``run_kwargs`` go to ``subprocess.run``."""
-    command = deepspeed_command(script, args, ranks=ranks, master_port=master_port)
-    return subprocess.run(command, cwd=cwd, env=launch_env(**(extra_env or {})), **run_kwargs)
+    ``run_kwargs`` go to ``subprocess.run``. Stale extension build locks are cleared first
+    (:func:`clear_stale_build_locks`); afterwards, however the run ended, the CPU all-reduce
+    buffers of its port are removed (:func:`release_shm_buffers`)."""
+    port = free_port() if master_port is None else master_port
+    command = deepspeed_command(script, args, ranks=ranks, master_port=port)
+    clear_stale_build_locks()
+    try:
+        return subprocess.run(command, cwd=cwd, env=launch_env(**(extra_env or {})), **run_kwargs)
+    finally:
+        release_shm_buffers(port)
+
+
+def extensions_root() -> Path:
+    """Where torch JIT-builds C++ extensions (DeepSpeed's ops among them)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+def clear_stale_build_locks(max_age_s: float = 300.0, root: Path | None = None) -> list[Path]:
+    """Remove extension build locks older than ``max_age_s``; returns what was removed.
+
+    Every DeepSpeed launch takes a lock file in the build folder of each JIT op it loads (on
+    CPUs: the shared-memory communication op), even when the op is built already. A process
+    killed while holding it leaves the file behind, and every later launch then waits for it
+    forever, silently. A build here takes seconds, so an old lock is a dead one.
+    """
+    folder = extensions_root() if root is None else root
+    removed = []
+    now = time.time()
+    for lock in folder.glob("*/*/lock"):
+        try:
+            if now - lock.stat().st_mtime > max_age_s:
+                lock.unlink()
+                removed.append(lock)
+                print(f"[dflop-ds] removed a stale extension build lock {lock} (a killed launch left it; "
+                      "DeepSpeed would wait for it forever)", file=sys.stderr, flush=True)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+#: DeepSpeed's CPU communication op keeps one shared-memory all-reduce buffer per rank (tens of
+#: MB) under this name and never unlinks it: without clean-up every CPU run leaves them in
+#: /dev/shm until the machine runs out of memory.
+SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer"
+SHM_DIR = Path("/dev/shm")
+
+
+def shm_buffer_name(master_addr: str, master_port: int | str, rank: int | str) -> str:
+    """The buffer DeepSpeed's CPU op creates for ``rank`` of the job at ``master_addr:master_port``."""
+    return f"{SHM_BUFFER_PREFIX}_{os.getuid()}_{master_addr}_{master_port}_{rank}"
+
+
+def release_shm_buffers(master_port: int | str, *, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Remove this user's DeepSpeed CPU all-reduce buffers of the job on ``master_port`` (every
+    address and rank); returns what was removed. Call it once the job's processes are gone."""
+    pattern = glob.escape(f"{SHM_BUFFER_PREFIX}_{os.getuid()}_") + "*" + glob.escape(f"_{master_port}_") + "*"
+    removed = []
+    for path in sorted(shm_dir.glob(pattern)):
+        try:
+            path.unlink()
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def release_own_shm_buffer(*, shm_dir: Path = SHM_DIR) -> bool:
+    """From inside a rank at the end of training, after the last collective: unlink this rank's
+    DeepSpeed CPU all-reduce buffer (peers still holding it keep their mapping until they exit).
+    Does nothing where DeepSpeed made none (GPUs, ranks on several hosts). Returns whether a
+    buffer was removed."""
+    rank = os.environ.get("RANK")
+    if rank is None:
+        return False
+    path = shm_dir / shm_buffer_name(os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), rank)
+    try:
+        path.unlink()
+    except (FileNotFoundError, PermissionError):
+        return False
+    return True
 
 
 def share_cpu_threads() -> int:

@@ -25,7 +25,7 @@ from deepspeed.utils import RepeatingLoader
 from dflop_ds.checks import check_training_setup
 from dflop_ds.config import DFLOPConfig, fill_from_plan
 from dflop_ds.data import read_dataset
-from dflop_ds.launch import share_cpu_threads
+from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers
 from dflop_ds.pipe import MLLMPipelineModule, token_normalized_loss
 from dflop_ds.schedule.sampler import make_sampler
@@ -181,6 +181,7 @@ def main() -> int:
         tracker.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()  # an orderly exit: gloo's threads stop before teardown
+    release_own_shm_buffer()  # dflop-ds: DeepSpeed's CPU all-reduce buffer would stay in /dev/shm
     return 0
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dflop_ds.launch import deepspeed_command, launch_env
+from dflop_ds.launch import clear_stale_build_locks, deepspeed_command, launch_env, release_shm_buffers
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, FAULT_FROM = 18, 5
@@ -37,6 +38,7 @@ def start_run(tmp_path: Path, name: str, correction: bool, port: int) -> tuple[s
     process = subprocess.Popen(
         deepspeed_command(ROOT / "examples" / "train.py", ["--deepspeed_config", path], master_port=port),
         cwd=ROOT, env=launch_env(OMP_NUM_THREADS="1"), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: a failed test stops the ranks too
     )
     return process, log
 
@@ -52,10 +54,20 @@ def encoder_imbalance(tmp_path: Path, name: str) -> np.ndarray:
 @pytest.mark.slow
 def test_correction_recovers_from_a_slow_shape_class_in_a_two_rank_pipeline(tmp_path):
     base = 29700 + os.getpid() % 500
+    clear_stale_build_locks()
     runs = {name: start_run(tmp_path, name, correction, base + i)
             for i, (name, correction) in enumerate((("on", True), ("off", False)))}
-    for name, (process, log) in runs.items():  # both at once: the fault's sleeps leave the CPU free
-        assert process.wait(timeout=600) == 0, log.read_text()[-4000:]
+    try:
+        for name, (process, log) in runs.items():  # both at once: the fault's sleeps leave the CPU free
+            assert process.wait(timeout=600) == 0, log.read_text()[-4000:]
+        # train.py unlinked DeepSpeed's CPU all-reduce buffers itself (none left for these ports)
+        assert [release_shm_buffers(base + i) for i in range(len(runs))] == [[]] * len(runs)
+    finally:
+        for i, (process, _) in enumerate(runs.values()):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            release_shm_buffers(base + i)
     on, off = encoder_imbalance(tmp_path, "on"), encoder_imbalance(tmp_path, "off")
     normal = float(np.median(on[2:FAULT_FROM]))
     late = slice(FAULT_FROM + 8, STEPS)

@@ -87,7 +87,7 @@ def test_a_plan_file_starts_a_two_rank_training(tmp_path):
 def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_path):
     from dflop_ds.data import read_dataset
     from dflop_ds.profile import CostModel
-    from dflop_ds.profile.engine import engine_profile_from_run, read_engine_steps
+    from dflop_ds.profile.engine import EngineProfile, engine_profile_from_run, read_engine_steps
     from dflop_ds.shapes import TINY_POLICY
 
     cost_model = tmp_path / "costmodel.json"
@@ -100,8 +100,15 @@ def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_pat
     launch_training(tmp_path, {"sampler": "stock", "steps": 8, "warmup_steps": 2},
                     args=("--telemetry", str(telemetry)))
     model = CostModel.load(cost_model)
-    shapes = read_dataset(ROOT / "examples" / "data" / "mixture.jsonl", TINY_POLICY)
-    engine = engine_profile_from_run(telemetry, shapes, model, skip_steps=2)
+    data = ROOT / "examples" / "data" / "mixture.jsonl"
+    shapes = read_dataset(data, TINY_POLICY)
+    fitted = subprocess.run([sys.executable, "-m", "dflop_ds.cli", "profile", "engine", str(telemetry), "--cost-model",
+                             str(cost_model), "--data", str(data), "--skip-steps", "2", "-o", str(tmp_path / "engine.json")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert fitted.returncode == 0, fitted.stderr[-3000:]
+    assert "one blocking exchange" in fitted.stdout
+    engine = EngineProfile.load(tmp_path / "engine.json")
+    assert engine.to_dict() == engine_profile_from_run(telemetry, shapes, model, skip_steps=2).to_dict()
     assert engine.meta["steps"] == 6 and engine.meta["stage_bounds"][0] == 0
     assert all(0 < s < 10 for s in engine.compute_scale) and 0 < engine.forward_fraction < 1
     assert all(x > 0 for x in engine.load_s) and all(x > 0 for x in engine.tail_s) and engine.exchange_s >= 0
