@@ -11,6 +11,13 @@ compute/wait times, and, while the correction tracks, the step's microbatch comp
 shape bucket from a rank that ran the sampler), so every rank, middle stages included, sees the
 same observation, updates the correction identically and publishes it as version
 ``step + 1``. The sampler's background thread only reads published versions.
+
+A step's record (one JSON line, rank 0) holds, besides the balance figures: ``mb_observed`` and
+``mb_wait``, ``(stages, dp * n_mb)`` forward+backward and send+receive seconds per microbatch;
+``stage_totals_s``, instruction kind -> seconds per stage over the step (data-parallel mean);
+``stage_bounds``, the layer split; ``microbatches``, the sample ids of every data-parallel
+rank's microbatches (when the sampler ran on rank 0). :mod:`dflop_ds.profile.engine` fits an
+engine profile from these.
 """
 
 from __future__ import annotations
