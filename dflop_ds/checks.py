@@ -146,7 +146,7 @@ def check_training_setup(
     ``train_batch_size = micro * GAS * dp`` (with ``micro >= 1``, so one global batch fills
     ``GAS`` microbatches on every data-parallel rank); ``"dflop".stage_bounds`` (when given) is increasing from 0 to
     ``n_layers`` (when known); ``"dflop".time_limit_s`` is 0 when more than one process
-    computes the schedule (only the deterministic heuristic agrees across ranks); a plan agrees with all of these; the dataset (``n_samples``)
+    computes the schedule (only clock-free solves agree across ranks; ``ilp_nodes`` is one); a plan agrees with all of these; the dataset (``n_samples``)
     holds at least one global batch.
     """
     stages = dflop.pipeline_stages
@@ -162,7 +162,8 @@ def check_training_setup(
         raise SetupError(
             f"\"dflop\".time_limit_s={dflop.time_limit_s:g}: each of the {world_size} processes computes the"
             " schedule itself, and a time-limited solver can answer differently on each, so stages and"
-            " ranks would train mismatched microbatches; use 0 (the deterministic heuristic) when world size > 1"
+            " ranks would train mismatched microbatches; with world size > 1 use 0, and \"dflop\".ilp_nodes for an"
+            " exact solver bounded by nodes instead of time (the same answer on every rank)"
         )
     if plan is not None:
         check_plan(plan, stages=stages, world_size=world_size, dp=dp, total=total, micro=micro, gas=gas,

@@ -30,7 +30,10 @@ class DFLOPConfig:
         cost_model: a profiled CostModel JSON (None: the unitless proxy).
         plan: a plan JSON written by ``dflop-ds plan``; the run is refused unless the DeepSpeed
             config and this block agree with it (``Plan.deepspeed_config`` writes such a config).
-        time_limit_s: exact-solver time per global batch (0: deterministic heuristic only).
+        time_limit_s: exact-solver time per global batch (0: no time-limited solve). Time limits
+            make splits differ between processes, so they are for single-process runs.
+        ilp_nodes: branch-and-bound nodes the exact solver may explore per global batch (0: the
+            heuristic alone). Never looks at the clock, so every rank gets the same split.
         prefetch: global batches scheduled ahead in a background thread.
         seed: seeds data order and model initialisation.
         steps: optimizer steps to run; warmup_steps of them are left out of throughput figures.
@@ -58,6 +61,7 @@ class DFLOPConfig:
     cost_model: Optional[str] = None
     plan: Optional[str] = None
     time_limit_s: float = 0.0
+    ilp_nodes: int = 0
     prefetch: int = 1
     seed: int = 0
     steps: int = 20
@@ -97,6 +101,7 @@ class DFLOPConfig:
             "max_samples": self.max_samples is None or self.max_samples >= 1,
             "on_bad_sample": self.on_bad_sample in BAD_SAMPLE_POLICIES,
             "time_limit_s": self.time_limit_s >= 0,
+            "ilp_nodes": isinstance(self.ilp_nodes, int) and self.ilp_nodes >= 0,
             "prefetch": isinstance(self.prefetch, int) and self.prefetch >= 0,
             "steps": isinstance(self.steps, int) and self.steps >= 1,
             "warmup_steps": isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps < self.steps,

@@ -135,7 +135,8 @@ def main() -> int:
         gradient_accumulation_steps=engine.gradient_accumulation_steps(),
         dp_rank=engine.grid.get_data_parallel_rank(), dp_size=dp_size,
         cost_model=load_cost_model(cfg.cost_model), seed=cfg.seed, prefetch=cfg.prefetch,
-        time_limit_s=cfg.time_limit_s, label_tokens_fn=supervised_count, cost_adjuster=correction,
+        time_limit_s=cfg.time_limit_s, ilp_nodes=cfg.ilp_nodes, label_tokens_fn=supervised_count,
+        cost_adjuster=correction,
     )
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_microbatch)
     data_iter = iter(RepeatingLoader(loader))

@@ -151,6 +151,14 @@ def test_time_limited_solver_is_refused_when_ranks_schedule_independently():
     check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, time_limit_s=0), 2)
 
 
+def test_a_node_limited_solver_is_allowed_on_several_ranks():
+    check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, ilp_nodes=500), 2)
+    with pytest.raises(SetupError, match="ilp_nodes"):  # the refusal names the alternative
+        check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, time_limit_s=0.5, ilp_nodes=500), 2)
+    with pytest.raises(ValueError, match=r'"dflop"\.ilp_nodes'):
+        DFLOPConfig(ilp_nodes=-1).validate()
+
+
 @pytest.mark.slow
 def test_train_script_prints_the_skip_report_and_refuses_the_setup(tmp_path):
     """examples/train.py, one process: bad records are skipped and listed, then the too-small

@@ -99,3 +99,16 @@ def test_solver_without_a_solution_keeps_the_heuristic_split(monkeypatch):
     assert calls, "the exact solver was never tried"
     check_split(result, len(costs))
     assert result.ranks == heuristic.ranks and not result.solver.startswith("ilp")
+
+
+def test_a_node_limited_exact_solve_is_repeatable_and_beats_the_heuristic():
+    costs = off_bound_costs()
+    heuristic = partition.partition_batch(costs, N_MB * DP, time_limit_s=0)
+    runs = [partition.partition_batch(costs, N_MB * DP, time_limit_s=0, node_limit=2000, seed=3) for _ in range(3)]
+    assert all(run.solver.startswith("ilp") for run in runs)
+    assert runs[0].makespan < heuristic.makespan
+    assert all(run.buckets == runs[0].buckets for run in runs)  # no clock: the same split every time
+    result = split_balanced(list(range(len(costs))), costs, N_MB, DP, node_limit=2000)
+    assert result.solver.startswith("ilp")
+    with pytest.raises(ValueError, match="node_limit"):
+        partition.partition_batch(costs, N_MB * DP, time_limit_s=0, node_limit=-5)

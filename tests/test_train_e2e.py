@@ -119,3 +119,13 @@ def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_pat
     simulated = sum(engine.simulate(step.costs, shares).step_time for step in steps)
     measured = sum(step.step_s for step in steps)
     assert simulated == pytest.approx(measured, rel=0.25)
+
+
+@pytest.mark.slow
+def test_a_node_limited_exact_solver_gives_every_rank_the_same_schedule(tmp_path):
+    # telemetry compares the ranks' schedule fingerprints every step and stops the run on a mismatch
+    run = launch_training(tmp_path, {"sampler": "dflop", "steps": 3, "warmup_steps": 1, "max_samples": 64,
+                                     "ilp_nodes": 200},
+                          {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                           "gradient_accumulation_steps": 4})
+    assert len(run["steps"]) == 3 and all(s["schedule_ms"] > 0 for s in run["steps"])

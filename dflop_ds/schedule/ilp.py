@@ -37,15 +37,20 @@ def available_solver() -> str:
     return "highs" if "HiGHS_CMD" in names or "HiGHS" in names else "cbc"
 
 
-def _solver(name: str, time_limit_s: float, seed: int, warm: bool) -> pulp.LpSolver:
-    """A single-threaded, time-limited, seeded solver; warm-started where PuLP supports it."""
-    limit = max(float(time_limit_s), 0.01)
+def _solver(name: str, time_limit_s: float, seed: int, warm: bool, node_limit: int = 0) -> pulp.LpSolver:
+    """A single-threaded, seeded solver, warm-started where PuLP supports it, limited by time
+    (``time_limit_s > 0``) and/or by branch-and-bound nodes (``node_limit > 0``). With a node
+    limit alone nothing looks at the clock: the same input gets the same answer."""
+    limit = max(float(time_limit_s), 0.01) if time_limit_s > 0 else None
+    nodes = int(node_limit) if node_limit > 0 else None
     if name == "highs":
         if "HiGHS_CMD" in pulp.listSolvers(onlyAvailable=True):
-            return pulp.HiGHS_CMD(msg=False, timeLimit=limit, warmStart=warm, threads=1)
-        return pulp.HiGHS(msg=False, timeLimit=limit, threads=1, random_seed=seed)
+            return pulp.HiGHS_CMD(msg=False, timeLimit=limit, warmStart=warm, threads=1,
+                                  options=[f"mip_max_nodes={nodes}"] if nodes else None)
+        extra = {"mip_max_nodes": nodes} if nodes else {}
+        return pulp.HiGHS(msg=False, timeLimit=limit, threads=1, random_seed=seed, **extra)
     return pulp.PULP_CBC_CMD(
-        msg=False, timeLimit=limit, warmStart=warm, threads=1, gapRel=1e-7,
+        msg=False, timeLimit=limit, warmStart=warm, threads=1, gapRel=1e-7, maxNodes=nodes,
         options=[f"randomSeed {seed + 1}", f"randomCbcSeed {seed + 1}"],
     )
 
@@ -70,8 +75,10 @@ def solve_ilp(
     time_limit_s: float,
     seed: int = 0,
     memory: Optional[MemoryCap] = None,
+    node_limit: int = 0,
 ) -> IlpResult:
-    """Solve the min-makespan model within ``time_limit_s`` seconds.
+    """Solve the min-makespan model within ``time_limit_s`` seconds (0: no time limit) and
+    ``node_limit`` branch-and-bound nodes (0: no node limit); give at least one.
 
     ``order`` ranks items for symmetry breaking (any permutation is valid; largest first works
     best); ``lower``/``upper`` box the makespan variable (``upper`` must be achievable, e.g. the
@@ -79,10 +86,10 @@ def solve_ilp(
     """
     with warnings.catch_warnings():  # PuLP 3.x deprecates the 2.x API we keep for compatibility
         warnings.simplefilter("ignore", DeprecationWarning)
-        return _solve(costs, n_buckets, order, lower, upper, warm_labels, time_limit_s, seed, memory)
+        return _solve(costs, n_buckets, order, lower, upper, warm_labels, time_limit_s, seed, memory, node_limit)
 
 
-def _solve(costs, n_buckets, order, lower, upper, warm_labels, time_limit_s, seed, memory) -> IlpResult:
+def _solve(costs, n_buckets, order, lower, upper, warm_labels, time_limit_s, seed, memory, node_limit) -> IlpResult:
     """Build and solve the model (see :func:`solve_ilp`)."""
     n, k = costs.shape
     name = available_solver()
@@ -113,7 +120,9 @@ def _solve(costs, n_buckets, order, lower, upper, warm_labels, time_limit_s, see
         for (i, j), var in x.items():
             var.setInitialValue(1 if start[i] == j else 0)
         makespan.setInitialValue(float(bucket_max(costs, start, n_buckets)))
-    problem.solve(_solver(name, time_limit_s, seed, warm))
+    if time_limit_s <= 0 and node_limit <= 0:
+        raise ValueError("solve_ilp needs a time limit or a node limit")
+    problem.solve(_solver(name, time_limit_s, seed, warm, node_limit))
     if problem.status == pulp.LpStatusInfeasible:
         return IlpResult(None, False, True, name)
     if problem.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):

@@ -4,8 +4,9 @@ Strategy: starting splits (vector Karmarkar-Karp differencing, then vector LPT i
 sweep of pairwise re-splits, then moves, swaps and pair re-splits out of the slowest bucket
 (vectorised: tens of milliseconds at 2048 items); then, only where it can help within the time
 limit (small instances whose heuristic answer is not already at the lower bound), the exact ILP
-warm-started with the heuristic's split. The best answer found is kept. Without the ILP
-(``time_limit_s=0``) everything is deterministic: no step looks at the clock.
+warm-started with the heuristic's split. The best answer found is kept. Without a time limit
+(``time_limit_s=0``: the heuristic alone, or the ILP within a node budget ``node_limit``)
+everything is deterministic: no step looks at the clock.
 """
 
 from __future__ import annotations
@@ -194,6 +195,7 @@ def partition_batch(
     seed: int = 0,
     microbatch_cost: Optional[MicrobatchCost] = None,
     lengths: Optional[np.ndarray] = None,
+    node_limit: int = 0,
 ) -> Partition:
     """Split items into ``n_buckets`` non-empty buckets minimising the makespan.
 
@@ -213,6 +215,9 @@ def partition_batch(
         lengths: optional ``(n,)`` padded dimension of each item (e.g. LLM sequence length) when
             ``microbatch_cost`` pads every item to the bucket's longest: padding-aware starts
             (:mod:`dflop_ds.schedule.padded`) then compete with the additive ones.
+        node_limit: branch-and-bound nodes the exact ILP may explore (0: none). With
+            ``time_limit_s=0`` the solve never looks at the clock, so every process computing
+            the same batch gets the same split: the exact solver for multi-rank training.
 
     Raises:
         ValueError: bad shapes or values, ``n < n_buckets``, or an item alone over the cap.
@@ -227,6 +232,8 @@ def partition_batch(
         raise ValueError(f"cannot fill {n_buckets} buckets with {n} items: no bucket may be empty")
     if time_limit_s < 0:
         raise ValueError(f"time_limit_s must be >= 0, got {time_limit_s}")
+    if int(node_limit) != node_limit or node_limit < 0:
+        raise ValueError(f"node_limit must be a non-negative integer, got {node_limit}")
     cap = _memory_cap(memory, memory_cap, n, n_buckets)
     bound = lower_bound(matrix, n_buckets)
     started = time.perf_counter()
@@ -253,17 +260,18 @@ def partition_batch(
 
     additive = float(bucket_loads(matrix, best, n_buckets).max()) if best is not None else np.inf
     variables = n * n_buckets
+    timed = time_limit_s > 0
     ilp_helps = (
-        time_limit_s > 0
+        (timed or node_limit > 0)
         and additive > bound * (1 + OPTIMALITY_TOLERANCE)
-        and variables <= min(ILP_MAX_VARIABLES, ILP_VARIABLES_PER_SECOND * time_limit_s)
+        and variables <= (min(ILP_MAX_VARIABLES, ILP_VARIABLES_PER_SECOND * time_limit_s) if timed else ILP_MAX_VARIABLES)
     )
     if ilp_helps:
-        remaining = time_limit_s - (time.perf_counter() - started)
+        remaining = max(time_limit_s - (time.perf_counter() - started), 0.05) if timed else 0.0
         result = solve_ilp(
             matrix, n_buckets, item_order(matrix, seed),
             lower=bound, upper=None if best is None else additive * (1 + 1e-9), warm_labels=best,
-            time_limit_s=max(remaining, 0.05), seed=seed, memory=cap,
+            time_limit_s=remaining, seed=seed, memory=cap, node_limit=int(node_limit),
         )
         if result.infeasible and best is None:
             raise InfeasibleError(
@@ -280,7 +288,7 @@ def partition_batch(
     if best is None:
         raise InfeasibleError(
             f"found no split of {n} items into {n_buckets} buckets under memory_cap {memory_cap:g}"
-            f" (greedy placement failed{'' if ilp_helps else '; the exact solver was not run: raise time_limit_s'})"
+            f" (greedy placement failed{'' if ilp_helps else '; the exact solver was not run: raise time_limit_s or node_limit'})"
         )
     buckets = labels_to_buckets(best, n_buckets)
     if any(not bucket for bucket in buckets):  # guarded by construction; never silently wrong

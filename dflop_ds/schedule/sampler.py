@@ -271,21 +271,24 @@ class StockBatchSampler(GlobalBatchSampler):
 class DFLOPBatchSampler(GlobalBatchSampler):
     """DFLOP's sampler: every global batch split into balanced microbatches on predicted costs.
 
-    ``time_limit_s`` bounds the exact solver per batch; the default 0 uses the fast
-    deterministic heuristic only, which keeps all ranks' schedules identical.
+    ``time_limit_s`` and ``ilp_nodes`` bound the exact solver per batch; with both 0 (the
+    default) the fast deterministic heuristic runs alone. Several ranks need identical schedules:
+    use ``ilp_nodes`` (no clock involved) rather than ``time_limit_s`` there.
     """
 
     method = "dflop"
 
-    def __init__(self, shapes: Sequence[SampleShape], *, time_limit_s: float = 0.0, **kwargs) -> None:
+    def __init__(self, shapes: Sequence[SampleShape], *, time_limit_s: float = 0.0, ilp_nodes: int = 0,
+                 **kwargs) -> None:
         self.time_limit_s = float(time_limit_s)
+        self.ilp_nodes = int(ilp_nodes)
         super().__init__(shapes, **kwargs)
 
     def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
         """Balanced split (see :func:`split_balanced`)."""
         return split_balanced(
             batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch, costs),
-            time_limit_s=self.time_limit_s, seed=batch_seed, lengths=self.lengths[batch],
+            time_limit_s=self.time_limit_s, seed=batch_seed, lengths=self.lengths[batch], node_limit=self.ilp_nodes,
         )
 
 
@@ -296,4 +299,5 @@ def make_sampler(method: str, shapes: Sequence[SampleShape], **kwargs) -> Global
         raise ValueError(f"unknown sampler {method!r}: choose one of {sorted(samplers)}")
     if method == "stock":
         kwargs.pop("time_limit_s", None)
+        kwargs.pop("ilp_nodes", None)
     return samplers[method](shapes, **kwargs)

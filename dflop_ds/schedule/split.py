@@ -92,6 +92,7 @@ def split_balanced(
     time_limit_s: float = 0.0,
     seed: int = 0,
     lengths: Optional[Sequence[float]] = None,
+    node_limit: int = 0,
 ) -> SplitResult:
     """DFLOP's split: partition the batch into ``n_mb * dp`` microbatches minimising the slowest
     one on every cost column (encoder and LLM), assign them to ranks evenly, order each rank's
@@ -100,8 +101,9 @@ def split_balanced(
     ``costs`` is ``(len(batch), k)``, row ``i`` the predicted cost of ``batch[i]``;
     ``microbatch_cost`` maps positions within the batch to a microbatch's true (e.g. padded)
     cost; ``lengths`` (per batch row, e.g. LLM tokens) enable the padding-aware starts when
-    that cost pads to the longest sample. ``time_limit_s`` bounds the exact solver (0: heuristic
-    only, the deterministic choice when ranks compute the split independently).
+    that cost pads to the longest sample. ``time_limit_s`` and ``node_limit`` bound the exact
+    solver (both 0: heuristic only). Ranks computing the split independently need a
+    deterministic answer: no time limit (the heuristic, or the ILP within ``node_limit`` nodes).
     """
     from dflop_ds.schedule.partition import partition_batch
     from dflop_ds.schedule.ranks import assign_to_ranks
@@ -109,7 +111,7 @@ def split_balanced(
     _check_sizes(len(batch), n_mb, dp)
     cost_matrix = np.asarray(costs, dtype=float).reshape(len(batch), -1)
     partition, solver = _partition_or_fallback(
-        partition_batch, cost_matrix, n_mb * dp, time_limit_s,
+        partition_batch, cost_matrix, n_mb * dp, time_limit_s, node_limit,
         seed=seed, microbatch_cost=microbatch_cost, lengths=None if lengths is None else np.asarray(lengths, float),
     )
     order = assign_to_ranks(partition.bucket_costs, dp, n_mb)  # costs as the partitioner measured them
@@ -119,7 +121,7 @@ def split_balanced(
 
 
 def _partition_or_fallback(partition_batch, cost_matrix: np.ndarray, n_buckets: int, time_limit_s: float,
-                           **options):
+                           node_limit: int = 0, **options):
     """``partition_batch``, falling back to its heuristic alone when the exact solver fails.
 
     Bad input (a ``ValueError``, e.g. a negative or NaN cost) is raised as is. Any other error
@@ -129,12 +131,13 @@ def _partition_or_fallback(partition_batch, cost_matrix: np.ndarray, n_buckets: 
     Returns ``(partition, solver)``.
     """
     try:
-        partition = partition_batch(cost_matrix, n_buckets, time_limit_s=time_limit_s, **options)
+        partition = partition_batch(cost_matrix, n_buckets, time_limit_s=time_limit_s, node_limit=node_limit,
+                                    **options)
         return partition, partition.solver
     except ValueError:
         raise
     except Exception as error:  # noqa: BLE001 - any solver failure must not stop training
-        if time_limit_s <= 0:
+        if time_limit_s <= 0 and node_limit <= 0:
             raise
         kind = type(error).__name__
         if kind not in _warned_fallback:
