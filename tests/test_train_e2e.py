@@ -12,6 +12,7 @@ import pytest
 from dflop_ds.launch import run_deepspeed
 
 ROOT = Path(__file__).resolve().parent.parent
+SIXTEEN_IN_FOUR = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}
 
 
 def launch_training(tmp_path: Path, dflop: dict, ds: dict | None = None, timeout: int = 400,
@@ -35,8 +36,7 @@ def launch_training(tmp_path: Path, dflop: dict, ds: dict | None = None, timeout
 def test_two_rank_pipeline_training_with_varying_shapes_lowers_the_loss(tmp_path):
     run = launch_training(tmp_path, {"sampler": "dflop", "steps": 20, "warmup_steps": 2, "max_samples": 640,
                                      "lr": 0.003},
-                          {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
-                           "gradient_accumulation_steps": 4})
+                          SIXTEEN_IN_FOUR)
     steps = run["steps"]
     assert len(steps) == 20
     losses = [s["loss"] for s in steps]
@@ -126,6 +126,5 @@ def test_a_node_limited_exact_solver_gives_every_rank_the_same_schedule(tmp_path
     # telemetry compares the ranks' schedule fingerprints every step and stops the run on a mismatch
     run = launch_training(tmp_path, {"sampler": "dflop", "steps": 3, "warmup_steps": 1, "max_samples": 64,
                                      "ilp_nodes": 200},
-                          {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
-                           "gradient_accumulation_steps": 4})
+                          SIXTEEN_IN_FOUR)
     assert len(run["steps"]) == 3 and all(s["schedule_ms"] > 0 for s in run["steps"])
