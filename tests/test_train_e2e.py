@@ -106,7 +106,7 @@ def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_pat
                              str(cost_model), "--data", str(data), "--skip-steps", "2", "-o", str(tmp_path / "engine.json")],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert fitted.returncode == 0, fitted.stderr[-3000:]
-    assert "one blocking exchange" in fitted.stdout
+    assert "one blocking exchange" in fitted.stdout and "check on the profiled steps" in fitted.stdout
     engine = EngineProfile.load(tmp_path / "engine.json")
     assert engine.to_dict() == engine_profile_from_run(telemetry, shapes, model, skip_steps=2).to_dict()
     assert engine.meta["steps"] == 6 and engine.meta["stage_bounds"][0] == 0
@@ -119,6 +119,8 @@ def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_pat
     simulated = sum(engine.simulate(step.costs, shares).step_time for step in steps)
     measured = sum(step.step_s for step in steps)
     assert simulated == pytest.approx(measured, rel=0.25)
+    assert engine.meta["simulated_mean_step_s"] == pytest.approx(simulated / len(steps))
+    assert engine.meta["measured_mean_step_s"] == pytest.approx(measured / len(steps))
 
 
 @pytest.mark.slow

@@ -102,6 +102,8 @@ def run_engine(args: argparse.Namespace) -> int:
     print("  load per microbatch (ms): " + ", ".join(f"{x * 1e3:.2f}" for x in profile.load_s))
     print("  step tail, reduce + optimizer (ms): " + ", ".join(f"{x * 1e3:.2f}" for x in profile.tail_s))
     print(f"  one blocking exchange: {profile.exchange_s * 1e3:.3f} ms")
+    print(f"  check on the profiled steps: simulated mean step {profile.meta['simulated_mean_step_s']:.3f} s, "
+          f"measured {profile.meta['measured_mean_step_s']:.3f} s")
     print(f"wrote {args.output}")
     return 0
 

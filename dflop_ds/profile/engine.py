@@ -266,8 +266,13 @@ def engine_profile_from_run(telemetry: str | Path, shapes: Sequence[SampleShape]
     """Fit an :class:`EngineProfile` from a profiling run's telemetry JSONL (see :func:`read_engine_steps`)."""
     steps, bounds = read_engine_steps(telemetry, shapes, cost_model, skip_steps=skip_steps)
     shares = stage_shares(bounds, cost_model)
-    return fit_engine_profile(steps, shares, meta={"source": str(telemetry), "stage_bounds": bounds,
-                                                   "skip_steps": skip_steps})
+    profile = fit_engine_profile(steps, shares, meta={"source": str(telemetry), "stage_bounds": bounds,
+                                                      "skip_steps": skip_steps})
+    # how well the profile, fed cost-model predictions, reproduces the run it came from
+    simulated = [profile.simulate(step.costs, shares).step_time for step in steps]
+    profile.meta.update(measured_mean_step_s=float(np.mean([step.step_s for step in steps])),
+                        simulated_mean_step_s=float(np.mean(simulated)))
+    return profile
 
 
 __all__ = [
