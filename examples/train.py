@@ -180,6 +180,7 @@ def main() -> int:
             Path(args.summary).write_text(json.dumps({"summary": summary, "steps": records}, indent=1))
     if tracker:
         tracker.close()
+    sampler.close()  # dflop-ds: no scheduling thread left running while the process exits
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()  # an orderly exit: gloo's threads stop before teardown
     release_own_shm_buffer()  # dflop-ds: DeepSpeed's CPU all-reduce buffer would stay in /dev/shm

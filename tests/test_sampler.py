@@ -167,3 +167,13 @@ def test_a_given_cost_model_drives_costs_and_microbatch_predictions():
         for microbatch, cost in zip(rank, predicted):
             np.testing.assert_allclose(cost, cost_model.predict_microbatch([shapes[i] for i in microbatch]))
     assert not np.allclose(sampler.costs, ProxyCost().predict_samples(shapes))
+
+
+def test_closing_the_sampler_stops_its_scheduling_thread():
+    import threading
+
+    sampler = DFLOPBatchSampler(mixed_shapes(64), global_batch_size=16, gradient_accumulation_steps=4, prefetch=2)
+    first = next(iter(sampler))
+    assert first and any(t.name == "dflop-scheduler" for t in threading.enumerate())
+    sampler.close(wait_s=10)
+    assert not any(t.name == "dflop-scheduler" and t.is_alive() for t in threading.enumerate())

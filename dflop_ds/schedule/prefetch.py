@@ -73,9 +73,13 @@ class BackgroundMap(Generic[K, V]):
             raise RuntimeError(f"background scheduling failed: {item.error}") from item.error
         return item  # type: ignore[return-value]
 
-    def close(self) -> None:
-        """Stop the worker thread (it finishes the item it is computing, then exits)."""
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop the worker thread: it finishes the item it is computing, then exits. With
+        ``wait_s > 0``, wait up to that long for it to be gone (before a process exits, so no
+        thread is mid-computation while the interpreter tears down)."""
         self._stop.set()
+        if wait_s > 0 and self._thread is not threading.current_thread():
+            self._thread.join(timeout=wait_s)
 
     def __enter__(self) -> "BackgroundMap[K, V]":
         return self

@@ -133,6 +133,7 @@ class GlobalBatchSampler:
         self.cost_model = cost_model
         self.seed = int(seed)
         self.prefetch = int(prefetch)
+        self._ahead: Optional[BackgroundMap] = None
         self.costs = np.asarray(cost_model.predict_samples(self.shapes), dtype=float).reshape(len(self.shapes), -1)
         count = label_tokens_fn or (lambda shape: shape.label_tokens)
         self.label_tokens = np.array([count(s) for s in self.shapes], dtype=np.int64)
@@ -218,7 +219,14 @@ class GlobalBatchSampler:
             yield from (self.schedule(epoch, b, batches[b]) for b in keys)
             return
         with BackgroundMap(lambda b: self.schedule(epoch, b, batches[b]), keys, depth=self.prefetch) as ahead:
+            self._ahead = ahead
             yield from ahead
+
+    def close(self, wait_s: float = 60.0) -> None:
+        """Stop background scheduling at the end of training and wait (up to ``wait_s``) for the
+        batch being scheduled to finish, so the process exits with no thread inside a solver."""
+        if self._ahead is not None:
+            self._ahead.close(wait_s=wait_s)
 
     def __iter__(self) -> Iterator[list[ScheduledIndex]]:
         """Yield this rank's microbatches of the rest of the current epoch, then move to the next

@@ -149,6 +149,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # an orderly exit: gloo's threads stop before teardown
 
 
 if __name__ == "__main__":
