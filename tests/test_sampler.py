@@ -172,8 +172,10 @@ def test_a_given_cost_model_drives_costs_and_microbatch_predictions():
 def test_closing_the_sampler_stops_its_scheduling_thread():
     import threading
 
+    before = set(threading.enumerate())  # other tests may have left their samplers' threads
     sampler = DFLOPBatchSampler(mixed_shapes(64), global_batch_size=16, gradient_accumulation_steps=4, prefetch=2)
     first = next(iter(sampler))
-    assert first and any(t.name == "dflop-scheduler" for t in threading.enumerate())
+    ours = [t for t in threading.enumerate() if t not in before and t.name == "dflop-scheduler"]
+    assert first and len(ours) == 1 and ours[0].is_alive()
     sampler.close(wait_s=10)
-    assert not any(t.name == "dflop-scheduler" and t.is_alive() for t in threading.enumerate())
+    assert not ours[0].is_alive()
