@@ -84,6 +84,8 @@ def solve_ilp(
     best); ``lower``/``upper`` box the makespan variable (``upper`` must be achievable, e.g. the
     warm start's makespan); ``warm_labels`` seeds the incumbent.
     """
+    if time_limit_s <= 0 and node_limit <= 0:
+        raise ValueError("solve_ilp needs a time limit or a node limit")
     with warnings.catch_warnings():  # PuLP 3.x deprecates the 2.x API we keep for compatibility
         warnings.simplefilter("ignore", DeprecationWarning)
         return _solve(costs, n_buckets, order, lower, upper, warm_labels, time_limit_s, seed, memory, node_limit)
@@ -120,8 +122,6 @@ def _solve(costs, n_buckets, order, lower, upper, warm_labels, time_limit_s, see
         for (i, j), var in x.items():
             var.setInitialValue(1 if start[i] == j else 0)
         makespan.setInitialValue(float(bucket_max(costs, start, n_buckets)))
-    if time_limit_s <= 0 and node_limit <= 0:
-        raise ValueError("solve_ilp needs a time limit or a node limit")
     problem.solve(_solver(name, time_limit_s, seed, warm, node_limit))
     if problem.status == pulp.LpStatusInfeasible:
         return IlpResult(None, False, True, name)
