@@ -109,6 +109,11 @@ class RuntimeTracker:
         self.timer.uninstall()
 
     # -- pieces --------------------------------------------------------------------------------
+    def _totals_columns(self) -> slice:
+        """Where a gathered row holds the step's per-kind totals (after header, compute, wait, load)."""
+        start = HEADER + 3 * self.n_mb
+        return slice(start, start + len(STEP_KINDS))
+
     def _comp_size(self) -> int:
         return self.dp * self.n_mb * self.correction.n_columns * self.correction.scheme.n_buckets
 
@@ -152,7 +157,7 @@ class RuntimeTracker:
         with_schedule = np.flatnonzero(rows[:, 0] > 0)
         if with_schedule.size == 0:
             raise RuntimeError("no rank reported a schedule: is the sampler iterated on the first/last stages?")
-        offset = HEADER + 3 * self.n_mb + len(STEP_KINDS)
+        offset = self._totals_columns().stop
         comp = rows[with_schedule[0], offset:offset + self._comp_size()].reshape(
             self.dp * self.n_mb, self.correction.n_columns, self.correction.scheme.n_buckets)
         obs = StepObservation(comp, stage_times, overhead_s=float(rows[:, 5].max()), microbatches_per_rank=self.n_mb)
@@ -197,10 +202,10 @@ class RuntimeTracker:
 
     def _stage_totals(self, rows: np.ndarray) -> dict[str, list[float]]:
         """Instruction kind -> seconds per stage over the step (mean over data-parallel ranks)."""
-        offset = HEADER + 3 * self.n_mb
+        columns = self._totals_columns()
         totals = np.zeros((self.n_stages, len(STEP_KINDS)))
         for row in rows:
-            totals[int(row[1])] += row[offset:offset + len(STEP_KINDS)] / self.dp
+            totals[int(row[1])] += row[columns] / self.dp
         return {kind: totals[:, k].tolist() for k, kind in enumerate(STEP_KINDS)}
 
     def _stage_space(self, step: int) -> bool:

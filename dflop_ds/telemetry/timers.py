@@ -25,7 +25,7 @@ KINDS = {
 }
 PER_MICROBATCH = ("forward", "backward", "load", "send", "recv")
 #: every kind, in the order step totals are reported
-STEP_KINDS = ("forward", "backward", "load", "send", "recv", "reduce", "optimizer")
+STEP_KINDS = tuple(dict.fromkeys(KINDS.values()))
 
 
 @dataclass
