@@ -197,7 +197,7 @@ def test_stage_shares_follow_the_models_layer_shares() -> None:
     np.testing.assert_allclose(np.concatenate(segment_layer_shares(plain)), [0.5, 0.5, 0.0, 0.5, 0.5])
     with pytest.raises(ValueError, match="layer_shares"):
         segment_layer_shares(SimpleNamespace(encoder_layers=3, llm_layers=3, layer_shares=measured.layer_shares))
-    with pytest.raises(ValueError, match="stage bounds"):
+    with pytest.raises(ValueError, match="stage_bounds must run from 0 to 6 layers"):
         stage_shares([0, 4], measured)
 
 

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dflop_ds.pipe.split import split_by_cost
+from dflop_ds.pipe.split import check_stage_bounds, split_by_cost
 from dflop_ds.shapes import SampleShape
 
 
@@ -52,6 +52,5 @@ def stage_shares(bounds: Sequence[int], model: Any) -> np.ndarray:
     for stage ``bounds`` over the flat layer list."""
     encoder, llm = segment_layer_shares(model)
     flat = np.concatenate([np.c_[encoder, np.zeros_like(encoder)], np.c_[np.zeros_like(llm), llm]])
-    if bounds[0] != 0 or bounds[-1] != len(flat) or any(b <= a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"stage bounds {list(bounds)} must rise strictly from 0 to {len(flat)} layers")
+    bounds = check_stage_bounds(bounds, len(flat), len(bounds) - 1)
     return np.array([flat[lo:hi].sum(axis=0) for lo, hi in zip(bounds, bounds[1:])])
