@@ -26,13 +26,13 @@ from benchmarks.e2e_methods import METHODS, split_for  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
-from dflop_ds.pipe import MLLMPipelineModule  # noqa: E402
 from dflop_ds.profile import CostModel  # noqa: E402
 from dflop_ds.schedule.epoch import epoch_permutation, global_batches  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 from dflop_ds.telemetry.record import batch_tokens, bubble_fraction  # noqa: E402
 from dflop_ds.telemetry.timers import PipelineTimer  # noqa: E402
+from dflop_ds.train import TrainingEngine, build_engine  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,17 +52,13 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def build_engine(bounds, gas: int, global_batch: int, dp: int, seed: int):
+def pipeline_engine(bounds, gas: int, global_batch: int, dp: int, seed: int) -> TrainingEngine:
     """A 2-stage pipeline engine of the tiny MLLM with the given stage bounds (None: uniform)."""
-    config = TinyMLLMConfig()
-    encoder, projector, llm = tiny_mllm_layers(config, seed=seed)
-    module = MLLMPipelineModule(encoder, projector, llm, num_stages=2, stage_bounds=bounds)
-    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-3)
     ds_config = {"train_batch_size": global_batch, "gradient_accumulation_steps": gas,
                  "train_micro_batch_size_per_gpu": max(1, global_batch // (gas * dp)),
                  "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
-    return engine
+    return build_engine(*tiny_mllm_layers(TinyMLLMConfig(), seed=seed), ds_config, pipeline_stages=2,
+                        stage_bounds=bounds, lr=1e-3)
 
 
 def main() -> int:
@@ -78,10 +74,10 @@ def main() -> int:
     labels = np.array([supervised_count(s) for s in shapes])
     methods = args.methods.split(",")
     bounds = [int(b) for b in args.dflop_bounds.split(",")]
-    engines = {"uniform": build_engine(None, args.gas, args.global_batch, dp, args.seed),
-               "dflop": build_engine(bounds, args.gas, args.global_batch, dp, args.seed)}
-    timers = {name: PipelineTimer(engine, args.gas).install() for name, engine in engines.items()}
-    dp_rank = engines["dflop"].grid.get_data_parallel_rank()
+    engines = {"uniform": pipeline_engine(None, args.gas, args.global_batch, dp, args.seed),
+               "dflop": pipeline_engine(bounds, args.gas, args.global_batch, dp, args.seed)}
+    timers = {name: PipelineTimer(trainer.engine, args.gas).install() for name, trainer in engines.items()}
+    dp_rank, _ = engines["dflop"].dp_coords
     batches = global_batches(epoch_permutation(len(shapes), args.seed, 0), args.global_batch, args.gas * dp)
     rank = torch.distributed.get_rank()
     rows = []
@@ -102,7 +98,7 @@ def main() -> int:
             torch.distributed.barrier()
             timers[name].start_step()
             start = time.perf_counter()
-            engines[name].train_batch(iter(microbatches))
+            engines[name].train_step(iter(microbatches))
             step_s = time.perf_counter() - start
             compute = torch.tensor([float(timers[name].finish_step().compute.sum())])
             every_rank = [torch.zeros(1) for _ in range(torch.distributed.get_world_size())]

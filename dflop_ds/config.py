@@ -47,6 +47,10 @@ class DFLOPConfig:
         correction: adaptive correction settings (see
             :class:`dflop_ds.schedule.correction.CorrectionSettings`; ``{"enabled": true}`` turns
             it on; needs ``telemetry``).
+        model_name_or_path: a HuggingFace ``save_pretrained`` directory to train (None: the tiny
+            model).
+        image_folder: folder the dataset records' image paths are relative to (None: the data
+            file's folder).
         fault: inject a slow shape class for tests and demos (see
             :class:`dflop_ds.testing.FaultSpec`), e.g. ``{"min_tiles": 6, "seconds_per_tile": 0.01}``.
     """
@@ -74,6 +78,8 @@ class DFLOPConfig:
     resume: bool = False
     telemetry: bool = True
     correction: dict[str, Any] = field(default_factory=dict)
+    model_name_or_path: Optional[str] = None
+    image_folder: Optional[str] = None
     fault: Optional[dict[str, Any]] = None
 
     @classmethod

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflop_ds.schedule.ranks import assign_to_ranks, pipeline_order, rank_totals
+from dflop_ds.schedule.ranks import assign_to_ranks, lockstep_order, pipeline_order, rank_totals
 
 
 @st.composite
@@ -78,3 +78,26 @@ def test_one_column_and_wrong_sizes():
     assert rank_totals(np.arange(1.0, 9.0), ranks).ravel().tolist() == [18.0, 18.0]
     with pytest.raises(ValueError, match="dp \\* n_mb"):
         assign_to_ranks(np.ones((5, 2)), 2, 3)
+
+
+def lockstep_step_cost(totals: np.ndarray, ranks: list[list[int]]) -> float:
+    """A step's time when ranks meet after every microbatch: sum over k of the slowest k-th."""
+    return float(sum(max(totals[rank[k]] for rank in ranks) for k in range(len(ranks[0]))))
+
+
+@given(st.integers(1, 4), st.integers(1, 5), st.integers(0, 10_000))
+@settings(max_examples=60, deadline=None)
+def test_lockstep_order_gives_every_rank_n_mb_buckets_and_minimises_the_sum_of_slowest_per_step(dp, n_mb, seed):
+    rng = np.random.default_rng(seed)
+    costs = rng.uniform(0.1, 5.0, size=(dp * n_mb, 2))
+    ranks = lockstep_order(costs, dp, n_mb)
+    assert [len(r) for r in ranks] == [n_mb] * dp
+    assert sorted(b for r in ranks for b in r) == list(range(dp * n_mb))
+    totals = costs.sum(axis=1)
+    best = lockstep_step_cost(totals, ranks)
+    # no random deal of the same buckets does better (sorted grouping is optimal for this sum)
+    for _ in range(20):
+        deal = rng.permutation(dp * n_mb).reshape(dp, n_mb).tolist()
+        assert best <= lockstep_step_cost(totals, deal) + 1e-9
+    # and the per-step pipeline order would do no better either
+    assert best <= lockstep_step_cost(totals, assign_to_ranks(costs, dp, n_mb)) + 1e-9

@@ -12,7 +12,7 @@ import numpy as np
 from dflop_ds.schedule.bounds import as_cost_matrix
 from dflop_ds.schedule.lpt import differencing_assign, improve
 
-__all__ = ["assign_to_ranks", "pipeline_order", "rank_totals"]
+__all__ = ["assign_to_ranks", "lockstep_order", "pipeline_order", "rank_totals"]
 
 
 def rank_totals(bucket_costs: np.ndarray, ranks: list[list[int]]) -> np.ndarray:
@@ -68,3 +68,32 @@ def assign_to_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[i
         raise AssertionError(f"rank sizes {counts.tolist()} differ from n_mb={n_mb}")
     ranks = [np.flatnonzero(labels == r).tolist() for r in range(dp)]
     return [pipeline_order(matrix, rank) for rank in ranks]
+
+
+def lockstep_order(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
+    """Assign ``dp * n_mb`` buckets to ``dp`` ranks for engines whose ranks meet every microbatch.
+
+    Without a pipeline, ZeRO data parallel reduces gradients in every microbatch's backward, so
+    microbatch ``k`` of all ranks ends together and a step costs the sum over ``k`` of the
+    slowest rank's ``k``-th microbatch. Sorting the buckets by cost (the sum of the columns:
+    encoder and LLM run one after the other on the same device) and giving microbatch ``k`` of
+    every rank the ``k``-th group of ``dp`` consecutive buckets minimises that sum for the given
+    buckets. Within a group, buckets go to ranks so that rank totals stay even (the largest to
+    the rank with the smallest total so far). Returns bucket indices per rank in execution order.
+    """
+    matrix = as_cost_matrix(bucket_costs)
+    if dp < 1 or n_mb < 1:
+        raise ValueError(f"dp and n_mb must be >= 1, got dp={dp}, n_mb={n_mb}")
+    if matrix.shape[0] != dp * n_mb:
+        raise ValueError(f"expected dp * n_mb = {dp * n_mb} buckets, got {matrix.shape[0]}")
+    total = matrix.sum(axis=1)
+    order = sorted(range(len(total)), key=lambda j: (-total[j], j))
+    ranks: list[list[int]] = [[] for _ in range(dp)]
+    sums = np.zeros(dp)
+    for k in range(n_mb):
+        group = order[k * dp:(k + 1) * dp]
+        free = sorted(range(dp), key=lambda r: (sums[r], r))
+        for bucket, rank in zip(group, free):
+            ranks[rank].append(bucket)
+            sums[rank] += total[bucket]
+    return ranks

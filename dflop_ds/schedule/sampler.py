@@ -281,15 +281,19 @@ class DFLOPBatchSampler(GlobalBatchSampler):
 
     ``time_limit_s`` and ``ilp_nodes`` bound the exact solver per batch; with both 0 (the
     default) the fast deterministic heuristic runs alone. Several ranks need identical schedules:
-    use ``ilp_nodes`` (no clock involved) rather than ``time_limit_s`` there.
+    use ``ilp_nodes`` (no clock involved) rather than ``time_limit_s`` there. ``lockstep=True``
+    is for engines without a pipeline (ZeRO data parallel), whose ranks synchronise in every
+    microbatch: microbatch ``k`` of every rank is balanced on its own (see
+    :func:`~dflop_ds.schedule.split.split_balanced`).
     """
 
     method = "dflop"
 
     def __init__(self, shapes: Sequence[SampleShape], *, time_limit_s: float = 0.0, ilp_nodes: int = 0,
-                 **kwargs) -> None:
+                 lockstep: bool = False, **kwargs) -> None:
         self.time_limit_s = float(time_limit_s)
         self.ilp_nodes = int(ilp_nodes)
+        self.lockstep = bool(lockstep)
         super().__init__(shapes, **kwargs)
 
     def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
@@ -297,6 +301,7 @@ class DFLOPBatchSampler(GlobalBatchSampler):
         return split_balanced(
             batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch, costs),
             time_limit_s=self.time_limit_s, seed=batch_seed, lengths=self.lengths[batch], node_limit=self.ilp_nodes,
+            lockstep=self.lockstep,
         )
 
 
@@ -306,6 +311,6 @@ def make_sampler(method: str, shapes: Sequence[SampleShape], **kwargs) -> Global
     if method not in samplers:
         raise ValueError(f"unknown sampler {method!r}: choose one of {sorted(samplers)}")
     if method == "stock":
-        kwargs.pop("time_limit_s", None)
-        kwargs.pop("ilp_nodes", None)
+        for key in ("time_limit_s", "ilp_nodes", "lockstep"):
+            kwargs.pop(key, None)
     return samplers[method](shapes, **kwargs)

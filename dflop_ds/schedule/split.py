@@ -93,10 +93,16 @@ def split_balanced(
     seed: int = 0,
     lengths: Optional[Sequence[float]] = None,
     node_limit: int = 0,
+    lockstep: bool = False,
 ) -> SplitResult:
     """DFLOP's split: partition the batch into ``n_mb * dp`` microbatches minimising the slowest
     one on every cost column (encoder and LLM), assign them to ranks evenly, order each rank's
     microbatches to shorten pipeline fill and drain.
+
+    ``lockstep`` is for engines without a pipeline whose data-parallel ranks synchronise in every
+    microbatch (ZeRO): a microbatch then costs the sum of its columns (encoder and LLM run one
+    after the other), and microbatch ``k`` of every rank gets a similar cost
+    (:func:`~dflop_ds.schedule.ranks.lockstep_order`); ``predicted`` has one column.
 
     ``costs`` is ``(len(batch), k)``, row ``i`` the predicted cost of ``batch[i]``;
     ``microbatch_cost`` maps positions within the batch to a microbatch's true (e.g. padded)
@@ -106,15 +112,21 @@ def split_balanced(
     deterministic answer: no time limit (the heuristic, or the ILP within ``node_limit`` nodes).
     """
     from dflop_ds.schedule.partition import partition_batch
-    from dflop_ds.schedule.ranks import assign_to_ranks
+    from dflop_ds.schedule.ranks import assign_to_ranks, lockstep_order
 
     _check_sizes(len(batch), n_mb, dp)
     cost_matrix = np.asarray(costs, dtype=float).reshape(len(batch), -1)
+    if lockstep:
+        cost_matrix = cost_matrix.sum(axis=1, keepdims=True)
+        if microbatch_cost is not None:
+            columns = microbatch_cost
+            microbatch_cost = lambda positions: np.atleast_1d(np.asarray(columns(positions), dtype=float).sum())  # noqa: E731
     partition, solver = _partition_or_fallback(
         partition_batch, cost_matrix, n_mb * dp, time_limit_s, node_limit,
         seed=seed, microbatch_cost=microbatch_cost, lengths=None if lengths is None else np.asarray(lengths, float),
     )
-    order = assign_to_ranks(partition.bucket_costs, dp, n_mb)  # costs as the partitioner measured them
+    assign = lockstep_order if lockstep else assign_to_ranks
+    order = assign(partition.bucket_costs, dp, n_mb)  # costs as the partitioner measured them
     local = [[list(partition.buckets[b]) for b in rank] for rank in order]
     predicted = partition.bucket_costs[np.asarray(order)]
     return _result(local, batch, predicted, float(partition.lower_bound), solver)

@@ -20,9 +20,10 @@ import deepspeed
 from deepspeed.accelerator import get_accelerator
 
 from dflop_ds.models import TinyMLLMDataset, build_reference, collate_microbatch, label_tokens_in, tiny_mllm_layers
-from dflop_ds.pipe import MLLMPipelineModule, token_normalized_loss
+from dflop_ds.pipe import token_normalized_loss
 from dflop_ds.schedule.index import ScheduledIndex
 from dflop_ds.shapes import TINY_POLICY, SampleShape
+from dflop_ds.train import build_engine
 
 # image sizes giving 1, 3 and 5 tiles under TINY_POLICY
 IMAGE_CHOICES = [(), ((336, 336),), ((672, 336),), ((672, 672),)]
@@ -87,12 +88,8 @@ def main() -> None:
     batches = make_batches(n_batches, sizes)
 
     encoder, projector, llm = tiny_mllm_layers(seed=11)
-    split = {"stage_bounds": [int(b) for b in args.bounds.split(",")]} if args.bounds else {"encoder_stages": 1}
-    model = MLLMPipelineModule(
-        encoder, projector, llm, num_stages=2, freeze_encoder=args.freeze, activation_checkpoint_interval=args.ckpt, **split
-    )
-    # a stage holding only the frozen encoder gets a placeholder parameter (the engine needs an optimizer)
-    optimizer = torch.optim.SGD(model.optimizer_parameters(), lr=args.lr, momentum=0.9)
+    # default split: the encoder and projector alone on stage 0
+    bounds = [int(b) for b in args.bounds.split(",")] if args.bounds else [0, len(encoder) + 1, len(encoder) + 1 + len(llm)]
     config = {
         "train_batch_size": gas * dp,
         "train_micro_batch_size_per_gpu": 1,
@@ -102,7 +99,11 @@ def main() -> None:
         # stage without gradients; clipping is off so that step 1 can match the reference exactly
         "gradient_clipping": 0.0,
     }
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    # a stage holding only the frozen encoder gets a placeholder parameter (the engine needs an optimizer)
+    trainer = build_engine(encoder, projector, llm, config, pipeline_stages=2, stage_bounds=bounds,
+                           freeze_encoder=args.freeze, activation_checkpoint_interval=args.ckpt,
+                           make_optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9))
+    engine, model = trainer.engine, trainer.module
 
     # single-process reference of step 1: the whole global batch as one batch, token-mean loss
     reference = build_reference(seed=11).to(device)
@@ -124,8 +125,7 @@ def main() -> None:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for step in range(args.steps):
         b = step % n_batches
-        loss = engine.train_batch(iter(scheduled(dataset, batches[b], gas, dp, step)))
-        losses.append(float(loss))
+        losses.append(trainer.train_step(iter(scheduled(dataset, batches[b], gas, dp, step))))
         if step == 0:
             for name, p in model.named_parameters():
                 max_diff = max(max_diff, float((p.detach() - ref_state[name]).abs().max()))

@@ -1,0 +1,177 @@
+"""One training step on either DeepSpeed engine: the pipeline engine or the plain (ZeRO) engine.
+
+``"dflop".pipeline_stages > 1`` builds an :class:`~dflop_ds.pipe.MLLMPipelineModule` and
+DeepSpeed's ``PipelineEngine``; ``pipeline_stages == 1`` builds the same layers as one
+``nn.Sequential`` under DeepSpeed's plain engine, where the config's ZeRO stage (0-3) applies.
+:class:`TrainingEngine` hides the difference from the loop: the data-parallel coordinates the
+sampler needs, which ranks read the data iterator, and :meth:`TrainingEngine.train_step`.
+
+Both paths give a step the same mathematics: each microbatch's loss is the token-normalized
+loss (sum of token losses / ``loss_denominator``); DeepSpeed scales it by ``1 / GAS`` and
+averages gradients over the data-parallel ranks, so a step's gradient is that of the global
+batch's token mean, and the reported loss is that token mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dflop_ds.pipe import MLLMPipelineModule, token_normalized_loss
+
+Microbatch = tuple[Any, Any]
+
+
+def data_parallel_coords(engine: Any) -> tuple[int, int]:
+    """``(dp_rank, dp_size)`` of this process under ``engine`` (pipeline or plain DeepSpeed engine).
+
+    The pipeline engine's grid knows its data-parallel group; the plain engine keeps the group
+    DeepSpeed built (which excludes tensor-parallel peers under AutoTP).
+    """
+    grid = getattr(engine, "grid", None)
+    if grid is not None:
+        return grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
+    group = getattr(engine, "data_parallel_group", None)
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+
+def move_to(value: Any, device: torch.device) -> Any:
+    """``value`` (a tensor or nested tuples/lists of tensors) on ``device``."""
+    if torch.is_tensor(value):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (tuple, list)):
+        return type(value)(move_to(v, device) for v in value)
+    return value
+
+
+class SequentialMLLM(nn.Sequential):
+    """Encoder, projector and LLM layers run one after the other: the model of the plain engine.
+
+    Parameters keep the flat layer index as their name prefix (``"3.weight"``), as in a
+    ``PipelineModule``, so checkpoints and comparisons line up across engine kinds.
+    """
+
+    def __init__(self, encoder_layers: Sequence[Any], projector: Any, llm_layers: Sequence[Any],
+                 *, freeze_encoder: bool = False) -> None:
+        built = [layer.build() if hasattr(layer, "build") and not isinstance(layer, nn.Module) else layer
+                 for layer in (*encoder_layers, projector, *llm_layers)]
+        super().__init__(*built)
+        self.n_encoder_layers = len(encoder_layers)
+        if freeze_encoder:
+            for layer in built[: self.n_encoder_layers]:
+                layer.requires_grad_(False)
+
+
+@dataclass
+class TrainingEngine:
+    """A DeepSpeed engine with what the training loop needs to know about it.
+
+    Attributes:
+        engine: the DeepSpeed engine (``PipelineEngine`` or ``DeepSpeedEngine``).
+        module: the model it trains (:class:`MLLMPipelineModule` or :class:`SequentialMLLM`).
+        loss_fn: the loss of the plain engine (the pipeline module holds its own).
+    """
+
+    engine: Any
+    module: nn.Module
+    loss_fn: Callable = token_normalized_loss
+
+    @property
+    def is_pipeline(self) -> bool:
+        """True under DeepSpeed's pipeline engine."""
+        return isinstance(self.module, MLLMPipelineModule)
+
+    @property
+    def dp_coords(self) -> tuple[int, int]:
+        """``(dp_rank, dp_size)``."""
+        return data_parallel_coords(self.engine)
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages (1 for the plain engine)."""
+        return self.engine.num_stages if self.is_pipeline else 1
+
+    @property
+    def reads_data(self) -> bool:
+        """Whether this rank draws microbatches (pipeline: first and last stage; plain: all)."""
+        return not self.is_pipeline or self.engine.is_first_stage() or self.engine.is_last_stage()
+
+    @property
+    def stage_bounds(self) -> list[int]:
+        """Layer boundaries of the stages over the flat layer list."""
+        if self.is_pipeline:
+            return [int(b) for b in self.module.parts]
+        return [0, len(self.module)]
+
+    def train_step(self, data_iter: Iterator[Microbatch]) -> float:
+        """Run one optimizer step (``gradient_accumulation_steps`` microbatches); the global
+        batch's token-mean loss (the same figure on every rank)."""
+        if self.is_pipeline:
+            return float(self.engine.train_batch(data_iter))
+        engine = self.engine
+        gas = engine.gradient_accumulation_steps()
+        total = torch.zeros((), dtype=torch.float64, device=engine.device)
+        for _ in range(gas):
+            inputs, labels = next(data_iter)
+            loss = self.loss_fn(engine(move_to(inputs, engine.device)), move_to(labels, engine.device))
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().to(torch.float64)
+        total /= gas
+        _, dp_size = self.dp_coords
+        if dp_size > 1:
+            dist.all_reduce(total, group=engine.data_parallel_group)
+            total /= dp_size
+        return float(total)
+
+
+def build_engine(
+    encoder_layers: Sequence[Any],
+    projector: Any,
+    llm_layers: Sequence[Any],
+    ds_config: dict,
+    *,
+    pipeline_stages: int,
+    stage_bounds: Optional[Sequence[int]] = None,
+    layer_costs: Optional[Sequence[float]] = None,
+    freeze_encoder: bool = False,
+    lr: float = 1e-3,
+    loss_fn: Callable = token_normalized_loss,
+    activation_checkpoint_interval: int = 0,
+    make_optimizer: Optional[Callable[[list], torch.optim.Optimizer]] = None,
+) -> TrainingEngine:
+    """Build the DeepSpeed engine the config asks for over the model's layer lists.
+
+    ``pipeline_stages > 1``: an :class:`MLLMPipelineModule` split at ``stage_bounds`` (or on
+    ``layer_costs``) under the pipeline engine. ``pipeline_stages == 1``: a
+    :class:`SequentialMLLM` under the plain engine, with the config's ZeRO stage. The optimizer:
+    ``make_optimizer(trainable_parameters)`` if given, else the config's ``"optimizer"``, else
+    AdamW at ``lr`` (a torch optimizer starts faster than DeepSpeed's CPU FusedAdam build). A
+    pipeline stage holding only frozen layers gets a placeholder parameter (see
+    :meth:`MLLMPipelineModule.optimizer_parameters`).
+    """
+    import deepspeed
+
+    if pipeline_stages > 1:
+        module: nn.Module = MLLMPipelineModule(
+            encoder_layers, projector, llm_layers, num_stages=pipeline_stages, stage_bounds=stage_bounds,
+            layer_costs=layer_costs, loss_fn=loss_fn, freeze_encoder=freeze_encoder,
+            activation_checkpoint_interval=activation_checkpoint_interval,
+        )
+        trainable = module.optimizer_parameters()
+    else:
+        module = SequentialMLLM(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+    if make_optimizer is not None:
+        optimizer = make_optimizer(trainable)
+    else:
+        optimizer = None if "optimizer" in ds_config else torch.optim.AdamW(trainable, lr=lr)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
+                                           model_parameters=trainable)
+    return TrainingEngine(engine, module, loss_fn)

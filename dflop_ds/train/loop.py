@@ -1,0 +1,298 @@
+"""The training loop: one for every model source and both DeepSpeed engine kinds.
+
+    deepspeed --num_gpus 2 examples/train.py --deepspeed_config ds_configs/tiny_mllm_pp2.json
+    deepspeed --num_gpus 2 examples/train.py --deepspeed_config ds_configs/hf_zero2.json \\
+        --model_name_or_path MODEL_DIR --data_path data.json --image_folder images/
+
+The config's ``"dflop"`` block (:class:`dflop_ds.config.DFLOPConfig`) chooses the sampler, the
+data, the pipeline stages (``> 1``: DeepSpeed's pipeline engine; ``1``: the plain engine with
+the config's ZeRO stage) and the stage split. Without ``--model_name_or_path`` the bundled tiny
+MLLM trains on synthetic tensors of the dataset's real shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from dflop_ds.config import DFLOPConfig, fill_from_plan
+from dflop_ds.train.engine import TrainingEngine, build_engine
+from dflop_ds.train.sources import ModelSource, tiny_source
+
+#: command-line options that override keys of the "dflop" block (option dest -> key)
+BLOCK_OVERRIDES = {"sampler": "sampler", "steps": "steps", "data": "data", "data_path": "data",
+                   "cost_model": "cost_model", "model_name_or_path": "model_name_or_path",
+                   "image_folder": "image_folder"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The training script's options (LLaVA's names for model and data)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON config with a \"dflop\" block")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    parser.add_argument("--model_name_or_path", help="a HuggingFace save_pretrained directory (default: the tiny model)")
+    parser.add_argument("--data_path", help="LLaVA JSON/JSONL or shape manifest (overrides \"dflop\".data)")
+    parser.add_argument("--data", help="alias of --data_path")
+    parser.add_argument("--image_folder", help="folder the records' image paths are relative to")
+    parser.add_argument("--sampler", choices=["dflop", "stock"], help="override \"dflop\".sampler")
+    parser.add_argument("--steps", type=int, help="override \"dflop\".steps")
+    parser.add_argument("--cost-model", dest="cost_model", help="override \"dflop\".cost_model (a CostModel JSON)")
+    parser.add_argument("--output_dir", help="write the trained model here at the end (save_pretrained for HF "
+                                             "models)")
+    parser.add_argument("--summary", help="write the run's figures as JSON to this path (rank 0)")
+    parser.add_argument("--trace", help="append the samples each step trained, one JSON line per step and "
+                                        "data-parallel rank")
+    parser.add_argument("--telemetry", help="append per-step telemetry JSON lines here (rank 0; default: "
+                                            "dflop_telemetry.jsonl in the csv_monitor folder)")
+    parser.add_argument("--resume", action="store_true", help="resume from \"dflop\".checkpoint_dir")
+    parser.add_argument("--exit-after-step", type=int,
+                        help="stop abruptly (no clean-up) after this step: simulates a crash in tests")
+    return parser
+
+
+def load_settings(args: argparse.Namespace) -> tuple[dict, DFLOPConfig]:
+    """The DeepSpeed config without its "dflop" block, and the validated "dflop" block."""
+    ds_config = json.loads(Path(args.deepspeed_config).read_text())
+    block = ds_config.pop("dflop", {})
+    for option, key in BLOCK_OVERRIDES.items():
+        value = getattr(args, option, None)
+        if value is not None:
+            block[key] = value
+    if args.resume:
+        block["resume"] = True
+    if block.get("plan"):  # a plan from `dflop-ds plan` fills batch keys and the stage split
+        ds_config, block = fill_from_plan(ds_config, block, load_plan(block["plan"]))
+    return ds_config, DFLOPConfig.from_dict(block, source=args.deepspeed_config)
+
+
+def load_cost_model(path: Optional[str]):
+    """A profiled CostModel, or None for the sampler's built-in proxy."""
+    if path is None:
+        return None
+    from dflop_ds.profile import CostModel
+
+    return CostModel.load(path)
+
+
+def load_plan(path: Optional[str]):
+    """The plan the run must match, or None (a missing or malformed file raises naming it)."""
+    if path is None:
+        return None
+    from dflop_ds.plan import Plan
+
+    return Plan.load(path)
+
+
+def model_source(cfg: DFLOPConfig) -> ModelSource:
+    """The tiny model, or the HuggingFace model of ``"dflop".model_name_or_path``."""
+    if cfg.model_name_or_path is None:
+        return tiny_source(cfg.model, policy_name=cfg.policy, seed=cfg.seed)
+    from dflop_ds.models.hf.source import hf_source
+
+    return hf_source(cfg.model_name_or_path, image_folder=cfg.image_folder, freeze_encoder=cfg.freeze_encoder)
+
+
+def print_skip_report(report, limit: int = 20) -> None:
+    """Print what ``on_bad_sample="skip"`` dropped: the count and the first ``limit`` problems."""
+    if not report.n_skipped:
+        return
+    print(f"[dflop-ds] {report.summary()}", flush=True)
+    for problem in report.problems[:limit]:
+        print(f"[dflop-ds]   skipped: {problem}", flush=True)
+    if len(report.problems) > limit:
+        print(f"[dflop-ds]   ... and {len(report.problems) - limit} more problem(s)", flush=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Train as the config says; 0 on success."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.utils import RepeatingLoader
+
+    from dflop_ds.checks import check_training_setup
+    from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
+    from dflop_ds.schedule.sampler import make_sampler
+    from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
+    from dflop_ds.telemetry.setup import inject_fault, make_correction
+
+    args = build_parser().parse_args(argv)
+    ds_config, cfg = load_settings(args)
+    torch.manual_seed(cfg.seed)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    share_cpu_threads()  # CPU ranks on one machine: a share of the cores each, not all of them
+    world = torch.distributed.get_world_size()
+    rank = torch.distributed.get_rank()
+
+    source = model_source(cfg)
+    data = source.read_shapes(cfg.data, cfg.on_bad_sample)  # bad records named, or skipped and counted
+    if rank == 0:
+        print_skip_report(data.report)
+    shapes = data[: cfg.max_samples]
+    dataset = source.make_dataset(shapes)
+    cost_model = load_cost_model(cfg.cost_model)
+
+    encoder, projector, llm = source.layers()
+    encoder = inject_fault(encoder, cfg.fault, ds_config)  # testing only: an optional slow shape class
+    check_training_setup(ds_config, cfg, world, plan=load_plan(cfg.plan), n_samples=len(shapes),
+                         n_layers=source.n_layers)
+    pipelined = cfg.pipeline_stages > 1
+    if not pipelined and cfg.correction.get("enabled"):
+        raise ValueError(f"{args.deepspeed_config}: \"dflop\".correction needs the pipeline engine's per-stage "
+                         "timers (\"dflop\".pipeline_stages > 1)")
+    trainer = build_engine(encoder, projector, llm, ds_config, pipeline_stages=cfg.pipeline_stages,
+                           stage_bounds=cfg.stage_bounds, freeze_encoder=cfg.freeze_encoder, lr=cfg.lr)
+    engine = trainer.engine
+    dp_rank, dp_size = trainer.dp_coords
+    correction = make_correction(cfg.correction, trainer.num_stages) if pipelined else None
+    sampler = make_sampler(
+        cfg.sampler, shapes, global_batch_size=engine.train_batch_size(),
+        gradient_accumulation_steps=engine.gradient_accumulation_steps(), dp_rank=dp_rank, dp_size=dp_size,
+        cost_model=cost_model, seed=cfg.seed, prefetch=cfg.prefetch, time_limit_s=cfg.time_limit_s,
+        ilp_nodes=cfg.ilp_nodes, label_tokens_fn=source.label_tokens_fn, cost_adjuster=correction,
+        lockstep=not pipelined,
+    )
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=source.collate)
+    data_iter = iter(RepeatingLoader(loader))
+
+    first_step = resume(engine, sampler, cfg, correction) if cfg.resume else 0
+    tracker = None
+    if cfg.telemetry and pipelined:  # per-instruction timers exist only in the pipeline engine
+        tracker = RuntimeTracker(engine, sampler, correction,
+                                 jsonl_path=args.telemetry or default_jsonl_path(ds_config))
+    records = []
+    for step in range(first_step, cfg.steps):
+        if tracker:
+            tracker.start_step()
+        start = time.perf_counter()
+        loss = trainer.train_step(data_iter)
+        elapsed = time.perf_counter() - start
+        record = step_record(step, loss, elapsed, sampler, shapes, trainer.reads_data)
+        if tracker:  # a collective: every rank, every step
+            record["telemetry"] = tracker.end_step(step, elapsed, loss)
+        records.append(record)
+        if args.trace and trainer.reads_data and (not pipelined or engine.is_first_stage()):
+            write_trace(args.trace, step, sampler)
+        if rank == 0:
+            print(f"[dflop-ds] step {step:3d} loss {record['loss']:.4f} time {elapsed:.3f}s "
+                  f"samples/s {record.get('samples', 0) / elapsed:.1f} "
+                  f"imbalance {record.get('imbalance')} sampler={cfg.sampler}", flush=True)
+        done = step + 1
+        if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
+            engine.save_checkpoint(cfg.checkpoint_dir, tag=f"step{done}",
+                                   client_state={"dflop_sampler": sampler.state_dict(), "dflop_step": done,
+                                                 "dflop_correction": correction.state_dict() if correction else None})
+        if args.exit_after_step is not None and step == args.exit_after_step:
+            os._exit(17)
+
+    if args.output_dir:
+        save_model(trainer, source, args.output_dir)
+    if rank == 0 and records:
+        summary = summarize(records, cfg, dp_size)
+        summary.update(stage_bounds=trainer.stage_bounds, engine="pipeline" if pipelined else "plain",
+                       zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
+                       gradient_accumulation_steps=engine.gradient_accumulation_steps(),
+                       train_batch_size=engine.train_batch_size(), model=source.name)
+        print("[dflop-ds] summary " + json.dumps(summary), flush=True)
+        if args.summary:
+            Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.summary).write_text(json.dumps({"summary": summary, "steps": records}, indent=1))
+    if tracker:
+        tracker.close()
+    sampler.close()  # no scheduling thread left running while the process exits
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # an orderly exit: gloo's threads stop before teardown
+    release_own_shm_buffer()  # DeepSpeed's CPU all-reduce buffer would stay in /dev/shm
+    return 0
+
+
+def save_model(trainer: TrainingEngine, source: ModelSource, directory: str) -> None:
+    """Write the trained model to ``directory``: gathered on rank 0, then the source's own format
+    (``save_pretrained`` for HuggingFace models, a state dict for the tiny model)."""
+    from dflop_ds.train.gather import gather_full_state
+
+    state = gather_full_state(trainer)
+    if torch.distributed.get_rank() != 0:
+        return
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    if source.save_pretrained is not None:
+        source.save_pretrained(directory)
+    else:
+        torch.save(state, Path(directory) / "model_state.pt")
+    print(f"[dflop-ds] trained model written to {directory}", flush=True)
+
+
+def resume(engine: Any, sampler: Any, cfg: DFLOPConfig, correction: Any = None) -> int:
+    """Load the latest checkpoint, restore the sampler's position (and the correction's state);
+    the step to continue from."""
+    load_path, client_state = engine.load_checkpoint(cfg.checkpoint_dir)
+    if load_path is None:
+        print(f"[dflop-ds] no checkpoint in {cfg.checkpoint_dir}: starting from step 0", flush=True)
+        return 0
+    if "dflop_sampler" not in client_state:
+        raise ValueError(f"checkpoint {load_path} has no dflop sampler state: it was not written by dflop-ds")
+    sampler.load_state_dict(client_state["dflop_sampler"])
+    if correction is not None and client_state.get("dflop_correction"):
+        correction.load_state_dict(client_state["dflop_correction"])
+    print(f"[dflop-ds] resumed from {load_path} at step {client_state['dflop_step']}", flush=True)
+    return int(client_state["dflop_step"])
+
+
+def step_record(step: int, loss: float, elapsed: float, sampler: Any, shapes: Sequence[Any], reads_data: bool) -> dict:
+    """Loss, time and, on ranks that draw data, the size and balance of the step's global batch."""
+    from dflop_ds.telemetry.record import batch_tokens
+
+    record: dict[str, Any] = {"step": step, "loss": loss, "step_s": elapsed}
+    sched = sampler.last_schedule
+    if sched is None or not reads_data:
+        return record
+    record.update(
+        **batch_tokens([mb for r in sched.split.ranks for mb in r], shapes),
+        microbatch_sizes=[len(mb) for mb in sched.split.ranks[sampler.dp_rank]],
+        imbalance=[round(float(x), 4) for x in sched.imbalance()],
+        schedule_ms=1e3 * sched.schedule_s,
+        solver=sched.split.solver,
+    )
+    return record
+
+
+def write_trace(path: str, step: int, sampler: Any) -> None:
+    """Append the samples this data-parallel rank trained in ``step``."""
+    sched = sampler.last_schedule
+    line = {"step": step, "epoch": sched.epoch, "batch_id": sched.batch_id, "dp_rank": sampler.dp_rank,
+            "microbatches": sched.split.ranks[sampler.dp_rank]}
+    with open(path, "a") as handle:
+        handle.write(json.dumps(line) + "\n")
+
+
+def summarize(records: list[dict], cfg: DFLOPConfig, dp_size: int) -> dict:
+    """Throughput and balance over the steps after warm-up."""
+    from dflop_ds.telemetry.record import throughput
+
+    timed = records[cfg.warmup_steps:] or records
+    return {
+        "sampler": cfg.sampler,
+        "steps": len(timed),
+        "dp": dp_size,
+        "pipeline_stages": cfg.pipeline_stages,
+        **throughput(timed),
+        "imbalance_llm": float(np.mean([r["imbalance"][-1] for r in timed])),
+        "imbalance_encoder": float(np.mean([r["imbalance"][0] for r in timed])),
+        "first_loss": records[0]["loss"],
+        "last_loss": records[-1]["loss"],
+        **telemetry_summary([r["telemetry"] for r in timed if "telemetry" in r]),
+    }
+
+
+def telemetry_summary(telemetry: list[dict]) -> dict:
+    """Observed balance and the measurement's own cost over the timed steps (empty without telemetry)."""
+    if not telemetry:
+        return {}
+    return {"imbalance_observed": float(np.nanmean([t["imbalance_observed"] for t in telemetry])),
+            "telemetry_overhead_frac": float(np.median([t["telemetry_overhead_frac"] for t in telemetry]))}

@@ -1,0 +1,76 @@
+"""Model sources: what the training loop needs of a model family, in one value.
+
+A :class:`ModelSource` bundles the layer lists (following the tuple contract of
+``docs/architecture.md``), the shape policy that turns records into sample shapes, the dataset
+and collate that turn sample indices into tensors, and how to count a sample's supervised
+tokens as the loss will. The bundled tiny model is one source; HuggingFace models are others
+(:mod:`dflop_ds.models.hf`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from dflop_ds.shapes import SampleShape, ShapePolicy
+
+
+@dataclass
+class ModelSource:
+    """Layers, data pipeline and token accounting of one model.
+
+    Attributes:
+        name: what the logs call it (``"tiny"`` or the model directory).
+        encoder_layers, projector, llm_layers: the layer lists (modules or ``LayerSpec``s).
+        policy: turns dataset records into :class:`SampleShape` s.
+        read_shapes: ``read_shapes(data_path, on_bad_sample) -> ReadResult`` of the dataset.
+        make_dataset: ``make_dataset(shapes_result) -> Dataset`` indexed like the shapes.
+        collate: microbatch collate producing ``(inputs, labels)``.
+        label_tokens_fn: supervised tokens of a sample as the loss counts them.
+        save_pretrained: optional ``save_pretrained(directory)`` writing the (trained) model
+            in its native format; called on one rank after the weights are gathered there.
+        hf_model: the HuggingFace model whose modules the layers share, if any.
+    """
+
+    name: str
+    encoder_layers: list
+    projector: Any
+    llm_layers: list
+    policy: ShapePolicy
+    read_shapes: Callable[[str, str], Any]
+    make_dataset: Callable[[Any], Any]
+    collate: Callable
+    label_tokens_fn: Callable[[SampleShape], int]
+    save_pretrained: Optional[Callable[[str], None]] = None
+    hf_model: Any = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_layers(self) -> int:
+        """Layers of the flat list: encoder + projector + LLM."""
+        return len(self.encoder_layers) + 1 + len(self.llm_layers)
+
+    def layers(self) -> tuple[list, Any, list]:
+        """``(encoder_layers, projector, llm_layers)``."""
+        return self.encoder_layers, self.projector, self.llm_layers
+
+
+def tiny_source(model_overrides: dict, *, policy_name: str = "tiny", seed: int = 0,
+                as_specs: bool = True) -> ModelSource:
+    """The bundled tiny MLLM on synthetic tensors of the dataset's real shapes."""
+    from dflop_ds.data import read_dataset
+    from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers
+    from dflop_ds.shapes import TINY_POLICY
+
+    config = TinyMLLMConfig(**model_overrides)
+    policy = TINY_POLICY if policy_name == "tiny" else ShapePolicy()
+    encoder, projector, llm = tiny_mllm_layers(config, seed=seed, as_specs=as_specs)
+
+    def read_shapes(path: str, on_bad_sample: str):
+        return read_dataset(path, policy, on_bad_sample=on_bad_sample)
+
+    def make_dataset(shapes: Sequence[SampleShape]):
+        return TinyMLLMDataset(list(shapes), config, seed=seed)
+
+    return ModelSource("tiny", list(encoder), projector, list(llm), policy, read_shapes, make_dataset,
+                       collate_microbatch, supervised_count)
