@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
+from dataclasses import fields
 from typing import Any
 
+from dflop_ds.data.media import MediaOptions
 from dflop_ds.data.validate import check_dataset, format_problems
 from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY, ShapePolicy
 
@@ -61,8 +63,7 @@ def policy_from_args(args: argparse.Namespace) -> ShapePolicy:
 
 def read_options(args: argparse.Namespace) -> dict[str, Any]:
     """The media keyword arguments of :func:`~dflop_ds.data.read_dataset` the flags ask for."""
-    return {key: getattr(args, key) for key in ("image_folder", "video_folder", "image_sizes", "video_frames",
-                                                  "fallback_size", "fallback_frames")}
+    return {item.name: getattr(args, item.name) for item in fields(MediaOptions)}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -32,7 +32,6 @@ from dflop_ds.data.checks import MAX_VIDEO_FRAMES, FieldProblems, type_name
 from dflop_ds.data.errors import PathArg
 from dflop_ds.data.media import MediaLookup
 from dflop_ds.data.records import ReadResult
-from dflop_ds.data.sizes import Fallback
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
 ASSISTANT_ROLES = frozenset({"gpt", "assistant"})
@@ -175,34 +174,22 @@ def read_llava(
     path: PathArg,
     policy: ShapePolicy = ShapePolicy(),
     *,
-    image_folder: PathArg | None = None,
-    video_folder: PathArg | None = None,
-    image_sizes: PathArg | Mapping[str, Sequence[int]] | None = None,
-    video_frames: PathArg | Mapping[str, int] | None = None,
-    fallback_size: Fallback = None,
-    fallback_frames: int | None = None,
     on_bad_sample: str = "error",
+    **media: Any,
 ) -> ReadResult:
     """Read a LLaVA-style JSON array or JSONL file into sample shapes.
 
     Args:
         path: the dataset file.
         policy: tiling and token policy (its tokenizer counts the text).
-        image_folder: folder the records' image paths are relative to; sizes the record and
-            the table do not give are read from the image headers (and cached beside ``path``).
-        video_folder: folder the records' video paths are relative to (checked to exist).
-        image_sizes: side table, a JSON file or a dict mapping image path -> ``[w, h]``.
-        video_frames: side table, a JSON file or a dict mapping video path -> frame count.
-        fallback_size: size of images found nowhere else, without an ``image_folder`` only:
-            ``(w, h)`` or a :class:`SizeDraw`; ``None`` (default) makes it a bad record.
-        fallback_frames: frame count of videos found nowhere else (``None``: bad record).
         on_bad_sample: ``"error"`` (raise :class:`DataError`) or ``"skip"`` (drop and report).
+        **media: where image sizes and frame counts come from: the fields of
+            :class:`~dflop_ds.data.media.MediaOptions` (image/video folders, side tables and
+            explicit fallbacks; an image of unknown size is a bad record).
 
     Returns:
         A :class:`ReadResult`: the shapes in file order, with ``.report``.
     """
     from dflop_ds.data.dispatch import LLAVA, read_dataset
 
-    return read_dataset(path, policy, image_folder=image_folder, video_folder=video_folder,
-                        image_sizes=image_sizes, video_frames=video_frames, fallback_size=fallback_size,
-                        fallback_frames=fallback_frames, on_bad_sample=on_bad_sample, fmt=LLAVA)
+    return read_dataset(path, policy, on_bad_sample=on_bad_sample, fmt=LLAVA, **media)

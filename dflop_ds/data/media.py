@@ -100,18 +100,34 @@ def paths_needing_headers(records: Iterable[RawRecord], table: Mapping[str, Any]
     return paths
 
 
-def media_lookup(
-    data_path: PathArg,
-    records: Sequence[RawRecord],
-    *,
-    image_folder: PathArg | None = None,
-    video_folder: PathArg | None = None,
-    image_sizes: PathArg | Mapping[str, Sequence[int]] | None = None,
-    video_frames: PathArg | Mapping[str, int] | None = None,
-    fallback_size: Fallback = None,
-    fallback_frames: int | None = None,
-    progress: bool = True,
-) -> MediaLookup:
+@dataclass(frozen=True)
+class MediaOptions:
+    """Where a LLaVA file's media sizes come from: the one set of options every reader takes.
+
+    The readers (:func:`~dflop_ds.data.read_dataset`, ``read_llava``, ``validate_dataset``)
+    accept these fields as keyword arguments; an unknown keyword is refused by name.
+
+    Attributes:
+        image_folder: folder the records' image paths are relative to; sizes the record and
+            the table do not give are read from the image headers (cached beside the data file).
+        video_folder: folder the records' video paths are relative to (each video must exist).
+        image_sizes: side table, a JSON file or a dict mapping image path -> ``[w, h]``.
+        video_frames: side table, a JSON file or a dict mapping video path -> frame count.
+        fallback_size: size of images found nowhere else, only without an ``image_folder``:
+            ``(w, h)`` or a :class:`~dflop_ds.data.sizes.SizeDraw`; ``None`` (default): a bad record.
+        fallback_frames: frame count of videos found nowhere else (``None``: a bad record).
+    """
+
+    image_folder: PathArg | None = None
+    video_folder: PathArg | None = None
+    image_sizes: PathArg | Mapping[str, Sequence[int]] | None = None
+    video_frames: PathArg | Mapping[str, int] | None = None
+    fallback_size: Fallback = None
+    fallback_frames: int | None = None
+
+
+def media_lookup(data_path: PathArg, records: Sequence[RawRecord], options: MediaOptions,
+                 *, progress: bool = True) -> MediaLookup:
     """The :class:`MediaLookup` of the LLaVA file ``data_path``, its header sizes read up front.
 
     Every image of ``records`` that needs its header has it read here (once, with a progress
@@ -120,10 +136,11 @@ def media_lookup(
     Raises:
         DataError: a side table cannot be read or has a bad entry (naming it).
     """
-    table = load_size_table(image_sizes)
+    table = load_size_table(options.image_sizes)
     headers = None
-    if image_folder is not None:
-        headers = HeaderSizes(image_folder, cache_path_for(data_path), progress=progress)
+    if options.image_folder is not None:
+        headers = HeaderSizes(options.image_folder, cache_path_for(data_path), progress=progress)
         headers.prefetch(paths_needing_headers(records, table))
-    return MediaLookup(table, load_frame_table(video_frames), fallback_size, fallback_frames, headers,
-                       None if video_folder is None else Path(video_folder))
+    video_folder = None if options.video_folder is None else Path(options.video_folder)
+    return MediaLookup(table, load_frame_table(options.video_frames), options.fallback_size,
+                       options.fallback_frames, headers, video_folder)

@@ -10,13 +10,14 @@ larger than the model can take (``max_llm_tokens``, ``max_encoder_tiles``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
 
 from dflop_ds.data.dispatch import detect_format, read_loaded
 from dflop_ds.data.errors import DataError, PathArg, describe_location
+from dflop_ds.data.media import MediaOptions
 from dflop_ds.data.records import ReadResult, load_records
-from dflop_ds.data.sizes import Fallback, load_frame_table, load_size_table
+from dflop_ds.data.sizes import load_frame_table, load_size_table
 from dflop_ds.shapes import ShapePolicy
 
 
@@ -55,28 +56,22 @@ def check_dataset(
     *,
     max_llm_tokens: int | None = None,
     max_encoder_tiles: int | None = None,
-    image_folder: PathArg | None = None,
-    video_folder: PathArg | None = None,
-    image_sizes: PathArg | Mapping[str, Sequence[int]] | None = None,
-    video_frames: PathArg | Mapping[str, int] | None = None,
-    fallback_size: Fallback = None,
-    fallback_frames: int | None = None,
+    **media: Any,
 ) -> tuple[list[Problem], ReadResult | None]:
     """Like :func:`validate_dataset`, also returning the shapes of the good records.
 
     The second item is ``None`` when the file could not be read or its format not told.
     """
     problems: list[Problem] = []
-    sizes = _load_table(load_size_table, image_sizes, problems)
-    frames = _load_table(load_frame_table, video_frames, problems)
+    options = MediaOptions(**media)
+    options = replace(options, image_sizes=_load_table(load_size_table, options.image_sizes, problems),
+                      video_frames=_load_table(load_frame_table, options.video_frames, problems))
     try:
         records = load_records(path)
         fmt = detect_format(records, path)
     except DataError as error:
         return problems + [Problem.from_error(error)], None
-    result = read_loaded(path, records, policy, fmt=fmt, image_folder=image_folder, video_folder=video_folder,
-                         image_sizes=sizes, video_frames=frames, fallback_size=fallback_size,
-                         fallback_frames=fallback_frames, on_bad_sample="skip", warn=False)
+    result = read_loaded(path, records, policy, fmt=fmt, media=options, on_bad_sample="skip", warn=False)
     problems.extend(Problem.from_error(error) for error in result.report.problems)
     kind = records[0].kind if records else "line"
     caps = (("llm_tokens", max_llm_tokens), ("encoder_tiles", max_encoder_tiles))
@@ -96,12 +91,7 @@ def validate_dataset(
     *,
     max_llm_tokens: int | None = None,
     max_encoder_tiles: int | None = None,
-    image_folder: PathArg | None = None,
-    video_folder: PathArg | None = None,
-    image_sizes: PathArg | Mapping[str, Sequence[int]] | None = None,
-    video_frames: PathArg | Mapping[str, int] | None = None,
-    fallback_size: Fallback = None,
-    fallback_frames: int | None = None,
+    **media: Any,
 ) -> list[Problem]:
     """Every problem of the dataset at ``path`` (empty when it is clean), in file order.
 
@@ -113,14 +103,11 @@ def validate_dataset(
         policy: the shape policy (the caps are checked against its derived shapes).
         max_llm_tokens: report samples whose LLM sequence is longer.
         max_encoder_tiles: report samples with more encoder tiles (tiles + sampled frames).
-        image_folder, video_folder, image_sizes, video_frames, fallback_size, fallback_frames:
-            where media sizes come from, as for :func:`~dflop_ds.data.read_dataset`.
+        **media: the fields of :class:`~dflop_ds.data.media.MediaOptions`, as for
+            :func:`~dflop_ds.data.read_dataset`.
     """
     problems, _ = check_dataset(path, policy, max_llm_tokens=max_llm_tokens,
-                                max_encoder_tiles=max_encoder_tiles, image_folder=image_folder,
-                                video_folder=video_folder, image_sizes=image_sizes,
-                                video_frames=video_frames, fallback_size=fallback_size,
-                                fallback_frames=fallback_frames)
+                                max_encoder_tiles=max_encoder_tiles, **media)
     return problems
 
 
