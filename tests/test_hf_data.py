@@ -256,3 +256,30 @@ def test_cli_reads_with_the_model_policy(model_dir: Path, dataset, capsys: pytes
     data, folder = dataset
     assert cli_main(["validate", str(data), "--model_name_or_path", str(model_dir), "--image_folder", str(folder)]) == 0
     assert "4 samples, no problems" in capsys.readouterr().out
+
+
+def test_plan_refuses_a_cost_model_of_another_policy(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cost_model = tmp_path / "tiny_cm.json"
+    CostModel().fit(synthetic_profile(), TINY_POLICY).save(cost_model)
+    data = Path(__file__).resolve().parents[1] / "examples" / "data" / "coco.jsonl"
+    argv = ["plan", "--gpus", "2", "--global-batch", "8", "--cost-model", str(cost_model), "--data", str(data),
+            "-o", str(tmp_path / "plan.json")]
+    assert cli_main(argv + ["--policy", "default"]) != 0
+    assert "shape policy 'tiny', but the data is shaped with the policy 'default'" in capsys.readouterr().err
+
+
+def test_scheduled_denominators_match_the_collated_targets(pre: LlavaPreprocessor, dataset) -> None:
+    """Over a global batch, the DFLOP sampler's denominators and the collated targets agree exactly."""
+    from dflop_ds.schedule.sampler import DFLOPBatchSampler
+
+    data, folder = dataset
+    shapes = read(data, pre, folder)
+    ds = LlavaDataset(shapes, load_llava_records(data), pre, folder)
+    sampler = DFLOPBatchSampler(shapes, global_batch_size=4, gradient_accumulation_steps=2, prefetch=0,
+                                label_tokens_fn=supervised_targets)
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate_llava)
+    batches = list(loader)
+    assert len(batches) == 2
+    targets_seen = sum(int((targets != -100).sum()) for _, (targets, _) in batches)
+    # each microbatch's denominator is the global batch's target count / (GAS * dp)
+    assert {float(den) * 2 for _, (_, den) in batches} == {float(targets_seen)}
