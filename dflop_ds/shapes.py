@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 Tokenizer = Callable[[str], int]
+#: Counts a whole conversation exactly as a model's data pipeline tokenizes it:
+#: ``(turns as (role, value) pairs, number of images) -> (text_tokens, label_tokens)``.
+ConversationCounter = Callable[[Sequence[tuple[str, str]], int], tuple[int, int]]
 
 
 def default_token_count(text: str) -> int:
@@ -77,6 +80,11 @@ class ShapePolicy:
 
     The defaults follow LLaVA-OneVision-SI at 384 px with SigLIP (729 tokens per tile,
     196 per pooled video frame, 32 frames).
+
+    ``name`` labels the policy in messages; ``tokenizer_id`` names the tokenizer (and chat
+    template) that counts the text, for :meth:`describe` (default: the ``tokenizer``
+    function's qualified name). ``conversation``, when set, counts a LLaVA conversation as
+    a whole (template, separators, image placeholders), replacing the per-turn counting.
     """
 
     tile_size: int = 384
@@ -86,11 +94,24 @@ class ShapePolicy:
     max_frames: int = 32
     tokens_per_frame: int = 196
     tokenizer: Tokenizer = field(default=default_token_count, compare=False, repr=False)
+    name: str = field(default="custom", compare=False)
+    tokenizer_id: str | None = None
+    conversation: ConversationCounter | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("tile_size", "max_tiles", "tokens_per_tile", "max_frames", "tokens_per_frame"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ShapePolicy.{name} must be >= 1, got {getattr(self, name)}")
+
+    def describe(self) -> dict[str, Any]:
+        """What the shapes depend on, JSON-ready: ``name``, the tiling and token numbers, and
+        ``tokenizer`` (its identity). Two policies with equal descriptions but for ``name``
+        derive the same shapes."""
+        tokenizer = self.tokenizer_id or f"{getattr(self.tokenizer, '__module__', '?')}." \
+                                         f"{getattr(self.tokenizer, '__qualname__', type(self.tokenizer).__name__)}"
+        return {"name": self.name, "tile_size": self.tile_size, "max_tiles": self.max_tiles,
+                "add_thumbnail": self.add_thumbnail, "tokens_per_tile": self.tokens_per_tile,
+                "max_frames": self.max_frames, "tokens_per_frame": self.tokens_per_frame, "tokenizer": tokenizer}
 
     def tile_grid(self, width: int, height: int) -> tuple[int, int]:
         """The ``(cols, rows)`` tile grid chosen for an image of ``width x height`` pixels."""
@@ -173,4 +194,7 @@ class ShapePolicy:
 
 #: The policy of the bundled tiny MLLM: real AnyRes tiling of real image sizes, but few
 #: tokens per tile so that CPU training stays fast.
-TINY_POLICY = ShapePolicy(tile_size=336, max_tiles=4, tokens_per_tile=16, max_frames=8, tokens_per_frame=16)
+TINY_POLICY = ShapePolicy(tile_size=336, max_tiles=4, tokens_per_tile=16, max_frames=8, tokens_per_frame=16,
+                          name="tiny")
+#: The default (LLaVA-OneVision-like) policy, by name.
+DEFAULT_POLICY = ShapePolicy(name="default")

@@ -118,13 +118,14 @@ def read_both_ways(text_lines: list[str]) -> None:
         path.write_text("\n".join(text_lines) + "\n")
         strict_error = None
         try:
-            strict = read_dataset(path, TINY_POLICY, fallback_frames=16)
+            strict = read_dataset(path, TINY_POLICY, fallback_size=DEFAULT_FALLBACK_SIZE, fallback_frames=16)
         except DataError as error:
             check_error(error, path, len(text_lines))
             strict_error = error
         problems = validate_dataset(path, TINY_POLICY, fallback_size=DEFAULT_FALLBACK_SIZE, fallback_frames=16)
         try:
-            lenient = read_dataset(path, TINY_POLICY, fallback_frames=16, on_bad_sample="skip")
+            lenient = read_dataset(path, TINY_POLICY, fallback_size=DEFAULT_FALLBACK_SIZE, fallback_frames=16,
+                                   on_bad_sample="skip")
         except DataError as error:  # nothing to read at all: the same file-level refusal
             check_error(error, path, len(text_lines))
             assert strict_error is not None and error.record == strict_error.record

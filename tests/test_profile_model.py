@@ -283,6 +283,9 @@ def test_model_cli_writes_a_loadable_cost_model(tmp_path, capsys) -> None:
     model = CostModel.load(out)
     assert model.encoder_layers == 4 and model.llm_layers == 3
     assert model.predict_microbatch([]).shape == (2,)
+    from dflop_ds.shapes import TINY_POLICY
+
+    assert model.shape_policy == TINY_POLICY.describe()  # the tiny model's policy, stored for check_policy
 
 
 def test_cli_target_spec_loads_a_user_factory() -> None:

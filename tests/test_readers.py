@@ -231,8 +231,8 @@ def test_llava_side_tables_from_dict_and_file(tmp_path: Path) -> None:
 def test_llava_fallbacks(tmp_path: Path) -> None:
     records = [{"id": str(i), "image": f"img{i}.jpg", "conversations": conv(("human", "q"))} for i in range(40)]
     path = write_jsonl(tmp_path / "l.jsonl", records)
-    fixed = read_llava(path, WORDS)
-    assert {s.image_sizes for s in fixed} == {((640, 480),)}  # documented default
+    with pytest.raises(DataError, match="no size for image 'img0.jpg'"):  # no silent default size
+        read_llava(path, WORDS)
     assert {s.image_sizes for s in read_llava(path, WORDS, fallback_size=(10, 20))} == {((10, 20),)}
     draw = SizeDraw([(100, 100), (200, 100), (300, 100)], seed=3)
     drawn = read_llava(path, WORDS, fallback_size=draw)

@@ -7,13 +7,14 @@
 from dflop_ds.data.dispatch import detect_format, read_dataset
 from dflop_ds.data.errors import DataError
 from dflop_ds.data.llava import read_llava
+from dflop_ds.data.media import MediaOptions
 from dflop_ds.data.manifest import read_manifest, write_manifest
 from dflop_ds.data.records import ReadReport, ReadResult
 from dflop_ds.data.sizes import DEFAULT_FALLBACK_SIZE, SizeDraw, load_frame_table, load_size_table
 from dflop_ds.data.validate import Problem, format_problems, validate_dataset
 
 __all__ = [
-    "DataError", "ReadReport", "ReadResult", "SizeDraw", "DEFAULT_FALLBACK_SIZE",
+    "DataError", "MediaOptions", "ReadReport", "ReadResult", "SizeDraw", "DEFAULT_FALLBACK_SIZE",
     "read_dataset", "read_manifest", "write_manifest", "read_llava", "detect_format",
     "load_size_table", "load_frame_table", "Problem", "format_problems", "validate_dataset",
 ]

@@ -6,13 +6,13 @@ Manifest records carry ``text_tokens`` or ``text`` and no ``conversations``; LLa
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from dflop_ds.data.errors import DataError, PathArg
-from dflop_ds.data.llava import MediaLookup, parse_llava_record
+from dflop_ds.data.llava import parse_llava_record
 from dflop_ds.data.manifest import is_manifest_record, parse_manifest_record
+from dflop_ds.data.media import MediaLookup, MediaOptions, media_lookup
 from dflop_ds.data.records import RawRecord, ReadResult, RecordParser, load_records, read_records
-from dflop_ds.data.sizes import DEFAULT_FALLBACK_SIZE, Fallback, load_frame_table, load_size_table
 from dflop_ds.shapes import ShapePolicy
 
 MANIFEST = "manifest"
@@ -51,24 +51,50 @@ def read_dataset(
     path: PathArg,
     policy: ShapePolicy = ShapePolicy(),
     *,
-    image_sizes: PathArg | Mapping[str, Sequence[int]] | None = None,
-    video_frames: PathArg | Mapping[str, int] | None = None,
-    fallback_size: Fallback = DEFAULT_FALLBACK_SIZE,
-    fallback_frames: int | None = None,
     on_bad_sample: str = "error",
+    fmt: str | None = None,
+    warn: bool = True,
+    **media: Any,
 ) -> ReadResult:
-    """Read a shape manifest or a LLaVA file, whichever ``path`` holds.
+    """Read a shape manifest or a LLaVA file into sample shapes: the one way every command reads data.
 
-    The media options mean what they mean for :func:`~dflop_ds.data.llava.read_llava`; they are
-    unused for manifests, which carry their own sizes.
+    ``validate``, ``profile data``, ``plan`` and training all come here with the same options
+    (``dflop_ds.data.cli.read_options`` turns the command-line flags into them).
+
+    Args:
+        path: the dataset file (JSON array or JSONL).
+        policy: the shape policy (tiling, tokens per image, token counting).
+        on_bad_sample: ``"error"`` (raise :class:`DataError` at the first bad record) or
+            ``"skip"`` (drop bad records, keep their problems in ``result.report``).
+        fmt: ``"llava"`` or ``"manifest"`` to insist on a format (default: told by content).
+        warn: log a warning with the count of skipped records.
+        **media: where media sizes and frame counts come from, the fields of
+            :class:`~dflop_ds.data.media.MediaOptions` (``image_folder``, ``video_folder``,
+            ``image_sizes``, ``video_frames``, ``fallback_size``, ``fallback_frames``); unused
+            for manifests, which carry their own sizes. There is no default size: an image
+            whose size is found nowhere is a bad record.
+
+    Raises:
+        DataError: the file or a side table cannot be read, the format cannot be told, or
+            (under ``"error"``) a record is bad, named by file, record, id and field.
+        TypeError: an unknown media option.
     """
+    options = MediaOptions(**media)
     records = load_records(path)
-    fmt = detect_format(records, path)
-    media = None
-    if fmt == LLAVA:
-        media = MediaLookup(load_size_table(image_sizes), load_frame_table(video_frames),
-                            fallback_size, fallback_frames)
-    return read_records(path, records, record_parser(fmt, policy, media), on_bad_sample=on_bad_sample)
+    return read_loaded(path, records, policy, fmt=fmt or detect_format(records, path), media=options,
+                       on_bad_sample=on_bad_sample, warn=warn)
 
 
-__all__ = ["MANIFEST", "LLAVA", "detect_format", "record_parser", "read_dataset"]
+def read_loaded(path: PathArg, records: Sequence[RawRecord], policy: ShapePolicy, *, fmt: str,
+                media: MediaOptions, on_bad_sample: str = "error", warn: bool = True) -> ReadResult:
+    """:func:`read_dataset` on records already loaded from ``path`` in format ``fmt``."""
+    lookup = media_lookup(path, records, media) if fmt == LLAVA else None
+    try:
+        return read_records(path, records, record_parser(fmt, policy, lookup), on_bad_sample=on_bad_sample,
+                            warn=warn)
+    finally:
+        if lookup is not None:
+            lookup.save_cache()
+
+
+__all__ = ["MANIFEST", "LLAVA", "detect_format", "record_parser", "read_dataset", "read_loaded"]

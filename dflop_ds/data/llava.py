@@ -13,23 +13,25 @@ assistant turns (``from`` = ``gpt`` or ``assistant``).
 
 Image sizes are looked up, in this order: in the record (``width``/``height`` for a single
 image, or ``image_sizes: [[w, h], ...]`` with one pair per image); in the ``image_sizes`` side
-table (image path -> ``[w, h]``); then the ``fallback_size`` (a fixed size, default
-:data:`~dflop_ds.data.sizes.DEFAULT_FALLBACK_SIZE` = 640x480, or a seeded
-:class:`~dflop_ds.data.sizes.SizeDraw`; ``None`` makes a missing size an error). Video frame
-counts come from the record (``video_frames`` or ``frame_count``), the ``video_frames`` side
-table (video path -> frames), then ``fallback_frames`` (default ``None``: an error).
+table (image path -> ``[w, h]``); in the image file's header under ``image_folder`` (cached
+beside the data file); then, only without an ``image_folder`` and only when asked for, the
+``fallback_size`` (a fixed size or a seeded :class:`~dflop_ds.data.sizes.SizeDraw`). A size
+found nowhere is a bad record. Video frame counts come from the record (``video_frames`` or
+``frame_count``), the ``video_frames`` side table (video path -> frames), then
+``fallback_frames`` (default ``None``: an error). See :mod:`dflop_ds.data.media`.
+
+A policy with a ``conversation`` counter (a real model's chat template, see
+:mod:`dflop_ds.models.hf.data`) counts the tokens of the templated conversation itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from dflop_ds.data.checks import MAX_VIDEO_FRAMES, FieldProblems, type_name
 from dflop_ds.data.errors import PathArg
-from dflop_ds.data.records import ReadResult, load_records, read_records
-from dflop_ds.data.sizes import (DEFAULT_FALLBACK_SIZE, Fallback, fallback_size_for, load_frame_table,
-                                 load_size_table)
+from dflop_ds.data.media import MediaLookup
+from dflop_ds.data.records import ReadResult
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
 ASSISTANT_ROLES = frozenset({"gpt", "assistant"})
@@ -53,28 +55,6 @@ def conversation_tokens(turns: Sequence[tuple[str, str]], policy: ShapePolicy) -
         if role in ASSISTANT_ROLES:
             labels += tokens
     return text, labels
-
-
-@dataclass(frozen=True)
-class MediaLookup:
-    """Side tables and fallbacks for media sizes a record does not carry."""
-
-    image_sizes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
-    video_frames: Mapping[str, int] = field(default_factory=dict)
-    fallback_size: Fallback = DEFAULT_FALLBACK_SIZE
-    fallback_frames: int | None = None
-
-    def image_size(self, path: str) -> tuple[int, int] | None:
-        """Size of image ``path`` from the side table, else the fallback, else None."""
-        if path in self.image_sizes:
-            return self.image_sizes[path]
-        return fallback_size_for(self.fallback_size, path)
-
-    def frames(self, path: str | None) -> int | None:
-        """Frame count of video ``path`` from the side table, else the fallback, else None."""
-        if path is not None and path in self.video_frames:
-            return self.video_frames[path]
-        return self.fallback_frames
 
 
 def _parse_conversations(record: Mapping[str, Any], problems: FieldProblems) -> list[tuple[str, str]] | None:
@@ -144,12 +124,11 @@ def _resolve_images(record: Mapping[str, Any], problems: FieldProblems,
         return None
     sizes = []
     for i, (path, size) in enumerate(zip(paths, given)):
-        size = size or media.image_size(path)
-        if size is None:
-            name = "image" if isinstance(record["image"], str) else f"image[{i}]"
-            problems.add(name, f"no size for image {path!r}: not in the record, not in the image_sizes "
-                               "table, and no fallback_size")
-        sizes.append(size)
+        found = media.image_size(path, size)
+        if isinstance(found, str):
+            problems.add("image" if isinstance(record["image"], str) else f"image[{i}]", found)
+            found = None
+        sizes.append(found)
     return None if None in sizes else sizes
 
 
@@ -158,15 +137,19 @@ def _resolve_frames(record: Mapping[str, Any], problems: FieldProblems, media: M
     if "video" in record and (not isinstance(video, str) or not video):
         problems.add("video", f"must be a non-empty path string, got {type_name(video)} {video!r}")
         return None
+    given = None
     for key in FRAME_KEYS:
         if key in record:
-            return problems.check_int(record[key], key, minimum=1, maximum=MAX_VIDEO_FRAMES)
+            given = problems.check_int(record[key], key, minimum=1, maximum=MAX_VIDEO_FRAMES)
+            if given is None:
+                return None
+            break
     if video is None:
-        return 0
-    frames = media.frames(video)
-    if frames is None:
-        problems.add("video", f"no frame count for video {video!r}: not in the record ('video_frames'/"
-                              "'frame_count'), not in the video_frames table, and no fallback_frames")
+        return given or 0
+    frames = media.frames(video, given)
+    if isinstance(frames, str):
+        problems.add("video", frames)
+        return None
     return frames
 
 
@@ -179,7 +162,10 @@ def parse_llava_record(record: Mapping[str, Any], problems: FieldProblems, polic
     frames = _resolve_frames(record, problems, media)
     if problems or sample_id is None or turns is None or sizes is None or frames is None:
         return None
-    text_tokens, label_tokens = conversation_tokens(turns, policy)
+    if policy.conversation is not None:
+        text_tokens, label_tokens = policy.conversation(turns, len(sizes))
+    else:
+        text_tokens, label_tokens = conversation_tokens(turns, policy)
     return policy.shape(sample_id, image_sizes=sizes, video_frames=frames,
                         text_tokens=text_tokens, label_tokens=label_tokens)
 
@@ -188,29 +174,22 @@ def read_llava(
     path: PathArg,
     policy: ShapePolicy = ShapePolicy(),
     *,
-    image_sizes: PathArg | Mapping[str, Sequence[int]] | None = None,
-    video_frames: PathArg | Mapping[str, int] | None = None,
-    fallback_size: Fallback = DEFAULT_FALLBACK_SIZE,
-    fallback_frames: int | None = None,
     on_bad_sample: str = "error",
+    **media: Any,
 ) -> ReadResult:
     """Read a LLaVA-style JSON array or JSONL file into sample shapes.
 
     Args:
         path: the dataset file.
         policy: tiling and token policy (its tokenizer counts the text).
-        image_sizes: side table, a JSON file or a dict mapping image path -> ``[w, h]``.
-        video_frames: side table, a JSON file or a dict mapping video path -> frame count.
-        fallback_size: size of images found nowhere else: ``(w, h)``, a :class:`SizeDraw`,
-            or ``None`` to treat a missing size as a bad record.
-        fallback_frames: frame count of videos found nowhere else (``None``: bad record).
         on_bad_sample: ``"error"`` (raise :class:`DataError`) or ``"skip"`` (drop and report).
+        **media: where image sizes and frame counts come from: the fields of
+            :class:`~dflop_ds.data.media.MediaOptions` (image/video folders, side tables and
+            explicit fallbacks; an image of unknown size is a bad record).
 
     Returns:
         A :class:`ReadResult`: the shapes in file order, with ``.report``.
     """
-    media = MediaLookup(load_size_table(image_sizes), load_frame_table(video_frames),
-                        fallback_size, fallback_frames)
-    return read_records(path, load_records(path),
-                        lambda record, problems: parse_llava_record(record, problems, policy, media),
-                        on_bad_sample=on_bad_sample)
+    from dflop_ds.data.dispatch import LLAVA, read_dataset
+
+    return read_dataset(path, policy, on_bad_sample=on_bad_sample, fmt=LLAVA, **media)

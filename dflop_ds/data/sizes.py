@@ -3,9 +3,9 @@
 * Side tables: JSON objects mapping a media path (as written in the record) to ``[w, h]``
   (images) or to a frame count (videos). Load them with :func:`load_size_table` /
   :func:`load_frame_table`, or pass the path straight to the readers.
-* Fallbacks for images with no known size: a fixed size (``DEFAULT_FALLBACK_SIZE``) or a
-  :class:`SizeDraw`, a seeded draw from a list of real sizes that gives each image path the
-  same size on every read, whatever the record order.
+* Fallbacks for images with no known size, used only when passed explicitly: a fixed size
+  (e.g. ``DEFAULT_FALLBACK_SIZE``) or a :class:`SizeDraw`, a seeded draw from a list of real
+  sizes that gives each image path the same size on every read, whatever the record order.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any, Mapping, Sequence, Union
 from dflop_ds.data.checks import MAX_VIDEO_FRAMES, FieldProblems, type_name
 from dflop_ds.data.errors import DataError, PathArg
 
-#: Fallback size of an image with no known size: 640x480, the most common MS-COCO size.
+#: A fixed size to pass as ``fallback_size`` when you want one: 640x480, the most common MS-COCO
+#: size. The readers never use it unless it is passed (an image of unknown size is a bad record).
 DEFAULT_FALLBACK_SIZE: tuple[int, int] = (640, 480)
 
 

@@ -3,20 +3,21 @@
 Checks, for a shape manifest or a LLaVA file: the file can be read and parsed; every record
 is a JSON object with the right fields of the right types; sizes, frame counts and token counts
 are positive and plausible (image sides <= 100000 px, frames <= 10^7); ids are unique; every
-image has a size (record, side table or fallback); and, when caps are given, no sample is
+image has a size (record, side table, image header or an explicit fallback) and, with an image
+folder, exists and is readable; and, when caps are given, no sample is
 larger than the model can take (``max_llm_tokens``, ``max_encoder_tiles``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
 
-from dflop_ds.data.dispatch import LLAVA, detect_format, record_parser
+from dflop_ds.data.dispatch import detect_format, read_loaded
 from dflop_ds.data.errors import DataError, PathArg, describe_location
-from dflop_ds.data.llava import MediaLookup
-from dflop_ds.data.records import ReadResult, load_records, read_records
-from dflop_ds.data.sizes import Fallback, load_frame_table, load_size_table
+from dflop_ds.data.media import MediaOptions
+from dflop_ds.data.records import ReadResult, load_records
+from dflop_ds.data.sizes import load_frame_table, load_size_table
 from dflop_ds.shapes import ShapePolicy
 
 
@@ -55,25 +56,22 @@ def check_dataset(
     *,
     max_llm_tokens: int | None = None,
     max_encoder_tiles: int | None = None,
-    image_sizes: PathArg | Mapping[str, Sequence[int]] | None = None,
-    video_frames: PathArg | Mapping[str, int] | None = None,
-    fallback_size: Fallback = None,
-    fallback_frames: int | None = None,
+    **media: Any,
 ) -> tuple[list[Problem], ReadResult | None]:
     """Like :func:`validate_dataset`, also returning the shapes of the good records.
 
     The second item is ``None`` when the file could not be read or its format not told.
     """
     problems: list[Problem] = []
-    sizes = _load_table(load_size_table, image_sizes, problems)
-    frames = _load_table(load_frame_table, video_frames, problems)
+    options = MediaOptions(**media)
+    options = replace(options, image_sizes=_load_table(load_size_table, options.image_sizes, problems),
+                      video_frames=_load_table(load_frame_table, options.video_frames, problems))
     try:
         records = load_records(path)
         fmt = detect_format(records, path)
     except DataError as error:
         return problems + [Problem.from_error(error)], None
-    media = MediaLookup(sizes, frames, fallback_size, fallback_frames) if fmt == LLAVA else None
-    result = read_records(path, records, record_parser(fmt, policy, media), on_bad_sample="skip", warn=False)
+    result = read_loaded(path, records, policy, fmt=fmt, media=options, on_bad_sample="skip", warn=False)
     problems.extend(Problem.from_error(error) for error in result.report.problems)
     kind = records[0].kind if records else "line"
     caps = (("llm_tokens", max_llm_tokens), ("encoder_tiles", max_encoder_tiles))
@@ -93,28 +91,23 @@ def validate_dataset(
     *,
     max_llm_tokens: int | None = None,
     max_encoder_tiles: int | None = None,
-    image_sizes: PathArg | Mapping[str, Sequence[int]] | None = None,
-    video_frames: PathArg | Mapping[str, int] | None = None,
-    fallback_size: Fallback = None,
-    fallback_frames: int | None = None,
+    **media: Any,
 ) -> list[Problem]:
     """Every problem of the dataset at ``path`` (empty when it is clean), in file order.
 
-    Unlike the readers, ``fallback_size`` defaults to ``None`` here, so images without a known
-    size are reported; pass the fallback you train with to accept them.
+    Media are read exactly as :func:`~dflop_ds.data.read_dataset` reads them for training:
+    pass the same options (image folder, tables, fallbacks) you train with.
 
     Args:
         path: a shape manifest or LLaVA JSON/JSONL file.
         policy: the shape policy (the caps are checked against its derived shapes).
         max_llm_tokens: report samples whose LLM sequence is longer.
         max_encoder_tiles: report samples with more encoder tiles (tiles + sampled frames).
-        image_sizes, video_frames: side tables, as for :func:`~dflop_ds.data.read_llava`.
-        fallback_size, fallback_frames: fallbacks, as for :func:`~dflop_ds.data.read_llava`.
+        **media: the fields of :class:`~dflop_ds.data.media.MediaOptions`, as for
+            :func:`~dflop_ds.data.read_dataset`.
     """
     problems, _ = check_dataset(path, policy, max_llm_tokens=max_llm_tokens,
-                                max_encoder_tiles=max_encoder_tiles, image_sizes=image_sizes,
-                                video_frames=video_frames, fallback_size=fallback_size,
-                                fallback_frames=fallback_frames)
+                                max_encoder_tiles=max_encoder_tiles, **media)
     return problems
 
 

@@ -5,19 +5,25 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dflop_ds.data.cli import add_read_arguments
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.plan_file import Plan
 from dflop_ds.plan.planner import cluster_of, load_cost_model, make_plans, simulate_layout
 from dflop_ds.plan.reference import reference_names
-from dflop_ds.shapes import TINY_POLICY, ShapePolicy
 
 
-def _read_shapes(path: str, policy: str) -> list:
+def _read_shapes(args: argparse.Namespace, model: Any) -> list:
+    """The shapes of ``args.data`` under the flags' policy, after checking ``model`` was made for it."""
     from dflop_ds.data import read_dataset
+    from dflop_ds.data.cli import policy_from_args, read_options
+    from dflop_ds.profile.costmodel import check_policy
 
-    shapes = list(read_dataset(path, TINY_POLICY if policy == "tiny" else ShapePolicy()))
+    policy = policy_from_args(args)
+    if not getattr(model, "is_analytic", False):
+        check_policy(model, policy, source=args.cost_model)
+    shapes = list(read_dataset(args.data, policy, **read_options(args)))
     if not shapes:
-        raise ValueError(f"{path}: no samples")
+        raise ValueError(f"{args.data}: no samples")
     return shapes
 
 
@@ -25,8 +31,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-model", required=True,
                         help=f"a cost-model JSON file or a reference profile: {', '.join(reference_names())}")
     parser.add_argument("--data", required=True, help="dataset to draw global batches from (shape manifest or LLaVA JSON/JSONL)")
-    parser.add_argument("--policy", choices=["default", "tiny"], default="default",
-                        help="shape policy: LLaVA-OneVision tiling (default) or the tiny model's")
+    add_read_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled global batches")
 
 
@@ -46,7 +51,7 @@ def run_plan(args: argparse.Namespace) -> int:
     memory = args.gpu_memory_gb * 1e9 if args.gpu_memory_gb else getattr(getattr(model, "gpu", None), "memory_bytes", 80e9)
     cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory_bytes=memory,
                       max_tp=args.max_tp)
-    shapes = _read_shapes(args.data, args.policy)
+    shapes = _read_shapes(args, model)
     plans = make_plans(model, cluster, shapes, args.global_batch, n_batches=args.batches, top_k=args.top_k, seed=args.seed)
     r = plans.result
     if getattr(model, "is_analytic", False):
@@ -71,7 +76,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     model = load_cost_model(args.cost_model)
     cluster = cluster_of(plan)
-    shapes = _read_shapes(args.data, args.policy)
+    shapes = _read_shapes(args, model)
     panels: list[tuple[str, Any]] = []
     layouts = [("ours (balanced)", plan.layout)]
     if plan.baseline_layout is not None:

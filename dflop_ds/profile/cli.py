@@ -7,6 +7,7 @@ import importlib
 import time
 from typing import Any, Callable
 
+from dflop_ds.data.cli import add_read_arguments
 from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES
 from dflop_ds.profile.timing import CLOCKS, STATISTICS
 
@@ -59,7 +60,7 @@ def run_model(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         seed=args.seed,
     )
-    model = CostModel().fit(profile)
+    model = CostModel().fit(profile, getattr(target, "policy", None))
     model.save(args.output)
     for note in profile.meta["scaling"]:
         print(note)
@@ -70,12 +71,12 @@ def run_model(args: argparse.Namespace) -> int:
 
 def run_data(args: argparse.Namespace) -> int:
     """``profile data``: sample a dataset's shapes and save a DataProfile."""
-    from dflop_ds.data.cli import POLICIES
+    from dflop_ds.data.cli import policy_from_args, read_options
     from dflop_ds.profile.data import profile_data
 
     started = time.perf_counter()
-    profile = profile_data(args.data, POLICIES[args.policy], samples=args.samples, seed=args.seed,
-                           bins=args.bins, on_bad_sample=args.on_bad_sample)
+    profile = profile_data(args.data, policy_from_args(args), samples=args.samples, seed=args.seed,
+                           bins=args.bins, on_bad_sample=args.on_bad_sample, **read_options(args))
     profile.save(args.output)
     from dflop_ds.profile.report import data_profile_table
 
@@ -87,13 +88,15 @@ def run_data(args: argparse.Namespace) -> int:
 def run_engine(args: argparse.Namespace) -> int:
     """``profile engine``: fit an EngineProfile from a profiling run's telemetry and save it."""
     from dflop_ds.data import read_dataset
-    from dflop_ds.data.cli import POLICIES
-    from dflop_ds.profile.costmodel import CostModel
+    from dflop_ds.data.cli import policy_from_args, read_options
+    from dflop_ds.profile.costmodel import CostModel, check_policy
     from dflop_ds.profile.engine import engine_profile_from_run
 
-    shapes = read_dataset(args.data, POLICIES[args.policy])
-    profile = engine_profile_from_run(args.telemetry, shapes, CostModel.load(args.cost_model),
-                                      skip_steps=args.skip_steps)
+    policy = policy_from_args(args)
+    cost_model = CostModel.load(args.cost_model)
+    check_policy(cost_model, policy, source=args.cost_model)
+    shapes = read_dataset(args.data, policy, **read_options(args))
+    profile = engine_profile_from_run(args.telemetry, shapes, cost_model, skip_steps=args.skip_steps)
     profile.save(args.output)
     print(f"engine profile from {profile.meta['steps']} steps of {args.telemetry} (stage split "
           f"{profile.meta['stage_bounds']}):")
@@ -161,8 +164,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Read a shape manifest or LLaVA file, sample shapes (seeded) and save their "
                     "distribution (statistics, histograms and the sampled shapes).")
     data.add_argument("data", metavar="DATA", help="shape manifest (JSONL) or LLaVA JSON/JSONL file")
-    data.add_argument("--policy", choices=("tiny", "default"), default="tiny",
-                      help="shape policy: 'tiny' (bundled tiny model, default) or 'default' (LLaVA-OneVision-like)")
+    add_read_arguments(data, default_policy="tiny")
     data.add_argument("--samples", type=int, default=2000, help="samples to draw (default 2000; all if fewer)")
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--bins", type=int, default=20, help="histogram bins (default 20)")
@@ -178,7 +180,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("telemetry", metavar="TELEMETRY", help="telemetry JSONL written by RuntimeTracker (rank 0)")
     engine.add_argument("--cost-model", required=True, help="the CostModel JSON of `dflop-ds profile model`")
     engine.add_argument("--data", required=True, help="the run's dataset (shape manifest or LLaVA file)")
-    engine.add_argument("--policy", choices=("tiny", "default"), default="tiny", help="shape policy of the data")
+    add_read_arguments(engine, default_policy="tiny")
     engine.add_argument("--skip-steps", type=int, default=3, help="warm-up steps to leave out (default 3)")
     engine.add_argument("--output", "-o", default="engine_profile.json", help="output JSON")
     engine.set_defaults(func=run_engine)

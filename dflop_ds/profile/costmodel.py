@@ -9,6 +9,7 @@ a microbatch of its own.
 
 from __future__ import annotations
 
+import logging
 from os import PathLike
 from typing import Any, Sequence, Union
 
@@ -16,12 +17,14 @@ import numpy as np
 
 from dflop_ds.profile.fit import MonotoneFit
 from dflop_ds.profile.model import Measurement, ModelProfile
-from dflop_ds.shapes import SampleShape
+from dflop_ds.shapes import SampleShape, ShapePolicy
 from dflop_ds.jsonio import read_json_object, write_json
 
 PathArg = Union[str, "PathLike[str]"]
 FORMAT = "dflop-ds-costmodel"
-FORMAT_VERSION = 1
+#: Version 2 adds ``shape_policy`` (the policy the model was profiled under); 1 still loads.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 ENCODER_TIME = ("1", "T")
 LLM_LINEAR_TIME = ("1", "B", "B*S", "B*S^2")
@@ -56,6 +59,8 @@ class CostModel:
     memory was not measured), ``profile_``. Planner attributes: ``encoder_layers``,
     ``llm_layers``, ``param_bytes``, ``hidden_bytes_per_token``, ``layer_shares`` (measured
     share of each layer in its segment's time, or ``None``), ``is_analytic`` (False).
+    ``shape_policy``: :meth:`ShapePolicy.describe` of the policy the shapes it predicts for
+    must be made under (``None`` when unknown, e.g. a version-1 file); see :func:`check_policy`.
     """
 
     is_analytic = False
@@ -73,8 +78,14 @@ class CostModel:
         self.separate_attention = separate_attention
 
     # -- fitting -------------------------------------------------------------------------
-    def fit(self, profile: ModelProfile) -> "CostModel":
-        """Fit every regressor on ``profile``; returns ``self``."""
+    shape_policy: dict[str, Any] | None = None
+
+    def fit(self, profile: ModelProfile, shape_policy: ShapePolicy | None = None) -> "CostModel":
+        """Fit every regressor on ``profile``; returns ``self``.
+
+        ``shape_policy`` is the policy of the profiled model (stored, checked by :func:`check_policy`).
+        """
+        self.shape_policy = None if shape_policy is None else shape_policy.describe()
         if not profile.encoder or not profile.llm:
             raise ValueError("the profile needs both encoder and LLM measurements to fit a CostModel")
         enc, llm = _encoder_vars(profile.encoder), _llm_vars(profile.llm)
@@ -210,6 +221,7 @@ class CostModel:
                 "llm_peak": None if self.llm_peak_ is None else self.llm_peak_.to_dict(),
             },
             "profile": self.profile_.to_dict(),
+            "shape_policy": self.shape_policy,
         }
 
     @classmethod
@@ -218,10 +230,10 @@ class CostModel:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"{source} is not a dflop-ds cost model (missing format {FORMAT!r})")
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise ValueError(
                 f"{source} has cost-model format_version {version!r}, but this dflop-ds reads "
-                f"version {FORMAT_VERSION}: re-run `dflop-ds profile model` to rebuild it"
+                f"versions {', '.join(map(str, READABLE_VERSIONS))}: re-run `dflop-ds profile model` to rebuild it"
             )
         try:
             model = cls(**data["params"])
@@ -233,6 +245,7 @@ class CostModel:
             model.encoder_peak_ = None if fits["encoder_peak"] is None else MonotoneFit.from_dict(fits["encoder_peak"])
             model.llm_peak_ = None if fits["llm_peak"] is None else MonotoneFit.from_dict(fits["llm_peak"])
             model._set_planner_attributes(ModelProfile.from_dict(data["profile"]))
+            model.shape_policy = data.get("shape_policy")
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{source}: malformed cost model, {type(exc).__name__}: {exc}") from exc
         return model
@@ -245,3 +258,30 @@ class CostModel:
     def load(cls, path: PathArg) -> "CostModel":
         """Read a model written by :meth:`save`; errors name the file."""
         return cls.from_dict(read_json_object(path), source=str(path))
+
+
+def check_policy(cost_model: Any, policy: ShapePolicy, *, source: str = "the cost model") -> None:
+    """Refuse ``cost_model`` if it was profiled under a shape policy other than ``policy``.
+
+    A cost model predicts from encoder tiles and LLM tokens; the same data gives other tiles
+    and tokens under another policy, so its predictions would be for another model. A model
+    that records no policy (a version-1 file, an analytic or proxy model) is accepted with a
+    logged warning.
+
+    Raises:
+        ValueError: naming both policies and every field in which they differ.
+    """
+    recorded = getattr(cost_model, "shape_policy", None)
+    wanted = policy.describe()
+    if recorded is None:
+        logging.getLogger(__name__).warning(
+            "%s records no shape policy; cannot check it against the %r policy in use", source, wanted["name"])
+        return
+    differ = sorted(key for key in set(recorded) | set(wanted)
+                    if key != "name" and recorded.get(key) != wanted.get(key))
+    if differ:
+        details = "; ".join(f"{key}: {recorded.get(key)!r} vs {wanted.get(key)!r}" for key in differ)
+        raise ValueError(
+            f"{source} was profiled under the shape policy {recorded.get('name')!r}, but the data is "
+            f"shaped with the policy {wanted['name']!r}; they differ in {details}. Profile the model "
+            "with the policy you train with (or pick the policy the cost model was made for)")

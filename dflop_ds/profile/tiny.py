@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
 
 from dflop_ds.profile.inputs import ContractEncoderInputs, ContractLLMInputs
+from dflop_ds.shapes import TINY_POLICY, ShapePolicy
 
 
 @dataclass
@@ -20,6 +21,8 @@ class ProfileTarget:
     encoder_inputs: ContractEncoderInputs
     llm_inputs: ContractLLMInputs
     output_loss: Callable[[Any], torch.Tensor] | None = None
+    #: the shape policy of the model's data (stored in the fitted cost model); None: unknown
+    policy: ShapePolicy | None = None
 
     def profile_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``profile_model``."""
@@ -62,4 +65,5 @@ def tiny_target(config: Any = None, *, seed: int = 0, text_tokens: int = 8) -> P
         ),
         llm_inputs=ContractLLMInputs(hidden_size=config.llm_dim),
         output_loss=summed_cross_entropy,
+        policy=replace(TINY_POLICY, tokens_per_tile=config.tokens_per_tile, tokens_per_frame=config.tokens_per_tile),
     )

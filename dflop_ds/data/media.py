@@ -1,0 +1,146 @@
+"""Where a LLaVA record's image sizes and video frame counts come from, in one place.
+
+An image's size is, in this order: the size the record gives (``width``/``height`` or
+``image_sizes``); the ``image_sizes`` side table; the image file's header under
+``image_folder`` (cached beside the data file, see :mod:`dflop_ds.data.headers`); and only
+when no ``image_folder`` is given, an explicitly requested ``fallback_size``. With an
+``image_folder`` every image must exist (training loads it), whatever gave its size; a
+missing or unreadable file is a bad record naming the path. A video's frame count is the
+record's, the ``video_frames`` table's, then ``fallback_frames``; with a ``video_folder``
+every video must exist (frame counts are not read from video files: that needs a decoder).
+
+Nothing has a silent default: a size found nowhere is a bad record.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from dflop_ds.data.errors import PathArg
+from dflop_ds.data.headers import HeaderSizes, cache_path_for
+from dflop_ds.data.records import RawRecord
+from dflop_ds.data.sizes import Fallback, fallback_size_for, load_frame_table, load_size_table
+
+#: Record keys that give image sizes (a record with any of them needs no header).
+SIZE_KEYS = ("image_sizes", "width", "height")
+
+
+@dataclass(frozen=True)
+class MediaLookup:
+    """Side tables, media folders and fallbacks for what a record does not carry."""
+
+    image_sizes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    video_frames: Mapping[str, int] = field(default_factory=dict)
+    fallback_size: Fallback = None
+    fallback_frames: int | None = None
+    headers: HeaderSizes | None = None
+    video_folder: Path | None = None
+
+    def image_size(self, path: str, given: tuple[int, int] | None = None) -> tuple[int, int] | str:
+        """Size of image ``path`` (``given``: the record's), or a message saying why there is none."""
+        if self.headers is not None:
+            problem = self.headers.missing(path)
+            if problem is not None:
+                return problem
+        if given is not None:
+            return given
+        if path in self.image_sizes:
+            return self.image_sizes[path]
+        if self.headers is not None:
+            return self.headers.size(path)
+        size = fallback_size_for(self.fallback_size, path)
+        if size is None:
+            return (f"no size for image {path!r}: not in the record, not in the image_sizes table, "
+                    "no image_folder to read its header from, and no fallback_size")
+        return size
+
+    def frames(self, path: str, given: int | None = None) -> int | str:
+        """Frame count of video ``path`` (``given``: the record's), or a message saying why there is none."""
+        if self.video_folder is not None:
+            full = os.path.abspath(os.path.join(self.video_folder, path))
+            if not os.path.isfile(full):
+                return f"video file not found: {full}"
+        if given is not None:
+            return given
+        if path in self.video_frames:
+            return self.video_frames[path]
+        if self.fallback_frames is not None:
+            return self.fallback_frames
+        return (f"no frame count for video {path!r}: not in the record ('video_frames'/'frame_count'), "
+                "not in the video_frames table, and no fallback_frames")
+
+    def save_cache(self) -> None:
+        """Write the header-size cache, if headers were read."""
+        if self.headers is not None:
+            self.headers.save()
+
+
+def record_image_paths(value: Any) -> list[str]:
+    """The image paths of a raw record (no checking: malformed values give none)."""
+    if not isinstance(value, Mapping):
+        return []
+    image = value.get("image")
+    if isinstance(image, str):
+        return [image] if image else []
+    if isinstance(image, list):
+        return [item for item in image if isinstance(item, str) and item]
+    return []
+
+
+def paths_needing_headers(records: Iterable[RawRecord], table: Mapping[str, Any]) -> list[str]:
+    """Image paths of records that give no size for them and that ``table`` does not cover."""
+    paths: list[str] = []
+    for raw in records:
+        if isinstance(raw.value, Mapping) and any(key in raw.value for key in SIZE_KEYS):
+            continue
+        paths.extend(path for path in record_image_paths(raw.value) if path not in table)
+    return paths
+
+
+@dataclass(frozen=True)
+class MediaOptions:
+    """Where a LLaVA file's media sizes come from: the one set of options every reader takes.
+
+    The readers (:func:`~dflop_ds.data.read_dataset`, ``read_llava``, ``validate_dataset``)
+    accept these fields as keyword arguments; an unknown keyword is refused by name.
+
+    Attributes:
+        image_folder: folder the records' image paths are relative to; sizes the record and
+            the table do not give are read from the image headers (cached beside the data file).
+        video_folder: folder the records' video paths are relative to (each video must exist).
+        image_sizes: side table, a JSON file or a dict mapping image path -> ``[w, h]``.
+        video_frames: side table, a JSON file or a dict mapping video path -> frame count.
+        fallback_size: size of images found nowhere else, only without an ``image_folder``:
+            ``(w, h)`` or a :class:`~dflop_ds.data.sizes.SizeDraw`; ``None`` (default): a bad record.
+        fallback_frames: frame count of videos found nowhere else (``None``: a bad record).
+    """
+
+    image_folder: PathArg | None = None
+    video_folder: PathArg | None = None
+    image_sizes: PathArg | Mapping[str, Sequence[int]] | None = None
+    video_frames: PathArg | Mapping[str, int] | None = None
+    fallback_size: Fallback = None
+    fallback_frames: int | None = None
+
+
+def media_lookup(data_path: PathArg, records: Sequence[RawRecord], options: MediaOptions,
+                 *, progress: bool = True) -> MediaLookup:
+    """The :class:`MediaLookup` of the LLaVA file ``data_path``, its header sizes read up front.
+
+    Every image of ``records`` that needs its header has it read here (once, with a progress
+    bar for long scans; the cache file beside ``data_path`` keeps the sizes for the next read).
+
+    Raises:
+        DataError: a side table cannot be read or has a bad entry (naming it).
+    """
+    table = load_size_table(options.image_sizes)
+    headers = None
+    if options.image_folder is not None:
+        headers = HeaderSizes(options.image_folder, cache_path_for(data_path), progress=progress)
+        headers.prefetch(paths_needing_headers(records, table))
+    video_folder = None if options.video_folder is None else Path(options.video_folder)
+    return MediaLookup(table, load_frame_table(options.video_frames), options.fallback_size,
+                       options.fallback_frames, headers, video_folder)

@@ -1,0 +1,388 @@
+"""LLaVA JSON records -> the HF LLaVA microbatch contract (docs: /work/notes/hf_contract.md).
+
+:class:`LlavaPreprocessor` wraps a model directory's ``LlavaProcessor`` (its image processor
+and tokenizer) and owns the one conversation format, so that the shapes the sampler sees and
+the tensors the dataset makes come from the same code and agree token for token:
+
+* **Template** (LLaVA-v1 / Vicuna style)::
+
+      <bos>{system} USER: {human turn} ASSISTANT: {gpt turn}<eos>USER: ... ASSISTANT: ...<eos>
+
+  Each piece is tokenized on its own (no special tokens added) and the pieces' ids are
+  concatenated; ``<bos>`` is there when the tokenizer has one. Supervised (labels): every
+  assistant answer and the ``<eos>`` after it. Roles: ``human``/``user`` and
+  ``gpt``/``assistant`` (any case); any other role is a bad record.
+* **Images**: each ``<image>`` placeholder in a human turn becomes ``image_seq_length`` copies of
+  the image token (as ``LlavaProcessor`` expands it), so the features go where the prompt put
+  them. A record with images but no placeholder gets ``<image>\\n`` per image prepended to its
+  first human turn (as LLaVA does); other mismatches are bad records.
+* **Length**: sequences longer than ``max_length`` (default: the tokenizer's
+  ``model_max_length``) are bad records (``truncation="error"``, the default) or cut at
+  ``max_length`` (``truncation="truncate"``, counted in ``truncated_samples``); a cut that
+  would drop image tokens is always a bad record.
+
+Only plain LLaVA (one tile per image) is supported; AnyRes processors (LLaVA-NeXT,
+LLaVA-OneVision) are refused. transformers and PIL are imported lazily.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch.utils.data import Dataset
+
+from dflop_ds.data.errors import DataError, PathArg
+from dflop_ds.data.media import record_image_paths
+from dflop_ds.data.records import load_records
+from dflop_ds.models.data import IGNORE_INDEX, microbatch_denominator
+from dflop_ds.shapes import SampleShape, ShapePolicy
+
+logger = logging.getLogger(__name__)
+
+TEMPLATE_NAME = "llava-v1"
+DEFAULT_SYSTEM = ("A chat between a curious human and an artificial intelligence assistant. "
+                  "The assistant gives helpful, detailed, and polite answers to the human's questions.")
+IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
+USER_ROLES = frozenset({"human", "user"})
+ASSISTANT_ROLES = frozenset({"gpt", "assistant"})
+TRUNCATION = ("error", "truncate")
+#: tokenizers without a real limit report a huge ``model_max_length``; above this it means none
+NO_LIMIT = 10**8
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One conversation as token ids; ``supervised[t]`` marks tokens the loss predicts."""
+
+    input_ids: list[int]
+    supervised: list[bool]
+    image_tokens: int
+    truncated: int = 0
+
+    @property
+    def label_count(self) -> int:
+        """Targets the sample gets: supervised tokens after position 0 (position 0 is never predicted)."""
+        return sum(self.supervised[1:])
+
+
+def _tokenizer_digest(tokenizer: Any) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+class LlavaPreprocessor:
+    """A LLaVA processor's image processor and tokenizer plus the conversation template.
+
+    Args:
+        processor: a ``transformers.LlavaProcessor``.
+        system: the system line of the template.
+        max_length: longest sequence, image tokens included (default: ``model_max_length``).
+        truncation: ``"error"`` (a longer sample is a bad record) or ``"truncate"``.
+        name: the policy's name in messages (e.g. the model directory's name).
+    """
+
+    def __init__(self, processor: Any, *, system: str = DEFAULT_SYSTEM, max_length: int | None = None,
+                 truncation: str = "error", name: str = "llava") -> None:
+        kind = type(processor).__name__
+        image_processor = getattr(processor, "image_processor", None)
+        if kind != "LlavaProcessor" or getattr(image_processor, "image_grid_pinpoints", None):
+            raise ValueError(f"processor {kind} is not supported: only plain LLaVA (LlavaProcessor, one tile "
+                             "per image); AnyRes processors (LLaVA-NeXT, LLaVA-OneVision) are out of scope")
+        if truncation not in TRUNCATION:
+            raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.image_processor = image_processor
+        self.system = system
+        self.truncation = truncation
+        self.name = name
+        self.truncated_samples = 0
+        self.image_token_id = int(processor.image_token_id)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            raise ValueError(f"{name}: the tokenizer has no eos token to end assistant turns with")
+        self.bos_token_id = self.tokenizer.bos_token_id
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(self.eos_token_id if pad is None else pad)
+        limit = max_length if max_length is not None else self.tokenizer.model_max_length
+        self.max_length = None if limit is None or limit > NO_LIMIT else int(limit)
+        self.pixel_shape = tuple(self._process([_blank_image()]).shape[1:])
+        self.image_seq_length = self._tokens_per_image()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> "LlavaPreprocessor":
+        """Load the processor of a ``save_pretrained`` directory (offline) and wrap it."""
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        kwargs.setdefault("name", f"llava:{Path(model_dir).name}")
+        return cls(processor, **kwargs)
+
+    def _tokens_per_image(self) -> int:
+        patch = getattr(self.processor, "patch_size", None)
+        if not patch:
+            raise ValueError(f"{self.name}: the processor has no patch_size, so the image tokens per image are "
+                             "unknown (save the processor with patch_size and vision_feature_select_strategy)")
+        _, height, width = self.pixel_shape
+        tokens = (height // patch) * (width // patch) + int(getattr(self.processor, "num_additional_image_tokens", 0))
+        if getattr(self.processor, "vision_feature_select_strategy", None) == "default":
+            tokens -= 1
+        if tokens < 1:
+            raise ValueError(f"{self.name}: {tokens} image tokens per image for {height}x{width} pixels, patch {patch}")
+        return tokens
+
+    # -- text ---------------------------------------------------------------------------
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def count_text(self, text: str) -> int:
+        """Tokens of ``text`` alone (for shape manifests that carry raw text)."""
+        return len(self._ids(text))
+
+    def _normalize(self, turns: Sequence[tuple[str, str]], n_images: int) -> list[tuple[str, str]]:
+        """Turns with roles mapped to user/assistant and image placeholders matched to ``n_images``."""
+        normalized, placeholders = [], 0
+        for i, (role, value) in enumerate(turns):
+            kind = "user" if role.lower() in USER_ROLES else "assistant" if role.lower() in ASSISTANT_ROLES else None
+            if kind is None:
+                raise ValueError(f"conversations[{i}].from: unknown role {role!r} "
+                                 "(expected human/user or gpt/assistant, any case)")
+            if VIDEO_PLACEHOLDER in value:
+                raise ValueError(f"conversations[{i}].value: {VIDEO_PLACEHOLDER} is not supported by LLaVA models")
+            if IMAGE_PLACEHOLDER in value and kind == "assistant":
+                raise ValueError(f"conversations[{i}].value: {IMAGE_PLACEHOLDER} in an assistant turn")
+            placeholders += value.count(IMAGE_PLACEHOLDER)
+            normalized.append((kind, value))
+        if n_images and not placeholders:
+            first = next((i for i, (kind, _) in enumerate(normalized) if kind == "user"), None)
+            if first is None:
+                raise ValueError("conversations: the record has images but no human turn to put them in")
+            normalized[first] = ("user", f"{IMAGE_PLACEHOLDER}\n" * n_images + normalized[first][1])
+        elif placeholders != n_images:
+            raise ValueError(f"conversations: {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) for "
+                             f"{n_images} image(s) in 'image'")
+        return normalized
+
+    def encode(self, turns: Sequence[tuple[str, str]], n_images: int) -> Encoded:
+        """Token ids and supervision mask of a conversation of ``(role, value)`` turns with ``n_images`` images.
+
+        Raises:
+            ValueError: a bad role, placeholder mismatch or over-long sample, naming the field.
+        """
+        ids: list[int] = []
+        supervised: list[bool] = []
+
+        def add(tokens: list[int], label: bool) -> None:
+            ids.extend(tokens)
+            supervised.extend([label] * len(tokens))
+
+        if self.bos_token_id is not None:
+            add([int(self.bos_token_id)], False)
+        if self.system:
+            add(self._ids(self.system + " "), False)
+        for kind, value in self._normalize(turns, n_images):
+            if kind == "user":
+                for k, part in enumerate(f"USER: {value} ".split(IMAGE_PLACEHOLDER)):
+                    if k:
+                        add([self.image_token_id] * self.image_seq_length, False)
+                    add(self._ids(part), False)
+            else:
+                add(self._ids("ASSISTANT: "), False)
+                add(self._ids(value) + [int(self.eos_token_id)], True)
+        return self._fit(Encoded(ids, supervised, n_images * self.image_seq_length))
+
+    def _fit(self, encoded: Encoded) -> Encoded:
+        length = len(encoded.input_ids)
+        if self.max_length is None or length <= self.max_length:
+            return encoded
+        if self.truncation == "error":
+            raise ValueError(f"conversations: {length} tokens (images expanded) exceed max_length {self.max_length}")
+        last_image = max((t for t, token in enumerate(encoded.input_ids) if token == self.image_token_id), default=-1)
+        if last_image >= self.max_length:
+            raise ValueError(f"conversations: cutting {length} tokens at max_length {self.max_length} would drop "
+                             "image tokens")
+        keep = self.max_length
+        return Encoded(encoded.input_ids[:keep], encoded.supervised[:keep], encoded.image_tokens, length - keep)
+
+    def count(self, turns: Sequence[tuple[str, str]], n_images: int) -> tuple[int, int]:
+        """``(text_tokens, label_tokens)`` exactly as :meth:`encode` produces them (image tokens excluded)."""
+        encoded = self.encode(turns, n_images)
+        if encoded.truncated:
+            if not self.truncated_samples:
+                logger.warning("%s: truncating samples longer than max_length %d (counted in truncated_samples)",
+                               self.name, self.max_length)
+            self.truncated_samples += 1
+        return len(encoded.input_ids) - encoded.image_tokens, encoded.label_count
+
+    # -- images -------------------------------------------------------------------------
+    def _process(self, images: list) -> torch.Tensor:
+        return self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+
+    def pixel_values(self, images: list) -> torch.Tensor:
+        """``[len(images), C, H, W]`` float pixel values (``[0, C, H, W]`` for no images)."""
+        if not images:
+            return torch.zeros((0, *self.pixel_shape), dtype=torch.float32)
+        return self._process(images).float()
+
+    # -- identity -----------------------------------------------------------------------
+    def identity(self) -> str:
+        """What fixes the token counts: template, system line, tokenizer contents, image token, length rule."""
+        system = hashlib.sha256(self.system.encode("utf-8")).hexdigest()[:8]
+        return (f"{TEMPLATE_NAME} system:{system} tokenizer:{type(self.tokenizer).__name__}:"
+                f"{_tokenizer_digest(self.tokenizer)} image_token:{self.image_token_id} "
+                f"max_length:{self.max_length} truncation:{self.truncation}")
+
+    def policy(self) -> ShapePolicy:
+        """The :class:`ShapePolicy` of this model's data: one tile per image of ``image_seq_length``
+        tokens and exact conversation token counts (videos are not supported)."""
+        _, height, width = self.pixel_shape
+        return ShapePolicy(tile_size=max(height, width), max_tiles=1, add_thumbnail=False,
+                           tokens_per_tile=self.image_seq_length, max_frames=1, tokens_per_frame=1,
+                           tokenizer=self.count_text, name=self.name, tokenizer_id=self.identity(),
+                           conversation=self.count)
+
+
+def _blank_image() -> Any:
+    from PIL import Image
+
+    return Image.new("RGB", (64, 48))
+
+
+def llava_policy(model_dir: PathArg, *, max_length: int | None = None, truncation: str = "error") -> ShapePolicy:
+    """The shape policy of a HuggingFace LLaVA ``save_pretrained`` directory's processor."""
+    return LlavaPreprocessor.from_pretrained(model_dir, max_length=max_length, truncation=truncation).policy()
+
+
+def supervised_targets(shape: SampleShape) -> int:
+    """Targets (non -100 entries) :class:`LlavaDataset` makes for ``shape``: its ``label_tokens``
+    (the sampler's ``label_tokens_fn`` for shapes of :meth:`LlavaPreprocessor.policy`)."""
+    return shape.label_tokens
+
+
+def load_llava_records(path: PathArg) -> dict[str, Mapping[str, Any]]:
+    """The records of a LLaVA JSON/JSONL file by id (as a string); records without one are left out."""
+    records = {}
+    for raw in load_records(path):
+        if isinstance(raw.value, Mapping) and isinstance(raw.value.get("id"), (str, int)):
+            records[str(raw.value["id"])] = raw.value
+    return records
+
+
+@dataclass
+class LlavaItem:
+    """One sample: ``pixel_values [n_img, C, H, W]``, ``input_ids [L]``, shifted ``targets [L]``."""
+
+    sample_id: str
+    pixel_values: torch.Tensor
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    pad_token_id: int
+    loss_denominator: float | None = None
+
+
+class LlavaDataset(Dataset):
+    """The samples of ``shapes`` (made under ``preprocessor.policy()``) as contract tensors.
+
+    Args:
+        shapes: one shape per sample, in dataset order (e.g. ``read_dataset(...)[:n]``).
+        records: the raw records by id (:func:`load_llava_records`).
+        preprocessor: the model directory's :class:`LlavaPreprocessor`.
+        image_folder: folder the records' image paths are relative to.
+        source: the data file, for messages.
+    """
+
+    def __init__(self, shapes: Sequence[SampleShape], records: Mapping[str, Mapping[str, Any]],
+                 preprocessor: LlavaPreprocessor, image_folder: PathArg | None, *, source: PathArg | None = None) -> None:
+        self.shapes = list(shapes)
+        self.records = records
+        self.preprocessor = preprocessor
+        self.image_folder = None if image_folder is None else Path(image_folder)
+        self.source = source
+        for shape in self.shapes:
+            if shape.sample_id not in records:
+                raise self._error(shape.sample_id, None, "no record with this id in the records given")
+            if shape.video_frames:
+                raise self._error(shape.sample_id, "video", "videos are not supported by LLaVA models")
+            if shape.image_sizes and self.image_folder is None:
+                raise self._error(shape.sample_id, "image", "the sample has images but no image_folder was given")
+
+    def _error(self, sample_id: str, field: str | None, reason: str) -> DataError:
+        return DataError(reason, path=self.source, sample_id=sample_id, field=field)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def _load_images(self, sample_id: str, record: Mapping[str, Any]) -> list:
+        from PIL import Image
+
+        paths = record_image_paths(record)
+        images = []
+        for i, path in enumerate(paths):
+            full = os.path.abspath(os.path.join(self.image_folder, path))  # type: ignore[arg-type]
+            try:
+                with Image.open(full) as image:
+                    images.append(image.convert("RGB"))
+            except (OSError, ValueError) as exc:
+                field = "image" if isinstance(record.get("image"), str) else f"image[{i}]"
+                raise self._error(sample_id, field, f"cannot load image {full}: {exc}") from exc
+        return images
+
+    def __getitem__(self, idx: int) -> LlavaItem:
+        """The sample at ``idx`` (an ``int`` or a ``ScheduledIndex``, whose denominator is kept)."""
+        i = int(idx)
+        if not 0 <= i < len(self.shapes):
+            raise IndexError(f"LlavaDataset index {i} out of range [0, {len(self.shapes)})")
+        shape = self.shapes[i]
+        record = self.records[shape.sample_id]
+        images = self._load_images(shape.sample_id, record)
+        turns = [(turn["from"], turn["value"]) for turn in record["conversations"]]
+        try:
+            encoded = self.preprocessor.encode(turns, len(images))
+        except ValueError as exc:
+            raise self._error(shape.sample_id, None, str(exc)) from exc
+        if len(encoded.input_ids) != shape.llm_tokens or encoded.label_count != shape.label_tokens:
+            raise self._error(shape.sample_id, None, (
+                f"encodes to {len(encoded.input_ids)} tokens with {encoded.label_count} targets, but its shape "
+                f"says {shape.llm_tokens} and {shape.label_tokens}: the shapes were made under another policy "
+                f"than {self.preprocessor.name!r}"))
+        ids = torch.tensor(encoded.input_ids, dtype=torch.long)
+        targets = torch.full_like(ids, IGNORE_INDEX)
+        supervised = torch.tensor(encoded.supervised[1:], dtype=torch.bool)
+        targets[:-1][supervised] = ids[1:][supervised]
+        denominator = getattr(idx, "loss_denominator", None)
+        return LlavaItem(shape.sample_id, self.preprocessor.pixel_values(images), ids, targets,
+                         self.preprocessor.pad_token_id, None if denominator is None else float(denominator))
+
+
+def collate_llava(items: Sequence[LlavaItem]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+    """One microbatch as the contract's ``((pixel_values, input_ids, seq_lens), (targets, loss_denominator))``.
+
+    ``input_ids`` are right-padded with the tokenizer's pad id, ``targets`` with -100; the
+    denominator is the scheduled one, or the microbatch's own target count for plain indices.
+    """
+    if not items:
+        raise ValueError("collate_llava: empty microbatch")
+    pads = {item.pad_token_id for item in items}
+    if len(pads) > 1:
+        raise ValueError(f"collate_llava: items of different tokenizers (pad ids {sorted(pads)})")
+    seq_lens = torch.tensor([item.input_ids.numel() for item in items], dtype=torch.long)
+    input_ids = torch.full((len(items), int(seq_lens.max())), pads.pop(), dtype=torch.long)
+    targets = torch.full_like(input_ids, IGNORE_INDEX)
+    for b, item in enumerate(items):
+        input_ids[b, : item.input_ids.numel()] = item.input_ids
+        targets[b, : item.targets.numel()] = item.targets
+    pixel_values = torch.cat([item.pixel_values for item in items], dim=0)
+    denominator = torch.tensor(microbatch_denominator(items), dtype=torch.float64)
+    return (pixel_values, input_ids, seq_lens), (targets, denominator)
+
+
+__all__ = ["DEFAULT_SYSTEM", "Encoded", "LlavaPreprocessor", "llava_policy", "supervised_targets",
+           "load_llava_records", "LlavaItem", "LlavaDataset", "collate_llava"]
