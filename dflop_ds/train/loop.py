@@ -93,7 +93,7 @@ def load_plan(path: Optional[str]):
 def model_source(cfg: DFLOPConfig) -> ModelSource:
     """The tiny model, or the HuggingFace model of ``"dflop".model_name_or_path``."""
     if cfg.model_name_or_path is None:
-        return tiny_source(cfg.model, policy_name=cfg.policy, seed=cfg.seed)
+        return tiny_source(cfg.model, policy_name=cfg.policy, seed=cfg.seed, image_folder=cfg.image_folder)
     from dflop_ds.models.hf.source import hf_source
 
     return hf_source(cfg.model_name_or_path, image_folder=cfg.image_folder, freeze_encoder=cfg.freeze_encoder)
@@ -137,6 +137,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     shapes = data[: cfg.max_samples]
     dataset = source.make_dataset(shapes)
     cost_model = load_cost_model(cfg.cost_model)
+    if cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
+        from dflop_ds.profile.costmodel import check_policy
+
+        check_policy(cost_model, source.policy, source=str(cfg.cost_model))
 
     encoder, projector, llm = source.layers()
     encoder = inject_fault(encoder, cfg.fault, ds_config)  # testing only: an optional slow shape class

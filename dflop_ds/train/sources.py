@@ -23,7 +23,8 @@ class ModelSource:
         name: what the logs call it (``"tiny"`` or the model directory).
         encoder_layers, projector, llm_layers: the layer lists (modules or ``LayerSpec``s).
         policy: turns dataset records into :class:`SampleShape` s.
-        read_shapes: ``read_shapes(data_path, on_bad_sample) -> ReadResult`` of the dataset.
+        read_shapes: ``read_shapes(data_path, on_bad_sample) -> ReadResult`` of the dataset
+            (:func:`dflop_ds.data.read_dataset` with the source's policy and media options).
         make_dataset: ``make_dataset(shapes_result) -> Dataset`` indexed like the shapes.
         collate: microbatch collate producing ``(inputs, labels)``.
         label_tokens_fn: supervised tokens of a sample as the loss counts them.
@@ -55,19 +56,20 @@ class ModelSource:
         return self.encoder_layers, self.projector, self.llm_layers
 
 
-def tiny_source(model_overrides: dict, *, policy_name: str = "tiny", seed: int = 0,
-                as_specs: bool = True) -> ModelSource:
-    """The bundled tiny MLLM on synthetic tensors of the dataset's real shapes."""
+def tiny_source(model_overrides: dict, *, policy_name: str = "tiny", seed: int = 0, as_specs: bool = True,
+                image_folder: Optional[str] = None) -> ModelSource:
+    """The bundled tiny MLLM on synthetic tensors of the dataset's real shapes (image sizes from
+    the records, or from the files' headers under ``image_folder``)."""
     from dflop_ds.data import read_dataset
     from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers
-    from dflop_ds.shapes import TINY_POLICY
+    from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY
 
     config = TinyMLLMConfig(**model_overrides)
-    policy = TINY_POLICY if policy_name == "tiny" else ShapePolicy()
+    policy = TINY_POLICY if policy_name == "tiny" else DEFAULT_POLICY
     encoder, projector, llm = tiny_mllm_layers(config, seed=seed, as_specs=as_specs)
 
     def read_shapes(path: str, on_bad_sample: str):
-        return read_dataset(path, policy, on_bad_sample=on_bad_sample)
+        return read_dataset(path, policy, on_bad_sample=on_bad_sample, image_folder=image_folder)
 
     def make_dataset(shapes: Sequence[SampleShape]):
         return TinyMLLMDataset(list(shapes), config, seed=seed)
