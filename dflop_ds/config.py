@@ -51,6 +51,9 @@ class DFLOPConfig:
             model).
         image_folder: folder the dataset records' image paths are relative to (None: the data
             file's folder).
+        lora: LoRA fine-tuning of a HuggingFace model's language model (see
+            :func:`dflop_ds.models.hf.lora.apply_lora`), e.g. ``{"r": 8, "alpha": 16}``; None
+            trains every weight.
         fault: inject a slow shape class for tests and demos (see
             :class:`dflop_ds.testing.FaultSpec`), e.g. ``{"min_tiles": 6, "seconds_per_tile": 0.01}``.
     """
@@ -80,6 +83,7 @@ class DFLOPConfig:
     correction: dict[str, Any] = field(default_factory=dict)
     model_name_or_path: Optional[str] = None
     image_folder: Optional[str] = None
+    lora: Optional[dict[str, Any]] = None
     fault: Optional[dict[str, Any]] = None
 
     @classmethod

@@ -96,7 +96,7 @@ def model_source(cfg: DFLOPConfig) -> ModelSource:
         return tiny_source(cfg.model, policy_name=cfg.policy, seed=cfg.seed, image_folder=cfg.image_folder)
     from dflop_ds.models.hf.source import hf_source
 
-    return hf_source(cfg.model_name_or_path, image_folder=cfg.image_folder, freeze_encoder=cfg.freeze_encoder)
+    return hf_source(cfg.model_name_or_path, image_folder=cfg.image_folder, lora=cfg.lora)
 
 
 def print_skip_report(report, limit: int = 20) -> None:
@@ -135,7 +135,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if rank == 0:
         print_skip_report(data.report)
     shapes = data[: cfg.max_samples]
-    dataset = source.make_dataset(shapes)
+    dataset = source.make_dataset(shapes, cfg.data)
     cost_model = load_cost_model(cfg.cost_model)
     if cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
         from dflop_ds.profile.costmodel import check_policy
@@ -226,7 +226,7 @@ def save_model(trainer: TrainingEngine, source: ModelSource, directory: str) -> 
         return
     Path(directory).mkdir(parents=True, exist_ok=True)
     if source.save_pretrained is not None:
-        source.save_pretrained(directory)
+        source.save_pretrained(directory, state)
     else:
         torch.save(state, Path(directory) / "model_state.pt")
     print(f"[dflop-ds] trained model written to {directory}", flush=True)

@@ -25,11 +25,12 @@ class ModelSource:
         policy: turns dataset records into :class:`SampleShape` s.
         read_shapes: ``read_shapes(data_path, on_bad_sample) -> ReadResult`` of the dataset
             (:func:`dflop_ds.data.read_dataset` with the source's policy and media options).
-        make_dataset: ``make_dataset(shapes_result) -> Dataset`` indexed like the shapes.
+        make_dataset: ``make_dataset(shapes, data_path) -> Dataset`` indexed like the shapes.
         collate: microbatch collate producing ``(inputs, labels)``.
         label_tokens_fn: supervised tokens of a sample as the loss counts them.
-        save_pretrained: optional ``save_pretrained(directory)`` writing the (trained) model
-            in its native format; called on one rank after the weights are gathered there.
+        save_pretrained: optional ``save_pretrained(directory, state)`` writing the model in its
+            native format with the trained flat ``state`` (``"<layer index>.<name>"``, gathered
+            on the one rank that calls it).
         hf_model: the HuggingFace model whose modules the layers share, if any.
     """
 
@@ -39,10 +40,10 @@ class ModelSource:
     llm_layers: list
     policy: ShapePolicy
     read_shapes: Callable[[str, str], Any]
-    make_dataset: Callable[[Any], Any]
+    make_dataset: Callable[[Sequence[SampleShape], str], Any]
     collate: Callable
     label_tokens_fn: Callable[[SampleShape], int]
-    save_pretrained: Optional[Callable[[str], None]] = None
+    save_pretrained: Optional[Callable[[str, dict], None]] = None
     hf_model: Any = None
     meta: dict = field(default_factory=dict)
 
@@ -71,7 +72,7 @@ def tiny_source(model_overrides: dict, *, policy_name: str = "tiny", seed: int =
     def read_shapes(path: str, on_bad_sample: str):
         return read_dataset(path, policy, on_bad_sample=on_bad_sample, image_folder=image_folder)
 
-    def make_dataset(shapes: Sequence[SampleShape]):
+    def make_dataset(shapes: Sequence[SampleShape], data_path: str):
         return TinyMLLMDataset(list(shapes), config, seed=seed)
 
     return ModelSource("tiny", list(encoder), projector, list(llm), policy, read_shapes, make_dataset,

@@ -1,0 +1,58 @@
+"""LoRA fine-tuning of a LLaVA model's language model with ``peft``, as LLaVA's own scripts train.
+
+:func:`apply_lora` injects low-rank adapters into the language model's linear layers in place,
+so the layer lists built afterwards (or before: the decoder layers are the same objects) train
+the adapters. Trainable afterwards: the adapters and the multimodal projector (LLaVA trains its
+projector in LoRA runs too); the vision tower, the embeddings, the base linears and the head
+stay frozen. The trained model is written back by merging the adapters into the base weights
+(``merge_and_unload``), so transformers loads it as a plain checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+#: linear layers of a Llama/Qwen2/Mistral decoder layer that get adapters by default
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_KEYS = {"r": int, "alpha": (int, float), "dropout": (int, float), "target_modules": list}
+
+
+def lora_settings(block: Mapping[str, Any], source: str = "\"dflop\".lora") -> dict[str, Any]:
+    """Validated LoRA settings with defaults (``r`` 8, ``alpha`` 16, ``dropout`` 0.0, the
+    attention and MLP projections); unknown keys and bad values are refused by name."""
+    unknown = sorted(set(block) - set(LORA_KEYS))
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {unknown}; known: {sorted(LORA_KEYS)}")
+    settings = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": list(DEFAULT_TARGETS), **block}
+    for key, kind in LORA_KEYS.items():
+        value = settings[key]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ValueError(f"{source}.{key} has an invalid value {value!r}")
+    if settings["r"] < 1 or settings["alpha"] <= 0 or not 0 <= settings["dropout"] < 1:
+        raise ValueError(f"{source}: need r >= 1, alpha > 0 and 0 <= dropout < 1, got {settings}")
+    if not settings["target_modules"] or not all(isinstance(m, str) for m in settings["target_modules"]):
+        raise ValueError(f"{source}.target_modules must be a non-empty list of module names")
+    return settings
+
+
+def apply_lora(model: Any, block: Mapping[str, Any]) -> Any:
+    """Inject LoRA adapters into ``model``'s language model (in place); returns the ``PeftModel``.
+
+    Only modules under the language model are targeted (never the vision tower or the
+    projector). Raises ``ValueError`` when no module of the language model matches
+    ``target_modules``.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    settings = lora_settings(block)
+    names = "|".join(sorted(set(settings["target_modules"])))
+    config = LoraConfig(r=settings["r"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"],
+                        target_modules=rf".*language_model.*\.({names})$")
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as error:
+        raise ValueError(f"LoRA: no module of the language model matches {settings['target_modules']}: {error}") from error
+    for name, parameter in model.named_parameters():
+        if "multi_modal_projector" in name:
+            parameter.requires_grad_(True)
+    return peft_model
