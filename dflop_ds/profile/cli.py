@@ -38,8 +38,14 @@ def run_model(args: argparse.Namespace) -> int:
     from dflop_ds.profile.model import profile_model
     from dflop_ds.profile.tiny import tiny_target
 
+    if args.target and args.model_name_or_path:
+        raise SystemExit("profile model: give --target or --model_name_or_path, not both")
     if args.target:
         target = load_target(args.target)
+    elif args.model_name_or_path:
+        from dflop_ds.models.hf.profile import llava_target
+
+        target = llava_target(args.model_name_or_path)
     else:
         from dflop_ds.models import TinyMLLMConfig
 
@@ -138,10 +144,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     model = commands.add_parser(
         "model", help="time forward+backward of the model's layers; fit and save a CostModel",
-        description="Profile the bundled tiny MLLM (or --target) over tile counts and (batch, sequence "
-                    "length) grids, a few blocks scaled to the full depth, and save the fitted CostModel.")
+        description="Profile the bundled tiny MLLM (or a HuggingFace LLaVA directory, or --target) over tile "
+                    "counts and (batch, sequence length) grids, a few blocks scaled to the full depth, and "
+                    "save the fitted CostModel.")
     model.add_argument("--target", default=None, metavar="MODULE:FUNC",
                        help="a function returning a dflop_ds.profile.ProfileTarget (your own layers)")
+    model.add_argument("--model_name_or_path", "--model-name-or-path", dest="model_name_or_path", metavar="DIR",
+                       help="a HuggingFace LLaVA save_pretrained directory: profile its real vision tower "
+                            "(per image count) and decoder layers (per sequence length)")
     model.add_argument("--vision-layers", type=int, default=4, help="tiny model: vision blocks (default 4)")
     model.add_argument("--llm-layers", type=int, default=4, help="tiny model: decoder blocks (default 4)")
     model.add_argument("--max-blocks", type=int, default=2, help="identical blocks profiled per segment (default 2)")
