@@ -166,9 +166,14 @@ def fill_from_plan(ds_config: dict[str, Any], block: dict[str, Any], plan: Any) 
     The plan supplies the batch keys (:data:`PLAN_BATCH_KEYS`) and the block's
     ``pipeline_stages``, ``stage_bounds`` and ``sampler`` wherever the config leaves them out;
     values the config does set are kept, so a config that contradicts its plan is caught by
-    :func:`dflop_ds.checks.check_training_setup` rather than silently overridden.
+    :func:`dflop_ds.checks.check_training_setup` rather than silently overridden; a stage count
+    or split that contradicts it is refused here, naming both.
     """
     planned = plan.deepspeed_config({})
+    for key in ("pipeline_stages", "stage_bounds"):
+        if block.get(key) is not None and block[key] != planned["dflop"][key]:
+            raise ValueError(f"\"dflop\".{key} is {block[key]!r}, but the plan is for {planned['dflop'][key]!r}:"
+                             f" leave {key} out of the config (the plan sets it) or re-plan")
     config = dict(ds_config)
     for key in PLAN_BATCH_KEYS:
         config.setdefault(key, planned[key])
