@@ -104,20 +104,35 @@ def check_stage_bounds(bounds: Sequence[int], num_stages: int, n_layers: Optiona
         )
 
 
+def check_plan_topology(plan: PlanLike, *, world_size: int, stages: int) -> None:
+    """The plan must be for this many processes and pipeline stages (checked before any batch
+    arithmetic, whose errors would hide the real mismatch)."""
+    if not plan.deepspeed_compatible:
+        raise SetupError("plan: it puts encoder and LLM on separate GPU sets; stock DeepSpeed cannot run it")
+    if world_size != plan.world_size():
+        raise SetupError(f"this plan is for {plan.world_size()} GPUs, but the run has world size {world_size}:"
+                         f" launch it on {plan.world_size()} GPUs or re-plan for {world_size}")
+    if stages != plan.pipeline_stages:
+        raise SetupError(f"\"dflop\".pipeline_stages is {stages}, but the plan says {plan.pipeline_stages}:"
+                         " leave pipeline_stages (and stage_bounds) out of the config, the plan sets them")
+
+
 def check_plan(plan: PlanLike, *, stages: int, world_size: int, dp: int, total: int, micro: int, gas: int,
                stage_bounds: Optional[Sequence[int]], n_layers: Optional[int]) -> None:
     """The plan must describe the run the DeepSpeed config and world size set up."""
-    if not plan.deepspeed_compatible:
-        raise SetupError("plan: it puts encoder and LLM on separate GPU sets; stock DeepSpeed cannot run it")
+    check_plan_topology(plan, world_size=world_size, stages=stages)
     if plan.global_batch_size < plan.n_mb * plan.dp:
         raise SetupError(
             f"plan: global_batch_size={plan.global_batch_size} cannot give n_mb={plan.n_mb} non-empty"
             f" microbatches to each of dp={plan.dp} data-parallel ranks"
         )
+    if plan.global_batch_size % (plan.n_mb * plan.dp):
+        raise SetupError(
+            f"plan: global_batch_size={plan.global_batch_size} is not a multiple of dp={plan.dp} x n_mb={plan.n_mb}"
+            f" = {plan.dp * plan.n_mb}: every step would train fewer samples than planned"
+        )
     expected = plan.micro_batch_size() * plan.n_mb * plan.dp
     mismatches = [
-        ("world size", world_size, plan.world_size()),
-        ("\"dflop\".pipeline_stages", stages, plan.pipeline_stages),
         ("data-parallel size (world size / pipeline_stages)", dp, plan.dp),
         ("gradient_accumulation_steps", gas, plan.n_mb),
         ("train_micro_batch_size_per_gpu", micro, plan.micro_batch_size()),
@@ -152,6 +167,8 @@ def check_training_setup(
     stages = dflop.pipeline_stages
     if world_size < 1:
         raise SetupError(f"world size must be >= 1, got {world_size}")
+    if plan is not None:
+        check_plan_topology(plan, world_size=world_size, stages=stages)
     if world_size % stages:
         raise SetupError(f"\"dflop\".pipeline_stages={stages} does not divide the world size {world_size}")
     dp = world_size // stages
@@ -176,4 +193,20 @@ def check_training_setup(
         )
 
 
-__all__ = ["SetupError", "check_training_setup", "resolve_batch_keys", "check_stage_bounds", "check_plan"]
+def check_cost_model(cost_model: Any, *, encoder_layers: int, llm_layers: int, source: str = "cost model") -> None:
+    """A cost model predicts the whole depth it was profiled on: refuse one whose recorded
+    ``encoder_layers`` / ``llm_layers`` differ from the model being trained (naming both). A
+    cost model that records no depths (e.g. the proxy) passes."""
+    have = (getattr(cost_model, "encoder_layers", None), getattr(cost_model, "llm_layers", None))
+    if None in have:
+        return
+    if tuple(int(x) for x in have) != (int(encoder_layers), int(llm_layers)):
+        raise SetupError(
+            f"{source} was profiled for {have[0]} encoder and {have[1]} LLM layers, but the model has"
+            f" {encoder_layers} encoder and {llm_layers} LLM layers: its predictions would be off by the depth"
+            " ratio; profile this model (dflop-ds profile model)"
+        )
+
+
+__all__ = ["SetupError", "check_training_setup", "resolve_batch_keys", "check_stage_bounds", "check_plan",
+           "check_plan_topology", "check_cost_model"]

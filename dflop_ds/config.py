@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from dflop_ds.data.records import BAD_SAMPLE_POLICIES
 from dflop_ds.jsonio import read_json_object
+from dflop_ds.typecheck import check_setting
 
 
 @dataclass
@@ -35,6 +36,13 @@ class DFLOPConfig:
         ilp_nodes: branch-and-bound nodes the exact solver may explore per global batch (0: the
             heuristic alone). Never looks at the clock, so every rank gets the same split.
         prefetch: global batches scheduled ahead in a background thread.
+        num_workers: DataLoader worker processes per rank (0: load in the training process).
+        schedule_timeout_s: the longest training waits for one global batch's schedule before
+            stopping with an error naming the epoch and batch (null: forever); an exact solve
+            past half of it is abandoned for the heuristic.
+        drop_last: drop (and count) each epoch's samples that do not fill a global batch;
+            by default they are carried into the next epoch. Every global batch has exactly
+            train_batch_size samples either way.
         seed: seeds data order and model initialisation.
         steps: optimizer steps to run; warmup_steps of them are left out of throughput figures.
         lr: AdamW learning rate (used when the DeepSpeed config has no "optimizer").
@@ -70,6 +78,9 @@ class DFLOPConfig:
     time_limit_s: float = 0.0
     ilp_nodes: int = 0
     prefetch: int = 1
+    num_workers: int = 2
+    schedule_timeout_s: Optional[float] = 300.0
+    drop_last: bool = False
     seed: int = 0
     steps: int = 20
     warmup_steps: int = 2
@@ -89,6 +100,8 @@ class DFLOPConfig:
     @classmethod
     def from_dict(cls, block: dict[str, Any], source: str = "config") -> "DFLOPConfig":
         """Build from a ``"dflop"`` block; unknown keys and bad values name the key at fault."""
+        if not isinstance(block, dict):
+            raise ValueError(f"{source}: the \"dflop\" block must be an object ({{...}}), got {block!r}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(block) - known)
         if unknown:
@@ -103,32 +116,66 @@ class DFLOPConfig:
         return cls.from_dict(read_json_object(path).get("dflop", {}), source=str(path))
 
     def validate(self, source: str = "config") -> None:
-        """Raise ``ValueError`` naming the first bad key."""
-        checks = {
-            "sampler": self.sampler in ("dflop", "stock"),
-            "policy": self.policy in ("tiny", "default"),
-            "pipeline_stages": isinstance(self.pipeline_stages, int) and self.pipeline_stages >= 1,
-            "max_samples": self.max_samples is None or self.max_samples >= 1,
-            "on_bad_sample": self.on_bad_sample in BAD_SAMPLE_POLICIES,
-            "time_limit_s": self.time_limit_s >= 0,
-            "ilp_nodes": isinstance(self.ilp_nodes, int) and self.ilp_nodes >= 0,
-            "prefetch": isinstance(self.prefetch, int) and self.prefetch >= 0,
-            "steps": isinstance(self.steps, int) and self.steps >= 1,
-            "warmup_steps": isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps < self.steps,
-            "lr": self.lr > 0,
-            "checkpoint_every": isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
-            "resume": not self.resume or self.checkpoint_dir is not None,
-            "stage_bounds": self.stage_bounds is None or len(self.stage_bounds) == self.pipeline_stages + 1,
+        """Raise ``ValueError`` naming the first bad key and its value: types are strict (a
+        boolean must be true/false, a number must not be a string), ranges are checked."""
+        rules: dict[str, dict[str, Any]] = {
+            "sampler": dict(kind="str", choices=("dflop", "stock")),
+            "data": dict(kind="str"),
+            "max_samples": dict(kind="int", minimum=1, optional=True),
+            "on_bad_sample": dict(kind="str", choices=BAD_SAMPLE_POLICIES),
+            "policy": dict(kind="str", choices=("tiny", "default")),
+            "pipeline_stages": dict(kind="int", minimum=1),
+            "stage_bounds": dict(kind="list", optional=True),
+            "cost_model": dict(kind="str", optional=True),
+            "plan": dict(kind="str", optional=True),
+            "time_limit_s": dict(kind="number", minimum=0),
+            "ilp_nodes": dict(kind="int", minimum=0),
+            "prefetch": dict(kind="int", minimum=0),
+            "num_workers": dict(kind="int", minimum=0),
+            "schedule_timeout_s": dict(kind="number", above=0, optional=True),
+            "drop_last": dict(kind="bool"),
+            "seed": dict(kind="int", minimum=0),
+            "steps": dict(kind="int", minimum=1),
+            "warmup_steps": dict(kind="int", minimum=0),
+            "lr": dict(kind="number", above=0),
+            "freeze_encoder": dict(kind="bool"),
+            "model": dict(kind="dict"),
+            "checkpoint_dir": dict(kind="str", optional=True),
+            "checkpoint_every": dict(kind="int", minimum=0),
+            "resume": dict(kind="bool"),
+            "telemetry": dict(kind="bool"),
+            "correction": dict(kind="dict"),
+            "model_name_or_path": dict(kind="str", optional=True),
+            "image_folder": dict(kind="str", optional=True),
+            "lora": dict(kind="dict", optional=True),
+            "fault": dict(kind="dict", optional=True),
         }
-        for key, ok in checks.items():
-            if not ok:
-                raise ValueError(f"{source}: \"dflop\".{key} has an invalid value {getattr(self, key)!r}")
+        for key, rule in rules.items():
+            try:
+                check_setting(f"\"dflop\".{key}", getattr(self, key), **rule)
+            except ValueError as error:
+                raise ValueError(f"{source}: {error}") from None
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"{source}: \"dflop\".warmup_steps={self.warmup_steps} must be smaller than"
+                             f" \"dflop\".steps={self.steps} (steps may come from --steps): warm-up steps are"
+                             " left out of the throughput figures, so at least one step must remain")
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError(f"{source}: \"dflop\".resume=true needs \"dflop\".checkpoint_dir")
+        if self.stage_bounds is not None and len(self.stage_bounds) != self.pipeline_stages + 1:
+            raise ValueError(f"{source}: \"dflop\".stage_bounds {self.stage_bounds} needs pipeline_stages + 1 ="
+                             f" {self.pipeline_stages + 1} entries")
         from dflop_ds.schedule.correction import CorrectionSettings
         from dflop_ds.testing.faults import FaultSpec
 
         if CorrectionSettings.from_dict(self.correction, f"{source}: \"dflop\".correction").enabled and not self.telemetry:
             raise ValueError(f"{source}: \"dflop\".correction needs \"dflop\".telemetry = true")
         FaultSpec.from_dict(self.fault, f"{source}: \"dflop\".fault")
+        if self.lora is not None:
+            from dflop_ds.models.hf.lora import lora_settings
+
+            if self.model_name_or_path is None:
+                raise ValueError(f"{source}: \"dflop\".lora needs a HuggingFace model (--model_name_or_path)")
+            lora_settings(self.lora, f"{source}: \"dflop\".lora")
 
 
 #: DeepSpeed config keys a plan decides.
@@ -141,9 +188,14 @@ def fill_from_plan(ds_config: dict[str, Any], block: dict[str, Any], plan: Any) 
     The plan supplies the batch keys (:data:`PLAN_BATCH_KEYS`) and the block's
     ``pipeline_stages``, ``stage_bounds`` and ``sampler`` wherever the config leaves them out;
     values the config does set are kept, so a config that contradicts its plan is caught by
-    :func:`dflop_ds.checks.check_training_setup` rather than silently overridden.
+    :func:`dflop_ds.checks.check_training_setup` rather than silently overridden; a stage count
+    or split that contradicts it is refused here, naming both.
     """
     planned = plan.deepspeed_config({})
+    for key in ("pipeline_stages", "stage_bounds"):
+        if block.get(key) is not None and block[key] != planned["dflop"][key]:
+            raise ValueError(f"\"dflop\".{key} is {block[key]!r}, but the plan is for {planned['dflop'][key]!r}:"
+                             f" leave {key} out of the config (the plan sets it) or re-plan")
     config = dict(ds_config)
     for key in PLAN_BATCH_KEYS:
         config.setdefault(key, planned[key])

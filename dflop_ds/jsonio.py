@@ -15,10 +15,14 @@ def read_json_object(path: PathArg, error: type[Exception] = ValueError) -> dict
     Raises ``FileNotFoundError`` for a missing file and ``error`` (a ``ValueError`` by default)
     naming the file when it is not valid JSON or not a JSON object.
     """
+    if Path(path).is_dir():
+        raise error(f"{path}: is a folder, expected a JSON file")
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise error(f"{path}: not valid JSON ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not UTF-8 text ({exc})") from None
     if not isinstance(data, dict):
         raise error(f"{path}: expected one JSON object, found {type(data).__name__}")
     return data

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dflop_ds.checks import SetupError, check_training_setup, resolve_batch_keys
-from dflop_ds.config import DFLOPConfig
+from dflop_ds.checks import SetupError, check_cost_model, check_training_setup, resolve_batch_keys
+from dflop_ds.config import DFLOPConfig, fill_from_plan
 from dflop_ds.plan import Plan
 from dflop_ds.plan.layout import Layout, Segment
 
@@ -46,10 +46,14 @@ def test_consistent_setup_with_plan_passes():
 
 
 def test_plan_deepspeed_config_is_accepted():
-    p = plan(dp=2, n_mb=3, global_batch=50)  # 50 does not divide: DeepSpeed's batch is 8 * 3 * 2 = 48
+    p = plan(dp=2, n_mb=3, global_batch=48)
     config = p.deepspeed_config({})
+    assert config["train_batch_size"] == 48
     block = DFLOPConfig.from_dict(config.pop("dflop"))
     check_training_setup(config, block, 4, plan=p, n_samples=100, n_layers=N_LAYERS)
+    p.global_batch_size = 50  # DeepSpeed's batch would be 8 * 3 * 2 = 48: refused, not shrunk
+    with pytest.raises(SetupError, match="global_batch_size=50 is not a multiple of dp=2 x n_mb=3 = 6"):
+        check_training_setup(config, block, 4, plan=p, n_samples=100, n_layers=N_LAYERS)
 
 
 @pytest.mark.parametrize("world", [3, 5])
@@ -107,8 +111,9 @@ def test_bad_stage_bounds_are_named(bounds, message):
 @pytest.mark.parametrize("kwargs, world, config, key", [
     ({"n_mb": 4, "global_batch": 16}, 2, ds(), "gradient_accumulation_steps is 8, but the plan says 4"),
     ({"global_batch": 64}, 2, ds(), "train_micro_batch_size_per_gpu is 4, but the plan says 8"),
-    ({"dp": 2, "global_batch": 64}, 2, ds(), "world size is 2, but the plan says 4"),
-    ({"stages": ((3, 1, 0), (0, 0, 2), (0, 0, 2))}, 2, ds(), "world size is 2, but the plan says 3"),
+    ({"dp": 2, "global_batch": 64}, 2, ds(), "this plan is for 4 GPUs, but the run has world size 2"),
+    ({"stages": ((3, 1, 0), (0, 0, 2), (0, 0, 2))}, 2, ds(), "this plan is for 3 GPUs, but the run has world size 2"),
+    ({}, 4, ds(), "this plan is for 2 GPUs, but the run has world size 4"),  # not batch arithmetic
     ({"encoder_dp": 2}, 2, ds(), "separate GPU sets"),
 ])
 def test_plan_disagreeing_with_the_config_is_refused(kwargs, world, config, key):
@@ -123,6 +128,31 @@ def test_plan_stage_count_and_bounds_must_match():
     block = DFLOPConfig(pipeline_stages=2, stage_bounds=[0, 5, 8])
     with pytest.raises(SetupError, match=r'"dflop"\.stage_bounds is \[0, 5, 8\], but the plan says \[0, 4, 8\]'):
         check_training_setup(ds(), block, 2, plan=plan(), n_layers=N_LAYERS)
+
+
+def test_plan_batch_arithmetic_that_would_shrink_the_batch_is_refused():
+    uneven = plan(dp=1, n_mb=8, global_batch=36)  # DeepSpeed would train 32 per step
+    with pytest.raises(SetupError, match="global_batch_size=36 is not a multiple of dp=1 x n_mb=8"):
+        check_training_setup(ds(32, 4, 8), DFLOPConfig(pipeline_stages=2), 2, plan=uneven)
+
+
+def test_config_stages_contradicting_the_plan_are_named_when_filling_from_it():
+    one_stage = plan(stages=((3, 1, 4),))
+    with pytest.raises(ValueError, match=r'"dflop"\.pipeline_stages is 2, but the plan is for 1'):
+        fill_from_plan({}, {"pipeline_stages": 2}, one_stage)
+    config, block = fill_from_plan({}, {"pipeline_stages": 1}, one_stage)
+    assert block["stage_bounds"] == [0, 8] and config["gradient_accumulation_steps"] == 8
+
+
+def test_cost_model_of_another_depth_is_refused_naming_both():
+    from dflop_ds.plan.reference import reference_model
+
+    model = reference_model("llava-ov-0.5b-a100")
+    check_cost_model(model, encoder_layers=model.encoder_layers, llm_layers=model.llm_layers)
+    with pytest.raises(SetupError, match=rf"profiled for {model.encoder_layers} encoder and {model.llm_layers} LLM"
+                                         r" layers, but the model has 4 encoder and 4 LLM layers"):
+        check_cost_model(model, encoder_layers=4, llm_layers=4, source="costmodel.json")
+    check_cost_model(object(), encoder_layers=4, llm_layers=4)  # records no depth (the proxy): nothing to check
 
 
 def test_plan_global_batch_must_fill_every_microbatch():

@@ -33,7 +33,7 @@ def plans():
 def _manual_plan(**kw) -> Plan:
     stages = ((20, 0, 0), (7, 1, 10), (0, 0, 14))
     base = dict(encoder=Segment(2, 2, 4), llm=Segment(2, 2, 4), n_mb=6, stages=stages,
-                layer_counts={"encoder": 27, "projector": 1, "llm": 24}, global_batch_size=100, gpus=24,
+                layer_counts={"encoder": 27, "projector": 1, "llm": 24}, global_batch_size=96, gpus=24,
                 gpus_per_node=8, gpu_memory_bytes=80e9)
     base.update(kw)
     return Plan(**base)
@@ -102,6 +102,9 @@ def test_bad_plan_files_name_the_problem(tmp_path) -> None:
         (lambda d: d.update(stages=[[20, 0, 0], [0, 0, 0], [7, 1, 24]]), "holds no layers"),
         (lambda d: d.update(global_batch_size=3), "cannot fill"),
         (lambda d: d.update(gpus=8), "needs 24 GPUs"),
+        (lambda d: d.update(global_batch_size=100), "100 is not a multiple of dp=4 x n_mb=6 = 24"),
+        (lambda d: d.update(n_mb=6.5), "n_mb must be an integer, got 6.5"),
+        (lambda d: d.update(global_batch_size="96"), "global_batch_size must be an integer"),
     ]:
         data = json.loads(json.dumps(good))
         mutate(data)

@@ -33,21 +33,26 @@ def run_epoch(sampler):
 
 
 @pytest.mark.parametrize("method", ["stock", "dflop"])
-def test_every_sample_exactly_once_across_ranks_and_epochs(method):
-    shapes = mixed_shapes(203)
-    dp, gas = 2, 4
-    samplers = [make_sampler(method, shapes, global_batch_size=40, gradient_accumulation_steps=gas,
+def test_exact_global_batches_and_every_sample_once_per_pass_across_ranks_and_epochs(method):
+    shapes = mixed_shapes(203)  # 203 = 5 x 40 + 3: the remainder is carried, epoch to epoch
+    dp, gas, size = 2, 4, 40
+    samplers = [make_sampler(method, shapes, global_batch_size=size, gradient_accumulation_steps=gas,
                              dp_rank=r, dp_size=dp, seed=7) for r in range(dp)]
-    orders = []
-    for _ in range(3):
+    trained, orders = collections.Counter(), []
+    for epoch in range(4):
         per_rank = [run_epoch(s) for s in samplers]
-        seen = collections.Counter(int(i) for rank in per_rank for mb in rank for i in mb)
-        assert sorted(seen) == list(range(len(shapes)))
-        assert set(seen.values()) == {1}
         # every rank gets the same number of microbatches, GAS per global batch, none empty
-        assert len(per_rank[0]) == len(per_rank[1]) == len(samplers[0]) == 5 * gas
+        assert len(per_rank[0]) == len(per_rank[1]) == gas * samplers[0].n_batches(epoch)
         assert all(len(mb) > 0 for rank in per_rank for mb in rank)
+        for batch_id, batch in enumerate(samplers[0].batches_in_epoch(epoch)):
+            got = [int(i) for rank in per_rank for mb in rank[batch_id * gas:(batch_id + 1) * gas] for i in mb]
+            assert len(got) == size and sorted(got) == sorted(batch.tolist()) and len(set(got)) == size
+            trained.update(got)
         orders.append([int(i) for mb in per_rank[0] for i in mb])
+    assert [s.epoch for s in samplers] == [4, 4]
+    # 4 epochs = 20 batches of 40 = 800 samples: 3 full passes over the 203 samples, 191 into the 4th
+    assert sum(trained.values()) == 800 and sorted(trained) == list(range(len(shapes)))
+    assert collections.Counter(trained.values()) == {4: 800 - 3 * 203, 3: 203 - (800 - 3 * 203)}
     assert orders[0] != orders[1] != orders[2], "each epoch must reshuffle"
 
 

@@ -44,7 +44,7 @@ def test_solver_exception_falls_back_to_heuristic_and_warns_once(monkeypatch, ca
         calls.append(1)
         raise pulp.PulpSolverError("solver crashed")
 
-    monkeypatch.setattr(partition, "solve_ilp", broken_solver)
+    monkeypatch.setattr(ilp, "solve_ilp", broken_solver)
     with caplog.at_level(logging.WARNING, logger=split.__name__):
         first = split_balanced(list(range(len(costs))), costs, N_MB, DP, time_limit_s=1.0)
         second = split_balanced(list(range(len(costs))), costs, N_MB, DP, time_limit_s=1.0)
@@ -93,7 +93,7 @@ def test_solver_without_a_solution_keeps_the_heuristic_split(monkeypatch):
         calls.append(1)
         return ilp.IlpResult(labels=None, optimal=False, infeasible=False, solver="cbc")
 
-    monkeypatch.setattr(partition, "solve_ilp", no_solution)
+    monkeypatch.setattr(ilp, "solve_ilp", no_solution)
     result = split_balanced(list(range(len(costs))), costs, N_MB, DP, time_limit_s=1.0)
     heuristic = split_balanced(list(range(len(costs))), costs, N_MB, DP, time_limit_s=0)
     assert calls, "the exact solver was never tried"

@@ -139,9 +139,25 @@ def test_report_splits_runs_appended_to_one_log(tmp_path, capsys):
     assert cli_main(["report", str(log), "--run-index", "5"]) == 1
 
 
-def test_report_names_a_bad_line_and_a_missing_run(tmp_path, capsys):
+def test_report_separates_runs_by_run_id_and_selects_one(tmp_path, capsys):
     log = tmp_path / "dflop_telemetry.jsonl"
-    log.write_text('{"step": 0}\nnot json\n')
+    _write_log(log, steps=4)
+    lines = log.read_text().splitlines()
+    tagged = [json.dumps({**json.loads(line), "run_id": "first" if i < 2 else "resumed"}) for i, line in enumerate(lines)]
+    log.write_text("\n".join(tagged) + "\n")  # steps 0, 1 then a resumed run's 2, 3: steps alone would merge them
+    assert [[r["step"] for r in run] for run in split_runs(read_log(log))] == [[0, 1], [2, 3]]
+    assert cli_main(["report", str(log), "--run-id", "first", "--out", str(tmp_path)]) == 0
+    assert "run 1 of 2 (run_id first), 2 steps" in capsys.readouterr().out
+    assert cli_main(["report", str(log), "--run-id", "other"]) == 1
+    assert "no run with id 'other'" in capsys.readouterr().err
+
+
+def test_report_names_a_bad_line_and_tolerates_an_unfinished_last_one(tmp_path, capsys):
+    log = tmp_path / "dflop_telemetry.jsonl"
+    log.write_text('{"step": 0}\nnot json\n{"step": 1}\n')
     assert cli_main(["report", str(log)]) == 1
     assert "dflop_telemetry.jsonl:2" in capsys.readouterr().err
+    log.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "imbal')  # a run killed mid-write
+    with pytest.warns(UserWarning, match=":3: left out an unfinished last record"):
+        assert [r["step"] for r in read_log(log)] == [0, 1]
     assert cli_main(["report", str(tmp_path / "nowhere")]) == 1

@@ -35,6 +35,8 @@ from dflop_ds.data.records import ReadResult
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
 ASSISTANT_ROLES = frozenset({"gpt", "assistant"})
+#: Roles of LLaVA / ShareGPT conversations, compared case-insensitively ("Human", "GPT" too).
+KNOWN_ROLES = frozenset({"human", "user", "system"}) | ASSISTANT_ROLES
 PLACEHOLDERS = ("<image>", "<video>")
 FRAME_KEYS = ("video_frames", "frame_count")
 
@@ -52,7 +54,7 @@ def conversation_tokens(turns: Sequence[tuple[str, str]], policy: ShapePolicy) -
     for role, value in turns:
         tokens = policy.count_tokens(strip_placeholders(value)) if value else 0
         text += tokens
-        if role in ASSISTANT_ROLES:
+        if role.lower() in ASSISTANT_ROLES:
             labels += tokens
     return text, labels
 
@@ -77,7 +79,10 @@ def _parse_conversations(record: Mapping[str, Any], problems: FieldProblems) -> 
             problems.add(f"{name}.from", f"must be a string, got {type_name(role)}")
         if not isinstance(value, str):
             problems.add(f"{name}.value", f"must be a string, got {type_name(value)}")
-        if isinstance(role, str) and isinstance(value, str):
+        if isinstance(role, str) and role.lower() not in KNOWN_ROLES:
+            problems.add(f"{name}.from", f"unknown role {role!r}: expected human/user, gpt/assistant or system"
+                                         " (any case); answers of an unknown role would get no labels")
+        elif isinstance(role, str) and isinstance(value, str):
             turns.append((role, value))
     return None if len(turns) != len(turns_value) else turns
 
@@ -160,6 +165,11 @@ def parse_llava_record(record: Mapping[str, Any], problems: FieldProblems, polic
     turns = _parse_conversations(record, problems)
     sizes = _resolve_images(record, problems, media)
     frames = _resolve_frames(record, problems, media)
+    if turns is not None and sizes is not None:
+        placeholders = sum(value.count("<image>") for _, value in turns)
+        if placeholders > len(sizes):
+            problems.add("conversations", f"has {placeholders} <image> placeholder(s) but the record has"
+                                          f" {len(sizes)} image(s) (field 'image')")
     if problems or sample_id is None or turns is None or sizes is None or frames is None:
         return None
     if policy.conversation is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -32,41 +33,77 @@ class RawRecord:
 
     ``number`` is the 1-based line (``kind == "line"``, JSONL) or the 0-based array index
     (``kind == "index"``, JSON array). ``value`` is the decoded JSON; ``error`` is set instead
-    when the line is not valid JSON.
+    when the line cannot be decoded (bad bytes, bad JSON, a number or nesting past the
+    decoder's limits, an oversized line), with ``id_hint`` the id read from the raw text if any.
     """
 
     number: int
     kind: str
     value: Any = None
     error: str | None = None
+    id_hint: str | None = None
+
+
+#: Longest JSONL line read as a record; longer ones are bad records (a LLaVA record is kilobytes).
+MAX_LINE_BYTES = 16 * 1024 * 1024
+_ID_PATTERN = re.compile(rb'"id"\s*:\s*(?:"((?:[^"\\]|\\.){1,200})"|(-?\d{1,30})\b)')
+
+
+def _id_hint(line: bytes) -> str | None:
+    """The record's id as written in a line that cannot be decoded, when it is readable."""
+    match = _ID_PATTERN.search(line[:65536])
+    if match is None:
+        return None
+    return (match.group(1) or match.group(2)).decode("utf-8", errors="replace")
+
+
+def decode_line(line: bytes) -> tuple[Any, str | None]:
+    """``(value, None)`` for a good JSON line, ``(None, reason)`` for a bad one: not UTF-8, not
+    JSON, an integer too long to convert, nesting too deep for the decoder, or oversized."""
+    if len(line) > MAX_LINE_BYTES:
+        return None, f"line is {len(line)} bytes, over the {MAX_LINE_BYTES}-byte limit of one record"
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8: byte 0x{line[exc.start]:02x} at column {exc.start + 1}"
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as exc:
+        return None, f"malformed JSON: {exc.msg} (column {exc.colno})"
+    except RecursionError:
+        return None, "JSON nested too deeply to decode"
+    except ValueError as exc:  # e.g. an integer longer than Python's int conversion limit
+        return None, f"JSON value out of range: {exc}"
 
 
 def load_records(path: PathArg) -> list[RawRecord]:
     """Read ``path`` as a JSON array (first non-blank character ``[``) or as JSONL.
 
     Raises:
-        DataError: the file cannot be read, is not UTF-8, or is a JSON array that does not
-            parse (a malformed JSONL line does not raise: it becomes a flagged record).
+        DataError: the file cannot be read, or is a JSON array that does not decode (a bad
+            JSONL line does not raise: it becomes a flagged record, see :func:`decode_line`).
     """
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        data = Path(path).read_bytes()
+    except OSError as exc:
         raise DataError(f"cannot read file: {exc}", path=path) from exc
-    if text.lstrip().startswith("["):
+    if data.lstrip().startswith(b"["):
         try:
-            values = json.loads(text)
+            values = json.loads(data.decode("utf-8"))
         except json.JSONDecodeError as exc:
             raise DataError(f"invalid JSON array: {exc.msg} (column {exc.colno})", path=path,
                             record=exc.lineno, record_kind="line") from exc
+        except (UnicodeDecodeError, RecursionError, ValueError) as exc:
+            raise DataError(f"invalid JSON array: {type(exc).__name__}: {exc}", path=path) from exc
+        if not isinstance(values, list):
+            raise DataError(f"expected a JSON array of records, found {type_name(values)}", path=path)
         return [RawRecord(index, "index", value) for index, value in enumerate(values)]
     records = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(data.split(b"\n"), start=1):
         if not line.strip():
             continue
-        try:
-            records.append(RawRecord(number, "line", json.loads(line)))
-        except json.JSONDecodeError as exc:
-            records.append(RawRecord(number, "line", error=f"malformed JSON: {exc.msg} (column {exc.colno})"))
+        value, error = decode_line(line.rstrip(b"\r"))
+        records.append(RawRecord(number, "line", value, error, _id_hint(line) if error else None))
     return records
 
 
@@ -160,7 +197,7 @@ def _record_errors(
                          sample_id=sample_id, field=field_name)
 
     if raw.error is not None:
-        return [error(raw.error)]
+        return [error(raw.error, sample_id=raw.id_hint)]
     if not isinstance(raw.value, Mapping):
         return [error(f"record must be a JSON object, got {type_name(raw.value)}")]
     problems = FieldProblems()
@@ -172,6 +209,8 @@ def _record_errors(
     sample_id = peek_id(raw.value)
     if sample_id is not None and sample_id in first_seen:
         problems.add("id", f"duplicate id, first seen at {raw.kind} {first_seen[sample_id]}")
+    if shape is not None and shape.text_tokens + shape.encoder_tiles == 0:
+        problems.add(None, "sample has no text tokens and no media: there is nothing to train on")
     if problems or shape is None:
         if not problems:
             problems.add(None, "record could not be parsed")

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from dflop_ds.data.cli import add_read_arguments
+from dflop_ds.paths import check_writable
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.plan_file import Plan
 from dflop_ds.plan.planner import cluster_of, load_cost_model, make_plans, simulate_layout
@@ -47,6 +48,7 @@ def _summary(tag: str, plan: Plan) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     """``dflop-ds plan``: search and write the chosen plan."""
+    check_writable(args.output, "plan -o")
     model = load_cost_model(args.cost_model)
     memory = args.gpu_memory_gb * 1e9 if args.gpu_memory_gb else getattr(getattr(model, "gpu", None), "memory_bytes", 80e9)
     cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory_bytes=memory,
@@ -73,6 +75,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     """``dflop-ds simulate``: Gantt chart of a plan and of its monolithic baseline on sampled batches."""
     from dflop_ds.plan.gantt import plot_gantt
 
+    check_writable(args.png, "simulate --png")
     plan = Plan.load(args.plan)
     model = load_cost_model(args.cost_model)
     cluster = cluster_of(plan)

@@ -27,6 +27,16 @@ class PlanFileError(ValueError):
     """A plan file or plan use is invalid (the message names the file or key)."""
 
 
+def _integer(data: dict[str, Any], key: str) -> int:
+    """``data[key]`` as an int; a fraction (``8.7``), a string or a boolean is refused, not truncated."""
+    value = data[key]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    return value
+
+
 def layout_to_dict(layout: Layout) -> dict[str, Any]:
     """A :class:`Layout` as plain JSON data."""
     return {"encoder": asdict(layout.encoder), "llm": asdict(layout.llm), "n_mb": layout.n_mb,
@@ -200,12 +210,12 @@ class Plan:
             plan = cls(
                 encoder=Segment(**data["encoder"]),
                 llm=Segment(**data["llm"]),
-                n_mb=int(data["n_mb"]),
+                n_mb=_integer(data, "n_mb"),
                 stages=tuple(tuple(int(x) for x in s) for s in data["stages"]),
                 layer_counts={k: int(v) for k, v in data["layer_counts"].items()},
-                global_batch_size=int(data["global_batch_size"]),
-                gpus=int(data["gpus"]),
-                gpus_per_node=int(data["gpus_per_node"]),
+                global_batch_size=_integer(data, "global_batch_size"),
+                gpus=_integer(data, "gpus"),
+                gpus_per_node=_integer(data, "gpus_per_node"),
                 gpu_memory_bytes=float(data["gpu_memory_bytes"]),
                 balanced=bool(data.get("balanced", True)),
                 family=str(data.get("family", "deepspeed")),
@@ -237,6 +247,12 @@ class Plan:
         if self.n_mb < 1 or self.global_batch_size < self.dp * self.n_mb:
             raise PlanFileError(
                 f"{source}: global_batch_size={self.global_batch_size} cannot fill n_mb={self.n_mb} microbatches on dp={self.dp} ranks"
+            )
+        if self.global_batch_size % (self.dp * self.n_mb):
+            raise PlanFileError(
+                f"{source}: global_batch_size={self.global_batch_size} is not a multiple of dp={self.dp} x"
+                f" n_mb={self.n_mb} = {self.dp * self.n_mb}: DeepSpeed's train_batch_size (micro x n_mb x dp)"
+                f" would become {self.micro_batch_size() * self.dp * self.n_mb}, not the planned batch"
             )
         if self.layout.gpus > self.gpus:
             raise PlanFileError(f"{source}: the layout needs {self.layout.gpus} GPUs, the plan has {self.gpus}")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
+from dflop_ds.jsonio import read_json_object
 
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.evaluate import Evaluation, evaluate
@@ -115,10 +116,7 @@ def load_cost_model(spec: str) -> Any:
     path = Path(spec)
     if not path.exists():
         raise FileNotFoundError(f"cost model {spec!r} is neither a reference profile ({', '.join(reference_names())}) nor a file")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON: {error}") from None
+    data = read_json_object(path)
     if isinstance(data, dict) and data.get("kind") == ANALYTIC_KIND:
         return AnalyticMLLM.from_dict(data)
     from dflop_ds.profile import CostModel  # measured models (issue 3)

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import numpy as np
+
+from dflop_ds.typecheck import check_setting
 from scipy.optimize import nnls
 
 from dflop_ds.shapes import SampleShape
@@ -146,19 +148,24 @@ class CorrectionSettings:
         if unknown:
             raise ValueError(f"{source}: unknown key(s) {unknown}; known: {sorted(known)}")
         settings = cls(**block)
-        checks = {
-            "decay": 0 < settings.decay < 1,
-            "shrinkage": settings.shrinkage >= 0,
-            "min_penalty": 0 < settings.min_penalty <= 1,
-            "max_penalty": settings.max_penalty >= 1,
-            "warmup_steps": isinstance(settings.warmup_steps, int) and settings.warmup_steps >= 0,
-            "gate_margin": settings.gate_margin >= 0,
-            "gate_patience": isinstance(settings.gate_patience, int) and settings.gate_patience >= 1,
-            "probe_every": isinstance(settings.probe_every, int) and settings.probe_every >= 1,
+        rules: dict[str, dict[str, Any]] = {
+            "enabled": dict(kind="bool"),
+            "decay": dict(kind="number", above=0, maximum=1),
+            "shrinkage": dict(kind="number", minimum=0),
+            "min_penalty": dict(kind="number", above=0, maximum=1),
+            "max_penalty": dict(kind="number", minimum=1),
+            "warmup_steps": dict(kind="int", minimum=0),
+            "gate": dict(kind="bool"),
+            "gate_margin": dict(kind="number", minimum=0),
+            "gate_patience": dict(kind="int", minimum=1),
+            "probe_every": dict(kind="int", minimum=1),
+            "tile_edges": dict(kind="list"),
+            "token_edges": dict(kind="list"),
         }
-        for key, ok in checks.items():
-            if not ok:
-                raise ValueError(f"{source}.{key} has an invalid value {getattr(settings, key)!r}")
+        for key, rule in rules.items():
+            check_setting(f"{source}.{key}", getattr(settings, key), **rule)
+        if settings.decay >= 1:
+            raise ValueError(f"{source}.decay must be < 1, got {settings.decay!r}")
         try:
             settings.scheme()
         except ValueError as error:

@@ -18,7 +18,6 @@ from typing import Optional
 import numpy as np
 
 from dflop_ds.schedule.bounds import as_cost_matrix, lower_bound
-from dflop_ds.schedule.ilp import solve_ilp
 from dflop_ds.schedule.padded import padded_contiguous, padded_lpt
 from dflop_ds.schedule.lpt import (
     InfeasibleError,
@@ -177,6 +176,17 @@ def _padded_candidates(matrix, lengths, n_buckets, cap, microbatch_cost, score, 
     return best, best_score, solver
 
 
+def _exact_solver():
+    """:func:`dflop_ds.schedule.ilp.solve_ilp`, imported only when an exact solve runs: PuLP is
+    needed for ``time_limit_s`` / ``node_limit`` > 0, never for the heuristic."""
+    try:
+        from dflop_ds.schedule.ilp import solve_ilp
+    except ImportError as error:
+        raise ImportError(f"the exact solver (time_limit_s or node_limit > 0) needs PuLP ({error});"
+                          " pip install pulp, or set both to 0 for the heuristic") from error
+    return solve_ilp
+
+
 def buckets_to_labels(buckets: list[list[int]], n: int) -> np.ndarray:
     """Bucket lists -> ``labels[item] = bucket``."""
     labels = np.empty(n, dtype=np.int64)
@@ -267,6 +277,7 @@ def partition_batch(
         and variables <= (min(ILP_MAX_VARIABLES, ILP_VARIABLES_PER_SECOND * time_limit_s) if timed else ILP_MAX_VARIABLES)
     )
     if ilp_helps:
+        solve_ilp = _exact_solver()
         remaining = max(time_limit_s - (time.perf_counter() - started), 0.05) if timed else 0.0
         result = solve_ilp(
             matrix, n_buckets, item_order(matrix, seed),

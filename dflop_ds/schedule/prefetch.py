@@ -1,13 +1,19 @@
-"""Compute the next items of a sequence in a background thread, with errors surfacing in the caller."""
+"""Compute the next items of a sequence in a background thread, with errors and overruns
+surfacing in the caller instead of hanging it."""
 
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable, Generic, Iterable, Iterator, TypeVar
+import time
+from typing import Callable, Generic, Iterable, Iterator, Optional, TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
+
+
+class ScheduleTimeoutError(TimeoutError, RuntimeError):
+    """A schedule (or an exact solve) took longer than its deadline; the message names which."""
 
 
 class _Failure:
@@ -18,22 +24,57 @@ class _Failure:
 _DONE = object()
 
 
+def _timeout_message(what: str, timeout_s: float) -> str:
+    return (f"scheduling {what} took longer than schedule_timeout_s={timeout_s:g} s: the partitioner or"
+            " solver is stuck or far too slow (raise \"dflop\".schedule_timeout_s if it is merely slow)")
+
+
+def run_with_deadline(fn: Callable[[], V], timeout_s: Optional[float], what: str) -> V:
+    """``fn()``, or :class:`ScheduleTimeoutError` naming ``what`` when it has not returned after
+    ``timeout_s`` seconds (``None``: wait as long as it takes). An overrunning ``fn`` is left to
+    finish in a daemon thread; its result is discarded."""
+    if timeout_s is None:
+        return fn()
+    box: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            box["error"] = error
+
+    thread = threading.Thread(target=work, name="dflop-deadline", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise ScheduleTimeoutError(_timeout_message(what, timeout_s))
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
+
 class BackgroundMap(Generic[K, V]):
     """Iterate ``fn(key)`` over ``keys``, computing up to ``depth`` results ahead in a thread.
 
     Results come back in key order. An exception raised by ``fn`` is re-raised in the consuming
     thread (with the original as its cause); a worker that dies without a result is reported
-    instead of waited on forever. ``close()`` (or leaving a ``with`` block) stops the worker.
+    instead of waited on forever; with ``timeout_s``, a consumer that has waited that long for
+    one result gets :class:`ScheduleTimeoutError` naming ``describe(key)``. ``close()`` (or
+    leaving a ``with`` block) stops the worker.
     """
 
-    def __init__(self, fn: Callable[[K], V], keys: Iterable[K], depth: int = 1, poll_s: float = 1.0) -> None:
+    def __init__(self, fn: Callable[[K], V], keys: Iterable[K], depth: int = 1, poll_s: float = 1.0,
+                 timeout_s: Optional[float] = None, describe: Callable[[K], str] = repr) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self._fn = fn
-        self._keys = keys
+        self._keys = list(keys)
+        self._delivered = 0
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._poll_s = poll_s
+        self._poll_s = poll_s if timeout_s is None else min(poll_s, max(timeout_s / 4, 0.01))
+        self._timeout_s = timeout_s
+        self._describe = describe
         self._thread = threading.Thread(target=self._work, name="dflop-scheduler", daemon=True)
         self._thread.start()
 
@@ -59,7 +100,13 @@ class BackgroundMap(Generic[K, V]):
     def __iter__(self) -> Iterator[V]:
         return self
 
+    def _waiting_for(self) -> str:
+        if self._delivered < len(self._keys):
+            return self._describe(self._keys[self._delivered])
+        return "the end of the keys"
+
     def __next__(self) -> V:
+        deadline = None if self._timeout_s is None else time.monotonic() + self._timeout_s
         while True:
             try:
                 item = self._queue.get(timeout=self._poll_s)
@@ -67,10 +114,14 @@ class BackgroundMap(Generic[K, V]):
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError("the background scheduling thread stopped without a result") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    self.close()
+                    raise ScheduleTimeoutError(_timeout_message(self._waiting_for(), self._timeout_s)) from None
         if item is _DONE:
             raise StopIteration
         if isinstance(item, _Failure):
-            raise RuntimeError(f"background scheduling failed: {item.error}") from item.error
+            raise RuntimeError(f"background scheduling of {self._waiting_for()} failed: {item.error}") from item.error
+        self._delivered += 1
         return item  # type: ignore[return-value]
 
     def close(self, wait_s: float = 0.0) -> None:

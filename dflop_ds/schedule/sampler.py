@@ -1,6 +1,8 @@
 """Batch samplers that feed DeepSpeed's pipeline engine one microbatch per ``next()``.
 
-Every global batch is drawn from a seeded per-epoch permutation and split into exactly
+Every global batch holds exactly ``global_batch_size`` samples drawn from seeded per-epoch
+permutations (:mod:`dflop_ds.schedule.epoch`: the remainder of an epoch is carried into the next,
+or dropped and counted with ``drop_last``) and is split into exactly
 ``gradient_accumulation_steps`` microbatches for each data-parallel rank. The split is a pure
 function of ``(seed, epoch, batch)``: the first and last pipeline stages of a rank, which both
 read the data iterator, and all other ranks compute the same schedule without talking.
@@ -12,24 +14,35 @@ Use it in existing DeepSpeed code::
                                 dp_rank=engine.grid.get_data_parallel_rank(),
                                 dp_size=engine.grid.get_data_parallel_world_size(),
                                 cost_model=cost_model)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
+    loader = dflop_ds.make_loader(dataset, sampler, collate_fn=collate, num_workers=2)
     data_iter = iter(deepspeed.utils.RepeatingLoader(loader))
+
+``make_loader`` keeps the sampler's position at what the caller consumed (DataLoader workers
+fetch ahead), so ``sampler.state_dict()`` / ``loader.state_dict()`` resume exactly.
     engine.train_batch(data_iter)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 
-from dflop_ds.schedule.epoch import epoch_permutation, global_batches
+from dflop_ds.schedule.epoch import check_batch_sizes, dropped_per_epoch, epoch_batches, first_batch
 from dflop_ds.schedule.index import ScheduledIndex
-from dflop_ds.schedule.prefetch import BackgroundMap
-from dflop_ds.schedule.split import SplitResult, split_balanced, split_stock
+from dflop_ds.schedule.prefetch import BackgroundMap, ScheduleTimeoutError, run_with_deadline
+from dflop_ds.schedule.split import FALLBACK_SUFFIX, SplitResult, split_balanced, split_stock
+from dflop_ds.schedule.state import Position, dataset_fingerprint, describe_dataset
 from dflop_ds.shapes import SampleShape
+
+logger = logging.getLogger(__name__)
+
+#: Default ``schedule_timeout_s``: how long the training loop waits for one batch's schedule.
+SCHEDULE_TIMEOUT_S = 300.0
 
 
 class CostAdjuster(Protocol):
@@ -99,6 +112,11 @@ class GlobalBatchSampler:
         cost_adjuster: optional :class:`CostAdjuster`; global batch ``g`` (counted over epochs)
             is scheduled with its state after step ``g - prefetch - 1``, so scheduling ahead
             never waits on the step being trained.
+        drop_last: drop (and count, :attr:`dropped_per_epoch`) the samples of each epoch that
+            do not fill a global batch instead of carrying them into the next epoch.
+        schedule_timeout_s: the longest the training loop waits for one global batch's
+            schedule before :class:`ScheduleTimeoutError` naming the epoch and batch (None:
+            forever). An exact solve that takes over half of it is abandoned for the heuristic.
     """
 
     method = "base"
@@ -116,11 +134,15 @@ class GlobalBatchSampler:
         prefetch: int = 1,
         label_tokens_fn: Optional[Callable[[SampleShape], int]] = None,
         cost_adjuster: Optional[CostAdjuster] = None,
+        drop_last: bool = False,
+        schedule_timeout_s: Optional[float] = SCHEDULE_TIMEOUT_S,
     ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        if schedule_timeout_s is not None and not schedule_timeout_s > 0:
+            raise ValueError(f"schedule_timeout_s must be > 0 seconds (or None: no deadline), got {schedule_timeout_s!r}")
         if cost_model is None:
             from dflop_ds.profile.proxy import ProxyCost
 
@@ -139,16 +161,47 @@ class GlobalBatchSampler:
         self.label_tokens = np.array([count(s) for s in self.shapes], dtype=np.int64)
         self.lengths = np.array([s.llm_tokens for s in self.shapes], dtype=float)
         self.cost_adjuster = cost_adjuster
-        self.epoch = 0
-        self.next_batch = 0
+        self.drop_last = bool(drop_last)
+        self.schedule_timeout_s = None if schedule_timeout_s is None else float(schedule_timeout_s)
+        check_batch_sizes(len(self.shapes), self.global_batch_size, self.n_mb * self.dp_size)
+        self.dropped_per_epoch = dropped_per_epoch(len(self.shapes), self.global_batch_size, self.drop_last)
+        if self.dropped_per_epoch:
+            logger.warning("drop_last: %d of %d samples of every epoch are not trained (a different %d each epoch)",
+                           self.dropped_per_epoch, len(self.shapes), self.dropped_per_epoch)
+        self.fingerprint = dataset_fingerprint(self.shapes)
+        self.position = Position()
         self.last_schedule: Optional[BatchSchedule] = None
-        self.batches_per_epoch = len(self.batches_in_epoch())  # the same every epoch; validates sizes
+        self._cached_epoch: Optional[tuple[int, list[np.ndarray]]] = None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next microbatch to train."""
+        return self.position.epoch
+
+    @property
+    def next_batch(self) -> int:
+        """The global batch (within :attr:`epoch`) of the next microbatch to train."""
+        return self.position.batch
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Global batches of the current epoch (with carry, epochs differ by at most one)."""
+        return self.n_batches(self.epoch)
+
+    def n_batches(self, epoch: int) -> int:
+        """Global batches of ``epoch``."""
+        n, size = len(self.shapes), self.global_batch_size
+        return first_batch(epoch + 1, n, size, self.drop_last) - first_batch(epoch, n, size, self.drop_last)
 
     # -- the schedule: pure in (seed, epoch, batch) -------------------------------------------
     def batches_in_epoch(self, epoch: Optional[int] = None) -> list[np.ndarray]:
-        """The global batches (arrays of dataset indices) of ``epoch`` (default: the current)."""
-        order = epoch_permutation(len(self.shapes), self.seed, self.epoch if epoch is None else epoch)
-        return global_batches(order, self.global_batch_size, self.n_mb * self.dp_size)
+        """The global batches (arrays of exactly ``global_batch_size`` dataset indices) of
+        ``epoch`` (default: the current)."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        if self._cached_epoch is None or self._cached_epoch[0] != epoch:
+            batches = epoch_batches(len(self.shapes), self.seed, epoch, self.global_batch_size, self.drop_last)
+            self._cached_epoch = (epoch, batches)
+        return self._cached_epoch[1]
 
     def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
         """Split one global batch (``costs`` its rows' costs) into per-rank microbatches."""
@@ -159,7 +212,7 @@ class GlobalBatchSampler:
         costs = self.costs[batch]
         if self.cost_adjuster is None:
             return costs
-        global_batch = epoch * self.batches_per_epoch + batch_id
+        global_batch = first_batch(epoch, len(self.shapes), self.global_batch_size, self.drop_last) + batch_id
         version = global_batch - self.prefetch - 1
         if version < 0:
             return costs
@@ -205,20 +258,27 @@ class GlobalBatchSampler:
     # -- iteration -----------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch at the next iteration."""
-        self.epoch = int(epoch)
-        self.next_batch = 0
+        self.position = Position(int(epoch), 0, 0)
 
     def __len__(self) -> int:
-        """Microbatches this rank yields per epoch."""
+        """Microbatches this rank yields in the current epoch."""
         return self.batches_per_epoch * self.n_mb
 
     def _schedules(self, epoch: int, start: int) -> Iterator[BatchSchedule]:
         batches = self.batches_in_epoch(epoch)
         keys = range(start, len(batches))
+        timeout = self.schedule_timeout_s
+
+        def one(b: int) -> BatchSchedule:
+            return self.schedule(epoch, b, batches[b])
+
+        def name(b: int) -> str:
+            return f"epoch {epoch} batch {b}"
+
         if self.prefetch == 0:
-            yield from (self.schedule(epoch, b, batches[b]) for b in keys)
+            yield from (run_with_deadline(lambda: one(b), timeout, name(b)) for b in keys)
             return
-        with BackgroundMap(lambda b: self.schedule(epoch, b, batches[b]), keys, depth=self.prefetch) as ahead:
+        with BackgroundMap(one, keys, depth=self.prefetch, timeout_s=timeout, describe=name) as ahead:
             self._ahead = ahead
             yield from ahead
 
@@ -228,42 +288,73 @@ class GlobalBatchSampler:
         if self._ahead is not None:
             self._ahead.close(wait_s=wait_s)
 
+    def scheduled_microbatches(self) -> Iterator[tuple[Position, BatchSchedule, list[ScheduledIndex]]]:
+        """This rank's microbatches from the current position to the end of its epoch, each as
+        ``(position after it, its batch's schedule, its indices)``, without moving the position
+        (:meth:`consumed` does, once the caller has the microbatch)."""
+        start = self.position
+        for sched in self._schedules(start.epoch, start.batch):
+            microbatches = sched.split.ranks[self.dp_rank]
+            first = start.microbatch if sched.batch_id == start.batch else 0
+            for j in range(first, len(microbatches)):
+                indices = [ScheduledIndex(i, sched.loss_denominator, sched.batch_id) for i in microbatches[j]]
+                yield self._after(start.epoch, sched.batch_id, j), sched, indices
+
+    def _after(self, epoch: int, batch: int, microbatch: int) -> Position:
+        """The position following microbatch ``microbatch`` of ``batch``."""
+        if microbatch + 1 < self.n_mb:
+            return Position(epoch, batch, microbatch + 1)
+        if batch + 1 < self.n_batches(epoch):
+            return Position(epoch, batch + 1, 0)
+        return Position(epoch + 1, 0, 0)
+
+    def consumed(self, position: Position, schedule: BatchSchedule) -> None:
+        """Record that the caller has the microbatch before ``position`` (of ``schedule``)."""
+        self.position = position
+        self.last_schedule = schedule
+
     def __iter__(self) -> Iterator[list[ScheduledIndex]]:
         """Yield this rank's microbatches of the rest of the current epoch, then move to the next
         epoch (so a ``RepeatingLoader`` sees a fresh order every epoch).
 
-        The position (:meth:`state_dict`) advances when a batch's last microbatch is handed out,
-        so a checkpoint taken after a training step resumes at the next batch.
+        The position (:meth:`state_dict`) moves past each microbatch as it is handed out: exact
+        for a ``DataLoader`` without workers. Workers fetch ahead of training: use
+        :func:`dflop_ds.make_loader`, which moves it only when the caller receives a microbatch.
         """
-        epoch = self.epoch
-        for sched in self._schedules(epoch, self.next_batch):
-            self.last_schedule = sched
-            microbatches = sched.split.ranks[self.dp_rank]
-            for j, microbatch in enumerate(microbatches):
-                if j == len(microbatches) - 1:
-                    self._advance(epoch, sched.batch_id + 1)
-                yield [ScheduledIndex(i, sched.loss_denominator, sched.batch_id) for i in microbatch]
-
-    def _advance(self, epoch: int, next_batch: int) -> None:
-        if next_batch >= self.batches_per_epoch:
-            self.set_epoch(epoch + 1)
-        else:
-            self.epoch, self.next_batch = epoch, next_batch
+        for position, sched, indices in self.scheduled_microbatches():
+            self.consumed(position, sched)
+            yield indices
 
     # -- checkpointing -------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Where the sampler is: enough to resume at the next unconsumed global batch."""
-        return {"method": self.method, "seed": self.seed, "epoch": self.epoch, "next_batch": self.next_batch,
-                "n_samples": len(self.shapes), "global_batch_size": self.global_batch_size}
+        """Where the sampler is (the next microbatch to train) and what it schedules: the seed,
+        batch sizes and a fingerprint of the dataset's ids and shapes."""
+        return {"method": self.method, "seed": self.seed, "epoch": self.position.epoch,
+                "next_batch": self.position.batch, "next_microbatch": self.position.microbatch,
+                "n_samples": len(self.shapes), "global_batch_size": self.global_batch_size,
+                "drop_last": self.drop_last, "gradient_accumulation_steps": self.n_mb, "dp_size": self.dp_size,
+                "dataset_fingerprint": self.fingerprint, "dataset": describe_dataset(self.shapes)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from :meth:`state_dict`; refuses a state from a different dataset or batch size."""
-        for key in ("seed", "n_samples", "global_batch_size"):
-            mine = self.state_dict()[key]
-            if state.get(key) != mine:
-                raise ValueError(f"sampler state has {key}={state.get(key)!r}, this sampler has {mine!r}")
-        self.epoch = int(state["epoch"])
-        self.next_batch = int(state["next_batch"])
+        """Resume from :meth:`state_dict`. Refuses a state of another dataset (naming both), seed,
+        global batch size or remainder rule; a state taken in the middle of a global batch also
+        needs the same sampler, gradient accumulation steps and data-parallel size."""
+        mine = self.state_dict()
+        if "dataset_fingerprint" in state and state["dataset_fingerprint"] != self.fingerprint:
+            raise ValueError(f"sampler state is for another dataset: the state's is {state.get('dataset')},"
+                             f" this sampler's is {mine['dataset']}")
+        keys = ["seed", "n_samples", "global_batch_size"] + (["drop_last"] if "drop_last" in state else [])
+        if int(state.get("next_microbatch", 0)):
+            keys += ["method", "gradient_accumulation_steps", "dp_size"]
+        for key in keys:
+            if state.get(key) != mine[key]:
+                raise ValueError(f"sampler state has {key}={state.get(key)!r}, this sampler has {mine[key]!r}")
+        position = Position(int(state["epoch"]), int(state["next_batch"]), int(state.get("next_microbatch", 0)))
+        if position.batch >= self.n_batches(position.epoch) or position.microbatch >= self.n_mb:
+            raise ValueError(f"sampler state points at epoch {position.epoch} batch {position.batch} microbatch"
+                             f" {position.microbatch}, past the end of that epoch's {self.n_batches(position.epoch)}"
+                             f" batches of {self.n_mb} microbatches")
+        self.position = position
 
 
 class StockBatchSampler(GlobalBatchSampler):
@@ -281,10 +372,11 @@ class DFLOPBatchSampler(GlobalBatchSampler):
 
     ``time_limit_s`` and ``ilp_nodes`` bound the exact solver per batch; with both 0 (the
     default) the fast deterministic heuristic runs alone. Several ranks need identical schedules:
-    use ``ilp_nodes`` (no clock involved) rather than ``time_limit_s`` there. ``lockstep=True``
-    is for engines without a pipeline (ZeRO data parallel), whose ranks synchronise in every
-    microbatch: microbatch ``k`` of every rank is balanced on its own (see
-    :func:`~dflop_ds.schedule.split.split_balanced`).
+    use ``ilp_nodes`` (no clock involved) rather than ``time_limit_s`` there. An exact solve
+    still running after half of ``schedule_timeout_s`` is abandoned for the heuristic (its
+    ``solver`` ends in ``+fallback``). ``lockstep=True`` is for engines without a pipeline
+    (ZeRO data parallel), whose ranks synchronise in every microbatch: microbatch ``k`` of
+    every rank is balanced on its own (see :func:`~dflop_ds.schedule.split.split_balanced`).
     """
 
     method = "dflop"
@@ -296,13 +388,27 @@ class DFLOPBatchSampler(GlobalBatchSampler):
         self.lockstep = bool(lockstep)
         super().__init__(shapes, **kwargs)
 
-    def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
-        """Balanced split (see :func:`split_balanced`)."""
+    def balanced_split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int, exact: bool) -> SplitResult:
+        """:func:`split_balanced` of ``batch``, with the exact solver's limits when ``exact``."""
         return split_balanced(
             batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch, costs),
-            time_limit_s=self.time_limit_s, seed=batch_seed, lengths=self.lengths[batch], node_limit=self.ilp_nodes,
-            lockstep=self.lockstep,
+            time_limit_s=self.time_limit_s if exact else 0.0, seed=batch_seed, lengths=self.lengths[batch],
+            node_limit=self.ilp_nodes if exact else 0, lockstep=self.lockstep,
         )
+
+    def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
+        """Balanced split; an exact solve past half of ``schedule_timeout_s`` falls back to the heuristic."""
+        if (self.time_limit_s <= 0 and self.ilp_nodes <= 0) or self.schedule_timeout_s is None:
+            return self.balanced_split(batch, costs, batch_seed, exact=True)
+        budget = self.schedule_timeout_s / 2
+        try:
+            return run_with_deadline(lambda: self.balanced_split(batch, costs, batch_seed, exact=True), budget,
+                                     "the exact solver")
+        except ScheduleTimeoutError:
+            logger.warning("the exact solver overran half of schedule_timeout_s (%g s); using the heuristic split",
+                           budget)
+        result = self.balanced_split(batch, costs, batch_seed, exact=False)
+        return dataclasses.replace(result, solver=result.solver + FALLBACK_SUFFIX)
 
 
 def make_sampler(method: str, shapes: Sequence[SampleShape], **kwargs) -> GlobalBatchSampler:

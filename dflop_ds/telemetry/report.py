@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,14 +28,19 @@ def find_log(run: str | Path) -> Path:
 
 
 def read_log(path: str | Path) -> list[dict[str, Any]]:
-    """The per-step records of a telemetry log; a bad line is named by its number."""
+    """The per-step records of a telemetry log. A bad line is named by its number, except an
+    unfinished last line (a run killed while writing it), which is left out with a warning."""
+    lines = Path(path).read_text().splitlines()
     records = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as error:
+            if number == len(lines):
+                warnings.warn(f"{path}:{number}: left out an unfinished last record (a killed run?)", stacklevel=2)
+                continue
             raise ValueError(f"{path}:{number}: not a JSON record ({error})") from error
     if not records:
         raise ValueError(f"{path}: no telemetry records")
@@ -42,14 +48,29 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
 
 
 def split_runs(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Records of several runs appended to one log, one list per run (a run starts where the
-    step number stops increasing)."""
+    """Records of several runs appended to one log, one list per run in log order: by
+    ``run_id``, or, for records without one, where the step number stops increasing."""
     runs: list[list[dict[str, Any]]] = []
     for record in records:
-        if not runs or record.get("step", 0) <= runs[-1][-1].get("step", 0):
+        previous = runs[-1][-1] if runs else None
+        if previous is None or record.get("run_id") != previous.get("run_id") or (
+                record.get("run_id") is None and record.get("step", 0) <= previous.get("step", 0)):
             runs.append([])
         runs[-1].append(record)
     return runs
+
+
+def select_run(runs: list[list[dict[str, Any]]], run_id: Optional[str], index: int, source: str) -> list[dict]:
+    """The run named ``run_id`` (when given), else the ``index``-th (negative: from the end)."""
+    if run_id is not None:
+        chosen = [record for run in runs for record in run if record.get("run_id") == run_id]
+        if not chosen:
+            known = [run[0].get("run_id") for run in runs]
+            raise ValueError(f"{source}: no run with id {run_id!r}; its runs: {known}")
+        return chosen
+    if not -len(runs) <= index < len(runs):
+        raise ValueError(f"{source}: holds {len(runs)} run(s), no run index {index}")
+    return runs[index]
 
 
 def _series(records: list[dict], key: str) -> np.ndarray:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 import zlib
 from pathlib import Path
 from typing import Any, Optional
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dflop_ds.paths import check_writable
 from dflop_ds.schedule.correction import CostCorrection, StepObservation, composition
 from dflop_ds.telemetry.record import bubble_fraction, imbalance, log_line, monitor_events, observed_imbalance
 from dflop_ds.telemetry.timers import STEP_KINDS, PipelineTimer, StageTiming
@@ -47,13 +49,17 @@ class RuntimeTracker:
         sampler: this rank's dflop-ds batch sampler (its ``last_schedule`` is read on ranks that
             iterate it: first and last stages).
         correction: optional :class:`CostCorrection` (the sampler's ``cost_adjuster``).
-        jsonl_path: where rank 0 appends one JSON record per step (None: nowhere).
+        jsonl_path: where rank 0 appends one JSON record per step (None: nowhere); checked for
+            writing here, before the first step.
+        run_id: tags every record, so runs appended to one log stay apart (default: a new
+            time-stamped id; give every rank the same one).
         log: print the concise line on rank 0.
         timer: the :class:`PipelineTimer` (default: installed on ``engine``).
     """
 
     def __init__(self, engine, sampler, correction: Optional[CostCorrection] = None, *,
-                 jsonl_path: Optional[str] = None, log: bool = True, timer: Optional[PipelineTimer] = None) -> None:
+                 jsonl_path: Optional[str] = None, log: bool = True, timer: Optional[PipelineTimer] = None,
+                 run_id: Optional[str] = None) -> None:
         from deepspeed.accelerator import get_accelerator
 
         self.engine = engine
@@ -70,6 +76,9 @@ class RuntimeTracker:
         sync = None if accelerator.device_name() == "cpu" else accelerator.synchronize
         self.timer = timer or PipelineTimer(engine, self.n_mb, synchronize=sync).install()
         self.jsonl_path = Path(jsonl_path) if jsonl_path else None
+        if self.jsonl_path is not None and self.rank == 0:
+            check_writable(self.jsonl_path, "telemetry log")
+        self.run_id = run_id or new_run_id()
         self.log = log
         self.buckets = correction.scheme.buckets(sampler.shapes) if correction is not None else None
         self._tracking_overhead_s = 0.0
@@ -169,7 +178,7 @@ class RuntimeTracker:
         compute_per_rank = np.array([row[HEADER:HEADER + self.n_mb].sum() for row in rows])
         wait_per_rank = np.array([row[HEADER + self.n_mb:HEADER + 2 * self.n_mb].sum() for row in rows])
         record: dict[str, Any] = {
-            "step": int(step), "step_s": step_max, "loss": None if loss is None else float(loss),
+            "run_id": self.run_id, "step": int(step), "step_s": step_max, "loss": None if loss is None else float(loss),
             "imbalance_observed": overall, "imbalance_observed_stages": per_stage,
             "bubble_fraction": bubble_fraction(compute_per_rank, step_max),
             "wait_fraction": float(wait_per_rank.mean() / step_max) if step_max > 0 else float("nan"),
@@ -228,6 +237,11 @@ class RuntimeTracker:
                 handle.write(json.dumps(record) + "\n")
         if self.log:
             print(log_line(record), flush=True)
+
+
+def new_run_id() -> str:
+    """A fresh run id: start time and a random suffix, e.g. ``20261123T101500-3f9a2c``."""
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
 def check_same_schedule(rows: np.ndarray, step: int) -> None:

@@ -1,5 +1,6 @@
-"""Test helpers that run inside real training (fault injection)."""
+"""Test helpers that inject faults into real components: slow shapes, stuck schedulers."""
 
 from dflop_ds.testing.faults import FaultSpec, SlowTiles
+from dflop_ds.testing.scheduler import StuckSplitSampler
 
-__all__ = ["FaultSpec", "SlowTiles"]
+__all__ = ["FaultSpec", "SlowTiles", "StuckSplitSampler"]

@@ -10,6 +10,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from dflop_ds.typecheck import check_setting
+
 
 @dataclass(frozen=True)
 class FaultSpec:
@@ -38,14 +40,10 @@ class FaultSpec:
         if unknown or missing:
             raise ValueError(f"{source}: unknown key(s) {unknown} / missing key(s) {missing}; known: {sorted(known)}")
         spec = cls(**block)
-        if not isinstance(spec.min_tiles, int) or spec.min_tiles < 0:
-            raise ValueError(f"{source}.min_tiles must be an integer >= 0, got {spec.min_tiles!r}")
-        if not spec.seconds_per_tile >= 0:
-            raise ValueError(f"{source}.seconds_per_tile must be >= 0, got {spec.seconds_per_tile!r}")
-        if not spec.base_seconds_per_tile >= 0:
-            raise ValueError(f"{source}.base_seconds_per_tile must be >= 0, got {spec.base_seconds_per_tile!r}")
-        if not isinstance(spec.start_step, int) or spec.start_step < 0:
-            raise ValueError(f"{source}.start_step must be an integer >= 0, got {spec.start_step!r}")
+        check_setting(f"{source}.min_tiles", spec.min_tiles, "int", minimum=0)
+        check_setting(f"{source}.seconds_per_tile", spec.seconds_per_tile, "number", minimum=0)
+        check_setting(f"{source}.base_seconds_per_tile", spec.base_seconds_per_tile, "number", minimum=0)
+        check_setting(f"{source}.start_step", spec.start_step, "int", minimum=0)
         return spec
 
     def delay(self, tiles_per_sample: torch.Tensor, faulty: bool = True) -> float:

@@ -122,8 +122,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
     from dflop_ds.telemetry.setup import inject_fault, make_correction
 
+    from dflop_ds.checks import check_cost_model
+    from dflop_ds.loader import make_loader
+    from dflop_ds.paths import check_writable
+
     args = build_parser().parse_args(argv)
     ds_config, cfg = load_settings(args)
+    for option in ("summary", "trace", "telemetry", "output_dir"):  # fail now, not after training
+        if getattr(args, option):
+            check_writable(getattr(args, option), f"--{option}")
     torch.manual_seed(cfg.seed)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     share_cpu_threads()  # CPU ranks on one machine: a share of the cores each, not all of them
@@ -141,6 +148,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from dflop_ds.profile.costmodel import check_policy
 
         check_policy(cost_model, source.policy, source=str(cfg.cost_model))
+        check_cost_model(cost_model, encoder_layers=len(source.encoder_layers), llm_layers=len(source.llm_layers),
+                         source=str(cfg.cost_model))
 
     encoder, projector, llm = source.layers()
     encoder = inject_fault(encoder, cfg.fault, ds_config)  # testing only: an optional slow shape class
@@ -160,12 +169,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         gradient_accumulation_steps=engine.gradient_accumulation_steps(), dp_rank=dp_rank, dp_size=dp_size,
         cost_model=cost_model, seed=cfg.seed, prefetch=cfg.prefetch, time_limit_s=cfg.time_limit_s,
         ilp_nodes=cfg.ilp_nodes, label_tokens_fn=source.label_tokens_fn, cost_adjuster=correction,
-        lockstep=not pipelined,
+        lockstep=not pipelined, drop_last=cfg.drop_last, schedule_timeout_s=cfg.schedule_timeout_s,
     )
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=source.collate)
+    # the loader's state is what training consumed, not what its workers prefetched
+    loader = make_loader(dataset, sampler, collate_fn=source.collate, num_workers=cfg.num_workers)
+    first_step = resume(engine, loader, cfg, correction) if cfg.resume else 0
     data_iter = iter(RepeatingLoader(loader))
 
-    first_step = resume(engine, sampler, cfg, correction) if cfg.resume else 0
     tracker = None
     if cfg.telemetry and pipelined:  # per-instruction timers exist only in the pipeline engine
         tracker = RuntimeTracker(engine, sampler, correction,
@@ -190,7 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         done = step + 1
         if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
             engine.save_checkpoint(cfg.checkpoint_dir, tag=f"step{done}",
-                                   client_state={"dflop_sampler": sampler.state_dict(), "dflop_step": done,
+                                   client_state={"dflop_sampler": loader.state_dict(), "dflop_step": done,
                                                  "dflop_correction": correction.state_dict() if correction else None})
         if args.exit_after_step is not None and step == args.exit_after_step:
             os._exit(17)
@@ -232,16 +242,16 @@ def save_model(trainer: TrainingEngine, source: ModelSource, directory: str) -> 
     print(f"[dflop-ds] trained model written to {directory}", flush=True)
 
 
-def resume(engine: Any, sampler: Any, cfg: DFLOPConfig, correction: Any = None) -> int:
-    """Load the latest checkpoint, restore the sampler's position (and the correction's state);
-    the step to continue from."""
+def resume(engine: Any, loader: Any, cfg: DFLOPConfig, correction: Any = None) -> int:
+    """Load the latest checkpoint, restore the loader's (sampler's) position and the correction's
+    state; the step to continue from."""
     load_path, client_state = engine.load_checkpoint(cfg.checkpoint_dir)
     if load_path is None:
         print(f"[dflop-ds] no checkpoint in {cfg.checkpoint_dir}: starting from step 0", flush=True)
         return 0
     if "dflop_sampler" not in client_state:
         raise ValueError(f"checkpoint {load_path} has no dflop sampler state: it was not written by dflop-ds")
-    sampler.load_state_dict(client_state["dflop_sampler"])
+    loader.load_state_dict(client_state["dflop_sampler"])
     if correction is not None and client_state.get("dflop_correction"):
         correction.load_state_dict(client_state["dflop_correction"])
     print(f"[dflop-ds] resumed from {load_path} at step {client_state['dflop_step']}", flush=True)

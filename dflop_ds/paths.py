@@ -1,0 +1,33 @@
+"""Check an output path before long work starts, so a typo fails in a second, not after a search."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Union
+
+
+class OutputPathError(ValueError):
+    """An output path cannot be written; the message names the option and the path."""
+
+
+def check_writable(path: Union[str, Path], what: str) -> Path:
+    """Make sure ``path`` can be written (creating missing parent folders), without changing an
+    existing file; raise :class:`OutputPathError` naming ``what`` (e.g. ``"--telemetry"``) and
+    the path otherwise. Returns the path."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputPathError(f"{what} {path}: is a folder, expected a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            with open(path, "a"):
+                pass
+        else:
+            handle, probe = tempfile.mkstemp(dir=path.parent, prefix=".dflop-write-check-")
+            os.close(handle)
+            os.unlink(probe)
+    except OSError as error:
+        raise OutputPathError(f"{what} {path}: cannot be written ({error.strerror or error})") from None
+    return path

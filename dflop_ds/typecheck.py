@@ -1,0 +1,44 @@
+"""Strict checks of configuration values: a boolean is a boolean, a number is a number.
+
+JSON configs are written by hand: ``"false"`` (a non-empty string, so truthy), ``"0.001"`` or
+``true`` where a number belongs are refused with the key and the value, never reinterpreted.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+_KINDS = {"bool": "a boolean (true or false)", "int": "an integer", "number": "a number",
+          "str": "a string", "dict": "an object ({...})", "list": "a list ([...])"}
+
+
+def _has_kind(value: Any, kind: str) -> bool:
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, {"str": str, "dict": dict, "list": list}[kind])
+
+
+def check_setting(key: str, value: Any, kind: str, *, minimum: Optional[float] = None,
+                  maximum: Optional[float] = None, above: Optional[float] = None, optional: bool = False,
+                  choices: Optional[Sequence[Any]] = None) -> None:
+    """Raise ``ValueError`` naming ``key`` and ``value`` unless ``value`` is of ``kind``
+    (``"bool"``, ``"int"``, ``"number"``, ``"str"``, ``"dict"``, ``"list"``; ``None`` too when
+    ``optional``), within ``[minimum, maximum]``, greater than ``above``, and among ``choices``."""
+    if value is None and optional:
+        return
+    what = _KINDS[kind] + (" or null" if optional else "")
+    if not _has_kind(value, kind):
+        raise ValueError(f"{key} must be {what}, got {value!r} ({type(value).__name__})")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{key} must be >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{key} must be <= {maximum}, got {value!r}")
+    if above is not None and not value > above:
+        raise ValueError(f"{key} must be > {above}, got {value!r}")
