@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 # Modules that add sub-commands through ``register(subparsers)``.
 COMMAND_MODULES = ("dflop_ds.data.cli", "dflop_ds.profile.cli", "dflop_ds.plan.cli", "dflop_ds.schedule.cli",
-                   "dflop_ds.telemetry.cli")
+                   "dflop_ds.telemetry.cli", "dflop_ds.models.hf.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,6 +13,11 @@ The flat layer list is ``encoder_layers + [projector] + llm_layers`` (any module
 * python-int layer seeds when ``seed_layers`` is on (DeepSpeed's balanced partitions give numpy
   ints, which ``random.seed`` rejects on Python 3.11).
 
+* tied weights declared by built layers: a layer with a ``tied_weights`` dict (key -> dotted
+  parameter path, e.g. an embedding and an LM head sharing their matrix) has that weight kept
+  equal across the stages holding it, with DeepSpeed's own tied-weight machinery (broadcast at
+  start, gradients all-reduced among those stages every step), as ``TiedLayerSpec`` does for specs.
+
 A float tensor sent to the next stage must also be *used* there (the engine asserts that every
 received float tensor gets a gradient), so layers must drop float tensors they no longer need;
 the bundled projector, for one, consumes the visual features and sends only ``hidden``.
@@ -23,6 +28,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
+from deepspeed import comm as dist
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime import utils as ds_utils
 from deepspeed.utils import logger
@@ -44,6 +50,16 @@ def mark_boundary_outputs(outputs: Any) -> Any:
     for t in tensors:
         if torch.is_tensor(t) and t.is_floating_point() and not t.requires_grad:
             t.requires_grad_()
+    return outputs
+
+
+def contiguous_outputs(outputs: Any) -> Any:
+    """``outputs`` (tensor or tuple) with every tensor made contiguous: p2p sends refuse strided
+    tensors, and HF layers return them (e.g. a vision tower's transposed patch embeddings)."""
+    if torch.is_tensor(outputs):
+        return outputs.contiguous()
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(t.contiguous() if torch.is_tensor(t) else t for t in outputs)
     return outputs
 
 
@@ -85,6 +101,23 @@ def unused_float_inputs(inputs: Any, outputs: Any) -> list[int]:
 def int_seed(seed: int) -> None:
     """Seed python, numpy and torch from ``seed`` cast to a python int (a ``seed_fn`` for DeepSpeed)."""
     ds_utils.set_random_seed(int(seed))
+
+
+def declared_ties(layers: Sequence[Any]) -> dict[str, list[tuple[int, str]]]:
+    """``key -> [(layer index, dotted parameter path)]`` of the layers that declare ``tied_weights``."""
+    ties: dict[str, list[tuple[int, str]]] = {}
+    for index, layer in enumerate(layers):
+        for key, path in (getattr(layer, "tied_weights", None) or {}).items():
+            ties.setdefault(key, []).append((index, path))
+    return ties
+
+
+def owner_of(module: torch.nn.Module, path: str) -> tuple[torch.nn.Module, str]:
+    """The submodule holding the parameter at dotted ``path`` and the parameter's own name."""
+    *parents, name = path.split(".")
+    for part in parents:
+        module = getattr(module, part)
+    return module, name
 
 
 def layer_name(layer: Any) -> str:
@@ -168,6 +201,43 @@ class MLLMPipelineModule(PipelineModule):
             for name, module in self.named_children():
                 if name.isdigit() and int(name) < self.n_encoder_layers:
                     module.requires_grad_(False)
+        self._index_declared_ties()
+
+    def _index_declared_ties(self) -> None:
+        """Add the ``tied_weights`` of built layers to DeepSpeed's ``tied_comms`` and make the
+        copies equal (every rank must run this: it creates process groups)."""
+        ties = declared_ties(self._layer_specs)
+        if not ties or self._topo.get_dim("pipe") == 1:
+            return  # one stage: the layers share the very same parameter
+        local = range(self._local_start, self._local_stop)
+        for key in sorted(ties):
+            if key in self.tied_comms:
+                raise ValueError(f"tied weight key {key!r} is used by a TiedLayerSpec and a layer's tied_weights")
+            stages = sorted({self.stage_owner(index) for index, _ in ties[key]})
+            owners = [owner_of(self._layer_specs[index], path) for index, path in ties[key] if index in local]
+            weights = {id(getattr(module, name)) for module, name in owners}
+            if len(weights) > 1:
+                raise ValueError(f"layers tied under {key!r} hold different parameters on stage {self.stage_id}")
+            for dp in range(self._grid.data_parallel_size):
+                ranks = [self._grid.stage_to_global(stage_id=s, data=dp) for s in stages]
+                group = dist.new_group(ranks=ranks)
+                if self.global_rank in ranks:
+                    module, name = owners[0]
+                    self.tied_comms[key] = {"ranks": ranks, "group": group, "weight_attr": [name], "module": module}
+                    if self.global_rank != ranks[0]:  # counted once, as DeepSpeed does for TiedLayerSpec
+                        getattr(module, name).ds_pipe_replicated = True
+        self._synchronize_tied_weights()
+
+    def get_tied_weights_and_groups(self) -> list[tuple[torch.Tensor, Any]]:
+        """``(weight, group)`` of every tied weight this stage holds (TiedLayerSpec and declared ties)."""
+        return [(self._recursive_getattr(comm["module"], attr), comm["group"])
+                for comm in self.tied_comms.values() for attr in comm["weight_attr"]]
+
+    def allreduce_tied_weight_gradients(self) -> None:
+        """Sum the tied weights' gradients over the stages holding them."""
+        for weight, group in self.get_tied_weights_and_groups():
+            if weight.grad is not None:
+                dist.all_reduce(weight.grad, group=group)
 
     def resolve_bounds(self) -> list[int]:
         """The stage boundaries of this module's split (python ints)."""
@@ -234,5 +304,5 @@ class MLLMPipelineModule(PipelineModule):
                 )
             self._inputs_checked = True
         if not self.is_last_stage:
-            outputs = mark_boundary_outputs(outputs)
+            outputs = mark_boundary_outputs(contiguous_outputs(outputs))
         return outputs

@@ -1,0 +1,223 @@
+"""``dflop-ds check-model``: do the pipeline layer lists compute what the HF model computes?
+
+Loads a ``save_pretrained`` directory (model + processor), splits the layer lists into stages
+with :func:`dflop_ds.pipe.split.plan_stage_bounds` (what ``MLLMPipelineModule`` uses), and runs a
+few synthetic microbatches (an image inside the prompt, several images, text-only rows and a
+microbatch without any image, rows of different lengths) stage by stage, checking every
+boundary as the pipeline engine would (floats before ints, every float received is used). The
+loss and logits are compared with the HF model's own forward with labels; when they differ, the
+first stage boundary whose activations differ from HF's hidden states is named.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflop_ds.models.hf.common import check_boundary
+from dflop_ds.models.hf.synthetic import contract_microbatch, hf_forward
+from dflop_ds.pipe.loss import token_normalized_loss
+from dflop_ds.pipe.split import plan_stage_bounds
+
+WORDS = ("what", "is", "shown", "in", "the", "picture", "a", "red", "car", "on", "road", "near", "sea",
+         "compare", "two", "images", "describe", "it", "hello", "hi", "there", "thanks")
+
+
+def load_processor(model_dir: Path, config: Any) -> Any:
+    """The directory's ``AutoProcessor``; failing that, a ``LlavaProcessor`` from its tokenizer and
+    image processor. Checks that an image expands to as many tokens as the model makes features."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, LlavaProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+        if not hasattr(processor, "image_processor"):
+            raise ValueError("not a multimodal processor")
+    except (OSError, ValueError, TypeError, KeyError) as first:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+            image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{model_dir}: no processor ({first}) and no tokenizer + image processor to build "
+                             f"one from ({exc})") from exc
+        cls_token = 1 if config.vision_config.model_type == "clip_vision_model" else 0
+        processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                   patch_size=config.vision_config.patch_size,
+                                   vision_feature_select_strategy=config.vision_feature_select_strategy,
+                                   num_additional_image_tokens=cls_token)
+    expected = image_features_per_image(config)
+    got = getattr(processor, "image_seq_length", None) or processor_image_tokens(processor, config)
+    if got != expected:
+        raise ValueError(f"{model_dir}: the processor expands an image to {got} tokens but the model makes {expected} "
+                         "features per image (patch size, image size or select strategy disagree)")
+    return processor
+
+
+def image_features_per_image(config: Any) -> int:
+    """Features one image gives: patches, plus CLIP's CLS token unless the "default" strategy drops it."""
+    vision = config.vision_config
+    patches = (int(vision.image_size) // int(vision.patch_size)) ** 2
+    cls_token = 1 if vision.model_type == "clip_vision_model" else 0
+    return patches + cls_token - (1 if config.vision_feature_select_strategy == "default" else 0)
+
+
+def processor_image_tokens(processor: Any, config: Any) -> int:
+    """Image tokens the processor writes for one image."""
+    from PIL import Image
+
+    encoded = processor(images=[Image.new("RGB", (20, 20))], text=["<image>"], return_tensors="pt")
+    return int((encoded["input_ids"] == config.image_token_id).sum())
+
+
+def random_image(rng: random.Random) -> Any:
+    """A random RGB image of random size (the processor resizes it)."""
+    from PIL import Image
+
+    width, height = rng.randint(12, 90), rng.randint(12, 90)
+    return Image.frombytes("RGB", (width, height), bytes(rng.getrandbits(8) for _ in range(width * height * 3)))
+
+
+def synthetic_batches(processor: Any, seed: int) -> list[tuple[str, list]]:
+    """``(description, samples)`` of the microbatches check-model runs."""
+    rng = random.Random(seed)
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    def sample(images: int, words: int) -> tuple[str, str, list]:
+        pieces = [text(rng.randint(1, 4)) for _ in range(images + 1)]
+        prompt = "USER: " + " <image> ".join(pieces) + " " + text(words) + " ASSISTANT:"
+        return prompt, text(rng.randint(2, 6)), [random_image(rng) for _ in range(images)]
+
+    return [
+        ("image inside the prompt + text-only row", [sample(1, 3), sample(0, 9)]),
+        ("text-only microbatch", [sample(0, 2), sample(0, 7), sample(0, 4)]),
+        ("two images in one row + one image", [sample(2, 1), sample(1, 6)]),
+        ("one row, one image", [sample(1, 0)]),
+    ]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / max |b|`` (0 for empty tensors)."""
+    if b.numel() == 0:
+        return 0.0
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def run_stages(layers: list, bounds: list[int], inputs: tuple) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Run the flat layer list stage by stage as separate pipeline stages would.
+
+    Every stage's received float tensors are fresh leaves that require grad (as the engine hands
+    them over); each boundary is checked (floats before ints, every float received used).
+    Returns the last stage's output and every stage's output by the index of its last layer.
+    """
+    from dflop_ds.pipe.module import unused_float_inputs
+
+    x: Any = inputs
+    outputs: dict[int, torch.Tensor] = {}
+    for stage, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        if stage > 0:
+            x = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in x)
+        received = x
+        for layer in layers[start:stop]:
+            x = layer(x)
+        where = f"stage {stage} (layers {start}..{stop - 1})"
+        check_boundary(x, where)
+        if stage > 0:
+            unused = unused_float_inputs(received, x)
+            if unused:
+                raise ValueError(f"{where} ignores the float input(s) at position(s) {unused} of the previous stage")
+        outputs[stop - 1] = x[0] if isinstance(x, tuple) else x
+    return x, outputs
+
+
+def hf_boundaries(model: Any, inputs: tuple, n_vision: int) -> dict[int, torch.Tensor]:
+    """HF's activations after flat layer ``j``: vision ``hidden_states[j]`` for the encoder entries,
+    the language model's ``hidden_states[i]`` after the projector (i = 0) and decoder layer i - 1
+    (the last decoder layer is left out: HF normalizes it in place)."""
+    pixel_values, input_ids, seq_lens = inputs
+    reference: dict[int, torch.Tensor] = {}
+    if pixel_values.shape[0]:
+        vision = model.model.vision_tower(pixel_values, output_hidden_states=True).hidden_states
+        reference.update({j: vision[j] for j in range(n_vision)})
+    from dflop_ds.models.hf.common import padding_mask
+
+    mask = padding_mask(seq_lens, input_ids.shape[1])
+    pixels = pixel_values if pixel_values.shape[0] else None
+    text = model.model(input_ids=input_ids, pixel_values=pixels, attention_mask=mask,
+                       output_hidden_states=True).hidden_states
+    reference.update({n_vision + i: text[i] for i in range(len(text) - 1)})
+    return reference
+
+
+@dataclass
+class CheckReport:
+    """What check-model found: the split, the largest relative error and, per batch, what differed."""
+
+    model_dir: str
+    bounds: list[int]
+    layer_names: list[str]
+    tolerance: float
+    max_rel_err: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when loss and logits agree within the tolerance on every batch."""
+        return not self.problems
+
+    def line(self) -> str:
+        """The one summary line (ends in ``max_rel_err=X``)."""
+        stages = len(self.bounds) - 1
+        verdict = "match HF" if self.ok else "DIFFER from HF: " + "; ".join(self.problems)
+        return (f"check-model {self.model_dir}: {stages} stage(s), bounds {self.bounds}: loss and logits {verdict}, "
+                f"tolerance {self.tolerance:g}, max_rel_err={self.max_rel_err:.3e}")
+
+
+def first_differing_stage(bounds: list[int], ours: dict[int, torch.Tensor], reference: dict[int, torch.Tensor],
+                          tolerance: float, names: list[str]) -> str:
+    """The first stage whose output differs from HF's activation at the same layer, named."""
+    for stage, stop in enumerate(bounds[1:]):
+        index = stop - 1
+        if index in reference and index in ours and _relative(ours[index], reference[index]) > tolerance:
+            return f"stage {stage} output (layer {index} {names[index]}) already differs"
+    return f"stage {len(bounds) - 2} (the head) differs"
+
+
+def check_model(model_dir: str | Path, *, stages: int = 1, tolerance: float = 1e-4, seed: int = 0) -> CheckReport:
+    """Compare the layer lists split into ``stages`` with the HF model on synthetic microbatches."""
+    from dflop_ds.models.hf.llava import llava_layers, load_llava
+    from dflop_ds.pipe.module import layer_name
+
+    path = Path(model_dir)
+    torch.manual_seed(seed)
+    model = load_llava(path).eval()  # eval: no dropout, so both paths are deterministic
+    processor = load_processor(path, model.config)
+    encoder, projector, llm = llava_layers(model)
+    layers = [*encoder, projector, *llm]
+    names = [layer_name(layer) for layer in layers]
+    bounds = plan_stage_bounds(len(layers), len(encoder) + 1, stages)
+    report = CheckReport(str(path), bounds, names, tolerance)
+    for number, (what, samples) in enumerate(synthetic_batches(processor, seed)):
+        inputs, labels = contract_microbatch(processor, samples)
+        logits, ours = run_stages(layers, bounds, inputs)
+        loss = token_normalized_loss(logits, labels)
+        with torch.no_grad():
+            reference = hf_forward(model, inputs, labels[0])
+        errors = {"loss": _relative(loss, reference.loss), "logits": _relative(logits, reference.logits)}
+        report.max_rel_err = max(report.max_rel_err, *errors.values())
+        bad = [f"{kind} rel err {err:.2e}" for kind, err in errors.items() if not err <= tolerance]
+        if bad:
+            with torch.no_grad():
+                hf_acts = hf_boundaries(model, inputs, len(encoder))
+            where = first_differing_stage(bounds, ours, hf_acts, tolerance, names)
+            report.problems.append(f"batch {number} ({what}): {', '.join(bad)}; {where}")
+    return report
+
+
+__all__ = ["CheckReport", "check_model", "hf_boundaries", "image_features_per_image", "load_processor",
+           "run_stages", "synthetic_batches"]

@@ -1,0 +1,181 @@
+"""HF ``LlavaForConditionalGeneration`` as the pipeline's flat layer lists (docs: hf_contract.md).
+
+:func:`llava_layers` turns a loaded model into ``(encoder_layers, projector, llm_layers)``:
+
+* encoder: :class:`VisionEmbeddings` (patch + position embeddings, and CLIP's ``pre_layrnorm``)
+  then one :class:`VisionLayer` per tower layer up to ``vision_feature_layer`` (layers after it
+  do not change the features LLaVA uses and are left out). ``(pixel_values|vis, input_ids,
+  seq_lens) -> (vis, input_ids, seq_lens)``; zero images give an empty ``vis``.
+* projector: :class:`LlavaProjector`: feature select strategy, ``multi_modal_projector``, token
+  embedding, and the features written where the ``<image>`` tokens are:
+  ``-> (hidden [B, S, D], seq_lens)``.
+* LLM: one :class:`~dflop_ds.models.hf.common.DecoderLayer` per decoder layer, then the
+  :class:`~dflop_ds.models.hf.common.LMHead` (final norm + ``lm_head``).
+
+Every entry holds the HF submodules themselves, so the layers and the HF model share weights.
+Supported: vision towers :data:`VISION_TYPES`, text models :data:`TEXT_TYPES`, an integer
+``vision_feature_layer``, strategies ``default`` and ``full``. transformers is imported only
+by the functions that need it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflop_ds.models.hf.common import LMHead, decoder_layers
+
+VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
+TEXT_TYPES = ("llama", "qwen2", "mistral")
+STRATEGIES = ("default", "full")
+#: key under which a tied embedding / lm_head weight is kept equal across pipeline stages
+TIED_EMBEDDING_KEY = "word_embeddings"
+
+VisTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def check_llava_config(config: Any, where: str = "model") -> None:
+    """Refuse a config this adapter cannot run exactly, naming ``where`` and what is supported."""
+    if getattr(config, "model_type", None) != "llava":
+        raise ValueError(f"{where}: model type {getattr(config, 'model_type', None)!r} is not supported by the "
+                         f"LLaVA adapter (supported: 'llava' with vision towers {list(VISION_TYPES)} and text models "
+                         f"{list(TEXT_TYPES)})")
+    vision_type = config.vision_config.model_type
+    if vision_type not in VISION_TYPES:
+        raise ValueError(f"{where}: vision tower {vision_type!r} is not supported (supported: {list(VISION_TYPES)})")
+    text_type = config.text_config.model_type
+    if text_type not in TEXT_TYPES:
+        raise ValueError(f"{where}: text model {text_type!r} is not supported (supported: {list(TEXT_TYPES)})")
+    layer = config.vision_feature_layer
+    if not isinstance(layer, int):
+        raise ValueError(f"{where}: vision_feature_layer={layer!r} (several layers) is not supported; "
+                         "use a single integer layer")
+    n = int(config.vision_config.num_hidden_layers)
+    if not -(n + 1) <= layer <= n:
+        raise ValueError(f"{where}: vision_feature_layer={layer} is outside the tower's {n} layers")
+    strategy = config.vision_feature_select_strategy
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{where}: vision_feature_select_strategy={strategy!r} is not supported "
+                         f"(supported: {list(STRATEGIES)})")
+
+
+def load_llava(model_dir: str | Path, *, dtype: torch.dtype | None = None) -> nn.Module:
+    """Load a ``save_pretrained`` LLaVA directory as ``LlavaForConditionalGeneration`` (offline).
+
+    The config is checked first (:func:`check_llava_config`), so an unsupported model is named
+    before its weights are read.
+    """
+    from transformers import AutoConfig, LlavaForConditionalGeneration
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json (expected a save_pretrained model directory)")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    check_llava_config(config, str(path))
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    return LlavaForConditionalGeneration.from_pretrained(path, local_files_only=True, **kwargs)
+
+
+def feature_depth(config: Any) -> int:
+    """Tower layers that feed ``hidden_states[vision_feature_layer]`` (``hidden_states[0]`` is the embedding)."""
+    n = int(config.vision_config.num_hidden_layers)
+    return int(config.vision_feature_layer) % (n + 1)
+
+
+class VisionEmbeddings(nn.Module):
+    """First encoder layer: ``pixel_values [N, C, H, W] -> vis [N, P, Dv]`` (patches, positions,
+    CLIP's ``pre_layrnorm``), as ``hidden_states[0]`` of the HF tower."""
+
+    def __init__(self, embeddings: nn.Module, pre_layernorm: nn.Module | None) -> None:
+        super().__init__()
+        self.embeddings = embeddings
+        self.pre_layernorm = pre_layernorm
+
+    def forward(self, inputs: VisTuple) -> VisTuple:
+        """Embed every image; zero images give ``[0, P, Dv]``."""
+        pixel_values, input_ids, seq_lens = inputs
+        weight = next(self.embeddings.parameters())
+        vis = self.embeddings(pixel_values.to(weight.dtype))
+        if self.pre_layernorm is not None:
+            vis = self.pre_layernorm(vis)
+        return vis, input_ids, seq_lens
+
+
+class VisionLayer(nn.Module):
+    """One vision-tower layer over every image's patches (no mask: all patches are real)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, inputs: VisTuple) -> VisTuple:
+        """Refine ``vis``; an empty ``vis`` (no image) passes through (HF layers cannot reshape it)."""
+        vis, input_ids, seq_lens = inputs
+        if vis.shape[0] == 0:
+            return vis.clone(), input_ids, seq_lens
+        out = self.layer(vis, None)
+        return (out[0] if isinstance(out, tuple) else out), input_ids, seq_lens
+
+
+class LlavaProjector(nn.Module):
+    """Feature selection, ``multi_modal_projector``, token embedding and the merge:
+    ``(vis, input_ids, seq_lens) -> (hidden [B, S, D], seq_lens)``.
+
+    The projected features of the microbatch's images, in order, replace the embeddings of the
+    ``image_token_id`` positions in row-major order (what ``LlavaModel`` does). Their counts must
+    agree. With zero images the empty ``vis`` still enters the graph, so the pipeline engine
+    gets a (empty) gradient for it.
+    """
+
+    def __init__(self, projector: nn.Module, embed_tokens: nn.Module, image_token_id: int, strategy: str,
+                 tied_key: str | None = None) -> None:
+        super().__init__()
+        self.projector = projector
+        self.embed_tokens = embed_tokens
+        self.image_token_id = int(image_token_id)
+        self.strategy = strategy
+        self.tied_weights = {} if tied_key is None else {tied_key: "embed_tokens.weight"}
+
+    def forward(self, inputs: VisTuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merge image features into the token embeddings where the prompt put the image tokens."""
+        vis, input_ids, seq_lens = inputs
+        if self.strategy == "default":
+            vis = vis[:, 1:]
+        features = self.projector(vis)
+        embeds = self.embed_tokens(input_ids)
+        image_positions = input_ids == self.image_token_id
+        n_tokens, n_features = int(image_positions.sum()), features.shape[0] * features.shape[1]
+        if n_tokens != n_features:
+            raise ValueError(f"LlavaProjector: the microbatch has {n_tokens} image tokens but its {features.shape[0]} "
+                             f"image(s) give {n_features} features ({features.shape[1]} per image)")
+        mask = image_positions.unsqueeze(-1).expand_as(embeds)
+        hidden = embeds.masked_scatter(mask, features.to(embeds.dtype))
+        return hidden, seq_lens
+
+
+def llava_layers(model: nn.Module) -> tuple[list[nn.Module], nn.Module, list[nn.Module]]:
+    """``(encoder_layers, projector, llm_layers)`` of a ``LlavaForConditionalGeneration``, sharing its weights.
+
+    With tied word embeddings the projector's ``embed_tokens`` and the head's ``lm_head`` declare
+    the same :data:`TIED_EMBEDDING_KEY`, which ``MLLMPipelineModule`` keeps equal across stages.
+    """
+    config = model.config
+    check_llava_config(config, type(model).__name__)
+    body = model.model
+    tower, language_model = body.vision_tower, body.language_model
+    vision = getattr(tower, "vision_model", tower)  # older transformers wrap the transformer once more
+    encoder: list[nn.Module] = [VisionEmbeddings(vision.embeddings, getattr(vision, "pre_layrnorm", None))]
+    encoder += [VisionLayer(layer) for layer in list(vision.encoder.layers)[: feature_depth(config)]]
+    tied = model.lm_head.weight is language_model.embed_tokens.weight
+    key = TIED_EMBEDDING_KEY if tied else None
+    projector = LlavaProjector(body.multi_modal_projector, language_model.embed_tokens, config.image_token_id,
+                               config.vision_feature_select_strategy, tied_key=key)
+    llm: list[nn.Module] = [*decoder_layers(language_model), LMHead(language_model.norm, model.lm_head, tied_key=key)]
+    return encoder, projector, llm
+
+
+__all__ = ["STRATEGIES", "TEXT_TYPES", "TIED_EMBEDDING_KEY", "VISION_TYPES", "LlavaProjector", "VisionEmbeddings",
+           "VisionLayer", "check_llava_config", "feature_depth", "llava_layers", "load_llava"]

@@ -1,0 +1,139 @@
+"""A tiny random HF LLaVA model directory, built offline, for tests and demos.
+
+:func:`build_tiny_llava` writes what ``save_pretrained`` writes for a real checkpoint: a
+``LlavaForConditionalGeneration`` (CLIP or SigLIP vision tower; Llama, Qwen2 or Mistral text
+model) and a ``LlavaProcessor`` (the tower's image processor and a byte-level BPE tokenizer
+trained in-process with ``tokenizers`` on a few sentences). It loads back with
+``AutoProcessor.from_pretrained`` and ``AutoModelForImageTextToText.from_pretrained`` and nothing
+is downloaded. Sizes are tiny (32 px images, 8 px patches, 16 image tokens, 64-wide text model)
+so that a forward takes milliseconds. A directory is built once per argument set and process
+and copied afterwards.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+IMAGE_SIZE = 32
+PATCH_SIZE = 8
+VISION_LAYERS = 3
+TEXT_LAYERS = 3
+TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH_SIZE) ** 2
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<image>")
+VISIONS = ("clip", "siglip")
+TEXTS = ("llama", "qwen2", "mistral")
+CORPUS = (
+    "A chat between a curious human and an artificial intelligence assistant.",
+    "USER: what is shown in the picture? ASSISTANT: a red car on a road near the sea.",
+    "compare the two images, look at this one, describe it. hello, hi there, thanks!",
+    "The quick brown fox jumps over the lazy dog 0123456789 times.",
+)
+
+
+def build_tokenizer():
+    """A ``PreTrainedTokenizerFast``: byte-level BPE (any text encodes) with bos, eos, pad, unk and ``<image>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(list(CORPUS) * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", model_max_length=512,
+                                   extra_special_tokens={"image_token": "<image>"})
+
+
+def _vision_parts(vision: str):
+    """``(vision_config, image_processor, select_strategy, extra_tokens)`` of a tower family."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, SiglipImageProcessor, SiglipVisionConfig
+
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=VISION_LAYERS, num_attention_heads=2,
+                 image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
+    if vision == "clip":
+        processor = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                       crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+        # "default" drops CLIP's CLS token, so an image gives exactly TOKENS_PER_IMAGE features
+        return CLIPVisionConfig(projection_dim=32, **sizes), processor, "default", 1
+    if vision == "siglip":
+        processor = SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+        return SiglipVisionConfig(**sizes), processor, "full", 0
+    raise ValueError(f"unknown vision tower {vision!r}; choose one of {VISIONS}")
+
+
+def _text_config(text: str, vocab_size: int, tie_word_embeddings: bool, sliding_window: int | None, ids: dict):
+    """The text model's config of a family (tiny sizes, grouped-query attention)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    sizes = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=TEXT_LAYERS,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 tie_word_embeddings=tie_word_embeddings, **ids)
+    if text == "llama":
+        if sliding_window is not None:
+            raise ValueError("a Llama text model has no sliding window")
+        return LlamaConfig(**sizes)
+    if text == "qwen2":
+        return Qwen2Config(use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
+                           max_window_layers=1, **sizes)
+    if text == "mistral":
+        return MistralConfig(sliding_window=sliding_window, **sizes)
+    raise ValueError(f"unknown text model {text!r}; choose one of {TEXTS}")
+
+
+@lru_cache(maxsize=None)
+def _built(vision: str, text: str, tie_word_embeddings: bool, seed: int, sliding_window: int | None,
+           vision_feature_layer: int) -> Path:
+    """Build and save one tiny model directory in a process-wide temporary folder (cached)."""
+    import torch
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    tokenizer = build_tokenizer()
+    vision_config, image_processor, strategy, extra = _vision_parts(vision)
+    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id)
+    text_config = _text_config(text, len(tokenizer), tie_word_embeddings, sliding_window, ids)
+    config = LlavaConfig(vision_config=vision_config, text_config=text_config,
+                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                         vision_feature_select_strategy=strategy, vision_feature_layer=vision_feature_layer,
+                         image_seq_length=TOKENS_PER_IMAGE, tie_word_embeddings=tie_word_embeddings, **ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlavaForConditionalGeneration(config)
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
+                               vision_feature_select_strategy=strategy, num_additional_image_tokens=extra)
+    folder = Path(tempfile.mkdtemp(prefix=f"tiny_llava_{vision}_{text}_"))
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def build_tiny_llava(
+    dir: str | Path,
+    *,
+    vision: str = "clip",
+    text: str = "llama",
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    sliding_window: int | None = None,
+    vision_feature_layer: int = -2,
+) -> Path:
+    """Write a tiny random LLaVA model + processor to ``dir`` (``save_pretrained`` layout); returns ``dir``.
+
+    ``vision``: ``"clip"`` (``vision_feature_select_strategy="default"``) or ``"siglip"``
+    (``"full"``); ``text``: ``"llama"``, ``"qwen2"`` or ``"mistral"``; ``sliding_window`` gives
+    Mistral (all layers) or Qwen2 (layers after the first) a sliding-window attention.
+    Weights are drawn from ``seed``; every image becomes :data:`TOKENS_PER_IMAGE` tokens.
+    """
+    source = _built(vision, text, bool(tie_word_embeddings), int(seed), sliding_window, int(vision_feature_layer))
+    target = Path(dir)
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    return target
+
+
+__all__ = ["IMAGE_SIZE", "PATCH_SIZE", "TOKENS_PER_IMAGE", "build_tiny_llava", "build_tokenizer"]
