@@ -255,3 +255,33 @@ def test_pp2_frozen_tower_alone_on_stage0(tmp_path: Path) -> None:
     assert stage0["parts"] == [0, 3, 8]
     assert stage0["n_frozen"] == stage0["n_params"] > 0 and not stage0["frozen_moved"]
     assert stage0["step1_max_param_change"] == 0.0 and stage1["n_frozen"] == 0
+
+
+def test_stage_bounds_from_a_profile_of_the_real_layers(tmp_path_factory) -> None:
+    """The profiler times the HF layers through the input factories; the cost model's split is a
+    valid split of the flat list that still matches HF."""
+    from dflop_ds.models.hf.llava import llava_input_factories
+    from dflop_ds.plan.stages import cost_balanced_bounds
+    from dflop_ds.profile.costmodel import CostModel
+    from dflop_ds.profile.model import profile_model
+    from dflop_ds.shapes import SampleShape
+
+    model, processor, _ = loaded(tmp_path_factory, "clip", "qwen2", False, 8)
+    encoder, projector, llm = llava_layers(model)
+    encoder_inputs, llm_inputs = llava_input_factories(model)
+    pixel_values, input_ids, seq_lens = encoder_inputs(3, 2)
+    assert pixel_values.shape[0] == 3 and int((input_ids == model.config.image_token_id).sum()) == 3 * TOKENS_PER_IMAGE
+    profile = profile_model(encoder, llm, encoder_inputs=encoder_inputs, llm_inputs=llm_inputs, projector=projector,
+                            tiles=(1, 2, 4), seq_lens=(16, 32, 64), batch_sizes=(1, 2), warmup=0, repeats=1,
+                            progress=False)
+    assert profile.encoder_layers == len(encoder) and profile.llm_layers == len(llm)
+    assert any(m.attention_s for m in profile.llm)  # grouped-query attention was switched off and timed
+    shapes = [SampleShape(f"s{i}", encoder_tiles=1, visual_tokens=TOKENS_PER_IMAGE, text_tokens=24,
+                          llm_tokens=TOKENS_PER_IMAGE + 24, label_tokens=8) for i in range(4)]
+    layers = [*encoder, projector, *llm]
+    bounds = cost_balanced_bounds(CostModel().fit(profile), shapes, 3)
+    assert bounds == plan_stage_bounds(len(layers), len(encoder) + 1, 3, stage_bounds=bounds)
+    inputs, labels = contract_microbatch(processor, microbatches()[0])
+    logits = run_stages(layers, bounds, inputs)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf_forward(model, inputs, labels[0]).logits, rtol=1e-5, atol=1e-5)

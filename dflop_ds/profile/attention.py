@@ -38,5 +38,8 @@ class AttentionOff(TorchFunctionMode):
                 length = query.shape[-2]
                 if value.shape[-2] >= length:
                     self.calls += 1
+                    if value.dim() >= 3 and query.dim() >= 3 and value.shape[-3] != query.shape[-3]:
+                        # grouped-query attention: each key/value head serves several query heads
+                        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
                     return value[..., :length, :]
         return func(*args, **kwargs)

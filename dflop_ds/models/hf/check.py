@@ -112,7 +112,8 @@ def run_stages(layers: list, bounds: list[int], inputs: tuple) -> tuple[torch.Te
     """Run the flat layer list stage by stage as separate pipeline stages would.
 
     Every stage's received float tensors are fresh leaves that require grad (as the engine hands
-    them over); each boundary is checked (floats before ints, every float received used).
+    them over); each boundary is checked (floats before ints, and, with grad mode on, every float
+    received used).
     Returns the last stage's output and every stage's output by the index of its last layer.
     """
     from dflop_ds.pipe.module import unused_float_inputs
@@ -127,7 +128,7 @@ def run_stages(layers: list, bounds: list[int], inputs: tuple) -> tuple[torch.Te
             x = layer(x)
         where = f"stage {stage} (layers {start}..{stop - 1})"
         check_boundary(x, where)
-        if stage > 0:
+        if stage > 0 and torch.is_grad_enabled():
             unused = unused_float_inputs(received, x)
             if unused:
                 raise ValueError(f"{where} ignores the float input(s) at position(s) {unused} of the previous stage")

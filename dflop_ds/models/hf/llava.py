@@ -156,6 +156,48 @@ class LlavaProjector(nn.Module):
         return hidden, seq_lens
 
 
+class LlavaEncoderInputs:
+    """Profiler input factory of the first encoder layer: ``(tiles, batch) -> (pixel_values,
+    input_ids, seq_lens)`` with ``tiles`` random images spread evenly over ``batch`` rows, each
+    row holding its images' tokens then ``text_tokens`` text tokens (see ``dflop_ds.profile``)."""
+
+    def __init__(self, config: Any, text_tokens: int = 8, dtype: torch.dtype = torch.float32) -> None:
+        vision = config.vision_config
+        self.image_size, self.channels = int(vision.image_size), int(getattr(vision, "num_channels", 3))
+        self.image_token_id, self.vocab_size = int(config.image_token_id), int(config.text_config.vocab_size)
+        self.tokens_per_image = int(getattr(config, "image_seq_length", 0)) or self._features(config)
+        self.text_tokens, self.dtype = int(text_tokens), dtype
+
+    @staticmethod
+    def _features(config: Any) -> int:
+        vision = config.vision_config
+        patches = (int(vision.image_size) // int(vision.patch_size)) ** 2
+        cls_token = 1 if vision.model_type == "clip_vision_model" else 0
+        return patches + cls_token - (1 if config.vision_feature_select_strategy == "default" else 0)
+
+    def __call__(self, tiles: int, batch: int = 1) -> VisTuple:
+        from dflop_ds.profile.inputs import split_evenly
+
+        per_row = split_evenly(tiles, batch)
+        lengths = [n * self.tokens_per_image + self.text_tokens for n in per_row]
+        input_ids = torch.randint(0, self.vocab_size, (batch, max(lengths)))
+        input_ids[input_ids == self.image_token_id] = (self.image_token_id + 1) % self.vocab_size
+        for row, n in enumerate(per_row):
+            input_ids[row, : n * self.tokens_per_image] = self.image_token_id
+        pixel_values = torch.randn(tiles, self.channels, self.image_size, self.image_size, dtype=self.dtype)
+        return pixel_values, input_ids, torch.tensor(lengths, dtype=torch.long)
+
+
+def llava_input_factories(model: nn.Module, text_tokens: int = 8) -> tuple[LlavaEncoderInputs, Any]:
+    """``(encoder_inputs, llm_inputs)`` factories for :func:`dflop_ds.profile.model.profile_model`
+    over :func:`llava_layers`, so that a cost model (and from it the stage split) measures the real layers."""
+    from dflop_ds.profile.inputs import ContractLLMInputs
+
+    dtype = model.dtype
+    return (LlavaEncoderInputs(model.config, text_tokens, dtype),
+            ContractLLMInputs(int(model.config.text_config.hidden_size), dtype))
+
+
 def llava_layers(model: nn.Module) -> tuple[list[nn.Module], nn.Module, list[nn.Module]]:
     """``(encoder_layers, projector, llm_layers)`` of a ``LlavaForConditionalGeneration``, sharing its weights.
 
@@ -177,5 +219,6 @@ def llava_layers(model: nn.Module) -> tuple[list[nn.Module], nn.Module, list[nn.
     return encoder, projector, llm
 
 
-__all__ = ["STRATEGIES", "TEXT_TYPES", "TIED_EMBEDDING_KEY", "VISION_TYPES", "LlavaProjector", "VisionEmbeddings",
-           "VisionLayer", "check_llava_config", "feature_depth", "llava_layers", "load_llava"]
+__all__ = ["STRATEGIES", "TEXT_TYPES", "TIED_EMBEDDING_KEY", "VISION_TYPES", "LlavaEncoderInputs", "LlavaProjector",
+           "VisionEmbeddings", "VisionLayer", "check_llava_config", "feature_depth", "llava_input_factories",
+           "llava_layers", "load_llava"]
