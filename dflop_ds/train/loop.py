@@ -159,8 +159,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not pipelined and cfg.correction.get("enabled"):
         raise ValueError(f"{args.deepspeed_config}: \"dflop\".correction needs the pipeline engine's per-stage "
                          "timers (\"dflop\".pipeline_stages > 1)")
+    bounds = cfg.stage_bounds
+    if pipelined and bounds is None and cost_model is not None:  # split where the predicted time balances
+        from dflop_ds.plan.stages import cost_balanced_bounds
+
+        bounds = cost_balanced_bounds(cost_model, shapes, cfg.pipeline_stages)
     trainer = build_engine(encoder, projector, llm, ds_config, pipeline_stages=cfg.pipeline_stages,
-                           stage_bounds=cfg.stage_bounds, freeze_encoder=cfg.freeze_encoder, lr=cfg.lr)
+                           stage_bounds=bounds, freeze_encoder=cfg.freeze_encoder, lr=cfg.lr)
     engine = trainer.engine
     dp_rank, dp_size = trainer.dp_coords
     correction = make_correction(cfg.correction, trainer.num_stages) if pipelined else None
