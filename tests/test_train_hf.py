@@ -27,9 +27,10 @@ def llava_run_inputs(tmp_path_factory):
 
 
 def train(tmp_path: Path, config: str, model: Path, data: Path, images: Path, *args: str,
-          dflop: dict | None = None) -> dict:
-    """Launch examples/train.py on 2 ranks with a bundled config (``dflop`` keys overridden)."""
+          dflop: dict | None = None, ds: dict | None = None) -> dict:
+    """Launch examples/train.py on 2 ranks with a bundled config (``dflop`` and DeepSpeed keys overridden)."""
     settings = json.loads((ROOT / "ds_configs" / config).read_text())
+    settings.update(ds or {})
     settings["dflop"].update(dflop or {})
     path = tmp_path / "config.json"
     path.write_text(json.dumps(settings))
@@ -88,3 +89,45 @@ def test_hf_llava_lora_on_zero2_trains_adapters_and_saves_a_merged_model(tmp_pat
     assert any("language_model" in k and "q_proj" in k for k in moved)  # merged adapters
     assert any("multi_modal_projector" in k for k in moved)  # trained in full, as LLaVA's LoRA recipe does
     assert not any("vision_tower" in k or "embed_tokens" in k for k in moved)  # frozen
+
+
+@pytest.mark.slow
+def test_hf_zero2_step_equals_one_hf_step_on_the_global_batch_with_image_less_microbatches(tmp_path):
+    """One SGD step of ZeRO-2 dp2 (microbatches with and without images on different ranks) gives
+    the weights of one SGD step of the HF model over the whole global batch (its token mean).
+    Ranks whose backward produced gradients in another order would mix up ZeRO's buckets."""
+    from transformers import AutoModelForImageTextToText
+
+    from dflop_ds.data import read_dataset
+    from dflop_ds.models.hf.data import LlavaDataset, LlavaPreprocessor, collate_llava, load_llava_records
+    from dflop_ds.models.hf.synthetic import hf_forward
+    from dflop_ds.testing.hf_tiny import build_tiny_llava
+    from dflop_ds.testing.llava_data import write_llava_dataset
+
+    model = build_tiny_llava(tmp_path / "model", vision="clip", text="llama")
+    data, images = write_llava_dataset(tmp_path / "data", 16, seed=5, text_only=0.5, answer_words=(3, 12))
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "trained"
+    train(tmp_path, "hf_zero2.json", model, data, images, "--trace", str(trace), "--output_dir", str(out),
+          dflop={"steps": 1, "warmup_steps": 0, "num_workers": 0},
+          ds={"optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True,
+              "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default
+              "train_batch_size": 8,
+              "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 2})
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    pre = LlavaPreprocessor.from_pretrained(model)
+    shapes = read_dataset(data, pre.policy(), image_folder=images)
+    microbatches = [mb for line in lines for mb in line["microbatches"]]
+    has_images = [any(shapes[i].image_sizes for i in mb) for mb in microbatches]
+    assert any(has_images) and not all(has_images), "the step must mix microbatches with and without images"
+
+    reference = AutoModelForImageTextToText.from_pretrained(str(model))
+    dataset = LlavaDataset(shapes, load_llava_records(data), pre, images, source=data)
+    inputs, (targets, _) = collate_llava([dataset[i] for mb in microbatches for i in mb])
+    hf_forward(reference, inputs, targets).loss.backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad
+    trained = AutoModelForImageTextToText.from_pretrained(str(out)).state_dict()
+    worst = max(float((trained[k] - v).abs().max()) for k, v in reference.state_dict().items())
+    assert worst < 1e-5, worst

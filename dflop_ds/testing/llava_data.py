@@ -29,11 +29,11 @@ def _write_image(path: Path, rng: random.Random, width: int, height: int) -> Non
 
 
 def write_llava_dataset(directory: str | Path, n_records: int = 48, *, seed: int = 0, max_images: int = 3,
-                        answer_words: tuple[int, int] = (3, 40)) -> tuple[Path, Path]:
+                        answer_words: tuple[int, int] = (3, 40), text_only: float = 0.25) -> tuple[Path, Path]:
     """Write ``n_records`` LLaVA records and their images under ``directory``.
 
     Returns ``(data_path, image_folder)``: ``directory/data.json`` and ``directory/images``.
-    About a quarter of the records are text-only, the rest hold 1..``max_images`` images
+    A ``text_only`` share of the records (default a quarter) has no image, the rest hold 1..``max_images`` images
     (sizes 24-400 px per side, PNG or JPEG) placed inside the first human turn; a third of the
     chats have two rounds. Answers have ``answer_words`` words.
     """
@@ -43,7 +43,7 @@ def write_llava_dataset(directory: str | Path, n_records: int = 48, *, seed: int
     images.mkdir(parents=True, exist_ok=True)
     records = []
     for i in range(n_records):
-        n_images = 0 if rng.random() < 0.25 else rng.randint(1, max_images)
+        n_images = 0 if rng.random() < text_only else rng.randint(1, max_images)
         paths = []
         for j in range(n_images):
             name = f"{i:04d}_{j}.{'png' if rng.random() < 0.6 else 'jpg'}"

@@ -95,9 +95,15 @@ class VisionEmbeddings(nn.Module):
         self.pre_layernorm = pre_layernorm
 
     def forward(self, inputs: VisTuple) -> VisTuple:
-        """Embed every image; zero images give ``[0, P, Dv]``."""
+        """Embed every image. A microbatch without images embeds one blank placeholder image
+        instead, which the projector drops (see :class:`LlavaProjector`): the tower then runs
+        the same operations with or without images, so every rank's backward produces the same
+        gradients in the same order (ZeRO reduces them in buckets filled in that order, and an
+        unused layer on one rank only mismatches the ranks' collectives)."""
         pixel_values, input_ids, seq_lens = inputs
         weight = next(self.embeddings.parameters())
+        if pixel_values.shape[0] == 0:
+            pixel_values = pixel_values.new_zeros((1, *pixel_values.shape[1:]))
         vis = self.embeddings(pixel_values.to(weight.dtype))
         if self.pre_layernorm is not None:
             vis = self.pre_layernorm(vis)
@@ -126,8 +132,9 @@ class LlavaProjector(nn.Module):
 
     The projected features of the microbatch's images, in order, replace the embeddings of the
     ``image_token_id`` positions in row-major order (what ``LlavaModel`` does). Their counts must
-    agree. With zero images the empty ``vis`` still enters the graph, so the pipeline engine
-    gets a (empty) gradient for it.
+    agree. A microbatch without image tokens brings the tower's one placeholder image, whose
+    features are dropped here (sliced to nothing, so the graph, and every rank's gradient
+    order, stays the same; the placeholder's gradient is zero).
     """
 
     def __init__(self, projector: nn.Module, embed_tokens: nn.Module, image_token_id: int, strategy: str,
@@ -147,7 +154,10 @@ class LlavaProjector(nn.Module):
         features = self.projector(vis)
         embeds = self.embed_tokens(input_ids)
         image_positions = input_ids == self.image_token_id
-        n_tokens, n_features = int(image_positions.sum()), features.shape[0] * features.shape[1]
+        n_tokens = int(image_positions.sum())
+        if n_tokens == 0 and features.shape[0] == 1:  # the placeholder of a microbatch without images
+            features = features[:0]
+        n_features = features.shape[0] * features.shape[1]
         if n_tokens != n_features:
             raise ValueError(f"LlavaProjector: the microbatch has {n_tokens} image tokens but its {features.shape[0]} "
                              f"image(s) give {n_features} features ({features.shape[1]} per image)")
