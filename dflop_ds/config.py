@@ -39,6 +39,9 @@ class DFLOPConfig:
         steps: optimizer steps to run; warmup_steps of them are left out of throughput figures.
         lr: AdamW learning rate (used when the DeepSpeed config has no "optimizer").
         freeze_encoder: freeze the vision encoder (LLaVA's second stage).
+        encoder: where a sample's tiles are encoded: ``"local"`` (default; on the rank that
+            trains it) or ``"colocated"`` (dispatched by predicted cost over all ranks, features
+            exchanged; plain engine only, see :mod:`dflop_ds.train.colocated`).
         model: overrides of :class:`dflop_ds.models.TinyMLLMConfig` fields.
         checkpoint_dir: where DeepSpeed checkpoints go (None: no checkpoints).
         checkpoint_every: save a checkpoint every this many steps (0: only at the end).
@@ -72,6 +75,7 @@ class DFLOPConfig:
     warmup_steps: int = 2
     lr: float = 1e-3
     freeze_encoder: bool = False
+    encoder: str = "local"
     model: dict[str, Any] = field(default_factory=dict)
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
@@ -103,6 +107,7 @@ class DFLOPConfig:
         checks = {
             "sampler": self.sampler in ("dflop", "stock"),
             "policy": self.policy in ("tiny", "default"),
+            "encoder": self.encoder in ("local", "colocated"),
             "pipeline_stages": isinstance(self.pipeline_stages, int) and self.pipeline_stages >= 1,
             "max_samples": self.max_samples is None or self.max_samples >= 1,
             "on_bad_sample": self.on_bad_sample in BAD_SAMPLE_POLICIES,

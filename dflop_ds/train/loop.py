@@ -150,19 +150,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not pipelined and cfg.correction.get("enabled"):
         raise ValueError(f"{args.deepspeed_config}: \"dflop\".correction needs the pipeline engine's per-stage "
                          "timers (\"dflop\".pipeline_stages > 1)")
+    colocated = cfg.encoder == "colocated"
+    if colocated and (pipelined or cfg.model_name_or_path is not None):
+        raise ValueError(f"{args.deepspeed_config}: \"dflop\".encoder = \"colocated\" runs the tiny model on the plain "
+                         "engine only for now (\"dflop\".pipeline_stages = 1, no model_name_or_path)")
     trainer = build_engine(encoder, projector, llm, ds_config, pipeline_stages=cfg.pipeline_stages,
-                           stage_bounds=cfg.stage_bounds, freeze_encoder=cfg.freeze_encoder, lr=cfg.lr)
+                           stage_bounds=cfg.stage_bounds, freeze_encoder=cfg.freeze_encoder, lr=cfg.lr,
+                           colocated=colocated)
     engine = trainer.engine
     dp_rank, dp_size = trainer.dp_coords
     correction = make_correction(cfg.correction, trainer.num_stages) if pipelined else None
+    if colocated:  # the encoder is balanced by dispatch: the sampler balances the LLM alone
+        from dflop_ds.profile.proxy import ProxyCost
+        from dflop_ds.train.colocated import LLMOnlyCost, colocate
+
+        cost_model = cost_model or ProxyCost()
     sampler = make_sampler(
         cfg.sampler, shapes, global_batch_size=engine.train_batch_size(),
         gradient_accumulation_steps=engine.gradient_accumulation_steps(), dp_rank=dp_rank, dp_size=dp_size,
-        cost_model=cost_model, seed=cfg.seed, prefetch=cfg.prefetch, time_limit_s=cfg.time_limit_s,
+        cost_model=LLMOnlyCost(cost_model) if colocated else cost_model, seed=cfg.seed, prefetch=cfg.prefetch, time_limit_s=cfg.time_limit_s,
         ilp_nodes=cfg.ilp_nodes, label_tokens_fn=source.label_tokens_fn, cost_adjuster=correction,
         lockstep=not pipelined,
     )
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=source.collate)
+    collate = source.collate
+    if colocated:
+        sampler, dataset, collate = colocate(sampler, dataset, collate, shapes, cost_model)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
     data_iter = iter(RepeatingLoader(loader))
 
     first_step = resume(engine, sampler, cfg, correction) if cfg.resume else 0
