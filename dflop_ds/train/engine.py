@@ -169,12 +169,11 @@ def build_engine(
             activation_checkpoint_interval=activation_checkpoint_interval,
         )
         trainable = module.optimizer_parameters()
-    elif colocated:
+    else:
         from dflop_ds.train.colocated import ColocatedMLLM
 
-        module = ColocatedMLLM(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder)
-    else:
-        module = SequentialMLLM(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder)
+        sequential = ColocatedMLLM if colocated else SequentialMLLM
+        module = sequential(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder)
         trainable = [p for p in module.parameters() if p.requires_grad]
     if make_optimizer is not None:
         optimizer = make_optimizer(trainable)
