@@ -146,8 +146,10 @@ def main() -> int:
                 plans = [plan_dispatch([r[k] for r in split], tiles, per_tile) for k in range(args.gas)]
                 microbatches = [dispatch_collate([dispatch_data[MicrostepRequest(mb, plan, rank)]])
                                 for mb, plan in zip(own, plans)]
+                predicted = np.sum([plan.loads for plan in plans], axis=0)
             else:
                 microbatches = [collate_microbatch([dataset[i] for i in mb]) for mb in own]
+                predicted = np.array([sum(tiles[i] * per_tile[i] for mb in r for i in mb) for r in split])
             schedule_s = time.perf_counter() - start
             name = "colocated" if method == "dflop_dispatch" else "local"
             clocks[name].take()
@@ -158,7 +160,8 @@ def main() -> int:
             encoder = [0.0] * dp
             torch.distributed.all_gather_object(encoder, clocks[name].take())
             rows.append({"round": round_id, "warmup": round_id < args.warmup, "method": method, "step_s": step_s,
-                         "schedule_s": schedule_s, "encoder_s": encoder, "samples": len(batch), "loss": loss})
+                         "schedule_s": schedule_s, "encoder_s": encoder,
+                         "predicted_encoder": predicted.tolist(), "samples": len(batch), "loss": loss})
             if rank == 0:
                 print(f"[dp] round {round_id:2d} {method:15s} step {step_s:.3f}s encoder "
                       f"{' '.join(f'{e:.3f}' for e in encoder)}", flush=True)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import collections
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from dflop_ds.launch import run_deepspeed
@@ -34,20 +32,14 @@ def test_colocated_dispatch_zero2_dp2_matches_local_encoder_losses_and_gradients
 
 @pytest.mark.slow
 def test_colocated_dispatch_training_loop_trains_every_sample_once_and_learns(tmp_path):
-    from test_train_zero import SAMPLES, STEPS_PER_EPOCH, reference_token_mean_loss, trace_lines, train, zero2_config
+    from test_train_zero import (STEPS_PER_EPOCH, assert_every_sample_once_token_mean_loss_and_learning, trace_lines,
+                                 train, zero2_config)
 
     config = zero2_config(tmp_path, sampler="dflop", encoder="colocated", steps=STEPS_PER_EPOCH, warmup_steps=1,
                           lr=0.003)
     trace, summary = tmp_path / "trace.jsonl", tmp_path / "summary.json"
     train(config, "--trace", str(trace), "--summary", str(summary))
-    run = json.loads(summary.read_text())
-    lines = trace_lines(trace)
-    counts = collections.Counter(i for line in lines for mb in line["microbatches"] for i in mb)
-    assert sorted(counts) == list(range(SAMPLES)) and set(counts.values()) == {1}
-    step0 = [i for line in lines if line["step"] == 0 for mb in line["microbatches"] for i in mb]
-    assert run["steps"][0]["loss"] == pytest.approx(reference_token_mean_loss(step0), rel=1e-4)
-    losses = [s["loss"] for s in run["steps"]]
-    assert np.mean(losses[-2:]) < np.mean(losses[:2]), losses
+    assert_every_sample_once_token_mean_loss_and_learning(trace_lines(trace), json.loads(summary.read_text()))
 
 
 def test_colocated_encoder_key_is_validated_and_refused_with_the_pipeline_engine():
