@@ -17,7 +17,6 @@ With the encoder balanced by dispatch, the sampler balances each micro-step on t
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -29,10 +28,6 @@ from dflop_ds.schedule.dispatch import EncoderDispatch, plan_dispatch
 from dflop_ds.schedule.index import ScheduledIndex
 from dflop_ds.shapes import SampleShape
 from dflop_ds.train.engine import SequentialMLLM
-
-#: routing tensors appended to the model's inputs
-ROUTING_TENSORS = 3
-
 
 class LLMOnlyCost:
     """A cost model's predictions with the encoder column zeroed: what the sampler balances when
@@ -170,14 +165,12 @@ class ColocatedMLLM(SequentialMLLM):
     feature exchange, then projector and LLM on the rank's own samples.
 
     ``group`` is the process group the dispatch spans (None: the world, E_dp = all ranks).
-    ``encoder_seconds`` accumulates the encoder's forward wall time (benchmarks read and reset it).
     A frozen encoder runs without autograd: no graph, and no exchange in the backward.
     """
 
     def __init__(self, *args: Any, group: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group = group
-        self.encoder_seconds = 0.0
         self.encoder_frozen = not any(p.requires_grad for layer in list(self)[: self.n_encoder_layers]
                                       for p in layer.parameters())
 
@@ -186,11 +179,9 @@ class ColocatedMLLM(SequentialMLLM):
         *model_inputs, send_counts, recv_counts, recv_index = inputs
         layers = list(self)
         x: Any = tuple(model_inputs)
-        start = time.perf_counter()
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.encoder_frozen):
             for layer in layers[: self.n_encoder_layers]:
                 x = layer(x)
-        self.encoder_seconds += time.perf_counter() - start
         features = exchange_features(x[0], send_counts, recv_counts, recv_index, group=self.group)
         x = (features, *x[1:])
         for layer in layers[self.n_encoder_layers:]:
