@@ -12,7 +12,7 @@ PY         := $(VENV)/bin/python
 # DeepSpeed's launcher and its JIT build (ninja) must be found on PATH.
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONUNBUFFERED=1
 
-.PHONY: setup demo test bench bench-partition bench-costmodel bench-plan bench-e2e validate-simulator clean
+.PHONY: setup demo test bench bench-partition bench-costmodel bench-plan bench-e2e bench-dp validate-simulator clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -42,10 +42,13 @@ bench-plan: setup
 bench-e2e: setup
 	$(RUN) $(PY) benchmarks/bench_e2e.py
 
+bench-dp: setup
+	$(RUN) $(PY) benchmarks/bench_dp.py
+
 validate-simulator: setup
 	$(RUN) $(PY) benchmarks/validate_simulator.py
 
-bench: bench-partition bench-costmodel bench-plan bench-e2e
+bench: bench-partition bench-costmodel bench-plan bench-e2e bench-dp
 
 clean:
 	rm -rf $(VENV) out runs .pytest_cache *.egg-info

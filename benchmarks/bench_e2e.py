@@ -20,7 +20,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import profiled_cost_model  # noqa: E402
+from benchmarks.common import add_round_options, profiled_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import run_deepspeed  # noqa: E402
 from dflop_ds.plan.stages import cost_balanced_bounds  # noqa: E402
@@ -72,13 +72,8 @@ def write_outputs(table: dict[str, dict], out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cost-model", help="a profiled CostModel JSON (default: profile now)")
+    add_round_options(parser, rounds=12, gas=8)
     parser.add_argument("--data", default=str(ROOT / "examples" / "data" / "mixture.jsonl"))
-    parser.add_argument("--rounds", type=int, default=12, help="timed rounds (every method once per round)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--gas", type=int, default=8)
-    parser.add_argument("--out", default=str(ROOT / "out"))
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import argparse
+
 from dflop_ds.launch import launch_env
 from dflop_ds.profile import CostModel
 
@@ -20,3 +22,14 @@ def profiled_cost_model(path: str | Path, reuse: bool = True) -> CostModel:
         subprocess.run([sys.executable, "-m", "dflop_ds.cli", "profile", "model", "--no-progress", "-o", str(path)],
                        check=True, cwd=ROOT, env=launch_env())
     return CostModel.load(path)
+
+
+def add_round_options(parser: argparse.ArgumentParser, *, rounds: int, gas: int) -> None:
+    """The options of the benchmarks that train every method on the same global batches, round by
+    round: cost model, rounds, warm-up rounds, global batch, GAS and output folder."""
+    parser.add_argument("--cost-model", help="a profiled CostModel JSON (default: profile now into out/)")
+    parser.add_argument("--rounds", type=int, default=rounds, help="timed rounds (every method once per round)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--gas", type=int, default=gas)
+    parser.add_argument("--out", default=str(ROOT / "out"))

@@ -47,6 +47,9 @@ class DFLOPConfig:
         steps: optimizer steps to run; warmup_steps of them are left out of throughput figures.
         lr: AdamW learning rate (used when the DeepSpeed config has no "optimizer").
         freeze_encoder: freeze the vision encoder (LLaVA's second stage).
+        encoder: where a sample's tiles are encoded: ``"local"`` (default; on the rank that
+            trains it) or ``"colocated"`` (dispatched by predicted cost over all ranks, features
+            exchanged; plain engine only, see :mod:`dflop_ds.train.colocated`).
         model: overrides of :class:`dflop_ds.models.TinyMLLMConfig` fields.
         checkpoint_dir: where DeepSpeed checkpoints go (None: no checkpoints).
         checkpoint_every: save a checkpoint every this many steps (0: only at the end).
@@ -86,6 +89,7 @@ class DFLOPConfig:
     warmup_steps: int = 2
     lr: float = 1e-3
     freeze_encoder: bool = False
+    encoder: str = "local"
     model: dict[str, Any] = field(default_factory=dict)
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
@@ -124,6 +128,7 @@ class DFLOPConfig:
             "max_samples": dict(kind="int", minimum=1, optional=True),
             "on_bad_sample": dict(kind="str", choices=BAD_SAMPLE_POLICIES),
             "policy": dict(kind="str", choices=("tiny", "default")),
+            "encoder": dict(kind="str", choices=("local", "colocated")),
             "pipeline_stages": dict(kind="int", minimum=1),
             "stage_bounds": dict(kind="list", optional=True),
             "cost_model": dict(kind="str", optional=True),

@@ -145,6 +145,7 @@ def build_engine(
     loss_fn: Callable = token_normalized_loss,
     activation_checkpoint_interval: int = 0,
     make_optimizer: Optional[Callable[[list], torch.optim.Optimizer]] = None,
+    colocated: bool = False,
 ) -> TrainingEngine:
     """Build the DeepSpeed engine the config asks for over the model's layer lists.
 
@@ -154,10 +155,13 @@ def build_engine(
     ``make_optimizer(trainable_parameters)`` if given, else the config's ``"optimizer"``, else
     AdamW at ``lr`` (a torch optimizer starts faster than DeepSpeed's CPU FusedAdam build). A
     pipeline stage holding only frozen layers gets a placeholder parameter (see
-    :meth:`MLLMPipelineModule.optimizer_parameters`).
+    :meth:`MLLMPipelineModule.optimizer_parameters`). ``colocated`` (plain engine only): the
+    encoder runs on dispatched tiles and exchanges features (:class:`~dflop_ds.train.colocated.ColocatedMLLM`).
     """
     import deepspeed
 
+    if pipeline_stages > 1 and colocated:
+        raise ValueError("a colocated encoder runs on the plain engine only (pipeline_stages == 1) for now")
     if pipeline_stages > 1:
         module: nn.Module = MLLMPipelineModule(
             encoder_layers, projector, llm_layers, num_stages=pipeline_stages, stage_bounds=stage_bounds,
@@ -166,7 +170,10 @@ def build_engine(
         )
         trainable = module.optimizer_parameters()
     else:
-        module = SequentialMLLM(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder)
+        from dflop_ds.train.colocated import ColocatedMLLM
+
+        sequential = ColocatedMLLM if colocated else SequentialMLLM
+        module = sequential(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder)
         trainable = [p for p in module.parameters() if p.requires_grad]
     if make_optimizer is not None:
         optimizer = make_optimizer(trainable)

@@ -159,25 +159,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not pipelined and cfg.correction.get("enabled"):
         raise ValueError(f"{args.deepspeed_config}: \"dflop\".correction needs the pipeline engine's per-stage "
                          "timers (\"dflop\".pipeline_stages > 1)")
+    colocated = cfg.encoder == "colocated"
+    if colocated and (pipelined or cfg.model_name_or_path is not None):
+        raise ValueError(f"{args.deepspeed_config}: \"dflop\".encoder = \"colocated\" runs the tiny model on the plain "
+                         "engine only for now (\"dflop\".pipeline_stages = 1, no model_name_or_path)")
     bounds = cfg.stage_bounds
     if pipelined and bounds is None and cost_model is not None:  # split where the predicted time balances
         from dflop_ds.plan.stages import cost_balanced_bounds
 
         bounds = cost_balanced_bounds(cost_model, shapes, cfg.pipeline_stages)
     trainer = build_engine(encoder, projector, llm, ds_config, pipeline_stages=cfg.pipeline_stages,
-                           stage_bounds=bounds, freeze_encoder=cfg.freeze_encoder, lr=cfg.lr)
+                           stage_bounds=bounds, freeze_encoder=cfg.freeze_encoder, lr=cfg.lr,
+                           colocated=colocated)
     engine = trainer.engine
     dp_rank, dp_size = trainer.dp_coords
     correction = make_correction(cfg.correction, trainer.num_stages) if pipelined else None
+    if colocated:  # the encoder is balanced by dispatch: the sampler balances the LLM alone
+        from dflop_ds.profile.proxy import ProxyCost
+        from dflop_ds.train.colocated import LLMOnlyCost, colocate
+
+        cost_model = cost_model or ProxyCost()
     sampler = make_sampler(
         cfg.sampler, shapes, global_batch_size=engine.train_batch_size(),
         gradient_accumulation_steps=engine.gradient_accumulation_steps(), dp_rank=dp_rank, dp_size=dp_size,
-        cost_model=cost_model, seed=cfg.seed, prefetch=cfg.prefetch, time_limit_s=cfg.time_limit_s,
-        ilp_nodes=cfg.ilp_nodes, label_tokens_fn=source.label_tokens_fn, cost_adjuster=correction,
+        cost_model=LLMOnlyCost(cost_model) if colocated else cost_model, seed=cfg.seed, prefetch=cfg.prefetch,
+        time_limit_s=cfg.time_limit_s, ilp_nodes=cfg.ilp_nodes, label_tokens_fn=source.label_tokens_fn, cost_adjuster=correction,
         lockstep=not pipelined, drop_last=cfg.drop_last, schedule_timeout_s=cfg.schedule_timeout_s,
     )
+    collate = source.collate
+    if colocated:
+        sampler, dataset, collate = colocate(sampler, dataset, collate, shapes, cost_model)
     # the loader's state is what training consumed, not what its workers prefetched
-    loader = make_loader(dataset, sampler, collate_fn=source.collate, num_workers=cfg.num_workers)
+    loader = make_loader(dataset, sampler, collate_fn=collate, num_workers=cfg.num_workers)
     first_step = resume(engine, loader, cfg, correction) if cfg.resume else 0
     data_iter = iter(RepeatingLoader(loader))
 

@@ -1,0 +1,175 @@
+"""One rank of the data-parallel benchmark (launched by bench_dp.py under `deepspeed`).
+
+Two ZeRO-2 engines of the tiny MLLM on the plain engine: one encodes each sample on its own
+rank, the other dispatches the encoder's tiles by cost (:mod:`dflop_ds.train.colocated`). Every
+method trains the same global batches, interleaved round by round (the order rotates every
+round). Per step it records the wall time and each rank's encoder seconds (forward: from the
+first encoder layer's input to the last one's output; backward: from the gradient reaching the
+encoder's output to the last encoder parameter's gradient, ZeRO's hooks on those parameters
+included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import deepspeed
+import numpy as np
+import torch
+from deepspeed.accelerator import get_accelerator
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.e2e_methods import split_for  # noqa: E402
+from dflop_ds.data import read_dataset  # noqa: E402
+from dflop_ds.launch import share_cpu_threads  # noqa: E402
+from dflop_ds.models import TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
+from dflop_ds.profile import CostModel  # noqa: E402
+from dflop_ds.schedule.dispatch import plan_dispatch  # noqa: E402
+from dflop_ds.schedule.epoch import epoch_permutation, global_batches  # noqa: E402
+from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
+from dflop_ds.schedule.split import split_balanced  # noqa: E402
+from dflop_ds.shapes import TINY_POLICY  # noqa: E402
+from dflop_ds.train import TrainingEngine, build_engine  # noqa: E402
+from dflop_ds.train.colocated import (DispatchCollate, DispatchDataset, LLMOnlyCost, MicrostepRequest,  # noqa: E402
+                                      tile_costs)
+
+METHODS = ("stock", "llava", "verl", "dflop", "dflop_dispatch")
+
+
+class EncoderClock:
+    """Encoder seconds of one rank, forward and backward, summed until :meth:`take`."""
+
+    def __init__(self, module: torch.nn.Module, n_encoder: int) -> None:
+        layers = list(module)[:n_encoder]
+        self.seconds = 0.0
+        self._forward_start = self._backward_start = self._backward_end = None
+        layers[0].register_forward_pre_hook(self._start)
+        layers[-1].register_forward_hook(self._end)
+        for param in (p for layer in layers for p in layer.parameters() if p.requires_grad):
+            param.register_post_accumulate_grad_hook(self._grad_done)
+
+    def _close_backward(self) -> None:
+        if self._backward_start is not None and self._backward_end is not None:
+            self.seconds += max(self._backward_end - self._backward_start, 0.0)
+        self._backward_start = self._backward_end = None
+
+    def _start(self, *_):
+        self._close_backward()
+        self._forward_start = time.perf_counter()
+
+    def _end(self, _module, _inputs, output):
+        self.seconds += time.perf_counter() - self._forward_start
+        if output[0].requires_grad:
+            output[0].register_hook(self._grad_arrived)
+
+    def _grad_arrived(self, grad):
+        self._backward_start = time.perf_counter()
+        return grad
+
+    def _grad_done(self, _param):
+        self._backward_end = time.perf_counter()
+
+    def take(self) -> float:
+        """Seconds since the last call."""
+        self._close_backward()
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--cost-model", required=True)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--gas", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    return parser.parse_args()
+
+
+def zero2_engine(colocated: bool, gas: int, global_batch: int, dp: int, seed: int) -> TrainingEngine:
+    """The tiny MLLM under ZeRO-2 on the plain engine."""
+    ds_config = {"train_batch_size": global_batch, "gradient_accumulation_steps": gas,
+                 "train_micro_batch_size_per_gpu": max(1, global_batch // (gas * dp)),
+                 "steps_per_print": 10**9, "zero_optimization": {"stage": 2}}
+    return build_engine(*tiny_mllm_layers(seed=seed), ds_config, pipeline_stages=1, colocated=colocated, lr=1e-3)
+
+
+def main() -> int:
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    share_cpu_threads()
+    dp, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    shapes = read_dataset(args.data, TINY_POLICY)
+    dataset = TinyMLLMDataset(shapes, seed=args.seed)
+    cost_model = CostModel.load(args.cost_model)
+    costs = cost_model.predict_samples(shapes)
+    llm_only = LLMOnlyCost(cost_model)
+    tiles, per_tile = tile_costs(cost_model, shapes)
+    labels = np.array([supervised_count(s) for s in shapes])
+    engines = {"local": zero2_engine(False, args.gas, args.global_batch, dp, args.seed),
+               "colocated": zero2_engine(True, args.gas, args.global_batch, dp, args.seed)}
+    n_encoder = engines["local"].module.n_encoder_layers
+    clocks = {name: EncoderClock(trainer.module, n_encoder) for name, trainer in engines.items()}
+    dispatch_data, dispatch_collate = DispatchDataset(dataset), DispatchCollate(collate_microbatch, tiles)
+    methods = args.methods.split(",")
+    batches = global_batches(epoch_permutation(len(shapes), args.seed, 0), args.global_batch, args.gas * dp)
+    rows = []
+    for round_id in range(args.warmup + args.rounds):
+        batch = batches[round_id % len(batches)].tolist()
+        group = [shapes[i] for i in batch]
+        denominator = max(int(labels[batch].sum()), 1) / (args.gas * dp)
+        order = methods[round_id % len(methods):] + methods[: round_id % len(methods)]
+        for method in order:
+            start = time.perf_counter()
+            if method in ("dflop", "dflop_dispatch"):
+                model = llm_only if method == "dflop_dispatch" else cost_model
+                split = split_balanced(batch, model.predict_samples(group), args.gas, dp,
+                                       lambda pos, m=model: m.predict_microbatch([group[p] for p in pos]),
+                                       seed=args.seed + round_id, lengths=[s.llm_tokens for s in group],
+                                       lockstep=True).ranks
+            else:
+                split = split_for(method, batch, shapes, costs[batch], args.gas, dp, seed=args.seed + round_id)
+            own = [[ScheduledIndex(i, denominator) for i in mb] for mb in split[rank]]
+            if method == "dflop_dispatch":
+                plans = [plan_dispatch([r[k] for r in split], tiles, per_tile) for k in range(args.gas)]
+                microbatches = [dispatch_collate([dispatch_data[MicrostepRequest(mb, plan, rank)]])
+                                for mb, plan in zip(own, plans)]
+                predicted = np.sum([plan.loads for plan in plans], axis=0)
+            else:
+                microbatches = [collate_microbatch([dataset[i] for i in mb]) for mb in own]
+                predicted = np.array([sum(tiles[i] * per_tile[i] for mb in r for i in mb) for r in split])
+            schedule_s = time.perf_counter() - start
+            name = "colocated" if method == "dflop_dispatch" else "local"
+            clocks[name].take()
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            loss = engines[name].train_step(iter(microbatches))
+            step_s = time.perf_counter() - start
+            encoder = [0.0] * dp
+            torch.distributed.all_gather_object(encoder, clocks[name].take())
+            rows.append({"round": round_id, "warmup": round_id < args.warmup, "method": method, "step_s": step_s,
+                         "schedule_s": schedule_s, "encoder_s": encoder,
+                         "predicted_encoder": predicted.tolist(), "samples": len(batch), "loss": loss})
+            if rank == 0:
+                print(f"[dp] round {round_id:2d} {method:15s} step {step_s:.3f}s encoder "
+                      f"{' '.join(f'{e:.3f}' for e in encoder)}", flush=True)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"rows": rows, "dp": dp, "global_batch": args.global_batch,
+                                              "gas": args.gas}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The colocated (dispatched) encoder on DeepSpeed's plain engine, ZeRO-2, 2 CPU ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflop_ds.launch import run_deepspeed
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_colocated_dispatch_zero2_dp2_matches_local_encoder_losses_and_gradients(tmp_path):
+    out = tmp_path / "report.json"
+    result = run_deepspeed(ROOT / "tests" / "ds_scripts" / "tiny_colocated_check.py", ["--out", str(out)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for mode in ("trainable", "frozen"):
+        run = report[mode]
+        assert run["foreign_tiles"] > 0, "no tile was dispatched away from its rank: the test proves nothing"
+        assert run["losses_colocated"] == pytest.approx(run["losses_local"], rel=1e-5)
+        # SGD: parameters after each step differ by lr * (gradient difference)
+        assert max(run["max_param_diff"]) < 1e-5 * max(run["max_param_change"], 1e-3), run
+        assert len(run["samples"]) == len(set(run["samples"]))  # every sample of the steps once
+    assert report["trainable"]["encoder_change_colocated"] > 1e-4
+    assert report["frozen"]["encoder_change_colocated"] == 0.0
+
+
+@pytest.mark.slow
+def test_colocated_dispatch_training_loop_trains_every_sample_once_and_learns(tmp_path):
+    from test_train_zero import (STEPS_PER_EPOCH, assert_every_sample_once_token_mean_loss_and_learning, trace_lines,
+                                 train, zero2_config)
+
+    config = zero2_config(tmp_path, sampler="dflop", encoder="colocated", steps=STEPS_PER_EPOCH, warmup_steps=1,
+                          lr=0.003)
+    trace, summary = tmp_path / "trace.jsonl", tmp_path / "summary.json"
+    train(config, "--trace", str(trace), "--summary", str(summary))
+    assert_every_sample_once_token_mean_loss_and_learning(trace_lines(trace), json.loads(summary.read_text()))
+
+
+def test_colocated_encoder_key_is_validated_and_refused_with_the_pipeline_engine():
+    from dflop_ds.config import DFLOPConfig
+    from dflop_ds.train import build_engine
+
+    with pytest.raises(ValueError, match="plain engine only"):
+        build_engine([], None, [], {}, pipeline_stages=2, colocated=True)
+    with pytest.raises(ValueError, match="encoder"):
+        DFLOPConfig.from_dict({"encoder": "elsewhere"}, source="cfg.json")
+    assert DFLOPConfig.from_dict({"encoder": "colocated"}).encoder == "colocated"
+    assert DFLOPConfig().encoder == "local"
