@@ -93,7 +93,8 @@ def _tiles_within(room: float, cost: float, available: int) -> int:
     """How many tiles of ``cost`` each fit in ``room`` (at most ``available``; all if free)."""
     if cost <= 0 or room >= available * cost:
         return available
-    return max(0, int(np.floor(room / cost + 1e-9)))
+    fits = room / cost  # may overflow to inf for a vanishing (subnormal) cost
+    return available if not np.isfinite(fits) else max(0, min(available, int(np.floor(fits + 1e-9))))
 
 
 def _keep_at_home(samples: Sequence[int], owner: int, tiles: np.ndarray, tile_cost: np.ndarray,
