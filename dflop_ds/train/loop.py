@@ -96,7 +96,8 @@ def model_source(cfg: DFLOPConfig) -> ModelSource:
         return tiny_source(cfg.model, policy_name=cfg.policy, seed=cfg.seed, image_folder=cfg.image_folder)
     from dflop_ds.models.hf.source import hf_source
 
-    return hf_source(cfg.model_name_or_path, image_folder=cfg.image_folder, lora=cfg.lora)
+    return hf_source(cfg.model_name_or_path, image_folder=cfg.image_folder, lora=cfg.lora, max_length=cfg.max_length,
+                     truncation=cfg.truncation)
 
 
 def print_skip_report(report, limit: int = 20) -> None:
