@@ -1,7 +1,7 @@
 """`make bench-hf`: stock vs DFLOP sampler on a tiny HuggingFace LLaVA, pipeline (pp2) and ZeRO-2.
 
 Builds a tiny random ``LlavaForConditionalGeneration`` (CLIP + Llama, saved offline) and a LLaVA
-JSON dataset with real PNG/JPEG files (text-only chats, one to three images, answers of 3 to 90
+JSON dataset with real PNG/JPEG files (text-only chats, one to three images, answers of 2 to 45
 words), profiles the model's real layers (``dflop-ds profile model --model_name_or_path``), then
 launches `deepspeed --num_gpus 2 benchmarks/hf_worker.py` once per engine kind; each launch
 trains the same global batches with both samplers, interleaved round by round. Prints a table
@@ -37,7 +37,7 @@ def prepare(out: Path, records: int) -> tuple[Path, Path, Path, Path]:
         build_tiny_llava(model, vision="clip", text="llama")
     data, images = out / "data" / "data.json", out / "data" / "images"
     if not data.exists():
-        write_llava_dataset(out / "data", records, seed=1, answer_words=(3, 90))
+        write_llava_dataset(out / "data", records, seed=1, answer_words=(2, 45))
     cost_model = out / "costmodel.json"
     if not cost_model.exists():
         print(f"profiling {model} into {cost_model} ...", flush=True)

@@ -22,6 +22,7 @@ from deepspeed.accelerator import get_accelerator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import add_worker_options  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
 from dflop_ds.plan.stages import cost_balanced_bounds  # noqa: E402
@@ -36,18 +37,11 @@ METHODS = ("stock", "dflop")
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--engine", choices=("pp2", "zero2"), required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--images", required=True)
-    parser.add_argument("--cost-model", required=True)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--gas", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", required=True)
+    add_worker_options(parser, global_batch=16, gas=4, rounds=10)
     return parser.parse_args()
 
 
