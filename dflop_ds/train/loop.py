@@ -125,13 +125,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from dflop_ds.checks import check_cost_model
     from dflop_ds.loader import make_loader
-    from dflop_ds.paths import check_writable
+    from dflop_ds.paths import check_writable, check_writable_folder
 
     args = build_parser().parse_args(argv)
     ds_config, cfg = load_settings(args)
-    for option in ("summary", "trace", "telemetry", "output_dir"):  # fail now, not after training
+    for option in ("summary", "trace", "telemetry"):  # fail now, not after training
         if getattr(args, option):
             check_writable(getattr(args, option), f"--{option}")
+    if args.output_dir:
+        check_writable_folder(args.output_dir, "--output_dir")
     torch.manual_seed(cfg.seed)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     share_cpu_threads()  # CPU ranks on one machine: a share of the cores each, not all of them
