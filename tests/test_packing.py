@@ -1,0 +1,80 @@
+"""Packed microbatches of the tiny model: the same losses and gradients as the padded ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, build_reference, collate_microbatch
+from dflop_ds.models.packing import segment_positions
+from dflop_ds.pipe.loss import token_normalized_loss
+from dflop_ds.shapes import TINY_POLICY
+
+torch.set_num_threads(1)
+
+SMALL = TinyMLLMConfig(vision_layers=1, llm_layers=2, vision_dim=32, llm_dim=64, vocab_size=128)
+
+
+def shape(name: str, images=(), text: int = 8, labels: int | None = None):
+    return TINY_POLICY.shape(name, image_sizes=images, video_frames=0, text_tokens=text, label_tokens=labels)
+
+
+SHAPES = [shape("one-tile", ((336, 336),), text=5, labels=3), shape("text", text=23, labels=9),
+          shape("three-tiles", ((672, 336),), text=11, labels=11), shape("short", text=3, labels=2)]
+
+
+def loss_and_grads(model: torch.nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    inputs, labels = batch
+    loss = token_normalized_loss(model(inputs), labels)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_segment_positions_restart_per_run() -> None:
+    segment, offset = segment_positions(torch.tensor([2, 0, 3]))
+    assert segment.tolist() == [0, 0, 2, 2, 2] and offset.tolist() == [0, 1, 0, 1, 2]
+
+
+def test_packed_collate_is_one_row_of_the_padded_contents() -> None:
+    ds = TinyMLLMDataset(SHAPES, SMALL)
+    items = [ds[i] for i in range(len(SHAPES))]
+    (pix_p, ids_p, text_p, tiles_p), (tgt_p, den_p) = collate_microbatch(items, packed=True)
+    (pix, ids, text, tiles), (tgt, den) = collate_microbatch(items)
+    assert torch.equal(pix_p, pix) and torch.equal(text_p, text) and torch.equal(tiles_p, tiles)
+    assert ids_p.shape == (1, int(text.sum())) and tgt_p.shape == (1, sum(s.llm_tokens for s in SHAPES))
+    assert torch.equal(ids_p[0], ids[torch.arange(ids.shape[1])[None, :] < text[:, None]])
+    assert torch.equal(tgt_p[tgt_p != -100], tgt[tgt != -100]) and float(den_p) == float(den)
+
+
+def test_packed_loss_and_gradients_equal_the_padded_ones() -> None:
+    model = build_reference(SMALL, seed=3)
+    ds = TinyMLLMDataset(SHAPES, SMALL, seed=1)
+    items = [ds[i] for i in range(len(SHAPES))]
+    padded_loss, padded_grads = loss_and_grads(model, collate_microbatch(items))
+    packed_loss, packed_grads = loss_and_grads(model, collate_microbatch(items, packed=True))
+    torch.testing.assert_close(packed_loss, padded_loss, atol=1e-6, rtol=1e-5)
+    assert padded_grads.keys() == packed_grads.keys()
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_packed_logits_of_a_sample_do_not_depend_on_its_neighbours() -> None:
+    model = build_reference(SMALL, seed=4).eval()
+    ds = TinyMLLMDataset(SHAPES, SMALL)
+    with torch.no_grad():
+        together = model(collate_microbatch([ds[0], ds[1], ds[2]], packed=True)[0])
+        swapped = model(collate_microbatch([ds[2], ds[1], ds[0]], packed=True)[0])
+        alone = model(collate_microbatch([ds[1]])[0])
+    n0, n1 = SHAPES[0].llm_tokens, SHAPES[1].llm_tokens
+    n2 = SHAPES[2].llm_tokens
+    torch.testing.assert_close(together[0, n0 : n0 + n1], alone[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(swapped[0, n2 : n2 + n1], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_packed_row_of_the_wrong_length_is_refused() -> None:
+    model = build_reference(SMALL, seed=0)
+    ds = TinyMLLMDataset(SHAPES[:2], SMALL)
+    (pixels, ids, text_lens, tiles), _ = collate_microbatch([ds[0], ds[1]], packed=True)
+    with pytest.raises(ValueError, match="packed"):
+        model((pixels, ids[:, :-1], text_lens, tiles))
