@@ -78,3 +78,21 @@ def test_a_packed_row_of_the_wrong_length_is_refused() -> None:
     (pixels, ids, text_lens, tiles), _ = collate_microbatch([ds[0], ds[1]], packed=True)
     with pytest.raises(ValueError, match="packed"):
         model((pixels, ids[:, :-1], text_lens, tiles))
+
+
+def test_packed_cost_is_the_overhead_plus_the_sum_of_the_samples() -> None:
+    from tests.test_costmodel import shape as cost_shape, synthetic_profile, true_encoder, true_llm
+    from dflop_ds.profile import CostModel
+    from dflop_ds.profile.packed import PackedCost
+
+    packed = PackedCost(CostModel().fit(synthetic_profile()))
+    np = pytest.importorskip("numpy")
+    np.testing.assert_allclose(packed.overhead, [true_encoder(0), true_llm(0, 0)[0]], rtol=0.05)
+    shapes = [cost_shape(2, 100), cost_shape(0, 300), cost_shape(5, 90)]
+    per_sample = packed.predict_samples(shapes)
+    np.testing.assert_allclose(packed.predict_microbatch(shapes), per_sample.sum(axis=0) + packed.overhead)
+    assert per_sample[1, 0] == 0.0  # a text-only sample costs the encoder nothing
+    # the generating curves: one constant, the rest summed over samples (tiles; B, B*S, B*S^2 per sample)
+    tokens = [100, 300, 90]
+    llm = true_llm(0, 0)[0] + sum(sum(true_llm(1, s)) - true_llm(0, 0)[0] for s in tokens)
+    np.testing.assert_allclose(packed.predict_microbatch(shapes), [true_encoder(7), llm], rtol=0.02)
