@@ -96,3 +96,26 @@ def test_packed_cost_is_the_overhead_plus_the_sum_of_the_samples() -> None:
     tokens = [100, 300, 90]
     llm = true_llm(0, 0)[0] + sum(sum(true_llm(1, s)) - true_llm(0, 0)[0] for s in tokens)
     np.testing.assert_allclose(packed.predict_microbatch(shapes), [true_encoder(7), llm], rtol=0.02)
+
+
+def test_the_sampler_balances_packed_costs_additively() -> None:
+    np = pytest.importorskip("numpy")
+    from tests.test_costmodel import shape as cost_shape, synthetic_profile
+    from dflop_ds.profile import CostModel
+    from dflop_ds.profile.packed import PackedCost
+    from dflop_ds.schedule.sampler import make_sampler
+
+    rng = np.random.default_rng(0)
+    shapes = [cost_shape(int(t), int(16 * t + n), f"s{i}")
+              for i, (t, n) in enumerate(zip(rng.integers(0, 6, 32), rng.integers(8, 600, 32)))]
+    packed = PackedCost(CostModel().fit(synthetic_profile()))
+    kwargs = dict(global_batch_size=16, gradient_accumulation_steps=4, cost_model=packed)
+    dflop, stock = make_sampler("dflop", shapes, **kwargs), make_sampler("stock", shapes, **kwargs)
+    assert dflop.additive and dflop._microbatch_cost(np.arange(16)) is None
+
+    def makespan(sampler) -> float:
+        split = sampler.schedule(0, 0, sampler.batches_in_epoch(0)[0]).split
+        assert sorted(i for mb in split.ranks[0] for i in mb) == sorted(sampler.batches_in_epoch(0)[0].tolist())
+        return max(float(packed.predict_microbatch([shapes[i] for i in mb]).max()) for mb in split.ranks[0])
+
+    assert makespan(dflop) < makespan(stock)
