@@ -119,3 +119,25 @@ def test_the_sampler_balances_packed_costs_additively() -> None:
         return max(float(packed.predict_microbatch([shapes[i] for i in mb]).max()) for mb in split.ranks[0])
 
     assert makespan(dflop) < makespan(stock)
+
+
+def test_the_packing_switch_defaults_to_the_model_and_refuses_what_it_cannot_do() -> None:
+    import dataclasses
+
+    from dflop_ds.config import DFLOPConfig
+    from dflop_ds.train.loop import build_parser
+    from dflop_ds.train.sources import tiny_source
+
+    tiny = tiny_source({}, as_specs=False)
+    assert tiny.uses_packing(None) and tiny.uses_packing(True) and not tiny.uses_packing(False)
+    unpacked = dataclasses.replace(tiny, name="some-hf-model", packed_collate=None)
+    assert not unpacked.uses_packing(None) and not unpacked.uses_packing(False)
+    with pytest.raises(ValueError, match="some-hf-model"):
+        unpacked.uses_packing(True)
+    with pytest.raises(ValueError, match="packing"):
+        DFLOPConfig.from_dict({"packing": "yes"})
+    assert DFLOPConfig.from_dict({"packing": False}).packing is False
+    parser = build_parser()
+    assert parser.parse_args(["--deepspeed_config", "x", "--packing", "False"]).packing is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--deepspeed_config", "x", "--packing", "maybe"])

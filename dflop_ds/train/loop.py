@@ -29,7 +29,15 @@ from dflop_ds.train.sources import ModelSource, tiny_source
 #: command-line options that override keys of the "dflop" block (option dest -> key)
 BLOCK_OVERRIDES = {"sampler": "sampler", "steps": "steps", "data": "data", "data_path": "data",
                    "cost_model": "cost_model", "model_name_or_path": "model_name_or_path",
-                   "image_folder": "image_folder"}
+                   "image_folder": "image_folder", "packing": "packing"}
+
+
+def true_or_false(value: str) -> bool:
+    """``"true"`` / ``"false"`` (any case) as a bool, for boolean command-line overrides."""
+    choices = {"true": True, "false": False}
+    if value.lower() not in choices:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return choices[value.lower()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--image_folder", help="folder the records' image paths are relative to")
     parser.add_argument("--sampler", choices=["dflop", "stock"], help="override \"dflop\".sampler")
     parser.add_argument("--steps", type=int, help="override \"dflop\".steps")
+    parser.add_argument("--packing", type=true_or_false, help="override \"dflop\".packing (true or false)")
     parser.add_argument("--cost-model", dest="cost_model", help="override \"dflop\".cost_model (a CostModel JSON)")
     parser.add_argument("--output_dir", help="write the trained model here at the end (save_pretrained for HF "
                                              "models)")
