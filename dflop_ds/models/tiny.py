@@ -263,7 +263,8 @@ class Projector(nn.Module):
         index = torch.cat([visual_index, text_index])
         rows = 1 if packed else b
         flat = torch.zeros(rows * s, c.llm_dim, device=text.device, dtype=text.dtype).index_copy(0, index, tokens)
-        table = sinusoidal_positions(s, c.llm_dim, text.device, text.dtype)
+        longest = int(seq_lens.max().item()) if packed else s
+        table = sinusoidal_positions(longest, c.llm_dim, text.device, text.dtype)
         return flat.view(rows, s, c.llm_dim) + table[positions], seq_lens
 
 
