@@ -43,19 +43,16 @@ class PackedCost:
         self.cost_model = cost_model
         self.overhead = microbatch_overhead(cost_model)
 
-    def _alone(self, shapes: Sequence[SampleShape]) -> np.ndarray:
-        return np.asarray(self.cost_model.predict_samples(shapes), dtype=float).reshape(len(shapes), -1)
-
     def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """``(n, k)`` marginal cost of each sample in a packed microbatch (0 where the sample has
         no work for a column, e.g. no tiles)."""
-        return np.maximum(self._alone(shapes) - self.overhead, 0.0)
+        alone = np.asarray(self.cost_model.predict_samples(shapes), dtype=float).reshape(len(shapes), -1)
+        return np.maximum(alone - self.overhead, 0.0)
 
     def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
-        """``(k,)`` cost of one packed microbatch: the sum of its samples' costs plus the overhead
-        of every column some sample has work for."""
+        """``(k,)`` cost of one packed microbatch: the overhead plus the sum of its samples' costs
+        (the overhead of every column: every layer runs, e.g. the encoder's on no tiles, as in
+        the padded model's ``predict_microbatch``)."""
         if not shapes:
             return np.zeros_like(self.overhead)
-        alone = self._alone(shapes)
-        marginal = np.maximum(alone - self.overhead, 0.0)
-        return marginal.sum(axis=0) + np.where((alone > 0).any(axis=0), self.overhead, 0.0)
+        return self.predict_samples(shapes).sum(axis=0) + self.overhead
