@@ -394,7 +394,8 @@ class DFLOPBatchSampler(GlobalBatchSampler):
         """:func:`split_balanced` of ``batch``, with the exact solver's limits when ``exact``."""
         return split_balanced(
             batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch, costs),
-            time_limit_s=self.time_limit_s if exact else 0.0, seed=batch_seed, lengths=None if self.additive else self.lengths[batch],
+            time_limit_s=self.time_limit_s if exact else 0.0, seed=batch_seed,
+            lengths=None if self.additive else self.lengths[batch],
             node_limit=self.ilp_nodes if exact else 0, lockstep=self.lockstep,
         )
 
