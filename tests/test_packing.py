@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
+from dflop_ds.config import DFLOPConfig
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, build_reference, collate_microbatch
 from dflop_ds.models.packing import segment_positions
 from dflop_ds.pipe.loss import token_normalized_loss
+from dflop_ds.profile import CostModel, PackedCost
+from dflop_ds.schedule.sampler import make_sampler
 from dflop_ds.shapes import TINY_POLICY
+from dflop_ds.train.loop import build_parser
+from dflop_ds.train.sources import tiny_source
+from tests.test_costmodel import shape as cost_shape, synthetic_profile, true_encoder, true_llm
 
 torch.set_num_threads(1)
 
@@ -81,12 +90,7 @@ def test_a_packed_row_of_the_wrong_length_is_refused() -> None:
 
 
 def test_packed_cost_is_the_overhead_plus_the_sum_of_the_samples() -> None:
-    from tests.test_costmodel import shape as cost_shape, synthetic_profile, true_encoder, true_llm
-    from dflop_ds.profile import CostModel
-    from dflop_ds.profile.packed import PackedCost
-
     packed = PackedCost(CostModel().fit(synthetic_profile()))
-    np = pytest.importorskip("numpy")
     np.testing.assert_allclose(packed.overhead, [true_encoder(0), true_llm(0, 0)[0]], rtol=0.05)
     shapes = [cost_shape(2, 100), cost_shape(0, 300), cost_shape(5, 90)]
     per_sample = packed.predict_samples(shapes)
@@ -99,12 +103,6 @@ def test_packed_cost_is_the_overhead_plus_the_sum_of_the_samples() -> None:
 
 
 def test_the_sampler_balances_packed_costs_additively() -> None:
-    np = pytest.importorskip("numpy")
-    from tests.test_costmodel import shape as cost_shape, synthetic_profile
-    from dflop_ds.profile import CostModel
-    from dflop_ds.profile.packed import PackedCost
-    from dflop_ds.schedule.sampler import make_sampler
-
     rng = np.random.default_rng(0)
     shapes = [cost_shape(int(t), int(16 * t + n), f"s{i}")
               for i, (t, n) in enumerate(zip(rng.integers(0, 6, 32), rng.integers(8, 600, 32)))]
@@ -122,12 +120,6 @@ def test_the_sampler_balances_packed_costs_additively() -> None:
 
 
 def test_the_packing_switch_defaults_to_the_model_and_refuses_what_it_cannot_do() -> None:
-    import dataclasses
-
-    from dflop_ds.config import DFLOPConfig
-    from dflop_ds.train.loop import build_parser
-    from dflop_ds.train.sources import tiny_source
-
     tiny = tiny_source({}, as_specs=False)
     assert tiny.uses_packing(None) and tiny.uses_packing(True) and not tiny.uses_packing(False)
     unpacked = dataclasses.replace(tiny, name="some-hf-model", packed_collate=None)
