@@ -9,10 +9,11 @@
    ``TINY_POLICY``, group them into microbatches of 1..4 samples as a sampler does, collate
    them with the tiny model's collate and time the real forward+backward of the whole tiny
    model (loss included), and of its encoder part and LLM part, against
-   ``predict_microbatch``.
+   ``predict_microbatch``; the same microbatches packed (one row, attention per sample) against
+   :class:`~dflop_ds.profile.packed.PackedCost`'s ``predict_microbatch``, timed in the same rounds.
 
 Prints the mean absolute percentage error (MAPE) per module; the last line reads
-``costmodel heldout mape encoder=<x> llm=<y> microbatch=<z>`` (fractions).
+``costmodel heldout mape encoder=<x> llm=<y> microbatch=<z> packed_microbatch=<w>`` (fractions).
 
 Run: ``.venv/bin/python benchmarks/bench_costmodel.py`` from the repository root.
 """
@@ -36,6 +37,7 @@ from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, build_reference, collate_microbatch  # noqa: E402
 from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
 from dflop_ds.profile import CostModel, ModelProfile, profile_model, tiny_target  # noqa: E402
+from dflop_ds.profile.packed import PackedCost  # noqa: E402
 from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES, torch_threads  # noqa: E402
 from dflop_ds.profile.timing import clock_function, resolve_clock, robust_statistic  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY, SampleShape  # noqa: E402
@@ -49,6 +51,13 @@ def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
     """Mean absolute percentage error, as a fraction."""
     p, m = np.asarray(predicted, dtype=float), np.asarray(measured, dtype=float)
     return float(np.mean(np.abs(p - m) / m))
+
+
+def scale_free_mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """:func:`mape` after scaling the predictions by the one factor that minimizes the squared
+    relative errors: what balancing sees, since only ratios matter to it."""
+    ratio = np.asarray(predicted, dtype=float) / np.asarray(measured, dtype=float)
+    return mape(np.asarray(predicted, dtype=float) * ratio.sum() / (ratio**2).sum(), measured)
 
 
 def split_profile(profile: ModelProfile, tiles: Sequence[int], llm_shapes: Sequence[tuple[int, int]]) -> tuple[
@@ -75,8 +84,8 @@ def draw_microbatches(shapes: Sequence[SampleShape], count: int, seed: int, max_
 class RealMicrobatch:
     """A collated microbatch and closures running the whole model, or its two parts, fwd+bwd."""
 
-    def __init__(self, model: torch.nn.Sequential, n_encoder: int, items: list) -> None:
-        self.inputs, self.labels = collate_microbatch(items)
+    def __init__(self, model: torch.nn.Sequential, n_encoder: int, items: list, packed: bool = False) -> None:
+        self.inputs, self.labels = collate_microbatch(items, packed=packed)
         self.model = model
         self.encoder = model[:n_encoder]
         self.llm = model[n_encoder:]
@@ -154,9 +163,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     reference = build_reference(config, seed=args.seed).train()
     n_encoder = 1 + config.vision_layers + 1  # patch embedding, vision blocks, projector
     with torch_threads(args.threads):
-        batches = [RealMicrobatch(reference, n_encoder, [dataset[i] for i in group]) for group in groups]
-        real = time_real(batches, args.repeats, args.statistic, clock)
+        batches = [RealMicrobatch(reference, n_encoder, [dataset[i] for i in group], packed)
+                   for packed in (False, True) for group in groups]
+        real, real_packed = np.split(time_real(batches, args.repeats, args.statistic, clock), 2)
     predicted = np.array([model.predict_microbatch([shapes[i] for i in group]) for group in groups])
+    packed_model = PackedCost(model)
+    predicted_packed = np.array([packed_model.predict_microbatch([shapes[i] for i in group]) for group in groups])
     print("\nreal microbatches (ms)   B  tiles  longest   whole  predicted  error | encoder  pred | llm    pred")
     for group, row, pred in zip(groups, real, predicted):
         mb = [shapes[i] for i in group]
@@ -165,12 +177,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {'':21s}{len(mb):3d} {tiles:6d} {longest:8d} {row[0] * 1e3:7.2f} {pred.sum() * 1e3:10.2f} "
               f"{pred.sum() / row[0] - 1:+6.1%} | {row[1] * 1e3:7.2f} {pred[0] * 1e3:5.2f} | "
               f"{row[2] * 1e3:6.2f} {pred[1] * 1e3:6.2f}")
+    print("\npacked microbatches (ms) B  tiles   tokens   whole  predicted  error | speed-up over padded")
+    for group, row, pred, padded in zip(groups, real_packed, predicted_packed, real):
+        mb = [shapes[i] for i in group]
+        print(f"  {'':21s}{len(mb):3d} {sum(s.encoder_tiles for s in mb):6d} {sum(s.llm_tokens for s in mb):8d} "
+              f"{row[0] * 1e3:7.2f} {pred.sum() * 1e3:10.2f} {pred.sum() / row[0] - 1:+6.1%} | x{padded[0] / row[0]:.2f}")
     enc_real = [(p, m) for p, m in zip(predicted[:, 0], real[:, 1]) if m > 0]
     print(f"\nreal microbatch parts: encoder mape={mape(*zip(*enc_real)):.3f} "
           f"llm mape={mape(predicted[:, 1], real[:, 2]):.3f}")
+    print(f"scale-free mape (one fitted scale factor): microbatch={scale_free_mape(predicted.sum(axis=1), real[:, 0]):.3f} "
+          f"packed_microbatch={scale_free_mape(predicted_packed.sum(axis=1), real_packed[:, 0]):.3f}")
     print(f"total benchmark wall time {time.perf_counter() - started:.1f} s")
     print(f"costmodel heldout mape encoder={mape(enc_pred, enc_meas):.3f} llm={mape(llm_pred, llm_meas):.3f} "
-          f"microbatch={mape(predicted.sum(axis=1), real[:, 0]):.3f}")
+          f"microbatch={mape(predicted.sum(axis=1), real[:, 0]):.3f} "
+          f"packed_microbatch={mape(predicted_packed.sum(axis=1), real_packed[:, 0]):.3f}")
     return 0
 
 

@@ -4,7 +4,9 @@ Profiles the tiny model (unless a cost model is given), splits its two pipeline 
 predicted cost, then launches `deepspeed --num_gpus 2 benchmarks/e2e_worker.py`, which trains
 the same global batches with every method, interleaved. Prints a table, writes a CSV and a PNG
 bar chart to out/, and ends with
-`e2e speedup_vs_stock=<x> speedup_vs_best_baseline=<y>` (samples/s ratios).
+`e2e speedup_vs_stock=<x> speedup_vs_best_baseline=<y> padding_efficiency=<p> idle=<i>` (samples/s
+ratios; padding efficiency and idle fraction of dflop). ``stock_packed`` (stock's split, packed
+microbatches) is an ablation like ``dflop_uniform``: dflop over it is balancing's gain alone.
 """
 
 from __future__ import annotations
@@ -98,8 +100,12 @@ def main() -> int:
               f"{v['vs_stock']:9.3f}")
     best_baseline = max(table[m]["samples_per_s"] for m in BASELINES if m in table)
     print(f"\n{table['dflop']['rounds']} timed rounds per method; CSV and PNG in {out}")
+    if "stock_packed" in table:
+        print(f"packing alone (stock_packed / stock) x{table['stock_packed']['vs_stock']:.3f}; balancing over it "
+              f"(dflop / stock_packed) x{table['dflop']['samples_per_s'] / table['stock_packed']['samples_per_s']:.3f}")
     print(f"e2e speedup_vs_stock={table['dflop']['vs_stock']:.3f} "
-          f"speedup_vs_best_baseline={table['dflop']['samples_per_s'] / best_baseline:.3f}")
+          f"speedup_vs_best_baseline={table['dflop']['samples_per_s'] / best_baseline:.3f} "
+          f"padding_efficiency={table['dflop']['padding_efficiency']:.3f} idle={table['dflop']['idle_fraction']:.3f}")
     return 0
 
 

@@ -14,8 +14,12 @@ from benchmarks.baselines import llava_modality_grouped, verl_karmarkar_karp, ve
 from dflop_ds.schedule.split import RankSplit, split_balanced, split_stock
 from dflop_ds.shapes import SampleShape
 
-#: ``dflop_uniform`` is dflop-ds's scheduling alone, on the baselines' layer-count stage split.
-METHODS = ("stock", "llava", "verl", "dflop_uniform", "dflop")
+#: ``dflop_uniform`` is dflop-ds's scheduling alone, on the baselines' layer-count stage split;
+#: ``stock_packed`` is stock's split with packed microbatches (packing's gain without balancing).
+METHODS = ("stock", "stock_packed", "llava", "verl", "dflop_uniform", "dflop")
+#: methods whose microbatches are packed, as their users run them: verl removes padding, and
+#: dflop-ds packs by default where the model can (``"dflop".packing``)
+PACKED_METHODS = frozenset({"stock_packed", "verl", "dflop_uniform", "dflop"})
 
 
 def _deal(buckets: list[list[int]], batch: Sequence[int], n_mb: int, dp: int) -> RankSplit:
@@ -66,15 +70,17 @@ def split_for(
 ) -> RankSplit:
     """The split of ``batch`` by ``method`` (one of :data:`METHODS`); ``costs`` are the rows of
     ``batch`` under the dflop cost model, ``microbatch_cost`` maps batch positions to a collated
-    microbatch's cost."""
-    if method == "stock":
+    microbatch's cost (for a method of :data:`PACKED_METHODS`, packed costs: additive, so dflop
+    then balances ``costs`` alone)."""
+    if method in ("stock", "stock_packed"):
         return split_stock(list(batch), costs, n_mb, dp).ranks
     if method == "llava":
         return split_llava(batch, shapes, n_mb, dp, seed)
     if method == "verl":
         return split_verl(batch, shapes, n_mb, dp)
     if method in ("dflop", "dflop_uniform"):
-        lengths = [shapes[i].llm_tokens for i in batch]
-        return split_balanced(list(batch), costs, n_mb, dp, microbatch_cost,
+        packed = method in PACKED_METHODS
+        lengths = None if packed else [shapes[i].llm_tokens for i in batch]
+        return split_balanced(list(batch), costs, n_mb, dp, None if packed else microbatch_cost,
                               time_limit_s=time_limit_s, seed=seed, lengths=lengths).ranks
     raise ValueError(f"unknown method {method!r}: choose from {METHODS}")

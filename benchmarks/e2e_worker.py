@@ -23,11 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import add_worker_options  # noqa: E402
-from benchmarks.e2e_methods import METHODS, split_for  # noqa: E402
+from benchmarks.e2e_methods import METHODS, PACKED_METHODS, split_for  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
 from dflop_ds.profile import CostModel  # noqa: E402
+from dflop_ds.profile.packed import PackedCost  # noqa: E402
 from dflop_ds.schedule.epoch import epoch_permutation, global_batches  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
@@ -64,7 +65,8 @@ def main() -> int:
     shapes = read_dataset(args.data, TINY_POLICY)
     dataset = TinyMLLMDataset(shapes, TinyMLLMConfig(), seed=args.seed)
     cost_model = CostModel.load(args.cost_model)
-    costs = cost_model.predict_samples(shapes)
+    packed_model = PackedCost(cost_model)
+    costs = {False: cost_model.predict_samples(shapes), True: packed_model.predict_samples(shapes)}
     labels = np.array([supervised_count(s) for s in shapes])
     methods = args.methods.split(",")
     bounds = [int(b) for b in args.dflop_bounds.split(",")]
@@ -81,12 +83,13 @@ def main() -> int:
         order = methods[round_id % len(methods):] + methods[: round_id % len(methods)]
         for method in order:
             group = [shapes[i] for i in batch]
+            packed = method in PACKED_METHODS
             start = time.perf_counter()
-            split = split_for(method, batch.tolist(), shapes, costs[batch], args.gas, dp,
+            split = split_for(method, batch.tolist(), shapes, costs[packed][batch], args.gas, dp,
                               microbatch_cost=lambda pos: cost_model.predict_microbatch([group[p] for p in pos]),
                               time_limit_s=args.time_limit, seed=args.seed + round_id)
             schedule_s = time.perf_counter() - start
-            microbatches = [collate_microbatch([dataset[ScheduledIndex(i, denominator)] for i in mb])
+            microbatches = [collate_microbatch([dataset[ScheduledIndex(i, denominator)] for i in mb], packed=packed)
                             for mb in split[dp_rank]]
             name = "dflop" if method == "dflop" else "uniform"
             torch.distributed.barrier()
@@ -99,11 +102,11 @@ def main() -> int:
             torch.distributed.all_gather(every_rank, compute)
             rows.append({
                 "round": round_id, "warmup": round_id < args.warmup, "method": method, "step_s": step_s,
-                "schedule_s": schedule_s, **batch_tokens([mb for r in split for mb in r], shapes),
+                "schedule_s": schedule_s, **batch_tokens([mb for r in split for mb in r], shapes, packed),
                 "idle_fraction": bubble_fraction(np.array([float(c) for c in every_rank]), step_s),
             })
             if rank == 0:
-                print(f"[e2e] round {round_id:2d} {method:6s} step {step_s:.3f}s", flush=True)
+                print(f"[e2e] round {round_id:2d} {method:12s} step {step_s:.3f}s", flush=True)
     if rank == 0:
         Path(args.out).write_text(json.dumps({"rows": rows, "dp": dp, "global_batch": args.global_batch,
                                               "gas": args.gas, "dflop_bounds": bounds}, indent=1))

@@ -47,6 +47,11 @@ class DFLOPConfig:
         steps: optimizer steps to run; warmup_steps of them are left out of throughput figures.
         lr: AdamW learning rate (used when the DeepSpeed config has no "optimizer").
         freeze_encoder: freeze the vision encoder (LLaVA's second stage).
+        packing: pack each microbatch's samples into one sequence (attention kept inside each
+            sample; :mod:`dflop_ds.models.packing`) instead of padding them to the longest, and
+            balance on the additive packed cost (:class:`dflop_ds.profile.packed.PackedCost`).
+            None (default): on where the model supports it (the tiny model; measured faster
+            there), off otherwise; true for a model without packing is refused.
         encoder: where a sample's tiles are encoded: ``"local"`` (default; on the rank that
             trains it) or ``"colocated"`` (dispatched by predicted cost over all ranks, features
             exchanged; plain engine only, see :mod:`dflop_ds.train.colocated`).
@@ -94,6 +99,7 @@ class DFLOPConfig:
     lr: float = 1e-3
     freeze_encoder: bool = False
     encoder: str = "local"
+    packing: Optional[bool] = None
     model: dict[str, Any] = field(default_factory=dict)
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
@@ -135,6 +141,7 @@ class DFLOPConfig:
             "on_bad_sample": dict(kind="str", choices=BAD_SAMPLE_POLICIES),
             "policy": dict(kind="str", choices=("tiny", "default")),
             "encoder": dict(kind="str", choices=("local", "colocated")),
+            "packing": dict(kind="bool", optional=True),
             "pipeline_stages": dict(kind="int", minimum=1),
             "stage_bounds": dict(kind="list", optional=True),
             "cost_model": dict(kind="str", optional=True),

@@ -144,23 +144,40 @@ def microbatch_denominator(items: Sequence[TinyItem]) -> float:
     return float(scheduled.pop())
 
 
-def collate_microbatch(items: Sequence[TinyItem]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+def collate_microbatch(
+    items: Sequence[TinyItem], packed: bool = False
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
     """Collate one microbatch into DeepSpeed's ``(inputs, labels)`` (see docs/architecture.md).
 
     ``inputs = (pixels [T,C,P,P], input_ids [B,S_text], text_lens [B], tiles_per_sample [B])``,
-    ``labels = (targets [B,S], loss_denominator [])``.
+    ``labels = (targets [B,S], loss_denominator [])``, right-padded; with ``packed`` the samples
+    are concatenated into one row: ``input_ids [1, sum(text_lens)]`` and ``targets [1, sum(S_i)]``
+    (the model then packs its LLM sequence the same way, :mod:`dflop_ds.models.packing`).
     """
     if not items:
         raise ValueError("collate_microbatch: empty microbatch")
     pixels = torch.cat([item.pixels for item in items], dim=0)
     text_lens = torch.tensor([item.input_ids.numel() for item in items], dtype=torch.long)
     tiles = torch.tensor([item.tiles for item in items], dtype=torch.long)
-    input_ids = torch.zeros(len(items), int(text_lens.max()), dtype=torch.long)
-    seq = max(item.targets.numel() for item in items)
-    targets = torch.full((len(items), seq), IGNORE_INDEX, dtype=torch.long)
-    for b, item in enumerate(items):
-        input_ids[b, : item.input_ids.numel()] = item.input_ids
-        targets[b, : item.targets.numel()] = item.targets
+    if packed:
+        input_ids = torch.cat([item.input_ids for item in items])[None, :]
+        targets = torch.cat([item.targets for item in items])[None, :]
+    else:
+        input_ids = _right_padded([item.input_ids for item in items], 0)
+        targets = _right_padded([item.targets for item in items], IGNORE_INDEX)
     # float64 keeps ratios like 83 / 6 exact enough; the loss casts it to its own dtype
     denominator = torch.tensor(microbatch_denominator(items), dtype=torch.float64)
     return (pixels, input_ids, text_lens, tiles), (targets, denominator)
+
+
+def collate_packed_microbatch(items: Sequence[TinyItem]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`collate_microbatch` with ``packed=True`` (a picklable collate for DataLoader workers)."""
+    return collate_microbatch(items, packed=True)
+
+
+def _right_padded(rows: Sequence[torch.Tensor], fill: int) -> torch.Tensor:
+    """``[len(rows), longest]`` long tensor of the 1-D ``rows``, right-padded with ``fill``."""
+    out = torch.full((len(rows), max(row.numel() for row in rows)), fill, dtype=torch.long)
+    for b, row in enumerate(rows):
+        out[b, : row.numel()] = row
+    return out

@@ -9,7 +9,8 @@ Every layer maps a tuple of tensors to a tuple of tensors following the microbat
 * :class:`Projector`: ``(vis, input_ids, text_lens, tiles_per_sample) -> (hidden, seq_lens)``,
   each sample's sequence being ``[visual tokens of its tiles] + [text tokens]``, right-padded;
 * :class:`DecoderBlock`: ``(hidden, seq_lens) -> (hidden, seq_lens)``, causal attention with
-  key padding;
+  key padding, or per sample when the microbatch is packed (:mod:`dflop_ds.models.packing`:
+  ``input_ids [1, sum(text_lens)]`` from the collate gives ``hidden [1, sum(seq_lens), D]``);
 * :class:`LMHead`: ``(hidden, seq_lens) -> logits [B, S, V]``.
 
 The attention is real (``scaled_dot_product_attention``), so the encoder cost grows with tiles
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflop_ds.models.packing import check_packed, is_packed, segment_causal_attention, segment_positions
 from dflop_ds.shapes import TINY_POLICY
 
 VisTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -115,11 +117,16 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask`` is ``[B, 1, L, L]`` with True where a query may attend a key."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                segments: list[int] | None = None) -> torch.Tensor:
+        """``mask`` is ``[B, 1, L, L]`` with True where a query may attend a key; with ``segments``
+        (lengths of the samples packed in ``x [1, L, D]``) attention is causal inside each one."""
         b, length, dim = x.shape
         q, k, v = self.qkv(x).view(b, length, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if segments is None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = segment_causal_attention(q, k, v, segments)
         return self.out(y.transpose(1, 2).reshape(b, length, dim))
 
 
@@ -133,9 +140,10 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Apply the block; ``mask`` as in :class:`Attention`."""
-        x = x + self.attn(self.norm1(x), mask)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                segments: list[int] | None = None) -> torch.Tensor:
+        """Apply the block; ``mask`` and ``segments`` as in :class:`Attention`."""
+        x = x + self.attn(self.norm1(x), mask, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -181,32 +189,29 @@ class VisionBlock(nn.Module):
         return self.block(vis), input_ids, text_lens, tiles_per_sample
 
 
-def _positions_in_rows(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For runs of ``lengths[i]`` items per row: each item's row and its offset within the row."""
-    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
-    offsets = torch.arange(rows.numel(), device=lengths.device) - starts[rows]
-    return rows, offsets
-
-
 def merged_positions(
-    text_lens: torch.Tensor, tiles_per_sample: torch.Tensor, tokens_per_tile: int
+    text_lens: torch.Tensor, tiles_per_sample: torch.Tensor, tokens_per_tile: int, packed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Where visual and text tokens go in the right-padded merged batch ``[B, S]`` (flattened).
+    """Where visual and text tokens go in the merged batch (flattened): right-padded ``[B, S]``,
+    or one packed row ``[1, S]`` with ``S = sum(seq_lens)`` when ``packed``.
 
     Returns ``(visual_index, text_index, seq_lens, S)``: ``visual_index[k]`` is the flat position
     of the k-th visual token (tiles in sample order), ``text_index`` the flat positions of the
-    valid text tokens in row-major ``[B, S_text]`` order. Sample ``i``'s sequence is its
+    valid text tokens in sample order. Sample ``i``'s sequence is its
     ``tiles * tokens_per_tile`` visual tokens followed by its ``text_lens[i]`` text tokens.
     """
     vis_lens = tiles_per_sample.to(torch.long) * tokens_per_tile
     text_lens = text_lens.to(torch.long)
     seq_lens = vis_lens + text_lens
-    s = int(seq_lens.max().item()) if seq_lens.numel() else 0
-    vis_rows, vis_offsets = _positions_in_rows(vis_lens)
-    txt_rows, txt_offsets = _positions_in_rows(text_lens)
-    visual_index = vis_rows * s + vis_offsets
-    text_index = txt_rows * s + vis_lens[txt_rows] + txt_offsets
+    if packed:
+        starts, s = torch.cumsum(seq_lens, 0) - seq_lens, int(seq_lens.sum().item())
+    else:
+        s = int(seq_lens.max().item()) if seq_lens.numel() else 0
+        starts = torch.arange(seq_lens.numel(), device=seq_lens.device) * s
+    vis_rows, vis_offsets = segment_positions(vis_lens)
+    txt_rows, txt_offsets = segment_positions(text_lens)
+    visual_index = starts[vis_rows] + vis_offsets
+    text_index = starts[txt_rows] + vis_lens[txt_rows] + txt_offsets
     return visual_index, text_index, seq_lens, s
 
 
@@ -233,7 +238,9 @@ class Projector(nn.Module):
         return grid.mean(dim=(2, 4)).reshape(t, c.tokens_per_tile, vis.shape[-1])
 
     def forward(self, inputs: VisTuple) -> LLMTuple:
-        """Build ``(hidden [B, S, D], seq_lens [B])`` with visual tokens first in each sample."""
+        """Build ``(hidden [B, S, D], seq_lens [B])`` with visual tokens first in each sample;
+        packed text ``input_ids [1, sum(text_lens)]`` gives a packed ``hidden [1, sum(seq_lens), D]``
+        whose positions restart at every sample."""
         vis, input_ids, text_lens, tiles_per_sample = inputs
         c = self.config
         if int(tiles_per_sample.sum().item()) != vis.shape[0]:
@@ -241,15 +248,24 @@ class Projector(nn.Module):
                 f"Projector: tiles_per_sample sums to {int(tiles_per_sample.sum())} but vis holds {vis.shape[0]} tiles"
             )
         visual = self.mlp(self.norm(self.pool(vis))).reshape(-1, c.llm_dim)
-        visual_index, text_index, seq_lens, s = merged_positions(text_lens, tiles_per_sample, c.tokens_per_tile)
         b, s_text = input_ids.shape
-        text_valid = torch.arange(s_text, device=input_ids.device)[None, :] < text_lens[:, None]
-        text = self.embed(input_ids)[text_valid]
+        packed = is_packed(b, text_lens)
+        visual_index, text_index, seq_lens, s = merged_positions(text_lens, tiles_per_sample, c.tokens_per_tile, packed)
+        if packed:
+            check_packed(b, s_text, text_lens, "Projector: packed input_ids")
+            text = self.embed(input_ids[0])
+            positions = segment_positions(seq_lens)[1]
+        else:
+            text_valid = torch.arange(s_text, device=input_ids.device)[None, :] < text_lens[:, None]
+            text = self.embed(input_ids)[text_valid]
+            positions = torch.arange(s, device=text.device)
         tokens = torch.cat([visual.to(text.dtype), text], dim=0)
         index = torch.cat([visual_index, text_index])
-        flat = torch.zeros(b * s, c.llm_dim, device=text.device, dtype=text.dtype).index_copy(0, index, tokens)
-        hidden = flat.view(b, s, c.llm_dim) + sinusoidal_positions(s, c.llm_dim, text.device, text.dtype)
-        return hidden, seq_lens
+        rows = 1 if packed else b
+        flat = torch.zeros(rows * s, c.llm_dim, device=text.device, dtype=text.dtype).index_copy(0, index, tokens)
+        longest = int(seq_lens.max().item()) if packed else s
+        table = sinusoidal_positions(longest, c.llm_dim, text.device, text.dtype)
+        return flat.view(rows, s, c.llm_dim) + table[positions], seq_lens
 
 
 def causal_padding_mask(seq_lens: torch.Tensor, length: int) -> torch.Tensor:
@@ -275,8 +291,11 @@ class DecoderBlock(nn.Module):
         _seeded_init(self, init_seed, build)
 
     def forward(self, inputs: LLMTuple) -> LLMTuple:
-        """Refine ``hidden [B, S, D]``; ``seq_lens`` passes through."""
+        """Refine ``hidden [B, S, D]`` (or packed ``[1, sum(seq_lens), D]``); ``seq_lens`` passes through."""
         hidden, seq_lens = inputs
+        if is_packed(hidden.shape[0], seq_lens):
+            check_packed(hidden.shape[0], hidden.shape[1], seq_lens, "DecoderBlock: packed hidden")
+            return self.block(hidden, segments=seq_lens.tolist()), seq_lens
         mask = causal_padding_mask(seq_lens, hidden.shape[1])
         return self.block(hidden, mask), seq_lens
 

@@ -5,6 +5,7 @@
 * :class:`CostModel` fits monotone, non-negative regressors on a :class:`ModelProfile`.
 * :func:`profile_data` / :class:`DataProfile`: the shape distribution of a dataset.
 * :class:`ProxyCost`: the no-profiling fallback with the same prediction interface.
+* :class:`PackedCost`: any of them for packed microbatches (additive plus one overhead).
 * :class:`EngineProfile`: the pipeline engine's own costs, fitted from a short run's telemetry
   (:func:`engine_profile_from_run`), which the simulator adds to the cost model.
 """
@@ -14,6 +15,7 @@ from dflop_ds.profile.data import DataProfile, profile_data
 from dflop_ds.profile.engine import EngineProfile, engine_profile_from_run
 from dflop_ds.profile.inputs import ContractEncoderInputs, ContractLLMInputs
 from dflop_ds.profile.model import Measurement, ModelProfile, profile_model
+from dflop_ds.profile.packed import PackedCost
 from dflop_ds.profile.proxy import ProxyCost
 from dflop_ds.profile.tiny import ProfileTarget, tiny_target
 
@@ -25,6 +27,7 @@ __all__ = [
     "EngineProfile",
     "Measurement",
     "ModelProfile",
+    "PackedCost",
     "ProfileTarget",
     "ProxyCost",
     "engine_profile_from_run",

@@ -160,6 +160,8 @@ class GlobalBatchSampler:
         count = label_tokens_fn or (lambda shape: shape.label_tokens)
         self.label_tokens = np.array([count(s) for s in self.shapes], dtype=np.int64)
         self.lengths = np.array([s.llm_tokens for s in self.shapes], dtype=float)
+        #: packed microbatches cost the sum of their samples: no padding-aware microbatch cost
+        self.additive = bool(getattr(cost_model, "additive", False))
         self.cost_adjuster = cost_adjuster
         self.drop_last = bool(drop_last)
         self.schedule_timeout_s = None if schedule_timeout_s is None else float(schedule_timeout_s)
@@ -227,7 +229,7 @@ class GlobalBatchSampler:
         costs (None).
         """
         predict = getattr(self.cost_model, "predict_microbatch", None)
-        if predict is None:
+        if predict is None or self.additive:
             return None
         shapes = [self.shapes[i] for i in batch]
         if costs is None or self.cost_adjuster is None:
@@ -392,7 +394,8 @@ class DFLOPBatchSampler(GlobalBatchSampler):
         """:func:`split_balanced` of ``batch``, with the exact solver's limits when ``exact``."""
         return split_balanced(
             batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch, costs),
-            time_limit_s=self.time_limit_s if exact else 0.0, seed=batch_seed, lengths=self.lengths[batch],
+            time_limit_s=self.time_limit_s if exact else 0.0, seed=batch_seed,
+            lengths=None if self.additive else self.lengths[batch],
             node_limit=self.ilp_nodes if exact else 0, lockstep=self.lockstep,
         )
 

@@ -90,11 +90,14 @@ def log_line(record: dict[str, Any]) -> str:
             f"telemetry {_fmt(100 * record.get('telemetry_overhead_frac', float('nan')), '.2f')}%")
 
 
-def batch_tokens(microbatches: Sequence[Sequence[int]], shapes: Sequence[SampleShape]) -> dict[str, int]:
-    """Samples, real LLM tokens and tokens after padding each microbatch to its longest sample."""
+def batch_tokens(microbatches: Sequence[Sequence[int]], shapes: Sequence[SampleShape],
+                 packed: bool = False) -> dict[str, int]:
+    """Samples, real LLM tokens and tokens after padding each microbatch to its longest sample
+    (packed microbatches have no padding: their padded tokens are their tokens)."""
     lengths = [[shapes[i].llm_tokens for i in mb] for mb in microbatches if len(mb)]
-    return {"samples": sum(len(mb) for mb in lengths), "tokens": int(sum(sum(mb) for mb in lengths)),
-            "padded_tokens": int(sum(len(mb) * max(mb) for mb in lengths))}
+    tokens = int(sum(sum(mb) for mb in lengths))
+    return {"samples": sum(len(mb) for mb in lengths), "tokens": tokens,
+            "padded_tokens": tokens if packed else int(sum(len(mb) * max(mb) for mb in lengths))}
 
 
 def throughput(rows: Sequence[dict[str, Any]]) -> dict[str, float]:

@@ -29,7 +29,15 @@ from dflop_ds.train.sources import ModelSource, tiny_source
 #: command-line options that override keys of the "dflop" block (option dest -> key)
 BLOCK_OVERRIDES = {"sampler": "sampler", "steps": "steps", "data": "data", "data_path": "data",
                    "cost_model": "cost_model", "model_name_or_path": "model_name_or_path",
-                   "image_folder": "image_folder"}
+                   "image_folder": "image_folder", "packing": "packing"}
+
+
+def true_or_false(value: str) -> bool:
+    """``"true"`` / ``"false"`` (any case) as a bool, for boolean command-line overrides."""
+    choices = {"true": True, "false": False}
+    if value.lower() not in choices:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return choices[value.lower()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--image_folder", help="folder the records' image paths are relative to")
     parser.add_argument("--sampler", choices=["dflop", "stock"], help="override \"dflop\".sampler")
     parser.add_argument("--steps", type=int, help="override \"dflop\".steps")
+    parser.add_argument("--packing", type=true_or_false, help="override \"dflop\".packing (true or false)")
     parser.add_argument("--cost-model", dest="cost_model", help="override \"dflop\".cost_model (a CostModel JSON)")
     parser.add_argument("--output_dir", help="write the trained model here at the end (save_pretrained for HF "
                                              "models)")
@@ -182,14 +191,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from dflop_ds.train.colocated import LLMOnlyCost, colocate
 
         cost_model = cost_model or ProxyCost()
+    packing = source.uses_packing(cfg.packing)
+    sampler_cost = LLMOnlyCost(cost_model) if colocated else cost_model
+    if packing:  # a packed microbatch costs the sum of its samples (plus one constant)
+        from dflop_ds.profile.packed import PackedCost
+        from dflop_ds.profile.proxy import ProxyCost
+
+        sampler_cost = PackedCost(sampler_cost or ProxyCost())
     sampler = make_sampler(
         cfg.sampler, shapes, global_batch_size=engine.train_batch_size(),
         gradient_accumulation_steps=engine.gradient_accumulation_steps(), dp_rank=dp_rank, dp_size=dp_size,
-        cost_model=LLMOnlyCost(cost_model) if colocated else cost_model, seed=cfg.seed, prefetch=cfg.prefetch,
+        cost_model=sampler_cost, seed=cfg.seed, prefetch=cfg.prefetch,
         time_limit_s=cfg.time_limit_s, ilp_nodes=cfg.ilp_nodes, label_tokens_fn=source.label_tokens_fn, cost_adjuster=correction,
         lockstep=not pipelined, drop_last=cfg.drop_last, schedule_timeout_s=cfg.schedule_timeout_s,
     )
-    collate = source.collate
+    collate = source.packed_collate if packing else source.collate
     if colocated:
         sampler, dataset, collate = colocate(sampler, dataset, collate, shapes, cost_model)
     # the loader's state is what training consumed, not what its workers prefetched
@@ -208,7 +224,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         start = time.perf_counter()
         loss = trainer.train_step(data_iter)
         elapsed = time.perf_counter() - start
-        record = step_record(step, loss, elapsed, sampler, shapes, trainer.reads_data)
+        record = step_record(step, loss, elapsed, sampler, shapes, trainer.reads_data, packed=packing)
         if tracker:  # a collective: every rank, every step
             record["telemetry"] = tracker.end_step(step, elapsed, loss)
         records.append(record)
@@ -229,7 +245,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.output_dir:
         save_model(trainer, source, args.output_dir)
     if rank == 0 and records:
-        summary = summarize(records, cfg, dp_size)
+        summary = {**summarize(records, cfg, dp_size), "packing": packing}
         summary.update(stage_bounds=trainer.stage_bounds, engine="pipeline" if pipelined else "plain",
                        zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
                        gradient_accumulation_steps=engine.gradient_accumulation_steps(),
@@ -279,7 +295,8 @@ def resume(engine: Any, loader: Any, cfg: DFLOPConfig, correction: Any = None) -
     return int(client_state["dflop_step"])
 
 
-def step_record(step: int, loss: float, elapsed: float, sampler: Any, shapes: Sequence[Any], reads_data: bool) -> dict:
+def step_record(step: int, loss: float, elapsed: float, sampler: Any, shapes: Sequence[Any], reads_data: bool,
+                packed: bool = False) -> dict:
     """Loss, time and, on ranks that draw data, the size and balance of the step's global batch."""
     from dflop_ds.telemetry.record import batch_tokens
 
@@ -288,7 +305,7 @@ def step_record(step: int, loss: float, elapsed: float, sampler: Any, shapes: Se
     if sched is None or not reads_data:
         return record
     record.update(
-        **batch_tokens([mb for r in sched.split.ranks for mb in r], shapes),
+        **batch_tokens([mb for r in sched.split.ranks for mb in r], shapes, packed),
         microbatch_sizes=[len(mb) for mb in sched.split.ranks[sampler.dp_rank]],
         imbalance=[round(float(x), 4) for x in sched.imbalance()],
         schedule_ms=1e3 * sched.schedule_s,

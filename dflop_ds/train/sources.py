@@ -26,7 +26,9 @@ class ModelSource:
         read_shapes: ``read_shapes(data_path, on_bad_sample) -> ReadResult`` of the dataset
             (:func:`dflop_ds.data.read_dataset` with the source's policy and media options).
         make_dataset: ``make_dataset(shapes, data_path) -> Dataset`` indexed like the shapes.
-        collate: microbatch collate producing ``(inputs, labels)``.
+        collate: microbatch collate producing ``(inputs, labels)``, padded.
+        packed_collate: the collate of packed microbatches (one row per microbatch), or None
+            when the model cannot run them.
         label_tokens_fn: supervised tokens of a sample as the loss counts them.
         save_pretrained: optional ``save_pretrained(directory, state)`` writing the model in its
             native format with the trained flat ``state`` (``"<layer index>.<name>"``, gathered
@@ -46,6 +48,7 @@ class ModelSource:
     save_pretrained: Optional[Callable[[str, dict], None]] = None
     hf_model: Any = None
     meta: dict = field(default_factory=dict)
+    packed_collate: Optional[Callable] = None
 
     @property
     def n_layers(self) -> int:
@@ -56,13 +59,22 @@ class ModelSource:
         """``(encoder_layers, projector, llm_layers)``."""
         return self.encoder_layers, self.projector, self.llm_layers
 
+    def uses_packing(self, setting: Optional[bool]) -> bool:
+        """Whether to pack microbatches for the ``"dflop".packing`` ``setting`` (None: wherever
+        the model can); ``ValueError`` for ``True`` on a model without a packed collate."""
+        if setting and self.packed_collate is None:
+            raise ValueError(f"\"dflop\".packing = true: model {self.name!r} has no packed microbatches yet "
+                             "(only the bundled tiny model does); set it to false")
+        return self.packed_collate is not None if setting is None else bool(setting)
+
 
 def tiny_source(model_overrides: dict, *, policy_name: str = "tiny", seed: int = 0, as_specs: bool = True,
                 image_folder: Optional[str] = None) -> ModelSource:
     """The bundled tiny MLLM on synthetic tensors of the dataset's real shapes (image sizes from
     the records, or from the files' headers under ``image_folder``)."""
     from dflop_ds.data import read_dataset
-    from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers
+    from dflop_ds.models import (TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, collate_packed_microbatch,
+                                 supervised_count, tiny_mllm_layers)
     from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY
 
     config = TinyMLLMConfig(**model_overrides)
@@ -76,4 +88,4 @@ def tiny_source(model_overrides: dict, *, policy_name: str = "tiny", seed: int =
         return TinyMLLMDataset(list(shapes), config, seed=seed)
 
     return ModelSource("tiny", list(encoder), projector, list(llm), policy, read_shapes, make_dataset,
-                       collate_microbatch, supervised_count)
+                       collate_microbatch, supervised_count, packed_collate=collate_packed_microbatch)

@@ -56,11 +56,13 @@ def make_batches(n_batches: int, sizes: list[int]) -> list[list[list[int]]]:
     return batches
 
 
-def scheduled(dataset: TinyMLLMDataset, batch: list[list[int]], gas: int, dp: int, batch_id: int):
-    """Collated microbatches of one global batch with the global-batch loss denominator."""
+def scheduled(dataset: TinyMLLMDataset, batch: list[list[int]], gas: int, dp: int, batch_id: int,
+              packed: bool = False):
+    """Collated (padded or packed) microbatches of one global batch with the global-batch loss denominator."""
     global_tokens = label_tokens_in([dataset[i] for mb in batch for i in mb])
     denominator = global_tokens / (gas * dp)
-    return [collate_microbatch([dataset[ScheduledIndex(i, denominator, batch_id)] for i in mb]) for mb in batch]
+    return [collate_microbatch([dataset[ScheduledIndex(i, denominator, batch_id)] for i in mb], packed=packed)
+            for mb in batch]
 
 
 def main() -> None:
@@ -70,6 +72,7 @@ def main() -> None:
     parser.add_argument("--bounds", default="", help="comma-separated stage bounds; default encoder_stages=1")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--packed", action="store_true", help="packed microbatches (the reference stays padded)")
     parser.add_argument("--ckpt", type=int, default=0, help="activation_checkpoint_interval")
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
@@ -125,7 +128,7 @@ def main() -> None:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for step in range(args.steps):
         b = step % n_batches
-        losses.append(trainer.train_step(iter(scheduled(dataset, batches[b], gas, dp, step))))
+        losses.append(trainer.train_step(iter(scheduled(dataset, batches[b], gas, dp, step, args.packed))))
         if step == 0:
             for name, p in model.named_parameters():
                 max_diff = max(max_diff, float((p.detach() - ref_state[name]).abs().max()))

@@ -1,0 +1,58 @@
+"""Costs under packing: a packed microbatch costs one per-microbatch overhead plus its samples' costs.
+
+Packed, a microbatch has no padding: its linear layers run over its tokens and its attention over
+each sample apart (:mod:`dflop_ds.models.packing`), so every term of the fitted cost that grows
+with ``B``, ``B*S`` or ``B*S^2`` becomes a sum over its samples, and only the constant (the
+per-microbatch overhead) is paid once. :class:`PackedCost` wraps any cost model whose padded
+microbatch cost is linear in the batch (:class:`~dflop_ds.profile.CostModel`,
+:class:`~dflop_ds.profile.ProxyCost`, ...): a sample costs its marginal cost, a microbatch the
+overhead plus the sum. Since every microbatch carries the same overhead, the partitioner's
+objective is exactly additive (``additive = True`` tells the sampler to drop the padding-aware
+microbatch cost).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from dflop_ds.shapes import SampleShape
+
+#: one tile and one token: the smallest sample whose doubling isolates the per-microbatch constant
+_PROBE = SampleShape("packing-overhead-probe", encoder_tiles=1, llm_tokens=1, text_tokens=1)
+
+
+def microbatch_overhead(cost_model: Any) -> np.ndarray:
+    """``(k,)`` per-microbatch constant of ``cost_model``: two one-sample microbatches minus one of
+    both samples (no padding between equal samples), clamped at 0; zero without ``predict_microbatch``."""
+    single = np.asarray(cost_model.predict_samples([_PROBE]), dtype=float).reshape(-1)
+    predict = getattr(cost_model, "predict_microbatch", None)
+    if predict is None:
+        return np.zeros_like(single)
+    pair = np.asarray(predict([_PROBE, _PROBE]), dtype=float).reshape(-1)
+    return np.clip(2 * single - pair, 0.0, single)
+
+
+class PackedCost:
+    """``cost_model``'s predictions for packed microbatches (exactly additive plus one overhead)."""
+
+    additive = True
+
+    def __init__(self, cost_model: Any) -> None:
+        self.cost_model = cost_model
+        self.overhead = microbatch_overhead(cost_model)
+
+    def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """``(n, k)`` marginal cost of each sample in a packed microbatch (0 where the sample has
+        no work for a column, e.g. no tiles)."""
+        alone = np.asarray(self.cost_model.predict_samples(shapes), dtype=float).reshape(len(shapes), -1)
+        return np.maximum(alone - self.overhead, 0.0)
+
+    def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """``(k,)`` cost of one packed microbatch: the overhead plus the sum of its samples' costs
+        (the overhead of every column: every layer runs, e.g. the encoder's on no tiles, as in
+        the padded model's ``predict_microbatch``)."""
+        if not shapes:
+            return np.zeros_like(self.overhead)
+        return self.predict_samples(shapes).sum(axis=0) + self.overhead
