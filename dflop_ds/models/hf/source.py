@@ -32,6 +32,16 @@ def load_flat_state(layers: list, state: Mapping[str, torch.Tensor]) -> None:
         layers[index].load_state_dict(values, strict=False)
 
 
+def is_tensor_parallel_layer(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a layer DeepSpeed AutoTP put in place of a whole one (e.g. ``LinearLayer``)."""
+    return type(module).__module__.startswith("deepspeed.module_inject")
+
+
+def tensor_parallel_sharded(model: torch.nn.Module) -> bool:
+    """Whether DeepSpeed AutoTP replaced some of ``model``'s layers by sharded ones."""
+    return any(is_tensor_parallel_layer(m) for m in model.modules())
+
+
 def hf_source(
     model_dir: str,
     *,
@@ -59,12 +69,10 @@ def hf_source(
                                          supervised_targets)
     from dflop_ds.models.hf.llava import llava_layers, load_llava
 
-    model = load_llava(model_dir)
-    peft_model = None
-    if lora is not None:
-        from dflop_ds.models.hf.lora import apply_lora
+    from dflop_ds.models.hf.lora import apply_lora
 
-        peft_model = apply_lora(model, lora)
+    model = load_llava(model_dir)
+    peft_model = None if lora is None else apply_lora(model, lora)
     preprocessor = LlavaPreprocessor.from_pretrained(model_dir, max_length=max_length, truncation=truncation)
     policy = preprocessor.policy()
     encoder, projector, llm = llava_layers(model)
@@ -81,8 +89,14 @@ def hf_source(
     layers = [*encoder, projector, *llm]
 
     def save_pretrained(directory: str, state: Mapping[str, torch.Tensor]) -> None:
-        load_flat_state(layers, state)
-        final = peft_model.merge_and_unload() if peft_model is not None else model
+        target, target_layers, target_peft = model, layers, peft_model
+        if tensor_parallel_sharded(model):  # AutoTP sharded the live modules: fill a whole copy
+            target = load_llava(model_dir)
+            target_peft = None if lora is None else apply_lora(target, lora)
+            fresh_encoder, fresh_projector, fresh_llm = llava_layers(target)
+            target_layers = [*fresh_encoder, fresh_projector, *fresh_llm]
+        load_flat_state(target_layers, state)
+        final = target_peft.merge_and_unload() if target_peft is not None else target
         final.save_pretrained(directory)
         preprocessor.processor.save_pretrained(directory)
 
