@@ -176,6 +176,9 @@ def check_training_setup(
         check_plan_topology(plan, world_size=world_size, stages=stages)
     if world_size % stages:
         raise SetupError(f"\"dflop\".pipeline_stages={stages} does not divide the world size {world_size}")
+    tp = autotp_size(dict(ds_config))
+    if tp > 1:
+        check_tensor_parallel(dflop, tp, world_size, int((ds_config.get("zero_optimization") or {}).get("stage", 0)))
     dp = world_size // stages
     total, micro, gas = resolve_batch_keys(ds_config, dp)  # micro >= 1, so total >= gas * dp
     if dflop.stage_bounds is not None:
@@ -187,17 +190,14 @@ def check_training_setup(
             " ranks would train mismatched microbatches; with world size > 1 use 0, and \"dflop\".ilp_nodes for an"
             " exact solver bounded by nodes instead of time (the same answer on every rank)"
         )
-    tp = autotp_size(dict(ds_config))
-    if tp > 1:
-        check_tensor_parallel(dflop, tp, world_size, int((ds_config.get("zero_optimization") or {}).get("stage", 0)))
     if plan is not None:
         check_plan(plan, stages=stages, world_size=world_size, dp=dp // tp, total=total, micro=micro, gas=gas,
                    stage_bounds=dflop.stage_bounds, n_layers=n_layers, tp=tp)
-    if n_samples is not None and n_samples < total:
+    if n_samples is not None and n_samples < total // tp:  # tensor-parallel peers share their samples
         raise SetupError(
             f"\"dflop\".data ({dflop.data}) has {n_samples} usable samples"
             f"{'' if dflop.max_samples is None else f' (max_samples={dflop.max_samples})'},"
-            f" fewer than one global batch (train_batch_size={total})"
+            f" fewer than one global batch (train_batch_size={total}{f' / autotp_size {tp}' if tp > 1 else ''})"
         )
 
 

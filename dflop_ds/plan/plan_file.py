@@ -155,20 +155,20 @@ class Plan:
         return self.llm.tp
 
     def micro_batch_size(self) -> int:
-        """Nominal samples per microbatch: ``global_batch_size // (dp * tp * n_mb)`` (at least 1).
+        """Nominal samples per microbatch: ``global_batch_size // (dp * n_mb)`` (at least 1).
 
         DeepSpeed never checks it against real microbatches; our sampler's microbatches vary.
-        Under AutoTP DeepSpeed's batch identity counts every rank, tensor-parallel peers included
-        (``train_batch_size = micro * GAS * world``), hence the ``tp``.
         """
-        return max(1, self.global_batch_size // (self.dp * self.tensor_parallel * self.n_mb))
+        return max(1, self.global_batch_size // (self.dp * self.n_mb))
 
     def deepspeed_config(self, base: dict[str, Any] | None = None) -> dict[str, Any]:
         """``base`` (a DeepSpeed config dict, not modified) with the plan's batch keys set.
 
         Sets ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps = n_mb`` and
-        ``train_batch_size = micro * n_mb * dp * tp`` (DeepSpeed's identity; equal to the global
-        batch when ``dp * tp * n_mb`` divides it), ``tensor_parallel.autotp_size = tp`` when
+        ``train_batch_size = micro * n_mb * dp * tp`` (DeepSpeed's identity, which counts every rank:
+        under AutoTP it is ``tp`` times the global batch, since the ``tp`` ranks of a group train the
+        same samples; without tp it equals the global batch for plans of the search, whose
+        ``dp * n_mb`` divides it), ``tensor_parallel.autotp_size = tp`` when
         ``tp > 1`` (the LLM sharded by DeepSpeed AutoTP: HF models only, pp = 1, checked by
         :func:`dflop_ds.checks.check_training_setup`), and the ``"dflop"`` block's ``pipeline_stages``, ``stage_bounds`` and ``sampler``.
 
@@ -180,11 +180,6 @@ class Plan:
                 f"plan {self.layout.describe()} puts encoder and LLM on separate GPU sets "
                 "(different dp or tp); stock DeepSpeed's topology cannot run it"
             )
-        if self.global_batch_size % (self.dp * self.tensor_parallel * self.n_mb):
-            raise PlanFileError(
-                f"plan {self.layout.describe()}: global_batch_size={self.global_batch_size} is not a multiple of"
-                f" dp x tp x n_mb = {self.dp * self.tensor_parallel * self.n_mb}, which DeepSpeed's batch keys need"
-                " under AutoTP (train_batch_size counts tensor-parallel ranks)")
         config = json.loads(json.dumps(base or {}))
         micro = self.micro_batch_size()
         config["train_micro_batch_size_per_gpu"] = micro
@@ -267,7 +262,7 @@ class Plan:
             raise PlanFileError(
                 f"{source}: global_batch_size={self.global_batch_size} is not a multiple of dp={self.dp} x"
                 f" n_mb={self.n_mb} = {self.dp * self.n_mb}: DeepSpeed's train_batch_size (micro x n_mb x dp)"
-                f" would become {self.micro_batch_size() * self.dp * self.tensor_parallel * self.n_mb}, not the planned batch"
+                f" would become {self.micro_batch_size() * self.dp * self.n_mb}, not the planned batch"
             )
         if self.layout.gpus > self.gpus:
             raise PlanFileError(f"{source}: the layout needs {self.layout.gpus} GPUs, the plan has {self.gpus}")

@@ -114,6 +114,13 @@ class TrainingEngine:
         return tensor_parallel_coords(self.engine)
 
     @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks. DeepSpeed's
+        ``train_batch_size`` counts every rank (``micro * GAS * world``); under AutoTP the ranks
+        of a tensor-parallel group train the same samples, so it is ``tp`` times this."""
+        return self.engine.train_batch_size() // self.tp_coords[1]
+
+    @property
     def num_stages(self) -> int:
         """Pipeline stages (1 for the plain engine)."""
         return self.engine.num_stages if self.is_pipeline else 1

@@ -180,7 +180,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         cost_model = cost_model or ProxyCost()
     sampler = make_sampler(
-        cfg.sampler, shapes, global_batch_size=engine.train_batch_size(),
+        cfg.sampler, shapes, global_batch_size=trainer.global_batch_size,
         gradient_accumulation_steps=engine.gradient_accumulation_steps(), dp_rank=dp_rank, dp_size=dp_size,
         cost_model=LLMOnlyCost(cost_model) if colocated else cost_model, seed=cfg.seed, prefetch=cfg.prefetch,
         time_limit_s=cfg.time_limit_s, ilp_nodes=cfg.ilp_nodes, label_tokens_fn=source.label_tokens_fn, cost_adjuster=correction,
