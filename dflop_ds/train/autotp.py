@@ -94,4 +94,4 @@ def with_autotp_layout(ds_config: Mapping[str, Any], hf_model: nn.Module | None,
     return {**ds_config, "tensor_parallel": tp}
 
 
-__all__ = ["autotp_partition_config", "autotp_size", "hf_tp_plan", "with_autotp_layout"]
+__all__ = ["autotp_partition_config", "hf_tp_plan", "with_autotp_layout"]

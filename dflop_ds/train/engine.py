@@ -195,7 +195,8 @@ def build_engine(
     """
     import deepspeed
 
-    from dflop_ds.train.autotp import autotp_size, with_autotp_layout
+    from dflop_ds.config import autotp_size
+    from dflop_ds.train.autotp import with_autotp_layout
 
     if pipeline_stages > 1 and autotp_size(ds_config) > 1:
         raise ValueError("tensor_parallel.autotp_size > 1 needs pipeline_stages == 1: AutoTP shards the plain "
