@@ -12,7 +12,7 @@ PY         := $(VENV)/bin/python
 # DeepSpeed's launcher and its JIT build (ninja) must be found on PATH.
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONUNBUFFERED=1
 
-.PHONY: setup demo test bench bench-partition bench-costmodel bench-plan bench-e2e bench-dp validate-simulator clean
+.PHONY: setup demo test bench bench-partition bench-costmodel bench-plan bench-e2e bench-dp validate-simulator bench-hf clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -44,6 +44,9 @@ bench-e2e: setup
 
 bench-dp: setup
 	$(RUN) $(PY) benchmarks/bench_dp.py
+
+bench-hf: setup
+	$(RUN) $(PY) benchmarks/bench_hf.py
 
 validate-simulator: setup
 	$(RUN) $(PY) benchmarks/validate_simulator.py

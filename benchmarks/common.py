@@ -24,6 +24,19 @@ def profiled_cost_model(path: str | Path, reuse: bool = True) -> CostModel:
     return CostModel.load(path)
 
 
+def add_worker_options(parser: argparse.ArgumentParser, *, global_batch: int, gas: int, rounds: int) -> None:
+    """The options every benchmark worker (one rank under `deepspeed`) takes: the launcher's
+    ``--local_rank``, the cost model, the batch sizes, the rounds, the seed and the output file."""
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument("--cost-model", required=True)
+    parser.add_argument("--global-batch", type=int, default=global_batch)
+    parser.add_argument("--gas", type=int, default=gas)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True)
+
+
 def add_round_options(parser: argparse.ArgumentParser, *, rounds: int, gas: int) -> None:
     """The options of the benchmarks that train every method on the same global batches, round by
     round: cost model, rounds, warm-up rounds, global batch, GAS and output folder."""

@@ -25,6 +25,7 @@ from deepspeed.accelerator import get_accelerator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import add_worker_options  # noqa: E402
 from benchmarks.e2e_methods import split_for  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
@@ -84,16 +85,9 @@ class EncoderClock:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--data", required=True)
-    parser.add_argument("--cost-model", required=True)
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--gas", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", required=True)
+    add_worker_options(parser, global_batch=32, gas=4, rounds=8)
     return parser.parse_args()
 
 

@@ -22,6 +22,7 @@ from deepspeed.accelerator import get_accelerator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import add_worker_options  # noqa: E402
 from benchmarks.e2e_methods import METHODS, split_for  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
@@ -37,18 +38,11 @@ from dflop_ds.train import TrainingEngine, build_engine  # noqa: E402
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--data", default=str(ROOT / "examples" / "data" / "mixture.jsonl"))
-    parser.add_argument("--cost-model", required=True)
     parser.add_argument("--dflop-bounds", required=True, help="stage bounds of the dflop engine, e.g. 0,7,12")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--gas", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--time-limit", type=float, default=0.0, help="dflop's exact-solver limit per batch")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", required=True)
+    add_worker_options(parser, global_batch=32, gas=8, rounds=12)
     return parser.parse_args()
 
 

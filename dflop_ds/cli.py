@@ -8,8 +8,8 @@ import sys
 from typing import Optional, Sequence
 
 # Modules that add sub-commands through ``register(subparsers)``.
-COMMAND_MODULES = ("dflop_ds.data.cli", "dflop_ds.profile.cli", "dflop_ds.plan.cli", "dflop_ds.schedule.cli",
-                   "dflop_ds.telemetry.cli", "dflop_ds.models.hf.cli")
+COMMAND_MODULES = ("dflop_ds.data.cli", "dflop_ds.profile.cli", "dflop_ds.plan.cli", "dflop_ds.telemetry.cli",
+                   "dflop_ds.models.hf.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,13 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dflop-ds {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as error:
-            if error.name != name:
-                raise
-            continue
-        module.register(subparsers)
+        importlib.import_module(name).register(subparsers)
     return parser
 
 

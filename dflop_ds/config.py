@@ -65,6 +65,10 @@ class DFLOPConfig:
         lora: LoRA fine-tuning of a HuggingFace model's language model (see
             :func:`dflop_ds.models.hf.lora.apply_lora`), e.g. ``{"r": 8, "alpha": 16}``; None
             trains every weight.
+        max_length: longest token sequence of a HuggingFace model's sample, image tokens included
+            (None: the tokenizer's ``model_max_length``).
+        truncation: a longer sample is a bad record (``"error"``) or is cut at ``max_length``
+            (``"truncate"``, counted; a cut through image tokens is always a bad record).
         fault: inject a slow shape class for tests and demos (see
             :class:`dflop_ds.testing.FaultSpec`), e.g. ``{"min_tiles": 6, "seconds_per_tile": 0.01}``.
     """
@@ -99,6 +103,8 @@ class DFLOPConfig:
     model_name_or_path: Optional[str] = None
     image_folder: Optional[str] = None
     lora: Optional[dict[str, Any]] = None
+    max_length: Optional[int] = None
+    truncation: str = "error"
     fault: Optional[dict[str, Any]] = None
 
     @classmethod
@@ -153,6 +159,8 @@ class DFLOPConfig:
             "model_name_or_path": dict(kind="str", optional=True),
             "image_folder": dict(kind="str", optional=True),
             "lora": dict(kind="dict", optional=True),
+            "max_length": dict(kind="int", minimum=1, optional=True),
+            "truncation": dict(kind="str", choices=("error", "truncate")),
             "fault": dict(kind="dict", optional=True),
         }
         for key, rule in rules.items():

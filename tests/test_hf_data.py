@@ -20,41 +20,15 @@ from dflop_ds.profile import CostModel  # noqa: E402
 from dflop_ds.profile.costmodel import check_policy  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY  # noqa: E402
+from dflop_ds.testing import hf_tiny  # noqa: E402
 from test_costmodel import synthetic_profile  # noqa: E402
 
-PATCH, CROP = 8, 32
-TOKENS_PER_IMAGE = (CROP // PATCH) ** 2  # CLIP: +1 CLS token, minus 1 for the "default" strategy
-CORPUS = ["A chat between a curious human and an artificial intelligence assistant.",
-          "USER: what is shown in the picture? ASSISTANT: a red car on a road.",
-          "compare the two images, look at this one, describe it, hello, hi there"]
-
-
-def build_tiny_llava_processor(folder: Path) -> Path:
-    """A tiny LlavaProcessor (CLIP image processor + an offline BPE tokenizer) saved to ``folder``.
-
-    Temporary: switch to ``dflop_ds.testing.hf_tiny.build_tiny_llava`` once the adapter branch is merged.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", "<pad>", "<image>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(CORPUS * 5, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", model_max_length=256,
-                                   extra_special_tokens={"image_token": "<image>"})
-    image_processor = CLIPImageProcessor(size={"shortest_edge": CROP}, crop_size={"height": CROP, "width": CROP})
-    LlavaProcessor(image_processor=image_processor, tokenizer=fast, patch_size=PATCH,
-                   vision_feature_select_strategy="default", num_additional_image_tokens=1).save_pretrained(folder)
-    return folder
+TOKENS_PER_IMAGE = hf_tiny.TOKENS_PER_IMAGE
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llava_processor(tmp_path_factory.mktemp("tiny_llava"))
+    return hf_tiny.build_tiny_llava(tmp_path_factory.mktemp("tiny_llava"))
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +80,7 @@ def test_anyres_processor_is_refused(model_dir: Path) -> None:
     from transformers import AutoTokenizer, LlavaNextImageProcessor, LlavaNextProcessor
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    anyres = LlavaNextProcessor(image_processor=LlavaNextImageProcessor(), tokenizer=tokenizer, patch_size=PATCH)
+    anyres = LlavaNextProcessor(image_processor=LlavaNextImageProcessor(), tokenizer=tokenizer, patch_size=hf_tiny.PATCH_SIZE)
     with pytest.raises(ValueError, match="LlavaNextProcessor is not supported: only plain LLaVA"):
         LlavaPreprocessor(anyres)
 
@@ -185,7 +159,7 @@ def test_collate_contract_shapes_and_dtypes(pre: LlavaPreprocessor, dataset) -> 
     shapes = read(data, pre, folder)
     ds = LlavaDataset(shapes, load_llava_records(data), pre, folder)
     (pixels, input_ids, seq_lens), (targets, denominator) = collate_llava([ds[ScheduledIndex(i, 7.5)] for i in (3, 2, 0)])
-    assert pixels.dtype == torch.float32 and pixels.shape == (3, 3, CROP, CROP)
+    assert pixels.dtype == torch.float32 and pixels.shape == (3, 3, hf_tiny.IMAGE_SIZE, hf_tiny.IMAGE_SIZE)
     assert input_ids.dtype == seq_lens.dtype == targets.dtype == torch.long
     assert input_ids.shape == targets.shape == (3, int(seq_lens.max()))
     assert denominator.dtype == torch.float64 and float(denominator) == 7.5 and denominator.dim() == 0
@@ -196,7 +170,7 @@ def test_collate_contract_shapes_and_dtypes(pre: LlavaPreprocessor, dataset) -> 
     expected = pre.image_processor(images=[Image.open(folder / "a.png").convert("RGB")], return_tensors="pt")
     assert torch.allclose(pixels[0], expected["pixel_values"][0].float())
     (text_pixels, *_), _ = collate_llava([ds[2]])
-    assert text_pixels.shape == (0, 3, CROP, CROP)
+    assert text_pixels.shape == (0, 3, hf_tiny.IMAGE_SIZE, hf_tiny.IMAGE_SIZE)
 
 
 def test_missing_image_at_load_time_is_named(pre: LlavaPreprocessor, dataset) -> None:

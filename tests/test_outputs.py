@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dflop_ds.cli import main as cli_main
-from dflop_ds.paths import OutputPathError, check_writable
+from dflop_ds.paths import OutputPathError, check_writable, check_writable_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = str(ROOT / "examples" / "data" / "mixture.jsonl")
@@ -44,3 +44,10 @@ def test_plan_names_a_folder_given_as_cost_model(tmp_path, capsys):
     assert code == 1
     err = capsys.readouterr().err
     assert f"{tmp_path}: is a folder, expected a JSON file" in err and "Traceback" not in err
+
+
+def test_an_output_folder_is_checked_as_a_folder(tmp_path):
+    assert check_writable_folder(tmp_path / "new" / "trained", "--output_dir").is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputPathError, match="--output_dir .*is a file"):
+        check_writable_folder(tmp_path / "file", "--output_dir")

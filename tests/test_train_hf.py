@@ -56,14 +56,16 @@ def changed_tensors(before: Path, after: Path) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config,sampler", [("hf_pp2.json", "dflop"), ("hf_pp2.json", "stock"),
-                                            ("hf_zero2.json", "dflop"), ("hf_zero2.json", "stock")])
-def test_hf_llava_trains_on_two_ranks_with_both_engines_and_samplers(tmp_path, llava_run_inputs, config, sampler):
+@pytest.mark.parametrize("config,sampler,zero", [("hf_pp2.json", "dflop", 0), ("hf_pp2.json", "stock", 0),
+                                                 ("hf_zero2.json", "dflop", 2), ("hf_zero2.json", "stock", 2),
+                                                 ("hf_zero2.json", "dflop", 3)])
+def test_hf_llava_trains_on_two_ranks_with_both_engines_and_samplers(tmp_path, llava_run_inputs, config, sampler, zero):
     model, data, images = llava_run_inputs
     out = tmp_path / "trained"
     run = train(tmp_path, config, model, data, images, "--output_dir", str(out),
-                dflop={"sampler": sampler, "steps": 6})
+                dflop={"sampler": sampler, "steps": 6}, ds={"zero_optimization": {"stage": zero}} if zero else None)
     summary = run["summary"]
+    assert summary["zero_stage"] == zero
     assert summary["engine"] == ("pipeline" if "pp2" in config else "plain") and summary["model"].startswith("llava")
     losses = [s["loss"] for s in run["steps"]]
     assert len(losses) == 6 and losses[-1] < losses[0], losses

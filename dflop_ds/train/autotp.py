@@ -30,6 +30,11 @@ from dflop_ds.config import autotp_size
 _EMBEDDING_STYLES = ("embedding_rowwise",)
 
 
+def is_tensor_parallel_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a layer DeepSpeed AutoTP put in place of a whole one (e.g. ``LinearLayer``)."""
+    return type(module).__module__.startswith("deepspeed.module_inject")
+
+
 def hf_tp_plan(hf_model: nn.Module) -> dict[str, str]:
     """The HF model's tensor-parallel plan as DeepSpeed reads it (pattern -> style); raises
     ``ValueError`` naming the model class when it has none (AutoTP could not shard it exactly)."""
@@ -94,4 +99,4 @@ def with_autotp_layout(ds_config: Mapping[str, Any], hf_model: nn.Module | None,
     return {**ds_config, "tensor_parallel": tp}
 
 
-__all__ = ["autotp_partition_config", "hf_tp_plan", "with_autotp_layout"]
+__all__ = ["autotp_partition_config", "hf_tp_plan", "is_tensor_parallel_layer", "with_autotp_layout"]

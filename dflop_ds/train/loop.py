@@ -96,7 +96,8 @@ def model_source(cfg: DFLOPConfig) -> ModelSource:
         return tiny_source(cfg.model, policy_name=cfg.policy, seed=cfg.seed, image_folder=cfg.image_folder)
     from dflop_ds.models.hf.source import hf_source
 
-    return hf_source(cfg.model_name_or_path, image_folder=cfg.image_folder, lora=cfg.lora)
+    return hf_source(cfg.model_name_or_path, image_folder=cfg.image_folder, lora=cfg.lora, max_length=cfg.max_length,
+                     truncation=cfg.truncation)
 
 
 def print_skip_report(report, limit: int = 20) -> None:
@@ -124,13 +125,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from dflop_ds.checks import check_cost_model
     from dflop_ds.loader import make_loader
-    from dflop_ds.paths import check_writable
+    from dflop_ds.paths import check_writable, check_writable_folder
 
     args = build_parser().parse_args(argv)
     ds_config, cfg = load_settings(args)
-    for option in ("summary", "trace", "telemetry", "output_dir"):  # fail now, not after training
+    for option in ("summary", "trace", "telemetry"):  # fail now, not after training
         if getattr(args, option):
             check_writable(getattr(args, option), f"--{option}")
+    if args.output_dir:
+        check_writable_folder(args.output_dir, "--output_dir")
     torch.manual_seed(cfg.seed)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     share_cpu_threads()  # CPU ranks on one machine: a share of the cores each, not all of them
@@ -264,7 +267,7 @@ def save_model(trainer: TrainingEngine, source: ModelSource, directory: str) -> 
 
 def sharded_layers(module: torch.nn.Module) -> list[str]:
     """Names of the modules DeepSpeed AutoTP replaced by tensor-parallel ones (empty without AutoTP)."""
-    from dflop_ds.models.hf.source import is_tensor_parallel_layer
+    from dflop_ds.train.autotp import is_tensor_parallel_layer
 
     return [name for name, child in module.named_modules() if is_tensor_parallel_layer(child)]
 

@@ -43,11 +43,14 @@ def load_processor(model_dir: Path, config: Any) -> Any:
         except (OSError, ValueError) as exc:
             raise ValueError(f"{model_dir}: no processor ({first}) and no tokenizer + image processor to build "
                              f"one from ({exc})") from exc
-        cls_token = 1 if config.vision_config.model_type == "clip_vision_model" else 0
-        processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                   patch_size=config.vision_config.patch_size,
-                                   vision_feature_select_strategy=config.vision_feature_select_strategy,
-                                   num_additional_image_tokens=cls_token)
+        processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    # a processor saved without these would not expand <image> to the model's feature count
+    cls_token = 1 if config.vision_config.model_type == "clip_vision_model" else 0
+    for name, value in (("patch_size", config.vision_config.patch_size),
+                        ("vision_feature_select_strategy", config.vision_feature_select_strategy),
+                        ("num_additional_image_tokens", cls_token)):
+        if getattr(processor, name, None) is None:
+            setattr(processor, name, value)
     expected = image_features_per_image(config)
     got = getattr(processor, "image_seq_length", None) or processor_image_tokens(processor, config)
     if got != expected:

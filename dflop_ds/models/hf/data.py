@@ -119,10 +119,16 @@ class LlavaPreprocessor:
 
     @classmethod
     def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> "LlavaPreprocessor":
-        """Load the processor of a ``save_pretrained`` directory (offline) and wrap it."""
-        from transformers import AutoProcessor
+        """Load the processor of a ``save_pretrained`` directory (offline) and wrap it: its
+        ``AutoProcessor``, else one built from its tokenizer and image processor, with the image
+        token count checked against the model's config
+        (:func:`dflop_ds.models.hf.check.load_processor`)."""
+        from transformers import AutoConfig
 
-        processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        from dflop_ds.models.hf.check import load_processor
+
+        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        processor = load_processor(Path(model_dir), config)
         kwargs.setdefault("name", f"llava:{Path(model_dir).name}")
         return cls(processor, **kwargs)
 
@@ -204,7 +210,10 @@ class LlavaPreprocessor:
         if self.max_length is None or length <= self.max_length:
             return encoded
         if self.truncation == "error":
-            raise ValueError(f"conversations: {length} tokens (images expanded) exceed max_length {self.max_length}")
+            raise ValueError(f"conversations: {length} tokens (images expanded) exceed max_length {self.max_length}"
+                             " (the tokenizer's model_max_length unless set): raise \"dflop\".max_length, or set"
+                             " \"dflop\".truncation = \"truncate\" to cut such samples (counted), or skip them with"
+                             " \"on_bad_sample\": \"skip\"")
         last_image = max((t for t, token in enumerate(encoded.input_ids) if token == self.image_token_id), default=-1)
         if last_image >= self.max_length:
             raise ValueError(f"conversations: cutting {length} tokens at max_length {self.max_length} would drop "

@@ -18,28 +18,24 @@ from dflop_ds.train.sources import ModelSource
 def load_flat_state(layers: list, state: Mapping[str, torch.Tensor]) -> None:
     """Copy a gathered flat state (``"<layer index>.<name>"``) into the layer modules.
 
-    Layers with no entry (e.g. a layer without parameters) are left alone; an entry for a
-    parameter a layer does not have raises, naming it.
+    Every layer with a state must find all of it (strict loading), so a gathered state that
+    misses a layer's weights, or names one the layer lacks, raises naming the layer.
     """
     grouped: dict[int, dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
         head, _, rest = key.partition(".")
         if head.isdigit():
             grouped.setdefault(int(head), {})[rest] = tensor
-    for index, values in grouped.items():
-        if index >= len(layers):
-            raise KeyError(f"gathered state names layer {index}, but the model has {len(layers)} layers")
-        layers[index].load_state_dict(values, strict=False)
-
-
-def is_tensor_parallel_layer(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a layer DeepSpeed AutoTP put in place of a whole one (e.g. ``LinearLayer``)."""
-    return type(module).__module__.startswith("deepspeed.module_inject")
-
-
-def tensor_parallel_sharded(model: torch.nn.Module) -> bool:
-    """Whether DeepSpeed AutoTP replaced some of ``model``'s layers by sharded ones."""
-    return any(is_tensor_parallel_layer(m) for m in model.modules())
+    if grouped and max(grouped) >= len(layers):
+        raise KeyError(f"gathered state names layer {max(grouped)}, but the model has {len(layers)} layers")
+    for index, layer in enumerate(layers):
+        values = grouped.get(index, {})
+        if not values and not layer.state_dict():
+            continue
+        try:
+            layer.load_state_dict(values, strict=True)
+        except RuntimeError as error:
+            raise RuntimeError(f"layer {index} ({type(layer).__name__}) of the gathered state: {error}") from error
 
 
 def hf_source(
@@ -69,10 +65,16 @@ def hf_source(
                                          supervised_targets)
     from dflop_ds.models.hf.llava import llava_layers, load_llava
 
-    from dflop_ds.models.hf.lora import apply_lora
+    def build() -> tuple[Any, Any]:
+        """A fresh copy of the model (with its LoRA adapters) and its PeftModel, if any."""
+        built = load_llava(model_dir)
+        if lora is None:
+            return built, None
+        from dflop_ds.models.hf.lora import apply_lora
 
-    model = load_llava(model_dir)
-    peft_model = None if lora is None else apply_lora(model, lora)
+        return built, apply_lora(built, lora)
+
+    model, _ = build()
     preprocessor = LlavaPreprocessor.from_pretrained(model_dir, max_length=max_length, truncation=truncation)
     policy = preprocessor.policy()
     encoder, projector, llm = llava_layers(model)
@@ -86,17 +88,12 @@ def hf_source(
     def make_dataset(shapes, path: str):
         return LlavaDataset(list(shapes), load_llava_records(path), preprocessor, folder_for(path), source=path)
 
-    layers = [*encoder, projector, *llm]
-
     def save_pretrained(directory: str, state: Mapping[str, torch.Tensor]) -> None:
-        target, target_layers, target_peft = model, layers, peft_model
-        if tensor_parallel_sharded(model):  # AutoTP sharded the live modules: fill a whole copy
-            target = load_llava(model_dir)
-            target_peft = None if lora is None else apply_lora(target, lora)
-            fresh_encoder, fresh_projector, fresh_llm = llava_layers(target)
-            target_layers = [*fresh_encoder, fresh_projector, *fresh_llm]
-        load_flat_state(target_layers, state)
-        final = target_peft.merge_and_unload() if target_peft is not None else target
+        # into a fresh copy: the training copy's parameters may be ZeRO-3 partitions
+        fresh, peft_model = build()
+        fresh_encoder, fresh_projector, fresh_llm = llava_layers(fresh)
+        load_flat_state([*fresh_encoder, fresh_projector, *fresh_llm], state)
+        final = peft_model.merge_and_unload() if peft_model is not None else fresh
         final.save_pretrained(directory)
         preprocessor.processor.save_pretrained(directory)
 

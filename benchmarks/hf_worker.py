@@ -1,0 +1,101 @@
+"""One rank of `make bench-hf` (launched by bench_hf.py under `deepspeed`).
+
+One engine (the pipeline engine with 2 stages, or the plain engine with ZeRO-2) over a
+HuggingFace LLaVA directory, built by the library's training pieces (``hf_source``,
+``build_engine``). The stock and the DFLOP sampler share the seed, so they cut the same global
+batches; every round trains the same batch with each sampler, the order rotating every round,
+and rank 0 writes each step's time and token counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import add_worker_options  # noqa: E402
+from dflop_ds.launch import share_cpu_threads  # noqa: E402
+from dflop_ds.models.hf.source import hf_source  # noqa: E402
+from dflop_ds.plan.stages import cost_balanced_bounds  # noqa: E402
+from dflop_ds.profile import CostModel  # noqa: E402
+from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
+from dflop_ds.schedule.sampler import make_sampler  # noqa: E402
+from dflop_ds.telemetry.record import batch_tokens  # noqa: E402
+from dflop_ds.train import build_engine  # noqa: E402
+
+METHODS = ("stock", "dflop")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--engine", choices=("pp2", "zero2"), required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--images", required=True)
+    add_worker_options(parser, global_batch=16, gas=4, rounds=10)
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    share_cpu_threads()
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    stages = 2 if args.engine == "pp2" else 1
+    dp = world // stages
+    source = hf_source(args.model, image_folder=args.images)
+    shapes = source.read_shapes(args.data, "error")
+    dataset = source.make_dataset(shapes, args.data)
+    cost_model = CostModel.load(args.cost_model)
+    ds_config = {"train_batch_size": args.global_batch, "gradient_accumulation_steps": args.gas,
+                 "train_micro_batch_size_per_gpu": max(1, args.global_batch // (args.gas * dp)),
+                 "steps_per_print": 10**9}
+    if stages == 1:
+        ds_config["zero_optimization"] = {"stage": 2}
+    bounds = cost_balanced_bounds(cost_model, shapes, stages) if stages > 1 else None
+    trainer = build_engine(*source.layers(), ds_config, pipeline_stages=stages, stage_bounds=bounds, lr=1e-4)
+    dp_rank, dp_size = trainer.dp_coords
+    samplers = {method: make_sampler(method, shapes, global_batch_size=args.global_batch,
+                                     gradient_accumulation_steps=args.gas, dp_rank=dp_rank, dp_size=dp_size,
+                                     cost_model=cost_model, seed=args.seed, prefetch=0,
+                                     label_tokens_fn=source.label_tokens_fn, lockstep=stages == 1)
+                for method in METHODS}
+    batches = samplers["dflop"].batches_in_epoch(0)
+    rows = []
+    for round_id in range(args.warmup + args.rounds):
+        batch_id = round_id % len(batches)
+        order = METHODS[round_id % 2:] + METHODS[: round_id % 2]
+        for method in order:
+            sched = samplers[method].schedule(0, batch_id, batches[batch_id])
+            microbatches = [source.collate([dataset[ScheduledIndex(i, sched.loss_denominator, batch_id)] for i in mb])
+                            for mb in sched.split.ranks[dp_rank]]
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            loss = trainer.train_step(iter(microbatches))
+            step_s = time.perf_counter() - start
+            rows.append({"round": round_id, "warmup": round_id < args.warmup, "method": method, "step_s": step_s,
+                         "loss": loss, **batch_tokens([mb for r in sched.split.ranks for mb in r], shapes)})
+            if rank == 0:
+                print(f"[hf] {args.engine} round {round_id:2d} {method:5s} step {step_s:.3f}s", flush=True)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"engine": args.engine, "rows": rows, "dp": dp_size,
+                                              "stage_bounds": trainer.stage_bounds}, indent=1))
+    for sampler in samplers.values():
+        sampler.close()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
