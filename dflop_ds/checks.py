@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
-from dflop_ds.config import DFLOPConfig
+from dflop_ds.config import DFLOPConfig, autotp_size
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -28,6 +28,9 @@ class PlanLike(Protocol):
 
     @property
     def pipeline_stages(self) -> int: ...
+
+    @property
+    def tensor_parallel(self) -> int: ...
 
     @property
     def dp(self) -> int: ...
@@ -118,8 +121,9 @@ def check_plan_topology(plan: PlanLike, *, world_size: int, stages: int) -> None
 
 
 def check_plan(plan: PlanLike, *, stages: int, world_size: int, dp: int, total: int, micro: int, gas: int,
-               stage_bounds: Optional[Sequence[int]], n_layers: Optional[int]) -> None:
-    """The plan must describe the run the DeepSpeed config and world size set up."""
+               stage_bounds: Optional[Sequence[int]], n_layers: Optional[int], tp: int = 1) -> None:
+    """The plan must describe the run the DeepSpeed config and world size set up (``dp``: the
+    data-parallel size without tensor-parallel peers; ``tp``: the config's AutoTP size)."""
     check_plan_topology(plan, world_size=world_size, stages=stages)
     if plan.global_batch_size < plan.n_mb * plan.dp:
         raise SetupError(
@@ -131,9 +135,10 @@ def check_plan(plan: PlanLike, *, stages: int, world_size: int, dp: int, total: 
             f"plan: global_batch_size={plan.global_batch_size} is not a multiple of dp={plan.dp} x n_mb={plan.n_mb}"
             f" = {plan.dp * plan.n_mb}: every step would train fewer samples than planned"
         )
-    expected = plan.micro_batch_size() * plan.n_mb * plan.dp
+    expected = plan.micro_batch_size() * plan.n_mb * plan.dp * plan.tensor_parallel
     mismatches = [
-        ("data-parallel size (world size / pipeline_stages)", dp, plan.dp),
+        ("tensor_parallel.autotp_size", tp, plan.tensor_parallel),
+        ("data-parallel size (world size / pipeline_stages / autotp_size)", dp, plan.dp),
         ("gradient_accumulation_steps", gas, plan.n_mb),
         ("train_micro_batch_size_per_gpu", micro, plan.micro_batch_size()),
         ("train_batch_size", total, expected),
@@ -171,6 +176,9 @@ def check_training_setup(
         check_plan_topology(plan, world_size=world_size, stages=stages)
     if world_size % stages:
         raise SetupError(f"\"dflop\".pipeline_stages={stages} does not divide the world size {world_size}")
+    tp = autotp_size(dict(ds_config))
+    if tp > 1:
+        check_tensor_parallel(dflop, tp, world_size, int((ds_config.get("zero_optimization") or {}).get("stage", 0)))
     dp = world_size // stages
     total, micro, gas = resolve_batch_keys(ds_config, dp)  # micro >= 1, so total >= gas * dp
     if dflop.stage_bounds is not None:
@@ -183,14 +191,33 @@ def check_training_setup(
             " exact solver bounded by nodes instead of time (the same answer on every rank)"
         )
     if plan is not None:
-        check_plan(plan, stages=stages, world_size=world_size, dp=dp, total=total, micro=micro, gas=gas,
-                   stage_bounds=dflop.stage_bounds, n_layers=n_layers)
-    if n_samples is not None and n_samples < total:
+        check_plan(plan, stages=stages, world_size=world_size, dp=dp // tp, total=total, micro=micro, gas=gas,
+                   stage_bounds=dflop.stage_bounds, n_layers=n_layers, tp=tp)
+    if n_samples is not None and n_samples < total // tp:  # tensor-parallel peers share their samples
         raise SetupError(
             f"\"dflop\".data ({dflop.data}) has {n_samples} usable samples"
             f"{'' if dflop.max_samples is None else f' (max_samples={dflop.max_samples})'},"
-            f" fewer than one global batch (train_batch_size={total})"
+            f" fewer than one global batch (train_batch_size={total}{f' / autotp_size {tp}' if tp > 1 else ''})"
         )
+
+
+def check_tensor_parallel(dflop: DFLOPConfig, tp: int, world_size: int, zero_stage: int) -> None:
+    """``tensor_parallel.autotp_size = tp > 1`` runs only where DeepSpeed AutoTP can shard the LLM:
+    a HuggingFace model (its tp_plan), the plain engine (pp = 1), ZeRO 0-2, no LoRA, and a
+    world size that ``tp`` divides."""
+    where = f"tensor_parallel.autotp_size={tp}"
+    if dflop.pipeline_stages > 1:
+        raise SetupError(f"{where} needs \"dflop\".pipeline_stages = 1 (got {dflop.pipeline_stages}): AutoTP shards"
+                         " the plain engine's model, a PipelineModule gives it nothing to shard")
+    if dflop.model_name_or_path is None:
+        raise SetupError(f"{where}: the bundled tiny model has no layers AutoTP can shard; give a HuggingFace model"
+                         " (model_name_or_path) or use autotp_size 1")
+    if dflop.lora is not None or dflop.encoder != "local":
+        raise SetupError(f"{where}: \"dflop\".lora and a colocated encoder are not supported with AutoTP yet")
+    if zero_stage > 2:
+        raise SetupError(f"{where} runs with ZeRO stages 0-2 here (got stage {zero_stage})")
+    if world_size % tp:
+        raise SetupError(f"{where} does not divide the world size {world_size}")
 
 
 def check_cost_model(cost_model: Any, *, encoder_layers: int, llm_layers: int, source: str = "cost model") -> None:
@@ -208,5 +235,5 @@ def check_cost_model(cost_model: Any, *, encoder_layers: int, llm_layers: int, s
         )
 
 
-__all__ = ["SetupError", "check_training_setup", "resolve_batch_keys", "check_stage_bounds", "check_plan",
+__all__ = ["SetupError", "check_training_setup", "check_tensor_parallel", "resolve_batch_keys", "check_stage_bounds", "check_plan",
            "check_plan_topology", "check_cost_model"]

@@ -202,10 +202,15 @@ class DFLOPConfig:
 PLAN_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
+def autotp_size(ds_config: dict[str, Any]) -> int:
+    """The DeepSpeed config's ``tensor_parallel.autotp_size`` (1 without tensor parallelism)."""
+    return int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+
+
 def fill_from_plan(ds_config: dict[str, Any], block: dict[str, Any], plan: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Copies of a DeepSpeed config and its "dflop" block with what ``plan`` decides filled in.
 
-    The plan supplies the batch keys (:data:`PLAN_BATCH_KEYS`) and the block's
+    The plan supplies the batch keys (:data:`PLAN_BATCH_KEYS`), ``tensor_parallel`` (tp > 1) and the block's
     ``pipeline_stages``, ``stage_bounds`` and ``sampler`` wherever the config leaves them out;
     values the config does set are kept, so a config that contradicts its plan is caught by
     :func:`dflop_ds.checks.check_training_setup` rather than silently overridden; a stage count
@@ -217,8 +222,9 @@ def fill_from_plan(ds_config: dict[str, Any], block: dict[str, Any], plan: Any) 
             raise ValueError(f"\"dflop\".{key} is {block[key]!r}, but the plan is for {planned['dflop'][key]!r}:"
                              f" leave {key} out of the config (the plan sets it) or re-plan")
     config = dict(ds_config)
-    for key in PLAN_BATCH_KEYS:
-        config.setdefault(key, planned[key])
+    for key in (*PLAN_BATCH_KEYS, "tensor_parallel"):
+        if key in planned:
+            config.setdefault(key, planned[key])
     filled = dict(block)
     for key, value in planned["dflop"].items():
         filled.setdefault(key, value)

@@ -58,8 +58,10 @@ def test_deepspeed_config_and_stage_bounds_agree(plans) -> None:
     assert base == {"gradient_clipping": 1.0, "train_batch_size": 1}  # not modified
     assert cfg["gradient_clipping"] == 1.0
     assert cfg["gradient_accumulation_steps"] == plan.n_mb
-    assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * plan.n_mb * plan.dp
-    assert cfg["train_batch_size"] == plan.global_batch_size == plan.sampler_settings()["global_batch_size"]
+    # DeepSpeed's identity counts every rank: tp ranks (AutoTP) train the same samples
+    assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * plan.n_mb * plan.dp * plan.llm.tp
+    assert cfg["train_batch_size"] // plan.llm.tp == plan.global_batch_size == plan.sampler_settings()["global_batch_size"]
+    assert cfg.get("tensor_parallel", {}).get("autotp_size", 1) == plan.llm.tp
     bounds = cfg["dflop"]["stage_bounds"]
     assert cfg["dflop"]["pipeline_stages"] == len(bounds) - 1 == plan.pipeline_stages
     assert bounds[0] == 0 and bounds[-1] == 27 + 1 + 28

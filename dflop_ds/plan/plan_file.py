@@ -149,6 +149,11 @@ class Plan:
             bounds[i] = min(bounds[i], bounds[i + 1] - 1)
         return bounds
 
+    @property
+    def tensor_parallel(self) -> int:
+        """Tensor-parallel degree of the LLM (DeepSpeed AutoTP's ``autotp_size``)."""
+        return self.llm.tp
+
     def micro_batch_size(self) -> int:
         """Nominal samples per microbatch: ``global_batch_size // (dp * n_mb)`` (at least 1).
 
@@ -160,9 +165,12 @@ class Plan:
         """``base`` (a DeepSpeed config dict, not modified) with the plan's batch keys set.
 
         Sets ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps = n_mb`` and
-        ``train_batch_size = micro * n_mb * dp`` (DeepSpeed's identity; equal to the global
-        batch for plans of the search, whose ``dp * n_mb`` divides it), and the ``"dflop"``
-        block's ``pipeline_stages``, ``stage_bounds`` and ``sampler``.
+        ``train_batch_size = micro * n_mb * dp * tp`` (DeepSpeed's identity, which counts every rank:
+        under AutoTP it is ``tp`` times the global batch, since the ``tp`` ranks of a group train the
+        same samples; without tp it equals the global batch for plans of the search, whose
+        ``dp * n_mb`` divides it), ``tensor_parallel.autotp_size = tp`` when
+        ``tp > 1`` (the LLM sharded by DeepSpeed AutoTP: HF models only, pp = 1, checked by
+        :func:`dflop_ds.checks.check_training_setup`), and the ``"dflop"`` block's ``pipeline_stages``, ``stage_bounds`` and ``sampler``.
 
         Raises:
             PlanFileError: the plan needs separate GPU sets (not runnable on stock DeepSpeed).
@@ -176,7 +184,9 @@ class Plan:
         micro = self.micro_batch_size()
         config["train_micro_batch_size_per_gpu"] = micro
         config["gradient_accumulation_steps"] = self.n_mb
-        config["train_batch_size"] = micro * self.n_mb * self.dp
+        config["train_batch_size"] = micro * self.n_mb * self.dp * self.tensor_parallel
+        if self.tensor_parallel > 1:
+            config["tensor_parallel"] = {**config.get("tensor_parallel", {}), "autotp_size": self.tensor_parallel}
         block = config.setdefault("dflop", {})
         block["pipeline_stages"] = self.pipeline_stages
         block["stage_bounds"] = self.stage_bounds()

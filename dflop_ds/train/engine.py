@@ -41,6 +41,16 @@ def data_parallel_coords(engine: Any) -> tuple[int, int]:
     return dist.get_rank(group=group), dist.get_world_size(group=group)
 
 
+def tensor_parallel_coords(engine: Any) -> tuple[int, int]:
+    """``(tp_rank, tp_size)`` of this process under ``engine``: ``(0, 1)`` without AutoTP."""
+    autotp = getattr(engine, "autotp_size", None)
+    if autotp is None or autotp() <= 1:
+        return 0, 1
+    from deepspeed.utils import groups
+
+    return groups.get_tensor_model_parallel_rank(), groups.get_tensor_model_parallel_world_size()
+
+
 def move_to(value: Any, device: torch.device) -> Any:
     """``value`` (a tensor or nested tuples/lists of tensors) on ``device``."""
     if torch.is_tensor(value):
@@ -66,6 +76,12 @@ class SequentialMLLM(nn.Sequential):
         if freeze_encoder:
             for layer in built[: self.n_encoder_layers]:
                 layer.requires_grad_(False)
+
+    def forward(self, *inputs: Any) -> Any:
+        """Run the layers on ``inputs``: one tuple, or its tensors as separate arguments (how
+        the engine calls it under AutoTP, whose check that a tensor-parallel group received the
+        same data compares a flat argument list only)."""
+        return super().forward(inputs[0] if len(inputs) == 1 else inputs)
 
 
 @dataclass
@@ -93,6 +109,18 @@ class TrainingEngine:
         return data_parallel_coords(self.engine)
 
     @property
+    def tp_coords(self) -> tuple[int, int]:
+        """``(tp_rank, tp_size)``: the ranks of a tensor-parallel group train the same microbatches."""
+        return tensor_parallel_coords(self.engine)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks. DeepSpeed's
+        ``train_batch_size`` counts every rank (``micro * GAS * world``); under AutoTP the ranks
+        of a tensor-parallel group train the same samples, so it is ``tp`` times this."""
+        return self.engine.train_batch_size() // self.tp_coords[1]
+
+    @property
     def num_stages(self) -> int:
         """Pipeline stages (1 for the plain engine)."""
         return self.engine.num_stages if self.is_pipeline else 1
@@ -117,9 +145,12 @@ class TrainingEngine:
         engine = self.engine
         gas = engine.gradient_accumulation_steps()
         total = torch.zeros((), dtype=torch.float64, device=engine.device)
+        spread = self.tp_coords[1] > 1  # AutoTP (never with the colocated encoder): see SequentialMLLM.forward
         for _ in range(gas):
             inputs, labels = next(data_iter)
-            loss = self.loss_fn(engine(move_to(inputs, engine.device)), move_to(labels, engine.device))
+            inputs = move_to(inputs, engine.device)
+            outputs = engine(*inputs) if spread else engine(inputs)
+            loss = self.loss_fn(outputs, move_to(labels, engine.device))
             engine.backward(loss)
             engine.step()
             total += loss.detach().to(torch.float64)
@@ -146,6 +177,7 @@ def build_engine(
     activation_checkpoint_interval: int = 0,
     make_optimizer: Optional[Callable[[list], torch.optim.Optimizer]] = None,
     colocated: bool = False,
+    hf_model: Optional[nn.Module] = None,
 ) -> TrainingEngine:
     """Build the DeepSpeed engine the config asks for over the model's layer lists.
 
@@ -157,9 +189,18 @@ def build_engine(
     pipeline stage holding only frozen layers gets a placeholder parameter (see
     :meth:`MLLMPipelineModule.optimizer_parameters`). ``colocated`` (plain engine only): the
     encoder runs on dispatched tiles and exchanges features (:class:`~dflop_ds.train.colocated.ColocatedMLLM`).
+    ``"tensor_parallel": {"autotp_size": N > 1}`` (plain engine only) shards the LLM's linears of
+    ``hf_model`` (whose modules the layers share) as its HF tp_plan says, through DeepSpeed AutoTP
+    (:func:`~dflop_ds.train.autotp.with_autotp_layout`); the vision tower stays whole.
     """
     import deepspeed
 
+    from dflop_ds.config import autotp_size
+    from dflop_ds.train.autotp import with_autotp_layout
+
+    if pipeline_stages > 1 and autotp_size(ds_config) > 1:
+        raise ValueError("tensor_parallel.autotp_size > 1 needs pipeline_stages == 1: AutoTP shards the plain "
+                         "engine's model; a PipelineModule gives it nothing to shard")
     if pipeline_stages > 1 and colocated:
         raise ValueError("a colocated encoder runs on the plain engine only (pipeline_stages == 1) for now")
     if pipeline_stages > 1:
@@ -175,6 +216,7 @@ def build_engine(
         sequential = ColocatedMLLM if colocated else SequentialMLLM
         module = sequential(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder)
         trainable = [p for p in module.parameters() if p.requires_grad]
+        ds_config = with_autotp_layout(ds_config, hf_model, module)
     if make_optimizer is not None:
         optimizer = make_optimizer(trainable)
     else:

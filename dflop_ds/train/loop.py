@@ -182,7 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         bounds = cost_balanced_bounds(cost_model, shapes, cfg.pipeline_stages)
     trainer = build_engine(encoder, projector, llm, ds_config, pipeline_stages=cfg.pipeline_stages,
                            stage_bounds=bounds, freeze_encoder=cfg.freeze_encoder, lr=cfg.lr,
-                           colocated=colocated)
+                           colocated=colocated, hf_model=source.hf_model)
     engine = trainer.engine
     dp_rank, dp_size = trainer.dp_coords
     correction = make_correction(cfg.correction, trainer.num_stages) if pipelined else None
@@ -199,7 +199,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         sampler_cost = PackedCost(sampler_cost or ProxyCost())
     sampler = make_sampler(
-        cfg.sampler, shapes, global_batch_size=engine.train_batch_size(),
+        cfg.sampler, shapes, global_batch_size=trainer.global_batch_size,
         gradient_accumulation_steps=engine.gradient_accumulation_steps(), dp_rank=dp_rank, dp_size=dp_size,
         cost_model=sampler_cost, seed=cfg.seed, prefetch=cfg.prefetch,
         time_limit_s=cfg.time_limit_s, ilp_nodes=cfg.ilp_nodes, label_tokens_fn=source.label_tokens_fn, cost_adjuster=correction,
@@ -228,7 +228,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if tracker:  # a collective: every rank, every step
             record["telemetry"] = tracker.end_step(step, elapsed, loss)
         records.append(record)
-        if args.trace and trainer.reads_data and (not pipelined or engine.is_first_stage()):
+        if args.trace and trainer.reads_data and (not pipelined or engine.is_first_stage()) \
+                and trainer.tp_coords[0] == 0:  # one line per data-parallel rank, not per tensor-parallel peer
             write_trace(args.trace, step, sampler)
         if rank == 0:
             print(f"[dflop-ds] step {step:3d} loss {record['loss']:.4f} time {elapsed:.3f}s "
@@ -249,7 +250,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         summary.update(stage_bounds=trainer.stage_bounds, engine="pipeline" if pipelined else "plain",
                        zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
                        gradient_accumulation_steps=engine.gradient_accumulation_steps(),
-                       train_batch_size=engine.train_batch_size(), model=source.name)
+                       train_batch_size=engine.train_batch_size(), model=source.name,
+                       tensor_parallel=trainer.tp_coords[1], tensor_parallel_layers=sharded_layers(trainer.module))
         print("[dflop-ds] summary " + json.dumps(summary), flush=True)
         if args.summary:
             Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
@@ -277,6 +279,13 @@ def save_model(trainer: TrainingEngine, source: ModelSource, directory: str) -> 
     else:
         torch.save(state, Path(directory) / "model_state.pt")
     print(f"[dflop-ds] trained model written to {directory}", flush=True)
+
+
+def sharded_layers(module: torch.nn.Module) -> list[str]:
+    """Names of the modules DeepSpeed AutoTP replaced by tensor-parallel ones (empty without AutoTP)."""
+    from dflop_ds.train.autotp import is_tensor_parallel_layer
+
+    return [name for name, child in module.named_modules() if is_tensor_parallel_layer(child)]
 
 
 def resume(engine: Any, loader: Any, cfg: DFLOPConfig, correction: Any = None) -> int:
