@@ -100,10 +100,10 @@ class LMHead(nn.Module):
         self.lm_head = lm_head
         self.tied_weights = {} if tied_key is None else {tied_key: "lm_head.weight"}
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Logits at every position (padding included; the loss ignores it)."""
-        hidden, _seq_lens = inputs
-        return self.lm_head(self.norm(hidden))
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Logits at every position (padding included; the loss ignores it). Integer tensors after
+        ``hidden`` (``seq_lens``, a family's position ids) are not needed here."""
+        return self.lm_head(self.norm(inputs[0]))
 
 
 def decoder_layers(language_model: nn.Module) -> list[DecoderLayer]:
