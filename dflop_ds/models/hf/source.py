@@ -32,6 +32,14 @@ def load_flat_state(layers: list, state: Mapping[str, torch.Tensor]) -> None:
         layers[index].load_state_dict(values, strict=False)
 
 
+def model_type(model_dir: str) -> Optional[str]:
+    """``model_type`` of a ``save_pretrained`` directory's ``config.json`` (None when it has none)."""
+    import json
+
+    path = Path(model_dir) / "config.json"
+    return json.loads(path.read_text()).get("model_type") if path.is_file() else None
+
+
 def hf_source(
     model_dir: str,
     *,
@@ -41,7 +49,8 @@ def hf_source(
     max_length: Optional[int] = None,
     truncation: str = "error",
 ) -> ModelSource:
-    """The LLaVA model, processor and data pipeline of ``model_dir`` for the training loop.
+    """The LLaVA model, processor and data pipeline of ``model_dir`` for the training loop
+    (a Qwen2-VL directory goes to :func:`~dflop_ds.models.hf.qwen2_vl_source.qwen2_vl_source`).
 
     Args:
         model_dir: a ``save_pretrained`` directory of a ``LlavaForConditionalGeneration`` with
@@ -54,6 +63,12 @@ def hf_source(
         max_length, truncation: sequence-length rule of the tokenization
             (:class:`~dflop_ds.models.hf.data.LlavaPreprocessor`).
     """
+    if model_type(model_dir) == "qwen2_vl":  # dispatch hook: the Qwen2-VL family has its own source
+        from dflop_ds.models.hf.qwen2_vl_source import qwen2_vl_source
+
+        if max_length is not None or truncation != "error":
+            raise ValueError(f"{model_dir}: max_length and truncation are not supported for Qwen2-VL yet")
+        return qwen2_vl_source(model_dir, image_folder=image_folder, lora=lora)
     from dflop_ds.data import read_dataset
     from dflop_ds.models.hf.data import (LlavaDataset, LlavaPreprocessor, collate_llava, load_llava_records,
                                          supervised_targets)
