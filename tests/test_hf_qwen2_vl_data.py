@@ -110,3 +110,36 @@ def test_hf_source_dispatches_on_the_model_type(setup, tmp_path: Path) -> None:
     index = next(i for i, s in enumerate(shapes) if s.image_sizes)
     with pytest.raises(DataError, match=shapes[index].sample_id):
         dataset[index]
+
+
+def test_cli_reads_with_the_qwen2_vl_policy(setup, capsys) -> None:
+    from dflop_ds.cli import main
+
+    model_dir, data, images, _, shapes = setup
+    assert main(["validate", str(data), "--model_name_or_path", str(model_dir), "--image_folder", str(images)]) == 0
+    assert f"{len(shapes)} samples, no problems" in capsys.readouterr().out
+
+
+def test_profile_target_runs_the_real_layers_on_patch_counts(setup, tmp_path: Path) -> None:
+    """The encoder factory turns a patch count into images the layer lists accept (rounded up to
+    merge blocks, rows without images allowed); the fitted cost model keeps the Qwen2-VL policy."""
+    from dflop_ds.models.hf.profile import hf_target
+    from dflop_ds.models.hf.qwen2_vl import Qwen2VLEncoderInputs
+    from dflop_ds.profile.costmodel import CostModel
+    from dflop_ds.profile.model import profile_model
+
+    model_dir, _, _, pre, _ = setup
+    target = hf_target(str(model_dir))
+    assert isinstance(target.encoder_inputs, Qwen2VLEncoderInputs)
+    pixel_values, input_ids, seq_lens, grid = target.encoder_inputs(22, 3)  # 8 + 7 + 7 patches, rounded up
+    assert grid.tolist() == [[1, 2, 4], [1, 2, 4], [1, 2, 4]] and pixel_values.shape[0] == 24
+    assert (input_ids == pre.image_token_id).sum(1).tolist() == [2, 2, 2] and seq_lens.tolist() == [10, 10, 10]
+    x = target.encoder_inputs(2, 4)  # two rows without an image
+    assert x[3].tolist() == [[1, 2, 2], [1, 2, 2]] and x[2].tolist() == [9, 9, 8, 8]
+    for layer in [*target.encoder_layers, target.projector]:
+        x = layer(x)
+    assert x[0].shape == (4, 9, 64) and x[1].shape == (3, 4, 9)
+    profile = profile_model(**target.profile_kwargs(), tiles=(4, 64), seq_lens=(16,), batch_sizes=(1,), repeats=1,
+                            warmup=0, progress=False)
+    cost_model = CostModel().fit(profile, target.policy)
+    assert "SmartResize" in cost_model.shape_policy["image_rule"]

@@ -234,6 +234,54 @@ def qwen2_vl_layers(model: nn.Module) -> tuple[list[nn.Module], nn.Module, list[
     return encoder, projector, llm
 
 
-__all__ = ["MODEL_TYPE", "MRopeDecoderLayer", "PatchEmbedding", "Qwen2VLProjector", "TIED_EMBEDDING_KEY",
+
+
+class Qwen2VLEncoderInputs:
+    """Profiler input factory of the first encoder layer: ``(patches, batch) -> (pixel_values,
+    input_ids, seq_lens, image_grid_thw)``: one random image per row, ``patches`` spread over the
+    ``batch`` rows (each image rounded up to whole ``merge x merge`` blocks, as a ``m x k`` strip),
+    each row holding its image's tokens then ``text_tokens`` text tokens. ``patches`` are the
+    encoder units of the Qwen2-VL shape policy (``encoder_tiles``)."""
+
+    def __init__(self, config: Any, text_tokens: int = 8, dtype: torch.dtype = torch.float32) -> None:
+        vision = config.vision_config
+        self.merge = int(vision.spatial_merge_size)
+        self.patch_dim = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+        self.image_token_id, self.vocab_size = int(config.image_token_id), int(config.text_config.vocab_size)
+        self.special = {self.image_token_id, int(config.video_token_id)}
+        self.text_tokens, self.dtype = int(text_tokens), dtype
+
+    def __call__(self, patches: int, batch: int = 1) -> VisTuple:
+        from dflop_ds.profile.inputs import split_evenly
+
+        block = self.merge ** 2
+        grids = [[1, self.merge, self.merge * -(-n // block)] for n in split_evenly(patches, batch) if n > 0]
+        tokens = [t * h * w // block for t, h, w in grids] + [0] * (batch - len(grids))
+        lengths = [n + self.text_tokens for n in tokens]
+        input_ids = torch.randint(0, self.vocab_size, (batch, max(lengths)))
+        for token in self.special:
+            input_ids[input_ids == token] = min(set(range(self.vocab_size)) - self.special)
+        for row, n in enumerate(tokens):
+            input_ids[row, :n] = self.image_token_id
+        grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+        pixel_values = torch.randn(int(grid.prod(-1).sum()), self.patch_dim, dtype=self.dtype)
+        return pixel_values, input_ids, torch.tensor(lengths, dtype=torch.long), grid
+
+
+class MRopeLLMInputs:
+    """Profiler input factory of the first decoder layer: ``(batch, seq_len) -> (hidden,
+    position_ids [3, B, S] (text positions), seq_lens)``."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
+        self.hidden_size, self.dtype = int(hidden_size), dtype
+
+    def __call__(self, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        seq_lens = torch.full((batch,), seq_len, dtype=torch.long)
+        hidden = torch.randn(batch, seq_len, self.hidden_size, dtype=self.dtype)
+        return hidden, torch.arange(seq_len).expand(3, batch, seq_len).clone(), seq_lens
+
+
+__all__ = ["MODEL_TYPE", "MRopeDecoderLayer", "MRopeLLMInputs", "PatchEmbedding", "Qwen2VLEncoderInputs",
+           "Qwen2VLProjector", "TIED_EMBEDDING_KEY",
            "VisionBlock", "check_qwen2_vl_config", "is_placeholder", "load_qwen2_vl", "mrope_position_ids",
            "placeholder_grid", "qwen2_vl_layers"]

@@ -32,14 +32,6 @@ def load_flat_state(layers: list, state: Mapping[str, torch.Tensor]) -> None:
         layers[index].load_state_dict(values, strict=False)
 
 
-def model_type(model_dir: str) -> Optional[str]:
-    """``model_type`` of a ``save_pretrained`` directory's ``config.json`` (None when it has none)."""
-    import json
-
-    path = Path(model_dir) / "config.json"
-    return json.loads(path.read_text()).get("model_type") if path.is_file() else None
-
-
 def hf_source(
     model_dir: str,
     *,
@@ -63,6 +55,8 @@ def hf_source(
         max_length, truncation: sequence-length rule of the tokenization
             (:class:`~dflop_ds.models.hf.data.LlavaPreprocessor`).
     """
+    from dflop_ds.models.hf.common import model_type
+
     if model_type(model_dir) == "qwen2_vl":  # dispatch hook: the Qwen2-VL family has its own source
         from dflop_ds.models.hf.qwen2_vl_source import qwen2_vl_source
 
