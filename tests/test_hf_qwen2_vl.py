@@ -22,9 +22,11 @@ from dflop_ds.testing.hf_tiny import build_tiny_qwen2_vl  # noqa: E402
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+@pytest.fixture(scope="module", params=[("qwen2_vl", False), ("qwen2_vl", True), ("qwen2_5_vl", False)],
+                ids=["qwen2_vl", "qwen2_vl-tied", "qwen2_5_vl"])
 def loaded(request, tmp_path_factory: pytest.TempPathFactory):
-    folder = build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl"), tie_word_embeddings=request.param, seed=3)
+    family, tied = request.param
+    folder = build_tiny_qwen2_vl(tmp_path_factory.mktemp(family), family=family, tie_word_embeddings=tied, seed=3)
     model = load_qwen2_vl(folder).eval()
     return model, Qwen2VLInputs.from_dir(folder, model.config), folder
 
@@ -151,6 +153,16 @@ def test_check_model_names_wrong_positions(tmp_path: Path, capsys, monkeypatch) 
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "DIFFER from HF" in line and "text-only microbatch" not in line
     assert "stage 1 output (layer 5 MRopeDecoderLayer) already differs" in line
+
+
+def test_check_model_names_a_tower_without_windows(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Qwen2.5-VL attending over whole images instead of its windows differs already in the tower."""
+    folder = build_tiny_qwen2_vl(tmp_path / "m", family="qwen2_5_vl", seed=3)
+    monkeypatch.setattr(qwen2_vl, "window_index", lambda grid, config: None)
+    assert main(["check-model", str(folder), "--stages", "3"]) == 1
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "DIFFER from HF" in line and "text-only microbatch" not in line
+    assert "stage 0 output (layer 2 VisionBlock) already differs" in line
 
 
 def test_image_processor_that_disagrees_with_the_model(tmp_path: Path, capsys) -> None:

@@ -57,8 +57,9 @@ def policy_from_args(args: argparse.Namespace) -> ShapePolicy:
     if getattr(args, "model_name_or_path", None):
         from dflop_ds.models.hf.common import model_type
         from dflop_ds.models.hf.data import llava_policy
+        from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES
 
-        if model_type(args.model_name_or_path) == "qwen2_vl":
+        if model_type(args.model_name_or_path) in MODEL_CLASSES:
             from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLPreprocessor
 
             if args.max_length is not None:

@@ -153,11 +153,28 @@ def build_qwen2_vl_tokenizer():
                            {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
 
 
+QWEN2_VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def _qwen2_vl_classes(family: str, vision: dict):
+    """``(config class, model class, vision config)`` of a Qwen2-VL family with tiny ``vision`` sizes."""
+    import transformers
+
+    if family == "qwen2_vl":
+        return transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration, vision
+    if family == "qwen2_5_vl":
+        # Qwen2.5-VL: gated MLP, 16 px attention windows (2 x 2 merge units), block 1 attends fully
+        sizes = dict(vision, hidden_size=vision["embed_dim"], out_hidden_size=vision["hidden_size"],
+                     intermediate_size=64, window_size=16, fullatt_block_indexes=[1])
+        sizes.pop("embed_dim"), sizes.pop("mlp_ratio")
+        return transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration, sizes
+    raise ValueError(f"unknown Qwen2-VL family {family!r}; choose one of {QWEN2_VL_FAMILIES}")
+
+
 @lru_cache(maxsize=None)
-def _built_qwen2_vl(tie_word_embeddings: bool, seed: int, min_pixels: int, max_pixels: int) -> Path:
+def _built_qwen2_vl(family: str, tie_word_embeddings: bool, seed: int, min_pixels: int, max_pixels: int) -> Path:
     """Build and save one tiny Qwen2-VL directory in a process-wide temporary folder (cached)."""
     import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = build_qwen2_vl_tokenizer()
@@ -171,15 +188,16 @@ def _built_qwen2_vl(tie_word_embeddings: bool, seed: int, min_pixels: int, max_p
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
                 tie_word_embeddings=tie_word_embeddings, **ids)
-    config = Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=token("<|image_pad|>"),
+    config_class, model_class, vision = _qwen2_vl_classes(family, vision)
+    config = config_class(vision_config=vision, text_config=text, image_token_id=token("<|image_pad|>"),
                            video_token_id=token("<|video_pad|>"), vision_start_token_id=token("<|vision_start|>"),
                            vision_end_token_id=token("<|vision_end|>"), tie_word_embeddings=tie_word_embeddings)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(config)
+        model = model_class(config)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=QWEN2_VL_PATCH,
                                                temporal_patch_size=2, merge_size=QWEN2_VL_MERGE)
-    folder = Path(tempfile.mkdtemp(prefix="tiny_qwen2_vl_"))
+    folder = Path(tempfile.mkdtemp(prefix=f"tiny_{family}_"))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     image_processor.save_pretrained(folder)
@@ -189,24 +207,26 @@ def _built_qwen2_vl(tie_word_embeddings: bool, seed: int, min_pixels: int, max_p
 def build_tiny_qwen2_vl(
     dir: str | Path,
     *,
+    family: str = "qwen2_vl",
     tie_word_embeddings: bool = False,
     seed: int = 0,
     min_pixels: int = QWEN2_VL_MIN_PIXELS,
     max_pixels: int = QWEN2_VL_MAX_PIXELS,
 ) -> Path:
-    """Write a tiny random ``Qwen2VLForConditionalGeneration``, its tokenizer and its image
-    processor to ``dir`` (``save_pretrained`` layout, no processor class: Qwen2-VL's wants
-    torchvision for videos); returns ``dir``.
+    """Write a tiny random Qwen2-VL model, its tokenizer and its image processor to ``dir``
+    (``save_pretrained`` layout, no processor class: Qwen2-VL's wants torchvision for videos);
+    returns ``dir``.
 
-    Images keep their own size within ``min_pixels``..``max_pixels`` (the processor's resize
-    rule, in multiples of ``patch x merge`` = 8 px): every image gives its own patch grid.
+    ``family``: ``"qwen2_vl"`` or ``"qwen2_5_vl"`` (windowed vision attention). Images keep their
+    own size within ``min_pixels``..``max_pixels`` (the processor's resize rule, in multiples of
+    ``patch x merge`` = 8 px): every image gives its own patch grid.
     """
-    source = _built_qwen2_vl(bool(tie_word_embeddings), int(seed), int(min_pixels), int(max_pixels))
+    source = _built_qwen2_vl(family, bool(tie_word_embeddings), int(seed), int(min_pixels), int(max_pixels))
     target = Path(dir)
     target.mkdir(parents=True, exist_ok=True)
     shutil.copytree(source, target, dirs_exist_ok=True)
     return target
 
 
-__all__ = ["IMAGE_SIZE", "PATCH_SIZE", "QWEN2_VL_TOKENS", "TOKENS_PER_IMAGE", "build_qwen2_vl_tokenizer",
+__all__ = ["IMAGE_SIZE", "PATCH_SIZE", "QWEN2_VL_FAMILIES", "QWEN2_VL_TOKENS", "TOKENS_PER_IMAGE", "build_qwen2_vl_tokenizer",
            "build_tiny_llava", "build_tiny_qwen2_vl", "build_tokenizer"]

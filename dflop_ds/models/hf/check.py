@@ -188,7 +188,8 @@ def _qwen2_vl_family() -> Family:
 
 
 #: ``config.model_type`` -> the family's check-model parts (built on first use: they import transformers)
-FAMILIES: dict[str, Callable[[], Family]] = {"llava": _llava_family, "qwen2_vl": _qwen2_vl_family}
+FAMILIES: dict[str, Callable[[], Family]] = {"llava": _llava_family, "qwen2_vl": _qwen2_vl_family,
+                                             "qwen2_5_vl": _qwen2_vl_family}
 
 
 def model_family(model_dir: Path) -> Family:

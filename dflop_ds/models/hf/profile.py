@@ -42,7 +42,8 @@ def qwen2_vl_target(model_dir: str, *, text_tokens: int = 8) -> ProfileTarget:
 def hf_target(model_dir: str, *, text_tokens: int = 8) -> ProfileTarget:
     """The profiling target of a HuggingFace directory, by its ``config.model_type`` (LLaVA or Qwen2-VL)."""
     from dflop_ds.models.hf.common import model_type
+    from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES
 
-    if model_type(model_dir) == "qwen2_vl":
+    if model_type(model_dir) in MODEL_CLASSES:
         return qwen2_vl_target(model_dir, text_tokens=text_tokens)
     return llava_target(model_dir, text_tokens=text_tokens)

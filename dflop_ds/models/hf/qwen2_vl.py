@@ -1,4 +1,4 @@
-"""HF ``Qwen2VLForConditionalGeneration`` as the pipeline's flat layer lists (docs/architecture.md).
+"""HF ``Qwen2VLForConditionalGeneration`` (and Qwen2.5-VL) as the pipeline's flat layer lists (docs/architecture.md).
 
 Microbatch inputs: ``(pixel_values [P, C*T*p*p], input_ids [B, S], seq_lens [B], image_grid_thw [N, 3])``:
 every image's patches, flattened as ``Qwen2VLImageProcessor`` writes them, images in microbatch
@@ -19,7 +19,10 @@ without images has ``P = N = 0``.
 * LLM: one :class:`MRopeDecoderLayer` per decoder layer, then the shared
   :class:`~dflop_ds.models.hf.common.LMHead`.
 
-Videos (``<|video_pad|>``) are not supported yet and are refused by name.
+Qwen2.5-VL (``model_type`` ``qwen2_5_vl``) differs in its tower only: patches are reordered
+into attention windows after the embedding (:func:`window_index`), every block but the
+``fullatt_block_indexes`` attends within windows, and the projector restores the order after
+the merger. Videos (``<|video_pad|>``) are not supported yet and are refused by name.
 """
 
 from __future__ import annotations
@@ -34,21 +37,24 @@ from dflop_ds.models.hf.common import DecoderLayer, LMHead, attention_mask_for, 
 from dflop_ds.models.hf.llava import TIED_EMBEDDING_KEY
 
 MODEL_TYPE = "qwen2_vl"
+#: model types this adapter runs -> their HF model class
+MODEL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 VisTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def check_qwen2_vl_config(config: Any, where: str = "model") -> None:
     """Refuse a config this adapter cannot run, naming ``where``."""
-    if getattr(config, "model_type", None) != MODEL_TYPE:
+    if getattr(config, "model_type", None) not in MODEL_CLASSES:
         raise ValueError(f"{where}: model type {getattr(config, 'model_type', None)!r} is not supported by the "
-                         f"Qwen2-VL adapter (supported: {MODEL_TYPE!r})")
+                         f"Qwen2-VL adapter (supported: {', '.join(map(repr, MODEL_CLASSES))})")
     layer_mask_kinds(config.text_config)  # refuses unknown attention kinds by name
 
 
 def load_qwen2_vl(model_dir: str | Path, *, dtype: torch.dtype | None = None) -> nn.Module:
-    """Load a ``save_pretrained`` Qwen2-VL directory as ``Qwen2VLForConditionalGeneration`` (offline)."""
-    from transformers import AutoConfig, Qwen2VLForConditionalGeneration
+    """Load a ``save_pretrained`` Qwen2-VL / Qwen2.5-VL directory as its ``...ForConditionalGeneration`` (offline)."""
+    import transformers
+    from transformers import AutoConfig
 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
@@ -56,7 +62,25 @@ def load_qwen2_vl(model_dir: str | Path, *, dtype: torch.dtype | None = None) ->
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     check_qwen2_vl_config(config, str(path))
     kwargs = {} if dtype is None else {"dtype": dtype}
-    return Qwen2VLForConditionalGeneration.from_pretrained(path, local_files_only=True, **kwargs)
+    model_class = getattr(transformers, MODEL_CLASSES[config.model_type])
+    return model_class.from_pretrained(path, local_files_only=True, **kwargs)
+
+
+def window_index(grid: torch.Tensor, vision_config: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(window_index, cu_window_seqlens)`` of Qwen2.5-VL's windowed tower (merge units in
+    window order, window bounds in patches); ``None`` for a tower without windows (Qwen2-VL)."""
+    if getattr(vision_config, "window_size", None) is None:
+        return None
+    from transformers.vision_utils import get_vision_window_index
+
+    return get_vision_window_index(grid, int(vision_config.spatial_merge_size), int(vision_config.window_size),
+                                   int(vision_config.patch_size))
+
+
+def permute_units(x: torch.Tensor, order: torch.Tensor, merge_size: int) -> torch.Tensor:
+    """Rows of ``x [P, ...]`` reordered by merge unit (``merge**2`` consecutive patches) as ``order`` says."""
+    unit = merge_size ** 2
+    return x.reshape(x.shape[0] // unit, unit, *x.shape[1:])[order].reshape(x.shape)
 
 
 def placeholder_grid(merge_size: int, like: torch.Tensor) -> torch.Tensor:
@@ -126,38 +150,53 @@ class PatchEmbedding(nn.Module):
     in the same order (as for LLaVA, see ``dflop_ds.models.hf.llava.VisionEmbeddings``).
     """
 
-    def __init__(self, patch_embed: nn.Module, merge_size: int) -> None:
+    def __init__(self, patch_embed: nn.Module, vision_config: Any) -> None:
         super().__init__()
         self.patch_embed = patch_embed
-        self.merge_size = int(merge_size)
+        self.vision_config = vision_config
+        self.merge_size = int(vision_config.spatial_merge_size)
 
     def forward(self, inputs: VisTuple) -> VisTuple:
-        """Embed every patch of the microbatch's images."""
+        """Embed every patch of the microbatch's images (in window order for a windowed tower)."""
         pixel_values, input_ids, seq_lens, grid = inputs
         if grid.shape[0] == 0:
             grid = placeholder_grid(self.merge_size, grid)
             pixel_values = pixel_values.new_zeros((self.merge_size ** 2, pixel_values.shape[1]))
-        return self.patch_embed(pixel_values), input_ids, seq_lens, grid
+        vis = self.patch_embed(pixel_values)
+        windows = window_index(grid, self.vision_config)
+        if windows is not None:
+            vis = permute_units(vis, windows[0], self.merge_size)
+        return vis, input_ids, seq_lens, grid
 
 
 class VisionBlock(nn.Module):
     """One vision block: attention within each image (``cu_seqlens``) with its 2-D rotary positions."""
 
-    def __init__(self, block: nn.Module, rotary: nn.Module, vision_config: Any) -> None:
+    def __init__(self, block: nn.Module, rotary: nn.Module, vision_config: Any, index: int = 0) -> None:
         super().__init__()
         self.block = block
         self.rotary = rotary
         self.vision_config = vision_config
+        self.full_attention = index in set(getattr(vision_config, "fullatt_block_indexes", None) or ())
 
     def forward(self, inputs: VisTuple) -> VisTuple:
-        """Refine ``vis``; the segment bounds and rotary table come from the integer grid."""
+        """Refine ``vis``; the segment bounds and rotary table come from the integer grid
+        (windows and window order for a windowed tower's windowed blocks)."""
+        from transformers.utils.generic import get_max_seqlen
         from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids
 
         vis, input_ids, seq_lens, grid = inputs
         config = self.vision_config
+        merge = int(config.spatial_merge_size)
         cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, config)
-        position_embeddings = self.rotary(vis, get_vision_position_ids(grid, int(config.spatial_merge_size)))
-        out = self.block(vis, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, position_embeddings=position_embeddings)
+        cos, sin = self.rotary(vis, get_vision_position_ids(grid, merge))
+        windows = window_index(grid, config)
+        if windows is not None:
+            order, cu_windows = windows
+            cos, sin = permute_units(cos, order, merge), permute_units(sin, order, merge)
+            if not self.full_attention:
+                cu_seqlens, max_seqlen = cu_windows, get_max_seqlen(cu_windows, config)
+        out = self.block(vis, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, position_embeddings=(cos, sin))
         return out, input_ids, seq_lens, grid
 
 
@@ -177,6 +216,7 @@ class Qwen2VLProjector(nn.Module):
         self.image_token_id = int(config.image_token_id)
         self.video_token_id = int(config.video_token_id)
         self.merge_size = int(config.vision_config.spatial_merge_size)
+        self.vision_config = config.vision_config
         self.tied_weights = {} if tied_key is None else {tied_key: "embed_tokens.weight"}
 
     def forward(self, inputs: VisTuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -190,9 +230,12 @@ class Qwen2VLProjector(nn.Module):
         n_tokens = int(image_positions.sum())
         if n_tokens == 0 and is_placeholder(grid, self.merge_size):
             features, grid = features[:0], grid[:0]
-        if n_tokens != features.shape[0]:
+        if not n_tokens == features.shape[0] == int(grid.prod(-1).sum()) // self.merge_size ** 2:
             raise ValueError(f"Qwen2VLProjector: the microbatch has {n_tokens} image tokens but its {grid.shape[0]} "
                              f"image(s) of grids {grid.tolist()} give {features.shape[0]} features")
+        windows = window_index(grid, self.vision_config) if grid.shape[0] else None
+        if windows is not None:  # back from window order to the images' own order
+            features = features[torch.argsort(windows[0])]
         hidden = embeds.masked_scatter(image_positions.unsqueeze(-1).expand_as(embeds), features.to(embeds.dtype))
         position_ids = mrope_position_ids(input_ids, seq_lens, grid, image_token_id=self.image_token_id,
                                           merge_size=self.merge_size)
@@ -221,8 +264,8 @@ def qwen2_vl_layers(model: nn.Module) -> tuple[list[nn.Module], nn.Module, list[
     check_qwen2_vl_config(config, type(model).__name__)
     visual, language_model = model.model.visual, model.model.language_model
     vision_config = config.vision_config
-    encoder: list[nn.Module] = [PatchEmbedding(visual.patch_embed, vision_config.spatial_merge_size)]
-    encoder += [VisionBlock(block, visual.rotary_pos_emb, vision_config) for block in visual.blocks]
+    encoder: list[nn.Module] = [PatchEmbedding(visual.patch_embed, vision_config)]
+    encoder += [VisionBlock(block, visual.rotary_pos_emb, vision_config, i) for i, block in enumerate(visual.blocks)]
     tied = model.lm_head.weight is language_model.embed_tokens.weight
     key = TIED_EMBEDDING_KEY if tied else None
     projector = Qwen2VLProjector(visual.merger, language_model.embed_tokens, config, tied_key=key)
@@ -281,7 +324,7 @@ class MRopeLLMInputs:
         return hidden, torch.arange(seq_len).expand(3, batch, seq_len).clone(), seq_lens
 
 
-__all__ = ["MODEL_TYPE", "MRopeDecoderLayer", "MRopeLLMInputs", "PatchEmbedding", "Qwen2VLEncoderInputs",
-           "Qwen2VLProjector", "TIED_EMBEDDING_KEY",
-           "VisionBlock", "check_qwen2_vl_config", "is_placeholder", "load_qwen2_vl", "mrope_position_ids",
-           "placeholder_grid", "qwen2_vl_layers"]
+__all__ = ["MODEL_CLASSES", "MODEL_TYPE", "MRopeDecoderLayer", "MRopeLLMInputs", "PatchEmbedding",
+           "Qwen2VLEncoderInputs", "Qwen2VLProjector", "TIED_EMBEDDING_KEY", "VisionBlock", "check_qwen2_vl_config",
+           "is_placeholder", "load_qwen2_vl", "mrope_position_ids", "permute_units", "placeholder_grid",
+           "qwen2_vl_layers", "window_index"]

@@ -56,8 +56,9 @@ def hf_source(
             (:class:`~dflop_ds.models.hf.data.LlavaPreprocessor`).
     """
     from dflop_ds.models.hf.common import model_type
+    from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES
 
-    if model_type(model_dir) == "qwen2_vl":  # dispatch hook: the Qwen2-VL family has its own source
+    if model_type(model_dir) in MODEL_CLASSES:  # dispatch hook: the Qwen2-VL family has its own source
         from dflop_ds.models.hf.qwen2_vl_source import qwen2_vl_source
 
         if max_length is not None or truncation != "error":
