@@ -108,10 +108,23 @@ def _built(vision: str, text: str, tie_word_embeddings: bool, seed: int, sliding
         model = LlavaForConditionalGeneration(config)
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
                                vision_feature_select_strategy=strategy, num_additional_image_tokens=extra)
-    folder = Path(tempfile.mkdtemp(prefix=f"tiny_llava_{vision}_{text}_"))
-    model.save_pretrained(folder)
-    processor.save_pretrained(folder)
+    return _saved(f"tiny_llava_{vision}_{text}_", model, processor)
+
+
+def _saved(prefix: str, *parts) -> Path:
+    """A new process-wide temporary folder holding ``part.save_pretrained`` of every part."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    for part in parts:
+        part.save_pretrained(folder)
     return folder
+
+
+def _copied(source: Path, dir: str | Path) -> Path:
+    """``dir`` (created if needed) with the files of a built ``source`` folder copied in."""
+    target = Path(dir)
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    return target
 
 
 def build_tiny_llava(
@@ -131,11 +144,8 @@ def build_tiny_llava(
     Mistral (all layers) or Qwen2 (layers after the first) a sliding-window attention.
     Weights are drawn from ``seed``; every image becomes :data:`TOKENS_PER_IMAGE` tokens.
     """
-    source = _built(vision, text, bool(tie_word_embeddings), int(seed), sliding_window, int(vision_feature_layer))
-    target = Path(dir)
-    target.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(source, target, dirs_exist_ok=True)
-    return target
+    return _copied(_built(vision, text, bool(tie_word_embeddings), int(seed), sliding_window,
+                          int(vision_feature_layer)), dir)
 
 
 #: Qwen2-VL's chat and vision tokens (``<|image_pad|>`` is the image token the prompt carries)
@@ -197,11 +207,7 @@ def _built_qwen2_vl(family: str, tie_word_embeddings: bool, seed: int, min_pixel
         model = model_class(config)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=QWEN2_VL_PATCH,
                                                temporal_patch_size=2, merge_size=QWEN2_VL_MERGE)
-    folder = Path(tempfile.mkdtemp(prefix=f"tiny_{family}_"))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    image_processor.save_pretrained(folder)
-    return folder
+    return _saved(f"tiny_{family}_", model, tokenizer, image_processor)
 
 
 def build_tiny_qwen2_vl(
@@ -221,12 +227,8 @@ def build_tiny_qwen2_vl(
     own size within ``min_pixels``..``max_pixels`` (the processor's resize rule, in multiples of
     ``patch x merge`` = 8 px): every image gives its own patch grid.
     """
-    source = _built_qwen2_vl(family, bool(tie_word_embeddings), int(seed), int(min_pixels), int(max_pixels))
-    target = Path(dir)
-    target.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(source, target, dirs_exist_ok=True)
-    return target
+    return _copied(_built_qwen2_vl(family, bool(tie_word_embeddings), int(seed), int(min_pixels), int(max_pixels)), dir)
 
 
-__all__ = ["IMAGE_SIZE", "PATCH_SIZE", "QWEN2_VL_FAMILIES", "QWEN2_VL_TOKENS", "TOKENS_PER_IMAGE", "build_qwen2_vl_tokenizer",
-           "build_tiny_llava", "build_tiny_qwen2_vl", "build_tokenizer"]
+__all__ = ["IMAGE_SIZE", "PATCH_SIZE", "QWEN2_VL_FAMILIES", "QWEN2_VL_TOKENS", "TOKENS_PER_IMAGE",
+           "build_qwen2_vl_tokenizer", "build_tiny_llava", "build_tiny_qwen2_vl", "build_tokenizer"]
