@@ -36,7 +36,8 @@ def qwen2_vl_target(model_dir: str, *, text_tokens: int = 8) -> ProfileTarget:
     return ProfileTarget(encoder_layers=encoder, projector=projector, llm_layers=llm,
                          encoder_inputs=Qwen2VLEncoderInputs(model.config, text_tokens, model.dtype),
                          llm_inputs=MRopeLLMInputs(model.config.text_config.hidden_size, model.dtype),
-                         output_loss=summed_cross_entropy, policy=Qwen2VLPreprocessor.from_pretrained(model_dir).policy())
+                         output_loss=summed_cross_entropy,
+                         policy=Qwen2VLPreprocessor.from_pretrained(model_dir).policy())
 
 
 def hf_target(model_dir: str, *, text_tokens: int = 8) -> ProfileTarget:

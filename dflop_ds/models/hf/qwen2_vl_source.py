@@ -51,8 +51,8 @@ def qwen2_vl_source(model_dir: str, *, image_folder: Optional[str] = None,
         preprocessor.tokenizer.save_pretrained(directory)
         preprocessor.image_processor.save_pretrained(directory)
 
-    return ModelSource(f"{model.config.model_type}:{Path(model_dir).name}", list(encoder), projector, list(llm), policy,
-                       read_shapes, make_dataset, collate_qwen2_vl, supervised_targets,
+    return ModelSource(f"{model.config.model_type}:{Path(model_dir).name}", list(encoder), projector, list(llm),
+                       policy, read_shapes, make_dataset, collate_qwen2_vl, supervised_targets,
                        save_pretrained=save_pretrained, hf_model=model)
 
 

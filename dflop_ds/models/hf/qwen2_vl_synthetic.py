@@ -56,7 +56,8 @@ class Qwen2VLInputs:
         prompt_ids = torch.tensor(self.tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
         marks = int((prompt_ids == self.image_token_id).sum())
         if marks != len(images):
-            raise ValueError(f"prompt {prompt[:60]!r} has {marks} image token(s) but {len(images)} image(s) come with it")
+            raise ValueError(f"prompt {prompt[:60]!r} has {marks} image token(s) but {len(images)} image(s) "
+                             "come with it")
         if images:
             encoded = self.image_processor(images=list(images), return_tensors="pt")
             pixel_values, grid = encoded["pixel_values"], encoded["image_grid_thw"].long()
