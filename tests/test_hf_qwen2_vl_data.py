@@ -143,3 +143,12 @@ def test_profile_target_runs_the_real_layers_on_patch_counts(setup, tmp_path: Pa
                             warmup=0, progress=False)
     cost_model = CostModel().fit(profile, target.policy)
     assert "SmartResize" in cost_model.shape_policy["image_rule"]
+
+
+def test_lora_trains_adapters_and_the_merger_only(setup) -> None:
+    model_dir, _, images, _, _ = setup
+    source = hf_source(str(model_dir), image_folder=str(images), lora={"r": 4, "alpha": 8})
+    trainable = {name for name, p in source.hf_model.named_parameters() if p.requires_grad}
+    assert any("lora_" in name and "language_model" in name for name in trainable)
+    assert any("visual.merger" in name for name in trainable)
+    assert not any("visual.blocks" in name or "patch_embed" in name or "embed_tokens" in name for name in trainable)
