@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 Tokenizer = Callable[[str], int]
+#: An image's own encoder units and LLM tokens from its size, for native-resolution models
+#: (Qwen2-VL): ``(width, height) -> (encoder_units, visual_tokens)``. Its ``repr`` names it.
+ImageRule = Callable[[int, int], tuple[int, int]]
 #: Counts a whole conversation exactly as a model's data pipeline tokenizes it:
 #: ``(turns as (role, value) pairs, number of images) -> (text_tokens, label_tokens)``.
 ConversationCounter = Callable[[Sequence[tuple[str, str]], int], tuple[int, int]]
@@ -85,6 +88,9 @@ class ShapePolicy:
     template) that counts the text, for :meth:`describe` (default: the ``tokenizer``
     function's qualified name). ``conversation``, when set, counts a LLaVA conversation as
     a whole (template, separators, image placeholders), replacing the per-turn counting.
+    ``image_rule``, when set, replaces the tiling: every image gives the encoder units (e.g.
+    patches) and LLM tokens the rule derives from its own size (native-resolution models such as
+    Qwen2-VL; ``encoder_tiles`` then counts those units).
     """
 
     tile_size: int = 384
@@ -97,6 +103,7 @@ class ShapePolicy:
     name: str = field(default="custom", compare=False)
     tokenizer_id: str | None = None
     conversation: ConversationCounter | None = field(default=None, compare=False, repr=False)
+    image_rule: ImageRule | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("tile_size", "max_tiles", "tokens_per_tile", "max_frames", "tokens_per_frame"):
@@ -109,9 +116,22 @@ class ShapePolicy:
         derive the same shapes."""
         tokenizer = self.tokenizer_id or f"{getattr(self.tokenizer, '__module__', '?')}." \
                                          f"{getattr(self.tokenizer, '__qualname__', type(self.tokenizer).__name__)}"
-        return {"name": self.name, "tile_size": self.tile_size, "max_tiles": self.max_tiles,
-                "add_thumbnail": self.add_thumbnail, "tokens_per_tile": self.tokens_per_tile,
-                "max_frames": self.max_frames, "tokens_per_frame": self.tokens_per_frame, "tokenizer": tokenizer}
+        described = {"name": self.name, "tile_size": self.tile_size, "max_tiles": self.max_tiles,
+                     "add_thumbnail": self.add_thumbnail, "tokens_per_tile": self.tokens_per_tile,
+                     "max_frames": self.max_frames, "tokens_per_frame": self.tokens_per_frame, "tokenizer": tokenizer}
+        if self.image_rule is not None:
+            described["image_rule"] = repr(self.image_rule)
+        return described
+
+    def image_units(self, width: int, height: int) -> tuple[int, int]:
+        """``(encoder units, LLM tokens)`` of one image: its tiles and their tokens, or the ``image_rule``'s."""
+        if self.image_rule is not None:
+            if width <= 0 or height <= 0:
+                raise ValueError(f"image size must be positive, got {width}x{height}")
+            units, tokens = self.image_rule(width, height)
+            return int(units), int(tokens)
+        tiles = self.image_tiles(width, height)
+        return tiles, tiles * self.tokens_per_tile
 
     def tile_grid(self, width: int, height: int) -> tuple[int, int]:
         """The ``(cols, rows)`` tile grid chosen for an image of ``width x height`` pixels."""
@@ -167,9 +187,10 @@ class ShapePolicy:
                 f"sample {sample_id!r}: label_tokens must be in [0, text_tokens={text_tokens}], got {labels}"
             )
         sizes = tuple((int(w), int(h)) for w, h in image_sizes)
-        image_tiles = sum(self.image_tiles(w, h) for w, h in sizes)
+        per_image = [self.image_units(w, h) for w, h in sizes]
+        image_tiles = sum(units for units, _ in per_image)
         frames = self.sampled_frames(video_frames)
-        visual = image_tiles * self.tokens_per_tile + frames * self.tokens_per_frame
+        visual = sum(tokens for _, tokens in per_image) + frames * self.tokens_per_frame
         return SampleShape(
             sample_id=str(sample_id),
             image_sizes=sizes,

@@ -93,21 +93,36 @@ def test_hf_llava_lora_on_zero2_trains_adapters_and_saves_a_merged_model(tmp_pat
     assert not any("vision_tower" in k or "embed_tokens" in k for k in moved)  # frozen
 
 
+def _tiny_model(family: str, folder: Path) -> Path:
+    from dflop_ds.testing.hf_tiny import build_tiny_llava, build_tiny_qwen2_vl
+
+    return build_tiny_llava(folder, vision="clip", text="llama") if family == "llava" else build_tiny_qwen2_vl(folder)
+
+
+def _hf_forward(family: str):
+    from dflop_ds.models.hf.qwen2_vl_synthetic import qwen2_vl_hf_forward
+    from dflop_ds.models.hf.synthetic import hf_forward
+
+    return hf_forward if family == "llava" else qwen2_vl_hf_forward
+
+
 @pytest.mark.slow
-def test_hf_zero2_step_equals_one_hf_step_on_the_global_batch_with_image_less_microbatches(tmp_path):
+# (family, records, seed, text-only share): Qwen2-VL's dataset is one global batch with 2 images
+# in 8 records, so that at least two of its 4 microbatches have none
+@pytest.mark.parametrize("family,records,seed,text_only", [("llava", 16, 5, 0.5), ("qwen2_vl", 8, 6, 0.7)])
+def test_hf_zero2_step_equals_one_hf_step_on_the_global_batch_with_image_less_microbatches(tmp_path, family, records,
+                                                                                          seed, text_only):
     """One SGD step of ZeRO-2 dp2 (microbatches with and without images on different ranks) gives
     the weights of one SGD step of the HF model over the whole global batch (its token mean).
     Ranks whose backward produced gradients in another order would mix up ZeRO's buckets."""
     from transformers import AutoModelForImageTextToText
 
-    from dflop_ds.data import read_dataset
-    from dflop_ds.models.hf.data import LlavaDataset, LlavaPreprocessor, collate_llava, load_llava_records
-    from dflop_ds.models.hf.synthetic import hf_forward
-    from dflop_ds.testing.hf_tiny import build_tiny_llava
+    from dflop_ds.models.hf.source import hf_source
     from dflop_ds.testing.llava_data import write_llava_dataset
 
-    model = build_tiny_llava(tmp_path / "model", vision="clip", text="llama")
-    data, images = write_llava_dataset(tmp_path / "data", 16, seed=5, text_only=0.5, answer_words=(3, 12))
+    model = _tiny_model(family, tmp_path / "model")
+    data, images = write_llava_dataset(tmp_path / "data", records, seed=seed, text_only=text_only,
+                                       answer_words=(3, 12))
     trace, out = tmp_path / "trace.jsonl", tmp_path / "trained"
     train(tmp_path, "hf_zero2.json", model, data, images, "--trace", str(trace), "--output_dir", str(out),
           dflop={"steps": 1, "warmup_steps": 0, "num_workers": 0},
@@ -116,16 +131,16 @@ def test_hf_zero2_step_equals_one_hf_step_on_the_global_batch_with_image_less_mi
               "train_batch_size": 8,
               "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 2})
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
-    pre = LlavaPreprocessor.from_pretrained(model)
-    shapes = read_dataset(data, pre.policy(), image_folder=images)
+    source = hf_source(str(model), image_folder=str(images))
+    shapes = source.read_shapes(str(data), "error")
     microbatches = [mb for line in lines for mb in line["microbatches"]]
     has_images = [any(shapes[i].image_sizes for i in mb) for mb in microbatches]
     assert any(has_images) and not all(has_images), "the step must mix microbatches with and without images"
 
     reference = AutoModelForImageTextToText.from_pretrained(str(model))
-    dataset = LlavaDataset(shapes, load_llava_records(data), pre, images, source=data)
-    inputs, (targets, _) = collate_llava([dataset[i] for mb in microbatches for i in mb])
-    hf_forward(reference, inputs, targets).loss.backward()
+    dataset = source.make_dataset(shapes, str(data))
+    inputs, (targets, _) = source.collate([dataset[i] for mb in microbatches for i in mb])
+    _hf_forward(family)(reference, inputs, targets).loss.backward()
     with torch.no_grad():
         for p in reference.parameters():
             if p.grad is not None:
@@ -133,3 +148,26 @@ def test_hf_zero2_step_equals_one_hf_step_on_the_global_batch_with_image_less_mi
     trained = AutoModelForImageTextToText.from_pretrained(str(out)).state_dict()
     worst = max(float((trained[k] - v).abs().max()) for k, v in reference.state_dict().items())
     assert worst < 1e-5, worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,family", [("hf_zero2.json", "qwen2_vl"), ("hf_pp2.json", "qwen2_vl"),
+                                           ("hf_pp2.json", "qwen2_5_vl")])
+def test_hf_qwen2_vl_trains_on_two_ranks(tmp_path, config, family):
+    """A tiny Qwen2-VL directory (no processor class) on LLaVA JSON with real image files of varied sizes."""
+    from transformers import AutoModelForImageTextToText
+
+    from dflop_ds.testing.hf_tiny import build_tiny_qwen2_vl
+    from dflop_ds.testing.llava_data import write_llava_dataset
+
+    model = build_tiny_qwen2_vl(tmp_path / "model", family=family)
+    data, images = write_llava_dataset(tmp_path / "data", 40, seed=4)
+    out = tmp_path / "trained"
+    run = train(tmp_path, config, model, data, images, "--output_dir", str(out), dflop={"steps": 6})
+    assert run["summary"]["model"].startswith(family)
+    losses = [s["loss"] for s in run["steps"]]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    old = AutoModelForImageTextToText.from_pretrained(str(model)).state_dict()
+    new = AutoModelForImageTextToText.from_pretrained(str(out)).state_dict()
+    assert old.keys() == new.keys()
+    assert sum(not torch.equal(old[k], new[k]) for k in old) > len(old) // 2

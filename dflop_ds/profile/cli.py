@@ -43,9 +43,9 @@ def run_model(args: argparse.Namespace) -> int:
     if args.target:
         target = load_target(args.target)
     elif args.model_name_or_path:
-        from dflop_ds.models.hf.profile import llava_target
+        from dflop_ds.models.hf.profile import hf_target
 
-        target = llava_target(args.model_name_or_path)
+        target = hf_target(args.model_name_or_path)
     else:
         from dflop_ds.models import TinyMLLMConfig
 

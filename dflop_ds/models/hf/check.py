@@ -1,6 +1,7 @@
 """``dflop-ds check-model``: do the pipeline layer lists compute what the HF model computes?
 
-Loads a ``save_pretrained`` directory (model + processor), splits the layer lists into stages
+Loads a ``save_pretrained`` directory (model + processor), picks the model family's adapter by
+``config.model_type`` (:data:`FAMILIES`: LLaVA, Qwen2-VL), splits the layer lists into stages
 with :func:`dflop_ds.pipe.split.plan_stage_bounds` (what ``MLLMPipelineModule`` uses), and runs a
 few synthetic microbatches (an image inside the prompt, several images, text-only rows and a
 microbatch without any image, rows of different lengths) stage by stage, checking every
@@ -14,12 +15,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from dflop_ds.models.hf.common import check_boundary
-from dflop_ds.models.hf.synthetic import contract_microbatch, hf_forward
+from dflop_ds.models.hf.synthetic import contract_microbatch, hf_labels, hf_model_kwargs
 from dflop_ds.pipe.loss import token_normalized_loss
 from dflop_ds.pipe.split import plan_stage_bounds
 
@@ -83,8 +84,9 @@ def random_image(rng: random.Random) -> Any:
     return Image.frombytes("RGB", (width, height), bytes(rng.getrandbits(8) for _ in range(width * height * 3)))
 
 
-def synthetic_batches(processor: Any, seed: int) -> list[tuple[str, list]]:
-    """``(description, samples)`` of the microbatches check-model runs."""
+def synthetic_batches(seed: int, image_mark: str = "<image>") -> list[tuple[str, list]]:
+    """``(description, samples)`` of the microbatches check-model runs; ``image_mark`` is what a
+    prompt of the model family writes where an image goes."""
     rng = random.Random(seed)
 
     def text(n: int) -> str:
@@ -92,7 +94,7 @@ def synthetic_batches(processor: Any, seed: int) -> list[tuple[str, list]]:
 
     def sample(images: int, words: int) -> tuple[str, str, list]:
         pieces = [text(rng.randint(1, 4)) for _ in range(images + 1)]
-        prompt = "USER: " + " <image> ".join(pieces) + " " + text(words) + " ASSISTANT:"
+        prompt = "USER: " + f" {image_mark} ".join(pieces) + " " + text(words) + " ASSISTANT:"
         return prompt, text(rng.randint(2, 6)), [random_image(rng) for _ in range(images)]
 
     return [
@@ -139,21 +141,82 @@ def run_stages(layers: list, bounds: list[int], inputs: tuple) -> tuple[torch.Te
     return x, outputs
 
 
-def hf_boundaries(model: Any, inputs: tuple, n_vision: int) -> dict[int, torch.Tensor]:
+@dataclass(frozen=True)
+class Family:
+    """What check-model needs of a model family: load the model, its layer lists, a microbatch
+    builder from the directory (``(model_dir, config) -> samples -> (inputs, labels)``), how a
+    prompt marks an image, the HF model's keyword arguments of a microbatch, and the HF vision
+    tower's hidden states (``hidden_states[j]`` after encoder entry ``j``; ``None`` without images)."""
+
+    load: Callable[[Path], Any]
+    layers: Callable[[Any], tuple[list, Any, list]]
+    microbatches: Callable[[Path, Any], Callable[[list], tuple]]
+    image_mark: str
+    hf_kwargs: Callable[[Any, tuple], dict]
+    vision_states: Callable[[Any, tuple], Any]
+
+
+def _llava_family() -> Family:
+    from dflop_ds.models.hf.llava import llava_layers, load_llava
+
+    def microbatches(path: Path, config: Any) -> Callable[[list], tuple]:
+        processor = load_processor(path, config)
+        return lambda samples: contract_microbatch(processor, samples)
+
+    def vision_states(model: Any, inputs: tuple) -> Any:
+        pixel_values = inputs[0]
+        if not pixel_values.shape[0]:
+            return None
+        return model.model.vision_tower(pixel_values, output_hidden_states=True).hidden_states
+
+    return Family(load_llava, llava_layers, microbatches, "<image>", lambda model, inputs: hf_model_kwargs(inputs),
+                  vision_states)
+
+
+def _qwen2_vl_family() -> Family:
+    from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers
+    from dflop_ds.models.hf.qwen2_vl_synthetic import IMAGE_MARK, Qwen2VLInputs, qwen2_vl_hf_kwargs
+
+    def microbatches(path: Path, config: Any) -> Callable[[list], tuple]:
+        return Qwen2VLInputs.from_dir(path, config).microbatch
+
+    def vision_states(model: Any, inputs: tuple) -> Any:
+        pixel_values, _, _, grid = inputs
+        if not grid.shape[0]:
+            return None
+        return model.model.visual(pixel_values, grid_thw=grid, output_hidden_states=True).hidden_states
+
+    return Family(load_qwen2_vl, qwen2_vl_layers, microbatches, IMAGE_MARK,
+                  lambda model, inputs: qwen2_vl_hf_kwargs(inputs, model.config.image_token_id), vision_states)
+
+
+#: ``config.model_type`` -> the family's check-model parts (built on first use: they import transformers)
+FAMILIES: dict[str, Callable[[], Family]] = {"llava": _llava_family, "qwen2_vl": _qwen2_vl_family,
+                                             "qwen2_5_vl": _qwen2_vl_family}
+
+
+def model_family(model_dir: Path) -> Family:
+    """The :class:`Family` of a ``save_pretrained`` directory, by its ``config.model_type``."""
+    from transformers import AutoConfig
+
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: no config.json (expected a save_pretrained model directory)")
+    model_type = getattr(AutoConfig.from_pretrained(model_dir, local_files_only=True), "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(f"{model_dir}: model type {model_type!r} is not supported by check-model "
+                         f"(supported: {', '.join(repr(name) for name in FAMILIES)})")
+    return FAMILIES[model_type]()
+
+
+def hf_boundaries(model: Any, family: Family, inputs: tuple, n_vision: int) -> dict[int, torch.Tensor]:
     """HF's activations after flat layer ``j``: vision ``hidden_states[j]`` for the encoder entries,
     the language model's ``hidden_states[i]`` after the projector (i = 0) and decoder layer i - 1
     (the last decoder layer is left out: HF normalizes it in place)."""
-    pixel_values, input_ids, seq_lens = inputs
     reference: dict[int, torch.Tensor] = {}
-    if pixel_values.shape[0]:
-        vision = model.model.vision_tower(pixel_values, output_hidden_states=True).hidden_states
+    vision = family.vision_states(model, inputs)
+    if vision is not None:
         reference.update({j: vision[j] for j in range(n_vision)})
-    from dflop_ds.models.hf.common import padding_mask
-
-    mask = padding_mask(seq_lens, input_ids.shape[1])
-    pixels = pixel_values if pixel_values.shape[0] else None
-    text = model.model(input_ids=input_ids, pixel_values=pixels, attention_mask=mask,
-                       output_hidden_states=True).hidden_states
+    text = model.model(**family.hf_kwargs(model, inputs), output_hidden_states=True).hidden_states
     reference.update({n_vision + i: text[i] for i in range(len(text) - 1)})
     return reference
 
@@ -194,34 +257,34 @@ def first_differing_stage(bounds: list[int], ours: dict[int, torch.Tensor], refe
 
 def check_model(model_dir: str | Path, *, stages: int = 1, tolerance: float = 1e-4, seed: int = 0) -> CheckReport:
     """Compare the layer lists split into ``stages`` with the HF model on synthetic microbatches."""
-    from dflop_ds.models.hf.llava import llava_layers, load_llava
     from dflop_ds.pipe.module import layer_name
 
     path = Path(model_dir)
+    family = model_family(path)
     torch.manual_seed(seed)
-    model = load_llava(path).eval()  # eval: no dropout, so both paths are deterministic
-    processor = load_processor(path, model.config)
-    encoder, projector, llm = llava_layers(model)
+    model = family.load(path).eval()  # eval: no dropout, so both paths are deterministic
+    microbatch = family.microbatches(path, model.config)
+    encoder, projector, llm = family.layers(model)
     layers = [*encoder, projector, *llm]
     names = [layer_name(layer) for layer in layers]
     bounds = plan_stage_bounds(len(layers), len(encoder) + 1, stages)
     report = CheckReport(str(path), bounds, names, tolerance)
-    for number, (what, samples) in enumerate(synthetic_batches(processor, seed)):
-        inputs, labels = contract_microbatch(processor, samples)
+    for number, (what, samples) in enumerate(synthetic_batches(seed, family.image_mark)):
+        inputs, labels = microbatch(samples)
         logits, ours = run_stages(layers, bounds, inputs)
         loss = token_normalized_loss(logits, labels)
         with torch.no_grad():
-            reference = hf_forward(model, inputs, labels[0])
+            reference = model(**family.hf_kwargs(model, inputs), labels=hf_labels(labels[0]))
         errors = {"loss": _relative(loss, reference.loss), "logits": _relative(logits, reference.logits)}
         report.max_rel_err = max(report.max_rel_err, *errors.values())
         bad = [f"{kind} rel err {err:.2e}" for kind, err in errors.items() if not err <= tolerance]
         if bad:
             with torch.no_grad():
-                hf_acts = hf_boundaries(model, inputs, len(encoder))
+                hf_acts = hf_boundaries(model, family, inputs, len(encoder))
             where = first_differing_stage(bounds, ours, hf_acts, tolerance, names)
             report.problems.append(f"batch {number} ({what}): {', '.join(bad)}; {where}")
     return report
 
 
-__all__ = ["CheckReport", "check_model", "hf_boundaries", "image_features_per_image", "load_processor",
-           "run_stages", "synthetic_batches"]
+__all__ = ["FAMILIES", "CheckReport", "Family", "check_model", "hf_boundaries", "image_features_per_image",
+           "load_processor", "model_family", "run_stages", "synthetic_batches"]

@@ -18,7 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``check-model`` sub-command."""
     parser = subparsers.add_parser(
         "check-model", help="check that the pipeline layer lists of a HF model directory match its own forward",
-        description="Load a save_pretrained LLaVA directory (model + processor), split its layer lists into "
+        description="Load a save_pretrained LLaVA or Qwen2-VL directory (model + processor, or tokenizer + image "
+                    "processor), split its layer lists into "
                     "--stages stages, run synthetic microbatches (images inside prompts, text-only rows and "
                     "microbatches, different lengths) stage by stage and through the HF model, and compare "
                     "loss and logits. Exit 1 when max_rel_err exceeds --tolerance.")

@@ -100,10 +100,10 @@ class LMHead(nn.Module):
         self.lm_head = lm_head
         self.tied_weights = {} if tied_key is None else {tied_key: "lm_head.weight"}
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Logits at every position (padding included; the loss ignores it)."""
-        hidden, _seq_lens = inputs
-        return self.lm_head(self.norm(hidden))
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Logits at every position (padding included; the loss ignores it). Integer tensors after
+        ``hidden`` (``seq_lens``, a family's position ids) are not needed here."""
+        return self.lm_head(self.norm(inputs[0]))
 
 
 def decoder_layers(language_model: nn.Module) -> list[DecoderLayer]:
@@ -127,6 +127,16 @@ def check_boundary(outputs: Any, where: str) -> None:
         seen_int = seen_int or not item.is_floating_point()
 
 
+def model_type(model_dir: Any) -> str | None:
+    """``model_type`` of a ``save_pretrained`` directory's ``config.json`` (None when it has none):
+    what picks the model family's adapter, data pipeline and profiling target."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "config.json"
+    return json.loads(path.read_text()).get("model_type") if path.is_file() else None
+
+
 def run_layers(layers: Sequence[Callable], inputs: Any) -> Any:
     """Apply ``layers`` in order (a single-process run of a flat layer list)."""
     x = inputs
@@ -136,4 +146,4 @@ def run_layers(layers: Sequence[Callable], inputs: Any) -> Any:
 
 
 __all__ = ["DecoderLayer", "FULL", "LMHead", "SLIDING", "attention_mask_for", "check_boundary", "decoder_layers",
-           "layer_mask_kinds", "padding_mask", "row_positions", "run_layers"]
+           "layer_mask_kinds", "model_type", "padding_mask", "row_positions", "run_layers"]

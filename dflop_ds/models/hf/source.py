@@ -47,7 +47,8 @@ def hf_source(
     max_length: Optional[int] = None,
     truncation: str = "error",
 ) -> ModelSource:
-    """The LLaVA model, processor and data pipeline of ``model_dir`` for the training loop.
+    """The LLaVA model, processor and data pipeline of ``model_dir`` for the training loop
+    (a Qwen2-VL directory goes to :func:`~dflop_ds.models.hf.qwen2_vl_source.qwen2_vl_source`).
 
     Args:
         model_dir: a ``save_pretrained`` directory of a ``LlavaForConditionalGeneration`` with
@@ -60,6 +61,15 @@ def hf_source(
         max_length, truncation: sequence-length rule of the tokenization
             (:class:`~dflop_ds.models.hf.data.LlavaPreprocessor`).
     """
+    from dflop_ds.models.hf.common import model_type
+    from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES
+
+    if model_type(model_dir) in MODEL_CLASSES:  # dispatch hook: the Qwen2-VL family has its own source
+        from dflop_ds.models.hf.qwen2_vl_source import qwen2_vl_source
+
+        if max_length is not None or truncation != "error":
+            raise ValueError(f"{model_dir}: max_length and truncation are not supported for Qwen2-VL yet")
+        return qwen2_vl_source(model_dir, image_folder=image_folder, lora=lora)
     from dflop_ds.data import read_dataset
     from dflop_ds.models.hf.data import (LlavaDataset, LlavaPreprocessor, collate_llava, load_llava_records,
                                          supervised_targets)

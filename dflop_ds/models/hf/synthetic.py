@@ -28,12 +28,31 @@ def encode_sample(processor: Any, prompt: str, answer: str, images: Sequence[Any
     else:
         prompt_ids = torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
         pixel_values = None
+    return (pixel_values, *append_answer(tokenizer, prompt_ids, answer))
+
+
+def append_answer(tokenizer: Any, prompt_ids: torch.Tensor, answer: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids [L], targets [L])``: the prompt, then the supervised answer and eos (targets shifted)."""
     answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     ids = torch.cat([prompt_ids.long(), torch.tensor(answer_ids, dtype=torch.long)])
     targets = torch.full_like(ids, IGNORE_INDEX)
     start = prompt_ids.numel()
     targets[start - 1 : -1] = ids[start:]  # the token before each answer token predicts it
-    return pixel_values, ids, targets
+    return ids, targets
+
+
+def stack_rows(rows: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int,
+               denominator: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids [B, S], seq_lens [B], targets [B, S], loss_denominator)`` of right-padded
+    ``(input_ids, targets)`` rows; ``denominator`` defaults to the rows' target count."""
+    seq_lens = torch.tensor([ids.numel() for ids, _ in rows], dtype=torch.long)
+    input_ids = torch.full((len(rows), int(seq_lens.max())), pad_id, dtype=torch.long)
+    targets = torch.full_like(input_ids, IGNORE_INDEX)
+    for b, (ids, tgt) in enumerate(rows):
+        input_ids[b, : ids.numel()] = ids
+        targets[b, : tgt.numel()] = tgt
+    count = float((targets != IGNORE_INDEX).sum()) if denominator is None else float(denominator)
+    return input_ids, seq_lens, targets, torch.tensor(count, dtype=torch.float64)
 
 
 def pad_token_id(tokenizer: Any) -> int:
@@ -52,19 +71,14 @@ def contract_microbatch(processor: Any, samples: Sequence[Sample], *, image_shap
     if not samples:
         raise ValueError("contract_microbatch: no samples")
     encoded = [encode_sample(processor, *sample) for sample in samples]
-    seq_lens = torch.tensor([ids.numel() for _, ids, _ in encoded], dtype=torch.long)
-    input_ids = torch.full((len(encoded), int(seq_lens.max())), pad_token_id(processor.tokenizer), dtype=torch.long)
-    targets = torch.full_like(input_ids, IGNORE_INDEX)
-    for b, (_, ids, tgt) in enumerate(encoded):
-        input_ids[b, : ids.numel()] = ids
-        targets[b, : tgt.numel()] = tgt
+    input_ids, seq_lens, targets, count = stack_rows([(ids, tgt) for _, ids, tgt in encoded],
+                                                     pad_token_id(processor.tokenizer), denominator)
     pixels = [px for px, _, _ in encoded if px is not None]
     if pixels:
         pixel_values = torch.cat(pixels)
     else:
         pixel_values = torch.zeros(0, *(image_shape or default_image_shape(processor)))
-    count = float((targets != IGNORE_INDEX).sum()) if denominator is None else float(denominator)
-    return (pixel_values, input_ids, seq_lens), (targets, torch.tensor(count, dtype=torch.float64))
+    return (pixel_values, input_ids, seq_lens), (targets, count)
 
 
 def default_image_shape(processor: Any) -> tuple[int, int, int]:
@@ -87,13 +101,18 @@ def hf_labels(targets: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def hf_forward(model: Any, inputs: Sequence[torch.Tensor], targets: torch.Tensor):
-    """The HF model's own forward of a contract microbatch with labels (its loss: the token mean)."""
+def hf_model_kwargs(inputs: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """The HF LLaVA model's keyword arguments for a contract microbatch (no pixels without images)."""
     pixel_values, input_ids, seq_lens = inputs
     mask = padding_mask(seq_lens, input_ids.shape[1])
     pixels = pixel_values if pixel_values.shape[0] else None
-    return model(input_ids=input_ids, pixel_values=pixels, attention_mask=mask, labels=hf_labels(targets))
+    return {"input_ids": input_ids, "pixel_values": pixels, "attention_mask": mask}
 
 
-__all__ = ["Sample", "contract_microbatch", "default_image_shape", "encode_sample", "hf_forward", "hf_labels",
-           "pad_token_id"]
+def hf_forward(model: Any, inputs: Sequence[torch.Tensor], targets: torch.Tensor):
+    """The HF model's own forward of a contract microbatch with labels (its loss: the token mean)."""
+    return model(**hf_model_kwargs(inputs), labels=hf_labels(targets))
+
+
+__all__ = ["Sample", "append_answer", "contract_microbatch", "default_image_shape", "encode_sample", "hf_forward",
+           "hf_labels", "hf_model_kwargs", "pad_token_id", "stack_rows"]

@@ -1,0 +1,330 @@
+"""HF ``Qwen2VLForConditionalGeneration`` (and Qwen2.5-VL) as the pipeline's flat layer lists (docs/architecture.md).
+
+Microbatch inputs: ``(pixel_values [P, C*T*p*p], input_ids [B, S], seq_lens [B], image_grid_thw [N, 3])``:
+every image's patches, flattened as ``Qwen2VLImageProcessor`` writes them, images in microbatch
+order; ``image_grid_thw`` (long) their ``(t, h, w)`` patch grids (``P = sum(t*h*w)``); every
+image's ``<|image_pad|>`` token already repeated ``t*h*w / merge**2`` times. A microbatch
+without images has ``P = N = 0``.
+
+:func:`qwen2_vl_layers` turns a loaded model into ``(encoder_layers, projector, llm_layers)``:
+
+* encoder: :class:`PatchEmbedding` (a microbatch without images embeds one placeholder image),
+  then one :class:`VisionBlock` per vision block. ``(vis [P, Dv], input_ids, seq_lens, grid)``;
+  every block attends within each image (``cu_seqlens`` from the grid) with the 2-D rotary
+  table of its patches, both rebuilt from the integer grid in every block (they hold no
+  weights, so only integers cross a stage boundary besides ``vis``).
+* projector: :class:`Qwen2VLProjector`: the patch merger, token embedding, the features written
+  at the ``<|image_pad|>`` tokens, and the M-RoPE position ids (:func:`mrope_position_ids`):
+  ``-> (hidden [B, S, D], position_ids [3, B, S], seq_lens)``.
+* LLM: one :class:`MRopeDecoderLayer` per decoder layer, then the shared
+  :class:`~dflop_ds.models.hf.common.LMHead`.
+
+Qwen2.5-VL (``model_type`` ``qwen2_5_vl``) differs in its tower only: patches are reordered
+into attention windows after the embedding (:func:`window_index`), every block but the
+``fullatt_block_indexes`` attends within windows, and the projector restores the order after
+the merger. Videos (``<|video_pad|>``) are not supported yet and are refused by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflop_ds.models.hf.common import DecoderLayer, LMHead, attention_mask_for, layer_mask_kinds
+from dflop_ds.models.hf.llava import TIED_EMBEDDING_KEY
+
+MODEL_TYPE = "qwen2_vl"
+#: model types this adapter runs -> their HF model class
+MODEL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+
+VisTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def check_qwen2_vl_config(config: Any, where: str = "model") -> None:
+    """Refuse a config this adapter cannot run, naming ``where``."""
+    if getattr(config, "model_type", None) not in MODEL_CLASSES:
+        raise ValueError(f"{where}: model type {getattr(config, 'model_type', None)!r} is not supported by the "
+                         f"Qwen2-VL adapter (supported: {', '.join(map(repr, MODEL_CLASSES))})")
+    layer_mask_kinds(config.text_config)  # refuses unknown attention kinds by name
+
+
+def load_qwen2_vl(model_dir: str | Path, *, dtype: torch.dtype | None = None) -> nn.Module:
+    """Load a ``save_pretrained`` Qwen2-VL / Qwen2.5-VL directory as its ``...ForConditionalGeneration`` (offline)."""
+    import transformers
+    from transformers import AutoConfig
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json (expected a save_pretrained model directory)")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    check_qwen2_vl_config(config, str(path))
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    model_class = getattr(transformers, MODEL_CLASSES[config.model_type])
+    return model_class.from_pretrained(path, local_files_only=True, **kwargs)
+
+
+def window_index(grid: torch.Tensor, vision_config: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(window_index, cu_window_seqlens)`` of Qwen2.5-VL's windowed tower (merge units in
+    window order, window bounds in patches); ``None`` for a tower without windows (Qwen2-VL)."""
+    if getattr(vision_config, "window_size", None) is None:
+        return None
+    from transformers.vision_utils import get_vision_window_index
+
+    return get_vision_window_index(grid, int(vision_config.spatial_merge_size), int(vision_config.window_size),
+                                   int(vision_config.patch_size))
+
+
+def permute_units(x: torch.Tensor, order: torch.Tensor, merge_size: int) -> torch.Tensor:
+    """Rows of ``x [P, ...]`` reordered by merge unit (``merge**2`` consecutive patches) as ``order`` says."""
+    unit = merge_size ** 2
+    return x.reshape(x.shape[0] // unit, unit, *x.shape[1:])[order].reshape(x.shape)
+
+
+def placeholder_grid(merge_size: int, like: torch.Tensor) -> torch.Tensor:
+    """``[[1, m, m]]``: the smallest image grid the merger accepts (one LLM token)."""
+    return torch.tensor([[1, merge_size, merge_size]], dtype=torch.long, device=like.device)
+
+
+def is_placeholder(grid: torch.Tensor, merge_size: int) -> bool:
+    """True when ``grid`` is the one placeholder image of a microbatch without images."""
+    return grid.shape[0] == 1 and grid[0].tolist() == [1, merge_size, merge_size]
+
+
+def mrope_position_ids(input_ids: torch.Tensor, seq_lens: torch.Tensor, image_grid_thw: torch.Tensor, *,
+                       image_token_id: int, merge_size: int) -> torch.Tensor:
+    """Qwen2-VL's multimodal rotary position ids ``[3, B, S]`` (temporal, height, width), as HF computes them.
+
+    Without images every row counts ``0..S-1`` on all three axes (padding included). With
+    images, each row's real tokens count on: a text token takes the next position on all three
+    axes; an image of grid ``(t, h, w)`` (``t*h*w / merge**2`` consecutive image tokens) starting
+    at position ``p`` takes ``(p + i, p + y, p + x)`` for its merged patch ``(i, y, x)``, and the
+    text after it continues at ``p + max(h, w) / merge``. Padding gets 0. Images are consumed
+    from ``image_grid_thw`` in row-major order; a run of image tokens whose length is not the
+    next image's token count is refused.
+    """
+    batch, length = input_ids.shape
+    device = input_ids.device
+    if image_grid_thw.shape[0] == 0:
+        return torch.arange(length, device=device).view(1, 1, -1).expand(3, batch, length).clone()
+    positions = torch.zeros(3, batch, length, dtype=torch.long, device=device)
+    grids = iter(image_grid_thw.tolist())
+    for row in range(batch):
+        ids = input_ids[row, : int(seq_lens[row])]
+        is_image = (ids == image_token_id).tolist()
+        pieces, start, current = [], 0, 0
+        while start < len(is_image):
+            stop = start
+            while stop < len(is_image) and is_image[stop] == is_image[start]:
+                stop += 1
+            if not is_image[start]:
+                pieces.append(torch.arange(current, current + stop - start, device=device).expand(3, -1))
+                current += stop - start
+            else:
+                t, h, w = next(grids, (0, 0, 0))
+                gh, gw = h // merge_size, w // merge_size
+                if t * gh * gw != stop - start:
+                    raise ValueError(f"row {row}: a run of {stop - start} image tokens at position {start} does not "
+                                     f"match the next image grid {(t, h, w)} ({t * gh * gw} tokens)")
+                axes = torch.meshgrid(torch.arange(t, device=device), torch.arange(gh, device=device),
+                                      torch.arange(gw, device=device), indexing="ij")
+                pieces.append(torch.stack([axis.flatten() for axis in axes]) + current)
+                current += max(gh, gw)
+            start = stop
+        if pieces:
+            positions[:, row, : len(is_image)] = torch.cat(pieces, dim=1)
+    leftover = sum(1 for _ in grids)
+    if leftover:
+        raise ValueError(f"{leftover} image grid(s) have no image tokens in the microbatch")
+    return positions
+
+
+class PatchEmbedding(nn.Module):
+    """First encoder layer: ``pixel_values [P, C*T*p*p] -> vis [P, Dv]`` (the 3-D patch convolution).
+
+    A microbatch without images embeds one blank placeholder image of grid ``[1, m, m]`` (its
+    grid replaces the empty one), which the projector drops: the tower then runs the same
+    operations with or without images, so every rank's backward produces the same gradients
+    in the same order (as for LLaVA, see ``dflop_ds.models.hf.llava.VisionEmbeddings``).
+    """
+
+    def __init__(self, patch_embed: nn.Module, vision_config: Any) -> None:
+        super().__init__()
+        self.patch_embed = patch_embed
+        self.vision_config = vision_config
+        self.merge_size = int(vision_config.spatial_merge_size)
+
+    def forward(self, inputs: VisTuple) -> VisTuple:
+        """Embed every patch of the microbatch's images (in window order for a windowed tower)."""
+        pixel_values, input_ids, seq_lens, grid = inputs
+        if grid.shape[0] == 0:
+            grid = placeholder_grid(self.merge_size, grid)
+            pixel_values = pixel_values.new_zeros((self.merge_size ** 2, pixel_values.shape[1]))
+        vis = self.patch_embed(pixel_values)
+        windows = window_index(grid, self.vision_config)
+        if windows is not None:
+            vis = permute_units(vis, windows[0], self.merge_size)
+        return vis, input_ids, seq_lens, grid
+
+
+class VisionBlock(nn.Module):
+    """One vision block: attention within each image (``cu_seqlens``) with its 2-D rotary positions."""
+
+    def __init__(self, block: nn.Module, rotary: nn.Module, vision_config: Any, index: int = 0) -> None:
+        super().__init__()
+        self.block = block
+        self.rotary = rotary
+        self.vision_config = vision_config
+        self.full_attention = index in set(getattr(vision_config, "fullatt_block_indexes", None) or ())
+
+    def forward(self, inputs: VisTuple) -> VisTuple:
+        """Refine ``vis``; the segment bounds and rotary table come from the integer grid
+        (windows and window order for a windowed tower's windowed blocks)."""
+        from transformers.utils.generic import get_max_seqlen
+        from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids
+
+        vis, input_ids, seq_lens, grid = inputs
+        config = self.vision_config
+        merge = int(config.spatial_merge_size)
+        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, config)
+        cos, sin = self.rotary(vis, get_vision_position_ids(grid, merge))
+        windows = window_index(grid, config)
+        if windows is not None:
+            order, cu_windows = windows
+            cos, sin = permute_units(cos, order, merge), permute_units(sin, order, merge)
+            if not self.full_attention:
+                cu_seqlens, max_seqlen = cu_windows, get_max_seqlen(cu_windows, config)
+        out = self.block(vis, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, position_embeddings=(cos, sin))
+        return out, input_ids, seq_lens, grid
+
+
+class Qwen2VLProjector(nn.Module):
+    """Patch merger, token embedding, the merge at ``<|image_pad|>`` and the M-RoPE positions:
+    ``(vis, input_ids, seq_lens, grid) -> (hidden [B, S, D], position_ids [3, B, S], seq_lens)``.
+
+    The merged features of the microbatch's images, in order, replace the embeddings of the
+    image tokens in row-major order. A microbatch without image tokens brings the tower's
+    placeholder image, whose one feature is dropped here (sliced off, so the graph stays the same).
+    """
+
+    def __init__(self, merger: nn.Module, embed_tokens: nn.Module, config: Any, tied_key: str | None = None) -> None:
+        super().__init__()
+        self.merger = merger
+        self.embed_tokens = embed_tokens
+        self.image_token_id = int(config.image_token_id)
+        self.video_token_id = int(config.video_token_id)
+        self.merge_size = int(config.vision_config.spatial_merge_size)
+        self.vision_config = config.vision_config
+        self.tied_weights = {} if tied_key is None else {tied_key: "embed_tokens.weight"}
+
+    def forward(self, inputs: VisTuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Merge image features into the token embeddings and compute the 3-D positions."""
+        vis, input_ids, seq_lens, grid = inputs
+        if bool((input_ids == self.video_token_id).any()):
+            raise ValueError("Qwen2VLProjector: the microbatch has video tokens; videos are not supported yet")
+        features = self.merger(vis)
+        embeds = self.embed_tokens(input_ids)
+        image_positions = input_ids == self.image_token_id
+        n_tokens = int(image_positions.sum())
+        if n_tokens == 0 and is_placeholder(grid, self.merge_size):
+            features, grid = features[:0], grid[:0]
+        if not n_tokens == features.shape[0] == int(grid.prod(-1).sum()) // self.merge_size ** 2:
+            raise ValueError(f"Qwen2VLProjector: the microbatch has {n_tokens} image tokens but its {grid.shape[0]} "
+                             f"image(s) of grids {grid.tolist()} give {features.shape[0]} features")
+        windows = window_index(grid, self.vision_config) if grid.shape[0] else None
+        if windows is not None:  # back from window order to the images' own order
+            features = features[torch.argsort(windows[0])]
+        hidden = embeds.masked_scatter(image_positions.unsqueeze(-1).expand_as(embeds), features.to(embeds.dtype))
+        position_ids = mrope_position_ids(input_ids, seq_lens, grid, image_token_id=self.image_token_id,
+                                          merge_size=self.merge_size)
+        return hidden, position_ids, seq_lens
+
+
+class MRopeDecoderLayer(DecoderLayer):
+    """One decoder layer at the M-RoPE positions: ``(hidden, position_ids [3, B, S], seq_lens) -> same``."""
+
+    def forward(self, inputs):  # type: ignore[override]
+        """Apply the layer: causal attention with key padding from ``seq_lens``, rotary from ``position_ids``."""
+        hidden, position_ids, seq_lens = inputs
+        mask = attention_mask_for(self.kind, self.text_config, hidden, seq_lens, None)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        out = self.layer(hidden, attention_mask=mask, position_ids=None, position_embeddings=position_embeddings)
+        return (out[0] if isinstance(out, tuple) else out), position_ids, seq_lens
+
+
+def qwen2_vl_layers(model: nn.Module) -> tuple[list[nn.Module], nn.Module, list[nn.Module]]:
+    """``(encoder_layers, projector, llm_layers)`` of a ``Qwen2VLForConditionalGeneration``, sharing its weights.
+
+    With tied word embeddings the projector's ``embed_tokens`` and the head's ``lm_head`` declare
+    the same :data:`TIED_EMBEDDING_KEY`, which ``MLLMPipelineModule`` keeps equal across stages.
+    """
+    config = model.config
+    check_qwen2_vl_config(config, type(model).__name__)
+    visual, language_model = model.model.visual, model.model.language_model
+    vision_config = config.vision_config
+    encoder: list[nn.Module] = [PatchEmbedding(visual.patch_embed, vision_config)]
+    encoder += [VisionBlock(block, visual.rotary_pos_emb, vision_config, i) for i, block in enumerate(visual.blocks)]
+    tied = model.lm_head.weight is language_model.embed_tokens.weight
+    key = TIED_EMBEDDING_KEY if tied else None
+    projector = Qwen2VLProjector(visual.merger, language_model.embed_tokens, config, tied_key=key)
+    text_config = language_model.config
+    kinds = layer_mask_kinds(text_config)
+    llm: list[nn.Module] = [MRopeDecoderLayer(layer, language_model.rotary_emb, text_config, kind)
+                            for layer, kind in zip(language_model.layers, kinds)]
+    llm.append(LMHead(language_model.norm, model.lm_head, tied_key=key))
+    return encoder, projector, llm
+
+
+
+
+class Qwen2VLEncoderInputs:
+    """Profiler input factory of the first encoder layer: ``(patches, batch) -> (pixel_values,
+    input_ids, seq_lens, image_grid_thw)``: one random image per row, ``patches`` spread over the
+    ``batch`` rows (each image rounded up to whole ``merge x merge`` blocks, as a ``m x k`` strip),
+    each row holding its image's tokens then ``text_tokens`` text tokens. ``patches`` are the
+    encoder units of the Qwen2-VL shape policy (``encoder_tiles``)."""
+
+    def __init__(self, config: Any, text_tokens: int = 8, dtype: torch.dtype = torch.float32) -> None:
+        vision = config.vision_config
+        self.merge = int(vision.spatial_merge_size)
+        self.patch_dim = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+        self.image_token_id, self.vocab_size = int(config.image_token_id), int(config.text_config.vocab_size)
+        self.special = {self.image_token_id, int(config.video_token_id)}
+        self.text_tokens, self.dtype = int(text_tokens), dtype
+
+    def __call__(self, patches: int, batch: int = 1) -> VisTuple:
+        from dflop_ds.profile.inputs import split_evenly
+
+        block = self.merge ** 2
+        grids = [[1, self.merge, self.merge * -(-n // block)] for n in split_evenly(patches, batch) if n > 0]
+        tokens = [t * h * w // block for t, h, w in grids] + [0] * (batch - len(grids))
+        lengths = [n + self.text_tokens for n in tokens]
+        input_ids = torch.randint(0, self.vocab_size, (batch, max(lengths)))
+        for token in self.special:
+            input_ids[input_ids == token] = min(set(range(self.vocab_size)) - self.special)
+        for row, n in enumerate(tokens):
+            input_ids[row, :n] = self.image_token_id
+        grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+        pixel_values = torch.randn(int(grid.prod(-1).sum()), self.patch_dim, dtype=self.dtype)
+        return pixel_values, input_ids, torch.tensor(lengths, dtype=torch.long), grid
+
+
+class MRopeLLMInputs:
+    """Profiler input factory of the first decoder layer: ``(batch, seq_len) -> (hidden,
+    position_ids [3, B, S] (text positions), seq_lens)``."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
+        self.hidden_size, self.dtype = int(hidden_size), dtype
+
+    def __call__(self, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        seq_lens = torch.full((batch,), seq_len, dtype=torch.long)
+        hidden = torch.randn(batch, seq_len, self.hidden_size, dtype=self.dtype)
+        return hidden, torch.arange(seq_len).expand(3, batch, seq_len).clone(), seq_lens
+
+
+__all__ = ["MODEL_CLASSES", "MODEL_TYPE", "MRopeDecoderLayer", "MRopeLLMInputs", "PatchEmbedding",
+           "Qwen2VLEncoderInputs", "Qwen2VLProjector", "TIED_EMBEDDING_KEY", "VisionBlock", "check_qwen2_vl_config",
+           "is_placeholder", "load_qwen2_vl", "mrope_position_ids", "permute_units", "placeholder_grid",
+           "qwen2_vl_layers", "window_index"]
