@@ -357,18 +357,29 @@ class LlavaDataset(Dataset):
             encoded = self.preprocessor.encode(turns, len(images))
         except ValueError as exc:
             raise self._error(shape.sample_id, None, str(exc)) from exc
-        if len(encoded.input_ids) != shape.llm_tokens or encoded.label_count != shape.label_tokens:
-            raise self._error(shape.sample_id, None, (
-                f"encodes to {len(encoded.input_ids)} tokens with {encoded.label_count} targets, but its shape "
-                f"says {shape.llm_tokens} and {shape.label_tokens}: the shapes were made under another policy "
-                f"than {self.preprocessor.name!r}"))
-        ids = torch.tensor(encoded.input_ids, dtype=torch.long)
-        targets = torch.full_like(ids, IGNORE_INDEX)
-        supervised = torch.tensor(encoded.supervised[1:], dtype=torch.bool)
-        targets[:-1][supervised] = ids[1:][supervised]
+        try:
+            ids, targets = item_tensors(encoded, shape, self.preprocessor.name)
+        except ValueError as exc:
+            raise self._error(shape.sample_id, None, str(exc)) from exc
         denominator = getattr(idx, "loss_denominator", None)
         return LlavaItem(shape.sample_id, self.preprocessor.pixel_values(images), ids, targets,
                          self.preprocessor.pad_token_id, None if denominator is None else float(denominator))
+
+
+def item_tensors(encoded: Encoded, shape: SampleShape, policy_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, targets)`` of an encoded sample, targets already shifted (-100 where nothing is
+    predicted); raises ``ValueError`` when the encoding disagrees with the sample's shape (the
+    shapes were made under another policy, so the sampler's loss denominator would be wrong)."""
+    if len(encoded.input_ids) != shape.llm_tokens or encoded.label_count != shape.label_tokens:
+        raise ValueError(
+            f"encodes to {len(encoded.input_ids)} tokens with {encoded.label_count} targets, but its shape "
+            f"says {shape.llm_tokens} and {shape.label_tokens}: the shapes were made under another policy "
+            f"than {policy_name!r}")
+    ids = torch.tensor(encoded.input_ids, dtype=torch.long)
+    targets = torch.full_like(ids, IGNORE_INDEX)
+    supervised = torch.tensor(encoded.supervised[1:], dtype=torch.bool)
+    targets[:-1][supervised] = ids[1:][supervised]
+    return ids, targets
 
 
 def collate_llava(items: Sequence[LlavaItem]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:

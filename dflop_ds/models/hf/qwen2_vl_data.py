@@ -33,7 +33,7 @@ import torch
 
 from dflop_ds.data.errors import PathArg
 from dflop_ds.models.hf.data import (NO_LIMIT, Encoded, LlavaDataset, LlavaItem, LlavaPreprocessor, _tokenizer_digest,
-                                     collate_llava)
+                                     collate_llava, item_tensors)
 from dflop_ds.shapes import ShapePolicy
 
 TEMPLATE_NAME = "qwen2-vl-chatml"
@@ -197,8 +197,6 @@ class Qwen2VLDataset(LlavaDataset):
 
     def __getitem__(self, idx: int) -> Qwen2VLItem:
         """The sample at ``idx`` (an ``int`` or a ``ScheduledIndex``, whose denominator is kept)."""
-        from dflop_ds.models.data import IGNORE_INDEX
-
         i = int(idx)
         if not 0 <= i < len(self.shapes):
             raise IndexError(f"Qwen2VLDataset index {i} out of range [0, {len(self.shapes)})")
@@ -215,15 +213,10 @@ class Qwen2VLDataset(LlavaDataset):
         length, limit = len(encoded.input_ids), self.preprocessor.max_length
         if limit is not None and length > limit:
             raise self._error(shape.sample_id, None, f"{length} tokens (images expanded) exceed max_length {limit}")
-        if length != shape.llm_tokens or encoded.label_count != shape.label_tokens:
-            raise self._error(shape.sample_id, None, (
-                f"encodes to {length} tokens with {encoded.label_count} targets, but its shape says "
-                f"{shape.llm_tokens} and {shape.label_tokens}: the shapes were made under another policy "
-                f"than {self.preprocessor.name!r}"))
-        ids = torch.tensor(encoded.input_ids, dtype=torch.long)
-        targets = torch.full_like(ids, IGNORE_INDEX)
-        supervised = torch.tensor(encoded.supervised[1:], dtype=torch.bool)
-        targets[:-1][supervised] = ids[1:][supervised]
+        try:
+            ids, targets = item_tensors(encoded, shape, self.preprocessor.name)
+        except ValueError as exc:
+            raise self._error(shape.sample_id, None, str(exc)) from exc
         denominator = getattr(idx, "loss_denominator", None)
         return Qwen2VLItem(shape.sample_id, pixel_values, ids, targets, self.preprocessor.pad_token_id,
                            None if denominator is None else float(denominator), grid)
