@@ -35,12 +35,13 @@ def lora_settings(block: Mapping[str, Any], source: str = "\"dflop\".lora") -> d
     return settings
 
 
-def apply_lora(model: Any, block: Mapping[str, Any]) -> Any:
+def apply_lora(model: Any, block: Mapping[str, Any], *, keep_trainable: str = "multi_modal_projector") -> Any:
     """Inject LoRA adapters into ``model``'s language model (in place); returns the ``PeftModel``.
 
     Only modules under the language model are targeted (never the vision tower or the
-    projector). Raises ``ValueError`` when no module of the language model matches
-    ``target_modules``.
+    projector); parameters whose name contains ``keep_trainable`` (the projector: LLaVA's
+    ``multi_modal_projector``, Qwen2-VL's ``visual.merger``) stay trained in full. Raises
+    ``ValueError`` when no module of the language model matches ``target_modules``.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -53,6 +54,6 @@ def apply_lora(model: Any, block: Mapping[str, Any]) -> Any:
     except ValueError as error:
         raise ValueError(f"LoRA: no module of the language model matches {settings['target_modules']}: {error}") from error
     for name, parameter in model.named_parameters():
-        if "multi_modal_projector" in name:
+        if keep_trainable in name:
             parameter.requires_grad_(True)
     return peft_model

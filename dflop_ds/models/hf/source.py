@@ -7,8 +7,9 @@ gathered the trained weights of every stage on one rank).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -38,56 +39,39 @@ def load_flat_state(layers: list, state: Mapping[str, torch.Tensor]) -> None:
             raise RuntimeError(f"layer {index} ({type(layer).__name__}) of the gathered state: {error}") from error
 
 
-def hf_source(
-    model_dir: str,
-    *,
-    image_folder: Optional[str] = None,
-    freeze_encoder: bool = False,
-    lora: Optional[Mapping[str, Any]] = None,
-    max_length: Optional[int] = None,
-    truncation: str = "error",
-) -> ModelSource:
-    """The LLaVA model, processor and data pipeline of ``model_dir`` for the training loop
-    (a Qwen2-VL directory goes to :func:`~dflop_ds.models.hf.qwen2_vl_source.qwen2_vl_source`).
+@dataclass(frozen=True)
+class HFFamily:
+    """What differs between HF model families for training: how to load the model and cut it into
+    layer lists, which module LoRA runs still train in full (the projector), the dataset class and
+    collate of its microbatch contract, and how its processor is written back."""
 
-    Args:
-        model_dir: a ``save_pretrained`` directory of a ``LlavaForConditionalGeneration`` with
-            its processor.
-        image_folder: folder the records' image paths are relative to (default: the data
-            file's folder).
-        freeze_encoder: freeze the vision tower (LLaVA's second stage); applied by the engine.
-        lora: LoRA settings for the language model (see :func:`dflop_ds.models.hf.lora.apply_lora`);
-            None trains all weights.
-        max_length, truncation: sequence-length rule of the tokenization
-            (:class:`~dflop_ds.models.hf.data.LlavaPreprocessor`).
-    """
-    from dflop_ds.models.hf.common import model_type
-    from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES
+    load: Callable[[str], Any]
+    layers: Callable[[Any], tuple]
+    projector_name: str
+    dataset: Callable[..., Any]
+    collate: Callable
+    save_processor: Callable[[Any, str], None]
 
-    if model_type(model_dir) in MODEL_CLASSES:  # dispatch hook: the Qwen2-VL family has its own source
-        from dflop_ds.models.hf.qwen2_vl_source import qwen2_vl_source
 
-        if max_length is not None or truncation != "error":
-            raise ValueError(f"{model_dir}: max_length and truncation are not supported for Qwen2-VL yet")
-        return qwen2_vl_source(model_dir, image_folder=image_folder, lora=lora)
+def family_source(model_dir: str, family: HFFamily, preprocessor: Any, *, image_folder: Optional[str] = None,
+                  lora: Optional[Mapping[str, Any]] = None) -> ModelSource:
+    """The training-loop source of ``model_dir`` for a model ``family`` with its ``preprocessor``
+    (tokenization template, image processing, shape policy)."""
     from dflop_ds.data import read_dataset
-    from dflop_ds.models.hf.data import (LlavaDataset, LlavaPreprocessor, collate_llava, load_llava_records,
-                                         supervised_targets)
-    from dflop_ds.models.hf.llava import llava_layers, load_llava
+    from dflop_ds.models.hf.data import load_llava_records, supervised_targets
 
     def build() -> tuple[Any, Any]:
         """A fresh copy of the model (with its LoRA adapters) and its PeftModel, if any."""
-        built = load_llava(model_dir)
+        built = family.load(model_dir)
         if lora is None:
             return built, None
         from dflop_ds.models.hf.lora import apply_lora
 
-        return built, apply_lora(built, lora)
+        return built, apply_lora(built, lora, keep_trainable=family.projector_name)
 
     model, _ = build()
-    preprocessor = LlavaPreprocessor.from_pretrained(model_dir, max_length=max_length, truncation=truncation)
     policy = preprocessor.policy()
-    encoder, projector, llm = llava_layers(model)
+    encoder, projector, llm = family.layers(model)
 
     def folder_for(path: str) -> str:
         return image_folder if image_folder is not None else str(Path(path).parent)
@@ -96,17 +80,56 @@ def hf_source(
         return read_dataset(path, policy, on_bad_sample=on_bad_sample, image_folder=folder_for(path))
 
     def make_dataset(shapes, path: str):
-        return LlavaDataset(list(shapes), load_llava_records(path), preprocessor, folder_for(path), source=path)
+        return family.dataset(list(shapes), load_llava_records(path), preprocessor, folder_for(path), source=path)
 
     def save_pretrained(directory: str, state: Mapping[str, torch.Tensor]) -> None:
         # into a fresh copy: the training copy's parameters may be ZeRO-3 partitions
         fresh, peft_model = build()
-        fresh_encoder, fresh_projector, fresh_llm = llava_layers(fresh)
+        fresh_encoder, fresh_projector, fresh_llm = family.layers(fresh)
         load_flat_state([*fresh_encoder, fresh_projector, *fresh_llm], state)
         final = peft_model.merge_and_unload() if peft_model is not None else fresh
         final.save_pretrained(directory)
-        preprocessor.processor.save_pretrained(directory)
+        family.save_processor(preprocessor, directory)
 
-    return ModelSource(f"llava:{Path(model_dir).name}", list(encoder), projector, list(llm), policy,
-                       read_shapes, make_dataset, collate_llava, supervised_targets,
+    return ModelSource(f"{model.config.model_type}:{Path(model_dir).name}", list(encoder), projector, list(llm),
+                       policy, read_shapes, make_dataset, family.collate, supervised_targets,
                        save_pretrained=save_pretrained, hf_model=model)
+
+
+def hf_source(
+    model_dir: str,
+    *,
+    image_folder: Optional[str] = None,
+    lora: Optional[Mapping[str, Any]] = None,
+    max_length: Optional[int] = None,
+    truncation: str = "error",
+) -> ModelSource:
+    """The model, processor and data pipeline of a HuggingFace directory for the training loop:
+    a ``LlavaForConditionalGeneration`` here, the Qwen2-VL family through
+    :func:`~dflop_ds.models.hf.qwen2_vl_source.qwen2_vl_source`.
+
+    Args:
+        model_dir: a ``save_pretrained`` directory of the model with its processor.
+        image_folder: folder the records' image paths are relative to (default: the data
+            file's folder).
+        lora: LoRA settings for the language model (see :func:`dflop_ds.models.hf.lora.apply_lora`);
+            None trains all weights.
+        max_length, truncation: sequence-length rule of the tokenization
+            (:class:`~dflop_ds.models.hf.data.LlavaPreprocessor`).
+    """
+    from dflop_ds.models.hf.common import model_type
+    from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES
+
+    if model_type(model_dir) in MODEL_CLASSES:  # the Qwen2-VL family has its own preprocessor
+        from dflop_ds.models.hf.qwen2_vl_source import qwen2_vl_source
+
+        if max_length is not None or truncation != "error":
+            raise ValueError(f"{model_dir}: max_length and truncation are not supported for Qwen2-VL yet")
+        return qwen2_vl_source(model_dir, image_folder=image_folder, lora=lora)
+    from dflop_ds.models.hf.data import LlavaDataset, LlavaPreprocessor, collate_llava
+    from dflop_ds.models.hf.llava import llava_layers, load_llava
+
+    family = HFFamily(load_llava, llava_layers, "multi_modal_projector", LlavaDataset, collate_llava,
+                      lambda pre, directory: pre.processor.save_pretrained(directory))
+    preprocessor = LlavaPreprocessor.from_pretrained(model_dir, max_length=max_length, truncation=truncation)
+    return family_source(model_dir, family, preprocessor, image_folder=image_folder, lora=lora)
