@@ -23,7 +23,8 @@ from deepspeed.accelerator import get_accelerator
 
 from dflop_ds.models.hf.llava import llava_layers, load_llava
 from dflop_ds.models.hf.synthetic import contract_microbatch, hf_forward
-from dflop_ds.pipe import MLLMPipelineModule, token_loss_sum
+from dflop_ds.pipe import token_loss_sum
+from dflop_ds.train import build_engine
 
 
 def image(rng: random.Random, width: int, height: int):
@@ -68,12 +69,14 @@ def main() -> None:
     microbatches = [(inputs, (labels[0], denominator)) for inputs, labels in unscaled]
 
     encoder, projector, llm = llava_layers(load_llava(args.model_dir))
-    split = {"stage_bounds": [int(b) for b in args.bounds.split(",")]} if args.bounds else {"encoder_stages": 1}
-    model = MLLMPipelineModule(encoder, projector, llm, num_stages=2, freeze_encoder=args.freeze, **split)
-    optimizer = torch.optim.SGD(model.optimizer_parameters(), lr=args.lr, momentum=0.9)
+    # default split: the encoder and projector alone on stage 0
+    bounds = [int(b) for b in args.bounds.split(",")] if args.bounds else [0, len(encoder) + 1, len(encoder) + 1 + len(llm)]
     config = {"train_batch_size": gas * dp, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
               "steps_per_print": 10**9, "gradient_clipping": 0.0}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    trainer = build_engine(encoder, projector, llm, config, pipeline_stages=2, stage_bounds=bounds,
+                           freeze_encoder=args.freeze,
+                           make_optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9))
+    engine, model = trainer.engine, trainer.module
 
     # single-process reference: the same layer lists of another copy, one SGD step on the global token mean
     hf_model = load_llava(args.model_dir).to(device)
@@ -97,7 +100,7 @@ def main() -> None:
     losses, max_diff, max_change = [], 0.0, 0.0
     for step in range(args.steps):
         batch = [(tuple(t.to(device) for t in i), tuple(t.to(device) for t in l)) for i, l in microbatches]
-        losses.append(float(engine.train_batch(iter(batch))))
+        losses.append(trainer.train_step(iter(batch)))
         if step == 0:
             for name, p in model.named_parameters():
                 max_diff = max(max_diff, float((p.detach() - ref_state[name].detach()).abs().max()))
