@@ -176,7 +176,9 @@ def run(tmp_path: Path, name: str, model: Path, data: Path, images: Path, *, ran
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("vision,text,tied,zero", [("clip", "llama", False, 1), ("siglip", "qwen2", True, 2)])
+# one 2-rank run in CI, ZeRO-2 with tied embeddings (the untied CLIP+Llama layout is checked by the
+# partition-config test; its ZeRO-1 run passed when written but doubles this test's time)
+@pytest.mark.parametrize("vision,text,tied,zero", [("siglip", "qwen2", True, 2)])
 def test_autotp_tp2_trains_like_the_unsharded_run_and_saves_the_full_model(tmp_path, vision, text, tied, zero):
     from transformers import AutoModelForImageTextToText
 
