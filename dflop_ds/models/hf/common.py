@@ -137,6 +137,24 @@ def model_type(model_dir: Any) -> str | None:
     return json.loads(path.read_text()).get("model_type") if path.is_file() else None
 
 
+def load_checked(model_dir: Any, check: Callable[[Any, str], None], model_class: Callable[[Any], Any],
+                 dtype: Any = None) -> Any:
+    """Load a ``save_pretrained`` directory offline: its config is checked first (``check(config,
+    where)`` names an unsupported model before any weight is read), then ``model_class(config)``
+    (the ``...ForConditionalGeneration`` class to use) loads the weights."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json (expected a save_pretrained model directory)")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    check(config, str(path))
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    return model_class(config).from_pretrained(path, local_files_only=True, **kwargs)
+
+
 def run_layers(layers: Sequence[Callable], inputs: Any) -> Any:
     """Apply ``layers`` in order (a single-process run of a flat layer list)."""
     x = inputs

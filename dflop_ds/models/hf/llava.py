@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflop_ds.models.hf.common import LMHead, decoder_layers
+from dflop_ds.models.hf.common import LMHead, decoder_layers, load_checked
 
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
 TEXT_TYPES = ("llama", "qwen2", "mistral")
@@ -68,15 +68,9 @@ def load_llava(model_dir: str | Path, *, dtype: torch.dtype | None = None) -> nn
     The config is checked first (:func:`check_llava_config`), so an unsupported model is named
     before its weights are read.
     """
-    from transformers import AutoConfig, LlavaForConditionalGeneration
+    from transformers import LlavaForConditionalGeneration
 
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: no config.json (expected a save_pretrained model directory)")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    check_llava_config(config, str(path))
-    kwargs = {} if dtype is None else {"dtype": dtype}
-    return LlavaForConditionalGeneration.from_pretrained(path, local_files_only=True, **kwargs)
+    return load_checked(model_dir, check_llava_config, lambda config: LlavaForConditionalGeneration, dtype)
 
 
 def feature_depth(config: Any) -> int:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflop_ds.models.hf.common import DecoderLayer, LMHead, attention_mask_for, layer_mask_kinds
+from dflop_ds.models.hf.common import DecoderLayer, LMHead, attention_mask_for, layer_mask_kinds, load_checked
 from dflop_ds.models.hf.llava import TIED_EMBEDDING_KEY
 
 MODEL_TYPE = "qwen2_vl"
@@ -54,16 +54,9 @@ def check_qwen2_vl_config(config: Any, where: str = "model") -> None:
 def load_qwen2_vl(model_dir: str | Path, *, dtype: torch.dtype | None = None) -> nn.Module:
     """Load a ``save_pretrained`` Qwen2-VL / Qwen2.5-VL directory as its ``...ForConditionalGeneration`` (offline)."""
     import transformers
-    from transformers import AutoConfig
 
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: no config.json (expected a save_pretrained model directory)")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    check_qwen2_vl_config(config, str(path))
-    kwargs = {} if dtype is None else {"dtype": dtype}
-    model_class = getattr(transformers, MODEL_CLASSES[config.model_type])
-    return model_class.from_pretrained(path, local_files_only=True, **kwargs)
+    return load_checked(model_dir, check_qwen2_vl_config,
+                        lambda config: getattr(transformers, MODEL_CLASSES[config.model_type]), dtype)
 
 
 def window_index(grid: torch.Tensor, vision_config: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
