@@ -24,6 +24,16 @@ def profiled_cost_model(path: str | Path, reuse: bool = True) -> CostModel:
     return CostModel.load(path)
 
 
+def worker_ds_config(global_batch: int, gas: int, dp: int, zero_stage: int | None = None) -> dict:
+    """The DeepSpeed config of a benchmark worker's engine: the batch keys (micro batch derived
+    from the global batch, GAS and dp), no step printing, and a ZeRO stage when given."""
+    config = {"train_batch_size": global_batch, "gradient_accumulation_steps": gas,
+              "train_micro_batch_size_per_gpu": max(1, global_batch // (gas * dp)), "steps_per_print": 10**9}
+    if zero_stage is not None:
+        config["zero_optimization"] = {"stage": zero_stage}
+    return config
+
+
 def add_worker_options(parser: argparse.ArgumentParser, *, global_batch: int, gas: int, rounds: int) -> None:
     """The options every benchmark worker (one rank under `deepspeed`) takes: the launcher's
     ``--local_rank``, the cost model, the batch sizes, the rounds, the seed and the output file."""

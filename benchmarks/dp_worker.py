@@ -25,7 +25,7 @@ from deepspeed.accelerator import get_accelerator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import add_worker_options  # noqa: E402
+from benchmarks.common import add_worker_options, worker_ds_config  # noqa: E402
 from benchmarks.e2e_methods import split_for  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
@@ -93,10 +93,8 @@ def parse_args() -> argparse.Namespace:
 
 def zero2_engine(colocated: bool, gas: int, global_batch: int, dp: int, seed: int) -> TrainingEngine:
     """The tiny MLLM under ZeRO-2 on the plain engine."""
-    ds_config = {"train_batch_size": global_batch, "gradient_accumulation_steps": gas,
-                 "train_micro_batch_size_per_gpu": max(1, global_batch // (gas * dp)),
-                 "steps_per_print": 10**9, "zero_optimization": {"stage": 2}}
-    return build_engine(*tiny_mllm_layers(seed=seed), ds_config, pipeline_stages=1, colocated=colocated, lr=1e-3)
+    return build_engine(*tiny_mllm_layers(seed=seed), worker_ds_config(global_batch, gas, dp, zero_stage=2),
+                        pipeline_stages=1, colocated=colocated, lr=1e-3)
 
 
 def main() -> int:

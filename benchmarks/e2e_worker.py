@@ -22,7 +22,7 @@ from deepspeed.accelerator import get_accelerator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import add_worker_options  # noqa: E402
+from benchmarks.common import add_worker_options, worker_ds_config  # noqa: E402
 from benchmarks.e2e_methods import METHODS, PACKED_METHODS, split_for  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
@@ -49,11 +49,8 @@ def parse_args() -> argparse.Namespace:
 
 def pipeline_engine(bounds, gas: int, global_batch: int, dp: int, seed: int) -> TrainingEngine:
     """A 2-stage pipeline engine of the tiny MLLM with the given stage bounds (None: uniform)."""
-    ds_config = {"train_batch_size": global_batch, "gradient_accumulation_steps": gas,
-                 "train_micro_batch_size_per_gpu": max(1, global_batch // (gas * dp)),
-                 "steps_per_print": 10**9}
-    return build_engine(*tiny_mllm_layers(TinyMLLMConfig(), seed=seed), ds_config, pipeline_stages=2,
-                        stage_bounds=bounds, lr=1e-3)
+    return build_engine(*tiny_mllm_layers(TinyMLLMConfig(), seed=seed), worker_ds_config(global_batch, gas, dp),
+                        pipeline_stages=2, stage_bounds=bounds, lr=1e-3)
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ from deepspeed.accelerator import get_accelerator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import add_worker_options  # noqa: E402
+from benchmarks.common import add_worker_options, worker_ds_config  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
 from dflop_ds.plan.stages import cost_balanced_bounds  # noqa: E402
@@ -57,11 +57,7 @@ def main() -> int:
     shapes = source.read_shapes(args.data, "error")
     dataset = source.make_dataset(shapes, args.data)
     cost_model = CostModel.load(args.cost_model)
-    ds_config = {"train_batch_size": args.global_batch, "gradient_accumulation_steps": args.gas,
-                 "train_micro_batch_size_per_gpu": max(1, args.global_batch // (args.gas * dp)),
-                 "steps_per_print": 10**9}
-    if stages == 1:
-        ds_config["zero_optimization"] = {"stage": 2}
+    ds_config = worker_ds_config(args.global_batch, args.gas, dp, zero_stage=2 if stages == 1 else None)
     bounds = cost_balanced_bounds(cost_model, shapes, stages) if stages > 1 else None
     trainer = build_engine(*source.layers(), ds_config, pipeline_stages=stages, stage_bounds=bounds, lr=1e-4)
     dp_rank, dp_size = trainer.dp_coords
