@@ -90,12 +90,11 @@ class DispatchingSampler:
         return [MicrostepRequest(list(own), self.last_plan, self.sampler.dp_rank)]
 
     def __iter__(self) -> Iterator[list[MicrostepRequest]]:
-        schedule, step = None, 0
-        for own in self.sampler:
-            current = self.sampler.last_schedule
-            step = step + 1 if current is schedule else 0
-            schedule = current
-            yield self._request(current, step, own)
+        """Each micro-step's request, the position moving as it is handed out (as the wrapped
+        sampler's own ``__iter__``: exact without workers; with workers use ``make_loader``)."""
+        for position, schedule, request in self.scheduled_microbatches():
+            self.sampler.consumed(position, schedule)
+            yield request
 
     def scheduled_microbatches(self) -> Iterator[tuple[Any, Any, list[MicrostepRequest]]]:
         """The wrapped sampler's ``scheduled_microbatches`` with each micro-step's request in place
