@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
 from dflop_ds.config import DFLOPConfig, autotp_size
+from dflop_ds.schedule.correction import CorrectionSettings
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -176,6 +177,7 @@ def check_training_setup(
         check_plan_topology(plan, world_size=world_size, stages=stages)
     if world_size % stages:
         raise SetupError(f"\"dflop\".pipeline_stages={stages} does not divide the world size {world_size}")
+    check_engine_features(dflop)
     tp = autotp_size(dict(ds_config))
     if tp > 1:
         check_tensor_parallel(dflop, tp, world_size, int((ds_config.get("zero_optimization") or {}).get("stage", 0)))
@@ -199,6 +201,18 @@ def check_training_setup(
             f"{'' if dflop.max_samples is None else f' (max_samples={dflop.max_samples})'},"
             f" fewer than one global batch (train_batch_size={total}{f' / autotp_size {tp}' if tp > 1 else ''})"
         )
+
+
+def check_engine_features(dflop: DFLOPConfig) -> None:
+    """Features that need one engine kind: adaptive correction reads the pipeline engine's
+    per-stage timers; the colocated encoder runs the tiny model on the plain engine only."""
+    pipelined = dflop.pipeline_stages > 1
+    if not pipelined and CorrectionSettings.from_dict(dflop.correction, "\"dflop\".correction").enabled:
+        raise SetupError("\"dflop\".correction needs the pipeline engine's per-stage timers"
+                         " (\"dflop\".pipeline_stages > 1)")
+    if dflop.encoder == "colocated" and (pipelined or dflop.model_name_or_path is not None):
+        raise SetupError("\"dflop\".encoder = \"colocated\" runs the tiny model on the plain engine only for now"
+                         " (\"dflop\".pipeline_stages = 1, no model_name_or_path)")
 
 
 def check_tensor_parallel(dflop: DFLOPConfig, tp: int, world_size: int, zero_stage: int) -> None:

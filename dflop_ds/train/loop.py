@@ -126,15 +126,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.utils import RepeatingLoader
 
-    from dflop_ds.checks import check_training_setup
+    from dflop_ds.checks import check_cost_model, check_training_setup
     from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
+    from dflop_ds.loader import make_loader
+    from dflop_ds.paths import check_writable, check_writable_folder
+    from dflop_ds.profile.proxy import ProxyCost
     from dflop_ds.schedule.sampler import make_sampler
     from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
     from dflop_ds.telemetry.setup import inject_fault, make_correction
-
-    from dflop_ds.checks import check_cost_model
-    from dflop_ds.loader import make_loader
-    from dflop_ds.paths import check_writable, check_writable_folder
 
     args = build_parser().parse_args(argv)
     ds_config, cfg = load_settings(args)
@@ -167,14 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     encoder = inject_fault(encoder, cfg.fault, ds_config)  # testing only: an optional slow shape class
     check_training_setup(ds_config, cfg, world, plan=load_plan(cfg.plan), n_samples=len(shapes),
                          n_layers=source.n_layers)
-    pipelined = cfg.pipeline_stages > 1
-    if not pipelined and cfg.correction.get("enabled"):
-        raise ValueError(f"{args.deepspeed_config}: \"dflop\".correction needs the pipeline engine's per-stage "
-                         "timers (\"dflop\".pipeline_stages > 1)")
-    colocated = cfg.encoder == "colocated"
-    if colocated and (pipelined or cfg.model_name_or_path is not None):
-        raise ValueError(f"{args.deepspeed_config}: \"dflop\".encoder = \"colocated\" runs the tiny model on the plain "
-                         "engine only for now (\"dflop\".pipeline_stages = 1, no model_name_or_path)")
+    pipelined, colocated = cfg.pipeline_stages > 1, cfg.encoder == "colocated"
     bounds = cfg.stage_bounds
     if pipelined and bounds is None and cost_model is not None:  # split where the predicted time balances
         from dflop_ds.plan.stages import cost_balanced_bounds
@@ -186,18 +178,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     engine = trainer.engine
     dp_rank, dp_size = trainer.dp_coords
     correction = make_correction(cfg.correction, trainer.num_stages) if pipelined else None
+    costs = cost_model if cost_model is not None else ProxyCost()  # what the sampler predicts with
+    sampler_cost = costs
     if colocated:  # the encoder is balanced by dispatch: the sampler balances the LLM alone
-        from dflop_ds.profile.proxy import ProxyCost
         from dflop_ds.train.colocated import LLMOnlyCost, colocate
 
-        cost_model = cost_model or ProxyCost()
+        sampler_cost = LLMOnlyCost(costs)
     packing = source.uses_packing(cfg.packing)
-    sampler_cost = LLMOnlyCost(cost_model) if colocated else cost_model
     if packing:  # a packed microbatch costs the sum of its samples (plus one constant)
         from dflop_ds.profile.packed import PackedCost
-        from dflop_ds.profile.proxy import ProxyCost
 
-        sampler_cost = PackedCost(sampler_cost or ProxyCost())
+        sampler_cost = PackedCost(sampler_cost)
     sampler = make_sampler(
         cfg.sampler, shapes, global_batch_size=trainer.global_batch_size,
         gradient_accumulation_steps=engine.gradient_accumulation_steps(), dp_rank=dp_rank, dp_size=dp_size,
@@ -207,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     collate = source.packed_collate if packing else source.collate
     if colocated:
-        sampler, dataset, collate = colocate(sampler, dataset, collate, shapes, cost_model)
+        sampler, dataset, collate = colocate(sampler, dataset, collate, shapes, costs)
     # the loader's state is what training consumed, not what its workers prefetched
     loader = make_loader(dataset, sampler, collate_fn=collate, num_workers=cfg.num_workers)
     first_step = resume(engine, loader, cfg, correction) if cfg.resume else 0
