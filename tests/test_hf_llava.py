@@ -18,6 +18,7 @@ from dflop_ds.models.hf.check import processor_image_tokens, random_image, run_s
 from dflop_ds.models.hf.llava import TIED_EMBEDDING_KEY, check_llava_config, llava_layers, load_llava  # noqa: E402
 from dflop_ds.models.hf.synthetic import contract_microbatch, hf_forward  # noqa: E402
 from dflop_ds.pipe import plan_stage_bounds, token_loss_sum, token_normalized_loss  # noqa: E402
+from hf_stage_checks import assert_stages_match_hf  # noqa: E402
 from dflop_ds.testing.hf_tiny import TOKENS_PER_IMAGE, build_tiny_llava  # noqa: E402
 
 torch.set_num_threads(1)
@@ -62,11 +63,7 @@ def test_layer_lists_match_hf_for_1_2_3_stages(tmp_path_factory, vision, text, t
         inputs, labels = contract_microbatch(processor, samples)
         with torch.no_grad():
             reference = hf_forward(model, inputs, labels[0])
-        for stages in (1, 2, 3):
-            bounds = plan_stage_bounds(len(layers), len(encoder) + 1, stages)
-            logits, _ = run_stages(layers, bounds, inputs)
-            torch.testing.assert_close(logits, reference.logits, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(token_normalized_loss(logits, labels), reference.loss, rtol=1e-5, atol=1e-6)
+        assert_stages_match_hf(layers, len(encoder) + 1, inputs, labels, reference)
 
 
 def test_global_token_mean_over_microbatches_equals_hf(tmp_path_factory) -> None:

@@ -12,11 +12,12 @@ pytest.importorskip("transformers")
 
 from dflop_ds.cli import main  # noqa: E402
 from dflop_ds.models.hf import qwen2_vl  # noqa: E402
-from dflop_ds.models.hf.check import random_image, run_stages  # noqa: E402
+from dflop_ds.models.hf.check import random_image  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, mrope_position_ids, qwen2_vl_layers  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl_synthetic import (IMAGE_MARK, Qwen2VLInputs, qwen2_vl_hf_forward,  # noqa: E402
                                                    qwen2_vl_hf_kwargs)
-from dflop_ds.pipe import plan_stage_bounds, token_normalized_loss  # noqa: E402
+from dflop_ds.pipe import token_normalized_loss  # noqa: E402
+from hf_stage_checks import assert_stages_match_hf  # noqa: E402
 from dflop_ds.testing.hf_tiny import build_tiny_qwen2_vl  # noqa: E402
 
 torch.set_num_threads(1)
@@ -62,11 +63,7 @@ def test_layer_lists_match_hf_for_1_2_3_stages(loaded) -> None:
         inputs, labels = inputs_of.microbatch(samples)
         with torch.no_grad():
             reference = qwen2_vl_hf_forward(model, inputs, labels[0])
-        for stages in (1, 2, 3):
-            bounds = plan_stage_bounds(len(layers), len(encoder) + 1, stages)
-            logits, _ = run_stages(layers, bounds, inputs)
-            torch.testing.assert_close(logits, reference.logits, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(token_normalized_loss(logits, labels), reference.loss, rtol=1e-5, atol=1e-6)
+        assert_stages_match_hf(layers, len(encoder) + 1, inputs, labels, reference)
 
 
 def test_gradients_match_hf_and_text_only_microbatches_reach_the_tower(loaded) -> None:

@@ -344,15 +344,19 @@ class LlavaDataset(Dataset):
                 raise self._error(sample_id, field, f"cannot load image {full}: {exc}") from exc
         return images
 
-    def __getitem__(self, idx: int) -> LlavaItem:
-        """The sample at ``idx`` (an ``int`` or a ``ScheduledIndex``, whose denominator is kept)."""
+    def _sample(self, idx: int) -> tuple[SampleShape, list, list[tuple[str, str]]]:
+        """``(shape, images, turns)`` of the sample at ``idx``, its images loaded."""
         i = int(idx)
         if not 0 <= i < len(self.shapes):
-            raise IndexError(f"LlavaDataset index {i} out of range [0, {len(self.shapes)})")
+            raise IndexError(f"{type(self).__name__} index {i} out of range [0, {len(self.shapes)})")
         shape = self.shapes[i]
         record = self.records[shape.sample_id]
-        images = self._load_images(shape.sample_id, record)
         turns = [(turn["from"], turn["value"]) for turn in record["conversations"]]
+        return shape, self._load_images(shape.sample_id, record), turns
+
+    def __getitem__(self, idx: int) -> LlavaItem:
+        """The sample at ``idx`` (an ``int`` or a ``ScheduledIndex``, whose denominator is kept)."""
+        shape, images, turns = self._sample(idx)
         try:
             encoded = self.preprocessor.encode(turns, len(images))
         except ValueError as exc:

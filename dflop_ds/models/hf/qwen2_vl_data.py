@@ -197,15 +197,9 @@ class Qwen2VLDataset(LlavaDataset):
 
     def __getitem__(self, idx: int) -> Qwen2VLItem:
         """The sample at ``idx`` (an ``int`` or a ``ScheduledIndex``, whose denominator is kept)."""
-        i = int(idx)
-        if not 0 <= i < len(self.shapes):
-            raise IndexError(f"Qwen2VLDataset index {i} out of range [0, {len(self.shapes)})")
-        shape = self.shapes[i]
-        record = self.records[shape.sample_id]
-        images = self._load_images(shape.sample_id, record)
+        shape, images, turns = self._sample(idx)
         pixel_values, grid = self.preprocessor.pixel_values(images)
         merge = self.preprocessor.rule.merge_size
-        turns = [(turn["from"], turn["value"]) for turn in record["conversations"]]
         try:
             encoded = self.preprocessor.encode(turns, (grid.prod(-1) // merge ** 2).tolist())
         except ValueError as exc:
