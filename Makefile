@@ -12,7 +12,7 @@ PY         := $(VENV)/bin/python
 # DeepSpeed's launcher and its JIT build (ninja) must be found on PATH.
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONUNBUFFERED=1
 
-.PHONY: setup demo test bench bench-partition bench-costmodel bench-plan bench-e2e bench-dp validate-simulator bench-hf clean
+.PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-e2e bench-dp validate-simulator bench-hf clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -25,6 +25,11 @@ setup: $(VENV)/.installed
 
 demo: setup
 	$(RUN) $(PY) examples/demo.py
+
+lint: setup
+	$(VENV)/bin/ruff check dflop_ds tests benchmarks examples
+	$(VENV)/bin/ruff format --check dflop_ds tests benchmarks examples
+	$(VENV)/bin/mypy
 
 test: setup
 	$(RUN) $(PY) -m pytest -q -p no:cacheprovider
