@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflop_ds.schedule.partition import partition_batch
-from dflop_ds.schedule.split import split_balanced
+from dflop_ds.schedule.splitters.dflop import split_balanced
 
 REL = 1e-9  # float summation order differs between the partitioner, the bound and this test
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -50,7 +50,7 @@ def test_search_returns_three_feasible_layouts_using_every_gpu() -> None:
     assert res.best.step_time <= res.best_deepspeed.step_time
     assert res.gap >= 0.0
     mono = res.monolithic.layout
-    assert not mono.balanced
+    assert mono.splitter == "stock"
     assert flat_bounds(mono.stages) == uniform_bounds(27 + 1 + 28, mono.n_stages)
     assert 64 % (mono.llm.dp * mono.n_mb) == 0
     for s in res.candidates:

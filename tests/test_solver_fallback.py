@@ -8,8 +8,9 @@ import numpy as np
 import pulp
 import pytest
 
-from dflop_ds.schedule import ilp, partition, split
-from dflop_ds.schedule.split import FALLBACK_SUFFIX, split_balanced
+from dflop_ds.schedule import ilp, partition
+from dflop_ds.schedule.splitters import dflop as split
+from dflop_ds.schedule.splitters.dflop import FALLBACK_SUFFIX, split_balanced
 
 N_MB, DP = 2, 2
 

@@ -34,7 +34,7 @@ from deepspeed.runtime import utils as ds_utils
 from deepspeed.utils import logger
 
 from dflop_ds.pipe.loss import token_normalized_loss
-from dflop_ds.pipe.split import plan_stage_bounds
+from dflop_ds.pipe.stage_bounds import plan_stage_bounds
 
 
 def mark_boundary_outputs(outputs: Any) -> Any:

@@ -40,14 +40,16 @@ class Layout:
             counts the stages holding layers of that segment.
         n_mb: microbatches per data-parallel rank and step (DeepSpeed's gradient accumulation).
         stages: ``(encoder, projector, llm)`` layer counts per stage, in pipeline order.
-        balanced: True for our data-aware microbatches; False for stock fixed-size ones.
+        splitter: the registered splitter (:mod:`dflop_ds.schedule.splitters`) cutting each
+            global batch into microbatches: ``"dflop"`` (our data-aware ones), ``"stock"``
+            (fixed sample counts), ``"llava"``, ``"verl"``, ...
     """
 
     encoder: Segment
     llm: Segment
     n_mb: int
     stages: tuple[StageLayers, ...]
-    balanced: bool = True
+    splitter: str = "dflop"
 
     @property
     def n_stages(self) -> int:

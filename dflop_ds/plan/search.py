@@ -333,7 +333,7 @@ def _shared_layout(model: Any, cluster: Cluster, data: _Data, tp: int, pp: int, 
         stages = stages_from_bounds(bounds, E, 1, L)
     e_pp = sum(1 for s in stages if s[0] > 0)
     l_pp = sum(1 for s in stages if s[2] > 0 or s[1] > 0)
-    return Layout(Segment(tp, e_pp, dp), Segment(tp, l_pp, dp), m, stages, balanced=not uniform)
+    return Layout(Segment(tp, e_pp, dp), Segment(tp, l_pp, dp), m, stages, splitter="stock" if uniform else "dflop")
 
 
 def _layout_key(layout: Layout, family: str) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dflop_ds.pipe.split import check_stage_bounds, split_by_cost
+from dflop_ds.pipe.stage_bounds import check_stage_bounds, split_by_cost
 from dflop_ds.shapes import SampleShape
 
 

@@ -6,8 +6,8 @@ A split is a list of ``num_stages + 1`` layer-index boundaries (DeepSpeed's ``pa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import accumulate
-from typing import Sequence
 
 
 def _min_max_split(costs: Sequence[float], num_stages: int) -> list[int]:

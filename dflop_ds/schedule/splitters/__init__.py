@@ -1,0 +1,42 @@
+"""Splitters: the ways of cutting a global batch into per-rank microbatches, registered by name.
+
+``make_splitter(name, **options).split(SplitRequest(...)) -> SplitResult``. The sampler, the
+planner's evaluation and the benchmarks share these, so a baseline is measured and planned the
+same way. A new splitter is one module here whose class is decorated with
+:func:`register_splitter` and imported below.
+"""
+
+from dflop_ds.schedule.splitters.base import (
+    MicrobatchCost,
+    RankSplit,
+    SplitRequest,
+    SplitResult,
+    Splitter,
+    check_split,
+    make_splitter,
+    register_splitter,
+    splitter_names,
+)
+from dflop_ds.schedule.splitters.dflop import FALLBACK_SUFFIX, DFLOPSplitter, split_balanced
+from dflop_ds.schedule.splitters.llava import LlavaSplitter
+from dflop_ds.schedule.splitters.stock import StockSplitter, split_stock
+from dflop_ds.schedule.splitters.verl import VerlSplitter
+
+__all__ = [
+    "DFLOPSplitter",
+    "FALLBACK_SUFFIX",
+    "LlavaSplitter",
+    "MicrobatchCost",
+    "RankSplit",
+    "SplitRequest",
+    "SplitResult",
+    "Splitter",
+    "StockSplitter",
+    "VerlSplitter",
+    "check_split",
+    "make_splitter",
+    "register_splitter",
+    "split_balanced",
+    "split_stock",
+    "splitter_names",
+]
