@@ -19,6 +19,7 @@ from typing import Any
 
 from dflop_ds.plan.layout import Layout, Segment, StageLayers, flat_bounds, stages_from_bounds
 from dflop_ds.jsonio import read_json_object, write_json
+from dflop_ds.pipe.stage_bounds import StageBounds
 from dflop_ds.schedule.splitters import splitter_names
 
 PLAN_FORMAT_VERSION = 1
@@ -134,7 +135,7 @@ class Plan:
 
     # -- outputs -----------------------------------------------------------------------------------
     def stage_bounds(self, encoder_layers: int | None = None, llm_layers: int | None = None,
-                     projector_layers: int | None = None) -> list[int]:
+                     projector_layers: int | None = None) -> StageBounds:
         """Stage bounds over ``encoder + projector + llm`` layers for a model of these depths.
 
         With the planned depths (the defaults) the split is exact; for other depths every
@@ -158,7 +159,7 @@ class Plan:
             bounds[i] = max(bounds[i], bounds[i - 1] + 1)
         for i in range(len(bounds) - 2, 0, -1):
             bounds[i] = min(bounds[i], bounds[i + 1] - 1)
-        return bounds
+        return StageBounds(bounds, n_layers=E + P + L)
 
     @property
     def tensor_parallel(self) -> int:
@@ -200,7 +201,7 @@ class Plan:
             config["tensor_parallel"] = {**config.get("tensor_parallel", {}), "autotp_size": self.tensor_parallel}
         block = config.setdefault("dflop", {})
         block["pipeline_stages"] = self.pipeline_stages
-        block["stage_bounds"] = self.stage_bounds()
+        block["stage_bounds"] = self.stage_bounds().to_list()
         block["sampler"] = self.splitter
         return config
 
@@ -218,7 +219,7 @@ class Plan:
         data = asdict(self)
         data["stages"] = [list(s) for s in self.stages]
         data["deepspeed_compatible"] = self.deepspeed_compatible
-        data["stage_bounds"] = self.stage_bounds()
+        data["stage_bounds"] = self.stage_bounds().to_list()
         return data
 
     @classmethod
