@@ -2,9 +2,12 @@
 
 ``make_splitter(name, **options).split(SplitRequest(...)) -> SplitResult``. The sampler, the
 planner's evaluation and the benchmarks share these, so a baseline is measured and planned the
-same way. A new splitter is one module here whose class is decorated with
-:func:`register_splitter` and imported below.
+same way. A new splitter is one module in this package whose class is decorated with
+:func:`register_splitter`: every module here is imported (and so registered) with the package.
 """
+
+import importlib
+import pkgutil
 
 from dflop_ds.schedule.splitters.base import (
     MicrobatchCost,
@@ -21,6 +24,9 @@ from dflop_ds.schedule.splitters.dflop import FALLBACK_SUFFIX, DFLOPSplitter, sp
 from dflop_ds.schedule.splitters.llava import LlavaSplitter
 from dflop_ds.schedule.splitters.stock import StockSplitter, split_stock
 from dflop_ds.schedule.splitters.verl import VerlSplitter
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
     "DFLOPSplitter",
