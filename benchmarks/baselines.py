@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from dflop_ds.schedule.splitters import split_stock
+from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 from dflop_ds.schedule.splitters.llava import llava_modality_grouped
 from dflop_ds.schedule.splitters.verl import verl_karmarkar_karp, verl_workload
 
@@ -27,7 +27,7 @@ def stock_sequential(n: int, n_buckets: int, seed: int = 0) -> Buckets:
     """Stock DeepSpeed / HF Trainer: shuffle, then the registered ``"stock"`` splitter's
     consecutive chunks of a fixed sample count (one rank of ``n_buckets`` microbatches)."""
     order = np.random.default_rng(seed).permutation(n)
-    return split_stock(order.tolist(), np.zeros(n), n_buckets, 1).ranks[0]
+    return make_splitter("stock").split(SplitRequest(order.tolist(), np.zeros(n), n_buckets, 1)).ranks[0]
 
 
 def scalar_lpt(scalar_costs: np.ndarray, n_buckets: int) -> Buckets:

@@ -11,7 +11,7 @@ from dflop_ds.schedule.sampler import (
     StockBatchSampler,
     make_sampler,
 )
-from dflop_ds.schedule.splitters import SplitRequest, SplitResult, make_splitter, split_balanced, split_stock
+from dflop_ds.schedule.splitters import SplitRequest, SplitResult, make_splitter, splitter_names
 
 __all__ = [
     "BatchSchedule",
@@ -28,6 +28,5 @@ __all__ = [
     "make_sampler",
     "make_splitter",
     "partition_batch",
-    "split_balanced",
-    "split_stock",
+    "splitter_names",
 ]

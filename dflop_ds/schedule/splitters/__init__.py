@@ -20,9 +20,9 @@ from dflop_ds.schedule.splitters.base import (
     register_splitter,
     splitter_names,
 )
-from dflop_ds.schedule.splitters.dflop import FALLBACK_SUFFIX, DFLOPSplitter, split_balanced
+from dflop_ds.schedule.splitters.dflop import FALLBACK_SUFFIX, DFLOPSplitter
 from dflop_ds.schedule.splitters.llava import LlavaSplitter
-from dflop_ds.schedule.splitters.stock import StockSplitter, split_stock
+from dflop_ds.schedule.splitters.stock import StockSplitter
 from dflop_ds.schedule.splitters.verl import VerlSplitter
 
 for _module in pkgutil.iter_modules(__path__):
@@ -42,7 +42,5 @@ __all__ = [
     "check_split",
     "make_splitter",
     "register_splitter",
-    "split_balanced",
-    "split_stock",
     "splitter_names",
 ]

@@ -1,20 +1,18 @@
 """DFLOP's split: balanced microbatches from the partitioner, assigned and ordered onto ranks.
 
-:class:`DFLOPSplitter` is registered as ``"dflop"``; :func:`split_balanced` is the same split as
-a function of plain arguments.
+:class:`DFLOPSplitter` is registered as ``"dflop"``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from dflop_ds.schedule import partition as partitioner
 from dflop_ds.schedule.ranks import assign_to_ranks, lockstep_order
-from dflop_ds.schedule.splitters.base import MicrobatchCost, SplitRequest, SplitResult, register_splitter
+from dflop_ds.schedule.splitters.base import SplitRequest, SplitResult, register_splitter
 
 logger = logging.getLogger(__name__)
 #: Suffix of ``SplitResult.solver`` when the exact solver failed and the heuristic answered.
@@ -71,25 +69,6 @@ class DFLOPSplitter:
         local = [[list(partition.buckets[b]) for b in rank] for rank in order]
         predicted = partition.bucket_costs[np.asarray(order)]
         return request.result(local, solver, predicted, float(partition.lower_bound))
-
-
-def split_balanced(
-    batch: Sequence[int],
-    costs: np.ndarray,
-    n_mb: int,
-    dp: int,
-    microbatch_cost: MicrobatchCost | None = None,
-    time_limit_s: float = 0.0,
-    seed: int = 0,
-    lengths: Sequence[float] | None = None,
-    node_limit: int = 0,
-    lockstep: bool = False,
-) -> SplitResult:
-    """:class:`DFLOPSplitter`'s split of ``batch``: ``costs`` is ``(len(batch), k)``, row ``i``
-    the predicted cost of ``batch[i]``; ``microbatch_cost`` and ``lengths`` are over positions
-    within the batch."""
-    request = SplitRequest(batch, costs, n_mb, dp, microbatch_cost=microbatch_cost, lengths=lengths, seed=seed)
-    return DFLOPSplitter(time_limit_s, node_limit, lockstep).split(request)
 
 
 def _partition_or_fallback(

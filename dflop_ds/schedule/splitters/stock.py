@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
-from dflop_ds.schedule.splitters.base import MicrobatchCost, RankSplit, SplitRequest, SplitResult, register_splitter
+from dflop_ds.schedule.splitters.base import RankSplit, SplitRequest, SplitResult, register_splitter
 
 
 def stock_positions(n_items: int, n_mb: int, dp: int) -> RankSplit:
@@ -26,10 +24,3 @@ class StockSplitter:
     def split(self, request: SplitRequest) -> SplitResult:
         """See :func:`stock_positions`."""
         return request.result(stock_positions(len(request.batch), request.n_mb, request.dp), self.name)
-
-
-def split_stock(
-    batch: Sequence[int], costs: np.ndarray, n_mb: int, dp: int, microbatch_cost: MicrobatchCost | None = None
-) -> SplitResult:
-    """:class:`StockSplitter`'s split of ``batch`` (``costs`` its rows' costs)."""
-    return StockSplitter().split(SplitRequest(batch, costs, n_mb, dp, microbatch_cost=microbatch_cost))
