@@ -96,6 +96,11 @@ def test_stock_split_is_what_the_planner_evaluates() -> None:
         assert methods == trained
 
 
+def sched_seed(epoch: int, batch_id: int, seed: int = 0) -> int:
+    """The seed the sampler gives the splitter of one global batch."""
+    return seed * 1_000_003 + epoch * 10_007 + batch_id
+
+
 @pytest.mark.parametrize("name", ["llava", "verl"])
 def test_a_baseline_trains_through_the_sampler_by_name(name: str) -> None:
     shapes = shapes_of(40, seed=1)
@@ -123,11 +128,6 @@ def test_a_baseline_trains_through_the_sampler_by_name(name: str) -> None:
         2,
         seed=sched_seed(0, 0),
     )
-
-
-def sched_seed(epoch: int, batch_id: int, seed: int = 0) -> int:
-    """The seed the sampler gives the splitter of one global batch."""
-    return seed * 1_000_003 + epoch * 10_007 + batch_id
 
 
 def test_unknown_and_duplicate_names_are_refused() -> None:
