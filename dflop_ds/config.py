@@ -74,6 +74,11 @@ class DFLOPConfig:
             (None: the tokenizer's ``model_max_length``).
         truncation: a longer sample is a bad record (``"error"``) or is cut at ``max_length``
             (``"truncate"``, counted; a cut through image tokens is always a bad record).
+        memory_cap_bytes: the most bytes a microbatch may be predicted to need beyond the
+            parameters (the cost model's ``predict_memory``, encoder + LLM); the DFLOP sampler
+            splits so that none exceeds it (None: no cap). A plan may set it.
+        allow_oversize: a sample predicted above ``memory_cap_bytes`` alone is trained in a
+            microbatch of its own, with a warning naming it, instead of stopping with an error.
         fault: inject a slow shape class for tests and demos (see
             :class:`dflop_ds.testing.FaultSpec`), e.g. ``{"min_tiles": 6, "seconds_per_tile": 0.01}``.
     """
@@ -112,6 +117,8 @@ class DFLOPConfig:
     max_length: Optional[int] = None
     truncation: str = "error"
     fault: Optional[dict[str, Any]] = None
+    memory_cap_bytes: float | None = None
+    allow_oversize: bool = False
 
     @classmethod
     def from_dict(cls, block: dict[str, Any], source: str = "config") -> "DFLOPConfig":
@@ -169,6 +176,8 @@ class DFLOPConfig:
             "max_length": dict(kind="int", minimum=1, optional=True),
             "truncation": dict(kind="str", choices=("error", "truncate")),
             "fault": dict(kind="dict", optional=True),
+            "memory_cap_bytes": dict(kind="number", above=0, optional=True),
+            "allow_oversize": dict(kind="bool"),
         }
         for key, rule in rules.items():
             try:

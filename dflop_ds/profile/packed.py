@@ -30,6 +30,11 @@ def microbatch_overhead(cost_model: Any) -> np.ndarray:
     predict = getattr(cost_model, "predict_microbatch", None)
     if predict is None:
         return np.zeros_like(single)
+    return _constant(single, predict)
+
+
+def _constant(single: np.ndarray, predict: Any) -> np.ndarray:
+    """What a microbatch of two probes costs less than two of one: ``predict``'s per-microbatch constant."""
     pair = np.asarray(predict([_PROBE, _PROBE]), dtype=float).reshape(-1)
     return np.clip(2 * single - pair, 0.0, single)
 
@@ -56,3 +61,13 @@ class PackedCost:
         if not shapes:
             return np.zeros_like(self.overhead)
         return self.predict_samples(shapes).sum(axis=0) + self.overhead
+
+    def predict_memory(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """``(k,)`` bytes of one packed microbatch: the wrapped model's per-microbatch constant plus
+        each sample's bytes beyond it (a sample's activations do not grow with its neighbours')."""
+        if not shapes:
+            return np.zeros_like(self.overhead)
+        predict = self.cost_model.predict_memory
+        alone = np.array([np.asarray(predict([s]), dtype=float).reshape(-1) for s in shapes])
+        constant = _constant(np.asarray(predict([_PROBE]), dtype=float).reshape(-1), predict)
+        return np.maximum(alone - constant, 0.0).sum(axis=0) + constant

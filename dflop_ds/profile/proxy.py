@@ -1,4 +1,10 @@
-"""A cost proxy for when nothing has been profiled: FLOP-proportional, in LLM-token units."""
+"""A cost proxy for when nothing has been profiled: FLOP-proportional, in LLM-token units.
+
+Its memory prediction is analytic: activation bytes kept for backward per transformer layer
+and token are ``(17 * hidden + 6 * mlp) * value_bytes / 2`` (Korthikanti et al. 2022, with a
+memory-efficient attention that keeps no ``S x S`` scores), summed over the layers; an encoder
+tile costs that per patch times the patches of a tile.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,17 @@ from typing import Sequence
 import numpy as np
 
 from dflop_ds.shapes import SampleShape
+
+
+def activation_bytes_per_token(hidden: int, mlp: int, layers: int, value_bytes: int = 2) -> float:
+    """Activation bytes one token keeps for backward through ``layers`` transformer blocks."""
+    return float(layers * (17 * hidden + 6 * mlp) * value_bytes / 2)
+
+
+#: The bundled tiny model in fp32: 4-layer, 128-wide LM (MLP 512) and 4-layer, 64-wide ViT (MLP
+#: 256) over 64 patches per tile.
+TINY_LLM_BYTES_PER_TOKEN = activation_bytes_per_token(128, 512, 4, value_bytes=4)
+TINY_ENCODER_BYTES_PER_TILE = 64 * activation_bytes_per_token(64, 256, 4, value_bytes=4)
 
 
 class ProxyCost:
@@ -23,15 +40,22 @@ class ProxyCost:
             against a 128-wide, 4-layer LM); a SigLIP-400M encoder before a 7B LLM is nearer 40.
         attention_span: sequence length at which the quadratic attention term equals the
             linear one (roughly ``12 * hidden_size`` for a transformer block's FLOPs).
+        encoder_bytes_per_tile, llm_bytes_per_token: analytic activation bytes (see the module
+            docstring; :func:`activation_bytes_per_token`); the defaults are the tiny model's.
     """
 
-    def __init__(self, tile_cost: float = 16.0, attention_span: float = 12 * 128) -> None:
-        if tile_cost <= 0:
-            raise ValueError(f"tile_cost must be > 0, got {tile_cost}")
-        if attention_span <= 0:
-            raise ValueError(f"attention_span must be > 0, got {attention_span}")
+    def __init__(self, tile_cost: float = 16.0, attention_span: float = 12 * 128,
+                 encoder_bytes_per_tile: float = TINY_ENCODER_BYTES_PER_TILE,
+                 llm_bytes_per_token: float = TINY_LLM_BYTES_PER_TOKEN) -> None:
+        for name, value in (("tile_cost", tile_cost), ("attention_span", attention_span),
+                            ("encoder_bytes_per_tile", encoder_bytes_per_tile),
+                            ("llm_bytes_per_token", llm_bytes_per_token)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         self.tile_cost = float(tile_cost)
         self.attention_span = float(attention_span)
+        self.encoder_bytes_per_tile = float(encoder_bytes_per_tile)
+        self.llm_bytes_per_token = float(llm_bytes_per_token)
 
     def _llm(self, tokens: np.ndarray) -> np.ndarray:
         return tokens + tokens**2 / self.attention_span
@@ -49,3 +73,11 @@ class ProxyCost:
         longest = float(max(s.llm_tokens for s in shapes))
         tiles = float(sum(s.encoder_tiles for s in shapes))
         return np.array([self.tile_cost * tiles, len(shapes) * self._llm(np.array(longest))])
+
+    def predict_memory(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """Activation bytes ``(2,)`` ``[encoder, llm]`` of one microbatch padded to its longest sequence."""
+        if not shapes:
+            return np.zeros(2)
+        tiles = float(sum(s.encoder_tiles for s in shapes))
+        tokens = float(len(shapes) * max(s.llm_tokens for s in shapes))
+        return np.array([self.encoder_bytes_per_tile * tiles, self.llm_bytes_per_token * tokens])

@@ -187,6 +187,35 @@ def _exact_solver():
     return solve_ilp
 
 
+def _isolate(matrix: np.ndarray, n_buckets: int, alone: np.ndarray, memory: np.ndarray, cap: float,
+             microbatch_cost: MicrobatchCost | None, lengths: np.ndarray | None, options: dict) -> Partition:
+    """:func:`partition_batch` with every item of ``alone`` (over ``cap`` by itself) in a bucket of
+    its own and the other items split over the remaining buckets under ``cap``."""
+    n = matrix.shape[0]
+    rest = np.setdiff1d(np.arange(n), alone)
+    free = n_buckets - alone.size
+    if free < 0 or (free == 0 and rest.size):
+        raise InfeasibleError(f"{alone.size} items (first: item {int(alone[0])}) each exceed memory_cap {cap:g} alone"
+                              f" and need a bucket of their own, but the {n} items must fill exactly {n_buckets}"
+                              " buckets: the other items have none left")
+    buckets: list[list[int]] = []
+    solver = "alone"
+    if rest.size:
+        sub_cost = None
+        if microbatch_cost is not None:
+            sub_cost = lambda positions: microbatch_cost(rest[list(positions)].tolist())  # noqa: E731
+        sub = partition_batch(matrix[rest], free, memory=memory[rest], memory_cap=cap, microbatch_cost=sub_cost,
+                              lengths=None if lengths is None else lengths[rest], **options)
+        buckets = [rest[b].tolist() for b in sub.buckets]
+        solver = f"{sub.solver}+alone"
+    buckets += [[int(i)] for i in alone]
+    labels = buckets_to_labels(buckets, n)
+    loads = bucket_loads(matrix, labels, n_buckets)
+    order = labels_to_buckets(labels, n_buckets)  # the bucket order bucket_loads uses
+    measured = loads if microbatch_cost is None else true_times(order, microbatch_cost, matrix.shape[1])
+    return Partition(order, float(measured.max()), lower_bound(matrix, n_buckets), solver, float(loads.max()), measured)
+
+
 def buckets_to_labels(buckets: list[list[int]], n: int) -> np.ndarray:
     """Bucket lists -> ``labels[item] = bucket``."""
     labels = np.empty(n, dtype=np.int64)
@@ -206,6 +235,7 @@ def partition_batch(
     microbatch_cost: Optional[MicrobatchCost] = None,
     lengths: Optional[np.ndarray] = None,
     node_limit: int = 0,
+    allow_oversize: bool = False,
 ) -> Partition:
     """Split items into ``n_buckets`` non-empty buckets minimising the makespan.
 
@@ -228,10 +258,15 @@ def partition_batch(
         node_limit: branch-and-bound nodes the exact ILP may explore (0: none). With
             ``time_limit_s=0`` the solve never looks at the clock, so every process computing
             the same batch gets the same split: the exact solver for multi-rank training.
+        allow_oversize: an item whose ``memory`` alone exceeds ``memory_cap`` gets a bucket of
+            its own (the other items are split over the remaining buckets under the cap)
+            instead of raising.
 
     Raises:
-        ValueError: bad shapes or values, ``n < n_buckets``, or an item alone over the cap.
-        InfeasibleError: (a ``ValueError``) no split respects the memory cap.
+        ValueError: bad shapes or values, ``n < n_buckets``, or an item alone over the cap
+            (unless ``allow_oversize``).
+        InfeasibleError: (a ``ValueError``) no split respects the memory cap, or more items
+            exceed the cap alone than there are buckets.
     """
     matrix = as_cost_matrix(costs)
     n, k = matrix.shape
@@ -244,6 +279,13 @@ def partition_batch(
         raise ValueError(f"time_limit_s must be >= 0, got {time_limit_s}")
     if int(node_limit) != node_limit or node_limit < 0:
         raise ValueError(f"node_limit must be a non-negative integer, got {node_limit}")
+    if allow_oversize and memory is not None and memory_cap is not None and np.shape(memory) == (n,):
+        usage = np.asarray(memory, dtype=float)
+        alone = np.flatnonzero(usage > float(memory_cap))
+        if alone.size:
+            options = dict(time_limit_s=time_limit_s, seed=seed, node_limit=node_limit)
+            return _isolate(matrix, n_buckets, alone, usage, float(memory_cap), microbatch_cost,
+                            None if lengths is None else np.asarray(lengths, dtype=float), options)
     cap = _memory_cap(memory, memory_cap, n, n_buckets)
     bound = lower_bound(matrix, n_buckets)
     started = time.perf_counter()

@@ -34,6 +34,8 @@ import numpy as np
 
 from dflop_ds.schedule.epoch import check_batch_sizes, dropped_per_epoch, epoch_batches, first_batch
 from dflop_ds.schedule.index import ScheduledIndex
+from dflop_ds.schedule.memory import microbatch_bytes, oversize_samples, sample_bytes
+from dflop_ds.schedule.partition import InfeasibleError
 from dflop_ds.schedule.prefetch import BackgroundMap, ScheduleTimeoutError, run_with_deadline
 from dflop_ds.schedule.split import FALLBACK_SUFFIX, SplitResult, split_balanced, split_stock
 from dflop_ds.schedule.state import Position, dataset_fingerprint, describe_dataset
@@ -43,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 #: Default ``schedule_timeout_s``: how long the training loop waits for one batch's schedule.
 SCHEDULE_TIMEOUT_S = 300.0
+#: Re-splits that tighten the summed per-sample bytes until every padded microbatch fits the cap.
+MEMORY_ROUNDS = 8
 
 
 class CostAdjuster(Protocol):
@@ -364,6 +368,12 @@ class StockBatchSampler(GlobalBatchSampler):
 
     method = "stock"
 
+    def __init__(self, shapes: Sequence[SampleShape], *, memory_cap: float | None = None, **kwargs) -> None:
+        if memory_cap is not None:
+            raise ValueError("a memory cap (\"dflop\".memory_cap_bytes) needs the dflop sampler: the stock sampler"
+                             " cuts microbatches of a fixed sample count whatever their memory")
+        super().__init__(shapes, **kwargs)
+
     def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
         """Contiguous equal-count chunks (see :func:`split_stock`)."""
         return split_stock(batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch, costs))
@@ -379,25 +389,70 @@ class DFLOPBatchSampler(GlobalBatchSampler):
     ``solver`` ends in ``+fallback``). ``lockstep=True`` is for engines without a pipeline
     (ZeRO data parallel), whose ranks synchronise in every microbatch: microbatch ``k`` of
     every rank is balanced on its own (see :func:`~dflop_ds.schedule.split.split_balanced`).
+
+    ``memory_cap`` (bytes, None: no cap) bounds every microbatch's predicted memory (the cost
+    model's ``predict_memory`` summed over its columns, :mod:`dflop_ds.schedule.memory`). A sample
+    predicted above it alone is an :class:`~dflop_ds.schedule.memory.OversizeSampleError` naming
+    it, raised here, before training; with ``allow_oversize`` it is trained alone in a microbatch
+    of its own (a warning names it). Every sample is still trained exactly once.
     """
 
     method = "dflop"
 
     def __init__(self, shapes: Sequence[SampleShape], *, time_limit_s: float = 0.0, ilp_nodes: int = 0,
-                 lockstep: bool = False, **kwargs) -> None:
+                 lockstep: bool = False, memory_cap: float | None = None, allow_oversize: bool = False,
+                 **kwargs) -> None:
         self.time_limit_s = float(time_limit_s)
         self.ilp_nodes = int(ilp_nodes)
         self.lockstep = bool(lockstep)
+        if memory_cap is not None and not memory_cap > 0:
+            raise ValueError(f"memory_cap must be > 0 bytes (or None: no cap), got {memory_cap!r}")
+        self.memory_cap = None if memory_cap is None else float(memory_cap)
+        self.allow_oversize = bool(allow_oversize)
         super().__init__(shapes, **kwargs)
+        self.memory: np.ndarray | None = None
+        if self.memory_cap is not None:
+            self.memory = sample_bytes(self.cost_model, self.shapes)
+            oversize_samples(self.shapes, self.memory, self.memory_cap, self.allow_oversize)
 
-    def balanced_split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int, exact: bool) -> SplitResult:
-        """:func:`split_balanced` of ``batch``, with the exact solver's limits when ``exact``."""
+    def _split_once(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int, exact: bool,
+                    memory: np.ndarray | None) -> SplitResult:
         return split_balanced(
             batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch, costs),
             time_limit_s=self.time_limit_s if exact else 0.0, seed=batch_seed,
             lengths=None if self.additive else self.lengths[batch],
             node_limit=self.ilp_nodes if exact else 0, lockstep=self.lockstep,
+            memory=memory, memory_cap=self.memory_cap, allow_oversize=memory is not None,
         )
+
+    def memory_overshoot(self, split: SplitResult) -> float:
+        """The largest predicted microbatch bytes / ``memory_cap`` of ``split`` over its microbatches
+        of two or more samples (a sample alone is within the cap or an allowed oversize sample)."""
+        assert self.memory_cap is not None
+        return max((microbatch_bytes(self.cost_model, [self.shapes[i] for i in mb]) / self.memory_cap
+                    for rank in split.ranks for mb in rank if len(mb) > 1), default=0.0)
+
+    def balanced_split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int, exact: bool) -> SplitResult:
+        """:func:`split_balanced` of ``batch``, with the exact solver's limits when ``exact``.
+
+        Under a memory cap the partitioner keeps each microbatch's summed per-sample bytes under
+        it; a padded microbatch (whose rows all pay for its longest sample) still predicted above
+        it scales the per-sample bytes up by the overshoot for another split, at most
+        :data:`MEMORY_ROUNDS` times.
+        """
+        if self.memory is None:
+            return self._split_once(batch, costs, batch_seed, exact, None)
+        usage = self.memory[batch]
+        for _ in range(MEMORY_ROUNDS):
+            result = self._split_once(batch, costs, batch_seed, exact, usage)
+            overshoot = self.memory_overshoot(result)
+            if overshoot <= 1.0:
+                return result
+            usage = usage * overshoot * (1 + 1e-9)
+        raise InfeasibleError(f"no split of a global batch of {len(batch)} samples into {self.n_mb * self.dp_size}"
+                              f" microbatches keeps every padded microbatch under memory_cap_bytes ="
+                              f" {self.memory_cap:.4g} (after {MEMORY_ROUNDS} tightening rounds, a microbatch is"
+                              f" still {overshoot:.3g}x over): raise the cap or the number of microbatches")
 
     def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
         """Balanced split; an exact solve past half of ``schedule_timeout_s`` falls back to the heuristic."""
@@ -420,6 +475,6 @@ def make_sampler(method: str, shapes: Sequence[SampleShape], **kwargs) -> Global
     if method not in samplers:
         raise ValueError(f"unknown sampler {method!r}: choose one of {sorted(samplers)}")
     if method == "stock":
-        for key in ("time_limit_s", "ilp_nodes", "lockstep"):
+        for key in ("time_limit_s", "ilp_nodes", "lockstep", "allow_oversize"):
             kwargs.pop(key, None)
     return samplers[method](shapes, **kwargs)

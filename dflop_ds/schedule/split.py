@@ -94,6 +94,9 @@ def split_balanced(
     lengths: Optional[Sequence[float]] = None,
     node_limit: int = 0,
     lockstep: bool = False,
+    memory: np.ndarray | None = None,
+    memory_cap: float | None = None,
+    allow_oversize: bool = False,
 ) -> SplitResult:
     """DFLOP's split: partition the batch into ``n_mb * dp`` microbatches minimising the slowest
     one on every cost column (encoder and LLM), assign them to ranks evenly, order each rank's
@@ -110,6 +113,8 @@ def split_balanced(
     that cost pads to the longest sample. ``time_limit_s`` and ``node_limit`` bound the exact
     solver (both 0: heuristic only). Ranks computing the split independently need a
     deterministic answer: no time limit (the heuristic, or the ILP within ``node_limit`` nodes).
+    ``memory`` (per batch row), ``memory_cap`` and ``allow_oversize`` go to
+    :func:`~dflop_ds.schedule.partition.partition_batch`: no microbatch's summed memory above the cap.
     """
     from dflop_ds.schedule.partition import partition_batch
     from dflop_ds.schedule.ranks import assign_to_ranks, lockstep_order
@@ -124,6 +129,8 @@ def split_balanced(
     partition, solver = _partition_or_fallback(
         partition_batch, cost_matrix, n_mb * dp, time_limit_s, node_limit,
         seed=seed, microbatch_cost=microbatch_cost, lengths=None if lengths is None else np.asarray(lengths, float),
+        memory=None if memory is None else np.asarray(memory, float), memory_cap=memory_cap,
+        allow_oversize=allow_oversize,
     )
     assign = lockstep_order if lockstep else assign_to_ranks
     order = assign(partition.bucket_costs, dp, n_mb)  # costs as the partitioner measured them

@@ -195,6 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cost_model=sampler_cost, seed=cfg.seed, prefetch=cfg.prefetch,
         time_limit_s=cfg.time_limit_s, ilp_nodes=cfg.ilp_nodes, label_tokens_fn=source.label_tokens_fn, cost_adjuster=correction,
         lockstep=not pipelined, drop_last=cfg.drop_last, schedule_timeout_s=cfg.schedule_timeout_s,
+        memory_cap=cfg.memory_cap_bytes, allow_oversize=cfg.allow_oversize,
     )
     collate = source.packed_collate if packing else source.collate
     if colocated:
