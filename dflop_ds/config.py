@@ -28,7 +28,7 @@ class DFLOPConfig:
         pipeline_stages: pipeline stages; the data-parallel size is world size / stages.
         stage_bounds: layer index bounds of each stage over encoder + projector + LLM layers
             (None: split by predicted layer cost).
-        cost_model: a profiled CostModel JSON (None: the unitless proxy).
+        cost_model: a cost-model JSON (:func:`dflop_ds.cost.load_cost_model`; None: the unitless proxy).
         plan: a plan JSON written by ``dflop-ds plan``; the run is refused unless the DeepSpeed
             config and this block agree with it (``Plan.deepspeed_config`` writes such a config).
         time_limit_s: exact-solver time per global batch (0: no time-limited solve). Time limits
@@ -49,7 +49,7 @@ class DFLOPConfig:
         freeze_encoder: freeze the vision encoder (LLaVA's second stage).
         packing: pack each microbatch's samples into one sequence (attention kept inside each
             sample; :mod:`dflop_ds.models.packing`) instead of padding them to the longest, and
-            balance on the additive packed cost (:class:`dflop_ds.profile.packed.PackedCost`).
+            balance on the additive packed cost (:class:`dflop_ds.cost.PackedCost`).
             None (default): on where the model supports it (the tiny model; measured faster
             there), off otherwise; true for a model without packing is refused.
         encoder: where a sample's tiles are encoded: ``"local"`` (default; on the rank that

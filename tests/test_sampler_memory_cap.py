@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflop_ds.config import DFLOPConfig
-from dflop_ds.profile.packed import PackedCost
-from dflop_ds.profile.proxy import ProxyCost
+from dflop_ds.cost import PackedCost, ProxyCost
 from dflop_ds.schedule.memory import OversizeSampleError, microbatch_bytes, sample_bytes
 from dflop_ds.schedule.partition import InfeasibleError, partition_batch
 from dflop_ds.schedule.sampler import DFLOPBatchSampler, make_sampler

@@ -85,8 +85,8 @@ def test_a_plan_file_starts_a_two_rank_training(tmp_path):
 
 @pytest.mark.slow
 def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_path):
+    from dflop_ds.cost import load_cost_model
     from dflop_ds.data import read_dataset
-    from dflop_ds.profile import CostModel
     from dflop_ds.profile.engine import EngineProfile, engine_profile_from_run, read_engine_steps
     from dflop_ds.shapes import TINY_POLICY
 
@@ -99,7 +99,7 @@ def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_pat
     telemetry = tmp_path / "telemetry.jsonl"
     launch_training(tmp_path, {"sampler": "stock", "steps": 8, "warmup_steps": 2},
                     args=("--telemetry", str(telemetry)))
-    model = CostModel.load(cost_model)
+    model = load_cost_model(cost_model)
     data = ROOT / "examples" / "data" / "mixture.jsonl"
     shapes = read_dataset(data, TINY_POLICY)
     fitted = subprocess.run([sys.executable, "-m", "dflop_ds.cli", "profile", "engine", str(telemetry), "--cost-model",

@@ -32,6 +32,7 @@ from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 
+from dflop_ds.cost import CostModel, ProxyCost
 from dflop_ds.schedule.epoch import check_batch_sizes, dropped_per_epoch, epoch_batches, first_batch
 from dflop_ds.schedule.index import ScheduledIndex
 from dflop_ds.schedule.memory import microbatch_bytes, oversize_samples, sample_bytes
@@ -61,12 +62,6 @@ class CostAdjuster(Protocol):
     """
 
     def adjust(self, version: int, costs: np.ndarray, shapes: Sequence[SampleShape]) -> np.ndarray: ...
-
-
-class CostPredictor(Protocol):
-    """What a sampler needs from a cost model (``CostModel`` and ``ProxyCost`` both fit)."""
-
-    def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -108,7 +103,9 @@ class GlobalBatchSampler:
         global_batch_size: samples per optimizer step over all data-parallel ranks.
         gradient_accumulation_steps: microbatches per rank per step (DeepSpeed's GAS).
         dp_rank, dp_size: this process's data-parallel rank and the data-parallel world size.
-        cost_model: predicts per-sample ``[encoder, llm]`` costs (see ``ProxyCost``).
+        cost_model: a :class:`~dflop_ds.cost.CostModel` (None: :class:`~dflop_ds.cost.ProxyCost`);
+            the sampler uses its ``predict_samples``, ``predict_microbatch`` and, under a memory
+            cap, ``predict_memory``.
         seed: seeds the epoch permutations.
         prefetch: global batches scheduled ahead in a background thread (0: inline).
         label_tokens_fn: supervised tokens of a sample as the loss will count them (default
@@ -133,7 +130,7 @@ class GlobalBatchSampler:
         gradient_accumulation_steps: int,
         dp_rank: int = 0,
         dp_size: int = 1,
-        cost_model: Optional[CostPredictor] = None,
+        cost_model: Optional[CostModel] = None,
         seed: int = 0,
         prefetch: int = 1,
         label_tokens_fn: Optional[Callable[[SampleShape], int]] = None,
@@ -148,8 +145,6 @@ class GlobalBatchSampler:
         if schedule_timeout_s is not None and not schedule_timeout_s > 0:
             raise ValueError(f"schedule_timeout_s must be > 0 seconds (or None: no deadline), got {schedule_timeout_s!r}")
         if cost_model is None:
-            from dflop_ds.profile.proxy import ProxyCost
-
             cost_model = ProxyCost()
         self.shapes = list(shapes)
         self.global_batch_size = int(global_batch_size)

@@ -8,7 +8,8 @@ tile costs that per patch times the patches of a tile.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +44,8 @@ class ProxyCost:
         encoder_bytes_per_tile, llm_bytes_per_token: analytic activation bytes (see the module
             docstring; :func:`activation_bytes_per_token`); the defaults are the tiny model's.
     """
+
+    kind = "proxy"
 
     def __init__(self, tile_cost: float = 16.0, attention_span: float = 12 * 128,
                  encoder_bytes_per_tile: float = TINY_ENCODER_BYTES_PER_TILE,
@@ -81,3 +84,17 @@ class ProxyCost:
         tiles = float(sum(s.encoder_tiles for s in shapes))
         tokens = float(len(shapes) * max(s.llm_tokens for s in shapes))
         return np.array([self.encoder_bytes_per_tile * tiles, self.llm_bytes_per_token * tokens])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The constructor parameters (the file's header is :func:`dflop_ds.cost.io.cost_model_to_dict`'s)."""
+        return {"params": {"tile_cost": self.tile_cost, "attention_span": self.attention_span,
+                           "encoder_bytes_per_tile": self.encoder_bytes_per_tile,
+                           "llm_bytes_per_token": self.llm_bytes_per_token}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "proxy cost model") -> ProxyCost:
+        """Inverse of :meth:`to_dict`; bad parameters are an error naming ``source``."""
+        try:
+            return cls(**data["params"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: malformed proxy cost model, {type(exc).__name__}: {exc}") from exc
