@@ -182,3 +182,19 @@ def test_capped_partitions_stay_valid(seed, videos, cap_factor, packed, lockstep
     for mb in microbatches:
         if len(mb) > 1:
             assert microbatch_bytes(cost, [shapes[i] for i in mb]) <= cap * (1 + 1e-9)
+
+
+def test_partition_checks_the_true_padded_memory_and_falls_back_to_a_first_fit():
+    lengths = np.array([100.0, 100.0, 10.0, 10.0, 10.0, 10.0])
+
+    def padded(items: list[int]) -> float:
+        return len(items) * float(lengths[items].max())
+
+    additive = partition_batch(lengths, 2, memory=lengths, memory_cap=200.0, time_limit_s=0)
+    assert max(padded(b) for b in additive.buckets) > 200, "the additive cap alone lets padding through"
+    split = partition_batch(
+        lengths, 2, memory=lengths, memory_cap=200.0, time_limit_s=0, lengths=lengths, microbatch_memory=padded
+    )
+    assert sorted(map(sorted, split.buckets)) == [[0, 1], [2, 3, 4, 5]] and split.solver == "memory-first-fit"
+    with pytest.raises(InfeasibleError):
+        partition_batch(lengths, 2, memory=lengths, memory_cap=150.0, time_limit_s=0, microbatch_memory=padded)

@@ -97,6 +97,7 @@ class AnalyticMLLM:
         name: label used in plans and printouts.
     """
 
+    kind: ClassVar[str] = "analytic"
     encoder: TransformerSpec
     llm: TransformerSpec
     gpu: GPUSpec
@@ -104,7 +105,6 @@ class AnalyticMLLM:
     activation_checkpointing: bool = True
     name: str = "analytic"
     is_analytic: bool = field(default=True, init=False)
-    kind: ClassVar[str] = "analytic"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, AnalyticMLLM) and self.to_dict() == other.to_dict()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -85,3 +85,62 @@ def oversize_samples(shapes: Sequence[SampleShape], usage: np.ndarray, cap: floa
         more,
     )
     return over
+
+
+def memory_first_fit(
+    costs: np.ndarray,
+    order_key: np.ndarray,
+    n_buckets: int,
+    microbatch_memory: Callable[[list[int]], float],
+    cap: float,
+) -> np.ndarray | None:
+    """Bucket labels that keep every bucket's ``microbatch_memory`` within ``cap``, or None.
+
+    Items go largest ``order_key`` (e.g. sequence length) first, each into a bucket it still fits
+    into; the last items fill the buckets still empty, so none stays empty. Two rules are tried:
+    the least-loaded bucket (summed ``costs``, worst column), which keeps the time balanced, then
+    the bucket whose memory grows least (ties: the fullest, a best fit), which groups equal
+    lengths, as a padded microbatch needs (its rows all pay for its longest).
+    """
+    for rule in ("load", "memory"):
+        labels = _first_fit(costs, order_key, n_buckets, microbatch_memory, cap, rule)
+        if labels is not None:
+            return labels
+    return None
+
+
+def _first_fit(
+    costs: np.ndarray,
+    order_key: np.ndarray,
+    n_buckets: int,
+    microbatch_memory: Callable[[list[int]], float],
+    cap: float,
+    rule: str,
+) -> np.ndarray | None:
+    n = costs.shape[0]
+    labels = np.full(n, -1, dtype=np.int64)
+    loads = np.zeros((n_buckets, costs.shape[1]))
+    used = np.zeros(n_buckets)
+    members: list[list[int]] = [[] for _ in range(n_buckets)]
+    order = np.argsort(-np.asarray(order_key, dtype=float), kind="stable").tolist()
+    for placed, item in enumerate(order):
+        empty = [b for b in range(n_buckets) if not members[b]]
+        allowed = empty if len(empty) >= n - placed else range(n_buckets)
+        best: tuple[float, float, int] | None = None
+        for b in allowed:
+            size = microbatch_memory(members[b] + [item])
+            if size > cap:
+                continue
+            load = float((loads[b] + costs[item]).max())
+            key = (load, 0.0, b) if rule == "load" else (size - used[b], -size, b)
+            if best is None or key < best:
+                best = key
+        if best is None:
+            return None
+        bucket = best[2]
+        size = microbatch_memory(members[bucket] + [item])
+        members[bucket].append(item)
+        loads[bucket] += costs[item]
+        used[bucket] = size
+        labels[item] = bucket
+    return labels

@@ -46,8 +46,8 @@ logger = logging.getLogger(__name__)
 
 #: Default ``schedule_timeout_s``: how long the training loop waits for one batch's schedule.
 SCHEDULE_TIMEOUT_S = 300.0
-#: Re-splits that tighten the summed per-sample bytes until every padded microbatch fits the cap.
-MEMORY_ROUNDS = 8
+#: Re-splits that raise the bytes charged to the samples of padded microbatches over the memory cap.
+MEMORY_ROUNDS = 16
 
 
 class CostAdjuster(Protocol):
@@ -411,43 +411,58 @@ class DFLOPBatchSampler(GlobalBatchSampler):
             oversize_samples(self.shapes, self.memory, self.memory_cap, self.allow_oversize)
 
     def _split_once(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int, exact: bool,
-                    memory: np.ndarray | None) -> SplitResult:
+                    memory: np.ndarray | None, checked: bool = False) -> SplitResult:
+        """One :func:`split_balanced`; ``checked``: the partitioner also checks each microbatch's
+        predicted (padded) bytes and falls back to its memory-first fit."""
+        microbatch_memory = None
+        if checked:
+            shapes = [self.shapes[i] for i in batch]
+            microbatch_memory = lambda rows: microbatch_bytes(self.cost_model, [shapes[r] for r in rows])  # noqa: E731
         return split_balanced(
             batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch, costs),
             time_limit_s=self.time_limit_s if exact else 0.0, seed=batch_seed,
             lengths=None if self.additive else self.lengths[batch],
             node_limit=self.ilp_nodes if exact else 0, lockstep=self.lockstep,
             memory=memory, memory_cap=self.memory_cap, allow_oversize=memory is not None,
+            microbatch_memory=microbatch_memory,
         )
 
-    def memory_overshoot(self, split: SplitResult) -> float:
-        """The largest predicted microbatch bytes / ``memory_cap`` of ``split`` over its microbatches
-        of two or more samples (a sample alone is within the cap or an allowed oversize sample)."""
+    def over_cap(self, split: SplitResult) -> list[tuple[list[int], float]]:
+        """The microbatches of two or more samples of ``split`` predicted above ``memory_cap``, with
+        their predicted bytes (a sample alone is within the cap or an allowed oversize sample)."""
         assert self.memory_cap is not None
-        return max((microbatch_bytes(self.cost_model, [self.shapes[i] for i in mb]) / self.memory_cap
-                    for rank in split.ranks for mb in rank if len(mb) > 1), default=0.0)
+        sized = ((mb, microbatch_bytes(self.cost_model, [self.shapes[i] for i in mb]))
+                 for rank in split.ranks for mb in rank if len(mb) > 1)
+        return [(mb, size) for mb, size in sized if size > self.memory_cap]
 
     def balanced_split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int, exact: bool) -> SplitResult:
         """:func:`split_balanced` of ``batch``, with the exact solver's limits when ``exact``.
 
         Under a memory cap the partitioner keeps each microbatch's summed per-sample bytes under
-        it; a padded microbatch (whose rows all pay for its longest sample) still predicted above
-        it scales the per-sample bytes up by the overshoot for another split, at most
-        :data:`MEMORY_ROUNDS` times.
+        it. A padded microbatch (whose rows all pay for its longest sample) may still be predicted
+        above it: the bytes charged to its samples are then raised by its overshoot (predicted /
+        cap) and the batch is split again, at most :data:`MEMORY_ROUNDS` times (a multiplicative
+        re-weighting: samples that keep landing in over-cap microbatches get pushed apart). The
+        last try has the partitioner check every microbatch's predicted bytes itself and fall
+        back to a length-ordered first fit, or raise :class:`InfeasibleError` naming the cap.
         """
-        if self.memory is None:
+        if self.memory is None or self.memory_cap is None:
             return self._split_once(batch, costs, batch_seed, exact, None)
-        usage = self.memory[batch]
-        for _ in range(MEMORY_ROUNDS):
-            result = self._split_once(batch, costs, batch_seed, exact, usage)
-            overshoot = self.memory_overshoot(result)
-            if overshoot <= 1.0:
+        cap = self.memory_cap
+        usage = self.memory[batch].copy()
+        position = {int(index): p for p, index in enumerate(batch)}
+        for _ in range(MEMORY_ROUNDS - 1):
+            try:
+                result = self._split_once(batch, costs, batch_seed, exact, usage)
+            except InfeasibleError:
+                break  # the charges outgrew the microbatches: let the last try decide
+            over = self.over_cap(result)
+            if not over:
                 return result
-            usage = usage * overshoot * (1 + 1e-9)
-        raise InfeasibleError(f"no split of a global batch of {len(batch)} samples into {self.n_mb * self.dp_size}"
-                              f" microbatches keeps every padded microbatch under memory_cap_bytes ="
-                              f" {self.memory_cap:.4g} (after {MEMORY_ROUNDS} tightening rounds, a microbatch is"
-                              f" still {overshoot:.3g}x over): raise the cap or the number of microbatches")
+            for microbatch, size in over:
+                rows = [position[i] for i in microbatch]
+                usage[rows] *= size / cap * (1 + 1e-9)
+        return self._split_once(batch, costs, batch_seed, exact, self.memory[batch], checked=True)
 
     def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
         """Balanced split; an exact solve past half of ``schedule_timeout_s`` falls back to the heuristic."""

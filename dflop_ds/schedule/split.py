@@ -97,6 +97,7 @@ def split_balanced(
     memory: np.ndarray | None = None,
     memory_cap: float | None = None,
     allow_oversize: bool = False,
+    microbatch_memory: Callable[[list[int]], float] | None = None,
 ) -> SplitResult:
     """DFLOP's split: partition the batch into ``n_mb * dp`` microbatches minimising the slowest
     one on every cost column (encoder and LLM), assign them to ranks evenly, order each rank's
@@ -113,7 +114,7 @@ def split_balanced(
     that cost pads to the longest sample. ``time_limit_s`` and ``node_limit`` bound the exact
     solver (both 0: heuristic only). Ranks computing the split independently need a
     deterministic answer: no time limit (the heuristic, or the ILP within ``node_limit`` nodes).
-    ``memory`` (per batch row), ``memory_cap`` and ``allow_oversize`` go to
+    ``memory`` (per batch row), ``memory_cap``, ``allow_oversize`` and ``microbatch_memory`` go to
     :func:`~dflop_ds.schedule.partition.partition_batch`: no microbatch's summed memory above the cap.
     """
     from dflop_ds.schedule.partition import partition_batch
@@ -130,7 +131,7 @@ def split_balanced(
         partition_batch, cost_matrix, n_mb * dp, time_limit_s, node_limit,
         seed=seed, microbatch_cost=microbatch_cost, lengths=None if lengths is None else np.asarray(lengths, float),
         memory=None if memory is None else np.asarray(memory, float), memory_cap=memory_cap,
-        allow_oversize=allow_oversize,
+        allow_oversize=allow_oversize, microbatch_memory=microbatch_memory,
     )
     assign = lockstep_order if lockstep else assign_to_ranks
     order = assign(partition.bucket_costs, dp, n_mb)  # costs as the partitioner measured them
