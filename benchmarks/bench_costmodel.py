@@ -3,14 +3,14 @@
 1. Profile the tiny model on the default sweeps plus held-out shapes (other tile counts, and
    ``(batch, seq_len)`` pairs with batch 3 and sequence lengths never fitted), all in one
    session so that a change of machine speed between two runs does not count as model error.
-2. Fit a :class:`CostModel` on the default sweeps only; compare its predictions with the
+2. Fit a :class:`FittedCostModel` on the default sweeps only; compare its predictions with the
    held-out shapes' measurements.
 3. Held-out real microbatches: draw samples from ``examples/data/mixture.jsonl`` under
    ``TINY_POLICY``, group them into microbatches of 1..4 samples as a sampler does, collate
    them with the tiny model's collate and time the real forward+backward of the whole tiny
    model (loss included), and of its encoder part and LLM part, against
    ``predict_microbatch``; the same microbatches packed (one row, attention per sample) against
-   :class:`~dflop_ds.profile.packed.PackedCost`'s ``predict_microbatch``, timed in the same rounds.
+   :class:`~dflop_ds.cost.PackedCost`'s ``predict_microbatch``, timed in the same rounds.
 
 Prints the mean absolute percentage error (MAPE) per module; the last line reads
 ``costmodel heldout mape encoder=<x> llm=<y> microbatch=<z> packed_microbatch=<w>`` (fractions).
@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, build_reference, collate_microbatch  # noqa: E402
 from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
-from dflop_ds.profile import CostModel, ModelProfile, profile_model, tiny_target  # noqa: E402
-from dflop_ds.profile.packed import PackedCost  # noqa: E402
+from dflop_ds.cost import FittedCostModel, PackedCost  # noqa: E402
+from dflop_ds.profile import ModelProfile, profile_model, tiny_target  # noqa: E402
 from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES, torch_threads  # noqa: E402
 from dflop_ds.profile.timing import clock_function, resolve_clock, robust_statistic  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY, SampleShape  # noqa: E402
@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     session = profile_model(**tiny_target(seed=args.seed).profile_kwargs(), tiles=DEFAULT_TILES + HELDOUT_TILES,
                             llm_shapes=fit_llm + list(HELDOUT_LLM), **timing)
     fit_profile, held = split_profile(session, DEFAULT_TILES, fit_llm)
-    model = CostModel().fit(fit_profile)
+    model = FittedCostModel().fit(fit_profile)
     print(f"profiled {len(session.encoder)} encoder + {len(session.llm)} LLM shapes in "
           f"{time.perf_counter() - started:.1f} s wall ({clock} clock, {args.statistic} of {args.repeats}); "
           f"fitted on {len(fit_profile.encoder)} + {len(fit_profile.llm)}, held out {len(held.encoder)} + {len(held.llm)}")

@@ -33,8 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dflop_ds.cost import reference_model, reference_names  # noqa: E402
 from dflop_ds.data import read_manifest  # noqa: E402
-from dflop_ds.plan import Cluster, PlanError, make_plans, reference_model, reference_names  # noqa: E402
+from dflop_ds.plan import Cluster, PlanError, make_plans  # noqa: E402
 from dflop_ds.shapes import ShapePolicy  # noqa: E402
 
 GLOBAL_BATCH = {8: 64, 64: 256, 256: 512, 1024: 2048}

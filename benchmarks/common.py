@@ -9,19 +9,19 @@ from pathlib import Path
 import argparse
 
 from dflop_ds.launch import launch_env
-from dflop_ds.profile import CostModel
+from dflop_ds.cost import FittedCostModel, load_cost_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def profiled_cost_model(path: str | Path, reuse: bool = True) -> CostModel:
-    """The tiny model's CostModel at ``path``, profiled now (1 thread, as training ranks run) unless
+def profiled_cost_model(path: str | Path, reuse: bool = True) -> FittedCostModel:
+    """The tiny model's FittedCostModel at ``path``, profiled now (1 thread, as training ranks run) unless
     ``reuse`` and the file exists."""
     if not (reuse and Path(path).exists()):
         print(f"profiling the tiny model into {path} ...", flush=True)
         subprocess.run([sys.executable, "-m", "dflop_ds.cli", "profile", "model", "--no-progress", "-o", str(path)],
                        check=True, cwd=ROOT, env=launch_env())
-    return CostModel.load(path)
+    return load_cost_model(path)
 
 
 def worker_ds_config(global_batch: int, gas: int, dp: int, zero_stage: int | None = None) -> dict:
@@ -50,7 +50,7 @@ def add_worker_options(parser: argparse.ArgumentParser, *, global_batch: int, ga
 def add_round_options(parser: argparse.ArgumentParser, *, rounds: int, gas: int) -> None:
     """The options of the benchmarks that train every method on the same global batches, round by
     round: cost model, rounds, warm-up rounds, global batch, GAS and output folder."""
-    parser.add_argument("--cost-model", help="a profiled CostModel JSON (default: profile now into out/)")
+    parser.add_argument("--cost-model", help="a profiled FittedCostModel JSON (default: profile now into out/)")
     parser.add_argument("--rounds", type=int, default=rounds, help="timed rounds (every method once per round)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=32)

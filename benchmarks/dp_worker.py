@@ -30,7 +30,7 @@ from benchmarks.e2e_methods import split_for  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
 from dflop_ds.models import TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
-from dflop_ds.profile import CostModel  # noqa: E402
+from dflop_ds.cost import load_cost_model  # noqa: E402
 from dflop_ds.schedule.dispatch import plan_dispatch  # noqa: E402
 from dflop_ds.schedule.epoch import epoch_permutation, global_batches  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
@@ -105,7 +105,7 @@ def main() -> int:
     dp, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     shapes = read_dataset(args.data, TINY_POLICY)
     dataset = TinyMLLMDataset(shapes, seed=args.seed)
-    cost_model = CostModel.load(args.cost_model)
+    cost_model = load_cost_model(args.cost_model)
     costs = cost_model.predict_samples(shapes)
     llm_only = LLMOnlyCost(cost_model)
     tiles, per_tile = tile_costs(cost_model, shapes)

@@ -27,8 +27,7 @@ from benchmarks.e2e_methods import METHODS, PACKED_METHODS, split_for  # noqa: E
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
-from dflop_ds.profile import CostModel  # noqa: E402
-from dflop_ds.profile.packed import PackedCost  # noqa: E402
+from dflop_ds.cost import PackedCost, load_cost_model  # noqa: E402
 from dflop_ds.schedule.epoch import epoch_permutation, global_batches  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
@@ -61,7 +60,7 @@ def main() -> int:
     dp = torch.distributed.get_world_size() // 2
     shapes = read_dataset(args.data, TINY_POLICY)
     dataset = TinyMLLMDataset(shapes, TinyMLLMConfig(), seed=args.seed)
-    cost_model = CostModel.load(args.cost_model)
+    cost_model = load_cost_model(args.cost_model)
     packed_model = PackedCost(cost_model)
     costs = {False: cost_model.predict_samples(shapes), True: packed_model.predict_samples(shapes)}
     labels = np.array([supervised_count(s) for s in shapes])

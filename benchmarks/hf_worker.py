@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import add_worker_options, worker_ds_config  # noqa: E402
+from dflop_ds.cost import load_cost_model  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
 from dflop_ds.plan.stages import cost_balanced_bounds  # noqa: E402
-from dflop_ds.profile import CostModel  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.schedule.sampler import make_sampler  # noqa: E402
 from dflop_ds.telemetry.record import batch_tokens  # noqa: E402
@@ -56,7 +56,7 @@ def main() -> int:
     source = hf_source(args.model, image_folder=args.images)
     shapes = source.read_shapes(args.data, "error")
     dataset = source.make_dataset(shapes, args.data)
-    cost_model = CostModel.load(args.cost_model)
+    cost_model = load_cost_model(args.cost_model)
     ds_config = worker_ds_config(args.global_batch, args.gas, dp, zero_stage=2 if stages == 1 else None)
     bounds = cost_balanced_bounds(cost_model, shapes, stages) if stages > 1 else None
     trainer = build_engine(*source.layers(), ds_config, pipeline_stages=stages, stage_bounds=bounds, lr=1e-4)

@@ -1,6 +1,6 @@
 """Check the 1F1B simulator against real runs: `make validate-simulator`.
 
-1. Profiles the tiny model alone (the CostModel; reused if present).
+1. Profiles the tiny model alone (the FittedCostModel; reused if present).
 2. Profiles the engine: a short 2-rank run with the *stock* sampler and DeepSpeed's default
    stage split, telemetry on; fits an EngineProfile from it (in-engine compute multipliers,
    microbatch load, the step's tail, the cost of one blocking exchange; see
@@ -50,7 +50,7 @@ def train(config: dict, block: dict, telemetry: Path, out: Path, name: str) -> N
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cost-model", default=str(ROOT / "out" / "costmodel_tiny.json"),
-                        help="profiled CostModel JSON (profiled now if missing)")
+                        help="profiled FittedCostModel JSON (profiled now if missing)")
     parser.add_argument("--config", default=str(ROOT / "ds_configs" / "tiny_mllm_pp2.json"))
     parser.add_argument("--profile-steps", type=int, default=15, help="steps of the engine-profiling run")
     parser.add_argument("--steps", type=int, default=27, help="steps of the validated run (3 warm-up)")

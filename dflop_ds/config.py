@@ -30,7 +30,7 @@ class DFLOPConfig:
         pipeline_stages: pipeline stages; the data-parallel size is world size / stages.
         stage_bounds: layer index bounds of each stage over encoder + projector + LLM layers
             (None: split by predicted layer cost).
-        cost_model: a profiled CostModel JSON (None: the unitless proxy).
+        cost_model: a cost-model JSON (:func:`dflop_ds.cost.load_cost_model`; None: the unitless proxy).
         plan: a plan JSON written by ``dflop-ds plan``; the run is refused unless the DeepSpeed
             config and this block agree with it (``Plan.deepspeed_config`` writes such a config).
         time_limit_s: exact-solver time per global batch (0: no time-limited solve). Time limits
@@ -51,7 +51,7 @@ class DFLOPConfig:
         freeze_encoder: freeze the vision encoder (LLaVA's second stage).
         packing: pack each microbatch's samples into one sequence (attention kept inside each
             sample; :mod:`dflop_ds.models.packing`) instead of padding them to the longest, and
-            balance on the additive packed cost (:class:`dflop_ds.profile.packed.PackedCost`).
+            balance on the additive packed cost (:class:`dflop_ds.cost.PackedCost`).
             None (default): on where the model supports it (the tiny model; measured faster
             there), off otherwise; true for a model without packing is refused.
         encoder: where a sample's tiles are encoded: ``"local"`` (default; on the rank that
@@ -76,6 +76,11 @@ class DFLOPConfig:
             (None: the tokenizer's ``model_max_length``).
         truncation: a longer sample is a bad record (``"error"``) or is cut at ``max_length``
             (``"truncate"``, counted; a cut through image tokens is always a bad record).
+        memory_cap_bytes: the most bytes a microbatch may be predicted to need beyond the
+            parameters (the cost model's ``predict_memory``, encoder + LLM); the DFLOP sampler
+            splits so that none exceeds it (None: no cap). A plan may set it.
+        allow_oversize: a sample predicted above ``memory_cap_bytes`` alone is trained in a
+            microbatch of its own, with a warning naming it, instead of stopping with an error.
         fault: inject a slow shape class for tests and demos (see
             :class:`dflop_ds.testing.FaultSpec`), e.g. ``{"min_tiles": 6, "seconds_per_tile": 0.01}``.
     """
@@ -114,6 +119,8 @@ class DFLOPConfig:
     max_length: Optional[int] = None
     truncation: str = "error"
     fault: Optional[dict[str, Any]] = None
+    memory_cap_bytes: float | None = None
+    allow_oversize: bool = False
 
     @classmethod
     def from_dict(cls, block: dict[str, Any], source: str = "config") -> "DFLOPConfig":
@@ -171,6 +178,8 @@ class DFLOPConfig:
             "max_length": dict(kind="int", minimum=1, optional=True),
             "truncation": dict(kind="str", choices=("error", "truncate")),
             "fault": dict(kind="dict", optional=True),
+            "memory_cap_bytes": dict(kind="number", above=0, optional=True),
+            "allow_oversize": dict(kind="bool"),
         }
         for key, rule in rules.items():
             try:

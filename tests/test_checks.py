@@ -145,7 +145,7 @@ def test_config_stages_contradicting_the_plan_are_named_when_filling_from_it():
 
 
 def test_cost_model_of_another_depth_is_refused_naming_both():
-    from dflop_ds.plan.reference import reference_model
+    from dflop_ds.cost import reference_model
 
     model = reference_model("llava-ov-0.5b-a100")
     check_cost_model(model, encoder_layers=model.encoder_layers, llm_layers=model.llm_layers)

@@ -1,4 +1,4 @@
-"""CostModel: shapes of the fits, microbatch padding, JSON round trip, version refusal, CLI report."""
+"""FittedCostModel: shapes of the fits, microbatch padding, JSON round trip, version refusal, CLI report."""
 
 from __future__ import annotations
 
@@ -10,8 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflop_ds.cli import main as cli_main
-from dflop_ds.profile import CostModel, Measurement, ModelProfile, ProxyCost
-from dflop_ds.profile.fit import MonotoneFit
+from dflop_ds.cost import (
+    FittedCostModel,
+    Measurement,
+    ModelProfile,
+    ProxyCost,
+    cost_model_to_dict,
+    load_cost_model,
+    save_cost_model,
+)
+from dflop_ds.cost.fit import MonotoneFit
 from dflop_ds.shapes import SampleShape
 
 TILES = (1, 2, 4, 8, 16, 32)
@@ -53,11 +61,11 @@ def shape(tiles: int, tokens: int, sample_id: str = "s") -> SampleShape:
 
 
 @pytest.fixture(scope="module")
-def model() -> CostModel:
-    return CostModel().fit(synthetic_profile())
+def model() -> FittedCostModel:
+    return FittedCostModel().fit(synthetic_profile())
 
 
-def test_fit_recovers_the_generating_curves(model: CostModel) -> None:
+def test_fit_recovers_the_generating_curves(model: FittedCostModel) -> None:
     tiles = np.array([3, 12, 40])
     assert model.encoder_time(tiles) == pytest.approx([true_encoder(t) for t in tiles], rel=1e-3)
     for b, s in [(3, 100), (1, 700), (4, 300)]:
@@ -65,7 +73,7 @@ def test_fit_recovers_the_generating_curves(model: CostModel) -> None:
         assert model.llm_attention_time([b], [s])[0] == pytest.approx(true_llm(b, s)[1], rel=1e-2)
 
 
-def test_planner_attributes(model: CostModel) -> None:
+def test_planner_attributes(model: FittedCostModel) -> None:
     assert model.encoder_layers == 6 and model.llm_layers == 5
     assert model.param_bytes == {"encoder": 10, "projector": 2, "llm": 30}
     assert model.hidden_bytes_per_token == 512.0
@@ -75,7 +83,7 @@ def test_planner_attributes(model: CostModel) -> None:
 @settings(max_examples=25, deadline=None)
 @given(noise=st.floats(0.0, 0.6), seed=st.integers(0, 10_000))
 def test_predictions_are_non_negative_and_monotone_even_on_noisy_data(noise: float, seed: int) -> None:
-    fitted = CostModel().fit(synthetic_profile(noise=noise, seed=seed))
+    fitted = FittedCostModel().fit(synthetic_profile(noise=noise, seed=seed))
     tiles = np.arange(0, 200)
     enc = fitted.encoder_time(tiles)
     assert np.all(enc >= 0) and np.all(np.diff(enc) >= 0)
@@ -89,7 +97,7 @@ def test_predictions_are_non_negative_and_monotone_even_on_noisy_data(noise: flo
     assert np.all(np.diff(np.array(mem), axis=0) >= 0) and np.all(np.array(mem) >= 0)
 
 
-def test_predict_samples_shape_and_text_only_encoder_cost(model: CostModel) -> None:
+def test_predict_samples_shape_and_text_only_encoder_cost(model: FittedCostModel) -> None:
     shapes = [shape(0, 40, "text"), shape(4, 100, "image"), shape(8, 300, "video")]
     costs = model.predict_samples(shapes)
     assert costs.shape == (3, 2)
@@ -98,7 +106,7 @@ def test_predict_samples_shape_and_text_only_encoder_cost(model: CostModel) -> N
     assert model.predict_samples([]).shape == (0, 2)
 
 
-def test_microbatch_cost_pads_to_the_longest_and_sums_tiles(model: CostModel) -> None:
+def test_microbatch_cost_pads_to_the_longest_and_sums_tiles(model: FittedCostModel) -> None:
     long, short = shape(2, 500, "long"), shape(1, 40, "short")
     mixed = model.predict_microbatch([long, short, short, short])
     uniform = model.predict_microbatch([long] * 4)
@@ -110,22 +118,22 @@ def test_microbatch_cost_pads_to_the_longest_and_sums_tiles(model: CostModel) ->
     assert np.array_equal(model.predict_microbatch([]), np.zeros(2))
 
 
-def test_memory_predictions(model: CostModel) -> None:
+def test_memory_predictions(model: FittedCostModel) -> None:
     mb = [shape(4, 200), shape(2, 100)]
     acts = model.predict_activation_bytes(mb)
     assert acts.shape == (2,)
     assert acts[0] == pytest.approx(1000 * 6, rel=1e-6)
     assert acts[1] == pytest.approx(500 * 2 * 200 + 4 * 2 * 200**2, rel=1e-6)
     assert np.all(model.predict_memory(mb) >= acts)
-    no_peak = CostModel().fit(synthetic_profile(peak=False))
+    no_peak = FittedCostModel().fit(synthetic_profile(peak=False))
     assert no_peak.encoder_peak_ is None
     assert np.allclose(no_peak.predict_memory(mb), no_peak.predict_activation_bytes(mb))
 
 
-def test_json_round_trip(model: CostModel, tmp_path) -> None:
+def test_json_round_trip(model: FittedCostModel, tmp_path) -> None:
     path = tmp_path / "cm.json"
-    model.save(path)
-    loaded = CostModel.load(path)
+    save_cost_model(model, path)
+    loaded = load_cost_model(path)
     shapes = [shape(t, 16 * t + 30 + 7 * t, f"s{t}") for t in range(0, 12)]
     assert np.array_equal(loaded.predict_samples(shapes), model.predict_samples(shapes))
     assert np.array_equal(loaded.predict_microbatch(shapes), model.predict_microbatch(shapes))
@@ -135,29 +143,29 @@ def test_json_round_trip(model: CostModel, tmp_path) -> None:
     assert "pickle" not in path.read_text()
 
 
-def test_refuses_a_file_of_another_version(model: CostModel, tmp_path) -> None:
-    data = model.to_dict()
+def test_refuses_a_file_of_another_version(model: FittedCostModel, tmp_path) -> None:
+    data = cost_model_to_dict(model)
     data["format_version"] = 99
     path = tmp_path / "future.json"
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"future\.json.*format_version 99.*re-run"):
-        CostModel.load(path)
+        load_cost_model(path)
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"format": "something-else", "format_version": 1}))
     with pytest.raises(ValueError, match="not a dflop-ds cost model"):
-        CostModel.load(other)
+        load_cost_model(other)
 
 
-def test_rejects_tampered_coefficients(model: CostModel) -> None:
+def test_rejects_tampered_coefficients(model: FittedCostModel) -> None:
     data = model.to_dict()
     data["fits"]["encoder_time"]["coef"] = [-1.0, 1.0]
     with pytest.raises(ValueError, match="coefficients"):
-        CostModel.from_dict(data)
+        FittedCostModel.from_dict(data)
 
 
 def test_unfitted_model_says_so() -> None:
     with pytest.raises(RuntimeError, match="not fitted"):
-        CostModel().predict_samples([shape(1, 20)])
+        FittedCostModel().predict_samples([shape(1, 20)])
 
 
 def test_monotone_fit_ignores_an_outlier() -> None:
@@ -168,20 +176,20 @@ def test_monotone_fit_ignores_an_outlier() -> None:
     assert fit.coef_ == pytest.approx([1.0, 2.0], rel=0.05)
 
 
-def test_proxy_cost_has_the_same_interface(model: CostModel) -> None:
+def test_proxy_cost_has_the_same_interface(model: FittedCostModel) -> None:
     shapes = [shape(2, 60), shape(0, 30)]
     proxy = ProxyCost()
     assert proxy.predict_samples(shapes).shape == model.predict_samples(shapes).shape
     assert proxy.predict_microbatch(shapes).shape == model.predict_microbatch(shapes).shape
 
 
-def test_report_cli_prints_the_table_and_writes_a_png(model: CostModel, tmp_path, capsys) -> None:
+def test_report_cli_prints_the_table_and_writes_a_png(model: FittedCostModel, tmp_path, capsys) -> None:
     path, png = tmp_path / "cm.json", tmp_path / "fit.png"
-    model.save(path)
+    save_cost_model(model, path)
     assert cli_main(["profile", "report", str(path), "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert "encoder tiles" in out and "LLM batch x seq" in out and "fit error" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({**model.to_dict(), "format_version": 0}))
+    bad.write_text(json.dumps({**cost_model_to_dict(model), "format_version": 0}))
     assert cli_main(["profile", "report", str(bad), "--png", ""]) == 1

@@ -99,7 +99,7 @@ def test_colocated_model_equals_the_sequential_model_on_one_rank(one_rank_group,
     from dflop_ds.data import read_dataset
     from dflop_ds.models import TinyMLLMDataset, collate_microbatch, tiny_mllm_layers
     from dflop_ds.pipe import token_normalized_loss
-    from dflop_ds.profile.proxy import ProxyCost
+    from dflop_ds.cost import ProxyCost
     from dflop_ds.schedule.index import ScheduledIndex
     from dflop_ds.shapes import TINY_POLICY
     from dflop_ds.train.colocated import ColocatedMLLM, DispatchCollate, DispatchDataset, MicrostepRequest, tile_costs

@@ -1,4 +1,4 @@
-"""Missing, corrupt, mixed-up or wrong-version CostModel and plan files are refused, naming the file."""
+"""Missing, corrupt, mixed-up or wrong-version FittedCostModel and plan files are refused, naming the file."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 
 from dflop_ds.plan import Plan
 from dflop_ds.plan.layout import Layout, Segment
-from dflop_ds.profile.costmodel import FORMAT, FORMAT_VERSION, CostModel
+from dflop_ds.cost import load_cost_model
+from dflop_ds.cost.io import FORMAT, FORMAT_VERSION
 
 
 def plan() -> Plan:
@@ -17,7 +18,7 @@ def plan() -> Plan:
                             gpus=2, gpus_per_node=8, gpu_memory_bytes=8e9, family="deepspeed")
 
 
-LOADERS = {"cost model": CostModel.load, "plan": Plan.load}
+LOADERS = {"cost model": load_cost_model, "plan": Plan.load}
 BAD_CONTENT = {
     "empty": "",
     "truncated": '{"format": "dflop-ds-costmodel", "format_',
@@ -47,7 +48,7 @@ def test_cost_model_of_another_version_is_refused(tmp_path):
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION + 1}))
     with pytest.raises(ValueError, match=f"format_version {FORMAT_VERSION + 1}") as caught:
-        CostModel.load(path)
+        load_cost_model(path)
     assert str(path) in str(caught.value) and "re-run" in str(caught.value)
 
 
@@ -66,7 +67,7 @@ def test_plan_and_cost_model_files_are_not_mixed_up(tmp_path):
     plan().save(plan_path)
     assert Plan.load(plan_path) == plan()  # the good file loads
     with pytest.raises(ValueError, match="not a dflop-ds cost model") as caught:
-        CostModel.load(plan_path)
+        load_cost_model(plan_path)
     assert str(plan_path) in str(caught.value)
 
     fake_model = tmp_path / "costmodel.json"
@@ -78,7 +79,21 @@ def test_plan_and_cost_model_files_are_not_mixed_up(tmp_path):
 
 def test_truncated_cost_model_names_the_missing_part(tmp_path):
     path = tmp_path / "partial.json"
-    path.write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "params": {}}))
-    with pytest.raises(ValueError, match="malformed cost model") as caught:
-        CostModel.load(path)
-    assert str(path) in str(caught.value)
+    header = {"format": FORMAT, "format_version": FORMAT_VERSION}
+    for content, message in (({**header, "kind": "fitted", "state": {"params": {}}}, "malformed cost model"),
+                             ({**header, "kind": "fitted"}, "needs a \"state\""),
+                             ({**header, "kind": "packed"}, "needs \"wraps\""),
+                             ({**header, "kind": "guessed", "state": {}}, "unknown cost-model kind 'guessed'")):
+        path.write_text(json.dumps(content))
+        with pytest.raises(ValueError, match=message) as caught:
+            load_cost_model(path)
+        assert str(path) in str(caught.value)
+
+
+@pytest.mark.parametrize("old", [{"format": FORMAT, "format_version": 2, "params": {}},
+                                 {"kind": "dflop_ds.plan.reference.AnalyticMLLM", "format_version": 1}])
+def test_cost_model_of_an_old_version_is_refused_naming_file_and_version(tmp_path, old):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=r"old\.json.*format_version (2|1)"):
+        load_cost_model(path)

@@ -16,8 +16,8 @@ from dflop_ds.cli import main as cli_main  # noqa: E402
 from dflop_ds.data import DataError, read_dataset  # noqa: E402
 from dflop_ds.models.hf.data import (LlavaDataset, LlavaPreprocessor, collate_llava, llava_policy,  # noqa: E402
                                      load_llava_records, supervised_targets)
-from dflop_ds.profile import CostModel  # noqa: E402
-from dflop_ds.profile.costmodel import check_policy  # noqa: E402
+from dflop_ds.cost import FittedCostModel, load_cost_model, save_cost_model  # noqa: E402
+from dflop_ds.cost import check_policy  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY  # noqa: E402
 from dflop_ds.testing import hf_tiny  # noqa: E402
@@ -208,21 +208,20 @@ def test_too_long_samples_are_refused_or_truncated_never_through_images(model_di
 def test_cost_model_stores_its_policy_and_refuses_another(pre: LlavaPreprocessor, tmp_path: Path,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "cm.json"
-    CostModel().fit(synthetic_profile(), pre.policy()).save(path)
-    loaded = CostModel.load(path)
+    save_cost_model(FittedCostModel().fit(synthetic_profile(), pre.policy()), path)
+    loaded = load_cost_model(path)
     assert loaded.shape_policy == pre.policy().describe()
     check_policy(loaded, pre.policy())  # same policy: accepted
     with pytest.raises(ValueError, match=r"profiled under the shape policy 'llava:.*', but the data is shaped with the policy 'tiny'; "
                                          r"they differ in .*max_tiles: 1 vs 4.*tokenizer: 'llava-v1"):
         check_policy(loaded, TINY_POLICY)
     with pytest.raises(ValueError, match="shape policy 'tiny'.*policy 'default'.*tokens_per_tile: 16 vs 729"):
-        check_policy(CostModel().fit(synthetic_profile(), TINY_POLICY), DEFAULT_POLICY)
-    old = json.loads(path.read_text())  # a version-1 file: loads, records no policy, checked with a warning
-    old["format_version"] = 1
-    del old["shape_policy"]
+        check_policy(FittedCostModel().fit(synthetic_profile(), TINY_POLICY), DEFAULT_POLICY)
+    old = json.loads(path.read_text())  # a model that records no policy: checked with a warning
+    del old["state"]["shape_policy"]
     path.write_text(json.dumps(old))
-    assert CostModel.load(path).shape_policy is None
-    check_policy(CostModel.load(path), TINY_POLICY, source="old.json")
+    assert load_cost_model(path).shape_policy is None
+    check_policy(load_cost_model(path), TINY_POLICY, source="old.json")
     assert "old.json records no shape policy" in caplog.text
 
 
@@ -234,7 +233,7 @@ def test_cli_reads_with_the_model_policy(model_dir: Path, dataset, capsys: pytes
 
 def test_plan_refuses_a_cost_model_of_another_policy(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     cost_model = tmp_path / "tiny_cm.json"
-    CostModel().fit(synthetic_profile(), TINY_POLICY).save(cost_model)
+    save_cost_model(FittedCostModel().fit(synthetic_profile(), TINY_POLICY), cost_model)
     data = Path(__file__).resolve().parents[1] / "examples" / "data" / "coco.jsonl"
     argv = ["plan", "--gpus", "2", "--global-batch", "8", "--cost-model", str(cost_model), "--data", str(data),
             "-o", str(tmp_path / "plan.json")]

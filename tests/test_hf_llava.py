@@ -259,7 +259,7 @@ def test_stage_bounds_from_a_profile_of_the_real_layers(tmp_path_factory) -> Non
     valid split of the flat list that still matches HF."""
     from dflop_ds.models.hf.llava import llava_input_factories
     from dflop_ds.plan.stages import cost_balanced_bounds
-    from dflop_ds.profile.costmodel import CostModel
+    from dflop_ds.cost import FittedCostModel
     from dflop_ds.profile.model import profile_model
     from dflop_ds.shapes import SampleShape
 
@@ -276,7 +276,7 @@ def test_stage_bounds_from_a_profile_of_the_real_layers(tmp_path_factory) -> Non
     shapes = [SampleShape(f"s{i}", encoder_tiles=1, visual_tokens=TOKENS_PER_IMAGE, text_tokens=24,
                           llm_tokens=TOKENS_PER_IMAGE + 24, label_tokens=8) for i in range(4)]
     layers = [*encoder, projector, *llm]
-    bounds = cost_balanced_bounds(CostModel().fit(profile), shapes, 3)
+    bounds = cost_balanced_bounds(FittedCostModel().fit(profile), shapes, 3)
     assert bounds == plan_stage_bounds(len(layers), len(encoder) + 1, 3, stage_bounds=bounds)
     inputs, labels = contract_microbatch(processor, microbatches()[0])
     logits = run_stages(layers, bounds, inputs)[0]

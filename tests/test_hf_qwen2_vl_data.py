@@ -125,7 +125,7 @@ def test_profile_target_runs_the_real_layers_on_patch_counts(setup, tmp_path: Pa
     merge blocks, rows without images allowed); the fitted cost model keeps the Qwen2-VL policy."""
     from dflop_ds.models.hf.profile import hf_target
     from dflop_ds.models.hf.qwen2_vl import Qwen2VLEncoderInputs
-    from dflop_ds.profile.costmodel import CostModel
+    from dflop_ds.cost import FittedCostModel
     from dflop_ds.profile.model import profile_model
 
     model_dir, _, _, pre, _ = setup
@@ -141,7 +141,7 @@ def test_profile_target_runs_the_real_layers_on_patch_counts(setup, tmp_path: Pa
     assert x[0].shape == (4, 9, 64) and x[1].shape == (3, 4, 9)
     profile = profile_model(**target.profile_kwargs(), tiles=(4, 64), seq_lens=(16,), batch_sizes=(1,), repeats=1,
                             warmup=0, progress=False)
-    cost_model = CostModel().fit(profile, target.policy)
+    cost_model = FittedCostModel().fit(profile, target.policy)
     assert "SmartResize" in cost_model.shape_policy["image_rule"]
 
 

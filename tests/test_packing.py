@@ -12,7 +12,7 @@ from dflop_ds.config import DFLOPConfig
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, build_reference, collate_microbatch
 from dflop_ds.models.packing import segment_positions
 from dflop_ds.pipe.loss import token_normalized_loss
-from dflop_ds.profile import CostModel, PackedCost
+from dflop_ds.cost import FittedCostModel, PackedCost
 from dflop_ds.schedule.sampler import make_sampler
 from dflop_ds.shapes import TINY_POLICY
 from dflop_ds.train.loop import build_parser
@@ -90,11 +90,11 @@ def test_a_packed_row_of_the_wrong_length_is_refused() -> None:
 
 
 def test_packed_cost_is_the_overhead_plus_the_sum_of_the_samples() -> None:
-    packed = PackedCost(CostModel().fit(synthetic_profile()))
-    np.testing.assert_allclose(packed.overhead, [true_encoder(0), true_llm(0, 0)[0]], rtol=0.05)
+    packed = PackedCost(FittedCostModel().fit(synthetic_profile()))
+    np.testing.assert_allclose(packed.overhead_, [true_encoder(0), true_llm(0, 0)[0]], rtol=0.05)
     shapes = [cost_shape(2, 100), cost_shape(0, 300), cost_shape(5, 90)]
     per_sample = packed.predict_samples(shapes)
-    np.testing.assert_allclose(packed.predict_microbatch(shapes), per_sample.sum(axis=0) + packed.overhead)
+    np.testing.assert_allclose(packed.predict_microbatch(shapes), per_sample.sum(axis=0) + packed.overhead_)
     assert per_sample[1, 0] == 0.0  # a text-only sample costs the encoder nothing
     # the generating curves: one constant, the rest summed over samples (tiles; B, B*S, B*S^2 per sample)
     tokens = [100, 300, 90]
@@ -106,7 +106,7 @@ def test_the_sampler_balances_packed_costs_additively() -> None:
     rng = np.random.default_rng(0)
     shapes = [cost_shape(int(t), int(16 * t + n), f"s{i}")
               for i, (t, n) in enumerate(zip(rng.integers(0, 6, 32), rng.integers(8, 600, 32)))]
-    packed = PackedCost(CostModel().fit(synthetic_profile()))
+    packed = PackedCost(FittedCostModel().fit(synthetic_profile()))
     kwargs = dict(global_batch_size=16, gradient_accumulation_steps=4, cost_model=packed)
     dflop, stock = make_sampler("dflop", shapes, **kwargs), make_sampler("stock", shapes, **kwargs)
     assert dflop.additive and dflop._microbatch_cost(np.arange(16)) is None

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from dflop_ds.plan import Cluster, Plan, PlanFileError, Segment, make_plans, reference_model
+from dflop_ds.cost import reference_model
+from dflop_ds.plan import Cluster, Plan, PlanFileError, Segment, make_plans
 from dflop_ds.plan.layout import Layout, flat_bounds, separate_stages, stages_from_bounds
 from dflop_ds.shapes import ShapePolicy
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflop_ds.plan import Cluster, PlanError, make_plans, reference_model, reference_names, search
+from dflop_ds.cost import reference_model, reference_names
+from dflop_ds.plan import Cluster, PlanError, make_plans, search
 from dflop_ds.plan.layout import balanced_bounds, flat_bounds, stages_from_bounds, uniform_bounds
-from dflop_ds.plan.reference import AnalyticMLLM
+from dflop_ds.cost import AnalyticMLLM
 from dflop_ds.shapes import ShapePolicy
 
 
@@ -202,7 +203,7 @@ def test_stage_shares_follow_the_models_layer_shares() -> None:
 
 
 def test_reference_models_give_the_projector_its_flop_share() -> None:
-    from dflop_ds.plan.reference import reference_model
+    from dflop_ds.cost import reference_model
 
     model = reference_model("llava-ov-7b-h100")
     encoder = model.layer_shares["encoder"]

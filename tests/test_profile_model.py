@@ -269,7 +269,7 @@ def test_a_profile_without_projector_gives_it_no_time() -> None:
 def test_model_cli_writes_a_loadable_cost_model(tmp_path, capsys) -> None:
     pytest.importorskip("dflop_ds.models")
     from dflop_ds.cli import main as cli_main
-    from dflop_ds.profile import CostModel
+    from dflop_ds.cost import load_cost_model
 
     out = tmp_path / "cm.json"
     code = cli_main([
@@ -280,7 +280,7 @@ def test_model_cli_writes_a_loadable_cost_model(tmp_path, capsys) -> None:
     assert code == 0
     printed = capsys.readouterr().out
     assert "2 of 3 VisionBlock" in printed and "wrote" in printed
-    model = CostModel.load(out)
+    model = load_cost_model(out)
     assert model.encoder_layers == 4 and model.llm_layers == 3
     assert model.predict_microbatch([]).shape == (2,)
     from dflop_ds.shapes import TINY_POLICY

@@ -7,7 +7,7 @@ import collections
 import numpy as np
 import pytest
 
-from dflop_ds.profile.proxy import ProxyCost
+from dflop_ds.cost import ProxyCost
 from dflop_ds.schedule.index import ScheduledIndex
 from dflop_ds.schedule.prefetch import BackgroundMap
 from dflop_ds.schedule.sampler import DFLOPBatchSampler, StockBatchSampler, make_sampler
@@ -160,9 +160,9 @@ def test_proxy_cost_is_the_default_cost_model():
 def test_a_given_cost_model_drives_costs_and_microbatch_predictions():
     from test_costmodel import synthetic_profile
 
-    from dflop_ds.profile import CostModel
+    from dflop_ds.cost import FittedCostModel
 
-    cost_model = CostModel().fit(synthetic_profile())
+    cost_model = FittedCostModel().fit(synthetic_profile())
     shapes = mixed_shapes(80)
     sampler = DFLOPBatchSampler(shapes, global_batch_size=40, gradient_accumulation_steps=4, dp_size=2,
                                 cost_model=cost_model, prefetch=0)

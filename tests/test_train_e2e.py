@@ -85,8 +85,8 @@ def test_a_plan_file_starts_a_two_rank_training(tmp_path):
 
 @pytest.mark.slow
 def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_path):
+    from dflop_ds.cost import load_cost_model
     from dflop_ds.data import read_dataset
-    from dflop_ds.profile import CostModel
     from dflop_ds.profile.engine import EngineProfile, engine_profile_from_run, read_engine_steps
     from dflop_ds.shapes import TINY_POLICY
 
@@ -99,7 +99,7 @@ def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_pat
     telemetry = tmp_path / "telemetry.jsonl"
     launch_training(tmp_path, {"sampler": "stock", "steps": 8, "warmup_steps": 2},
                     args=("--telemetry", str(telemetry)))
-    model = CostModel.load(cost_model)
+    model = load_cost_model(cost_model)
     data = ROOT / "examples" / "data" / "mixture.jsonl"
     shapes = read_dataset(data, TINY_POLICY)
     fitted = subprocess.run([sys.executable, "-m", "dflop_ds.cli", "profile", "engine", str(telemetry), "--cost-model",
@@ -130,3 +130,16 @@ def test_a_node_limited_exact_solver_gives_every_rank_the_same_schedule(tmp_path
                                      "ilp_nodes": 200},
                           SIXTEEN_IN_FOUR)
     assert len(run["steps"]) == 3 and all(s["schedule_ms"] > 0 for s in run["steps"])
+
+
+@pytest.mark.slow
+def test_a_memory_cap_no_sample_fits_stops_before_training_naming_a_sample(tmp_path):
+    config = json.loads((ROOT / "ds_configs" / "tiny_mllm_pp2.json").read_text())
+    config["dflop"].update({"steps": 2, "warmup_steps": 1, "max_samples": 64, "memory_cap_bytes": 1000})
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(config))
+    result = run_deepspeed(ROOT / "examples" / "train.py", ["--deepspeed_config", str(config_path)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=400)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "OversizeSampleError" in output and "memory_cap_bytes = 1000 bytes" in output and "allow_oversize" in output

@@ -85,7 +85,7 @@ def test_zero2_data_parallel_trains_every_sample_once_with_the_global_token_mean
 def assert_each_micro_step_balanced_across_ranks(lines: list[dict]) -> None:
     """Micro-step k of both ranks costs about the same (the ranks meet in every backward)."""
     from dflop_ds.data import read_dataset
-    from dflop_ds.profile.proxy import ProxyCost
+    from dflop_ds.cost import ProxyCost
     from dflop_ds.shapes import TINY_POLICY
 
     shapes = read_dataset(ROOT / "examples" / "data" / "mixture.jsonl", TINY_POLICY)[:SAMPLES]

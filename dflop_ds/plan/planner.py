@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-
-from dflop_ds.jsonio import read_json_object
 
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.evaluate import Evaluation, evaluate
 from dflop_ds.plan.layout import Layout
 from dflop_ds.plan.plan_file import Plan, layout_to_dict
-from dflop_ds.plan.reference import KIND as ANALYTIC_KIND
-from dflop_ds.plan.reference import AnalyticMLLM, reference_model, reference_names
 from dflop_ds.plan.search import Scored, SearchResult, sample_batches, search
 from dflop_ds.shapes import SampleShape
 
@@ -103,22 +98,3 @@ def simulate_layout(model: Any, cluster: Cluster, layout: Layout, shapes: Sequen
     costs = np.asarray(model.predict_samples(pool), dtype=float)
     return [evaluate(model, cluster, layout, [pool[j] for j in b], costs[b], fast=fast, seed=seed + i)
             for i, b in enumerate(sample_batches(len(pool), global_batch, n_batches, seed))]
-
-
-def load_cost_model(spec: str) -> Any:
-    """A reference profile name (see :func:`reference_names`) or a cost-model JSON file.
-
-    JSON files written by :meth:`AnalyticMLLM.save` load as analytic models; others go to
-    ``dflop_ds.profile.CostModel.load``.
-    """
-    if spec.lower() in reference_names():
-        return reference_model(spec)
-    path = Path(spec)
-    if not path.exists():
-        raise FileNotFoundError(f"cost model {spec!r} is neither a reference profile ({', '.join(reference_names())}) nor a file")
-    data = read_json_object(path)
-    if isinstance(data, dict) and data.get("kind") == ANALYTIC_KIND:
-        return AnalyticMLLM.from_dict(data)
-    from dflop_ds.profile import CostModel  # measured models (issue 3)
-
-    return CostModel.load(path)

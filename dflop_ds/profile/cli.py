@@ -7,6 +7,7 @@ import importlib
 import time
 from typing import Any, Callable
 
+from dflop_ds.cost import FittedCostModel, check_policy, load_cost_model, save_cost_model
 from dflop_ds.data.cli import add_read_arguments
 from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES
 from dflop_ds.profile.timing import CLOCKS, STATISTICS
@@ -33,8 +34,7 @@ def load_target(spec: str) -> Any:
 
 
 def run_model(args: argparse.Namespace) -> int:
-    """``profile model``: profile, fit and save a CostModel (measurements included)."""
-    from dflop_ds.profile.costmodel import CostModel
+    """``profile model``: profile, fit and save a FittedCostModel (measurements included)."""
     from dflop_ds.profile.model import profile_model
     from dflop_ds.profile.tiny import tiny_target
 
@@ -66,8 +66,8 @@ def run_model(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         seed=args.seed,
     )
-    model = CostModel().fit(profile, getattr(target, "policy", None))
-    model.save(args.output)
+    model = FittedCostModel().fit(profile, getattr(target, "policy", None))
+    save_cost_model(model, args.output)
     for note in profile.meta["scaling"]:
         print(note)
     print(f"profiled {len(profile.encoder)} encoder and {len(profile.llm)} LLM shapes in "
@@ -95,11 +95,10 @@ def run_engine(args: argparse.Namespace) -> int:
     """``profile engine``: fit an EngineProfile from a profiling run's telemetry and save it."""
     from dflop_ds.data import read_dataset
     from dflop_ds.data.cli import policy_from_args, read_options
-    from dflop_ds.profile.costmodel import CostModel, check_policy
     from dflop_ds.profile.engine import engine_profile_from_run
 
     policy = policy_from_args(args)
-    cost_model = CostModel.load(args.cost_model)
+    cost_model = load_cost_model(args.cost_model)
     check_policy(cost_model, policy, source=args.cost_model)
     shapes = read_dataset(args.data, policy, **read_options(args))
     profile = engine_profile_from_run(args.telemetry, shapes, cost_model, skip_steps=args.skip_steps)
@@ -119,11 +118,12 @@ def run_engine(args: argparse.Namespace) -> int:
 
 def run_report(args: argparse.Namespace) -> int:
     """``profile report``: print the fit tables and write a PNG of the curves."""
-    from dflop_ds.profile.costmodel import CostModel
     from dflop_ds.profile.data import DataProfile
     from dflop_ds.profile.report import cost_model_table, data_profile_table, plot_report
 
-    model = CostModel.load(args.cost_model)
+    model = load_cost_model(args.cost_model)
+    if not isinstance(model, FittedCostModel):
+        raise ValueError(f"{args.cost_model}: a {model.kind} cost model has no fits to report; pass a profiled one")
     data = DataProfile.load(args.data_profile) if args.data_profile else None
     print(cost_model_table(model))
     if data is not None:
@@ -143,10 +143,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     profile.set_defaults(func=lambda args: (profile.print_help(), 2)[1])
 
     model = commands.add_parser(
-        "model", help="time forward+backward of the model's layers; fit and save a CostModel",
+        "model", help="time forward+backward of the model's layers; fit and save a FittedCostModel",
         description="Profile the bundled tiny MLLM (or a HuggingFace LLaVA directory, or --target) over tile "
                     "counts and (batch, sequence length) grids, a few blocks scaled to the full depth, and "
-                    "save the fitted CostModel.")
+                    "save the fitted FittedCostModel.")
     model.add_argument("--target", default=None, metavar="MODULE:FUNC",
                        help="a function returning a dflop_ds.profile.ProfileTarget (your own layers)")
     model.add_argument("--model_name_or_path", "--model-name-or-path", dest="model_name_or_path", metavar="DIR",
@@ -188,7 +188,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "reduce+optimizer tail, the cost of a blocking exchange) from the telemetry JSONL of a "
                     "few steps of DeepSpeed pipeline training, so the simulator predicts other runs.")
     engine.add_argument("telemetry", metavar="TELEMETRY", help="telemetry JSONL written by RuntimeTracker (rank 0)")
-    engine.add_argument("--cost-model", required=True, help="the CostModel JSON of `dflop-ds profile model`")
+    engine.add_argument("--cost-model", required=True, help="the cost-model JSON of `dflop-ds profile model`")
     engine.add_argument("--data", required=True, help="the run's dataset (shape manifest or LLaVA file)")
     add_read_arguments(engine, default_policy="tiny")
     engine.add_argument("--skip-steps", type=int, default=3, help="warm-up steps to leave out (default 3)")

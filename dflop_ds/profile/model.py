@@ -21,12 +21,13 @@ from __future__ import annotations
 import platform
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
+from dflop_ds.cost.measurements import Measurement, ModelProfile
 from dflop_ds.profile.attention import AttentionOff
 from dflop_ds.profile.inputs import EncoderInputFactory, LLMInputFactory
 from dflop_ds.profile.layers import ProfiledLayer, describe_selection, parameter_bytes, select_layers
@@ -48,71 +49,6 @@ from dflop_ds.profile.timing import (
 DEFAULT_TILES = (1, 2, 4, 8, 16, 32, 64, 96)
 DEFAULT_SEQ_LENS = (16, 64, 128, 256, 384, 512, 768)
 DEFAULT_BATCH_SIZES = (1, 2, 4)
-
-
-@dataclass
-class Measurement:
-    """Full-depth measurements of one segment at one input size.
-
-    ``tiles`` is set for the encoder, ``batch`` and ``seq_len`` for the LLM. Times are robust
-    seconds of forward+backward; ``attention_s`` is ``None`` when no attention call was seen.
-    ``peak_bytes`` is ``None`` when the platform cannot measure peak memory.
-    """
-
-    time_s: float
-    attention_s: float | None
-    activation_bytes: int
-    peak_bytes: int | None
-    tiles: int = 0
-    batch: int = 1
-    seq_len: int = 0
-
-
-@dataclass
-class ModelProfile:
-    """Measurements of an encoder and an LLM segment, scaled to their full depths.
-
-    ``layer_shares`` (``None`` in profiles of older versions): each layer's measured share of its
-    segment's time, ``"encoder"`` over the encoder layers plus the projector slot (last),
-    ``"llm"`` over the LLM layers.
-    """
-
-    encoder: list[Measurement]
-    llm: list[Measurement]
-    encoder_layers: int
-    llm_layers: int
-    param_bytes: dict[str, int]
-    hidden_bytes_per_token: float
-    meta: dict[str, Any] = field(default_factory=dict)
-    layer_shares: dict[str, list[float]] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict."""
-        data = asdict(self)
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelProfile":
-        """Inverse of :meth:`to_dict`."""
-        try:
-            return cls(
-                encoder=[Measurement(**m) for m in data["encoder"]],
-                llm=[Measurement(**m) for m in data["llm"]],
-                encoder_layers=int(data["encoder_layers"]),
-                llm_layers=int(data["llm_layers"]),
-                param_bytes={k: int(v) for k, v in data["param_bytes"].items()},
-                hidden_bytes_per_token=float(data["hidden_bytes_per_token"]),
-                meta=dict(data.get("meta", {})),
-                layer_shares=_read_layer_shares(data.get("layer_shares")),
-            )
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"malformed model profile: {exc}") from exc
-
-
-def _read_layer_shares(data: Any) -> dict[str, list[float]] | None:
-    if data is None:
-        return None
-    return {"encoder": [float(x) for x in data["encoder"]], "llm": [float(x) for x in data["llm"]]}
 
 
 @dataclass

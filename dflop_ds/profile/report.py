@@ -1,4 +1,4 @@
-"""Text tables and a PNG of a fitted CostModel against its measurements (and a DataProfile)."""
+"""Text tables and a PNG of a FittedCostModel against its measurements (and a DataProfile)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Union
 
 import numpy as np
 
-from dflop_ds.profile.costmodel import CostModel
+from dflop_ds.cost import FittedCostModel
 from dflop_ds.profile.data import DataProfile
 
 PathArg = Union[str, "PathLike[str]"]
@@ -17,7 +17,7 @@ def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value / 2**20:8.2f}"
 
 
-def cost_model_table(model: CostModel) -> str:
+def cost_model_table(model: FittedCostModel) -> str:
     """Measurements next to the fitted predictions, with the relative error, as text."""
     profile = model.profile_
     meta = profile.meta
@@ -69,7 +69,7 @@ def data_profile_table(profile: DataProfile) -> str:
     return "\n".join(lines)
 
 
-def plot_report(model: CostModel, path: PathArg, data: DataProfile | None = None) -> None:
+def plot_report(model: FittedCostModel, path: PathArg, data: DataProfile | None = None) -> None:
     """Write a PNG: fitted curves over the measurements (encoder, LLM, memory), and the data's
     shape histograms when ``data`` is given."""
     import matplotlib

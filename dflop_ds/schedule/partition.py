@@ -12,13 +12,13 @@ everything is deterministic: no step looks at the clock.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
 from dflop_ds.schedule.bounds import as_cost_matrix, lower_bound
-from dflop_ds.schedule.padded import padded_contiguous, padded_lpt
 from dflop_ds.schedule.lpt import (
     InfeasibleError,
     MemoryCap,
@@ -33,6 +33,8 @@ from dflop_ds.schedule.lpt import (
     pair_sweep,
     true_times,
 )
+from dflop_ds.schedule.memory import memory_first_fit
+from dflop_ds.schedule.padded import padded_contiguous, padded_lpt
 
 #: The ILP is skipped when the heuristic is within this relative gap of the lower bound.
 OPTIMALITY_TOLERANCE = 1e-5
@@ -187,6 +189,51 @@ def _exact_solver():
     return solve_ilp
 
 
+def _within_true_memory(best: np.ndarray | None, solver: str, matrix: np.ndarray, n_buckets: int, cap: MemoryCap,
+                        microbatch_memory: Callable[[list[int]], float],
+                        lengths: np.ndarray | None) -> tuple[np.ndarray | None, str]:
+    """``best`` if every bucket of two or more items is within ``cap`` by ``microbatch_memory``,
+    else the memory-first fit (None if that fails too)."""
+    if best is not None and all(len(b) < 2 or microbatch_memory(b) <= cap.cap
+                                for b in labels_to_buckets(best, n_buckets)):
+        return best, solver
+    key = cap.memory if lengths is None else np.asarray(lengths, dtype=float)
+    return memory_first_fit(matrix, key, n_buckets, microbatch_memory, cap.cap), "memory-first-fit"
+
+
+def _isolate(matrix: np.ndarray, n_buckets: int, alone: np.ndarray, memory: np.ndarray, cap: float,
+             microbatch_cost: MicrobatchCost | None, lengths: np.ndarray | None, options: dict,
+             microbatch_memory: Callable[[list[int]], float] | None = None) -> Partition:
+    """:func:`partition_batch` with every item of ``alone`` (over ``cap`` by itself) in a bucket of
+    its own and the other items split over the remaining buckets under ``cap``."""
+    n = matrix.shape[0]
+    rest = np.setdiff1d(np.arange(n), alone)
+    free = n_buckets - alone.size
+    if free < 0 or (free == 0 and rest.size):
+        raise InfeasibleError(f"{alone.size} items (first: item {int(alone[0])}) each exceed memory_cap {cap:g} alone"
+                              f" and need a bucket of their own, but the {n} items must fill exactly {n_buckets}"
+                              " buckets: the other items have none left")
+    buckets: list[list[int]] = []
+    solver = "alone"
+    if rest.size:
+        sub_cost, sub_memory = None, None
+        if microbatch_cost is not None:
+            sub_cost = lambda positions: microbatch_cost(rest[list(positions)].tolist())  # noqa: E731
+        if microbatch_memory is not None:
+            sub_memory = lambda positions: microbatch_memory(rest[list(positions)].tolist())  # noqa: E731
+        sub = partition_batch(matrix[rest], free, memory=memory[rest], memory_cap=cap, microbatch_cost=sub_cost,
+                              lengths=None if lengths is None else lengths[rest], microbatch_memory=sub_memory,
+                              **options)
+        buckets = [rest[b].tolist() for b in sub.buckets]
+        solver = f"{sub.solver}+alone"
+    buckets += [[int(i)] for i in alone]
+    labels = buckets_to_labels(buckets, n)
+    loads = bucket_loads(matrix, labels, n_buckets)
+    order = labels_to_buckets(labels, n_buckets)  # the bucket order bucket_loads uses
+    measured = loads if microbatch_cost is None else true_times(order, microbatch_cost, matrix.shape[1])
+    return Partition(order, float(measured.max()), lower_bound(matrix, n_buckets), solver, float(loads.max()), measured)
+
+
 def buckets_to_labels(buckets: list[list[int]], n: int) -> np.ndarray:
     """Bucket lists -> ``labels[item] = bucket``."""
     labels = np.empty(n, dtype=np.int64)
@@ -206,6 +253,8 @@ def partition_batch(
     microbatch_cost: Optional[MicrobatchCost] = None,
     lengths: Optional[np.ndarray] = None,
     node_limit: int = 0,
+    allow_oversize: bool = False,
+    microbatch_memory: Callable[[list[int]], float] | None = None,
 ) -> Partition:
     """Split items into ``n_buckets`` non-empty buckets minimising the makespan.
 
@@ -228,10 +277,20 @@ def partition_batch(
         node_limit: branch-and-bound nodes the exact ILP may explore (0: none). With
             ``time_limit_s=0`` the solve never looks at the clock, so every process computing
             the same batch gets the same split: the exact solver for multi-rank training.
+        allow_oversize: an item whose ``memory`` alone exceeds ``memory_cap`` gets a bucket of
+            its own (the other items are split over the remaining buckets under the cap)
+            instead of raising.
+        microbatch_memory: optional ``callable(list of item indices) -> bytes`` true memory of a
+            bucket (e.g. padded to its longest item), where ``memory`` (per item, summed) only
+            bounds it from below. With ``memory_cap``, an answer with a bucket of two or more
+            items above the cap by it is replaced by :func:`~dflop_ds.schedule.memory.memory_first_fit`
+            (items by ``lengths``, else ``memory``, decreasing), or refused.
 
     Raises:
-        ValueError: bad shapes or values, ``n < n_buckets``, or an item alone over the cap.
-        InfeasibleError: (a ``ValueError``) no split respects the memory cap.
+        ValueError: bad shapes or values, ``n < n_buckets``, or an item alone over the cap
+            (unless ``allow_oversize``).
+        InfeasibleError: (a ``ValueError``) no split respects the memory cap, or more items
+            exceed the cap alone than there are buckets.
     """
     matrix = as_cost_matrix(costs)
     n, k = matrix.shape
@@ -244,6 +303,14 @@ def partition_batch(
         raise ValueError(f"time_limit_s must be >= 0, got {time_limit_s}")
     if int(node_limit) != node_limit or node_limit < 0:
         raise ValueError(f"node_limit must be a non-negative integer, got {node_limit}")
+    if allow_oversize and memory is not None and memory_cap is not None and np.shape(memory) == (n,):
+        usage = np.asarray(memory, dtype=float)
+        alone = np.flatnonzero(usage > float(memory_cap))
+        if alone.size:
+            options = dict(time_limit_s=time_limit_s, seed=seed, node_limit=node_limit)
+            return _isolate(matrix, n_buckets, alone, usage, float(memory_cap), microbatch_cost,
+                            None if lengths is None else np.asarray(lengths, dtype=float), options,
+                            microbatch_memory)
     cap = _memory_cap(memory, memory_cap, n, n_buckets)
     bound = lower_bound(matrix, n_buckets)
     started = time.perf_counter()
@@ -296,6 +363,8 @@ def partition_batch(
             if candidate_score < best_score * (1 - 1e-12) or best is None:
                 best, best_score = candidate, candidate_score
                 solver = "ilp-optimal" if result.optimal and microbatch_cost is None else f"ilp-{result.solver}"
+    if cap is not None and microbatch_memory is not None:
+        best, solver = _within_true_memory(best, solver, matrix, n_buckets, cap, microbatch_memory, lengths)
     if best is None:
         raise InfeasibleError(
             f"found no split of {n} items into {n_buckets} buckets under memory_cap {memory_cap:g}"

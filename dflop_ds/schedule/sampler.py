@@ -32,8 +32,11 @@ from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 
+from dflop_ds.cost import CostModel, ProxyCost
 from dflop_ds.schedule.epoch import check_batch_sizes, dropped_per_epoch, epoch_batches, first_batch
 from dflop_ds.schedule.index import ScheduledIndex
+from dflop_ds.schedule.memory import microbatch_bytes, oversize_samples, sample_bytes
+from dflop_ds.schedule.partition import InfeasibleError
 from dflop_ds.schedule.prefetch import BackgroundMap, ScheduleTimeoutError, run_with_deadline
 from dflop_ds.schedule.splitters import (
     FALLBACK_SUFFIX,
@@ -50,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 #: Default ``schedule_timeout_s``: how long the training loop waits for one batch's schedule.
 SCHEDULE_TIMEOUT_S = 300.0
+#: Re-splits that raise the bytes charged to the samples of padded microbatches over the memory cap.
+MEMORY_ROUNDS = 16
 
 
 class CostAdjuster(Protocol):
@@ -64,12 +69,6 @@ class CostAdjuster(Protocol):
     """
 
     def adjust(self, version: int, costs: np.ndarray, shapes: Sequence[SampleShape]) -> np.ndarray: ...
-
-
-class CostPredictor(Protocol):
-    """What a sampler needs from a cost model (``CostModel`` and ``ProxyCost`` both fit)."""
-
-    def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -111,7 +110,9 @@ class GlobalBatchSampler:
         global_batch_size: samples per optimizer step over all data-parallel ranks.
         gradient_accumulation_steps: microbatches per rank per step (DeepSpeed's GAS).
         dp_rank, dp_size: this process's data-parallel rank and the data-parallel world size.
-        cost_model: predicts per-sample ``[encoder, llm]`` costs (see ``ProxyCost``).
+        cost_model: a :class:`~dflop_ds.cost.CostModel` (None: :class:`~dflop_ds.cost.ProxyCost`);
+            the sampler uses its ``predict_samples``, ``predict_microbatch`` and, under a memory
+            cap, ``predict_memory``.
         seed: seeds the epoch permutations.
         prefetch: global batches scheduled ahead in a background thread (0: inline).
         label_tokens_fn: supervised tokens of a sample as the loss will count them (default
@@ -136,7 +137,7 @@ class GlobalBatchSampler:
         gradient_accumulation_steps: int,
         dp_rank: int = 0,
         dp_size: int = 1,
-        cost_model: Optional[CostPredictor] = None,
+        cost_model: Optional[CostModel] = None,
         seed: int = 0,
         prefetch: int = 1,
         label_tokens_fn: Optional[Callable[[SampleShape], int]] = None,
@@ -151,8 +152,6 @@ class GlobalBatchSampler:
         if schedule_timeout_s is not None and not schedule_timeout_s > 0:
             raise ValueError(f"schedule_timeout_s must be > 0 seconds (or None: no deadline), got {schedule_timeout_s!r}")
         if cost_model is None:
-            from dflop_ds.profile.proxy import ProxyCost
-
             cost_model = ProxyCost()
         self.shapes = list(shapes)
         self.global_batch_size = int(global_batch_size)
@@ -392,7 +391,10 @@ class StockBatchSampler(SplitterSampler):
 
     method = "stock"
 
-    def __init__(self, shapes: Sequence[SampleShape], **kwargs) -> None:
+    def __init__(self, shapes: Sequence[SampleShape], *, memory_cap: float | None = None, **kwargs) -> None:
+        if memory_cap is not None:
+            raise ValueError("a memory cap (\"dflop\".memory_cap_bytes) needs the dflop sampler: the stock sampler"
+                             " cuts microbatches of a fixed sample count whatever their memory")
         super().__init__(shapes, splitter="stock", **kwargs)
 
 
@@ -406,21 +408,82 @@ class DFLOPBatchSampler(GlobalBatchSampler):
     ``solver`` ends in ``+fallback``). ``lockstep=True`` is for engines without a pipeline
     (ZeRO data parallel), whose ranks synchronise in every microbatch: microbatch ``k`` of
     every rank is balanced on its own (see :class:`~dflop_ds.schedule.splitters.DFLOPSplitter`).
+
+    ``memory_cap`` (bytes, None: no cap) bounds every microbatch's predicted memory (the cost
+    model's ``predict_memory`` summed over its columns, :mod:`dflop_ds.schedule.memory`). A sample
+    predicted above it alone is an :class:`~dflop_ds.schedule.memory.OversizeSampleError` naming
+    it, raised here, before training; with ``allow_oversize`` it is trained alone in a microbatch
+    of its own (a warning names it). Every sample is still trained exactly once.
     """
 
     method = "dflop"
 
     def __init__(self, shapes: Sequence[SampleShape], *, time_limit_s: float = 0.0, ilp_nodes: int = 0,
-                 lockstep: bool = False, **kwargs) -> None:
+                 lockstep: bool = False, memory_cap: float | None = None, allow_oversize: bool = False,
+                 **kwargs) -> None:
         self.time_limit_s = float(time_limit_s)
         self.ilp_nodes = int(ilp_nodes)
         self.lockstep = bool(lockstep)
+        if memory_cap is not None and not memory_cap > 0:
+            raise ValueError(f"memory_cap must be > 0 bytes (or None: no cap), got {memory_cap!r}")
+        self.memory_cap = None if memory_cap is None else float(memory_cap)
+        self.allow_oversize = bool(allow_oversize)
         super().__init__(shapes, **kwargs)
+        self.memory: np.ndarray | None = None
+        if self.memory_cap is not None:
+            self.memory = sample_bytes(self.cost_model, self.shapes)
+            oversize_samples(self.shapes, self.memory, self.memory_cap, self.allow_oversize)
+
+    def _split_once(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int, exact: bool,
+                    memory: np.ndarray | None, checked: bool = False) -> SplitResult:
+        """One :class:`DFLOPSplitter` split; ``checked``: the partitioner also checks each
+        microbatch's predicted (padded) bytes and falls back to its memory-first fit."""
+        microbatch_memory = None
+        if checked:
+            shapes = [self.shapes[i] for i in batch]
+            microbatch_memory = lambda rows: microbatch_bytes(self.cost_model, [shapes[r] for r in rows])  # noqa: E731
+        splitter = DFLOPSplitter(self.time_limit_s if exact else 0.0, self.ilp_nodes if exact else 0, self.lockstep)
+        return splitter.split(
+            self.split_request(batch, costs, batch_seed), memory=memory, memory_cap=self.memory_cap,
+            allow_oversize=memory is not None, microbatch_memory=microbatch_memory,
+        )
+
+    def over_cap(self, split: SplitResult) -> list[tuple[list[int], float]]:
+        """The microbatches of two or more samples of ``split`` predicted above ``memory_cap``, with
+        their predicted bytes (a sample alone is within the cap or an allowed oversize sample)."""
+        assert self.memory_cap is not None
+        sized = ((mb, microbatch_bytes(self.cost_model, [self.shapes[i] for i in mb]))
+                 for rank in split.ranks for mb in rank if len(mb) > 1)
+        return [(mb, size) for mb, size in sized if size > self.memory_cap]
 
     def balanced_split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int, exact: bool) -> SplitResult:
-        """:class:`DFLOPSplitter`'s split of ``batch``, with the exact solver's limits when ``exact``."""
-        splitter = DFLOPSplitter(self.time_limit_s if exact else 0.0, self.ilp_nodes if exact else 0, self.lockstep)
-        return splitter.split(self.split_request(batch, costs, batch_seed))
+        """:class:`DFLOPSplitter`'s split of ``batch``, with the exact solver's limits when ``exact``.
+
+        Under a memory cap the partitioner keeps each microbatch's summed per-sample bytes under
+        it. A padded microbatch (whose rows all pay for its longest sample) may still be predicted
+        above it: the bytes charged to its samples are then raised by its overshoot (predicted /
+        cap) and the batch is split again, at most :data:`MEMORY_ROUNDS` times (a multiplicative
+        re-weighting: samples that keep landing in over-cap microbatches get pushed apart). The
+        last try has the partitioner check every microbatch's predicted bytes itself and fall
+        back to a length-ordered first fit, or raise :class:`InfeasibleError` naming the cap.
+        """
+        if self.memory is None or self.memory_cap is None:
+            return self._split_once(batch, costs, batch_seed, exact, None)
+        cap = self.memory_cap
+        usage = self.memory[batch].copy()
+        position = {int(index): p for p, index in enumerate(batch)}
+        for _ in range(MEMORY_ROUNDS - 1):
+            try:
+                result = self._split_once(batch, costs, batch_seed, exact, usage)
+            except InfeasibleError:
+                break  # the charges outgrew the microbatches: let the last try decide
+            over = self.over_cap(result)
+            if not over:
+                return result
+            for microbatch, size in over:
+                rows = [position[i] for i in microbatch]
+                usage[rows] *= size / cap * (1 + 1e-9)
+        return self._split_once(batch, costs, batch_seed, exact, self.memory[batch], checked=True)
 
     def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
         """Balanced split; an exact solve past half of ``schedule_timeout_s`` falls back to the heuristic."""
@@ -445,8 +508,11 @@ def make_sampler(method: str, shapes: Sequence[SampleShape], **kwargs) -> Global
         raise ValueError(f"unknown sampler {method!r}: choose one of {list(splitter_names())}")
     if method == "dflop":
         return DFLOPBatchSampler(shapes, **kwargs)
-    for key in ("time_limit_s", "ilp_nodes", "lockstep"):
+    for key in ("time_limit_s", "ilp_nodes", "lockstep", "allow_oversize"):
         kwargs.pop(key, None)
     if method == "stock":
         return StockBatchSampler(shapes, **kwargs)
+    if kwargs.get("memory_cap") is not None:
+        raise ValueError(f"a memory cap (\"dflop\".memory_cap_bytes) needs the dflop sampler, not {method!r}")
+    kwargs.pop("memory_cap", None)
     return SplitterSampler(shapes, splitter=method, **kwargs)

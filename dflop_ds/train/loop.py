@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from dflop_ds.config import DFLOPConfig, fill_from_plan
+from dflop_ds.cost import PackedCost, ProxyCost, check_policy, load_cost_model
 from dflop_ds.schedule.splitters import splitter_names
 from dflop_ds.train.engine import TrainingEngine, build_engine
 from dflop_ds.train.sources import ModelSource, tiny_source
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sampler", choices=splitter_names(), help="override \"dflop\".sampler")
     parser.add_argument("--steps", type=int, help="override \"dflop\".steps")
     parser.add_argument("--packing", type=true_or_false, help="override \"dflop\".packing (true or false)")
-    parser.add_argument("--cost-model", dest="cost_model", help="override \"dflop\".cost_model (a CostModel JSON)")
+    parser.add_argument("--cost-model", dest="cost_model", help="override \"dflop\".cost_model (a cost-model JSON)")
     parser.add_argument("--output_dir", help="write the trained model here at the end (save_pretrained for HF "
                                              "models)")
     parser.add_argument("--summary", help="write the run's figures as JSON to this path (rank 0)")
@@ -80,15 +81,6 @@ def load_settings(args: argparse.Namespace) -> tuple[dict, DFLOPConfig]:
     if block.get("plan"):  # a plan from `dflop-ds plan` fills batch keys and the stage split
         ds_config, block = fill_from_plan(ds_config, block, load_plan(block["plan"]))
     return ds_config, DFLOPConfig.from_dict(block, source=args.deepspeed_config)
-
-
-def load_cost_model(path: Optional[str]):
-    """A profiled CostModel, or None for the sampler's built-in proxy."""
-    if path is None:
-        return None
-    from dflop_ds.profile import CostModel
-
-    return CostModel.load(path)
 
 
 def load_plan(path: Optional[str]):
@@ -131,7 +123,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
     from dflop_ds.loader import make_loader
     from dflop_ds.paths import check_writable, check_writable_folder
-    from dflop_ds.profile.proxy import ProxyCost
     from dflop_ds.schedule.sampler import make_sampler
     from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
     from dflop_ds.telemetry.setup import inject_fault, make_correction
@@ -155,10 +146,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print_skip_report(data.report)
     shapes = data[: cfg.max_samples]
     dataset = source.make_dataset(shapes, cfg.data)
-    cost_model = load_cost_model(cfg.cost_model)
+    cost_model = None if cfg.cost_model is None else load_cost_model(cfg.cost_model)
     if cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
-        from dflop_ds.profile.costmodel import check_policy
-
         check_policy(cost_model, source.policy, source=str(cfg.cost_model))
         check_cost_model(cost_model, encoder_layers=len(source.encoder_layers), llm_layers=len(source.llm_layers),
                          source=str(cfg.cost_model))
@@ -180,15 +169,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dp_rank, dp_size = trainer.dp_coords
     correction = make_correction(cfg.correction, trainer.num_stages) if pipelined else None
     costs = cost_model if cost_model is not None else ProxyCost()  # what the sampler predicts with
-    sampler_cost = costs
+    sampler_cost: Any = costs  # wrapped below for colocation and packing
     if colocated:  # the encoder is balanced by dispatch: the sampler balances the LLM alone
         from dflop_ds.train.colocated import LLMOnlyCost, colocate
 
         sampler_cost = LLMOnlyCost(costs)
     packing = source.uses_packing(cfg.packing)
     if packing:  # a packed microbatch costs the sum of its samples (plus one constant)
-        from dflop_ds.profile.packed import PackedCost
-
         sampler_cost = PackedCost(sampler_cost)
     sampler = make_sampler(
         cfg.sampler, shapes, global_batch_size=trainer.global_batch_size,
@@ -196,6 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cost_model=sampler_cost, seed=cfg.seed, prefetch=cfg.prefetch,
         time_limit_s=cfg.time_limit_s, ilp_nodes=cfg.ilp_nodes, label_tokens_fn=source.label_tokens_fn, cost_adjuster=correction,
         lockstep=not pipelined, drop_last=cfg.drop_last, schedule_timeout_s=cfg.schedule_timeout_s,
+        memory_cap=cfg.memory_cap_bytes, allow_oversize=cfg.allow_oversize,
     )
     collate = source.packed_collate if packing else source.collate
     if colocated:

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -45,8 +45,21 @@ class DFLOPSplitter:
         self.node_limit = int(node_limit)
         self.lockstep = bool(lockstep)
 
-    def split(self, request: SplitRequest) -> SplitResult:
-        """The balanced split of ``request``'s batch."""
+    def split(
+        self,
+        request: SplitRequest,
+        *,
+        memory: np.ndarray | None = None,
+        memory_cap: float | None = None,
+        allow_oversize: bool = False,
+        microbatch_memory: Callable[[list[int]], float] | None = None,
+    ) -> SplitResult:
+        """The balanced split of ``request``'s batch.
+
+        ``memory`` (bytes per batch row), ``memory_cap``, ``allow_oversize`` and
+        ``microbatch_memory`` go to :func:`~dflop_ds.schedule.partition.partition_batch`: no
+        microbatch's summed memory above the cap.
+        """
         cost_matrix = request.costs
         microbatch_cost = request.microbatch_cost
         if self.lockstep:
@@ -63,6 +76,10 @@ class DFLOPSplitter:
             seed=request.seed,
             microbatch_cost=microbatch_cost,
             lengths=lengths,
+            memory=None if memory is None else np.asarray(memory, float),
+            memory_cap=memory_cap,
+            allow_oversize=allow_oversize,
+            microbatch_memory=microbatch_memory,
         )
         assign = lockstep_order if self.lockstep else assign_to_ranks
         order = assign(partition.bucket_costs, request.dp, request.n_mb)  # costs as the partitioner measured them

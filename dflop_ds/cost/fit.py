@@ -10,7 +10,8 @@ a timing spoiled by another process on the machine does not bend the curve.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from sklearn.linear_model import LinearRegression
@@ -59,7 +60,7 @@ class MonotoneFit:
 
     def fit(
         self, variables: Mapping[str, Sequence[float]], y: Sequence[float], scale: Sequence[float] | None = None
-    ) -> "MonotoneFit":
+    ) -> MonotoneFit:
         """Fit to measurements ``y`` at ``variables``; sets ``coef_``.
 
         With ``relative``, errors are measured relative to ``scale`` (default ``y``): pass the
@@ -103,7 +104,7 @@ class MonotoneFit:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "MonotoneFit":
+    def from_dict(cls, data: Mapping[str, Any]) -> MonotoneFit:
         """Inverse of :meth:`to_dict`."""
         fit = cls(
             data["features"],

@@ -22,17 +22,13 @@ Formulas (``n`` tokens of one sample, ``h`` hidden size, ``f`` MLP size, ``P`` p
 
 from __future__ import annotations
 
-import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
 from dflop_ds.shapes import SampleShape
-
-FORMAT_VERSION = 1
-KIND = "dflop_ds.plan.reference.AnalyticMLLM"
 
 
 @dataclass(frozen=True)
@@ -101,6 +97,7 @@ class AnalyticMLLM:
         name: label used in plans and printouts.
     """
 
+    kind: ClassVar[str] = "analytic"
     encoder: TransformerSpec
     llm: TransformerSpec
     gpu: GPUSpec
@@ -191,6 +188,11 @@ class AnalyticMLLM:
         llm_tokens = len(shapes) * max(s.llm_tokens for s in shapes)
         return np.array([tiles * self._kept[0], llm_tokens * self._kept[1]], dtype=float)
 
+    def predict_memory(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """Bytes ``(2,)`` one microbatch needs beyond the parameters: the activations it keeps plus
+        one layer's transient working set."""
+        return self.predict_activation_bytes(shapes) + self.predict_working_bytes(shapes)
+
     def predict_working_bytes(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """Transient bytes ``(2,)`` of one layer's recompute for a microbatch (logits not included)."""
         if not shapes:
@@ -240,10 +242,8 @@ class AnalyticMLLM:
 
     # -- serialisation ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready description (with ``kind``, ``format_version`` and ``is_analytic``)."""
+        """A JSON-ready description (the file's header is :func:`dflop_ds.cost.io.cost_model_to_dict`'s)."""
         return {
-            "kind": KIND,
-            "format_version": FORMAT_VERSION,
             "is_analytic": True,
             "note": "analytic: FLOP counts / assumed achieved throughput, stated memory formulas; not measured",
             "name": self.name,
@@ -255,12 +255,15 @@ class AnalyticMLLM:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "AnalyticMLLM":
-        """Inverse of :meth:`to_dict`."""
-        if data.get("kind") != KIND:
-            raise ValueError(f"not an analytic MLLM cost model: kind={data.get('kind')!r}")
-        if data.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"analytic cost model format_version {data.get('format_version')!r}, expected {FORMAT_VERSION}")
+    def from_dict(cls, data: dict[str, Any], source: str = "analytic cost model") -> AnalyticMLLM:
+        """Inverse of :meth:`to_dict`; a malformed description is an error naming ``source``."""
+        try:
+            return cls._from_fields(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: malformed analytic cost model, {type(exc).__name__}: {exc}") from exc
+
+    @classmethod
+    def _from_fields(cls, data: dict[str, Any]) -> AnalyticMLLM:
         return cls(
             encoder=TransformerSpec(**data["encoder"]),
             llm=TransformerSpec(**data["llm"]),
@@ -269,15 +272,6 @@ class AnalyticMLLM:
             activation_checkpointing=bool(data["activation_checkpointing"]),
             name=str(data["name"]),
         )
-
-    def save(self, path: str | Path) -> None:
-        """Write :meth:`to_dict` as JSON."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> "AnalyticMLLM":
-        """Read a file written by :meth:`save`."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
 
 
 def reference_names() -> list[str]:

@@ -1,6 +1,6 @@
-"""CostModel: fitted forward+backward time and memory of the encoder and the LLM.
+"""FittedCostModel: fitted forward+backward time and memory of the encoder and the LLM.
 
-Fitted on a :class:`~dflop_ds.profile.model.ModelProfile`. The encoder's cost is a function of
+Fitted on a :class:`~dflop_ds.cost.measurements.ModelProfile`. The encoder's cost is a function of
 the tiles it processes, the LLM's of ``(batch, longest sequence)``, because the collate pads
 every sample of a microbatch to its longest one: a microbatch of one long and three short
 samples costs the LLM as much as four long ones. Per-sample predictions treat each sample as
@@ -10,21 +10,14 @@ a microbatch of its own.
 from __future__ import annotations
 
 import logging
-from os import PathLike
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from dflop_ds.profile.fit import MonotoneFit
-from dflop_ds.profile.model import Measurement, ModelProfile
+from dflop_ds.cost.fit import MonotoneFit
+from dflop_ds.cost.measurements import Measurement, ModelProfile
 from dflop_ds.shapes import SampleShape, ShapePolicy
-from dflop_ds.jsonio import read_json_object, write_json
-
-PathArg = Union[str, "PathLike[str]"]
-FORMAT = "dflop-ds-costmodel"
-#: Version 2 adds ``shape_policy`` (the policy the model was profiled under); 1 still loads.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
 
 ENCODER_TIME = ("1", "T")
 LLM_LINEAR_TIME = ("1", "B", "B*S", "B*S^2")
@@ -44,8 +37,9 @@ def _llm_vars(points: Sequence[Measurement]) -> dict[str, np.ndarray]:
     }
 
 
-class CostModel:
-    """Measured cost model with the planner's and the scheduler's interface.
+class FittedCostModel:
+    """Measured cost model with the planner's and the scheduler's interface
+    (a :class:`~dflop_ds.cost.CostModel`; saved and loaded by :mod:`dflop_ds.cost.io`).
 
     Args:
         encoder_features: features of the encoder time in the tile count ``T``.
@@ -60,9 +54,10 @@ class CostModel:
     ``llm_layers``, ``param_bytes``, ``hidden_bytes_per_token``, ``layer_shares`` (measured
     share of each layer in its segment's time, or ``None``), ``is_analytic`` (False).
     ``shape_policy``: :meth:`ShapePolicy.describe` of the policy the shapes it predicts for
-    must be made under (``None`` when unknown, e.g. a version-1 file); see :func:`check_policy`.
+    must be made under (``None`` when unknown); see :func:`check_policy`.
     """
 
+    kind = "fitted"
     is_analytic = False
 
     def __init__(
@@ -80,14 +75,14 @@ class CostModel:
     # -- fitting -------------------------------------------------------------------------
     shape_policy: dict[str, Any] | None = None
 
-    def fit(self, profile: ModelProfile, shape_policy: ShapePolicy | None = None) -> "CostModel":
+    def fit(self, profile: ModelProfile, shape_policy: ShapePolicy | None = None) -> FittedCostModel:
         """Fit every regressor on ``profile``; returns ``self``.
 
         ``shape_policy`` is the policy of the profiled model (stored, checked by :func:`check_policy`).
         """
         self.shape_policy = None if shape_policy is None else shape_policy.describe()
         if not profile.encoder or not profile.llm:
-            raise ValueError("the profile needs both encoder and LLM measurements to fit a CostModel")
+            raise ValueError("the profile needs both encoder and LLM measurements to fit a FittedCostModel")
         enc, llm = _encoder_vars(profile.encoder), _llm_vars(profile.llm)
         self.encoder_time_ = MonotoneFit(self.encoder_features).fit(enc, [p.time_s for p in profile.encoder])
         timed_attention = all(p.attention_s is not None for p in profile.llm)
@@ -127,7 +122,7 @@ class CostModel:
 
     def _check_fitted(self) -> None:
         if not hasattr(self, "encoder_time_"):
-            raise RuntimeError("this CostModel is not fitted: call fit(profile) or CostModel.load(path)")
+            raise RuntimeError("this FittedCostModel is not fitted: call fit(profile) or load_cost_model(path)")
 
     # -- raw curves ----------------------------------------------------------------------
     def encoder_time(self, tiles: Sequence[float]) -> np.ndarray:
@@ -201,11 +196,10 @@ class CostModel:
 
     # -- serialization -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict: format header, constructor parameters, fits and the measurements."""
+        """JSON-ready state: constructor parameters, fits and the measurements (the file's header
+        is :func:`dflop_ds.cost.io.cost_model_to_dict`'s)."""
         self._check_fitted()
         return {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
             "params": {
                 "encoder_features": list(self.encoder_features),
                 "llm_linear_features": list(self.llm_linear_features),
@@ -225,16 +219,8 @@ class CostModel:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "cost model") -> "CostModel":
-        """Inverse of :meth:`to_dict`; refuses another format or version, naming ``source``."""
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"{source} is not a dflop-ds cost model (missing format {FORMAT!r})")
-        version = data.get("format_version")
-        if version not in READABLE_VERSIONS:
-            raise ValueError(
-                f"{source} has cost-model format_version {version!r}, but this dflop-ds reads "
-                f"versions {', '.join(map(str, READABLE_VERSIONS))}: re-run `dflop-ds profile model` to rebuild it"
-            )
+    def from_dict(cls, data: dict[str, Any], source: str = "cost model") -> FittedCostModel:
+        """Inverse of :meth:`to_dict`; a malformed state is an error naming ``source``."""
         try:
             model = cls(**data["params"])
             fits = data["fits"]
@@ -250,23 +236,13 @@ class CostModel:
             raise ValueError(f"{source}: malformed cost model, {type(exc).__name__}: {exc}") from exc
         return model
 
-    def save(self, path: PathArg) -> None:
-        """Write the model as JSON to ``path``."""
-        write_json(path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: PathArg) -> "CostModel":
-        """Read a model written by :meth:`save`; errors name the file."""
-        return cls.from_dict(read_json_object(path), source=str(path))
-
 
 def check_policy(cost_model: Any, policy: ShapePolicy, *, source: str = "the cost model") -> None:
     """Refuse ``cost_model`` if it was profiled under a shape policy other than ``policy``.
 
     A cost model predicts from encoder tiles and LLM tokens; the same data gives other tiles
     and tokens under another policy, so its predictions would be for another model. A model
-    that records no policy (a version-1 file, an analytic or proxy model) is accepted with a
-    logged warning.
+    that records no policy (an analytic or proxy model) is accepted with a logged warning.
 
     Raises:
         ValueError: naming both policies and every field in which they differ.

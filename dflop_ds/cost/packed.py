@@ -4,8 +4,8 @@ Packed, a microbatch has no padding: its linear layers run over its tokens and i
 each sample apart (:mod:`dflop_ds.models.packing`), so every term of the fitted cost that grows
 with ``B``, ``B*S`` or ``B*S^2`` becomes a sum over its samples, and only the constant (the
 per-microbatch overhead) is paid once. :class:`PackedCost` wraps any cost model whose padded
-microbatch cost is linear in the batch (:class:`~dflop_ds.profile.CostModel`,
-:class:`~dflop_ds.profile.ProxyCost`, ...): a sample costs its marginal cost, a microbatch the
+microbatch cost is linear in the batch (:class:`~dflop_ds.cost.FittedCostModel`,
+:class:`~dflop_ds.cost.ProxyCost`, ...): a sample costs its marginal cost, a microbatch the
 overhead plus the sum. Since every microbatch carries the same overhead, the partitioner's
 objective is exactly additive (``additive = True`` tells the sampler to drop the padding-aware
 microbatch cost).
@@ -13,7 +13,9 @@ microbatch cost).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -30,29 +32,52 @@ def microbatch_overhead(cost_model: Any) -> np.ndarray:
     predict = getattr(cost_model, "predict_microbatch", None)
     if predict is None:
         return np.zeros_like(single)
+    return _constant(single, predict)
+
+
+def _constant(single: np.ndarray, predict: Any) -> np.ndarray:
+    """What a microbatch of two probes costs less than two of one: ``predict``'s per-microbatch constant."""
     pair = np.asarray(predict([_PROBE, _PROBE]), dtype=float).reshape(-1)
     return np.clip(2 * single - pair, 0.0, single)
 
 
 class PackedCost:
-    """``cost_model``'s predictions for packed microbatches (exactly additive plus one overhead)."""
+    """``cost_model``'s predictions for packed microbatches (exactly additive plus one overhead).
 
+    Saved as the wrapped model (:mod:`dflop_ds.cost.io` nests it); ``overhead_`` is derived from it.
+    """
+
+    kind = "packed"
     additive = True
 
     def __init__(self, cost_model: Any) -> None:
         self.cost_model = cost_model
-        self.overhead = microbatch_overhead(cost_model)
+
+    @cached_property
+    def overhead_(self) -> np.ndarray:
+        """``(k,)`` the wrapped model's per-microbatch constant (:func:`microbatch_overhead`)."""
+        return microbatch_overhead(self.cost_model)
 
     def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """``(n, k)`` marginal cost of each sample in a packed microbatch (0 where the sample has
         no work for a column, e.g. no tiles)."""
         alone = np.asarray(self.cost_model.predict_samples(shapes), dtype=float).reshape(len(shapes), -1)
-        return np.maximum(alone - self.overhead, 0.0)
+        return np.maximum(alone - self.overhead_, 0.0)
 
     def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """``(k,)`` cost of one packed microbatch: the overhead plus the sum of its samples' costs
         (the overhead of every column: every layer runs, e.g. the encoder's on no tiles, as in
         the padded model's ``predict_microbatch``)."""
         if not shapes:
-            return np.zeros_like(self.overhead)
-        return self.predict_samples(shapes).sum(axis=0) + self.overhead
+            return np.zeros_like(self.overhead_)
+        return self.predict_samples(shapes).sum(axis=0) + self.overhead_
+
+    def predict_memory(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """``(k,)`` bytes of one packed microbatch: the wrapped model's per-microbatch constant plus
+        each sample's bytes beyond it (a sample's activations do not grow with its neighbours')."""
+        if not shapes:
+            return np.zeros_like(self.overhead_)
+        predict = self.cost_model.predict_memory
+        alone = np.array([np.asarray(predict([s]), dtype=float).reshape(-1) for s in shapes])
+        constant = _constant(np.asarray(predict([_PROBE]), dtype=float).reshape(-1), predict)
+        return np.maximum(alone - constant, 0.0).sum(axis=0) + constant

@@ -1,0 +1,34 @@
+"""dflop_ds.cost: cost models: one protocol, its implementations and one file format.
+
+* :class:`CostModel`: the protocol (per-sample and microbatch ``[encoder, llm]`` cost, memory).
+* :class:`FittedCostModel`: monotone regressors fitted on a profiler's :class:`ModelProfile`.
+* :class:`AnalyticMLLM`: FLOP-count models of real MLLMs on real GPUs (:func:`reference_model`).
+* :class:`ProxyCost`: the unitless fallback when nothing was profiled.
+* :class:`PackedCost`: any of them for packed microbatches (additive plus one overhead).
+* :func:`save_cost_model` / :func:`load_cost_model`: the one versioned JSON format.
+"""
+
+from dflop_ds.cost.analytic import AnalyticMLLM, reference_model, reference_names
+from dflop_ds.cost.fitted import FittedCostModel, check_policy
+from dflop_ds.cost.io import cost_model_from_dict, cost_model_to_dict, load_cost_model, save_cost_model
+from dflop_ds.cost.measurements import Measurement, ModelProfile
+from dflop_ds.cost.packed import PackedCost
+from dflop_ds.cost.protocol import CostModel
+from dflop_ds.cost.proxy import ProxyCost
+
+__all__ = [
+    "AnalyticMLLM",
+    "CostModel",
+    "FittedCostModel",
+    "Measurement",
+    "ModelProfile",
+    "PackedCost",
+    "ProxyCost",
+    "check_policy",
+    "cost_model_from_dict",
+    "cost_model_to_dict",
+    "load_cost_model",
+    "reference_model",
+    "reference_names",
+    "save_cost_model",
+]

@@ -1,0 +1,146 @@
+"""The memory cap of a microbatch: predicted bytes per sample and per microbatch, oversize samples.
+
+A cost model's ``predict_memory(shapes)`` gives the bytes one microbatch needs beyond the
+parameters, per column ``[encoder, llm]``. The cap bounds their sum: the bytes of a device that
+holds the whole model (exact for the plain engine; conservative for a pipeline stage, which holds
+a part of the layers). The partitioner sums per-sample bytes (each sample predicted alone), which
+is exact or conservative for packed microbatches (one per-microbatch constant counted per sample);
+padded microbatches, which pay for their longest sample on every row, are checked afterwards with
+the microbatch prediction (see :meth:`dflop_ds.schedule.sampler.DFLOPBatchSampler.balanced_split`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from dflop_ds.shapes import SampleShape
+
+logger = logging.getLogger(__name__)
+
+#: How many offending samples an error or warning names.
+NAMED = 5
+
+
+class OversizeSampleError(ValueError):
+    """A sample needs more memory alone than the cap allows any microbatch."""
+
+
+def memory_predictor(cost_model: Any) -> Any:
+    """``cost_model.predict_memory``; a clear error when the model predicts no memory."""
+    predict = getattr(cost_model, "predict_memory", None)
+    if predict is None:
+        raise ValueError(
+            f"a memory cap needs a cost model that predicts memory (predict_memory);"
+            f" {type(cost_model).__name__} does not"
+        )
+    return predict
+
+
+def microbatch_bytes(cost_model: Any, shapes: Sequence[SampleShape]) -> float:
+    """Predicted bytes of one microbatch of ``shapes``: the sum of its memory columns."""
+    return float(np.sum(memory_predictor(cost_model)(list(shapes))))
+
+
+def sample_bytes(cost_model: Any, shapes: Sequence[SampleShape]) -> np.ndarray:
+    """``(n,)`` predicted bytes of each sample as a microbatch of its own (equal shapes predicted once)."""
+    memo: dict[SampleShape, float] = {}
+    out = np.empty(len(shapes))
+    for i, shape in enumerate(shapes):
+        key = dataclasses.replace(shape, sample_id="")
+        if key not in memo:
+            memo[key] = microbatch_bytes(cost_model, [shape])
+        out[i] = memo[key]
+    return out
+
+
+def oversize_samples(shapes: Sequence[SampleShape], usage: np.ndarray, cap: float, allow_oversize: bool) -> np.ndarray:
+    """Indices of the samples predicted above ``cap`` alone.
+
+    Raises:
+        OversizeSampleError: naming the first of them (sample id, predicted bytes, cap) unless
+            ``allow_oversize``; with it, a warning names them (each is trained alone).
+    """
+    over = np.flatnonzero(usage > cap)
+    if not over.size:
+        return over
+    named = ", ".join(f"{shapes[i].sample_id!r} ({usage[i]:.4g} bytes)" for i in over[:NAMED])
+    more = f" and {over.size - NAMED} more" if over.size > NAMED else ""
+    if not allow_oversize:
+        raise OversizeSampleError(
+            f'sample {named}{more} alone is predicted above "dflop".memory_cap_bytes = {cap:.4g} bytes: it fits in'
+            ' no microbatch. Raise the cap, drop or shorten the sample, or set "dflop".allow_oversize = true to'
+            " train it alone in its own microbatch"
+        )
+    logger.warning(
+        "%d sample(s) are predicted above memory_cap_bytes = %.4g bytes alone and are trained each in a"
+        " microbatch of its own (allow_oversize): %s%s",
+        over.size,
+        cap,
+        named,
+        more,
+    )
+    return over
+
+
+def memory_first_fit(
+    costs: np.ndarray,
+    order_key: np.ndarray,
+    n_buckets: int,
+    microbatch_memory: Callable[[list[int]], float],
+    cap: float,
+) -> np.ndarray | None:
+    """Bucket labels that keep every bucket's ``microbatch_memory`` within ``cap``, or None.
+
+    Items go largest ``order_key`` (e.g. sequence length) first, each into a bucket it still fits
+    into; the last items fill the buckets still empty, so none stays empty. Two rules are tried:
+    the least-loaded bucket (summed ``costs``, worst column), which keeps the time balanced, then
+    the bucket whose memory grows least (ties: the fullest, a best fit), which groups equal
+    lengths, as a padded microbatch needs (its rows all pay for its longest).
+    """
+    for rule in ("load", "memory"):
+        labels = _first_fit(costs, order_key, n_buckets, microbatch_memory, cap, rule)
+        if labels is not None:
+            return labels
+    return None
+
+
+def _first_fit(
+    costs: np.ndarray,
+    order_key: np.ndarray,
+    n_buckets: int,
+    microbatch_memory: Callable[[list[int]], float],
+    cap: float,
+    rule: str,
+) -> np.ndarray | None:
+    n = costs.shape[0]
+    labels = np.full(n, -1, dtype=np.int64)
+    loads = np.zeros((n_buckets, costs.shape[1]))
+    used = np.zeros(n_buckets)
+    members: list[list[int]] = [[] for _ in range(n_buckets)]
+    order = np.argsort(-np.asarray(order_key, dtype=float), kind="stable").tolist()
+    for placed, item in enumerate(order):
+        empty = [b for b in range(n_buckets) if not members[b]]
+        allowed = empty if len(empty) >= n - placed else range(n_buckets)
+        best: tuple[float, float, int] | None = None
+        for b in allowed:
+            size = microbatch_memory(members[b] + [item])
+            if size > cap:
+                continue
+            load = float((loads[b] + costs[item]).max())
+            key = (load, 0.0, b) if rule == "load" else (size - used[b], -size, b)
+            if best is None or key < best:
+                best = key
+        if best is None:
+            return None
+        bucket = best[2]
+        size = microbatch_memory(members[bucket] + [item])
+        members[bucket].append(item)
+        loads[bucket] += costs[item]
+        used[bucket] = size
+        labels[item] = bucket
+    return labels

@@ -1,0 +1,200 @@
+"""The memory cap: no microbatch predicted above it, oversize samples refused or trained alone."""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflop_ds.config import DFLOPConfig
+from dflop_ds.cost import PackedCost, ProxyCost
+from dflop_ds.schedule.memory import OversizeSampleError, microbatch_bytes, sample_bytes
+from dflop_ds.schedule.partition import InfeasibleError, partition_batch
+from dflop_ds.schedule.sampler import DFLOPBatchSampler, make_sampler
+from dflop_ds.shapes import SampleShape
+
+TOKENS_PER_FRAME = 1  # a strongly pooling video projector: long videos cost memory (tiles) more than time
+
+
+def clip(sample_id: str, frames: int, text: int) -> SampleShape:
+    """A synthetic sample: ``frames`` encoder tiles and their tokens before ``text`` text tokens."""
+    return SampleShape(
+        sample_id,
+        video_frames=frames,
+        encoder_tiles=frames,
+        text_tokens=text,
+        llm_tokens=frames * TOKENS_PER_FRAME + text,
+        label_tokens=max(text // 2, 1),
+    )
+
+
+def planted(n: int, long_videos: int, seed: int = 0, frames: int = 48) -> list[SampleShape]:
+    """Short texts and images with ``long_videos`` long videos planted at random positions."""
+    rng = np.random.default_rng(seed)
+    shapes = [clip(f"s{i}", int(rng.choice([0, 1, 4])), int(rng.integers(8, 120))) for i in range(n)]
+    for i in rng.choice(n, size=long_videos, replace=False):
+        shapes[i] = clip(f"video{i}", frames, 200)
+    return shapes
+
+
+def sampler(shapes, cost_model, **kwargs) -> list[DFLOPBatchSampler]:
+    options = dict(global_batch_size=32, gradient_accumulation_steps=4, dp_size=2, seed=3, prefetch=0)
+    options.update(kwargs)
+    return [DFLOPBatchSampler(shapes, dp_rank=r, cost_model=cost_model, **options) for r in range(options["dp_size"])]
+
+
+def trained(samplers, epochs: int = 1) -> list[list[list[int]]]:
+    """Per rank, every microbatch of ``epochs`` epochs."""
+    out = [[] for _ in samplers]
+    for _ in range(epochs):
+        for r, s in enumerate(samplers):
+            out[r] += [[int(i) for i in mb] for mb in s]
+    return out
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_no_microbatch_is_predicted_above_the_cap_with_planted_long_videos(packed):
+    shapes = planted(96, long_videos=10)
+    cost = PackedCost(ProxyCost(tile_cost=1.0)) if packed else ProxyCost(tile_cost=1.0)
+    video = float(sample_bytes(cost, shapes).max())
+    free = trained(sampler(shapes, cost))
+    largest = max(microbatch_bytes(cost, [shapes[i] for i in mb]) for rank in free for mb in rank)
+    assert largest > 1.15 * video, "the planted videos must make a microbatch much larger than one video"
+    cap = (video + largest) / 2  # below what the uncapped split builds, above any sample alone
+    capped = trained(sampler(shapes, cost, memory_cap=cap))
+    sizes = [microbatch_bytes(cost, [shapes[i] for i in mb]) for rank in capped for mb in rank]
+    assert max(sizes) <= cap
+    counts = collections.Counter(i for rank in capped for mb in rank for i in mb)
+    assert sorted(counts) == list(range(len(shapes))) and set(counts.values()) == {1}
+    assert all(len(rank) == 4 * 3 for rank in capped)  # 3 global batches of 4 microbatches per rank
+
+
+def test_a_sample_over_the_cap_alone_is_an_error_naming_it():
+    shapes = planted(64, long_videos=3)
+    shapes[5] = clip("huge-video", 400, 300)
+    cost = ProxyCost()
+    cap = 2 * microbatch_bytes(cost, [clip("v", 48, 200)])
+    with pytest.raises(OversizeSampleError) as error:
+        sampler(shapes, cost, memory_cap=cap)
+    message = str(error.value)
+    assert "'huge-video'" in message and f"{microbatch_bytes(cost, [shapes[5]]):.4g} bytes" in message
+    assert f"{cap:.4g}" in message and "allow_oversize" in message
+
+
+def test_allow_oversize_trains_the_sample_alone_once_with_a_warning(caplog):
+    shapes = planted(64, long_videos=3)
+    shapes[5] = clip("huge-video", 400, 300)
+    shapes[40] = clip("huge-video-2", 300, 100)
+    cost = PackedCost(ProxyCost())
+    cap = 2 * microbatch_bytes(cost, [clip("v", 48, 200)])
+    with caplog.at_level(logging.WARNING):
+        samplers = sampler(shapes, cost, memory_cap=cap, allow_oversize=True)
+    assert "huge-video" in caplog.text and "huge-video-2" in caplog.text
+    batches = trained(samplers, epochs=2)
+    microbatches = [mb for rank in batches for mb in rank]
+    for big in (5, 40):
+        holding = [mb for mb in microbatches if big in mb]
+        assert holding == [[big], [big]], "trained alone, once per epoch"
+    others = [mb for mb in microbatches if 5 not in mb and 40 not in mb]
+    assert max(microbatch_bytes(cost, [shapes[i] for i in mb]) for mb in others) <= cap
+    counts = collections.Counter(i for mb in microbatches for i in mb)
+    assert set(counts.values()) == {2} and len(counts) == len(shapes)
+
+
+def test_the_stock_sampler_refuses_a_cap_and_the_config_keys_are_typed():
+    with pytest.raises(ValueError, match="memory_cap_bytes.*needs the dflop sampler"):
+        make_sampler(
+            "stock",
+            planted(32, 1),
+            global_batch_size=16,
+            gradient_accumulation_steps=2,
+            memory_cap=1e9,
+            allow_oversize=True,
+        )
+    assert DFLOPConfig.from_dict({}).memory_cap_bytes is None
+    assert DFLOPConfig.from_dict({"memory_cap_bytes": 2e9, "allow_oversize": True}).allow_oversize is True
+    with pytest.raises(ValueError, match="memory_cap_bytes"):
+        DFLOPConfig.from_dict({"memory_cap_bytes": "2GB"})
+    with pytest.raises(ValueError, match="memory_cap_bytes"):
+        DFLOPConfig.from_dict({"memory_cap_bytes": 0})
+    with pytest.raises(ValueError, match="allow_oversize"):
+        DFLOPConfig.from_dict({"allow_oversize": 1})
+
+
+def test_partition_gives_oversize_items_a_bucket_of_their_own():
+    costs = np.array([[1.0], [2.0], [3.0], [9.0], [4.0], [5.0]])
+    memory = np.array([1.0, 1.0, 1.0, 50.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="item 3"):
+        partition_batch(costs, 4, memory=memory, memory_cap=2.0, time_limit_s=0)
+    split = partition_batch(costs, 4, memory=memory, memory_cap=2.0, time_limit_s=0, allow_oversize=True)
+    assert [3] in split.buckets and sorted(i for b in split.buckets for i in b) == list(range(6))
+    assert all(memory[b].sum() <= 2.0 for b in split.buckets if b != [3])
+    with pytest.raises(InfeasibleError, match="bucket of their own"):
+        partition_batch(
+            costs,
+            2,
+            memory=np.array([9.0, 9.0, 1.0, 1.0, 1.0, 1.0]),
+            memory_cap=2.0,
+            time_limit_s=0,
+            allow_oversize=True,
+        )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    videos=st.integers(0, 12),
+    cap_factor=st.floats(0.5, 4.0),
+    packed=st.booleans(),
+    lockstep=st.booleans(),
+    dp=st.sampled_from([1, 2]),
+)
+def test_capped_partitions_stay_valid(seed, videos, cap_factor, packed, lockstep, dp):
+    """Whatever the cap: every sample once per pass, GAS non-empty microbatches per rank, and each
+    microbatch of two or more samples within the cap; or a clear error (oversize, infeasible)."""
+    shapes = planted(48, long_videos=videos, seed=seed, frames=40)
+    cost = PackedCost(ProxyCost(tile_cost=1.0)) if packed else ProxyCost(tile_cost=1.0)
+    cap = cap_factor * float(sample_bytes(cost, shapes).max())
+    try:
+        samplers = sampler(
+            shapes,
+            cost,
+            global_batch_size=24,
+            gradient_accumulation_steps=3,
+            dp_size=dp,
+            lockstep=lockstep,
+            memory_cap=cap,
+            allow_oversize=cap_factor < 1,
+        )
+        batches = trained(samplers)
+    except InfeasibleError as error:
+        assert "memory_cap" in str(error)
+        return
+    assert all(len(rank) == 3 * 2 for rank in batches)  # 2 global batches of 24 per epoch
+    microbatches = [mb for rank in batches for mb in rank]
+    assert all(microbatches)
+    counts = collections.Counter(i for mb in microbatches for i in mb)
+    assert len(counts) == len(shapes) and set(counts.values()) == {1}
+    for mb in microbatches:
+        if len(mb) > 1:
+            assert microbatch_bytes(cost, [shapes[i] for i in mb]) <= cap * (1 + 1e-9)
+
+
+def test_partition_checks_the_true_padded_memory_and_falls_back_to_a_first_fit():
+    lengths = np.array([100.0, 100.0, 10.0, 10.0, 10.0, 10.0])
+
+    def padded(items: list[int]) -> float:
+        return len(items) * float(lengths[items].max())
+
+    additive = partition_batch(lengths, 2, memory=lengths, memory_cap=200.0, time_limit_s=0)
+    assert max(padded(b) for b in additive.buckets) > 200, "the additive cap alone lets padding through"
+    split = partition_batch(
+        lengths, 2, memory=lengths, memory_cap=200.0, time_limit_s=0, lengths=lengths, microbatch_memory=padded
+    )
+    assert sorted(map(sorted, split.buckets)) == [[0, 1], [2, 3, 4, 5]] and split.solver == "memory-first-fit"
+    with pytest.raises(InfeasibleError):
+        partition_batch(lengths, 2, memory=lengths, memory_cap=150.0, time_limit_s=0, microbatch_memory=padded)
