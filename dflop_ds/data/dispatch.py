@@ -13,7 +13,7 @@ from dflop_ds.data.llava import parse_llava_record
 from dflop_ds.data.manifest import is_manifest_record, parse_manifest_record
 from dflop_ds.data.media import MediaLookup, MediaOptions, media_lookup
 from dflop_ds.data.records import RawRecord, ReadResult, RecordParser, load_records, read_records
-from dflop_ds.shapes import ShapePolicy
+from dflop_ds.shapes import DEFAULT_POLICY, ShapePolicy
 
 MANIFEST = "manifest"
 LLAVA = "llava"
@@ -49,7 +49,7 @@ def record_parser(fmt: str, policy: ShapePolicy, media: MediaLookup | None = Non
 
 def read_dataset(
     path: PathArg,
-    policy: ShapePolicy = ShapePolicy(),
+    policy: ShapePolicy = DEFAULT_POLICY,
     *,
     on_bad_sample: str = "error",
     fmt: str | None = None,

@@ -32,7 +32,7 @@ from dflop_ds.data.checks import MAX_VIDEO_FRAMES, FieldProblems, type_name
 from dflop_ds.data.errors import PathArg
 from dflop_ds.data.media import MediaLookup
 from dflop_ds.data.records import ReadResult
-from dflop_ds.shapes import SampleShape, ShapePolicy
+from dflop_ds.shapes import DEFAULT_POLICY, SampleShape, ShapePolicy
 
 ASSISTANT_ROLES = frozenset({"gpt", "assistant"})
 #: Roles of LLaVA / ShareGPT conversations, compared case-insensitively ("Human", "GPT" too).
@@ -182,7 +182,7 @@ def parse_llava_record(record: Mapping[str, Any], problems: FieldProblems, polic
 
 def read_llava(
     path: PathArg,
-    policy: ShapePolicy = ShapePolicy(),
+    policy: ShapePolicy = DEFAULT_POLICY,
     *,
     on_bad_sample: str = "error",
     **media: Any,

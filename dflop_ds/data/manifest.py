@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 from dflop_ds.data.checks import MAX_TEXT_TOKENS, MAX_VIDEO_FRAMES, FieldProblems, type_name
 from dflop_ds.data.errors import DataError, PathArg
 from dflop_ds.data.records import ReadResult, load_records, read_records
-from dflop_ds.shapes import SampleShape, ShapePolicy
+from dflop_ds.shapes import DEFAULT_POLICY, SampleShape, ShapePolicy
 
 MANIFEST_KEYS = ("id", "images", "video_frames", "text_tokens", "label_tokens", "source")
 
@@ -75,7 +75,7 @@ def _parse_text_tokens(record: Mapping[str, Any], problems: FieldProblems, polic
     return problems.check_int(record["text_tokens"], "text_tokens", maximum=MAX_TEXT_TOKENS)
 
 
-def read_manifest(path: PathArg, policy: ShapePolicy = ShapePolicy(), *,
+def read_manifest(path: PathArg, policy: ShapePolicy = DEFAULT_POLICY, *,
                   on_bad_sample: str = "error") -> ReadResult:
     """Read a shape manifest into one :class:`SampleShape` per line, derived under ``policy``.
 
@@ -128,7 +128,7 @@ def write_manifest(path: PathArg, records: Iterable[SampleShape | Mapping[str, A
     for index, item in enumerate(records):
         record = manifest_record(item, source)
         problems = FieldProblems()
-        parse_manifest_record(record, problems, ShapePolicy())
+        parse_manifest_record(record, problems, DEFAULT_POLICY)
         if not problems and record["id"] in seen:
             problems.add("id", "duplicate id")
         if problems:
