@@ -83,7 +83,7 @@ def test_global_token_mean_over_microbatches_equals_hf(tmp_path_factory) -> None
     assert float(labels[1]) == total
     torch.testing.assert_close(summed, hf_loss, rtol=1e-5, atol=1e-6)
     # a per-microbatch mean would be a different number on these uneven microbatches
-    per_mb = sum(token_loss_sum(layers(i), l[0]) / l[1] for i, l in own) / gas
+    per_mb = sum(token_loss_sum(layers(inputs), labels[0]) / labels[1] for inputs, labels in own) / gas
     assert abs(float(per_mb.detach()) - float(hf_loss)) > 1e-4
 
 

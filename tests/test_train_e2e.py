@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,7 @@ def test_two_rank_pipeline_training_with_varying_shapes_lowers_the_loss(tmp_path
     steps = run["steps"]
     assert len(steps) == 20
     losses = [s["loss"] for s in steps]
-    assert all(l == l for l in losses), "loss is NaN"
+    assert not any(math.isnan(loss) for loss in losses), "loss is NaN"
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
     # the microbatches really varied in shape: sample counts and token counts differ step to step
     assert len({s["tokens"] for s in steps}) > 10

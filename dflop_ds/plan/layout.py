@@ -77,16 +77,16 @@ class Layout:
 
     def describe(self) -> str:
         """A one-line summary such as ``E(tp1,pp1,dp8) L(tp1,pp2,dp8) mb4``."""
-        e, l = self.encoder, self.llm
+        e, lm = self.encoder, self.llm
         kind = "shared" if self.shared else "separate"
-        return f"E(tp{e.tp},pp{e.pp},dp{e.dp}) L(tp{l.tp},pp{l.pp},dp{l.dp}) mb{self.n_mb} {kind}"
+        return f"E(tp{e.tp},pp{e.pp},dp{e.dp}) L(tp{lm.tp},pp{lm.pp},dp{lm.dp}) mb{self.n_mb} {kind}"
 
 
 def flat_bounds(stages: Sequence[StageLayers]) -> list[int]:
     """Stage boundaries over the flat layer list: ``bounds[s]:bounds[s+1]`` is stage ``s``."""
     bounds = [0]
-    for e, p, l in stages:
-        bounds.append(bounds[-1] + e + p + l)
+    for e, p, lm in stages:
+        bounds.append(bounds[-1] + e + p + lm)
     return bounds
 
 
@@ -100,8 +100,8 @@ def stages_from_bounds(bounds: Sequence[int], encoder_layers: int, projector_lay
     for lo, hi in zip(bounds, bounds[1:]):
         e = max(0, min(hi, cuts[0]) - lo)
         p = max(0, min(hi, cuts[1]) - max(lo, cuts[0]))
-        l = max(0, hi - max(lo, cuts[1]))
-        out.append((e, p, l))
+        lm = max(0, hi - max(lo, cuts[1]))
+        out.append((e, p, lm))
     return tuple(out)
 
 

@@ -138,8 +138,8 @@ class Plan:
         if E + P + L < self.pipeline_stages:
             raise PlanFileError(f"a model of {E + P + L} layers cannot fill the plan's {self.pipeline_stages} stages")
         bounds, done = [0], [0, 0, 0]
-        for e, p, l in self.stages[:-1]:
-            done = [done[0] + e, done[1] + p, done[2] + l]
+        for e, p, lm in self.stages[:-1]:
+            done = [done[0] + e, done[1] + p, done[2] + lm]
             cut = round(done[0] / E0 * E) + round(done[1] / max(P0, 1) * P) + round(done[2] / L0 * L)
             bounds.append(cut)
         bounds.append(E + P + L)
