@@ -128,7 +128,7 @@ def main() -> int:
             if method in ("dflop", "dflop_dispatch"):
                 model = llm_only if method == "dflop_dispatch" else cost_model
                 split = split_balanced(batch, model.predict_samples(group), args.gas, dp,
-                                       lambda pos, m=model: m.predict_microbatch([group[p] for p in pos]),
+                                       lambda pos, m=model, g=group: m.predict_microbatch([g[p] for p in pos]),
                                        seed=args.seed + round_id, lengths=[s.llm_tokens for s in group],
                                        lockstep=True).ranks
             else:

@@ -65,7 +65,7 @@ def test_packed_loss_and_gradients_equal_the_padded_ones() -> None:
     torch.testing.assert_close(packed_loss, padded_loss, atol=1e-6, rtol=1e-5)
     assert padded_grads.keys() == packed_grads.keys()
     for name, grad in padded_grads.items():
-        torch.testing.assert_close(packed_grads[name], grad, atol=1e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-6, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_packed_logits_of_a_sample_do_not_depend_on_its_neighbours() -> None:
