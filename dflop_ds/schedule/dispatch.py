@@ -150,7 +150,7 @@ def plan_dispatch(microbatches: Sequence[Sequence[int]], tiles: Sequence[int] | 
     if ranks < 1:
         raise ValueError("plan_dispatch needs the microbatches of at least one rank")
     position: dict[int, int] = {}
-    for rank, samples in enumerate(microbatches):
+    for samples in microbatches:
         for j, sample in enumerate(samples):
             if sample in position:
                 raise ValueError(f"sample {sample} appears twice in the micro-step's microbatches")
