@@ -185,7 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     enc_real = [(p, m) for p, m in zip(predicted[:, 0], real[:, 1]) if m > 0]
     print(f"\nreal microbatch parts: encoder mape={mape(*zip(*enc_real)):.3f} "
           f"llm mape={mape(predicted[:, 1], real[:, 2]):.3f}")
-    print(f"scale-free mape (one fitted scale factor): microbatch={scale_free_mape(predicted.sum(axis=1), real[:, 0]):.3f} "
+    print("scale-free mape (one fitted scale factor): "
+          f"microbatch={scale_free_mape(predicted.sum(axis=1), real[:, 0]):.3f} "
           f"packed_microbatch={scale_free_mape(predicted_packed.sum(axis=1), real_packed[:, 0]):.3f}")
     print(f"total benchmark wall time {time.perf_counter() - started:.1f} s")
     print(f"costmodel heldout mape encoder={mape(enc_pred, enc_meas):.3f} llm={mape(llm_pred, llm_meas):.3f} "

@@ -86,9 +86,11 @@ def report(engine: EngineProfile, steps, shares: np.ndarray, ff: float, bounds: 
     profiled = np.array([engine.simulate(step.costs, shares).step_time for step in steps])
     alone = np.array([simulate_1f1b(ff * (step.costs @ shares.T), (1 - ff) * (step.costs @ shares.T)).step_time
                       for step in steps])
-    print(f"\nengine profile (stock run, split {engine.meta['stage_bounds']}): compute x{np.round(engine.compute_scale, 3)} "
-          f"[encoder, llm], forward share {engine.forward_fraction:.3f}, load {np.round(np.multiply(engine.load_s, 1e3), 1)} "
-          f"ms/microbatch, tail {np.round(np.multiply(engine.tail_s, 1e3), 1)} ms, exchange {engine.exchange_s * 1e3:.2f} ms")
+    print(f"\nengine profile (stock run, split {engine.meta['stage_bounds']}): "
+          f"compute x{np.round(engine.compute_scale, 3)} [encoder, llm], "
+          f"forward share {engine.forward_fraction:.3f}, "
+          f"load {np.round(np.multiply(engine.load_s, 1e3), 1)} ms/microbatch, "
+          f"tail {np.round(np.multiply(engine.tail_s, 1e3), 1)} ms, exchange {engine.exchange_s * 1e3:.2f} ms")
     print(f"validated run: DFLOP sampler, split {bounds}, {len(steps)} timed steps")
     print(f"{'step':>4s} {'measured s':>11s} {'simulated s':>12s} {'error':>8s} {'cost model only s':>18s} {'error':>8s}")
     for k in range(len(steps)):

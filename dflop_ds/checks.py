@@ -165,10 +165,11 @@ def check_training_setup(
 
     Checks: ``"dflop".pipeline_stages`` divides ``world_size``; the batch keys satisfy
     ``train_batch_size = micro * GAS * dp`` (with ``micro >= 1``, so one global batch fills
-    ``GAS`` microbatches on every data-parallel rank); ``"dflop".stage_bounds`` (when given) is increasing from 0 to
-    ``n_layers`` (when known); ``"dflop".time_limit_s`` is 0 when more than one process
-    computes the schedule (only clock-free solves agree across ranks; ``ilp_nodes`` is one); a plan agrees with all of these; the dataset (``n_samples``)
-    holds at least one global batch.
+    ``GAS`` microbatches on every data-parallel rank); ``"dflop".stage_bounds`` (when given) is
+    increasing from 0 to ``n_layers`` (when known); ``"dflop".time_limit_s`` is 0 when more than
+    one process computes the schedule (only clock-free solves agree across ranks; ``ilp_nodes``
+    is one); a plan agrees with all of these; the dataset (``n_samples``) holds at least one
+    global batch.
     """
     stages = dflop.pipeline_stages
     if world_size < 1:

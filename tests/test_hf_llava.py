@@ -208,7 +208,8 @@ def test_tiny_builder_round_trips_offline(tmp_path: Path) -> None:
 
 
 def test_import_dflop_ds_does_not_import_transformers() -> None:
-    code = "import sys, dflop_ds, dflop_ds.cli, dflop_ds.models.hf; dflop_ds.cli.build_parser(); print('transformers' in sys.modules)"
+    code = ("import sys, dflop_ds, dflop_ds.cli, dflop_ds.models.hf; dflop_ds.cli.build_parser(); "
+            "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.stdout.strip() == "False"

@@ -108,8 +108,9 @@ def _hf_forward(family: str):
 
 @pytest.mark.slow
 # (family, records, seed, text-only share). Qwen2-VL's placeholder image is checked against HF's
-# gradients in tests/test_hf_qwen2_vl.py (one process); its 2-rank ZeRO-2 variant (("qwen2_vl", 8, 6, 0.7): one global batch of 8 records with 2 images, so
-# that at least two of its 4 microbatches have none) passed when written and is left out for the suite's time
+# gradients in tests/test_hf_qwen2_vl.py (one process); its 2-rank ZeRO-2 variant (("qwen2_vl", 8, 6, 0.7):
+# one global batch of 8 records with 2 images, so that at least two of its 4 microbatches have none) passed when
+# written and is left out for the suite's time
 @pytest.mark.parametrize("family,records,seed,text_only", [("llava", 16, 5, 0.5)])
 def test_hf_zero2_step_equals_one_hf_step_on_the_global_batch_with_image_less_microbatches(tmp_path, family, records,
                                                                                           seed, text_only):

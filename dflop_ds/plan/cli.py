@@ -57,7 +57,8 @@ def run_plan(args: argparse.Namespace) -> int:
     plans = make_plans(model, cluster, shapes, args.global_batch, n_batches=args.batches, top_k=args.top_k, seed=args.seed)
     r = plans.result
     if getattr(model, "is_analytic", False):
-        print(f"cost model {plans.best.cost_model['name']}: ANALYTIC (FLOP counts and an assumed throughput), not measured")
+        print(f"cost model {plans.best.cost_model['name']}: "
+              "ANALYTIC (FLOP counts and an assumed throughput), not measured")
     print(f"searched {r.n_layouts} layouts, simulated {len(r.candidates)} in {r.seconds:.2f} s "
           f"({args.gpus} GPUs, global batch {args.global_batch}, {args.batches} sampled batches)")
     print(_summary("best", plans.best))

@@ -170,7 +170,8 @@ class Plan:
         same samples; without tp it equals the global batch for plans of the search, whose
         ``dp * n_mb`` divides it), ``tensor_parallel.autotp_size = tp`` when
         ``tp > 1`` (the LLM sharded by DeepSpeed AutoTP: HF models only, pp = 1, checked by
-        :func:`dflop_ds.checks.check_training_setup`), and the ``"dflop"`` block's ``pipeline_stages``, ``stage_bounds`` and ``sampler``.
+        :func:`dflop_ds.checks.check_training_setup`), and the ``"dflop"`` block's
+        ``pipeline_stages``, ``stage_bounds`` and ``sampler``.
 
         Raises:
             PlanFileError: the plan needs separate GPU sets (not runnable on stock DeepSpeed).
@@ -256,7 +257,8 @@ class Plan:
         stages_from_bounds(flat_bounds(self.stages), *want)
         if self.n_mb < 1 or self.global_batch_size < self.dp * self.n_mb:
             raise PlanFileError(
-                f"{source}: global_batch_size={self.global_batch_size} cannot fill n_mb={self.n_mb} microbatches on dp={self.dp} ranks"
+                f"{source}: global_batch_size={self.global_batch_size} "
+                f"cannot fill n_mb={self.n_mb} microbatches on dp={self.dp} ranks"
             )
         if self.global_batch_size % (self.dp * self.n_mb):
             raise PlanFileError(
