@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
-PathArg = Union[str, Path]
+PathArg = str | Path
 
 
 def read_json_object(path: PathArg, error: type[Exception] = ValueError) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence
 
 from dflop_ds.data.checks import MAX_VIDEO_FRAMES, FieldProblems, type_name
 from dflop_ds.data.errors import DataError, PathArg
@@ -50,7 +50,7 @@ class SizeDraw:
 
 
 #: What the readers accept as an image-size fallback: a fixed size, a draw, or None (no fallback).
-Fallback = Union[tuple[int, int], SizeDraw, None]
+Fallback = tuple[int, int] | SizeDraw | None
 
 
 def fallback_size_for(fallback: Fallback, key: str) -> tuple[int, int] | None:
