@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, build_reference, collate_microbatch  # noqa: E402
 from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
-from dflop_ds.profile import CostModel, ModelProfile, profile_model, tiny_target  # noqa: E402
+from dflop_ds.models.tiny_profile import tiny_target  # noqa: E402
+from dflop_ds.profile import CostModel, ModelProfile, profile_model  # noqa: E402
 from dflop_ds.profile.packed import PackedCost  # noqa: E402
 from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES, torch_threads  # noqa: E402
 from dflop_ds.profile.timing import clock_function, resolve_clock, robust_statistic  # noqa: E402

@@ -4,7 +4,7 @@
 2. Profiles the engine: a short 2-rank run with the *stock* sampler and DeepSpeed's default
    stage split, telemetry on; fits an EngineProfile from it (in-engine compute multipliers,
    microbatch load, the step's tail, the cost of one blocking exchange; see
-   ``dflop_ds.profile.engine``).
+   ``dflop_ds.plan.engine_profile``).
 3. Runs the validated job: 2 ranks, the DFLOP sampler, the profiled cost model and its
    cost-balanced stage split (other batches, microbatch sizes and split than step 2).
 4. Simulates every timed step of step 3 from the cost model's predictions of its microbatches,
@@ -32,7 +32,7 @@ from dflop_ds.launch import run_deepspeed  # noqa: E402
 from dflop_ds.plan.evaluate import forward_fraction  # noqa: E402
 from dflop_ds.plan.simulator import simulate_1f1b  # noqa: E402
 from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares  # noqa: E402
-from dflop_ds.profile.engine import EngineProfile, engine_profile_from_run, read_engine_steps  # noqa: E402
+from dflop_ds.plan.engine_profile import EngineProfile, engine_profile_from_run, read_engine_steps  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 
 WARMUP = 3

@@ -16,7 +16,7 @@ from dflop_ds.profile import CostModel, PackedCost
 from dflop_ds.schedule.sampler import make_sampler
 from dflop_ds.shapes import TINY_POLICY
 from dflop_ds.train.loop import build_parser
-from dflop_ds.train.sources import tiny_source
+from dflop_ds.models.source import tiny_source
 from tests.test_costmodel import shape as cost_shape, synthetic_profile, true_encoder, true_llm
 
 torch.set_num_threads(1)

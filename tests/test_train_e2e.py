@@ -88,7 +88,7 @@ def test_a_plan_file_starts_a_two_rank_training(tmp_path):
 def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_path):
     from dflop_ds.data import read_dataset
     from dflop_ds.profile import CostModel
-    from dflop_ds.profile.engine import EngineProfile, engine_profile_from_run, read_engine_steps
+    from dflop_ds.plan.engine_profile import EngineProfile, engine_profile_from_run, read_engine_steps
     from dflop_ds.shapes import TINY_POLICY
 
     cost_model = tmp_path / "costmodel.json"

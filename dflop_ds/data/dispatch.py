@@ -85,6 +85,30 @@ def read_dataset(
                        on_bad_sample=on_bad_sample, warn=warn)
 
 
+def read_llava(
+    path: PathArg,
+    policy: ShapePolicy = DEFAULT_POLICY,
+    *,
+    on_bad_sample: str = "error",
+    **media: Any,
+) -> ReadResult:
+    """Read a LLaVA-style JSON array or JSONL file into sample shapes (:func:`read_dataset` with the
+    format fixed).
+
+    Args:
+        path: the dataset file.
+        policy: tiling and token policy (its tokenizer counts the text).
+        on_bad_sample: ``"error"`` (raise :class:`DataError`) or ``"skip"`` (drop and report).
+        **media: where image sizes and frame counts come from: the fields of
+            :class:`~dflop_ds.data.media.MediaOptions` (image/video folders, side tables and
+            explicit fallbacks; an image of unknown size is a bad record).
+
+    Returns:
+        A :class:`ReadResult`: the shapes in file order, with ``.report``.
+    """
+    return read_dataset(path, policy, on_bad_sample=on_bad_sample, fmt=LLAVA, **media)
+
+
 def read_loaded(path: PathArg, records: Sequence[RawRecord], policy: ShapePolicy, *, fmt: str,
                 media: MediaOptions, on_bad_sample: str = "error", warn: bool = True) -> ReadResult:
     """:func:`read_dataset` on records already loaded from ``path`` in format ``fmt``."""

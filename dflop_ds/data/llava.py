@@ -29,10 +29,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from dflop_ds.data.checks import MAX_VIDEO_FRAMES, FieldProblems, type_name
-from dflop_ds.data.errors import PathArg
 from dflop_ds.data.media import MediaLookup
-from dflop_ds.data.records import ReadResult
-from dflop_ds.shapes import DEFAULT_POLICY, SampleShape, ShapePolicy
+from dflop_ds.shapes import SampleShape, ShapePolicy
 
 ASSISTANT_ROLES = frozenset({"gpt", "assistant"})
 #: Roles of LLaVA / ShareGPT conversations, compared case-insensitively ("Human", "GPT" too).
@@ -178,28 +176,3 @@ def parse_llava_record(record: Mapping[str, Any], problems: FieldProblems, polic
         text_tokens, label_tokens = conversation_tokens(turns, policy)
     return policy.shape(sample_id, image_sizes=sizes, video_frames=frames,
                         text_tokens=text_tokens, label_tokens=label_tokens)
-
-
-def read_llava(
-    path: PathArg,
-    policy: ShapePolicy = DEFAULT_POLICY,
-    *,
-    on_bad_sample: str = "error",
-    **media: Any,
-) -> ReadResult:
-    """Read a LLaVA-style JSON array or JSONL file into sample shapes.
-
-    Args:
-        path: the dataset file.
-        policy: tiling and token policy (its tokenizer counts the text).
-        on_bad_sample: ``"error"`` (raise :class:`DataError`) or ``"skip"`` (drop and report).
-        **media: where image sizes and frame counts come from: the fields of
-            :class:`~dflop_ds.data.media.MediaOptions` (image/video folders, side tables and
-            explicit fallbacks; an image of unknown size is a bad record).
-
-    Returns:
-        A :class:`ReadResult`: the shapes in file order, with ``.report``.
-    """
-    from dflop_ds.data.dispatch import LLAVA, read_dataset
-
-    return read_dataset(path, policy, on_bad_sample=on_bad_sample, fmt=LLAVA, **media)

@@ -5,20 +5,19 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dflop_ds.data.cli import add_read_arguments
+from dflop_ds.data import read_dataset
+from dflop_ds.data.cli import add_read_arguments, policy_from_args, read_options
 from dflop_ds.paths import check_writable
 from dflop_ds.plan.cluster import Cluster
+from dflop_ds.plan.gantt import plot_gantt
 from dflop_ds.plan.plan_file import Plan
 from dflop_ds.plan.planner import cluster_of, load_cost_model, make_plans, simulate_layout
 from dflop_ds.plan.reference import reference_names
+from dflop_ds.profile.costmodel import check_policy
 
 
 def _read_shapes(args: argparse.Namespace, model: Any) -> list:
     """The shapes of ``args.data`` under the flags' policy, after checking ``model`` was made for it."""
-    from dflop_ds.data import read_dataset
-    from dflop_ds.data.cli import policy_from_args, read_options
-    from dflop_ds.profile.costmodel import check_policy
-
     policy = policy_from_args(args)
     if not getattr(model, "is_analytic", False):
         check_policy(model, policy, source=args.cost_model)
@@ -74,8 +73,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_simulate(args: argparse.Namespace) -> int:
     """``dflop-ds simulate``: Gantt chart of a plan and of its monolithic baseline on sampled batches."""
-    from dflop_ds.plan.gantt import plot_gantt
-
     check_writable(args.png, "simulate --png")
     plan = Plan.load(args.plan)
     model = load_cost_model(args.cost_model)

@@ -16,12 +16,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dflop_ds.schedule.padded import padded_lpt
-
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.layout import Layout, flat_bounds
 from dflop_ds.plan.simulator import SimResult, simulate_1f1b
 from dflop_ds.plan.stages import stage_shares
+from dflop_ds.schedule.padded import padded_lpt
+from dflop_ds.schedule.partition import partition_batch
+from dflop_ds.schedule.ranks import assign_to_ranks
 from dflop_ds.shapes import SampleShape
 
 Buckets = list[list[int]]
@@ -62,7 +63,8 @@ def stock_split(n_items: int, dp: int, n_mb: int) -> list[Buckets]:
 
 
 def _local_assign(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
-    """Fallback rank assignment: heaviest buckets first, each to the least-loaded rank with room."""
+    """Greedy rank assignment (the search's inner loop): heaviest buckets first, each to the least-loaded
+    rank with room."""
     heap = [(0.0, r) for r in range(dp)]
     ranks: list[list[int]] = [[] for _ in range(dp)]
     for b in np.argsort(-bucket_costs.max(axis=1), kind="stable").tolist():
@@ -74,11 +76,7 @@ def _local_assign(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int
 
 
 def assign_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
-    """``dflop_ds.schedule.assign_to_ranks`` when it exists, else a local greedy stand-in."""
-    try:
-        from dflop_ds.schedule.ranks import assign_to_ranks
-    except ImportError:
-        return _local_assign(bucket_costs, dp, n_mb)
+    """:func:`dflop_ds.schedule.ranks.assign_to_ranks` as plain lists of bucket indices."""
     return [list(map(int, r)) for r in assign_to_ranks(bucket_costs, dp, n_mb)]
 
 
@@ -104,8 +102,6 @@ def balanced_split(
     if fast:
         buckets = padded_lpt(costs, lengths, n_buckets)
     else:
-        from dflop_ds.schedule.partition import partition_batch
-
         buckets = partition_batch(costs, n_buckets, time_limit_s=0.0, seed=seed, microbatch_cost=microbatch_cost).buckets
     if microbatch_cost is not None:
         bucket_costs = np.array([microbatch_cost(list(b)) for b in buckets], dtype=float)

@@ -9,7 +9,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from dflop_ds.jsonio import read_json_object
-
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.evaluate import Evaluation, evaluate
 from dflop_ds.plan.layout import Layout
@@ -17,6 +16,7 @@ from dflop_ds.plan.plan_file import Plan, layout_to_dict
 from dflop_ds.plan.reference import KIND as ANALYTIC_KIND
 from dflop_ds.plan.reference import AnalyticMLLM, reference_model, reference_names
 from dflop_ds.plan.search import Scored, SearchResult, sample_batches, search
+from dflop_ds.profile.costmodel import CostModel
 from dflop_ds.shapes import SampleShape
 
 
@@ -119,6 +119,4 @@ def load_cost_model(spec: str) -> Any:
     data = read_json_object(path)
     if isinstance(data, dict) and data.get("kind") == ANALYTIC_KIND:
         return AnalyticMLLM.from_dict(data)
-    from dflop_ds.profile import CostModel  # measured models (issue 3)
-
     return CostModel.load(path)

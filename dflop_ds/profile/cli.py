@@ -7,8 +7,16 @@ import importlib
 import time
 from typing import Any, Callable
 
-from dflop_ds.data.cli import add_read_arguments
-from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES
+from dflop_ds.data import read_dataset
+from dflop_ds.data.cli import add_read_arguments, policy_from_args, read_options
+from dflop_ds.models.hf.profile import hf_target
+from dflop_ds.models.tiny import TinyMLLMConfig
+from dflop_ds.models.tiny_profile import tiny_target
+from dflop_ds.plan.engine_profile import engine_profile_from_run
+from dflop_ds.profile.costmodel import CostModel, check_policy
+from dflop_ds.profile.data import DataProfile, profile_data
+from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES, profile_model
+from dflop_ds.profile.report import cost_model_table, data_profile_table, plot_report
 from dflop_ds.profile.timing import CLOCKS, STATISTICS
 
 
@@ -24,7 +32,7 @@ def int_list(text: str) -> list[int]:
 
 
 def load_target(spec: str) -> Any:
-    """Call ``module:function`` and return its :class:`~dflop_ds.profile.tiny.ProfileTarget`."""
+    """Call ``module:function`` and return its :class:`~dflop_ds.profile.target.ProfileTarget`."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"--target must look like 'package.module:function', got {spec!r}")
@@ -34,21 +42,13 @@ def load_target(spec: str) -> Any:
 
 def run_model(args: argparse.Namespace) -> int:
     """``profile model``: profile, fit and save a CostModel (measurements included)."""
-    from dflop_ds.profile.costmodel import CostModel
-    from dflop_ds.profile.model import profile_model
-    from dflop_ds.profile.tiny import tiny_target
-
     if args.target and args.model_name_or_path:
         raise SystemExit("profile model: give --target or --model_name_or_path, not both")
     if args.target:
         target = load_target(args.target)
     elif args.model_name_or_path:
-        from dflop_ds.models.hf.profile import hf_target
-
         target = hf_target(args.model_name_or_path)
     else:
-        from dflop_ds.models import TinyMLLMConfig
-
         config = TinyMLLMConfig(vision_layers=args.vision_layers, llm_layers=args.llm_layers)
         target = tiny_target(config, seed=args.seed)
     started = time.perf_counter()
@@ -77,15 +77,10 @@ def run_model(args: argparse.Namespace) -> int:
 
 def run_data(args: argparse.Namespace) -> int:
     """``profile data``: sample a dataset's shapes and save a DataProfile."""
-    from dflop_ds.data.cli import policy_from_args, read_options
-    from dflop_ds.profile.data import profile_data
-
     started = time.perf_counter()
     profile = profile_data(args.data, policy_from_args(args), samples=args.samples, seed=args.seed,
                            bins=args.bins, on_bad_sample=args.on_bad_sample, **read_options(args))
     profile.save(args.output)
-    from dflop_ds.profile.report import data_profile_table
-
     print(data_profile_table(profile))
     print(f"profiled in {time.perf_counter() - started:.1f} s; wrote {args.output}")
     return 0
@@ -93,11 +88,6 @@ def run_data(args: argparse.Namespace) -> int:
 
 def run_engine(args: argparse.Namespace) -> int:
     """``profile engine``: fit an EngineProfile from a profiling run's telemetry and save it."""
-    from dflop_ds.data import read_dataset
-    from dflop_ds.data.cli import policy_from_args, read_options
-    from dflop_ds.profile.costmodel import CostModel, check_policy
-    from dflop_ds.profile.engine import engine_profile_from_run
-
     policy = policy_from_args(args)
     cost_model = CostModel.load(args.cost_model)
     check_policy(cost_model, policy, source=args.cost_model)
@@ -119,10 +109,6 @@ def run_engine(args: argparse.Namespace) -> int:
 
 def run_report(args: argparse.Namespace) -> int:
     """``profile report``: print the fit tables and write a PNG of the curves."""
-    from dflop_ds.profile.costmodel import CostModel
-    from dflop_ds.profile.data import DataProfile
-    from dflop_ds.profile.report import cost_model_table, data_profile_table, plot_report
-
     model = CostModel.load(args.cost_model)
     data = DataProfile.load(args.data_profile) if args.data_profile else None
     print(cost_model_table(model))

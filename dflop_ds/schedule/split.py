@@ -13,6 +13,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from dflop_ds.schedule.partition import partition_batch
+from dflop_ds.schedule.ranks import assign_to_ranks, lockstep_order
+
 RankSplit = list[list[list[int]]]
 MicrobatchCost = Callable[[Sequence[int]], np.ndarray]
 
@@ -111,9 +114,6 @@ def split_balanced(
     solver (both 0: heuristic only). Ranks computing the split independently need a
     deterministic answer: no time limit (the heuristic, or the ILP within ``node_limit`` nodes).
     """
-    from dflop_ds.schedule.partition import partition_batch
-    from dflop_ds.schedule.ranks import assign_to_ranks, lockstep_order
-
     _check_sizes(len(batch), n_mb, dp)
     cost_matrix = np.asarray(costs, dtype=float).reshape(len(batch), -1)
     if lockstep:

@@ -16,7 +16,7 @@ A step's record (one JSON line, rank 0) holds, besides the balance figures: ``mb
 ``mb_wait``, ``(stages, dp * n_mb)`` forward+backward and send+receive seconds per microbatch;
 ``stage_totals_s``, instruction kind -> seconds per stage over the step (data-parallel mean);
 ``stage_bounds``, the layer split; ``microbatches``, the sample ids of every data-parallel
-rank's microbatches (when the sampler ran on rank 0). :mod:`dflop_ds.profile.engine` fits an
+rank's microbatches (when the sampler ran on rank 0). :mod:`dflop_ds.plan.engine_profile` fits an
 engine profile from these.
 """
 

@@ -27,7 +27,8 @@ from dflop_ds.pipe.exchange import exchange_features
 from dflop_ds.schedule.dispatch import EncoderDispatch, plan_dispatch
 from dflop_ds.schedule.index import ScheduledIndex
 from dflop_ds.shapes import SampleShape
-from dflop_ds.train.engine import SequentialMLLM
+from dflop_ds.train.sequential import SequentialMLLM
+
 
 class LLMOnlyCost:
     """A cost model's predictions with the encoder column zeroed: what the sampler balances when

@@ -21,7 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflop_ds.config import autotp_size
 from dflop_ds.pipe import MLLMPipelineModule, token_normalized_loss
+from dflop_ds.train.autotp import with_autotp_layout
+from dflop_ds.train.colocated import ColocatedMLLM
+from dflop_ds.train.sequential import SequentialMLLM
 
 Microbatch = tuple[Any, Any]
 
@@ -58,30 +62,6 @@ def move_to(value: Any, device: torch.device) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(move_to(v, device) for v in value)
     return value
-
-
-class SequentialMLLM(nn.Sequential):
-    """Encoder, projector and LLM layers run one after the other: the model of the plain engine.
-
-    Parameters keep the flat layer index as their name prefix (``"3.weight"``), as in a
-    ``PipelineModule``, so checkpoints and comparisons line up across engine kinds.
-    """
-
-    def __init__(self, encoder_layers: Sequence[Any], projector: Any, llm_layers: Sequence[Any],
-                 *, freeze_encoder: bool = False) -> None:
-        built = [layer.build() if hasattr(layer, "build") and not isinstance(layer, nn.Module) else layer
-                 for layer in (*encoder_layers, projector, *llm_layers)]
-        super().__init__(*built)
-        self.n_encoder_layers = len(encoder_layers)
-        if freeze_encoder:
-            for layer in built[: self.n_encoder_layers]:
-                layer.requires_grad_(False)
-
-    def forward(self, *inputs: Any) -> Any:
-        """Run the layers on ``inputs``: one tuple, or its tensors as separate arguments (how
-        the engine calls it under AutoTP, whose check that a tensor-parallel group received the
-        same data compares a flat argument list only)."""
-        return super().forward(inputs[0] if len(inputs) == 1 else inputs)
 
 
 @dataclass
@@ -195,9 +175,6 @@ def build_engine(
     """
     import deepspeed
 
-    from dflop_ds.config import autotp_size
-    from dflop_ds.train.autotp import with_autotp_layout
-
     if pipeline_stages > 1 and autotp_size(ds_config) > 1:
         raise ValueError("tensor_parallel.autotp_size > 1 needs pipeline_stages == 1: AutoTP shards the plain "
                          "engine's model; a PipelineModule gives it nothing to shard")
@@ -211,8 +188,6 @@ def build_engine(
         )
         trainable = module.optimizer_parameters()
     else:
-        from dflop_ds.train.colocated import ColocatedMLLM
-
         sequential = ColocatedMLLM if colocated else SequentialMLLM
         module = sequential(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder)
         trainable = [p for p in module.parameters() if p.requires_grad]

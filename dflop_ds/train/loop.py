@@ -22,9 +22,27 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from dflop_ds.checks import check_cost_model, check_training_setup
 from dflop_ds.config import DFLOPConfig, fill_from_plan
+from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
+from dflop_ds.loader import make_loader
+from dflop_ds.models.hf.source import hf_source
+from dflop_ds.models.source import ModelSource, tiny_source
+from dflop_ds.paths import check_writable, check_writable_folder
+from dflop_ds.plan import Plan
+from dflop_ds.plan.stages import cost_balanced_bounds
+from dflop_ds.profile import CostModel
+from dflop_ds.profile.costmodel import check_policy
+from dflop_ds.profile.packed import PackedCost
+from dflop_ds.profile.proxy import ProxyCost
+from dflop_ds.schedule.sampler import make_sampler
+from dflop_ds.telemetry.record import batch_tokens, throughput
+from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
+from dflop_ds.telemetry.setup import inject_fault, make_correction
+from dflop_ds.train.autotp import is_tensor_parallel_layer
+from dflop_ds.train.colocated import LLMOnlyCost, colocate
 from dflop_ds.train.engine import TrainingEngine, build_engine
-from dflop_ds.train.sources import ModelSource, tiny_source
+from dflop_ds.train.gather import gather_full_state
 
 #: command-line options that override keys of the "dflop" block (option dest -> key)
 BLOCK_OVERRIDES = {"sampler": "sampler", "steps": "steps", "data": "data", "data_path": "data",
@@ -85,8 +103,6 @@ def load_cost_model(path: Optional[str]):
     """A profiled CostModel, or None for the sampler's built-in proxy."""
     if path is None:
         return None
-    from dflop_ds.profile import CostModel
-
     return CostModel.load(path)
 
 
@@ -94,8 +110,6 @@ def load_plan(path: Optional[str]):
     """The plan the run must match, or None (a missing or malformed file raises naming it)."""
     if path is None:
         return None
-    from dflop_ds.plan import Plan
-
     return Plan.load(path)
 
 
@@ -103,8 +117,6 @@ def model_source(cfg: DFLOPConfig) -> ModelSource:
     """The tiny model, or the HuggingFace model of ``"dflop".model_name_or_path``."""
     if cfg.model_name_or_path is None:
         return tiny_source(cfg.model, policy_name=cfg.policy, seed=cfg.seed, image_folder=cfg.image_folder)
-    from dflop_ds.models.hf.source import hf_source
-
     return hf_source(cfg.model_name_or_path, image_folder=cfg.image_folder, lora=cfg.lora, max_length=cfg.max_length,
                      truncation=cfg.truncation)
 
@@ -125,15 +137,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.utils import RepeatingLoader
-
-    from dflop_ds.checks import check_cost_model, check_training_setup
-    from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
-    from dflop_ds.loader import make_loader
-    from dflop_ds.paths import check_writable, check_writable_folder
-    from dflop_ds.profile.proxy import ProxyCost
-    from dflop_ds.schedule.sampler import make_sampler
-    from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
-    from dflop_ds.telemetry.setup import inject_fault, make_correction
 
     args = build_parser().parse_args(argv)
     ds_config, cfg = load_settings(args)
@@ -156,8 +159,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dataset = source.make_dataset(shapes, cfg.data)
     cost_model = load_cost_model(cfg.cost_model)
     if cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
-        from dflop_ds.profile.costmodel import check_policy
-
         check_policy(cost_model, source.policy, source=str(cfg.cost_model))
         check_cost_model(cost_model, encoder_layers=len(source.encoder_layers), llm_layers=len(source.llm_layers),
                          source=str(cfg.cost_model))
@@ -169,8 +170,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pipelined, colocated = cfg.pipeline_stages > 1, cfg.encoder == "colocated"
     bounds = cfg.stage_bounds
     if pipelined and bounds is None and cost_model is not None:  # split where the predicted time balances
-        from dflop_ds.plan.stages import cost_balanced_bounds
-
         bounds = cost_balanced_bounds(cost_model, shapes, cfg.pipeline_stages)
     trainer = build_engine(encoder, projector, llm, ds_config, pipeline_stages=cfg.pipeline_stages,
                            stage_bounds=bounds, freeze_encoder=cfg.freeze_encoder, lr=cfg.lr,
@@ -181,13 +180,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     costs = cost_model if cost_model is not None else ProxyCost()  # what the sampler predicts with
     sampler_cost = costs
     if colocated:  # the encoder is balanced by dispatch: the sampler balances the LLM alone
-        from dflop_ds.train.colocated import LLMOnlyCost, colocate
-
         sampler_cost = LLMOnlyCost(costs)
     packing = source.uses_packing(cfg.packing)
     if packing:  # a packed microbatch costs the sum of its samples (plus one constant)
-        from dflop_ds.profile.packed import PackedCost
-
         sampler_cost = PackedCost(sampler_cost)
     sampler = make_sampler(
         cfg.sampler, shapes, global_batch_size=trainer.global_batch_size,
@@ -259,8 +254,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def save_model(trainer: TrainingEngine, source: ModelSource, directory: str) -> None:
     """Write the trained model to ``directory``: gathered on rank 0, then the source's own format
     (``save_pretrained`` for HuggingFace models, a state dict for the tiny model)."""
-    from dflop_ds.train.gather import gather_full_state
-
     state = gather_full_state(trainer)
     if torch.distributed.get_rank() != 0:
         return
@@ -274,8 +267,6 @@ def save_model(trainer: TrainingEngine, source: ModelSource, directory: str) -> 
 
 def sharded_layers(module: torch.nn.Module) -> list[str]:
     """Names of the modules DeepSpeed AutoTP replaced by tensor-parallel ones (empty without AutoTP)."""
-    from dflop_ds.train.autotp import is_tensor_parallel_layer
-
     return [name for name, child in module.named_modules() if is_tensor_parallel_layer(child)]
 
 
@@ -298,8 +289,6 @@ def resume(engine: Any, loader: Any, cfg: DFLOPConfig, correction: Any = None) -
 def step_record(step: int, loss: float, elapsed: float, sampler: Any, shapes: Sequence[Any], reads_data: bool,
                 packed: bool = False) -> dict:
     """Loss, time and, on ranks that draw data, the size and balance of the step's global batch."""
-    from dflop_ds.telemetry.record import batch_tokens
-
     record: dict[str, Any] = {"step": step, "loss": loss, "step_s": elapsed}
     sched = sampler.last_schedule
     if sched is None or not reads_data:
@@ -325,8 +314,6 @@ def write_trace(path: str, step: int, sampler: Any) -> None:
 
 def summarize(records: list[dict], cfg: DFLOPConfig, dp_size: int) -> dict:
     """Throughput and balance over the steps after warm-up."""
-    from dflop_ds.telemetry.record import throughput
-
     timed = records[cfg.warmup_steps:] or records
     return {
         "sampler": cfg.sampler,

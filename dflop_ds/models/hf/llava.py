@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dflop_ds.models.hf.common import LMHead, decoder_layers, load_checked
+from dflop_ds.profile.inputs import ContractLLMInputs, split_evenly
 
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
 TEXT_TYPES = ("llama", "qwen2", "mistral")
@@ -180,8 +181,6 @@ class LlavaEncoderInputs:
         return patches + cls_token - (1 if config.vision_feature_select_strategy == "default" else 0)
 
     def __call__(self, tiles: int, batch: int = 1) -> VisTuple:
-        from dflop_ds.profile.inputs import split_evenly
-
         per_row = split_evenly(tiles, batch)
         lengths = [n * self.tokens_per_image + self.text_tokens for n in per_row]
         input_ids = torch.randint(0, self.vocab_size, (batch, max(lengths)))
@@ -195,8 +194,6 @@ class LlavaEncoderInputs:
 def llava_input_factories(model: nn.Module, text_tokens: int = 8) -> tuple[LlavaEncoderInputs, Any]:
     """``(encoder_inputs, llm_inputs)`` factories for :func:`dflop_ds.profile.model.profile_model`
     over :func:`llava_layers`, so that a cost model (and from it the stage split) measures the real layers."""
-    from dflop_ds.profile.inputs import ContractLLMInputs
-
     dtype = model.dtype
     return (LlavaEncoderInputs(model.config, text_tokens, dtype),
             ContractLLMInputs(int(model.config.text_config.hidden_size), dtype))

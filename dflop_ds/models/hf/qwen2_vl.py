@@ -35,6 +35,7 @@ from torch import nn
 
 from dflop_ds.models.hf.common import DecoderLayer, LMHead, attention_mask_for, layer_mask_kinds, load_checked
 from dflop_ds.models.hf.llava import TIED_EMBEDDING_KEY
+from dflop_ds.profile.inputs import split_evenly
 
 MODEL_TYPE = "qwen2_vl"
 #: model types this adapter runs -> their HF model class
@@ -288,8 +289,6 @@ class Qwen2VLEncoderInputs:
         self.text_tokens, self.dtype = int(text_tokens), dtype
 
     def __call__(self, patches: int, batch: int = 1) -> VisTuple:
-        from dflop_ds.profile.inputs import split_evenly
-
         block = self.merge ** 2
         grids = [[1, self.merge, self.merge * -(-n // block)] for n in split_evenly(patches, batch) if n > 0]
         tokens = [t * h * w // block for t, h, w in grids] + [0] * (batch - len(grids))
