@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dflop_ds.profile.inputs import ContractEncoderInputs, ContractLLMInputs
+from dflop_ds.profile.inputs import EncoderInputFactory, LLMInputFactory
 from dflop_ds.shapes import ShapePolicy
 
 
@@ -18,8 +18,8 @@ class ProfileTarget:
     encoder_layers: Sequence[torch.nn.Module]
     projector: torch.nn.Module | None
     llm_layers: Sequence[torch.nn.Module]
-    encoder_inputs: ContractEncoderInputs
-    llm_inputs: ContractLLMInputs
+    encoder_inputs: EncoderInputFactory
+    llm_inputs: LLMInputFactory
     output_loss: Callable[[Any], torch.Tensor] | None = None
     #: the shape policy of the model's data (stored in the fitted cost model); None: unknown
     policy: ShapePolicy | None = None

@@ -101,7 +101,7 @@ class LlavaPreprocessor:
             raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
         self.processor = processor
         self.tokenizer = processor.tokenizer
-        self.image_processor = image_processor
+        self.image_processor: Any = image_processor  # the LlavaProcessor's, checked above
         self.system = system
         self.truncation = truncation
         self.name = name

@@ -63,7 +63,7 @@ def check_llava_config(config: Any, where: str = "model") -> None:
                          f"(supported: {list(STRATEGIES)})")
 
 
-def load_llava(model_dir: str | Path, *, dtype: torch.dtype | None = None) -> nn.Module:
+def load_llava(model_dir: str | Path, *, dtype: torch.dtype | None = None) -> Any:
     """Load a ``save_pretrained`` LLaVA directory as ``LlavaForConditionalGeneration`` (offline).
 
     The config is checked first (:func:`check_llava_config`), so an unsupported model is named
@@ -191,7 +191,7 @@ class LlavaEncoderInputs:
         return pixel_values, input_ids, torch.tensor(lengths, dtype=torch.long)
 
 
-def llava_input_factories(model: nn.Module, text_tokens: int = 8) -> tuple[LlavaEncoderInputs, Any]:
+def llava_input_factories(model: Any, text_tokens: int = 8) -> tuple[LlavaEncoderInputs, Any]:
     """``(encoder_inputs, llm_inputs)`` factories for :func:`dflop_ds.profile.model.profile_model`
     over :func:`llava_layers`, so that a cost model (and from it the stage split) measures the real layers."""
     dtype = model.dtype
@@ -199,7 +199,7 @@ def llava_input_factories(model: nn.Module, text_tokens: int = 8) -> tuple[Llava
             ContractLLMInputs(int(model.config.text_config.hidden_size), dtype))
 
 
-def llava_layers(model: nn.Module) -> tuple[list[nn.Module], nn.Module, list[nn.Module]]:
+def llava_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Module]]:
     """``(encoder_layers, projector, llm_layers)`` of a ``LlavaForConditionalGeneration``, sharing its weights.
 
     With tied word embeddings the projector's ``embed_tokens`` and the head's ``lm_head`` declare
