@@ -123,16 +123,16 @@ def _resolve_images(record: Mapping[str, Any], problems: FieldProblems,
     if paths is None:
         return None
     given = _record_sizes(record, len(paths), problems)
-    if len(problems.items) > before:
+    if given is None or len(problems.items) > before:
         return None
     sizes = []
     for i, (path, size) in enumerate(zip(paths, given)):
         found = media.image_size(path, size)
         if isinstance(found, str):
             problems.add("image" if isinstance(record["image"], str) else f"image[{i}]", found)
-            found = None
-        sizes.append(found)
-    return None if None in sizes else sizes
+        else:
+            sizes.append(found)
+    return sizes if len(sizes) == len(paths) else None
 
 
 def _resolve_frames(record: Mapping[str, Any], problems: FieldProblems, media: MediaLookup) -> int | None:

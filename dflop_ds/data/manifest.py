@@ -44,7 +44,7 @@ def parse_manifest_record(record: Mapping[str, Any], problems: FieldProblems,
         problems.add("label_tokens", f"must be <= text_tokens ({text_tokens}), got {labels}")
     if "source" in record:
         problems.str_field(record, "source")
-    if problems or None in (sample_id, sizes, frames, text_tokens, labels):
+    if problems or sample_id is None or sizes is None or frames is None or text_tokens is None or labels is None:
         return None
     return policy.shape(sample_id, image_sizes=sizes, video_frames=frames,
                         text_tokens=text_tokens, label_tokens=labels)
@@ -55,8 +55,9 @@ def _parse_images(record: Mapping[str, Any], problems: FieldProblems) -> list[tu
     if not isinstance(value, list):
         problems.add("images", f"must be a list of [width, height] pairs, got {type_name(value)}")
         return None
-    sizes = [problems.check_size(item, f"images[{i}]") for i, item in enumerate(value)]
-    return None if None in sizes else sizes
+    checked = [problems.check_size(item, f"images[{i}]") for i, item in enumerate(value)]
+    sizes = [size for size in checked if size is not None]
+    return sizes if len(sizes) == len(checked) else None
 
 
 def _parse_text_tokens(record: Mapping[str, Any], problems: FieldProblems, policy: ShapePolicy) -> int | None:

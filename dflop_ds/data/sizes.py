@@ -32,10 +32,11 @@ class SizeDraw:
 
     def __init__(self, sizes: Sequence[Sequence[int]], seed: int = 0) -> None:
         checker = FieldProblems()
-        self.sizes = [checker.check_size(size, f"sizes[{i}]") for i, size in enumerate(sizes)]
+        checked = [checker.check_size(size, f"sizes[{i}]") for i, size in enumerate(sizes)]
         if checker:
             field_name, message = checker.items[0]
             raise ValueError(f"SizeDraw: {field_name}: {message}")
+        self.sizes = [size for size in checked if size is not None]  # all of them: no problem was found
         if not self.sizes:
             raise ValueError("SizeDraw needs at least one size")
         self.seed = int(seed)
