@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from dflop_ds.data.records import BAD_SAMPLE_POLICIES
 from dflop_ds.jsonio import read_json_object
@@ -202,7 +202,7 @@ class DFLOPConfig:
 PLAN_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-def autotp_size(ds_config: dict[str, Any]) -> int:
+def autotp_size(ds_config: Mapping[str, Any]) -> int:
     """The DeepSpeed config's ``tensor_parallel.autotp_size`` (1 without tensor parallelism)."""
     return int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
 

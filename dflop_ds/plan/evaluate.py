@@ -86,7 +86,7 @@ def balanced_split(
     n_mb: int,
     *,
     lengths: np.ndarray,
-    microbatch_cost: Callable[[list[int]], np.ndarray] | None = None,
+    microbatch_cost: Callable[[Sequence[int]], np.ndarray] | None = None,
     fast: bool = True,
     seed: int = 0,
 ) -> list[Buckets]:

@@ -12,7 +12,7 @@ cannot run (its topology gives every stage the same dp).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 StageLayers = tuple[int, int, int]  # (encoder layers, projector layers, LLM layers) of one stage
 
@@ -80,6 +80,15 @@ class Layout:
         e, lm = self.encoder, self.llm
         kind = "shared" if self.shared else "separate"
         return f"E(tp{e.tp},pp{e.pp},dp{e.dp}) L(tp{lm.tp},pp{lm.pp},dp{lm.dp}) mb{self.n_mb} {kind}"
+
+
+def stage_layers(values: Sequence[Any]) -> StageLayers:
+    """One stage's ``(encoder, projector, LLM)`` layer counts read from a list (a plan file's);
+    ``ValueError`` unless it holds three integers."""
+    if len(values) != 3:
+        raise ValueError(f"a stage holds (encoder, projector, llm) layer counts, got {list(values)}")
+    encoder, projector, llm = (int(x) for x in values)
+    return encoder, projector, llm
 
 
 def flat_bounds(stages: Sequence[StageLayers]) -> list[int]:

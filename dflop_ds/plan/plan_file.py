@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflop_ds.plan.layout import Layout, Segment, StageLayers, flat_bounds, stages_from_bounds
+from dflop_ds.plan.layout import Layout, Segment, StageLayers, flat_bounds, stage_layers, stages_from_bounds
 from dflop_ds.jsonio import read_json_object, write_json
 
 PLAN_FORMAT_VERSION = 1
@@ -46,7 +46,7 @@ def layout_to_dict(layout: Layout) -> dict[str, Any]:
 def layout_from_dict(data: dict[str, Any]) -> Layout:
     """Inverse of :func:`layout_to_dict`."""
     return Layout(Segment(**data["encoder"]), Segment(**data["llm"]), int(data["n_mb"]),
-                  tuple(tuple(int(x) for x in s) for s in data["stages"]), balanced=bool(data["balanced"]))
+                  tuple(stage_layers(s) for s in data["stages"]), balanced=bool(data["balanced"]))
 
 
 @dataclass
@@ -222,7 +222,7 @@ class Plan:
                 encoder=Segment(**data["encoder"]),
                 llm=Segment(**data["llm"]),
                 n_mb=_integer(data, "n_mb"),
-                stages=tuple(tuple(int(x) for x in s) for s in data["stages"]),
+                stages=tuple(stage_layers(s) for s in data["stages"]),
                 layer_counts={k: int(v) for k, v in data["layer_counts"].items()},
                 global_batch_size=_integer(data, "global_batch_size"),
                 gpus=_integer(data, "gpus"),

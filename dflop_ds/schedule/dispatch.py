@@ -69,7 +69,7 @@ class EncoderDispatch:
         """Tiles of ``rank``'s samples that each rank encodes (the all-to-all's output splits)."""
         return [self.send_counts(source)[rank] for source in range(self.ranks)]
 
-    def recv_index(self, rank: int, tiles: Sequence[int]) -> list[int]:
+    def recv_index(self, rank: int, tiles: Sequence[int] | np.ndarray) -> list[int]:
         """For each tile of ``rank``'s microbatch in its own order (samples in microbatch order,
         tiles in sample order), its position in the buffer the all-to-all delivers
         (the sources' pieces concatenated, source rank ascending). ``tiles[i]`` is sample

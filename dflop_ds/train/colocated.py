@@ -85,7 +85,7 @@ class DispatchingSampler:
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def _request(self, schedule: Any, step: int, own: Sequence[int]) -> list[MicrostepRequest]:
+    def _request(self, schedule: Any, step: int, own: Sequence[ScheduledIndex]) -> list[MicrostepRequest]:
         microbatches = [rank[step] for rank in schedule.split.ranks]
         self.last_plan = plan_dispatch(microbatches, self.tiles, self.tile_cost)
         return [MicrostepRequest(list(own), self.last_plan, self.sampler.dp_rank)]

@@ -75,7 +75,7 @@ class TrainingEngine:
     """
 
     engine: Any
-    module: nn.Module
+    module: MLLMPipelineModule | SequentialMLLM
     loss_fn: Callable = token_normalized_loss
 
     @property
@@ -113,7 +113,7 @@ class TrainingEngine:
     @property
     def stage_bounds(self) -> list[int]:
         """Layer boundaries of the stages over the flat layer list."""
-        if self.is_pipeline:
+        if isinstance(self.module, MLLMPipelineModule):  # is_pipeline, spelled so that the type narrows
             return [int(b) for b in self.module.parts]
         return [0, len(self.module)]
 
@@ -181,17 +181,19 @@ def build_engine(
     if pipeline_stages > 1 and colocated:
         raise ValueError("a colocated encoder runs on the plain engine only (pipeline_stages == 1) for now")
     if pipeline_stages > 1:
-        module: nn.Module = MLLMPipelineModule(
+        pipeline = MLLMPipelineModule(
             encoder_layers, projector, llm_layers, num_stages=pipeline_stages, stage_bounds=stage_bounds,
             layer_costs=layer_costs, loss_fn=loss_fn, freeze_encoder=freeze_encoder,
             activation_checkpoint_interval=activation_checkpoint_interval,
         )
-        trainable = module.optimizer_parameters()
+        trainable = pipeline.optimizer_parameters()
+        module: MLLMPipelineModule | SequentialMLLM = pipeline
     else:
         sequential = ColocatedMLLM if colocated else SequentialMLLM
         module = sequential(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder)
         trainable = [p for p in module.parameters() if p.requires_grad]
         ds_config = with_autotp_layout(ds_config, hf_model, module)
+    optimizer: torch.optim.Optimizer | None
     if make_optimizer is not None:
         optimizer = make_optimizer(trainable)
     else:
