@@ -153,7 +153,7 @@ def split_batch(layout: Layout, shapes: Sequence[SampleShape], costs: np.ndarray
     enc_share = 1.0 if layout.shared else layout.llm.dp / layout.encoder.dp
     scale = np.array([e_frac / cluster.tp_speedup(layout.encoder.tp) * enc_share, l_frac / cluster.tp_speedup(layout.llm.tp)])
 
-    def microbatch_cost(items: list[int]) -> np.ndarray:
+    def microbatch_cost(items: Sequence[int]) -> np.ndarray:
         return np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float) * scale
 
     lengths = np.array([s.llm_tokens for s in shapes])

@@ -14,6 +14,7 @@ from os import PathLike
 from typing import Any, Sequence, Union
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from dflop_ds.profile.fit import MonotoneFit
 from dflop_ds.profile.model import Measurement, ModelProfile
@@ -113,9 +114,10 @@ class CostModel:
 
     @staticmethod
     def _fit_peak(features: Sequence[str], variables: dict, points: Sequence[Measurement]) -> MonotoneFit | None:
-        if any(p.peak_bytes is None for p in points):
+        peaks = [p.peak_bytes for p in points]
+        if any(peak is None for peak in peaks):
             return None
-        return MonotoneFit(features, relative=False).fit(variables, [p.peak_bytes for p in points])
+        return MonotoneFit(features, relative=False).fit(variables, [float(peak) for peak in peaks if peak is not None])
 
     def _set_planner_attributes(self, profile: ModelProfile) -> None:
         self.profile_ = profile
@@ -130,18 +132,18 @@ class CostModel:
             raise RuntimeError("this CostModel is not fitted: call fit(profile) or CostModel.load(path)")
 
     # -- raw curves ----------------------------------------------------------------------
-    def encoder_time(self, tiles: Sequence[float]) -> np.ndarray:
+    def encoder_time(self, tiles: ArrayLike) -> np.ndarray:
         """Encoder (+projector) seconds for microbatches of ``tiles`` tiles in total."""
         self._check_fitted()
         return self.encoder_time_.predict({"T": np.asarray(tiles, dtype=float)})
 
-    def llm_time(self, batch: Sequence[float], seq_len: Sequence[float]) -> np.ndarray:
+    def llm_time(self, batch: ArrayLike, seq_len: ArrayLike) -> np.ndarray:
         """LLM seconds for microbatches of ``batch`` samples padded to ``seq_len``."""
         self._check_fitted()
         variables = {"B": np.asarray(batch, dtype=float), "S": np.asarray(seq_len, dtype=float)}
         return np.sum([fit.predict(variables) for fit in self.llm_time_], axis=0)
 
-    def llm_attention_time(self, batch: Sequence[float], seq_len: Sequence[float]) -> np.ndarray | None:
+    def llm_attention_time(self, batch: ArrayLike, seq_len: ArrayLike) -> np.ndarray | None:
         """The attention share of :meth:`llm_time`, or ``None`` when attention was not separated."""
         self._check_fitted()
         if len(self.llm_time_) < 2:
