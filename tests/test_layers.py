@@ -10,7 +10,9 @@ the same order.
 from __future__ import annotations
 
 import ast
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dflop_ds"
@@ -114,12 +116,14 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Import
     return found
 
 
-def all_imports() -> list[Import]:
+@lru_cache(maxsize=1)
+def all_imports() -> tuple[Import, ...]:
+    """Every ``dflop_ds`` import of the package (parsed once per session)."""
     modules = module_files()
-    return [found for module, path in modules.items() for found in imports_of(module, path, modules)]
+    return tuple(found for module, path in modules.items() for found in imports_of(module, path, modules))
 
 
-def load_graph(imports: list[Import]) -> dict[str, set[str]]:
+def load_graph(imports: Sequence[Import]) -> dict[str, set[str]]:
     """Module -> the modules that loading it runs: its on-load imports and their packages' ``__init__``
     (except its own packages, which are already loading)."""
     graph: dict[str, set[str]] = {}
@@ -144,7 +148,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         path.pop()
@@ -197,8 +201,11 @@ def test_no_deferred_import_hides_a_loop():
     imports = all_imports()
     graph = load_graph(imports)
     hidden = sorted(
-        {f"{found.source} line {found.line} -> {found.target}" for found in imports
-         if not found.on_load and reaches(graph, found.target, found.source)}
+        {
+            f"{found.source} line {found.line} -> {found.target}"
+            for found in imports
+            if not found.on_load and reaches(graph, found.target, found.source)
+        }
     )
     assert not hidden, "deferred imports that hide a loop:\n" + "\n".join(hidden)
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
@@ -14,10 +15,13 @@ class SequentialMLLM(nn.Sequential):
     ``PipelineModule``, so checkpoints and comparisons line up across engine kinds.
     """
 
-    def __init__(self, encoder_layers: Sequence[Any], projector: Any, llm_layers: Sequence[Any],
-                 *, freeze_encoder: bool = False) -> None:
-        built = [layer.build() if hasattr(layer, "build") and not isinstance(layer, nn.Module) else layer
-                 for layer in (*encoder_layers, projector, *llm_layers)]
+    def __init__(
+        self, encoder_layers: Sequence[Any], projector: Any, llm_layers: Sequence[Any], *, freeze_encoder: bool = False
+    ) -> None:
+        built = [
+            layer.build() if hasattr(layer, "build") and not isinstance(layer, nn.Module) else layer
+            for layer in (*encoder_layers, projector, *llm_layers)
+        ]
         super().__init__(*built)
         self.n_encoder_layers = len(encoder_layers)
         if freeze_encoder:

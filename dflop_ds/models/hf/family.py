@@ -8,9 +8,10 @@ gathered the trained weights of every stage on one rank).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 import torch
 
@@ -57,10 +58,17 @@ class HFFamily:
     save_processor: Callable[[Any, str], None]
 
 
-def family_source(model_dir: str, family: HFFamily, preprocessor: Any, *, image_folder: Optional[str] = None,
-                  lora: Optional[Mapping[str, Any]] = None) -> ModelSource:
+def family_source(
+    model_dir: str,
+    family: HFFamily,
+    preprocessor: Any,
+    *,
+    image_folder: str | None = None,
+    lora: Mapping[str, Any] | None = None,
+) -> ModelSource:
     """The training-loop source of ``model_dir`` for a model ``family`` with its ``preprocessor``
     (tokenization template, image processing, shape policy)."""
+
     def build() -> tuple[Any, Any]:
         """A fresh copy of the model (with its LoRA adapters) and its PeftModel, if any."""
         built = family.load(model_dir)
@@ -90,6 +98,16 @@ def family_source(model_dir: str, family: HFFamily, preprocessor: Any, *, image_
         final.save_pretrained(directory)
         family.save_processor(preprocessor, directory)
 
-    return ModelSource(f"{model.config.model_type}:{Path(model_dir).name}", list(encoder), projector, list(llm),
-                       policy, read_shapes, make_dataset, family.collate, supervised_targets,
-                       save_pretrained=save_pretrained, hf_model=model)
+    return ModelSource(
+        f"{model.config.model_type}:{Path(model_dir).name}",
+        list(encoder),
+        projector,
+        list(llm),
+        policy,
+        read_shapes,
+        make_dataset,
+        family.collate,
+        supervised_targets,
+        save_pretrained=save_pretrained,
+        hf_model=model,
+    )
