@@ -183,7 +183,7 @@ def _nmb_grid(nmb: Sequence[int], batch: int) -> np.ndarray:
 
 def _shared_grid(cluster: Cluster, n_flat: int, batch: int, nmb: Sequence[int]) -> np.ndarray:
     """(tp, pp, dp, n_mb) of one DeepSpeed pipeline using every GPU."""
-    rows = []
+    rows: list[tuple[int, int, int, int]] = []
     for tp in cluster.tp_degrees():
         if cluster.gpus % tp:
             continue
@@ -475,7 +475,7 @@ def search(
         # ties (common: with pp = 1 the estimate ignores n_mb) go to more, smaller microbatches
         ok = ok[np.lexsort((-grid[ok, 3], est[ok]))][: max_tries * top_k]
         run(family, [(est[i], tuple(int(x) for x in grid[i])) for i in ok],
-            lambda key, u=uniform: _shared_layout(model, cluster, data, *key, uniform=u),
+            lambda key, u=uniform: _shared_layout(model, cluster, data, key[0], key[1], key[2], key[3], uniform=u),
             lambda key: global_batch % (key[2] * key[3]) == 0)
 
     if "separate" in families:
@@ -494,15 +494,16 @@ def search(
         return min(pool_, key=lambda s: s.step_time) if pool_ else None
 
     winners = {f: best_of([f]) for f in FAMILIES}
-    for f in ("deepspeed",):
-        if winners[f] is None:
-            raise PlanError(
-                f"no {f} layout fits {cluster.gpus} GPUs of {cluster.gpu_memory_bytes / 1e9:.0f} GB "
-                f"for a global batch of {global_batch} (memory or batch size too small)"
-            )
+    best_ds = winners["deepspeed"]
+    if best_ds is None:
+        raise PlanError(
+            f"no deepspeed layout fits {cluster.gpus} GPUs of {cluster.gpu_memory_bytes / 1e9:.0f} GB "
+            f"for a global batch of {global_batch} (memory or batch size too small)"
+        )
     if final_partition:
         for f in ("deepspeed", "separate"):
-            if f == "separate" and (winners[f] is None or winners[f].step_time >= winners["deepspeed"].step_time):
+            fast_winner = winners[f]
+            if f == "separate" and (fast_winner is None or fast_winner.step_time >= best_ds.step_time):
                 continue  # it would not be the best overall: keep its fast score
             done = [s for s in scored[f] if s.feasible and len(s.evaluations) == len(batches)]
             finalists = sorted(done, key=lambda s: s.step_time)[:final_k]
@@ -510,8 +511,10 @@ def search(
             finals = [s for s in finals if s.feasible]
             if finals:  # report what the sampler's partition_batch gives
                 scored[f].extend(finals)
-                winners[f] = min(finals, key=lambda s: s.step_time)
-    best_ds = winners["deepspeed"]
+                winner = min(finals, key=lambda s: s.step_time)
+                winners[f] = winner
+                if f == "deepspeed":
+                    best_ds = winner
     best = min((w for w in (winners["separate"], best_ds) if w is not None), key=lambda s: s.step_time)
     return SearchResult(
         best=best,

@@ -35,12 +35,12 @@ from dflop_ds.profile import CostModel
 from dflop_ds.profile.costmodel import check_policy
 from dflop_ds.profile.packed import PackedCost
 from dflop_ds.profile.proxy import ProxyCost
-from dflop_ds.schedule.sampler import make_sampler
+from dflop_ds.schedule.sampler import GlobalBatchSampler, make_sampler
 from dflop_ds.telemetry.record import batch_tokens, throughput
 from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
 from dflop_ds.telemetry.setup import inject_fault, make_correction
 from dflop_ds.train.autotp import is_tensor_parallel_layer
-from dflop_ds.train.colocated import LLMOnlyCost, colocate
+from dflop_ds.train.colocated import DispatchingSampler, LLMOnlyCost, colocate
 from dflop_ds.train.engine import TrainingEngine, build_engine
 from dflop_ds.train.gather import gather_full_state
 
@@ -184,14 +184,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     packing = source.uses_packing(cfg.packing)
     if packing:  # a packed microbatch costs the sum of its samples (plus one constant)
         sampler_cost = PackedCost(sampler_cost)
-    sampler = make_sampler(
+    sampler: GlobalBatchSampler | DispatchingSampler = make_sampler(
         cfg.sampler, shapes, global_batch_size=trainer.global_batch_size,
         gradient_accumulation_steps=engine.gradient_accumulation_steps(), dp_rank=dp_rank, dp_size=dp_size,
         cost_model=sampler_cost, seed=cfg.seed, prefetch=cfg.prefetch,
         time_limit_s=cfg.time_limit_s, ilp_nodes=cfg.ilp_nodes, label_tokens_fn=source.label_tokens_fn, cost_adjuster=correction,
         lockstep=not pipelined, drop_last=cfg.drop_last, schedule_timeout_s=cfg.schedule_timeout_s,
     )
-    collate = source.packed_collate if packing else source.collate
+    collate = source.collate
+    if packing and source.packed_collate is not None:  # source.uses_packing found one
+        collate = source.packed_collate
     if colocated:
         sampler, dataset, collate = colocate(sampler, dataset, collate, shapes, costs)
     # the loader's state is what training consumed, not what its workers prefetched
