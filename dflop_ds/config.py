@@ -9,6 +9,9 @@ from typing import Any, Mapping, Optional
 
 from dflop_ds.data.records import BAD_SAMPLE_POLICIES
 from dflop_ds.jsonio import read_json_object
+from dflop_ds.models.hf.lora import lora_settings
+from dflop_ds.schedule.correction import CorrectionSettings
+from dflop_ds.testing.faults import FaultSpec
 from dflop_ds.typecheck import check_setting
 
 
@@ -184,15 +187,10 @@ class DFLOPConfig:
         if self.stage_bounds is not None and len(self.stage_bounds) != self.pipeline_stages + 1:
             raise ValueError(f"{source}: \"dflop\".stage_bounds {self.stage_bounds} needs pipeline_stages + 1 ="
                              f" {self.pipeline_stages + 1} entries")
-        from dflop_ds.schedule.correction import CorrectionSettings
-        from dflop_ds.testing.faults import FaultSpec
-
         if CorrectionSettings.from_dict(self.correction, f"{source}: \"dflop\".correction").enabled and not self.telemetry:
             raise ValueError(f"{source}: \"dflop\".correction needs \"dflop\".telemetry = true")
         FaultSpec.from_dict(self.fault, f"{source}: \"dflop\".fault")
         if self.lora is not None:
-            from dflop_ds.models.hf.lora import lora_settings
-
             if self.model_name_or_path is None:
                 raise ValueError(f"{source}: \"dflop\".lora needs a HuggingFace model (--model_name_or_path)")
             lora_settings(self.lora, f"{source}: \"dflop\".lora")
