@@ -37,7 +37,8 @@ from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, build_reference, collate_microbatch  # noqa: E402
 from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
 from dflop_ds.cost import FittedCostModel, PackedCost  # noqa: E402
-from dflop_ds.profile import ModelProfile, profile_model, tiny_target  # noqa: E402
+from dflop_ds.models.tiny_profile import tiny_target  # noqa: E402
+from dflop_ds.profile import ModelProfile, profile_model  # noqa: E402
 from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES, torch_threads  # noqa: E402
 from dflop_ds.profile.timing import clock_function, resolve_clock, robust_statistic  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY, SampleShape  # noqa: E402
@@ -185,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     enc_real = [(p, m) for p, m in zip(predicted[:, 0], real[:, 1]) if m > 0]
     print(f"\nreal microbatch parts: encoder mape={mape(*zip(*enc_real)):.3f} "
           f"llm mape={mape(predicted[:, 1], real[:, 2]):.3f}")
-    print(f"scale-free mape (one fitted scale factor): microbatch={scale_free_mape(predicted.sum(axis=1), real[:, 0]):.3f} "
+    print("scale-free mape (one fitted scale factor): "
+          f"microbatch={scale_free_mape(predicted.sum(axis=1), real[:, 0]):.3f} "
           f"packed_microbatch={scale_free_mape(predicted_packed.sum(axis=1), real_packed[:, 0]):.3f}")
     print(f"total benchmark wall time {time.perf_counter() - started:.1f} s")
     print(f"costmodel heldout mape encoder={mape(enc_pred, enc_meas):.3f} llm={mape(llm_pred, llm_meas):.3f} "

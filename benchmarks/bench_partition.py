@@ -128,8 +128,10 @@ def run(batches: int, dflop_batches: int, dflop_limits: dict[int, float], seed: 
                 record.ratios.append(value / bound)
                 record.seconds.append(seconds)
                 record.beaten += int(ours > value * (1 + 1e-9))
-        print(f"\n{n} items -> {m} buckets ({n_batches} sampled batches; dflop ilp on the first {min(dflop_batches, n_batches)})")
-        print(f"  {'method':<22} {'mean ratio':>10} {'worst':>10} {'median ms':>10} {'p95 ms':>10} {'runs':>5} {'beats ours':>10}")
+        print(f"\n{n} items -> {m} buckets ({n_batches} sampled batches; "
+              f"dflop ilp on the first {min(dflop_batches, n_batches)})")
+        print(f"  {'method':<22} {'mean ratio':>10} {'worst':>10} {'median ms':>10} {'p95 ms':>10} "
+              f"{'runs':>5} {'beats ours':>10}")
         for name, record in records.items():
             print(record.row(name))
         if n == 2048:

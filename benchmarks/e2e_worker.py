@@ -82,7 +82,7 @@ def main() -> int:
             packed = method in PACKED_METHODS
             start = time.perf_counter()
             split = split_for(method, batch.tolist(), shapes, costs[packed][batch], args.gas, dp,
-                              microbatch_cost=lambda pos: cost_model.predict_microbatch([group[p] for p in pos]),
+                              microbatch_cost=lambda pos, g=group: cost_model.predict_microbatch([g[p] for p in pos]),
                               time_limit_s=args.time_limit, seed=args.seed + round_id)
             schedule_s = time.perf_counter() - start
             microbatches = [collate_microbatch([dataset[ScheduledIndex(i, denominator)] for i in mb], packed=packed)

@@ -4,7 +4,7 @@
 2. Profiles the engine: a short 2-rank run with the *stock* sampler and DeepSpeed's default
    stage split, telemetry on; fits an EngineProfile from it (in-engine compute multipliers,
    microbatch load, the step's tail, the cost of one blocking exchange; see
-   ``dflop_ds.profile.engine``).
+   ``dflop_ds.plan.engine_profile``).
 3. Runs the validated job: 2 ranks, the DFLOP sampler, the profiled cost model and its
    cost-balanced stage split (other batches, microbatch sizes and split than step 2).
 4. Simulates every timed step of step 3 from the cost model's predictions of its microbatches,
@@ -32,7 +32,7 @@ from dflop_ds.launch import run_deepspeed  # noqa: E402
 from dflop_ds.plan.evaluate import forward_fraction  # noqa: E402
 from dflop_ds.plan.simulator import simulate_1f1b  # noqa: E402
 from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares  # noqa: E402
-from dflop_ds.profile.engine import EngineProfile, engine_profile_from_run, read_engine_steps  # noqa: E402
+from dflop_ds.plan.engine_profile import EngineProfile, engine_profile_from_run, read_engine_steps  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 
 WARMUP = 3
@@ -86,9 +86,11 @@ def report(engine: EngineProfile, steps, shares: np.ndarray, ff: float, bounds: 
     profiled = np.array([engine.simulate(step.costs, shares).step_time for step in steps])
     alone = np.array([simulate_1f1b(ff * (step.costs @ shares.T), (1 - ff) * (step.costs @ shares.T)).step_time
                       for step in steps])
-    print(f"\nengine profile (stock run, split {engine.meta['stage_bounds']}): compute x{np.round(engine.compute_scale, 3)} "
-          f"[encoder, llm], forward share {engine.forward_fraction:.3f}, load {np.round(np.multiply(engine.load_s, 1e3), 1)} "
-          f"ms/microbatch, tail {np.round(np.multiply(engine.tail_s, 1e3), 1)} ms, exchange {engine.exchange_s * 1e3:.2f} ms")
+    print(f"\nengine profile (stock run, split {engine.meta['stage_bounds']}): "
+          f"compute x{np.round(engine.compute_scale, 3)} [encoder, llm], "
+          f"forward share {engine.forward_fraction:.3f}, "
+          f"load {np.round(np.multiply(engine.load_s, 1e3), 1)} ms/microbatch, "
+          f"tail {np.round(np.multiply(engine.tail_s, 1e3), 1)} ms, exchange {engine.exchange_s * 1e3:.2f} ms")
     print(f"validated run: DFLOP sampler, split {bounds}, {len(steps)} timed steps")
     print(f"{'step':>4s} {'measured s':>11s} {'simulated s':>12s} {'error':>8s} {'cost model only s':>18s} {'error':>8s}")
     for k in range(len(steps)):

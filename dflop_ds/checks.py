@@ -62,9 +62,9 @@ def resolve_batch_keys(ds_config: Mapping[str, Any], dp: int) -> tuple[int, int,
     keys when they cannot agree.
     """
     total, micro, gas = (_positive_int(ds_config, key) for key in BATCH_KEYS)
-    if total is None and micro is None:
-        raise SetupError("DeepSpeed config: give train_batch_size or train_micro_batch_size_per_gpu")
     if micro is None:
+        if total is None:
+            raise SetupError("DeepSpeed config: give train_batch_size or train_micro_batch_size_per_gpu")
         gas = gas or 1
         if total % (gas * dp):
             raise SetupError(
@@ -127,7 +127,7 @@ def check_plan(plan: PlanLike, *, stages: int, world_size: int, dp: int, total: 
             f" = {plan.dp * plan.n_mb}: every step would train fewer samples than planned"
         )
     expected = plan.micro_batch_size() * plan.n_mb * plan.dp * plan.tensor_parallel
-    mismatches = [
+    mismatches: list[tuple[str, Any, Any]] = [
         ("tensor_parallel.autotp_size", tp, plan.tensor_parallel),
         ("data-parallel size (world size / pipeline_stages / autotp_size)", dp, plan.dp),
         ("gradient_accumulation_steps", gas, plan.n_mb),
@@ -155,10 +155,11 @@ def check_training_setup(
 
     Checks: ``"dflop".pipeline_stages`` divides ``world_size``; the batch keys satisfy
     ``train_batch_size = micro * GAS * dp`` (with ``micro >= 1``, so one global batch fills
-    ``GAS`` microbatches on every data-parallel rank); ``"dflop".stage_bounds`` (when given) is increasing from 0 to
-    ``n_layers`` (when known); ``"dflop".time_limit_s`` is 0 when more than one process
-    computes the schedule (only clock-free solves agree across ranks; ``ilp_nodes`` is one); a plan agrees with all of these; the dataset (``n_samples``)
-    holds at least one global batch.
+    ``GAS`` microbatches on every data-parallel rank); ``"dflop".stage_bounds`` (when given) is
+    increasing from 0 to ``n_layers`` (when known); ``"dflop".time_limit_s`` is 0 when more than
+    one process computes the schedule (only clock-free solves agree across ranks; ``ilp_nodes``
+    is one); a plan agrees with all of these; the dataset (``n_samples``) holds at least one
+    global batch.
     """
     stages = dflop.pipeline_stages
     if world_size < 1:
@@ -228,12 +229,13 @@ def check_cost_model(cost_model: Any, *, encoder_layers: int, llm_layers: int, s
     """A cost model predicts the whole depth it was profiled on: refuse one whose recorded
     ``encoder_layers`` / ``llm_layers`` differ from the model being trained (naming both). A
     cost model that records no depths (e.g. the proxy) passes."""
-    have = (getattr(cost_model, "encoder_layers", None), getattr(cost_model, "llm_layers", None))
-    if None in have:
+    profiled_encoder = getattr(cost_model, "encoder_layers", None)
+    profiled_llm = getattr(cost_model, "llm_layers", None)
+    if profiled_encoder is None or profiled_llm is None:
         return
-    if tuple(int(x) for x in have) != (int(encoder_layers), int(llm_layers)):
+    if (int(profiled_encoder), int(profiled_llm)) != (int(encoder_layers), int(llm_layers)):
         raise SetupError(
-            f"{source} was profiled for {have[0]} encoder and {have[1]} LLM layers, but the model has"
+            f"{source} was profiled for {profiled_encoder} encoder and {profiled_llm} LLM layers, but the model has"
             f" {encoder_layers} encoder and {llm_layers} LLM layers: its predictions would be off by the depth"
             " ratio; profile this model (dflop-ds profile model)"
         )

@@ -3,24 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from typing import Optional, Sequence
 
-# Modules that add sub-commands through ``register(subparsers)``.
-COMMAND_MODULES = ("dflop_ds.data.cli", "dflop_ds.profile.cli", "dflop_ds.plan.cli", "dflop_ds.telemetry.cli",
-                   "dflop_ds.models.hf.cli")
+from dflop_ds import __version__
+from dflop_ds.data import cli as data_cli
+from dflop_ds.models.hf import cli as hf_cli
+from dflop_ds.plan import cli as plan_cli
+from dflop_ds.profile import cli as profile_cli
+from dflop_ds.telemetry import cli as telemetry_cli
+
+# Modules that add sub-commands through ``register(subparsers)``, imported here so that the
+# layering test (tests/test_layers.py) sees them.
+COMMAND_MODULES = (data_cli, profile_cli, plan_cli, telemetry_cli, hf_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full ``dflop-ds`` argument parser."""
-    from dflop_ds import __version__
-
     parser = argparse.ArgumentParser(prog="dflop-ds", description=__doc__)
     parser.add_argument("--version", action="version", version=f"dflop-ds {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(subparsers)
+    for module in COMMAND_MODULES:
+        module.register(subparsers)
     return parser
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from dflop_ds.data.records import BAD_SAMPLE_POLICIES
 from dflop_ds.jsonio import read_json_object
 from dflop_ds.schedule.splitters import splitter_names
+from dflop_ds.models.hf.lora import lora_settings
+from dflop_ds.schedule.correction import CorrectionSettings
+from dflop_ds.testing.faults import FaultSpec
 from dflop_ds.typecheck import check_setting
 
 
@@ -195,15 +198,10 @@ class DFLOPConfig:
         if self.stage_bounds is not None and len(self.stage_bounds) != self.pipeline_stages + 1:
             raise ValueError(f"{source}: \"dflop\".stage_bounds {self.stage_bounds} needs pipeline_stages + 1 ="
                              f" {self.pipeline_stages + 1} entries")
-        from dflop_ds.schedule.correction import CorrectionSettings
-        from dflop_ds.testing.faults import FaultSpec
-
         if CorrectionSettings.from_dict(self.correction, f"{source}: \"dflop\".correction").enabled and not self.telemetry:
             raise ValueError(f"{source}: \"dflop\".correction needs \"dflop\".telemetry = true")
         FaultSpec.from_dict(self.fault, f"{source}: \"dflop\".fault")
         if self.lora is not None:
-            from dflop_ds.models.hf.lora import lora_settings
-
             if self.model_name_or_path is None:
                 raise ValueError(f"{source}: \"dflop\".lora needs a HuggingFace model (--model_name_or_path)")
             lora_settings(self.lora, f"{source}: \"dflop\".lora")
@@ -213,7 +211,7 @@ class DFLOPConfig:
 PLAN_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-def autotp_size(ds_config: dict[str, Any]) -> int:
+def autotp_size(ds_config: Mapping[str, Any]) -> int:
     """The DeepSpeed config's ``tensor_parallel.autotp_size`` (1 without tensor parallelism)."""
     return int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
 

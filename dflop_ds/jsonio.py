@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from os import PathLike
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
-PathArg = Union[str, Path]
+PathArg = str | PathLike[str]
 
 
 def read_json_object(path: PathArg, error: type[Exception] = ValueError) -> dict[str, Any]:

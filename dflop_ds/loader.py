@@ -47,11 +47,12 @@ class ResumableLoader:
 
     Attributes:
         dataset: the dataset.
-        batch_sampler: the dflop-ds sampler; its position (``state_dict``) and
-            ``last_schedule`` follow what the caller has received.
+        batch_sampler: the dflop-ds sampler, or a wrapper that delegates to one (the colocated
+            encoder's); anything with ``scheduled_microbatches`` (checked). Its position
+            (``state_dict``) and ``last_schedule`` follow what the caller has received.
     """
 
-    def __init__(self, dataset: Any, batch_sampler: GlobalBatchSampler, *, collate_fn: Optional[Callable],
+    def __init__(self, dataset: Any, batch_sampler: Any, *, collate_fn: Optional[Callable],
                  num_workers: int = 0, **dataloader_kwargs: Any) -> None:
         import torch.utils.data
 
@@ -90,7 +91,7 @@ class ResumableLoader:
         self.batch_sampler.load_state_dict(state)
 
 
-def make_loader(dataset: Any, batch_sampler: GlobalBatchSampler, *, collate_fn: Optional[Callable],
+def make_loader(dataset: Any, batch_sampler: Any, *, collate_fn: Optional[Callable],
                 num_workers: int = 0, **dataloader_kwargs: Any) -> ResumableLoader:
     """A ``DataLoader`` over ``batch_sampler`` whose ``state_dict()`` / ``load_state_dict()``
     resume exactly after the microbatches already yielded to the caller, with any number of

@@ -54,7 +54,7 @@ def test_autotp_partition_config_shards_the_llm_linears_and_leaves_the_vision_to
     from dflop_ds.models.hf.llava import llava_layers, load_llava
     from dflop_ds.testing.hf_tiny import build_tiny_llava
     from dflop_ds.train.autotp import autotp_partition_config
-    from dflop_ds.train.engine import SequentialMLLM
+    from dflop_ds.train.sequential import SequentialMLLM
 
     model_dir = build_tiny_llava(tmp_path / "model", vision=vision, text=text, tie_word_embeddings=tied)
     model = load_llava(model_dir)

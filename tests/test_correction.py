@@ -97,7 +97,7 @@ def test_learns_the_penalty_of_a_slow_bucket_and_leaves_others_near_one():
     buckets = scheme.buckets(SHAPES)
     slow = scheme.bucket(TINY_POLICY.shape("x", image_sizes=[(128, 96)], text_tokens=10, label_tokens=1))
     costs = np.stack([TILES, TOKENS], axis=1).astype(float)
-    for step in range(30):
+    for _ in range(30):
         batch = rng.choice(len(SHAPES), 64, replace=False)
         microbatches = [batch[i::8].tolist() for i in range(8)]
         comp = composition(microbatches, costs, buckets, scheme.n_buckets)

@@ -61,7 +61,7 @@ def test_correction_recovers_from_a_slow_shape_class_in_a_two_rank_pipeline(tmp_
             for i, (name, correction) in enumerate((("on", True), ("off", False)))}
     try:
         for name, (process, log) in runs.items():  # both at once: the fault's sleeps leave the CPU free
-            assert process.wait(timeout=600) == 0, log.read_text()[-4000:]
+            assert process.wait(timeout=600) == 0, f"run {name}: " + log.read_text()[-4000:]
         # train.py unlinked DeepSpeed's CPU all-reduce buffers itself (none left for these ports)
         assert [release_shm_buffers(base + i) for i in range(len(runs))] == [[]] * len(runs)
     finally:

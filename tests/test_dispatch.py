@@ -103,7 +103,7 @@ def test_colocated_model_equals_the_sequential_model_on_one_rank(one_rank_group,
     from dflop_ds.schedule.index import ScheduledIndex
     from dflop_ds.shapes import TINY_POLICY
     from dflop_ds.train.colocated import ColocatedMLLM, DispatchCollate, DispatchDataset, MicrostepRequest, tile_costs
-    from dflop_ds.train.engine import SequentialMLLM
+    from dflop_ds.train.sequential import SequentialMLLM
 
     shapes = read_dataset(ROOT / "examples" / "data" / "mixture.jsonl", TINY_POLICY)[:12]
     dataset = TinyMLLMDataset(shapes, seed=0)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dflop_ds.plan.simulator import simulate_1f1b
-from dflop_ds.profile.engine import (
+from dflop_ds.plan.engine_profile import (
     EngineProfile,
     EngineStep,
     fit_compute_scale,

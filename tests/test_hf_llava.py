@@ -83,7 +83,7 @@ def test_global_token_mean_over_microbatches_equals_hf(tmp_path_factory) -> None
     assert float(labels[1]) == total
     torch.testing.assert_close(summed, hf_loss, rtol=1e-5, atol=1e-6)
     # a per-microbatch mean would be a different number on these uneven microbatches
-    per_mb = sum(token_loss_sum(layers(i), l[0]) / l[1] for i, l in own) / gas
+    per_mb = sum(token_loss_sum(layers(inputs), labels[0]) / labels[1] for inputs, labels in own) / gas
     assert abs(float(per_mb.detach()) - float(hf_loss)) > 1e-4
 
 
@@ -208,7 +208,8 @@ def test_tiny_builder_round_trips_offline(tmp_path: Path) -> None:
 
 
 def test_import_dflop_ds_does_not_import_transformers() -> None:
-    code = "import sys, dflop_ds, dflop_ds.cli, dflop_ds.models.hf; dflop_ds.cli.build_parser(); print('transformers' in sys.modules)"
+    code = ("import sys, dflop_ds, dflop_ds.cli, dflop_ds.models.hf; dflop_ds.cli.build_parser(); "
+            "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.stdout.strip() == "False"

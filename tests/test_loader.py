@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import time
 
-import numpy as np
 import pytest
 import torch
 

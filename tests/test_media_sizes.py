@@ -33,13 +33,8 @@ def write_images(folder: Path) -> None:
         Image.new("RGB", size, (40 * i, 90, 200 - 30 * i)).save(path)
 
 
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
 @pytest.fixture()
-def dataset(tmp_path: Path) -> tuple[Path, Path]:
+def dataset(tmp_path: Path, write_jsonl) -> tuple[Path, Path]:
     """A LLaVA JSONL without sizes (but one record's) and its image folder."""
     folder = tmp_path / "images"
     write_images(folder)
@@ -139,7 +134,7 @@ def test_no_silent_default_size(dataset: tuple[Path, Path]) -> None:
     assert fallback[0].image_sizes == ((10, 20),)
 
 
-def test_video_folder_checks_that_videos_exist(tmp_path: Path) -> None:
+def test_video_folder_checks_that_videos_exist(tmp_path: Path, write_jsonl) -> None:
     (tmp_path / "clips").mkdir()
     (tmp_path / "clips" / "here.mp4").write_bytes(b"x")
     data = write_jsonl(tmp_path / "v.jsonl", [
@@ -153,7 +148,7 @@ def test_video_folder_checks_that_videos_exist(tmp_path: Path) -> None:
 
 
 def test_long_scans_show_progress_on_stderr(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                            capsys: pytest.CaptureFixture) -> None:
+                                            capsys: pytest.CaptureFixture, write_jsonl) -> None:
     folder = tmp_path / "images"
     write_images(folder)
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": str(i), "image": name, "conversations": conv()}

@@ -16,7 +16,7 @@ from dflop_ds.cost import FittedCostModel, PackedCost
 from dflop_ds.schedule.sampler import make_sampler
 from dflop_ds.shapes import TINY_POLICY
 from dflop_ds.train.loop import build_parser
-from dflop_ds.train.sources import tiny_source
+from dflop_ds.models.source import tiny_source
 from tests.test_costmodel import shape as cost_shape, synthetic_profile, true_encoder, true_llm
 
 torch.set_num_threads(1)
@@ -65,7 +65,7 @@ def test_packed_loss_and_gradients_equal_the_padded_ones() -> None:
     torch.testing.assert_close(packed_loss, padded_loss, atol=1e-6, rtol=1e-5)
     assert padded_grads.keys() == packed_grads.keys()
     for name, grad in padded_grads.items():
-        torch.testing.assert_close(packed_grads[name], grad, atol=1e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-6, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_packed_logits_of_a_sample_do_not_depend_on_its_neighbours() -> None:

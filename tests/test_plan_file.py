@@ -126,7 +126,7 @@ def test_cli_plan_then_simulate(tmp_path, capsys) -> None:
 
     manifest = tmp_path / "data.jsonl"
     lines = []
-    for i, s in enumerate(_shapes(60)):
+    for s in _shapes(60):
         record = {"id": s.sample_id, "text_tokens": s.text_tokens}
         if s.image_sizes:
             record["images"] = [list(x) for x in s.image_sizes]

@@ -230,7 +230,7 @@ def test_robust_statistic_and_even_split() -> None:
 
 def test_bundled_tiny_model_profiles_with_its_loss() -> None:
     pytest.importorskip("dflop_ds.models")
-    from dflop_ds.profile import tiny_target
+    from dflop_ds.models.tiny_profile import tiny_target
 
     target = tiny_target()
     profile = profile_model(**target.profile_kwargs(), tiles=(1, 2), seq_lens=(16,), batch_sizes=(1,), **FAST)
@@ -240,7 +240,7 @@ def test_bundled_tiny_model_profiles_with_its_loss() -> None:
 
 def test_layer_shares_are_measured_per_layer() -> None:
     pytest.importorskip("dflop_ds.models")
-    from dflop_ds.profile import tiny_target
+    from dflop_ds.models.tiny_profile import tiny_target
 
     target = tiny_target()
     profile = profile_model(**target.profile_kwargs(), tiles=(4, 16), seq_lens=(128,), batch_sizes=(2,),
@@ -293,7 +293,7 @@ def test_cli_target_spec_loads_a_user_factory() -> None:
     from dflop_ds.profile import ProfileTarget
     from dflop_ds.profile.cli import int_list, load_target
 
-    assert isinstance(load_target("dflop_ds.profile.tiny:tiny_target"), ProfileTarget)
+    assert isinstance(load_target("dflop_ds.models.tiny_profile:tiny_target"), ProfileTarget)
     with pytest.raises(ValueError, match="module:function"):
         load_target("no_colon_here")
     assert int_list("1, 2,8") == [1, 2, 8]

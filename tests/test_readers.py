@@ -22,13 +22,6 @@ WORDS = ShapePolicy(tile_size=336, max_tiles=4, tokens_per_tile=16, max_frames=8
                     tokenizer=lambda text: len(text.split()))
 
 
-def write_jsonl(path: Path, records: list) -> Path:
-    """Write records (objects, or raw strings for malformed lines) one per line."""
-    lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
-
-
 # ---------------------------------------------------------------- manifest
 
 def test_manifest_round_trip(tmp_path: Path) -> None:
@@ -49,13 +42,13 @@ def test_manifest_round_trip(tmp_path: Path) -> None:
     assert "label_tokens" not in lines[1]  # equal to text_tokens: left out, defaults back
 
 
-def test_manifest_derives_under_the_given_policy(tmp_path: Path) -> None:
+def test_manifest_derives_under_the_given_policy(tmp_path: Path, write_jsonl) -> None:
     path = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "images": [[2000, 2000]], "text_tokens": 5}])
     assert read_manifest(path, ShapePolicy()).pop().encoder_tiles == 10
     assert read_manifest(path, TINY_POLICY).pop().encoder_tiles == 5
 
 
-def test_manifest_text_is_counted_by_the_policy_tokenizer(tmp_path: Path) -> None:
+def test_manifest_text_is_counted_by_the_policy_tokenizer(tmp_path: Path, write_jsonl) -> None:
     path = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "one two three four", "label_tokens": 2}])
     (shape,) = read_manifest(path, WORDS)
     assert (shape.text_tokens, shape.label_tokens) == (4, 2)
@@ -104,7 +97,7 @@ BAD_MANIFEST_RECORDS = [
 
 
 @pytest.mark.parametrize("record, field", BAD_MANIFEST_RECORDS)
-def test_bad_manifest_record_names_file_line_and_field(tmp_path: Path, record: dict, field: str) -> None:
+def test_bad_manifest_record_names_file_line_and_field(tmp_path: Path, record: dict, field: str, write_jsonl) -> None:
     path = write_jsonl(tmp_path / "bad.jsonl", [{"id": "ok", "text_tokens": 1}, record])
     with pytest.raises(DataError) as info:
         read_manifest(path)
@@ -115,14 +108,14 @@ def test_bad_manifest_record_names_file_line_and_field(tmp_path: Path, record: d
 
 @pytest.mark.parametrize("line, reason", [("{not json", "malformed JSON"), ("[1, 2]", "JSON object"),
                                           ('"text"', "JSON object")])
-def test_malformed_lines_name_the_line(tmp_path: Path, line: str, reason: str) -> None:
+def test_malformed_lines_name_the_line(tmp_path: Path, line: str, reason: str, write_jsonl) -> None:
     path = write_jsonl(tmp_path / "bad.jsonl", [{"id": "ok", "text_tokens": 1}, "", line])
     with pytest.raises(DataError, match=reason) as info:
         read_manifest(path)
     assert (info.value.record, info.value.field) == (3, None)  # blank line 2 skipped, still counted
 
 
-def test_duplicate_id_is_a_bad_record(tmp_path: Path) -> None:
+def test_duplicate_id_is_a_bad_record(tmp_path: Path, write_jsonl) -> None:
     path = write_jsonl(tmp_path / "dup.jsonl", [{"id": "a", "text_tokens": 1}, {"id": "b", "text_tokens": 1},
                                                 {"id": "a", "text_tokens": 2}])
     with pytest.raises(DataError, match="duplicate id, first seen at line 1") as info:
@@ -141,7 +134,7 @@ def test_unreadable_and_broken_files(tmp_path: Path) -> None:
     assert info.value.record == 2
 
 
-def test_skip_policy_counts_reports_and_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_skip_policy_counts_reports_and_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture, write_jsonl) -> None:
     path = write_jsonl(tmp_path / "mixed.jsonl", [
         {"id": "a", "text_tokens": 1},
         "{oops",
@@ -162,7 +155,7 @@ def test_skip_policy_counts_reports_and_warns(tmp_path: Path, caplog: pytest.Log
     assert "skipped 3 bad record(s)" in caplog.text
 
 
-def test_bad_on_bad_sample_value(tmp_path: Path) -> None:
+def test_bad_on_bad_sample_value(tmp_path: Path, write_jsonl) -> None:
     path = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text_tokens": 1}])
     with pytest.raises(ValueError, match="on_bad_sample"):
         read_manifest(path, on_bad_sample="ignore")
@@ -181,7 +174,7 @@ def conv(*turns: tuple[str, str]) -> list[dict]:
     return [{"from": role, "value": value} for role, value in turns]
 
 
-def test_llava_text_and_label_tokens(tmp_path: Path) -> None:
+def test_llava_text_and_label_tokens(tmp_path: Path, write_jsonl) -> None:
     path = write_jsonl(tmp_path / "l.jsonl", [
         {"id": "t", "conversations": conv(("human", "what is two plus two"), ("gpt", "four"),
                                           ("human", "and three"), ("gpt", "five it is"))},
@@ -211,7 +204,7 @@ def test_llava_image_list_video_and_json_array(tmp_path: Path) -> None:
     assert (short.video_frames, short.encoder_tiles) == (5, 5)
 
 
-def test_llava_side_tables_from_dict_and_file(tmp_path: Path) -> None:
+def test_llava_side_tables_from_dict_and_file(tmp_path: Path, write_jsonl) -> None:
     path = write_jsonl(tmp_path / "l.jsonl", [
         {"id": "a", "image": "x.jpg", "conversations": conv(("human", "q"), ("gpt", "a"))},
         {"id": "b", "image": "y.jpg", "width": 50, "height": 60, "conversations": conv(("human", "q"))},
@@ -228,7 +221,7 @@ def test_llava_side_tables_from_dict_and_file(tmp_path: Path) -> None:
         assert c.video_frames == 77
 
 
-def test_llava_fallbacks(tmp_path: Path) -> None:
+def test_llava_fallbacks(tmp_path: Path, write_jsonl) -> None:
     records = [{"id": str(i), "image": f"img{i}.jpg", "conversations": conv(("human", "q"))} for i in range(40)]
     path = write_jsonl(tmp_path / "l.jsonl", records)
     with pytest.raises(DataError, match="no size for image 'img0.jpg'"):  # no silent default size
@@ -248,7 +241,7 @@ def test_llava_fallbacks(tmp_path: Path) -> None:
     assert (info.value.record, info.value.field, info.value.sample_id) == (1, "image", "0")
 
 
-def test_llava_video_frames_fallback(tmp_path: Path) -> None:
+def test_llava_video_frames_fallback(tmp_path: Path, write_jsonl) -> None:
     path = write_jsonl(tmp_path / "l.jsonl", [{"id": "v", "video": "v.mp4", "conversations": conv(("human", "q"))}])
     with pytest.raises(DataError, match="no frame count") as info:
         read_llava(path, WORDS)
@@ -288,7 +281,7 @@ def test_bad_llava_record_names_file_index_and_field(tmp_path: Path, record: dic
         read_llava(path)
     error = info.value
     assert (error.path, error.record, error.record_kind, error.field) == (str(path), 2, "index", field)
-    assert f"bad.json index 2" in str(error) and f"field {field!r}" in str(error)
+    assert "bad.json index 2" in str(error) and f"field {field!r}" in str(error)
 
 
 @pytest.mark.parametrize("table, key", [({"a.jpg": [1, -1]}, "a.jpg.height"), ({"a.jpg": "big"}, "a.jpg")])
@@ -307,7 +300,7 @@ def test_bad_side_table_entries(tmp_path: Path, table: dict, key: str) -> None:
 
 # ---------------------------------------------------------------- dispatch
 
-def test_read_dataset_dispatches_on_content(tmp_path: Path) -> None:
+def test_read_dataset_dispatches_on_content(tmp_path: Path, write_jsonl) -> None:
     manifest = write_jsonl(tmp_path / "a.json", [{"id": "m", "text_tokens": 4}])
     llava = write_jsonl(tmp_path / "b.jsonl", [{"id": "l", "image": "z.jpg", "conversations": conv(("human", "q r"))}])
     assert read_dataset(manifest, WORDS, fallback_size=None)[0].text_tokens == 4

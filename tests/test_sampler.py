@@ -58,8 +58,11 @@ def test_exact_global_batches_and_every_sample_once_per_pass_across_ranks_and_ep
 
 def test_ranks_and_repeated_instances_agree_on_the_schedule():
     shapes = mixed_shapes(150)
-    make = lambda rank: DFLOPBatchSampler(shapes, global_batch_size=48, gradient_accumulation_steps=3,
-                                          dp_rank=rank, dp_size=2, seed=3)
+
+    def make(rank: int) -> DFLOPBatchSampler:
+        return DFLOPBatchSampler(shapes, global_batch_size=48, gradient_accumulation_steps=3,
+                                 dp_rank=rank, dp_size=2, seed=3)
+
     # the first and last pipeline stage of a rank each build their own sampler
     assert run_epoch(make(0)) == run_epoch(make(0))
     a, b = make(0), make(1)

@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.e2e_methods import SPLITTERS, split_for
-from dflop_ds.plan import Cluster, reference_model
+from dflop_ds.cost import ProxyCost, reference_model
+from dflop_ds.plan import Cluster
 from dflop_ds.plan.evaluate import evaluate
 from dflop_ds.plan.layout import Layout, Segment, separate_stages
 from dflop_ds.plan.plan_file import Plan, PlanFileError, layout_from_dict, layout_to_dict
-from dflop_ds.profile.proxy import ProxyCost
 from dflop_ds.schedule.sampler import SplitterSampler, make_sampler
 from dflop_ds.schedule.splitters import (
     SplitRequest,

@@ -9,9 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflop_ds.launch import run_deepspeed
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -26,23 +24,19 @@ def llava_run_inputs(tmp_path_factory):
     return model, data, images
 
 
-def train(tmp_path: Path, config: str, model: Path, data: Path, images: Path, *args: str,
-          dflop: dict | None = None, ds: dict | None = None) -> dict:
-    """Launch examples/train.py on 2 ranks with a bundled config (``dflop`` and DeepSpeed keys overridden)."""
-    settings = json.loads((ROOT / "ds_configs" / config).read_text())
-    settings.update(ds or {})
-    settings["dflop"].update(dflop or {})
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(settings))
-    summary = tmp_path / "summary.json"
-    result = run_deepspeed(
-        ROOT / "examples" / "train.py",
-        ["--deepspeed_config", str(path), "--model_name_or_path", str(model), "--data_path", str(data),
-         "--image_folder", str(images), "--summary", str(summary), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=500,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return json.loads(summary.read_text())
+@pytest.fixture
+def train(tmp_path: Path, ds_config, run_train):
+    """``train(config, model, data, images, *args, dflop=None, ds=None)``: examples/train.py on 2 ranks
+    with a bundled config (``dflop`` and DeepSpeed keys ``ds`` overridden) on an HF model; its summary."""
+
+    def launch(config: str, model: Path, data: Path, images: Path, *args: str, dflop: dict | None = None,
+               ds: dict | None = None) -> dict:
+        summary = tmp_path / "summary.json"
+        run_train(ds_config(config, dflop, **(ds or {})), "--model_name_or_path", str(model), "--data_path", str(data),
+                  "--image_folder", str(images), "--summary", str(summary), *args, timeout=500)
+        return json.loads(summary.read_text())
+
+    return launch
 
 
 def changed_tensors(before: Path, after: Path) -> tuple[int, int]:
@@ -59,10 +53,11 @@ def changed_tensors(before: Path, after: Path) -> tuple[int, int]:
 # ZeRO-2 with the DFLOP sampler: the LoRA and the one-step-equals-HF tests below
 @pytest.mark.parametrize("config,sampler,zero", [("hf_pp2.json", "dflop", 0), ("hf_pp2.json", "stock", 0),
                                                  ("hf_zero2.json", "stock", 2), ("hf_zero2.json", "dflop", 3)])
-def test_hf_llava_trains_on_two_ranks_with_both_engines_and_samplers(tmp_path, llava_run_inputs, config, sampler, zero):
+def test_hf_llava_trains_on_two_ranks_with_both_engines_and_samplers(tmp_path, llava_run_inputs, config, sampler, zero,
+                                                                      train):
     model, data, images = llava_run_inputs
     out = tmp_path / "trained"
-    run = train(tmp_path, config, model, data, images, "--output_dir", str(out),
+    run = train(config, model, data, images, "--output_dir", str(out),
                 dflop={"sampler": sampler, "steps": 6}, ds={"zero_optimization": {"stage": zero}} if zero else None)
     summary = run["summary"]
     assert summary["zero_stage"] == zero
@@ -75,12 +70,12 @@ def test_hf_llava_trains_on_two_ranks_with_both_engines_and_samplers(tmp_path, l
 
 
 @pytest.mark.slow
-def test_hf_llava_lora_on_zero2_trains_adapters_and_saves_a_merged_model(tmp_path, llava_run_inputs):
+def test_hf_llava_lora_on_zero2_trains_adapters_and_saves_a_merged_model(tmp_path, llava_run_inputs, train):
     from transformers import AutoModelForImageTextToText
 
     model, data, images = llava_run_inputs
     out = tmp_path / "trained"
-    run = train(tmp_path, "hf_zero2.json", model, data, images, "--output_dir", str(out),
+    run = train("hf_zero2.json", model, data, images, "--output_dir", str(out),
                 dflop={"lora": {"r": 4, "alpha": 8}, "lr": 0.01, "steps": 6})
     losses = [s["loss"] for s in run["steps"]]
     assert losses[-1] < losses[0], losses
@@ -108,11 +103,12 @@ def _hf_forward(family: str):
 
 @pytest.mark.slow
 # (family, records, seed, text-only share). Qwen2-VL's placeholder image is checked against HF's
-# gradients in tests/test_hf_qwen2_vl.py (one process); its 2-rank ZeRO-2 variant (("qwen2_vl", 8, 6, 0.7): one global batch of 8 records with 2 images, so
-# that at least two of its 4 microbatches have none) passed when written and is left out for the suite's time
+# gradients in tests/test_hf_qwen2_vl.py (one process); its 2-rank ZeRO-2 variant (("qwen2_vl", 8, 6, 0.7):
+# one global batch of 8 records with 2 images, so that at least two of its 4 microbatches have none) passed when
+# written and is left out for the suite's time
 @pytest.mark.parametrize("family,records,seed,text_only", [("llava", 16, 5, 0.5)])
 def test_hf_zero2_step_equals_one_hf_step_on_the_global_batch_with_image_less_microbatches(tmp_path, family, records,
-                                                                                          seed, text_only):
+                                                                                          seed, text_only, train):
     """One SGD step of ZeRO-2 dp2 (microbatches with and without images on different ranks) gives
     the weights of one SGD step of the HF model over the whole global batch (its token mean).
     Ranks whose backward produced gradients in another order would mix up ZeRO's buckets."""
@@ -125,7 +121,7 @@ def test_hf_zero2_step_equals_one_hf_step_on_the_global_batch_with_image_less_mi
     data, images = write_llava_dataset(tmp_path / "data", records, seed=seed, text_only=text_only,
                                        answer_words=(3, 12))
     trace, out = tmp_path / "trace.jsonl", tmp_path / "trained"
-    train(tmp_path, "hf_zero2.json", model, data, images, "--trace", str(trace), "--output_dir", str(out),
+    train("hf_zero2.json", model, data, images, "--trace", str(trace), "--output_dir", str(out),
           dflop={"steps": 1, "warmup_steps": 0, "num_workers": 0},
           ds={"optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True,
               "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default
@@ -153,7 +149,7 @@ def test_hf_zero2_step_equals_one_hf_step_on_the_global_batch_with_image_less_mi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config,family", [("hf_zero2.json", "qwen2_vl"), ("hf_pp2.json", "qwen2_5_vl")])
-def test_hf_qwen2_vl_trains_on_two_ranks(tmp_path, config, family):
+def test_hf_qwen2_vl_trains_on_two_ranks(tmp_path, config, family, train):
     """A tiny Qwen2-VL directory (no processor class) on LLaVA JSON with real image files of varied sizes."""
     from transformers import AutoModelForImageTextToText
 
@@ -163,7 +159,7 @@ def test_hf_qwen2_vl_trains_on_two_ranks(tmp_path, config, family):
     model = build_tiny_qwen2_vl(tmp_path / "model", family=family)
     data, images = write_llava_dataset(tmp_path / "data", 40, seed=4)
     out = tmp_path / "trained"
-    run = train(tmp_path, config, model, data, images, "--output_dir", str(out), dflop={"steps": 6})
+    run = train(config, model, data, images, "--output_dir", str(out), dflop={"steps": 6})
     assert run["summary"]["model"].startswith(family)
     losses = [s["loss"] for s in run["steps"]]
     assert len(losses) == 6 and losses[-1] < losses[0], losses

@@ -10,29 +10,21 @@ import numpy as np
 import pytest
 import torch
 
-from dflop_ds.launch import run_deepspeed
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES, BATCH, GAS = 96, 16, 4
 STEPS_PER_EPOCH = SAMPLES // BATCH
 
 
-def zero2_config(tmp_path: Path, **dflop) -> Path:
-    """The bundled ZeRO-2 config on the tiny model, ``dflop`` keys overridden."""
-    config = json.loads((ROOT / "ds_configs" / "tiny_zero2.json").read_text())
-    config.update(train_batch_size=BATCH, train_micro_batch_size_per_gpu=BATCH // (2 * GAS),
-                  gradient_accumulation_steps=GAS)
-    config["dflop"].update(max_samples=SAMPLES, **dflop)
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    return path
+@pytest.fixture
+def zero2_config(ds_config):
+    """``zero2_config(**dflop) -> path``: the bundled ZeRO-2 config on the tiny model, ``dflop`` keys overridden."""
 
+    def write(**dflop) -> Path:
+        return ds_config("tiny_zero2.json", {"max_samples": SAMPLES, **dflop}, train_batch_size=BATCH,
+                         train_micro_batch_size_per_gpu=BATCH // (2 * GAS), gradient_accumulation_steps=GAS)
 
-def train(config: Path, *args: str, expect: int = 0) -> str:
-    result = run_deepspeed(ROOT / "examples" / "train.py", ["--deepspeed_config", str(config), *args],
-                           cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert result.returncode == expect, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+    return write
 
 
 def trace_lines(trace: Path) -> list[dict]:
@@ -66,10 +58,12 @@ def assert_every_sample_once_token_mean_loss_and_learning(lines: list[dict], run
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["dflop", "stock"])
-def test_zero2_data_parallel_trains_every_sample_once_with_the_global_token_mean_loss(tmp_path, sampler):
-    config = zero2_config(tmp_path, sampler=sampler, steps=STEPS_PER_EPOCH, warmup_steps=1, lr=0.003)
+def test_zero2_data_parallel_trains_every_sample_once_with_the_global_token_mean_loss(
+    tmp_path, sampler, zero2_config, run_train
+):
+    config = zero2_config(sampler=sampler, steps=STEPS_PER_EPOCH, warmup_steps=1, lr=0.003)
     trace, summary = tmp_path / "trace.jsonl", tmp_path / "summary.json"
-    train(config, "--trace", str(trace), "--summary", str(summary))
+    run_train(config, "--trace", str(trace), "--summary", str(summary))
     run = json.loads(summary.read_text())
     assert run["summary"]["engine"] == "plain" and run["summary"]["zero_stage"] == 2 and run["summary"]["dp"] == 2
 
@@ -99,12 +93,12 @@ def assert_each_micro_step_balanced_across_ranks(lines: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_zero2_killed_run_resumes_without_losing_or_repeating_a_sample(tmp_path):
-    config = zero2_config(tmp_path, sampler="dflop", steps=STEPS_PER_EPOCH, warmup_steps=0,
+def test_zero2_killed_run_resumes_without_losing_or_repeating_a_sample(tmp_path, zero2_config, run_train):
+    config = zero2_config(sampler="dflop", steps=STEPS_PER_EPOCH, warmup_steps=0,
                           checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2)
     killed, resumed = tmp_path / "killed.jsonl", tmp_path / "resumed.jsonl"
-    train(config, "--trace", str(killed), "--exit-after-step", "2", expect=17)
-    train(config, "--trace", str(resumed), "--resume")
+    run_train(config, "--trace", str(killed), "--exit-after-step", "2", expect=17)
+    run_train(config, "--trace", str(resumed), "--resume")
     done = [line for line in trace_lines(killed) if line["step"] < 2] + trace_lines(resumed)
     assert sorted({line["step"] for line in trace_lines(resumed)}) == [2, 3, 4, 5]
     counts = collections.Counter(i for line in done for mb in line["microbatches"] for i in mb)

@@ -15,11 +15,6 @@ from dflop_ds.shapes import TINY_POLICY
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
 
 
-def write_lines(path: Path, records: list) -> Path:
-    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
-    return path
-
-
 def conv(text: str = "question", answer: str = "answer") -> list[dict]:
     return [{"from": "human", "value": text}, {"from": "gpt", "value": answer}]
 
@@ -28,8 +23,8 @@ def where(problems: list[Problem]) -> set[tuple[int | None, str | None]]:
     return {(p.record, p.field) for p in problems}
 
 
-def test_manifest_with_one_of_each_bad_record(tmp_path: Path) -> None:
-    path = write_lines(tmp_path / "bad.jsonl", [
+def test_manifest_with_one_of_each_bad_record(tmp_path: Path, write_jsonl) -> None:
+    path = write_jsonl(tmp_path / "bad.jsonl", [
         {"id": "good", "images": [[640, 480]], "text_tokens": 10},          # 1
         "{not json",                                                         # 2 malformed
         {"images": [], "text_tokens": 3},                                    # 3 missing id
@@ -77,22 +72,22 @@ def test_llava_with_one_of_each_bad_record(tmp_path: Path) -> None:
                                                       fallback_size=(640, 480)))
 
 
-def test_unreadable_broken_and_unknown_files(tmp_path: Path) -> None:
+def test_unreadable_broken_and_unknown_files(tmp_path: Path, write_jsonl) -> None:
     (missing,) = validate_dataset(tmp_path / "nope.jsonl")
     assert missing.record is None and "cannot read" in missing.message
     broken = tmp_path / "broken.json"
     broken.write_text('[\n{"id": "a", "text_tokens": 1},\n{"id"\n')
     (problem,) = validate_dataset(broken)
     assert "invalid JSON array" in problem.message and problem.record == 4
-    unknown = write_lines(tmp_path / "unknown.jsonl", [{"id": "a", "tokens": 3}])
+    unknown = write_jsonl(tmp_path / "unknown.jsonl", [{"id": "a", "tokens": 3}])
     (problem,) = validate_dataset(unknown)
     assert "cannot tell the format" in problem.message
 
 
-def test_bad_side_table_is_reported_with_the_rest(tmp_path: Path) -> None:
+def test_bad_side_table_is_reported_with_the_rest(tmp_path: Path, write_jsonl) -> None:
     table = tmp_path / "sizes.json"
     table.write_text(json.dumps({"a.jpg": [0, 10]}))
-    data = write_lines(tmp_path / "d.jsonl", [{"id": "x", "image": "a.jpg", "conversations": conv()}])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": "x", "image": "a.jpg", "conversations": conv()}])
     problems = validate_dataset(data, image_sizes=table)
     assert {(p.path, p.field) for p in problems} == {(str(table), "a.jpg.width"), (str(data), "image")}
 
@@ -119,8 +114,8 @@ def run_cli(argv: list[str]) -> int:
     return args.func(args)
 
 
-def test_cli_validate_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    bad = write_lines(tmp_path / "bad.jsonl", [{"id": "a", "text_tokens": -1}, "{x", {"id": "b", "text_tokens": 900}])
+def test_cli_validate_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture, write_jsonl) -> None:
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": "a", "text_tokens": -1}, "{x", {"id": "b", "text_tokens": 900}])
     assert run_cli(["validate", str(bad), "--policy", "tiny", "--max-llm-tokens", "100"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 4 and out[-1] == "3 problem(s) in 3 record(s)"
@@ -129,8 +124,8 @@ def test_cli_validate_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture) 
     assert "3000 samples, no problems" in capsys.readouterr().out
 
 
-def test_cli_side_table_and_fallback(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    data = write_lines(tmp_path / "d.jsonl", [{"id": "x", "image": "a.jpg", "conversations": conv()}])
+def test_cli_side_table_and_fallback(tmp_path: Path, capsys: pytest.CaptureFixture, write_jsonl) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": "x", "image": "a.jpg", "conversations": conv()}])
     table = tmp_path / "t.json"
     table.write_text(json.dumps({"a.jpg": [100, 100]}))
     assert run_cli(["validate", str(data)]) == 1

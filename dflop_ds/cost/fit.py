@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 from sklearn.linear_model import LinearRegression
 
 Feature = Callable[[Mapping[str, np.ndarray]], np.ndarray]
@@ -59,7 +60,7 @@ class MonotoneFit:
         design_matrix(self.features, {"T": np.zeros(1), "B": np.zeros(1), "S": np.zeros(1)})
 
     def fit(
-        self, variables: Mapping[str, Sequence[float]], y: Sequence[float], scale: Sequence[float] | None = None
+        self, variables: Mapping[str, ArrayLike], y: ArrayLike, scale: ArrayLike | None = None
     ) -> MonotoneFit:
         """Fit to measurements ``y`` at ``variables``; sets ``coef_``.
 
@@ -88,7 +89,7 @@ class MonotoneFit:
         self.regressor_ = regressor
         return self
 
-    def predict(self, variables: Mapping[str, Sequence[float]]) -> np.ndarray:
+    def predict(self, variables: Mapping[str, ArrayLike]) -> np.ndarray:
         """Predictions at ``variables`` (non-negative)."""
         X = design_matrix(self.features, {k: np.asarray(v, dtype=float) for k, v in variables.items()})
         return X @ self.coef_

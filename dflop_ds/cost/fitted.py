@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from dflop_ds.cost.fit import MonotoneFit
 from dflop_ds.cost.measurements import Measurement, ModelProfile
@@ -108,9 +109,10 @@ class FittedCostModel:
 
     @staticmethod
     def _fit_peak(features: Sequence[str], variables: dict, points: Sequence[Measurement]) -> MonotoneFit | None:
-        if any(p.peak_bytes is None for p in points):
+        peaks = [p.peak_bytes for p in points]
+        if any(peak is None for peak in peaks):
             return None
-        return MonotoneFit(features, relative=False).fit(variables, [p.peak_bytes for p in points])
+        return MonotoneFit(features, relative=False).fit(variables, [float(peak) for peak in peaks if peak is not None])
 
     def _set_planner_attributes(self, profile: ModelProfile) -> None:
         self.profile_ = profile
@@ -125,18 +127,18 @@ class FittedCostModel:
             raise RuntimeError("this FittedCostModel is not fitted: call fit(profile) or load_cost_model(path)")
 
     # -- raw curves ----------------------------------------------------------------------
-    def encoder_time(self, tiles: Sequence[float]) -> np.ndarray:
+    def encoder_time(self, tiles: ArrayLike) -> np.ndarray:
         """Encoder (+projector) seconds for microbatches of ``tiles`` tiles in total."""
         self._check_fitted()
         return self.encoder_time_.predict({"T": np.asarray(tiles, dtype=float)})
 
-    def llm_time(self, batch: Sequence[float], seq_len: Sequence[float]) -> np.ndarray:
+    def llm_time(self, batch: ArrayLike, seq_len: ArrayLike) -> np.ndarray:
         """LLM seconds for microbatches of ``batch`` samples padded to ``seq_len``."""
         self._check_fitted()
         variables = {"B": np.asarray(batch, dtype=float), "S": np.asarray(seq_len, dtype=float)}
         return np.sum([fit.predict(variables) for fit in self.llm_time_], axis=0)
 
-    def llm_attention_time(self, batch: Sequence[float], seq_len: Sequence[float]) -> np.ndarray | None:
+    def llm_attention_time(self, batch: ArrayLike, seq_len: ArrayLike) -> np.ndarray | None:
         """The attention share of :meth:`llm_time`, or ``None`` when attention was not separated."""
         self._check_fitted()
         if len(self.llm_time_) < 2:

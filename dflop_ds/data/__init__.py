@@ -4,11 +4,10 @@
 ``text_tokens`` or ``text`` and no ``conversations``; LLaVA records carry ``conversations``.
 """
 
-from dflop_ds.data.dispatch import detect_format, read_dataset
+from dflop_ds.data.dispatch import detect_format, read_dataset, read_llava
 from dflop_ds.data.errors import DataError
-from dflop_ds.data.llava import read_llava
-from dflop_ds.data.media import MediaOptions
 from dflop_ds.data.manifest import read_manifest, write_manifest
+from dflop_ds.data.media import MediaOptions
 from dflop_ds.data.records import ReadReport, ReadResult
 from dflop_ds.data.sizes import DEFAULT_FALLBACK_SIZE, SizeDraw, load_frame_table, load_size_table
 from dflop_ds.data.validate import Problem, format_problems, validate_dataset

@@ -13,7 +13,7 @@ from dflop_ds.data.llava import parse_llava_record
 from dflop_ds.data.manifest import is_manifest_record, parse_manifest_record
 from dflop_ds.data.media import MediaLookup, MediaOptions, media_lookup
 from dflop_ds.data.records import RawRecord, ReadResult, RecordParser, load_records, read_records
-from dflop_ds.shapes import ShapePolicy
+from dflop_ds.shapes import DEFAULT_POLICY, ShapePolicy
 
 MANIFEST = "manifest"
 LLAVA = "llava"
@@ -49,7 +49,7 @@ def record_parser(fmt: str, policy: ShapePolicy, media: MediaLookup | None = Non
 
 def read_dataset(
     path: PathArg,
-    policy: ShapePolicy = ShapePolicy(),
+    policy: ShapePolicy = DEFAULT_POLICY,
     *,
     on_bad_sample: str = "error",
     fmt: str | None = None,
@@ -83,6 +83,30 @@ def read_dataset(
     records = load_records(path)
     return read_loaded(path, records, policy, fmt=fmt or detect_format(records, path), media=options,
                        on_bad_sample=on_bad_sample, warn=warn)
+
+
+def read_llava(
+    path: PathArg,
+    policy: ShapePolicy = DEFAULT_POLICY,
+    *,
+    on_bad_sample: str = "error",
+    **media: Any,
+) -> ReadResult:
+    """Read a LLaVA-style JSON array or JSONL file into sample shapes (:func:`read_dataset` with the
+    format fixed).
+
+    Args:
+        path: the dataset file.
+        policy: tiling and token policy (its tokenizer counts the text).
+        on_bad_sample: ``"error"`` (raise :class:`DataError`) or ``"skip"`` (drop and report).
+        **media: where image sizes and frame counts come from: the fields of
+            :class:`~dflop_ds.data.media.MediaOptions` (image/video folders, side tables and
+            explicit fallbacks; an image of unknown size is a bad record).
+
+    Returns:
+        A :class:`ReadResult`: the shapes in file order, with ``.report``.
+    """
+    return read_dataset(path, policy, on_bad_sample=on_bad_sample, fmt=LLAVA, **media)
 
 
 def read_loaded(path: PathArg, records: Sequence[RawRecord], policy: ShapePolicy, *, fmt: str,

@@ -29,9 +29,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from dflop_ds.data.checks import MAX_VIDEO_FRAMES, FieldProblems, type_name
-from dflop_ds.data.errors import PathArg
 from dflop_ds.data.media import MediaLookup
-from dflop_ds.data.records import ReadResult
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
 ASSISTANT_ROLES = frozenset({"gpt", "assistant"})
@@ -125,16 +123,16 @@ def _resolve_images(record: Mapping[str, Any], problems: FieldProblems,
     if paths is None:
         return None
     given = _record_sizes(record, len(paths), problems)
-    if len(problems.items) > before:
+    if given is None or len(problems.items) > before:
         return None
     sizes = []
     for i, (path, size) in enumerate(zip(paths, given)):
         found = media.image_size(path, size)
         if isinstance(found, str):
             problems.add("image" if isinstance(record["image"], str) else f"image[{i}]", found)
-            found = None
-        sizes.append(found)
-    return None if None in sizes else sizes
+        else:
+            sizes.append(found)
+    return sizes if len(sizes) == len(paths) else None
 
 
 def _resolve_frames(record: Mapping[str, Any], problems: FieldProblems, media: MediaLookup) -> int | None:
@@ -178,28 +176,3 @@ def parse_llava_record(record: Mapping[str, Any], problems: FieldProblems, polic
         text_tokens, label_tokens = conversation_tokens(turns, policy)
     return policy.shape(sample_id, image_sizes=sizes, video_frames=frames,
                         text_tokens=text_tokens, label_tokens=label_tokens)
-
-
-def read_llava(
-    path: PathArg,
-    policy: ShapePolicy = ShapePolicy(),
-    *,
-    on_bad_sample: str = "error",
-    **media: Any,
-) -> ReadResult:
-    """Read a LLaVA-style JSON array or JSONL file into sample shapes.
-
-    Args:
-        path: the dataset file.
-        policy: tiling and token policy (its tokenizer counts the text).
-        on_bad_sample: ``"error"`` (raise :class:`DataError`) or ``"skip"`` (drop and report).
-        **media: where image sizes and frame counts come from: the fields of
-            :class:`~dflop_ds.data.media.MediaOptions` (image/video folders, side tables and
-            explicit fallbacks; an image of unknown size is a bad record).
-
-    Returns:
-        A :class:`ReadResult`: the shapes in file order, with ``.report``.
-    """
-    from dflop_ds.data.dispatch import LLAVA, read_dataset
-
-    return read_dataset(path, policy, on_bad_sample=on_bad_sample, fmt=LLAVA, **media)

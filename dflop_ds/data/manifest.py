@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 from dflop_ds.data.checks import MAX_TEXT_TOKENS, MAX_VIDEO_FRAMES, FieldProblems, type_name
 from dflop_ds.data.errors import DataError, PathArg
 from dflop_ds.data.records import ReadResult, load_records, read_records
-from dflop_ds.shapes import SampleShape, ShapePolicy
+from dflop_ds.shapes import DEFAULT_POLICY, SampleShape, ShapePolicy
 
 MANIFEST_KEYS = ("id", "images", "video_frames", "text_tokens", "label_tokens", "source")
 
@@ -44,7 +44,7 @@ def parse_manifest_record(record: Mapping[str, Any], problems: FieldProblems,
         problems.add("label_tokens", f"must be <= text_tokens ({text_tokens}), got {labels}")
     if "source" in record:
         problems.str_field(record, "source")
-    if problems or None in (sample_id, sizes, frames, text_tokens, labels):
+    if problems or sample_id is None or sizes is None or frames is None or text_tokens is None or labels is None:
         return None
     return policy.shape(sample_id, image_sizes=sizes, video_frames=frames,
                         text_tokens=text_tokens, label_tokens=labels)
@@ -55,8 +55,9 @@ def _parse_images(record: Mapping[str, Any], problems: FieldProblems) -> list[tu
     if not isinstance(value, list):
         problems.add("images", f"must be a list of [width, height] pairs, got {type_name(value)}")
         return None
-    sizes = [problems.check_size(item, f"images[{i}]") for i, item in enumerate(value)]
-    return None if None in sizes else sizes
+    checked = [problems.check_size(item, f"images[{i}]") for i, item in enumerate(value)]
+    sizes = [size for size in checked if size is not None]
+    return sizes if len(sizes) == len(checked) else None
 
 
 def _parse_text_tokens(record: Mapping[str, Any], problems: FieldProblems, policy: ShapePolicy) -> int | None:
@@ -75,7 +76,7 @@ def _parse_text_tokens(record: Mapping[str, Any], problems: FieldProblems, polic
     return problems.check_int(record["text_tokens"], "text_tokens", maximum=MAX_TEXT_TOKENS)
 
 
-def read_manifest(path: PathArg, policy: ShapePolicy = ShapePolicy(), *,
+def read_manifest(path: PathArg, policy: ShapePolicy = DEFAULT_POLICY, *,
                   on_bad_sample: str = "error") -> ReadResult:
     """Read a shape manifest into one :class:`SampleShape` per line, derived under ``policy``.
 
@@ -128,7 +129,7 @@ def write_manifest(path: PathArg, records: Iterable[SampleShape | Mapping[str, A
     for index, item in enumerate(records):
         record = manifest_record(item, source)
         problems = FieldProblems()
-        parse_manifest_record(record, problems, ShapePolicy())
+        parse_manifest_record(record, problems, DEFAULT_POLICY)
         if not problems and record["id"] in seen:
             problems.add("id", "duplicate id")
         if problems:

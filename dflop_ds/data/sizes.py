@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence
 
 from dflop_ds.data.checks import MAX_VIDEO_FRAMES, FieldProblems, type_name
 from dflop_ds.data.errors import DataError, PathArg
@@ -32,10 +32,11 @@ class SizeDraw:
 
     def __init__(self, sizes: Sequence[Sequence[int]], seed: int = 0) -> None:
         checker = FieldProblems()
-        self.sizes = [checker.check_size(size, f"sizes[{i}]") for i, size in enumerate(sizes)]
+        checked = [checker.check_size(size, f"sizes[{i}]") for i, size in enumerate(sizes)]
         if checker:
             field_name, message = checker.items[0]
             raise ValueError(f"SizeDraw: {field_name}: {message}")
+        self.sizes = [size for size in checked if size is not None]  # all of them: no problem was found
         if not self.sizes:
             raise ValueError("SizeDraw needs at least one size")
         self.seed = int(seed)
@@ -50,7 +51,7 @@ class SizeDraw:
 
 
 #: What the readers accept as an image-size fallback: a fixed size, a draw, or None (no fallback).
-Fallback = Union[tuple[int, int], SizeDraw, None]
+Fallback = tuple[int, int] | SizeDraw | None
 
 
 def fallback_size_for(fallback: Fallback, key: str) -> tuple[int, int] | None:

@@ -18,7 +18,7 @@ from dflop_ds.data.errors import DataError, PathArg, describe_location
 from dflop_ds.data.media import MediaOptions
 from dflop_ds.data.records import ReadResult, load_records
 from dflop_ds.data.sizes import load_frame_table, load_size_table
-from dflop_ds.shapes import ShapePolicy
+from dflop_ds.shapes import DEFAULT_POLICY, ShapePolicy
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def _load_table(loader, table, problems: list[Problem]) -> dict:
 
 def check_dataset(
     path: PathArg,
-    policy: ShapePolicy = ShapePolicy(),
+    policy: ShapePolicy = DEFAULT_POLICY,
     *,
     max_llm_tokens: int | None = None,
     max_encoder_tiles: int | None = None,
@@ -87,7 +87,7 @@ def check_dataset(
 
 def validate_dataset(
     path: PathArg,
-    policy: ShapePolicy = ShapePolicy(),
+    policy: ShapePolicy = DEFAULT_POLICY,
     *,
     max_llm_tokens: int | None = None,
     max_encoder_tiles: int | None = None,

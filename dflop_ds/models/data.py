@@ -23,7 +23,7 @@ uses the microbatch's own label-token count (the stock per-microbatch mean).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 from torch.utils.data import Dataset
@@ -37,6 +37,14 @@ N_CLASSES = 8
 FIRST_TOKEN = 4
 ACTIVE_TOKENS = 96
 NOISE_RATE = 0.1
+
+
+class SupervisedItem(Protocol):
+    """What the loss accounting reads of a sample item (:class:`TinyItem`, the HF families' items)."""
+
+    sample_id: str
+    targets: torch.Tensor
+    loss_denominator: float | None
 
 
 @dataclass
@@ -124,21 +132,22 @@ class TinyMLLMDataset(Dataset):
         return TinyItem(shape.sample_id, pixels, ids, targets, None if denominator is None else float(denominator))
 
 
-def label_tokens_in(items: Sequence[TinyItem]) -> int:
+def label_tokens_in(items: Sequence[SupervisedItem]) -> int:
     """Supervised targets (entries other than -100) of ``items``."""
     return int(sum(int((item.targets != IGNORE_INDEX).sum()) for item in items))
 
 
-def microbatch_denominator(items: Sequence[TinyItem]) -> float:
+def microbatch_denominator(items: Sequence[SupervisedItem]) -> float:
     """The loss denominator of a microbatch: the scheduled one, or its own label-token count.
 
     Raises ``ValueError`` if only some items carry a scheduled denominator, or if they disagree
     (items of different global batches mixed in one microbatch).
     """
-    scheduled = {item.loss_denominator for item in items}
-    if scheduled == {None}:
+    denominators = {item.loss_denominator for item in items}
+    if denominators == {None}:
         return float(max(label_tokens_in(items), 1))
-    if None in scheduled or len(scheduled) > 1:
+    scheduled = {d for d in denominators if d is not None}
+    if None in denominators or len(scheduled) > 1:
         named = ", ".join(f"{item.sample_id}={item.loss_denominator}" for item in items)
         raise ValueError(f"microbatch mixes loss denominators: {named}")
     return float(scheduled.pop())

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -320,7 +320,7 @@ class LMHead(nn.Module):
 
 def tiny_mllm_layers(
     config: TinyMLLMConfig = DEFAULT_CONFIG, *, seed: int = 0, as_specs: bool = True
-) -> tuple[list, object, list]:
+) -> tuple[list, Any, list]:
     """The tiny MLLM as ``(encoder_layers, projector, llm_layers)``.
 
     ``encoder_layers`` is ``[PatchEmbed, VisionBlock x vision_layers]``; ``llm_layers`` is

@@ -25,6 +25,7 @@ the bundled projector, for one, consumes the visual features and sends only ``hi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -83,7 +84,9 @@ def unused_float_inputs(inputs: Any, outputs: Any) -> list[int]:
             key = t if t.grad_fn is None else t.grad_fn
             anchors.append(key)
             wanted[id(key)] = i
-    stack = [t.grad_fn for t in outs if torch.is_tensor(t) and t.grad_fn is not None]
+    stack: list[torch.autograd.graph.Node | None] = [
+        t.grad_fn for t in outs if torch.is_tensor(t) and t.grad_fn is not None
+    ]
     seen: dict[int, Any] = {}
     while stack and wanted:
         node = stack.pop()
@@ -130,6 +133,18 @@ def layer_name(layer: Any) -> str:
     return getattr(layer, "__name__", repr(layer))
 
 
+@dataclass(frozen=True)
+class SplitRequest:
+    """How the caller asked :class:`MLLMPipelineModule` to split its layers (resolved once the
+    stage count is known): ``n_encoder`` layers of encoder + projector, and the optional
+    ``encoder_stages``, explicit ``stage_bounds`` or per-layer ``layer_costs``."""
+
+    n_encoder: int
+    encoder_stages: int | None
+    stage_bounds: list[int] | None
+    layer_costs: list[float] | None
+
+
 class MLLMPipelineModule(PipelineModule):
     """A pipeline of ``encoder_layers + [projector] + llm_layers`` with an explicit stage split.
 
@@ -174,7 +189,7 @@ class MLLMPipelineModule(PipelineModule):
         if "dynamic_shape" in kwargs or "partition_method" in kwargs:
             raise TypeError("MLLMPipelineModule sets dynamic_shape and the partitioning itself")
         # read by _partition_layers, which PipelineModule.__init__ calls
-        self._dflop_split = dict(
+        self._dflop_split = SplitRequest(
             n_encoder=len(encoder_layers) + 1,
             encoder_stages=encoder_stages,
             stage_bounds=None if stage_bounds is None else list(stage_bounds),
@@ -244,11 +259,11 @@ class MLLMPipelineModule(PipelineModule):
         split = self._dflop_split
         return plan_stage_bounds(
             len(self._layer_specs),
-            split["n_encoder"],
+            split.n_encoder,
             self.num_stages,
-            encoder_stages=split["encoder_stages"],
-            stage_bounds=split["stage_bounds"],
-            layer_costs=split["layer_costs"],
+            encoder_stages=split.encoder_stages,
+            stage_bounds=split.stage_bounds,
+            layer_costs=split.layer_costs,
         )
 
     def _partition_layers(self, method: str = "uniform") -> None:

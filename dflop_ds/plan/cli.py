@@ -6,18 +6,17 @@ import argparse
 from typing import Any
 
 from dflop_ds.cost import check_policy, load_cost_model, reference_names
-from dflop_ds.data.cli import add_read_arguments
+from dflop_ds.data import read_dataset
+from dflop_ds.data.cli import add_read_arguments, policy_from_args, read_options
 from dflop_ds.paths import check_writable
 from dflop_ds.plan.cluster import Cluster
+from dflop_ds.plan.gantt import plot_gantt
 from dflop_ds.plan.plan_file import Plan
 from dflop_ds.plan.planner import cluster_of, make_plans, simulate_layout
 
 
 def _read_shapes(args: argparse.Namespace, model: Any) -> list:
     """The shapes of ``args.data`` under the flags' policy, after checking ``model`` was made for it."""
-    from dflop_ds.data import read_dataset
-    from dflop_ds.data.cli import policy_from_args, read_options
-
     policy = policy_from_args(args)
     if not getattr(model, "is_analytic", False):
         check_policy(model, policy, source=args.cost_model)
@@ -56,7 +55,8 @@ def run_plan(args: argparse.Namespace) -> int:
     plans = make_plans(model, cluster, shapes, args.global_batch, n_batches=args.batches, top_k=args.top_k, seed=args.seed)
     r = plans.result
     if getattr(model, "is_analytic", False):
-        print(f"cost model {plans.best.cost_model['name']}: ANALYTIC (FLOP counts and an assumed throughput), not measured")
+        print(f"cost model {plans.best.cost_model['name']}: "
+              "ANALYTIC (FLOP counts and an assumed throughput), not measured")
     print(f"searched {r.n_layouts} layouts, simulated {len(r.candidates)} in {r.seconds:.2f} s "
           f"({args.gpus} GPUs, global batch {args.global_batch}, {args.batches} sampled batches)")
     print(_summary("best", plans.best))
@@ -72,8 +72,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_simulate(args: argparse.Namespace) -> int:
     """``dflop-ds simulate``: Gantt chart of a plan and of its monolithic baseline on sampled batches."""
-    from dflop_ds.plan.gantt import plot_gantt
-
     check_writable(args.png, "simulate --png")
     plan = Plan.load(args.plan)
     model = load_cost_model(args.cost_model)

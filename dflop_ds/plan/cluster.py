@@ -50,7 +50,8 @@ class Cluster:
             raise ValueError(f"Cluster needs gpus >= 1 and gpus_per_node >= 1, got {self.gpus}, {self.gpus_per_node}")
         if self.gpu_memory_bytes <= self.memory_reserve_bytes:
             raise ValueError(
-                f"Cluster.gpu_memory_bytes={self.gpu_memory_bytes:.3g} must exceed memory_reserve_bytes={self.memory_reserve_bytes:.3g}"
+                f"Cluster.gpu_memory_bytes={self.gpu_memory_bytes:.3g} "
+                f"must exceed memory_reserve_bytes={self.memory_reserve_bytes:.3g}"
             )
         if self.zero_stage not in (0, 1):
             raise ValueError(f"Cluster.zero_stage must be 0 or 1, got {self.zero_stage}")

@@ -23,6 +23,8 @@ from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.layout import Layout, flat_bounds
 from dflop_ds.plan.simulator import SimResult, simulate_1f1b
 from dflop_ds.plan.stages import stage_shares
+from dflop_ds.schedule.partition import partition_batch
+from dflop_ds.schedule.ranks import assign_to_ranks
 from dflop_ds.shapes import SampleShape
 
 Buckets = list[list[int]]
@@ -54,7 +56,8 @@ def forward_fraction(model: Any) -> float:
 
 
 def _local_assign(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
-    """Fallback rank assignment: heaviest buckets first, each to the least-loaded rank with room."""
+    """Greedy rank assignment (the search's inner loop): heaviest buckets first, each to the least-loaded
+    rank with room."""
     heap = [(0.0, r) for r in range(dp)]
     ranks: list[list[int]] = [[] for _ in range(dp)]
     for b in np.argsort(-bucket_costs.max(axis=1), kind="stable").tolist():
@@ -66,11 +69,7 @@ def _local_assign(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int
 
 
 def assign_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
-    """``dflop_ds.schedule.assign_to_ranks`` when it exists, else a local greedy stand-in."""
-    try:
-        from dflop_ds.schedule.ranks import assign_to_ranks
-    except ImportError:
-        return _local_assign(bucket_costs, dp, n_mb)
+    """:func:`dflop_ds.schedule.ranks.assign_to_ranks` as plain lists of bucket indices."""
     return [list(map(int, r)) for r in assign_to_ranks(bucket_costs, dp, n_mb)]
 
 
@@ -80,7 +79,7 @@ def balanced_split(
     n_mb: int,
     *,
     lengths: np.ndarray,
-    microbatch_cost: Callable[[list[int]], np.ndarray] | None = None,
+    microbatch_cost: Callable[[Sequence[int]], np.ndarray] | None = None,
     fast: bool = True,
     seed: int = 0,
 ) -> list[Buckets]:
@@ -96,8 +95,6 @@ def balanced_split(
     if fast:
         buckets = padded_lpt(costs, lengths, n_buckets)
     else:
-        from dflop_ds.schedule.partition import partition_batch
-
         buckets = partition_batch(costs, n_buckets, time_limit_s=0.0, seed=seed, microbatch_cost=microbatch_cost).buckets
     if microbatch_cost is not None:
         bucket_costs = np.array([microbatch_cost(list(b)) for b in buckets], dtype=float)
@@ -153,7 +150,7 @@ def split_batch(layout: Layout, shapes: Sequence[SampleShape], costs: np.ndarray
     enc_share = 1.0 if layout.shared else layout.llm.dp / layout.encoder.dp
     scale = np.array([e_frac / cluster.tp_speedup(layout.encoder.tp) * enc_share, l_frac / cluster.tp_speedup(layout.llm.tp)])
 
-    def microbatch_cost(items: list[int]) -> np.ndarray:
+    def microbatch_cost(items: Sequence[int]) -> np.ndarray:
         return np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float) * scale
 
     lengths = np.array([s.llm_tokens for s in shapes])

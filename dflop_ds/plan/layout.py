@@ -12,7 +12,7 @@ cannot run (its topology gives every stage the same dp).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from dflop_ds.pipe.stage_bounds import StageBounds, check_stage_count
 
@@ -81,9 +81,18 @@ class Layout:
 
     def describe(self) -> str:
         """A one-line summary such as ``E(tp1,pp1,dp8) L(tp1,pp2,dp8) mb4``."""
-        e, l = self.encoder, self.llm
+        e, lm = self.encoder, self.llm
         kind = "shared" if self.shared else "separate"
-        return f"E(tp{e.tp},pp{e.pp},dp{e.dp}) L(tp{l.tp},pp{l.pp},dp{l.dp}) mb{self.n_mb} {kind}"
+        return f"E(tp{e.tp},pp{e.pp},dp{e.dp}) L(tp{lm.tp},pp{lm.pp},dp{lm.dp}) mb{self.n_mb} {kind}"
+
+
+def stage_layers(values: Sequence[Any]) -> StageLayers:
+    """One stage's ``(encoder, projector, LLM)`` layer counts read from a list (a plan file's);
+    ``ValueError`` unless it holds three integers."""
+    if len(values) != 3:
+        raise ValueError(f"a stage holds (encoder, projector, llm) layer counts, got {list(values)}")
+    encoder, projector, llm = (int(x) for x in values)
+    return encoder, projector, llm
 
 
 def flat_bounds(stages: Sequence[StageLayers]) -> StageBounds:
@@ -99,8 +108,8 @@ def stages_from_bounds(bounds: Sequence[int], encoder_layers: int, projector_lay
     for lo, hi in split.ranges():
         e = max(0, min(hi, cuts[0]) - lo)
         p = max(0, min(hi, cuts[1]) - max(lo, cuts[0]))
-        l = max(0, hi - max(lo, cuts[1]))
-        out.append((e, p, l))
+        lm = max(0, hi - max(lo, cuts[1]))
+        out.append((e, p, lm))
     return tuple(out)
 
 

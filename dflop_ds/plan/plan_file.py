@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflop_ds.plan.layout import Layout, Segment, StageLayers, flat_bounds, stages_from_bounds
+from dflop_ds.plan.layout import Layout, Segment, StageLayers, flat_bounds, stage_layers, stages_from_bounds
 from dflop_ds.jsonio import read_json_object, write_json
 from dflop_ds.pipe.stage_bounds import StageBounds
 from dflop_ds.schedule.splitters import splitter_names
@@ -57,7 +57,7 @@ def layout_to_dict(layout: Layout) -> dict[str, Any]:
 def layout_from_dict(data: dict[str, Any]) -> Layout:
     """Inverse of :func:`layout_to_dict`."""
     return Layout(Segment(**data["encoder"]), Segment(**data["llm"]), int(data["n_mb"]),
-                  tuple(tuple(int(x) for x in s) for s in data["stages"]), splitter=splitter_from_dict(data))
+                  tuple(stage_layers(s) for s in data["stages"]), splitter=splitter_from_dict(data))
 
 
 @dataclass
@@ -150,8 +150,8 @@ class Plan:
         if E + P + L < self.pipeline_stages:
             raise PlanFileError(f"a model of {E + P + L} layers cannot fill the plan's {self.pipeline_stages} stages")
         bounds, done = [0], [0, 0, 0]
-        for e, p, l in self.stages[:-1]:
-            done = [done[0] + e, done[1] + p, done[2] + l]
+        for e, p, lm in self.stages[:-1]:
+            done = [done[0] + e, done[1] + p, done[2] + lm]
             cut = round(done[0] / E0 * E) + round(done[1] / max(P0, 1) * P) + round(done[2] / L0 * L)
             bounds.append(cut)
         bounds.append(E + P + L)
@@ -182,7 +182,8 @@ class Plan:
         same samples; without tp it equals the global batch for plans of the search, whose
         ``dp * n_mb`` divides it), ``tensor_parallel.autotp_size = tp`` when
         ``tp > 1`` (the LLM sharded by DeepSpeed AutoTP: HF models only, pp = 1, checked by
-        :func:`dflop_ds.checks.check_training_setup`), and the ``"dflop"`` block's ``pipeline_stages``, ``stage_bounds`` and ``sampler``.
+        :func:`dflop_ds.checks.check_training_setup`), and the ``"dflop"`` block's
+        ``pipeline_stages``, ``stage_bounds`` and ``sampler``.
 
         Raises:
             PlanFileError: the plan needs separate GPU sets (not runnable on stock DeepSpeed).
@@ -233,7 +234,7 @@ class Plan:
                 encoder=Segment(**data["encoder"]),
                 llm=Segment(**data["llm"]),
                 n_mb=_integer(data, "n_mb"),
-                stages=tuple(tuple(int(x) for x in s) for s in data["stages"]),
+                stages=tuple(stage_layers(s) for s in data["stages"]),
                 layer_counts={k: int(v) for k, v in data["layer_counts"].items()},
                 global_batch_size=_integer(data, "global_batch_size"),
                 gpus=_integer(data, "gpus"),
@@ -268,7 +269,8 @@ class Plan:
         stages_from_bounds(flat_bounds(self.stages), *want)
         if self.n_mb < 1 or self.global_batch_size < self.dp * self.n_mb:
             raise PlanFileError(
-                f"{source}: global_batch_size={self.global_batch_size} cannot fill n_mb={self.n_mb} microbatches on dp={self.dp} ranks"
+                f"{source}: global_batch_size={self.global_batch_size} "
+                f"cannot fill n_mb={self.n_mb} microbatches on dp={self.dp} ranks"
             )
         if self.global_batch_size % (self.dp * self.n_mb):
             raise PlanFileError(

@@ -75,18 +75,21 @@ def make_plans(model: Any, cluster: Cluster, shapes: Sequence[SampleShape], glob
     Every plan records the monolithic baseline's layout, so ``simulate`` can redraw both.
     """
     result = search(model, cluster, shapes, global_batch, **search_kwargs)
-    chosen = (result.best, result.best_deepspeed, result.monolithic)
-    plans = [None if s is None else _plan(model, cluster, global_batch, s, result) for s in chosen]
+    best = _plan(model, cluster, global_batch, result.best, result)
+    best_deepspeed = _plan(model, cluster, global_batch, result.best_deepspeed, result)
+    monolithic = None
     if result.monolithic is not None:
+        monolithic = _plan(model, cluster, global_batch, result.monolithic, result)
         baseline = layout_to_dict(result.monolithic.layout)
-        for p in plans:
-            p.baseline = baseline
-    return PlanSet(best=plans[0], best_deepspeed=plans[1], monolithic=plans[2], result=result)
+        for plan in (best, best_deepspeed, monolithic):
+            plan.baseline = baseline
+    return PlanSet(best=best, best_deepspeed=best_deepspeed, monolithic=monolithic, result=result)
 
 
 def cluster_of(plan: Plan, **overrides: Any) -> Cluster:
     """The cluster a plan was made for (link and memory assumptions at their defaults unless overridden)."""
-    fields = {"gpus": plan.gpus, "gpus_per_node": plan.gpus_per_node, "gpu_memory_bytes": plan.gpu_memory_bytes}
+    fields: dict[str, Any] = {"gpus": plan.gpus, "gpus_per_node": plan.gpus_per_node,
+                              "gpu_memory_bytes": plan.gpu_memory_bytes}
     fields.update(overrides)
     return Cluster(**fields)
 

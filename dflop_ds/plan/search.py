@@ -183,7 +183,7 @@ def _nmb_grid(nmb: Sequence[int], batch: int) -> np.ndarray:
 
 def _shared_grid(cluster: Cluster, n_flat: int, batch: int, nmb: Sequence[int]) -> np.ndarray:
     """(tp, pp, dp, n_mb) of one DeepSpeed pipeline using every GPU."""
-    rows = []
+    rows: list[tuple[int, int, int, int]] = []
     for tp in cluster.tp_degrees():
         if cluster.gpus % tp:
             continue
@@ -268,34 +268,34 @@ def _separate_candidates(model: Any, cluster: Cluster, data: _Data, nmb: Sequenc
     counts = hi - lo
     ei = np.repeat(np.arange(len(enc)), counts)
     li = np.repeat(lo, counts) + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts))
-    e, l = enc[ei].astype(float), llm[li].astype(float)
-    not_shared = (e[:, 0] != l[:, 0]) | (e[:, 2] != l[:, 2])
-    e, l = e[not_shared], l[not_shared]
+    e, lm = enc[ei].astype(float), llm[li].astype(float)
+    not_shared = (e[:, 0] != lm[:, 0]) | (e[:, 2] != lm[:, 2])
+    e, lm = e[not_shared], lm[not_shared]
     ms = _nmb_grid(nmb, data.batch).astype(float)
     n_layouts = len(e) * len(ms)
     if n_layouts == 0:
         return none
     fe = np.ceil(E / e[:, 1]) / E  # heaviest encoder stage's share
-    fl = np.ceil(L / l[:, 1]) / L
-    se, sl = _speed(e[:, 0], cluster), _speed(l[:, 0], cluster)
+    fl = np.ceil(L / lm[:, 1]) / L
+    se, sl = _speed(e[:, 0], cluster), _speed(lm[:, 0], cluster)
     M = ms[None, :]
     d_e = data.work[0] * fe[:, None] / (e[:, 2:3] * M * se[:, None])
-    d_l = data.work[1] * fl[:, None] / (l[:, 2:3] * M * sl[:, None])
-    h_e = np.where(e[:, 2] == l[:, 2], data.heavy[0] * fe / se, 0.0)[:, None]
+    d_l = data.work[1] * fl[:, None] / (lm[:, 2:3] * M * sl[:, None])
+    h_e = np.where(e[:, 2] == lm[:, 2], data.heavy[0] * fe / se, 0.0)[:, None]
     h_l = (data.heavy[1] * fl / sl)[:, None]
     d_mean = np.maximum(d_e, d_l)
     d_max = np.maximum(d_mean, np.maximum(h_e, h_l))
-    P = (e[:, 1] + l[:, 1])[:, None]
+    P = (e[:, 1] + lm[:, 1])[:, None]
     ar = np.maximum(_allreduce(pb["encoder"] * fe / e[:, 0], e[:, 2], e[:, 0], cluster),
-                    _allreduce((pb["llm"] * fl + pb["projector"]) / l[:, 0], l[:, 2], l[:, 0], cluster))
+                    _allreduce((pb["llm"] * fl + pb["projector"]) / lm[:, 0], lm[:, 2], lm[:, 0], cluster))
     est = np.maximum(M * d_mean, np.maximum(h_e, h_l)) + (P - 1) * d_max + ar[:, None]
     per_e = np.maximum(data.batch / (e[:, 2:3] * M), 1.0)
-    per_l = np.maximum(data.batch / (l[:, 2:3] * M), 1.0)
+    per_l = np.maximum(data.batch / (lm[:, 2:3] * M), 1.0)
     act_e = np.maximum(per_e * data.act_mean[0], data.act_heavy[0]) * fe[:, None] / e[:, 0:1]
-    act_l = np.maximum(per_l * data.act_mean[1], data.act_heavy[1]) * fl[:, None] / l[:, 0:1]
+    act_l = np.maximum(per_l * data.act_mean[1], data.act_heavy[1]) * fl[:, None] / lm[:, 0:1]
     mem_e = (pb["encoder"] * fe / e[:, 0] * _state(e[:, 2], cluster))[:, None] + np.minimum(P, M) * act_e + data.work_bytes[0] / e[:, 0:1]
-    mem_l = ((pb["llm"] * fl + pb["projector"]) / l[:, 0] * _state(l[:, 2], cluster))[:, None] + np.minimum(l[:, 1:2], M) * act_l + data.work_bytes[1] / l[:, 0:1]
-    ok = (np.maximum(mem_e, mem_l) <= cluster.usable_memory) & (l[:, 2:3] * M <= data.batch)
+    mem_l = ((pb["llm"] * fl + pb["projector"]) / lm[:, 0] * _state(lm[:, 2], cluster))[:, None] + np.minimum(lm[:, 1:2], M) * act_l + data.work_bytes[1] / lm[:, 0:1]
+    ok = (np.maximum(mem_e, mem_l) <= cluster.usable_memory) & (lm[:, 2:3] * M <= data.batch)
     est = np.where(ok, est, np.inf)
     flat = est.ravel()
     k = min(keep, int(np.isfinite(flat).sum()))
@@ -304,7 +304,7 @@ def _separate_candidates(model: Any, cluster: Cluster, data: _Data, nmb: Sequenc
     pick = np.argpartition(flat, k - 1)[:k]
     pick = pick[np.argsort(flat[pick])]
     rows, cols = np.unravel_index(pick, est.shape)
-    out = np.column_stack([e[rows], l[rows], ms[cols]]).astype(np.int64)
+    out = np.column_stack([e[rows], lm[rows], ms[cols]]).astype(np.int64)
     return out, n_layouts, flat[pick]
 
 
@@ -338,10 +338,10 @@ def _shared_layout(model: Any, cluster: Cluster, data: _Data, tp: int, pp: int, 
 
 def _layout_key(layout: Layout, family: str) -> tuple[int, ...]:
     """The search key of a layout: ``(tp, pp, dp, n_mb)`` for one pipeline, the 7 degrees otherwise."""
-    e, l = layout.encoder, layout.llm
+    e, lm = layout.encoder, layout.llm
     if family == "separate":
-        return (e.tp, e.pp, e.dp, l.tp, l.pp, l.dp, layout.n_mb)
-    return (l.tp, layout.n_stages, l.dp, layout.n_mb)
+        return (e.tp, e.pp, e.dp, lm.tp, lm.pp, lm.dp, layout.n_mb)
+    return (lm.tp, layout.n_stages, lm.dp, layout.n_mb)
 
 
 def _score(model, cluster, layout, family, pool, costs, batches, estimate, fast, seed, done=()) -> Scored:
@@ -475,7 +475,7 @@ def search(
         # ties (common: with pp = 1 the estimate ignores n_mb) go to more, smaller microbatches
         ok = ok[np.lexsort((-grid[ok, 3], est[ok]))][: max_tries * top_k]
         run(family, [(est[i], tuple(int(x) for x in grid[i])) for i in ok],
-            lambda key, u=uniform: _shared_layout(model, cluster, data, *key, uniform=u),
+            lambda key, u=uniform: _shared_layout(model, cluster, data, key[0], key[1], key[2], key[3], uniform=u),
             lambda key: global_batch % (key[2] * key[3]) == 0)
 
     if "separate" in families:
@@ -494,15 +494,16 @@ def search(
         return min(pool_, key=lambda s: s.step_time) if pool_ else None
 
     winners = {f: best_of([f]) for f in FAMILIES}
-    for f in ("deepspeed",):
-        if winners[f] is None:
-            raise PlanError(
-                f"no {f} layout fits {cluster.gpus} GPUs of {cluster.gpu_memory_bytes / 1e9:.0f} GB "
-                f"for a global batch of {global_batch} (memory or batch size too small)"
-            )
+    best_ds = winners["deepspeed"]
+    if best_ds is None:
+        raise PlanError(
+            f"no deepspeed layout fits {cluster.gpus} GPUs of {cluster.gpu_memory_bytes / 1e9:.0f} GB "
+            f"for a global batch of {global_batch} (memory or batch size too small)"
+        )
     if final_partition:
         for f in ("deepspeed", "separate"):
-            if f == "separate" and (winners[f] is None or winners[f].step_time >= winners["deepspeed"].step_time):
+            fast_winner = winners[f]
+            if f == "separate" and (fast_winner is None or fast_winner.step_time >= best_ds.step_time):
                 continue  # it would not be the best overall: keep its fast score
             done = [s for s in scored[f] if s.feasible and len(s.evaluations) == len(batches)]
             finalists = sorted(done, key=lambda s: s.step_time)[:final_k]
@@ -510,8 +511,10 @@ def search(
             finals = [s for s in finals if s.feasible]
             if finals:  # report what the sampler's partition_batch gives
                 scored[f].extend(finals)
-                winners[f] = min(finals, key=lambda s: s.step_time)
-    best_ds = winners["deepspeed"]
+                winner = min(finals, key=lambda s: s.step_time)
+                winners[f] = winner
+                if f == "deepspeed":
+                    best_ds = winner
     best = min((w for w in (winners["separate"], best_ds) if w is not None), key=lambda s: s.step_time)
     return SearchResult(
         best=best,

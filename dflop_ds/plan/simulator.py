@@ -105,7 +105,13 @@ def _slot_tables(n_stages: int, n_mb: int) -> list[tuple[np.ndarray, ...]]:
     gradient goes back and the one whose activation comes in (``-1``: none)."""
     tables = []
     for t in range(n_slots(n_stages, n_mb)):
-        fs, fm, bs, bm, xs, xg, xa = [], [], [], [], [], [], []
+        fs: list[int] = []
+        fm: list[int] = []
+        bs: list[int] = []
+        bm: list[int] = []
+        xs: list[int] = []
+        xg: list[int] = []
+        xa: list[int] = []
         for s in range(n_stages):
             op = slot_op(t, s, n_stages, n_mb)
             if s > 0 and s % 2 == t % 2:  # a forward slot of s: DeepSpeed's exchange with s - 1

@@ -35,7 +35,7 @@ def segment_layer_shares(model: Any) -> tuple[np.ndarray, np.ndarray]:
     return np.r_[np.full(n_enc, 1.0 / n_enc), 0.0], np.full(n_llm, 1.0 / n_llm)
 
 
-def layer_costs(mean_costs: Sequence[float], model: Any) -> list[float]:
+def layer_costs(mean_costs: Sequence[float] | np.ndarray, model: Any) -> list[float]:
     """Per-layer costs of the flat list from ``mean_costs = [encoder, llm]`` of the whole segments."""
     encoder, llm = segment_layer_shares(model)
     return [float(x) for x in np.r_[float(mean_costs[0]) * encoder, float(mean_costs[1]) * llm]]

@@ -8,8 +8,15 @@ import time
 from typing import Any, Callable
 
 from dflop_ds.cost import FittedCostModel, check_policy, load_cost_model, save_cost_model
-from dflop_ds.data.cli import add_read_arguments
-from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES
+from dflop_ds.data import read_dataset
+from dflop_ds.data.cli import add_read_arguments, policy_from_args, read_options
+from dflop_ds.models.hf.profile import hf_target
+from dflop_ds.models.tiny import TinyMLLMConfig
+from dflop_ds.models.tiny_profile import tiny_target
+from dflop_ds.plan.engine_profile import engine_profile_from_run
+from dflop_ds.profile.data import DataProfile, profile_data
+from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES, profile_model
+from dflop_ds.profile.report import cost_model_table, data_profile_table, plot_report
 from dflop_ds.profile.timing import CLOCKS, STATISTICS
 
 
@@ -25,7 +32,7 @@ def int_list(text: str) -> list[int]:
 
 
 def load_target(spec: str) -> Any:
-    """Call ``module:function`` and return its :class:`~dflop_ds.profile.tiny.ProfileTarget`."""
+    """Call ``module:function`` and return its :class:`~dflop_ds.profile.target.ProfileTarget`."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"--target must look like 'package.module:function', got {spec!r}")
@@ -35,20 +42,13 @@ def load_target(spec: str) -> Any:
 
 def run_model(args: argparse.Namespace) -> int:
     """``profile model``: profile, fit and save a FittedCostModel (measurements included)."""
-    from dflop_ds.profile.model import profile_model
-    from dflop_ds.profile.tiny import tiny_target
-
     if args.target and args.model_name_or_path:
         raise SystemExit("profile model: give --target or --model_name_or_path, not both")
     if args.target:
         target = load_target(args.target)
     elif args.model_name_or_path:
-        from dflop_ds.models.hf.profile import hf_target
-
         target = hf_target(args.model_name_or_path)
     else:
-        from dflop_ds.models import TinyMLLMConfig
-
         config = TinyMLLMConfig(vision_layers=args.vision_layers, llm_layers=args.llm_layers)
         target = tiny_target(config, seed=args.seed)
     started = time.perf_counter()
@@ -77,15 +77,10 @@ def run_model(args: argparse.Namespace) -> int:
 
 def run_data(args: argparse.Namespace) -> int:
     """``profile data``: sample a dataset's shapes and save a DataProfile."""
-    from dflop_ds.data.cli import policy_from_args, read_options
-    from dflop_ds.profile.data import profile_data
-
     started = time.perf_counter()
     profile = profile_data(args.data, policy_from_args(args), samples=args.samples, seed=args.seed,
                            bins=args.bins, on_bad_sample=args.on_bad_sample, **read_options(args))
     profile.save(args.output)
-    from dflop_ds.profile.report import data_profile_table
-
     print(data_profile_table(profile))
     print(f"profiled in {time.perf_counter() - started:.1f} s; wrote {args.output}")
     return 0
@@ -93,10 +88,6 @@ def run_data(args: argparse.Namespace) -> int:
 
 def run_engine(args: argparse.Namespace) -> int:
     """``profile engine``: fit an EngineProfile from a profiling run's telemetry and save it."""
-    from dflop_ds.data import read_dataset
-    from dflop_ds.data.cli import policy_from_args, read_options
-    from dflop_ds.profile.engine import engine_profile_from_run
-
     policy = policy_from_args(args)
     cost_model = load_cost_model(args.cost_model)
     check_policy(cost_model, policy, source=args.cost_model)
@@ -118,9 +109,6 @@ def run_engine(args: argparse.Namespace) -> int:
 
 def run_report(args: argparse.Namespace) -> int:
     """``profile report``: print the fit tables and write a PNG of the curves."""
-    from dflop_ds.profile.data import DataProfile
-    from dflop_ds.profile.report import cost_model_table, data_profile_table, plot_report
-
     model = load_cost_model(args.cost_model)
     if not isinstance(model, FittedCostModel):
         raise ValueError(f"{args.cost_model}: a {model.kind} cost model has no fits to report; pass a profiled one")

@@ -15,8 +15,9 @@ from typing import Any, Sequence, Union
 
 import numpy as np
 
-from dflop_ds.shapes import SampleShape, ShapePolicy
+from dflop_ds.data import read_dataset
 from dflop_ds.jsonio import read_json_object, write_json
+from dflop_ds.shapes import TINY_POLICY, SampleShape, ShapePolicy
 
 PathArg = Union[str, "PathLike[str]"]
 FORMAT = "dflop-ds-dataprofile"
@@ -198,9 +199,6 @@ def profile_data(
 
     ``read_options`` go to the reader (e.g. ``image_sizes=``, ``on_bad_sample="skip"``).
     """
-    from dflop_ds.data import read_dataset
-    from dflop_ds.shapes import TINY_POLICY
-
     policy = policy or TINY_POLICY
     shapes = read_dataset(path, policy, **read_options)
     if not shapes:

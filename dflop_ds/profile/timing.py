@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import contextmanager, nullcontext
-from typing import Callable, ContextManager, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -182,7 +182,7 @@ def time_once(
     layer: torch.nn.Module,
     inputs: Inputs,
     now: Callable[[], float],
-    context: Callable[[], ContextManager[object]] = nullcontext,
+    context: Callable[[], AbstractContextManager[object]] = nullcontext,
     loss: OutputLoss | None = None,
 ) -> float:
     """Seconds (by the timer ``now``) of one synchronized forward+backward inside ``context``."""
@@ -202,7 +202,7 @@ def time_forward_backward(
     warmup: int = 2,
     repeats: int = 5,
     statistic: str = "median",
-    contexts: Sequence[Callable[[], ContextManager[object]]] = (nullcontext,),
+    contexts: Sequence[Callable[[], AbstractContextManager[object]]] = (nullcontext,),
     clock: str = "auto",
 ) -> list[float]:
     """Robust seconds of one forward+backward of ``layer`` on ``inputs``, per context.

@@ -69,7 +69,7 @@ class EncoderDispatch:
         """Tiles of ``rank``'s samples that each rank encodes (the all-to-all's output splits)."""
         return [self.send_counts(source)[rank] for source in range(self.ranks)]
 
-    def recv_index(self, rank: int, tiles: Sequence[int]) -> list[int]:
+    def recv_index(self, rank: int, tiles: Sequence[int] | np.ndarray) -> list[int]:
         """For each tile of ``rank``'s microbatch in its own order (samples in microbatch order,
         tiles in sample order), its position in the buffer the all-to-all delivers
         (the sources' pieces concatenated, source rank ascending). ``tiles[i]`` is sample
@@ -150,7 +150,7 @@ def plan_dispatch(microbatches: Sequence[Sequence[int]], tiles: Sequence[int] | 
     if ranks < 1:
         raise ValueError("plan_dispatch needs the microbatches of at least one rank")
     position: dict[int, int] = {}
-    for rank, samples in enumerate(microbatches):
+    for samples in microbatches:
         for j, sample in enumerate(samples):
             if sample in position:
                 raise ValueError(f"sample {sample} appears twice in the micro-step's microbatches")

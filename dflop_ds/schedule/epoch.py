@@ -83,7 +83,7 @@ def epoch_order(n_samples: int, seed: int, epoch: int, global_batch_size: int) -
         if carried and previous is not None:
             order = _avoiding(order, previous[n_samples - carried:], global_batch_size - carried)
         previous = order
-    return previous
+    return order
 
 
 def epoch_batches(n_samples: int, seed: int, epoch: int, global_batch_size: int,

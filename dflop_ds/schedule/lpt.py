@@ -136,7 +136,10 @@ def two_way_split(rows: list[tuple[float, ...]]) -> list[int]:
     the side (0 or 1) of each row."""
     k = len(rows[0]) if rows else 1
     zero = (0.0,) * k
-    heap = [(-max(row), i, row, zero, [i], []) for i, row in enumerate(rows)]
+    # (-difference, tie-breaker, slower side's loads, faster side's loads, slower items, faster items)
+    heap: list[tuple[float, int, tuple[float, ...], tuple[float, ...], list[int], list[int]]] = [
+        (-max(row), i, row, zero, [i], []) for i, row in enumerate(rows)
+    ]
     heapq.heapify(heap)
     tie = len(heap)
     while len(heap) > 1:
@@ -209,11 +212,14 @@ def _swap_values(costs, loads, labels, b, inside, outside, used, memory) -> np.n
     """``(p, q)``: the larger new time of bucket ``b`` and of the other item's bucket when item
     ``inside[a]`` swaps with ``outside[z]`` (``inf`` where the memory cap forbids it)."""
     other_labels = labels[outside]
-    value = None
-    for c in range(costs.shape[1]):
+
+    def column(c: int) -> np.ndarray:
         delta = costs[outside, c][None, :] - costs[inside, c][:, None]
-        column = np.maximum(loads[b, c] + delta, loads[other_labels, c][None, :] - delta)
-        value = column if value is None else np.maximum(value, column, out=value)
+        return np.maximum(loads[b, c] + delta, loads[other_labels, c][None, :] - delta)
+
+    value = column(0)
+    for c in range(1, costs.shape[1]):
+        np.maximum(value, column(c), out=value)
     if used is not None:
         shift = memory.memory[outside][None, :] - memory.memory[inside][:, None]
         over = (used[b] + shift > memory.cap) | (used[other_labels][None, :] - shift > memory.cap)
@@ -321,7 +327,7 @@ def pair_sweep(
     labels = labels.copy()
     times = bucket_loads(costs, labels, n_buckets).max(axis=1)
     order = np.argsort(times, kind="stable")
-    members = [[] for _ in range(n_buckets)]
+    members: list[list[int]] = [[] for _ in range(n_buckets)]
     for item, bucket in enumerate(labels.tolist()):
         members[bucket].append(item)
     for i in range(n_buckets // 2):
@@ -464,7 +470,7 @@ def improve_with_cost(
         labels[item] = target
         if other >= 0:
             labels[other] = b
-        if used is not None:
+        if used is not None and memory is not None:
             used[b] = memory.memory[sorted(new_b)].sum()
             used[target] = memory.memory[sorted(new_t)].sum()
     return labels

@@ -366,9 +366,10 @@ def partition_batch(
     if cap is not None and microbatch_memory is not None:
         best, solver = _within_true_memory(best, solver, matrix, n_buckets, cap, microbatch_memory, lengths)
     if best is None:
+        hint = "" if ilp_helps else "; the exact solver was not run: raise time_limit_s or node_limit"
         raise InfeasibleError(
             f"found no split of {n} items into {n_buckets} buckets under memory_cap {memory_cap:g}"
-            f" (greedy placement failed{'' if ilp_helps else '; the exact solver was not run: raise time_limit_s or node_limit'})"
+            f" (greedy placement failed{hint})"
         )
     buckets = labels_to_buckets(best, n_buckets)
     if any(not bucket for bucket in buckets):  # guarded by construction; never silently wrong

@@ -106,7 +106,8 @@ class BackgroundMap(Generic[K, V]):
         return "the end of the keys"
 
     def __next__(self) -> V:
-        deadline = None if self._timeout_s is None else time.monotonic() + self._timeout_s
+        timeout_s = self._timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             try:
                 item = self._queue.get(timeout=self._poll_s)
@@ -114,15 +115,15 @@ class BackgroundMap(Generic[K, V]):
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError("the background scheduling thread stopped without a result") from None
-                if deadline is not None and time.monotonic() >= deadline:
+                if timeout_s is not None and deadline is not None and time.monotonic() >= deadline:
                     self.close()
-                    raise ScheduleTimeoutError(_timeout_message(self._waiting_for(), self._timeout_s)) from None
+                    raise ScheduleTimeoutError(_timeout_message(self._waiting_for(), timeout_s)) from None
         if item is _DONE:
             raise StopIteration
         if isinstance(item, _Failure):
             raise RuntimeError(f"background scheduling of {self._waiting_for()} failed: {item.error}") from item.error
         self._delivered += 1
-        return item  # type: ignore[return-value]
+        return item
 
     def close(self, wait_s: float = 0.0) -> None:
         """Stop the worker thread: it finishes the item it is computing, then exits. With

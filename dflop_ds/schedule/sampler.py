@@ -25,6 +25,7 @@ fetch ahead), so ``sampler.state_dict()`` / ``loader.state_dict()`` resume exact
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -291,7 +292,7 @@ class GlobalBatchSampler:
             return f"epoch {epoch} batch {b}"
 
         if self.prefetch == 0:
-            yield from (run_with_deadline(lambda: one(b), timeout, name(b)) for b in keys)
+            yield from (run_with_deadline(functools.partial(one, b), timeout, name(b)) for b in keys)
             return
         with BackgroundMap(one, keys, depth=self.prefetch, timeout_s=timeout, describe=name) as ahead:
             self._ahead = ahead

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dflop_ds.telemetry.report import find_log, format_summary, plot_run, read_log, select_run, split_runs, summarize
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``report`` sub-command."""
@@ -22,9 +24,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_report(args: argparse.Namespace) -> int:
     """Write the plots, print the summary; 0 on success."""
-    from dflop_ds.telemetry.report import (find_log, format_summary, plot_run, read_log, select_run, split_runs,
-                                           summarize)
-
     log = find_log(args.run)
     runs = split_runs(read_log(log))
     records = select_run(runs, args.run_id, args.run_index, str(log))

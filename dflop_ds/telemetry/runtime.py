@@ -16,7 +16,7 @@ A step's record (one JSON line, rank 0) holds, besides the balance figures: ``mb
 ``mb_wait``, ``(stages, dp * n_mb)`` forward+backward and send+receive seconds per microbatch;
 ``stage_totals_s``, instruction kind -> seconds per stage over the step (data-parallel mean);
 ``stage_bounds``, the layer split; ``microbatches``, the sample ids of every data-parallel
-rank's microbatches (when the sampler ran on rank 0). :mod:`dflop_ds.profile.engine` fits an
+rank's microbatches (when the sampler ran on rank 0). :mod:`dflop_ds.plan.engine_profile` fits an
 engine profile from these.
 """
 
@@ -96,13 +96,13 @@ class RuntimeTracker:
         timing = self.timer.finish_step()
         tracking = self.correction is not None and self.correction.tracking()
         sched = self.sampler.last_schedule if self.sampler is not None else None
-        rows = self._gather(self._local_vector(timing, step_s, sched, tracking))
+        rows = self._gather(self._local_vector(timing, step_s, sched, self.correction if tracking else None))
         check_same_schedule(rows, step)
         gathered = time.perf_counter()
         stage_times, waits, step_max = self._stage_arrays(rows)
         update_s = 0.0
         if self.correction is not None:
-            update_s = self._feed_correction(rows, stage_times, tracking)
+            update_s = self._feed_correction(self.correction, rows, stage_times, tracking)
             self.correction.publish(step + 1)
         record = self._record(step, step_s, loss, rows, stage_times, waits, step_max, sched)
         elapsed = time.perf_counter() - begin
@@ -123,21 +123,22 @@ class RuntimeTracker:
         start = HEADER + 3 * self.n_mb
         return slice(start, start + len(STEP_KINDS))
 
-    def _comp_size(self) -> int:
-        return self.dp * self.n_mb * self.correction.n_columns * self.correction.scheme.n_buckets
+    def _comp_size(self, correction: CostCorrection) -> int:
+        return self.dp * self.n_mb * correction.n_columns * correction.scheme.n_buckets
 
-    def _local_vector(self, timing: StageTiming, step_s: float, sched, tracking: bool) -> np.ndarray:
+    def _local_vector(self, timing: StageTiming, step_s: float, sched, tracked: Optional[CostCorrection]) -> np.ndarray:
+        """This rank's row of the step: header, per-microbatch times, totals and, when a correction
+        is ``tracked``, the step's microbatch composition."""
         fingerprint = zlib.crc32(json.dumps(sched.split.ranks).encode()) if sched is not None else -1
         head = [float(sched is not None), self.stage, self.dp_rank, step_s, timing.overhead_s, self._tracking_overhead_s,
                 float(fingerprint)]
         totals = [timing.totals.get(kind, 0.0) for kind in STEP_KINDS]
         parts = [np.asarray(head, dtype=float), timing.compute, timing.wait, timing.per_mb["load"], np.asarray(totals)]
-        if tracking:
-            comp = np.zeros(self._comp_size())
+        if tracked is not None and self.buckets is not None:
+            comp = np.zeros(self._comp_size(tracked))
             if sched is not None:
                 microbatches = [mb for rank in sched.split.ranks for mb in rank]
-                comp = composition(microbatches, self.sampler.costs, self.buckets,
-                                   self.correction.scheme.n_buckets).ravel()
+                comp = composition(microbatches, self.sampler.costs, self.buckets, tracked.scheme.n_buckets).ravel()
             parts.append(comp)
         return np.concatenate(parts)
 
@@ -158,19 +159,20 @@ class RuntimeTracker:
             waits[s, d * n:(d + 1) * n] = row[HEADER + n:HEADER + 2 * n]
         return stage_times, waits, float(rows[:, 3].max())
 
-    def _feed_correction(self, rows: np.ndarray, stage_times: np.ndarray, tracking: bool) -> float:
+    def _feed_correction(self, correction: CostCorrection, rows: np.ndarray, stage_times: np.ndarray,
+                         tracking: bool) -> float:
         start = time.perf_counter()
         if not tracking:
-            self.correction.skip()
+            correction.skip()
             return time.perf_counter() - start
         with_schedule = np.flatnonzero(rows[:, 0] > 0)
         if with_schedule.size == 0:
             raise RuntimeError("no rank reported a schedule: is the sampler iterated on the first/last stages?")
         offset = self._totals_columns().stop
-        comp = rows[with_schedule[0], offset:offset + self._comp_size()].reshape(
-            self.dp * self.n_mb, self.correction.n_columns, self.correction.scheme.n_buckets)
+        comp = rows[with_schedule[0], offset:offset + self._comp_size(correction)].reshape(
+            self.dp * self.n_mb, correction.n_columns, correction.scheme.n_buckets)
         obs = StepObservation(comp, stage_times, overhead_s=float(rows[:, 5].max()), microbatches_per_rank=self.n_mb)
-        self.correction.update(obs)
+        correction.update(obs)
         return time.perf_counter() - start
 
     def _record(self, step, step_s, loss, rows, stage_times, waits, step_max, sched) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from dflop_ds.schedule.correction import CorrectionSettings, CostCorrection
+from dflop_ds.testing.faults import FaultSpec, SlowTiles
 
 
 def make_correction(block: Optional[dict[str, Any]], n_stages: int) -> Optional[CostCorrection]:
@@ -18,8 +19,6 @@ def make_correction(block: Optional[dict[str, Any]], n_stages: int) -> Optional[
 def inject_fault(encoder_layers: list, block: Optional[dict[str, Any]], ds_config: dict) -> list:
     """``encoder_layers`` with the first one wrapped in :class:`~dflop_ds.testing.SlowTiles` when
     the ``"fault"`` block asks for it (layers may be modules or DeepSpeed ``LayerSpec``)."""
-    from dflop_ds.testing.faults import FaultSpec, SlowTiles
-
     spec = FaultSpec.from_dict(block, "\"dflop\".fault")
     if spec is None:
         return encoder_layers

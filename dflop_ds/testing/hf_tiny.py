@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 IMAGE_SIZE = 32
 PATCH_SIZE = 8
@@ -55,16 +56,16 @@ def _vision_parts(vision: str):
     """``(vision_config, image_processor, select_strategy, extra_tokens)`` of a tower family."""
     from transformers import CLIPImageProcessor, CLIPVisionConfig, SiglipImageProcessor, SiglipVisionConfig
 
-    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=VISION_LAYERS, num_attention_heads=2,
-                 image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
+    sizes: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=VISION_LAYERS,
+                                 num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
     if vision == "clip":
         processor = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
                                        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
         # "default" drops CLIP's CLS token, so an image gives exactly TOKENS_PER_IMAGE features
         return CLIPVisionConfig(projection_dim=32, **sizes), processor, "default", 1
     if vision == "siglip":
-        processor = SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
-        return SiglipVisionConfig(**sizes), processor, "full", 0
+        siglip_processor = SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+        return SiglipVisionConfig(**sizes), siglip_processor, "full", 0
     raise ValueError(f"unknown vision tower {vision!r}; choose one of {VISIONS}")
 
 
@@ -100,7 +101,7 @@ def _built(vision: str, text: str, tie_word_embeddings: bool, seed: int, sliding
                eos_token_id=tokenizer.eos_token_id)
     text_config = _text_config(text, len(tokenizer), tie_word_embeddings, sliding_window, ids)
     config = LlavaConfig(vision_config=vision_config, text_config=text_config,
-                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
                          vision_feature_select_strategy=strategy, vision_feature_layer=vision_feature_layer,
                          image_seq_length=TOKENS_PER_IMAGE, tie_word_embeddings=tie_word_embeddings, **ids)
     with torch.random.fork_rng(devices=[]):

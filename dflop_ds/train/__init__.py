@@ -5,9 +5,10 @@ are the pieces a script of one's own can use (one step on either engine kind:
 :meth:`TrainingEngine.train_step`).
 """
 
-from dflop_ds.train.engine import SequentialMLLM, TrainingEngine, build_engine, data_parallel_coords
+from dflop_ds.models.source import ModelSource, tiny_source
+from dflop_ds.train.engine import TrainingEngine, build_engine, data_parallel_coords
 from dflop_ds.train.loop import main
-from dflop_ds.train.sources import ModelSource, tiny_source
+from dflop_ds.train.sequential import SequentialMLLM
 
 __all__ = ["ModelSource", "SequentialMLLM", "TrainingEngine", "build_engine", "data_parallel_coords", "main",
            "tiny_source"]

@@ -4,7 +4,7 @@
 ``"tensor_parallel": {"autotp_size": N}`` (``deepspeed.tp_model_init`` only records arguments
 in DeepSpeed 0.19.8). It finds what to shard by the model's HF ``tp_plan`` (patterns over HF
 parameter names such as ``model.language_model.layers.*.self_attn.q_proj``) or by a heuristic
-over ``nn.ModuleList`` children; neither recognizes a :class:`~dflop_ds.train.engine.SequentialMLLM`,
+over ``nn.ModuleList`` children; neither recognizes a :class:`~dflop_ds.train.sequential.SequentialMLLM`,
 whose parameters are named by flat layer index (``"4.layer.self_attn.q_proj.weight"``) and
 which holds no ``ModuleList``. :func:`autotp_partition_config` therefore reads the HF model's
 own plan with DeepSpeed's converter, finds each wrapped parameter's HF name by identity (the

@@ -27,7 +27,8 @@ from dflop_ds.pipe.exchange import exchange_features
 from dflop_ds.schedule.dispatch import EncoderDispatch, plan_dispatch
 from dflop_ds.schedule.index import ScheduledIndex
 from dflop_ds.shapes import SampleShape
-from dflop_ds.train.engine import SequentialMLLM
+from dflop_ds.train.sequential import SequentialMLLM
+
 
 class LLMOnlyCost:
     """A cost model's predictions with the encoder column zeroed: what the sampler balances when
@@ -84,7 +85,7 @@ class DispatchingSampler:
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def _request(self, schedule: Any, step: int, own: Sequence[int]) -> list[MicrostepRequest]:
+    def _request(self, schedule: Any, step: int, own: Sequence[ScheduledIndex]) -> list[MicrostepRequest]:
         microbatches = [rank[step] for rank in schedule.split.ranks]
         self.last_plan = plan_dispatch(microbatches, self.tiles, self.tile_cost)
         return [MicrostepRequest(list(own), self.last_plan, self.sampler.dp_rank)]

@@ -21,7 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflop_ds.config import autotp_size
 from dflop_ds.pipe import MLLMPipelineModule, StageBounds, token_normalized_loss
+from dflop_ds.train.autotp import with_autotp_layout
+from dflop_ds.train.colocated import ColocatedMLLM
+from dflop_ds.train.sequential import SequentialMLLM
 
 Microbatch = tuple[Any, Any]
 
@@ -60,30 +64,6 @@ def move_to(value: Any, device: torch.device) -> Any:
     return value
 
 
-class SequentialMLLM(nn.Sequential):
-    """Encoder, projector and LLM layers run one after the other: the model of the plain engine.
-
-    Parameters keep the flat layer index as their name prefix (``"3.weight"``), as in a
-    ``PipelineModule``, so checkpoints and comparisons line up across engine kinds.
-    """
-
-    def __init__(self, encoder_layers: Sequence[Any], projector: Any, llm_layers: Sequence[Any],
-                 *, freeze_encoder: bool = False) -> None:
-        built = [layer.build() if hasattr(layer, "build") and not isinstance(layer, nn.Module) else layer
-                 for layer in (*encoder_layers, projector, *llm_layers)]
-        super().__init__(*built)
-        self.n_encoder_layers = len(encoder_layers)
-        if freeze_encoder:
-            for layer in built[: self.n_encoder_layers]:
-                layer.requires_grad_(False)
-
-    def forward(self, *inputs: Any) -> Any:
-        """Run the layers on ``inputs``: one tuple, or its tensors as separate arguments (how
-        the engine calls it under AutoTP, whose check that a tensor-parallel group received the
-        same data compares a flat argument list only)."""
-        return super().forward(inputs[0] if len(inputs) == 1 else inputs)
-
-
 @dataclass
 class TrainingEngine:
     """A DeepSpeed engine with what the training loop needs to know about it.
@@ -95,7 +75,7 @@ class TrainingEngine:
     """
 
     engine: Any
-    module: nn.Module
+    module: MLLMPipelineModule | SequentialMLLM
     loss_fn: Callable = token_normalized_loss
 
     @property
@@ -133,7 +113,9 @@ class TrainingEngine:
     @property
     def stage_bounds(self) -> StageBounds:
         """Layer boundaries of the stages over the flat layer list."""
-        return StageBounds(self.module.parts if self.is_pipeline else [0, len(self.module)])
+        if isinstance(self.module, MLLMPipelineModule):  # is_pipeline, spelled so that the type narrows
+            return StageBounds(self.module.parts)
+        return StageBounds([0, len(self.module)])
 
     def train_step(self, data_iter: Iterator[Microbatch]) -> float:
         """Run one optimizer step (``gradient_accumulation_steps`` microbatches); the global
@@ -193,28 +175,25 @@ def build_engine(
     """
     import deepspeed
 
-    from dflop_ds.config import autotp_size
-    from dflop_ds.train.autotp import with_autotp_layout
-
     if pipeline_stages > 1 and autotp_size(ds_config) > 1:
         raise ValueError("tensor_parallel.autotp_size > 1 needs pipeline_stages == 1: AutoTP shards the plain "
                          "engine's model; a PipelineModule gives it nothing to shard")
     if pipeline_stages > 1 and colocated:
         raise ValueError("a colocated encoder runs on the plain engine only (pipeline_stages == 1) for now")
     if pipeline_stages > 1:
-        module: nn.Module = MLLMPipelineModule(
+        pipeline = MLLMPipelineModule(
             encoder_layers, projector, llm_layers, num_stages=pipeline_stages, stage_bounds=stage_bounds,
             layer_costs=layer_costs, loss_fn=loss_fn, freeze_encoder=freeze_encoder,
             activation_checkpoint_interval=activation_checkpoint_interval,
         )
-        trainable = module.optimizer_parameters()
+        trainable = pipeline.optimizer_parameters()
+        module: MLLMPipelineModule | SequentialMLLM = pipeline
     else:
-        from dflop_ds.train.colocated import ColocatedMLLM
-
         sequential = ColocatedMLLM if colocated else SequentialMLLM
         module = sequential(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder)
         trainable = [p for p in module.parameters() if p.requires_grad]
         ds_config = with_autotp_layout(ds_config, hf_model, module)
+    optimizer: torch.optim.Optimizer | None
     if make_optimizer is not None:
         optimizer = make_optimizer(trainable)
     else:

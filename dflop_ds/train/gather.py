@@ -56,9 +56,9 @@ def gather_full_state(trainer: Any) -> dict[str, torch.Tensor]:
         return state if not dist.is_initialized() or dist.get_rank() == 0 else {}
     dp_rank, _ = trainer.dp_coords
     mine = _cpu_state(module) if dp_rank == 0 else None
-    parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)
-    if dist.get_rank() != 0:
+    if parts is None:  # not rank 0
         return {}
     merged: dict[str, torch.Tensor] = {}
     for part in parts:

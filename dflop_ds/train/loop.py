@@ -22,11 +22,25 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from dflop_ds.checks import check_cost_model, check_training_setup
 from dflop_ds.config import DFLOPConfig, fill_from_plan
 from dflop_ds.cost import PackedCost, ProxyCost, check_policy, load_cost_model
+from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
+from dflop_ds.loader import make_loader
+from dflop_ds.models.hf.source import hf_source
+from dflop_ds.models.source import ModelSource, tiny_source
+from dflop_ds.paths import check_writable, check_writable_folder
+from dflop_ds.plan import Plan
+from dflop_ds.plan.stages import cost_balanced_bounds
+from dflop_ds.schedule.sampler import GlobalBatchSampler, make_sampler
 from dflop_ds.schedule.splitters import splitter_names
+from dflop_ds.telemetry.record import batch_tokens, throughput
+from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
+from dflop_ds.telemetry.setup import inject_fault, make_correction
+from dflop_ds.train.autotp import is_tensor_parallel_layer
+from dflop_ds.train.colocated import DispatchingSampler, LLMOnlyCost, colocate
 from dflop_ds.train.engine import TrainingEngine, build_engine
-from dflop_ds.train.sources import ModelSource, tiny_source
+from dflop_ds.train.gather import gather_full_state
 
 #: command-line options that override keys of the "dflop" block (option dest -> key)
 BLOCK_OVERRIDES = {"sampler": "sampler", "steps": "steps", "data": "data", "data_path": "data",
@@ -87,8 +101,6 @@ def load_plan(path: Optional[str]):
     """The plan the run must match, or None (a missing or malformed file raises naming it)."""
     if path is None:
         return None
-    from dflop_ds.plan import Plan
-
     return Plan.load(path)
 
 
@@ -96,8 +108,6 @@ def model_source(cfg: DFLOPConfig) -> ModelSource:
     """The tiny model, or the HuggingFace model of ``"dflop".model_name_or_path``."""
     if cfg.model_name_or_path is None:
         return tiny_source(cfg.model, policy_name=cfg.policy, seed=cfg.seed, image_folder=cfg.image_folder)
-    from dflop_ds.models.hf.source import hf_source
-
     return hf_source(cfg.model_name_or_path, image_folder=cfg.image_folder, lora=cfg.lora, max_length=cfg.max_length,
                      truncation=cfg.truncation)
 
@@ -118,14 +128,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.utils import RepeatingLoader
-
-    from dflop_ds.checks import check_cost_model, check_training_setup
-    from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
-    from dflop_ds.loader import make_loader
-    from dflop_ds.paths import check_writable, check_writable_folder
-    from dflop_ds.schedule.sampler import make_sampler
-    from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
-    from dflop_ds.telemetry.setup import inject_fault, make_correction
 
     args = build_parser().parse_args(argv)
     ds_config, cfg = load_settings(args)
@@ -159,8 +161,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pipelined, colocated = cfg.pipeline_stages > 1, cfg.encoder == "colocated"
     bounds = cfg.stage_bounds
     if pipelined and bounds is None and cost_model is not None:  # split where the predicted time balances
-        from dflop_ds.plan.stages import cost_balanced_bounds
-
         bounds = cost_balanced_bounds(cost_model, shapes, cfg.pipeline_stages)
     trainer = build_engine(encoder, projector, llm, ds_config, pipeline_stages=cfg.pipeline_stages,
                            stage_bounds=bounds, freeze_encoder=cfg.freeze_encoder, lr=cfg.lr,
@@ -171,13 +171,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     costs = cost_model if cost_model is not None else ProxyCost()  # what the sampler predicts with
     sampler_cost: Any = costs  # wrapped below for colocation and packing
     if colocated:  # the encoder is balanced by dispatch: the sampler balances the LLM alone
-        from dflop_ds.train.colocated import LLMOnlyCost, colocate
-
         sampler_cost = LLMOnlyCost(costs)
     packing = source.uses_packing(cfg.packing)
     if packing:  # a packed microbatch costs the sum of its samples (plus one constant)
         sampler_cost = PackedCost(sampler_cost)
-    sampler = make_sampler(
+    sampler: GlobalBatchSampler | DispatchingSampler = make_sampler(
         cfg.sampler, shapes, global_batch_size=trainer.global_batch_size,
         gradient_accumulation_steps=engine.gradient_accumulation_steps(), dp_rank=dp_rank, dp_size=dp_size,
         cost_model=sampler_cost, seed=cfg.seed, prefetch=cfg.prefetch,
@@ -185,7 +183,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         lockstep=not pipelined, drop_last=cfg.drop_last, schedule_timeout_s=cfg.schedule_timeout_s,
         memory_cap=cfg.memory_cap_bytes, allow_oversize=cfg.allow_oversize,
     )
-    collate = source.packed_collate if packing else source.collate
+    collate = source.collate
+    if packing and source.packed_collate is not None:  # source.uses_packing found one
+        collate = source.packed_collate
     if colocated:
         sampler, dataset, collate = colocate(sampler, dataset, collate, shapes, costs)
     # the loader's state is what training consumed, not what its workers prefetched
@@ -248,8 +248,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def save_model(trainer: TrainingEngine, source: ModelSource, directory: str) -> None:
     """Write the trained model to ``directory``: gathered on rank 0, then the source's own format
     (``save_pretrained`` for HuggingFace models, a state dict for the tiny model)."""
-    from dflop_ds.train.gather import gather_full_state
-
     state = gather_full_state(trainer)
     if torch.distributed.get_rank() != 0:
         return
@@ -263,8 +261,6 @@ def save_model(trainer: TrainingEngine, source: ModelSource, directory: str) -> 
 
 def sharded_layers(module: torch.nn.Module) -> list[str]:
     """Names of the modules DeepSpeed AutoTP replaced by tensor-parallel ones (empty without AutoTP)."""
-    from dflop_ds.train.autotp import is_tensor_parallel_layer
-
     return [name for name, child in module.named_modules() if is_tensor_parallel_layer(child)]
 
 
@@ -287,8 +283,6 @@ def resume(engine: Any, loader: Any, cfg: DFLOPConfig, correction: Any = None) -
 def step_record(step: int, loss: float, elapsed: float, sampler: Any, shapes: Sequence[Any], reads_data: bool,
                 packed: bool = False) -> dict:
     """Loss, time and, on ranks that draw data, the size and balance of the step's global batch."""
-    from dflop_ds.telemetry.record import batch_tokens
-
     record: dict[str, Any] = {"step": step, "loss": loss, "step_s": elapsed}
     sched = sampler.last_schedule
     if sched is None or not reads_data:
@@ -314,8 +308,6 @@ def write_trace(path: str, step: int, sampler: Any) -> None:
 
 def summarize(records: list[dict], cfg: DFLOPConfig, dp_size: int) -> dict:
     """Throughput and balance over the steps after warm-up."""
-    from dflop_ds.telemetry.record import throughput
-
     timed = records[cfg.warmup_steps:] or records
     return {
         "sampler": cfg.sampler,

@@ -19,17 +19,17 @@ import random
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 if str(REPO_ROOT) not in sys.path:  # runnable as a script without installing the package
     sys.path.insert(0, str(REPO_ROOT))
 
-from dflop_ds.data import SizeDraw, read_llava, write_manifest
-from dflop_ds.data.llava import conversation_tokens
-from dflop_ds.data.manifest import manifest_record
-from dflop_ds.shapes import SampleShape, ShapePolicy
+from dflop_ds.data import SizeDraw, read_llava, write_manifest  # noqa: E402 - after the sys.path fallback above
+from dflop_ds.data.llava import conversation_tokens  # noqa: E402 - after the sys.path fallback above
+from dflop_ds.data.manifest import manifest_record  # noqa: E402 - after the sys.path fallback above
+from dflop_ds.shapes import SampleShape, ShapePolicy  # noqa: E402 - after the sys.path fallback above
 
 DEFAULT_SHARED = REPO_ROOT.parent / "shared" / "data"
 
@@ -157,7 +157,10 @@ def build_all(shared: Path, seed: int = 0) -> dict[str, list[Record]]:
     sizes, captions = load_coco(shared)
     # One entry per COCO image, so common sizes are drawn as often as they occur.
     draw = SizeDraw([sizes[i] for i in sorted(sizes)], seed=seed)
-    rng: Callable[[str], random.Random] = lambda name: random.Random(f"{seed}:{name}")
+
+    def rng(name: str) -> random.Random:
+        return random.Random(f"{seed}:{name}")
+
     files = {
         "coco": build_coco(rng("coco"), sizes, captions),
         "llava_pretrain": build_llava_file(rng("llava_pretrain"), shared / "llava_pretrain_blip_laion_cc_sbu_2k.json",

@@ -99,7 +99,7 @@ def main() -> None:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     losses, max_diff, max_change = [], 0.0, 0.0
     for step in range(args.steps):
-        batch = [(tuple(t.to(device) for t in i), tuple(t.to(device) for t in l)) for i, l in microbatches]
+        batch = [(tuple(t.to(device) for t in inputs), tuple(t.to(device) for t in labels)) for inputs, labels in microbatches]
         losses.append(trainer.train_step(iter(batch)))
         if step == 0:
             for name, p in model.named_parameters():

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import deepspeed
-import numpy as np
 import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import RepeatingLoader

@@ -20,6 +20,9 @@ from typing import Any, Callable
 import torch
 
 from dflop_ds.models.hf.common import check_boundary
+from dflop_ds.models.hf.llava import llava_layers, load_llava
+from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers
+from dflop_ds.models.hf.qwen2_vl_synthetic import IMAGE_MARK, Qwen2VLInputs, qwen2_vl_hf_kwargs
 from dflop_ds.models.hf.synthetic import contract_microbatch, hf_labels, hf_model_kwargs
 from dflop_ds.pipe.loss import token_normalized_loss
 from dflop_ds.pipe.stage_bounds import plan_stage_bounds
@@ -157,8 +160,6 @@ class Family:
 
 
 def _llava_family() -> Family:
-    from dflop_ds.models.hf.llava import llava_layers, load_llava
-
     def microbatches(path: Path, config: Any) -> Callable[[list], tuple]:
         processor = load_processor(path, config)
         return lambda samples: contract_microbatch(processor, samples)
@@ -174,9 +175,6 @@ def _llava_family() -> Family:
 
 
 def _qwen2_vl_family() -> Family:
-    from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers
-    from dflop_ds.models.hf.qwen2_vl_synthetic import IMAGE_MARK, Qwen2VLInputs, qwen2_vl_hf_kwargs
-
     def microbatches(path: Path, config: Any) -> Callable[[list], tuple]:
         return Qwen2VLInputs.from_dir(path, config).microbatch
 

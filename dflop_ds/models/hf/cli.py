@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from dflop_ds.models.hf.check import check_model
+
 
 def run_check_model(args: argparse.Namespace) -> int:
     """Print the one summary line; exit 1 when the largest relative error exceeds the tolerance."""
-    from dflop_ds.models.hf.check import check_model
-
     report = check_model(args.model_dir, stages=args.stages, tolerance=args.tolerance, seed=args.seed)
     print(report.line())
     return 0 if report.ok else 1

@@ -106,7 +106,7 @@ class LMHead(nn.Module):
         return self.lm_head(self.norm(inputs[0]))
 
 
-def decoder_layers(language_model: nn.Module) -> list[DecoderLayer]:
+def decoder_layers(language_model: Any) -> list[DecoderLayer]:
     """Every decoder layer of an HF causal-LM body (``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``)."""
     config = language_model.config
     kinds = layer_mask_kinds(config)

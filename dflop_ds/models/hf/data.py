@@ -41,6 +41,7 @@ from dflop_ds.data.errors import DataError, PathArg
 from dflop_ds.data.media import record_image_paths
 from dflop_ds.data.records import load_records
 from dflop_ds.models.data import IGNORE_INDEX, microbatch_denominator
+from dflop_ds.models.hf.check import load_processor
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class LlavaPreprocessor:
             raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
         self.processor = processor
         self.tokenizer = processor.tokenizer
-        self.image_processor = image_processor
+        self.image_processor: Any = image_processor  # the LlavaProcessor's, checked above
         self.system = system
         self.truncation = truncation
         self.name = name
@@ -124,8 +125,6 @@ class LlavaPreprocessor:
         token count checked against the model's config
         (:func:`dflop_ds.models.hf.check.load_processor`)."""
         from transformers import AutoConfig
-
-        from dflop_ds.models.hf.check import load_processor
 
         config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
         processor = load_processor(Path(model_dir), config)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dflop_ds.models.hf.common import LMHead, decoder_layers, load_checked
+from dflop_ds.profile.inputs import ContractLLMInputs, split_evenly
 
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
 TEXT_TYPES = ("llama", "qwen2", "mistral")
@@ -62,7 +63,7 @@ def check_llava_config(config: Any, where: str = "model") -> None:
                          f"(supported: {list(STRATEGIES)})")
 
 
-def load_llava(model_dir: str | Path, *, dtype: torch.dtype | None = None) -> nn.Module:
+def load_llava(model_dir: str | Path, *, dtype: torch.dtype | None = None) -> Any:
     """Load a ``save_pretrained`` LLaVA directory as ``LlavaForConditionalGeneration`` (offline).
 
     The config is checked first (:func:`check_llava_config`), so an unsupported model is named
@@ -180,8 +181,6 @@ class LlavaEncoderInputs:
         return patches + cls_token - (1 if config.vision_feature_select_strategy == "default" else 0)
 
     def __call__(self, tiles: int, batch: int = 1) -> VisTuple:
-        from dflop_ds.profile.inputs import split_evenly
-
         per_row = split_evenly(tiles, batch)
         lengths = [n * self.tokens_per_image + self.text_tokens for n in per_row]
         input_ids = torch.randint(0, self.vocab_size, (batch, max(lengths)))
@@ -192,17 +191,15 @@ class LlavaEncoderInputs:
         return pixel_values, input_ids, torch.tensor(lengths, dtype=torch.long)
 
 
-def llava_input_factories(model: nn.Module, text_tokens: int = 8) -> tuple[LlavaEncoderInputs, Any]:
+def llava_input_factories(model: Any, text_tokens: int = 8) -> tuple[LlavaEncoderInputs, Any]:
     """``(encoder_inputs, llm_inputs)`` factories for :func:`dflop_ds.profile.model.profile_model`
     over :func:`llava_layers`, so that a cost model (and from it the stage split) measures the real layers."""
-    from dflop_ds.profile.inputs import ContractLLMInputs
-
     dtype = model.dtype
     return (LlavaEncoderInputs(model.config, text_tokens, dtype),
             ContractLLMInputs(int(model.config.text_config.hidden_size), dtype))
 
 
-def llava_layers(model: nn.Module) -> tuple[list[nn.Module], nn.Module, list[nn.Module]]:
+def llava_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Module]]:
     """``(encoder_layers, projector, llm_layers)`` of a ``LlavaForConditionalGeneration``, sharing its weights.
 
     With tied word embeddings the projector's ``embed_tokens`` and the head's ``lm_head`` declare

@@ -14,7 +14,9 @@ from typing import Any, Mapping
 
 #: linear layers of a Llama/Qwen2/Mistral decoder layer that get adapters by default
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_KEYS = {"r": int, "alpha": (int, float), "dropout": (int, float), "target_modules": list}
+LORA_KEYS: dict[str, type | tuple[type, ...]] = {
+    "r": int, "alpha": (int, float), "dropout": (int, float), "target_modules": list,
+}
 
 
 def lora_settings(block: Mapping[str, Any], source: str = "\"dflop\".lora") -> dict[str, Any]:

@@ -9,14 +9,22 @@ policy (tokens per image, tokenizer), and training refuses it with data shaped u
 
 from __future__ import annotations
 
-from dflop_ds.profile.tiny import ProfileTarget, summed_cross_entropy
+from dflop_ds.models.hf.common import model_type
+from dflop_ds.models.hf.data import LlavaPreprocessor
+from dflop_ds.models.hf.llava import llava_input_factories, llava_layers, load_llava
+from dflop_ds.models.hf.qwen2_vl import (
+    MODEL_CLASSES,
+    MRopeLLMInputs,
+    Qwen2VLEncoderInputs,
+    load_qwen2_vl,
+    qwen2_vl_layers,
+)
+from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLPreprocessor
+from dflop_ds.profile.target import ProfileTarget, summed_cross_entropy
 
 
 def llava_target(model_dir: str, *, text_tokens: int = 8) -> ProfileTarget:
     """The layer lists, contract input factories and shape policy of the LLaVA model in ``model_dir``."""
-    from dflop_ds.models.hf.data import LlavaPreprocessor
-    from dflop_ds.models.hf.llava import llava_input_factories, llava_layers, load_llava
-
     model = load_llava(model_dir)
     encoder, projector, llm = llava_layers(model)
     encoder_inputs, llm_inputs = llava_input_factories(model, text_tokens)
@@ -28,9 +36,6 @@ def llava_target(model_dir: str, *, text_tokens: int = 8) -> ProfileTarget:
 def qwen2_vl_target(model_dir: str, *, text_tokens: int = 8) -> ProfileTarget:
     """The layer lists, input factories and shape policy of the Qwen2-VL model in ``model_dir``
     (the encoder sweep's "tiles" are patches, the policy's encoder units)."""
-    from dflop_ds.models.hf.qwen2_vl import MRopeLLMInputs, Qwen2VLEncoderInputs, load_qwen2_vl, qwen2_vl_layers
-    from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLPreprocessor
-
     model = load_qwen2_vl(model_dir)
     encoder, projector, llm = qwen2_vl_layers(model)
     return ProfileTarget(encoder_layers=encoder, projector=projector, llm_layers=llm,
@@ -42,9 +47,6 @@ def qwen2_vl_target(model_dir: str, *, text_tokens: int = 8) -> ProfileTarget:
 
 def hf_target(model_dir: str, *, text_tokens: int = 8) -> ProfileTarget:
     """The profiling target of a HuggingFace directory, by its ``config.model_type`` (LLaVA or Qwen2-VL)."""
-    from dflop_ds.models.hf.common import model_type
-    from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES
-
     if model_type(model_dir) in MODEL_CLASSES:
         return qwen2_vl_target(model_dir, text_tokens=text_tokens)
     return llava_target(model_dir, text_tokens=text_tokens)

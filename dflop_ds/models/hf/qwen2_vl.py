@@ -35,6 +35,7 @@ from torch import nn
 
 from dflop_ds.models.hf.common import DecoderLayer, LMHead, attention_mask_for, layer_mask_kinds, load_checked
 from dflop_ds.models.hf.llava import TIED_EMBEDDING_KEY
+from dflop_ds.profile.inputs import split_evenly
 
 MODEL_TYPE = "qwen2_vl"
 #: model types this adapter runs -> their HF model class
@@ -51,7 +52,7 @@ def check_qwen2_vl_config(config: Any, where: str = "model") -> None:
     layer_mask_kinds(config.text_config)  # refuses unknown attention kinds by name
 
 
-def load_qwen2_vl(model_dir: str | Path, *, dtype: torch.dtype | None = None) -> nn.Module:
+def load_qwen2_vl(model_dir: str | Path, *, dtype: torch.dtype | None = None) -> Any:
     """Load a ``save_pretrained`` Qwen2-VL / Qwen2.5-VL directory as its ``...ForConditionalGeneration`` (offline)."""
     import transformers
 
@@ -238,7 +239,7 @@ class Qwen2VLProjector(nn.Module):
 class MRopeDecoderLayer(DecoderLayer):
     """One decoder layer at the M-RoPE positions: ``(hidden, position_ids [3, B, S], seq_lens) -> same``."""
 
-    def forward(self, inputs):  # type: ignore[override]
+    def forward(self, inputs):
         """Apply the layer: causal attention with key padding from ``seq_lens``, rotary from ``position_ids``."""
         hidden, position_ids, seq_lens = inputs
         mask = attention_mask_for(self.kind, self.text_config, hidden, seq_lens, None)
@@ -247,7 +248,7 @@ class MRopeDecoderLayer(DecoderLayer):
         return (out[0] if isinstance(out, tuple) else out), position_ids, seq_lens
 
 
-def qwen2_vl_layers(model: nn.Module) -> tuple[list[nn.Module], nn.Module, list[nn.Module]]:
+def qwen2_vl_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Module]]:
     """``(encoder_layers, projector, llm_layers)`` of a ``Qwen2VLForConditionalGeneration``, sharing its weights.
 
     With tied word embeddings the projector's ``embed_tokens`` and the head's ``lm_head`` declare
@@ -288,8 +289,6 @@ class Qwen2VLEncoderInputs:
         self.text_tokens, self.dtype = int(text_tokens), dtype
 
     def __call__(self, patches: int, batch: int = 1) -> VisTuple:
-        from dflop_ds.profile.inputs import split_evenly
-
         block = self.merge ** 2
         grids = [[1, self.merge, self.merge * -(-n // block)] for n in split_evenly(patches, batch) if n > 0]
         tokens = [t * h * w // block for t, h, w in grids] + [0] * (batch - len(grids))

@@ -32,8 +32,17 @@ from typing import Any, Sequence
 import torch
 
 from dflop_ds.data.errors import PathArg
-from dflop_ds.models.hf.data import (NO_LIMIT, Encoded, LlavaDataset, LlavaItem, LlavaPreprocessor, _tokenizer_digest,
-                                     collate_llava, item_tensors)
+from dflop_ds.models.hf.data import (
+    NO_LIMIT,
+    Encoded,
+    LlavaDataset,
+    LlavaItem,
+    LlavaPreprocessor,
+    _tokenizer_digest,
+    collate_llava,
+    item_tensors,
+)
+from dflop_ds.models.hf.qwen2_vl_synthetic import Qwen2VLInputs
 from dflop_ds.shapes import ShapePolicy
 
 TEMPLATE_NAME = "qwen2-vl-chatml"
@@ -84,8 +93,6 @@ class Qwen2VLPreprocessor:
 
     def __init__(self, tokenizer: Any, image_processor: Any, config: Any, *, system: str = DEFAULT_SYSTEM,
                  name: str = "qwen2_vl") -> None:
-        from dflop_ds.models.hf.qwen2_vl_synthetic import Qwen2VLInputs
-
         self.inputs = Qwen2VLInputs(tokenizer, image_processor, config, name)  # checks the processor vs config
         self.tokenizer, self.image_processor, self.system, self.name = tokenizer, image_processor, system, name
         self.rule = SmartResize.from_image_processor(image_processor)

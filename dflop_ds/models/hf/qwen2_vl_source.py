@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from dflop_ds.train.sources import ModelSource
+from dflop_ds.models.hf.family import HFFamily, family_source
+from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers
+from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor, collate_qwen2_vl
+from dflop_ds.models.source import ModelSource
 
 
 def qwen2_vl_source(model_dir: str, *, image_folder: Optional[str] = None,
@@ -13,10 +16,6 @@ def qwen2_vl_source(model_dir: str, *, image_folder: Optional[str] = None,
     """The Qwen2-VL model, its data pipeline (:mod:`~dflop_ds.models.hf.qwen2_vl_data`) and layer
     lists for the training loop. ``image_folder`` and ``lora`` as for ``hf_source``; with LoRA the
     patch merger (the projector) is trained in full, as the LLaVA projector is."""
-    from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers
-    from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor, collate_qwen2_vl
-    from dflop_ds.models.hf.source import HFFamily, family_source
-
     def save_processor(preprocessor: Any, directory: str) -> None:
         preprocessor.tokenizer.save_pretrained(directory)
         preprocessor.image_processor.save_pretrained(directory)

@@ -1,99 +1,18 @@
-"""A HuggingFace LLaVA ``save_pretrained`` directory as a training-loop :class:`ModelSource`.
-
-The layer lists share their modules with the HF model, so training them trains the HF model,
-and :meth:`ModelSource.save_pretrained` writes it back in HF's own format (after the loop has
-gathered the trained weights of every stage on one rank).
-"""
+"""A HuggingFace ``save_pretrained`` directory as a training-loop :class:`ModelSource`: LLaVA
+here, the Qwen2-VL family in :mod:`~dflop_ds.models.hf.qwen2_vl_source`, both through
+:func:`~dflop_ds.models.hf.family.family_source`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
-import torch
-
-from dflop_ds.train.sources import ModelSource
-
-
-def load_flat_state(layers: list, state: Mapping[str, torch.Tensor]) -> None:
-    """Copy a gathered flat state (``"<layer index>.<name>"``) into the layer modules.
-
-    Every layer with a state must find all of it (strict loading), so a gathered state that
-    misses a layer's weights, or names one the layer lacks, raises naming the layer.
-    """
-    grouped: dict[int, dict[str, torch.Tensor]] = {}
-    for key, tensor in state.items():
-        head, _, rest = key.partition(".")
-        if head.isdigit():
-            grouped.setdefault(int(head), {})[rest] = tensor
-    if grouped and max(grouped) >= len(layers):
-        raise KeyError(f"gathered state names layer {max(grouped)}, but the model has {len(layers)} layers")
-    for index, layer in enumerate(layers):
-        values = grouped.get(index, {})
-        if not values and not layer.state_dict():
-            continue
-        try:
-            layer.load_state_dict(values, strict=True)
-        except RuntimeError as error:
-            raise RuntimeError(f"layer {index} ({type(layer).__name__}) of the gathered state: {error}") from error
-
-
-@dataclass(frozen=True)
-class HFFamily:
-    """What differs between HF model families for training: how to load the model and cut it into
-    layer lists, which module LoRA runs still train in full (the projector), the dataset class and
-    collate of its microbatch contract, and how its processor is written back."""
-
-    load: Callable[[str], Any]
-    layers: Callable[[Any], tuple]
-    projector_name: str
-    dataset: Callable[..., Any]
-    collate: Callable
-    save_processor: Callable[[Any, str], None]
-
-
-def family_source(model_dir: str, family: HFFamily, preprocessor: Any, *, image_folder: Optional[str] = None,
-                  lora: Optional[Mapping[str, Any]] = None) -> ModelSource:
-    """The training-loop source of ``model_dir`` for a model ``family`` with its ``preprocessor``
-    (tokenization template, image processing, shape policy)."""
-    from dflop_ds.data import read_dataset
-    from dflop_ds.models.hf.data import load_llava_records, supervised_targets
-
-    def build() -> tuple[Any, Any]:
-        """A fresh copy of the model (with its LoRA adapters) and its PeftModel, if any."""
-        built = family.load(model_dir)
-        if lora is None:
-            return built, None
-        from dflop_ds.models.hf.lora import apply_lora
-
-        return built, apply_lora(built, lora, keep_trainable=family.projector_name)
-
-    model, _ = build()
-    policy = preprocessor.policy()
-    encoder, projector, llm = family.layers(model)
-
-    def folder_for(path: str) -> str:
-        return image_folder if image_folder is not None else str(Path(path).parent)
-
-    def read_shapes(path: str, on_bad_sample: str):
-        return read_dataset(path, policy, on_bad_sample=on_bad_sample, image_folder=folder_for(path))
-
-    def make_dataset(shapes, path: str):
-        return family.dataset(list(shapes), load_llava_records(path), preprocessor, folder_for(path), source=path)
-
-    def save_pretrained(directory: str, state: Mapping[str, torch.Tensor]) -> None:
-        # into a fresh copy: the training copy's parameters may be ZeRO-3 partitions
-        fresh, peft_model = build()
-        fresh_encoder, fresh_projector, fresh_llm = family.layers(fresh)
-        load_flat_state([*fresh_encoder, fresh_projector, *fresh_llm], state)
-        final = peft_model.merge_and_unload() if peft_model is not None else fresh
-        final.save_pretrained(directory)
-        family.save_processor(preprocessor, directory)
-
-    return ModelSource(f"{model.config.model_type}:{Path(model_dir).name}", list(encoder), projector, list(llm),
-                       policy, read_shapes, make_dataset, family.collate, supervised_targets,
-                       save_pretrained=save_pretrained, hf_model=model)
+from dflop_ds.models.hf.common import model_type
+from dflop_ds.models.hf.data import LlavaDataset, LlavaPreprocessor, collate_llava
+from dflop_ds.models.hf.family import HFFamily, family_source
+from dflop_ds.models.hf.llava import llava_layers, load_llava
+from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES
+from dflop_ds.models.hf.qwen2_vl_source import qwen2_vl_source
+from dflop_ds.models.source import ModelSource
 
 
 def hf_source(
@@ -117,18 +36,10 @@ def hf_source(
         max_length, truncation: sequence-length rule of the tokenization
             (:class:`~dflop_ds.models.hf.data.LlavaPreprocessor`).
     """
-    from dflop_ds.models.hf.common import model_type
-    from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES
-
     if model_type(model_dir) in MODEL_CLASSES:  # the Qwen2-VL family has its own preprocessor
-        from dflop_ds.models.hf.qwen2_vl_source import qwen2_vl_source
-
         if max_length is not None or truncation != "error":
             raise ValueError(f"{model_dir}: max_length and truncation are not supported for Qwen2-VL yet")
         return qwen2_vl_source(model_dir, image_folder=image_folder, lora=lora)
-    from dflop_ds.models.hf.data import LlavaDataset, LlavaPreprocessor, collate_llava
-    from dflop_ds.models.hf.llava import llava_layers, load_llava
-
     family = HFFamily(load_llava, llava_layers, "multi_modal_projector", LlavaDataset, collate_llava,
                       lambda pre, directory: pre.processor.save_pretrained(directory))
     preprocessor = LlavaPreprocessor.from_pretrained(model_dir, max_length=max_length, truncation=truncation)

@@ -79,12 +79,12 @@ class EngineProfile:
     def per_stage(self, values: Sequence[float], n_stages: int) -> np.ndarray:
         """Per-position values of the profiling run for ``n_stages`` stages: first to first,
         last to last, the middle stages' mean to every middle stage."""
-        values = np.asarray(values, dtype=float)
-        if n_stages == len(values):
-            return values.copy()
-        middle = float(values[1:-1].mean()) if len(values) > 2 else 0.0
+        array = np.asarray(values, dtype=float)
+        if n_stages == len(array):
+            return array.copy()
+        middle = float(array[1:-1].mean()) if len(array) > 2 else 0.0
         out = np.full(n_stages, middle)
-        out[0], out[-1] = values[0], values[-1]
+        out[0], out[-1] = array[0], array[-1]
         return out
 
     def stage_seconds(self, costs: np.ndarray, shares: np.ndarray) -> np.ndarray:
@@ -256,7 +256,7 @@ def read_engine_steps(telemetry: str | Path, shapes: Sequence[SampleShape], cost
             totals = {kind: np.asarray(v, dtype=float) for kind, v in record["stage_totals_s"].items()}
             steps.append(EngineStep(costs, observed, totals, float(record["step_s"])))
             bounds = [int(b) for b in record["stage_bounds"]]
-    if not steps:
+    if not steps or bounds is None:
         raise ValueError(f"{telemetry}: no telemetry record after the first {skip_steps} steps")
     return steps, bounds
 

@@ -12,7 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from dflop_ds.shapes import SampleShape, ShapePolicy
+from dflop_ds.data import read_dataset
+from dflop_ds.models.data import TinyMLLMDataset, collate_microbatch, collate_packed_microbatch, supervised_count
+from dflop_ds.models.tiny import TinyMLLMConfig, tiny_mllm_layers
+from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY, SampleShape, ShapePolicy
 
 
 @dataclass
@@ -72,11 +75,6 @@ def tiny_source(model_overrides: dict, *, policy_name: str = "tiny", seed: int =
                 image_folder: Optional[str] = None) -> ModelSource:
     """The bundled tiny MLLM on synthetic tensors of the dataset's real shapes (image sizes from
     the records, or from the files' headers under ``image_folder``)."""
-    from dflop_ds.data import read_dataset
-    from dflop_ds.models import (TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, collate_packed_microbatch,
-                                 supervised_count, tiny_mllm_layers)
-    from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY
-
     config = TinyMLLMConfig(**model_overrides)
     policy = TINY_POLICY if policy_name == "tiny" else DEFAULT_POLICY
     encoder, projector, llm = tiny_mllm_layers(config, seed=seed, as_specs=as_specs)

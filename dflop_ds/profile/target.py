@@ -1,14 +1,14 @@
-"""The bundled tiny MLLM as a profiling target (the default of ``dflop-ds profile model``)."""
+"""What the model profiler needs of a model: its layers, input factories and loss (:class:`ProfileTarget`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from dflop_ds.profile.inputs import ContractEncoderInputs, ContractLLMInputs
-from dflop_ds.shapes import TINY_POLICY, ShapePolicy
+from dflop_ds.profile.inputs import EncoderInputFactory, LLMInputFactory
+from dflop_ds.shapes import ShapePolicy
 
 
 @dataclass
@@ -18,8 +18,8 @@ class ProfileTarget:
     encoder_layers: Sequence[torch.nn.Module]
     projector: torch.nn.Module | None
     llm_layers: Sequence[torch.nn.Module]
-    encoder_inputs: ContractEncoderInputs
-    llm_inputs: ContractLLMInputs
+    encoder_inputs: EncoderInputFactory
+    llm_inputs: LLMInputFactory
     output_loss: Callable[[Any], torch.Tensor] | None = None
     #: the shape policy of the model's data (stored in the fitted cost model); None: unknown
     policy: ShapePolicy | None = None
@@ -42,28 +42,3 @@ def summed_cross_entropy(logits: torch.Tensor) -> torch.Tensor:
     flat = logits.reshape(-1, logits.shape[-1])
     targets = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
     return torch.nn.functional.cross_entropy(flat.float(), targets, reduction="sum")
-
-
-def tiny_target(config: Any = None, *, seed: int = 0, text_tokens: int = 8) -> ProfileTarget:
-    """The tiny MLLM's built layers and contract input factories for ``config``.
-
-    ``text_tokens`` is the text each encoder sample carries into the projector.
-    """
-    from dflop_ds.models import TinyMLLMConfig, tiny_mllm_layers
-
-    config = config or TinyMLLMConfig()
-    encoder, projector, llm = tiny_mllm_layers(config, seed=seed, as_specs=False)
-    return ProfileTarget(
-        encoder_layers=encoder,
-        projector=projector,
-        llm_layers=llm,
-        encoder_inputs=ContractEncoderInputs(
-            image_size=config.image_size,
-            channels=config.channels,
-            text_tokens=text_tokens,
-            vocab_size=config.vocab_size,
-        ),
-        llm_inputs=ContractLLMInputs(hidden_size=config.llm_dim),
-        output_loss=summed_cross_entropy,
-        policy=replace(TINY_POLICY, tokens_per_tile=config.tokens_per_tile, tokens_per_frame=config.tokens_per_tile),
-    )

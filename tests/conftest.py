@@ -1,0 +1,71 @@
+"""Fixtures the test files share: JSONL data files, bundled DeepSpeed configs written to
+``tmp_path`` with keys overridden, and 2-rank runs of ``examples/train.py``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflop_ds.launch import run_deepspeed
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write_jsonl(path: Path, records: list) -> Path:
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def write_jsonl() -> Callable[[Path, list], Path]:
+    """``write_jsonl(path, records) -> path``: one record per line, objects as JSON and strings as
+    they are (for malformed lines)."""
+    return _write_jsonl
+
+
+@pytest.fixture
+def ds_config(tmp_path: Path) -> Callable[..., Path]:
+    """``ds_config(name, dflop=None, **keys) -> path``: the bundled ``ds_configs/<name>`` with the
+    top-level DeepSpeed ``keys`` and the ``"dflop"`` block's ``dflop`` keys overridden, written to
+    ``tmp_path / "config.json"``."""
+
+    def write(name: str, dflop: dict[str, Any] | None = None, **keys: Any) -> Path:
+        config = json.loads((REPO / "ds_configs" / name).read_text())
+        config.update(keys)
+        config["dflop"].update(dflop or {})
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(config))
+        return path
+
+    return write
+
+
+@pytest.fixture
+def run_train() -> Callable[..., subprocess.CompletedProcess]:
+    """``run_train(config, *args, expect=0, timeout=400)``: ``examples/train.py`` on the DeepSpeed
+    launcher's 2 ranks with ``--deepspeed_config config`` and ``args``; asserts the exit code is
+    ``expect`` (None: any failure) and returns the finished process (output captured as text)."""
+
+    def run(config: Path, *args: str, expect: int | None = 0, timeout: float = 400) -> subprocess.CompletedProcess:
+        result = run_deepspeed(
+            REPO / "examples" / "train.py",
+            ["--deepspeed_config", str(config), *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        output = result.stdout[-4000:] + result.stderr[-4000:]
+        if expect is None:
+            assert result.returncode != 0, output
+        else:
+            assert result.returncode == expect, output
+        return result
+
+    return run
