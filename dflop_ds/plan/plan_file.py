@@ -62,7 +62,7 @@ class Plan:
         global_batch_size: samples per optimizer step.
         gpus, gpus_per_node, gpu_memory_bytes: the cluster planned for.
         balanced: True when microbatches come from our scheduler (False: stock fixed-size).
-        family: ``"deepspeed"``, ``"separate"`` or ``"monolithic"``.
+        family: ``"deepspeed"``, ``"colocated"`` or ``"monolithic"`` (``"separate"`` in older files).
         predicted: the simulator's figures (step time, bubble fraction, memory, speed-ups).
         cost_model: name of the cost model and whether it is analytic (not measured).
         baseline: the monolithic baseline's layout (:func:`layout_to_dict`), for comparisons.
@@ -104,7 +104,8 @@ class Plan:
     @property
     def layout(self) -> Layout:
         """The plan's :class:`Layout` (for simulation)."""
-        return Layout(self.encoder, self.llm, self.n_mb, tuple(self.stages), balanced=self.balanced)
+        return Layout(self.encoder, self.llm, self.n_mb, tuple(self.stages), balanced=self.balanced,
+                      colocated=self.family == "colocated")
 
     @property
     def deepspeed_compatible(self) -> bool:
@@ -191,6 +192,8 @@ class Plan:
         block["pipeline_stages"] = self.pipeline_stages
         block["stage_bounds"] = self.stage_bounds()
         block["sampler"] = "dflop" if self.balanced else "stock"
+        if self.layout.colocated:  # the encoder data-parallel over every rank (dflop_ds.train.colocated)
+            block["encoder"] = "colocated"
         return config
 
     def sampler_settings(self) -> dict[str, int]:

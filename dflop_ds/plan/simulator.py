@@ -24,7 +24,7 @@ slot), which keeps a 128-rank, 32-microbatch, 16-stage step at a few millisecond
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -49,6 +49,8 @@ class SimResult:
         critical_rank: index of the slowest rank.
         f_start, f_end, b_start, b_end: ``(R, m, p)`` operation times.
         allreduce: ``(R, p)`` all-reduce seconds per stage, started after each stage's last backward.
+        phases: seconds of the phases outside the pipeline (a colocated encoder's, see
+            :func:`simulate_colocated`); empty otherwise.
     """
 
     step_time: float
@@ -63,6 +65,7 @@ class SimResult:
     b_start: np.ndarray
     b_end: np.ndarray
     allreduce: np.ndarray
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def n_stages(self) -> int:
@@ -249,3 +252,51 @@ def simulate_stage_times(
     """
     return simulate_1f1b(np.asarray(fwd, float), np.asarray(bwd, float), act_comm=p2p_s, allreduce=allreduce_s,
                          transfers=transfers)
+
+
+def simulate_colocated(
+    fwd: np.ndarray,
+    bwd: np.ndarray,
+    *,
+    encoder_fwd: float,
+    encoder_bwd: float,
+    exchange: float = 0.0,
+    act_comm: np.ndarray | float = 0.0,
+    allreduce: np.ndarray | float = 0.0,
+    encoder_allreduce: float = 0.0,
+    transfers: str = "blocking",
+) -> SimResult:
+    """One step with a colocated encoder: the encoder forward, data-parallel over every GPU; the
+    feature exchange (an all-to-all, a collective: every rank waits for the slowest); the LLM
+    pipeline (:func:`simulate_1f1b` of the LLM stages' ``fwd``/``bwd``, ``act_comm``,
+    ``allreduce``); the gradient exchange back; the encoder backward and its gradient all-reduce
+    over every GPU.
+
+    ``encoder_fwd``/``encoder_bwd`` are the phases' seconds on the slowest GPU, ``exchange`` one
+    direction of the exchange. Operation times are shifted by the encoder phase before the
+    pipeline; ``busy`` counts the encoder phases on every stage.
+    """
+    pipe = simulate_1f1b(fwd, bwd, act_comm=act_comm, allreduce=allreduce, transfers=transfers)
+    before = float(encoder_fwd) + float(exchange)
+    after = float(exchange) + float(encoder_bwd)
+    step = before + pipe.step_time + after + float(encoder_allreduce)
+    busy = pipe.busy + float(encoder_fwd) + float(encoder_bwd)
+    pipeline_time = before + pipe.pipeline_time + after
+    idle = pipeline_time[:, None] - busy
+    critical = pipe.critical_rank
+    denom = pipe.n_stages * pipeline_time[critical]
+    return replace(
+        pipe,
+        step_time=step,
+        rank_step_times=np.full_like(pipe.rank_step_times, step),  # the exchanges synchronise every rank
+        pipeline_time=pipeline_time,
+        busy=busy,
+        idle=idle,
+        bubble_fraction=max(0.0, float(idle[critical].sum() / denom)) if denom > 0 else 0.0,
+        f_start=pipe.f_start + before,
+        f_end=pipe.f_end + before,
+        b_start=pipe.b_start + before,
+        b_end=pipe.b_end + before,
+        phases={"encoder_forward_s": float(encoder_fwd), "exchange_s": float(exchange),
+                "encoder_backward_s": float(encoder_bwd), "encoder_allreduce_s": float(encoder_allreduce)},
+    )
