@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import replace
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -56,7 +56,9 @@ def test_colocated_layouts_put_the_encoder_on_every_gpu_and_split_only_llm_layer
 
 
 def test_colocated_plan_writes_the_colocated_encoder_key(tmp_path) -> None:
-    plans = make_plans(reference_model("llava-ov-0.5b-h100"), Cluster(gpus=8, max_tp=1), SHAPES, 64, n_batches=1, top_k=2)
+    plans = make_plans(
+        reference_model("llava-ov-0.5b-h100"), Cluster(gpus=8, max_tp=1), SHAPES, 64, n_batches=1, top_k=2
+    )
     plan = plans.colocated
     assert plan is not None and plan.family == "colocated" and plan.layout.colocated
     path = tmp_path / "plan.json"
@@ -76,8 +78,16 @@ def test_simulate_colocated_adds_the_encoder_phases_around_the_pipeline() -> Non
     rng = np.random.default_rng(0)
     fwd, bwd = rng.uniform(0.5, 1.5, (2, 4, 3)), rng.uniform(1.0, 3.0, (2, 4, 3))
     pipe = simulate_1f1b(fwd, bwd, act_comm=0.05, allreduce=[0.1, 0.2, 0.1])
-    sim = simulate_colocated(fwd, bwd, encoder_fwd=0.7, encoder_bwd=1.4, exchange=0.3, act_comm=0.05,
-                             allreduce=[0.1, 0.2, 0.1], encoder_allreduce=0.25)
+    sim = simulate_colocated(
+        fwd,
+        bwd,
+        encoder_fwd=0.7,
+        encoder_bwd=1.4,
+        exchange=0.3,
+        act_comm=0.05,
+        allreduce=[0.1, 0.2, 0.1],
+        encoder_allreduce=0.25,
+    )
     assert sim.step_time == pytest.approx(0.7 + 0.3 + pipe.step_time + 0.3 + 1.4 + 0.25)
     np.testing.assert_allclose(sim.f_start, pipe.f_start + 1.0)
     np.testing.assert_allclose(sim.busy, pipe.busy + 2.1)
@@ -119,7 +129,9 @@ def test_cluster_terms_are_elementwise_over_arrays() -> None:
     nbytes = np.array([0.0, 1e9, 2e9, 3e9])
     np.testing.assert_allclose(cluster.tp_speedup(tp), [cluster.tp_speedup(int(t)) for t in tp])
     np.testing.assert_allclose(cluster.state_factor(dp), [cluster.state_factor(int(d)) for d in dp])
-    np.testing.assert_allclose(cluster.allreduce_seconds(nbytes, dp, tp),
-                               [cluster.allreduce_seconds(float(b), int(d), int(t)) for b, d, t in zip(nbytes, dp, tp)])
+    np.testing.assert_allclose(
+        cluster.allreduce_seconds(nbytes, dp, tp),
+        [cluster.allreduce_seconds(float(b), int(d), int(t)) for b, d, t in zip(nbytes, dp, tp)],
+    )
     assert cluster.allreduce_seconds(1e9, 1, 8) == 0.0 and isinstance(cluster.tp_speedup(2), float)
     assert cluster.allreduce_seconds(1e9, 2, 4) < cluster.allreduce_seconds(1e9, 4, 4)  # 16 ranks leave the node

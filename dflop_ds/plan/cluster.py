@@ -89,7 +89,7 @@ class Cluster:
         return _scalar_or_array(ring * np.maximum(nbytes, 0.0) / bw)
 
     def p2p_seconds(self, nbytes: ArrayLike, stride: int) -> Number:
-        """Send ``nbytes`` to a GPU ``stride`` ranks away (inter-node once the stride spans a node; elementwise over arrays)."""
+        """Send ``nbytes`` to a GPU ``stride`` ranks away (inter-node once the stride spans a node; elementwise)."""
         bw = self.intra_node_bw if stride < self.gpus_per_node else self.inter_node_bw
         return _scalar_or_array(np.asarray(nbytes, dtype=float) / bw)
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from dflop_ds.jsonio import read_json_object
-
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.evaluate import Evaluation
 from dflop_ds.plan.families import family_of
@@ -92,12 +92,14 @@ def make_plans(model: Any, cluster: Cluster, shapes: Sequence[SampleShape], glob
                 p.baseline = baseline
     best, best_deepspeed = plans[0], plans[1]
     assert best is not None and best_deepspeed is not None  # search raises PlanError otherwise
-    return PlanSet(best=best, best_deepspeed=best_deepspeed, monolithic=plans[2], result=result, colocated=plans[3])
+    return PlanSet(best=best, best_deepspeed=best_deepspeed, monolithic=plans[2], result=result,
+                   colocated=plans[3])
 
 
 def cluster_of(plan: Plan, **overrides: Any) -> Cluster:
     """The cluster a plan was made for (link and memory assumptions at their defaults unless overridden)."""
-    fields = {"gpus": plan.gpus, "gpus_per_node": plan.gpus_per_node, "gpu_memory_bytes": plan.gpu_memory_bytes}
+    fields: dict[str, Any] = {"gpus": plan.gpus, "gpus_per_node": plan.gpus_per_node,
+                              "gpu_memory_bytes": plan.gpu_memory_bytes}
     fields.update(overrides)
     return Cluster(**fields)
 

@@ -27,8 +27,9 @@ docs/architecture.md, "Separately parallelized segments".
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -127,12 +128,13 @@ def search(
         raise PlanError(f"global_batch must be >= 1, got {global_batch}")
     unknown = [f for f in families if f not in FAMILIES]
     if unknown or "deepspeed" not in families:
-        raise PlanError(f"families {list(families)}: choose among {list(FAMILIES)}, \"deepspeed\" included")
+        raise PlanError(f'families {list(families)}: choose among {list(FAMILIES)}, "deepspeed" included')
     pool = list(getattr(shapes, "shapes", shapes))  # a DataProfile or a list of shapes
     batches = sample_batches(len(pool), global_batch, n_batches, seed)
     costs = np.asarray(model.predict_samples(pool), dtype=float)
-    inputs = SearchInputs(model, cluster, pool, costs, batches, batch_stats(model, pool, costs, batches),
-                          global_batch, nmb_choices)
+    inputs = SearchInputs(
+        model, cluster, pool, costs, batches, batch_stats(model, pool, costs, batches), global_batch, nmb_choices
+    )
     n_layouts = 0
     scored: dict[str, list[Scored]] = {}
     winners: dict[str, Scored | None] = {}
@@ -140,13 +142,17 @@ def search(
         family = FAMILIES[name]
         ranked, n = family.ranked(inputs, max_tries * top_k)
         n_layouts += n
-        scored[name] = explore(family, inputs, ranked, top_k=top_k, refine_layouts=refine_layouts,
-                               refine_margin=refine_margin, seed=seed)
-        done = sorted((s for s in scored[name] if s.feasible and len(s.evaluations) == len(batches)),
-                      key=lambda s: s.step_time)
+        scored[name] = explore(
+            family, inputs, ranked, top_k=top_k, refine_layouts=refine_layouts, refine_margin=refine_margin, seed=seed
+        )
+        done = sorted(
+            (s for s in scored[name] if s.feasible and len(s.evaluations) == len(batches)), key=lambda s: s.step_time
+        )
         winners[name] = done[0] if done else None
         if final_partition and family.balanced and done:
-            finals = [score(family, inputs, s.layout, batches, s.estimate, fast=False, seed=seed) for s in done[:final_k]]
+            finals = [
+                score(family, inputs, s.layout, batches, s.estimate, fast=False, seed=seed) for s in done[:final_k]
+            ]
             finals = [s for s in finals if s.feasible]
             if finals:  # report what the sampler's partition_batch gives
                 scored[name].extend(finals)

@@ -19,6 +19,17 @@ def family_of(layout: Layout) -> Family:
 
 
 __all__ = [
-    "COLOCATED", "ColocatedFamily", "DEEPSPEED", "DEFAULT_NMB", "FAMILIES", "Family", "MONOLITHIC",
-    "PipelineFamily", "PlanError", "Scored", "evaluate_colocated", "family_of", "sample_batches",
+    "COLOCATED",
+    "ColocatedFamily",
+    "DEEPSPEED",
+    "DEFAULT_NMB",
+    "FAMILIES",
+    "Family",
+    "MONOLITHIC",
+    "PipelineFamily",
+    "PlanError",
+    "Scored",
+    "evaluate_colocated",
+    "family_of",
+    "sample_batches",
 ]

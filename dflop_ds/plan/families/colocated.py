@@ -21,7 +21,8 @@ before the pipeline).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,9 @@ def encoder_state_bytes(model: Any, cluster: Cluster) -> float:
     return float(model.param_bytes["encoder"] * cluster.state_factor(cluster.gpus))
 
 
-def colocated_estimates(model: Any, cluster: Cluster, data: BatchStats, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def colocated_estimates(
+    model: Any, cluster: Cluster, data: BatchStats, grid: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Step-time and first-stage memory estimates of colocated layouts (rows ``(tp, pp, dp, n_mb)`` of ``grid``)."""
     L, G = model.llm_layers, cluster.gpus
     pb = model.param_bytes
@@ -64,16 +67,24 @@ def colocated_estimates(model: Any, cluster: Cluster, data: BatchStats, grid: np
     d_mean = (llm_work / pp + 0.5 * data.work[1] / L) / (slots * sp)
     d_heavy = (data.heavy[1] + proj * data.heavy[0]) / pp / sp
     stage_w = (pb["projector"] + pb["llm"]) / pp
-    pipe = (np.maximum(m * d_mean, d_heavy) + (pp - 1) * np.maximum(d_mean, d_heavy)
-            + cluster.allreduce_seconds(stage_w / tp, dp, tp))
+    pipe = (
+        np.maximum(m * d_mean, d_heavy)
+        + (pp - 1) * np.maximum(d_mean, d_heavy)
+        + cluster.allreduce_seconds(stage_w / tp, dp, tp)
+    )
     encoder = data.work[0] * (1.0 - proj) / G
     exchange = 2.0 * exchange_seconds(cluster, data.feature_bytes / dp)
     est = encoder + exchange + pipe + cluster.allreduce_seconds(pb["encoder"], G, 1)
     per_mb = np.maximum(data.batch / slots, 1.0)
     act_llm = np.maximum(per_mb * data.act_mean[1], data.act_heavy[1]) / pp / tp
     enc_act = data.act_mean[0] * data.batch / G / np.where(pp == 1, m, 1.0)
-    mem = (encoder_state_bytes(model, cluster) + enc_act + stage_w / tp * cluster.state_factor(dp)
-           + np.minimum(pp, m) * act_llm + np.maximum(data.work_bytes[0], data.work_bytes[1] / tp))
+    mem = (
+        encoder_state_bytes(model, cluster)
+        + enc_act
+        + stage_w / tp * cluster.state_factor(dp)
+        + np.minimum(pp, m) * act_llm
+        + np.maximum(data.work_bytes[0], data.work_bytes[1] / tp)
+    )
     return est, mem
 
 
@@ -101,21 +112,45 @@ class ColocatedFamily(Family):
         act_llm = max(max(data.batch / (dp * m), 1.0) * data.act_mean[1], data.act_heavy[1])
         enc_act = data.act_mean[0] * data.batch / G / (m if pp == 1 else 1)
         fixed = encoder_state_bytes(model, cluster) + enc_act + max(data.work_bytes[0], data.work_bytes[1] / tp)
-        bounds = memory_aware_bounds(layer_costs(data.work, model)[E:], [pb["projector"] * sf / tp] + [pb["llm"] / L * sf / tp] * L,
-                                     [0.0] + [act_llm / L / tp] * L, pp, m, fixed, cluster.usable_memory)
+        bounds = memory_aware_bounds(
+            layer_costs(data.work.tolist(), model)[E:],
+            [pb["projector"] * sf / tp] + [pb["llm"] / L * sf / tp] * L,
+            [0.0] + [act_llm / L / tp] * L,
+            pp,
+            m,
+            fixed,
+            cluster.usable_memory,
+        )
         if bounds is None:
             return None
         stages = stages_from_bounds([0] + [E + b for b in bounds[1:]], E, 1, L)
         return Layout(Segment(1, 1, G), Segment(tp, pp, dp), m, stages, balanced=True, colocated=True)
 
-    def evaluate(self, model: Any, cluster: Cluster, layout: Layout, shapes: Sequence[SampleShape],
-                 costs: np.ndarray, *, fast: bool, seed: int) -> Evaluation:
+    def evaluate(
+        self,
+        model: Any,
+        cluster: Cluster,
+        layout: Layout,
+        shapes: Sequence[SampleShape],
+        costs: np.ndarray,
+        *,
+        fast: bool,
+        seed: int,
+    ) -> Evaluation:
         """See :meth:`Family.evaluate`."""
         return evaluate_colocated(model, cluster, layout, shapes, costs, fast=fast, seed=seed)
 
 
-def evaluate_colocated(model: Any, cluster: Cluster, layout: Layout, shapes: Sequence[SampleShape], costs: np.ndarray,
-                       *, fast: bool = True, seed: int = 0) -> Evaluation:
+def evaluate_colocated(
+    model: Any,
+    cluster: Cluster,
+    layout: Layout,
+    shapes: Sequence[SampleShape],
+    costs: np.ndarray,
+    *,
+    fast: bool = True,
+    seed: int = 0,
+) -> Evaluation:
     """Split one global batch for a colocated ``layout`` (balanced on the LLM) and simulate its step."""
     if not layout.colocated:
         raise ValueError(f"layout {layout.describe()} is not colocated")
@@ -128,8 +163,15 @@ def evaluate_colocated(model: Any, cluster: Cluster, layout: Layout, shapes: Seq
     def microbatch_cost(items: list[int]) -> np.ndarray:
         return np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float) * scale
 
-    order = balanced_split(costs * scale, dp, layout.n_mb, lengths=np.array([s.llm_tokens for s in shapes]),
-                           microbatch_cost=microbatch_cost, fast=fast, seed=seed)
+    order = balanced_split(
+        costs * scale,
+        dp,
+        layout.n_mb,
+        lengths=np.array([s.llm_tokens for s in shapes]),
+        microbatch_cost=microbatch_cost,
+        fast=fast,
+        seed=seed,
+    )
     st = _stats(model, shapes, order)
     proj = projector_share(model)
     llm_share = stage_shares(flat_bounds(layout.stages), model)[:, 1]
@@ -144,9 +186,16 @@ def evaluate_colocated(model: Any, cluster: Cluster, layout: Layout, shapes: Seq
     heaviest = np.array([max((tile_s[i] for rank in order for i in rank[j]), default=0.0) for j in range(layout.n_mb)])
     encoder = float(np.maximum(st.time[..., 0].sum(axis=0) * (1.0 - proj) / G, heaviest).sum())
     exchange = float(np.sum(exchange_seconds(cluster, st.enc_bytes.max(axis=0))))
-    sim = simulate_colocated(total * ff, total * (1.0 - ff), encoder_fwd=ff * encoder, encoder_bwd=(1.0 - ff) * encoder,
-                             exchange=exchange, act_comm=comm, allreduce=cluster.allreduce_seconds(weights / tp, dp, tp),
-                             encoder_allreduce=cluster.allreduce_seconds(params["encoder"], G, 1))
+    sim = simulate_colocated(
+        total * ff,
+        total * (1.0 - ff),
+        encoder_fwd=ff * encoder,
+        encoder_bwd=(1.0 - ff) * encoder,
+        exchange=exchange,
+        act_comm=comm,
+        allreduce=cluster.allreduce_seconds(weights / tp, dp, tp),
+        encoder_allreduce=cluster.allreduce_seconds(params["encoder"], G, 1),
+    )
     act = (st.act[..., 1][..., None] * llm_frac).reshape(-1, p).max(axis=0) / tp
     held = st.act[..., 0].sum(axis=0) / G  # encoder activations per GPU of each micro-step
     enc_act = float(held.max() if p == 1 else held.sum())

@@ -12,8 +12,9 @@ for the best layouts, and scores those close to the family's best on the other b
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -137,7 +138,7 @@ class SearchInputs:
 def pipeline_grid(cluster: Cluster, n_layers: int, batch: int, nmb: Sequence[int]) -> np.ndarray:
     """(tp, pp, dp, n_mb) of one DeepSpeed pipeline of at most ``n_layers`` stages using every GPU,
     with ``dp * n_mb`` dividing ``batch`` (DeepSpeed's ``train_batch_size`` is the global batch)."""
-    rows = []
+    rows: list[tuple[int, int, int, int]] = []
     for tp in cluster.tp_degrees():
         if cluster.gpus % tp:
             continue
@@ -151,7 +152,9 @@ def pipeline_grid(cluster: Cluster, n_layers: int, batch: int, nmb: Sequence[int
     return grid[batch % (grid[:, 2] * grid[:, 3]) == 0]
 
 
-def rank_estimates(grid: np.ndarray, est: np.ndarray, mem: np.ndarray, cluster: Cluster, limit: int) -> list[tuple[float, Key]]:
+def rank_estimates(
+    grid: np.ndarray, est: np.ndarray, mem: np.ndarray, cluster: Cluster, limit: int
+) -> list[tuple[float, Key]]:
     """The ``limit`` best rows of ``grid`` within the memory estimate, best first; ties (common:
     with pp = 1 the estimate ignores n_mb) go to more, smaller microbatches."""
     ok = np.flatnonzero(mem <= cluster.usable_memory)
@@ -180,8 +183,17 @@ class Family(ABC):
         """The layout of ``key``, or None when its layers cannot be split within memory."""
 
     @abstractmethod
-    def evaluate(self, model: Any, cluster: Cluster, layout: Layout, shapes: Sequence[SampleShape],
-                 costs: np.ndarray, *, fast: bool, seed: int) -> Evaluation:
+    def evaluate(
+        self,
+        model: Any,
+        cluster: Cluster,
+        layout: Layout,
+        shapes: Sequence[SampleShape],
+        costs: np.ndarray,
+        *,
+        fast: bool,
+        seed: int,
+    ) -> Evaluation:
         """Split one global batch (``shapes``, per-sample ``costs``) for ``layout`` and simulate the step."""
 
     def valid(self, inputs: SearchInputs, key: Key) -> bool:
@@ -189,16 +201,34 @@ class Family(ABC):
         return inputs.global_batch % (key[2] * key[3]) == 0
 
 
-def score(family: Family, inputs: SearchInputs, layout: Layout, batches: list[np.ndarray], estimate: float, *,
-          fast: bool, seed: int, done: Sequence[Evaluation] = ()) -> Scored:
+def score(
+    family: Family,
+    inputs: SearchInputs,
+    layout: Layout,
+    batches: list[np.ndarray],
+    estimate: float,
+    *,
+    fast: bool,
+    seed: int,
+    done: Sequence[Evaluation] = (),
+) -> Scored:
     """Evaluate ``layout`` on ``batches`` (after the evaluations ``done``), stopping at a memory failure."""
     evals = list(done)
     for i in range(len(evals), len(batches)):
         if evals and not evals[-1].feasible:
             break
         b = batches[i]
-        evals.append(family.evaluate(inputs.model, inputs.cluster, layout, [inputs.pool[j] for j in b],
-                                     inputs.costs[b], fast=fast, seed=seed + i))
+        evals.append(
+            family.evaluate(
+                inputs.model,
+                inputs.cluster,
+                layout,
+                [inputs.pool[j] for j in b],
+                inputs.costs[b],
+                fast=fast,
+                seed=seed + i,
+            )
+        )
     times = [e.sim.step_time for e in evals]
     return Scored(
         layout=layout,
@@ -212,8 +242,16 @@ def score(family: Family, inputs: SearchInputs, layout: Layout, batches: list[np
     )
 
 
-def explore(family: Family, inputs: SearchInputs, ranked: list[tuple[float, Key]], *, top_k: int,
-            refine_layouts: int, refine_margin: float, seed: int) -> list[Scored]:
+def explore(
+    family: Family,
+    inputs: SearchInputs,
+    ranked: list[tuple[float, Key]],
+    *,
+    top_k: int,
+    refine_layouts: int,
+    refine_margin: float,
+    seed: int,
+) -> list[Scored]:
     """Simulate a family's best estimates and refine them (the search's steps 2 and 3 for one family).
 
     First pass: one batch each, in order of estimate, at most two microbatch counts per layout,
@@ -252,6 +290,7 @@ def explore(family: Family, inputs: SearchInputs, ranked: list[tuple[float, Key]
     cutoff = (1.0 + refine_margin) * min(s.step_time for s in fits)
     return [
         score(family, inputs, s.layout, inputs.batches, s.estimate, fast=True, seed=seed, done=s.evaluations)
-        if s.feasible and s.step_time <= cutoff else s
+        if s.feasible and s.step_time <= cutoff
+        else s
         for s in scored
     ]

@@ -13,7 +13,8 @@ statistics), with a stage-0 memory estimate.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -25,8 +26,9 @@ from dflop_ds.plan.stages import layer_costs
 from dflop_ds.shapes import SampleShape
 
 
-def pipeline_estimates(model: Any, cluster: Cluster, data: BatchStats, grid: np.ndarray,
-                       uniform: bool) -> tuple[np.ndarray, np.ndarray]:
+def pipeline_estimates(
+    model: Any, cluster: Cluster, data: BatchStats, grid: np.ndarray, uniform: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """Step-time and stage-0 memory estimates of shared layouts (rows ``(tp, pp, dp, n_mb)`` of ``grid``)."""
     E, L = model.encoder_layers, model.llm_layers
     pb = model.param_bytes
@@ -73,8 +75,15 @@ def pipeline_estimates(model: Any, cluster: Cluster, data: BatchStats, grid: np.
     return est, mem
 
 
-def memory_aware_bounds(weights: Sequence[float], layer_memory: Sequence[float], layer_activation: Sequence[float],
-                        pp: int, n_mb: int, fixed_bytes: float, cap: float) -> list[int] | None:
+def memory_aware_bounds(
+    weights: Sequence[float],
+    layer_memory: Sequence[float],
+    layer_activation: Sequence[float],
+    pp: int,
+    n_mb: int,
+    fixed_bytes: float,
+    cap: float,
+) -> list[int] | None:
     """:func:`balanced_bounds` of ``weights`` over ``pp`` stages, stage ``s`` holding its layers'
     ``layer_memory`` plus ``min(pp - s, n_mb)`` microbatches of their ``layer_activation`` plus
     ``fixed_bytes``, under ``cap``."""
@@ -98,8 +107,9 @@ class PipelineFamily(Family):
     def ranked(self, inputs: SearchInputs, limit: int) -> tuple[list[tuple[float, Key]], int]:
         """See :meth:`Family.ranked`."""
         model = inputs.model
-        grid = pipeline_grid(inputs.cluster, model.encoder_layers + 1 + model.llm_layers, inputs.global_batch,
-                             inputs.nmb_choices)
+        grid = pipeline_grid(
+            inputs.cluster, model.encoder_layers + 1 + model.llm_layers, inputs.global_batch, inputs.nmb_choices
+        )
         if len(grid) == 0:
             return [], 0
         est, mem = pipeline_estimates(model, inputs.cluster, inputs.data, grid, self.uniform)
@@ -119,8 +129,15 @@ class PipelineFamily(Family):
             act_mb = np.maximum(per_mb * data.act_mean, data.act_heavy)
             layer_mem = [pb["encoder"] / E * sf / tp] * E + [pb["projector"] * sf / tp] + [pb["llm"] / L * sf / tp] * L
             layer_act = [act_mb[0] / E / tp] * E + [0.0] + [act_mb[1] / L / tp] * L
-            bounds = memory_aware_bounds(layer_costs(data.work, model), layer_mem, layer_act, pp, m,
-                                         data.work_bytes.max() / tp, cluster.usable_memory)
+            bounds = memory_aware_bounds(
+                layer_costs(data.work.tolist(), model),
+                layer_mem,
+                layer_act,
+                pp,
+                m,
+                data.work_bytes.max() / tp,
+                cluster.usable_memory,
+            )
             if bounds is None:
                 return None
             stages = stages_from_bounds(bounds, E, 1, L)
@@ -128,8 +145,17 @@ class PipelineFamily(Family):
         l_pp = sum(1 for s in stages if s[2] > 0 or s[1] > 0)
         return Layout(Segment(tp, e_pp, dp), Segment(tp, l_pp, dp), m, stages, balanced=not self.uniform)
 
-    def evaluate(self, model: Any, cluster: Cluster, layout: Layout, shapes: Sequence[SampleShape],
-                 costs: np.ndarray, *, fast: bool, seed: int) -> Evaluation:
+    def evaluate(
+        self,
+        model: Any,
+        cluster: Cluster,
+        layout: Layout,
+        shapes: Sequence[SampleShape],
+        costs: np.ndarray,
+        *,
+        fast: bool,
+        seed: int,
+    ) -> Evaluation:
         """See :meth:`Family.evaluate` (:func:`dflop_ds.plan.evaluate.evaluate`)."""
         return evaluate(model, cluster, layout, shapes, costs, fast=fast, seed=seed)
 
