@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from dflop_ds.plan.cluster import Cluster
-from dflop_ds.plan.evaluate import Evaluation, _stats, balanced_split, forward_fraction
+from dflop_ds.plan.evaluate import Buckets, Evaluation, _stats, balanced_split, forward_fraction
 from dflop_ds.plan.families.core import BatchStats, Family, Key, SearchInputs, pipeline_grid, rank_estimates
 from dflop_ds.plan.families.pipeline import memory_aware_bounds
 from dflop_ds.plan.layout import Layout, Segment, flat_bounds, stages_from_bounds
@@ -154,24 +154,34 @@ def evaluate_colocated(
     """Split one global batch for a colocated ``layout`` (balanced on the LLM) and simulate its step."""
     if not layout.colocated:
         raise ValueError(f"layout {layout.describe()} is not colocated")
-    tp, dp, G, p = layout.llm.tp, layout.llm.dp, cluster.gpus, layout.n_stages
-    speed = cluster.tp_speedup(tp)
-    llm_frac = np.array([s[2] for s in layout.stages], float) / model.llm_layers
-    on_projector = np.array([s[1] for s in layout.stages], float)
-    scale = np.array([0.0, llm_frac.max() / speed])  # the encoder is dispatched apart: balance the LLM
+    llm_frac = max(s[2] for s in layout.stages) / model.llm_layers
+    scale = np.array([0.0, llm_frac / cluster.tp_speedup(layout.llm.tp)])  # the encoder is dispatched apart
 
     def microbatch_cost(items: list[int]) -> np.ndarray:
         return np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float) * scale
 
+    lengths = np.array([s.llm_tokens for s in shapes])
     order = balanced_split(
         costs * scale,
-        dp,
+        layout.llm.dp,
         layout.n_mb,
-        lengths=np.array([s.llm_tokens for s in shapes]),
+        lengths=lengths,
         microbatch_cost=microbatch_cost,
         fast=fast,
         seed=seed,
     )
+    return colocated_step(model, cluster, layout, shapes, order)
+
+
+def colocated_step(
+    model: Any, cluster: Cluster, layout: Layout, shapes: Sequence[SampleShape], order: list[Buckets]
+) -> Evaluation:
+    """Simulate one step of a colocated ``layout`` whose LLM microbatches are ``order[r][j]``
+    (indices into ``shapes``) and predict its memory per stage."""
+    tp, dp, G, p = layout.llm.tp, layout.llm.dp, cluster.gpus, layout.n_stages
+    speed = cluster.tp_speedup(tp)
+    llm_frac = np.array([s[2] for s in layout.stages], float) / model.llm_layers
+    on_projector = np.array([s[1] for s in layout.stages], float)
     st = _stats(model, shapes, order)
     proj = projector_share(model)
     llm_share = stage_shares(flat_bounds(layout.stages), model)[:, 1]
@@ -180,18 +190,13 @@ def evaluate_colocated(
     comm = np.repeat(cluster.p2p_seconds(st.llm_bytes / tp, tp * dp)[..., None], max(p - 1, 0), axis=2)
     params = model.param_bytes
     weights = params["projector"] * on_projector + params["llm"] * llm_frac
-    # the encoder phase: each micro-step's encoder work over every GPU, no shorter than its heaviest tile
-    tiles = np.array([max(s.encoder_tiles, 1) for s in shapes], float)
-    tile_s = costs[:, 0] * (1.0 - proj) / tiles
-    heaviest = np.array([max((tile_s[i] for rank in order for i in rank[j]), default=0.0) for j in range(layout.n_mb)])
-    encoder = float(np.maximum(st.time[..., 0].sum(axis=0) * (1.0 - proj) / G, heaviest).sum())
-    exchange = float(np.sum(exchange_seconds(cluster, st.enc_bytes.max(axis=0))))
+    encoder = encoder_phase_seconds(model, shapes, order, G)
     sim = simulate_colocated(
         total * ff,
         total * (1.0 - ff),
         encoder_fwd=ff * encoder,
         encoder_bwd=(1.0 - ff) * encoder,
-        exchange=exchange,
+        exchange=float(np.sum(exchange_seconds(cluster, st.enc_bytes.max(axis=0)))),
         act_comm=comm,
         allreduce=cluster.allreduce_seconds(weights / tp, dp, tp),
         encoder_allreduce=cluster.allreduce_seconds(params["encoder"], G, 1),
@@ -203,6 +208,21 @@ def evaluate_colocated(
     static = weights / tp * cluster.state_factor(dp) + encoder_state_bytes(model, cluster)
     memory = static + np.minimum(p - np.arange(p), layout.n_mb) * act + enc_act + work
     return Evaluation(sim=sim, memory=memory, feasible=bool(memory.max() <= cluster.usable_memory), order=order)
+
+
+def encoder_phase_seconds(model: Any, shapes: Sequence[SampleShape], order: list[Buckets], gpus: int) -> float:
+    """Forward+backward encoder seconds of the step on the busiest GPU: every micro-step's encoder
+    work (projector excluded) over ``gpus``, or its heaviest tile when that is longer."""
+    n_mb = len(order[0])
+    proj = projector_share(model)
+    step = [[i for rank in order for i in rank[j]] for j in range(n_mb)]
+    seconds = 0.0
+    for items in step:
+        sample = [shapes[i] for i in items]
+        encoder = np.asarray(model.predict_samples(sample), dtype=float)[:, 0] * (1.0 - proj) if sample else np.zeros(0)
+        tiles = np.array([max(s.encoder_tiles, 1) for s in sample], float)
+        seconds += max(float(encoder.sum()) / gpus, float((encoder / tiles).max(initial=0.0)))
+    return seconds
 
 
 COLOCATED = ColocatedFamily()
