@@ -9,12 +9,14 @@
    cost-balanced stage split (other batches, microbatch sizes and split than step 2).
 4. Simulates every timed step of step 3 from the cost model's predictions of its microbatches,
    with the engine profile and without it, and compares with the measured step times.
-5. The colocated case: 2 ranks, ZeRO-2, no pipeline, the DFLOP sampler and ``"encoder":
-   "colocated"`` (the encoder's work dispatched by cost over both ranks, features exchanged);
-   every timed step is replayed by the planner's colocated step simulation
-   (``dflop_ds.plan.families.colocated.colocated_step``) on the microbatches the run trained,
-   with the engine profile's in-engine terms (compute multipliers, forward share, load per
-   microbatch, the step's tail, one exchange per micro-step and direction) and without them.
+5. The colocated case: profiles the plain engine (2 ranks, ZeRO-2, no pipeline, the stock
+   sampler, the encoder local): what a step costs beyond its compute (load, ZeRO's reductions,
+   the optimizer), the mean of measured minus simulated. Then runs 2 ranks, ZeRO-2, the DFLOP
+   sampler and ``"encoder": "colocated"`` (the encoder's work dispatched by cost over both
+   ranks, features exchanged); every timed step is replayed by the planner's colocated step
+   simulation (``dflop_ds.plan.families.colocated.colocated_step``) on the microbatches the run
+   trained, with the engine terms (step 2's compute multipliers, forward share and exchange
+   cost, one exchange per micro-step and direction; the plain engine's overhead) and without.
 
 Nothing of steps 3 and 5 feeds the predictions. Last line: `simulator step_time error=<x>
 cost_model_only=<y> colocated_error=<a> colocated_cost_model_only=<b>` (mean relative errors
@@ -82,7 +84,7 @@ class EngineScaled:
         return np.asarray(self.cost_model.predict_microbatch(shapes), dtype=float) * self.scale
 
 
-def read_colocated_steps(trace: Path, summary: Path, skip: int) -> list[tuple[float, list]]:
+def read_traced_steps(trace: Path, summary: Path, skip: int) -> list[tuple[float, list]]:
     """``(measured step seconds, microbatches per rank)`` of every step after ``skip`` warm-up steps."""
     ranks: dict[int, dict[int, list]] = {}
     for line in trace.read_text().splitlines():
@@ -101,26 +103,43 @@ def read_colocated_steps(trace: Path, summary: Path, skip: int) -> list[tuple[fl
     return steps
 
 
+def plain_run(config: dict, block: dict, out: Path, name: str, steps: int) -> list[tuple[float, list]]:
+    """A 2-rank plain-engine run of ``steps`` steps; its timed steps (see :func:`read_traced_steps`)."""
+    trace, summary = out / f"{name}_trace.jsonl", out / f"{name}_summary.json"
+    train(config, {**block, "steps": steps, "warmup_steps": WARMUP}, out, name,
+          {"--trace": trace, "--summary": summary})
+    return read_traced_steps(trace, summary, WARMUP)
+
+
+def local_compute_seconds(model: Any, shapes, order: list) -> float:
+    """Compute seconds of a plain-engine step with the encoder on each sample's own rank: every
+    micro-step waits for its slowest rank (ZeRO-2 reduces gradients in each backward)."""
+    n_mb = len(order[0])
+    return float(sum(max(float(np.sum(model.predict_microbatch([shapes[i] for i in rank[j]]))) for rank in order)
+                     for j in range(n_mb)))
+
+
 def validate_colocated(args: argparse.Namespace, cost_model: Any, engine: EngineProfile,
                        out: Path) -> tuple[float, float]:
-    """Step 5 of the module docstring; returns the mean relative errors (engine profile, cost model only)."""
+    """Step 5 of the module docstring; returns the mean relative errors (engine terms, cost model only)."""
     config = json.loads(Path(args.colocated_config).read_text())
     block = config.pop("dflop")
     shapes = read_dataset(ROOT / block.get("data", "examples/data/mixture.jsonl"), TINY_POLICY)
-    trace, summary = out / "validate_colocated_trace.jsonl", out / "validate_colocated_summary.json"
-    print("\nthe colocated case: ZeRO-2, 2 ranks, encoder dispatched by cost ...", flush=True)
-    run_block = {**block, "sampler": "dflop", "encoder": "colocated", "cost_model": str(Path(args.cost_model).resolve()),
-                 "steps": args.colocated_steps, "warmup_steps": WARMUP}
-    train(config, run_block,
-          out, "validate_colocated", {"--trace": trace, "--summary": summary})
-    steps = read_colocated_steps(trace, summary, WARMUP)
+    scaled = EngineScaled(cost_model, engine)
+    print("\nprofiling the plain engine: ZeRO-2, 2 ranks, stock sampler, local encoder ...", flush=True)
+    profile = plain_run(config, {**block, "sampler": "stock", "encoder": "local"}, out, "plain_profile",
+                        args.profile_steps)
+    overhead = float(np.mean([s - local_compute_seconds(scaled, shapes, order) for s, order in profile]))
+    print(f"plain engine: {overhead:.3f} s per step beyond the compute ({len(profile)} steps)", flush=True)
+    print("the colocated case: ZeRO-2, 2 ranks, DFLOP sampler, encoder dispatched by cost ...", flush=True)
+    steps = plain_run(config, {**block, "sampler": "dflop", "encoder": "colocated",
+                               "cost_model": str(Path(args.cost_model).resolve())}, out, "validate_colocated",
+                      args.colocated_steps)
     dp, n_mb = len(steps[0][1]), len(steps[0][1][0])
     layout = Layout(Segment(1, 1, dp), Segment(1, 1, dp), n_mb,
                     ((cost_model.encoder_layers, 1, cost_model.llm_layers),), colocated=True)
     cluster = Cluster(gpus=dp, gpus_per_node=dp, gpu_memory_bytes=1e15, memory_reserve_bytes=0.0)
-    scaled = EngineScaled(cost_model, engine)
-    # the plain engine loads every microbatch and runs the whole model's reduction and optimizer
-    engine_terms = n_mb * (engine.load_s[0] + 2.0 * engine.exchange_s) + float(np.sum(engine.tail_s))
+    engine_terms = overhead + 2 * n_mb * engine.exchange_s  # one all-to-all per micro-step and direction
     measured = np.array([s for s, _ in steps])
     profiled = np.array([colocated_step(scaled, cluster, layout, shapes, order).sim.step_time + engine_terms
                          for _, order in steps])

@@ -1,7 +1,8 @@
 """Discrete-event simulation of one training step under DeepSpeed's 1F1B schedule.
 
-Each stage runs its operations in the order of :mod:`dflop_ds.plan.schedule`; an operation
-starts when its stage is free and its input has arrived:
+Each stage runs its operations in the order of DeepSpeed's own instruction stream
+(:mod:`dflop_ds.plan.instructions`); an operation starts when its stage is free and its input
+has arrived:
 
 - forward of microbatch ``j`` on stage ``s``: after the forward of ``j`` on ``s - 1`` plus the
   activation transfer ``s - 1 -> s``;
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from dflop_ds.plan.schedule import n_slots, slot_op
+from dflop_ds.plan.instructions import compute_of, stage_instructions
 
 
 @dataclass
@@ -103,27 +104,26 @@ TRANSFERS = ("blocking", "overlapped")
 
 
 def _slot_tables(n_stages: int, n_mb: int) -> list[tuple[np.ndarray, ...]]:
-    """Per slot: forward stages and their microbatches, backward stages and theirs, and the
-    exchanges that open the slot: stages ``s`` trading with ``s - 1``, the microbatch whose
-    gradient goes back and the one whose activation comes in (``-1``: none)."""
+    """Per slot, from DeepSpeed's instruction stream: forward stages and their microbatches,
+    backward stages and theirs, and the exchanges that open the slot: stages ``s`` trading with
+    ``s - 1`` (``SendGrad``/``RecvActivation``), the microbatch whose gradient goes back and the
+    one whose activation comes in (``-1``: none)."""
+    stages = [stage_instructions(s, n_stages, n_mb) for s in range(n_stages)]
     tables = []
-    for t in range(n_slots(n_stages, n_mb)):
-        fs, fm, bs, bm, xs, xg, xa = [], [], [], [], [], [], []
+    for t in range(len(stages[0])):
+        columns: tuple[list[int], ...] = ([], [], [], [], [], [], [])
+        fs, fm, bs, bm, xs, xg, xa = columns
         for s in range(n_stages):
-            op = slot_op(t, s, n_stages, n_mb)
-            if s > 0 and s % 2 == t % 2:  # a forward slot of s: DeepSpeed's exchange with s - 1
-                before = slot_op(t - 1, s, n_stages, n_mb) if t > 0 else None
-                grad_mb = before.microbatch if before is not None else -1
-                act_mb = op.microbatch if op is not None else -1
-                if grad_mb >= 0 or act_mb >= 0:
-                    xs.append(s)
-                    xg.append(grad_mb)
-                    xa.append(act_mb)
-            if op is None:
-                continue
-            (fs if op.kind == "F" else bs).append(s)
-            (fm if op.kind == "F" else bm).append(op.microbatch)
-        tables.append(tuple(np.array(v, dtype=int) for v in (fs, fm, bs, bm, xs, xg, xa)))
+            slot = {i.name: i.microbatch for i in stages[s][t]}
+            if "SendGrad" in slot or "RecvActivation" in slot:
+                xs.append(s)
+                xg.append(slot.get("SendGrad", -1))
+                xa.append(slot.get("RecvActivation", -1))
+            op = compute_of(stages[s][t])
+            if op is not None:
+                (fs if op.kind == "forward" else bs).append(s)
+                (fm if op.kind == "forward" else bm).append(op.microbatch)
+        tables.append(tuple(np.array(v, dtype=int) for v in columns))
     return tables
 
 
