@@ -6,30 +6,15 @@ import json
 
 import numpy as np
 import pytest
+from test_plan_file import _shapes as plan_file_shapes
 
 from dflop_ds.plan import Cluster, Plan, Segment, make_plans, reference_model, search
 from dflop_ds.plan.families import COLOCATED, DEEPSPEED, family_of
 from dflop_ds.plan.families.colocated import evaluate_colocated, projector_share
 from dflop_ds.plan.layout import Layout, flat_bounds
 from dflop_ds.plan.simulator import simulate_1f1b, simulate_colocated
-from dflop_ds.shapes import ShapePolicy
 
-
-def _shapes(n: int = 160) -> list:
-    """Skewed encoder work: long videos, single images and text."""
-    policy = ShapePolicy()
-    out = []
-    for i in range(n):
-        if i % 4 == 0:
-            out.append(policy.shape(f"v{i}", video_frames=8 + 5 * i, text_tokens=60 + i))
-        elif i % 4 in (1, 2):
-            out.append(policy.shape(f"i{i}", image_sizes=[(300 + 9 * i, 500)], text_tokens=30 + 11 * i))
-        else:
-            out.append(policy.shape(f"t{i}", text_tokens=40 + 13 * i))
-    return out
-
-
-SHAPES = _shapes()
+SHAPES = plan_file_shapes(160)  # videos, images and text: a skewed encoder load
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,13 @@ before the pipeline).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from dflop_ds.plan.cluster import Cluster
-from dflop_ds.plan.evaluate import Buckets, Evaluation, _stats, balanced_split, forward_fraction
+from dflop_ds.plan.evaluate import Buckets, Evaluation, _stats, forward_fraction, split_batch
 from dflop_ds.plan.families.core import BatchStats, Family, Key, SearchInputs, pipeline_grid, rank_estimates
 from dflop_ds.plan.families.pipeline import memory_aware_bounds
 from dflop_ds.plan.layout import Layout, Segment, flat_bounds, stages_from_bounds
@@ -94,6 +95,9 @@ class ColocatedFamily(Family):
     name = "colocated"
     balanced = True
 
+    def __init__(self) -> None:
+        self.evaluate = evaluate_colocated
+
     def ranked(self, inputs: SearchInputs, limit: int) -> tuple[list[tuple[float, Key]], int]:
         """See :meth:`Family.ranked`."""
         grid = pipeline_grid(inputs.cluster, 1 + inputs.model.llm_layers, inputs.global_batch, inputs.nmb_choices)
@@ -126,20 +130,6 @@ class ColocatedFamily(Family):
         stages = stages_from_bounds([0] + [E + b for b in bounds[1:]], E, 1, L)
         return Layout(Segment(1, 1, G), Segment(tp, pp, dp), m, stages, balanced=True, colocated=True)
 
-    def evaluate(
-        self,
-        model: Any,
-        cluster: Cluster,
-        layout: Layout,
-        shapes: Sequence[SampleShape],
-        costs: np.ndarray,
-        *,
-        fast: bool,
-        seed: int,
-    ) -> Evaluation:
-        """See :meth:`Family.evaluate`."""
-        return evaluate_colocated(model, cluster, layout, shapes, costs, fast=fast, seed=seed)
-
 
 def evaluate_colocated(
     model: Any,
@@ -151,25 +141,18 @@ def evaluate_colocated(
     fast: bool = True,
     seed: int = 0,
 ) -> Evaluation:
-    """Split one global batch for a colocated ``layout`` (balanced on the LLM) and simulate its step."""
+    """Split one global batch for a colocated ``layout`` and simulate its step.
+
+    The microbatches balance the LLM pipeline alone (the encoder's work is dispatched apart), as
+    the sampler does: :func:`~dflop_ds.plan.evaluate.split_batch` of the same pipeline without
+    encoder layers.
+    """
     if not layout.colocated:
         raise ValueError(f"layout {layout.describe()} is not colocated")
-    llm_frac = max(s[2] for s in layout.stages) / model.llm_layers
-    scale = np.array([0.0, llm_frac / cluster.tp_speedup(layout.llm.tp)])  # the encoder is dispatched apart
-
-    def microbatch_cost(items: list[int]) -> np.ndarray:
-        return np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float) * scale
-
-    lengths = np.array([s.llm_tokens for s in shapes])
-    order = balanced_split(
-        costs * scale,
-        layout.llm.dp,
-        layout.n_mb,
-        lengths=lengths,
-        microbatch_cost=microbatch_cost,
-        fast=fast,
-        seed=seed,
+    llm_only = replace(
+        layout, encoder=layout.llm, stages=tuple((0, p, l) for _, p, l in layout.stages), colocated=False
     )
+    order = split_batch(llm_only, shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model)
     return colocated_step(model, cluster, layout, shapes, order)
 
 

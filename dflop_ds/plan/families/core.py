@@ -12,7 +12,7 @@ for the best layouts, and scores those close to the family's best on the other b
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,19 +182,9 @@ class Family(ABC):
     def build(self, inputs: SearchInputs, key: Key) -> Layout | None:
         """The layout of ``key``, or None when its layers cannot be split within memory."""
 
-    @abstractmethod
-    def evaluate(
-        self,
-        model: Any,
-        cluster: Cluster,
-        layout: Layout,
-        shapes: Sequence[SampleShape],
-        costs: np.ndarray,
-        *,
-        fast: bool,
-        seed: int,
-    ) -> Evaluation:
-        """Split one global batch (``shapes``, per-sample ``costs``) for ``layout`` and simulate the step."""
+    #: ``evaluate(model, cluster, layout, shapes, costs, *, fast, seed) -> Evaluation``: split one
+    #: global batch (``shapes``, per-sample ``costs``) for ``layout`` and simulate the step
+    evaluate: Callable[..., Evaluation]
 
     def valid(self, inputs: SearchInputs, key: Key) -> bool:
         """``dp * n_mb`` divides the global batch (DeepSpeed's ``train_batch_size`` equals it)."""

@@ -19,11 +19,10 @@ from typing import Any
 import numpy as np
 
 from dflop_ds.plan.cluster import Cluster
-from dflop_ds.plan.evaluate import Evaluation, evaluate
+from dflop_ds.plan.evaluate import evaluate
 from dflop_ds.plan.families.core import BatchStats, Family, Key, SearchInputs, pipeline_grid, rank_estimates
 from dflop_ds.plan.layout import Layout, Segment, balanced_bounds, stages_from_bounds, uniform_bounds
 from dflop_ds.plan.stages import layer_costs
-from dflop_ds.shapes import SampleShape
 
 
 def pipeline_estimates(
@@ -103,6 +102,7 @@ class PipelineFamily(Family):
         self.name = name
         self.uniform = uniform
         self.balanced = not uniform
+        self.evaluate = evaluate
 
     def ranked(self, inputs: SearchInputs, limit: int) -> tuple[list[tuple[float, Key]], int]:
         """See :meth:`Family.ranked`."""
@@ -144,20 +144,6 @@ class PipelineFamily(Family):
         e_pp = sum(1 for s in stages if s[0] > 0)
         l_pp = sum(1 for s in stages if s[2] > 0 or s[1] > 0)
         return Layout(Segment(tp, e_pp, dp), Segment(tp, l_pp, dp), m, stages, balanced=not self.uniform)
-
-    def evaluate(
-        self,
-        model: Any,
-        cluster: Cluster,
-        layout: Layout,
-        shapes: Sequence[SampleShape],
-        costs: np.ndarray,
-        *,
-        fast: bool,
-        seed: int,
-    ) -> Evaluation:
-        """See :meth:`Family.evaluate` (:func:`dflop_ds.plan.evaluate.evaluate`)."""
-        return evaluate(model, cluster, layout, shapes, costs, fast=fast, seed=seed)
 
 
 DEEPSPEED = PipelineFamily("deepspeed", uniform=False)
