@@ -149,9 +149,8 @@ def evaluate_colocated(
     """
     if not layout.colocated:
         raise ValueError(f"layout {layout.describe()} is not colocated")
-    llm_only = replace(
-        layout, encoder=layout.llm, stages=tuple((0, p, l) for _, p, l in layout.stages), colocated=False
-    )
+    stages = tuple((0, projector, llm) for _, projector, llm in layout.stages)
+    llm_only = replace(layout, encoder=layout.llm, stages=stages, colocated=False)
     order = split_batch(llm_only, shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model)
     return colocated_step(model, cluster, layout, shapes, order)
 
