@@ -19,8 +19,6 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
-from deepspeed.runtime.pipe.schedule import TrainSchedule
-
 #: DeepSpeed instruction class name -> kind (shared with dflop_ds.telemetry's timers)
 KINDS = {
     "ForwardPass": "forward",
@@ -69,6 +67,9 @@ def stage_instructions(stage: int, n_stages: int, n_mb: int) -> tuple[tuple[Inst
     """Per slot, the instructions ``stage`` runs in DeepSpeed's ``TrainSchedule`` (microbatches numbered)."""
     if n_stages < 1 or n_mb < 1 or not 0 <= stage < n_stages:
         raise ValueError(f"need n_stages >= 1, n_mb >= 1 and 0 <= stage < n_stages, got {stage}, {n_stages}, {n_mb}")
+    # imported here: `import dflop_ds.plan` (and the CLI) stays free of DeepSpeed's import and its log line
+    from deepspeed.runtime.pipe.schedule import TrainSchedule
+
     seen: Counter[str] = Counter()
     slots = []
     for commands in TrainSchedule(micro_batches=n_mb, stages=n_stages, stage_id=stage).steps():
