@@ -3,103 +3,31 @@
 Each baseline maps a global batch of ``n`` items to ``n_buckets`` buckets and returns
 ``list[list[int]]`` (item indices per bucket), the format of ``Partition.buckets``. They are
 written from the published descriptions of each system (see docs in each function); none is
-tuned beyond what the original does.
+tuned beyond what the original does. The ones a run can train with (stock, LLaVA's, verl's)
+are the library's registered splitters (:mod:`dflop_ds.schedule.splitters`), re-exported here.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from typing import Optional, Sequence
 
 import numpy as np
 
-from dflop_ds.schedule.lpt import differencing_assign, labels_to_buckets
+from dflop_ds.schedule.splitters import SplitRequest, make_splitter
+from dflop_ds.schedule.splitters.llava import llava_modality_grouped
+from dflop_ds.schedule.splitters.verl import verl_karmarkar_karp, verl_workload
 
 Buckets = list[list[int]]
+__all__ = ["dflop_ilp", "llava_modality_grouped", "ortools_available", "scalar_lpt", "stock_sequential", "timed",
+           "verl_karmarkar_karp", "verl_workload"]
 
 
 def stock_sequential(n: int, n_buckets: int, seed: int = 0) -> Buckets:
-    """Stock DeepSpeed / HF Trainer: shuffle, then consecutive chunks of a fixed sample count
-    (``n / n_buckets``; sizes differ by at most one when it does not divide)."""
+    """Stock DeepSpeed / HF Trainer: shuffle, then the registered ``"stock"`` splitter's
+    consecutive chunks of a fixed sample count (one rank of ``n_buckets`` microbatches)."""
     order = np.random.default_rng(seed).permutation(n)
-    return [chunk.tolist() for chunk in np.array_split(order, n_buckets)]
-
-
-def _even_chunks(indices: Sequence[int], lengths: np.ndarray, n_chunks: int) -> Buckets:
-    """LLaVA's chunking of one length-sorted megabatch: each index goes to the chunk with the
-    smallest summed length that is not yet full; a megabatch that does not divide evenly is
-    dealt round-robin instead."""
-    if len(indices) % n_chunks:
-        return [list(indices[i::n_chunks]) for i in range(n_chunks)]
-    per_chunk = len(indices) // n_chunks
-    chunks: Buckets = [[] for _ in range(n_chunks)]
-    sums = [0.0] * n_chunks
-    for index in indices:
-        target = sums.index(min(sums))
-        chunks[target].append(int(index))
-        sums[target] += float(lengths[index])
-        if len(chunks[target]) == per_chunk:
-            sums[target] = float("inf")
-    return chunks
-
-
-def _length_grouped(indices: np.ndarray, lengths: np.ndarray, megabatch: int, n_chunks: int,
-                    rng: np.random.Generator) -> list[int]:
-    """Shuffle, cut into megabatches, sort each by decreasing length, chunk evenly, flatten."""
-    shuffled = indices[rng.permutation(indices.size)]
-    flat: list[int] = []
-    for start in range(0, shuffled.size, megabatch):
-        group = sorted(shuffled[start:start + megabatch].tolist(), key=lambda i: -lengths[i])
-        for chunk in _even_chunks(group, lengths, n_chunks):
-            flat.extend(chunk)
-    return flat
-
-
-def llava_modality_grouped(lengths: np.ndarray, is_multimodal: np.ndarray, n_buckets: int,
-                           world_size: int = 8, seed: int = 0) -> Buckets:
-    """LLaVA's ``group_by_modality_length`` sampler applied to one global batch.
-
-    Image/video samples and text-only samples are grouped separately: each modality is
-    shuffled and cut into megabatches of ``world_size * per_bucket`` samples, each megabatch is
-    sorted by length and dealt greedily to the ``world_size`` chunk with the smallest summed
-    length. Full megabatches of both modalities are shuffled together; the two incomplete
-    leftovers are concatenated, in index order, at the end. The resulting sample order is then
-    cut into consecutive buckets of ``n / n_buckets`` samples, as the trainer's data loader does.
-    ``lengths`` are what LLaVA measures: the text length (it does not count image tokens).
-    """
-    lengths = np.asarray(lengths, dtype=float)
-    n = lengths.size
-    per_bucket = max(n // n_buckets, 1)
-    chunks = min(world_size, n_buckets)
-    megabatch = chunks * per_bucket
-    rng = np.random.default_rng(seed)
-    mm = np.flatnonzero(np.asarray(is_multimodal, dtype=bool))
-    text = np.flatnonzero(~np.asarray(is_multimodal, dtype=bool))
-    full: list[list[int]] = []
-    leftover: list[int] = []
-    for group in (mm, text):
-        order = _length_grouped(group, lengths, megabatch, chunks, rng)
-        cut = len(order) - len(order) % megabatch
-        full.extend(order[i:i + megabatch] for i in range(0, cut, megabatch))
-        leftover.extend(order[cut:])
-    flat = [i for k in rng.permutation(len(full)) for i in full[k]] + sorted(leftover)
-    return [chunk.tolist() for chunk in np.array_split(np.array(flat, dtype=np.int64), n_buckets)]
-
-
-def verl_workload(seqlens: np.ndarray) -> np.ndarray:
-    """verl's per-sequence workload estimate: ``24576 * s + s**2`` (linear plus attention)."""
-    s = np.asarray(seqlens, dtype=float)
-    return 24576.0 * s + s * s
-
-
-def verl_karmarkar_karp(seqlens: np.ndarray, n_buckets: int, equal_size: bool = True) -> Buckets:
-    """verl's ``get_seqlen_balanced_partitions``: Karmarkar-Karp largest differencing on the
-    workload of each sequence, with verl's equal-size start (``n_buckets`` sorted items at a
-    time, one per partition). On one scalar column our vector differencing is exactly that
-    algorithm, so it is reused; only the input (verl's workload, LLM length only) differs."""
-    workload = verl_workload(seqlens)[:, None]
-    return labels_to_buckets(differencing_assign(workload, n_buckets, equal_size=equal_size), n_buckets)
+    return make_splitter("stock").split(SplitRequest(order.tolist(), np.zeros(n), n_buckets, 1)).ranks[0]
 
 
 def scalar_lpt(scalar_costs: np.ndarray, n_buckets: int) -> Buckets:
@@ -125,7 +53,7 @@ def ortools_available() -> bool:
 
 
 def dflop_ilp(costs: np.ndarray, n_buckets: int, time_limit_s: float = 10.0,
-              backend: Optional[str] = None, scale: float = 1e6) -> Optional[Buckets]:
+              backend: str | None = None, scale: float = 1e6) -> Buckets | None:
     """DFLOP's scheduler as published: binary ``x[i, j]``, minimise ``C`` with ``C >=`` each
     bucket's summed cost per column, each item in one bucket; no warm start, no symmetry
     breaking, a time limit. CP-SAT (one worker; costs scaled to integers by ``scale`` over the
@@ -139,7 +67,7 @@ def dflop_ilp(costs: np.ndarray, n_buckets: int, time_limit_s: float = 10.0,
     return _dflop_pulp(matrix, n_buckets, time_limit_s)
 
 
-def _dflop_cpsat(costs: np.ndarray, n_buckets: int, time_limit_s: float, scale: float) -> Optional[Buckets]:
+def _dflop_cpsat(costs: np.ndarray, n_buckets: int, time_limit_s: float, scale: float) -> Buckets | None:
     from ortools.sat.python import cp_model
 
     n, k = costs.shape
@@ -162,7 +90,7 @@ def _dflop_cpsat(costs: np.ndarray, n_buckets: int, time_limit_s: float, scale: 
     return [[i for i in range(n) if solver.BooleanValue(x[i][j])] for j in range(n_buckets)]
 
 
-def _dflop_pulp(costs: np.ndarray, n_buckets: int, time_limit_s: float) -> Optional[Buckets]:
+def _dflop_pulp(costs: np.ndarray, n_buckets: int, time_limit_s: float) -> Buckets | None:
     import warnings
 
     import pulp

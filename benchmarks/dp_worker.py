@@ -34,7 +34,7 @@ from dflop_ds.profile import CostModel  # noqa: E402
 from dflop_ds.schedule.dispatch import plan_dispatch  # noqa: E402
 from dflop_ds.schedule.epoch import epoch_permutation, global_batches  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
-from dflop_ds.schedule.split import split_balanced  # noqa: E402
+from dflop_ds.schedule.splitters import SplitRequest, make_splitter  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 from dflop_ds.train import TrainingEngine, build_engine  # noqa: E402
 from dflop_ds.train.colocated import (DispatchCollate, DispatchDataset, LLMOnlyCost, MicrostepRequest,  # noqa: E402
@@ -127,10 +127,11 @@ def main() -> int:
             start = time.perf_counter()
             if method in ("dflop", "dflop_dispatch"):
                 model = llm_only if method == "dflop_dispatch" else cost_model
-                split = split_balanced(batch, model.predict_samples(group), args.gas, dp,
-                                       lambda pos, m=model: m.predict_microbatch([group[p] for p in pos]),
-                                       seed=args.seed + round_id, lengths=[s.llm_tokens for s in group],
-                                       lockstep=True).ranks
+                request = SplitRequest(batch, model.predict_samples(group), args.gas, dp, shapes=group,
+                                       microbatch_cost=lambda pos, m=model, g=group: m.predict_microbatch(
+                                           [g[p] for p in pos]),
+                                       lengths=[s.llm_tokens for s in group], seed=args.seed + round_id)
+                split = make_splitter("dflop", lockstep=True).split(request).ranks
             else:
                 split = split_for(method, batch, shapes, costs[batch], args.gas, dp, seed=args.seed + round_id)
             own = [[ScheduledIndex(i, denominator) for i in mb] for mb in split[rank]]

@@ -6,12 +6,11 @@ exactly ``n_mb`` microbatches per rank, so the same engine can run any of them.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from benchmarks.baselines import llava_modality_grouped, verl_karmarkar_karp, verl_workload
-from dflop_ds.schedule.split import RankSplit, split_balanced, split_stock
+from dflop_ds.schedule.splitters import MicrobatchCost, RankSplit, SplitRequest, make_splitter
 from dflop_ds.shapes import SampleShape
 
 #: ``dflop_uniform`` is dflop-ds's scheduling alone, on the baselines' layer-count stage split;
@@ -20,40 +19,15 @@ METHODS = ("stock", "stock_packed", "llava", "verl", "dflop_uniform", "dflop")
 #: methods whose microbatches are packed, as their users run them: verl removes padding, and
 #: dflop-ds packs by default where the model can (``"dflop".packing``)
 PACKED_METHODS = frozenset({"stock_packed", "verl", "dflop_uniform", "dflop"})
-
-
-def _deal(buckets: list[list[int]], batch: Sequence[int], n_mb: int, dp: int) -> RankSplit:
-    """Buckets over batch positions -> per-rank microbatches of dataset indices, bucket ``b`` on
-    rank ``b // n_mb`` (consecutive buckets per rank, as a sequential loader deals them)."""
-    return [[[int(batch[p]) for p in buckets[r * n_mb + j]] for j in range(n_mb)] for r in range(dp)]
-
-
-def both_ends_order(workloads: Sequence[float]) -> list[int]:
-    """verl's pipeline order: the smallest microbatches at both ends, the largest in the middle."""
-    ascending = np.argsort(np.asarray(workloads, dtype=float), kind="stable").tolist()
-    return ascending[0::2] + ascending[1::2][::-1]
-
-
-def split_llava(batch: Sequence[int], shapes: Sequence[SampleShape], n_mb: int, dp: int, seed: int) -> RankSplit:
-    """LLaVA's modality-grouped length sampler, lengths as LLaVA measures them (text tokens)."""
-    group = [shapes[i] for i in batch]
-    lengths = np.array([s.text_tokens for s in group], dtype=float)
-    multimodal = np.array([s.encoder_tiles > 0 for s in group])
-    buckets = llava_modality_grouped(lengths, multimodal, n_mb * dp, world_size=dp, seed=seed)
-    return _deal(buckets, batch, n_mb, dp)
-
-
-def split_verl(batch: Sequence[int], shapes: Sequence[SampleShape], n_mb: int, dp: int) -> RankSplit:
-    """verl: Karmarkar-Karp over ranks on LLM sequence length, then per rank into microbatches,
-    ordered with the small ones at both ends of the pipeline."""
-    seqlens = np.array([shapes[i].llm_tokens for i in batch], dtype=float)
-    ranks: RankSplit = []
-    for rank_positions in verl_karmarkar_karp(seqlens, dp):
-        local = np.asarray(rank_positions)
-        micro = verl_karmarkar_karp(seqlens[local], n_mb)
-        work = [verl_workload(seqlens[local[m]]).sum() for m in micro]
-        ranks.append([[int(batch[local[p]]) for p in micro[j]] for j in both_ends_order(work)])
-    return ranks
+#: the registered splitter of each method (the methods differ from it in stage split or packing)
+SPLITTERS = {
+    "stock": "stock",
+    "stock_packed": "stock",
+    "llava": "llava",
+    "verl": "verl",
+    "dflop_uniform": "dflop",
+    "dflop": "dflop",
+}
 
 
 def split_for(
@@ -64,23 +38,31 @@ def split_for(
     n_mb: int,
     dp: int,
     *,
-    microbatch_cost: Optional[Callable[[Sequence[int]], np.ndarray]] = None,
+    microbatch_cost: MicrobatchCost | None = None,
     time_limit_s: float = 0.0,
     seed: int = 0,
+    lockstep: bool = False,
 ) -> RankSplit:
-    """The split of ``batch`` by ``method`` (one of :data:`METHODS`); ``costs`` are the rows of
-    ``batch`` under the dflop cost model, ``microbatch_cost`` maps batch positions to a collated
-    microbatch's cost (for a method of :data:`PACKED_METHODS`, packed costs: additive, so dflop
-    then balances ``costs`` alone)."""
-    if method in ("stock", "stock_packed"):
-        return split_stock(list(batch), costs, n_mb, dp).ranks
-    if method == "llava":
-        return split_llava(batch, shapes, n_mb, dp, seed)
-    if method == "verl":
-        return split_verl(batch, shapes, n_mb, dp)
-    if method in ("dflop", "dflop_uniform"):
-        packed = method in PACKED_METHODS
-        lengths = None if packed else [shapes[i].llm_tokens for i in batch]
-        return split_balanced(list(batch), costs, n_mb, dp, None if packed else microbatch_cost,
-                              time_limit_s=time_limit_s, seed=seed, lengths=lengths).ranks
-    raise ValueError(f"unknown method {method!r}: choose from {METHODS}")
+    """The split of ``batch`` by ``method`` (one of :data:`METHODS`) with its registered splitter
+    (:data:`SPLITTERS`); ``costs`` are the rows of ``batch`` under the dflop cost model,
+    ``microbatch_cost`` maps batch positions to a collated microbatch's cost, which only dflop
+    reads (for a method of :data:`PACKED_METHODS`, packed costs: additive, so dflop then
+    balances ``costs`` alone). ``lockstep`` is dflop's option for the plain (ZeRO) engine."""
+    if method not in SPLITTERS:
+        raise ValueError(f"unknown method {method!r}: choose from {METHODS}")
+    name = SPLITTERS[method]
+    rows = [shapes[i] for i in batch]
+    if name != "dflop":
+        return make_splitter(name).split(SplitRequest(list(batch), costs, n_mb, dp, shapes=rows, seed=seed)).ranks
+    packed = method in PACKED_METHODS
+    request = SplitRequest(
+        list(batch),
+        costs,
+        n_mb,
+        dp,
+        shapes=rows,
+        seed=seed,
+        microbatch_cost=None if packed else microbatch_cost,
+        lengths=None if packed else [s.llm_tokens for s in rows],
+    )
+    return make_splitter(name, time_limit_s=time_limit_s, lockstep=lockstep).split(request).ranks

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
 from dflop_ds.config import DFLOPConfig, autotp_size
+from dflop_ds.pipe.stage_bounds import StageBounds
 from dflop_ds.schedule.correction import CorrectionSettings
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -89,23 +90,12 @@ def resolve_batch_keys(ds_config: Mapping[str, Any], dp: int) -> tuple[int, int,
 
 
 def check_stage_bounds(bounds: Sequence[int], num_stages: int, n_layers: Optional[int]) -> None:
-    """``"dflop".stage_bounds`` must run from 0 to the layer count, strictly increasing."""
-    bounds = list(bounds)
-    if len(bounds) != num_stages + 1:
-        raise SetupError(f"\"dflop\".stage_bounds {bounds} needs pipeline_stages + 1 = {num_stages + 1} entries")
-    if any(isinstance(b, bool) or not isinstance(b, int) for b in bounds):
-        raise SetupError(f"\"dflop\".stage_bounds {bounds} must be integers")
-    if bounds[0] != 0:
-        raise SetupError(f"\"dflop\".stage_bounds {bounds} must start at layer 0")
-    steps = [b - a for a, b in zip(bounds, bounds[1:])]
-    if min(steps) < 1:
-        stage = steps.index(min(steps))
-        raise SetupError(f"\"dflop\".stage_bounds {bounds} are not increasing: stage {stage} gets no layers")
-    if n_layers is not None and bounds[-1] != n_layers:
-        raise SetupError(
-            f"\"dflop\".stage_bounds {bounds} end at layer {bounds[-1]}, but the model has {n_layers}"
-            " layers (encoder + projector + LLM)"
-        )
+    """``"dflop".stage_bounds`` must run from 0 to the layer count, strictly increasing
+    (:class:`~dflop_ds.pipe.stage_bounds.StageBounds`), as a :class:`SetupError`."""
+    try:
+        StageBounds(bounds, n_layers=n_layers, num_stages=num_stages)
+    except ValueError as error:
+        raise SetupError(f"\"dflop\".{error}") from None
 
 
 def check_plan_topology(plan: PlanLike, *, world_size: int, stages: int) -> None:

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from dflop_ds.data.records import BAD_SAMPLE_POLICIES
 from dflop_ds.jsonio import read_json_object
+from dflop_ds.schedule.splitters import splitter_names
 from dflop_ds.typecheck import check_setting
 
 
@@ -17,7 +18,8 @@ class DFLOPConfig:
     """Settings read from the ``"dflop"`` block of a DeepSpeed config (all optional).
 
     Attributes:
-        sampler: ``"dflop"`` (balanced microbatches) or ``"stock"`` (fixed sample count).
+        sampler: a registered splitter (:mod:`dflop_ds.schedule.splitters`): ``"dflop"``
+            (balanced microbatches), ``"stock"`` (fixed sample count), ``"llava"``, ``"verl"``.
         data: dataset path (shape manifest JSONL or LLaVA JSON/JSONL), relative to the working
             directory.
         max_samples: use only the first ``max_samples`` samples of the dataset (None: all).
@@ -135,7 +137,7 @@ class DFLOPConfig:
         """Raise ``ValueError`` naming the first bad key and its value: types are strict (a
         boolean must be true/false, a number must not be a string), ranges are checked."""
         rules: dict[str, dict[str, Any]] = {
-            "sampler": dict(kind="str", choices=("dflop", "stock")),
+            "sampler": dict(kind="str", choices=splitter_names()),
             "data": dict(kind="str"),
             "max_samples": dict(kind="int", minimum=1, optional=True),
             "on_bad_sample": dict(kind="str", choices=BAD_SAMPLE_POLICIES),

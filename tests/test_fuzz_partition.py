@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflop_ds.schedule.partition import partition_batch
-from dflop_ds.schedule.split import split_balanced
+from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 
 REL = 1e-9  # float summation order differs between the partitioner, the bound and this test
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -81,7 +81,7 @@ def test_one_bad_cost_is_refused_by_name(instance, data):
     n_mb = data.draw(st.integers(1, n_buckets))
     if n_buckets % n_mb == 0:  # the sampler's call path refuses it the same way
         with pytest.raises(ValueError, match=rf"item {row}"):
-            split_balanced(list(range(costs.shape[0])), costs, n_mb, n_buckets // n_mb)
+            make_splitter("dflop").split(SplitRequest(list(range(costs.shape[0])), costs, n_mb, n_buckets // n_mb))
 
 
 @settings(SETTINGS, max_examples=40)

@@ -172,10 +172,10 @@ def test_import_and_heuristic_need_no_pulp_and_an_exact_solve_without_it_falls_b
 
     code = ("import sys; sys.modules['pulp'] = None\n"
             "import numpy as np, dflop_ds, dflop_ds.plan\n"
-            "from dflop_ds.schedule import partition_batch, split_balanced\n"
+            "from dflop_ds.schedule import SplitRequest, make_splitter, partition_batch\n"
             "print(partition_batch(np.arange(1.0, 9.0), 2, time_limit_s=0).solver)\n"
             "costs = np.random.default_rng(0).random((12, 2))  # the heuristic is off the bound here\n"
-            "print(split_balanced(list(range(12)), costs, 3, 1, node_limit=50).solver)\n")
+            "print(make_splitter('dflop', node_limit=50).split(SplitRequest(list(range(12)), costs, 3, 1)).solver)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     heuristic, fallback = result.stdout.split()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
 import os
 import socket
 
@@ -13,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflop_ds.pipe import check_stage_bounds, plan_stage_bounds, split_by_cost, stage_costs
+from dflop_ds.pipe import StageBounds, plan_stage_bounds, split_by_cost, stage_costs
 from dflop_ds.pipe.module import int_seed, mark_boundary_outputs, unused_float_inputs
 
 torch.set_num_threads(1)
@@ -36,7 +37,7 @@ def test_split_by_cost_is_optimal_and_contiguous(costs: list[float], num_stages:
             split_by_cost(costs, num_stages)
         return
     bounds = split_by_cost(costs, num_stages)
-    assert bounds == check_stage_bounds(bounds, len(costs), num_stages)
+    assert isinstance(bounds, StageBounds) and bounds.n_layers == len(costs) and bounds.num_stages == num_stages
     assert all(type(b) is int for b in bounds)
     assert max(stage_costs(costs, bounds)) == pytest.approx(brute_force_best(costs, num_stages), abs=1e-9)
 
@@ -54,7 +55,7 @@ def test_split_by_cost_forces_the_encoder_onto_its_stages() -> None:
     assert 5 not in free
     forced = split_by_cost(costs, 3, encoder_stages=1, n_encoder=5)
     assert forced == [0, 5, 8, 11]
-    assert split_by_cost(costs, 4, encoder_stages=2, n_encoder=5)[:3] == [0, 2, 5]
+    assert list(split_by_cost(costs, 4, encoder_stages=2, n_encoder=5)[:3]) == [0, 2, 5]
     with pytest.raises(ValueError, match="n_encoder"):
         split_by_cost(costs, 3, encoder_stages=1)
     with pytest.raises(ValueError, match="encoder_stages"):
@@ -65,14 +66,33 @@ def test_split_by_cost_forces_the_encoder_onto_its_stages() -> None:
         split_by_cost([1, -1], 2)
 
 
-def test_check_and_plan_stage_bounds() -> None:
-    assert check_stage_bounds(np.array([0, 3, 7]), 7, 2) == [0, 3, 7]
-    with pytest.raises(ValueError, match="entries"):
-        check_stage_bounds([0, 7], 7, 2)
-    with pytest.raises(ValueError, match="from 0 to 7"):
-        check_stage_bounds([0, 3, 6], 7, 2)
-    with pytest.raises(ValueError, match="at least one layer"):
-        check_stage_bounds([0, 3, 3, 7], 7, 3)
+def test_stage_bounds_are_validated_once_when_built() -> None:
+    bounds = StageBounds(np.array([0, 3, 7]), n_layers=7, num_stages=2)
+    assert bounds == [0, 3, 7] and bounds == (0, 3, 7) and bounds != [0, 3, 6]
+    assert all(type(b) is int for b in bounds) and bounds.to_list() == [0, 3, 7]
+    assert (bounds.num_stages, bounds.n_layers, bounds.sizes(), bounds.ranges()) == (2, 7, [3, 4], [(0, 3), (3, 7)])
+    assert repr(bounds) == "[0, 3, 7]" and json.dumps({"b": bounds}) == '{"b": [0, 3, 7]}'
+    assert StageBounds.from_sizes([2, 1, 4]) == [0, 2, 3, 7]
+    assert {bounds: 1}[StageBounds([0, 3, 7])] == 1
+    with pytest.raises(ValueError, match=r"stage_bounds \[0, 7\] needs num_stages \+ 1 = 3 entries"):
+        StageBounds([0, 7], num_stages=2)
+    with pytest.raises(ValueError, match=r"\[0, 3, 6\] end at layer 6, but the model has 7 layers"):
+        StageBounds([0, 3, 6], n_layers=7)
+    with pytest.raises(ValueError, match=r"\[0, 3, 3, 7\] are not increasing: stage 1 gets no layers"):
+        StageBounds([0, 3, 3, 7])
+    with pytest.raises(ValueError, match=r"\[0, 5, 4\] are not increasing: stage 1"):
+        StageBounds([0, 5, 4])
+    with pytest.raises(ValueError, match="must start at layer 0"):
+        StageBounds([1, 3, 7])
+    with pytest.raises(ValueError, match="must be integers"):
+        StageBounds([0, 2.5, 7])
+    with pytest.raises(ValueError, match="must be integers"):
+        StageBounds([0, True, 7])
+    with pytest.raises(ValueError, match="at least 2 entries"):
+        StageBounds([0])
+
+
+def test_plan_stage_bounds() -> None:
     assert plan_stage_bounds(11, 6, 2, encoder_stages=1) == [0, 6, 11]
     assert plan_stage_bounds(11, 6, 2) == [0, 5, 11]  # tie: earlier stages shorter
     assert plan_stage_bounds(11, 6, 2, layer_costs=[0] * 6 + [1] * 5) == [0, 8, 11]

@@ -8,10 +8,16 @@ import numpy as np
 import pulp
 import pytest
 
-from dflop_ds.schedule import ilp, partition, split
-from dflop_ds.schedule.split import FALLBACK_SUFFIX, split_balanced
+from dflop_ds.schedule import ilp, partition
+from dflop_ds.schedule.splitters import dflop as split
+from dflop_ds.schedule.splitters import FALLBACK_SUFFIX, SplitRequest, SplitResult, make_splitter
 
 N_MB, DP = 2, 2
+
+
+def split_balanced(costs: np.ndarray, **limits: float) -> SplitResult:
+    """The dflop splitter's split of a batch of ``len(costs)`` samples with the solver's ``limits``."""
+    return make_splitter("dflop", **limits).split(SplitRequest(list(range(len(costs))), costs, N_MB, DP))
 
 
 def off_bound_costs() -> np.ndarray:
@@ -46,13 +52,13 @@ def test_solver_exception_falls_back_to_heuristic_and_warns_once(monkeypatch, ca
 
     monkeypatch.setattr(ilp, "solve_ilp", broken_solver)
     with caplog.at_level(logging.WARNING, logger=split.__name__):
-        first = split_balanced(list(range(len(costs))), costs, N_MB, DP, time_limit_s=1.0)
-        second = split_balanced(list(range(len(costs))), costs, N_MB, DP, time_limit_s=1.0)
+        first = split_balanced(costs, time_limit_s=1.0)
+        second = split_balanced(costs, time_limit_s=1.0)
     assert len(calls) == 2, "the exact solver was never tried: the test would prove nothing"
     for result in (first, second):
         check_split(result, len(costs))
         assert result.solver.endswith(FALLBACK_SUFFIX)
-    heuristic = split_balanced(list(range(len(costs))), costs, N_MB, DP, time_limit_s=0)
+    heuristic = split_balanced(costs, time_limit_s=0)
     assert first.ranks == heuristic.ranks and first.makespan == heuristic.makespan
     warnings = [r for r in caplog.records if "solver failed" in r.getMessage()]
     assert len(warnings) == 1 and "PulpSolverError" in warnings[0].getMessage()
@@ -63,7 +69,7 @@ def test_missing_cbc_binary_falls_back(monkeypatch):
     monkeypatch.setattr(ilp, "available_solver", lambda: "cbc")
     monkeypatch.setattr(ilp.pulp, "PULP_CBC_CMD",
                         lambda **kwargs: pulp.COIN_CMD(path="/nonexistent/cbc", msg=False))
-    result = split_balanced(list(range(len(costs))), costs, N_MB, DP, time_limit_s=1.0)
+    result = split_balanced(costs, time_limit_s=1.0)
     check_split(result, len(costs))
     assert result.solver.endswith(FALLBACK_SUFFIX)
 
@@ -72,7 +78,7 @@ def test_bad_costs_are_refused_not_fallen_back():
     costs = np.ones((8, 2))
     costs[3, 1] = np.nan
     with pytest.raises(ValueError, match="item 3"):
-        split_balanced(list(range(8)), costs, N_MB, DP, time_limit_s=1.0)
+        split_balanced(costs, time_limit_s=1.0)
 
 
 def test_errors_without_solver_are_not_hidden(monkeypatch):
@@ -81,7 +87,7 @@ def test_errors_without_solver_are_not_hidden(monkeypatch):
 
     monkeypatch.setattr(partition, "partition_batch", broken)
     with pytest.raises(RuntimeError, match="bug in the heuristic"):
-        split_balanced(list(range(8)), np.ones((8, 2)), N_MB, DP, time_limit_s=0)
+        split_balanced(np.ones((8, 2)), time_limit_s=0)
 
 
 def test_solver_without_a_solution_keeps_the_heuristic_split(monkeypatch):
@@ -94,8 +100,8 @@ def test_solver_without_a_solution_keeps_the_heuristic_split(monkeypatch):
         return ilp.IlpResult(labels=None, optimal=False, infeasible=False, solver="cbc")
 
     monkeypatch.setattr(ilp, "solve_ilp", no_solution)
-    result = split_balanced(list(range(len(costs))), costs, N_MB, DP, time_limit_s=1.0)
-    heuristic = split_balanced(list(range(len(costs))), costs, N_MB, DP, time_limit_s=0)
+    result = split_balanced(costs, time_limit_s=1.0)
+    heuristic = split_balanced(costs, time_limit_s=0)
     assert calls, "the exact solver was never tried"
     check_split(result, len(costs))
     assert result.ranks == heuristic.ranks and not result.solver.startswith("ilp")
@@ -108,7 +114,7 @@ def test_a_node_limited_exact_solve_is_repeatable_and_beats_the_heuristic():
     assert all(run.solver.startswith("ilp") for run in runs)
     assert runs[0].makespan < heuristic.makespan
     assert all(run.buckets == runs[0].buckets for run in runs)  # no clock: the same split every time
-    result = split_balanced(list(range(len(costs))), costs, N_MB, DP, node_limit=2000)
+    result = split_balanced(costs, node_limit=2000)
     assert result.solver.startswith("ilp")
     with pytest.raises(ValueError, match="node_limit"):
         partition.partition_batch(costs, N_MB * DP, time_limit_s=0, node_limit=-5)

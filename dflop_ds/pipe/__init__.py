@@ -7,13 +7,13 @@ importing DeepSpeed.
 from typing import Any
 
 from dflop_ds.pipe.loss import token_loss_sum, token_normalized_loss
-from dflop_ds.pipe.split import check_stage_bounds, plan_stage_bounds, split_by_cost, stage_costs
+from dflop_ds.pipe.stage_bounds import StageBounds, plan_stage_bounds, split_by_cost, stage_costs
 
 __all__ = [
     "MLLMPipelineModule",
     "mark_boundary_outputs",
     "unused_float_inputs",
-    "check_stage_bounds",
+    "StageBounds",
     "plan_stage_bounds",
     "split_by_cost",
     "stage_costs",

@@ -34,7 +34,7 @@ from deepspeed.runtime import utils as ds_utils
 from deepspeed.utils import logger
 
 from dflop_ds.pipe.loss import token_normalized_loss
-from dflop_ds.pipe.split import plan_stage_bounds
+from dflop_ds.pipe.stage_bounds import StageBounds, plan_stage_bounds
 
 
 def mark_boundary_outputs(outputs: Any) -> Any:
@@ -239,7 +239,7 @@ class MLLMPipelineModule(PipelineModule):
             if weight.grad is not None:
                 dist.all_reduce(weight.grad, group=group)
 
-    def resolve_bounds(self) -> list[int]:
+    def resolve_bounds(self) -> StageBounds:
         """The stage boundaries of this module's split (python ints)."""
         split = self._dflop_split
         return plan_stage_bounds(
@@ -253,7 +253,7 @@ class MLLMPipelineModule(PipelineModule):
 
     def _partition_layers(self, method: str = "uniform") -> None:
         """Impose the planned split (DeepSpeed's ``partition_method`` is not used)."""
-        self.parts = self.resolve_bounds()
+        self.parts = self.resolve_bounds().to_list()
         if self.global_rank == 0:
             for stage, (start, stop) in enumerate(zip(self.parts, self.parts[1:])):
                 names = ", ".join(layer_name(layer) for layer in self._layer_specs[start:stop])

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from dflop_ds.schedule.padded import padded_lpt
+from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.layout import Layout, flat_bounds
@@ -50,15 +51,6 @@ def forward_fraction(model: Any) -> float:
     if explicit is not None:
         return float(explicit)
     return 0.25 if getattr(model, "activation_checkpointing", False) else 1.0 / 3.0
-
-
-def stock_split(n_items: int, dp: int, n_mb: int) -> list[Buckets]:
-    """Stock DeepSpeed: the (randomly ordered) batch cut into ``dp * n_mb`` equal sequential chunks."""
-    if n_items < dp * n_mb:
-        raise ValueError(f"a batch of {n_items} samples cannot fill {n_mb} microbatches on {dp} ranks")
-    bounds = np.linspace(0, n_items, dp * n_mb + 1).round().astype(int)
-    chunks = [list(range(bounds[i], bounds[i + 1])) for i in range(dp * n_mb)]
-    return [chunks[r * n_mb:(r + 1) * n_mb] for r in range(dp)]
 
 
 def _local_assign(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
@@ -145,13 +137,17 @@ def _stats(model: Any, shapes: Sequence[SampleShape], order: list[Buckets]) -> _
 
 def split_batch(layout: Layout, shapes: Sequence[SampleShape], costs: np.ndarray, *, fast: bool, seed: int,
                 cluster: Cluster, model: Any) -> list[Buckets]:
-    """The microbatches of ``layout`` for one batch (``shapes`` with per-sample ``costs`` ``(n, 2)``).
+    """The microbatches of ``layout`` for one batch (``shapes`` with per-sample ``costs`` ``(n, 2)``):
+    ``order[r][j]`` = positions in the batch of rank ``r``'s ``j``-th microbatch.
 
-    For balancing, the two cost columns are scaled to the seconds they add to the heaviest
-    encoder and LLM stage, so that the larger column is the one that paces the pipeline.
+    A layout whose splitter is not ``"dflop"`` is split by that registered splitter, as the
+    sampler would. For DFLOP's balancing (the search's own fast variant, or the sampler's), the
+    two cost columns are scaled to the seconds they add to the heaviest encoder and LLM stage,
+    so that the larger column is the one that paces the pipeline.
     """
-    if not layout.balanced:
-        return stock_split(costs.shape[0], layout.llm.dp, layout.n_mb)
+    if layout.splitter != "dflop":  # a baseline: exactly the split the sampler and the benchmarks make
+        request = SplitRequest.of_positions(costs, shapes, layout.n_mb, layout.llm.dp, seed=seed)
+        return make_splitter(layout.splitter).split(request).ranks
     e_frac = max(s[0] for s in layout.stages) / model.encoder_layers
     l_frac = max(s[2] for s in layout.stages) / model.llm_layers
     enc_share = 1.0 if layout.shared else layout.llm.dp / layout.encoder.dp

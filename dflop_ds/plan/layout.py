@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from dflop_ds.pipe.stage_bounds import StageBounds, check_stage_count
+
 StageLayers = tuple[int, int, int]  # (encoder layers, projector layers, LLM layers) of one stage
 
 
@@ -43,7 +45,9 @@ class Layout:
             counts the stages holding layers of that segment.
         n_mb: microbatches per data-parallel rank and step (DeepSpeed's gradient accumulation).
         stages: ``(encoder, projector, llm)`` layer counts per stage, in pipeline order.
-        balanced: True for our data-aware microbatches; False for stock fixed-size ones.
+        splitter: the registered splitter (:mod:`dflop_ds.schedule.splitters`) cutting each
+            global batch into microbatches: ``"dflop"`` (our data-aware ones), ``"stock"``
+            (fixed sample counts), ``"llava"``, ``"verl"``, ...
         colocated: the encoder runs data-parallel over all GPUs, outside the LLM pipeline
             (``"dflop".encoder = "colocated"``).
     """
@@ -52,7 +56,7 @@ class Layout:
     llm: Segment
     n_mb: int
     stages: tuple[StageLayers, ...]
-    balanced: bool = True
+    splitter: str = "dflop"
     colocated: bool = False
 
     @property
@@ -91,22 +95,17 @@ class Layout:
         return f"E(tp{e.tp},pp{e.pp},dp{e.dp}) L(tp{l.tp},pp{l.pp},dp{l.dp}) mb{self.n_mb} {kind}"
 
 
-def flat_bounds(stages: Sequence[StageLayers]) -> list[int]:
+def flat_bounds(stages: Sequence[StageLayers]) -> StageBounds:
     """Stage boundaries over the flat layer list: ``bounds[s]:bounds[s+1]`` is stage ``s``."""
-    bounds = [0]
-    for e, p, l in stages:
-        bounds.append(bounds[-1] + e + p + l)
-    return bounds
+    return StageBounds.from_sizes(sum(stage) for stage in stages)
 
 
 def stages_from_bounds(bounds: Sequence[int], encoder_layers: int, projector_layers: int, llm_layers: int) -> tuple[StageLayers, ...]:
     """Inverse of :func:`flat_bounds` for given segment depths."""
-    total = encoder_layers + projector_layers + llm_layers
-    if bounds[0] != 0 or bounds[-1] != total or any(b <= a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"stage bounds {list(bounds)} must rise strictly from 0 to {total}")
+    split = StageBounds(bounds, n_layers=encoder_layers + projector_layers + llm_layers)
     cuts = (encoder_layers, encoder_layers + projector_layers)
     out = []
-    for lo, hi in zip(bounds, bounds[1:]):
+    for lo, hi in split.ranges():
         e = max(0, min(hi, cuts[0]) - lo)
         p = max(0, min(hi, cuts[1]) - max(lo, cuts[0]))
         l = max(0, hi - max(lo, cuts[1]))
@@ -114,21 +113,16 @@ def stages_from_bounds(bounds: Sequence[int], encoder_layers: int, projector_lay
     return tuple(out)
 
 
-def uniform_bounds(n_layers: int, n_parts: int) -> list[int]:
+def uniform_bounds(n_layers: int, n_parts: int) -> StageBounds:
     """DeepSpeed's ``partition_method="uniform"``: equal counts, the remainder to the first parts."""
-    if n_parts < 1 or n_layers < n_parts:
-        raise ValueError(f"cannot split {n_layers} layers into {n_parts} non-empty stages")
+    check_stage_count(n_layers, n_parts)
     size, extra = divmod(n_layers, n_parts)
-    bounds = [0]
-    for i in range(n_parts):
-        bounds.append(bounds[-1] + size + (1 if i < extra else 0))
-    return bounds
+    return StageBounds.from_sizes(size + (1 if i < extra else 0) for i in range(n_parts))
 
 
 def segment_counts(n_layers: int, n_parts: int) -> list[int]:
     """Equal layer counts for identical layers; the remainder goes to the last parts (fewer in flight)."""
-    if n_parts < 1 or n_layers < n_parts:
-        raise ValueError(f"cannot split {n_layers} layers into {n_parts} non-empty stages")
+    check_stage_count(n_layers, n_parts)
     size, extra = divmod(n_layers, n_parts)
     return [size + (1 if i >= n_parts - extra else 0) for i in range(n_parts)]
 
@@ -145,7 +139,7 @@ def balanced_bounds(
     n_parts: int,
     stage_memory: Callable[[int, int, int], float] | None = None,
     memory_cap: float = float("inf"),
-) -> list[int] | None:
+) -> StageBounds | None:
     """Contiguous split of ``weights`` into ``n_parts`` non-empty stages minimising the heaviest.
 
     ``stage_memory(stage, lo, hi)`` (optional) gives the memory of layers ``lo:hi`` on ``stage``
@@ -153,8 +147,7 @@ def balanced_bounds(
     bottleneck with a greedy fill; returns None when no split fits the memory cap.
     """
     n = len(weights)
-    if n_parts < 1 or n < n_parts:
-        raise ValueError(f"cannot split {n} layers into {n_parts} non-empty stages")
+    check_stage_count(n, n_parts)
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + float(w))
@@ -191,4 +184,4 @@ def balanced_bounds(
             lo_t = mid
         else:
             best, hi_t = found, mid
-    return best
+    return StageBounds(best)

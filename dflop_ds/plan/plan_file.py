@@ -19,6 +19,8 @@ from typing import Any
 
 from dflop_ds.plan.layout import Layout, Segment, StageLayers, flat_bounds, stages_from_bounds
 from dflop_ds.jsonio import read_json_object, write_json
+from dflop_ds.pipe.stage_bounds import StageBounds
+from dflop_ds.schedule.splitters import splitter_names
 
 PLAN_FORMAT_VERSION = 1
 
@@ -37,16 +39,25 @@ def _integer(data: dict[str, Any], key: str) -> int:
     return value
 
 
+def splitter_from_dict(data: dict[str, Any]) -> str:
+    """The registered splitter a plan or layout dict names: ``"splitter"``, or the files written
+    before it existed, whose ``"balanced"`` meant ``"dflop"`` (true) or ``"stock"`` (false)."""
+    name = data["splitter"] if "splitter" in data else ("dflop" if data.get("balanced", True) else "stock")
+    if name not in splitter_names():
+        raise ValueError(f"splitter {name!r} is not registered: choose one of {list(splitter_names())}")
+    return str(name)
+
+
 def layout_to_dict(layout: Layout) -> dict[str, Any]:
     """A :class:`Layout` as plain JSON data."""
     return {"encoder": asdict(layout.encoder), "llm": asdict(layout.llm), "n_mb": layout.n_mb,
-            "stages": [list(s) for s in layout.stages], "balanced": layout.balanced}
+            "stages": [list(s) for s in layout.stages], "splitter": layout.splitter}
 
 
 def layout_from_dict(data: dict[str, Any]) -> Layout:
     """Inverse of :func:`layout_to_dict`."""
     return Layout(Segment(**data["encoder"]), Segment(**data["llm"]), int(data["n_mb"]),
-                  tuple(tuple(int(x) for x in s) for s in data["stages"]), balanced=bool(data["balanced"]))
+                  tuple(tuple(int(x) for x in s) for s in data["stages"]), splitter=splitter_from_dict(data))
 
 
 @dataclass
@@ -61,7 +72,8 @@ class Plan:
         layer_counts: ``{"encoder": E, "projector": 1, "llm": L}`` of the planned model.
         global_batch_size: samples per optimizer step.
         gpus, gpus_per_node, gpu_memory_bytes: the cluster planned for.
-        balanced: True when microbatches come from our scheduler (False: stock fixed-size).
+        splitter: the registered splitter of the microbatches (``"dflop"``: our scheduler,
+            ``"stock"``: fixed sample counts); the training config's ``"dflop".sampler``.
         family: ``"deepspeed"``, ``"colocated"`` or ``"monolithic"`` (``"separate"`` in older files).
         predicted: the simulator's figures (step time, bubble fraction, memory, speed-ups).
         cost_model: name of the cost model and whether it is analytic (not measured).
@@ -78,7 +90,7 @@ class Plan:
     gpus: int
     gpus_per_node: int
     gpu_memory_bytes: float
-    balanced: bool = True
+    splitter: str = "dflop"
     family: str = "deepspeed"
     predicted: dict[str, Any] = field(default_factory=dict)
     cost_model: dict[str, Any] = field(default_factory=dict)
@@ -93,7 +105,7 @@ class Plan:
         """A plan for ``layout`` (see :func:`dflop_ds.plan.make_plans` for plans with predictions)."""
         return cls(encoder=layout.encoder, llm=layout.llm, n_mb=layout.n_mb, stages=tuple(layout.stages),
                    layer_counts=dict(layer_counts), global_batch_size=global_batch_size, gpus=gpus,
-                   gpus_per_node=gpus_per_node, gpu_memory_bytes=gpu_memory_bytes, balanced=layout.balanced,
+                   gpus_per_node=gpus_per_node, gpu_memory_bytes=gpu_memory_bytes, splitter=layout.splitter,
                    family=family, predicted=dict(predicted or {}), cost_model=dict(cost_model or {}))
 
     @property
@@ -104,7 +116,7 @@ class Plan:
     @property
     def layout(self) -> Layout:
         """The plan's :class:`Layout` (for simulation)."""
-        return Layout(self.encoder, self.llm, self.n_mb, tuple(self.stages), balanced=self.balanced,
+        return Layout(self.encoder, self.llm, self.n_mb, tuple(self.stages), splitter=self.splitter,
                       colocated=self.family == "colocated")
 
     @property
@@ -124,7 +136,7 @@ class Plan:
 
     # -- outputs -----------------------------------------------------------------------------------
     def stage_bounds(self, encoder_layers: int | None = None, llm_layers: int | None = None,
-                     projector_layers: int | None = None) -> list[int]:
+                     projector_layers: int | None = None) -> StageBounds:
         """Stage bounds over ``encoder + projector + llm`` layers for a model of these depths.
 
         With the planned depths (the defaults) the split is exact; for other depths every
@@ -148,7 +160,7 @@ class Plan:
             bounds[i] = max(bounds[i], bounds[i - 1] + 1)
         for i in range(len(bounds) - 2, 0, -1):
             bounds[i] = min(bounds[i], bounds[i + 1] - 1)
-        return bounds
+        return StageBounds(bounds, n_layers=E + P + L)
 
     @property
     def tensor_parallel(self) -> int:
@@ -190,8 +202,8 @@ class Plan:
             config["tensor_parallel"] = {**config.get("tensor_parallel", {}), "autotp_size": self.tensor_parallel}
         block = config.setdefault("dflop", {})
         block["pipeline_stages"] = self.pipeline_stages
-        block["stage_bounds"] = self.stage_bounds()
-        block["sampler"] = "dflop" if self.balanced else "stock"
+        block["stage_bounds"] = self.stage_bounds().to_list()
+        block["sampler"] = self.splitter
         if self.layout.colocated:  # the encoder data-parallel over every rank (dflop_ds.train.colocated)
             block["encoder"] = "colocated"
         return config
@@ -210,7 +222,7 @@ class Plan:
         data = asdict(self)
         data["stages"] = [list(s) for s in self.stages]
         data["deepspeed_compatible"] = self.deepspeed_compatible
-        data["stage_bounds"] = self.stage_bounds()
+        data["stage_bounds"] = self.stage_bounds().to_list()
         return data
 
     @classmethod
@@ -230,7 +242,7 @@ class Plan:
                 gpus=_integer(data, "gpus"),
                 gpus_per_node=_integer(data, "gpus_per_node"),
                 gpu_memory_bytes=float(data["gpu_memory_bytes"]),
-                balanced=bool(data.get("balanced", True)),
+                splitter=splitter_from_dict(data),
                 family=str(data.get("family", "deepspeed")),
                 predicted=dict(data.get("predicted", {})),
                 cost_model=dict(data.get("cost_model", {})),

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dflop_ds.pipe.split import check_stage_bounds, split_by_cost
+from dflop_ds.pipe.stage_bounds import StageBounds, split_by_cost
 from dflop_ds.shapes import SampleShape
 
 
@@ -41,7 +41,7 @@ def layer_costs(mean_costs: Sequence[float], model: Any) -> list[float]:
     return [float(x) for x in np.r_[float(mean_costs[0]) * encoder, float(mean_costs[1]) * llm]]
 
 
-def cost_balanced_bounds(cost_model: Any, shapes: Sequence[SampleShape], num_stages: int) -> list[int]:
+def cost_balanced_bounds(cost_model: Any, shapes: Sequence[SampleShape], num_stages: int) -> StageBounds:
     """Stage bounds balancing the data's mean predicted per-sample cost across ``num_stages``."""
     mean = np.asarray(cost_model.predict_samples(shapes), dtype=float).mean(axis=0)
     return split_by_cost(layer_costs(mean, cost_model), num_stages)
@@ -52,5 +52,5 @@ def stage_shares(bounds: Sequence[int], model: Any) -> np.ndarray:
     for stage ``bounds`` over the flat layer list."""
     encoder, llm = segment_layer_shares(model)
     flat = np.concatenate([np.c_[encoder, np.zeros_like(encoder)], np.c_[np.zeros_like(llm), llm]])
-    bounds = check_stage_bounds(bounds, len(flat), len(bounds) - 1)
-    return np.array([flat[lo:hi].sum(axis=0) for lo, hi in zip(bounds, bounds[1:])])
+    split = StageBounds(bounds, n_layers=len(flat))
+    return np.array([flat[lo:hi].sum(axis=0) for lo, hi in split.ranges()])

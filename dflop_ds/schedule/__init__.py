@@ -7,10 +7,11 @@ from dflop_ds.schedule.sampler import (
     BatchSchedule,
     DFLOPBatchSampler,
     GlobalBatchSampler,
+    SplitterSampler,
     StockBatchSampler,
     make_sampler,
 )
-from dflop_ds.schedule.split import SplitResult, split_balanced, split_stock
+from dflop_ds.schedule.splitters import SplitRequest, SplitResult, make_splitter, splitter_names
 
 __all__ = [
     "BatchSchedule",
@@ -19,11 +20,13 @@ __all__ = [
     "InfeasibleError",
     "Partition",
     "ScheduledIndex",
+    "SplitRequest",
     "SplitResult",
+    "SplitterSampler",
     "StockBatchSampler",
     "assign_to_ranks",
     "make_sampler",
+    "make_splitter",
     "partition_batch",
-    "split_balanced",
-    "split_stock",
+    "splitter_names",
 ]

@@ -35,7 +35,14 @@ import numpy as np
 from dflop_ds.schedule.epoch import check_batch_sizes, dropped_per_epoch, epoch_batches, first_batch
 from dflop_ds.schedule.index import ScheduledIndex
 from dflop_ds.schedule.prefetch import BackgroundMap, ScheduleTimeoutError, run_with_deadline
-from dflop_ds.schedule.split import FALLBACK_SUFFIX, SplitResult, split_balanced, split_stock
+from dflop_ds.schedule.splitters import (
+    FALLBACK_SUFFIX,
+    DFLOPSplitter,
+    SplitRequest,
+    SplitResult,
+    make_splitter,
+    splitter_names,
+)
 from dflop_ds.schedule.state import Position, dataset_fingerprint, describe_dataset
 from dflop_ds.shapes import SampleShape
 
@@ -209,6 +216,13 @@ class GlobalBatchSampler:
         """Split one global batch (``costs`` its rows' costs) into per-rank microbatches."""
         raise NotImplementedError
 
+    def split_request(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitRequest:
+        """What a splitter gets for ``batch``: its costs, shapes, the collated-microbatch cost
+        (:meth:`_microbatch_cost`) and, unless microbatches are packed, its LLM lengths."""
+        return SplitRequest(batch.tolist(), costs, self.n_mb, self.dp_size, shapes=[self.shapes[i] for i in batch],
+                            microbatch_cost=self._microbatch_cost(batch, costs),
+                            lengths=None if self.additive else self.lengths[batch], seed=batch_seed)
+
     def batch_costs(self, epoch: int, batch_id: int, batch: np.ndarray) -> np.ndarray:
         """Predicted costs of ``batch``'s samples, adjusted when a cost adjuster is set."""
         costs = self.costs[batch]
@@ -359,14 +373,27 @@ class GlobalBatchSampler:
         self.position = position
 
 
-class StockBatchSampler(GlobalBatchSampler):
+class SplitterSampler(GlobalBatchSampler):
+    """A sampler whose global batches are cut by the registered splitter named ``splitter``
+    (:func:`~dflop_ds.schedule.splitters.make_splitter`), e.g. ``"llava"`` or ``"verl"``."""
+
+    def __init__(self, shapes: Sequence[SampleShape], *, splitter: str, **kwargs) -> None:
+        self.splitter = make_splitter(splitter)
+        self.method = splitter
+        super().__init__(shapes, **kwargs)
+
+    def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
+        """The splitter's split of ``batch``."""
+        return self.splitter.split(self.split_request(batch, costs, batch_seed))
+
+
+class StockBatchSampler(SplitterSampler):
     """Stock DeepSpeed behaviour: random order, fixed sample count per microbatch."""
 
     method = "stock"
 
-    def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
-        """Contiguous equal-count chunks (see :func:`split_stock`)."""
-        return split_stock(batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch, costs))
+    def __init__(self, shapes: Sequence[SampleShape], **kwargs) -> None:
+        super().__init__(shapes, splitter="stock", **kwargs)
 
 
 class DFLOPBatchSampler(GlobalBatchSampler):
@@ -378,7 +405,7 @@ class DFLOPBatchSampler(GlobalBatchSampler):
     still running after half of ``schedule_timeout_s`` is abandoned for the heuristic (its
     ``solver`` ends in ``+fallback``). ``lockstep=True`` is for engines without a pipeline
     (ZeRO data parallel), whose ranks synchronise in every microbatch: microbatch ``k`` of
-    every rank is balanced on its own (see :func:`~dflop_ds.schedule.split.split_balanced`).
+    every rank is balanced on its own (see :class:`~dflop_ds.schedule.splitters.DFLOPSplitter`).
     """
 
     method = "dflop"
@@ -391,13 +418,9 @@ class DFLOPBatchSampler(GlobalBatchSampler):
         super().__init__(shapes, **kwargs)
 
     def balanced_split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int, exact: bool) -> SplitResult:
-        """:func:`split_balanced` of ``batch``, with the exact solver's limits when ``exact``."""
-        return split_balanced(
-            batch.tolist(), costs, self.n_mb, self.dp_size, self._microbatch_cost(batch, costs),
-            time_limit_s=self.time_limit_s if exact else 0.0, seed=batch_seed,
-            lengths=None if self.additive else self.lengths[batch],
-            node_limit=self.ilp_nodes if exact else 0, lockstep=self.lockstep,
-        )
+        """:class:`DFLOPSplitter`'s split of ``batch``, with the exact solver's limits when ``exact``."""
+        splitter = DFLOPSplitter(self.time_limit_s if exact else 0.0, self.ilp_nodes if exact else 0, self.lockstep)
+        return splitter.split(self.split_request(batch, costs, batch_seed))
 
     def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
         """Balanced split; an exact solve past half of ``schedule_timeout_s`` falls back to the heuristic."""
@@ -415,11 +438,15 @@ class DFLOPBatchSampler(GlobalBatchSampler):
 
 
 def make_sampler(method: str, shapes: Sequence[SampleShape], **kwargs) -> GlobalBatchSampler:
-    """Build the sampler named ``method`` (``"dflop"`` or ``"stock"``)."""
-    samplers = {"dflop": DFLOPBatchSampler, "stock": StockBatchSampler}
-    if method not in samplers:
-        raise ValueError(f"unknown sampler {method!r}: choose one of {sorted(samplers)}")
+    """Build the sampler splitting with the registered splitter ``method`` (``"dflop"``,
+    ``"stock"``, ``"llava"``, ``"verl"``, ...); the exact-solver and lockstep options go to
+    ``"dflop"`` alone."""
+    if method not in splitter_names():
+        raise ValueError(f"unknown sampler {method!r}: choose one of {list(splitter_names())}")
+    if method == "dflop":
+        return DFLOPBatchSampler(shapes, **kwargs)
+    for key in ("time_limit_s", "ilp_nodes", "lockstep"):
+        kwargs.pop(key, None)
     if method == "stock":
-        for key in ("time_limit_s", "ilp_nodes", "lockstep"):
-            kwargs.pop(key, None)
-    return samplers[method](shapes, **kwargs)
+        return StockBatchSampler(shapes, **kwargs)
+    return SplitterSampler(shapes, splitter=method, **kwargs)

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 
 from dflop_ds.schedule.sampler import DFLOPBatchSampler
-from dflop_ds.schedule.split import SplitResult
+from dflop_ds.schedule.splitters import SplitResult
 
 
 class StuckSplitSampler(DFLOPBatchSampler):

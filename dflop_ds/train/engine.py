@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflop_ds.pipe import MLLMPipelineModule, token_normalized_loss
+from dflop_ds.pipe import MLLMPipelineModule, StageBounds, token_normalized_loss
 
 Microbatch = tuple[Any, Any]
 
@@ -131,11 +131,9 @@ class TrainingEngine:
         return not self.is_pipeline or self.engine.is_first_stage() or self.engine.is_last_stage()
 
     @property
-    def stage_bounds(self) -> list[int]:
+    def stage_bounds(self) -> StageBounds:
         """Layer boundaries of the stages over the flat layer list."""
-        if self.is_pipeline:
-            return [int(b) for b in self.module.parts]
-        return [0, len(self.module)]
+        return StageBounds(self.module.parts if self.is_pipeline else [0, len(self.module)])
 
     def train_step(self, data_iter: Iterator[Microbatch]) -> float:
         """Run one optimizer step (``gradient_accumulation_steps`` microbatches); the global

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from dflop_ds.config import DFLOPConfig, fill_from_plan
+from dflop_ds.schedule.splitters import splitter_names
 from dflop_ds.train.engine import TrainingEngine, build_engine
 from dflop_ds.train.sources import ModelSource, tiny_source
 
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data_path", help="LLaVA JSON/JSONL or shape manifest (overrides \"dflop\".data)")
     parser.add_argument("--data", help="alias of --data_path")
     parser.add_argument("--image_folder", help="folder the records' image paths are relative to")
-    parser.add_argument("--sampler", choices=["dflop", "stock"], help="override \"dflop\".sampler")
+    parser.add_argument("--sampler", choices=splitter_names(), help="override \"dflop\".sampler")
     parser.add_argument("--steps", type=int, help="override \"dflop\".steps")
     parser.add_argument("--packing", type=true_or_false, help="override \"dflop\".packing (true or false)")
     parser.add_argument("--cost-model", dest="cost_model", help="override \"dflop\".cost_model (a CostModel JSON)")

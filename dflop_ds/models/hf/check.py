@@ -2,7 +2,7 @@
 
 Loads a ``save_pretrained`` directory (model + processor), picks the model family's adapter by
 ``config.model_type`` (:data:`FAMILIES`: LLaVA, Qwen2-VL), splits the layer lists into stages
-with :func:`dflop_ds.pipe.split.plan_stage_bounds` (what ``MLLMPipelineModule`` uses), and runs a
+with :func:`dflop_ds.pipe.stage_bounds.plan_stage_bounds` (what ``MLLMPipelineModule`` uses), and runs a
 few synthetic microbatches (an image inside the prompt, several images, text-only rows and a
 microbatch without any image, rows of different lengths) stage by stage, checking every
 boundary as the pipeline engine would (floats before ints, every float received is used). The
@@ -22,7 +22,7 @@ import torch
 from dflop_ds.models.hf.common import check_boundary
 from dflop_ds.models.hf.synthetic import contract_microbatch, hf_labels, hf_model_kwargs
 from dflop_ds.pipe.loss import token_normalized_loss
-from dflop_ds.pipe.split import plan_stage_bounds
+from dflop_ds.pipe.stage_bounds import plan_stage_bounds
 
 WORDS = ("what", "is", "shown", "in", "the", "picture", "a", "red", "car", "on", "road", "near", "sea",
          "compare", "two", "images", "describe", "it", "hello", "hi", "there", "thanks")

@@ -14,8 +14,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (DEEPSPEED, COLOCATED, MONOLIT
 
 
 def family_of(layout: Layout) -> Family:
-    """The family that evaluates ``layout`` (``colocated`` or one of the shared-pipeline ones)."""
-    return COLOCATED if layout.colocated else DEEPSPEED if layout.balanced else MONOLITHIC
+    """The family that evaluates ``layout``: ``colocated``, or a shared pipeline's (``monolithic``
+    for the stock splitter, ``deepspeed`` for the others: they evaluate alike)."""
+    if layout.colocated:
+        return COLOCATED
+    return MONOLITHIC if layout.splitter == "stock" else DEEPSPEED
 
 
 __all__ = [

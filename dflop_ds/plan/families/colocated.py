@@ -128,7 +128,7 @@ class ColocatedFamily(Family):
         if bounds is None:
             return None
         stages = stages_from_bounds([0] + [E + b for b in bounds[1:]], E, 1, L)
-        return Layout(Segment(1, 1, G), Segment(tp, pp, dp), m, stages, balanced=True, colocated=True)
+        return Layout(Segment(1, 1, G), Segment(tp, pp, dp), m, stages, colocated=True)
 
 
 def evaluate_colocated(

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from dflop_ds.pipe.stage_bounds import StageBounds
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.evaluate import evaluate
 from dflop_ds.plan.families.core import BatchStats, Family, Key, SearchInputs, pipeline_grid, rank_estimates
@@ -82,7 +83,7 @@ def memory_aware_bounds(
     n_mb: int,
     fixed_bytes: float,
     cap: float,
-) -> list[int] | None:
+) -> StageBounds | None:
     """:func:`balanced_bounds` of ``weights`` over ``pp`` stages, stage ``s`` holding its layers'
     ``layer_memory`` plus ``min(pp - s, n_mb)`` microbatches of their ``layer_activation`` plus
     ``fixed_bytes``, under ``cap``."""
@@ -143,7 +144,8 @@ class PipelineFamily(Family):
             stages = stages_from_bounds(bounds, E, 1, L)
         e_pp = sum(1 for s in stages if s[0] > 0)
         l_pp = sum(1 for s in stages if s[2] > 0 or s[1] > 0)
-        return Layout(Segment(tp, e_pp, dp), Segment(tp, l_pp, dp), m, stages, balanced=not self.uniform)
+        splitter = "stock" if self.uniform else "dflop"
+        return Layout(Segment(tp, e_pp, dp), Segment(tp, l_pp, dp), m, stages, splitter=splitter)
 
 
 DEEPSPEED = PipelineFamily("deepspeed", uniform=False)

@@ -1,0 +1,46 @@
+"""Splitters: the ways of cutting a global batch into per-rank microbatches, registered by name.
+
+``make_splitter(name, **options).split(SplitRequest(...)) -> SplitResult``. The sampler, the
+planner's evaluation and the benchmarks share these, so a baseline is measured and planned the
+same way. A new splitter is one module in this package whose class is decorated with
+:func:`register_splitter`: every module here is imported (and so registered) with the package.
+"""
+
+import importlib
+import pkgutil
+
+from dflop_ds.schedule.splitters.base import (
+    MicrobatchCost,
+    RankSplit,
+    SplitRequest,
+    SplitResult,
+    Splitter,
+    check_split,
+    make_splitter,
+    register_splitter,
+    splitter_names,
+)
+from dflop_ds.schedule.splitters.dflop import FALLBACK_SUFFIX, DFLOPSplitter
+from dflop_ds.schedule.splitters.llava import LlavaSplitter
+from dflop_ds.schedule.splitters.stock import StockSplitter
+from dflop_ds.schedule.splitters.verl import VerlSplitter
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = [
+    "DFLOPSplitter",
+    "FALLBACK_SUFFIX",
+    "LlavaSplitter",
+    "MicrobatchCost",
+    "RankSplit",
+    "SplitRequest",
+    "SplitResult",
+    "Splitter",
+    "StockSplitter",
+    "VerlSplitter",
+    "check_split",
+    "make_splitter",
+    "register_splitter",
+    "splitter_names",
+]

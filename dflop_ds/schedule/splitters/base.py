@@ -1,0 +1,166 @@
+"""What every splitter shares: the request it answers, the result it returns, and the registry.
+
+A splitter cuts one global batch into per-rank microbatches: ``ranks[r][j]`` holds the sample
+indices of rank ``r``'s ``j``-th microbatch, exactly ``n_mb`` non-empty microbatches per rank,
+every sample of the batch exactly once. Splitters are pure functions of their request, so every
+rank (and the planner) computes the same split independently. The sampler, the planner's
+evaluation and the benchmarks all look splitters up by name here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from dflop_ds.shapes import SampleShape
+
+RankSplit = list[list[list[int]]]
+#: A collated microbatch's cost, given the positions (rows of the request) of its samples.
+MicrobatchCost = Callable[[Sequence[int]], np.ndarray]
+
+
+@dataclass(frozen=True)
+class SplitResult:
+    """A split with how it was found.
+
+    Attributes:
+        ranks: ``ranks[r][j]`` is the sample indices of rank ``r``'s ``j``-th microbatch.
+        predicted: ``(dp, n_mb, k)`` predicted cost of each microbatch.
+        makespan: the largest predicted microbatch cost over all columns.
+        lower_bound: a lower bound on any split's makespan (0 when not computed).
+        solver: the method that produced the split.
+    """
+
+    ranks: RankSplit
+    predicted: np.ndarray
+    makespan: float
+    lower_bound: float
+    solver: str
+
+
+@dataclass(frozen=True)
+class SplitRequest:
+    """One global batch to split, with everything a splitter may read.
+
+    Attributes:
+        batch: the dataset indices of the batch (its rows, in the epoch's shuffled order).
+        costs: ``(len(batch), k)`` predicted cost of each row (e.g. ``[encoder, llm]`` seconds).
+        n_mb: microbatches per data-parallel rank.
+        dp: data-parallel ranks.
+        shapes: the :class:`SampleShape` of each row, for the splitters that look at lengths
+            (LLaVA's, verl's); see :meth:`row_shapes`.
+        microbatch_cost: a collated microbatch's true (e.g. padded) cost from row positions;
+            None: a microbatch costs the sum of its rows.
+        lengths: per-row lengths (e.g. LLM tokens) for padding-aware balancing; None when
+            microbatches are packed (no padding).
+        seed: seeds the splitters that draw random numbers.
+    """
+
+    batch: Sequence[int]
+    costs: np.ndarray
+    n_mb: int
+    dp: int
+    shapes: Sequence[SampleShape] | None = None
+    microbatch_cost: MicrobatchCost | None = None
+    lengths: Sequence[float] | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.batch)
+        if self.n_mb < 1 or self.dp < 1:
+            raise ValueError(f"need n_mb >= 1 and dp >= 1, got n_mb={self.n_mb}, dp={self.dp}")
+        if n < self.n_mb * self.dp:
+            raise ValueError(f"a batch of {n} samples cannot fill {self.n_mb} microbatches on each of {self.dp} ranks")
+        if self.shapes is not None and len(self.shapes) != n:
+            raise ValueError(f"a batch of {n} samples needs {n} shapes, got {len(self.shapes)}")
+        object.__setattr__(self, "costs", np.asarray(self.costs, dtype=float).reshape(n, -1))
+
+    @classmethod
+    def of_positions(
+        cls, costs: np.ndarray, shapes: Sequence[SampleShape], n_mb: int, dp: int, **options: Any
+    ) -> SplitRequest:
+        """A request whose batch is the positions ``0..n-1`` of ``shapes`` (the planner's view)."""
+        return cls(list(range(len(shapes))), costs, n_mb, dp, shapes=shapes, **options)
+
+    def row_shapes(self, splitter: str) -> Sequence[SampleShape]:
+        """The rows' shapes; a clear error naming ``splitter`` when the request has none."""
+        if self.shapes is None:
+            raise ValueError(f"splitter {splitter!r} reads sample shapes: pass shapes= in the SplitRequest")
+        return self.shapes
+
+    def predict(self, local: RankSplit) -> np.ndarray:
+        """``(dp, n_mb, k)`` cost of every microbatch of a split over positions."""
+
+        def one(positions: list[int]) -> np.ndarray:
+            if self.microbatch_cost is not None:
+                return np.asarray(self.microbatch_cost(positions), dtype=float)
+            return self.costs[positions].sum(axis=0)
+
+        return np.array([[one(mb) for mb in rank] for rank in local], dtype=float)
+
+    def result(
+        self, local: RankSplit, solver: str, predicted: np.ndarray | None = None, lower_bound: float = 0.0
+    ) -> SplitResult:
+        """The :class:`SplitResult` of a split over positions (``local[r][j]`` = rows of the
+        batch), checked to hold every row exactly once in ``n_mb`` non-empty microbatches per
+        rank; ``predicted`` defaults to :meth:`predict`."""
+        check_split(local, len(self.batch), self.n_mb, self.dp, solver)
+        predicted = self.predict(local) if predicted is None else predicted
+        items = np.asarray(self.batch)
+        ranks = [[[int(items[p]) for p in mb] for mb in rank] for rank in local]
+        return SplitResult(ranks, predicted, float(predicted.max()), float(lower_bound), solver)
+
+
+def check_split(local: RankSplit, n_items: int, n_mb: int, dp: int, name: str) -> None:
+    """Raise ``ValueError`` naming splitter ``name`` unless ``local`` has ``dp`` ranks of ``n_mb``
+    non-empty microbatches holding every position ``0..n_items-1`` exactly once."""
+    if len(local) != dp or any(len(rank) != n_mb for rank in local):
+        raise ValueError(
+            f"splitter {name!r} returned {[len(rank) for rank in local]} microbatches per rank, "
+            f"expected {n_mb} on each of {dp} ranks"
+        )
+    if any(not mb for rank in local for mb in rank):
+        raise ValueError(f"splitter {name!r} returned an empty microbatch")
+    flat = sorted(int(p) for rank in local for mb in rank for p in mb)
+    if flat != list(range(n_items)):
+        raise ValueError(f"splitter {name!r} did not place each of the {n_items} samples exactly once")
+
+
+class Splitter(Protocol):
+    """Cuts a global batch into per-rank microbatches (see the module docstring)."""
+
+    name: str
+
+    def split(self, request: SplitRequest) -> SplitResult:
+        """The split of ``request``'s batch."""
+        ...
+
+
+_REGISTRY: dict[str, Callable[..., Splitter]] = {}
+
+
+def register_splitter(name: str) -> Callable[[Callable[..., Splitter]], Callable[..., Splitter]]:
+    """Class decorator: make a splitter constructible by ``name`` through :func:`make_splitter`."""
+
+    def register(factory: Callable[..., Splitter]) -> Callable[..., Splitter]:
+        if name in _REGISTRY and _REGISTRY[name] is not factory:
+            raise ValueError(f"a splitter named {name!r} is already registered")
+        _REGISTRY[name] = factory
+        return factory
+
+    return register
+
+
+def splitter_names() -> tuple[str, ...]:
+    """Names of the registered splitters, sorted."""
+    return tuple(sorted(_REGISTRY))
+
+
+def make_splitter(name: str, **options: Any) -> Splitter:
+    """The splitter registered as ``name``, built with ``options`` (e.g. ``lockstep=True`` for dflop)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown splitter {name!r}: choose one of {list(splitter_names())}")
+    return _REGISTRY[name](**options)
