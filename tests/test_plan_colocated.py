@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from test_plan_file import _shapes as plan_file_shapes
 
+from dflop_ds.config import fill_from_plan
 from dflop_ds.plan import Cluster, Plan, Segment, make_plans, reference_model, search
 from dflop_ds.plan.families import COLOCATED, DEEPSPEED, family_of
 from dflop_ds.plan.families.colocated import evaluate_colocated, projector_share
@@ -56,6 +57,9 @@ def test_colocated_plan_writes_the_colocated_encoder_key(tmp_path) -> None:
     assert cfg["dflop"]["stage_bounds"] == flat_bounds(plan.stages)
     assert cfg["train_batch_size"] == 64 and loaded.world_size() == 8
     assert "encoder" not in plans.best_deepspeed.deepspeed_config({})["dflop"]
+    # a "dflop".plan entry turns the colocated encoder on in the training config
+    _, block = fill_from_plan({}, {"plan": str(path)}, loaded)
+    assert block["encoder"] == "colocated" and block["pipeline_stages"] == plan.pipeline_stages
     assert json.loads(path.read_text())["family"] == "colocated"
 
 
@@ -120,3 +124,26 @@ def test_cluster_terms_are_elementwise_over_arrays() -> None:
     )
     assert cluster.allreduce_seconds(1e9, 1, 8) == 0.0 and isinstance(cluster.tp_speedup(2), float)
     assert cluster.allreduce_seconds(1e9, 2, 4) < cluster.allreduce_seconds(1e9, 4, 4)  # 16 ranks leave the node
+
+
+@pytest.mark.slow
+def test_a_colocated_plan_trains_on_two_ranks_with_zero2(tmp_path) -> None:
+    from pathlib import Path
+
+    from dflop_ds.launch import run_deepspeed
+
+    root = Path(__file__).resolve().parent.parent
+    layout = Layout(Segment(1, 1, 2), Segment(1, 1, 2), n_mb=4, stages=((5, 1, 5),), colocated=True)
+    plan = Plan.from_layout(layout, layer_counts={"encoder": 5, "projector": 1, "llm": 5}, global_batch_size=16,
+                            gpus=2, gpus_per_node=2, gpu_memory_bytes=8e9, family="colocated")
+    plan.save(tmp_path / "plan.json")
+    config = {"steps_per_print": 10**6, "zero_optimization": {"stage": 2},
+              "dflop": {"plan": str(tmp_path / "plan.json"), "max_samples": 64, "steps": 3, "warmup_steps": 1}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = run_deepspeed(root / "examples" / "train.py",
+                           ["--deepspeed_config", str(tmp_path / "config.json"), "--summary", str(tmp_path / "s.json")],
+                           cwd=root, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    summary = json.loads((tmp_path / "s.json").read_text())["summary"]
+    assert summary["engine"] == "plain" and summary["train_batch_size"] == 16
+    assert summary["gradient_accumulation_steps"] == 4
