@@ -5,8 +5,9 @@ on A100-80GB and H100-80GB) and 8, 64, 256 and 1024 GPUs, search the plans for g
 batches drawn from ``examples/data/mixture.jsonl`` (read under the real-scale
 ``ShapePolicy()``) and print:
 
-- the chosen plan: the best one stock DeepSpeed runs as is (our balanced microbatches, cost
-  split of the layers), its predicted step time, pipeline bubble and peak memory;
+- the chosen shared-pipeline plan: the best ``deepspeed``-family one (encoder and LLM layers in
+  one pipeline, our balanced microbatches, cost split of the layers), its predicted step time,
+  pipeline bubble and peak memory;
 - its predicted speed-up over the monolithic baseline (same search space, DeepSpeed's uniform
   layer split, fixed-size sequential microbatches);
 - the best plan overall (the faster of the shared-pipeline and the colocated families) and the gap to it;
