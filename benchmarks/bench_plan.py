@@ -5,18 +5,27 @@ on A100-80GB and H100-80GB) and 8, 64, 256 and 1024 GPUs, search the plans for g
 batches drawn from ``examples/data/mixture.jsonl`` (read under the real-scale
 ``ShapePolicy()``) and print:
 
-- the chosen plan: the best one stock DeepSpeed runs as is (our balanced microbatches, cost
-  split of the layers), its predicted step time, pipeline bubble and peak memory;
+- the chosen shared-pipeline plan: the best ``deepspeed``-family one (encoder and LLM layers in
+  one pipeline, our balanced microbatches, cost split of the layers), its predicted step time,
+  pipeline bubble and peak memory;
 - its predicted speed-up over the monolithic baseline (same search space, DeepSpeed's uniform
   layer split, fixed-size sequential microbatches);
-- the best plan overall (it may need separate encoder/LLM GPU sets) and the gap to it;
+- the best plan overall (the faster of the shared-pipeline and the colocated families) and the gap to it;
 - the search time.
+
+A second table compares the families against the best shared-layout plan without tensor
+parallelism (``deepspeed`` family, tp = 1: what a model without tensor-parallel layers runs),
+from a second search with ``max_tp=1``: the predicted speed-up of the best colocated plan with
+tp = 1, of the best tensor-parallel plan (the full search's shared-pipeline winner when its tp > 1)
+and of the best colocated plan of the full search (any LLM tp).
 
 ALL TIMES ARE PREDICTIONS OF ANALYTIC COST MODELS (FLOP counts over an assumed throughput),
 NOT MEASUREMENTS. The last line reads
-``plan speedup_vs_monolithic@256=<x> search_s@1024=<y>``: ``x`` is the geometric mean over the
-six profiles of the chosen plan's predicted speed-up at 256 GPUs, ``y`` the longest search
-(wall seconds) at 1024 GPUs.
+``plan speedup_vs_monolithic@256=<x> search_s@1024=<y> colocated_vs_shared@256=<c> tp_vs_shared@256=<t>``:
+``x`` is the geometric mean over the six profiles of the chosen shared-pipeline plan's predicted
+speed-up at 256 GPUs, ``y`` the longest search (wall seconds) at 1024 GPUs, ``c`` and ``t`` the
+geometric means at 256 GPUs of the colocated (tp = 1) and the tensor-parallel plans' predicted
+speed-ups over the best shared-layout tp = 1 plan (1.0 where the full search picks no tp > 1).
 
 Run: ``.venv/bin/python benchmarks/bench_plan.py`` from the repository root.
 """
@@ -28,6 +37,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +49,30 @@ from dflop_ds.plan import Cluster, PlanError, make_plans  # noqa: E402
 from dflop_ds.shapes import ShapePolicy  # noqa: E402
 
 GLOBAL_BATCH = {8: 64, 64: 256, 256: 512, 1024: 2048}
+
+
+def geomean(values: list[float]) -> float:
+    """Geometric mean (nan for no values)."""
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def family_row(name: str, gpus: int, plans, tp1) -> tuple[str, float | None, float | None]:
+    """The second table's row and the colocated (tp = 1) and tensor-parallel speed-ups over the
+    best shared-layout tp = 1 plan (``tp1``: the plans of the ``max_tp=1`` search)."""
+    base = tp1.result.best_deepspeed
+    colo1 = tp1.result.best_colocated
+    tp_plan = plans.result.best_deepspeed if plans.result.best_deepspeed.layout.llm.tp > 1 else None
+    colo = plans.result.best_colocated
+
+    def cell(scored) -> tuple[str, float | None]:
+        if scored is None:
+            return f"{'-':>6} {'':<44}", None
+        x = base.step_time / scored.step_time
+        return f"{x:6.3f} {scored.layout.describe():<44}", x
+
+    (c1, x_colo), (ct, x_tp), (cc, _) = cell(colo1), cell(tp_plan), cell(colo)
+    text = f"{name:<20} {gpus:>5}  {base.layout.describe():<44} {base.step_time:>8.3f}  {c1} {ct} {cc}"
+    return text, x_colo, x_tp
 
 
 def _row(name: str, gpus: int, batch: int, plans, seconds: float, cpu: float) -> str:
@@ -69,10 +103,13 @@ def main() -> int:
     print(f"data: {args.data}: {len(shapes)} samples under ShapePolicy() (LLaVA-OneVision tiling)")
     print("cost models: ANALYTIC reference profiles (FLOP counts / assumed throughput), not measured")
     print(f"cluster: 8 GPUs per node, 80 GB each, ZeRO-1; global batch per GPU count: {GLOBAL_BATCH}")
-    print(f"{'profile':<20} {'GPUs':>5} {'batch':>5}  {'chosen plan (stock DeepSpeed runs it)':<46} "
+    print(f"{'profile':<20} {'GPUs':>5} {'batch':>5}  {'chosen shared-pipeline plan':<46} "
           f"{'step_s':>8} {'bubble':>6} {'mem_GB':>6}  {'x_mono':>6}  {'wall_s':>6} {'cpu_s':>6}")
     speedups_256: list[float] = []
     search_1024: list[float] = []
+    family_rows: list[str] = []
+    colocated_256: list[float] = []
+    tp_256: list[float] = []
     for name in args.profiles:
         model = reference_model(name)
         for gpus in args.gpus:
@@ -91,11 +128,25 @@ def main() -> int:
                 speedups_256.append(speedup)
             if gpus == 1024:
                 search_1024.append(seconds)
-    x = math.exp(sum(math.log(s) for s in speedups_256) / len(speedups_256)) if speedups_256 else float("nan")
-    y = max(search_1024) if search_1024 else float("nan")
-    print(f"(speed-up: geometric mean over {len(speedups_256)} profiles at 256 GPUs; search: slowest of "
+            try:
+                tp1 = make_plans(model, replace(cluster, max_tp=1), shapes, batch, n_batches=args.batches)
+            except PlanError as error:
+                family_rows.append(f"{name:<20} {gpus:>5}  no tp = 1 plan: {error}")
+                continue
+            text, x_colo, x_tp = family_row(name, gpus, plans, tp1)
+            family_rows.append(text)
+            if gpus == 256 and x_colo is not None:
+                colocated_256.append(x_colo)
+                tp_256.append(1.0 if x_tp is None else x_tp)
+    print("\nspeed-up over the best shared-layout plan with tp = 1 (predicted; '-': no such plan)")
+    print(f"{'profile':<20} {'GPUs':>5}  {'shared tp = 1 plan':<44} {'step_s':>8}  {'colocated tp = 1':<51} "
+          f"{'tensor-parallel (shared)':<51} {'colocated (any tp)':<51}")
+    print("\n".join(family_rows))
+    x, y = geomean(speedups_256), max(search_1024) if search_1024 else float("nan")
+    print(f"(speed-ups: geometric means over {len(speedups_256)} profiles at 256 GPUs; search: slowest of "
           f"{len(search_1024)} searches at 1024 GPUs, wall seconds, predictions of analytic models)")
-    print(f"plan speedup_vs_monolithic@256={x:.3f} search_s@1024={y:.2f}")
+    print(f"plan speedup_vs_monolithic@256={x:.3f} search_s@1024={y:.2f} "
+          f"colocated_vs_shared@256={geomean(colocated_256):.3f} tp_vs_shared@256={geomean(tp_256):.3f}")
     return 0
 
 

@@ -141,7 +141,7 @@ def test_cli_plan_then_simulate(tmp_path, capsys) -> None:
                               "--data", str(manifest), "--batches", "1", "--top-k", "2", "-o", str(out)])
     assert args.func(args) == 0
     text = capsys.readouterr().out
-    assert "ANALYTIC" in text and "gap of the best stock-DeepSpeed plan" in text
+    assert "ANALYTIC" in text and "gap of the best shared-pipeline plan" in text
     plan = Plan.load(out)
     assert plan.deepspeed_compatible and plan.gpus == 8 and plan.global_batch_size == 32
     png = tmp_path / "gantt.png"

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflop_ds.plan.schedule import format_schedule, stage_order, train_schedule
+from dflop_ds.plan.instructions import KINDS, format_schedule, stage_instructions, stage_order, train_schedule
 from dflop_ds.plan.simulator import simulate_1f1b, simulate_stage_times
 
 
@@ -27,7 +27,7 @@ def _deepspeed_order(stages: int, n_mb: int, stage: int) -> list[tuple[str, int]
 @pytest.mark.parametrize("n_mb", [1, 2, 5, 8])
 def test_stage_order_matches_deepspeed_train_schedule(stages: int, n_mb: int) -> None:
     for s in range(stages):
-        ours = [(op.kind, op.microbatch) for op in stage_order(s, stages, n_mb)]
+        ours = [("F" if op.kind == "forward" else "B", op.microbatch) for op in stage_order(s, stages, n_mb)]
         assert ours == _deepspeed_order(stages, n_mb, s)
 
 
@@ -36,9 +36,31 @@ def test_schedule_table_is_plain_data() -> None:
     assert len(table) == 2 * (4 + 3 - 1)
     for s in range(3):
         ops = [row[s] for row in table if row[s] is not None]
-        assert sorted((o.kind, o.microbatch) for o in ops) == sorted([("F", j) for j in range(4)] + [("B", j) for j in range(4)])
+        assert sorted((o.kind, o.microbatch) for o in ops) == sorted(
+            [("forward", j) for j in range(4)] + [("backward", j) for j in range(4)])
     text = format_schedule(3, 4)
     assert text.splitlines()[0].split()[2] == "F0" and len(text.splitlines()) == 3
+
+
+@pytest.mark.parametrize("stages,n_mb", [(1, 3), (2, 4), (3, 2), (4, 6)])
+def test_instruction_stream_numbers_microbatches_so_neighbours_pair_up(stages: int, n_mb: int) -> None:
+    from dflop_ds.telemetry import timers
+
+    assert timers.KINDS is KINDS  # one vocabulary for the simulator and telemetry
+    streams = [stage_instructions(s, stages, n_mb) for s in range(stages)]
+    for stream in streams:
+        flat = [i for slot in stream for i in slot]
+        assert {i.name for i in flat} <= set(KINDS)
+        for name in {i.name for i in flat if i.microbatch >= 0}:
+            assert [i.microbatch for i in flat if i.name == name] == list(range(n_mb))
+        assert [i.kind for i in stream[-1][-3:]] == ["reduce", "reduce", "optimizer"]
+    pairs = {"SendGrad": "RecvGrad", "RecvActivation": "SendActivation"}
+    for s in range(1, stages):
+        for upper, lower in zip(streams[s], streams[s - 1]):
+            for name, partner in pairs.items():
+                mine = [i.microbatch for i in upper if i.name == name]
+                theirs = [i.microbatch for i in lower if i.name == partner]
+                assert mine == theirs  # the same slot, the same microbatch on both sides of the link
 
 
 @pytest.mark.parametrize("p,m", [(1, 1), (1, 6), (2, 1), (2, 4), (4, 4), (4, 16), (8, 3), (5, 32)])
@@ -84,11 +106,12 @@ def _reference_sim(fwd: np.ndarray, bwd: np.ndarray, comm: float) -> float:
             t = 0.0
             for op in orders[s]:
                 key = (op.kind, op.microbatch, s)
-                if op.kind == "F":
-                    dep = end.get(("F", op.microbatch, s - 1), 0.0) + comm if s > 0 else 0.0
+                if op.kind == "forward":
+                    dep = end.get(("forward", op.microbatch, s - 1), 0.0) + comm if s > 0 else 0.0
                     dur = fwd[op.microbatch, s]
                 else:
-                    dep = end.get(("B", op.microbatch, s + 1), 0.0) + comm if s < p - 1 else end.get(("F", op.microbatch, s), 0.0)
+                    dep = (end.get(("backward", op.microbatch, s + 1), 0.0) + comm if s < p - 1
+                           else end.get(("forward", op.microbatch, s), 0.0))
                     dur = bwd[op.microbatch, s]
                 t = max(t, dep) + dur
                 if end.get(key) != t:

@@ -61,10 +61,12 @@ def run_plan(args: argparse.Namespace) -> int:
           f"({args.gpus} GPUs, global batch {args.global_batch}, {args.batches} sampled batches)")
     print(_summary("best", plans.best))
     print(_summary("deepspeed", plans.best_deepspeed))
+    if plans.colocated is not None:
+        print(_summary("colocated", plans.colocated))
     if plans.monolithic is not None:
         print(_summary("monolithic", plans.monolithic))
-    print(f"gap of the best stock-DeepSpeed plan to the best plan: {r.gap:.1%}")
-    chosen = plans.best if args.allow_separate else plans.best_deepspeed
+    print(f"gap of the best shared-pipeline plan to the best plan: {r.gap:.1%}")
+    chosen = plans.best
     chosen.save(args.output)
     print(f"wrote {args.output} ({chosen.family} plan, stage bounds {chosen.stage_bounds()})")
     return 0
@@ -105,8 +107,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel degree (1 for modules without TP layers)")
     p.add_argument("--batches", type=int, default=3, help="sampled global batches per simulated layout")
     p.add_argument("--top-k", type=int, default=6, help="layouts simulated per family")
-    p.add_argument("--allow-separate", action="store_true",
-                   help="write the best plan even if it needs separate GPU sets (default: best stock-DeepSpeed plan)")
     p.add_argument("-o", "--output", required=True, help="plan JSON to write")
     _common(p)
     p.set_defaults(func=run_plan)

@@ -18,6 +18,11 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+from numpy.typing import ArrayLike
+
+Number = Any  # a float for scalar arguments, an array for array arguments
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -66,27 +71,34 @@ class Cluster:
         limit = min(self.gpus_per_node, self.max_tp or self.gpus_per_node, self.gpus)
         return [1 << k for k in range(int(math.log2(limit)) + 1) if (1 << k) <= limit]
 
-    def tp_speedup(self, tp: int) -> float:
-        """Compute speed-up of ``tp``-way tensor parallelism."""
-        return tp / (1.0 + self.tp_overhead * math.log2(tp))
+    def tp_speedup(self, tp: ArrayLike) -> Number:
+        """Compute speed-up of ``tp``-way tensor parallelism (elementwise over arrays)."""
+        tp = np.asarray(tp, dtype=float)
+        return _scalar_or_array(tp / (1.0 + self.tp_overhead * np.log2(tp)))
 
-    def state_factor(self, dp: int) -> float:
-        """Training-state bytes per bf16 weight byte (weights, gradients, optimizer)."""
-        optimizer = 6.0 / dp if self.zero_stage >= 1 else 6.0
-        return 2.0 + optimizer
+    def state_factor(self, dp: ArrayLike) -> Number:
+        """Training-state bytes per bf16 weight byte (weights, gradients, optimizer; elementwise over arrays)."""
+        dp = np.asarray(dp, dtype=float)
+        optimizer = 6.0 / dp if self.zero_stage >= 1 else np.full_like(dp, 6.0)
+        return _scalar_or_array(2.0 + optimizer)
 
-    def allreduce_seconds(self, nbytes: float, dp: int, inner: int) -> float:
-        """Ring all-reduce of ``nbytes`` over ``dp`` ranks spaced ``inner`` GPUs apart."""
-        if dp <= 1 or nbytes <= 0:
-            return 0.0
-        bw = self.intra_node_bw if dp * inner <= self.gpus_per_node else self.inter_node_bw
-        return 2.0 * (dp - 1) / dp * nbytes / bw
+    def allreduce_seconds(self, nbytes: ArrayLike, dp: ArrayLike, inner: ArrayLike) -> Number:
+        """Ring all-reduce of ``nbytes`` over ``dp`` ranks spaced ``inner`` GPUs apart (elementwise over arrays)."""
+        nbytes, dp, inner = (np.asarray(x, dtype=float) for x in (nbytes, dp, inner))
+        bw = np.where(dp * inner <= self.gpus_per_node, self.intra_node_bw, self.inter_node_bw)
+        ring = 2.0 * np.maximum(dp - 1.0, 0.0) / np.maximum(dp, 1.0)
+        return _scalar_or_array(ring * np.maximum(nbytes, 0.0) / bw)
 
-    def p2p_seconds(self, nbytes: float, stride: int) -> float:
-        """Send ``nbytes`` to a GPU ``stride`` ranks away (inter-node once the stride spans a node)."""
+    def p2p_seconds(self, nbytes: ArrayLike, stride: int) -> Number:
+        """Send ``nbytes`` to a GPU ``stride`` ranks away (inter-node once the stride spans a node; elementwise)."""
         bw = self.intra_node_bw if stride < self.gpus_per_node else self.inter_node_bw
-        return nbytes / bw
+        return _scalar_or_array(np.asarray(nbytes, dtype=float) / bw)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready fields."""
         return asdict(self)
+
+
+def _scalar_or_array(x: np.ndarray) -> Number:
+    """A 0-d result as a Python float (scalar callers keep plain numbers), arrays as they are."""
+    return float(x) if x.ndim == 0 else x

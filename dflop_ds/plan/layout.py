@@ -6,7 +6,10 @@ hold encoder layers run with the encoder's (tp, dp), the others with the LLM's. 
 segments share tp and dp, the layout is one DeepSpeed pipeline of ``n_stages * tp * dp`` GPUs
 (a stage may then hold the last encoder layers and the first LLM layers together); otherwise
 the encoder and the LLM run on separate GPU sets, DFLOP's general case, which stock DeepSpeed
-cannot run (its topology gives every stage the same dp).
+cannot run (its topology gives every stage the same dp). A *colocated* layout runs the encoder
+data-parallel over every GPU outside the pipeline (``encoder = Segment(1, 1, GPUs)``) and the
+LLM pipeline on the same GPUs; its stages list the encoder layers on stage 0 (where the flat
+layer list puts them) but no stage runs them.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class Layout:
         splitter: the registered splitter (:mod:`dflop_ds.schedule.splitters`) cutting each
             global batch into microbatches: ``"dflop"`` (our data-aware ones), ``"stock"``
             (fixed sample counts), ``"llava"``, ``"verl"``, ...
+        colocated: the encoder runs data-parallel over all GPUs, outside the LLM pipeline
+            (``"dflop".encoder = "colocated"``).
     """
 
     encoder: Segment
@@ -52,6 +57,7 @@ class Layout:
     n_mb: int
     stages: tuple[StageLayers, ...]
     splitter: str = "dflop"
+    colocated: bool = False
 
     @property
     def n_stages(self) -> int:
@@ -65,24 +71,27 @@ class Layout:
 
     @property
     def deepspeed_compatible(self) -> bool:
-        """Runs on stock DeepSpeed as is (one topology: same dp and tp for every stage)."""
-        return self.shared
+        """Runs on stock DeepSpeed as is (one topology: same dp and tp for every stage; a
+        colocated encoder is a replica on every rank of that topology)."""
+        return self.shared or self.colocated
 
     @property
     def gpus(self) -> int:
         """GPUs used."""
+        if self.colocated:
+            return self.llm.gpus
         if self.shared:
             return self.n_stages * self.llm.tp * self.llm.dp
         return self.encoder.gpus + self.llm.gpus
 
     def stage_segment(self, s: int) -> Segment:
         """The degrees stage ``s`` runs with (the encoder's when it holds encoder layers)."""
-        return self.encoder if self.stages[s][0] > 0 else self.llm
+        return self.encoder if self.stages[s][0] > 0 and not self.colocated else self.llm
 
     def describe(self) -> str:
         """A one-line summary such as ``E(tp1,pp1,dp8) L(tp1,pp2,dp8) mb4``."""
         e, lm = self.encoder, self.llm
-        kind = "shared" if self.shared else "separate"
+        kind = "colocated" if self.colocated else "shared" if self.shared else "separate"
         return f"E(tp{e.tp},pp{e.pp},dp{e.dp}) L(tp{lm.tp},pp{lm.pp},dp{lm.dp}) mb{self.n_mb} {kind}"
 
 

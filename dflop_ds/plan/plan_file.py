@@ -74,7 +74,7 @@ class Plan:
         gpus, gpus_per_node, gpu_memory_bytes: the cluster planned for.
         splitter: the registered splitter of the microbatches (``"dflop"``: our scheduler,
             ``"stock"``: fixed sample counts); the training config's ``"dflop".sampler``.
-        family: ``"deepspeed"``, ``"separate"`` or ``"monolithic"``.
+        family: ``"deepspeed"``, ``"colocated"`` or ``"monolithic"`` (``"separate"`` in older files).
         predicted: the simulator's figures (step time, bubble fraction, memory, speed-ups).
         cost_model: name of the cost model and whether it is analytic (not measured).
         baseline: the monolithic baseline's layout (:func:`layout_to_dict`), for comparisons.
@@ -116,7 +116,8 @@ class Plan:
     @property
     def layout(self) -> Layout:
         """The plan's :class:`Layout` (for simulation)."""
-        return Layout(self.encoder, self.llm, self.n_mb, tuple(self.stages), splitter=self.splitter)
+        return Layout(self.encoder, self.llm, self.n_mb, tuple(self.stages), splitter=self.splitter,
+                      colocated=self.family == "colocated")
 
     @property
     def deepspeed_compatible(self) -> bool:
@@ -204,6 +205,8 @@ class Plan:
         block["pipeline_stages"] = self.pipeline_stages
         block["stage_bounds"] = self.stage_bounds().to_list()
         block["sampler"] = self.splitter
+        if self.layout.colocated:  # the encoder data-parallel over every rank (dflop_ds.train.colocated)
+            block["encoder"] = "colocated"
         return config
 
     def sampler_settings(self) -> dict[str, int]:

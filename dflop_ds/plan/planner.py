@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from dflop_ds.plan.cluster import Cluster
-from dflop_ds.plan.evaluate import Evaluation, evaluate
+from dflop_ds.plan.evaluate import Evaluation
+from dflop_ds.plan.families import family_of
 from dflop_ds.plan.layout import Layout
 from dflop_ds.plan.plan_file import Plan, layout_to_dict
 from dflop_ds.plan.search import Scored, SearchResult, sample_batches, search
@@ -20,17 +22,19 @@ class PlanSet:
     """Plans from one search.
 
     Attributes:
-        best: best plan overall (may need separate GPU sets).
-        best_deepspeed: best plan stock DeepSpeed runs as is.
+        best: best plan overall (the faster of the shared-pipeline and colocated ones).
+        best_deepspeed: best shared-pipeline plan (encoder and LLM layers in one pipeline).
         monolithic: the stock baseline plan (uniform split, fixed-size microbatches), or None
             when no such layout fits in memory.
         result: the underlying :class:`SearchResult`.
+        colocated: best colocated plan (encoder data-parallel over every GPU), or None.
     """
 
     best: Plan
     best_deepspeed: Plan
     monolithic: Plan | None
     result: SearchResult
+    colocated: Plan | None = None
 
 
 def describe_cost_model(model: Any) -> dict[str, Any]:
@@ -70,20 +74,22 @@ def _plan(model: Any, cluster: Cluster, global_batch: int, scored: Scored, resul
 
 
 def make_plans(model: Any, cluster: Cluster, shapes: Sequence[SampleShape], global_batch: int, **search_kwargs: Any) -> PlanSet:
-    """Search (see :func:`dflop_ds.plan.search.search`) and return the three plans.
+    """Search (see :func:`dflop_ds.plan.search.search`) and return the plans.
 
     Every plan records the monolithic baseline's layout, so ``simulate`` can redraw both.
     """
     result = search(model, cluster, shapes, global_batch, **search_kwargs)
-    best = _plan(model, cluster, global_batch, result.best, result)
-    best_deepspeed = _plan(model, cluster, global_batch, result.best_deepspeed, result)
-    monolithic = None
+    chosen = (result.best, result.best_deepspeed, result.monolithic, result.best_colocated)
+    plans = [None if s is None else _plan(model, cluster, global_batch, s, result) for s in chosen]
     if result.monolithic is not None:
-        monolithic = _plan(model, cluster, global_batch, result.monolithic, result)
         baseline = layout_to_dict(result.monolithic.layout)
-        for plan in (best, best_deepspeed, monolithic):
-            plan.baseline = baseline
-    return PlanSet(best=best, best_deepspeed=best_deepspeed, monolithic=monolithic, result=result)
+        for p in plans:
+            if p is not None:
+                p.baseline = baseline
+    best, best_deepspeed = plans[0], plans[1]
+    assert best is not None and best_deepspeed is not None  # search raises PlanError otherwise
+    return PlanSet(best=best, best_deepspeed=best_deepspeed, monolithic=plans[2], result=result,
+                   colocated=plans[3])
 
 
 def cluster_of(plan: Plan, **overrides: Any) -> Cluster:
@@ -99,5 +105,6 @@ def simulate_layout(model: Any, cluster: Cluster, layout: Layout, shapes: Sequen
     """Simulate ``layout`` on ``n_batches`` global batches drawn from ``shapes`` (same draws as the search)."""
     pool = list(getattr(shapes, "shapes", shapes))  # a DataProfile or a list of shapes
     costs = np.asarray(model.predict_samples(pool), dtype=float)
-    return [evaluate(model, cluster, layout, [pool[j] for j in b], costs[b], fast=fast, seed=seed + i)
+    family = family_of(layout)
+    return [family.evaluate(model, cluster, layout, [pool[j] for j in b], costs[b], fast=fast, seed=seed + i)
             for i, b in enumerate(sample_batches(len(pool), global_batch, n_batches, seed))]

@@ -1,7 +1,8 @@
 """Discrete-event simulation of one training step under DeepSpeed's 1F1B schedule.
 
-Each stage runs its operations in the order of :mod:`dflop_ds.plan.schedule`; an operation
-starts when its stage is free and its input has arrived:
+Each stage runs its operations in the order of DeepSpeed's own instruction stream
+(:mod:`dflop_ds.plan.instructions`); an operation starts when its stage is free and its input
+has arrived:
 
 - forward of microbatch ``j`` on stage ``s``: after the forward of ``j`` on ``s - 1`` plus the
   activation transfer ``s - 1 -> s``;
@@ -24,11 +25,11 @@ slot), which keeps a 128-rank, 32-microbatch, 16-stage step at a few millisecond
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from dflop_ds.plan.schedule import n_slots, slot_op
+from dflop_ds.plan.instructions import compute_of, stage_instructions
 
 
 @dataclass
@@ -49,6 +50,8 @@ class SimResult:
         critical_rank: index of the slowest rank.
         f_start, f_end, b_start, b_end: ``(R, m, p)`` operation times.
         allreduce: ``(R, p)`` all-reduce seconds per stage, started after each stage's last backward.
+        phases: seconds of the phases outside the pipeline (a colocated encoder's, see
+            :func:`simulate_colocated`); empty otherwise.
     """
 
     step_time: float
@@ -63,6 +66,7 @@ class SimResult:
     b_start: np.ndarray
     b_end: np.ndarray
     allreduce: np.ndarray
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def n_stages(self) -> int:
@@ -100,33 +104,26 @@ TRANSFERS = ("blocking", "overlapped")
 
 
 def _slot_tables(n_stages: int, n_mb: int) -> list[tuple[np.ndarray, ...]]:
-    """Per slot: forward stages and their microbatches, backward stages and theirs, and the
-    exchanges that open the slot: stages ``s`` trading with ``s - 1``, the microbatch whose
-    gradient goes back and the one whose activation comes in (``-1``: none)."""
+    """Per slot, from DeepSpeed's instruction stream: forward stages and their microbatches,
+    backward stages and theirs, and the exchanges that open the slot: stages ``s`` trading with
+    ``s - 1`` (``SendGrad``/``RecvActivation``), the microbatch whose gradient goes back and the
+    one whose activation comes in (``-1``: none)."""
+    stages = [stage_instructions(s, n_stages, n_mb) for s in range(n_stages)]
     tables = []
-    for t in range(n_slots(n_stages, n_mb)):
-        fs: list[int] = []
-        fm: list[int] = []
-        bs: list[int] = []
-        bm: list[int] = []
-        xs: list[int] = []
-        xg: list[int] = []
-        xa: list[int] = []
+    for t in range(len(stages[0])):
+        columns: tuple[list[int], ...] = ([], [], [], [], [], [], [])
+        fs, fm, bs, bm, xs, xg, xa = columns
         for s in range(n_stages):
-            op = slot_op(t, s, n_stages, n_mb)
-            if s > 0 and s % 2 == t % 2:  # a forward slot of s: DeepSpeed's exchange with s - 1
-                before = slot_op(t - 1, s, n_stages, n_mb) if t > 0 else None
-                grad_mb = before.microbatch if before is not None else -1
-                act_mb = op.microbatch if op is not None else -1
-                if grad_mb >= 0 or act_mb >= 0:
-                    xs.append(s)
-                    xg.append(grad_mb)
-                    xa.append(act_mb)
-            if op is None:
-                continue
-            (fs if op.kind == "F" else bs).append(s)
-            (fm if op.kind == "F" else bm).append(op.microbatch)
-        tables.append(tuple(np.array(v, dtype=int) for v in (fs, fm, bs, bm, xs, xg, xa)))
+            slot = {i.name: i.microbatch for i in stages[s][t]}
+            if "SendGrad" in slot or "RecvActivation" in slot:
+                xs.append(s)
+                xg.append(slot.get("SendGrad", -1))
+                xa.append(slot.get("RecvActivation", -1))
+            op = compute_of(stages[s][t])
+            if op is not None:
+                (fs if op.kind == "forward" else bs).append(s)
+                (fm if op.kind == "forward" else bm).append(op.microbatch)
+        tables.append(tuple(np.array(v, dtype=int) for v in columns))
     return tables
 
 
@@ -255,3 +252,51 @@ def simulate_stage_times(
     """
     return simulate_1f1b(np.asarray(fwd, float), np.asarray(bwd, float), act_comm=p2p_s, allreduce=allreduce_s,
                          transfers=transfers)
+
+
+def simulate_colocated(
+    fwd: np.ndarray,
+    bwd: np.ndarray,
+    *,
+    encoder_fwd: float,
+    encoder_bwd: float,
+    exchange: float = 0.0,
+    act_comm: np.ndarray | float = 0.0,
+    allreduce: np.ndarray | float = 0.0,
+    encoder_allreduce: float = 0.0,
+    transfers: str = "blocking",
+) -> SimResult:
+    """One step with a colocated encoder: the encoder forward, data-parallel over every GPU; the
+    feature exchange (an all-to-all, a collective: every rank waits for the slowest); the LLM
+    pipeline (:func:`simulate_1f1b` of the LLM stages' ``fwd``/``bwd``, ``act_comm``,
+    ``allreduce``); the gradient exchange back; the encoder backward and its gradient all-reduce
+    over every GPU.
+
+    ``encoder_fwd``/``encoder_bwd`` are the phases' seconds on the slowest GPU, ``exchange`` one
+    direction of the exchange. Operation times are shifted by the encoder phase before the
+    pipeline; ``busy`` counts the encoder phases on every stage.
+    """
+    pipe = simulate_1f1b(fwd, bwd, act_comm=act_comm, allreduce=allreduce, transfers=transfers)
+    before = float(encoder_fwd) + float(exchange)
+    after = float(exchange) + float(encoder_bwd)
+    step = before + pipe.step_time + after + float(encoder_allreduce)
+    busy = pipe.busy + float(encoder_fwd) + float(encoder_bwd)
+    pipeline_time = before + pipe.pipeline_time + after
+    idle = pipeline_time[:, None] - busy
+    critical = pipe.critical_rank
+    denom = pipe.n_stages * pipeline_time[critical]
+    return replace(
+        pipe,
+        step_time=step,
+        rank_step_times=np.full_like(pipe.rank_step_times, step),  # the exchanges synchronise every rank
+        pipeline_time=pipeline_time,
+        busy=busy,
+        idle=idle,
+        bubble_fraction=max(0.0, float(idle[critical].sum() / denom)) if denom > 0 else 0.0,
+        f_start=pipe.f_start + before,
+        f_end=pipe.f_end + before,
+        b_start=pipe.b_start + before,
+        b_end=pipe.b_end + before,
+        phases={"encoder_forward_s": float(encoder_fwd), "exchange_s": float(exchange),
+                "encoder_backward_s": float(encoder_bwd), "encoder_allreduce_s": float(encoder_allreduce)},
+    )

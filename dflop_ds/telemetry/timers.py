@@ -17,12 +17,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-#: instruction class name -> timing kind
-KINDS = {
-    "ForwardPass": "forward", "BackwardPass": "backward", "LoadMicroBatch": "load",
-    "SendActivation": "send", "RecvActivation": "recv", "SendGrad": "send", "RecvGrad": "recv",
-    "ReduceGrads": "reduce", "ReduceTiedGrads": "reduce", "OptimizerStep": "optimizer",
-}
+from dflop_ds.plan.instructions import KINDS  # instruction class name -> timing kind, shared with the simulator
+
 PER_MICROBATCH = ("forward", "backward", "load", "send", "recv")
 #: every kind, in the order step totals are reported
 STEP_KINDS = tuple(dict.fromkeys(KINDS.values()))
