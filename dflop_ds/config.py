@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from dflop_ds.data.records import BAD_SAMPLE_POLICIES
 from dflop_ds.jsonio import read_json_object
+from dflop_ds.plan.cluster import MIXED_PRECISIONS
 from dflop_ds.typecheck import check_setting
 
 
@@ -47,6 +48,9 @@ class DFLOPConfig:
         steps: optimizer steps to run; warmup_steps of them are left out of throughput figures.
         lr: AdamW learning rate (used when the DeepSpeed config has no "optimizer").
         freeze_encoder: freeze the vision encoder (LLaVA's second stage).
+        activation_checkpointing: recompute every layer's activations in backward instead of
+            keeping them (less memory, about a third more compute); a plan sets it to what its
+            memory model assumed.
         packing: pack each microbatch's samples into one sequence (attention kept inside each
             sample; :mod:`dflop_ds.models.packing`) instead of padding them to the longest, and
             balance on the additive packed cost (:class:`dflop_ds.profile.packed.PackedCost`).
@@ -98,6 +102,7 @@ class DFLOPConfig:
     warmup_steps: int = 2
     lr: float = 1e-3
     freeze_encoder: bool = False
+    activation_checkpointing: bool = False
     encoder: str = "local"
     packing: Optional[bool] = None
     model: dict[str, Any] = field(default_factory=dict)
@@ -157,6 +162,7 @@ class DFLOPConfig:
             "warmup_steps": dict(kind="int", minimum=0),
             "lr": dict(kind="number", above=0),
             "freeze_encoder": dict(kind="bool"),
+            "activation_checkpointing": dict(kind="bool"),
             "model": dict(kind="dict"),
             "checkpoint_dir": dict(kind="str", optional=True),
             "checkpoint_every": dict(kind="int", minimum=0),
@@ -200,6 +206,8 @@ class DFLOPConfig:
 
 #: DeepSpeed config keys a plan decides.
 PLAN_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+#: DeepSpeed config sections of the mixed precisions a plan may assume (at most one is enabled)
+PLAN_PRECISION_KEYS = MIXED_PRECISIONS
 
 
 def autotp_size(ds_config: dict[str, Any]) -> int:
@@ -210,21 +218,34 @@ def autotp_size(ds_config: dict[str, Any]) -> int:
 def fill_from_plan(ds_config: dict[str, Any], block: dict[str, Any], plan: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Copies of a DeepSpeed config and its "dflop" block with what ``plan`` decides filled in.
 
-    The plan supplies the batch keys (:data:`PLAN_BATCH_KEYS`), ``tensor_parallel`` (tp > 1) and the block's
-    ``pipeline_stages``, ``stage_bounds`` and ``sampler`` wherever the config leaves them out;
+    The plan supplies the batch keys (:data:`PLAN_BATCH_KEYS`), ``tensor_parallel`` (tp > 1), the ZeRO
+    stage and precision (:data:`PLAN_PRECISION_KEYS`) its memory model assumed, and the block's
+    ``pipeline_stages``, ``stage_bounds``, ``activation_checkpointing`` and ``sampler`` wherever the config
+    leaves them out;
     values the config does set are kept, so a config that contradicts its plan is caught by
     :func:`dflop_ds.checks.check_training_setup` rather than silently overridden; a stage count
-    or split that contradicts it is refused here, naming both.
+    or split, ZeRO stage, precision or checkpointing that contradicts it is refused here, naming both.
     """
     planned = plan.deepspeed_config({})
-    for key in ("pipeline_stages", "stage_bounds"):
+    for key in ("pipeline_stages", "stage_bounds", "activation_checkpointing"):
         if block.get(key) is not None and block[key] != planned["dflop"][key]:
             raise ValueError(f"\"dflop\".{key} is {block[key]!r}, but the plan is for {planned['dflop'][key]!r}:"
                              f" leave {key} out of the config (the plan sets it) or re-plan")
+    zero = (ds_config.get("zero_optimization") or {}).get("stage")
+    if zero is not None and zero != plan.zero_stage:
+        raise ValueError(f"zero_optimization.stage is {zero!r}, but the plan's memory model assumed ZeRO stage"
+                         f" {plan.zero_stage}: leave the stage out of the config (the plan sets it) or re-plan")
+    enabled = [key for key in PLAN_PRECISION_KEYS if (ds_config.get(key) or {}).get("enabled")]
+    if enabled and enabled != [plan.precision]:
+        raise ValueError(f"{enabled[0]}.enabled is true, but the plan's memory model assumed {plan.precision}:"
+                         f" leave the precision out of the config (the plan sets it) or re-plan")
     config = dict(ds_config)
     for key in (*PLAN_BATCH_KEYS, "tensor_parallel"):
         if key in planned:
             config.setdefault(key, planned[key])
+    for key in ("zero_optimization", *PLAN_PRECISION_KEYS):
+        config[key] = {**planned[key], **(config.get(key) or {}), **{k: planned[key][k] for k in ("stage", "enabled")
+                                                                     if k in planned[key]}}
     filled = dict(block)
     for key, value in planned["dflop"].items():
         filled.setdefault(key, value)

@@ -107,11 +107,11 @@ def test_autotp_setups_it_cannot_run_are_refused_with_the_reason(dflop, zero, wo
 
 
 # -- plans with tp > 1 ------------------------------------------------------------------------------------
-def tp_plan(tp=2, dp=2, n_mb=2, global_batch=16, stages=((3, 1, 4),)) -> Plan:
+def tp_plan(tp=2, dp=2, n_mb=2, global_batch=16, stages=((3, 1, 4),), zero_stage=1) -> Plan:
     layout = Layout(Segment(tp, len(stages), dp), Segment(tp, len(stages), dp), n_mb, stages)
     return Plan.from_layout(layout, layer_counts={"encoder": 3, "projector": 1, "llm": 4},
                             global_batch_size=global_batch, gpus=len(stages) * tp * dp, gpus_per_node=8,
-                            gpu_memory_bytes=8e9, family="deepspeed")
+                            gpu_memory_bytes=8e9, family="deepspeed", zero_stage=zero_stage)
 
 
 def test_autotp_plan_becomes_a_deepspeed_config_with_tensor_parallel_and_deepspeeds_batch_identity():
@@ -129,7 +129,7 @@ def test_autotp_plan_becomes_a_deepspeed_config_with_tensor_parallel_and_deepspe
 
 
 def test_autotp_plan_fills_the_config_and_runs_the_checks():
-    plan = tp_plan(tp=2, dp=1, n_mb=2, global_batch=8)
+    plan = tp_plan(tp=2, dp=1, n_mb=2, global_batch=8, zero_stage=2)
     config, block = fill_from_plan({"zero_optimization": {"stage": 2}},
                                    {"model_name_or_path": "some/hf-model"}, plan)
     assert config["tensor_parallel"] == {"autotp_size": 2}

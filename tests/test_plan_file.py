@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dflop_ds.plan import Cluster, Plan, PlanFileError, Segment, make_plans, reference_model
+from dflop_ds.plan import PLAN_FORMAT_VERSION, Cluster, Plan, PlanFileError, Segment, make_plans, reference_model
 from dflop_ds.plan.layout import Layout, flat_bounds, separate_stages, stages_from_bounds
 from dflop_ds.shapes import ShapePolicy
 
@@ -46,7 +46,7 @@ def test_plan_round_trips_through_json(tmp_path, plans) -> None:
         loaded = Plan.load(path)
         assert loaded == plan
         assert loaded.to_dict() == plan.to_dict()
-        assert json.loads(path.read_text())["format_version"] == 1
+        assert json.loads(path.read_text())["format_version"] == PLAN_FORMAT_VERSION == 2
         assert loaded.cost_model["is_analytic"] is True
         assert loaded.baseline_layout == plans.monolithic.layout
 

@@ -8,15 +8,38 @@ cost model only predicts tp=1 compute), so their formulas live here, each one st
 - ring all-reduce of ``b`` bytes over ``dp`` ranks: ``2 (dp - 1) / dp * b / bandwidth``, with the
   inter-node bandwidth once the group leaves a node;
 - point-to-point transfer: ``bytes / bandwidth`` (intra- or inter-node);
-- training state per weight byte (bf16 weights): weights 1x + bf16 gradients 1x + fp32
-  master copy and Adam moments 6x, the 6x divided by dp under ZeRO stage 1.
+- training state per weight byte (the cost model's ``param_bytes``, in the training precision)
+  with Adam (:data:`STATE_TERMS`): bf16/fp16 mixed precision keeps 16-bit weights 1x + 16-bit
+  gradients 1x + fp32 master copy and Adam moments 6x; fp32 keeps weights 1x + gradients 1x +
+  Adam moments 2x; ZeRO stage 1 divides the optimizer term by dp, stage 2 the gradients too,
+  stage 3 the weights too (:data:`ZERO_SHARDED`);
+- gradient synchronisation under ZeRO stage 3 also gathers the weights in forward and backward:
+  three ring collectives of ``(dp - 1) / dp * b`` instead of the all-reduce's two (x1.5).
+
+DeepSpeed's pipeline engine runs ZeRO stages 0 and 1 only, so a pipeline (``pp > 1``) needs
+``zero_stage <= 1``; DeepSpeed AutoTP (how HuggingFace models get tensor parallelism here) shards
+the plain engine's model only, so with ``autotp=True`` a pipeline also needs ``tp == 1``
+(:meth:`Cluster.runs_shared`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+import numpy as np
+
+#: the training-state terms (per weight byte) each ZeRO stage shards over data-parallel ranks:
+#: ``(weights, gradients, optimizer)``, sharded when True
+ZERO_SHARDED = {0: (False, False, False), 1: (False, False, True), 2: (False, True, True), 3: (True, True, True)}
+#: bytes per weight byte of weights, gradients and optimizer state (master weights + Adam moments)
+STATE_TERMS = {"bf16": (1.0, 1.0, 6.0), "fp16": (1.0, 1.0, 6.0), "fp32": (1.0, 1.0, 2.0)}
+#: training precisions the memory model covers; the 16-bit ones are DeepSpeed config sections
+PRECISIONS = tuple(STATE_TERMS)
+MIXED_PRECISIONS = ("bf16", "fp16")
+
+Degree = TypeVar("Degree", int, np.ndarray)
 
 
 @dataclass(frozen=True)
@@ -30,9 +53,15 @@ class Cluster:
         intra_node_bw: bytes/s of one direction of the intra-node link (NVLink), effective.
         inter_node_bw: bytes/s per GPU across nodes (e.g. 200 Gb/s InfiniBand ~ 25e9), effective.
         tp_overhead: fraction of time lost per doubling of tensor parallelism.
-        zero_stage: 0 (no sharding) or 1 (optimizer states sharded over data parallel ranks).
+        zero_stage: DeepSpeed ZeRO stage 0-3 (what is sharded over data-parallel ranks: nothing,
+            optimizer states, + gradients, + weights).
+        precision: ``"bf16"`` or ``"fp16"`` mixed precision, or ``"fp32"``; the cost model's weight
+            and activation bytes are taken to be in this precision.
         memory_reserve_bytes: per-GPU memory kept free (CUDA context, allocator, comm buffers).
-        max_tp: largest tensor-parallel degree considered (default: ``gpus_per_node``).
+        autotp: tensor parallelism comes from DeepSpeed AutoTP (plain engine only: no ``tp > 1``
+            with ``pp > 1``); False for engines with their own tensor-parallel layers.
+        max_tp: largest tensor-parallel degree considered (None: ``gpus_per_node``;
+            :func:`dflop_ds.plan.planner.make_plans` sets it from the model).
     """
 
     gpus: int
@@ -42,6 +71,8 @@ class Cluster:
     inter_node_bw: float = 25e9
     tp_overhead: float = 0.1
     zero_stage: int = 1
+    precision: str = "bf16"
+    autotp: bool = False
     memory_reserve_bytes: float = 6e9
     max_tp: int | None = None
 
@@ -52,8 +83,12 @@ class Cluster:
             raise ValueError(
                 f"Cluster.gpu_memory_bytes={self.gpu_memory_bytes:.3g} must exceed memory_reserve_bytes={self.memory_reserve_bytes:.3g}"
             )
-        if self.zero_stage not in (0, 1):
-            raise ValueError(f"Cluster.zero_stage must be 0 or 1, got {self.zero_stage}")
+        if self.zero_stage not in ZERO_SHARDED:
+            raise ValueError(f"Cluster.zero_stage must be one of {sorted(ZERO_SHARDED)}, got {self.zero_stage!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Cluster.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.max_tp is not None and self.max_tp < 1:
+            raise ValueError(f"Cluster.max_tp must be >= 1, got {self.max_tp}")
 
     @property
     def usable_memory(self) -> float:
@@ -69,17 +104,35 @@ class Cluster:
         """Compute speed-up of ``tp``-way tensor parallelism."""
         return tp / (1.0 + self.tp_overhead * math.log2(tp))
 
-    def state_factor(self, dp: int) -> float:
-        """Training-state bytes per bf16 weight byte (weights, gradients, optimizer)."""
-        optimizer = 6.0 / dp if self.zero_stage >= 1 else 6.0
-        return 2.0 + optimizer
+    def state_factor(self, dp: Degree) -> Degree:
+        """Training-state bytes per weight byte (weights, gradients, optimizer) on a GPU of a
+        ``dp``-way data-parallel group under the ZeRO stage; ``dp`` an int or a numpy array."""
+        total: Any = 0.0
+        for term, sharded in zip(STATE_TERMS[self.precision], ZERO_SHARDED[self.zero_stage]):
+            total = total + (term / dp if sharded else term)
+        return total
+
+    @property
+    def sync_factor(self) -> float:
+        """Gradient synchronisation bytes moved relative to a ring all-reduce (1.5 under ZeRO-3)."""
+        return 1.5 if self.zero_stage == 3 else 1.0
+
+    def runs_shared(self, tp: int, pp: int) -> bool:
+        """Whether one DeepSpeed engine runs ``tp``-way tensor parallelism with ``pp`` pipeline
+        stages: a pipeline needs ZeRO 0/1, and no tensor parallelism under AutoTP."""
+        return pp == 1 or (self.zero_stage <= 1 and (tp == 1 or not self.autotp))
+
+    @property
+    def runs_pipelines(self) -> bool:
+        """Whether the ZeRO stage allows pipelines at all (DeepSpeed's pipeline engine: ZeRO 0/1)."""
+        return self.zero_stage <= 1
 
     def allreduce_seconds(self, nbytes: float, dp: int, inner: int) -> float:
         """Ring all-reduce of ``nbytes`` over ``dp`` ranks spaced ``inner`` GPUs apart."""
         if dp <= 1 or nbytes <= 0:
             return 0.0
         bw = self.intra_node_bw if dp * inner <= self.gpus_per_node else self.inter_node_bw
-        return 2.0 * (dp - 1) / dp * nbytes / bw
+        return self.sync_factor * 2.0 * (dp - 1) / dp * nbytes / bw
 
     def p2p_seconds(self, nbytes: float, stride: int) -> float:
         """Send ``nbytes`` to a GPU ``stride`` ranks away (inter-node once the stride spans a node)."""

@@ -159,7 +159,7 @@ def _data_stats(model: Any, pool: Sequence[SampleShape], costs: np.ndarray, batc
 
 def _allreduce(nbytes, dp, tp, cluster: Cluster):
     bw = np.where(dp * tp <= cluster.gpus_per_node, cluster.intra_node_bw, cluster.inter_node_bw)
-    return 2.0 * (dp - 1) / np.maximum(dp, 1) * nbytes / bw
+    return cluster.sync_factor * 2.0 * (dp - 1) / np.maximum(dp, 1) * nbytes / bw
 
 
 def _speed(tp, cluster: Cluster):
@@ -167,7 +167,7 @@ def _speed(tp, cluster: Cluster):
 
 
 def _state(dp, cluster: Cluster):
-    return 2.0 + (6.0 / dp if cluster.zero_stage >= 1 else 6.0)
+    return cluster.state_factor(dp)
 
 
 def _segment_grid(n_layers: int, max_gpus: int, cluster: Cluster) -> np.ndarray:
@@ -189,7 +189,7 @@ def _shared_grid(cluster: Cluster, n_flat: int, batch: int, nmb: Sequence[int]) 
             continue
         rest = cluster.gpus // tp
         for pp in range(1, min(n_flat, rest) + 1):
-            if rest % pp:
+            if rest % pp or not cluster.runs_shared(tp, pp):
                 continue
             dp = rest // pp
             rows.extend((tp, pp, dp, m) for m in nmb if dp * m <= batch)
@@ -478,7 +478,7 @@ def search(
             lambda key, u=uniform: _shared_layout(model, cluster, data, *key, uniform=u),
             lambda key: global_batch % (key[2] * key[3]) == 0)
 
-    if "separate" in families:
+    if "separate" in families and cluster.runs_pipelines:  # separate GPU sets form a pipeline
         rows, n_sep, ests = _separate_candidates(model, cluster, data, nmb_choices, max_tries * top_k)
         n_layouts += n_sep
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dflop_ds.pipe import MLLMPipelineModule, token_normalized_loss
 
@@ -68,11 +69,12 @@ class SequentialMLLM(nn.Sequential):
     """
 
     def __init__(self, encoder_layers: Sequence[Any], projector: Any, llm_layers: Sequence[Any],
-                 *, freeze_encoder: bool = False) -> None:
+                 *, freeze_encoder: bool = False, checkpoint_layers: bool = False) -> None:
         built = [layer.build() if hasattr(layer, "build") and not isinstance(layer, nn.Module) else layer
                  for layer in (*encoder_layers, projector, *llm_layers)]
         super().__init__(*built)
         self.n_encoder_layers = len(encoder_layers)
+        self.checkpoint_layers = checkpoint_layers
         if freeze_encoder:
             for layer in built[: self.n_encoder_layers]:
                 layer.requires_grad_(False)
@@ -80,8 +82,14 @@ class SequentialMLLM(nn.Sequential):
     def forward(self, *inputs: Any) -> Any:
         """Run the layers on ``inputs``: one tuple, or its tensors as separate arguments (how
         the engine calls it under AutoTP, whose check that a tensor-parallel group received the
-        same data compares a flat argument list only)."""
-        return super().forward(inputs[0] if len(inputs) == 1 else inputs)
+        same data compares a flat argument list only). With ``checkpoint_layers`` each layer's
+        activations are recomputed in backward instead of kept."""
+        x = inputs[0] if len(inputs) == 1 else inputs
+        if not (self.checkpoint_layers and torch.is_grad_enabled()):
+            return super().forward(x)
+        for layer in self:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return x
 
 
 @dataclass
@@ -203,6 +211,8 @@ def build_engine(
                          "engine's model; a PipelineModule gives it nothing to shard")
     if pipeline_stages > 1 and colocated:
         raise ValueError("a colocated encoder runs on the plain engine only (pipeline_stages == 1) for now")
+    if colocated and activation_checkpoint_interval:
+        raise ValueError("activation checkpointing is not supported with a colocated encoder yet")
     if pipeline_stages > 1:
         module: nn.Module = MLLMPipelineModule(
             encoder_layers, projector, llm_layers, num_stages=pipeline_stages, stage_bounds=stage_bounds,
@@ -214,7 +224,8 @@ def build_engine(
         from dflop_ds.train.colocated import ColocatedMLLM
 
         sequential = ColocatedMLLM if colocated else SequentialMLLM
-        module = sequential(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder)
+        module = sequential(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder,
+                            checkpoint_layers=activation_checkpoint_interval > 0)
         trainable = [p for p in module.parameters() if p.requires_grad]
         ds_config = with_autotp_layout(ds_config, hf_model, module)
     if make_optimizer is not None:

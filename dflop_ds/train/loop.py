@@ -174,7 +174,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         bounds = cost_balanced_bounds(cost_model, shapes, cfg.pipeline_stages)
     trainer = build_engine(encoder, projector, llm, ds_config, pipeline_stages=cfg.pipeline_stages,
                            stage_bounds=bounds, freeze_encoder=cfg.freeze_encoder, lr=cfg.lr,
-                           colocated=colocated, hf_model=source.hf_model)
+                           colocated=colocated, hf_model=source.hf_model,
+                           activation_checkpoint_interval=int(cfg.activation_checkpointing))
     engine = trainer.engine
     dp_rank, dp_size = trainer.dp_coords
     correction = make_correction(cfg.correction, trainer.num_stages) if pipelined else None
