@@ -17,6 +17,7 @@ cost_model_only=<y>` (mean relative error over the timed steps).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import profiled_cost_model  # noqa: E402
+from dflop_ds.config import DFLOPConfig, set_settings  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import run_deepspeed  # noqa: E402
 from dflop_ds.plan.evaluate import forward_fraction  # noqa: E402
@@ -61,19 +63,20 @@ def main() -> int:
     cost_model = profiled_cost_model(args.cost_model, reuse=True)
     config = json.loads(Path(args.config).read_text())
     block = config.pop("dflop")
-    shapes = read_dataset(ROOT / block.get("data", "examples/data/mixture.jsonl"), TINY_POLICY)
+    settings = DFLOPConfig.from_dict(block, source=args.config)
+    shapes = read_dataset(ROOT / settings.data, TINY_POLICY)
 
     print("profiling the engine: a stock-sampler run with DeepSpeed's default split ...", flush=True)
     engine_run = out / "engine_profile_run.jsonl"
-    train(config, {**block, "sampler": "stock", "steps": args.profile_steps, "warmup_steps": WARMUP},
+    train(config, set_settings(copy.deepcopy(block), sampler="stock", steps=args.profile_steps, warmup_steps=WARMUP),
           engine_run, out, "engine_profile")
     engine = engine_profile_from_run(engine_run, shapes, cost_model, skip_steps=WARMUP)
     engine.save(out / "engine_tiny.json")
 
-    bounds = cost_balanced_bounds(cost_model, shapes, block.get("pipeline_stages", 2))
+    bounds = cost_balanced_bounds(cost_model, shapes, settings.pipeline_stages)
     validated = out / "validate_telemetry.jsonl"
-    train(config, {**block, "sampler": "dflop", "cost_model": str(Path(args.cost_model).resolve()),
-                   "stage_bounds": bounds, "steps": args.steps, "warmup_steps": WARMUP}, validated, out, "validate")
+    train(config, set_settings(copy.deepcopy(block), sampler="dflop", cost_model=str(Path(args.cost_model).resolve()),
+                               stage_bounds=bounds, steps=args.steps, warmup_steps=WARMUP), validated, out, "validate")
     steps, run_bounds = read_engine_steps(validated, shapes, cost_model, skip_steps=WARMUP)
     shares = stage_shares(run_bounds, cost_model)
     report(engine, steps, shares, forward_fraction(cost_model), run_bounds)

@@ -3,6 +3,7 @@ tensor parallelism only for models that have it, and the DeepSpeed config `dflop
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from test_costmodel import synthetic_profile
 from test_planner import POOL
 
 from dflop_ds.cli import main as cli_main
-from dflop_ds.config import fill_from_plan
+from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, plan_deepspeed_config, set_settings
 from dflop_ds.launch import run_deepspeed
 from dflop_ds.plan import Cluster, Plan, PlanError, PlanFileError, make_plans, reference_model, search
 from dflop_ds.plan.layout import Layout, Segment
@@ -73,8 +74,9 @@ def test_autotp_clusters_never_combine_tensor_parallelism_with_pipeline_stages()
 
 
 def tiny_cost_model() -> CostModel:
-    """A measured-kind cost model of a model without tensor-parallel layers (the tiny model's policy)."""
-    return CostModel().fit(synthetic_profile(), TINY_POLICY)
+    """A measured-kind cost model of a model without tensor-parallel layers, with the tiny model's
+    policy and depths (5 encoder layers, 5 LLM layers)."""
+    return CostModel().fit(dataclasses.replace(synthetic_profile(), encoder_layers=5), TINY_POLICY)
 
 
 def test_max_tp_defaults_to_one_without_tensor_parallel_layers_and_more_is_refused() -> None:
@@ -104,10 +106,12 @@ def two_stage_plan(**settings) -> Plan:
                          [("bf16", True, False), ("fp16", False, True), ("fp32", False, False)])
 def test_the_deepspeed_config_carries_zero_stage_precision_and_checkpointing(precision, bf16, fp16) -> None:
     plan = one_stage_plan(zero_stage=3, precision=precision, activation_checkpointing=True)
-    config = plan.deepspeed_config({"zero_optimization": {"overlap_comm": False}})
+    config = plan_deepspeed_config(plan, {"zero_optimization": {"overlap_comm": False}})
     assert config["zero_optimization"] == {"overlap_comm": False, "stage": 3}
     assert config["bf16"] == {"enabled": bf16} and config["fp16"] == {"enabled": fp16}
-    assert config["dflop"]["activation_checkpointing"] is True
+    assert config["dflop"]["model"]["activation_checkpointing"] is True
+    settings = DFLOPConfig.from_dict(config["dflop"])
+    assert settings.activation_checkpointing and settings.pipeline_stages == 1 and settings.stage_bounds == [0, 11]
 
 
 def test_a_plan_with_zero_two_and_a_pipeline_is_refused_naming_the_reason(tmp_path: Path) -> None:
@@ -125,11 +129,11 @@ def test_a_config_that_contradicts_what_its_plan_assumed_is_refused() -> None:
         fill_from_plan({"zero_optimization": {"stage": 2}}, {}, plan)
     with pytest.raises(ValueError, match="fp16.enabled is true, but the plan's memory model assumed bf16"):
         fill_from_plan({"fp16": {"enabled": True}}, {}, plan)
-    with pytest.raises(ValueError, match="activation_checkpointing is True, but the plan is for False"):
-        fill_from_plan({}, {"activation_checkpointing": True}, plan)
+    with pytest.raises(ValueError, match="dflop.model.activation_checkpointing is True, but the plan is for False"):
+        fill_from_plan({}, set_settings({}, activation_checkpointing=True), plan)
     config, block = fill_from_plan({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}, {}, plan)
     assert config["bf16"]["enabled"] and not config["fp16"]["enabled"] and config["zero_optimization"]["stage"] == 1
-    assert block["activation_checkpointing"] is False
+    assert get_setting(block, "activation_checkpointing") is False
 
 
 def plan_argv(tmp_path: Path, *extra: str) -> list[str]:
@@ -148,8 +152,9 @@ def test_cli_plan_writes_the_deepspeed_config_its_memory_model_assumed(tmp_path:
     assert plan.tensor_parallel == 1 and plan.precision == "fp32" and plan.zero_stage == 1
     assert config["zero_optimization"] == {"stage": 1}
     assert not config["bf16"]["enabled"] and not config["fp16"]["enabled"]
-    assert config["dflop"]["plan"] == str(tmp_path / "plan.json")
-    assert config["dflop"]["activation_checkpointing"] is False
+    settings = DFLOPConfig.from_dict(config["dflop"])
+    assert settings.plan == str(tmp_path / "plan.json") and settings.activation_checkpointing is False
+    assert settings.pipeline_stages == plan.pipeline_stages and settings.stage_bounds == plan.stage_bounds()
     assert config["gradient_accumulation_steps"] == plan.n_mb
     assert "ZeRO 1, fp32" in capsys.readouterr().out
 
@@ -186,14 +191,15 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients() -> None:
 
 ENGINE_SCRIPT = """
 import json, sys
+from dflop_ds.config import DFLOPConfig
 from dflop_ds.models import tiny_mllm_layers
 from dflop_ds.train import build_engine
-config = json.loads(open(sys.argv[1]).read())
-block = config.pop("dflop")
-trainer = build_engine(*tiny_mllm_layers(seed=0), config, pipeline_stages=block["pipeline_stages"],
-                       activation_checkpoint_interval=int(block["activation_checkpointing"]))
+config = json.loads(open(sys.argv[-1]).read())  # the launcher adds --local_rank before it
+settings = DFLOPConfig.from_dict(config.pop("dflop"))
+trainer = build_engine(*tiny_mllm_layers(seed=0), config, pipeline_stages=settings.pipeline_stages,
+                       activation_checkpoint_interval=int(settings.activation_checkpointing))
 engine = trainer.engine
-print(json.dumps({"zero": engine.zero_optimization_stage(), "bf16": engine.bfloat16_enabled(),
+print("ENGINE", json.dumps({"zero": engine.zero_optimization_stage(), "bf16": engine.bfloat16_enabled(),
                   "fp16": engine.fp16_enabled(), "checkpointing": trainer.module.checkpoint_layers}))
 """
 
@@ -206,12 +212,12 @@ def test_deepspeed_builds_an_engine_from_a_written_config(tmp_path: Path, zero: 
                             gpus_per_node=1, gpu_memory_bytes=8e9, family="deepspeed", zero_stage=zero,
                             precision=precision, activation_checkpointing=True)
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps(plan.deepspeed_config({"steps_per_print": 10**6})))
+    path.write_text(json.dumps(plan_deepspeed_config(plan, {"steps_per_print": 10**6})))
     script = tmp_path / "build.py"
     script.write_text(ENGINE_SCRIPT)
     result = run_deepspeed(script, [str(path)], cwd=ROOT, capture_output=True, text=True, timeout=400, ranks=1)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    built = json.loads(result.stdout.strip().splitlines()[-1])
+    built = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("ENGINE "))[7:])
     assert built == {"zero": zero, "bf16": precision == "bf16", "fp16": precision == "fp16", "checkpointing": True}
 
 
@@ -220,7 +226,7 @@ def test_a_config_written_by_cli_plan_trains_on_two_ranks(tmp_path: Path) -> Non
     ds = tmp_path / "ds.json"
     assert cli_main(plan_argv(tmp_path, "--deepspeed-config", str(ds), "--zero-stage", "0")) == 0
     config = json.loads(ds.read_text())
-    config["dflop"].update(max_samples=64, steps=3, warmup_steps=1)
+    set_settings(config["dflop"], max_samples=64, steps=3, warmup_steps=1)
     ds.write_text(json.dumps(config))
     summary = tmp_path / "summary.json"
     result = run_deepspeed(ROOT / "examples" / "train.py", ["--deepspeed_config", str(ds), "--summary", str(summary)],

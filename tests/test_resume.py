@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dflop_ds.config import set_settings
 from dflop_ds.launch import run_deepspeed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +32,7 @@ def steps(trace: Path) -> dict[int, list[list[int]]]:
 def test_killed_run_resumes_without_losing_or_repeating_a_sample(tmp_path):
     config = json.loads((ROOT / "ds_configs" / "tiny_mllm_pp2.json").read_text())
     config.update(train_batch_size=BATCH, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=4)
-    config["dflop"].update(sampler="dflop", max_samples=SAMPLES, steps=STEPS_PER_EPOCH, warmup_steps=0,
+    set_settings(config["dflop"], sampler="dflop", max_samples=SAMPLES, steps=STEPS_PER_EPOCH, warmup_steps=0,
                            checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dflop_ds.config import set_settings
 from dflop_ds.launch import run_deepspeed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +21,7 @@ def launch_training(tmp_path: Path, dflop: dict, ds: dict | None = None, timeout
     """Run examples/train.py on 2 ranks with a config derived from the bundled pp2 one (plus ``args``)."""
     config = json.loads((ROOT / "ds_configs" / "tiny_mllm_pp2.json").read_text())
     config.update(ds or {})
-    config["dflop"].update(dflop)
+    set_settings(config["dflop"], **dflop)
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(config))
     summary = tmp_path / "summary.json"
@@ -55,10 +56,10 @@ def test_a_plan_file_starts_a_two_rank_training(tmp_path):
 
     layout = Layout(Segment(1, 1, 1), Segment(1, 2, 1), n_mb=4, stages=((5, 1, 1), (0, 0, 4)))
     plan = Plan.from_layout(layout, layer_counts={"encoder": 5, "projector": 1, "llm": 5}, global_batch_size=12,
-                            gpus=2, gpus_per_node=2, gpu_memory_bytes=8e9, family="deepspeed")
+                            gpus=2, gpus_per_node=2, gpu_memory_bytes=8e9, family="deepspeed", precision="fp32")
     plan.save(tmp_path / "plan.json")
-    config = {"steps_per_print": 10**6, "dflop": {"plan": str(tmp_path / "plan.json"), "max_samples": 60,
-                                                  "steps": 3, "warmup_steps": 1}}
+    config = {"steps_per_print": 10**6, "dflop": set_settings({}, plan=str(tmp_path / "plan.json"), max_samples=60,
+                                                              steps=3, warmup_steps=1)}
     (tmp_path / "config.json").write_text(json.dumps(config))
     result = run_deepspeed(
         ROOT / "examples" / "train.py", ["--deepspeed_config", str(tmp_path / "config.json"),

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflop_ds.config import set_settings
 from dflop_ds.launch import run_deepspeed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +32,7 @@ def train(tmp_path: Path, config: str, model: Path, data: Path, images: Path, *a
     """Launch examples/train.py on 2 ranks with a bundled config (``dflop`` and DeepSpeed keys overridden)."""
     settings = json.loads((ROOT / "ds_configs" / config).read_text())
     settings.update(ds or {})
-    settings["dflop"].update(dflop or {})
+    set_settings(settings["dflop"], **(dflop or {}))
     path = tmp_path / "config.json"
     path.write_text(json.dumps(settings))
     summary = tmp_path / "summary.json"

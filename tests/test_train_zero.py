@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from dflop_ds.config import set_settings
 from dflop_ds.launch import run_deepspeed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,7 +23,7 @@ def zero2_config(tmp_path: Path, **dflop) -> Path:
     config = json.loads((ROOT / "ds_configs" / "tiny_zero2.json").read_text())
     config.update(train_batch_size=BATCH, train_micro_batch_size_per_gpu=BATCH // (2 * GAS),
                   gradient_accumulation_steps=GAS)
-    config["dflop"].update(max_samples=SAMPLES, **dflop)
+    set_settings(config["dflop"], max_samples=SAMPLES, **dflop)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dflop_ds.config import plan_deepspeed_config, set_settings
 from dflop_ds.data.cli import add_read_arguments
 from dflop_ds.jsonio import write_json
 from dflop_ds.paths import check_writable
@@ -109,10 +110,10 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"wrote {args.output} ({chosen.family} plan, stage bounds {chosen.stage_bounds()}, ZeRO"
           f" {chosen.zero_stage}, {chosen.precision}, activation checkpointing {chosen.activation_checkpointing})")
     if args.deepspeed_config is not None:
-        base: dict[str, Any] = {"dflop": {"plan": args.output}}
+        block = set_settings({}, plan=args.output)
         if args.model_name_or_path is not None:
-            base["dflop"]["model_name_or_path"] = args.model_name_or_path
-        write_json(args.deepspeed_config, chosen.deepspeed_config(base), indent=2)
+            set_settings(block, model_name_or_path=args.model_name_or_path)
+        write_json(args.deepspeed_config, plan_deepspeed_config(chosen, {"dflop": block}), indent=2)
         print(f"wrote {args.deepspeed_config} (the DeepSpeed config the plan assumed)")
     return 0
 

@@ -184,15 +184,15 @@ class Plan:
         """``base`` (a DeepSpeed config dict, not modified) with what the plan assumed set.
 
         Sets ``zero_optimization.stage``, ``bf16.enabled`` and ``fp16.enabled`` (true for the
-        plan's mixed precision, both false for fp32), the ``"dflop"`` block's
-        ``activation_checkpointing``, and the batch keys:
+        plan's mixed precision, both false for fp32), and the batch keys:
         ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps = n_mb`` and
         ``train_batch_size = micro * n_mb * dp * tp`` (DeepSpeed's identity, which counts every rank:
         under AutoTP it is ``tp`` times the global batch, since the ``tp`` ranks of a group train the
         same samples; without tp it equals the global batch for plans of the search, whose
         ``dp * n_mb`` divides it), ``tensor_parallel.autotp_size = tp`` when
         ``tp > 1`` (the LLM sharded by DeepSpeed AutoTP: HF models only, pp = 1, checked by
-        :func:`dflop_ds.checks.check_training_setup`), and the ``"dflop"`` block's ``pipeline_stages``, ``stage_bounds`` and ``sampler``.
+        :func:`dflop_ds.checks.check_training_setup`). The ``"dflop"`` block's settings come from
+        :meth:`dflop_settings` (:func:`dflop_ds.config.plan_deepspeed_config` writes both).
 
         Raises:
             PlanFileError: the plan needs separate GPU sets (not runnable on stock DeepSpeed).
@@ -212,12 +212,14 @@ class Plan:
             config[precision] = {**config.get(precision, {}), "enabled": precision == self.precision}
         if self.tensor_parallel > 1:
             config["tensor_parallel"] = {**config.get("tensor_parallel", {}), "autotp_size": self.tensor_parallel}
-        block = config.setdefault("dflop", {})
-        block["pipeline_stages"] = self.pipeline_stages
-        block["stage_bounds"] = self.stage_bounds()
-        block["sampler"] = "dflop" if self.balanced else "stock"
-        block["activation_checkpointing"] = self.activation_checkpointing
         return config
+
+    def dflop_settings(self) -> dict[str, Any]:
+        """The ``"dflop"`` settings the plan decides, by :class:`dflop_ds.config.DFLOPConfig`
+        attribute: ``pipeline_stages``, ``stage_bounds``, ``sampler``, ``activation_checkpointing``."""
+        return {"pipeline_stages": self.pipeline_stages, "stage_bounds": self.stage_bounds(),
+                "sampler": "dflop" if self.balanced else "stock",
+                "activation_checkpointing": self.activation_checkpointing}
 
     def sampler_settings(self) -> dict[str, int]:
         """What the batch sampler needs: ``global_batch_size``, ``dp``, ``n_mb``."""
