@@ -58,7 +58,7 @@ def test_plan_deepspeed_config_is_accepted():
 
 @pytest.mark.parametrize("world", [3, 5])
 def test_stages_must_divide_world_size(world):
-    with pytest.raises(SetupError, match=r'"dflop"\.pipeline_stages=2 does not divide the world size'):
+    with pytest.raises(SetupError, match=r'dflop\.plan\.pipeline_stages=2 does not divide the world size'):
         check_training_setup(ds(), DFLOPConfig(pipeline_stages=2), world)
 
 
@@ -104,7 +104,7 @@ def test_bad_batch_keys_name_the_key(config, key):
 def test_bad_stage_bounds_are_named(bounds, message):
     block = DFLOPConfig(pipeline_stages=2)
     block.stage_bounds = bounds
-    with pytest.raises(SetupError, match=r'"dflop"\.stage_bounds .*' + message):
+    with pytest.raises(SetupError, match=r'dflop\.plan\.stage_bounds .*' + message):
         check_training_setup(ds(), block, 2, n_layers=N_LAYERS)
 
 
@@ -123,10 +123,10 @@ def test_plan_disagreeing_with_the_config_is_refused(kwargs, world, config, key)
 
 def test_plan_stage_count_and_bounds_must_match():
     three = plan(dp=2, stages=((3, 1, 0), (0, 0, 2), (0, 0, 2)))  # 6 ranks as 3 stages x dp 2
-    with pytest.raises(SetupError, match=r'"dflop"\.pipeline_stages is 2, but the plan says 3'):
+    with pytest.raises(SetupError, match=r'dflop\.plan\.pipeline_stages is 2, but the plan says 3'):
         check_training_setup(ds(48, 2, 8), DFLOPConfig(pipeline_stages=2), 6, plan=three)
     block = DFLOPConfig(pipeline_stages=2, stage_bounds=[0, 5, 8])
-    with pytest.raises(SetupError, match=r'"dflop"\.stage_bounds is \[0, 5, 8\], but the plan says \[0, 4, 8\]'):
+    with pytest.raises(SetupError, match=r'dflop\.plan\.stage_bounds is \[0, 5, 8\], but the plan says \[0, 4, 8\]'):
         check_training_setup(ds(), block, 2, plan=plan(), n_layers=N_LAYERS)
 
 
@@ -164,7 +164,7 @@ def test_plan_global_batch_must_fill_every_microbatch():
 
 def test_dataset_smaller_than_one_global_batch_is_refused():
     block = DFLOPConfig(pipeline_stages=2, data="some.jsonl", max_samples=20)
-    with pytest.raises(SetupError, match=r'"dflop"\.data \(some\.jsonl\) has 20 usable samples \(max_samples=20\),'
+    with pytest.raises(SetupError, match=r'dflop\.data\.path \(some\.jsonl\) has 20 usable samples \(max_samples=20\),'
                                          r" fewer than one global batch \(train_batch_size=32\)"):
         check_training_setup(ds(), block, 2, n_samples=20)
     check_training_setup(ds(), block, 2, n_samples=32)
@@ -175,7 +175,7 @@ def test_setup_error_is_a_value_error():
 
 
 def test_time_limited_solver_is_refused_when_ranks_schedule_independently():
-    with pytest.raises(SetupError, match=r'"dflop"\.time_limit_s=0\.5: each of the 2 processes'):
+    with pytest.raises(SetupError, match=r'dflop\.sampler\.time_limit_s=0\.5: each of the 2 processes'):
         check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, time_limit_s=0.5), 2)
     check_training_setup(ds(32, 4, 8), DFLOPConfig(pipeline_stages=1, time_limit_s=0.5), 1)
     check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, time_limit_s=0), 2)

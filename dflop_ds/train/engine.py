@@ -1,6 +1,6 @@
 """One training step on either DeepSpeed engine: the pipeline engine or the plain (ZeRO) engine.
 
-``"dflop".pipeline_stages > 1`` builds an :class:`~dflop_ds.pipe.MLLMPipelineModule` and
+``dflop.plan.pipeline_stages > 1`` builds an :class:`~dflop_ds.pipe.MLLMPipelineModule` and
 DeepSpeed's ``PipelineEngine``; ``pipeline_stages == 1`` builds the same layers as one
 ``nn.Sequential`` under DeepSpeed's plain engine, where the config's ZeRO stage (0-3) applies.
 :class:`TrainingEngine` hides the difference from the loop: the data-parallel coordinates the

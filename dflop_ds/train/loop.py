@@ -101,7 +101,7 @@ def load_plan(path: Optional[str]):
 
 
 def model_source(cfg: DFLOPConfig) -> ModelSource:
-    """The tiny model, or the HuggingFace model of ``"dflop".model_name_or_path``."""
+    """The tiny model, or the HuggingFace model of ``dflop.model.name_or_path``."""
     if cfg.model_name_or_path is None:
         return tiny_source(cfg.model, policy_name=cfg.policy, seed=cfg.seed, image_folder=cfg.image_folder)
     from dflop_ds.models.hf.source import hf_source

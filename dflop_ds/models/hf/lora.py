@@ -17,7 +17,7 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 LORA_KEYS = {"r": int, "alpha": (int, float), "dropout": (int, float), "target_modules": list}
 
 
-def lora_settings(block: Mapping[str, Any], source: str = "\"dflop\".lora") -> dict[str, Any]:
+def lora_settings(block: Mapping[str, Any], source: str = "dflop.model.lora") -> dict[str, Any]:
     """Validated LoRA settings with defaults (``r`` 8, ``alpha`` 16, ``dropout`` 0.0, the
     attention and MLP projections); unknown keys and bad values are refused by name."""
     unknown = sorted(set(block) - set(LORA_KEYS))
