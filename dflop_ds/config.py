@@ -15,7 +15,6 @@ from dflop_ds.schedule.correction import CorrectionSettings
 from dflop_ds.testing.faults import FaultSpec
 from dflop_ds.typecheck import check_setting
 
-
 #: the key of a section that is one attribute as a whole (``dflop.correction``)
 WHOLE_SECTION = "*"
 
@@ -280,7 +279,8 @@ def autotp_size(ds_config: dict[str, Any]) -> int:
     return int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
 
 
-def fill_from_plan(ds_config: dict[str, Any], block: dict[str, Any], plan: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def fill_from_plan(ds_config: dict[str, Any], block: dict[str, Any],
+                   plan: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Copies of a DeepSpeed config and its "dflop" block with what ``plan`` decides filled in.
 
     The plan supplies the batch keys (:data:`PLAN_BATCH_KEYS`), ``tensor_parallel`` (tp > 1), the ZeRO

@@ -122,8 +122,9 @@ def make_plans(model: Any, cluster: Cluster, shapes: Sequence[SampleShape], glob
 
 def cluster_of(plan: Plan, **overrides: Any) -> Cluster:
     """The cluster a plan was made for (link and memory assumptions at their defaults unless overridden)."""
-    fields = {"gpus": plan.gpus, "gpus_per_node": plan.gpus_per_node, "gpu_memory_bytes": plan.gpu_memory_bytes,
-              "zero_stage": plan.zero_stage, "precision": plan.precision}
+    fields: dict[str, Any] = {"gpus": plan.gpus, "gpus_per_node": plan.gpus_per_node,
+                              "gpu_memory_bytes": plan.gpu_memory_bytes,
+                              "zero_stage": plan.zero_stage, "precision": plan.precision}
     fields.update(overrides)
     return Cluster(**fields)
 
