@@ -154,11 +154,7 @@ class DFLOPConfig:
     def from_dict(cls, block: dict[str, Any], source: str = "config") -> DFLOPConfig:
         """Build from a nested ``"dflop"`` block; an unknown section or key (a flat key of the old
         format too, naming its new path) and a bad value name the key at fault by its full path."""
-        return cls._from_values(_flatten(block, source), source)
-
-    @classmethod
-    def _from_values(cls, values: dict[str, Any], source: str) -> DFLOPConfig:
-        config = cls(**values)
+        config = cls(**_flatten(block, source))
         config.validate(source)
         return config
 
