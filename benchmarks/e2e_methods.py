@@ -17,7 +17,7 @@ from dflop_ds.shapes import SampleShape
 #: ``stock_packed`` is stock's split with packed microbatches (packing's gain without balancing).
 METHODS = ("stock", "stock_packed", "llava", "verl", "dflop_uniform", "dflop")
 #: methods whose microbatches are packed, as their users run them: verl removes padding, and
-#: dflop-ds packs by default where the model can (``"dflop".packing``)
+#: dflop-ds packs by default where the model can (``dflop.model.packing``)
 PACKED_METHODS = frozenset({"stock_packed", "verl", "dflop_uniform", "dflop"})
 #: the registered splitter of each method (the methods differ from it in stage split or packing)
 SPLITTERS = {

@@ -26,6 +26,7 @@ over the timed steps of the pipelined and the colocated runs).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import profiled_cost_model  # noqa: E402
+from dflop_ds.config import DFLOPConfig, get_setting, set_settings  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import run_deepspeed  # noqa: E402
 from dflop_ds.plan.cluster import Cluster  # noqa: E402
@@ -106,7 +108,7 @@ def read_traced_steps(trace: Path, summary: Path, skip: int) -> list[tuple[float
 def plain_run(config: dict, block: dict, out: Path, name: str, steps: int) -> list[tuple[float, list]]:
     """A 2-rank plain-engine run of ``steps`` steps; its timed steps (see :func:`read_traced_steps`)."""
     trace, summary = out / f"{name}_trace.jsonl", out / f"{name}_summary.json"
-    train(config, {**block, "steps": steps, "warmup_steps": WARMUP}, out, name,
+    train(config, set_settings(copy.deepcopy(block), steps=steps, warmup_steps=WARMUP), out, name,
           {"--trace": trace, "--summary": summary})
     return read_traced_steps(trace, summary, WARMUP)
 
@@ -124,16 +126,16 @@ def validate_colocated(args: argparse.Namespace, cost_model: Any, engine: Engine
     """Step 5 of the module docstring; returns the mean relative errors (engine terms, cost model only)."""
     config = json.loads(Path(args.colocated_config).read_text())
     block = config.pop("dflop")
-    shapes = read_dataset(ROOT / block.get("data", "examples/data/mixture.jsonl"), TINY_POLICY)
+    shapes = read_dataset(ROOT / (get_setting(block, "data") or "examples/data/mixture.jsonl"), TINY_POLICY)
     scaled = EngineScaled(cost_model, engine)
     print("\nprofiling the plain engine: ZeRO-2, 2 ranks, stock sampler, local encoder ...", flush=True)
-    profile = plain_run(config, {**block, "sampler": "stock", "encoder": "local"}, out, "plain_profile",
+    profile = plain_run(config, set_settings(copy.deepcopy(block), sampler="stock", encoder="local"), out, "plain_profile",
                         args.profile_steps)
     overhead = float(np.mean([s - local_compute_seconds(scaled, shapes, order) for s, order in profile]))
     print(f"plain engine: {overhead:.3f} s per step beyond the compute ({len(profile)} steps)", flush=True)
     print("the colocated case: ZeRO-2, 2 ranks, DFLOP sampler, encoder dispatched by cost ...", flush=True)
-    steps = plain_run(config, {**block, "sampler": "dflop", "encoder": "colocated",
-                               "cost_model": str(Path(args.cost_model).resolve())}, out, "validate_colocated",
+    steps = plain_run(config, set_settings(copy.deepcopy(block), sampler="dflop", encoder="colocated",
+                                           cost_model=str(Path(args.cost_model).resolve())), out, "validate_colocated",
                       args.colocated_steps)
     dp, n_mb = len(steps[0][1]), len(steps[0][1][0])
     layout = Layout(Segment(1, 1, dp), Segment(1, 1, dp), n_mb,
@@ -178,19 +180,20 @@ def main() -> int:
     cost_model = profiled_cost_model(args.cost_model, reuse=True)
     config = json.loads(Path(args.config).read_text())
     block = config.pop("dflop")
-    shapes = read_dataset(ROOT / block.get("data", "examples/data/mixture.jsonl"), TINY_POLICY)
+    settings = DFLOPConfig.from_dict(block, source=args.config)
+    shapes = read_dataset(ROOT / settings.data, TINY_POLICY)
 
     print("profiling the engine: a stock-sampler run with DeepSpeed's default split ...", flush=True)
     engine_run = out / "engine_profile_run.jsonl"
-    train(config, {**block, "sampler": "stock", "steps": args.profile_steps, "warmup_steps": WARMUP},
+    train(config, set_settings(copy.deepcopy(block), sampler="stock", steps=args.profile_steps, warmup_steps=WARMUP),
           out, "engine_profile", {"--telemetry": engine_run})
     engine = engine_profile_from_run(engine_run, shapes, cost_model, skip_steps=WARMUP)
     engine.save(out / "engine_tiny.json")
 
-    bounds = cost_balanced_bounds(cost_model, shapes, block.get("pipeline_stages", 2))
+    bounds = cost_balanced_bounds(cost_model, shapes, settings.pipeline_stages)
     validated = out / "validate_telemetry.jsonl"
-    train(config, {**block, "sampler": "dflop", "cost_model": str(Path(args.cost_model).resolve()),
-                   "stage_bounds": bounds, "steps": args.steps, "warmup_steps": WARMUP},
+    train(config, set_settings(copy.deepcopy(block), sampler="dflop", cost_model=str(Path(args.cost_model).resolve()),
+                               stage_bounds=bounds, steps=args.steps, warmup_steps=WARMUP),
           out, "validate", {"--telemetry": validated})
     steps, run_bounds = read_engine_steps(validated, shapes, cost_model, skip_steps=WARMUP)
     shares = stage_shares(run_bounds, cost_model)

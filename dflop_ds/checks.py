@@ -84,18 +84,18 @@ def resolve_batch_keys(ds_config: Mapping[str, Any], dp: int) -> tuple[int, int,
         raise SetupError(
             f"DeepSpeed config: train_batch_size={total} must equal train_micro_batch_size_per_gpu={micro}"
             f" x gradient_accumulation_steps={gas} x data-parallel size {dp} (= {micro * gas * dp});"
-            f" data-parallel size = world size / \"dflop\".pipeline_stages"
+            f" data-parallel size = world size / dflop.plan.pipeline_stages"
         )
     return total, micro, gas
 
 
 def check_stage_bounds(bounds: Sequence[int], num_stages: int, n_layers: Optional[int]) -> None:
-    """``"dflop".stage_bounds`` must run from 0 to the layer count, strictly increasing
+    """``dflop.plan.stage_bounds`` must run from 0 to the layer count, strictly increasing
     (:class:`~dflop_ds.pipe.stage_bounds.StageBounds`), as a :class:`SetupError`."""
     try:
         StageBounds(bounds, n_layers=n_layers, num_stages=num_stages)
     except ValueError as error:
-        raise SetupError(f"\"dflop\".{error}") from None
+        raise SetupError(f"dflop.plan.{error}") from None
 
 
 def check_plan_topology(plan: PlanLike, *, world_size: int, stages: int) -> None:
@@ -107,7 +107,7 @@ def check_plan_topology(plan: PlanLike, *, world_size: int, stages: int) -> None
         raise SetupError(f"this plan is for {plan.world_size()} GPUs, but the run has world size {world_size}:"
                          f" launch it on {plan.world_size()} GPUs or re-plan for {world_size}")
     if stages != plan.pipeline_stages:
-        raise SetupError(f"\"dflop\".pipeline_stages is {stages}, but the plan says {plan.pipeline_stages}:"
+        raise SetupError(f"dflop.plan.pipeline_stages is {stages}, but the plan says {plan.pipeline_stages}:"
                          " leave pipeline_stages (and stage_bounds) out of the config, the plan sets them")
 
 
@@ -135,7 +135,7 @@ def check_plan(plan: PlanLike, *, stages: int, world_size: int, dp: int, total: 
         ("train_batch_size", total, expected),
     ]
     if stage_bounds is not None and n_layers is not None and plan.stage_bounds()[-1] == n_layers:
-        mismatches.append(("\"dflop\".stage_bounds", list(stage_bounds), plan.stage_bounds()))
+        mismatches.append(("dflop.plan.stage_bounds", list(stage_bounds), plan.stage_bounds()))
     for key, have, want in mismatches:
         if have != want:
             raise SetupError(f"{key} is {have}, but the plan says {want}: run with the plan's DeepSpeed config"
@@ -153,13 +153,12 @@ def check_training_setup(
 ) -> None:
     """Raise :class:`SetupError` (a ``ValueError``) naming the key at fault, or return None.
 
-    Checks: ``"dflop".pipeline_stages`` divides ``world_size``; the batch keys satisfy
+    Checks: ``dflop.plan.pipeline_stages`` divides ``world_size``; the batch keys satisfy
     ``train_batch_size = micro * GAS * dp`` (with ``micro >= 1``, so one global batch fills
-    ``GAS`` microbatches on every data-parallel rank); ``"dflop".stage_bounds`` (when given) is
-    increasing from 0 to ``n_layers`` (when known); ``"dflop".time_limit_s`` is 0 when more than
-    one process computes the schedule (only clock-free solves agree across ranks; ``ilp_nodes``
-    is one); a plan agrees with all of these; the dataset (``n_samples``) holds at least one
-    global batch.
+    ``GAS`` microbatches on every data-parallel rank); ``dflop.plan.stage_bounds`` (when given) is increasing from 0 to
+    ``n_layers`` (when known); ``dflop.sampler.time_limit_s`` is 0 when more than one process
+    computes the schedule (only clock-free solves agree across ranks; ``ilp_nodes`` is one); a plan agrees with all of these; the dataset (``n_samples``)
+    holds at least one global batch.
     """
     stages = dflop.pipeline_stages
     if world_size < 1:
@@ -167,7 +166,7 @@ def check_training_setup(
     if plan is not None:
         check_plan_topology(plan, world_size=world_size, stages=stages)
     if world_size % stages:
-        raise SetupError(f"\"dflop\".pipeline_stages={stages} does not divide the world size {world_size}")
+        raise SetupError(f"dflop.plan.pipeline_stages={stages} does not divide the world size {world_size}")
     check_engine_features(dflop)
     tp = autotp_size(dict(ds_config))
     if tp > 1:
@@ -178,9 +177,9 @@ def check_training_setup(
         check_stage_bounds(dflop.stage_bounds, stages, n_layers)
     if dflop.time_limit_s > 0 and world_size > 1:
         raise SetupError(
-            f"\"dflop\".time_limit_s={dflop.time_limit_s:g}: each of the {world_size} processes computes the"
+            f"dflop.sampler.time_limit_s={dflop.time_limit_s:g}: each of the {world_size} processes computes the"
             " schedule itself, and a time-limited solver can answer differently on each, so stages and"
-            " ranks would train mismatched microbatches; with world size > 1 use 0, and \"dflop\".ilp_nodes for an"
+            " ranks would train mismatched microbatches; with world size > 1 use 0, and dflop.sampler.ilp_nodes for an"
             " exact solver bounded by nodes instead of time (the same answer on every rank)"
         )
     if plan is not None:
@@ -188,7 +187,7 @@ def check_training_setup(
                    stage_bounds=dflop.stage_bounds, n_layers=n_layers, tp=tp)
     if n_samples is not None and n_samples < total // tp:  # tensor-parallel peers share their samples
         raise SetupError(
-            f"\"dflop\".data ({dflop.data}) has {n_samples} usable samples"
+            f"dflop.data.path ({dflop.data}) has {n_samples} usable samples"
             f"{'' if dflop.max_samples is None else f' (max_samples={dflop.max_samples})'},"
             f" fewer than one global batch (train_batch_size={total}{f' / autotp_size {tp}' if tp > 1 else ''})"
         )
@@ -198,12 +197,12 @@ def check_engine_features(dflop: DFLOPConfig) -> None:
     """Features that need one engine kind: adaptive correction reads the pipeline engine's
     per-stage timers; the colocated encoder runs the tiny model on the plain engine only."""
     pipelined = dflop.pipeline_stages > 1
-    if not pipelined and CorrectionSettings.from_dict(dflop.correction, "\"dflop\".correction").enabled:
-        raise SetupError("\"dflop\".correction needs the pipeline engine's per-stage timers"
-                         " (\"dflop\".pipeline_stages > 1)")
+    if not pipelined and CorrectionSettings.from_dict(dflop.correction, "dflop.correction").enabled:
+        raise SetupError("dflop.correction needs the pipeline engine's per-stage timers"
+                         " (dflop.plan.pipeline_stages > 1)")
     if dflop.encoder == "colocated" and (pipelined or dflop.model_name_or_path is not None):
-        raise SetupError("\"dflop\".encoder = \"colocated\" runs the tiny model on the plain engine only for now"
-                         " (\"dflop\".pipeline_stages = 1, no model_name_or_path)")
+        raise SetupError("dflop.model.encoder = \"colocated\" runs the tiny model on the plain engine only for now"
+                         " (dflop.plan.pipeline_stages = 1, no model_name_or_path)")
 
 
 def check_tensor_parallel(dflop: DFLOPConfig, tp: int, world_size: int, zero_stage: int) -> None:
@@ -212,13 +211,13 @@ def check_tensor_parallel(dflop: DFLOPConfig, tp: int, world_size: int, zero_sta
     world size that ``tp`` divides."""
     where = f"tensor_parallel.autotp_size={tp}"
     if dflop.pipeline_stages > 1:
-        raise SetupError(f"{where} needs \"dflop\".pipeline_stages = 1 (got {dflop.pipeline_stages}): AutoTP shards"
+        raise SetupError(f"{where} needs dflop.plan.pipeline_stages = 1 (got {dflop.pipeline_stages}): AutoTP shards"
                          " the plain engine's model, a PipelineModule gives it nothing to shard")
     if dflop.model_name_or_path is None:
         raise SetupError(f"{where}: the bundled tiny model has no layers AutoTP can shard; give a HuggingFace model"
                          " (model_name_or_path) or use autotp_size 1")
     if dflop.lora is not None or dflop.encoder != "local":
-        raise SetupError(f"{where}: \"dflop\".lora and a colocated encoder are not supported with AutoTP yet")
+        raise SetupError(f"{where}: dflop.model.lora and a colocated encoder are not supported with AutoTP yet")
     if zero_stage > 2:
         raise SetupError(f"{where} runs with ZeRO stages 0-2 here (got stage {zero_stage})")
     if world_size % tp:

@@ -3,22 +3,42 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from dflop_ds.data.records import BAD_SAMPLE_POLICIES
 from dflop_ds.jsonio import read_json_object
-from dflop_ds.schedule.splitters import splitter_names
 from dflop_ds.models.hf.lora import lora_settings
+from dflop_ds.plan.cluster import MIXED_PRECISIONS
+from dflop_ds.schedule.splitters import splitter_names
 from dflop_ds.schedule.correction import CorrectionSettings
 from dflop_ds.testing.faults import FaultSpec
 from dflop_ds.typecheck import check_setting
+
+#: the key of a section that is one attribute as a whole (``dflop.correction``)
+WHOLE_SECTION = "*"
+
+
+def setting(default: Any, section: str, key: str | None = None, **rule: Any) -> Any:
+    """A :class:`DFLOPConfig` attribute at ``dflop.<section>.<key>`` (``key``: the attribute's
+    name unless given) checked by :func:`~dflop_ds.typecheck.check_setting` with ``rule``."""
+    metadata = {"section": section, "key": key, "rule": rule}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class DFLOPConfig:
     """Settings read from the ``"dflop"`` block of a DeepSpeed config (all optional).
+
+    The block is nested in sections (``data``, ``model``, ``sampler``, ``plan``, ``train``,
+    ``telemetry``, ``correction``, ``testing``; see docs/configuration.md); each attribute is
+    declared once with :func:`setting`, which names its section and key (its JSON path, e.g.
+    ``sampler`` is ``dflop.sampler.kind``), and its validation rule.
 
     Attributes:
         sampler: a registered splitter (:mod:`dflop_ds.schedule.splitters`): ``"dflop"``
@@ -52,6 +72,9 @@ class DFLOPConfig:
         steps: optimizer steps to run; warmup_steps of them are left out of throughput figures.
         lr: AdamW learning rate (used when the DeepSpeed config has no "optimizer").
         freeze_encoder: freeze the vision encoder (LLaVA's second stage).
+        activation_checkpointing: recompute every layer's activations in backward instead of
+            keeping them (less memory, about a third more compute); a plan sets it to what its
+            memory model assumed.
         packing: pack each microbatch's samples into one sequence (attention kept inside each
             sample; :mod:`dflop_ds.models.packing`) instead of padding them to the longest, and
             balance on the additive packed cost (:class:`dflop_ds.cost.PackedCost`).
@@ -88,127 +111,172 @@ class DFLOPConfig:
             :class:`dflop_ds.testing.FaultSpec`), e.g. ``{"min_tiles": 6, "seconds_per_tile": 0.01}``.
     """
 
-    sampler: str = "dflop"
-    data: str = "examples/data/mixture.jsonl"
-    max_samples: Optional[int] = None
-    on_bad_sample: str = "error"
-    policy: str = "tiny"
-    pipeline_stages: int = 2
-    stage_bounds: Optional[list[int]] = None
-    cost_model: Optional[str] = None
-    plan: Optional[str] = None
-    time_limit_s: float = 0.0
-    ilp_nodes: int = 0
-    prefetch: int = 1
-    num_workers: int = 2
-    schedule_timeout_s: Optional[float] = 300.0
-    drop_last: bool = False
-    seed: int = 0
-    steps: int = 20
-    warmup_steps: int = 2
-    lr: float = 1e-3
-    freeze_encoder: bool = False
-    encoder: str = "local"
-    packing: Optional[bool] = None
-    model: dict[str, Any] = field(default_factory=dict)
-    checkpoint_dir: Optional[str] = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    telemetry: bool = True
-    correction: dict[str, Any] = field(default_factory=dict)
-    model_name_or_path: Optional[str] = None
-    image_folder: Optional[str] = None
-    lora: Optional[dict[str, Any]] = None
-    max_length: Optional[int] = None
-    truncation: str = "error"
-    fault: Optional[dict[str, Any]] = None
-    memory_cap_bytes: float | None = None
-    allow_oversize: bool = False
+    # -- data -------------------------------------------------------------------------------------
+    data: str = setting("examples/data/mixture.jsonl", "data", "path", kind="str")
+    max_samples: int | None = setting(None, "data", kind="int", minimum=1, optional=True)
+    on_bad_sample: str = setting("error", "data", kind="str", choices=BAD_SAMPLE_POLICIES)
+    policy: str = setting("tiny", "data", kind="str", choices=("tiny", "default"))
+    image_folder: str | None = setting(None, "data", kind="str", optional=True)
+    max_length: int | None = setting(None, "data", kind="int", minimum=1, optional=True)
+    truncation: str = setting("error", "data", kind="str", choices=("error", "truncate"))
+    num_workers: int = setting(2, "data", kind="int", minimum=0)
+    # -- model ------------------------------------------------------------------------------------
+    model_name_or_path: str | None = setting(None, "model", "name_or_path", kind="str", optional=True)
+    model: dict[str, Any] = setting({}, "model", "tiny", kind="dict")
+    freeze_encoder: bool = setting(False, "model", kind="bool")
+    activation_checkpointing: bool = setting(False, "model", kind="bool")
+    encoder: str = setting("local", "model", kind="str", choices=("local", "colocated"))
+    packing: bool | None = setting(None, "model", kind="bool", optional=True)
+    lora: dict[str, Any] | None = setting(None, "model", kind="dict", optional=True)
+    # -- sampler ----------------------------------------------------------------------------------
+    sampler: str = setting("dflop", "sampler", "kind", kind="str", choices=splitter_names())
+    cost_model: str | None = setting(None, "sampler", kind="str", optional=True)
+    time_limit_s: float = setting(0.0, "sampler", kind="number", minimum=0)
+    ilp_nodes: int = setting(0, "sampler", kind="int", minimum=0)
+    prefetch: int = setting(1, "sampler", kind="int", minimum=0)
+    schedule_timeout_s: float | None = setting(300.0, "sampler", kind="number", above=0, optional=True)
+    drop_last: bool = setting(False, "sampler", kind="bool")
+    memory_cap_bytes: float | None = setting(None, "sampler", kind="number", above=0, optional=True)
+    allow_oversize: bool = setting(False, "sampler", kind="bool")
+    # -- plan -------------------------------------------------------------------------------------
+    plan: str | None = setting(None, "plan", "file", kind="str", optional=True)
+    pipeline_stages: int = setting(2, "plan", kind="int", minimum=1)
+    stage_bounds: list[int] | None = setting(None, "plan", kind="list", optional=True)
+    # -- train ------------------------------------------------------------------------------------
+    seed: int = setting(0, "train", kind="int", minimum=0)
+    steps: int = setting(20, "train", kind="int", minimum=1)
+    warmup_steps: int = setting(2, "train", kind="int", minimum=0)
+    lr: float = setting(1e-3, "train", kind="number", above=0)
+    checkpoint_dir: str | None = setting(None, "train", kind="str", optional=True)
+    checkpoint_every: int = setting(0, "train", kind="int", minimum=0)
+    resume: bool = setting(False, "train", kind="bool")
+    # -- telemetry, correction, testing -----------------------------------------------------------
+    telemetry: bool = setting(True, "telemetry", "enabled", kind="bool")
+    correction: dict[str, Any] = setting({}, "correction", WHOLE_SECTION, kind="dict")
+    fault: dict[str, Any] | None = setting(None, "testing", kind="dict", optional=True)
 
     @classmethod
-    def from_dict(cls, block: dict[str, Any], source: str = "config") -> "DFLOPConfig":
-        """Build from a ``"dflop"`` block; unknown keys and bad values name the key at fault."""
-        if not isinstance(block, dict):
-            raise ValueError(f"{source}: the \"dflop\" block must be an object ({{...}}), got {block!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(block) - known)
-        if unknown:
-            raise ValueError(f"{source}: unknown key(s) in the \"dflop\" block: {unknown}; known: {sorted(known)}")
-        config = cls(**block)
+    def path(cls, name: str) -> str:
+        """The JSON path of attribute ``name`` in the DeepSpeed config, e.g. ``dflop.sampler.kind``."""
+        section, key = _location(name)
+        return f"dflop.{section}" if key == WHOLE_SECTION else f"dflop.{section}.{key}"
+
+    @classmethod
+    def from_dict(cls, block: dict[str, Any], source: str = "config") -> DFLOPConfig:
+        """Build from a nested ``"dflop"`` block; an unknown section or key (a flat key of the old
+        format too, naming its new path) and a bad value name the key at fault by its full path."""
+        config = cls(**_flatten(block, source))
         config.validate(source)
         return config
 
     @classmethod
-    def from_deepspeed_config(cls, path: str | Path) -> "DFLOPConfig":
+    def from_deepspeed_config(cls, path: str | Path) -> DFLOPConfig:
         """Read the ``"dflop"`` block of the DeepSpeed JSON config at ``path``."""
         return cls.from_dict(read_json_object(path).get("dflop", {}), source=str(path))
 
     def validate(self, source: str = "config") -> None:
-        """Raise ``ValueError`` naming the first bad key and its value: types are strict (a
-        boolean must be true/false, a number must not be a string), ranges are checked."""
-        rules: dict[str, dict[str, Any]] = {
-            "sampler": dict(kind="str", choices=splitter_names()),
-            "data": dict(kind="str"),
-            "max_samples": dict(kind="int", minimum=1, optional=True),
-            "on_bad_sample": dict(kind="str", choices=BAD_SAMPLE_POLICIES),
-            "policy": dict(kind="str", choices=("tiny", "default")),
-            "encoder": dict(kind="str", choices=("local", "colocated")),
-            "packing": dict(kind="bool", optional=True),
-            "pipeline_stages": dict(kind="int", minimum=1),
-            "stage_bounds": dict(kind="list", optional=True),
-            "cost_model": dict(kind="str", optional=True),
-            "plan": dict(kind="str", optional=True),
-            "time_limit_s": dict(kind="number", minimum=0),
-            "ilp_nodes": dict(kind="int", minimum=0),
-            "prefetch": dict(kind="int", minimum=0),
-            "num_workers": dict(kind="int", minimum=0),
-            "schedule_timeout_s": dict(kind="number", above=0, optional=True),
-            "drop_last": dict(kind="bool"),
-            "seed": dict(kind="int", minimum=0),
-            "steps": dict(kind="int", minimum=1),
-            "warmup_steps": dict(kind="int", minimum=0),
-            "lr": dict(kind="number", above=0),
-            "freeze_encoder": dict(kind="bool"),
-            "model": dict(kind="dict"),
-            "checkpoint_dir": dict(kind="str", optional=True),
-            "checkpoint_every": dict(kind="int", minimum=0),
-            "resume": dict(kind="bool"),
-            "telemetry": dict(kind="bool"),
-            "correction": dict(kind="dict"),
-            "model_name_or_path": dict(kind="str", optional=True),
-            "image_folder": dict(kind="str", optional=True),
-            "lora": dict(kind="dict", optional=True),
-            "max_length": dict(kind="int", minimum=1, optional=True),
-            "truncation": dict(kind="str", choices=("error", "truncate")),
-            "fault": dict(kind="dict", optional=True),
-            "memory_cap_bytes": dict(kind="number", above=0, optional=True),
-            "allow_oversize": dict(kind="bool"),
-        }
-        for key, rule in rules.items():
+        """Raise ``ValueError`` naming the first bad key by its full path and its value: types are
+        strict (a boolean must be true/false, a number must not be a string), ranges are checked."""
+        path = self.path
+        for f in dataclasses.fields(self):
             try:
-                check_setting(f"\"dflop\".{key}", getattr(self, key), **rule)
+                check_setting(path(f.name), getattr(self, f.name), **f.metadata["rule"])
             except ValueError as error:
                 raise ValueError(f"{source}: {error}") from None
         if self.warmup_steps >= self.steps:
-            raise ValueError(f"{source}: \"dflop\".warmup_steps={self.warmup_steps} must be smaller than"
-                             f" \"dflop\".steps={self.steps} (steps may come from --steps): warm-up steps are"
+            raise ValueError(f"{source}: {path('warmup_steps')}={self.warmup_steps} must be smaller than"
+                             f" {path('steps')}={self.steps} (steps may come from --steps): warm-up steps are"
                              " left out of the throughput figures, so at least one step must remain")
         if self.resume and self.checkpoint_dir is None:
-            raise ValueError(f"{source}: \"dflop\".resume=true needs \"dflop\".checkpoint_dir")
+            raise ValueError(f"{source}: {path('resume')}=true needs {path('checkpoint_dir')}")
         if self.stage_bounds is not None and len(self.stage_bounds) != self.pipeline_stages + 1:
-            raise ValueError(f"{source}: \"dflop\".stage_bounds {self.stage_bounds} needs pipeline_stages + 1 ="
+            raise ValueError(f"{source}: {path('stage_bounds')} {self.stage_bounds} needs pipeline_stages + 1 ="
                              f" {self.pipeline_stages + 1} entries")
-        if CorrectionSettings.from_dict(self.correction, f"{source}: \"dflop\".correction").enabled and not self.telemetry:
-            raise ValueError(f"{source}: \"dflop\".correction needs \"dflop\".telemetry = true")
-        FaultSpec.from_dict(self.fault, f"{source}: \"dflop\".fault")
+        if CorrectionSettings.from_dict(self.correction, f"{source}: {path('correction')}").enabled \
+                and not self.telemetry:
+            raise ValueError(f"{source}: {path('correction')} needs {path('telemetry')} = true")
+        FaultSpec.from_dict(self.fault, f"{source}: {path('fault')}")
         if self.lora is not None:
             if self.model_name_or_path is None:
-                raise ValueError(f"{source}: \"dflop\".lora needs a HuggingFace model (--model_name_or_path)")
-            lora_settings(self.lora, f"{source}: \"dflop\".lora")
+                raise ValueError(f"{source}: {path('lora')} needs a HuggingFace model (--model_name_or_path)")
+            lora_settings(self.lora, f"{source}: {path('lora')}")
+
+
+def _location(name: str) -> tuple[str, str]:
+    """``(section, key)`` of a :class:`DFLOPConfig` attribute."""
+    meta = _FIELDS[name].metadata
+    return meta["section"], meta["key"] or name
+
+
+def _flatten(block: Any, source: str) -> dict[str, Any]:
+    """Attribute values from a nested block, refusing unknown sections and keys by full path."""
+    if not isinstance(block, dict):
+        raise ValueError(f"{source}: the \"dflop\" block must be an object ({{...}}), got {block!r}")
+    sections = _sections()
+    values: dict[str, Any] = {}
+    for section, content in block.items():
+        if section not in sections:
+            raise ValueError(f"{source}: {_unknown(section, 'dflop', sorted(sections))}")
+        keys = sections[section]
+        if WHOLE_SECTION in keys:
+            values[keys[WHOLE_SECTION]] = content
+            continue
+        if not isinstance(content, dict):
+            moved = f" (a flat dflop.{section} moved to {DFLOPConfig.path(section)})" if section in _FIELDS else ""
+            raise ValueError(f"{source}: dflop.{section} must be an object ({{...}}) of {sorted(keys)},"
+                             f" got {content!r}{moved}")
+        for key, value in content.items():
+            if key not in keys:
+                raise ValueError(f"{source}: {_unknown(key, f'dflop.{section}', sorted(keys))}")
+            values[keys[key]] = value
+    return values
+
+
+def _unknown(key: str, where: str, known: list[str]) -> str:
+    """The message for an unknown ``key`` in ``where``; a key of the flat (old) format names its new path."""
+    moved = f"; it moved to {DFLOPConfig.path(key)}" if key in _FIELDS and where == "dflop" else ""
+    return f"unknown key {where}.{key}{moved}; known keys of {where}: {known}"
+
+
+def _sections() -> dict[str, dict[str, str]]:
+    """section -> {JSON key -> attribute name} (``WHOLE_SECTION`` for a section that is one attribute)."""
+    out: dict[str, dict[str, str]] = {}
+    for name in _FIELDS:
+        section, key = _location(name)
+        out.setdefault(section, {})[key] = name
+    return out
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(DFLOPConfig)}
+
+
+def set_settings(block: dict[str, Any], **settings: Any) -> dict[str, Any]:
+    """Put each of ``settings`` (attribute names of :class:`DFLOPConfig`) at its place in the nested
+    ``"dflop"`` block ``block`` (modified and returned): the one way code writes the block. A block
+    with an unknown or malformed section is refused first, naming it."""
+    _flatten(block, "the \"dflop\" block")
+    for name, value in settings.items():
+        section, key = _location(name)
+        if key == WHOLE_SECTION:
+            block[section] = value
+        else:
+            block.setdefault(section, {})[key] = value
+    return block
+
+
+def get_setting(block: dict[str, Any], name: str) -> Any:
+    """The value of attribute ``name`` in the nested ``"dflop"`` block (None when it is not set)."""
+    section, key = _location(name)
+    content = block.get(section)
+    if key == WHOLE_SECTION or content is None:
+        return content
+    return content.get(key) if isinstance(content, dict) else None
 
 
 #: DeepSpeed config keys a plan decides.
 PLAN_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+#: DeepSpeed config sections of the mixed precisions a plan may assume (at most one is enabled)
+PLAN_PRECISION_KEYS = MIXED_PRECISIONS
 
 
 def autotp_size(ds_config: Mapping[str, Any]) -> int:
@@ -216,25 +284,49 @@ def autotp_size(ds_config: Mapping[str, Any]) -> int:
     return int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
 
 
-def fill_from_plan(ds_config: dict[str, Any], block: dict[str, Any], plan: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def fill_from_plan(ds_config: dict[str, Any], block: dict[str, Any],
+                   plan: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Copies of a DeepSpeed config and its "dflop" block with what ``plan`` decides filled in.
 
-    The plan supplies the batch keys (:data:`PLAN_BATCH_KEYS`), ``tensor_parallel`` (tp > 1) and the block's
-    ``pipeline_stages``, ``stage_bounds`` and ``sampler`` wherever the config leaves them out;
+    The plan supplies the batch keys (:data:`PLAN_BATCH_KEYS`), ``tensor_parallel`` (tp > 1), the ZeRO
+    stage and precision (:data:`PLAN_PRECISION_KEYS`) its memory model assumed, and the block's
+    ``pipeline_stages``, ``stage_bounds``, ``activation_checkpointing`` and ``sampler`` wherever the config
+    leaves them out;
     values the config does set are kept, so a config that contradicts its plan is caught by
     :func:`dflop_ds.checks.check_training_setup` rather than silently overridden; a stage count
-    or split that contradicts it is refused here, naming both.
+    or split, ZeRO stage, precision or checkpointing that contradicts it is refused here, naming both.
     """
     planned = plan.deepspeed_config({})
-    for key in ("pipeline_stages", "stage_bounds"):
-        if block.get(key) is not None and block[key] != planned["dflop"][key]:
-            raise ValueError(f"\"dflop\".{key} is {block[key]!r}, but the plan is for {planned['dflop'][key]!r}:"
-                             f" leave {key} out of the config (the plan sets it) or re-plan")
+    settings = plan.dflop_settings()
+    for key in ("pipeline_stages", "stage_bounds", "activation_checkpointing"):
+        have = get_setting(block, key)
+        if have is not None and have != settings[key]:
+            raise ValueError(f"{DFLOPConfig.path(key)} is {have!r}, but the plan is for {settings[key]!r}:"
+                             f" leave it out of the config (the plan sets it) or re-plan")
+    zero = (ds_config.get("zero_optimization") or {}).get("stage")
+    if zero is not None and zero != plan.zero_stage:
+        raise ValueError(f"zero_optimization.stage is {zero!r}, but the plan's memory model assumed ZeRO stage"
+                         f" {plan.zero_stage}: leave the stage out of the config (the plan sets it) or re-plan")
+    enabled = [key for key in PLAN_PRECISION_KEYS if (ds_config.get(key) or {}).get("enabled")]
+    if enabled and enabled != [plan.precision]:
+        raise ValueError(f"{enabled[0]}.enabled is true, but the plan's memory model assumed {plan.precision}:"
+                         f" leave the precision out of the config (the plan sets it) or re-plan")
     config = dict(ds_config)
     for key in (*PLAN_BATCH_KEYS, "tensor_parallel"):
         if key in planned:
             config.setdefault(key, planned[key])
-    filled = dict(block)
-    for key, value in planned["dflop"].items():
-        filled.setdefault(key, value)
+    for key in ("zero_optimization", *PLAN_PRECISION_KEYS):
+        config[key] = {**planned[key], **(config.get(key) or {}), **{k: planned[key][k] for k in ("stage", "enabled")
+                                                                     if k in planned[key]}}
+    filled = json.loads(json.dumps(block))
+    set_settings(filled, **{key: value for key, value in settings.items() if get_setting(block, key) is None})
     return config, filled
+
+
+def plan_deepspeed_config(plan: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``base`` (not modified) with what ``plan`` assumed: its DeepSpeed keys
+    (:meth:`~dflop_ds.plan.Plan.deepspeed_config`) and its ``"dflop"`` settings
+    (:meth:`~dflop_ds.plan.Plan.dflop_settings`) in their sections."""
+    config = plan.deepspeed_config(base)
+    set_settings(config.setdefault("dflop", {}), **plan.dflop_settings())
+    return config

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from dflop_ds.config import set_settings
 from dflop_ds.launch import run_deepspeed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ def ds_config(tmp_path: Path) -> Callable[..., Path]:
     def write(name: str, dflop: dict[str, Any] | None = None, **keys: Any) -> Path:
         config = json.loads((REPO / "ds_configs" / name).read_text())
         config.update(keys)
-        config["dflop"].update(dflop or {})
+        set_settings(config["dflop"], **(dflop or {}))
         path = tmp_path / "config.json"
         path.write_text(json.dumps(config))
         return path

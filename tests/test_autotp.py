@@ -4,6 +4,7 @@ unsharded run on the same global batches (same losses, same trained weights)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from dflop_ds.checks import SetupError, check_training_setup
-from dflop_ds.config import DFLOPConfig, fill_from_plan
+from dflop_ds.config import DFLOPConfig, fill_from_plan, set_settings
 from dflop_ds.launch import run_deepspeed
 from dflop_ds.plan import Plan
 from dflop_ds.plan.layout import Layout, Segment
@@ -25,7 +26,7 @@ ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 def tp_config(**dflop) -> tuple[dict, DFLOPConfig]:
     """ds_configs/hf_tp2.json without its "dflop" block, and the block (keys overridden)."""
     config = json.loads((ROOT / "ds_configs" / "hf_tp2.json").read_text())
-    block = {**config.pop("dflop"), "model_name_or_path": "some/hf-model", **dflop}
+    block = set_settings(config.pop("dflop"), **{"model_name_or_path": "some/hf-model", **dflop})
     return config, DFLOPConfig.from_dict(block)
 
 
@@ -107,11 +108,11 @@ def test_autotp_setups_it_cannot_run_are_refused_with_the_reason(dflop, zero, wo
 
 
 # -- plans with tp > 1 ------------------------------------------------------------------------------------
-def tp_plan(tp=2, dp=2, n_mb=2, global_batch=16, stages=((3, 1, 4),)) -> Plan:
+def tp_plan(tp=2, dp=2, n_mb=2, global_batch=16, stages=((3, 1, 4),), zero_stage=1) -> Plan:
     layout = Layout(Segment(tp, len(stages), dp), Segment(tp, len(stages), dp), n_mb, stages)
     return Plan.from_layout(layout, layer_counts={"encoder": 3, "projector": 1, "llm": 4},
                             global_batch_size=global_batch, gpus=len(stages) * tp * dp, gpus_per_node=8,
-                            gpu_memory_bytes=8e9, family="deepspeed")
+                            gpu_memory_bytes=8e9, family="deepspeed", zero_stage=zero_stage)
 
 
 def test_autotp_plan_becomes_a_deepspeed_config_with_tensor_parallel_and_deepspeeds_batch_identity():
@@ -129,9 +130,9 @@ def test_autotp_plan_becomes_a_deepspeed_config_with_tensor_parallel_and_deepspe
 
 
 def test_autotp_plan_fills_the_config_and_runs_the_checks():
-    plan = tp_plan(tp=2, dp=1, n_mb=2, global_batch=8)
+    plan = tp_plan(tp=2, dp=1, n_mb=2, global_batch=8, zero_stage=2)
     config, block = fill_from_plan({"zero_optimization": {"stage": 2}},
-                                   {"model_name_or_path": "some/hf-model"}, plan)
+                                   set_settings({}, model_name_or_path="some/hf-model"), plan)
     assert config["tensor_parallel"] == {"autotp_size": 2}
     check_training_setup(config, DFLOPConfig.from_dict(block), world_size=2, plan=plan, n_samples=40)
     # a config that sets another tp than its plan is caught, naming the key
@@ -139,7 +140,7 @@ def test_autotp_plan_fills_the_config_and_runs_the_checks():
     with pytest.raises(SetupError, match="autotp_size is 1, but the plan says 2"):
         check_training_setup(config, DFLOPConfig.from_dict(block), world_size=2, plan=plan)
     # a tp plan for the tiny model is refused with the reason
-    tiny = {k: v for k, v in block.items() if k != "model_name_or_path"}
+    tiny = set_settings(copy.deepcopy(block), model_name_or_path=None)
     config["tensor_parallel"] = {"autotp_size": 2}
     with pytest.raises(SetupError, match="tiny model"):
         check_training_setup(config, DFLOPConfig.from_dict(tiny), world_size=2, plan=plan)
@@ -147,7 +148,7 @@ def test_autotp_plan_fills_the_config_and_runs_the_checks():
 
 def test_autotp_plan_with_a_pipeline_is_refused():
     plan = tp_plan(tp=2, dp=1, stages=((3, 1, 0), (0, 0, 4)))
-    config, block = fill_from_plan({}, {"model_name_or_path": "some/hf-model"}, plan)
+    config, block = fill_from_plan({}, set_settings({}, model_name_or_path="some/hf-model"), plan)
     with pytest.raises(SetupError, match="pipeline_stages = 1"):
         check_training_setup(config, DFLOPConfig.from_dict(block), world_size=4, plan=plan)
 
@@ -161,7 +162,7 @@ def run(tmp_path: Path, name: str, model: Path, data: Path, images: Path, *, ran
     """examples/train.py for 3 SGD steps on ``ranks`` ranks; the summary, steps, trace and output dir."""
     settings = json.loads((ROOT / "ds_configs" / "hf_tp2.json").read_text())
     settings.update(EXACT, **ds)
-    settings["dflop"].update(steps=3, warmup_steps=0, num_workers=0)
+    set_settings(settings["dflop"], steps=3, warmup_steps=0, num_workers=0)
     path, summary = tmp_path / f"{name}.json", tmp_path / f"{name}_summary.json"
     trace, out = tmp_path / f"{name}_trace.jsonl", tmp_path / f"{name}_model"
     path.write_text(json.dumps(settings))

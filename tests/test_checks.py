@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflop_ds.checks import SetupError, check_cost_model, check_training_setup, resolve_batch_keys
-from dflop_ds.config import DFLOPConfig, fill_from_plan
+from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, plan_deepspeed_config, set_settings
 from dflop_ds.plan import Plan
 from dflop_ds.plan.layout import Layout, Segment
 
@@ -47,7 +47,7 @@ def test_consistent_setup_with_plan_passes():
 
 def test_plan_deepspeed_config_is_accepted():
     p = plan(dp=2, n_mb=3, global_batch=48)
-    config = p.deepspeed_config({})
+    config = plan_deepspeed_config(p, {})
     assert config["train_batch_size"] == 48
     block = DFLOPConfig.from_dict(config.pop("dflop"))
     check_training_setup(config, block, 4, plan=p, n_samples=100, n_layers=N_LAYERS)
@@ -58,7 +58,7 @@ def test_plan_deepspeed_config_is_accepted():
 
 @pytest.mark.parametrize("world", [3, 5])
 def test_stages_must_divide_world_size(world):
-    with pytest.raises(SetupError, match=r'"dflop"\.pipeline_stages=2 does not divide the world size'):
+    with pytest.raises(SetupError, match=r'dflop\.plan\.pipeline_stages=2 does not divide the world size'):
         check_training_setup(ds(), DFLOPConfig(pipeline_stages=2), world)
 
 
@@ -104,7 +104,7 @@ def test_bad_batch_keys_name_the_key(config, key):
 def test_bad_stage_bounds_are_named(bounds, message):
     block = DFLOPConfig(pipeline_stages=2)
     block.stage_bounds = bounds
-    with pytest.raises(SetupError, match=r'"dflop"\.stage_bounds .*' + message):
+    with pytest.raises(SetupError, match=r'dflop\.plan\.stage_bounds .*' + message):
         check_training_setup(ds(), block, 2, n_layers=N_LAYERS)
 
 
@@ -123,10 +123,10 @@ def test_plan_disagreeing_with_the_config_is_refused(kwargs, world, config, key)
 
 def test_plan_stage_count_and_bounds_must_match():
     three = plan(dp=2, stages=((3, 1, 0), (0, 0, 2), (0, 0, 2)))  # 6 ranks as 3 stages x dp 2
-    with pytest.raises(SetupError, match=r'"dflop"\.pipeline_stages is 2, but the plan says 3'):
+    with pytest.raises(SetupError, match=r'dflop\.plan\.pipeline_stages is 2, but the plan says 3'):
         check_training_setup(ds(48, 2, 8), DFLOPConfig(pipeline_stages=2), 6, plan=three)
     block = DFLOPConfig(pipeline_stages=2, stage_bounds=[0, 5, 8])
-    with pytest.raises(SetupError, match=r'"dflop"\.stage_bounds is \[0, 5, 8\], but the plan says \[0, 4, 8\]'):
+    with pytest.raises(SetupError, match=r'dflop\.plan\.stage_bounds is \[0, 5, 8\], but the plan says \[0, 4, 8\]'):
         check_training_setup(ds(), block, 2, plan=plan(), n_layers=N_LAYERS)
 
 
@@ -138,10 +138,10 @@ def test_plan_batch_arithmetic_that_would_shrink_the_batch_is_refused():
 
 def test_config_stages_contradicting_the_plan_are_named_when_filling_from_it():
     one_stage = plan(stages=((3, 1, 4),))
-    with pytest.raises(ValueError, match=r'"dflop"\.pipeline_stages is 2, but the plan is for 1'):
-        fill_from_plan({}, {"pipeline_stages": 2}, one_stage)
-    config, block = fill_from_plan({}, {"pipeline_stages": 1}, one_stage)
-    assert block["stage_bounds"] == [0, 8] and config["gradient_accumulation_steps"] == 8
+    with pytest.raises(ValueError, match=r'dflop\.plan\.pipeline_stages is 2, but the plan is for 1'):
+        fill_from_plan({}, set_settings({}, pipeline_stages=2), one_stage)
+    config, block = fill_from_plan({}, set_settings({}, pipeline_stages=1), one_stage)
+    assert get_setting(block, "stage_bounds") == [0, 8] and config["gradient_accumulation_steps"] == 8
 
 
 def test_cost_model_of_another_depth_is_refused_naming_both():
@@ -164,7 +164,7 @@ def test_plan_global_batch_must_fill_every_microbatch():
 
 def test_dataset_smaller_than_one_global_batch_is_refused():
     block = DFLOPConfig(pipeline_stages=2, data="some.jsonl", max_samples=20)
-    with pytest.raises(SetupError, match=r'"dflop"\.data \(some\.jsonl\) has 20 usable samples \(max_samples=20\),'
+    with pytest.raises(SetupError, match=r'dflop\.data\.path \(some\.jsonl\) has 20 usable samples \(max_samples=20\),'
                                          r" fewer than one global batch \(train_batch_size=32\)"):
         check_training_setup(ds(), block, 2, n_samples=20)
     check_training_setup(ds(), block, 2, n_samples=32)
@@ -175,7 +175,7 @@ def test_setup_error_is_a_value_error():
 
 
 def test_time_limited_solver_is_refused_when_ranks_schedule_independently():
-    with pytest.raises(SetupError, match=r'"dflop"\.time_limit_s=0\.5: each of the 2 processes'):
+    with pytest.raises(SetupError, match=r'dflop\.sampler\.time_limit_s=0\.5: each of the 2 processes'):
         check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, time_limit_s=0.5), 2)
     check_training_setup(ds(32, 4, 8), DFLOPConfig(pipeline_stages=1, time_limit_s=0.5), 1)
     check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, time_limit_s=0), 2)
@@ -185,7 +185,7 @@ def test_a_node_limited_solver_is_allowed_on_several_ranks():
     check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, ilp_nodes=500), 2)
     with pytest.raises(SetupError, match="ilp_nodes"):  # the refusal names the alternative
         check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, time_limit_s=0.5, ilp_nodes=500), 2)
-    with pytest.raises(ValueError, match=r'"dflop"\.ilp_nodes'):
+    with pytest.raises(ValueError, match=r'dflop\.sampler\.ilp_nodes'):
         DFLOPConfig(ilp_nodes=-1).validate()
 
 
@@ -197,7 +197,7 @@ def test_train_script_prints_the_skip_report_and_refuses_the_setup(tmp_path):
     data.write_text('{"id": "a", "text_tokens": 5}\n{"id": "b", "text_tokens": -1}\nnot json\n'
                     '{"id": "c", "text_tokens": 7}\n')
     config = json.loads((ROOT / "ds_configs" / "tiny_mllm_pp2.json").read_text())
-    config["dflop"].update(data=str(data), on_bad_sample="skip", pipeline_stages=1)
+    set_settings(config["dflop"], data=str(data), on_bad_sample="skip", pipeline_stages=1)
     config.pop("csv_monitor", None)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))

@@ -49,6 +49,6 @@ def test_colocated_encoder_key_is_validated_and_refused_with_the_pipeline_engine
     with pytest.raises(ValueError, match="plain engine only"):
         build_engine([], None, [], {}, pipeline_stages=2, colocated=True)
     with pytest.raises(ValueError, match="encoder"):
-        DFLOPConfig.from_dict({"encoder": "elsewhere"}, source="cfg.json")
-    assert DFLOPConfig.from_dict({"encoder": "colocated"}).encoder == "colocated"
+        DFLOPConfig.from_dict({"model": {"encoder": "elsewhere"}}, source="cfg.json")
+    assert DFLOPConfig.from_dict({"model": {"encoder": "colocated"}}).encoder == "colocated"
     assert DFLOPConfig().encoder == "local"

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
-from dflop_ds.config import DFLOPConfig
+from dflop_ds.config import DFLOPConfig, get_setting, set_settings
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -30,15 +35,15 @@ from dflop_ds.config import DFLOPConfig
 ])
 def test_bad_values_are_refused_naming_key_and_value(key, value, message):
     with pytest.raises(ValueError, match=message) as info:
-        DFLOPConfig.from_dict({key: value}, source="cfg.json")
+        DFLOPConfig.from_dict(set_settings({}, **{key: value}), source="cfg.json")
     text = str(info.value)
-    assert text.startswith("cfg.json: ") and f'"dflop".{key}' in text and repr(value) in text
+    assert text.startswith("cfg.json: ") and DFLOPConfig.path(key) in text and repr(value) in text
 
 
 @pytest.mark.parametrize("block, path", [
-    ({"correction": {"enabled": "false"}}, "correction.enabled"),
-    ({"correction": {"decay": "0.5"}}, "correction.decay"),
-    ({"fault": {"min_tiles": 3, "seconds_per_tile": "0.1"}}, "fault.seconds_per_tile"),
+    ({"correction": {"enabled": "false"}}, "dflop.correction.enabled"),
+    ({"correction": {"decay": "0.5"}}, "dflop.correction.decay"),
+    ({"testing": {"fault": {"min_tiles": 3, "seconds_per_tile": "0.1"}}}, "dflop.testing.fault.seconds_per_tile"),
 ])
 def test_nested_blocks_are_typed_too(block, path):
     with pytest.raises(ValueError, match=path.replace(".", r"\.")):
@@ -47,13 +52,49 @@ def test_nested_blocks_are_typed_too(block, path):
 
 def test_warmup_steps_message_shows_both_values():
     with pytest.raises(ValueError) as info:
-        DFLOPConfig.from_dict({"steps": 3})  # the default warmup_steps is 2: fine
-        DFLOPConfig.from_dict({"steps": 2, "warmup_steps": 2})
+        DFLOPConfig.from_dict({"train": {"steps": 3}})  # the default warmup_steps is 2: fine
+        DFLOPConfig.from_dict({"train": {"steps": 2, "warmup_steps": 2}})
     text = str(info.value)
-    assert '"dflop".warmup_steps=2 must be smaller than "dflop".steps=2' in text and "--steps" in text
+    assert "dflop.train.warmup_steps=2 must be smaller than dflop.train.steps=2" in text and "--steps" in text
 
 
 def test_good_values_pass_and_keep_their_types():
-    config = DFLOPConfig.from_dict({"lr": 1, "time_limit_s": 0, "schedule_timeout_s": None, "drop_last": True,
-                                    "max_samples": 64, "seed": 0, "correction": {"enabled": False}})
+    config = DFLOPConfig.from_dict({"train": {"lr": 1, "seed": 0}, "data": {"max_samples": 64},
+                                    "sampler": {"time_limit_s": 0, "schedule_timeout_s": None, "drop_last": True},
+                                    "correction": {"enabled": False}})
     assert config.drop_last is True and config.schedule_timeout_s is None and config.lr == 1
+
+
+@pytest.mark.parametrize("block, named", [
+    ({"ilp_nodes": 3}, "unknown key dflop.ilp_nodes; it moved to dflop.sampler.ilp_nodes"),
+    ({"steps": 3}, "unknown key dflop.steps; it moved to dflop.train.steps"),
+    ({"model_name_or_path": "m"}, "it moved to dflop.model.name_or_path"),
+    ({"sampler": "stock"}, "a flat dflop.sampler moved to dflop.sampler.kind"),
+    ({"plan": "plan.json"}, "a flat dflop.plan moved to dflop.plan.file"),
+    ({"telemetry": False}, "a flat dflop.telemetry moved to dflop.telemetry.enabled"),
+    ({"sampler": {"ilp_node": 3}}, "unknown key dflop.sampler.ilp_node; known keys of dflop.sampler:"),
+    ({"samplers": {}}, "unknown key dflop.samplers; known keys of dflop:"),
+])
+def test_old_flat_keys_and_unknown_keys_are_refused_by_their_full_path(block, named):
+    with pytest.raises(ValueError) as info:
+        DFLOPConfig.from_dict(block, source="cfg.json")
+    assert str(info.value).startswith("cfg.json: ") and named in str(info.value)
+
+
+def test_every_setting_has_one_path_and_round_trips_through_the_nested_block():
+    names = [f.name for f in dataclasses.fields(DFLOPConfig)]
+    paths = [DFLOPConfig.path(name) for name in names]
+    assert len(set(paths)) == len(paths) and all(p.startswith("dflop.") for p in paths)
+    block = set_settings({}, sampler="stock", steps=7, warmup_steps=1, model_name_or_path=None, telemetry=False,
+                         pipeline_stages=3, correction={"enabled": False}, fault=None)
+    assert block["sampler"] == {"kind": "stock"} and block["plan"] == {"pipeline_stages": 3}
+    assert block["correction"] == {"enabled": False} and get_setting(block, "steps") == 7
+    config = DFLOPConfig.from_dict(block)
+    assert (config.sampler, config.steps, config.telemetry, config.pipeline_stages) == ("stock", 7, False, 3)
+    with pytest.raises(ValueError, match="a flat dflop.sampler moved to dflop.sampler.kind"):
+        set_settings({"sampler": "stock"}, steps=3)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.name)
+def test_bundled_configs_use_the_nested_block(path):
+    DFLOPConfig.from_deepspeed_config(path)

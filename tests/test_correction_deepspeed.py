@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dflop_ds.config import set_settings
 from dflop_ds.launch import clear_stale_build_locks, deepspeed_command, launch_env, release_shm_buffers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +33,7 @@ def start_run(tmp_path: Path, name: str, correction: bool, port: int) -> tuple[s
     config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / name), "job_name": "job"}
     # padded microbatches, as when this test's thresholds were set: with packing (the tiny model's
     # default now) the fault's skew and the correction's recovery are smaller and closer together
-    config["dflop"].update(steps=STEPS, warmup_steps=1, max_samples=640, model=SMALL_MODEL, fault=FAULT,
+    set_settings(config["dflop"], steps=STEPS, warmup_steps=1, max_samples=640, model=SMALL_MODEL, fault=FAULT,
                            correction={"enabled": correction}, packing=False)
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(config))

@@ -127,8 +127,8 @@ def test_the_packing_switch_defaults_to_the_model_and_refuses_what_it_cannot_do(
     with pytest.raises(ValueError, match="some-hf-model"):
         unpacked.uses_packing(True)
     with pytest.raises(ValueError, match="packing"):
-        DFLOPConfig.from_dict({"packing": "yes"})
-    assert DFLOPConfig.from_dict({"packing": False}).packing is False
+        DFLOPConfig.from_dict({"model": {"packing": "yes"}})
+    assert DFLOPConfig.from_dict({"model": {"packing": False}}).packing is False
     parser = build_parser()
     assert parser.parse_args(["--deepspeed_config", "x", "--packing", "False"]).packing is False
     with pytest.raises(SystemExit):

@@ -9,6 +9,7 @@ import pytest
 from test_plan_file import _shapes as plan_file_shapes
 
 from dflop_ds.config import fill_from_plan
+from dflop_ds.config import get_setting, plan_deepspeed_config, set_settings
 from dflop_ds.cost import reference_model
 from dflop_ds.plan import Cluster, Plan, Segment, make_plans, search
 from dflop_ds.plan.families import COLOCATED, DEEPSPEED, family_of
@@ -52,15 +53,16 @@ def test_colocated_plan_writes_the_colocated_encoder_key(tmp_path) -> None:
     plan.save(path)
     loaded = Plan.load(path)
     assert loaded == plan and loaded.layout == plan.layout
-    cfg = loaded.deepspeed_config({})
-    assert cfg["dflop"]["encoder"] == "colocated"
-    assert cfg["dflop"]["pipeline_stages"] == plan.pipeline_stages
-    assert cfg["dflop"]["stage_bounds"] == flat_bounds(plan.stages)
+    cfg = plan_deepspeed_config(loaded)
+    assert get_setting(cfg["dflop"], "encoder") == "colocated"
+    assert get_setting(cfg["dflop"], "pipeline_stages") == plan.pipeline_stages
+    assert get_setting(cfg["dflop"], "stage_bounds") == flat_bounds(plan.stages)
     assert cfg["train_batch_size"] == 64 and loaded.world_size() == 8
-    assert "encoder" not in plans.best_deepspeed.deepspeed_config({})["dflop"]
+    assert get_setting(plan_deepspeed_config(plans.best_deepspeed)["dflop"], "encoder") is None
     # a "dflop".plan entry turns the colocated encoder on in the training config
-    _, block = fill_from_plan({}, {"plan": str(path)}, loaded)
-    assert block["encoder"] == "colocated" and block["pipeline_stages"] == plan.pipeline_stages
+    _, block = fill_from_plan({}, set_settings({}, plan=str(path)), loaded)
+    assert get_setting(block, "encoder") == "colocated"
+    assert get_setting(block, "pipeline_stages") == plan.pipeline_stages
     assert json.loads(path.read_text())["family"] == "colocated"
 
 

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from dflop_ds.config import DFLOPConfig, plan_deepspeed_config
 from dflop_ds.cost import reference_model
-from dflop_ds.plan import Cluster, Plan, PlanFileError, Segment, make_plans
+from dflop_ds.plan import PLAN_FORMAT_VERSION, Cluster, Plan, PlanFileError, Segment, make_plans
 from dflop_ds.plan.layout import Layout, flat_bounds, separate_stages, stages_from_bounds
 from dflop_ds.shapes import ShapePolicy
 
@@ -47,7 +48,7 @@ def test_plan_round_trips_through_json(tmp_path, plans) -> None:
         loaded = Plan.load(path)
         assert loaded == plan
         assert loaded.to_dict() == plan.to_dict()
-        assert json.loads(path.read_text())["format_version"] == 1
+        assert json.loads(path.read_text())["format_version"] == PLAN_FORMAT_VERSION == 2
         assert loaded.cost_model["is_analytic"] is True
         assert loaded.baseline_layout == plans.monolithic.layout
 
@@ -55,7 +56,7 @@ def test_plan_round_trips_through_json(tmp_path, plans) -> None:
 def test_deepspeed_config_and_stage_bounds_agree(plans) -> None:
     plan = plans.best_deepspeed
     base = {"gradient_clipping": 1.0, "train_batch_size": 1}
-    cfg = plan.deepspeed_config(base)
+    cfg = plan_deepspeed_config(plan, base)
     assert base == {"gradient_clipping": 1.0, "train_batch_size": 1}  # not modified
     assert cfg["gradient_clipping"] == 1.0
     assert cfg["gradient_accumulation_steps"] == plan.n_mb
@@ -63,8 +64,9 @@ def test_deepspeed_config_and_stage_bounds_agree(plans) -> None:
     assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * plan.n_mb * plan.dp * plan.llm.tp
     assert cfg["train_batch_size"] // plan.llm.tp == plan.global_batch_size == plan.sampler_settings()["global_batch_size"]
     assert cfg.get("tensor_parallel", {}).get("autotp_size", 1) == plan.llm.tp
-    bounds = cfg["dflop"]["stage_bounds"]
-    assert cfg["dflop"]["pipeline_stages"] == len(bounds) - 1 == plan.pipeline_stages
+    settings = DFLOPConfig.from_dict(cfg["dflop"])
+    bounds = settings.stage_bounds
+    assert settings.pipeline_stages == len(bounds) - 1 == plan.pipeline_stages
     assert bounds[0] == 0 and bounds[-1] == 27 + 1 + 28
     assert stages_from_bounds(bounds, 27, 1, 28) == plan.stages
     assert plan.world_size() == plan.pipeline_stages * plan.llm.tp * plan.dp == 16

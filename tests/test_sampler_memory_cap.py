@@ -116,13 +116,13 @@ def test_the_stock_sampler_refuses_a_cap_and_the_config_keys_are_typed():
             allow_oversize=True,
         )
     assert DFLOPConfig.from_dict({}).memory_cap_bytes is None
-    assert DFLOPConfig.from_dict({"memory_cap_bytes": 2e9, "allow_oversize": True}).allow_oversize is True
+    assert DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": 2e9, "allow_oversize": True}}).allow_oversize is True
     with pytest.raises(ValueError, match="memory_cap_bytes"):
-        DFLOPConfig.from_dict({"memory_cap_bytes": "2GB"})
+        DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": "2GB"}})
     with pytest.raises(ValueError, match="memory_cap_bytes"):
-        DFLOPConfig.from_dict({"memory_cap_bytes": 0})
+        DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": 0}})
     with pytest.raises(ValueError, match="allow_oversize"):
-        DFLOPConfig.from_dict({"allow_oversize": 1})
+        DFLOPConfig.from_dict({"sampler": {"allow_oversize": 1}})
 
 
 def test_partition_gives_oversize_items_a_bucket_of_their_own():

@@ -166,7 +166,7 @@ def test_plans_name_their_splitter_and_read_the_old_flag(tmp_path) -> None:
         gpu_memory_bytes=1e9,
         family="deepspeed",
     )
-    assert plan.deepspeed_config()["dflop"]["sampler"] == "verl"
+    assert plan.dflop_settings()["sampler"] == "verl"
     data = plan.to_dict()
     data["splitter"] = "fancy"
     path = tmp_path / "plan.json"

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from dflop_ds.config import set_settings
+
 ROOT = Path(__file__).resolve().parent.parent
 SIXTEEN_IN_FOUR = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}
 
@@ -51,10 +53,10 @@ def test_a_plan_file_starts_a_two_rank_training(tmp_path, run_train):
 
     layout = Layout(Segment(1, 1, 1), Segment(1, 2, 1), n_mb=4, stages=((5, 1, 1), (0, 0, 4)))
     plan = Plan.from_layout(layout, layer_counts={"encoder": 5, "projector": 1, "llm": 5}, global_batch_size=12,
-                            gpus=2, gpus_per_node=2, gpu_memory_bytes=8e9, family="deepspeed")
+                            gpus=2, gpus_per_node=2, gpu_memory_bytes=8e9, family="deepspeed", precision="fp32")
     plan.save(tmp_path / "plan.json")
-    config = {"steps_per_print": 10**6, "dflop": {"plan": str(tmp_path / "plan.json"), "max_samples": 60,
-                                                  "steps": 3, "warmup_steps": 1}}
+    config = {"steps_per_print": 10**6, "dflop": set_settings({}, plan=str(tmp_path / "plan.json"), max_samples=60,
+                                                              steps=3, warmup_steps=1)}
     (tmp_path / "config.json").write_text(json.dumps(config))
     run_train(tmp_path / "config.json", "--summary", str(tmp_path / "summary.json"))
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -105,6 +105,10 @@ class AnalyticMLLM:
     activation_checkpointing: bool = True
     name: str = "analytic"
     is_analytic: bool = field(default=True, init=False)
+    #: the LLMs modelled (HuggingFace Qwen2 / Llama) declare a tp_plan DeepSpeed AutoTP shards
+    tensor_parallel_layers: bool = field(default=True, init=False)
+    #: the LLMs modelled (HuggingFace Qwen2 / Llama) declare a tp_plan DeepSpeed AutoTP shards
+    tensor_parallel_layers: bool = field(default=True, init=False)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, AnalyticMLLM) and self.to_dict() == other.to_dict()

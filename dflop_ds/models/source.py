@@ -63,10 +63,10 @@ class ModelSource:
         return self.encoder_layers, self.projector, self.llm_layers
 
     def uses_packing(self, setting: Optional[bool]) -> bool:
-        """Whether to pack microbatches for the ``"dflop".packing`` ``setting`` (None: wherever
+        """Whether to pack microbatches for the ``dflop.model.packing`` ``setting`` (None: wherever
         the model can); ``ValueError`` for ``True`` on a model without a packed collate."""
         if setting and self.packed_collate is None:
-            raise ValueError(f"\"dflop\".packing = true: model {self.name!r} has no packed microbatches yet "
+            raise ValueError(f"dflop.model.packing = true: model {self.name!r} has no packed microbatches yet "
                              "(only the bundled tiny model does); set it to false")
         return self.packed_collate is not None if setting is None else bool(setting)
 

@@ -5,14 +5,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dflop_ds.config import plan_deepspeed_config, set_settings
 from dflop_ds.cost import check_policy, load_cost_model, reference_names
 from dflop_ds.data import read_dataset
 from dflop_ds.data.cli import add_read_arguments, policy_from_args, read_options
+from dflop_ds.jsonio import write_json
 from dflop_ds.paths import check_writable
-from dflop_ds.plan.cluster import Cluster
+from dflop_ds.plan.cluster import PRECISIONS, ZERO_SHARDED, Cluster
 from dflop_ds.plan.gantt import plot_gantt
 from dflop_ds.plan.plan_file import Plan
-from dflop_ds.plan.planner import cluster_of, make_plans, simulate_layout
+from dflop_ds.plan.planner import cluster_of, has_tensor_parallel_layers, make_plans, simulate_layout
+from dflop_ds.plan.search import PlanError
 
 
 def _read_shapes(args: argparse.Namespace, model: Any) -> list:
@@ -44,15 +47,52 @@ def _summary(tag: str, plan: Plan) -> str:
             f"bubble {p['bubble_fraction']:.1%}  peak {mem:.1f} GB  {vs}  stock DeepSpeed: {ds}")
 
 
+def hf_model_has_tp_plan(model_name_or_path: str) -> bool:
+    """Whether the HuggingFace model saved at ``model_name_or_path`` declares a tensor-parallel plan
+    for its language model (what DeepSpeed AutoTP shards; read from its config, no weights loaded)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_name_or_path)
+    plans = (getattr(c, "base_model_tp_plan", None) for c in (config, config.get_text_config()))
+    return any(bool(plan) for plan in plans)
+
+
+def tensor_parallel_layers(args: argparse.Namespace, model: Any) -> bool:
+    """Whether the model to train has tensor-parallel layers: a HuggingFace model's config says
+    (``--model_name_or_path``), else the cost model does (the bundled tiny model has none)."""
+    if args.model_name_or_path is not None:
+        return hf_model_has_tp_plan(args.model_name_or_path)
+    return has_tensor_parallel_layers(model)
+
+
+def training_precision(args: argparse.Namespace, model: Any) -> str:
+    """``--precision``, by default ``bf16`` for an analytic cost model (it counts bf16 bytes) and
+    ``fp32`` for a measured one (profiled in fp32 here).
+
+    Raises:
+        PlanError: a 16-bit precision for the bundled tiny model, which trains in fp32 only.
+    """
+    analytic = bool(getattr(model, "is_analytic", False))
+    precision = args.precision or ("bf16" if analytic else "fp32")
+    if precision != "fp32" and not analytic and args.model_name_or_path is None:
+        raise PlanError(f"--precision {precision}: the bundled tiny model trains in fp32 only (its inputs and"
+                        " loss are fp32); plan with --precision fp32")
+    return precision
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """``dflop-ds plan``: search and write the chosen plan."""
     check_writable(args.output, "plan -o")
+    if args.deepspeed_config is not None:
+        check_writable(args.deepspeed_config, "plan --deepspeed-config")
     model = load_cost_model(args.cost_model)
     memory = args.gpu_memory_gb * 1e9 if args.gpu_memory_gb else getattr(getattr(model, "gpu", None), "memory_bytes", 80e9)
     cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory_bytes=memory,
-                      max_tp=args.max_tp)
+                      max_tp=args.max_tp, zero_stage=args.zero_stage, precision=training_precision(args, model),
+                      autotp=args.model_name_or_path is not None)
     shapes = _read_shapes(args, model)
-    plans = make_plans(model, cluster, shapes, args.global_batch, n_batches=args.batches, top_k=args.top_k, seed=args.seed)
+    plans = make_plans(model, cluster, shapes, args.global_batch, n_batches=args.batches, top_k=args.top_k,
+                       seed=args.seed, tensor_parallel_layers=tensor_parallel_layers(args, model))
     r = plans.result
     if getattr(model, "is_analytic", False):
         print(f"cost model {plans.best.cost_model['name']}: "
@@ -68,7 +108,14 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"gap of the best shared-pipeline plan to the best plan: {r.gap:.1%}")
     chosen = plans.best
     chosen.save(args.output)
-    print(f"wrote {args.output} ({chosen.family} plan, stage bounds {chosen.stage_bounds()})")
+    print(f"wrote {args.output} ({chosen.family} plan, stage bounds {chosen.stage_bounds()}, ZeRO"
+          f" {chosen.zero_stage}, {chosen.precision}, activation checkpointing {chosen.activation_checkpointing})")
+    if args.deepspeed_config is not None:
+        block = set_settings({}, plan=args.output)
+        if args.model_name_or_path is not None:
+            set_settings(block, model_name_or_path=args.model_name_or_path)
+        write_json(args.deepspeed_config, plan_deepspeed_config(chosen, {"dflop": block}), indent=2)
+        print(f"wrote {args.deepspeed_config} (the DeepSpeed config the plan assumed)")
     return 0
 
 
@@ -104,7 +151,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (tensor parallelism stays inside)")
     p.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU in GB (default: the profile's GPU, else 80)")
     p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
-    p.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel degree (1 for modules without TP layers)")
+    p.add_argument("--max-tp", type=int, default=None,
+                   help="largest tensor-parallel degree (default: --gpus-per-node for a model with tensor-parallel"
+                        " layers, else 1; more than 1 for a model without them is refused)")
+    p.add_argument("--zero-stage", type=int, default=1, choices=sorted(ZERO_SHARDED),
+                   help="DeepSpeed ZeRO stage (2 and 3 only without pipeline stages)")
+    p.add_argument("--precision", default=None, choices=PRECISIONS,
+                   help="training precision the memory model assumes (default: bf16 for an analytic cost model,"
+                        " fp32 for a measured one)")
+    p.add_argument("--deepspeed-config", default=None,
+                   help="also write the DeepSpeed config the plan assumed (its \"dflop\" block points at the plan)")
     p.add_argument("--batches", type=int, default=3, help="sampled global batches per simulated layout")
     p.add_argument("--top-k", type=int, default=6, help="layouts simulated per family")
     p.add_argument("-o", "--output", required=True, help="plan JSON to write")

@@ -8,8 +8,18 @@ cost model only predicts tp=1 compute), so their formulas live here, each one st
 - ring all-reduce of ``b`` bytes over ``dp`` ranks: ``2 (dp - 1) / dp * b / bandwidth``, with the
   inter-node bandwidth once the group leaves a node;
 - point-to-point transfer: ``bytes / bandwidth`` (intra- or inter-node);
-- training state per weight byte (bf16 weights): weights 1x + bf16 gradients 1x + fp32
-  master copy and Adam moments 6x, the 6x divided by dp under ZeRO stage 1.
+- training state per weight byte (the cost model's ``param_bytes``, in the training precision)
+  with Adam (:data:`STATE_TERMS`): bf16/fp16 mixed precision keeps 16-bit weights 1x + 16-bit
+  gradients 1x + fp32 master copy and Adam moments 6x; fp32 keeps weights 1x + gradients 1x +
+  Adam moments 2x; ZeRO stage 1 divides the optimizer term by dp, stage 2 the gradients too,
+  stage 3 the weights too (:data:`ZERO_SHARDED`);
+- gradient synchronisation under ZeRO stage 3 also gathers the weights in forward and backward:
+  three ring collectives of ``(dp - 1) / dp * b`` instead of the all-reduce's two (x1.5).
+
+DeepSpeed's pipeline engine runs ZeRO stages 0 and 1 only, so a pipeline (``pp > 1``) needs
+``zero_stage <= 1``; DeepSpeed AutoTP (how HuggingFace models get tensor parallelism here) shards
+the plain engine's model only, so with ``autotp=True`` a pipeline also needs ``tp == 1``
+(:meth:`Cluster.runs_shared`).
 """
 
 from __future__ import annotations
@@ -20,6 +30,16 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
+
+#: the training-state terms (per weight byte) each ZeRO stage shards over data-parallel ranks:
+#: ``(weights, gradients, optimizer)``, sharded when True
+ZERO_SHARDED = {0: (False, False, False), 1: (False, False, True), 2: (False, True, True), 3: (True, True, True)}
+#: bytes per weight byte of weights, gradients and optimizer state (master weights + Adam moments)
+STATE_TERMS = {"bf16": (1.0, 1.0, 6.0), "fp16": (1.0, 1.0, 6.0), "fp32": (1.0, 1.0, 2.0)}
+#: training precisions the memory model covers; the 16-bit ones are DeepSpeed config sections
+PRECISIONS = tuple(STATE_TERMS)
+MIXED_PRECISIONS = ("bf16", "fp16")
+
 
 Number = Any  # a float for scalar arguments, an array for array arguments
 
@@ -35,9 +55,15 @@ class Cluster:
         intra_node_bw: bytes/s of one direction of the intra-node link (NVLink), effective.
         inter_node_bw: bytes/s per GPU across nodes (e.g. 200 Gb/s InfiniBand ~ 25e9), effective.
         tp_overhead: fraction of time lost per doubling of tensor parallelism.
-        zero_stage: 0 (no sharding) or 1 (optimizer states sharded over data parallel ranks).
+        zero_stage: DeepSpeed ZeRO stage 0-3 (what is sharded over data-parallel ranks: nothing,
+            optimizer states, + gradients, + weights).
+        precision: ``"bf16"`` or ``"fp16"`` mixed precision, or ``"fp32"``; the cost model's weight
+            and activation bytes are taken to be in this precision.
         memory_reserve_bytes: per-GPU memory kept free (CUDA context, allocator, comm buffers).
-        max_tp: largest tensor-parallel degree considered (default: ``gpus_per_node``).
+        autotp: tensor parallelism comes from DeepSpeed AutoTP (plain engine only: no ``tp > 1``
+            with ``pp > 1``); False for engines with their own tensor-parallel layers.
+        max_tp: largest tensor-parallel degree considered (None: ``gpus_per_node``;
+            :func:`dflop_ds.plan.planner.make_plans` sets it from the model).
     """
 
     gpus: int
@@ -47,6 +73,8 @@ class Cluster:
     inter_node_bw: float = 25e9
     tp_overhead: float = 0.1
     zero_stage: int = 1
+    precision: str = "bf16"
+    autotp: bool = False
     memory_reserve_bytes: float = 6e9
     max_tp: int | None = None
 
@@ -58,8 +86,12 @@ class Cluster:
                 f"Cluster.gpu_memory_bytes={self.gpu_memory_bytes:.3g} "
                 f"must exceed memory_reserve_bytes={self.memory_reserve_bytes:.3g}"
             )
-        if self.zero_stage not in (0, 1):
-            raise ValueError(f"Cluster.zero_stage must be 0 or 1, got {self.zero_stage}")
+        if self.zero_stage not in ZERO_SHARDED:
+            raise ValueError(f"Cluster.zero_stage must be one of {sorted(ZERO_SHARDED)}, got {self.zero_stage!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Cluster.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.max_tp is not None and self.max_tp < 1:
+            raise ValueError(f"Cluster.max_tp must be >= 1, got {self.max_tp}")
 
     @property
     def usable_memory(self) -> float:
@@ -77,17 +109,36 @@ class Cluster:
         return _scalar_or_array(tp / (1.0 + self.tp_overhead * np.log2(tp)))
 
     def state_factor(self, dp: ArrayLike) -> Number:
-        """Training-state bytes per bf16 weight byte (weights, gradients, optimizer; elementwise over arrays)."""
+        """Training-state bytes per weight byte (weights, gradients, optimizer) on a GPU of a
+        ``dp``-way data-parallel group under the ZeRO stage (elementwise over arrays)."""
         dp = np.asarray(dp, dtype=float)
-        optimizer = 6.0 / dp if self.zero_stage >= 1 else np.full_like(dp, 6.0)
-        return _scalar_or_array(2.0 + optimizer)
+        total = np.zeros_like(dp)
+        for term, sharded in zip(STATE_TERMS[self.precision], ZERO_SHARDED[self.zero_stage]):
+            total = total + (term / dp if sharded else term)
+        return _scalar_or_array(total)
+
+    @property
+    def sync_factor(self) -> float:
+        """Gradient synchronisation bytes moved relative to a ring all-reduce (1.5 under ZeRO-3)."""
+        return 1.5 if self.zero_stage == 3 else 1.0
+
+    def runs_shared(self, tp: int, pp: int) -> bool:
+        """Whether one DeepSpeed engine runs ``tp``-way tensor parallelism with ``pp`` pipeline
+        stages: a pipeline needs ZeRO 0/1, and no tensor parallelism under AutoTP."""
+        return pp == 1 or (self.zero_stage <= 1 and (tp == 1 or not self.autotp))
+
+    @property
+    def runs_pipelines(self) -> bool:
+        """Whether the ZeRO stage allows pipelines at all (DeepSpeed's pipeline engine: ZeRO 0/1)."""
+        return self.zero_stage <= 1
 
     def allreduce_seconds(self, nbytes: ArrayLike, dp: ArrayLike, inner: ArrayLike) -> Number:
-        """Ring all-reduce of ``nbytes`` over ``dp`` ranks spaced ``inner`` GPUs apart (elementwise over arrays)."""
+        """Gradient synchronisation of ``nbytes`` over ``dp`` ranks spaced ``inner`` GPUs apart: a
+        ring all-reduce, times :attr:`sync_factor` (elementwise over arrays)."""
         nbytes, dp, inner = (np.asarray(x, dtype=float) for x in (nbytes, dp, inner))
         bw = np.where(dp * inner <= self.gpus_per_node, self.intra_node_bw, self.inter_node_bw)
         ring = 2.0 * np.maximum(dp - 1.0, 0.0) / np.maximum(dp, 1.0)
-        return _scalar_or_array(ring * np.maximum(nbytes, 0.0) / bw)
+        return _scalar_or_array(self.sync_factor * ring * np.maximum(nbytes, 0.0) / bw)
 
     def p2p_seconds(self, nbytes: ArrayLike, stride: int) -> Number:
         """Send ``nbytes`` to a GPU ``stride`` ranks away (inter-node once the stride spans a node; elementwise)."""

@@ -6,7 +6,8 @@ it come:
 
 - the stage split of ``MLLMPipelineModule``: :meth:`Plan.stage_bounds` over the flat layer list
   ``encoder layers + projector + LLM layers`` (rescaled when the model has other depths);
-- the DeepSpeed config's batch keys: :meth:`Plan.deepspeed_config`;
+- the DeepSpeed config the plan assumed (batch keys, ZeRO stage, precision, activation
+  checkpointing, AutoTP, stages): :meth:`Plan.deepspeed_config`;
 - the sampler's settings: :meth:`Plan.sampler_settings`.
 """
 
@@ -17,12 +18,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflop_ds.plan.layout import Layout, Segment, StageLayers, flat_bounds, stage_layers, stages_from_bounds
 from dflop_ds.jsonio import read_json_object, write_json
 from dflop_ds.pipe.stage_bounds import StageBounds
+from dflop_ds.plan.cluster import MIXED_PRECISIONS, PRECISIONS, ZERO_SHARDED
+from dflop_ds.plan.layout import Layout, Segment, StageLayers, flat_bounds, stage_layers, stages_from_bounds
 from dflop_ds.schedule.splitters import splitter_names
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
 
 
 class PlanFileError(ValueError):
@@ -46,6 +48,12 @@ def splitter_from_dict(data: dict[str, Any]) -> str:
     if name not in splitter_names():
         raise ValueError(f"splitter {name!r} is not registered: choose one of {list(splitter_names())}")
     return str(name)
+def _boolean(data: dict[str, Any], key: str) -> bool:
+    """``data[key]`` as a bool; anything but true/false is refused."""
+    value = data[key]
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
 
 
 def layout_to_dict(layout: Layout) -> dict[str, Any]:
@@ -78,6 +86,10 @@ class Plan:
         predicted: the simulator's figures (step time, bubble fraction, memory, speed-ups).
         cost_model: name of the cost model and whether it is analytic (not measured).
         baseline: the monolithic baseline's layout (:func:`layout_to_dict`), for comparisons.
+        zero_stage: the DeepSpeed ZeRO stage the memory model assumed (0-3).
+        precision: ``"bf16"``, ``"fp16"`` or ``"fp32"``, the precision the memory model assumed.
+        activation_checkpointing: whether the cost model's activation memory assumed every
+            layer's activations recomputed in backward.
         format_version: JSON format version.
     """
 
@@ -95,18 +107,23 @@ class Plan:
     predicted: dict[str, Any] = field(default_factory=dict)
     cost_model: dict[str, Any] = field(default_factory=dict)
     baseline: dict[str, Any] | None = None
+    zero_stage: int = 1
+    precision: str = "bf16"
+    activation_checkpointing: bool = False
     format_version: int = PLAN_FORMAT_VERSION
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def from_layout(cls, layout: Layout, *, layer_counts: dict[str, int], global_batch_size: int, gpus: int,
                     gpus_per_node: int, gpu_memory_bytes: float, family: str,
-                    predicted: dict[str, Any] | None = None, cost_model: dict[str, Any] | None = None) -> "Plan":
+                    predicted: dict[str, Any] | None = None, cost_model: dict[str, Any] | None = None,
+                    zero_stage: int = 1, precision: str = "bf16", activation_checkpointing: bool = False) -> "Plan":
         """A plan for ``layout`` (see :func:`dflop_ds.plan.make_plans` for plans with predictions)."""
         return cls(encoder=layout.encoder, llm=layout.llm, n_mb=layout.n_mb, stages=tuple(layout.stages),
                    layer_counts=dict(layer_counts), global_batch_size=global_batch_size, gpus=gpus,
                    gpus_per_node=gpus_per_node, gpu_memory_bytes=gpu_memory_bytes, splitter=layout.splitter,
-                   family=family, predicted=dict(predicted or {}), cost_model=dict(cost_model or {}))
+                   family=family, predicted=dict(predicted or {}), cost_model=dict(cost_model or {}),
+                   zero_stage=zero_stage, precision=precision, activation_checkpointing=activation_checkpointing)
 
     @property
     def baseline_layout(self) -> Layout | None:
@@ -175,16 +192,18 @@ class Plan:
         return max(1, self.global_batch_size // (self.dp * self.n_mb))
 
     def deepspeed_config(self, base: dict[str, Any] | None = None) -> dict[str, Any]:
-        """``base`` (a DeepSpeed config dict, not modified) with the plan's batch keys set.
+        """``base`` (a DeepSpeed config dict, not modified) with what the plan assumed set.
 
-        Sets ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps = n_mb`` and
+        Sets ``zero_optimization.stage``, ``bf16.enabled`` and ``fp16.enabled`` (true for the
+        plan's mixed precision, both false for fp32), and the batch keys:
+        ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps = n_mb`` and
         ``train_batch_size = micro * n_mb * dp * tp`` (DeepSpeed's identity, which counts every rank:
         under AutoTP it is ``tp`` times the global batch, since the ``tp`` ranks of a group train the
         same samples; without tp it equals the global batch for plans of the search, whose
         ``dp * n_mb`` divides it), ``tensor_parallel.autotp_size = tp`` when
         ``tp > 1`` (the LLM sharded by DeepSpeed AutoTP: HF models only, pp = 1, checked by
-        :func:`dflop_ds.checks.check_training_setup`), and the ``"dflop"`` block's
-        ``pipeline_stages``, ``stage_bounds`` and ``sampler``.
+        :func:`dflop_ds.checks.check_training_setup`). The ``"dflop"`` block's settings come from
+        :meth:`dflop_settings` (:func:`dflop_ds.config.plan_deepspeed_config` writes both).
 
         Raises:
             PlanFileError: the plan needs separate GPU sets (not runnable on stock DeepSpeed).
@@ -199,15 +218,22 @@ class Plan:
         config["train_micro_batch_size_per_gpu"] = micro
         config["gradient_accumulation_steps"] = self.n_mb
         config["train_batch_size"] = micro * self.n_mb * self.dp * self.tensor_parallel
+        config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": self.zero_stage}
+        for precision in MIXED_PRECISIONS:
+            config[precision] = {**config.get(precision, {}), "enabled": precision == self.precision}
         if self.tensor_parallel > 1:
             config["tensor_parallel"] = {**config.get("tensor_parallel", {}), "autotp_size": self.tensor_parallel}
-        block = config.setdefault("dflop", {})
-        block["pipeline_stages"] = self.pipeline_stages
-        block["stage_bounds"] = self.stage_bounds().to_list()
-        block["sampler"] = self.splitter
-        if self.layout.colocated:  # the encoder data-parallel over every rank (dflop_ds.train.colocated)
-            block["encoder"] = "colocated"
         return config
+
+    def dflop_settings(self) -> dict[str, Any]:
+        """The ``"dflop"`` settings the plan decides, by :class:`dflop_ds.config.DFLOPConfig`
+        attribute: ``pipeline_stages``, ``stage_bounds``, ``sampler``, ``activation_checkpointing``
+        and, for a colocated plan, ``encoder`` (the encoder data-parallel over every rank)."""
+        settings: dict[str, Any] = {"pipeline_stages": self.pipeline_stages, "stage_bounds": self.stage_bounds().to_list(),
+                                    "sampler": self.splitter, "activation_checkpointing": self.activation_checkpointing}
+        if self.layout.colocated:
+            settings["encoder"] = "colocated"
+        return settings
 
     def sampler_settings(self) -> dict[str, int]:
         """What the batch sampler needs: ``global_batch_size``, ``dp``, ``n_mb``."""
@@ -248,6 +274,9 @@ class Plan:
                 predicted=dict(data.get("predicted", {})),
                 cost_model=dict(data.get("cost_model", {})),
                 baseline=data.get("baseline"),
+                zero_stage=_integer(data, "zero_stage"),
+                precision=str(data["precision"]),
+                activation_checkpointing=_boolean(data, "activation_checkpointing"),
             )
             if plan.baseline is not None:
                 layout_from_dict(plan.baseline)
@@ -283,9 +312,24 @@ class Plan:
             )
         if self.layout.gpus > self.gpus:
             raise PlanFileError(f"{source}: the layout needs {self.layout.gpus} GPUs, the plan has {self.gpus}")
+        if self.zero_stage not in ZERO_SHARDED or self.precision not in PRECISIONS:
+            raise PlanFileError(f"{source}: zero_stage={self.zero_stage!r} / precision={self.precision!r}: expected"
+                                f" one of {sorted(ZERO_SHARDED)} / {PRECISIONS}")
+        reason = self.unrunnable_reason()
+        if reason is not None:
+            raise PlanFileError(f"{source}: {reason}")
+
+    def unrunnable_reason(self) -> str | None:
+        """Why DeepSpeed cannot run this plan's ZeRO stage (None: it can): its pipeline engine runs
+        ZeRO stages 0 and 1 only."""
+        if self.pipeline_stages > 1 and self.zero_stage > 1:
+            return (f"ZeRO stage {self.zero_stage} with {self.pipeline_stages} pipeline stages: DeepSpeed's pipeline"
+                    " engine runs ZeRO stages 0 and 1 only")
+        return None
 
     def save(self, path: str | Path) -> None:
-        """Write the plan as JSON."""
+        """Write the plan as JSON (refused, naming the reason, if :meth:`validate` fails)."""
+        self.validate(str(path))
         write_json(path, self.to_dict(), indent=2)
 
     @classmethod

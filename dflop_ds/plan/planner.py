@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -13,7 +13,7 @@ from dflop_ds.plan.evaluate import Evaluation
 from dflop_ds.plan.families import family_of
 from dflop_ds.plan.layout import Layout
 from dflop_ds.plan.plan_file import Plan, layout_to_dict
-from dflop_ds.plan.search import Scored, SearchResult, sample_batches, search
+from dflop_ds.plan.search import PlanError, Scored, SearchResult, sample_batches, search
 from dflop_ds.shapes import SampleShape
 
 
@@ -70,14 +70,46 @@ def _plan(model: Any, cluster: Cluster, global_batch: int, scored: Scored, resul
         family=scored.family,
         predicted=predicted,
         cost_model=describe_cost_model(model),
+        zero_stage=cluster.zero_stage,
+        precision=cluster.precision,
+        activation_checkpointing=bool(getattr(model, "activation_checkpointing", False)),
     )
 
 
-def make_plans(model: Any, cluster: Cluster, shapes: Sequence[SampleShape], global_batch: int, **search_kwargs: Any) -> PlanSet:
+def has_tensor_parallel_layers(model: Any) -> bool:
+    """Whether the cost model's model has layers DeepSpeed AutoTP can shard (its
+    ``tensor_parallel_layers``; False when it does not say, e.g. the bundled tiny model's)."""
+    return bool(getattr(model, "tensor_parallel_layers", False))
+
+
+def cluster_for_model(cluster: Cluster, tensor_parallel_layers: bool) -> Cluster:
+    """``cluster`` with ``max_tp`` decided for a model: left unset (None) it becomes
+    ``gpus_per_node`` for a model with tensor-parallel layers and 1 for one without.
+
+    Raises:
+        PlanError: ``max_tp > 1`` was asked for a model without tensor-parallel layers.
+    """
+    if cluster.max_tp is None:
+        return replace(cluster, max_tp=cluster.gpus_per_node if tensor_parallel_layers else 1)
+    if cluster.max_tp > 1 and not tensor_parallel_layers:
+        raise PlanError(f"max_tp={cluster.max_tp}: the model has no tensor-parallel layers (DeepSpeed AutoTP shards"
+                        " a HuggingFace model with a tp_plan; the bundled tiny model has none), so no plan with"
+                        " tensor parallelism could run; plan with max_tp=1")
+    return cluster
+
+
+def make_plans(model: Any, cluster: Cluster, shapes: Sequence[SampleShape], global_batch: int, *,
+               tensor_parallel_layers: bool | None = None, **search_kwargs: Any) -> PlanSet:
     """Search (see :func:`dflop_ds.plan.search.search`) and return the plans.
 
-    Every plan records the monolithic baseline's layout, so ``simulate`` can redraw both.
+    ``cluster.max_tp`` is decided by :func:`cluster_for_model` from ``tensor_parallel_layers``
+    (None: :func:`has_tensor_parallel_layers` of ``model``). Every plan records the monolithic
+    baseline's layout, so ``simulate`` can redraw both, and the ZeRO stage, precision and
+    activation checkpointing its memory model assumed.
     """
+    if tensor_parallel_layers is None:
+        tensor_parallel_layers = has_tensor_parallel_layers(model)
+    cluster = cluster_for_model(cluster, tensor_parallel_layers)
     result = search(model, cluster, shapes, global_batch, **search_kwargs)
     chosen = (result.best, result.best_deepspeed, result.monolithic, result.best_colocated)
     plans = [None if s is None else _plan(model, cluster, global_batch, s, result) for s in chosen]
@@ -95,7 +127,8 @@ def make_plans(model: Any, cluster: Cluster, shapes: Sequence[SampleShape], glob
 def cluster_of(plan: Plan, **overrides: Any) -> Cluster:
     """The cluster a plan was made for (link and memory assumptions at their defaults unless overridden)."""
     fields: dict[str, Any] = {"gpus": plan.gpus, "gpus_per_node": plan.gpus_per_node,
-                              "gpu_memory_bytes": plan.gpu_memory_bytes}
+                              "gpu_memory_bytes": plan.gpu_memory_bytes,
+                              "zero_stage": plan.zero_stage, "precision": plan.precision}
     fields.update(overrides)
     return Cluster(**fields)
 

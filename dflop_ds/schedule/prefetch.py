@@ -26,7 +26,7 @@ _DONE = object()
 
 def _timeout_message(what: str, timeout_s: float) -> str:
     return (f"scheduling {what} took longer than schedule_timeout_s={timeout_s:g} s: the partitioner or"
-            " solver is stuck or far too slow (raise \"dflop\".schedule_timeout_s if it is merely slow)")
+            " solver is stuck or far too slow (raise dflop.sampler.schedule_timeout_s if it is merely slow)")
 
 
 def run_with_deadline(fn: Callable[[], V], timeout_s: Optional[float], what: str) -> V:

@@ -10,7 +10,7 @@ from dflop_ds.testing.faults import FaultSpec, SlowTiles
 
 def make_correction(block: Optional[dict[str, Any]], n_stages: int) -> Optional[CostCorrection]:
     """A :class:`CostCorrection` for the ``"correction"`` block, or None when it is not enabled."""
-    settings = CorrectionSettings.from_dict(block, "\"dflop\".correction")
+    settings = CorrectionSettings.from_dict(block, "dflop.correction")
     if not settings.enabled:
         return None
     return CostCorrection(settings, n_columns=2, n_stages=n_stages)
@@ -19,12 +19,12 @@ def make_correction(block: Optional[dict[str, Any]], n_stages: int) -> Optional[
 def inject_fault(encoder_layers: list, block: Optional[dict[str, Any]], ds_config: dict) -> list:
     """``encoder_layers`` with the first one wrapped in :class:`~dflop_ds.testing.SlowTiles` when
     the ``"fault"`` block asks for it (layers may be modules or DeepSpeed ``LayerSpec``)."""
-    spec = FaultSpec.from_dict(block, "\"dflop\".fault")
+    spec = FaultSpec.from_dict(block, "dflop.testing.fault")
     if spec is None:
         return encoder_layers
     gas = ds_config.get("gradient_accumulation_steps")
     if spec.start_step and not isinstance(gas, int):
-        raise ValueError("\"dflop\".fault.start_step needs \"gradient_accumulation_steps\" in the DeepSpeed config")
+        raise ValueError("dflop.testing.fault.start_step needs \"gradient_accumulation_steps\" in the DeepSpeed config")
     start_call = spec.start_step * (gas or 1)
     first = encoder_layers[0]
     if hasattr(first, "build"):

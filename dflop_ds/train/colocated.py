@@ -1,6 +1,6 @@
 """The colocated encoder on the plain (ZeRO) engine: encoder work dispatched by cost over all ranks.
 
-``"dflop".encoder = "colocated"`` turns it on. Per micro-step every rank computes the same
+``dflop.model.encoder = "colocated"`` turns it on. Per micro-step every rank computes the same
 :func:`~dflop_ds.schedule.dispatch.plan_dispatch` from the schedule; the data pipeline of rank
 ``r`` loads the tiles the plan gives ``r`` (its own samples' and, where the plan says so, other
 ranks' samples'), and :class:`ColocatedMLLM` encodes them, sends the features to the samples'

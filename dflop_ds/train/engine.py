@@ -1,6 +1,6 @@
 """One training step on either DeepSpeed engine: the pipeline engine or the plain (ZeRO) engine.
 
-``"dflop".pipeline_stages > 1`` builds an :class:`~dflop_ds.pipe.MLLMPipelineModule` and
+``dflop.plan.pipeline_stages > 1`` builds an :class:`~dflop_ds.pipe.MLLMPipelineModule` and
 DeepSpeed's ``PipelineEngine``; ``pipeline_stages == 1`` builds the same layers as one
 ``nn.Sequential`` under DeepSpeed's plain engine, where the config's ZeRO stage (0-3) applies.
 :class:`TrainingEngine` hides the difference from the loop: the data-parallel coordinates the
@@ -180,6 +180,8 @@ def build_engine(
                          "engine's model; a PipelineModule gives it nothing to shard")
     if pipeline_stages > 1 and colocated:
         raise ValueError("a colocated encoder runs on the plain engine only (pipeline_stages == 1) for now")
+    if colocated and activation_checkpoint_interval:
+        raise ValueError("activation checkpointing is not supported with a colocated encoder yet")
     if pipeline_stages > 1:
         pipeline = MLLMPipelineModule(
             encoder_layers, projector, llm_layers, num_stages=pipeline_stages, stage_bounds=stage_bounds,
@@ -190,7 +192,8 @@ def build_engine(
         module: MLLMPipelineModule | SequentialMLLM = pipeline
     else:
         sequential = ColocatedMLLM if colocated else SequentialMLLM
-        module = sequential(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder)
+        module = sequential(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder,
+                            checkpoint_layers=activation_checkpoint_interval > 0)
         trainable = [p for p in module.parameters() if p.requires_grad]
         ds_config = with_autotp_layout(ds_config, hf_model, module)
     optimizer: torch.optim.Optimizer | None

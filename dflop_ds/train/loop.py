@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from dflop_ds.checks import check_cost_model, check_training_setup
-from dflop_ds.config import DFLOPConfig, fill_from_plan
+from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, set_settings
 from dflop_ds.cost import PackedCost, ProxyCost, check_policy, load_cost_model
 from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
 from dflop_ds.loader import make_loader
@@ -42,7 +42,7 @@ from dflop_ds.train.colocated import DispatchingSampler, LLMOnlyCost, colocate
 from dflop_ds.train.engine import TrainingEngine, build_engine
 from dflop_ds.train.gather import gather_full_state
 
-#: command-line options that override keys of the "dflop" block (option dest -> key)
+#: command-line options that override settings of the "dflop" block (option dest -> DFLOPConfig attribute)
 BLOCK_OVERRIDES = {"sampler": "sampler", "steps": "steps", "data": "data", "data_path": "data",
                    "cost_model": "cost_model", "model_name_or_path": "model_name_or_path",
                    "image_folder": "image_folder", "packing": "packing"}
@@ -62,13 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON config with a \"dflop\" block")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("--model_name_or_path", help="a HuggingFace save_pretrained directory (default: the tiny model)")
-    parser.add_argument("--data_path", help="LLaVA JSON/JSONL or shape manifest (overrides \"dflop\".data)")
+    parser.add_argument("--data_path", help="LLaVA JSON/JSONL or shape manifest (overrides dflop.data.path)")
     parser.add_argument("--data", help="alias of --data_path")
     parser.add_argument("--image_folder", help="folder the records' image paths are relative to")
-    parser.add_argument("--sampler", choices=splitter_names(), help="override \"dflop\".sampler")
-    parser.add_argument("--steps", type=int, help="override \"dflop\".steps")
-    parser.add_argument("--packing", type=true_or_false, help="override \"dflop\".packing (true or false)")
-    parser.add_argument("--cost-model", dest="cost_model", help="override \"dflop\".cost_model (a cost-model JSON)")
+    parser.add_argument("--sampler", choices=splitter_names(), help="override dflop.sampler.kind")
+    parser.add_argument("--steps", type=int, help="override dflop.train.steps")
+    parser.add_argument("--packing", type=true_or_false, help="override dflop.model.packing (true or false)")
+    parser.add_argument("--cost-model", dest="cost_model", help="override dflop.sampler.cost_model (a cost-model JSON)")
     parser.add_argument("--output_dir", help="write the trained model here at the end (save_pretrained for HF "
                                              "models)")
     parser.add_argument("--summary", help="write the run's figures as JSON to this path (rank 0)")
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "data-parallel rank")
     parser.add_argument("--telemetry", help="append per-step telemetry JSON lines here (rank 0; default: "
                                             "dflop_telemetry.jsonl in the csv_monitor folder)")
-    parser.add_argument("--resume", action="store_true", help="resume from \"dflop\".checkpoint_dir")
+    parser.add_argument("--resume", action="store_true", help="resume from dflop.train.checkpoint_dir")
     parser.add_argument("--exit-after-step", type=int,
                         help="stop abruptly (no clean-up) after this step: simulates a crash in tests")
     return parser
@@ -89,11 +89,12 @@ def load_settings(args: argparse.Namespace) -> tuple[dict, DFLOPConfig]:
     for option, key in BLOCK_OVERRIDES.items():
         value = getattr(args, option, None)
         if value is not None:
-            block[key] = value
+            set_settings(block, **{key: value})
     if args.resume:
-        block["resume"] = True
-    if block.get("plan"):  # a plan from `dflop-ds plan` fills batch keys and the stage split
-        ds_config, block = fill_from_plan(ds_config, block, load_plan(block["plan"]))
+        set_settings(block, resume=True)
+    plan = get_setting(block, "plan")
+    if plan:  # a plan from `dflop-ds plan` fills batch keys, the stage split and what its memory model assumed
+        ds_config, block = fill_from_plan(ds_config, block, load_plan(plan))
     return ds_config, DFLOPConfig.from_dict(block, source=args.deepspeed_config)
 
 
@@ -105,7 +106,7 @@ def load_plan(path: Optional[str]):
 
 
 def model_source(cfg: DFLOPConfig) -> ModelSource:
-    """The tiny model, or the HuggingFace model of ``"dflop".model_name_or_path``."""
+    """The tiny model, or the HuggingFace model of ``dflop.model.name_or_path``."""
     if cfg.model_name_or_path is None:
         return tiny_source(cfg.model, policy_name=cfg.policy, seed=cfg.seed, image_folder=cfg.image_folder)
     return hf_source(cfg.model_name_or_path, image_folder=cfg.image_folder, lora=cfg.lora, max_length=cfg.max_length,
@@ -164,7 +165,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         bounds = cost_balanced_bounds(cost_model, shapes, cfg.pipeline_stages)
     trainer = build_engine(encoder, projector, llm, ds_config, pipeline_stages=cfg.pipeline_stages,
                            stage_bounds=bounds, freeze_encoder=cfg.freeze_encoder, lr=cfg.lr,
-                           colocated=colocated, hf_model=source.hf_model)
+                           colocated=colocated, hf_model=source.hf_model,
+                           activation_checkpoint_interval=int(cfg.activation_checkpointing))
     engine = trainer.engine
     dp_rank, dp_size = trainer.dp_coords
     correction = make_correction(cfg.correction, trainer.num_stages) if pipelined else None

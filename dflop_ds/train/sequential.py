@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class SequentialMLLM(nn.Sequential):
@@ -16,7 +18,13 @@ class SequentialMLLM(nn.Sequential):
     """
 
     def __init__(
-        self, encoder_layers: Sequence[Any], projector: Any, llm_layers: Sequence[Any], *, freeze_encoder: bool = False
+        self,
+        encoder_layers: Sequence[Any],
+        projector: Any,
+        llm_layers: Sequence[Any],
+        *,
+        freeze_encoder: bool = False,
+        checkpoint_layers: bool = False,
     ) -> None:
         built = [
             layer.build() if hasattr(layer, "build") and not isinstance(layer, nn.Module) else layer
@@ -24,6 +32,7 @@ class SequentialMLLM(nn.Sequential):
         ]
         super().__init__(*built)
         self.n_encoder_layers = len(encoder_layers)
+        self.checkpoint_layers = checkpoint_layers
         if freeze_encoder:
             for layer in built[: self.n_encoder_layers]:
                 layer.requires_grad_(False)
@@ -31,5 +40,11 @@ class SequentialMLLM(nn.Sequential):
     def forward(self, *inputs: Any) -> Any:
         """Run the layers on ``inputs``: one tuple, or its tensors as separate arguments (how
         the engine calls it under AutoTP, whose check that a tensor-parallel group received the
-        same data compares a flat argument list only)."""
-        return super().forward(inputs[0] if len(inputs) == 1 else inputs)
+        same data compares a flat argument list only). With ``checkpoint_layers`` each layer's
+        activations are recomputed in backward instead of kept."""
+        x = inputs[0] if len(inputs) == 1 else inputs
+        if not (self.checkpoint_layers and torch.is_grad_enabled()):
+            return super().forward(x)
+        for layer in self:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return x

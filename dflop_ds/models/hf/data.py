@@ -210,8 +210,8 @@ class LlavaPreprocessor:
             return encoded
         if self.truncation == "error":
             raise ValueError(f"conversations: {length} tokens (images expanded) exceed max_length {self.max_length}"
-                             " (the tokenizer's model_max_length unless set): raise \"dflop\".max_length, or set"
-                             " \"dflop\".truncation = \"truncate\" to cut such samples (counted), or skip them with"
+                             " (the tokenizer's model_max_length unless set): raise dflop.data.max_length, or set"
+                             " dflop.data.truncation = \"truncate\" to cut such samples (counted), or skip them with"
                              " \"on_bad_sample\": \"skip\"")
         last_image = max((t for t, token in enumerate(encoded.input_ids) if token == self.image_token_id), default=-1)
         if last_image >= self.max_length:

@@ -19,7 +19,7 @@ LORA_KEYS: dict[str, type | tuple[type, ...]] = {
 }
 
 
-def lora_settings(block: Mapping[str, Any], source: str = "\"dflop\".lora") -> dict[str, Any]:
+def lora_settings(block: Mapping[str, Any], source: str = "dflop.model.lora") -> dict[str, Any]:
     """Validated LoRA settings with defaults (``r`` 8, ``alpha`` 16, ``dropout`` 0.0, the
     attention and MLP projections); unknown keys and bad values are refused by name."""
     unknown = sorted(set(block) - set(LORA_KEYS))

@@ -144,7 +144,7 @@ def pipeline_grid(cluster: Cluster, n_layers: int, batch: int, nmb: Sequence[int
             continue
         rest = cluster.gpus // tp
         for pp in range(1, min(n_layers, rest) + 1):
-            if rest % pp:
+            if rest % pp or not cluster.runs_shared(tp, pp):
                 continue
             dp = rest // pp
             rows.extend((tp, pp, dp, m) for m in nmb if dp * m <= batch)
