@@ -43,6 +43,11 @@ class _VariableAllToAll(torch.autograd.Function):
         return _all_to_all(grad, recv_counts, send_counts, ctx.group), None, None, None
 
 
+def _counts(counts: torch.Tensor | Sequence[int]) -> list[int]:
+    """Split sizes as python ints (from a tensor or a sequence)."""
+    return [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]
+
+
 def exchange_features(features: torch.Tensor, send_counts: torch.Tensor | Sequence[int],
                       recv_counts: torch.Tensor | Sequence[int], recv_index: torch.Tensor,
                       group: Optional[Any] = None) -> torch.Tensor:
@@ -58,8 +63,7 @@ def exchange_features(features: torch.Tensor, send_counts: torch.Tensor | Sequen
     Every rank of ``group`` must call it (a collective), in forward and, when ``features``
     requires grad, in backward. Without grad (a frozen encoder) no graph is kept.
     """
-    send = [int(c) for c in (send_counts.tolist() if torch.is_tensor(send_counts) else send_counts)]
-    recv = [int(c) for c in (recv_counts.tolist() if torch.is_tensor(recv_counts) else recv_counts)]
+    send, recv = _counts(send_counts), _counts(recv_counts)
     if sum(send) != features.shape[0]:
         raise ValueError(f"exchange_features: send_counts sum to {sum(send)} but {features.shape[0]} tiles were encoded")
     if features.requires_grad and torch.is_grad_enabled():
@@ -67,3 +71,17 @@ def exchange_features(features: torch.Tensor, send_counts: torch.Tensor | Sequen
     else:
         received = _all_to_all(features.detach(), send, recv, group)
     return received.index_select(0, recv_index.to(device=received.device, dtype=torch.long))
+
+
+def return_feature_gradients(grad: torch.Tensor, send_counts: torch.Tensor | Sequence[int],
+                             recv_counts: torch.Tensor | Sequence[int], recv_index: torch.Tensor,
+                             group: Optional[Any] = None) -> torch.Tensor:
+    """The backward of :func:`exchange_features` run by hand: ``grad [T_own, ...]`` (the
+    gradient of this rank's own tiles, in its own order) goes back to the ranks that encoded
+    them; the result is the gradient of the tiles this rank encoded (``[T_encoded, ...]``, in
+    their send order). For a pipeline, whose engine computes the features' gradients outside
+    any autograd graph this process holds. A collective: every rank of ``group`` calls it."""
+    send, recv = _counts(send_counts), _counts(recv_counts)
+    index = recv_index.to(device=grad.device, dtype=torch.long)
+    received = grad.new_zeros((int(sum(recv)), *grad.shape[1:])).index_add_(0, index, grad)
+    return _all_to_all(received, recv, send, group)
