@@ -13,13 +13,16 @@ import numpy as np
 from benchmarks.baselines import llava_modality_grouped, verl_karmarkar_karp, verl_workload
 from dflop_ds.schedule.split import RankSplit, split_balanced, split_stock
 from dflop_ds.shapes import SampleShape
+from dflop_ds.train.colocated import LLMOnlyCost
 
 #: ``dflop_uniform`` is dflop-ds's scheduling alone, on the baselines' layer-count stage split;
 #: ``stock_packed`` is stock's split with packed microbatches (packing's gain without balancing).
-METHODS = ("stock", "stock_packed", "llava", "verl", "dflop_uniform", "dflop")
+#: ``dflop_colocated``: dflop-ds with the encoder beside the pipeline, dispatched over both ranks
+#: (:class:`dflop_ds.train.colocated.ColocatedPipeline`); the sampler balances the LLM alone.
+METHODS = ("stock", "stock_packed", "llava", "verl", "dflop_uniform", "dflop", "dflop_colocated")
 #: methods whose microbatches are packed, as their users run them: verl removes padding, and
 #: dflop-ds packs by default where the model can (``"dflop".packing``)
-PACKED_METHODS = frozenset({"stock_packed", "verl", "dflop_uniform", "dflop"})
+PACKED_METHODS = frozenset({"stock_packed", "verl", "dflop_uniform", "dflop", "dflop_colocated"})
 
 
 def _deal(buckets: list[list[int]], batch: Sequence[int], n_mb: int, dp: int) -> RankSplit:
@@ -78,6 +81,9 @@ def split_for(
         return split_llava(batch, shapes, n_mb, dp, seed)
     if method == "verl":
         return split_verl(batch, shapes, n_mb, dp)
+    if method == "dflop_colocated":  # the encoder's work is dispatched separately: balance the LLM alone
+        return split_for("dflop", batch, shapes, LLMOnlyCost.drop_encoder(costs), n_mb, dp, time_limit_s=time_limit_s,
+                         seed=seed)
     if method in ("dflop", "dflop_uniform"):
         packed = method in PACKED_METHODS
         lengths = None if packed else [shapes[i].llm_tokens for i in batch]

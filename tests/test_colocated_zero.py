@@ -42,12 +42,9 @@ def test_colocated_dispatch_training_loop_trains_every_sample_once_and_learns(tm
     assert_every_sample_once_token_mean_loss_and_learning(trace_lines(trace), json.loads(summary.read_text()))
 
 
-def test_colocated_encoder_key_is_validated_and_refused_with_the_pipeline_engine():
+def test_colocated_encoder_key_is_validated():
     from dflop_ds.config import DFLOPConfig
-    from dflop_ds.train import build_engine
 
-    with pytest.raises(ValueError, match="plain engine only"):
-        build_engine([], None, [], {}, pipeline_stages=2, colocated=True)
     with pytest.raises(ValueError, match="encoder"):
         DFLOPConfig.from_dict({"encoder": "elsewhere"}, source="cfg.json")
     assert DFLOPConfig.from_dict({"encoder": "colocated"}).encoder == "colocated"

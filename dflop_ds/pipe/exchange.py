@@ -13,7 +13,8 @@ stay on the device they come on.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ def _counts(counts: torch.Tensor | Sequence[int]) -> list[int]:
 
 def exchange_features(features: torch.Tensor, send_counts: torch.Tensor | Sequence[int],
                       recv_counts: torch.Tensor | Sequence[int], recv_index: torch.Tensor,
-                      group: Optional[Any] = None) -> torch.Tensor:
+                      group: Any | None = None) -> torch.Tensor:
     """Send encoded tiles to their owners; this rank's own tiles in its own order.
 
     Args:
@@ -65,7 +66,8 @@ def exchange_features(features: torch.Tensor, send_counts: torch.Tensor | Sequen
     """
     send, recv = _counts(send_counts), _counts(recv_counts)
     if sum(send) != features.shape[0]:
-        raise ValueError(f"exchange_features: send_counts sum to {sum(send)} but {features.shape[0]} tiles were encoded")
+        raise ValueError(f"exchange_features: send_counts sum to {sum(send)} but {features.shape[0]} tiles "
+                         "were encoded")
     if features.requires_grad and torch.is_grad_enabled():
         received = _VariableAllToAll.apply(features, send, recv, group)
     else:
@@ -75,7 +77,7 @@ def exchange_features(features: torch.Tensor, send_counts: torch.Tensor | Sequen
 
 def return_feature_gradients(grad: torch.Tensor, send_counts: torch.Tensor | Sequence[int],
                              recv_counts: torch.Tensor | Sequence[int], recv_index: torch.Tensor,
-                             group: Optional[Any] = None) -> torch.Tensor:
+                             group: Any | None = None) -> torch.Tensor:
     """The backward of :func:`exchange_features` run by hand: ``grad [T_own, ...]`` (the
     gradient of this rank's own tiles, in its own order) goes back to the ranks that encoded
     them; the result is the gradient of the tiles this rank encoded (``[T_encoded, ...]``, in

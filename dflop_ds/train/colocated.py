@@ -17,9 +17,10 @@ With the encoder balanced by dispatch, the sampler balances each micro-step on t
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,10 +29,13 @@ from torch import nn
 
 from dflop_ds.pipe.exchange import exchange_features, return_feature_gradients
 from dflop_ds.pipe.module import FeatureReceiver
+from dflop_ds.pipe.split import split_by_cost
+from dflop_ds.plan.stages import layer_costs
 from dflop_ds.schedule.dispatch import EncoderDispatch, plan_dispatch
 from dflop_ds.schedule.index import ScheduledIndex
 from dflop_ds.shapes import SampleShape
 from dflop_ds.train.engine import SequentialMLLM, move_to
+
 
 class LLMOnlyCost:
     """A cost model's predictions with the encoder column zeroed: what the sampler balances when
@@ -41,18 +45,19 @@ class LLMOnlyCost:
         self.cost_model = cost_model
 
     @staticmethod
-    def _drop_encoder(costs: Any) -> np.ndarray:
+    def drop_encoder(costs: Any) -> np.ndarray:
+        """A copy of ``costs`` (rows ``[encoder, llm]``) with the encoder column zeroed."""
         costs = np.array(costs, dtype=float)
         costs[..., 0] = 0.0
         return costs
 
     def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """Per-sample ``[0, llm]``."""
-        return self._drop_encoder(self.cost_model.predict_samples(shapes))
+        return self.drop_encoder(self.cost_model.predict_samples(shapes))
 
     def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """A collated (padded) microbatch's ``[0, llm]``."""
-        return self._drop_encoder(self.cost_model.predict_microbatch(shapes))
+        return self.drop_encoder(self.cost_model.predict_microbatch(shapes))
 
 
 def tile_costs(cost_model: Any, shapes: Sequence[SampleShape]) -> tuple[np.ndarray, np.ndarray]:
@@ -60,6 +65,16 @@ def tile_costs(cost_model: Any, shapes: Sequence[SampleShape]) -> tuple[np.ndarr
     tiles = np.array([s.encoder_tiles for s in shapes], dtype=np.int64)
     encoder = np.asarray(cost_model.predict_samples(shapes), dtype=float).reshape(len(shapes), -1)[:, 0]
     return tiles, np.divide(encoder, tiles, out=np.zeros_like(encoder), where=tiles > 0)
+
+
+def dispatch_microstep(microbatches: Sequence[Sequence[int]], tiles: np.ndarray, tile_cost: np.ndarray,
+                       owners: Sequence[int], ranks: int) -> EncoderDispatch:
+    """The dispatch of one micro-step whose data-parallel rank ``d`` trains ``microbatches[d]``,
+    over ``ranks`` encoding ranks of which rank ``owners[d]`` owns replica ``d``'s samples."""
+    by_rank: list[Sequence[int]] = [[] for _ in range(ranks)]
+    for dp_rank, owner in enumerate(owners):
+        by_rank[owner] = microbatches[dp_rank]
+    return plan_dispatch(by_rank, tiles, tile_cost)
 
 
 @dataclass(frozen=True)
@@ -85,8 +100,8 @@ class DispatchingSampler:
     """
 
     def __init__(self, sampler: Any, tiles: np.ndarray, tile_cost: np.ndarray, *,
-                 owners: Optional[Sequence[int]] = None, rank: Optional[int] = None,
-                 ranks: Optional[int] = None) -> None:
+                 owners: Sequence[int] | None = None, rank: int | None = None,
+                 ranks: int | None = None) -> None:
         self.sampler = sampler
         self.tiles = np.asarray(tiles)
         self.tile_cost = np.asarray(tile_cost, dtype=float)
@@ -96,16 +111,14 @@ class DispatchingSampler:
         if len(self.owners) != sampler.dp_size or not all(0 <= r < self.ranks for r in self.owners):
             raise ValueError(f"owners {self.owners} must give one rank in [0, {self.ranks}) per data-parallel rank "
                              f"({sampler.dp_size})")
-        self.last_plan: Optional[EncoderDispatch] = None
+        self.last_plan: EncoderDispatch | None = None
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def _request(self, schedule: Any, step: int, own: Sequence[int]) -> list[MicrostepRequest]:
-        microbatches: list[Sequence[int]] = [[] for _ in range(self.ranks)]
-        for dp_rank, owner in enumerate(self.owners):
-            microbatches[owner] = schedule.split.ranks[dp_rank][step]
-        self.last_plan = plan_dispatch(microbatches, self.tiles, self.tile_cost)
+        microbatches = [rank[step] for rank in schedule.split.ranks]
+        self.last_plan = dispatch_microstep(microbatches, self.tiles, self.tile_cost, self.owners, self.ranks)
         return [MicrostepRequest(list(own), self.last_plan, self.rank)]
 
     def __iter__(self) -> Iterator[list[MicrostepRequest]]:
@@ -292,6 +305,32 @@ def global_topology(mpu: Any) -> Iterator[None]:
         yield
     finally:
         groups.mpu = saved
+
+
+def colocated_stage_bounds(bounds: Sequence[int], n_encoder: int) -> list[int]:
+    """Stage bounds over the flat ``encoder layers + [projector] + llm layers`` list (what
+    ``"dflop".stage_bounds`` and the cost-balanced split give) as bounds over the colocated
+    pipeline's ``[FeatureReceiver, projector, *llm layers]``: the encoder layers leave the
+    pipeline and the receiver takes the last one's index. The first stage must keep the projector."""
+    bounds = [int(b) for b in bounds]
+    if len(bounds) < 2 or bounds[1] <= n_encoder:
+        raise ValueError(f"stage bounds {bounds}: with the colocated encoder the first stage must hold the projector "
+                         f"(layer {n_encoder}), so its bound must exceed {n_encoder}")
+    return [0, *(b - n_encoder + 1 for b in bounds[1:])]
+
+
+def colocated_pipeline_bounds(bounds: Sequence[int] | None, n_encoder: int, cost_model: Any,
+                              shapes: Sequence[SampleShape], num_stages: int) -> list[int] | None:
+    """The colocated pipeline's stage bounds: ``bounds`` (over the flat list, see
+    :func:`colocated_stage_bounds`) if given, else the split balancing the cost model's mean
+    per-layer LLM-side cost (the encoder's cost is no stage's), else None (one per layer)."""
+    if bounds is not None:
+        return colocated_stage_bounds(bounds, n_encoder)
+    if cost_model is None:
+        return None
+    mean = np.asarray(cost_model.predict_samples(shapes), dtype=float).mean(axis=0)
+    costs = layer_costs(mean, cost_model)
+    return split_by_cost([0.0, *costs[n_encoder:]], num_stages)
 
 
 #: DeepSpeed config keys the encoder's own engine copies from the pipeline engine's config

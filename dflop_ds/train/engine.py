@@ -15,9 +15,10 @@ batch's token mean, and the reported loss is that token mean.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -197,15 +198,15 @@ def build_engine(
     ds_config: dict,
     *,
     pipeline_stages: int,
-    stage_bounds: Optional[Sequence[int]] = None,
-    layer_costs: Optional[Sequence[float]] = None,
+    stage_bounds: Sequence[int] | None = None,
+    layer_costs: Sequence[float] | None = None,
     freeze_encoder: bool = False,
     lr: float = 1e-3,
     loss_fn: Callable = token_normalized_loss,
     activation_checkpoint_interval: int = 0,
-    make_optimizer: Optional[Callable[[list], torch.optim.Optimizer]] = None,
+    make_optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
     colocated: bool = False,
-    hf_model: Optional[nn.Module] = None,
+    hf_model: nn.Module | None = None,
 ) -> TrainingEngine:
     """Build the DeepSpeed engine the config asks for over the model's layer lists.
 
@@ -253,7 +254,7 @@ def build_engine(
 
 
 def _initialize(module: nn.Module, trainable: list, ds_config: dict,
-                make_optimizer: Optional[Callable[[list], torch.optim.Optimizer]], lr: float, mpu: Any = None) -> Any:
+                make_optimizer: Callable[[list], torch.optim.Optimizer] | None, lr: float, mpu: Any = None) -> Any:
     """``deepspeed.initialize`` with the optimizer :func:`build_engine` describes; the engine.
     An explicit ``mpu`` does not stay DeepSpeed's global topology (``groups.mpu`` is restored)."""
     import deepspeed
@@ -272,7 +273,7 @@ def _initialize(module: nn.Module, trainable: list, ds_config: dict,
 
 def _colocated_pipeline(encoder_layers: Sequence[Any], projector: Any, llm_layers: Sequence[Any], ds_config: dict,
                         pipe_kwargs: dict, *, freeze_encoder: bool, lr: float,
-                        make_optimizer: Optional[Callable[[list], torch.optim.Optimizer]]) -> TrainingEngine:
+                        make_optimizer: Callable[[list], torch.optim.Optimizer] | None) -> TrainingEngine:
     """The pipeline engine over ``[FeatureReceiver, projector, *llm_layers]`` and the encoder
     beside it, data parallel over all ranks with its own engine (none when frozen)."""
     from dflop_ds.pipe.module import FeatureReceiver

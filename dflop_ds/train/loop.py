@@ -168,7 +168,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          n_layers=source.n_layers)
     pipelined, colocated = cfg.pipeline_stages > 1, cfg.encoder == "colocated"
     bounds = cfg.stage_bounds
-    if pipelined and bounds is None and cost_model is not None:  # split where the predicted time balances
+    if pipelined and colocated:  # the encoder leaves the pipeline: its stages split the LLM side
+        from dflop_ds.train.colocated import colocated_pipeline_bounds
+
+        bounds = colocated_pipeline_bounds(bounds, len(encoder), cost_model, shapes, cfg.pipeline_stages)
+    elif pipelined and bounds is None and cost_model is not None:  # split where the predicted time balances
         from dflop_ds.plan.stages import cost_balanced_bounds
 
         bounds = cost_balanced_bounds(cost_model, shapes, cfg.pipeline_stages)
@@ -197,11 +201,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         lockstep=not pipelined, drop_last=cfg.drop_last, schedule_timeout_s=cfg.schedule_timeout_s,
     )
     collate = source.packed_collate if packing else source.collate
-    if colocated:
-        sampler, dataset, collate = colocate(sampler, dataset, collate, shapes, costs)
+    if colocated:  # under a pipeline every rank encodes; each replica's first stage owns its samples
+        from dflop_ds.train.colocated import pipeline_dispatch_ranks
+
+        dispatch = pipeline_dispatch_ranks(engine) if pipelined else {}
+        sampler, dataset, collate = colocate(sampler, dataset, collate, shapes, costs, **dispatch)
     # the loader's state is what training consumed, not what its workers prefetched
     loader = make_loader(dataset, sampler, collate_fn=collate, num_workers=cfg.num_workers)
-    first_step = resume(engine, loader, cfg, correction) if cfg.resume else 0
+    first_step = resume(trainer, loader, cfg, correction) if cfg.resume else 0
     data_iter = iter(RepeatingLoader(loader))
 
     tracker = None
@@ -228,9 +235,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"imbalance {record.get('imbalance')} sampler={cfg.sampler}", flush=True)
         done = step + 1
         if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
-            engine.save_checkpoint(cfg.checkpoint_dir, tag=f"step{done}",
-                                   client_state={"dflop_sampler": loader.state_dict(), "dflop_step": done,
-                                                 "dflop_correction": correction.state_dict() if correction else None})
+            trainer.save_checkpoint(cfg.checkpoint_dir, f"step{done}",
+                                    {"dflop_sampler": loader.state_dict(), "dflop_step": done,
+                                     "dflop_correction": correction.state_dict() if correction else None})
         if args.exit_after_step is not None and step == args.exit_after_step:
             os._exit(17)
 
@@ -279,10 +286,10 @@ def sharded_layers(module: torch.nn.Module) -> list[str]:
     return [name for name, child in module.named_modules() if is_tensor_parallel_layer(child)]
 
 
-def resume(engine: Any, loader: Any, cfg: DFLOPConfig, correction: Any = None) -> int:
+def resume(trainer: TrainingEngine, loader: Any, cfg: DFLOPConfig, correction: Any = None) -> int:
     """Load the latest checkpoint, restore the loader's (sampler's) position and the correction's
     state; the step to continue from."""
-    load_path, client_state = engine.load_checkpoint(cfg.checkpoint_dir)
+    load_path, client_state = trainer.load_checkpoint(cfg.checkpoint_dir)
     if load_path is None:
         print(f"[dflop-ds] no checkpoint in {cfg.checkpoint_dir}: starting from step 0", flush=True)
         return 0

@@ -28,11 +28,10 @@ from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
 from dflop_ds.models import TinyMLLMDataset, build_reference, collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
 from dflop_ds.profile.proxy import ProxyCost  # noqa: E402
-from dflop_ds.schedule.dispatch import plan_dispatch  # noqa: E402
 from dflop_ds.schedule.sampler import make_sampler  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 from dflop_ds.train import build_engine  # noqa: E402
-from dflop_ds.train.colocated import LLMOnlyCost, colocate, pipeline_dispatch_ranks, tile_costs  # noqa: E402
+from dflop_ds.train.colocated import LLMOnlyCost, colocate, dispatch_microstep, pipeline_dispatch_ranks, tile_costs  # noqa: E402
 from dflop_ds.train.gather import gather_full_state  # noqa: E402
 
 SAMPLES, GAS, LR = 64, 2, 0.05
@@ -73,10 +72,8 @@ def foreign_tiles(batches, shapes, owners) -> int:
     count = 0
     for ranks in batches:
         for k in range(len(ranks[0])):
-            microbatches = [[] for _ in range(torch.distributed.get_world_size())]
-            for dp_rank, owner in enumerate(owners):
-                microbatches[owner] = ranks[dp_rank][k]
-            plan = plan_dispatch(microbatches, tiles, per_tile)
+            plan = dispatch_microstep([rank[k] for rank in ranks], tiles, per_tile, owners,
+                                      torch.distributed.get_world_size())
             count += sum(p.tiles for rank, work in enumerate(plan.work) for p in work if p.owner != rank)
     return count
 
