@@ -371,7 +371,7 @@ class ColocatedPipeline:
         group: the process group the dispatch spans (None: the world).
     """
 
-    def __init__(self, encoder: nn.Module, receiver: FeatureReceiver, encoder_engine: Any, *,
+    def __init__(self, encoder: nn.Sequential, receiver: FeatureReceiver, encoder_engine: Any, *,
                  llm_dp_size: int, group: Any = None) -> None:
         self.encoder = encoder
         self.receiver = receiver
