@@ -18,7 +18,12 @@ def test_colocated_dispatch_zero2_dp2_matches_local_encoder_losses_and_gradients
     result = run_deepspeed(ROOT / "tests" / "ds_scripts" / "tiny_colocated_check.py", ["--out", str(out)],
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(out.read_text())
+    assert_colocated_matches_local(json.loads(out.read_text()))
+
+
+def assert_colocated_matches_local(report: dict) -> None:
+    """A check script's report: in both modes the colocated run's losses and parameters after
+    every SGD step equal the local encoder's, tiles really moved, every sample trained once."""
     for mode in ("trainable", "frozen"):
         run = report[mode]
         assert run["foreign_tiles"] > 0, "no tile was dispatched away from its rank: the test proves nothing"
@@ -32,8 +37,13 @@ def test_colocated_dispatch_zero2_dp2_matches_local_encoder_losses_and_gradients
 
 @pytest.mark.slow
 def test_colocated_dispatch_training_loop_trains_every_sample_once_and_learns(tmp_path):
-    from test_train_zero import (STEPS_PER_EPOCH, assert_every_sample_once_token_mean_loss_and_learning, trace_lines,
-                                 train, zero2_config)
+    from test_train_zero import (
+        STEPS_PER_EPOCH,
+        assert_every_sample_once_token_mean_loss_and_learning,
+        trace_lines,
+        train,
+        zero2_config,
+    )
 
     config = zero2_config(tmp_path, sampler="dflop", encoder="colocated", steps=STEPS_PER_EPOCH, warmup_steps=1,
                           lr=0.003)

@@ -5,39 +5,33 @@ Launched by tests/test_colocated_pipe.py. For each mode (trainable / frozen enco
 of the tiny model train the same global batches with plain SGD and no gradient clipping (so a
 parameter change is the learning rate times the gradient): one with the encoder on the first
 pipeline stage, the other with the encoder beside the pipeline (:class:`ColocatedPipeline`).
-Rank 0 writes the losses, the largest parameter difference after every step (names of the
-in-pipeline layout), and how many tiles were encoded on another rank than their owner's.
+Rank 0 writes the report of tiny_colocated_check.py (losses, the largest parameter difference
+after every step under the in-pipeline layout's names, tiles encoded away from their owner).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
-import deepspeed
 import torch
-from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import RepeatingLoader
+from tiny_colocated_check import main, train_steps  # the same comparison as on the plain engine
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from dflop_ds.data import read_dataset  # noqa: E402
-from dflop_ds.launch import share_cpu_threads  # noqa: E402
-from dflop_ds.models import TinyMLLMDataset, build_reference, collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
+from dflop_ds.models import collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
 from dflop_ds.profile.proxy import ProxyCost  # noqa: E402
 from dflop_ds.schedule.sampler import make_sampler  # noqa: E402
-from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 from dflop_ds.train import build_engine  # noqa: E402
-from dflop_ds.train.colocated import LLMOnlyCost, colocate, dispatch_microstep, pipeline_dispatch_ranks, tile_costs  # noqa: E402
-from dflop_ds.train.gather import gather_full_state  # noqa: E402
+from dflop_ds.train.colocated import LLMOnlyCost, colocate, pipeline_dispatch_ranks  # noqa: E402
 
-SAMPLES, GAS, LR = 64, 2, 0.05
+GAS, LR = 2, 0.05
 
 
-def run(mode: str, colocated: bool, shapes, dataset, steps: int):
+def run_pipeline(mode: str, colocated: bool, shapes, dataset, steps: int):
+    """``steps`` SGD steps of a pp2 engine (x dp = world / 2), the encoder in the pipeline or beside it."""
     dp = torch.distributed.get_world_size() // 2
     batch = 8 * dp
     ds_config = {"train_batch_size": batch, "gradient_accumulation_steps": GAS,
@@ -49,8 +43,7 @@ def run(mode: str, colocated: bool, shapes, dataset, steps: int):
     sampler = make_sampler("dflop", shapes, global_batch_size=batch, gradient_accumulation_steps=GAS,
                            dp_rank=dp_rank, dp_size=dp_size, cost_model=LLMOnlyCost(ProxyCost()), prefetch=0,
                            label_tokens_fn=supervised_count, lockstep=False)
-    owners = None
-    loader_parts = (sampler, dataset, collate_microbatch)
+    owners, loader_parts = None, (sampler, dataset, collate_microbatch)
     if colocated:
         ranks = pipeline_dispatch_ranks(trainer.engine)
         owners = ranks["owners"]
@@ -58,60 +51,8 @@ def run(mode: str, colocated: bool, shapes, dataset, steps: int):
     batch_sampler, data, collate = loader_parts
     data_iter = iter(RepeatingLoader(torch.utils.data.DataLoader(data, batch_sampler=batch_sampler,
                                                                  collate_fn=collate)))
-    losses, states, batches = [], [], []
-    for _ in range(steps):
-        losses.append(trainer.train_step(data_iter))
-        states.append(gather_full_state(trainer))
-        batches.append(sampler.last_schedule.split.ranks)
-    return losses, states, batches, owners
-
-
-def foreign_tiles(batches, shapes, owners) -> int:
-    """Tiles the dispatch plans encode on another rank than their sample's owner."""
-    tiles, per_tile = tile_costs(ProxyCost(), shapes)
-    count = 0
-    for ranks in batches:
-        for k in range(len(ranks[0])):
-            plan = dispatch_microstep([rank[k] for rank in ranks], tiles, per_tile, owners,
-                                      torch.distributed.get_world_size())
-            count += sum(p.tiles for rank, work in enumerate(plan.work) for p in work if p.owner != rank)
-    return count
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--local_rank", type=int, default=-1)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--modes", default="trainable,frozen")
-    args = parser.parse_args()
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-    share_cpu_threads()
-    shapes = read_dataset(ROOT / "examples" / "data" / "mixture.jsonl", TINY_POLICY)[:SAMPLES]
-    dataset = TinyMLLMDataset(shapes, seed=0)
-    initial = build_reference(seed=0).state_dict()
-    n_encoder = len(tiny_mllm_layers(seed=0, as_specs=False)[0])
-    report = {}
-    for mode in args.modes.split(","):
-        local = run(mode, False, shapes, dataset, args.steps)
-        colo = run(mode, True, shapes, dataset, args.steps)
-        if torch.distributed.get_rank() != 0:
-            continue
-        assert local[2] == colo[2], "the two runs trained different global batches"
-        assert all(set(a) == set(b) for a, b in zip(local[1], colo[1])), "the two runs name parameters differently"
-        diffs = [max(float((a[k] - b[k]).abs().max()) for k in a) for a, b in zip(local[1], colo[1])]
-        moved = max(float((local[1][-1][k] - initial[k]).abs().max()) for k in initial)
-        encoder_moved = max(float((colo[1][-1][k] - initial[k]).abs().max()) for k in initial
-                            if int(k.split(".")[0]) < n_encoder)
-        report[mode] = {"losses_local": local[0], "losses_colocated": colo[0], "max_param_diff": diffs,
-                        "max_param_change": moved, "encoder_change_colocated": encoder_moved,
-                        "foreign_tiles": foreign_tiles(colo[2], shapes, colo[3]),
-                        "samples": sorted(i for ranks in colo[2] for rank in ranks for mb in rank for i in mb)}
-    if torch.distributed.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    torch.distributed.barrier()
-    return 0
+    return train_steps(trainer, sampler, data_iter, steps), owners
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(run_pipeline))
