@@ -90,3 +90,14 @@ def test_colocated_dispatch_pipeline_training_loop_resumes_encoder_and_trains_ev
     step0 = [i for line in trace_lines(killed) if line["step"] == 0 for mb in line["microbatches"] for i in mb]
     loss0 = float(re.search(r"step\s+0 loss (\S+)", out).group(1))
     assert loss0 == pytest.approx(reference_token_mean_loss(step0), rel=1e-3)
+
+
+def test_colocated_encoder_setup_runs_under_the_pipeline_and_refuses_what_it_cannot_do():
+    from dflop_ds.checks import SetupError, check_engine_features
+    from dflop_ds.config import DFLOPConfig
+
+    check_engine_features(DFLOPConfig.from_dict({"encoder": "colocated", "pipeline_stages": 2}))
+    with pytest.raises(SetupError, match="tiny model only"):
+        check_engine_features(DFLOPConfig.from_dict({"encoder": "colocated", "model_name_or_path": "some/dir"}))
+    with pytest.raises(SetupError, match="correction"):
+        check_engine_features(DFLOPConfig.from_dict({"encoder": "colocated", "correction": {"enabled": True}}))
