@@ -147,6 +147,7 @@ def main() -> int:
                 "round": round_id, "warmup": round_id < args.warmup, "method": method, "step_s": step_s,
                 "schedule_s": schedule_s, **batch_tokens([mb for r in split for mb in r], shapes, packed),
                 "idle_fraction": bubble_fraction(np.array([float(c) for c in every_rank]), step_s),
+                **(colocated.trainer.colocated_pipeline.phase_s if method == "dflop_colocated" else {}),
             })
             if rank == 0:
                 print(f"[e2e] round {round_id:2d} {method:12s} step {step_s:.3f}s", flush=True)

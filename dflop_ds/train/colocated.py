@@ -18,6 +18,7 @@ With the encoder balanced by dispatch, the sampler balances each micro-step on t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -378,6 +379,9 @@ class ColocatedPipeline:
         self.encoder_engine = encoder_engine
         self.group = group
         self.gradient_scale = 1.0 if encoder_engine is None else encoder_engine.dp_world_size / llm_dp_size
+        #: seconds of the last step's phases on this rank: "encode" (with the exchange), "pipeline"
+        #: (``train_batch``), "encoder_backward" (gradients back, backward, all-reduce, step)
+        self.phase_s: dict[str, float] = {}
 
     @property
     def trainable(self) -> bool:
@@ -387,6 +391,7 @@ class ColocatedPipeline:
     def train_step(self, engine: Any, data_iter: Iterator[tuple[Any, Any]]) -> float:
         """One optimizer step of the pipeline ``engine`` and of the encoder; the step's loss."""
         device = engine.device
+        start = time.perf_counter()
         self.receiver.start_step(keep_gradients=self.trainable)
         encode = self.encoder_engine if self.trainable else self.encoder
         microbatches, encoded = [], []
@@ -398,9 +403,13 @@ class ColocatedPipeline:
             features = exchange_features(vis.detach(), send_counts, recv_counts, recv_index, group=self.group)
             microbatches.append(((features, *rest), labels))
             encoded.append((vis, send_counts, recv_counts, recv_index))
+        encoded_at = time.perf_counter()
         loss = float(engine.train_batch(iter(microbatches)))
+        trained_at = time.perf_counter()
         if self.trainable:
             self._encoder_backward_and_step(engine, [inputs[0] for inputs, _ in microbatches], encoded)
+        self.phase_s = {"encode": encoded_at - start, "pipeline": trained_at - encoded_at,
+                        "encoder_backward": time.perf_counter() - trained_at}
         return loss
 
     def _encoder_backward_and_step(self, engine: Any, features: list[torch.Tensor], encoded: list[tuple]) -> None:
