@@ -30,29 +30,39 @@ from dflop_ds.profile.proxy import ProxyCost  # noqa: E402
 from dflop_ds.schedule.sampler import make_sampler  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 from dflop_ds.train import build_engine  # noqa: E402
-from dflop_ds.train.colocated import LLMOnlyCost, colocate, dispatch_microstep, tile_costs  # noqa: E402
+from dflop_ds.train.colocated import LLMOnlyCost, colocate, dispatch_microstep, pipeline_dispatch_ranks, tile_costs  # noqa: E402
 from dflop_ds.train.gather import gather_full_state  # noqa: E402
 
 SAMPLES, BATCH, GAS, LR = 64, 16, 2, 0.05
 
 
 def run(mode: str, colocated: bool, shapes, dataset, steps: int):
+    """``steps`` SGD steps of ZeRO-2 data parallel over the world, the encoder local or colocated."""
     ds_config = {"train_batch_size": BATCH, "gradient_accumulation_steps": GAS,
                  "train_micro_batch_size_per_gpu": BATCH // (2 * GAS), "steps_per_print": 10**9,
                  "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
-    trainer = build_engine(*tiny_mllm_layers(seed=0), ds_config, pipeline_stages=1, colocated=colocated,
+    return run_engine(mode, colocated, shapes, dataset, steps, ds_config, pipeline_stages=1)
+
+
+def run_engine(mode: str, colocated: bool, shapes, dataset, steps: int, ds_config: dict, pipeline_stages: int):
+    """``steps`` SGD steps of the engine ``ds_config`` and ``pipeline_stages`` give; ``(losses,
+    states, batches)`` and the ranks owning each data-parallel replica's samples (colocated)."""
+    pipelined = pipeline_stages > 1
+    trainer = build_engine(*tiny_mllm_layers(seed=0), ds_config, pipeline_stages=pipeline_stages, colocated=colocated,
                            freeze_encoder=mode == "frozen", make_optimizer=lambda p: torch.optim.SGD(p, lr=LR))
     dp_rank, dp_size = trainer.dp_coords
-    sampler = make_sampler("dflop", shapes, global_batch_size=BATCH, gradient_accumulation_steps=GAS,
-                           dp_rank=dp_rank, dp_size=dp_size, cost_model=LLMOnlyCost(ProxyCost()), prefetch=0,
-                           label_tokens_fn=supervised_count, lockstep=True)
+    sampler = make_sampler("dflop", shapes, global_batch_size=ds_config["train_batch_size"],
+                           gradient_accumulation_steps=ds_config["gradient_accumulation_steps"], dp_rank=dp_rank,
+                           dp_size=dp_size, cost_model=LLMOnlyCost(ProxyCost()), prefetch=0,
+                           label_tokens_fn=supervised_count, lockstep=not pipelined)
+    dispatch = pipeline_dispatch_ranks(trainer.engine) if pipelined else {}
     loader_parts = (sampler, dataset, collate_microbatch)
     if colocated:
-        loader_parts = colocate(sampler, dataset, collate_microbatch, shapes, ProxyCost())
+        loader_parts = colocate(sampler, dataset, collate_microbatch, shapes, ProxyCost(), **dispatch)
     batch_sampler, data, collate = loader_parts
     data_iter = iter(RepeatingLoader(torch.utils.data.DataLoader(data, batch_sampler=batch_sampler,
                                                                  collate_fn=collate)))
-    return train_steps(trainer, sampler, data_iter, steps), None
+    return train_steps(trainer, sampler, data_iter, steps), dispatch.get("owners")
 
 
 def train_steps(trainer, sampler, data_iter, steps: int):
