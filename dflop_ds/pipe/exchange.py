@@ -75,15 +75,59 @@ def exchange_features(features: torch.Tensor, send_counts: torch.Tensor | Sequen
     return received.index_select(0, recv_index.to(device=received.device, dtype=torch.long))
 
 
-def return_feature_gradients(grad: torch.Tensor, send_counts: torch.Tensor | Sequence[int],
-                             recv_counts: torch.Tensor | Sequence[int], recv_index: torch.Tensor,
-                             group: Any | None = None) -> torch.Tensor:
-    """The backward of :func:`exchange_features` run by hand: ``grad [T_own, ...]`` (the
-    gradient of this rank's own tiles, in its own order) goes back to the ranks that encoded
-    them; the result is the gradient of the tiles this rank encoded (``[T_encoded, ...]``, in
-    their send order). For a pipeline, whose engine computes the features' gradients outside
-    any autograd graph this process holds. A collective: every rank of ``group`` calls it."""
-    send, recv = _counts(send_counts), _counts(recv_counts)
-    index = recv_index.to(device=grad.device, dtype=torch.long)
-    received = grad.new_zeros((int(sum(recv)), *grad.shape[1:])).index_add_(0, index, grad)
-    return _all_to_all(received, recv, send, group)
+def _block_starts(counts: torch.Tensor) -> torch.Tensor:
+    """Start of every block when blocks of ``counts`` sizes are laid out in row-major order."""
+    flat = counts.reshape(-1)
+    return (torch.cumsum(flat, 0) - flat).reshape(counts.shape)
+
+
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``arange(start, start + length)`` of every pair, concatenated."""
+    pieces = [torch.arange(int(a), int(a) + int(n)) for a, n in zip(starts.tolist(), lengths.tolist())]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+class StepExchange:
+    """The feature exchange of a whole step's micro-steps in one all-to-all each way.
+
+    Micro-step ``k`` has its own dispatch (``send_counts[k]``, ``recv_counts[k]``,
+    ``recv_index[k]`` as for :func:`exchange_features`); the tiles this rank encodes for all of
+    them are concatenated micro-step by micro-step (each grouped by owner rank). :meth:`features`
+    sends them in one ``all_to_all_single`` (rows reordered owner by owner) and hands back each
+    micro-step's own tiles in its own order; :meth:`gradients` sends the gradients of those
+    back the same way and returns the gradient of every encoded row. Same results as one
+    exchange per micro-step, with two collectives per step instead of two per micro-step.
+    Every rank of ``group`` must call both methods (collectives).
+    """
+
+    def __init__(self, send_counts: Sequence[Sequence[int] | torch.Tensor],
+                 recv_counts: Sequence[Sequence[int] | torch.Tensor], recv_index: Sequence[torch.Tensor],
+                 group: Any | None = None) -> None:
+        send = torch.tensor([_counts(c) for c in send_counts], dtype=torch.long)  # [steps, ranks]
+        recv = torch.tensor([_counts(c) for c in recv_counts], dtype=torch.long)
+        self.group = group
+        self.send_total, self.recv_total = send.sum(0).tolist(), recv.sum(0).tolist()
+        # encoded rows are laid out (micro-step, owner); the send buffer (owner, micro-step)
+        encoded_start = _block_starts(send)
+        self.send_order = _ranges(encoded_start.t().reshape(-1), send.t().reshape(-1))
+        # the received buffer is laid out (source, micro-step); a micro-step's own buffer (source)
+        received_start = _block_starts(recv.t()).t()
+        self.own_index = []
+        for k, index in enumerate(recv_index):
+            local_to_received = _ranges(received_start[k], recv[k])
+            self.own_index.append(local_to_received.to(index.device)[index.long()])
+
+    def features(self, encoded: torch.Tensor) -> list[torch.Tensor]:
+        """Each micro-step's own tiles' features (no autograd: the caller keeps ``encoded``'s graph)."""
+        order = self.send_order.to(encoded.device)
+        received = _all_to_all(encoded.detach().index_select(0, order), self.send_total, self.recv_total, self.group)
+        return [received.index_select(0, index.to(received.device)) for index in self.own_index]
+
+    def gradients(self, grads: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """The gradient of every row of ``like`` (the encoded tiles) from ``grads[k]``, the
+        gradient of micro-step ``k``'s own tiles in its own order."""
+        index = torch.cat(self.own_index).to(like.device) if self.own_index else torch.zeros(0, dtype=torch.long)
+        flat = torch.cat([g.reshape(-1, *like.shape[1:]) for g in grads]) if grads else like.new_zeros((0,))
+        received = like.new_zeros((int(sum(self.recv_total)), *like.shape[1:])).index_add_(0, index, flat.to(like))
+        back = _all_to_all(received, self.recv_total, self.send_total, self.group)
+        return torch.zeros_like(like).index_copy_(0, self.send_order.to(like.device), back)

@@ -17,8 +17,8 @@ With the encoder balanced by dispatch, the sampler balances each micro-step on t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflop_ds.pipe.exchange import exchange_features, return_feature_gradients
+from dflop_ds.pipe.exchange import StepExchange, exchange_features
 from dflop_ds.pipe.module import FeatureReceiver
 from dflop_ds.pipe.split import split_by_cost
 from dflop_ds.plan.stages import layer_costs
@@ -389,38 +389,37 @@ class ColocatedPipeline:
         return self.encoder_engine is not None
 
     def train_step(self, engine: Any, data_iter: Iterator[tuple[Any, Any]]) -> float:
-        """One optimizer step of the pipeline ``engine`` and of the encoder; the step's loss."""
-        device = engine.device
+        """One optimizer step of the pipeline ``engine`` and of the encoder; the step's loss.
+
+        The tiles this rank encodes for all micro-steps go through the encoder in one forward
+        (tiles are encoded independently; the encoder layers pass the other inputs through, as
+        the layer contract says) and through one all-to-all (:class:`StepExchange`)."""
         start = time.perf_counter()
         self.receiver.start_step(keep_gradients=self.trainable)
-        encode = self.encoder_engine if self.trainable else self.encoder
-        microbatches, encoded = [], []
-        for _ in range(engine.gradient_accumulation_steps()):
-            inputs, labels = move_to(next(data_iter), device)
-            *model_inputs, send_counts, recv_counts, recv_index = inputs
-            with torch.set_grad_enabled(self.trainable):
-                vis, *rest = encode(tuple(model_inputs))
-            features = exchange_features(vis.detach(), send_counts, recv_counts, recv_index, group=self.group)
-            microbatches.append(((features, *rest), labels))
-            encoded.append((vis, send_counts, recv_counts, recv_index))
+        drawn = [move_to(next(data_iter), engine.device) for _ in range(engine.gradient_accumulation_steps())]
+        send_counts, recv_counts, recv_index = zip(*(inputs[-3:] for inputs, _ in drawn))
+        exchange = StepExchange(send_counts, recv_counts, recv_index, group=self.group)
+        pixels = torch.cat([inputs[0] for inputs, _ in drawn])
+        with torch.set_grad_enabled(self.trainable):
+            vis = (self.encoder_engine if self.trainable else self.encoder)((pixels, *drawn[0][0][1:-3]))[0]
+        features = exchange.features(vis)
+        microbatches = [((own, *inputs[1:-3]), labels) for own, (inputs, labels) in zip(features, drawn)]
         encoded_at = time.perf_counter()
         loss = float(engine.train_batch(iter(microbatches)))
         trained_at = time.perf_counter()
         if self.trainable:
-            self._encoder_backward_and_step(engine, [inputs[0] for inputs, _ in microbatches], encoded)
+            self._encoder_backward_and_step(engine, features, exchange, vis)
         self.phase_s = {"encode": encoded_at - start, "pipeline": trained_at - encoded_at,
                         "encoder_backward": time.perf_counter() - trained_at}
         return loss
 
-    def _encoder_backward_and_step(self, engine: Any, features: list[torch.Tensor], encoded: list[tuple]) -> None:
+    def _encoder_backward_and_step(self, engine: Any, features: list[torch.Tensor], exchange: StepExchange,
+                                   vis: torch.Tensor) -> None:
         """Send the features' gradients back to their encoders, backward, all-reduce and step."""
         first = engine.is_first_stage()
         grads = self.receiver.take_gradients(features) if first else [torch.zeros_like(f) for f in features]
-        surrogate = torch.zeros((), dtype=torch.float32, device=engine.device)
-        for grad, (vis, send_counts, recv_counts, recv_index) in zip(grads, encoded):
-            tile_grad = return_feature_gradients(grad, send_counts, recv_counts, recv_index, group=self.group)
-            # d(surrogate)/d(vis) = tile_grad: one backward gives the vector-Jacobian product
-            surrogate = surrogate + (vis.float() * tile_grad.float()).sum()
+        # d(surrogate)/d(vis) = the tiles' gradient: one backward gives the vector-Jacobian product
+        surrogate = (vis.float() * exchange.gradients(grads, vis).float()).sum()
         with global_topology(self.encoder_engine.mpu):
             self.encoder_engine.backward(surrogate * self.gradient_scale)
             self.encoder_engine.step()
