@@ -28,8 +28,9 @@ def assert_colocated_matches_local(report: dict) -> None:
         run = report[mode]
         assert run["foreign_tiles"] > 0, "no tile was dispatched away from its rank: the test proves nothing"
         assert run["losses_colocated"] == pytest.approx(run["losses_local"], rel=1e-5)
-        # SGD: parameters after each step differ by lr * (gradient difference)
-        assert max(run["max_param_diff"]) < 1e-5 * max(run["max_param_change"], 1e-3), run
+        # SGD: parameters after each step differ by lr * (gradient difference); 1e-4 of the largest
+        # update is a few float32 ulps of parameters near 1 (batching the encoder changes rounding)
+        assert max(run["max_param_diff"]) < 1e-4 * max(run["max_param_change"], 1e-3), run
         assert len(run["samples"]) == len(set(run["samples"]))  # every sample of the steps once
     assert report["trainable"]["encoder_change_colocated"] > 1e-4
     assert report["frozen"]["encoder_change_colocated"] == 0.0
