@@ -17,8 +17,15 @@ def check_colocated_pipeline_matches_in_pipeline_encoder(tmp_path: Path, ranks: 
     from test_colocated_zero import assert_colocated_matches_local
 
     out = tmp_path / "report.json"
-    result = run_deepspeed(ROOT / "tests" / "ds_scripts" / "tiny_colocated_pipe_check.py", ["--out", str(out)],
-                           ranks=ranks, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    result = run_deepspeed(
+        ROOT / "tests" / "ds_scripts" / "tiny_colocated_pipe_check.py",
+        ["--out", str(out)],
+        ranks=ranks,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_colocated_matches_local(json.loads(out.read_text()))
 
@@ -73,10 +80,21 @@ def test_colocated_dispatch_pipeline_training_loop_resumes_encoder_and_trains_ev
     from test_train_zero import BATCH, GAS, SAMPLES, STEPS_PER_EPOCH, reference_token_mean_loss, trace_lines, train
 
     config = json.loads((ROOT / "ds_configs" / "tiny_mllm_pp2.json").read_text())
-    config.update(train_batch_size=BATCH, train_micro_batch_size_per_gpu=BATCH // GAS, gradient_accumulation_steps=GAS,
-                  csv_monitor={"enabled": False})
-    config["dflop"].update(max_samples=SAMPLES, encoder="colocated", steps=STEPS_PER_EPOCH, warmup_steps=0, lr=0.003,
-                           checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2)
+    config.update(
+        train_batch_size=BATCH,
+        train_micro_batch_size_per_gpu=BATCH // GAS,
+        gradient_accumulation_steps=GAS,
+        csv_monitor={"enabled": False},
+    )
+    config["dflop"].update(
+        max_samples=SAMPLES,
+        encoder="colocated",
+        steps=STEPS_PER_EPOCH,
+        warmup_steps=0,
+        lr=0.003,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=2,
+    )
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     killed, resumed = tmp_path / "killed.jsonl", tmp_path / "resumed.jsonl"

@@ -22,8 +22,13 @@ GAS = 2
 def run_pipeline(mode: str, colocated: bool, shapes, dataset, steps: int):
     """``steps`` SGD steps of a pp2 engine (x dp = world / 2), the encoder in the pipeline or beside it."""
     dp = torch.distributed.get_world_size() // 2
-    ds_config = {"train_batch_size": 8 * dp, "gradient_accumulation_steps": GAS,
-                 "train_micro_batch_size_per_gpu": 8 // GAS, "steps_per_print": 10**9, "gradient_clipping": 0.0}
+    ds_config = {
+        "train_batch_size": 8 * dp,
+        "gradient_accumulation_steps": GAS,
+        "train_micro_batch_size_per_gpu": 8 // GAS,
+        "steps_per_print": 10**9,
+        "gradient_clipping": 0.0,
+    }
     return run_engine(mode, colocated, shapes, dataset, steps, ds_config, pipeline_stages=2)
 
 
