@@ -12,14 +12,18 @@ import numpy as np
 
 from dflop_ds.schedule.splitters import MicrobatchCost, RankSplit, SplitRequest, make_splitter
 from dflop_ds.shapes import SampleShape
+from dflop_ds.train.colocated import LLMOnlyCost
 
 #: ``dflop_uniform`` is dflop-ds's scheduling alone, on the baselines' layer-count stage split;
 #: ``stock_packed`` is stock's split with packed microbatches (packing's gain without balancing).
-METHODS = ("stock", "stock_packed", "llava", "verl", "dflop_uniform", "dflop")
+#: ``dflop_colocated``: dflop-ds with the encoder beside the pipeline, dispatched over both ranks
+#: (:class:`dflop_ds.train.colocated.ColocatedPipeline`); the sampler balances the LLM alone.
+METHODS = ("stock", "stock_packed", "llava", "verl", "dflop_uniform", "dflop", "dflop_colocated")
 #: methods whose microbatches are packed, as their users run them: verl removes padding, and
 #: dflop-ds packs by default where the model can (``dflop.model.packing``)
-PACKED_METHODS = frozenset({"stock_packed", "verl", "dflop_uniform", "dflop"})
-#: the registered splitter of each method (the methods differ from it in stage split or packing)
+PACKED_METHODS = frozenset({"stock_packed", "verl", "dflop_uniform", "dflop", "dflop_colocated"})
+#: the registered splitter of each method (the methods differ from it in stage split, packing or
+#: where the encoder runs)
 SPLITTERS = {
     "stock": "stock",
     "stock_packed": "stock",
@@ -27,6 +31,7 @@ SPLITTERS = {
     "verl": "verl",
     "dflop_uniform": "dflop",
     "dflop": "dflop",
+    "dflop_colocated": "dflop",
 }
 
 
@@ -50,6 +55,9 @@ def split_for(
     balances ``costs`` alone). ``lockstep`` is dflop's option for the plain (ZeRO) engine."""
     if method not in SPLITTERS:
         raise ValueError(f"unknown method {method!r}: choose from {METHODS}")
+    if method == "dflop_colocated":  # the encoder's work is dispatched separately: balance the LLM alone
+        return split_for("dflop", batch, shapes, LLMOnlyCost.drop_encoder(costs), n_mb, dp, time_limit_s=time_limit_s,
+                         seed=seed, lockstep=lockstep)
     name = SPLITTERS[method]
     rows = [shapes[i] for i in batch]
     if name != "dflop":

@@ -26,14 +26,30 @@ from benchmarks.common import add_worker_options, worker_ds_config  # noqa: E402
 from benchmarks.e2e_methods import METHODS, PACKED_METHODS, split_for  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
-from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
 from dflop_ds.cost import PackedCost, load_cost_model  # noqa: E402
+from dflop_ds.models import (  # noqa: E402
+    TinyMLLMConfig,
+    TinyMLLMDataset,
+    collate_microbatch,
+    collate_packed_microbatch,
+    supervised_count,
+    tiny_mllm_layers,
+)
 from dflop_ds.schedule.epoch import epoch_permutation, global_batches  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 from dflop_ds.telemetry.record import batch_tokens, bubble_fraction  # noqa: E402
 from dflop_ds.telemetry.timers import PipelineTimer  # noqa: E402
 from dflop_ds.train import TrainingEngine, build_engine  # noqa: E402
+from dflop_ds.train.colocated import (  # noqa: E402
+    DispatchCollate,
+    DispatchDataset,
+    MicrostepRequest,
+    colocated_pipeline_bounds,
+    dispatch_microstep,
+    pipeline_dispatch_ranks,
+    tile_costs,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,6 +68,31 @@ def pipeline_engine(bounds, gas: int, global_batch: int, dp: int, seed: int) -> 
                         pipeline_stages=2, stage_bounds=bounds, lr=1e-3)
 
 
+class ColocatedLoading:
+    """The colocated method's engine (encoder beside a pipeline split over LLM layers by cost)
+    and each rank's micro-steps of a split: own samples packed, plus the tiles it encodes."""
+
+    def __init__(self, shapes, dataset, cost_model, gas: int, global_batch: int, dp: int, seed: int) -> None:
+        encoder, projector, llm = tiny_mllm_layers(TinyMLLMConfig(), seed=seed)
+        bounds = colocated_pipeline_bounds(None, len(encoder), cost_model, shapes, 2)
+        self.trainer = build_engine(encoder, projector, llm, worker_ds_config(global_batch, gas, dp),
+                                    pipeline_stages=2, stage_bounds=bounds, lr=1e-3, colocated=True)
+        self.dispatch = pipeline_dispatch_ranks(self.trainer.engine)
+        self.dp_rank = self.trainer.dp_coords[0]
+        self.tiles, self.tile_cost = tile_costs(cost_model, shapes)
+        self.data, self.collate = DispatchDataset(dataset), DispatchCollate(collate_packed_microbatch, self.tiles)
+
+    def microsteps(self, split, denominator: float) -> list:
+        """This rank's ``(inputs, labels)`` of every micro-step of ``split``."""
+        out = []
+        for k in range(len(split[0])):
+            plan = dispatch_microstep([rank[k] for rank in split], self.tiles, self.tile_cost,
+                                      self.dispatch["owners"], self.dispatch["ranks"])
+            own = [ScheduledIndex(i, denominator) for i in split[self.dp_rank][k]]
+            out.append(self.collate([self.data[MicrostepRequest(own, plan, self.dispatch["rank"])]]))
+        return out
+
+
 def main() -> int:
     args = parse_args()
     torch.manual_seed(args.seed)
@@ -68,6 +109,8 @@ def main() -> int:
     bounds = [int(b) for b in args.dflop_bounds.split(",")]
     engines = {"uniform": pipeline_engine(None, args.gas, args.global_batch, dp, args.seed),
                "dflop": pipeline_engine(bounds, args.gas, args.global_batch, dp, args.seed)}
+    colocated = ColocatedLoading(shapes, dataset, cost_model, args.gas, args.global_batch, dp, args.seed)
+    engines["colocated"] = colocated.trainer
     timers = {name: PipelineTimer(trainer.engine, args.gas).install() for name, trainer in engines.items()}
     dp_rank, _ = engines["dflop"].dp_coords
     batches = global_batches(epoch_permutation(len(shapes), args.seed, 0), args.global_batch, args.gas * dp)
@@ -85,9 +128,12 @@ def main() -> int:
                               microbatch_cost=lambda pos, g=group: cost_model.predict_microbatch([g[p] for p in pos]),
                               time_limit_s=args.time_limit, seed=args.seed + round_id)
             schedule_s = time.perf_counter() - start
-            microbatches = [collate_microbatch([dataset[ScheduledIndex(i, denominator)] for i in mb], packed=packed)
-                            for mb in split[dp_rank]]
-            name = "dflop" if method == "dflop" else "uniform"
+            if method == "dflop_colocated":
+                microbatches = colocated.microsteps(split, denominator)
+            else:
+                microbatches = [collate_microbatch([dataset[ScheduledIndex(i, denominator)] for i in mb],
+                                                   packed=packed) for mb in split[dp_rank]]
+            name = {"dflop": "dflop", "dflop_colocated": "colocated"}.get(method, "uniform")
             torch.distributed.barrier()
             timers[name].start_step()
             start = time.perf_counter()
@@ -100,6 +146,7 @@ def main() -> int:
                 "round": round_id, "warmup": round_id < args.warmup, "method": method, "step_s": step_s,
                 "schedule_s": schedule_s, **batch_tokens([mb for r in split for mb in r], shapes, packed),
                 "idle_fraction": bubble_fraction(np.array([float(c) for c in every_rank]), step_s),
+                **(colocated.trainer.colocated_pipeline.phase_s if method == "dflop_colocated" else {}),
             })
             if rank == 0:
                 print(f"[e2e] round {round_id:2d} {method:12s} step {step_s:.3f}s", flush=True)

@@ -18,13 +18,19 @@ def test_colocated_dispatch_zero2_dp2_matches_local_encoder_losses_and_gradients
     result = run_deepspeed(ROOT / "tests" / "ds_scripts" / "tiny_colocated_check.py", ["--out", str(out)],
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(out.read_text())
+    assert_colocated_matches_local(json.loads(out.read_text()))
+
+
+def assert_colocated_matches_local(report: dict) -> None:
+    """A check script's report: in both modes the colocated run's losses and parameters after
+    every SGD step equal the local encoder's, tiles really moved, every sample trained once."""
     for mode in ("trainable", "frozen"):
         run = report[mode]
         assert run["foreign_tiles"] > 0, "no tile was dispatched away from its rank: the test proves nothing"
         assert run["losses_colocated"] == pytest.approx(run["losses_local"], rel=1e-5)
-        # SGD: parameters after each step differ by lr * (gradient difference)
-        assert max(run["max_param_diff"]) < 1e-5 * max(run["max_param_change"], 1e-3), run
+        # SGD: parameters after each step differ by lr * (gradient difference); 1e-4 of the largest
+        # update is a few float32 ulps of parameters near 1 (batching the encoder changes rounding)
+        assert max(run["max_param_diff"]) < 1e-4 * max(run["max_param_change"], 1e-3), run
         assert len(run["samples"]) == len(set(run["samples"]))  # every sample of the steps once
     assert report["trainable"]["encoder_change_colocated"] > 1e-4
     assert report["frozen"]["encoder_change_colocated"] == 0.0
@@ -32,8 +38,13 @@ def test_colocated_dispatch_zero2_dp2_matches_local_encoder_losses_and_gradients
 
 @pytest.mark.slow
 def test_colocated_dispatch_training_loop_trains_every_sample_once_and_learns(tmp_path):
-    from test_train_zero import (STEPS_PER_EPOCH, assert_every_sample_once_token_mean_loss_and_learning, trace_lines,
-                                 train, zero2_config)
+    from test_train_zero import (
+        STEPS_PER_EPOCH,
+        assert_every_sample_once_token_mean_loss_and_learning,
+        trace_lines,
+        train,
+        zero2_config,
+    )
 
     config = zero2_config(tmp_path, sampler="dflop", encoder="colocated", steps=STEPS_PER_EPOCH, warmup_steps=1,
                           lr=0.003)
@@ -42,12 +53,9 @@ def test_colocated_dispatch_training_loop_trains_every_sample_once_and_learns(tm
     assert_every_sample_once_token_mean_loss_and_learning(trace_lines(trace), json.loads(summary.read_text()))
 
 
-def test_colocated_encoder_key_is_validated_and_refused_with_the_pipeline_engine():
+def test_colocated_encoder_key_is_validated():
     from dflop_ds.config import DFLOPConfig
-    from dflop_ds.train import build_engine
 
-    with pytest.raises(ValueError, match="plain engine only"):
-        build_engine([], None, [], {}, pipeline_stages=2, colocated=True)
     with pytest.raises(ValueError, match="encoder"):
         DFLOPConfig.from_dict({"model": {"encoder": "elsewhere"}}, source="cfg.json")
     assert DFLOPConfig.from_dict({"model": {"encoder": "colocated"}}).encoder == "colocated"

@@ -321,3 +321,54 @@ class MLLMPipelineModule(PipelineModule):
         if not self.is_last_stage:
             outputs = mark_boundary_outputs(contiguous_outputs(outputs))
         return outputs
+
+
+class FeatureReceiver(torch.nn.Module):
+    """First layer of a pipeline whose encoder runs outside it (the colocated encoder).
+
+    The first stage receives the encoder features as data-loader inputs, which DeepSpeed hands
+    it as detached clones. With :meth:`start_step` ``keep_gradients=True`` this layer turns
+    ``requires_grad`` on for ``inputs[0]`` (the features) and keeps their gradient with a tensor
+    hook, one per microbatch in forward order; :meth:`take_gradients` hands them over after
+    ``train_batch``, so the encoder's backward can run outside the engine. It has no parameters
+    and passes ``inputs`` through unchanged otherwise. Not for use with activation
+    checkpointing (a recomputed forward would register a second hook).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keep_gradients = False
+        self._forwards = 0
+        self._gradients: dict[int, torch.Tensor] = {}
+
+    def start_step(self, keep_gradients: bool) -> None:
+        """Forget the previous step's gradients; keep this step's when ``keep_gradients``."""
+        self.keep_gradients = keep_gradients
+        self._forwards = 0
+        self._gradients = {}
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Mark the features differentiable and hook their gradient (training forwards only)."""
+        if not (self.keep_gradients and torch.is_grad_enabled()):
+            return inputs
+        features, *rest = inputs
+        if not features.requires_grad:
+            features.requires_grad_()
+        microbatch = self._forwards
+        self._forwards += 1
+
+        def keep(grad: torch.Tensor) -> None:
+            self._gradients[microbatch] = grad.detach()
+
+        features.register_hook(keep)
+        return (features, *rest)
+
+    def take_gradients(self, features: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients of the step's microbatch ``features`` (as fed to ``train_batch``), zeros
+        where a microbatch's features received none (e.g. no tiles); resets the store."""
+        if self._forwards != len(features):
+            raise RuntimeError(f"FeatureReceiver saw {self._forwards} training forwards this step, expected "
+                               f"{len(features)} (one per microbatch)")
+        grads = [self._gradients.get(microbatch, torch.zeros_like(sent)) for microbatch, sent in enumerate(features)]
+        self.start_step(self.keep_gradients)
+        return grads

@@ -17,16 +17,25 @@ With the encoder balanced by dispatch, the sampler balances each micro-step on t
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from dflop_ds.pipe.exchange import exchange_features
+from dflop_ds.pipe.exchange import StepExchange, exchange_features
+from dflop_ds.pipe.module import FeatureReceiver
+from dflop_ds.pipe.stage_bounds import split_by_cost
+from dflop_ds.plan.stages import layer_costs
 from dflop_ds.schedule.dispatch import EncoderDispatch, plan_dispatch
 from dflop_ds.schedule.index import ScheduledIndex
 from dflop_ds.shapes import SampleShape
+from dflop_ds.train.device import move_to
 from dflop_ds.train.sequential import SequentialMLLM
 
 
@@ -38,18 +47,19 @@ class LLMOnlyCost:
         self.cost_model = cost_model
 
     @staticmethod
-    def _drop_encoder(costs: Any) -> np.ndarray:
+    def drop_encoder(costs: Any) -> np.ndarray:
+        """A copy of ``costs`` (rows ``[encoder, llm]``) with the encoder column zeroed."""
         costs = np.array(costs, dtype=float)
         costs[..., 0] = 0.0
         return costs
 
     def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """Per-sample ``[0, llm]``."""
-        return self._drop_encoder(self.cost_model.predict_samples(shapes))
+        return self.drop_encoder(self.cost_model.predict_samples(shapes))
 
     def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """A collated (padded) microbatch's ``[0, llm]``."""
-        return self._drop_encoder(self.cost_model.predict_microbatch(shapes))
+        return self.drop_encoder(self.cost_model.predict_microbatch(shapes))
 
 
 def tile_costs(cost_model: Any, shapes: Sequence[SampleShape]) -> tuple[np.ndarray, np.ndarray]:
@@ -57,6 +67,16 @@ def tile_costs(cost_model: Any, shapes: Sequence[SampleShape]) -> tuple[np.ndarr
     tiles = np.array([s.encoder_tiles for s in shapes], dtype=np.int64)
     encoder = np.asarray(cost_model.predict_samples(shapes), dtype=float).reshape(len(shapes), -1)[:, 0]
     return tiles, np.divide(encoder, tiles, out=np.zeros_like(encoder), where=tiles > 0)
+
+
+def dispatch_microstep(microbatches: Sequence[Sequence[int]], tiles: np.ndarray, tile_cost: np.ndarray,
+                       owners: Sequence[int], ranks: int) -> EncoderDispatch:
+    """The dispatch of one micro-step whose data-parallel rank ``d`` trains ``microbatches[d]``,
+    over ``ranks`` encoding ranks of which rank ``owners[d]`` owns replica ``d``'s samples."""
+    by_rank: list[Sequence[int]] = [[] for _ in range(ranks)]
+    for dp_rank, owner in enumerate(owners):
+        by_rank[owner] = microbatches[dp_rank]
+    return plan_dispatch(by_rank, tiles, tile_cost)
 
 
 @dataclass(frozen=True)
@@ -69,26 +89,39 @@ class MicrostepRequest:
 
 
 class DispatchingSampler:
-    """Wraps a lockstep batch sampler: each micro-step yields ``[MicrostepRequest]`` (one element,
-    so the DataLoader hands it to :class:`DispatchDataset` whole) instead of the rank's indices.
+    """Wraps a batch sampler: each micro-step yields ``[MicrostepRequest]`` (one element, so the
+    DataLoader hands it to :class:`DispatchDataset` whole) instead of the rank's indices.
+
+    The dispatch spans ``ranks`` ranks (default: the data-parallel ranks); data-parallel rank
+    ``d``'s samples belong to rank ``owners[d]`` of them (default: ``d``) and this process is
+    rank ``rank`` (default: its data-parallel rank). Under a pipeline every rank encodes, the
+    first stage of each data-parallel replica owns its samples, and the other ranks own none.
 
     Position, checkpoints and schedules stay the wrapped sampler's (``state_dict``,
     ``last_schedule``, ...); only what a micro-step loads changes.
     """
 
-    def __init__(self, sampler: Any, tiles: np.ndarray, tile_cost: np.ndarray) -> None:
+    def __init__(self, sampler: Any, tiles: np.ndarray, tile_cost: np.ndarray, *,
+                 owners: Sequence[int] | None = None, rank: int | None = None,
+                 ranks: int | None = None) -> None:
         self.sampler = sampler
         self.tiles = np.asarray(tiles)
         self.tile_cost = np.asarray(tile_cost, dtype=float)
-        self.last_plan: Optional[EncoderDispatch] = None
+        self.owners = list(range(sampler.dp_size)) if owners is None else [int(r) for r in owners]
+        self.rank = sampler.dp_rank if rank is None else int(rank)
+        self.ranks = len(self.owners) if ranks is None else int(ranks)
+        if len(self.owners) != sampler.dp_size or not all(0 <= r < self.ranks for r in self.owners):
+            raise ValueError(f"owners {self.owners} must give one rank in [0, {self.ranks}) per data-parallel rank "
+                             f"({sampler.dp_size})")
+        self.last_plan: EncoderDispatch | None = None
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def _request(self, schedule: Any, step: int, own: Sequence[ScheduledIndex]) -> list[MicrostepRequest]:
         microbatches = [rank[step] for rank in schedule.split.ranks]
-        self.last_plan = plan_dispatch(microbatches, self.tiles, self.tile_cost)
-        return [MicrostepRequest(list(own), self.last_plan, self.sampler.dp_rank)]
+        self.last_plan = dispatch_microstep(microbatches, self.tiles, self.tile_cost, self.owners, self.ranks)
+        return [MicrostepRequest(list(own), self.last_plan, self.rank)]
 
     def __iter__(self) -> Iterator[list[MicrostepRequest]]:
         """Each micro-step's request, the position moving as it is handed out (as the wrapped
@@ -200,12 +233,221 @@ class ColocatedMLLM(SequentialMLLM):
         return x
 
 
-def colocate(sampler: Any, dataset: Any, collate: Callable, shapes: Sequence[SampleShape],
-             cost_model: Any) -> tuple[DispatchingSampler, DispatchDataset, DispatchCollate]:
+def colocate(sampler: Any, dataset: Any, collate: Callable, shapes: Sequence[SampleShape], cost_model: Any,
+             **dispatch: Any) -> tuple[DispatchingSampler, DispatchDataset, DispatchCollate]:
     """The sampler, dataset and collate of a colocated-encoder run, wrapping the rank's plain ones.
 
-    ``cost_model`` (with its encoder column) prices the tiles; ``sampler`` must schedule in
-    lockstep on the LLM alone (build it with :class:`LLMOnlyCost`).
+    ``cost_model`` (with its encoder column) prices the tiles; ``sampler`` schedules on the LLM
+    alone (build it with :class:`LLMOnlyCost`; in lockstep on the plain engine). ``dispatch``:
+    ``owners``, ``rank`` and ``ranks`` of :class:`DispatchingSampler` (see
+    :func:`pipeline_dispatch_ranks` for a pipeline).
     """
     tiles, per_tile = tile_costs(cost_model, shapes)
-    return DispatchingSampler(sampler, tiles, per_tile), DispatchDataset(dataset), DispatchCollate(collate, tiles)
+    return (DispatchingSampler(sampler, tiles, per_tile, **dispatch), DispatchDataset(dataset),
+            DispatchCollate(collate, tiles))
+
+
+def pipeline_dispatch_ranks(engine: Any) -> dict[str, Any]:
+    """``owners``, ``rank`` and ``ranks`` of the dispatch over every rank of a pipeline engine:
+    data-parallel replica ``d``'s samples go to its first stage's rank."""
+    grid = engine.grid
+    owners = [grid.stage_to_global(stage_id=0, data=d) for d in range(grid.get_data_parallel_world_size())]
+    return {"owners": owners, "rank": dist.get_rank(), "ranks": dist.get_world_size()}
+
+
+class EncoderTopology:
+    """DeepSpeed's ``mpu`` interface for the encoder's own engine: data parallel over every rank
+    of ``group`` (None: the world), no model parallelism. Passed explicitly, since a pipeline
+    engine makes its own grid DeepSpeed's global topology. Every rank must construct it (it
+    creates one single-rank model-parallel group per rank)."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group if group is not None else dist.new_group(ranks=list(range(dist.get_world_size())))
+        self.model_parallel_group, _ = dist.new_subgroups(group_size=1)
+
+    def get_data_parallel_group(self) -> Any:
+        """The ranks the encoder's gradients are averaged over."""
+        return self.group
+
+    def get_data_parallel_rank(self) -> int:
+        """This process's rank among them."""
+        return dist.get_rank(group=self.group)
+
+    def get_data_parallel_world_size(self) -> int:
+        """How many ranks hold an encoder replica."""
+        return dist.get_world_size(group=self.group)
+
+    def get_model_parallel_group(self) -> Any:
+        """This rank alone: the encoder is not split."""
+        return self.model_parallel_group
+
+    def get_model_parallel_rank(self) -> int:
+        """Always 0."""
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        """Always 1."""
+        return 1
+
+
+@contextmanager
+def global_topology(mpu: Any) -> Iterator[None]:
+    """Make ``mpu`` DeepSpeed's global topology (``deepspeed.utils.groups.mpu``) for the block.
+
+    DeepSpeed's plain engine reads that global at call time (its stage-0 gradient all-reduce
+    takes ``groups._get_sequence_data_parallel_group()``), and a pipeline engine sets it to its
+    own grid; the encoder's engine runs its initialisation, backward, step and checkpoints in
+    this block so that they span the encoder's ranks, not the pipeline's data-parallel group.
+    """
+    from deepspeed.utils import groups
+
+    saved = groups.mpu
+    groups.mpu = mpu
+    try:
+        yield
+    finally:
+        groups.mpu = saved
+
+
+def colocated_stage_bounds(bounds: Sequence[int], n_encoder: int) -> list[int]:
+    """Stage bounds over the flat ``encoder layers + [projector] + llm layers`` list (what
+    ``"dflop".stage_bounds`` and the cost-balanced split give) as bounds over the colocated
+    pipeline's ``[FeatureReceiver, projector, *llm layers]``: the encoder layers leave the
+    pipeline and the receiver takes the last one's index. The first stage must keep the projector."""
+    bounds = [int(b) for b in bounds]
+    if len(bounds) < 2 or bounds[1] <= n_encoder:
+        raise ValueError(f"stage bounds {bounds}: with the colocated encoder the first stage must hold the projector "
+                         f"(layer {n_encoder}), so its bound must exceed {n_encoder}")
+    return [0, *(b - n_encoder + 1 for b in bounds[1:])]
+
+
+def colocated_pipeline_bounds(bounds: Sequence[int] | None, n_encoder: int, cost_model: Any,
+                              shapes: Sequence[SampleShape], num_stages: int) -> list[int] | None:
+    """The colocated pipeline's stage bounds: ``bounds`` (over the flat list, see
+    :func:`colocated_stage_bounds`) if given, else the split balancing the cost model's mean
+    per-layer LLM-side cost (the encoder's cost is no stage's), else None (one per layer)."""
+    if bounds is not None:
+        return colocated_stage_bounds(bounds, n_encoder)
+    if cost_model is None:
+        return None
+    mean = np.asarray(cost_model.predict_samples(shapes), dtype=float).mean(axis=0)
+    costs = layer_costs(mean, cost_model)
+    return split_by_cost([0.0, *costs[n_encoder:]], num_stages)
+
+
+#: DeepSpeed config keys the encoder's own engine copies from the pipeline engine's config
+ENCODER_ENGINE_KEYS = ("fp16", "bf16", "gradient_clipping", "optimizer", "scheduler", "zero_optimization",
+                       "zero_allow_untested_optimizer", "steps_per_print", "communication_data_type",
+                       "prescale_gradients", "gradient_predivide_factor")
+
+
+def encoder_engine_config(ds_config: dict, world_size: int) -> dict:
+    """The DeepSpeed config of the encoder's own engine: the pipeline's precision, loss scaling,
+    clipping, optimizer and ZeRO stage, data parallel over all ``world_size`` ranks, one
+    backward per step (the step's micro-steps are summed before it)."""
+    config = {key: ds_config[key] for key in ENCODER_ENGINE_KEYS if key in ds_config}
+    config.update(train_batch_size=world_size, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+    return config
+
+
+class ColocatedPipeline:
+    """The encoder phase of a pipeline step whose encoder is data parallel over every rank.
+
+    Per step every rank draws the step's ``gradient_accumulation_steps`` micro-steps (each as
+    :class:`DispatchCollate` makes it), encodes the tiles the dispatch gives it, and sends the
+    features to the first stage owning each sample; the first LLM stage gets them as its inputs
+    (``(features, *other inputs)``) through ``train_batch``, and its :class:`FeatureReceiver`
+    keeps their gradients. After ``train_batch`` the gradients go back to the ranks that encoded
+    the tiles and one backward of the encoder runs; its engine all-reduces the gradients over all
+    ranks and takes its own optimizer step (precision, loss scaling and clipping from the
+    pipeline's config; clipping uses the encoder's own gradient norm).
+
+    Args:
+        encoder: the encoder layers as one module (tuple in, tuple out).
+        receiver: the pipeline's first layer.
+        encoder_engine: a DeepSpeed engine over ``encoder`` (None: a frozen encoder, run without
+            autograd and never stepped).
+        llm_dp_size: data-parallel ranks of the LLM pipeline; the engine averages the encoder's
+            gradients over all its ranks, the pipeline over ``llm_dp_size``, so the encoder's
+            backward is scaled by their ratio (the number of stages).
+        group: the process group the dispatch spans (None: the world).
+    """
+
+    def __init__(self, encoder: nn.Sequential, receiver: FeatureReceiver, encoder_engine: Any, *,
+                 llm_dp_size: int, group: Any = None) -> None:
+        self.encoder = encoder
+        self.receiver = receiver
+        self.encoder_engine = encoder_engine
+        self.group = group
+        self.gradient_scale = 1.0 if encoder_engine is None else encoder_engine.dp_world_size / llm_dp_size
+        #: seconds of the last step's phases on this rank: "encode" (with the exchange), "pipeline"
+        #: (``train_batch``), "encoder_backward" (gradients back, backward, all-reduce, step)
+        self.phase_s: dict[str, float] = {}
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the encoder trains (else no graph is kept and no backward runs)."""
+        return self.encoder_engine is not None
+
+    def train_step(self, engine: Any, data_iter: Iterator[tuple[Any, Any]]) -> float:
+        """One optimizer step of the pipeline ``engine`` and of the encoder; the step's loss.
+
+        The tiles this rank encodes for all micro-steps go through the encoder in one forward
+        (tiles are encoded independently; the encoder layers pass the other inputs through, as
+        the layer contract says) and through one all-to-all (:class:`StepExchange`)."""
+        start = time.perf_counter()
+        self.receiver.start_step(keep_gradients=self.trainable)
+        drawn = [move_to(next(data_iter), engine.device) for _ in range(engine.gradient_accumulation_steps())]
+        send_counts, recv_counts, recv_index = zip(*(inputs[-3:] for inputs, _ in drawn))
+        exchange = StepExchange(send_counts, recv_counts, recv_index, group=self.group)
+        pixels = torch.cat([inputs[0] for inputs, _ in drawn])
+        with torch.set_grad_enabled(self.trainable):
+            vis = (self.encoder_engine if self.trainable else self.encoder)((pixels, *drawn[0][0][1:-3]))[0]
+        features = exchange.features(vis)
+        microbatches = [((own, *inputs[1:-3]), labels) for own, (inputs, labels) in zip(features, drawn)]
+        encoded_at = time.perf_counter()
+        loss = float(engine.train_batch(iter(microbatches)))
+        trained_at = time.perf_counter()
+        if self.trainable:
+            self._encoder_backward_and_step(engine, features, exchange, vis)
+        self.phase_s = {"encode": encoded_at - start, "pipeline": trained_at - encoded_at,
+                        "encoder_backward": time.perf_counter() - trained_at}
+        return loss
+
+    def _encoder_backward_and_step(self, engine: Any, features: list[torch.Tensor], exchange: StepExchange,
+                                   vis: torch.Tensor) -> None:
+        """Send the features' gradients back to their encoders, backward, all-reduce and step."""
+        first = engine.is_first_stage()
+        grads = self.receiver.take_gradients(features) if first else [torch.zeros_like(f) for f in features]
+        # d(surrogate)/d(vis) = the tiles' gradient: one backward gives the vector-Jacobian product
+        surrogate = (vis.float() * exchange.gradients(grads, vis).float()).sum()
+        with global_topology(self.encoder_engine.mpu):
+            self.encoder_engine.backward(surrogate * self.gradient_scale)
+            self.encoder_engine.step()
+
+    def save_checkpoint(self, directory: str, tag: str) -> None:
+        """The encoder engine's DeepSpeed checkpoint in ``directory`` (nothing when frozen)."""
+        if self.trainable:
+            with global_topology(self.encoder_engine.mpu):
+                self.encoder_engine.save_checkpoint(directory, tag=tag)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Load the latest encoder checkpoint of ``directory`` (nothing when frozen); raises if none."""
+        if not self.trainable:
+            return
+        with global_topology(self.encoder_engine.mpu):
+            path, _ = self.encoder_engine.load_checkpoint(directory)
+        if path is None:
+            raise ValueError(f"no colocated encoder checkpoint in {directory}")
+
+    def full_state(self, pipeline_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole model's state under the flat names of the in-pipeline layout
+        (``encoder layers + [projector] + llm layers``): the gathered ``pipeline_state`` (names over
+        ``[FeatureReceiver, projector, ...]``) shifted past the encoder, plus this rank's replica
+        of the encoder."""
+        offset = len(self.encoder) - 1  # the receiver takes the last encoder layer's index
+        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.encoder.state_dict().items()}
+        for name, tensor in pipeline_state.items():
+            head, _, rest = name.partition(".")
+            state[f"{int(head) + offset}.{rest}" if head.isdigit() else name] = tensor
+        return state

@@ -14,8 +14,11 @@ batch's token mean, and the reported loss is that token mean.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,8 +27,15 @@ from torch import nn
 from dflop_ds.config import autotp_size
 from dflop_ds.pipe import MLLMPipelineModule, StageBounds, token_normalized_loss
 from dflop_ds.train.autotp import with_autotp_layout
-from dflop_ds.train.colocated import ColocatedMLLM
-from dflop_ds.train.sequential import SequentialMLLM
+from dflop_ds.train.colocated import (
+    ColocatedMLLM,
+    ColocatedPipeline,
+    EncoderTopology,
+    encoder_engine_config,
+    global_topology,
+)
+from dflop_ds.train.device import move_to
+from dflop_ds.train.sequential import SequentialMLLM, built_layers
 
 Microbatch = tuple[Any, Any]
 
@@ -55,15 +65,6 @@ def tensor_parallel_coords(engine: Any) -> tuple[int, int]:
     return groups.get_tensor_model_parallel_rank(), groups.get_tensor_model_parallel_world_size()
 
 
-def move_to(value: Any, device: torch.device) -> Any:
-    """``value`` (a tensor or nested tuples/lists of tensors) on ``device``."""
-    if torch.is_tensor(value):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, (tuple, list)):
-        return type(value)(move_to(v, device) for v in value)
-    return value
-
-
 @dataclass
 class TrainingEngine:
     """A DeepSpeed engine with what the training loop needs to know about it.
@@ -72,11 +73,14 @@ class TrainingEngine:
         engine: the DeepSpeed engine (``PipelineEngine`` or ``DeepSpeedEngine``).
         module: the model it trains (:class:`MLLMPipelineModule` or :class:`SequentialMLLM`).
         loss_fn: the loss of the plain engine (the pipeline module holds its own).
+        colocated_pipeline: the encoder phase of a pipeline whose encoder runs data parallel
+            over all ranks (:class:`~dflop_ds.train.colocated.ColocatedPipeline`), else None.
     """
 
     engine: Any
-    module: MLLMPipelineModule | SequentialMLLM
+    module: nn.Module
     loss_fn: Callable = token_normalized_loss
+    colocated_pipeline: Any = None
 
     @property
     def is_pipeline(self) -> bool:
@@ -107,8 +111,10 @@ class TrainingEngine:
 
     @property
     def reads_data(self) -> bool:
-        """Whether this rank draws microbatches (pipeline: first and last stage; plain: all)."""
-        return not self.is_pipeline or self.engine.is_first_stage() or self.engine.is_last_stage()
+        """Whether this rank draws microbatches (pipeline: first and last stage, every stage with
+        the colocated encoder; plain: all)."""
+        return (not self.is_pipeline or self.colocated_pipeline is not None or self.engine.is_first_stage()
+                or self.engine.is_last_stage())
 
     @property
     def stage_bounds(self) -> StageBounds:
@@ -117,9 +123,25 @@ class TrainingEngine:
             return StageBounds(self.module.parts)
         return StageBounds([0, len(self.module)])
 
+    def save_checkpoint(self, directory: str, tag: str, client_state: dict) -> None:
+        """DeepSpeed checkpoint of the engine (and of the colocated encoder's engine, in
+        ``directory/encoder``, same tag)."""
+        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state)
+        if self.colocated_pipeline is not None:
+            self.colocated_pipeline.save_checkpoint(str(Path(directory) / "encoder"), tag)
+
+    def load_checkpoint(self, directory: str) -> tuple[Any, dict]:
+        """Load the latest checkpoint of :meth:`save_checkpoint`; ``(path or None, client_state)``."""
+        path, client_state = self.engine.load_checkpoint(directory)
+        if path is not None and self.colocated_pipeline is not None:
+            self.colocated_pipeline.load_checkpoint(str(Path(directory) / "encoder"))
+        return path, client_state
+
     def train_step(self, data_iter: Iterator[Microbatch]) -> float:
         """Run one optimizer step (``gradient_accumulation_steps`` microbatches); the global
         batch's token-mean loss (the same figure on every rank)."""
+        if self.colocated_pipeline is not None:
+            return self.colocated_pipeline.train_step(self.engine, data_iter)
         if self.is_pipeline:
             return float(self.engine.train_batch(data_iter))
         engine = self.engine
@@ -149,15 +171,15 @@ def build_engine(
     ds_config: dict,
     *,
     pipeline_stages: int,
-    stage_bounds: Optional[Sequence[int]] = None,
-    layer_costs: Optional[Sequence[float]] = None,
+    stage_bounds: Sequence[int] | None = None,
+    layer_costs: Sequence[float] | None = None,
     freeze_encoder: bool = False,
     lr: float = 1e-3,
     loss_fn: Callable = token_normalized_loss,
     activation_checkpoint_interval: int = 0,
-    make_optimizer: Optional[Callable[[list], torch.optim.Optimizer]] = None,
+    make_optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
     colocated: bool = False,
-    hf_model: Optional[nn.Module] = None,
+    hf_model: nn.Module | None = None,
 ) -> TrainingEngine:
     """Build the DeepSpeed engine the config asks for over the model's layer lists.
 
@@ -167,40 +189,75 @@ def build_engine(
     ``make_optimizer(trainable_parameters)`` if given, else the config's ``"optimizer"``, else
     AdamW at ``lr`` (a torch optimizer starts faster than DeepSpeed's CPU FusedAdam build). A
     pipeline stage holding only frozen layers gets a placeholder parameter (see
-    :meth:`MLLMPipelineModule.optimizer_parameters`). ``colocated`` (plain engine only): the
-    encoder runs on dispatched tiles and exchanges features (:class:`~dflop_ds.train.colocated.ColocatedMLLM`).
+    :meth:`MLLMPipelineModule.optimizer_parameters`). ``colocated``: the encoder runs on
+    dispatched tiles and exchanges features; on the plain engine inside the model's forward
+    (:class:`~dflop_ds.train.colocated.ColocatedMLLM`), under a pipeline before ``train_batch``,
+    the pipeline's stages then holding ``[FeatureReceiver, projector, *llm_layers]`` (``stage_bounds``
+    and ``layer_costs`` over that list) and the encoder its own engine
+    (:class:`~dflop_ds.train.colocated.ColocatedPipeline`).
     ``"tensor_parallel": {"autotp_size": N > 1}`` (plain engine only) shards the LLM's linears of
     ``hf_model`` (whose modules the layers share) as its HF tp_plan says, through DeepSpeed AutoTP
     (:func:`~dflop_ds.train.autotp.with_autotp_layout`); the vision tower stays whole.
     """
-    import deepspeed
-
     if pipeline_stages > 1 and autotp_size(ds_config) > 1:
         raise ValueError("tensor_parallel.autotp_size > 1 needs pipeline_stages == 1: AutoTP shards the plain "
                          "engine's model; a PipelineModule gives it nothing to shard")
-    if pipeline_stages > 1 and colocated:
-        raise ValueError("a colocated encoder runs on the plain engine only (pipeline_stages == 1) for now")
-    if colocated and activation_checkpoint_interval:
-        raise ValueError("activation checkpointing is not supported with a colocated encoder yet")
+    if pipeline_stages > 1 and colocated and activation_checkpoint_interval:
+        raise ValueError("a colocated encoder under the pipeline engine does not support activation checkpointing")
     if pipeline_stages > 1:
-        pipeline = MLLMPipelineModule(
-            encoder_layers, projector, llm_layers, num_stages=pipeline_stages, stage_bounds=stage_bounds,
-            layer_costs=layer_costs, loss_fn=loss_fn, freeze_encoder=freeze_encoder,
-            activation_checkpoint_interval=activation_checkpoint_interval,
-        )
-        trainable = pipeline.optimizer_parameters()
-        module: MLLMPipelineModule | SequentialMLLM = pipeline
+        pipe_kwargs = dict(num_stages=pipeline_stages, stage_bounds=stage_bounds, layer_costs=layer_costs,
+                           loss_fn=loss_fn, activation_checkpoint_interval=activation_checkpoint_interval)
+        if colocated:
+            return _colocated_pipeline(encoder_layers, projector, llm_layers, ds_config, pipe_kwargs,
+                                       freeze_encoder=freeze_encoder, lr=lr, make_optimizer=make_optimizer)
+        module: nn.Module = MLLMPipelineModule(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder,
+                                               **pipe_kwargs)
+        trainable = module.optimizer_parameters()
     else:
+        if colocated and activation_checkpoint_interval:
+            raise ValueError("activation checkpointing is not supported with a colocated encoder yet")
         sequential = ColocatedMLLM if colocated else SequentialMLLM
         module = sequential(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder,
                             checkpoint_layers=activation_checkpoint_interval > 0)
         trainable = [p for p in module.parameters() if p.requires_grad]
         ds_config = with_autotp_layout(ds_config, hf_model, module)
-    optimizer: torch.optim.Optimizer | None
+    return TrainingEngine(_initialize(module, trainable, ds_config, make_optimizer, lr), module, loss_fn)
+
+
+def _initialize(module: nn.Module, trainable: list, ds_config: dict,
+                make_optimizer: Callable[[list], torch.optim.Optimizer] | None, lr: float, mpu: Any = None) -> Any:
+    """``deepspeed.initialize`` with the optimizer :func:`build_engine` describes; the engine.
+    An explicit ``mpu`` does not stay DeepSpeed's global topology (``groups.mpu`` is restored)."""
+    import deepspeed
+
     if make_optimizer is not None:
         optimizer = make_optimizer(trainable)
     else:
         optimizer = None if "optimizer" in ds_config else torch.optim.AdamW(trainable, lr=lr)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
-                                           model_parameters=trainable)
-    return TrainingEngine(engine, module, loss_fn)
+    with global_topology(mpu) if mpu is not None else contextlib.nullcontext():
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
+                                               model_parameters=trainable, mpu=mpu)
+    return engine
+
+
+def _colocated_pipeline(encoder_layers: Sequence[Any], projector: Any, llm_layers: Sequence[Any], ds_config: dict,
+                        pipe_kwargs: dict, *, freeze_encoder: bool, lr: float,
+                        make_optimizer: Callable[[list], torch.optim.Optimizer] | None) -> TrainingEngine:
+    """The pipeline engine over ``[FeatureReceiver, projector, *llm_layers]`` and the encoder
+    beside it, data parallel over all ranks with its own engine (none when frozen)."""
+    from dflop_ds.pipe.module import FeatureReceiver  # deepspeed is imported with the pipeline module
+
+    encoder = nn.Sequential(*built_layers(encoder_layers))
+    encoder_engine = None
+    if freeze_encoder:
+        encoder.requires_grad_(False)
+    else:
+        encoder_engine = _initialize(encoder, list(encoder.parameters()),
+                                     encoder_engine_config(ds_config, dist.get_world_size()), make_optimizer, lr,
+                                     mpu=EncoderTopology())
+    receiver = FeatureReceiver()
+    module = MLLMPipelineModule([receiver], projector, llm_layers, **pipe_kwargs)
+    engine = _initialize(module, module.optimizer_parameters(), ds_config, make_optimizer, lr)
+    encoder.to(engine.device)
+    colocated = ColocatedPipeline(encoder, receiver, encoder_engine, llm_dp_size=data_parallel_coords(engine)[1])
+    return TrainingEngine(engine, module, pipe_kwargs["loss_fn"], colocated_pipeline=colocated)

@@ -63,4 +63,5 @@ def gather_full_state(trainer: Any) -> dict[str, torch.Tensor]:
     merged: dict[str, torch.Tensor] = {}
     for part in parts:
         merged.update(part or {})
-    return merged
+    colocated = getattr(trainer, "colocated_pipeline", None)  # the encoder lives beside the pipeline
+    return merged if colocated is None else colocated.full_state(merged)

@@ -38,7 +38,13 @@ from dflop_ds.telemetry.record import batch_tokens, throughput
 from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
 from dflop_ds.telemetry.setup import inject_fault, make_correction
 from dflop_ds.train.autotp import is_tensor_parallel_layer
-from dflop_ds.train.colocated import DispatchingSampler, LLMOnlyCost, colocate
+from dflop_ds.train.colocated import (
+    DispatchingSampler,
+    LLMOnlyCost,
+    colocate,
+    colocated_pipeline_bounds,
+    pipeline_dispatch_ranks,
+)
 from dflop_ds.train.engine import TrainingEngine, build_engine
 from dflop_ds.train.gather import gather_full_state
 
@@ -161,7 +167,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          n_layers=source.n_layers)
     pipelined, colocated = cfg.pipeline_stages > 1, cfg.encoder == "colocated"
     bounds = cfg.stage_bounds
-    if pipelined and bounds is None and cost_model is not None:  # split where the predicted time balances
+    if pipelined and colocated:  # the encoder leaves the pipeline: its stages split the LLM side
+        bounds = colocated_pipeline_bounds(bounds, len(encoder), cost_model, shapes, cfg.pipeline_stages)
+    elif pipelined and bounds is None and cost_model is not None:  # split where the predicted time balances
         bounds = cost_balanced_bounds(cost_model, shapes, cfg.pipeline_stages)
     trainer = build_engine(encoder, projector, llm, ds_config, pipeline_stages=cfg.pipeline_stages,
                            stage_bounds=bounds, freeze_encoder=cfg.freeze_encoder, lr=cfg.lr,
@@ -188,11 +196,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     collate = source.collate
     if packing and source.packed_collate is not None:  # source.uses_packing found one
         collate = source.packed_collate
-    if colocated:
-        sampler, dataset, collate = colocate(sampler, dataset, collate, shapes, costs)
+    if colocated:  # under a pipeline every rank encodes; each replica's first stage owns its samples
+        dispatch = pipeline_dispatch_ranks(engine) if pipelined else {}
+        sampler, dataset, collate = colocate(sampler, dataset, collate, shapes, costs, **dispatch)
     # the loader's state is what training consumed, not what its workers prefetched
     loader = make_loader(dataset, sampler, collate_fn=collate, num_workers=cfg.num_workers)
-    first_step = resume(engine, loader, cfg, correction) if cfg.resume else 0
+    first_step = resume(trainer, loader, cfg, correction) if cfg.resume else 0
     data_iter = iter(RepeatingLoader(loader))
 
     tracker = None
@@ -219,9 +228,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"imbalance {record.get('imbalance')} sampler={cfg.sampler}", flush=True)
         done = step + 1
         if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
-            engine.save_checkpoint(cfg.checkpoint_dir, tag=f"step{done}",
-                                   client_state={"dflop_sampler": loader.state_dict(), "dflop_step": done,
-                                                 "dflop_correction": correction.state_dict() if correction else None})
+            trainer.save_checkpoint(cfg.checkpoint_dir, f"step{done}",
+                                    {"dflop_sampler": loader.state_dict(), "dflop_step": done,
+                                     "dflop_correction": correction.state_dict() if correction else None})
         if args.exit_after_step is not None and step == args.exit_after_step:
             os._exit(17)
 
@@ -266,10 +275,12 @@ def sharded_layers(module: torch.nn.Module) -> list[str]:
     return [name for name, child in module.named_modules() if is_tensor_parallel_layer(child)]
 
 
-def resume(engine: Any, loader: Any, cfg: DFLOPConfig, correction: Any = None) -> int:
+def resume(trainer: TrainingEngine, loader: Any, cfg: DFLOPConfig, correction: Any = None) -> int:
     """Load the latest checkpoint, restore the loader's (sampler's) position and the correction's
     state; the step to continue from."""
-    load_path, client_state = engine.load_checkpoint(cfg.checkpoint_dir)
+    if cfg.checkpoint_dir is None:
+        raise ValueError("resuming needs \"dflop\".checkpoint_dir")
+    load_path, client_state = trainer.load_checkpoint(cfg.checkpoint_dir)
     if load_path is None:
         print(f"[dflop-ds] no checkpoint in {cfg.checkpoint_dir}: starting from step 0", flush=True)
         return 0

@@ -10,6 +10,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+def built_layers(layers: Sequence[Any]) -> list[nn.Module]:
+    """``layers`` as modules: ``LayerSpec``s built, modules kept."""
+    return [layer.build() if hasattr(layer, "build") and not isinstance(layer, nn.Module) else layer
+            for layer in layers]
+
+
 class SequentialMLLM(nn.Sequential):
     """Encoder, projector and LLM layers run one after the other: the model of the plain engine.
 
@@ -26,10 +32,7 @@ class SequentialMLLM(nn.Sequential):
         freeze_encoder: bool = False,
         checkpoint_layers: bool = False,
     ) -> None:
-        built = [
-            layer.build() if hasattr(layer, "build") and not isinstance(layer, nn.Module) else layer
-            for layer in (*encoder_layers, projector, *llm_layers)
-        ]
+        built = built_layers((*encoder_layers, projector, *llm_layers))
         super().__init__(*built)
         self.n_encoder_layers = len(encoder_layers)
         self.checkpoint_layers = checkpoint_layers
