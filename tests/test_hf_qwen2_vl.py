@@ -48,7 +48,7 @@ def test_images_keep_their_own_grids(loaded) -> None:
     """Images of different sizes in one microbatch give different patch grids and token counts."""
     model, inputs_of, _ = loaded
     inputs, _ = inputs_of.microbatch(microbatches()[2])
-    pixel_values, input_ids, _, grid = inputs
+    pixel_values, input_ids, _, grid, _ = inputs
     assert grid.shape == (3, 3) and len({tuple(g) for g in grid.tolist()}) == 3
     assert pixel_values.shape[0] == int(grid.prod(-1).sum())
     merge = model.config.vision_config.spatial_merge_size
@@ -98,10 +98,11 @@ def test_position_ids_equal_hf(loaded) -> None:
             x = layer(x)
         _, position_ids, _ = projector(x)
         assert position_ids.shape == (3, *inputs[1].shape) and not position_ids.is_floating_point()
-        kwargs = qwen2_vl_hf_kwargs(inputs, model.config.image_token_id)
+        kwargs = qwen2_vl_hf_kwargs(inputs, model.config)
         if inputs[3].shape[0]:
             expected, _ = model.model.get_rope_index(kwargs["input_ids"], kwargs["mm_token_type_ids"],
-                                                     image_grid_thw=inputs[3], attention_mask=kwargs["attention_mask"])
+                                                     image_grid_thw=inputs[3], video_grid_thw=kwargs.get("video_grid_thw"),
+                                                     attention_mask=kwargs["attention_mask"])
             assert not torch.equal(position_ids[1], position_ids[2])  # height and width differ on images
         else:
             expected = torch.arange(inputs[1].shape[1]).expand(3, *inputs[1].shape)
@@ -126,9 +127,9 @@ def test_projector_refuses_feature_count_mismatch(loaded) -> None:
     x = inputs
     for layer in encoder:
         x = layer(x)
-    vis, input_ids, seq_lens, grid = x
-    with pytest.raises(ValueError, match="image tokens but its 1 image"):
-        projector((vis[:-4], input_ids, seq_lens, grid))
+    vis, input_ids, seq_lens, grid, video_grid = x
+    with pytest.raises(ValueError, match="video tokens but its 1 image"):
+        projector((vis[:-4], input_ids, seq_lens, grid, video_grid))
 
 
 @pytest.mark.parametrize("stages", [2, 3])

@@ -131,7 +131,7 @@ def test_profile_target_runs_the_real_layers_on_patch_counts(setup, tmp_path: Pa
     model_dir, _, _, pre, _ = setup
     target = hf_target(str(model_dir))
     assert isinstance(target.encoder_inputs, Qwen2VLEncoderInputs)
-    pixel_values, input_ids, seq_lens, grid = target.encoder_inputs(22, 3)  # 8 + 7 + 7 patches, rounded up
+    pixel_values, input_ids, seq_lens, grid, _ = target.encoder_inputs(22, 3)  # 8 + 7 + 7 patches, rounded up
     assert grid.tolist() == [[1, 2, 4], [1, 2, 4], [1, 2, 4]] and pixel_values.shape[0] == 24
     assert (input_ids == pre.image_token_id).sum(1).tolist() == [2, 2, 2] and seq_lens.tolist() == [10, 10, 10]
     x = target.encoder_inputs(2, 4)  # two rows without an image

@@ -174,20 +174,21 @@ def _llava_family() -> Family:
 
 
 def _qwen2_vl_family() -> Family:
-    from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers
+    from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers, tower_grid
     from dflop_ds.models.hf.qwen2_vl_synthetic import IMAGE_MARK, Qwen2VLInputs, qwen2_vl_hf_kwargs
 
     def microbatches(path: Path, config: Any) -> Callable[[list], tuple]:
         return Qwen2VLInputs.from_dir(path, config).microbatch
 
     def vision_states(model: Any, inputs: tuple) -> Any:
-        pixel_values, _, _, grid = inputs
+        pixel_values, _, _, image_grid, video_grid = inputs
+        grid = tower_grid(image_grid, video_grid)
         if not grid.shape[0]:
             return None
         return model.model.visual(pixel_values, grid_thw=grid, output_hidden_states=True).hidden_states
 
     return Family(load_qwen2_vl, qwen2_vl_layers, microbatches, IMAGE_MARK,
-                  lambda model, inputs: qwen2_vl_hf_kwargs(inputs, model.config.image_token_id), vision_states)
+                  lambda model, inputs: qwen2_vl_hf_kwargs(inputs, model.config), vision_states)
 
 
 #: ``config.model_type`` -> the family's check-model parts (built on first use: they import transformers)
