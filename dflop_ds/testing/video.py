@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -33,4 +35,50 @@ def write_video(
     return out
 
 
-__all__ = ["write_video"]
+def add_video_records(
+    data_path: PathArg,
+    video_folder: PathArg,
+    n_videos: int,
+    *,
+    seed: int = 0,
+    frames: tuple[int, int] = (4, 12),
+    side: tuple[int, int] = (16, 64),
+    fps: int = 4,
+) -> list[str]:
+    """Append ``n_videos`` LLaVA-Video records (``"video"``: a path under ``video_folder``) to the
+    LLaVA JSON array at ``data_path``, each with a short real video (``frames`` frames of even sides
+    within ``side`` at ``fps``) written under ``video_folder``; returns their ids. Half the records
+    mark the video with ``<video>``, half with ``<image>`` as LLaVA-Video's data does."""
+    from dflop_ds.testing.llava_data import WORDS
+
+    rng = random.Random(seed)
+    path = Path(data_path)
+    records = json.loads(path.read_text())
+    ids = []
+    for i in range(n_videos):
+        name = f"clip_{seed}_{i:03d}.mp4"
+        width, height = (2 * (rng.randint(*side) // 2) for _ in range(2))
+        write_video(
+            Path(video_folder) / name,
+            frames=rng.randint(*frames),
+            width=width,
+            height=height,
+            fps=fps,
+            seed=seed * 1000 + i,
+        )
+        mark = "<video>" if i % 2 == 0 else "<image>"
+        question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8)))
+        answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 20)))
+        ids.append(f"video{seed}_{i:03d}")
+        records.append(
+            {
+                "id": ids[-1],
+                "video": name,
+                "conversations": [{"from": "human", "value": f"{mark}\n{question}"}, {"from": "gpt", "value": answer}],
+            }
+        )
+    path.write_text(json.dumps(records, indent=1))
+    return ids
+
+
+__all__ = ["add_video_records", "write_video"]
