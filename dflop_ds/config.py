@@ -67,6 +67,9 @@ class DFLOPConfig:
             model).
         image_folder: folder the dataset records' image paths are relative to (None: the data
             file's folder).
+        video_folder: folder the records' video paths are relative to (None: the data file's folder).
+        video_fps, video_max_frames: frames sampled per second of a video, and at most this many
+            (Qwen2-VL; rounded down to pairs, its temporal patch size).
         lora: LoRA fine-tuning of a HuggingFace model's language model (see
             :func:`dflop_ds.models.hf.lora.apply_lora`), e.g. ``{"r": 8, "alpha": 16}``; None
             trains every weight.
@@ -108,6 +111,9 @@ class DFLOPConfig:
     correction: dict[str, Any] = field(default_factory=dict)
     model_name_or_path: Optional[str] = None
     image_folder: Optional[str] = None
+    video_folder: Optional[str] = None
+    video_fps: float = 2.0
+    video_max_frames: int = 768
     lora: Optional[dict[str, Any]] = None
     max_length: Optional[int] = None
     truncation: str = "error"
@@ -165,6 +171,9 @@ class DFLOPConfig:
             "correction": dict(kind="dict"),
             "model_name_or_path": dict(kind="str", optional=True),
             "image_folder": dict(kind="str", optional=True),
+            "video_folder": dict(kind="str", optional=True),
+            "video_fps": dict(kind="number", minimum=0.01),
+            "video_max_frames": dict(kind="int", minimum=2),
             "lora": dict(kind="dict", optional=True),
             "max_length": dict(kind="int", minimum=1, optional=True),
             "truncation": dict(kind="str", choices=("error", "truncate")),

@@ -16,10 +16,10 @@ Tokenizer = Callable[[str], int]
 #: An image's own encoder units and LLM tokens from its size, for native-resolution models
 #: (Qwen2-VL): ``(width, height) -> (encoder_units, visual_tokens)``. Its ``repr`` names it.
 ImageRule = Callable[[int, int], tuple[int, int]]
-#: A video's encoder units and LLM tokens from its source frames, frame size and frame rate, for
-#: models that sample frames by time (Qwen2-VL): ``(frames, width, height, fps) -> (encoder_units,
-#: visual_tokens)``. Its ``repr`` names it.
-VideoRule = Callable[[int, int, int, float], tuple[int, int]]
+#: A video's encoder units, LLM tokens and encoder units per attention window (a frame group) from
+#: its source frames, frame size and frame rate, for models that sample frames by time (Qwen2-VL):
+#: ``(frames, width, height, fps) -> (encoder_units, visual_tokens, window_units)``. Its ``repr`` names it.
+VideoRule = Callable[[int, int, int, float], tuple[int, int, int]]
 #: Counts a whole conversation exactly as a model's data pipeline tokenizes it:
 #: ``(turns as (role, value) pairs, number of images, number of videos) -> (text_tokens, label_tokens)``.
 ConversationCounter = Callable[[Sequence[tuple[str, str]], int, int], tuple[int, int]]
@@ -53,6 +53,9 @@ class SampleShape:
         encoder_tiles: tiles plus sampled frames the vision encoder processes.
         visual_tokens: tokens the projector inserts into the LLM sequence.
         llm_tokens: LLM sequence length: ``visual_tokens + text_tokens``.
+        encoder_attention: the encoder's attention work, the sum over its attention windows of
+            the squared units in each (an image's patches, a video's frame group); 0 when the
+            policy does not know its windows (tiling policies).
     """
 
     sample_id: str
@@ -65,6 +68,7 @@ class SampleShape:
     llm_tokens: int = 0
     video_size: tuple[int, int] | None = None
     video_fps: float | None = None
+    encoder_attention: int = 0
 
     @property
     def modality(self) -> str:
@@ -169,19 +173,20 @@ class ShapePolicy:
         return grid + 1 if grid > 1 and self.add_thumbnail else grid
 
     def video_units(self, sample_id: str, frames: int, size: tuple[int, int] | None,
-                    fps: float | None) -> tuple[int, int]:
-        """``(encoder units, LLM tokens)`` of a video of ``frames`` source frames: its sampled frames
-        and their tokens, or the ``video_rule``'s (which needs the frame size and rate)."""
+                    fps: float | None) -> tuple[int, int, int]:
+        """``(encoder units, LLM tokens, attention units)`` of a video of ``frames`` source frames: its
+        sampled frames and their tokens (attention unknown: 0), or the ``video_rule``'s (which needs
+        the frame size and rate; attention: units x units per window)."""
         if frames == 0:
-            return 0, 0
+            return 0, 0, 0
         if self.video_rule is None:
             sampled = self.sampled_frames(frames)
-            return sampled, sampled * self.tokens_per_frame
+            return sampled, sampled * self.tokens_per_frame, 0
         if size is None or fps is None:
             raise ValueError(f"sample {sample_id!r}: policy {self.name!r} needs the video's frame size and rate "
                              "(read from the video file under a video_folder)")
-        units, tokens = self.video_rule(int(frames), int(size[0]), int(size[1]), float(fps))
-        return int(units), int(tokens)
+        units, tokens, window = self.video_rule(int(frames), int(size[0]), int(size[1]), float(fps))
+        return int(units), int(tokens), int(units) * int(window)
 
     def sampled_frames(self, video_frames: int) -> int:
         """Frames sampled from a video of ``video_frames`` frames."""
@@ -220,8 +225,11 @@ class ShapePolicy:
         image_tiles = sum(units for units, _ in per_image)
         if video_frames < 0:
             raise ValueError(f"sample {sample_id!r}: video_frames must be >= 0, got {video_frames}")
-        frames, video_tokens = self.video_units(str(sample_id), int(video_frames), video_size, video_fps)
+        frames, video_tokens, video_attention = self.video_units(str(sample_id), int(video_frames), video_size,
+                                                                 video_fps)
         visual = sum(tokens for _, tokens in per_image) + video_tokens
+        # an image under an image_rule is one attention window; tiles' windows are not known here
+        image_attention = sum(units ** 2 for units, _ in per_image) if self.image_rule is not None else 0
         return SampleShape(
             sample_id=str(sample_id),
             image_sizes=sizes,
@@ -233,6 +241,7 @@ class ShapePolicy:
             llm_tokens=visual + int(text_tokens),
             video_size=None if video_size is None else (int(video_size[0]), int(video_size[1])),
             video_fps=None if video_fps is None else float(video_fps),
+            encoder_attention=image_attention + video_attention,
         )
 
     def reshape(self, shape: SampleShape) -> SampleShape:

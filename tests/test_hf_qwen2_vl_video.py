@@ -157,6 +157,10 @@ def test_video_shapes_follow_frames_and_size(video_data) -> None:
         t, h, w = pre.video_rule.grid(info.frames, info.width, info.height, info.fps)
         assert t == min(6, info.frames) // 2 and shape.encoder_tiles == t * h * w
         assert shape.visual_tokens == t * h * w // 4
+        assert shape.encoder_attention == t * (h * w) ** 2  # each frame pair attends within itself
+    for shape in shapes:
+        if shape.image_sizes and not shape.video_frames:
+            assert shape.encoder_attention == sum(pre.rule(w, h)[0] ** 2 for w, h in shape.image_sizes)
     assert Path(str(data) + ".video_info.cache.json").is_file()
     other = Qwen2VLPreprocessor.from_pretrained(model_dir, video_fps=2.0, video_max_frames=2).policy()
     assert other.describe() != pre.policy().describe()  # the sampling is part of the policy
@@ -220,3 +224,21 @@ def test_qwen2_5_vl_videos_are_refused_by_name(tmp_path: Path) -> None:
     shapes = list(read_dataset(data, pre.policy(), image_folder=images, video_folder=tmp_path / "videos"))
     with pytest.raises(DataError, match="videos are not supported for qwen2_5_vl"):
         Qwen2VLDataset(shapes, load_llava_records(data), pre, images, source=data, video_folder=tmp_path / "videos")
+
+
+@pytest.mark.slow
+def test_qwen2_vl_trains_on_videos_on_two_ranks_pipelined(tmp_path: Path) -> None:
+    """examples/train.py, 2 pipeline stages, records mixing short real videos, images and text: the loss falls."""
+    from test_train_hf import train
+
+    model = build_tiny_qwen2_vl(tmp_path / "model")
+    data, images = write_llava_dataset(tmp_path / "data", 24, seed=4)
+    add_video_records(data, tmp_path / "videos", 16, seed=2)
+    trace = tmp_path / "trace.jsonl"
+    run = train(tmp_path, "hf_pp2.json", model, data, images, "--video_folder", str(tmp_path / "videos"),
+                "--trace", str(trace), dflop={"steps": 6, "video_fps": 2.0, "video_max_frames": 8})
+    losses = [step["loss"] for step in run["steps"]]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    trained = {index for line in trace.read_text().splitlines()
+               for microbatch in json.loads(line)["microbatches"] for index in microbatch}
+    assert len({index for index in trained if index >= 24}) >= 4  # records 24.. are the videos

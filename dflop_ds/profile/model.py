@@ -54,7 +54,9 @@ DEFAULT_BATCH_SIZES = (1, 2, 4)
 class Measurement:
     """Full-depth measurements of one segment at one input size.
 
-    ``tiles`` is set for the encoder, ``batch`` and ``seq_len`` for the LLM. Times are robust
+    ``tiles`` is set for the encoder, ``batch`` and ``seq_len`` for the LLM; ``attention_units``
+    for an encoder whose input factory knows its attention windows (the sum over windows of
+    their squared units, see ``SampleShape.encoder_attention``). Times are robust
     seconds of forward+backward; ``attention_s`` is ``None`` when no attention call was seen.
     ``peak_bytes`` is ``None`` when the platform cannot measure peak memory.
     """
@@ -66,6 +68,7 @@ class Measurement:
     tiles: int = 0
     batch: int = 1
     seq_len: int = 0
+    attention_units: int | None = None
 
 
 @dataclass
@@ -350,8 +353,11 @@ def profile_model(
         with _progress(2 * (warmup + repeats), progress, "profile model") as bar:
             run_rounds([job for jobs in encoder_jobs for job in jobs], run, bar)
             run_rounds([job for i in by_tokens for job in llm_jobs[i]], run, bar)
+    windows = getattr(encoder_inputs, "attention_units", None)  # (tiles, batch) -> attention units, if known
     encoder_points = [
-        Measurement(*summarize_point(jobs, statistic), tiles=int(count)) for jobs, count in zip(encoder_jobs, tiles)
+        Measurement(*summarize_point(jobs, statistic), tiles=int(count),
+                    attention_units=None if windows is None else int(windows(count, 1)))
+        for jobs, count in zip(encoder_jobs, tiles)
     ]
     llm_points = [
         Measurement(*summarize_point(jobs, statistic), batch=int(b), seq_len=int(s))

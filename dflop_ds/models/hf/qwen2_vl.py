@@ -316,11 +316,20 @@ class Qwen2VLEncoderInputs:
         self.special = {self.image_token_id, int(config.video_token_id)}
         self.text_tokens, self.dtype = int(text_tokens), dtype
 
-    def __call__(self, patches: int, batch: int = 1) -> VisTuple:
+    def grids(self, patches: int, batch: int = 1) -> list[list[int]]:
+        """The ``(t, h, w)`` grid of each row's image (rows without patches have none)."""
         from dflop_ds.profile.inputs import split_evenly
 
         block = self.merge ** 2
-        grids = [[1, self.merge, self.merge * -(-n // block)] for n in split_evenly(patches, batch) if n > 0]
+        return [[1, self.merge, self.merge * -(-n // block)] for n in split_evenly(patches, batch) if n > 0]
+
+    def attention_units(self, patches: int, batch: int = 1) -> int:
+        """The inputs' encoder attention units: each image attends within itself (its patches squared)."""
+        return sum((t * h * w) ** 2 for t, h, w in self.grids(patches, batch))
+
+    def __call__(self, patches: int, batch: int = 1) -> VisTuple:
+        block = self.merge ** 2
+        grids = self.grids(patches, batch)
         tokens = [t * h * w // block for t, h, w in grids] + [0] * (batch - len(grids))
         lengths = [n + self.text_tokens for n in tokens]
         input_ids = torch.randint(0, self.vocab_size, (batch, max(lengths)))

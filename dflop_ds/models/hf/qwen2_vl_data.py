@@ -102,8 +102,8 @@ class SmartResize:
 class VideoFrames:
     """Qwen2-VL's video rule: ``fps`` sampled frames per second of video (at least
     :data:`VIDEO_MIN_FRAMES`, at most ``max_frames``, rounded down to ``temporal_patch_size``), each
-    resized by ``resize``; ``(frames, width, height, source fps) -> (patches, LLM tokens)`` (a
-    :data:`~dflop_ds.shapes.VideoRule`)."""
+    resized by ``resize``; ``(frames, width, height, source fps) -> (patches, LLM tokens, patches per
+    frame group)`` (a :data:`~dflop_ds.shapes.VideoRule`: the tower attends within each frame group)."""
 
     resize: SmartResize
     fps: float
@@ -128,9 +128,9 @@ class VideoFrames:
         grid_h, grid_w = self.resize.grid(width, height)
         return self.sampled(frames, source_fps) // self.temporal_patch_size, grid_h, grid_w
 
-    def __call__(self, frames: int, width: int, height: int, source_fps: float) -> tuple[int, int]:
+    def __call__(self, frames: int, width: int, height: int, source_fps: float) -> tuple[int, int, int]:
         t, h, w = self.grid(frames, width, height, source_fps)
-        return t * h * w, t * h * w // self.resize.merge_size ** 2
+        return t * h * w, t * h * w // self.resize.merge_size ** 2, h * w
 
 
 def mark_video(turns: Sequence[tuple[str, str]], n_images: int) -> list[tuple[str, str]]:

@@ -8,11 +8,12 @@ from typing import Any, Mapping, Optional
 from dflop_ds.train.sources import ModelSource
 
 
-def qwen2_vl_source(model_dir: str, *, image_folder: Optional[str] = None,
-                    lora: Optional[Mapping[str, Any]] = None) -> ModelSource:
+def qwen2_vl_source(model_dir: str, *, image_folder: Optional[str] = None, lora: Optional[Mapping[str, Any]] = None,
+                    video_folder: Optional[str] = None, video_fps: float = 2.0,
+                    video_max_frames: int = 768) -> ModelSource:
     """The Qwen2-VL model, its data pipeline (:mod:`~dflop_ds.models.hf.qwen2_vl_data`) and layer
-    lists for the training loop. ``image_folder`` and ``lora`` as for ``hf_source``; with LoRA the
-    patch merger (the projector) is trained in full, as the LLaVA projector is."""
+    lists for the training loop. The arguments as for ``hf_source``; with LoRA the patch merger
+    (the projector) is trained in full, as the LLaVA projector is."""
     from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers
     from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor, collate_qwen2_vl
     from dflop_ds.models.hf.source import HFFamily, family_source
@@ -23,8 +24,10 @@ def qwen2_vl_source(model_dir: str, *, image_folder: Optional[str] = None,
 
     family = HFFamily(load_qwen2_vl, qwen2_vl_layers, "visual.merger", Qwen2VLDataset, collate_qwen2_vl,
                       save_processor)
-    return family_source(model_dir, family, Qwen2VLPreprocessor.from_pretrained(model_dir),
-                         image_folder=image_folder, lora=lora)
+    preprocessor = Qwen2VLPreprocessor.from_pretrained(model_dir, video_fps=video_fps,
+                                                       video_max_frames=video_max_frames)
+    return family_source(model_dir, family, preprocessor, image_folder=image_folder, lora=lora,
+                         video_folder=video_folder)
 
 
 __all__ = ["qwen2_vl_source"]

@@ -54,9 +54,10 @@ class HFFamily:
 
 
 def family_source(model_dir: str, family: HFFamily, preprocessor: Any, *, image_folder: Optional[str] = None,
-                  lora: Optional[Mapping[str, Any]] = None) -> ModelSource:
+                  lora: Optional[Mapping[str, Any]] = None, video_folder: Optional[str] = None) -> ModelSource:
     """The training-loop source of ``model_dir`` for a model ``family`` with its ``preprocessor``
-    (tokenization template, image processing, shape policy)."""
+    (tokenization template, image processing, shape policy); media paths are relative to
+    ``image_folder`` / ``video_folder`` (default: the data file's folder)."""
     from dflop_ds.data import read_dataset
     from dflop_ds.models.hf.data import load_llava_records, supervised_targets
 
@@ -73,14 +74,16 @@ def family_source(model_dir: str, family: HFFamily, preprocessor: Any, *, image_
     policy = preprocessor.policy()
     encoder, projector, llm = family.layers(model)
 
-    def folder_for(path: str) -> str:
-        return image_folder if image_folder is not None else str(Path(path).parent)
+    def folder_for(path: str, folder: Optional[str] = None) -> str:
+        return folder if folder is not None else str(Path(path).parent)
 
     def read_shapes(path: str, on_bad_sample: str):
-        return read_dataset(path, policy, on_bad_sample=on_bad_sample, image_folder=folder_for(path))
+        return read_dataset(path, policy, on_bad_sample=on_bad_sample, image_folder=folder_for(path, image_folder),
+                            video_folder=folder_for(path, video_folder))
 
     def make_dataset(shapes, path: str):
-        return family.dataset(list(shapes), load_llava_records(path), preprocessor, folder_for(path), source=path)
+        return family.dataset(list(shapes), load_llava_records(path), preprocessor, folder_for(path, image_folder),
+                              source=path, video_folder=folder_for(path, video_folder))
 
     def save_pretrained(directory: str, state: Mapping[str, torch.Tensor]) -> None:
         # into a fresh copy: the training copy's parameters may be ZeRO-3 partitions
@@ -103,6 +106,9 @@ def hf_source(
     lora: Optional[Mapping[str, Any]] = None,
     max_length: Optional[int] = None,
     truncation: str = "error",
+    video_folder: Optional[str] = None,
+    video_fps: float = 2.0,
+    video_max_frames: int = 768,
 ) -> ModelSource:
     """The model, processor and data pipeline of a HuggingFace directory for the training loop:
     a ``LlavaForConditionalGeneration`` here, the Qwen2-VL family through
@@ -116,6 +122,10 @@ def hf_source(
             None trains all weights.
         max_length, truncation: sequence-length rule of the tokenization
             (:class:`~dflop_ds.models.hf.data.LlavaPreprocessor`).
+        video_folder: folder the records' video paths are relative to (default: the data file's
+            folder); LLaVA models refuse videos.
+        video_fps, video_max_frames: how a Qwen2-VL model samples video frames
+            (:class:`~dflop_ds.models.hf.qwen2_vl_data.VideoFrames`).
     """
     from dflop_ds.models.hf.common import model_type
     from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES
@@ -125,11 +135,13 @@ def hf_source(
 
         if max_length is not None or truncation != "error":
             raise ValueError(f"{model_dir}: max_length and truncation are not supported for Qwen2-VL yet")
-        return qwen2_vl_source(model_dir, image_folder=image_folder, lora=lora)
+        return qwen2_vl_source(model_dir, image_folder=image_folder, lora=lora, video_folder=video_folder,
+                               video_fps=video_fps, video_max_frames=video_max_frames)
     from dflop_ds.models.hf.data import LlavaDataset, LlavaPreprocessor, collate_llava
     from dflop_ds.models.hf.llava import llava_layers, load_llava
 
     family = HFFamily(load_llava, llava_layers, "multi_modal_projector", LlavaDataset, collate_llava,
                       lambda pre, directory: pre.processor.save_pretrained(directory))
     preprocessor = LlavaPreprocessor.from_pretrained(model_dir, max_length=max_length, truncation=truncation)
-    return family_source(model_dir, family, preprocessor, image_folder=image_folder, lora=lora)
+    return family_source(model_dir, family, preprocessor, image_folder=image_folder, lora=lora,
+                         video_folder=video_folder)
