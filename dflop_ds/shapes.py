@@ -20,9 +20,10 @@ ImageRule = Callable[[int, int], tuple[int, int]]
 #: its source frames, frame size and frame rate, for models that sample frames by time (Qwen2-VL):
 #: ``(frames, width, height, fps) -> (encoder_units, visual_tokens, window_units)``. Its ``repr`` names it.
 VideoRule = Callable[[int, int, int, float], tuple[int, int, int]]
-#: Counts a whole conversation exactly as a model's data pipeline tokenizes it:
-#: ``(turns as (role, value) pairs, number of images, number of videos) -> (text_tokens, label_tokens)``.
-ConversationCounter = Callable[[Sequence[tuple[str, str]], int, int], tuple[int, int]]
+#: Counts a whole conversation exactly as a model's data pipeline tokenizes it (its length rule
+#: included): ``(turns as (role, value) pairs, LLM tokens of each image, LLM tokens of the video or
+#: None) -> (text_tokens, label_tokens)``.
+ConversationCounter = Callable[[Sequence[tuple[str, str]], Sequence[int], "int | None"], tuple[int, int]]
 
 
 def default_token_count(text: str) -> int:

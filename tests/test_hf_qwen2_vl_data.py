@@ -90,7 +90,7 @@ def test_template_supervises_answers_and_end_of_turn(setup) -> None:
     assert "<|vision_start|>" + "<|image_pad|>" * 3 + "<|vision_end|>\nwhat is shown?<|im_end|>" in text
     supervised = pre.tokenizer.decode([t for t, s in zip(encoded.input_ids, encoded.supervised) if s])
     assert supervised == "a red car<|im_end|>"
-    assert pre.count([("human", "<image>\nwhat is shown?"), ("gpt", "a red car")], 1) == \
+    assert pre.count([("human", "<image>\nwhat is shown?"), ("gpt", "a red car")], [3]) == \
         (len(encoded.input_ids) - 3, encoded.label_count)
     with pytest.raises(ValueError, match="2 <image> placeholder"):
         pre.encode([("human", "<image> <image>"), ("gpt", "x")], [3])
@@ -101,8 +101,8 @@ def test_hf_source_dispatches_on_the_model_type(setup, tmp_path: Path) -> None:
     source = hf_source(str(model_dir), image_folder=str(images))
     assert source.name.startswith("qwen2_vl") and source.collate is collate_qwen2_vl
     assert list(source.read_shapes(str(data), "error")) == shapes
-    with pytest.raises(ValueError, match="max_length and truncation are not supported for Qwen2-VL"):
-        hf_source(str(model_dir), max_length=64)
+    cutting = hf_source(str(model_dir), image_folder=str(images), max_length=4096, truncation="truncate")
+    assert "max_length:4096 truncation:truncate" in cutting.policy.describe()["tokenizer"]
     missing = tmp_path / "missing"
     (missing).mkdir()
     dataset = source.make_dataset(shapes, str(data))

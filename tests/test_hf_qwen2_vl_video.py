@@ -242,3 +242,32 @@ def test_qwen2_vl_trains_on_videos_on_two_ranks_pipelined(tmp_path: Path) -> Non
     trained = {index for line in trace.read_text().splitlines()
                for microbatch in json.loads(line)["microbatches"] for index in microbatch}
     assert len({index for index in trained if index >= 24}) >= 4  # records 24.. are the videos
+
+
+def test_max_length_refuses_or_truncates_never_through_a_vision_block(video_data) -> None:
+    model_dir, data, images, videos, pre, shapes, _ = video_data
+    conversation = [("human", "<image>\nwhat is shown in the picture?"), ("gpt", "a red car on a road. " * 4)]
+    full = pre.encode(conversation, [3])
+    limit = len(full.input_ids) - 5
+    with pytest.raises(ValueError, match=f"exceed max_length {limit}"):
+        Qwen2VLPreprocessor.from_pretrained(model_dir, max_length=limit).encode(conversation, [3])
+    cutting = Qwen2VLPreprocessor.from_pretrained(model_dir, max_length=limit, truncation="truncate")
+    assert cutting.count(conversation, [3]) == (limit - 3, sum(full.supervised[1:limit]))
+    assert cutting.truncated_samples == 1
+    end_of_image = full.input_ids.index(pre.vision_end)
+    short = Qwen2VLPreprocessor.from_pretrained(model_dir, max_length=end_of_image, truncation="truncate")
+    with pytest.raises(ValueError, match="cut through an image's or video's tokens"):
+        short.encode(conversation, [3])  # keeps every image token but not the block's end
+    video = [("human", "<video>\nwhat happens?"), ("gpt", "nothing")]
+    with pytest.raises(ValueError, match="cut through an image's or video's tokens"):
+        short.encode(video, [], 40)
+    # read and loaded under the rule: cut samples match their shapes; those a cut would break are named
+    limit = sorted(shape.llm_tokens for shape in shapes)[len(shapes) // 2]
+    rule = Qwen2VLPreprocessor.from_pretrained(model_dir, video_fps=2.0, video_max_frames=6, max_length=limit,
+                                               truncation="truncate")
+    result = read_dataset(data, rule.policy(), image_folder=images, video_folder=videos, on_bad_sample="skip")
+    assert len(result) + result.report.n_skipped == len(shapes) and len(result) > len(shapes) // 2
+    assert all("cut through" in problem.reason for problem in result.report.problems)
+    dataset = Qwen2VLDataset(list(result), load_llava_records(data), rule, images, source=data, video_folder=videos)
+    for i, shape in enumerate(result):
+        assert shape.llm_tokens <= limit and dataset[i].input_ids.numel() == shape.llm_tokens

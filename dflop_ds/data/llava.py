@@ -178,13 +178,15 @@ def parse_llava_record(record: Mapping[str, Any], problems: FieldProblems, polic
     if problems or sample_id is None or turns is None or sizes is None or video is None:
         return None
     frames, info = video
+    size, fps = (None, None) if info is None else ((info.width, info.height), info.fps)
     if policy.conversation is not None:
-        text_tokens, label_tokens = policy.conversation(turns, len(sizes), int(frames > 0))
+        image_tokens = [policy.image_units(w, h)[1] for w, h in sizes]
+        video_tokens = policy.video_units(sample_id, frames, size, fps)[1] if frames else None
+        text_tokens, label_tokens = policy.conversation(turns, image_tokens, video_tokens)
     else:
         text_tokens, label_tokens = conversation_tokens(turns, policy)
     return policy.shape(sample_id, image_sizes=sizes, video_frames=frames, text_tokens=text_tokens,
-                        label_tokens=label_tokens, video_size=None if info is None else (info.width, info.height),
-                        video_fps=None if info is None else info.fps)
+                        label_tokens=label_tokens, video_size=size, video_fps=fps)
 
 
 def read_llava(

@@ -216,17 +216,28 @@ class LlavaPreprocessor:
                              " (the tokenizer's model_max_length unless set): raise \"dflop\".max_length, or set"
                              " \"dflop\".truncation = \"truncate\" to cut such samples (counted), or skip them with"
                              " \"on_bad_sample\": \"skip\"")
-        last_image = max((t for t, token in enumerate(encoded.input_ids) if token == self.image_token_id), default=-1)
+        kept = self._uncut_tokens()
+        last_image = max((t for t, token in enumerate(encoded.input_ids) if token in kept), default=-1)
         if last_image >= self.max_length:
             raise ValueError(f"conversations: cutting {length} tokens at max_length {self.max_length} would drop "
-                             "image tokens")
+                             "image tokens (or cut through an image's or video's tokens)")
         keep = self.max_length
         return Encoded(encoded.input_ids[:keep], encoded.supervised[:keep], encoded.image_tokens, length - keep)
 
-    def count(self, turns: Sequence[tuple[str, str]], n_images: int, n_videos: int = 0) -> tuple[int, int]:
-        """``(text_tokens, label_tokens)`` exactly as :meth:`encode` produces them (image tokens excluded;
-        a video is refused by the dataset, so ``n_videos`` does not change the count)."""
-        encoded = self.encode(turns, n_images)
+    def _uncut_tokens(self) -> set[int]:
+        """Tokens a truncation must keep whole: the image tokens."""
+        return {self.image_token_id}
+
+    def count(self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int],
+              video_tokens: int | None = None) -> tuple[int, int]:
+        """``(text_tokens, label_tokens)`` exactly as :meth:`encode` produces them for images of
+        ``image_tokens`` tokens each (every image has ``image_seq_length``; image tokens excluded).
+        A video is refused by the dataset, so ``video_tokens`` does not change the count."""
+        return self._counted(self.encode(turns, len(image_tokens)))
+
+    def _counted(self, encoded: Encoded) -> tuple[int, int]:
+        """``(text_tokens, label_tokens)`` of an encoded sample (visual tokens excluded); a truncated
+        one is counted in ``truncated_samples`` (and the first logged)."""
         if encoded.truncated:
             if not self.truncated_samples:
                 logger.warning("%s: truncating samples longer than max_length %d (counted in truncated_samples)",

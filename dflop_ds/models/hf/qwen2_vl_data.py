@@ -29,8 +29,9 @@ format, so that the shapes the sampler sees and the tensors the dataset makes ag
   and its ``visual_tokens`` its LLM tokens (patches / merge**2); a video's the same over its
   sampled frame pairs.
 
-Not yet: ``max_length`` (the counter cannot see image sizes; the dataset refuses a sample longer
-than the tokenizer's ``model_max_length``, naming it).
+* **Length**: as for LLaVA (``max_length``, default the tokenizer's ``model_max_length``;
+  ``truncation`` ``"error"`` or ``"truncate"``), images and videos expanded; a cut must keep every
+  ``<|vision_start|>`` ... ``<|vision_end|>`` block whole, else the sample is a bad record.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from dflop_ds.data.errors import PathArg
 from dflop_ds.data.video import decode_frames, sample_frame_indices, sampled_frame_count
 from dflop_ds.models.hf.data import (
     NO_LIMIT,
+    TRUNCATION,
     USER_ROLES,
     Encoded,
     LlavaDataset,
@@ -162,11 +164,14 @@ class Qwen2VLPreprocessor:
             image processor).
         system: the system message; name: the policy's name in messages.
         video_fps, video_max_frames: how videos are sampled (:class:`VideoFrames`).
+        max_length, truncation: the length rule, as for
+            :class:`~dflop_ds.models.hf.data.LlavaPreprocessor` (visual tokens included).
     """
 
     def __init__(self, tokenizer: Any, image_processor: Any, config: Any, *, system: str = DEFAULT_SYSTEM,
                  name: str = "qwen2_vl", video_fps: float = DEFAULT_VIDEO_FPS,
-                 video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES) -> None:
+                 video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES, max_length: int | None = None,
+                 truncation: str = "error") -> None:
         from dflop_ds.models.hf.qwen2_vl_synthetic import Qwen2VLInputs
 
         self.inputs = Qwen2VLInputs(tokenizer, image_processor, config, name)  # checks the processor vs config
@@ -184,7 +189,10 @@ class Qwen2VLPreprocessor:
         self.vision_start, self.vision_end = self._special("<|vision_start|>"), self._special("<|vision_end|>")
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(tokenizer.eos_token_id if pad is None else pad)
-        limit = tokenizer.model_max_length
+        if truncation not in TRUNCATION:
+            raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
+        self.truncation, self.truncated_samples = truncation, 0
+        limit = max_length if max_length is not None else tokenizer.model_max_length
         self.max_length = None if limit is None or limit > NO_LIMIT else int(limit)
 
     def _special(self, token: str) -> int:
@@ -252,13 +260,18 @@ class Qwen2VLPreprocessor:
                 add([start] + self._ids("assistant\n"))
                 add(self._ids(value) + [end], True)
                 add(self._ids("\n"))
-        return Encoded(ids, supervised, sum(image_tokens) + int(video_tokens or 0))
+        encoded = Encoded(ids, supervised, sum(image_tokens) + int(video_tokens or 0))
+        return LlavaPreprocessor._fit(self, encoded)  # type: ignore[arg-type]
 
-    def count(self, turns: Sequence[tuple[str, str]], n_images: int, n_videos: int = 0) -> tuple[int, int]:
-        """``(text_tokens, label_tokens)`` exactly as :meth:`encode` produces them (image and video tokens
-        excluded); a record has at most one video."""
-        encoded = self.encode(turns, [0] * n_images, 0 if n_videos else None)
-        return len(encoded.input_ids), encoded.label_count
+    def _uncut_tokens(self) -> set[int]:
+        """Tokens a truncation must keep: every image and video token and the ends of their blocks."""
+        return {self.image_token_id, self.video_token_id, self.vision_end}
+
+    def count(self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int],
+              video_tokens: int | None = None) -> tuple[int, int]:
+        """``(text_tokens, label_tokens)`` exactly as :meth:`encode` produces them (the length rule
+        applied; image and video tokens excluded); a record has at most one video."""
+        return LlavaPreprocessor._counted(self, self.encode(turns, image_tokens, video_tokens))  # type: ignore[arg-type]
 
     def pixel_values(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
         """``(pixel_values [P, C*T*p*p], image_grid_thw [n, 3])`` (empty for no images)."""
@@ -278,7 +291,8 @@ class Qwen2VLPreprocessor:
 
         system = hashlib.sha256(self.system.encode("utf-8")).hexdigest()[:8]
         return (f"{TEMPLATE_NAME} system:{system} tokenizer:{type(self.tokenizer).__name__}:"
-                f"{_tokenizer_digest(self.tokenizer)} image_token:{self.image_token_id}")
+                f"{_tokenizer_digest(self.tokenizer)} image_token:{self.image_token_id} "
+                f"max_length:{self.max_length} truncation:{self.truncation}")
 
     def policy(self) -> ShapePolicy:
         """The :class:`ShapePolicy` of this model's data: per-image patches and tokens from
@@ -346,9 +360,6 @@ class Qwen2VLDataset(LlavaDataset):
             encoded = self.preprocessor.encode(turns, (grid.prod(-1) // merge ** 2).tolist(), video_tokens)
         except ValueError as exc:
             raise self._error(shape.sample_id, None, str(exc)) from exc
-        length, limit = len(encoded.input_ids), self.preprocessor.max_length
-        if limit is not None and length > limit:
-            raise self._error(shape.sample_id, None, f"{length} tokens (images expanded) exceed max_length {limit}")
         try:
             ids, targets = item_tensors(encoded, shape, self.preprocessor.name)
         except ValueError as exc:

@@ -10,7 +10,8 @@ from dflop_ds.train.sources import ModelSource
 
 def qwen2_vl_source(model_dir: str, *, image_folder: Optional[str] = None, lora: Optional[Mapping[str, Any]] = None,
                     video_folder: Optional[str] = None, video_fps: float = 2.0,
-                    video_max_frames: int = 768) -> ModelSource:
+                    video_max_frames: int = 768, max_length: Optional[int] = None,
+                    truncation: str = "error") -> ModelSource:
     """The Qwen2-VL model, its data pipeline (:mod:`~dflop_ds.models.hf.qwen2_vl_data`) and layer
     lists for the training loop. The arguments as for ``hf_source``; with LoRA the patch merger
     (the projector) is trained in full, as the LLaVA projector is."""
@@ -25,7 +26,8 @@ def qwen2_vl_source(model_dir: str, *, image_folder: Optional[str] = None, lora:
     family = HFFamily(load_qwen2_vl, qwen2_vl_layers, "visual.merger", Qwen2VLDataset, collate_qwen2_vl,
                       save_processor)
     preprocessor = Qwen2VLPreprocessor.from_pretrained(model_dir, video_fps=video_fps,
-                                                       video_max_frames=video_max_frames)
+                                                       video_max_frames=video_max_frames, max_length=max_length,
+                                                       truncation=truncation)
     return family_source(model_dir, family, preprocessor, image_folder=image_folder, lora=lora,
                          video_folder=video_folder)
 

@@ -133,10 +133,9 @@ def hf_source(
     if model_type(model_dir) in MODEL_CLASSES:  # the Qwen2-VL family has its own preprocessor
         from dflop_ds.models.hf.qwen2_vl_source import qwen2_vl_source
 
-        if max_length is not None or truncation != "error":
-            raise ValueError(f"{model_dir}: max_length and truncation are not supported for Qwen2-VL yet")
         return qwen2_vl_source(model_dir, image_folder=image_folder, lora=lora, video_folder=video_folder,
-                               video_fps=video_fps, video_max_frames=video_max_frames)
+                               video_fps=video_fps, video_max_frames=video_max_frames, max_length=max_length,
+                               truncation=truncation)
     from dflop_ds.models.hf.data import LlavaDataset, LlavaPreprocessor, collate_llava
     from dflop_ds.models.hf.llava import llava_layers, load_llava
 
