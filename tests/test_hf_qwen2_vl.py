@@ -142,11 +142,12 @@ def test_check_model_passes(loaded, stages: int, capsys) -> None:
 
 
 def test_check_model_names_wrong_positions(tmp_path: Path, capsys, monkeypatch) -> None:
-    """Plain 1-D positions instead of M-RoPE: only the microbatches with images differ, at the first decoder stage."""
+    """Plain 1-D positions instead of M-RoPE: only the microbatches with images or videos differ, at the first
+    decoder stage."""
     folder = build_tiny_qwen2_vl(tmp_path / "m", seed=3)
     real = qwen2_vl.mrope_position_ids
     monkeypatch.setattr(qwen2_vl, "mrope_position_ids",
-                        lambda ids, lens, grid, **kw: real(ids, lens, grid[:0], **kw))
+                        lambda ids, lens, grid, **kw: real(ids, lens, grid[:0], **{**kw, "video_grid_thw": None}))
     assert main(["check-model", str(folder), "--stages", "3"]) == 1
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "DIFFER from HF" in line and "text-only microbatch" not in line

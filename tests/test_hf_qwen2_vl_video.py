@@ -16,7 +16,7 @@ pytest.importorskip("av")
 from dflop_ds.data import DataError, read_dataset  # noqa: E402
 from dflop_ds.data.video import (VideoHeaders, decode_frames, read_video_info,  # noqa: E402
                                  sample_frame_indices, sampled_frame_count)
-from dflop_ds.models.hf.check import random_image  # noqa: E402
+from dflop_ds.models.hf.check import random_frames, random_image  # noqa: E402
 from dflop_ds.models.hf.data import load_llava_records  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor, collate_qwen2_vl  # noqa: E402
@@ -31,13 +31,6 @@ from hf_stage_checks import assert_stages_match_hf  # noqa: E402
 torch.set_num_threads(1)
 
 
-def frames_of(rng: random.Random, count: int, width: int, height: int) -> list:
-    from PIL import Image
-
-    return [Image.frombytes("RGB", (width, height), bytes(rng.getrandbits(8) for _ in range(width * height * 3)))
-            for _ in range(count)]
-
-
 @pytest.fixture(scope="module")
 def model_and_inputs(tmp_path_factory: pytest.TempPathFactory):
     folder = build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl_video"), seed=5)
@@ -48,19 +41,19 @@ def model_and_inputs(tmp_path_factory: pytest.TempPathFactory):
 def video_microbatches(seed: int = 0) -> list[list[tuple]]:
     rng = random.Random(seed)
     return [
-        [(f"USER: {VIDEO_MARK} what happens? ASSISTANT:", "a car drives", [], frames_of(rng, 4, 40, 24)),
+        [(f"USER: {VIDEO_MARK} what happens? ASSISTANT:", "a car drives", [], random_frames(rng, 4)),
          (f"USER: {IMAGE_MARK} and this? ASSISTANT:", "a tree", [random_image(rng)]),
          ("USER: hello ASSISTANT:", "hi there", [])],
         [(f"USER: {IMAGE_MARK} then {VIDEO_MARK} ASSISTANT:", "both move", [random_image(rng)],
-          frames_of(rng, 6, 32, 48)),
-         (f"USER: {VIDEO_MARK} ASSISTANT:", "dark", [], frames_of(rng, 2, 16, 16))],
+          random_frames(rng, 6)),
+         (f"USER: {VIDEO_MARK} ASSISTANT:", "dark", [], random_frames(rng, 2))],
     ]
 
 
 def test_video_patches_pair_consecutive_frames(model_and_inputs) -> None:
     """A video of 2k frames gives k frame pairs; a still frame repeated gives the image's own patches."""
     _, inputs_of = model_and_inputs
-    frames = frames_of(random.Random(1), 4, 40, 24)
+    frames = random_frames(random.Random(1), 4)
     pixels, grid = inputs_of.video_pixel_values(frames)
     image = inputs_of.image_processor(images=frames[:1], return_tensors="pt")
     image_pixels = image["pixel_values"]
