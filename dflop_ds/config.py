@@ -111,7 +111,7 @@ class DFLOPConfig:
     correction: dict[str, Any] = field(default_factory=dict)
     model_name_or_path: Optional[str] = None
     image_folder: Optional[str] = None
-    video_folder: Optional[str] = None
+    video_folder: str | None = None
     video_fps: float = 2.0
     video_max_frames: int = 768
     lora: Optional[dict[str, Any]] = None

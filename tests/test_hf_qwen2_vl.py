@@ -101,7 +101,8 @@ def test_position_ids_equal_hf(loaded) -> None:
         kwargs = qwen2_vl_hf_kwargs(inputs, model.config)
         if inputs[3].shape[0]:
             expected, _ = model.model.get_rope_index(kwargs["input_ids"], kwargs["mm_token_type_ids"],
-                                                     image_grid_thw=inputs[3], video_grid_thw=kwargs.get("video_grid_thw"),
+                                                     image_grid_thw=inputs[3],
+                                                     video_grid_thw=kwargs.get("video_grid_thw"),
                                                      attention_mask=kwargs["attention_mask"])
             assert not torch.equal(position_ids[1], position_ids[2])  # height and width differ on images
         else:
@@ -147,7 +148,8 @@ def test_check_model_names_wrong_positions(tmp_path: Path, capsys, monkeypatch) 
     folder = build_tiny_qwen2_vl(tmp_path / "m", seed=3)
     real = qwen2_vl.mrope_position_ids
     monkeypatch.setattr(qwen2_vl, "mrope_position_ids",
-                        lambda ids, lens, grid, **kw: real(ids, lens, grid[:0], **{**kw, "video_grid_thw": None}))
+                        lambda ids, lens, grid, **kw: real(ids, lens, grid[:0],
+                                                           **{**kw, "video_grid_thw": None}))
     assert main(["check-model", str(folder), "--stages", "3"]) == 1
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "DIFFER from HF" in line and "text-only microbatch" not in line

@@ -13,20 +13,25 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("av")
 
+from hf_stage_checks import assert_stages_match_hf  # noqa: E402
+
 from dflop_ds.data import DataError, read_dataset  # noqa: E402
-from dflop_ds.data.video import (VideoHeaders, decode_frames, read_video_info,  # noqa: E402
-                                 sample_frame_indices, sampled_frame_count)
+from dflop_ds.data.video import VideoHeaders, decode_frames, read_video_info, sample_frame_indices, sampled_frame_count  # noqa: E402
 from dflop_ds.models.hf.check import random_frames, random_image  # noqa: E402
 from dflop_ds.models.hf.data import load_llava_records  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor, collate_qwen2_vl  # noqa: E402
-from dflop_ds.models.hf.qwen2_vl_synthetic import (IMAGE_MARK, VIDEO_MARK, Qwen2VLInputs,  # noqa: E402
-                                                   qwen2_vl_hf_forward, qwen2_vl_hf_kwargs)
+from dflop_ds.models.hf.qwen2_vl_synthetic import (  # noqa: E402
+    IMAGE_MARK,
+    VIDEO_MARK,
+    Qwen2VLInputs,
+    qwen2_vl_hf_forward,
+    qwen2_vl_hf_kwargs,
+)
 from dflop_ds.pipe import token_normalized_loss  # noqa: E402
 from dflop_ds.testing.hf_tiny import build_tiny_qwen2_vl  # noqa: E402
 from dflop_ds.testing.llava_data import write_llava_dataset  # noqa: E402
 from dflop_ds.testing.video import add_video_records, write_video  # noqa: E402
-from hf_stage_checks import assert_stages_match_hf  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -41,12 +46,20 @@ def model_and_inputs(tmp_path_factory: pytest.TempPathFactory):
 def video_microbatches(seed: int = 0) -> list[list[tuple]]:
     rng = random.Random(seed)
     return [
-        [(f"USER: {VIDEO_MARK} what happens? ASSISTANT:", "a car drives", [], random_frames(rng, 4)),
-         (f"USER: {IMAGE_MARK} and this? ASSISTANT:", "a tree", [random_image(rng)]),
-         ("USER: hello ASSISTANT:", "hi there", [])],
-        [(f"USER: {IMAGE_MARK} then {VIDEO_MARK} ASSISTANT:", "both move", [random_image(rng)],
-          random_frames(rng, 6)),
-         (f"USER: {VIDEO_MARK} ASSISTANT:", "dark", [], random_frames(rng, 2))],
+        [
+            (f"USER: {VIDEO_MARK} what happens? ASSISTANT:", "a car drives", [], random_frames(rng, 4)),
+            (f"USER: {IMAGE_MARK} and this? ASSISTANT:", "a tree", [random_image(rng)]),
+            ("USER: hello ASSISTANT:", "hi there", []),
+        ],
+        [
+            (
+                f"USER: {IMAGE_MARK} then {VIDEO_MARK} ASSISTANT:",
+                "both move",
+                [random_image(rng)],
+                random_frames(rng, 6),
+            ),
+            (f"USER: {VIDEO_MARK} ASSISTANT:", "dark", [], random_frames(rng, 2)),
+        ],
     ]
 
 
@@ -88,10 +101,13 @@ def test_video_position_ids_equal_hf(model_and_inputs) -> None:
             x = layer(x)
         _, position_ids, _ = projector(x)
         kwargs = qwen2_vl_hf_kwargs(inputs, model.config)
-        expected, _ = model.model.get_rope_index(kwargs["input_ids"], kwargs["mm_token_type_ids"],
-                                                 image_grid_thw=kwargs.get("image_grid_thw"),
-                                                 video_grid_thw=kwargs["video_grid_thw"],
-                                                 attention_mask=kwargs["attention_mask"])
+        expected, _ = model.model.get_rope_index(
+            kwargs["input_ids"],
+            kwargs["mm_token_type_ids"],
+            image_grid_thw=kwargs.get("image_grid_thw"),
+            video_grid_thw=kwargs["video_grid_thw"],
+            attention_mask=kwargs["attention_mask"],
+        )
         assert torch.equal(position_ids, expected)
         video = inputs[1] == model.config.video_token_id
         assert len(set(position_ids[0][video].tolist())) > 1  # the temporal axis moves within a video
@@ -188,8 +204,14 @@ def test_missing_and_unreadable_videos_name_the_record(video_data, tmp_path: Pat
     (videos / "broken.mp4").write_bytes(b"not a video at all")
     data = tmp_path / "d.json"
     turns = [{"from": "human", "value": "<video>\nwhat?"}, {"from": "gpt", "value": "a dog"}]
-    data.write_text(json.dumps([{"id": "gone", "video": "missing.mp4", "conversations": turns},
-                                {"id": "bad", "video": "broken.mp4", "conversations": turns}]))
+    data.write_text(
+        json.dumps(
+            [
+                {"id": "gone", "video": "missing.mp4", "conversations": turns},
+                {"id": "bad", "video": "broken.mp4", "conversations": turns},
+            ]
+        )
+    )
     result = read_dataset(data, pre.policy(), video_folder=videos, on_bad_sample="skip")
     assert len(result) == 0
     problems = {problem.sample_id: problem for problem in result.report.problems}
@@ -228,12 +250,26 @@ def test_qwen2_vl_trains_on_videos_on_two_ranks_pipelined(tmp_path: Path) -> Non
     data, images = write_llava_dataset(tmp_path / "data", 24, seed=4)
     add_video_records(data, tmp_path / "videos", 16, seed=2)
     trace = tmp_path / "trace.jsonl"
-    run = train(tmp_path, "hf_pp2.json", model, data, images, "--video_folder", str(tmp_path / "videos"),
-                "--trace", str(trace), dflop={"steps": 6, "video_fps": 2.0, "video_max_frames": 8})
+    run = train(
+        tmp_path,
+        "hf_pp2.json",
+        model,
+        data,
+        images,
+        "--video_folder",
+        str(tmp_path / "videos"),
+        "--trace",
+        str(trace),
+        dflop={"steps": 6, "video_fps": 2.0, "video_max_frames": 8},
+    )
     losses = [step["loss"] for step in run["steps"]]
     assert len(losses) == 6 and losses[-1] < losses[0], losses
-    trained = {index for line in trace.read_text().splitlines()
-               for microbatch in json.loads(line)["microbatches"] for index in microbatch}
+    trained = {
+        index
+        for line in trace.read_text().splitlines()
+        for microbatch in json.loads(line)["microbatches"]
+        for index in microbatch
+    }
     assert len({index for index in trained if index >= 24}) >= 4  # records 24.. are the videos
 
 
@@ -256,8 +292,9 @@ def test_max_length_refuses_or_truncates_never_through_a_vision_block(video_data
         short.encode(video, [], 40)
     # read and loaded under the rule: cut samples match their shapes; those a cut would break are named
     limit = sorted(shape.llm_tokens for shape in shapes)[len(shapes) // 2]
-    rule = Qwen2VLPreprocessor.from_pretrained(model_dir, video_fps=2.0, video_max_frames=6, max_length=limit,
-                                               truncation="truncate")
+    rule = Qwen2VLPreprocessor.from_pretrained(
+        model_dir, video_fps=2.0, video_max_frames=6, max_length=limit, truncation="truncate"
+    )
     result = read_dataset(data, rule.policy(), image_folder=images, video_folder=videos, on_bad_sample="skip")
     assert len(result) + result.report.n_skipped == len(shapes) and len(result) > len(shapes) // 2
     assert all("cut through" in problem.reason for problem in result.report.problems)

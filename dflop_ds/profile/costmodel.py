@@ -143,8 +143,9 @@ class CostModel:
     def typical_window(self) -> float:
         """Attention units per tile of the profiled encoder inputs (median; 0 without attention units):
         what a tile is assumed to add to ``A`` when a shape does not say."""
-        points = [p for p in self.profile_.encoder if p.attention_units is not None and p.tiles > 0]
-        return float(np.median([p.attention_units / p.tiles for p in points])) if points else 0.0
+        ratios = [p.attention_units / p.tiles for p in self.profile_.encoder
+                  if p.attention_units is not None and p.tiles > 0]
+        return float(np.median(ratios)) if ratios else 0.0
 
     def encoder_time(self, tiles: Sequence[float], attention: Sequence[float | None] | None = None) -> np.ndarray:
         """Encoder (+projector) seconds for microbatches of ``tiles`` tiles in total and ``attention``

@@ -303,8 +303,9 @@ def qwen2_vl_layers(model: nn.Module) -> tuple[list[nn.Module], nn.Module, list[
 
 class Qwen2VLEncoderInputs:
     """Profiler input factory of the first encoder layer: ``(patches, batch) -> (pixel_values,
-    input_ids, seq_lens, image_grid_thw, video_grid_thw)`` (no videos): one random image per row, ``patches`` spread over the
-    ``batch`` rows (each image rounded up to whole ``merge x merge`` blocks, as a ``m x k`` strip),
+    input_ids, seq_lens, image_grid_thw, video_grid_thw)`` (no videos): one random image per row,
+    ``patches`` spread over the ``batch`` rows (each image rounded up to whole ``merge x merge``
+    blocks, as a ``m x k`` strip),
     each row holding its image's tokens then ``text_tokens`` text tokens. ``patches`` are the
     encoder units of the Qwen2-VL shape policy (``encoder_tiles``)."""
 

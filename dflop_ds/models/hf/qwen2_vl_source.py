@@ -9,8 +9,8 @@ from dflop_ds.train.sources import ModelSource
 
 
 def qwen2_vl_source(model_dir: str, *, image_folder: Optional[str] = None, lora: Optional[Mapping[str, Any]] = None,
-                    video_folder: Optional[str] = None, video_fps: float = 2.0,
-                    video_max_frames: int = 768, max_length: Optional[int] = None,
+                    video_folder: str | None = None, video_fps: float = 2.0,
+                    video_max_frames: int = 768, max_length: int | None = None,
                     truncation: str = "error") -> ModelSource:
     """The Qwen2-VL model, its data pipeline (:mod:`~dflop_ds.models.hf.qwen2_vl_data`) and layer
     lists for the training loop. The arguments as for ``hf_source``; with LoRA the patch merger

@@ -54,7 +54,7 @@ class HFFamily:
 
 
 def family_source(model_dir: str, family: HFFamily, preprocessor: Any, *, image_folder: Optional[str] = None,
-                  lora: Optional[Mapping[str, Any]] = None, video_folder: Optional[str] = None) -> ModelSource:
+                  lora: Optional[Mapping[str, Any]] = None, video_folder: str | None = None) -> ModelSource:
     """The training-loop source of ``model_dir`` for a model ``family`` with its ``preprocessor``
     (tokenization template, image processing, shape policy); media paths are relative to
     ``image_folder`` / ``video_folder`` (default: the data file's folder)."""
@@ -74,7 +74,7 @@ def family_source(model_dir: str, family: HFFamily, preprocessor: Any, *, image_
     policy = preprocessor.policy()
     encoder, projector, llm = family.layers(model)
 
-    def folder_for(path: str, folder: Optional[str] = None) -> str:
+    def folder_for(path: str, folder: str | None = None) -> str:
         return folder if folder is not None else str(Path(path).parent)
 
     def read_shapes(path: str, on_bad_sample: str):
@@ -106,7 +106,7 @@ def hf_source(
     lora: Optional[Mapping[str, Any]] = None,
     max_length: Optional[int] = None,
     truncation: str = "error",
-    video_folder: Optional[str] = None,
+    video_folder: str | None = None,
     video_fps: float = 2.0,
     video_max_frames: int = 768,
 ) -> ModelSource:
