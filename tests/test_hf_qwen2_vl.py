@@ -10,14 +10,15 @@ import torch
 
 pytest.importorskip("transformers")
 
+from hf_stage_checks import assert_stages_match_hf  # noqa: E402
+
 from dflop_ds.cli import main  # noqa: E402
 from dflop_ds.models.hf import qwen2_vl  # noqa: E402
 from dflop_ds.models.hf.check import random_image  # noqa: E402
+from dflop_ds.models.hf.common import run_layers  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, mrope_position_ids, qwen2_vl_layers  # noqa: E402
-from dflop_ds.models.hf.qwen2_vl_synthetic import (IMAGE_MARK, Qwen2VLInputs, qwen2_vl_hf_forward,  # noqa: E402
-                                                   qwen2_vl_hf_kwargs)
+from dflop_ds.models.hf.qwen2_vl_synthetic import IMAGE_MARK, Qwen2VLInputs, qwen2_vl_hf_forward, qwen2_vl_hf_positions  # noqa: E402
 from dflop_ds.pipe import token_normalized_loss  # noqa: E402
-from hf_stage_checks import assert_stages_match_hf  # noqa: E402
 from dflop_ds.testing.hf_tiny import build_tiny_qwen2_vl  # noqa: E402
 
 torch.set_num_threads(1)
@@ -93,21 +94,11 @@ def test_position_ids_equal_hf(loaded) -> None:
     encoder, projector, _ = qwen2_vl_layers(model)
     for samples in microbatches(2):
         inputs, _ = inputs_of.microbatch(samples)
-        x = inputs
-        for layer in encoder:
-            x = layer(x)
-        _, position_ids, _ = projector(x)
+        _, position_ids, _ = run_layers([*encoder, projector], inputs)
         assert position_ids.shape == (3, *inputs[1].shape) and not position_ids.is_floating_point()
-        kwargs = qwen2_vl_hf_kwargs(inputs, model.config)
+        assert torch.equal(position_ids, qwen2_vl_hf_positions(model, inputs))
         if inputs[3].shape[0]:
-            expected, _ = model.model.get_rope_index(kwargs["input_ids"], kwargs["mm_token_type_ids"],
-                                                     image_grid_thw=inputs[3],
-                                                     video_grid_thw=kwargs.get("video_grid_thw"),
-                                                     attention_mask=kwargs["attention_mask"])
             assert not torch.equal(position_ids[1], position_ids[2])  # height and width differ on images
-        else:
-            expected = torch.arange(inputs[1].shape[1]).expand(3, *inputs[1].shape)
-        assert torch.equal(position_ids, expected)
 
 
 def test_mrope_refuses_grids_that_do_not_match_the_image_tokens() -> None:

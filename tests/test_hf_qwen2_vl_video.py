@@ -16,8 +16,15 @@ pytest.importorskip("av")
 from hf_stage_checks import assert_stages_match_hf  # noqa: E402
 
 from dflop_ds.data import DataError, read_dataset  # noqa: E402
-from dflop_ds.data.video import VideoHeaders, decode_frames, read_video_info, sample_frame_indices, sampled_frame_count  # noqa: E402
+from dflop_ds.data.video import (  # noqa: E402
+    VideoHeaders,
+    decode_frames,
+    read_video_info,
+    sample_frame_indices,
+    sampled_frame_count,
+)
 from dflop_ds.models.hf.check import random_frames, random_image  # noqa: E402
+from dflop_ds.models.hf.common import run_layers  # noqa: E402
 from dflop_ds.models.hf.data import load_llava_records  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor, collate_qwen2_vl  # noqa: E402
@@ -26,7 +33,7 @@ from dflop_ds.models.hf.qwen2_vl_synthetic import (  # noqa: E402
     VIDEO_MARK,
     Qwen2VLInputs,
     qwen2_vl_hf_forward,
-    qwen2_vl_hf_kwargs,
+    qwen2_vl_hf_positions,
 )
 from dflop_ds.pipe import token_normalized_loss  # noqa: E402
 from dflop_ds.testing.hf_tiny import build_tiny_qwen2_vl  # noqa: E402
@@ -96,19 +103,8 @@ def test_video_position_ids_equal_hf(model_and_inputs) -> None:
     encoder, projector, _ = qwen2_vl_layers(model)
     for samples in video_microbatches(3):
         inputs, _ = inputs_of.microbatch(samples)
-        x = inputs
-        for layer in encoder:
-            x = layer(x)
-        _, position_ids, _ = projector(x)
-        kwargs = qwen2_vl_hf_kwargs(inputs, model.config)
-        expected, _ = model.model.get_rope_index(
-            kwargs["input_ids"],
-            kwargs["mm_token_type_ids"],
-            image_grid_thw=kwargs.get("image_grid_thw"),
-            video_grid_thw=kwargs["video_grid_thw"],
-            attention_mask=kwargs["attention_mask"],
-        )
-        assert torch.equal(position_ids, expected)
+        _, position_ids, _ = run_layers([*encoder, projector], inputs)
+        assert torch.equal(position_ids, qwen2_vl_hf_positions(model, inputs))
         video = inputs[1] == model.config.video_token_id
         assert len(set(position_ids[0][video].tolist())) > 1  # the temporal axis moves within a video
 

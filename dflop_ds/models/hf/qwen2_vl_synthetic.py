@@ -136,9 +136,24 @@ def qwen2_vl_hf_kwargs(inputs: Sequence[torch.Tensor], config: Any) -> dict[str,
     return kwargs
 
 
+def qwen2_vl_hf_positions(model: Any, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The M-RoPE position ids ``[3, B, S]`` HF's ``get_rope_index`` gives a contract microbatch
+    (``0..S-1`` on every axis without images and videos, as HF's text-only forward counts)."""
+    kwargs = qwen2_vl_hf_kwargs(inputs, model.config)
+    input_ids = kwargs["input_ids"]
+    if "mm_token_type_ids" not in kwargs:
+        return torch.arange(input_ids.shape[1]).expand(3, *input_ids.shape)
+    positions, _ = model.model.get_rope_index(input_ids, kwargs["mm_token_type_ids"],
+                                              image_grid_thw=kwargs.get("image_grid_thw"),
+                                              video_grid_thw=kwargs.get("video_grid_thw"),
+                                              attention_mask=kwargs["attention_mask"])
+    return positions
+
+
 def qwen2_vl_hf_forward(model: Any, inputs: Sequence[torch.Tensor], targets: torch.Tensor):
     """The HF model's own forward of a Qwen2-VL contract microbatch with labels (its loss: the token mean)."""
     return model(**qwen2_vl_hf_kwargs(inputs, model.config), labels=hf_labels(targets))
 
 
-__all__ = ["IMAGE_MARK", "VIDEO_MARK", "Qwen2VLInputs", "VideoSample", "qwen2_vl_hf_forward", "qwen2_vl_hf_kwargs"]
+__all__ = ["IMAGE_MARK", "VIDEO_MARK", "Qwen2VLInputs", "VideoSample", "qwen2_vl_hf_forward", "qwen2_vl_hf_kwargs",
+           "qwen2_vl_hf_positions"]
