@@ -141,8 +141,10 @@ def test_profile_target_runs_the_real_layers_on_patch_counts(setup, tmp_path: Pa
     assert x[0].shape == (4, 9, 64) and x[1].shape == (3, 4, 9)
     profile = profile_model(**target.profile_kwargs(), tiles=(4, 64), seq_lens=(16,), batch_sizes=(1,), repeats=1,
                             warmup=0, progress=False)
+    assert [point.attention_units for point in profile.encoder] == [4 ** 2, 64 ** 2]  # one image per point
     cost_model = CostModel().fit(profile, target.policy)
     assert "SmartResize" in cost_model.shape_policy["image_rule"]
+    assert cost_model.encoder_features == ("1", "T", "A")  # patches and the attention within each image
 
 
 def test_lora_trains_adapters_and_the_merger_only(setup) -> None:
