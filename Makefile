@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(strip $(TORCH_SPEC)),$(PY) -m pip install --quiet $(TORCH_SPEC))
-	$(PY) -m pip install --quiet -e ".[test,hf]"
+	$(PY) -m pip install --quiet -e ".[test,hf,video]"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -1,12 +1,15 @@
-"""`make bench-hf`: stock vs DFLOP sampler on a tiny HuggingFace LLaVA, pipeline (pp2) and ZeRO-2.
+"""`make bench-hf`: stock vs DFLOP sampler on tiny HuggingFace models, pipeline (pp2) and ZeRO-2.
 
 Builds a tiny random ``LlavaForConditionalGeneration`` (CLIP + Llama, saved offline) and a LLaVA
 JSON dataset with real PNG/JPEG files (text-only chats, one to three images, answers of 2 to 45
-words), profiles the model's real layers (``dflop-ds profile model --model_name_or_path``), then
-launches `deepspeed --num_gpus 2 benchmarks/hf_worker.py` once per engine kind; each launch
-trains the same global batches with both samplers, interleaved round by round. Prints a table
-(samples/s median with min-max over rounds) and ends with
-`hf speedup_pp2=<x> speedup_zero2=<y>` (median samples/s, DFLOP over stock).
+words), and a tiny random ``Qwen2VLForConditionalGeneration`` with its own dataset: images of
+varied resolution (each its own patch grid), text-only chats and short real videos (mpeg4,
+4-12 frames, written with PyAV). Profiles each model's real layers (``dflop-ds profile model
+--model_name_or_path``), then launches `deepspeed --num_gpus 2 benchmarks/hf_worker.py` once per
+row (LLaVA on pp2 and ZeRO-2, Qwen2-VL on ZeRO-2); each launch trains the same global batches
+with both samplers, interleaved round by round. Prints a table (samples/s median with min-max
+over rounds) and ends with `hf speedup_pp2=<x> speedup_zero2=<y> speedup_qwen2_vl_zero2=<z>`
+(median samples/s, DFLOP over stock).
 """
 
 from __future__ import annotations
@@ -24,27 +27,40 @@ sys.path.insert(0, str(ROOT))
 
 from dflop_ds.launch import launch_env, run_deepspeed  # noqa: E402
 
-ENGINES = ("pp2", "zero2")
+#: the rows: (name, model family, engine)
+RUNS = (("pp2", "llava", "pp2"), ("zero2", "llava", "zero2"), ("qwen2_vl_zero2", "qwen2_vl", "zero2"))
+#: the profile's encoder sweep per family: LLaVA tiles (images), Qwen2-VL patches
+TILE_SWEEPS = {"llava": "1,2,4,8,16", "qwen2_vl": "4,16,64,128,256,512"}
+#: the Qwen2-VL dataset: images up to 64x64 px after resizing (256 patches), a third of the records videos
+QWEN_MAX_PIXELS, QWEN_VIDEO_SHARE = 64 * 64, 3
 
 
-def prepare(out: Path, records: int) -> tuple[Path, Path, Path, Path]:
-    """The model directory, data file, image folder and cost model (made once, then reused)."""
-    from dflop_ds.testing.hf_tiny import build_tiny_llava
+def prepare(out: Path, records: int, family: str) -> dict[str, Path]:
+    """The model directory, data file, media folders and cost model of ``family`` (made once, then reused)."""
+    from dflop_ds.testing.hf_tiny import build_tiny_llava, build_tiny_qwen2_vl
     from dflop_ds.testing.llava_data import write_llava_dataset
+    from dflop_ds.testing.video import add_video_records
 
-    model = out / "model"
+    root = out if family == "llava" else out / family
+    model = root / "model"
     if not (model / "config.json").exists():
-        build_tiny_llava(model, vision="clip", text="llama")
-    data, images = out / "data" / "data.json", out / "data" / "images"
+        if family == "llava":
+            build_tiny_llava(model, vision="clip", text="llama")
+        else:
+            build_tiny_qwen2_vl(model, max_pixels=QWEN_MAX_PIXELS)
+    data, images, videos = root / "data" / "data.json", root / "data" / "images", root / "data" / "videos"
     if not data.exists():
-        write_llava_dataset(out / "data", records, seed=1, answer_words=(2, 45))
-    cost_model = out / "costmodel.json"
+        n_videos = 0 if family == "llava" else records // QWEN_VIDEO_SHARE
+        write_llava_dataset(root / "data", records - n_videos, seed=1, answer_words=(2, 45))
+        if n_videos:
+            add_video_records(data, videos, n_videos, seed=1)
+    cost_model = root / "costmodel.json"
     if not cost_model.exists():
         print(f"profiling {model} into {cost_model} ...", flush=True)
         subprocess.run([sys.executable, "-m", "dflop_ds.cli", "profile", "model", "--no-progress",
-                        "--model_name_or_path", str(model), "--tiles", "1,2,4,8,16", "--seq-lens",
+                        "--model_name_or_path", str(model), "--tiles", TILE_SWEEPS[family], "--seq-lens",
                         "32,64,128,256,512", "-o", str(cost_model)], check=True, cwd=ROOT, env=launch_env())
-    return model, data, images, cost_model
+    return {"model": model, "data": data, "images": images, "videos": videos, "cost_model": cost_model}
 
 
 def per_method(rows: list[dict]) -> dict[str, dict]:
@@ -64,30 +80,39 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "out" / "bench_hf"))
     parser.add_argument("--records", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds (both samplers once per round)")
+    parser.add_argument("--qwen-rounds", type=int, default=6, help="timed rounds of the Qwen2-VL row")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--runs", default=",".join(name for name, _, _ in RUNS),
+                        help="comma-separated rows to run (default: all)")
     args = parser.parse_args()
+    wanted = args.runs.split(",")
+    unknown = sorted(set(wanted) - {name for name, _, _ in RUNS})
+    if unknown:
+        parser.error(f"unknown runs {unknown}; choose from {[name for name, _, _ in RUNS]}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, data, images, cost_model = prepare(out, args.records)
     results = {}
-    for engine in ENGINES:
-        path = out / f"{engine}.json"
+    for name, family, engine in (run for run in RUNS if run[0] in wanted):
+        paths = prepare(out, args.records, family)
+        path = out / f"{name}.json"
+        rounds = args.rounds if family == "llava" else args.qwen_rounds
         result = run_deepspeed(
             ROOT / "benchmarks" / "hf_worker.py",
-            ["--engine", engine, "--model", str(model), "--data", str(data), "--images", str(images),
-             "--cost-model", str(cost_model), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
+            ["--engine", engine, "--model", str(paths["model"]), "--data", str(paths["data"]),
+             "--images", str(paths["images"]), "--videos", str(paths["videos"]),
+             "--cost-model", str(paths["cost_model"]), "--rounds", str(rounds), "--warmup", str(args.warmup),
              "--out", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
         if result.returncode != 0:
             print(result.stdout[-3000:] + result.stderr[-3000:])
             return result.returncode
-        results[engine] = per_method(json.loads(path.read_text())["rows"])
-    print(f"\n{'engine':7s} {'sampler':8s} {'samples/s median':>17s} {'min-max':>13s} {'padding eff':>12s}")
-    for engine, table in results.items():
+        results[name] = per_method(json.loads(path.read_text())["rows"])
+    print(f"\n{'run':15s} {'sampler':8s} {'samples/s median':>17s} {'min-max':>13s} {'padding eff':>12s}")
+    for name, table in results.items():
         for method, row in table.items():
-            print(f"{engine:7s} {method:8s} {row['median']:17.1f} {row['min']:6.1f}-{row['max']:<6.1f} "
+            print(f"{name:15s} {method:8s} {row['median']:17.1f} {row['min']:6.1f}-{row['max']:<6.1f} "
                   f"{row['padding']:12.3f}")
-    ratios = {engine: table["dflop"]["median"] / table["stock"]["median"] for engine, table in results.items()}
-    print(f"hf speedup_pp2={ratios['pp2']:.3f} speedup_zero2={ratios['zero2']:.3f}")
+    ratios = {name: table["dflop"]["median"] / table["stock"]["median"] for name, table in results.items()}
+    print("hf " + " ".join(f"speedup_{name}={ratio:.3f}" for name, ratio in ratios.items()))
     return 0
 
 

@@ -1,7 +1,7 @@
 """One rank of `make bench-hf` (launched by bench_hf.py under `deepspeed`).
 
 One engine (the pipeline engine with 2 stages, or the plain engine with ZeRO-2) over a
-HuggingFace LLaVA directory, built by the library's training pieces (``hf_source``,
+HuggingFace LLaVA or Qwen2-VL directory, built by the library's training pieces (``hf_source``,
 ``build_engine``). The stock and the DFLOP sampler share the seed, so they cut the same global
 batches; every round trains the same batch with each sampler, the order rotating every round,
 and rank 0 writes each step's time and token counts.
@@ -41,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--images", required=True)
+    parser.add_argument("--videos", help="folder the records' video paths are relative to")
     add_worker_options(parser, global_batch=16, gas=4, rounds=10)
     return parser.parse_args()
 
@@ -53,7 +54,7 @@ def main() -> int:
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     stages = 2 if args.engine == "pp2" else 1
     dp = world // stages
-    source = hf_source(args.model, image_folder=args.images)
+    source = hf_source(args.model, image_folder=args.images, video_folder=args.videos)
     shapes = source.read_shapes(args.data, "error")
     dataset = source.make_dataset(shapes, args.data)
     cost_model = load_cost_model(args.cost_model)

@@ -95,6 +95,9 @@ class DFLOPConfig:
             model).
         image_folder: folder the dataset records' image paths are relative to (None: the data
             file's folder).
+        video_folder: folder the records' video paths are relative to (None: the data file's folder).
+        video_fps, video_max_frames: frames sampled per second of a video, and at most this many
+            (Qwen2-VL; rounded down to pairs, its temporal patch size).
         lora: LoRA fine-tuning of a HuggingFace model's language model (see
             :func:`dflop_ds.models.hf.lora.apply_lora`), e.g. ``{"r": 8, "alpha": 16}``; None
             trains every weight.
@@ -117,6 +120,9 @@ class DFLOPConfig:
     on_bad_sample: str = setting("error", "data", kind="str", choices=BAD_SAMPLE_POLICIES)
     policy: str = setting("tiny", "data", kind="str", choices=("tiny", "default"))
     image_folder: str | None = setting(None, "data", kind="str", optional=True)
+    video_folder: str | None = setting(None, "data", kind="str", optional=True)
+    video_fps: float = setting(2.0, "data", kind="number", minimum=0.01)
+    video_max_frames: int = setting(768, "data", kind="int", minimum=2)
     max_length: int | None = setting(None, "data", kind="int", minimum=1, optional=True)
     truncation: str = setting("error", "data", kind="str", choices=("error", "truncate"))
     num_workers: int = setting(2, "data", kind="int", minimum=0)

@@ -16,9 +16,14 @@ Tokenizer = Callable[[str], int]
 #: An image's own encoder units and LLM tokens from its size, for native-resolution models
 #: (Qwen2-VL): ``(width, height) -> (encoder_units, visual_tokens)``. Its ``repr`` names it.
 ImageRule = Callable[[int, int], tuple[int, int]]
-#: Counts a whole conversation exactly as a model's data pipeline tokenizes it:
-#: ``(turns as (role, value) pairs, number of images) -> (text_tokens, label_tokens)``.
-ConversationCounter = Callable[[Sequence[tuple[str, str]], int], tuple[int, int]]
+#: A video's encoder units, LLM tokens and encoder units per attention window (a frame group) from
+#: its source frames, frame size and frame rate, for models that sample frames by time (Qwen2-VL):
+#: ``(frames, width, height, fps) -> (encoder_units, visual_tokens, window_units)``. Its ``repr`` names it.
+VideoRule = Callable[[int, int, int, float], tuple[int, int, int]]
+#: Counts a whole conversation exactly as a model's data pipeline tokenizes it (its length rule
+#: included): ``(turns as (role, value) pairs, LLM tokens of each image, LLM tokens of the video or
+#: None) -> (text_tokens, label_tokens)``.
+ConversationCounter = Callable[[Sequence[tuple[str, str]], Sequence[int], "int | None"], tuple[int, int]]
 
 
 def default_token_count(text: str) -> int:
@@ -42,11 +47,16 @@ class SampleShape:
         sample_id: the dataset's id for the sample (used in every error message).
         image_sizes: ``(width, height)`` in pixels of each image, in order.
         video_frames: frames in the source video (0 when there is no video).
+        video_size: ``(width, height)`` of the video's frames, when known (from its container).
+        video_fps: the video's frame rate, when known (from its container).
         text_tokens: text tokens of the whole conversation, placeholders excluded.
         label_tokens: supervised tokens (those the loss is computed on), ``<= text_tokens``.
         encoder_tiles: tiles plus sampled frames the vision encoder processes.
         visual_tokens: tokens the projector inserts into the LLM sequence.
         llm_tokens: LLM sequence length: ``visual_tokens + text_tokens``.
+        encoder_attention: the encoder's attention work, the sum over its attention windows of
+            the squared units in each (an image's patches, a video's frame group); 0 when the
+            policy does not know its windows (tiling policies).
     """
 
     sample_id: str
@@ -57,6 +67,9 @@ class SampleShape:
     encoder_tiles: int = 0
     visual_tokens: int = 0
     llm_tokens: int = 0
+    video_size: tuple[int, int] | None = None
+    video_fps: float | None = None
+    encoder_attention: int = 0
 
     @property
     def modality(self) -> str:
@@ -90,7 +103,8 @@ class ShapePolicy:
     a whole (template, separators, image placeholders), replacing the per-turn counting.
     ``image_rule``, when set, replaces the tiling: every image gives the encoder units (e.g.
     patches) and LLM tokens the rule derives from its own size (native-resolution models such as
-    Qwen2-VL; ``encoder_tiles`` then counts those units).
+    Qwen2-VL; ``encoder_tiles`` then counts those units). ``video_rule``, when set, does the same
+    for a video from its frames, size and frame rate (which its shape must then carry).
     """
 
     tile_size: int = 384
@@ -104,6 +118,7 @@ class ShapePolicy:
     tokenizer_id: str | None = None
     conversation: ConversationCounter | None = field(default=None, compare=False, repr=False)
     image_rule: ImageRule | None = field(default=None, compare=False, repr=False)
+    video_rule: VideoRule | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("tile_size", "max_tiles", "tokens_per_tile", "max_frames", "tokens_per_frame"):
@@ -121,6 +136,8 @@ class ShapePolicy:
                      "max_frames": self.max_frames, "tokens_per_frame": self.tokens_per_frame, "tokenizer": tokenizer}
         if self.image_rule is not None:
             described["image_rule"] = repr(self.image_rule)
+        if self.video_rule is not None:
+            described["video_rule"] = repr(self.video_rule)
         return described
 
     def image_units(self, width: int, height: int) -> tuple[int, int]:
@@ -156,6 +173,22 @@ class ShapePolicy:
         grid = cols * rows
         return grid + 1 if grid > 1 and self.add_thumbnail else grid
 
+    def video_units(self, sample_id: str, frames: int, size: tuple[int, int] | None,
+                    fps: float | None) -> tuple[int, int, int]:
+        """``(encoder units, LLM tokens, attention units)`` of a video of ``frames`` source frames: its
+        sampled frames and their tokens (attention unknown: 0), or the ``video_rule``'s (which needs
+        the frame size and rate; attention: units x units per window)."""
+        if frames == 0:
+            return 0, 0, 0
+        if self.video_rule is None:
+            sampled = self.sampled_frames(frames)
+            return sampled, sampled * self.tokens_per_frame, 0
+        if size is None or fps is None:
+            raise ValueError(f"sample {sample_id!r}: policy {self.name!r} needs the video's frame size and rate "
+                             "(read from the video file under a video_folder)")
+        units, tokens, window = self.video_rule(int(frames), int(size[0]), int(size[1]), float(fps))
+        return int(units), int(tokens), int(units) * int(window)
+
     def sampled_frames(self, video_frames: int) -> int:
         """Frames sampled from a video of ``video_frames`` frames."""
         if video_frames < 0:
@@ -174,6 +207,8 @@ class ShapePolicy:
         video_frames: int = 0,
         text_tokens: int = 0,
         label_tokens: int | None = None,
+        video_size: tuple[int, int] | None = None,
+        video_fps: float | None = None,
     ) -> SampleShape:
         """Build the :class:`SampleShape` of one sample, deriving tiles and LLM tokens.
 
@@ -189,8 +224,13 @@ class ShapePolicy:
         sizes = tuple((int(w), int(h)) for w, h in image_sizes)
         per_image = [self.image_units(w, h) for w, h in sizes]
         image_tiles = sum(units for units, _ in per_image)
-        frames = self.sampled_frames(video_frames)
-        visual = sum(tokens for _, tokens in per_image) + frames * self.tokens_per_frame
+        if video_frames < 0:
+            raise ValueError(f"sample {sample_id!r}: video_frames must be >= 0, got {video_frames}")
+        frames, video_tokens, video_attention = self.video_units(str(sample_id), int(video_frames), video_size,
+                                                                 video_fps)
+        visual = sum(tokens for _, tokens in per_image) + video_tokens
+        # an image under an image_rule is one attention window; tiles' windows are not known here
+        image_attention = sum(units ** 2 for units, _ in per_image) if self.image_rule is not None else 0
         return SampleShape(
             sample_id=str(sample_id),
             image_sizes=sizes,
@@ -200,6 +240,9 @@ class ShapePolicy:
             encoder_tiles=image_tiles + frames,
             visual_tokens=visual,
             llm_tokens=visual + int(text_tokens),
+            video_size=None if video_size is None else (int(video_size[0]), int(video_size[1])),
+            video_fps=None if video_fps is None else float(video_fps),
+            encoder_attention=image_attention + video_attention,
         )
 
     def reshape(self, shape: SampleShape) -> SampleShape:
@@ -210,6 +253,8 @@ class ShapePolicy:
             video_frames=shape.video_frames,
             text_tokens=shape.text_tokens,
             label_tokens=shape.label_tokens,
+            video_size=shape.video_size,
+            video_fps=shape.video_fps,
         )
 
 

@@ -193,3 +193,26 @@ def test_report_cli_prints_the_table_and_writes_a_png(model: FittedCostModel, tm
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**cost_model_to_dict(model), "format_version": 0}))
     assert cli_main(["profile", "report", str(bad), "--png", ""]) == 1
+
+
+def test_encoder_attention_units_follow_each_windows_patch_count() -> None:
+    """A profile whose encoder points carry attention units (Qwen2-VL: an image attends within
+    itself) fits ``1, T, A``; one large image then costs more than as many patches in small ones."""
+    profile = synthetic_profile()
+    for point in profile.encoder:
+        point.attention_units = point.tiles ** 2
+        point.time_s = 2e-3 + 1e-3 * point.tiles + 5e-5 * point.tiles ** 2
+    model = FittedCostModel().fit(profile)
+    assert model.encoder_features == ("1", "T", "A") and model.typical_window() > 0
+
+    def image(sample_id: str, patches: int) -> SampleShape:
+        return SampleShape(sample_id, encoder_tiles=patches, encoder_attention=patches ** 2, text_tokens=8,
+                           llm_tokens=8 + patches // 4, visual_tokens=patches // 4)
+
+    big = model.predict_microbatch([image("big", 32)])[0]
+    small = model.predict_microbatch([image(f"s{i}", 8) for i in range(4)])[0]
+    assert big == pytest.approx(2e-3 + 32e-3 + 5e-5 * 32 ** 2, rel=0.02)
+    assert small == pytest.approx(2e-3 + 32e-3 + 5e-5 * 4 * 8 ** 2, rel=0.02)
+    loaded = FittedCostModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert loaded.predict_microbatch([image("big", 32)])[0] == pytest.approx(big)
+    assert FittedCostModel().fit(synthetic_profile()).encoder_features == ("1", "T")  # no attention units: as before

@@ -198,7 +198,7 @@ def test_too_long_samples_are_refused_or_truncated_never_through_images(model_di
     with pytest.raises(ValueError, match=f"exceed max_length {limit}"):
         LlavaPreprocessor.from_pretrained(model_dir, max_length=limit).encode(conversation, 1)
     cutting = LlavaPreprocessor.from_pretrained(model_dir, max_length=limit, truncation="truncate")
-    text, labels = cutting.count(conversation, 1)
+    text, labels = cutting.count(conversation, [TOKENS_PER_IMAGE])
     assert text + TOKENS_PER_IMAGE == limit and labels == full.label_count - 5
     assert cutting.truncated_samples == 1
     with pytest.raises(ValueError, match="would drop image tokens"):

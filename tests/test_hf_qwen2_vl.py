@@ -10,14 +10,15 @@ import torch
 
 pytest.importorskip("transformers")
 
+from hf_stage_checks import assert_stages_match_hf  # noqa: E402
+
 from dflop_ds.cli import main  # noqa: E402
 from dflop_ds.models.hf import qwen2_vl  # noqa: E402
 from dflop_ds.models.hf.check import random_image  # noqa: E402
+from dflop_ds.models.hf.common import run_layers  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, mrope_position_ids, qwen2_vl_layers  # noqa: E402
-from dflop_ds.models.hf.qwen2_vl_synthetic import (IMAGE_MARK, Qwen2VLInputs, qwen2_vl_hf_forward,  # noqa: E402
-                                                   qwen2_vl_hf_kwargs)
+from dflop_ds.models.hf.qwen2_vl_synthetic import IMAGE_MARK, Qwen2VLInputs, qwen2_vl_hf_forward, qwen2_vl_hf_positions  # noqa: E402
 from dflop_ds.pipe import token_normalized_loss  # noqa: E402
-from hf_stage_checks import assert_stages_match_hf  # noqa: E402
 from dflop_ds.testing.hf_tiny import build_tiny_qwen2_vl  # noqa: E402
 
 torch.set_num_threads(1)
@@ -48,7 +49,7 @@ def test_images_keep_their_own_grids(loaded) -> None:
     """Images of different sizes in one microbatch give different patch grids and token counts."""
     model, inputs_of, _ = loaded
     inputs, _ = inputs_of.microbatch(microbatches()[2])
-    pixel_values, input_ids, _, grid = inputs
+    pixel_values, input_ids, _, grid, _ = inputs
     assert grid.shape == (3, 3) and len({tuple(g) for g in grid.tolist()}) == 3
     assert pixel_values.shape[0] == int(grid.prod(-1).sum())
     merge = model.config.vision_config.spatial_merge_size
@@ -93,19 +94,11 @@ def test_position_ids_equal_hf(loaded) -> None:
     encoder, projector, _ = qwen2_vl_layers(model)
     for samples in microbatches(2):
         inputs, _ = inputs_of.microbatch(samples)
-        x = inputs
-        for layer in encoder:
-            x = layer(x)
-        _, position_ids, _ = projector(x)
+        _, position_ids, _ = run_layers([*encoder, projector], inputs)
         assert position_ids.shape == (3, *inputs[1].shape) and not position_ids.is_floating_point()
-        kwargs = qwen2_vl_hf_kwargs(inputs, model.config.image_token_id)
+        assert torch.equal(position_ids, qwen2_vl_hf_positions(model, inputs))
         if inputs[3].shape[0]:
-            expected, _ = model.model.get_rope_index(kwargs["input_ids"], kwargs["mm_token_type_ids"],
-                                                     image_grid_thw=inputs[3], attention_mask=kwargs["attention_mask"])
             assert not torch.equal(position_ids[1], position_ids[2])  # height and width differ on images
-        else:
-            expected = torch.arange(inputs[1].shape[1]).expand(3, *inputs[1].shape)
-        assert torch.equal(position_ids, expected)
 
 
 def test_mrope_refuses_grids_that_do_not_match_the_image_tokens() -> None:
@@ -126,9 +119,9 @@ def test_projector_refuses_feature_count_mismatch(loaded) -> None:
     x = inputs
     for layer in encoder:
         x = layer(x)
-    vis, input_ids, seq_lens, grid = x
-    with pytest.raises(ValueError, match="image tokens but its 1 image"):
-        projector((vis[:-4], input_ids, seq_lens, grid))
+    vis, input_ids, seq_lens, grid, video_grid = x
+    with pytest.raises(ValueError, match="video tokens but its 1 image"):
+        projector((vis[:-4], input_ids, seq_lens, grid, video_grid))
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -141,11 +134,13 @@ def test_check_model_passes(loaded, stages: int, capsys) -> None:
 
 
 def test_check_model_names_wrong_positions(tmp_path: Path, capsys, monkeypatch) -> None:
-    """Plain 1-D positions instead of M-RoPE: only the microbatches with images differ, at the first decoder stage."""
+    """Plain 1-D positions instead of M-RoPE: only the microbatches with images or videos differ, at the first
+    decoder stage."""
     folder = build_tiny_qwen2_vl(tmp_path / "m", seed=3)
     real = qwen2_vl.mrope_position_ids
     monkeypatch.setattr(qwen2_vl, "mrope_position_ids",
-                        lambda ids, lens, grid, **kw: real(ids, lens, grid[:0], **kw))
+                        lambda ids, lens, grid, **kw: real(ids, lens, grid[:0],
+                                                           **{**kw, "video_grid_thw": None}))
     assert main(["check-model", str(folder), "--stages", "3"]) == 1
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "DIFFER from HF" in line and "text-only microbatch" not in line

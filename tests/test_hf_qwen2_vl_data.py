@@ -90,7 +90,7 @@ def test_template_supervises_answers_and_end_of_turn(setup) -> None:
     assert "<|vision_start|>" + "<|image_pad|>" * 3 + "<|vision_end|>\nwhat is shown?<|im_end|>" in text
     supervised = pre.tokenizer.decode([t for t, s in zip(encoded.input_ids, encoded.supervised) if s])
     assert supervised == "a red car<|im_end|>"
-    assert pre.count([("human", "<image>\nwhat is shown?"), ("gpt", "a red car")], 1) == \
+    assert pre.count([("human", "<image>\nwhat is shown?"), ("gpt", "a red car")], [3]) == \
         (len(encoded.input_ids) - 3, encoded.label_count)
     with pytest.raises(ValueError, match="2 <image> placeholder"):
         pre.encode([("human", "<image> <image>"), ("gpt", "x")], [3])
@@ -101,8 +101,8 @@ def test_hf_source_dispatches_on_the_model_type(setup, tmp_path: Path) -> None:
     source = hf_source(str(model_dir), image_folder=str(images))
     assert source.name.startswith("qwen2_vl") and source.collate is collate_qwen2_vl
     assert list(source.read_shapes(str(data), "error")) == shapes
-    with pytest.raises(ValueError, match="max_length and truncation are not supported for Qwen2-VL"):
-        hf_source(str(model_dir), max_length=64)
+    cutting = hf_source(str(model_dir), image_folder=str(images), max_length=4096, truncation="truncate")
+    assert "max_length:4096 truncation:truncate" in cutting.policy.describe()["tokenizer"]
     missing = tmp_path / "missing"
     (missing).mkdir()
     dataset = source.make_dataset(shapes, str(data))
@@ -131,7 +131,7 @@ def test_profile_target_runs_the_real_layers_on_patch_counts(setup, tmp_path: Pa
     model_dir, _, _, pre, _ = setup
     target = hf_target(str(model_dir))
     assert isinstance(target.encoder_inputs, Qwen2VLEncoderInputs)
-    pixel_values, input_ids, seq_lens, grid = target.encoder_inputs(22, 3)  # 8 + 7 + 7 patches, rounded up
+    pixel_values, input_ids, seq_lens, grid, _ = target.encoder_inputs(22, 3)  # 8 + 7 + 7 patches, rounded up
     assert grid.tolist() == [[1, 2, 4], [1, 2, 4], [1, 2, 4]] and pixel_values.shape[0] == 24
     assert (input_ids == pre.image_token_id).sum(1).tolist() == [2, 2, 2] and seq_lens.tolist() == [10, 10, 10]
     x = target.encoder_inputs(2, 4)  # two rows without an image
@@ -141,8 +141,10 @@ def test_profile_target_runs_the_real_layers_on_patch_counts(setup, tmp_path: Pa
     assert x[0].shape == (4, 9, 64) and x[1].shape == (3, 4, 9)
     profile = profile_model(**target.profile_kwargs(), tiles=(4, 64), seq_lens=(16,), batch_sizes=(1,), repeats=1,
                             warmup=0, progress=False)
+    assert [point.attention_units for point in profile.encoder] == [4 ** 2, 64 ** 2]  # one image per point
     cost_model = FittedCostModel().fit(profile, target.policy)
     assert "SmartResize" in cost_model.shape_policy["image_rule"]
+    assert cost_model.encoder_features == ("1", "T", "A")  # patches and the attention within each image
 
 
 def test_lora_trains_adapters_and_the_merger_only(setup) -> None:

@@ -19,11 +19,13 @@ from sklearn.linear_model import LinearRegression
 
 Feature = Callable[[Mapping[str, np.ndarray]], np.ndarray]
 
-#: Size variables: ``T`` encoder tiles, ``B`` microbatch samples, ``S`` padded sequence length.
+#: Size variables: ``T`` encoder tiles, ``A`` encoder attention units (the sum over attention windows
+#: of their squared units), ``B`` microbatch samples, ``S`` padded sequence length.
 FEATURES: dict[str, Feature] = {
     "1": lambda v: np.ones_like(next(iter(v.values())), dtype=float),
     "T": lambda v: v["T"],
     "T^2": lambda v: v["T"] ** 2,
+    "A": lambda v: v["A"],
     "B": lambda v: v["B"],
     "B*S": lambda v: v["B"] * v["S"],
     "B*S^2": lambda v: v["B"] * v["S"] ** 2,
@@ -57,7 +59,7 @@ class MonotoneFit:
         self.relative = relative
         self.huber = huber
         self.iterations = iterations
-        design_matrix(self.features, {"T": np.zeros(1), "B": np.zeros(1), "S": np.zeros(1)})
+        design_matrix(self.features, {"T": np.zeros(1), "A": np.zeros(1), "B": np.zeros(1), "S": np.zeros(1)})
 
     def fit(
         self, variables: Mapping[str, ArrayLike], y: ArrayLike, scale: ArrayLike | None = None

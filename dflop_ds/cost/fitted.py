@@ -1,7 +1,10 @@
 """FittedCostModel: fitted forward+backward time and memory of the encoder and the LLM.
 
 Fitted on a :class:`~dflop_ds.cost.measurements.ModelProfile`. The encoder's cost is a function of
-the tiles it processes, the LLM's of ``(batch, longest sequence)``, because the collate pads
+the tiles it processes (plus, for encoders whose profile knows their attention windows, such as
+Qwen2-VL's per-image and per-frame-group attention, the attention units ``A``: the sum over
+windows of their squared patches, so one large image costs more than as many patches in small
+ones), the LLM's of ``(batch, longest sequence)``, because the collate pads
 every sample of a microbatch to its longest one: a microbatch of one long and three short
 samples costs the LLM as much as four long ones. Per-sample predictions treat each sample as
 a microbatch of its own.
@@ -21,6 +24,8 @@ from dflop_ds.cost.measurements import Measurement, ModelProfile
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
 ENCODER_TIME = ("1", "T")
+#: the encoder time of a profile with attention units: linear work plus attention within windows
+ENCODER_WINDOW_TIME = ("1", "T", "A")
 LLM_LINEAR_TIME = ("1", "B", "B*S", "B*S^2")
 LLM_ATTENTION_TIME = ("B*S", "B*S^2")
 ENCODER_BYTES = ("1", "T")
@@ -28,7 +33,10 @@ LLM_BYTES = ("B", "B*S", "B*S^2")
 
 
 def _encoder_vars(points: Sequence[Measurement]) -> dict[str, np.ndarray]:
-    return {"T": np.array([p.tiles for p in points], dtype=float)}
+    variables = {"T": np.array([p.tiles for p in points], dtype=float)}
+    if points and all(p.attention_units is not None for p in points):
+        variables["A"] = np.array([p.attention_units for p in points], dtype=float)
+    return variables
 
 
 def _llm_vars(points: Sequence[Measurement]) -> dict[str, np.ndarray]:
@@ -85,6 +93,8 @@ class FittedCostModel:
         if not profile.encoder or not profile.llm:
             raise ValueError("the profile needs both encoder and LLM measurements to fit a FittedCostModel")
         enc, llm = _encoder_vars(profile.encoder), _llm_vars(profile.llm)
+        if "A" in enc and self.encoder_features == ENCODER_TIME:
+            self.encoder_features = ENCODER_WINDOW_TIME
         self.encoder_time_ = MonotoneFit(self.encoder_features).fit(enc, [p.time_s for p in profile.encoder])
         timed_attention = all(p.attention_s is not None for p in profile.llm)
         if self.separate_attention and timed_attention:
@@ -127,10 +137,22 @@ class FittedCostModel:
             raise RuntimeError("this FittedCostModel is not fitted: call fit(profile) or load_cost_model(path)")
 
     # -- raw curves ----------------------------------------------------------------------
-    def encoder_time(self, tiles: ArrayLike) -> np.ndarray:
-        """Encoder (+projector) seconds for microbatches of ``tiles`` tiles in total."""
+    def typical_window(self) -> float:
+        """Attention units per tile of the profiled encoder inputs (median; 0 without attention units):
+        what a tile is assumed to add to ``A`` when a shape does not say."""
+        ratios = [p.attention_units / p.tiles for p in self.profile_.encoder
+                  if p.attention_units is not None and p.tiles > 0]
+        return float(np.median(ratios)) if ratios else 0.0
+
+    def encoder_time(self, tiles: Sequence[float], attention: Sequence[float | None] | None = None) -> np.ndarray:
+        """Encoder (+projector) seconds for microbatches of ``tiles`` tiles in total and ``attention``
+        attention units (where not given or 0: ``tiles x`` :meth:`typical_window`)."""
         self._check_fitted()
-        return self.encoder_time_.predict({"T": np.asarray(tiles, dtype=float)})
+        variables = {"T": np.asarray(tiles, dtype=float)}
+        if "A" in self.encoder_time_.features:
+            given = [0.0 if a is None else float(a) for a in (attention or [None] * len(variables["T"]))]
+            variables["A"] = np.where(np.asarray(given) > 0, given, variables["T"] * self.typical_window())
+        return self.encoder_time_.predict(variables)
 
     def llm_time(self, batch: ArrayLike, seq_len: ArrayLike) -> np.ndarray:
         """LLM seconds for microbatches of ``batch`` samples padded to ``seq_len``."""
@@ -153,7 +175,7 @@ class FittedCostModel:
         """
         tiles = np.array([s.encoder_tiles for s in shapes], dtype=float)
         tokens = np.array([s.llm_tokens for s in shapes], dtype=float)
-        encoder = np.where(tiles > 0, self.encoder_time(tiles), 0.0)
+        encoder = np.where(tiles > 0, self.encoder_time(tiles, [s.encoder_attention for s in shapes]), 0.0)
         llm = np.where(tokens > 0, self.llm_time(np.ones_like(tokens), tokens), 0.0)
         return np.stack([encoder, llm], axis=1).reshape(-1, 2)
 
@@ -168,7 +190,8 @@ class FittedCostModel:
         if not shapes:
             return np.zeros(2)
         tiles, batch, longest = self._microbatch_vars(shapes)
-        return np.array([self.encoder_time([tiles])[0], self.llm_time([batch], [longest])[0]])
+        attention = float(sum(s.encoder_attention for s in shapes))
+        return np.array([self.encoder_time([tiles], [attention])[0], self.llm_time([batch], [longest])[0]])
 
     def predict_activation_bytes(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """``(2,)`` activation bytes kept for backward by one microbatch over the full depth."""

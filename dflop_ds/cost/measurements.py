@@ -14,7 +14,9 @@ from typing import Any
 class Measurement:
     """Full-depth measurements of one segment at one input size.
 
-    ``tiles`` is set for the encoder, ``batch`` and ``seq_len`` for the LLM. Times are robust
+    ``tiles`` is set for the encoder, ``batch`` and ``seq_len`` for the LLM; ``attention_units``
+    for an encoder whose input factory knows its attention windows (the sum over windows of
+    their squared units, see ``SampleShape.encoder_attention``). Times are robust
     seconds of forward+backward; ``attention_s`` is ``None`` when no attention call was seen.
     ``peak_bytes`` is ``None`` when the platform cannot measure peak memory.
     """
@@ -26,6 +28,7 @@ class Measurement:
     tiles: int = 0
     batch: int = 1
     seq_len: int = 0
+    attention_units: int | None = None
 
 
 @dataclass

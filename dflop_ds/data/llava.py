@@ -18,7 +18,9 @@ beside the data file); then, only without an ``image_folder`` and only when aske
 ``fallback_size`` (a fixed size or a seeded :class:`~dflop_ds.data.sizes.SizeDraw`). A size
 found nowhere is a bad record. Video frame counts come from the record (``video_frames`` or
 ``frame_count``), the ``video_frames`` side table (video path -> frames), then
-``fallback_frames`` (default ``None``: an error). See :mod:`dflop_ds.data.media`.
+the video file's container under ``video_folder``, then ``fallback_frames`` (default ``None``:
+an error). See :mod:`dflop_ds.data.media`. As in LLaVA-Video's data, a record with a video and no
+images may mark the video with one ``<image>`` placeholder instead of ``<video>``.
 
 A policy with a ``conversation`` counter (a real model's chat template, see
 :mod:`dflop_ds.models.hf.data`) counts the tokens of the templated conversation itself.
@@ -30,6 +32,7 @@ from typing import Any, Mapping, Sequence
 
 from dflop_ds.data.checks import MAX_VIDEO_FRAMES, FieldProblems, type_name
 from dflop_ds.data.media import MediaLookup
+from dflop_ds.data.video import VideoInfo
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
 ASSISTANT_ROLES = frozenset({"gpt", "assistant"})
@@ -135,7 +138,9 @@ def _resolve_images(record: Mapping[str, Any], problems: FieldProblems,
     return sizes if len(sizes) == len(paths) else None
 
 
-def _resolve_frames(record: Mapping[str, Any], problems: FieldProblems, media: MediaLookup) -> int | None:
+def _resolve_video(record: Mapping[str, Any], problems: FieldProblems, media: MediaLookup,
+                   need_info: bool) -> tuple[int, VideoInfo | None] | None:
+    """``(frames, container facts or None)`` of the record's video (``(0, None)`` without one)."""
     video = record.get("video")
     if "video" in record and (not isinstance(video, str) or not video):
         problems.add("video", f"must be a non-empty path string, got {type_name(video)} {video!r}")
@@ -148,12 +153,12 @@ def _resolve_frames(record: Mapping[str, Any], problems: FieldProblems, media: M
                 return None
             break
     if video is None:
-        return given or 0
-    frames = media.frames(video, given)
-    if isinstance(frames, str):
-        problems.add("video", frames)
+        return given or 0, None
+    found = media.video(video, given, need_info=need_info)
+    if isinstance(found, str):
+        problems.add("video", found)
         return None
-    return frames
+    return found
 
 
 def parse_llava_record(record: Mapping[str, Any], problems: FieldProblems, policy: ShapePolicy,
@@ -162,17 +167,21 @@ def parse_llava_record(record: Mapping[str, Any], problems: FieldProblems, polic
     sample_id = problems.sample_id(record, allow_int=True)
     turns = _parse_conversations(record, problems)
     sizes = _resolve_images(record, problems, media)
-    frames = _resolve_frames(record, problems, media)
+    video = _resolve_video(record, problems, media, policy.video_rule is not None)
     if turns is not None and sizes is not None:
         placeholders = sum(value.count("<image>") for _, value in turns)
-        if placeholders > len(sizes):
+        if placeholders > len(sizes) and not (video and video[0] and not sizes and placeholders == 1):
             problems.add("conversations", f"has {placeholders} <image> placeholder(s) but the record has"
                                           f" {len(sizes)} image(s) (field 'image')")
-    if problems or sample_id is None or turns is None or sizes is None or frames is None:
+    if problems or sample_id is None or turns is None or sizes is None or video is None:
         return None
+    frames, info = video
+    size, fps = (None, None) if info is None else ((info.width, info.height), info.fps)
     if policy.conversation is not None:
-        text_tokens, label_tokens = policy.conversation(turns, len(sizes))
+        image_tokens = [policy.image_units(w, h)[1] for w, h in sizes]
+        video_tokens = policy.video_units(sample_id, frames, size, fps)[1] if frames else None
+        text_tokens, label_tokens = policy.conversation(turns, image_tokens, video_tokens)
     else:
         text_tokens, label_tokens = conversation_tokens(turns, policy)
-    return policy.shape(sample_id, image_sizes=sizes, video_frames=frames,
-                        text_tokens=text_tokens, label_tokens=label_tokens)
+    return policy.shape(sample_id, image_sizes=sizes, video_frames=frames, text_tokens=text_tokens,
+                        label_tokens=label_tokens, video_size=size, video_fps=fps)

@@ -6,23 +6,25 @@ An image's size is, in this order: the size the record gives (``width``/``height
 when no ``image_folder`` is given, an explicitly requested ``fallback_size``. With an
 ``image_folder`` every image must exist (training loads it), whatever gave its size; a
 missing or unreadable file is a bad record naming the path. A video's frame count is the
-record's, the ``video_frames`` table's, then ``fallback_frames``; with a ``video_folder``
-every video must exist (frame counts are not read from video files: that needs a decoder).
+record's, the ``video_frames`` table's, then (under a ``video_folder``) its container's, read
+with PyAV and cached beside the data file (:mod:`dflop_ds.data.video`), then
+``fallback_frames``; with a ``video_folder`` every video must exist. A shape policy with a
+``video_rule`` also needs the frame size and rate: they come from the container, so such a
+video needs a ``video_folder``.
 
 Nothing has a silent default: a size found nowhere is a bad record.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from dflop_ds.data.errors import PathArg
 from dflop_ds.data.headers import HeaderSizes, cache_path_for
 from dflop_ds.data.records import RawRecord
 from dflop_ds.data.sizes import Fallback, fallback_size_for, load_frame_table, load_size_table
+from dflop_ds.data.video import VIDEO_CACHE_SUFFIX, VideoHeaders, VideoInfo
 
 #: Record keys that give image sizes (a record with any of them needs no header).
 SIZE_KEYS = ("image_sizes", "width", "height")
@@ -37,7 +39,7 @@ class MediaLookup:
     fallback_size: Fallback = None
     fallback_frames: int | None = None
     headers: HeaderSizes | None = None
-    video_folder: Path | None = None
+    videos: VideoHeaders | None = None
 
     def image_size(self, path: str, given: tuple[int, int] | None = None) -> tuple[int, int] | str:
         """Size of image ``path`` (``given``: the record's), or a message saying why there is none."""
@@ -57,25 +59,39 @@ class MediaLookup:
                     "no image_folder to read its header from, and no fallback_size")
         return size
 
-    def frames(self, path: str, given: int | None = None) -> int | str:
-        """Frame count of video ``path`` (``given``: the record's), or a message saying why there is none."""
-        if self.video_folder is not None:
-            full = os.path.abspath(os.path.join(self.video_folder, path))
-            if not os.path.isfile(full):
-                return f"video file not found: {full}"
-        if given is not None:
-            return given
-        if path in self.video_frames:
-            return self.video_frames[path]
+    def video(self, path: str, given: int | None = None, *,
+              need_info: bool = False) -> tuple[int, VideoInfo | None] | str:
+        """``(frame count, container facts or None)`` of video ``path`` (``given``: the record's
+        frame count), or a message saying why there is none. ``need_info``: the container's
+        facts (size, rate) are needed, so the file must be readable under the ``video_folder``."""
+        if self.videos is not None:
+            problem = self.videos.missing(path)
+            if problem is not None:
+                return problem
+        known = given if given is not None else self.video_frames.get(path)
+        info = None
+        if self.videos is not None and (need_info or known is None):
+            found = self.videos.info(path)
+            if isinstance(found, str):
+                return found
+            info = found
+        elif need_info:
+            return (f"no frame size and rate for video {path!r}: the shape policy needs them from the video file, "
+                    "and no video_folder was given to read it from")
+        if known is not None:
+            return known, info
+        if info is not None:
+            return info.frames, info
         if self.fallback_frames is not None:
-            return self.fallback_frames
+            return self.fallback_frames, None
         return (f"no frame count for video {path!r}: not in the record ('video_frames'/'frame_count'), "
-                "not in the video_frames table, and no fallback_frames")
+                "not in the video_frames table, no video_folder to read it from, and no fallback_frames")
 
     def save_cache(self) -> None:
-        """Write the header-size cache, if headers were read."""
-        if self.headers is not None:
-            self.headers.save()
+        """Write the header caches (image sizes, video facts), if headers were read."""
+        for cache in (self.headers, self.videos):
+            if cache is not None:
+                cache.save()
 
 
 def record_image_paths(value: Any) -> list[str]:
@@ -110,7 +126,9 @@ class MediaOptions:
     Attributes:
         image_folder: folder the records' image paths are relative to; sizes the record and
             the table do not give are read from the image headers (cached beside the data file).
-        video_folder: folder the records' video paths are relative to (each video must exist).
+        video_folder: folder the records' video paths are relative to (each video must exist);
+            frame counts the record and the table do not give, and the frame size and rate a
+            ``video_rule`` needs, are read from the containers (cached beside the data file).
         image_sizes: side table, a JSON file or a dict mapping image path -> ``[w, h]``.
         video_frames: side table, a JSON file or a dict mapping video path -> frame count.
         fallback_size: size of images found nowhere else, only without an ``image_folder``:
@@ -141,6 +159,8 @@ def media_lookup(data_path: PathArg, records: Sequence[RawRecord], options: Medi
     if options.image_folder is not None:
         headers = HeaderSizes(options.image_folder, cache_path_for(data_path), progress=progress)
         headers.prefetch(paths_needing_headers(records, table))
-    video_folder = None if options.video_folder is None else Path(options.video_folder)
+    videos = None
+    if options.video_folder is not None:
+        videos = VideoHeaders(options.video_folder, cache_path_for(data_path, VIDEO_CACHE_SUFFIX), progress=progress)
     return MediaLookup(table, load_frame_table(options.video_frames), options.fallback_size,
-                       options.fallback_frames, headers, video_folder)
+                       options.fallback_frames, headers, videos)

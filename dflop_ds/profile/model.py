@@ -286,8 +286,11 @@ def profile_model(
         with _progress(2 * (warmup + repeats), progress, "profile model") as bar:
             run_rounds([job for jobs in encoder_jobs for job in jobs], run, bar)
             run_rounds([job for i in by_tokens for job in llm_jobs[i]], run, bar)
+    windows = getattr(encoder_inputs, "attention_units", None)  # (tiles, batch) -> attention units, if known
     encoder_points = [
-        Measurement(*summarize_point(jobs, statistic), tiles=int(count)) for jobs, count in zip(encoder_jobs, tiles)
+        Measurement(*summarize_point(jobs, statistic), tiles=int(count),
+                    attention_units=None if windows is None else int(windows(count, 1)))
+        for jobs, count in zip(encoder_jobs, tiles)
     ]
     llm_points = [
         Measurement(*summarize_point(jobs, statistic), batch=int(b), seq_len=int(s))

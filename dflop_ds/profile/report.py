@@ -31,7 +31,8 @@ def cost_model_table(model: FittedCostModel) -> str:
     lines.append(f"  parameters: {params}; hidden bytes per token {model.hidden_bytes_per_token:g}")
     lines.append("")
     lines.append(" encoder tiles | measured ms | fitted ms |  error | attention ms | activations MiB | peak MiB")
-    fitted = model.encoder_time([m.tiles for m in profile.encoder])
+    fitted = model.encoder_time(
+        [m.tiles for m in profile.encoder], [m.attention_units for m in profile.encoder])
     for m, f in zip(profile.encoder, fitted):
         att = "-" if m.attention_s is None else f"{m.attention_s * 1e3:10.2f}"
         lines.append(
@@ -47,7 +48,8 @@ def cost_model_table(model: FittedCostModel) -> str:
             f" {m.batch:5d} x {m.seq_len:7d} | {m.time_s * 1e3:11.2f} | {f * 1e3:9.2f} | {f / m.time_s - 1:+6.1%} |"
             f" {att:>12s} | {_mib(m.activation_bytes):>15s} | {_mib(m.peak_bytes):>8s}"
         )
-    enc_err = np.abs(model.encoder_time([m.tiles for m in profile.encoder]) / [m.time_s for m in profile.encoder] - 1)
+    enc_fit = model.encoder_time([m.tiles for m in profile.encoder], [m.attention_units for m in profile.encoder])
+    enc_err = np.abs(enc_fit / [m.time_s for m in profile.encoder] - 1)
     llm_err = np.abs(fitted / np.array([m.time_s for m in profile.llm]) - 1)
     lines.append("")
     lines.append(f"fit error (MAPE on the profiled shapes): encoder {enc_err.mean():.3f}, LLM {llm_err.mean():.3f}")

@@ -51,7 +51,7 @@ from dflop_ds.train.gather import gather_full_state
 #: command-line options that override settings of the "dflop" block (option dest -> DFLOPConfig attribute)
 BLOCK_OVERRIDES = {"sampler": "sampler", "steps": "steps", "data": "data", "data_path": "data",
                    "cost_model": "cost_model", "model_name_or_path": "model_name_or_path",
-                   "image_folder": "image_folder", "packing": "packing"}
+                   "image_folder": "image_folder", "video_folder": "video_folder", "packing": "packing"}
 
 
 def true_or_false(value: str) -> bool:
@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data_path", help="LLaVA JSON/JSONL or shape manifest (overrides dflop.data.path)")
     parser.add_argument("--data", help="alias of --data_path")
     parser.add_argument("--image_folder", help="folder the records' image paths are relative to")
+    parser.add_argument("--video_folder", help="folder the records' video paths are relative to")
     parser.add_argument("--sampler", choices=splitter_names(), help="override dflop.sampler.kind")
     parser.add_argument("--steps", type=int, help="override dflop.train.steps")
     parser.add_argument("--packing", type=true_or_false, help="override dflop.model.packing (true or false)")
@@ -116,7 +117,8 @@ def model_source(cfg: DFLOPConfig) -> ModelSource:
     if cfg.model_name_or_path is None:
         return tiny_source(cfg.model, policy_name=cfg.policy, seed=cfg.seed, image_folder=cfg.image_folder)
     return hf_source(cfg.model_name_or_path, image_folder=cfg.image_folder, lora=cfg.lora, max_length=cfg.max_length,
-                     truncation=cfg.truncation)
+                     truncation=cfg.truncation, video_folder=cfg.video_folder, video_fps=cfg.video_fps,
+                     video_max_frames=cfg.video_max_frames)
 
 
 def print_skip_report(report, limit: int = 20) -> None:

@@ -21,8 +21,8 @@ import torch
 
 from dflop_ds.models.hf.common import check_boundary
 from dflop_ds.models.hf.llava import llava_layers, load_llava
-from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers
-from dflop_ds.models.hf.qwen2_vl_synthetic import IMAGE_MARK, Qwen2VLInputs, qwen2_vl_hf_kwargs
+from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers, tower_grid
+from dflop_ds.models.hf.qwen2_vl_synthetic import IMAGE_MARK, VIDEO_MARK, Qwen2VLInputs, qwen2_vl_hf_kwargs
 from dflop_ds.models.hf.synthetic import contract_microbatch, hf_labels, hf_model_kwargs
 from dflop_ds.pipe.loss import token_normalized_loss
 from dflop_ds.pipe.stage_bounds import plan_stage_bounds
@@ -87,6 +87,20 @@ def random_image(rng: random.Random) -> Any:
     return Image.frombytes("RGB", (width, height), bytes(rng.getrandbits(8) for _ in range(width * height * 3)))
 
 
+def random_frames(rng: random.Random, count: int) -> list:
+    """``count`` random RGB frames of one random size: a video's sampled frames."""
+    from PIL import Image
+
+    width, height = rng.randint(12, 60), rng.randint(12, 60)
+    return [Image.frombytes("RGB", (width, height), bytes(rng.getrandbits(8) for _ in range(width * height * 3)))
+            for _ in range(count)]
+
+
+def no_batches(seed: int, config: Any) -> list[tuple[str, list]]:
+    """No microbatches beyond :func:`synthetic_batches` (families without videos)."""
+    return []
+
+
 def synthetic_batches(seed: int, image_mark: str = "<image>") -> list[tuple[str, list]]:
     """``(description, samples)`` of the microbatches check-model runs; ``image_mark`` is what a
     prompt of the model family writes where an image goes."""
@@ -149,7 +163,8 @@ class Family:
     """What check-model needs of a model family: load the model, its layer lists, a microbatch
     builder from the directory (``(model_dir, config) -> samples -> (inputs, labels)``), how a
     prompt marks an image, the HF model's keyword arguments of a microbatch, and the HF vision
-    tower's hidden states (``hidden_states[j]`` after encoder entry ``j``; ``None`` without images)."""
+    tower's hidden states (``hidden_states[j]`` after encoder entry ``j``; ``None`` without images);
+    ``extra_batches(seed, config)``: the family's own microbatches (videos) besides :func:`synthetic_batches`."""
 
     load: Callable[[Path], Any]
     layers: Callable[[Any], tuple[list, Any, list]]
@@ -157,6 +172,7 @@ class Family:
     image_mark: str
     hf_kwargs: Callable[[Any, tuple], dict]
     vision_states: Callable[[Any, tuple], Any]
+    extra_batches: Callable[[int, Any], list[tuple[str, list]]] = no_batches
 
 
 def _llava_family() -> Family:
@@ -179,13 +195,23 @@ def _qwen2_vl_family() -> Family:
         return Qwen2VLInputs.from_dir(path, config).microbatch
 
     def vision_states(model: Any, inputs: tuple) -> Any:
-        pixel_values, _, _, grid = inputs
+        pixel_values, _, _, image_grid, video_grid = inputs
+        grid = tower_grid(image_grid, video_grid)
         if not grid.shape[0]:
             return None
         return model.model.visual(pixel_values, grid_thw=grid, output_hidden_states=True).hidden_states
 
+    def video_batches(seed: int, config: Any) -> list[tuple[str, list]]:
+        if config.model_type != "qwen2_vl":  # Qwen2.5-VL's videos are not supported yet
+            return []
+        rng = random.Random(seed + 1)
+        return [("video + image row + text-only row",
+                 [(f"USER: {VIDEO_MARK} what happens? ASSISTANT:", "a car drives", [], random_frames(rng, 4)),
+                  (f"USER: {IMAGE_MARK} and this? ASSISTANT:", "a tree", [random_image(rng)]),
+                  ("USER: hello ASSISTANT:", "hi there", [])])]
+
     return Family(load_qwen2_vl, qwen2_vl_layers, microbatches, IMAGE_MARK,
-                  lambda model, inputs: qwen2_vl_hf_kwargs(inputs, model.config.image_token_id), vision_states)
+                  lambda model, inputs: qwen2_vl_hf_kwargs(inputs, model.config), vision_states, video_batches)
 
 
 #: ``config.model_type`` -> the family's check-model parts (built on first use: they import transformers)
@@ -267,7 +293,8 @@ def check_model(model_dir: str | Path, *, stages: int = 1, tolerance: float = 1e
     names = [layer_name(layer) for layer in layers]
     bounds = plan_stage_bounds(len(layers), len(encoder) + 1, stages)
     report = CheckReport(str(path), bounds, names, tolerance)
-    for number, (what, samples) in enumerate(synthetic_batches(seed, family.image_mark)):
+    batches = synthetic_batches(seed, family.image_mark) + family.extra_batches(seed, model.config)
+    for number, (what, samples) in enumerate(batches):
         inputs, labels = microbatch(samples)
         logits, ours = run_stages(layers, bounds, inputs)
         loss = token_normalized_loss(logits, labels)

@@ -152,15 +152,17 @@ class LlavaPreprocessor:
         """Tokens of ``text`` alone (for shape manifests that carry raw text)."""
         return len(self._ids(text))
 
-    def _normalize(self, turns: Sequence[tuple[str, str]], n_images: int) -> list[tuple[str, str]]:
-        """Turns with roles mapped to user/assistant and image placeholders matched to ``n_images``."""
+    def _normalize(self, turns: Sequence[tuple[str, str]], n_images: int,
+                   videos: bool = False) -> list[tuple[str, str]]:
+        """Turns with roles mapped to user/assistant and image placeholders matched to ``n_images``
+        (``<video>`` placeholders are refused unless ``videos``: a family that takes videos places them)."""
         normalized, placeholders = [], 0
         for i, (role, value) in enumerate(turns):
             kind = "user" if role.lower() in USER_ROLES else "assistant" if role.lower() in ASSISTANT_ROLES else None
             if kind is None:
                 raise ValueError(f"conversations[{i}].from: unknown role {role!r} "
                                  "(expected human/user or gpt/assistant, any case)")
-            if VIDEO_PLACEHOLDER in value:
+            if VIDEO_PLACEHOLDER in value and not videos:
                 raise ValueError(f"conversations[{i}].value: {VIDEO_PLACEHOLDER} is not supported by LLaVA models")
             if IMAGE_PLACEHOLDER in value and kind == "assistant":
                 raise ValueError(f"conversations[{i}].value: {IMAGE_PLACEHOLDER} in an assistant turn")
@@ -213,16 +215,28 @@ class LlavaPreprocessor:
                              " (the tokenizer's model_max_length unless set): raise dflop.data.max_length, or set"
                              " dflop.data.truncation = \"truncate\" to cut such samples (counted), or skip them with"
                              " \"on_bad_sample\": \"skip\"")
-        last_image = max((t for t, token in enumerate(encoded.input_ids) if token == self.image_token_id), default=-1)
+        kept = self._uncut_tokens()
+        last_image = max((t for t, token in enumerate(encoded.input_ids) if token in kept), default=-1)
         if last_image >= self.max_length:
             raise ValueError(f"conversations: cutting {length} tokens at max_length {self.max_length} would drop "
-                             "image tokens")
+                             "image tokens (or cut through an image's or video's tokens)")
         keep = self.max_length
         return Encoded(encoded.input_ids[:keep], encoded.supervised[:keep], encoded.image_tokens, length - keep)
 
-    def count(self, turns: Sequence[tuple[str, str]], n_images: int) -> tuple[int, int]:
-        """``(text_tokens, label_tokens)`` exactly as :meth:`encode` produces them (image tokens excluded)."""
-        encoded = self.encode(turns, n_images)
+    def _uncut_tokens(self) -> set[int]:
+        """Tokens a truncation must keep whole: the image tokens."""
+        return {self.image_token_id}
+
+    def count(self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int],
+              video_tokens: int | None = None) -> tuple[int, int]:
+        """``(text_tokens, label_tokens)`` exactly as :meth:`encode` produces them for images of
+        ``image_tokens`` tokens each (every image has ``image_seq_length``; image tokens excluded).
+        A video is refused by the dataset, so ``video_tokens`` does not change the count."""
+        return self._counted(self.encode(turns, len(image_tokens)))
+
+    def _counted(self, encoded: Encoded) -> tuple[int, int]:
+        """``(text_tokens, label_tokens)`` of an encoded sample (visual tokens excluded); a truncated
+        one is counted in ``truncated_samples`` (and the first logged)."""
         if encoded.truncated:
             if not self.truncated_samples:
                 logger.warning("%s: truncating samples longer than max_length %d (counted in truncated_samples)",
@@ -305,22 +319,30 @@ class LlavaDataset(Dataset):
         preprocessor: the model directory's :class:`LlavaPreprocessor`.
         image_folder: folder the records' image paths are relative to.
         source: the data file, for messages.
+        video_folder: folder the records' video paths are relative to (families that take videos).
     """
 
+    #: whether the family's model takes videos (LLaVA does not: such samples are refused by name)
+    supports_video = False
+
     def __init__(self, shapes: Sequence[SampleShape], records: Mapping[str, Mapping[str, Any]],
-                 preprocessor: LlavaPreprocessor, image_folder: PathArg | None, *, source: PathArg | None = None) -> None:
+                 preprocessor: LlavaPreprocessor, image_folder: PathArg | None, *, source: PathArg | None = None,
+                 video_folder: PathArg | None = None) -> None:
         self.shapes = list(shapes)
         self.records = records
         self.preprocessor = preprocessor
         self.image_folder = None if image_folder is None else Path(image_folder)
+        self.video_folder = None if video_folder is None else Path(video_folder)
         self.source = source
         for shape in self.shapes:
             if shape.sample_id not in records:
                 raise self._error(shape.sample_id, None, "no record with this id in the records given")
-            if shape.video_frames:
+            if shape.video_frames and not self.supports_video:
                 raise self._error(shape.sample_id, "video", "videos are not supported by LLaVA models")
             if shape.image_sizes and self.image_folder is None:
                 raise self._error(shape.sample_id, "image", "the sample has images but no image_folder was given")
+            if shape.video_frames and self.video_folder is None:
+                raise self._error(shape.sample_id, "video", "the sample has a video but no video_folder was given")
 
     def _error(self, sample_id: str, field: str | None, reason: str) -> DataError:
         return DataError(reason, path=self.source, sample_id=sample_id, field=field)

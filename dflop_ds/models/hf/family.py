@@ -65,9 +65,11 @@ def family_source(
     *,
     image_folder: str | None = None,
     lora: Mapping[str, Any] | None = None,
+    video_folder: str | None = None,
 ) -> ModelSource:
     """The training-loop source of ``model_dir`` for a model ``family`` with its ``preprocessor``
-    (tokenization template, image processing, shape policy)."""
+    (tokenization template, image processing, shape policy); media paths are relative to
+    ``image_folder`` / ``video_folder`` (default: the data file's folder)."""
 
     def build() -> tuple[Any, Any]:
         """A fresh copy of the model (with its LoRA adapters) and its PeftModel, if any."""
@@ -80,14 +82,16 @@ def family_source(
     policy = preprocessor.policy()
     encoder, projector, llm = family.layers(model)
 
-    def folder_for(path: str) -> str:
-        return image_folder if image_folder is not None else str(Path(path).parent)
+    def folder_for(path: str, folder: str | None = None) -> str:
+        return folder if folder is not None else str(Path(path).parent)
 
     def read_shapes(path: str, on_bad_sample: str):
-        return read_dataset(path, policy, on_bad_sample=on_bad_sample, image_folder=folder_for(path))
+        return read_dataset(path, policy, on_bad_sample=on_bad_sample, image_folder=folder_for(path, image_folder),
+                            video_folder=folder_for(path, video_folder))
 
     def make_dataset(shapes, path: str):
-        return family.dataset(list(shapes), load_llava_records(path), preprocessor, folder_for(path), source=path)
+        return family.dataset(list(shapes), load_llava_records(path), preprocessor, folder_for(path, image_folder),
+                              source=path, video_folder=folder_for(path, video_folder))
 
     def save_pretrained(directory: str, state: Mapping[str, torch.Tensor]) -> None:
         # into a fresh copy: the training copy's parameters may be ZeRO-3 partitions

@@ -1,20 +1,25 @@
 """HF ``Qwen2VLForConditionalGeneration`` (and Qwen2.5-VL) as the pipeline's flat layer lists (docs/architecture.md).
 
-Microbatch inputs: ``(pixel_values [P, C*T*p*p], input_ids [B, S], seq_lens [B], image_grid_thw [N, 3])``:
-every image's patches, flattened as ``Qwen2VLImageProcessor`` writes them, images in microbatch
-order; ``image_grid_thw`` (long) their ``(t, h, w)`` patch grids (``P = sum(t*h*w)``); every
-image's ``<|image_pad|>`` token already repeated ``t*h*w / merge**2`` times. A microbatch
-without images has ``P = N = 0``.
+Microbatch inputs: ``(pixel_values [P, C*T*p*p], input_ids [B, S], seq_lens [B], image_grid_thw [N, 3],
+video_grid_thw [V, 3])``: every image's patches, flattened as ``Qwen2VLImageProcessor`` writes
+them, images in microbatch order, then every video's patches (HF's ``pixel_values_videos``),
+videos in microbatch order; the grids (long) are their ``(t, h, w)`` patch grids
+(``P = sum(t*h*w)`` over both); every image's ``<|image_pad|>`` token and every video's
+``<|video_pad|>`` token already repeated ``t*h*w / merge**2`` times. A microbatch without images
+has ``N = 0``, one without videos ``V = 0``. The tower treats a video as ``t`` frame pairs, each
+attending within itself, exactly as it treats images, so one pass embeds both.
 
 :func:`qwen2_vl_layers` turns a loaded model into ``(encoder_layers, projector, llm_layers)``:
 
 * encoder: :class:`PatchEmbedding` (a microbatch without images embeds one placeholder image),
-  then one :class:`VisionBlock` per vision block. ``(vis [P, Dv], input_ids, seq_lens, grid)``;
+  then one :class:`VisionBlock` per vision block. ``(vis [P, Dv], input_ids, seq_lens, image_grid,
+  video_grid)``;
   every block attends within each image (``cu_seqlens`` from the grid) with the 2-D rotary
   table of its patches, both rebuilt from the integer grid in every block (they hold no
   weights, so only integers cross a stage boundary besides ``vis``).
 * projector: :class:`Qwen2VLProjector`: the patch merger, token embedding, the features written
-  at the ``<|image_pad|>`` tokens, and the M-RoPE position ids (:func:`mrope_position_ids`):
+  at the ``<|image_pad|>`` and ``<|video_pad|>`` tokens, and the M-RoPE position ids
+  (:func:`mrope_position_ids`):
   ``-> (hidden [B, S, D], position_ids [3, B, S], seq_lens)``.
 * LLM: one :class:`MRopeDecoderLayer` per decoder layer, then the shared
   :class:`~dflop_ds.models.hf.common.LMHead`.
@@ -22,7 +27,7 @@ without images has ``P = N = 0``.
 Qwen2.5-VL (``model_type`` ``qwen2_5_vl``) differs in its tower only: patches are reordered
 into attention windows after the embedding (:func:`window_index`), every block but the
 ``fullatt_block_indexes`` attends within windows, and the projector restores the order after
-the merger. Videos (``<|video_pad|>``) are not supported yet and are refused by name.
+the merger. Its videos (temporal positions scaled by seconds per frame pair) are refused by name.
 """
 
 from __future__ import annotations
@@ -41,7 +46,12 @@ MODEL_TYPE = "qwen2_vl"
 #: model types this adapter runs -> their HF model class
 MODEL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
-VisTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+VisTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def tower_grid(image_grid: torch.Tensor, video_grid: torch.Tensor) -> torch.Tensor:
+    """The grids of everything the tower embeds, in its order: images, then videos."""
+    return torch.cat([image_grid, video_grid]) if video_grid.shape[0] else image_grid
 
 
 def check_qwen2_vl_config(config: Any, where: str = "model") -> None:
@@ -88,50 +98,56 @@ def is_placeholder(grid: torch.Tensor, merge_size: int) -> bool:
 
 
 def mrope_position_ids(input_ids: torch.Tensor, seq_lens: torch.Tensor, image_grid_thw: torch.Tensor, *,
-                       image_token_id: int, merge_size: int) -> torch.Tensor:
+                       image_token_id: int, merge_size: int, video_grid_thw: torch.Tensor | None = None,
+                       video_token_id: int | None = None) -> torch.Tensor:
     """Qwen2-VL's multimodal rotary position ids ``[3, B, S]`` (temporal, height, width), as HF computes them.
 
-    Without images every row counts ``0..S-1`` on all three axes (padding included). With
-    images, each row's real tokens count on: a text token takes the next position on all three
-    axes; an image of grid ``(t, h, w)`` (``t*h*w / merge**2`` consecutive image tokens) starting
-    at position ``p`` takes ``(p + i, p + y, p + x)`` for its merged patch ``(i, y, x)``, and the
-    text after it continues at ``p + max(h, w) / merge``. Padding gets 0. Images are consumed
-    from ``image_grid_thw`` in row-major order; a run of image tokens whose length is not the
-    next image's token count is refused.
+    Without images and videos every row counts ``0..S-1`` on all three axes (padding included).
+    Otherwise each row's real tokens count on: a text token takes the next position on all three
+    axes; an image or video of grid ``(t, h, w)`` (``t*h*w / merge**2`` consecutive image or video
+    tokens) starting at position ``p`` takes ``(p + i, p + y, p + x)`` for its merged patch
+    ``(i, y, x)`` (``i``: the frame pair of a video), and the text after it continues at
+    ``p + max(h, w) / merge``. Padding gets 0. Images are consumed from ``image_grid_thw``, videos
+    from ``video_grid_thw``, in row-major order; a run of tokens whose length is not the next
+    grid's token count is refused.
     """
     batch, length = input_ids.shape
     device = input_ids.device
-    if image_grid_thw.shape[0] == 0:
+    video_grid_thw = image_grid_thw[:0] if video_grid_thw is None else video_grid_thw
+    if image_grid_thw.shape[0] == 0 and video_grid_thw.shape[0] == 0:
         return torch.arange(length, device=device).view(1, 1, -1).expand(3, batch, length).clone()
     positions = torch.zeros(3, batch, length, dtype=torch.long, device=device)
-    grids = iter(image_grid_thw.tolist())
+    grids = {image_token_id: iter(image_grid_thw.tolist()), video_token_id: iter(video_grid_thw.tolist())}
+    names = {image_token_id: "image", video_token_id: "video"}
     for row in range(batch):
-        ids = input_ids[row, : int(seq_lens[row])]
-        is_image = (ids == image_token_id).tolist()
+        ids = input_ids[row, : int(seq_lens[row])].tolist()
+        kinds = [token if token in grids else None for token in ids]
         pieces, start, current = [], 0, 0
-        while start < len(is_image):
+        while start < len(kinds):
             stop = start
-            while stop < len(is_image) and is_image[stop] == is_image[start]:
+            while stop < len(kinds) and kinds[stop] == kinds[start]:
                 stop += 1
-            if not is_image[start]:
+            if kinds[start] is None:
                 pieces.append(torch.arange(current, current + stop - start, device=device).expand(3, -1))
                 current += stop - start
             else:
-                t, h, w = next(grids, (0, 0, 0))
+                t, h, w = next(grids[kinds[start]], (0, 0, 0))
                 gh, gw = h // merge_size, w // merge_size
                 if t * gh * gw != stop - start:
-                    raise ValueError(f"row {row}: a run of {stop - start} image tokens at position {start} does not "
-                                     f"match the next image grid {(t, h, w)} ({t * gh * gw} tokens)")
+                    name = names[kinds[start]]
+                    raise ValueError(f"row {row}: a run of {stop - start} {name} tokens at position {start} does not "
+                                     f"match the next {name} grid {(t, h, w)} ({t * gh * gw} tokens)")
                 axes = torch.meshgrid(torch.arange(t, device=device), torch.arange(gh, device=device),
                                       torch.arange(gw, device=device), indexing="ij")
                 pieces.append(torch.stack([axis.flatten() for axis in axes]) + current)
                 current += max(gh, gw)
             start = stop
         if pieces:
-            positions[:, row, : len(is_image)] = torch.cat(pieces, dim=1)
-    leftover = sum(1 for _ in grids)
-    if leftover:
-        raise ValueError(f"{leftover} image grid(s) have no image tokens in the microbatch")
+            positions[:, row, : len(kinds)] = torch.cat(pieces, dim=1)
+    for token, rest in grids.items():
+        leftover = sum(1 for _ in rest)
+        if leftover:
+            raise ValueError(f"{leftover} {names[token]} grid(s) have no {names[token]} tokens in the microbatch")
     return positions
 
 
@@ -151,16 +167,16 @@ class PatchEmbedding(nn.Module):
         self.merge_size = int(vision_config.spatial_merge_size)
 
     def forward(self, inputs: VisTuple) -> VisTuple:
-        """Embed every patch of the microbatch's images (in window order for a windowed tower)."""
-        pixel_values, input_ids, seq_lens, grid = inputs
-        if grid.shape[0] == 0:
+        """Embed every patch of the microbatch's images and videos (in window order for a windowed tower)."""
+        pixel_values, input_ids, seq_lens, grid, video_grid = inputs
+        if grid.shape[0] == 0 and video_grid.shape[0] == 0:
             grid = placeholder_grid(self.merge_size, grid)
             pixel_values = pixel_values.new_zeros((self.merge_size ** 2, pixel_values.shape[1]))
         vis = self.patch_embed(pixel_values)
-        windows = window_index(grid, self.vision_config)
+        windows = window_index(tower_grid(grid, video_grid), self.vision_config)
         if windows is not None:
             vis = permute_units(vis, windows[0], self.merge_size)
-        return vis, input_ids, seq_lens, grid
+        return vis, input_ids, seq_lens, grid, video_grid
 
 
 class VisionBlock(nn.Module):
@@ -179,7 +195,8 @@ class VisionBlock(nn.Module):
         from transformers.utils.generic import get_max_seqlen
         from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids
 
-        vis, input_ids, seq_lens, grid = inputs
+        vis, input_ids, seq_lens, image_grid, video_grid = inputs
+        grid = tower_grid(image_grid, video_grid)
         config = self.vision_config
         merge = int(config.spatial_merge_size)
         cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, config)
@@ -191,16 +208,18 @@ class VisionBlock(nn.Module):
             if not self.full_attention:
                 cu_seqlens, max_seqlen = cu_windows, get_max_seqlen(cu_windows, config)
         out = self.block(vis, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, position_embeddings=(cos, sin))
-        return out, input_ids, seq_lens, grid
+        return out, input_ids, seq_lens, image_grid, video_grid
 
 
 class Qwen2VLProjector(nn.Module):
-    """Patch merger, token embedding, the merge at ``<|image_pad|>`` and the M-RoPE positions:
-    ``(vis, input_ids, seq_lens, grid) -> (hidden [B, S, D], position_ids [3, B, S], seq_lens)``.
+    """Patch merger, token embedding, the merge at ``<|image_pad|>``/``<|video_pad|>`` and the M-RoPE
+    positions: ``(vis, input_ids, seq_lens, image_grid, video_grid) -> (hidden [B, S, D], position_ids
+    [3, B, S], seq_lens)``.
 
     The merged features of the microbatch's images, in order, replace the embeddings of the
-    image tokens in row-major order. A microbatch without image tokens brings the tower's
-    placeholder image, whose one feature is dropped here (sliced off, so the graph stays the same).
+    image tokens in row-major order, those of its videos the video tokens'. A microbatch without
+    images and videos brings the tower's placeholder image, whose one feature is dropped here
+    (sliced off, so the graph stays the same).
     """
 
     def __init__(self, merger: nn.Module, embed_tokens: nn.Module, config: Any, tied_key: str | None = None) -> None:
@@ -214,25 +233,35 @@ class Qwen2VLProjector(nn.Module):
         self.tied_weights = {} if tied_key is None else {tied_key: "embed_tokens.weight"}
 
     def forward(self, inputs: VisTuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Merge image features into the token embeddings and compute the 3-D positions."""
-        vis, input_ids, seq_lens, grid = inputs
-        if bool((input_ids == self.video_token_id).any()):
-            raise ValueError("Qwen2VLProjector: the microbatch has video tokens; videos are not supported yet")
+        """Merge image and video features into the token embeddings and compute the 3-D positions."""
+        vis, input_ids, seq_lens, grid, video_grid = inputs
+        if video_grid.shape[0] and getattr(self.vision_config, "window_size", None) is not None:
+            raise ValueError("Qwen2VLProjector: videos are not supported for Qwen2.5-VL yet (its temporal positions "
+                             "need the seconds per frame pair)")
         features = self.merger(vis)
         embeds = self.embed_tokens(input_ids)
         image_positions = input_ids == self.image_token_id
-        n_tokens = int(image_positions.sum())
-        if n_tokens == 0 and is_placeholder(grid, self.merge_size):
+        video_positions = input_ids == self.video_token_id
+        n_image, n_video = int(image_positions.sum()), int(video_positions.sum())
+        if n_image == n_video == 0 and not video_grid.shape[0] and is_placeholder(grid, self.merge_size):
             features, grid = features[:0], grid[:0]
-        if not n_tokens == features.shape[0] == int(grid.prod(-1).sum()) // self.merge_size ** 2:
-            raise ValueError(f"Qwen2VLProjector: the microbatch has {n_tokens} image tokens but its {grid.shape[0]} "
-                             f"image(s) of grids {grid.tolist()} give {features.shape[0]} features")
+        unit = self.merge_size ** 2
+        image_features, video_features = int(grid.prod(-1).sum()) // unit, int(video_grid.prod(-1).sum()) // unit
+        if not (n_image == image_features and n_video == video_features
+                and features.shape[0] == image_features + video_features):
+            raise ValueError(f"Qwen2VLProjector: the microbatch has {n_image} image and {n_video} video tokens but "
+                             f"its {grid.shape[0]} image(s) of grids {grid.tolist()} and {video_grid.shape[0]} "
+                             f"video(s) of grids {video_grid.tolist()} give {features.shape[0]} features")
         windows = window_index(grid, self.vision_config) if grid.shape[0] else None
         if windows is not None:  # back from window order to the images' own order
             features = features[torch.argsort(windows[0])]
-        hidden = embeds.masked_scatter(image_positions.unsqueeze(-1).expand_as(embeds), features.to(embeds.dtype))
+        features = features.to(embeds.dtype)
+        hidden = embeds.masked_scatter(image_positions.unsqueeze(-1).expand_as(embeds), features[:image_features])
+        if n_video:
+            hidden = hidden.masked_scatter(video_positions.unsqueeze(-1).expand_as(hidden), features[image_features:])
         position_ids = mrope_position_ids(input_ids, seq_lens, grid, image_token_id=self.image_token_id,
-                                          merge_size=self.merge_size)
+                                          merge_size=self.merge_size, video_grid_thw=video_grid,
+                                          video_token_id=self.video_token_id)
         return hidden, position_ids, seq_lens
 
 
@@ -275,8 +304,9 @@ def qwen2_vl_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Mod
 
 class Qwen2VLEncoderInputs:
     """Profiler input factory of the first encoder layer: ``(patches, batch) -> (pixel_values,
-    input_ids, seq_lens, image_grid_thw)``: one random image per row, ``patches`` spread over the
-    ``batch`` rows (each image rounded up to whole ``merge x merge`` blocks, as a ``m x k`` strip),
+    input_ids, seq_lens, image_grid_thw, video_grid_thw)`` (no videos): one random image per row,
+    ``patches`` spread over the ``batch`` rows (each image rounded up to whole ``merge x merge``
+    blocks, as a ``m x k`` strip),
     each row holding its image's tokens then ``text_tokens`` text tokens. ``patches`` are the
     encoder units of the Qwen2-VL shape policy (``encoder_tiles``)."""
 
@@ -288,9 +318,18 @@ class Qwen2VLEncoderInputs:
         self.special = {self.image_token_id, int(config.video_token_id)}
         self.text_tokens, self.dtype = int(text_tokens), dtype
 
+    def grids(self, patches: int, batch: int = 1) -> list[list[int]]:
+        """The ``(t, h, w)`` grid of each row's image (rows without patches have none)."""
+        block = self.merge ** 2
+        return [[1, self.merge, self.merge * -(-n // block)] for n in split_evenly(patches, batch) if n > 0]
+
+    def attention_units(self, patches: int, batch: int = 1) -> int:
+        """The inputs' encoder attention units: each image attends within itself (its patches squared)."""
+        return sum((t * h * w) ** 2 for t, h, w in self.grids(patches, batch))
+
     def __call__(self, patches: int, batch: int = 1) -> VisTuple:
         block = self.merge ** 2
-        grids = [[1, self.merge, self.merge * -(-n // block)] for n in split_evenly(patches, batch) if n > 0]
+        grids = self.grids(patches, batch)
         tokens = [t * h * w // block for t, h, w in grids] + [0] * (batch - len(grids))
         lengths = [n + self.text_tokens for n in tokens]
         input_ids = torch.randint(0, self.vocab_size, (batch, max(lengths)))
@@ -300,7 +339,7 @@ class Qwen2VLEncoderInputs:
             input_ids[row, :n] = self.image_token_id
         grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
         pixel_values = torch.randn(int(grid.prod(-1).sum()), self.patch_dim, dtype=self.dtype)
-        return pixel_values, input_ids, torch.tensor(lengths, dtype=torch.long), grid
+        return pixel_values, input_ids, torch.tensor(lengths, dtype=torch.long), grid, grid[:0]
 
 
 class MRopeLLMInputs:
@@ -319,4 +358,4 @@ class MRopeLLMInputs:
 __all__ = ["MODEL_CLASSES", "MODEL_TYPE", "MRopeDecoderLayer", "MRopeLLMInputs", "PatchEmbedding",
            "Qwen2VLEncoderInputs", "Qwen2VLProjector", "TIED_EMBEDDING_KEY", "VisionBlock", "check_qwen2_vl_config",
            "is_placeholder", "load_qwen2_vl", "mrope_position_ids", "permute_units", "placeholder_grid",
-           "qwen2_vl_layers", "window_index"]
+           "qwen2_vl_layers", "tower_grid", "window_index"]

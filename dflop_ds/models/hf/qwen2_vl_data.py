@@ -16,24 +16,41 @@ format, so that the shapes the sampler sees and the tensors the dataset makes ag
   as many tokens as its own size allows (:class:`SmartResize`, the image processor's rule
   under ``min_pixels``/``max_pixels``). Placeholders are matched to images as for LLaVA
   (:class:`~dflop_ds.models.hf.data.LlavaPreprocessor`: missing ones are prepended).
+* **Videos** (LLaVA-Video records: ``"video"``: a path under the video folder): frames are
+  sampled at ``video_fps`` frames per second of video, at least 4 and at most
+  ``video_max_frames``, their count rounded down to the temporal patch size (2), as Qwen2-VL's
+  recipes sample (:class:`VideoFrames`); they are decoded with PyAV, resized by the image
+  processor's rule (Qwen2-VL's video processor needs torchvision) and grouped in pairs into
+  ``pixel_values_videos`` patches. The video's ``<video>`` placeholder (or, as LLaVA-Video's data
+  writes it, the one ``<image>`` of a record with a video and no image; else one is prepended)
+  becomes ``<|vision_start|>`` + its ``<|video_pad|>`` tokens + ``<|vision_end|>``. Qwen2.5-VL's
+  videos (temporal positions scaled by seconds per frame group) are refused by name.
 * **Shapes** (:meth:`Qwen2VLPreprocessor.policy`): an image's ``encoder_tiles`` are its patches
-  and its ``visual_tokens`` its LLM tokens (patches / merge**2).
+  and its ``visual_tokens`` its LLM tokens (patches / merge**2); a video's the same over its
+  sampled frame pairs.
 
-Not yet: videos, and ``max_length`` (the counter cannot see image sizes; the dataset refuses a
-sample longer than the tokenizer's ``model_max_length``, naming it).
+* **Length**: as for LLaVA (``max_length``, default the tokenizer's ``model_max_length``;
+  ``truncation`` ``"error"`` or ``"truncate"``), images and videos expanded; a cut must keep every
+  ``<|vision_start|>`` ... ``<|vision_end|>`` block whole, else the sample is a bad record.
 """
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from dflop_ds.data.errors import PathArg
+from dflop_ds.data.video import decode_frames, sample_frame_indices, sampled_frame_count
 from dflop_ds.models.hf.data import (
     NO_LIMIT,
+    TRUNCATION,
+    USER_ROLES,
     Encoded,
     LlavaDataset,
     LlavaItem,
@@ -48,6 +65,9 @@ from dflop_ds.shapes import ShapePolicy
 TEMPLATE_NAME = "qwen2-vl-chatml"
 DEFAULT_SYSTEM = "You are a helpful assistant."
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
+#: Qwen2-VL's recipe (qwen-vl-utils): 2 frames per second, 4 to 768 frames
+DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES, VIDEO_MIN_FRAMES = 2.0, 768, 4
 
 
 @dataclass(frozen=True)
@@ -81,6 +101,61 @@ class SmartResize:
         return grid_h * grid_w, grid_h * grid_w // self.merge_size ** 2
 
 
+@dataclass(frozen=True)
+class VideoFrames:
+    """Qwen2-VL's video rule: ``fps`` sampled frames per second of video (at least
+    :data:`VIDEO_MIN_FRAMES`, at most ``max_frames``, rounded down to ``temporal_patch_size``), each
+    resized by ``resize``; ``(frames, width, height, source fps) -> (patches, LLM tokens, patches per
+    frame group)`` (a :data:`~dflop_ds.shapes.VideoRule`: the tower attends within each frame group)."""
+
+    resize: SmartResize
+    fps: float
+    max_frames: int
+    temporal_patch_size: int
+
+    def sampled(self, frames: int, source_fps: float) -> int:
+        """Frames sampled from a video of ``frames`` frames at ``source_fps``.
+
+        Raises:
+            ValueError: the video has fewer frames than one temporal patch.
+        """
+        count = sampled_frame_count(frames, source_fps, target_fps=self.fps, max_frames=self.max_frames,
+                                    min_frames=VIDEO_MIN_FRAMES, multiple=self.temporal_patch_size)
+        if count < self.temporal_patch_size:
+            raise ValueError(f"a video of {frames} frame(s) is shorter than one temporal patch "
+                             f"({self.temporal_patch_size} frames)")
+        return count
+
+    def grid(self, frames: int, width: int, height: int, source_fps: float) -> tuple[int, int, int]:
+        """``(t, h, w)``: the video's patch grid (``t`` frame pairs of ``h x w`` patches)."""
+        grid_h, grid_w = self.resize.grid(width, height)
+        return self.sampled(frames, source_fps) // self.temporal_patch_size, grid_h, grid_w
+
+    def __call__(self, frames: int, width: int, height: int, source_fps: float) -> tuple[int, int, int]:
+        t, h, w = self.grid(frames, width, height, source_fps)
+        return t * h * w, t * h * w // self.resize.merge_size ** 2, h * w
+
+
+def mark_video(turns: Sequence[tuple[str, str]], n_images: int) -> list[tuple[str, str]]:
+    """``turns`` of a record with one video, its placeholder made the one ``<video>``: LLaVA-Video
+    marks it with the one ``<image>`` of a record without images; a record without a mark gets
+    ``<video>\n`` before its first human turn."""
+    turns = list(turns)
+    marks = sum(value.count(VIDEO_PLACEHOLDER) for _, value in turns)
+    if marks > 1:
+        raise ValueError(f"conversations: {marks} {VIDEO_PLACEHOLDER} placeholders for the record's one video")
+    if marks == 1:
+        return turns
+    image_marks = [i for i, (_, value) in enumerate(turns) if IMAGE_PLACEHOLDER in value]
+    if not n_images and len(image_marks) == 1 and turns[image_marks[0]][1].count(IMAGE_PLACEHOLDER) == 1:
+        i = image_marks[0]
+        return [*turns[:i], (turns[i][0], turns[i][1].replace(IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER)), *turns[i + 1:]]
+    for i, (role, value) in enumerate(turns):
+        if role.lower() in USER_ROLES:
+            return [*turns[:i], (role, f"{VIDEO_PLACEHOLDER}\n{value}"), *turns[i + 1:]]
+    raise ValueError("conversations: the record has a video but no human turn to put it in")
+
+
 class Qwen2VLPreprocessor:
     """A Qwen2-VL directory's tokenizer and image processor plus the ChatML conversation template.
 
@@ -89,19 +164,34 @@ class Qwen2VLPreprocessor:
         config: the model config (image token, vision patch and merge sizes, checked against the
             image processor).
         system: the system message; name: the policy's name in messages.
+        video_fps, video_max_frames: how videos are sampled (:class:`VideoFrames`).
+        max_length, truncation: the length rule, as for
+            :class:`~dflop_ds.models.hf.data.LlavaPreprocessor` (visual tokens included).
     """
 
     def __init__(self, tokenizer: Any, image_processor: Any, config: Any, *, system: str = DEFAULT_SYSTEM,
-                 name: str = "qwen2_vl") -> None:
+                 name: str = "qwen2_vl", video_fps: float = DEFAULT_VIDEO_FPS,
+                 video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES, max_length: int | None = None,
+                 truncation: str = "error") -> None:
         self.inputs = Qwen2VLInputs(tokenizer, image_processor, config, name)  # checks the processor vs config
         self.tokenizer, self.image_processor, self.system, self.name = tokenizer, image_processor, system, name
         self.rule = SmartResize.from_image_processor(image_processor)
         self.image_token_id = int(config.image_token_id)
+        self.video_token_id = int(config.video_token_id)
+        self.model_type = str(config.model_type)
+        temporal = int(config.vision_config.temporal_patch_size)
+        if video_fps <= 0 or video_max_frames < temporal:
+            raise ValueError(f"{name}: video_fps must be > 0 and video_max_frames >= {temporal} (the temporal patch "
+                             f"size), got {video_fps} and {video_max_frames}")
+        self.video_rule = VideoFrames(self.rule, float(video_fps), int(video_max_frames), temporal)
         self.end_of_turn = self._special("<|im_end|>")
         self.vision_start, self.vision_end = self._special("<|vision_start|>"), self._special("<|vision_end|>")
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(tokenizer.eos_token_id if pad is None else pad)
-        limit = tokenizer.model_max_length
+        if truncation not in TRUNCATION:
+            raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
+        self.truncation, self.truncated_samples = truncation, 0
+        limit = max_length if max_length is not None else tokenizer.model_max_length
         self.max_length = None if limit is None or limit > NO_LIMIT else int(limit)
 
     def _special(self, token: str) -> int:
@@ -128,8 +218,10 @@ class Qwen2VLPreprocessor:
         """Tokens of ``text`` alone."""
         return len(self._ids(text))
 
-    def encode(self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int]) -> Encoded:
-        """Token ids and supervision mask of ``(role, value)`` turns whose images give ``image_tokens`` tokens each.
+    def encode(self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int],
+               video_tokens: int | None = None) -> Encoded:
+        """Token ids and supervision mask of ``(role, value)`` turns whose images give ``image_tokens``
+        tokens each and whose video (if any) ``video_tokens``.
 
         Raises:
             ValueError: a bad role or placeholder mismatch, naming the field.
@@ -145,25 +237,40 @@ class Qwen2VLPreprocessor:
         if self.system:
             add([start] + self._ids(f"system\n{self.system}") + [end] + self._ids("\n"))
         images = iter(image_tokens)
+        if video_tokens is None:
+            if any(VIDEO_PLACEHOLDER in value for _, value in turns):
+                raise ValueError(f"conversations: a {VIDEO_PLACEHOLDER} placeholder but the record has no video")
+        else:
+            turns = mark_video(turns, len(image_tokens))
         # the roles and placeholders are checked (and missing placeholders added) as for LLaVA
-        for kind, value in LlavaPreprocessor._normalize(self, turns, len(image_tokens)):  # type: ignore[arg-type]
+        normalized = LlavaPreprocessor._normalize(self, turns, len(image_tokens), videos=True)  # type: ignore[arg-type]
+        for kind, value in normalized:
             if kind == "user":
                 add([start] + self._ids("user\n"))
-                for k, part in enumerate(value.split(IMAGE_PLACEHOLDER)):
-                    if k:
+                for part in re.split(f"({IMAGE_PLACEHOLDER}|{VIDEO_PLACEHOLDER})", value):
+                    if part == IMAGE_PLACEHOLDER:
                         add([self.vision_start] + [self.image_token_id] * next(images) + [self.vision_end])
-                    add(self._ids(part))
+                    elif part == VIDEO_PLACEHOLDER:
+                        add([self.vision_start] + [self.video_token_id] * int(video_tokens or 0) + [self.vision_end])
+                    else:
+                        add(self._ids(part))
                 add([end] + self._ids("\n"))
             else:
                 add([start] + self._ids("assistant\n"))
                 add(self._ids(value) + [end], True)
                 add(self._ids("\n"))
-        return Encoded(ids, supervised, sum(image_tokens))
+        encoded = Encoded(ids, supervised, sum(image_tokens) + int(video_tokens or 0))
+        return LlavaPreprocessor._fit(self, encoded)  # type: ignore[arg-type]
 
-    def count(self, turns: Sequence[tuple[str, str]], n_images: int) -> tuple[int, int]:
-        """``(text_tokens, label_tokens)`` exactly as :meth:`encode` produces them (image tokens excluded)."""
-        encoded = self.encode(turns, [0] * n_images)
-        return len(encoded.input_ids), encoded.label_count
+    def _uncut_tokens(self) -> set[int]:
+        """Tokens a truncation must keep: every image and video token and the ends of their blocks."""
+        return {self.image_token_id, self.video_token_id, self.vision_end}
+
+    def count(self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int],
+              video_tokens: int | None = None) -> tuple[int, int]:
+        """``(text_tokens, label_tokens)`` exactly as :meth:`encode` produces them (the length rule
+        applied; image and video tokens excluded); a record has at most one video."""
+        return LlavaPreprocessor._counted(self, self.encode(turns, image_tokens, video_tokens))  # type: ignore[arg-type]
 
     def pixel_values(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
         """``(pixel_values [P, C*T*p*p], image_grid_thw [n, 3])`` (empty for no images)."""
@@ -172,28 +279,42 @@ class Qwen2VLPreprocessor:
         out = self.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"].float(), out["image_grid_thw"].long()
 
+    def video_pixel_values(self, frames: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pixel_values_videos [P, C*T*p*p], video_grid_thw [1, 3])`` of one video's sampled frames
+        (:meth:`~dflop_ds.models.hf.qwen2_vl_synthetic.Qwen2VLInputs.video_pixel_values`)."""
+        return self.inputs.video_pixel_values(frames)
+
     def identity(self) -> str:
         """What fixes the token counts: template, system message, tokenizer contents, image token."""
         import hashlib
 
         system = hashlib.sha256(self.system.encode("utf-8")).hexdigest()[:8]
         return (f"{TEMPLATE_NAME} system:{system} tokenizer:{type(self.tokenizer).__name__}:"
-                f"{_tokenizer_digest(self.tokenizer)} image_token:{self.image_token_id}")
+                f"{_tokenizer_digest(self.tokenizer)} image_token:{self.image_token_id} "
+                f"max_length:{self.max_length} truncation:{self.truncation}")
 
     def policy(self) -> ShapePolicy:
         """The :class:`ShapePolicy` of this model's data: per-image patches and tokens from
-        :class:`SmartResize`, exact conversation token counts (videos are not supported)."""
+        :class:`SmartResize`, per-video ones from :class:`VideoFrames`, exact conversation token counts."""
         factor = self.rule.patch_size * self.rule.merge_size
         return ShapePolicy(tile_size=factor, max_tiles=1, add_thumbnail=False, tokens_per_tile=1, max_frames=1,
                            tokens_per_frame=1, tokenizer=self.count_text, name=self.name,
-                           tokenizer_id=self.identity(), conversation=self.count, image_rule=self.rule)
+                           tokenizer_id=self.identity(), conversation=self.count, image_rule=self.rule,
+                           video_rule=self.video_rule)
+
+
+def _no_grid() -> torch.Tensor:
+    return torch.zeros(0, 3, dtype=torch.long)
 
 
 @dataclass
 class Qwen2VLItem(LlavaItem):
-    """One sample: ``pixel_values [P, C*T*p*p]``, its images' ``image_grid_thw [n, 3]``, ids and shifted targets."""
+    """One sample: ``pixel_values [P, C*T*p*p]``, its images' ``image_grid_thw [n, 3]``, ids and shifted
+    targets, and its video's ``pixel_values_videos [Pv, C*T*p*p]`` and ``video_grid_thw [0 or 1, 3]``."""
 
-    image_grid_thw: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 3, dtype=torch.long))
+    image_grid_thw: torch.Tensor = field(default_factory=_no_grid)
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor = field(default_factory=_no_grid)
 
 
 class Qwen2VLDataset(LlavaDataset):
@@ -201,35 +322,62 @@ class Qwen2VLDataset(LlavaDataset):
     (arguments as :class:`~dflop_ds.models.hf.data.LlavaDataset`)."""
 
     preprocessor: Qwen2VLPreprocessor  # type: ignore[assignment]
+    supports_video = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.preprocessor.model_type != "qwen2_vl":
+            for shape in self.shapes:
+                if shape.video_frames:
+                    raise self._error(shape.sample_id, "video", f"videos are not supported for "
+                                      f"{self.preprocessor.model_type} yet (only qwen2_vl)")
+
+    def _video(self, shape: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pixel_values_videos, video_grid_thw)`` of the sample's video, its sampled frames decoded."""
+        patch_dim = self.preprocessor.inputs.patch_dim
+        if not shape.video_frames:
+            return torch.zeros(0, patch_dim), _no_grid()
+        path = self.records[shape.sample_id]["video"]
+        full = os.path.abspath(os.path.join(self.video_folder, path))  # type: ignore[arg-type]
+        try:
+            if shape.video_fps is None:
+                raise ValueError("its shape has no frame rate (read the data with a video_folder)")
+            count = self.preprocessor.video_rule.sampled(shape.video_frames, shape.video_fps)
+            frames = decode_frames(full, sample_frame_indices(shape.video_frames, count))
+            return self.preprocessor.video_pixel_values(frames)
+        except (OSError, ValueError) as exc:
+            raise self._error(shape.sample_id, "video", f"cannot load video {full}: {exc}") from exc
 
     def __getitem__(self, idx: int) -> Qwen2VLItem:
         """The sample at ``idx`` (an ``int`` or a ``ScheduledIndex``, whose denominator is kept)."""
         shape, images, turns = self._sample(idx)
         pixel_values, grid = self.preprocessor.pixel_values(images)
+        video_pixels, video_grid = self._video(shape)
         merge = self.preprocessor.rule.merge_size
+        video_tokens = int(video_grid.prod(-1).sum()) // merge ** 2 if video_grid.shape[0] else None
         try:
-            encoded = self.preprocessor.encode(turns, (grid.prod(-1) // merge ** 2).tolist())
+            encoded = self.preprocessor.encode(turns, (grid.prod(-1) // merge ** 2).tolist(), video_tokens)
         except ValueError as exc:
             raise self._error(shape.sample_id, None, str(exc)) from exc
-        length, limit = len(encoded.input_ids), self.preprocessor.max_length
-        if limit is not None and length > limit:
-            raise self._error(shape.sample_id, None, f"{length} tokens (images expanded) exceed max_length {limit}")
         try:
             ids, targets = item_tensors(encoded, shape, self.preprocessor.name)
         except ValueError as exc:
             raise self._error(shape.sample_id, None, str(exc)) from exc
         denominator = getattr(idx, "loss_denominator", None)
         return Qwen2VLItem(shape.sample_id, pixel_values, ids, targets, self.preprocessor.pad_token_id,
-                           None if denominator is None else float(denominator), grid)
+                           None if denominator is None else float(denominator), grid, video_pixels, video_grid)
 
 
 def collate_qwen2_vl(items: Sequence[Qwen2VLItem]):
-    """One microbatch ``((pixel_values, input_ids, seq_lens, image_grid_thw), (targets, loss_denominator))``
-    (padding and denominator as :func:`~dflop_ds.models.hf.data.collate_llava`)."""
+    """One microbatch ``((pixel_values, input_ids, seq_lens, image_grid_thw, video_grid_thw), (targets,
+    loss_denominator))``: ``pixel_values`` holds every image's patches, then every video's, samples in
+    order (padding and denominator as :func:`~dflop_ds.models.hf.data.collate_llava`)."""
     (pixel_values, input_ids, seq_lens), labels = collate_llava(items)
+    videos = [item.pixel_values_videos for item in items if item.pixel_values_videos is not None]
     grid = torch.cat([item.image_grid_thw for item in items])
-    return (pixel_values, input_ids, seq_lens, grid), labels
+    video_grid = torch.cat([item.video_grid_thw for item in items])
+    return (torch.cat([pixel_values, *videos]), input_ids, seq_lens, grid, video_grid), labels
 
 
-__all__ = ["DEFAULT_SYSTEM", "Qwen2VLDataset", "Qwen2VLItem", "Qwen2VLPreprocessor", "SmartResize",
-           "collate_qwen2_vl"]
+__all__ = ["DEFAULT_SYSTEM", "DEFAULT_VIDEO_FPS", "DEFAULT_VIDEO_MAX_FRAMES", "Qwen2VLDataset", "Qwen2VLItem",
+           "Qwen2VLPreprocessor", "SmartResize", "VideoFrames", "collate_qwen2_vl", "mark_video"]

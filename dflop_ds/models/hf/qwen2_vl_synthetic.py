@@ -1,12 +1,13 @@
-"""Qwen2-VL contract microbatches built straight from (prompt, answer, images), for checks and tests.
+"""Qwen2-VL contract microbatches built straight from (prompt, answer, images[, video frames]), for checks and tests.
 
 The directory's tokenizer and image processor do the work of the Qwen2-VL processor class
 (which needs torchvision): every ``<|image_pad|>`` of the prompt (one per image, as Qwen2-VL's
 chat template writes it between ``<|vision_start|>`` and ``<|vision_end|>``) is repeated as many
-times as the image gives LLM tokens (its patch grid ``t*h*w / merge**2``); the answer and eos
-are appended and supervised. The result follows the Qwen2-VL microbatch contract
-(``((pixel_values, input_ids, seq_lens, image_grid_thw), (targets, loss_denominator))``,
-``dflop_ds.models.hf.qwen2_vl``).
+times as the image gives LLM tokens (its patch grid ``t*h*w / merge**2``), and the one
+``<|video_pad|>`` of a sample with video frames as many times as the video gives; the answer and
+eos are appended and supervised. The result follows the Qwen2-VL microbatch contract
+(``((pixel_values, input_ids, seq_lens, image_grid_thw, video_grid_thw), (targets,
+loss_denominator))``, ``dflop_ds.models.hf.qwen2_vl``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from dflop_ds.models.hf.synthetic import Sample, append_answer, hf_labels, pad_t
 
 #: how a prompt marks an image (Qwen2-VL's chat template)
 IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
+#: how a prompt marks a video (Qwen2-VL's chat template)
+VIDEO_MARK = "<|vision_start|><|video_pad|><|vision_end|>"
+#: ``(prompt, answer, images)`` or ``(prompt, answer, images, video frames)`` (PIL images; an even
+#: number of frames of one size)
+VideoSample = tuple[str, str, Sequence[Any], Sequence[Any]]
 
 
 class Qwen2VLInputs:
@@ -36,7 +42,9 @@ class Qwen2VLInputs:
                                  f"model's vision config has {value}")
         self.tokenizer, self.image_processor = tokenizer, image_processor
         self.image_token_id = int(config.image_token_id)
+        self.video_token_id = int(config.video_token_id)
         self.merge_size = int(vision.spatial_merge_size)
+        self.patch_size, self.temporal_patch_size = int(vision.patch_size), int(vision.temporal_patch_size)
         self.patch_dim = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
 
     @classmethod
@@ -51,50 +59,101 @@ class Qwen2VLInputs:
             raise ValueError(f"{model_dir}: no tokenizer + image processor ({exc})") from exc
         return cls(tokenizer, image_processor, config, str(model_dir))
 
-    def encode_sample(self, prompt: str, answer: str, images: Sequence[Any]):
-        """``(pixel_values [P, C*T*p*p], image_grid_thw [n, 3], input_ids [L], targets [L])`` of one sample."""
+    def video_pixel_values(self, frames: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pixel_values_videos [P, C*T*p*p], video_grid_thw [1, 3])`` of one video's frames (a
+        positive multiple of the temporal patch size of RGB images of one size): each frame resized
+        and normalized by the image processor, consecutive frames stacked on the temporal axis of
+        every patch (the layout of Qwen2-VL's video processor, which needs torchvision)."""
+        temporal, patch = self.temporal_patch_size, self.patch_size
+        if not frames or len(frames) % temporal:
+            raise ValueError(f"{len(frames)} video frame(s): not a positive multiple of {temporal}")
+        out = self.image_processor(images=list(frames), return_tensors="pt")
+        grids = out["image_grid_thw"].long()
+        if len({tuple(g) for g in grids.tolist()}) != 1:
+            raise ValueError(f"video frames of different sizes give different grids {grids.unique(dim=0).tolist()}")
+        _, grid_h, grid_w = grids[0].tolist()
+        # each frame's patches repeat the frame over the temporal axis: keep one copy
+        single = out["pixel_values"].float().view(len(frames), grid_h * grid_w, -1, temporal, patch, patch)[:, :, :, 0]
+        groups = single.view(len(frames) // temporal, temporal, *single.shape[1:]).permute(0, 2, 3, 1, 4, 5)
+        grid = torch.tensor([[len(frames) // temporal, grid_h, grid_w]], dtype=torch.long)
+        return groups.reshape(int(grid.prod()), -1), grid
+
+    def _no_pixels(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(0, self.patch_dim), torch.zeros(0, 3, dtype=torch.long)
+
+    def encode_sample(self, prompt: str, answer: str, images: Sequence[Any], video: Sequence[Any] = ()):
+        """``(pixel_values [P, C*T*p*p], image_grid_thw [n, 3], pixel_values_videos [Pv, C*T*p*p],
+        video_grid_thw [0 or 1, 3], input_ids [L], targets [L])`` of one sample (``video``: its frames)."""
         prompt_ids = torch.tensor(self.tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
-        marks = int((prompt_ids == self.image_token_id).sum())
-        if marks != len(images):
-            raise ValueError(f"prompt {prompt[:60]!r} has {marks} image token(s) but {len(images)} image(s) "
-                             "come with it")
+        for token, count, what in ((self.image_token_id, len(images), "image"),
+                                   (self.video_token_id, int(bool(video)), "video")):
+            marks = int((prompt_ids == token).sum())
+            if marks != count:
+                raise ValueError(f"prompt {prompt[:60]!r} has {marks} {what} token(s) but {count} {what}(s) "
+                                 "come with it")
         if images:
             encoded = self.image_processor(images=list(images), return_tensors="pt")
             pixel_values, grid = encoded["pixel_values"], encoded["image_grid_thw"].long()
         else:
-            pixel_values, grid = torch.zeros(0, self.patch_dim), torch.zeros(0, 3, dtype=torch.long)
-        counts = iter((grid.prod(-1) // self.merge_size ** 2).tolist())
-        pieces = [torch.full((next(counts),), token) if token == self.image_token_id else torch.tensor([token])
+            pixel_values, grid = self._no_pixels()
+        video_pixels, video_grid = self.video_pixel_values(video) if video else self._no_pixels()
+        unit = self.merge_size ** 2
+        counts = {self.image_token_id: iter((grid.prod(-1) // unit).tolist()),
+                  self.video_token_id: iter((video_grid.prod(-1) // unit).tolist())}
+        pieces = [torch.full((next(counts[token]),), token) if token in counts else torch.tensor([token])
                   for token in prompt_ids.tolist()]
         ids = torch.cat(pieces) if pieces else prompt_ids
-        return (pixel_values, grid, *append_answer(self.tokenizer, ids, answer))
+        return (pixel_values, grid, video_pixels, video_grid, *append_answer(self.tokenizer, ids, answer))
 
-    def microbatch(self, samples: Sequence[Sample], *, denominator: float | None = None):
-        """``((pixel_values, input_ids, seq_lens, image_grid_thw), (targets, loss_denominator))`` of ``samples``."""
+    def microbatch(self, samples: Sequence[Sample | VideoSample], *, denominator: float | None = None):
+        """``((pixel_values, input_ids, seq_lens, image_grid_thw, video_grid_thw), (targets,
+        loss_denominator))`` of ``samples`` (image patches, then video patches)."""
         if not samples:
             raise ValueError("Qwen2VLInputs.microbatch: no samples")
         encoded = [self.encode_sample(*sample) for sample in samples]
-        input_ids, seq_lens, targets, count = stack_rows([(ids, tgt) for _, _, ids, tgt in encoded],
+        input_ids, seq_lens, targets, count = stack_rows([(row[4], row[5]) for row in encoded],
                                                          pad_token_id(self.tokenizer), denominator)
-        pixel_values = torch.cat([px for px, _, _, _ in encoded])
-        grid = torch.cat([g for _, g, _, _ in encoded])
-        return (pixel_values, input_ids, seq_lens, grid), (targets, count)
+        pixel_values = torch.cat([row[0] for row in encoded] + [row[2] for row in encoded])
+        grid = torch.cat([row[1] for row in encoded])
+        video_grid = torch.cat([row[3] for row in encoded])
+        return (pixel_values, input_ids, seq_lens, grid, video_grid), (targets, count)
 
 
-def qwen2_vl_hf_kwargs(inputs: Sequence[torch.Tensor], image_token_id: int) -> dict[str, Any]:
-    """The HF Qwen2-VL model's keyword arguments for a contract microbatch (``mm_token_type_ids``
-    marks image tokens 1; no pixels nor grids without images)."""
-    pixel_values, input_ids, seq_lens, grid = inputs
+def qwen2_vl_hf_kwargs(inputs: Sequence[torch.Tensor], config: Any) -> dict[str, Any]:
+    """The HF Qwen2-VL model's keyword arguments for a contract microbatch: ``pixel_values`` and
+    ``pixel_values_videos`` split at the images' patch count, ``mm_token_type_ids`` marking image
+    tokens 1 and video tokens 2; no pixels nor grids of a kind the microbatch has none of."""
+    pixel_values, input_ids, seq_lens, grid, video_grid = inputs
     kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": padding_mask(seq_lens, input_ids.shape[1])}
+    if grid.shape[0] or video_grid.shape[0]:
+        kwargs["mm_token_type_ids"] = ((input_ids == int(config.image_token_id)).int()
+                                       + 2 * (input_ids == int(config.video_token_id)).int())
+    image_patches = int(grid.prod(-1).sum())
     if grid.shape[0]:
-        kwargs.update(pixel_values=pixel_values, image_grid_thw=grid,
-                      mm_token_type_ids=(input_ids == image_token_id).int())
+        kwargs.update(pixel_values=pixel_values[:image_patches], image_grid_thw=grid)
+    if video_grid.shape[0]:
+        kwargs.update(pixel_values_videos=pixel_values[image_patches:], video_grid_thw=video_grid)
     return kwargs
+
+
+def qwen2_vl_hf_positions(model: Any, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The M-RoPE position ids ``[3, B, S]`` HF's ``get_rope_index`` gives a contract microbatch
+    (``0..S-1`` on every axis without images and videos, as HF's text-only forward counts)."""
+    kwargs = qwen2_vl_hf_kwargs(inputs, model.config)
+    input_ids = kwargs["input_ids"]
+    if "mm_token_type_ids" not in kwargs:
+        return torch.arange(input_ids.shape[1]).expand(3, *input_ids.shape)
+    positions, _ = model.model.get_rope_index(input_ids, kwargs["mm_token_type_ids"],
+                                              image_grid_thw=kwargs.get("image_grid_thw"),
+                                              video_grid_thw=kwargs.get("video_grid_thw"),
+                                              attention_mask=kwargs["attention_mask"])
+    return positions
 
 
 def qwen2_vl_hf_forward(model: Any, inputs: Sequence[torch.Tensor], targets: torch.Tensor):
     """The HF model's own forward of a Qwen2-VL contract microbatch with labels (its loss: the token mean)."""
-    return model(**qwen2_vl_hf_kwargs(inputs, model.config.image_token_id), labels=hf_labels(targets))
+    return model(**qwen2_vl_hf_kwargs(inputs, model.config), labels=hf_labels(targets))
 
 
-__all__ = ["IMAGE_MARK", "Qwen2VLInputs", "qwen2_vl_hf_forward", "qwen2_vl_hf_kwargs"]
+__all__ = ["IMAGE_MARK", "VIDEO_MARK", "Qwen2VLInputs", "VideoSample", "qwen2_vl_hf_forward", "qwen2_vl_hf_kwargs",
+           "qwen2_vl_hf_positions"]

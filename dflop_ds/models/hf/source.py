@@ -22,6 +22,9 @@ def hf_source(
     lora: Optional[Mapping[str, Any]] = None,
     max_length: Optional[int] = None,
     truncation: str = "error",
+    video_folder: str | None = None,
+    video_fps: float = 2.0,
+    video_max_frames: int = 768,
 ) -> ModelSource:
     """The model, processor and data pipeline of a HuggingFace directory for the training loop:
     a ``LlavaForConditionalGeneration`` here, the Qwen2-VL family through
@@ -35,12 +38,17 @@ def hf_source(
             None trains all weights.
         max_length, truncation: sequence-length rule of the tokenization
             (:class:`~dflop_ds.models.hf.data.LlavaPreprocessor`).
+        video_folder: folder the records' video paths are relative to (default: the data file's
+            folder); LLaVA models refuse videos.
+        video_fps, video_max_frames: how a Qwen2-VL model samples video frames
+            (:class:`~dflop_ds.models.hf.qwen2_vl_data.VideoFrames`).
     """
     if model_type(model_dir) in MODEL_CLASSES:  # the Qwen2-VL family has its own preprocessor
-        if max_length is not None or truncation != "error":
-            raise ValueError(f"{model_dir}: max_length and truncation are not supported for Qwen2-VL yet")
-        return qwen2_vl_source(model_dir, image_folder=image_folder, lora=lora)
+        return qwen2_vl_source(model_dir, image_folder=image_folder, lora=lora, video_folder=video_folder,
+                               video_fps=video_fps, video_max_frames=video_max_frames, max_length=max_length,
+                               truncation=truncation)
     family = HFFamily(load_llava, llava_layers, "multi_modal_projector", LlavaDataset, collate_llava,
                       lambda pre, directory: pre.processor.save_pretrained(directory))
     preprocessor = LlavaPreprocessor.from_pretrained(model_dir, max_length=max_length, truncation=truncation)
-    return family_source(model_dir, family, preprocessor, image_folder=image_folder, lora=lora)
+    return family_source(model_dir, family, preprocessor, image_folder=image_folder, lora=lora,
+                         video_folder=video_folder)
