@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sampler", choices=["dflop", "stock"], help="override \"dflop\".sampler")
     parser.add_argument("--steps", type=int, help="override \"dflop\".steps")
     parser.add_argument("--packing", type=true_or_false, help="override \"dflop\".packing (true or false)")
-    parser.add_argument("--cost-model", dest="cost_model", help="override \"dflop\".cost_model (a CostModel JSON)")
+    parser.add_argument("--cost-model", dest="cost_model", help="override \"dflop\".cost_model: a CostModel JSON, or "
+                             "'proxy' for the unitless proxy (default: the tiny model profiled once, cached)")
     parser.add_argument("--output_dir", help="write the trained model here at the end (save_pretrained for HF "
                                              "models)")
     parser.add_argument("--summary", help="write the run's figures as JSON to this path (rank 0)")
@@ -81,13 +82,38 @@ def load_settings(args: argparse.Namespace) -> tuple[dict, DFLOPConfig]:
     return ds_config, DFLOPConfig.from_dict(block, source=args.deepspeed_config)
 
 
+#: timed rounds of the automatic profile (the `profile model` default is 5; 3 keeps it short)
+AUTO_PROFILE_REPEATS = 3
+#: ``"dflop".cost_model`` value that asks for the sampler's unitless proxy instead of a profiled model
+PROXY = "proxy"
+
+
 def load_cost_model(path: Optional[str]):
-    """A profiled CostModel, or None for the sampler's built-in proxy."""
-    if path is None:
+    """A profiled CostModel, or None for the sampler's built-in proxy (``path`` None or ``"proxy"``)."""
+    if path is None or path == PROXY:
         return None
     from dflop_ds.profile import CostModel
 
     return CostModel.load(path)
+
+
+def resolve_cost_model(cfg: DFLOPConfig, rank: int):
+    """The run's cost model: the config's file; ``"proxy"``: None (the unitless proxy); unset: the
+    tiny model's profiled cost model from the profile cache (profiled once per model, machine and
+    software, see :mod:`dflop_ds.profile.cache`). HuggingFace models without one use the proxy."""
+    if cfg.cost_model is not None:
+        return load_cost_model(cfg.cost_model)
+    if cfg.model_name_or_path is not None:
+        if rank == 0:
+            print("[dflop-ds] no cost model given: balancing on the unitless proxy (profile the model with "
+                  "`dflop-ds profile model --model_name_or_path ...` and pass --cost-model)", flush=True)
+        return None
+    from dflop_ds.profile.cache import cached_tiny_cost_model
+
+    cost_model, _ = cached_tiny_cost_model(cfg.model, log=print if rank == 0 else (lambda _: None),
+                                           progress=rank == 0, repeats=AUTO_PROFILE_REPEATS)
+    return cost_model
+
 
 
 def load_plan(path: Optional[str]):
@@ -154,7 +180,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print_skip_report(data.report)
     shapes = data[: cfg.max_samples]
     dataset = source.make_dataset(shapes, cfg.data)
-    cost_model = load_cost_model(cfg.cost_model)
+    cost_model = resolve_cost_model(cfg, rank)
     if cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
         from dflop_ds.profile.costmodel import check_policy
 
@@ -189,6 +215,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from dflop_ds.profile.packed import PackedCost
 
         sampler_cost = PackedCost(sampler_cost)
+    if pipelined and cost_model is not None and correction is None:  # balance what each stage computes
+        from dflop_ds.plan.stages import stage_shares
+        from dflop_ds.profile.stage_cost import StageCost
+
+        sampler_cost = StageCost(sampler_cost, stage_shares(trainer.stage_bounds, cost_model))
     sampler = make_sampler(
         cfg.sampler, shapes, global_batch_size=trainer.global_batch_size,
         gradient_accumulation_steps=engine.gradient_accumulation_steps(), dp_rank=dp_rank, dp_size=dp_size,
