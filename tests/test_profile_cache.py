@@ -88,3 +88,17 @@ def test_stage_cost_splits_segments_by_stage_shares(tiny_model):
 def test_stage_cost_refuses_flat_shares(tiny_model):
     with pytest.raises(ValueError, match="num_stages"):
         StageCost(tiny_model, np.ones(2))
+
+
+def test_the_training_loop_resolves_its_cost_model(tmp_path, tiny_model, capsys):
+    from dflop_ds.config import DFLOPConfig
+    from dflop_ds.train.loop import resolve_cost_model
+
+    path = tmp_path / "costmodel.json"
+    tiny_model.save(path)
+    loaded = resolve_cost_model(DFLOPConfig.from_dict({"cost_model": str(path)}), rank=0)
+    assert loaded.llm_layers == tiny_model.llm_layers
+    assert resolve_cost_model(DFLOPConfig.from_dict({"cost_model": "proxy"}), rank=0) is None
+    hf = DFLOPConfig.from_dict({"model_name_or_path": str(tmp_path)})
+    assert resolve_cost_model(hf, rank=0) is None
+    assert "unitless proxy" in capsys.readouterr().out
