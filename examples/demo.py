@@ -1,7 +1,13 @@
-"""`make demo`: a short 2-rank DeepSpeed pipeline training of the tiny MLLM, once with the stock
-sampler and once with the DFLOP sampler, then their figures side by side.
+"""`make demo`: short 2-rank DeepSpeed pipeline trainings of the tiny MLLM with the stock and the
+DFLOP sampler, interleaved in rounds on the same global batches, then their figures side by side.
 
-    python examples/demo.py [--config ds_configs/tiny_mllm_pp2.json] [--steps 20] [--gpus 2]
+    python examples/demo.py [--config ds_configs/tiny_mllm_pp2.json] [--rounds 3] [--steps 12] [--gpus 2]
+
+The tiny model is profiled once (cached per model, machine and software versions; see
+``dflop_ds.profile.cache``) and both samplers run on the fitted cost model. Every round launches
+each sampler once, in an order that rotates from round to round so that the machine's drift hits
+both alike; the table shows the median over rounds with the min-max. The last lines give the
+correlation of predicted microbatch cost and observed compute per pipeline stage.
 """
 
 from __future__ import annotations
@@ -9,58 +15,148 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from dflop_ds.launch import run_deepspeed
+from dflop_ds.models.tiny_profile import cached_tiny_cost_model
+from dflop_ds.profile.cache import default_cache_folder
+from dflop_ds.telemetry.report import scatter_points
 
 ROOT = Path(__file__).resolve().parent.parent
+METHODS = ("stock", "dflop")
+#: per-run figures shown per method: label, summary key, format
+FIELDS = [
+    ("samples/s (all timed steps)", "samples_per_s", "{:.1f}"),
+    ("tokens/s", "tokens_per_s", "{:.0f}"),
+    ("median step (s)", "median_step_s", "{:.3f}"),
+    ("predicted imbalance stage 0 (max/mean)", "imbalance_encoder", "{:.3f}"),
+    ("predicted imbalance last stage", "imbalance_llm", "{:.3f}"),
+    ("observed imbalance (busiest stage)", "imbalance_observed", "{:.3f}"),
+    ("padding efficiency", "padding_efficiency", "{:.3f}"),
+]
 
 
-def run(sampler: str, config: str, steps: int, gpus: int, out_dir: Path, extra: list[str]) -> dict:
-    """Launch one training run and return its summary."""
-    summary = out_dir / f"demo_{sampler}.json"
-    args = ["--deepspeed_config", config, "--sampler", sampler, "--steps", str(steps), "--summary", str(summary),
-            *(["--packing", "false"] if sampler == "stock" else []), *extra]  # stock pads, as its users run it
-    print(f"\n=== {sampler} sampler: deepspeed --num_gpus {gpus} examples/train.py {' '.join(args)}", flush=True)
+def run(
+    sampler: str, round_id: int, config: str, steps: int, gpus: int, cost_model: Path, out_dir: Path, extra: list[str]
+) -> dict:
+    """Launch one training run; its summary and step records."""
+    summary = out_dir / f"demo_{sampler}_round{round_id}.json"
+    args = [
+        "--deepspeed_config",
+        config,
+        "--sampler",
+        sampler,
+        "--steps",
+        str(steps),
+        "--summary",
+        str(summary),
+        "--cost-model",
+        str(cost_model),
+        *(["--packing", "false"] if sampler == "stock" else []),
+        *extra,
+    ]  # stock pads, as its users run it
+    print(
+        f"\n=== round {round_id}, {sampler} sampler: deepspeed --num_gpus {gpus} examples/train.py {' '.join(args)}",
+        flush=True,
+    )
     result = run_deepspeed(ROOT / "examples" / "train.py", args, ranks=gpus, cwd=ROOT)
     if result.returncode != 0:
-        raise SystemExit(f"the {sampler} run failed with exit code {result.returncode}")
-    return json.loads(summary.read_text())["summary"]
+        raise SystemExit(f"the {sampler} run of round {round_id} failed with exit code {result.returncode}")
+    return json.loads(summary.read_text())
 
 
-def table(rows: dict[str, dict]) -> str:
-    """The side-by-side comparison as aligned text."""
-    fields = [("samples/s", "samples_per_s", "{:.2f}"), ("tokens/s", "tokens_per_s", "{:.0f}"),
-              ("median step (s)", "median_step_s", "{:.3f}"),
-              ("microbatch imbalance LLM (max/mean)", "imbalance_llm", "{:.3f}"),
-              ("microbatch imbalance encoder", "imbalance_encoder", "{:.3f}"),
-              ("padding efficiency", "padding_efficiency", "{:.3f}"),
-              ("loss first -> last", None, None)]
-    names = list(rows)
-    lines = [f"{'':38s}" + "".join(f"{n:>14s}" for n in names)]
-    for label, key, fmt in fields:
-        if key is None:
-            cells = [f"{rows[n]['first_loss']:.2f}->{rows[n]['last_loss']:.2f}" for n in names]
-        else:
-            cells = [fmt.format(rows[n][key]) for n in names]
-        lines.append(f"{label:38s}" + "".join(f"{c:>14s}" for c in cells))
+def rotated(methods: Sequence[str], round_id: int) -> list[str]:
+    """The methods in the order of round ``round_id``: the first moves one place each round."""
+    k = round_id % len(methods)
+    return [*methods[k:], *methods[:k]]
+
+
+def timed_telemetry(run_output: dict) -> list[dict]:
+    """The telemetry records of a run's timed steps (warm-up steps left out, as its summary does)."""
+    steps = run_output["steps"]
+    timed = steps[len(steps) - run_output["summary"]["steps"] :]
+    return [step["telemetry"] for step in timed if "telemetry" in step]
+
+
+def stage_correlations(telemetry: list[dict]) -> dict[int, float]:
+    """Per pipeline stage: Pearson r of predicted microbatch cost vs observed compute (as
+    ``dflop-ds report`` computes it); NaN where the predictions do not vary."""
+    out = {}
+    for stage, (x, y) in sorted(scatter_points(telemetry).items()):
+        out[stage] = float(np.corrcoef(x, y)[0, 1]) if x.size > 1 and np.ptp(x) > 0 and np.ptp(y) > 0 else float("nan")
+    return out
+
+
+def spread(values: Sequence[float], fmt: str) -> str:
+    """``median (min-max)`` of ``values``."""
+    return f"{fmt.format(float(np.median(values)))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def table(runs: dict[str, list[dict]]) -> str:
+    """Median (min-max) over rounds of each method's figures, as aligned text."""
+    lines = [f"{'':38s}" + "".join(f"{m:>24s}" for m in runs)]
+    for label, key, fmt in FIELDS:
+        values = {m: [r["summary"].get(key) for r in runs[m]] for m in runs}
+        cells = [spread(v, fmt) if None not in v else "n/a" for v in values.values()]
+        lines.append(f"{label:38s}" + "".join(f"{c:>24s}" for c in cells))
+    losses = [f"{runs[m][0]['summary']['first_loss']:.2f}->{runs[m][0]['summary']['last_loss']:.2f}" for m in runs]
+    lines.append(f"{'loss first -> last (round 0)':38s}" + "".join(f"{c:>24s}" for c in losses))
     return "\n".join(lines)
+
+
+def speedups(runs: dict[str, list[dict]]) -> list[float]:
+    """DFLOP over stock, one ratio per round (both ran the same global batches): samples/s at the
+    median step, i.e. stock's median step time over DFLOP's (robust to the odd step a loaded
+    machine stalls; every step trains the same number of samples)."""
+    return [s["summary"]["median_step_s"] / d["summary"]["median_step_s"] for s, d in zip(runs["stock"], runs["dflop"])]
+
+
+def correlation_lines(runs: dict[str, list[dict]]) -> list[str]:
+    """r per stage over the timed steps of all rounds: per method, and over both methods'
+    microbatches together (the cost model's check over the widest range of microbatches)."""
+    telemetry = {method: [t for output in outputs for t in timed_telemetry(output)] for method, outputs in runs.items()}
+    telemetry["both samplers"] = [t for records in telemetry.values() for t in records]
+    lines = []
+    for name, records in telemetry.items():
+        cells = ", ".join(f"stage {s} r={v:.3f}" for s, v in stage_correlations(records).items())
+        lines.append(f"{name}: predicted microbatch cost vs observed stage compute: {cells or 'no telemetry'}")
+    return lines
+
+
+def model_overrides(config: str) -> dict[str, Any]:
+    """The tiny model's config overrides in the DeepSpeed config's ``"dflop"`` block."""
+    return dict(json.loads((ROOT / config).read_text()).get("dflop", {}).get("model", {}))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="ds_configs/tiny_mllm_pp2.json")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3, help="launches of each sampler, interleaved")
+    parser.add_argument("--steps", type=int, default=12, help="steps per launch (the config's warm-up ones untimed)")
     parser.add_argument("--gpus", type=int, default=2, help="ranks to launch (CPU processes here)")
     parser.add_argument("--out", default="out", help="folder for the run summaries")
+    parser.add_argument("--cache", default=None, help=f"profile cache folder (default {default_cache_folder()})")
     args, extra = parser.parse_known_args()
     out_dir = ROOT / args.out
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = {name: run(name, args.config, args.steps, args.gpus, out_dir, extra) for name in ("stock", "dflop")}
-    speedup = rows["dflop"]["samples_per_s"] / rows["stock"]["samples_per_s"]
-    print("\n" + table(rows))
-    print(f"\ndemo speedup_vs_stock={speedup:.3f} (samples/s, {args.gpus} ranks, "
-          f"{rows['dflop']['steps']} timed steps each)")
+    _, cost_model = cached_tiny_cost_model(model_overrides(args.config), args.cache, repeats=3)
+    runs: dict[str, list[dict]] = {m: [] for m in METHODS}
+    for round_id in range(args.rounds):
+        for method in rotated(METHODS, round_id):
+            runs[method].append(run(method, round_id, args.config, args.steps, args.gpus, cost_model, out_dir, extra))
+    ratios = speedups(runs)
+    print("\n" + table(runs))
+    print()
+    print("\n".join(correlation_lines(runs)))
+    print(
+        f"\ndemo speedup_vs_stock={np.median(ratios):.3f} (samples/s at the median step, median of {len(ratios)} "
+        f"interleaved rounds, min-max {min(ratios):.3f}-{max(ratios):.3f}; {args.gpus} ranks, "
+        f"{runs['dflop'][0]['summary']['steps']} timed steps per launch)"
+    )
     return 0
 
 

@@ -6,7 +6,9 @@
 
 The loop itself is :func:`dflop_ds.train.main` (``--help`` lists the options); the config's
 "dflop" block chooses the sampler, the data, the engine (``pipeline_stages > 1``: the pipeline
-engine, else the plain engine with the config's ZeRO stage) and the stage split.
+engine, else the plain engine with the config's ZeRO stage) and the stage split. Without a
+cost model (``--cost-model``) the tiny model is profiled once per model, machine and software
+versions and the profile reused from ``~/.cache/dflop-ds`` (``dflop_ds.profile.cache``).
 """
 
 import sys

@@ -15,6 +15,7 @@ from dflop_ds.cost.measurements import Measurement, ModelProfile
 from dflop_ds.cost.packed import PackedCost
 from dflop_ds.cost.protocol import CostModel
 from dflop_ds.cost.proxy import ProxyCost
+from dflop_ds.cost.stage import StageCost
 
 __all__ = [
     "AnalyticMLLM",
@@ -24,6 +25,7 @@ __all__ = [
     "ModelProfile",
     "PackedCost",
     "ProxyCost",
+    "StageCost",
     "check_policy",
     "cost_model_from_dict",
     "cost_model_to_dict",

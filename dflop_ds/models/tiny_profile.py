@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 from dflop_ds.models.tiny import TinyMLLMConfig, tiny_mllm_layers
+from dflop_ds.cost import FittedCostModel
+from dflop_ds.profile.cache import cached_cost_model
 from dflop_ds.profile.inputs import ContractEncoderInputs, ContractLLMInputs
 from dflop_ds.profile.target import ProfileTarget, summed_cross_entropy
 from dflop_ds.shapes import TINY_POLICY
@@ -32,3 +35,12 @@ def tiny_target(config: Any = None, *, seed: int = 0, text_tokens: int = 8) -> P
         output_loss=summed_cross_entropy,
         policy=replace(TINY_POLICY, tokens_per_tile=config.tokens_per_tile, tokens_per_frame=config.tokens_per_tile),
     )
+
+
+def cached_tiny_cost_model(
+    model_overrides: dict[str, Any], folder: str | Path | None = None, **kwargs: Any
+) -> tuple[FittedCostModel, Path]:
+    """:func:`~dflop_ds.profile.cache.cached_cost_model` of the bundled tiny MLLM with
+    ``model_overrides`` of its config."""
+    config = TinyMLLMConfig(**model_overrides)
+    return cached_cost_model({"name": "tiny_mllm", **asdict(config)}, lambda: tiny_target(config), folder, **kwargs)

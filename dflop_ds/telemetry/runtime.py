@@ -220,7 +220,10 @@ class RuntimeTracker:
         return {kind: totals[:, k].tolist() for k, kind in enumerate(STEP_KINDS)}
 
     def _stage_space(self, step: int) -> bool:
-        """Whether the step's batch was scheduled on corrected per-stage seconds."""
+        """Whether the step's batch was scheduled on per-stage costs: corrected seconds, or a cost
+        model predicting per stage (``per_stage``)."""
+        if getattr(getattr(self.sampler, "cost_model", None), "per_stage", False):
+            return True
         if self.correction is None:
             return False
         version = step - getattr(self.sampler, "prefetch", 0) - 1

@@ -24,14 +24,15 @@ import torch
 
 from dflop_ds.checks import check_cost_model, check_training_setup
 from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, set_settings
-from dflop_ds.cost import PackedCost, ProxyCost, check_policy, load_cost_model
+from dflop_ds.cost import CostModel, PackedCost, ProxyCost, StageCost, check_policy, load_cost_model
 from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
 from dflop_ds.loader import make_loader
 from dflop_ds.models.hf.source import hf_source
 from dflop_ds.models.source import ModelSource, tiny_source
 from dflop_ds.paths import check_writable, check_writable_folder
 from dflop_ds.plan import Plan
-from dflop_ds.plan.stages import cost_balanced_bounds
+from dflop_ds.models.tiny_profile import cached_tiny_cost_model
+from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares
 from dflop_ds.schedule.sampler import GlobalBatchSampler, make_sampler
 from dflop_ds.schedule.splitters import splitter_names
 from dflop_ds.telemetry.record import batch_tokens, throughput
@@ -75,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sampler", choices=splitter_names(), help="override dflop.sampler.kind")
     parser.add_argument("--steps", type=int, help="override dflop.train.steps")
     parser.add_argument("--packing", type=true_or_false, help="override dflop.model.packing (true or false)")
-    parser.add_argument("--cost-model", dest="cost_model", help="override dflop.sampler.cost_model (a cost-model JSON)")
+    parser.add_argument("--cost-model", dest="cost_model", help="override dflop.sampler.cost_model: a cost-model JSON, or "
+                             "'proxy' for the unitless proxy (default: the tiny model profiled once, cached)")
     parser.add_argument("--output_dir", help="write the trained model here at the end (save_pretrained for HF "
                                              "models)")
     parser.add_argument("--summary", help="write the run's figures as JSON to this path (rank 0)")
@@ -103,6 +105,30 @@ def load_settings(args: argparse.Namespace) -> tuple[dict, DFLOPConfig]:
     if plan:  # a plan from `dflop-ds plan` fills batch keys, the stage split and what its memory model assumed
         ds_config, block = fill_from_plan(ds_config, block, load_plan(plan))
     return ds_config, DFLOPConfig.from_dict(block, source=args.deepspeed_config)
+
+
+#: timed rounds of the automatic profile (the `profile model` default is 5; 3 keeps it short)
+AUTO_PROFILE_REPEATS = 3
+#: ``dflop.sampler.cost_model`` value that asks for the sampler's unitless proxy instead of a profiled model
+PROXY = "proxy"
+
+
+def resolve_cost_model(cfg: DFLOPConfig, rank: int) -> CostModel | None:
+    """The run's cost model: the config's file; ``"proxy"``: None (the unitless proxy); unset: the
+    tiny model's profiled cost model from the profile cache (profiled once per model, machine and
+    software, see :mod:`dflop_ds.profile.cache`). HuggingFace models without one use the proxy."""
+    if cfg.cost_model == PROXY:
+        return None
+    if cfg.cost_model is not None:
+        return load_cost_model(cfg.cost_model)
+    if cfg.model_name_or_path is not None:
+        if rank == 0:
+            print("[dflop-ds] no cost model given: balancing on the unitless proxy (profile the model with "
+                  "`dflop-ds profile model --model_name_or_path ...` and pass --cost-model)", flush=True)
+        return None
+    cost_model, _ = cached_tiny_cost_model(cfg.model, log=print if rank == 0 else (lambda _: None),
+                                           progress=rank == 0, repeats=AUTO_PROFILE_REPEATS)
+    return cost_model
 
 
 def load_plan(path: Optional[str]):
@@ -157,7 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print_skip_report(data.report)
     shapes = data[: cfg.max_samples]
     dataset = source.make_dataset(shapes, cfg.data)
-    cost_model = None if cfg.cost_model is None else load_cost_model(cfg.cost_model)
+    cost_model = resolve_cost_model(cfg, rank)
     if cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
         check_policy(cost_model, source.policy, source=str(cfg.cost_model))
         check_cost_model(cost_model, encoder_layers=len(source.encoder_layers), llm_layers=len(source.llm_layers),
@@ -187,6 +213,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     packing = source.uses_packing(cfg.packing)
     if packing:  # a packed microbatch costs the sum of its samples (plus one constant)
         sampler_cost = PackedCost(sampler_cost)
+    if pipelined and cost_model is not None and correction is None and not colocated:  # balance what each stage computes
+        sampler_cost = StageCost(sampler_cost, stage_shares(trainer.stage_bounds, cost_model))
     sampler: GlobalBatchSampler | DispatchingSampler = make_sampler(
         cfg.sampler, shapes, global_batch_size=trainer.global_batch_size,
         gradient_accumulation_steps=engine.gradient_accumulation_steps(), dp_rank=dp_rank, dp_size=dp_size,

@@ -1,0 +1,125 @@
+"""A profiled cost model kept on disk and reused while the model, the machine and the software are the same.
+
+The key is the model's identity (its config), the machine (architecture, CPU model, core count,
+accelerator), the torch / DeepSpeed / dflop-ds versions and the profiling options. A file whose
+key differs is never reused: the model is profiled again and written under its own key. Processes
+that ask at once (the ranks of one launch) take a file lock, so one profiles and the others load.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import time
+from importlib import metadata
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dflop_ds.cost import FittedCostModel, load_cost_model, save_cost_model
+from dflop_ds.profile.model import profile_model
+from dflop_ds.profile.target import ProfileTarget
+
+#: the environment variable naming the cache folder (default ``$XDG_CACHE_HOME/dflop-ds``)
+CACHE_ENV = "DFLOP_DS_CACHE"
+
+
+def default_cache_folder() -> Path:
+    """``$DFLOP_DS_CACHE``, else ``$XDG_CACHE_HOME/dflop-ds``, else ``~/.cache/dflop-ds``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dflop-ds"
+
+
+def _cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (``platform.processor()`` where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def machine_key() -> dict[str, Any]:
+    """What identifies this machine for timing: architecture, CPU model, cores and accelerator."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    device = accelerator.device_name()
+    return {
+        "arch": platform.machine(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "accelerator": device,
+        "device_name": "" if device == "cpu" else str(accelerator.get_device_name()),
+    }
+
+
+def software_key() -> dict[str, str]:
+    """The versions whose kernels and profiler the timings depend on."""
+    import deepspeed
+    import torch
+
+    try:
+        ours = metadata.version("dflop-ds")
+    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        ours = "source"
+    return {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "dflop_ds": ours}
+
+
+def profile_key(model: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """The full cache key of ``model`` (its identity, JSON-serializable) profiled with ``options``."""
+    return {"model": model, "machine": machine_key(), "software": software_key(), "options": options}
+
+
+def key_digest(key: dict[str, Any]) -> str:
+    """A short stable hash of a cache key."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cached_cost_model(
+    model: dict[str, Any],
+    make_target: Callable[[], ProfileTarget],
+    folder: str | Path | None = None,
+    *,
+    log: Callable[[str], None] = print,
+    progress: bool = True,
+    **options: Any,
+) -> tuple[FittedCostModel, Path]:
+    """The fitted cost model of ``model`` on this machine and software, and its file.
+
+    Loaded from ``folder`` (default :func:`default_cache_folder`) when a cost model of the same
+    key is there; otherwise ``make_target()`` is profiled with ``options`` (keyword arguments of
+    :func:`~dflop_ds.profile.model.profile_model`, e.g. ``repeats``), fitted and written there.
+    """
+    folder = Path(folder) if folder is not None else default_cache_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    key = profile_key(model, options)
+    path = folder / f"costmodel-{key_digest(key)}.json"
+    key_path = path.with_suffix(".key.json")
+    with open(folder / f"{path.stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process profiles, the others wait and load its file
+        if path.exists() and key_path.exists() and json.loads(key_path.read_text()) == json.loads(json.dumps(key)):
+            log(f"[dflop-ds] cost model: reusing {path} (same model, machine and versions)")
+            loaded = load_cost_model(path)
+            assert isinstance(loaded, FittedCostModel), path
+            return loaded, path
+        log(f"[dflop-ds] cost model: profiling {model} once on this machine into {path} ...")
+        started = time.perf_counter()
+        target = make_target()
+        profile = profile_model(**target.profile_kwargs(), progress=progress, **options)
+        cost_model = FittedCostModel().fit(profile, target.policy)
+        save_cost_model(cost_model, path)
+        key_path.write_text(json.dumps(key, indent=1, sort_keys=True))
+        log(
+            f"[dflop-ds] cost model: profiled {len(profile.encoder)} encoder and {len(profile.llm)} LLM shapes in "
+            f"{time.perf_counter() - started:.1f} s"
+        )
+        return cost_model, path
+
