@@ -8,7 +8,7 @@ default ``ShapePolicy()`` (729 tokens per tile). Per-item costs are an analytic
 LLaVA-OneVision-7B-like model: encoder (SigLIP-400M) ``6 * 0.4e9 * 729`` FLOPs per tile;
 LLM (7B) ``6 * 7e9`` FLOPs per token plus attention ``12 * 28 * 3584 * s**2``; both divided
 by one throughput, ``THROUGHPUT`` FLOP/s. Every makespan is divided by the instance's lower
-bound from ``dflop_ds.schedule.bounds`` (valid for every split), so 1.000 is optimal.
+bound from ``dflop_ds.schedule.lower_bounds`` (valid for every split), so 1.000 is optimal.
 The last line reads ``partition makespan/lb mean=.. worst=.. p95_ms=..`` for our method at
 2048 items into 128 buckets.
 """
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import baselines  # noqa: E402
 from dflop_ds.data import read_manifest  # noqa: E402
-from dflop_ds.schedule.bounds import lower_bound  # noqa: E402
+from dflop_ds.schedule.lower_bounds import lower_bound  # noqa: E402
 from dflop_ds.schedule.partition import partition_batch  # noqa: E402
 from dflop_ds.shapes import SampleShape, ShapePolicy  # noqa: E402
 

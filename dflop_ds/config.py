@@ -299,7 +299,7 @@ def fill_from_plan(ds_config: dict[str, Any], block: dict[str, Any],
     ``pipeline_stages``, ``stage_bounds``, ``activation_checkpointing`` and ``sampler`` wherever the config
     leaves them out;
     values the config does set are kept, so a config that contradicts its plan is caught by
-    :func:`dflop_ds.checks.check_training_setup` rather than silently overridden; a stage count
+    :func:`dflop_ds.setup_checks.check_training_setup` rather than silently overridden; a stage count
     or split, ZeRO stage, precision or checkpointing that contradicts it is refused here, naming both.
     """
     planned = plan.deepspeed_config({})

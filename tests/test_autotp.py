@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflop_ds.checks import SetupError, check_training_setup
+from dflop_ds.setup_checks import SetupError, check_training_setup
 from dflop_ds.config import DFLOPConfig, fill_from_plan, set_settings
 from dflop_ds.launch import run_deepspeed
 from dflop_ds.plan import Plan

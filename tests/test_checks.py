@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dflop_ds.checks import SetupError, check_cost_model, check_training_setup, resolve_batch_keys
+from dflop_ds.setup_checks import SetupError, check_cost_model, check_training_setup, resolve_batch_keys
 from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, plan_deepspeed_config, set_settings
 from dflop_ds.plan import Plan
 from dflop_ds.plan.layout import Layout, Segment

@@ -100,7 +100,7 @@ def test_colocated_dispatch_pipeline_training_loop_resumes_encoder_and_trains_ev
 
 
 def test_colocated_encoder_setup_runs_under_the_pipeline_and_refuses_what_it_cannot_do():
-    from dflop_ds.checks import SetupError, check_engine_features
+    from dflop_ds.setup_checks import SetupError, check_engine_features
     from dflop_ds.config import DFLOPConfig, set_settings
 
     def config(**settings):

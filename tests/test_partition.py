@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflop_ds.schedule.bounds import lower_bound
+from dflop_ds.schedule.lower_bounds import lower_bound
 from dflop_ds.schedule.ilp import solve_ilp
 from dflop_ds.schedule.lpt import bucket_loads, greedy_assign, item_order
 from dflop_ds.schedule.partition import InfeasibleError, partition_batch

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from dflop_ds.data.checks import MAX_VIDEO_FRAMES, FieldProblems, type_name
+from dflop_ds.data.fields import MAX_VIDEO_FRAMES, FieldProblems, type_name
 from dflop_ds.data.media import MediaLookup
 from dflop_ds.data.video import VideoInfo
 from dflop_ds.shapes import SampleShape, ShapePolicy

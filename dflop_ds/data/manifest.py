@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from dflop_ds.data.checks import MAX_TEXT_TOKENS, MAX_VIDEO_FRAMES, FieldProblems, type_name
+from dflop_ds.data.fields import MAX_TEXT_TOKENS, MAX_VIDEO_FRAMES, FieldProblems, type_name
 from dflop_ds.data.errors import DataError, PathArg
 from dflop_ds.data.records import ReadResult, load_records, read_records
 from dflop_ds.shapes import DEFAULT_POLICY, SampleShape, ShapePolicy

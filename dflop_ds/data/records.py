@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from dflop_ds.data.checks import FieldProblems, peek_id, type_name
+from dflop_ds.data.fields import FieldProblems, peek_id, type_name
 from dflop_ds.data.errors import DataError, PathArg
 from dflop_ds.shapes import SampleShape
 

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from dflop_ds.data.checks import MAX_VIDEO_FRAMES, FieldProblems, type_name
+from dflop_ds.data.fields import MAX_VIDEO_FRAMES, FieldProblems, type_name
 from dflop_ds.data.errors import DataError, PathArg
 
 #: A fixed size to pass as ``fallback_size`` when you want one: 640x480, the most common MS-COCO

@@ -202,7 +202,7 @@ class Plan:
         same samples; without tp it equals the global batch for plans of the search, whose
         ``dp * n_mb`` divides it), ``tensor_parallel.autotp_size = tp`` when
         ``tp > 1`` (the LLM sharded by DeepSpeed AutoTP: HF models only, pp = 1, checked by
-        :func:`dflop_ds.checks.check_training_setup`). The ``"dflop"`` block's settings come from
+        :func:`dflop_ds.setup_checks.check_training_setup`). The ``"dflop"`` block's settings come from
         :meth:`dflop_settings` (:func:`dflop_ds.config.plan_deepspeed_config` writes both).
 
         Raises:

@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from dflop_ds.schedule.bounds import as_cost_matrix, lower_bound
+from dflop_ds.schedule.lower_bounds import as_cost_matrix, lower_bound
 from dflop_ds.schedule.lpt import (
     InfeasibleError,
     MemoryCap,

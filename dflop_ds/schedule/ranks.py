@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflop_ds.schedule.bounds import as_cost_matrix
+from dflop_ds.schedule.lower_bounds import as_cost_matrix
 from dflop_ds.schedule.lpt import differencing_assign, improve
 
 __all__ = ["assign_to_ranks", "lockstep_order", "pipeline_order", "rank_totals"]

@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from dflop_ds.checks import check_cost_model, check_training_setup
+from dflop_ds.setup_checks import check_cost_model, check_training_setup
 from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, set_settings
 from dflop_ds.cost import CostModel, PackedCost, ProxyCost, StageCost, check_policy, load_cost_model
 from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
