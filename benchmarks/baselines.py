@@ -19,8 +19,16 @@ from dflop_ds.schedule.splitters.llava import llava_modality_grouped
 from dflop_ds.schedule.splitters.verl import verl_karmarkar_karp, verl_workload
 
 Buckets = list[list[int]]
-__all__ = ["dflop_ilp", "llava_modality_grouped", "ortools_available", "scalar_lpt", "stock_sequential", "timed",
-           "verl_karmarkar_karp", "verl_workload"]
+__all__ = [
+    "dflop_ilp",
+    "llava_modality_grouped",
+    "ortools_available",
+    "scalar_lpt",
+    "stock_sequential",
+    "timed",
+    "verl_karmarkar_karp",
+    "verl_workload",
+]
 
 
 def stock_sequential(n: int, n_buckets: int, seed: int = 0) -> Buckets:
@@ -52,8 +60,9 @@ def ortools_available() -> bool:
     return True
 
 
-def dflop_ilp(costs: np.ndarray, n_buckets: int, time_limit_s: float = 10.0,
-              backend: str | None = None, scale: float = 1e6) -> Buckets | None:
+def dflop_ilp(
+    costs: np.ndarray, n_buckets: int, time_limit_s: float = 10.0, backend: str | None = None, scale: float = 1e6
+) -> Buckets | None:
     """DFLOP's scheduler as published: binary ``x[i, j]``, minimise ``C`` with ``C >=`` each
     bucket's summed cost per column, each item in one bucket; no warm start, no symmetry
     breaking, a time limit. CP-SAT (one worker; costs scaled to integers by ``scale`` over the

@@ -24,8 +24,8 @@ import argparse
 import random
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -33,19 +33,32 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dflop_ds.cost import FittedCostModel, PackedCost  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, build_reference, collate_microbatch  # noqa: E402
-from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
-from dflop_ds.cost import FittedCostModel, PackedCost  # noqa: E402
 from dflop_ds.models.tiny_profile import tiny_target  # noqa: E402
+from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
 from dflop_ds.profile import ModelProfile, profile_model  # noqa: E402
 from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES, torch_threads  # noqa: E402
 from dflop_ds.profile.timing import clock_function, resolve_clock, robust_statistic  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY, SampleShape  # noqa: E402
 
 HELDOUT_TILES = (3, 6, 12, 24, 40, 56, 80)
-HELDOUT_LLM = ((1, 100), (1, 200), (1, 320), (1, 600), (2, 96), (2, 300), (2, 480),
-               (3, 64), (3, 200), (3, 420), (4, 150), (4, 350), (4, 700))
+HELDOUT_LLM = (
+    (1, 100),
+    (1, 200),
+    (1, 320),
+    (1, 600),
+    (2, 96),
+    (2, 300),
+    (2, 480),
+    (3, 64),
+    (3, 200),
+    (3, 420),
+    (4, 150),
+    (4, 350),
+    (4, 700),
+)
 
 
 def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
@@ -61,18 +74,22 @@ def scale_free_mape(predicted: Sequence[float], measured: Sequence[float]) -> fl
     return mape(np.asarray(predicted, dtype=float) * ratio.sum() / (ratio**2).sum(), measured)
 
 
-def split_profile(profile: ModelProfile, tiles: Sequence[int], llm_shapes: Sequence[tuple[int, int]]) -> tuple[
-    ModelProfile, ModelProfile
-]:
+def split_profile(
+    profile: ModelProfile, tiles: Sequence[int], llm_shapes: Sequence[tuple[int, int]]
+) -> tuple[ModelProfile, ModelProfile]:
     """``(selected, rest)``: the measurements at ``tiles`` / ``llm_shapes``, and the others."""
+
     def pick(keep: bool) -> ModelProfile:
         return ModelProfile(
             encoder=[m for m in profile.encoder if (m.tiles in tiles) == keep],
             llm=[m for m in profile.llm if ((m.batch, m.seq_len) in llm_shapes) == keep],
-            encoder_layers=profile.encoder_layers, llm_layers=profile.llm_layers,
-            param_bytes=profile.param_bytes, hidden_bytes_per_token=profile.hidden_bytes_per_token,
+            encoder_layers=profile.encoder_layers,
+            llm_layers=profile.llm_layers,
+            param_bytes=profile.param_bytes,
+            hidden_bytes_per_token=profile.hidden_bytes_per_token,
             meta=profile.meta,
         )
+
     return pick(True), pick(False)
 
 
@@ -137,13 +154,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.perf_counter()
     fit_llm = [(b, s) for b in DEFAULT_BATCH_SIZES for s in DEFAULT_SEQ_LENS]
-    session = profile_model(**tiny_target(seed=args.seed).profile_kwargs(), tiles=DEFAULT_TILES + HELDOUT_TILES,
-                            llm_shapes=fit_llm + list(HELDOUT_LLM), **timing)
+    session = profile_model(
+        **tiny_target(seed=args.seed).profile_kwargs(),
+        tiles=DEFAULT_TILES + HELDOUT_TILES,
+        llm_shapes=fit_llm + list(HELDOUT_LLM),
+        **timing,
+    )
     fit_profile, held = split_profile(session, DEFAULT_TILES, fit_llm)
     model = FittedCostModel().fit(fit_profile)
-    print(f"profiled {len(session.encoder)} encoder + {len(session.llm)} LLM shapes in "
-          f"{time.perf_counter() - started:.1f} s wall ({clock} clock, {args.statistic} of {args.repeats}); "
-          f"fitted on {len(fit_profile.encoder)} + {len(fit_profile.llm)}, held out {len(held.encoder)} + {len(held.llm)}")
+    print(
+        f"profiled {len(session.encoder)} encoder + {len(session.llm)} LLM shapes in "
+        f"{time.perf_counter() - started:.1f} s wall ({clock} clock, {args.statistic} of {args.repeats}); "
+        f"fitted on {len(fit_profile.encoder)} + {len(fit_profile.llm)}, held out {len(held.encoder)} + {len(held.llm)}"
+    )
     for note in session.meta["scaling"]:
         print(f"  {note}")
     enc_pred = model.encoder_time([m.tiles for m in held.encoder])
@@ -164,8 +187,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     reference = build_reference(config, seed=args.seed).train()
     n_encoder = 1 + config.vision_layers + 1  # patch embedding, vision blocks, projector
     with torch_threads(args.threads):
-        batches = [RealMicrobatch(reference, n_encoder, [dataset[i] for i in group], packed)
-                   for packed in (False, True) for group in groups]
+        batches = [
+            RealMicrobatch(reference, n_encoder, [dataset[i] for i in group], packed)
+            for packed in (False, True)
+            for group in groups
+        ]
         real, real_packed = np.split(time_real(batches, args.repeats, args.statistic, clock), 2)
     predicted = np.array([model.predict_microbatch([shapes[i] for i in group]) for group in groups])
     packed_model = PackedCost(model)
@@ -175,24 +201,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         mb = [shapes[i] for i in group]
         longest = max(s.llm_tokens for s in mb)
         tiles = sum(s.encoder_tiles for s in mb)
-        print(f"  {'':21s}{len(mb):3d} {tiles:6d} {longest:8d} {row[0] * 1e3:7.2f} {pred.sum() * 1e3:10.2f} "
-              f"{pred.sum() / row[0] - 1:+6.1%} | {row[1] * 1e3:7.2f} {pred[0] * 1e3:5.2f} | "
-              f"{row[2] * 1e3:6.2f} {pred[1] * 1e3:6.2f}")
+        print(
+            f"  {'':21s}{len(mb):3d} {tiles:6d} {longest:8d} {row[0] * 1e3:7.2f} {pred.sum() * 1e3:10.2f} "
+            f"{pred.sum() / row[0] - 1:+6.1%} | {row[1] * 1e3:7.2f} {pred[0] * 1e3:5.2f} | "
+            f"{row[2] * 1e3:6.2f} {pred[1] * 1e3:6.2f}"
+        )
     print("\npacked microbatches (ms) B  tiles   tokens   whole  predicted  error | speed-up over padded")
     for group, row, pred, padded in zip(groups, real_packed, predicted_packed, real):
         mb = [shapes[i] for i in group]
-        print(f"  {'':21s}{len(mb):3d} {sum(s.encoder_tiles for s in mb):6d} {sum(s.llm_tokens for s in mb):8d} "
-              f"{row[0] * 1e3:7.2f} {pred.sum() * 1e3:10.2f} {pred.sum() / row[0] - 1:+6.1%} | x{padded[0] / row[0]:.2f}")
+        print(
+            f"  {'':21s}{len(mb):3d} {sum(s.encoder_tiles for s in mb):6d} {sum(s.llm_tokens for s in mb):8d} "
+            f"{row[0] * 1e3:7.2f} {pred.sum() * 1e3:10.2f} {pred.sum() / row[0] - 1:+6.1%} | x{padded[0] / row[0]:.2f}"
+        )
     enc_real = [(p, m) for p, m in zip(predicted[:, 0], real[:, 1]) if m > 0]
-    print(f"\nreal microbatch parts: encoder mape={mape(*zip(*enc_real)):.3f} "
-          f"llm mape={mape(predicted[:, 1], real[:, 2]):.3f}")
-    print("scale-free mape (one fitted scale factor): "
-          f"microbatch={scale_free_mape(predicted.sum(axis=1), real[:, 0]):.3f} "
-          f"packed_microbatch={scale_free_mape(predicted_packed.sum(axis=1), real_packed[:, 0]):.3f}")
+    print(
+        f"\nreal microbatch parts: encoder mape={mape(*zip(*enc_real)):.3f} "
+        f"llm mape={mape(predicted[:, 1], real[:, 2]):.3f}"
+    )
+    print(
+        "scale-free mape (one fitted scale factor): "
+        f"microbatch={scale_free_mape(predicted.sum(axis=1), real[:, 0]):.3f} "
+        f"packed_microbatch={scale_free_mape(predicted_packed.sum(axis=1), real_packed[:, 0]):.3f}"
+    )
     print(f"total benchmark wall time {time.perf_counter() - started:.1f} s")
-    print(f"costmodel heldout mape encoder={mape(enc_pred, enc_meas):.3f} llm={mape(llm_pred, llm_meas):.3f} "
-          f"microbatch={mape(predicted.sum(axis=1), real[:, 0]):.3f} "
-          f"packed_microbatch={mape(predicted_packed.sum(axis=1), real_packed[:, 0]):.3f}")
+    print(
+        f"costmodel heldout mape encoder={mape(enc_pred, enc_meas):.3f} llm={mape(llm_pred, llm_meas):.3f} "
+        f"microbatch={mape(predicted.sum(axis=1), real[:, 0]):.3f} "
+        f"packed_microbatch={mape(predicted_packed.sum(axis=1), real_packed[:, 0]):.3f}"
+    )
     return 0
 
 

@@ -55,7 +55,8 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
         steps = np.array([r["step_s"] for r in timed])
         encoder = np.array([r["encoder_s"] for r in timed])  # (rounds, ranks)
         table[method] = {
-            "median_step_s": float(np.median(steps)), "min_step_s": float(steps.min()),
+            "median_step_s": float(np.median(steps)),
+            "min_step_s": float(steps.min()),
             "max_step_s": float(steps.max()),
             "samples_per_s": float(timed[0]["samples"] / np.median(steps)),
             "encoder_share": float(np.median(encoder.mean(axis=1) / steps)),
@@ -78,28 +79,54 @@ def main() -> int:
     profiled_cost_model(cost_path, reuse=True)
     data = build_mixture(out / "dp_mixture.jsonl")
     raw = out / "dp_rows.json"
-    run_deepspeed(ROOT / "benchmarks" / "dp_worker.py", [
-        "--data", str(data), "--cost-model", cost_path, "--rounds", str(args.rounds), "--warmup", str(args.warmup),
-        "--global-batch", str(args.global_batch), "--gas", str(args.gas), "--out", str(raw)], cwd=ROOT, check=True)
+    run_deepspeed(
+        ROOT / "benchmarks" / "dp_worker.py",
+        [
+            "--data",
+            str(data),
+            "--cost-model",
+            cost_path,
+            "--rounds",
+            str(args.rounds),
+            "--warmup",
+            str(args.warmup),
+            "--global-batch",
+            str(args.global_batch),
+            "--gas",
+            str(args.gas),
+            "--out",
+            str(raw),
+        ],
+        cwd=ROOT,
+        check=True,
+    )
     table = summarize(json.loads(raw.read_text())["rows"])
 
     print(f"\nZeRO-2, 2 ranks, tiny MLLM, mixture {MIXTURE} (global batch {args.global_batch}, GAS {args.gas})")
-    print(f"{'method':16s} {'median step s':>13s} {'min-max':>15s} {'samples/s':>10s} {'encoder share':>14s} "
-          f"{'enc max/mean':>13s} {'predicted':>10s} {'vs stock':>9s}")
+    print(
+        f"{'method':16s} {'median step s':>13s} {'min-max':>15s} {'samples/s':>10s} {'encoder share':>14s} "
+        f"{'enc max/mean':>13s} {'predicted':>10s} {'vs stock':>9s}"
+    )
     for method, v in table.items():
-        print(f"{method:16s} {v['median_step_s']:13.3f} {v['min_step_s']:7.3f}-{v['max_step_s']:<7.3f} "
-              f"{v['samples_per_s']:10.2f} {v['encoder_share']:14.1%} {v['encoder_imbalance']:13.3f} "
-              f"{v['predicted_encoder_imbalance']:10.3f} "
-              f"{v['vs_stock']:9.3f}")
+        print(
+            f"{method:16s} {v['median_step_s']:13.3f} {v['min_step_s']:7.3f}-{v['max_step_s']:<7.3f} "
+            f"{v['samples_per_s']:10.2f} {v['encoder_share']:14.1%} {v['encoder_imbalance']:13.3f} "
+            f"{v['predicted_encoder_imbalance']:10.3f} "
+            f"{v['vs_stock']:9.3f}"
+        )
     dispatch = table["dflop_dispatch"]
     best = min(table[m]["median_step_s"] for m in BASELINES)
-    print(f"\n{dispatch['rounds']} timed rounds per method; encoder share = measured encoder seconds (forward + "
-          f"backward, mean over ranks) / step, median over rounds; enc max/mean: measured encoder seconds, "
-          f"predicted: the cost model's, both max/mean over ranks per step; rows in {raw}")
-    print(f"dp speedup_vs_stock={dispatch['vs_stock']:.3f} "
-          f"speedup_vs_best_baseline={best / dispatch['median_step_s']:.3f} "
-          f"dispatch_gain={table['dflop']['median_step_s'] / dispatch['median_step_s']:.3f} "
-          f"encoder_imbalance={dispatch['encoder_imbalance']:.3f}")
+    print(
+        f"\n{dispatch['rounds']} timed rounds per method; encoder share = measured encoder seconds (forward + "
+        f"backward, mean over ranks) / step, median over rounds; enc max/mean: measured encoder seconds, "
+        f"predicted: the cost model's, both max/mean over ranks per step; rows in {raw}"
+    )
+    print(
+        f"dp speedup_vs_stock={dispatch['vs_stock']:.3f} "
+        f"speedup_vs_best_baseline={best / dispatch['median_step_s']:.3f} "
+        f"dispatch_gain={table['dflop']['median_step_s'] / dispatch['median_step_s']:.3f} "
+        f"encoder_imbalance={dispatch['encoder_imbalance']:.3f}"
+    )
     return 0
 
 

@@ -26,8 +26,8 @@ from benchmarks.common import add_round_options, profiled_cost_model  # noqa: E4
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import run_deepspeed  # noqa: E402
 from dflop_ds.plan.stages import cost_balanced_bounds  # noqa: E402
-from dflop_ds.telemetry.record import throughput  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
+from dflop_ds.telemetry.record import throughput  # noqa: E402
 
 BASELINES = ("stock", "llava", "verl")  # dflop_uniform is an ablation of dflop, not a baseline
 
@@ -85,35 +85,64 @@ def main() -> int:
     print(f"dflop stage bounds from the cost model: {bounds} (baselines: split by layer count)", flush=True)
 
     raw = out / "e2e_rows.json"
-    run_deepspeed(ROOT / "benchmarks" / "e2e_worker.py", [
-               "--cost-model", cost_path, "--dflop-bounds", ",".join(map(str, bounds)), "--data", args.data,
-               "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--global-batch", str(args.global_batch),
-               "--gas", str(args.gas), "--out", str(raw)], cwd=ROOT, check=True)
+    run_deepspeed(
+        ROOT / "benchmarks" / "e2e_worker.py",
+        [
+            "--cost-model",
+            cost_path,
+            "--dflop-bounds",
+            ",".join(map(str, bounds)),
+            "--data",
+            args.data,
+            "--rounds",
+            str(args.rounds),
+            "--warmup",
+            str(args.warmup),
+            "--global-batch",
+            str(args.global_batch),
+            "--gas",
+            str(args.gas),
+            "--out",
+            str(raw),
+        ],
+        cwd=ROOT,
+        check=True,
+    )
     rows = json.loads(raw.read_text())["rows"]
     table = summarize(rows)
     write_outputs(table, out)
 
-    print(f"\n{'method':14s} {'samples/s':>10s} {'tokens/s':>10s} {'median step s':>14s} {'idle':>6s} "
-          f"{'padding eff':>12s} {'sched ms':>9s} {'vs stock':>9s}")
+    print(
+        f"\n{'method':14s} {'samples/s':>10s} {'tokens/s':>10s} {'median step s':>14s} {'idle':>6s} "
+        f"{'padding eff':>12s} {'sched ms':>9s} {'vs stock':>9s}"
+    )
     for method, v in table.items():
-        print(f"{method:14s} {v['samples_per_s']:10.2f} {v['tokens_per_s']:10.0f} {v['median_step_s']:14.3f} "
-              f"{v['idle_fraction']:6.1%} {v['padding_efficiency']:12.3f} {v['median_schedule_ms']:9.1f} "
-              f"{v['vs_stock']:9.3f}")
+        print(
+            f"{method:14s} {v['samples_per_s']:10.2f} {v['tokens_per_s']:10.0f} {v['median_step_s']:14.3f} "
+            f"{v['idle_fraction']:6.1%} {v['padding_efficiency']:12.3f} {v['median_schedule_ms']:9.1f} "
+            f"{v['vs_stock']:9.3f}"
+        )
     best_baseline = max(table[m]["samples_per_s"] for m in BASELINES if m in table)
     print(f"\n{table['dflop']['rounds']} timed rounds per method; CSV and PNG in {out}")
     if "stock_packed" in table:
-        print(f"packing alone (stock_packed / stock) x{table['stock_packed']['vs_stock']:.3f}; balancing over it "
-              f"(dflop / stock_packed) x{table['dflop']['samples_per_s'] / table['stock_packed']['samples_per_s']:.3f}")
+        print(
+            f"packing alone (stock_packed / stock) x{table['stock_packed']['vs_stock']:.3f}; balancing over it "
+            f"(dflop / stock_packed) x{table['dflop']['samples_per_s'] / table['stock_packed']['samples_per_s']:.3f}"
+        )
     if "dflop_colocated" in table:
         phases = [r for r in rows if r["method"] == "dflop_colocated" and not r["warmup"]]
         medians = {phase: np.median([r[phase] for r in phases]) for phase in ("encode", "pipeline", "encoder_backward")}
         print("dflop_colocated median phase seconds (rank 0): " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
-        print(f"colocated encoder (dflop_colocated / dflop, same sampler, encoder beside the pipeline) "
-              f"x{table['dflop_colocated']['samples_per_s'] / table['dflop']['samples_per_s']:.3f}; its idle "
-              "fraction counts the encoder phase outside the pipeline as idle")
-    print(f"e2e speedup_vs_stock={table['dflop']['vs_stock']:.3f} "
-          f"speedup_vs_best_baseline={table['dflop']['samples_per_s'] / best_baseline:.3f} "
-          f"padding_efficiency={table['dflop']['padding_efficiency']:.3f} idle={table['dflop']['idle_fraction']:.3f}")
+        print(
+            f"colocated encoder (dflop_colocated / dflop, same sampler, encoder beside the pipeline) "
+            f"x{table['dflop_colocated']['samples_per_s'] / table['dflop']['samples_per_s']:.3f}; its idle "
+            "fraction counts the encoder phase outside the pipeline as idle"
+        )
+    print(
+        f"e2e speedup_vs_stock={table['dflop']['vs_stock']:.3f} "
+        f"speedup_vs_best_baseline={table['dflop']['samples_per_s'] / best_baseline:.3f} "
+        f"padding_efficiency={table['dflop']['padding_efficiency']:.3f} idle={table['dflop']['idle_fraction']:.3f}"
+    )
     return 0
 
 

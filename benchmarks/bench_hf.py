@@ -57,9 +57,27 @@ def prepare(out: Path, records: int, family: str) -> dict[str, Path]:
     cost_model = root / "costmodel.json"
     if not cost_model.exists():
         print(f"profiling {model} into {cost_model} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "dflop_ds.cli", "profile", "model", "--no-progress",
-                        "--model_name_or_path", str(model), "--tiles", TILE_SWEEPS[family], "--seq-lens",
-                        "32,64,128,256,512", "-o", str(cost_model)], check=True, cwd=ROOT, env=launch_env())
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dflop_ds.cli",
+                "profile",
+                "model",
+                "--no-progress",
+                "--model_name_or_path",
+                str(model),
+                "--tiles",
+                TILE_SWEEPS[family],
+                "--seq-lens",
+                "32,64,128,256,512",
+                "-o",
+                str(cost_model),
+            ],
+            check=True,
+            cwd=ROOT,
+            env=launch_env(),
+        )
     return {"model": model, "data": data, "images": images, "videos": videos, "cost_model": cost_model}
 
 
@@ -69,9 +87,13 @@ def per_method(rows: list[dict]) -> dict[str, dict]:
     for method in dict.fromkeys(r["method"] for r in rows):
         timed = [r for r in rows if r["method"] == method and not r["warmup"]]
         rates = [r["samples"] / r["step_s"] for r in timed]
-        table[method] = {"median": float(np.median(rates)), "min": float(min(rates)), "max": float(max(rates)),
-                         "padding": sum(r["tokens"] for r in timed) / sum(r["padded_tokens"] for r in timed),
-                         "rounds": len(timed)}
+        table[method] = {
+            "median": float(np.median(rates)),
+            "min": float(min(rates)),
+            "max": float(max(rates)),
+            "padding": sum(r["tokens"] for r in timed) / sum(r["padded_tokens"] for r in timed),
+            "rounds": len(timed),
+        }
     return table
 
 
@@ -82,8 +104,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds (both samplers once per round)")
     parser.add_argument("--qwen-rounds", type=int, default=6, help="timed rounds of the Qwen2-VL row")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--runs", default=",".join(name for name, _, _ in RUNS),
-                        help="comma-separated rows to run (default: all)")
+    parser.add_argument(
+        "--runs", default=",".join(name for name, _, _ in RUNS), help="comma-separated rows to run (default: all)"
+    )
     args = parser.parse_args()
     wanted = args.runs.split(",")
     unknown = sorted(set(wanted) - {name for name, _, _ in RUNS})
@@ -98,10 +121,31 @@ def main() -> int:
         rounds = args.rounds if family == "llava" else args.qwen_rounds
         result = run_deepspeed(
             ROOT / "benchmarks" / "hf_worker.py",
-            ["--engine", engine, "--model", str(paths["model"]), "--data", str(paths["data"]),
-             "--images", str(paths["images"]), "--videos", str(paths["videos"]),
-             "--cost-model", str(paths["cost_model"]), "--rounds", str(rounds), "--warmup", str(args.warmup),
-             "--out", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+            [
+                "--engine",
+                engine,
+                "--model",
+                str(paths["model"]),
+                "--data",
+                str(paths["data"]),
+                "--images",
+                str(paths["images"]),
+                "--videos",
+                str(paths["videos"]),
+                "--cost-model",
+                str(paths["cost_model"]),
+                "--rounds",
+                str(rounds),
+                "--warmup",
+                str(args.warmup),
+                "--out",
+                str(path),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         if result.returncode != 0:
             print(result.stdout[-3000:] + result.stderr[-3000:])
             return result.returncode
@@ -109,8 +153,10 @@ def main() -> int:
     print(f"\n{'run':15s} {'sampler':8s} {'samples/s median':>17s} {'min-max':>13s} {'padding eff':>12s}")
     for name, table in results.items():
         for method, row in table.items():
-            print(f"{name:15s} {method:8s} {row['median']:17.1f} {row['min']:6.1f}-{row['max']:<6.1f} "
-                  f"{row['padding']:12.3f}")
+            print(
+                f"{name:15s} {method:8s} {row['median']:17.1f} {row['min']:6.1f}-{row['max']:<6.1f} "
+                f"{row['padding']:12.3f}"
+            )
     ratios = {name: table["dflop"]["median"] / table["stock"]["median"] for name, table in results.items()}
     print("hf " + " ".join(f"speedup_{name}={ratio:.3f}" for name, ratio in ratios.items()))
     return 0

@@ -14,8 +14,8 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -62,15 +62,17 @@ def attention_candidates(lengths: list[int]) -> dict[str, Callable[[], object]]:
     dense_mask = ((segment[:, None] == segment[None, :]) & (flat[None, :] <= flat[:, None]))[None, None]
 
     def nested() -> object:
-        rows = torch.nested.nested_tensor([torch.randn(length, HEADS, HEAD_DIM) for length in lengths],
-                                          layout=torch.jagged, requires_grad=True).transpose(1, 2)
+        rows = torch.nested.nested_tensor(
+            [torch.randn(length, HEADS, HEAD_DIM) for length in lengths], layout=torch.jagged, requires_grad=True
+        ).transpose(1, 2)
         return F.scaled_dot_product_attention(rows, rows, rows, is_causal=True)
 
     def flex() -> object:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        mask = create_block_mask(lambda b, h, i, j: (segment[i] == segment[j]) & (j <= i), None, None, n, n,
-                                 device=str(q.device))
+        mask = create_block_mask(
+            lambda b, h, i, j: (segment[i] == segment[j]) & (j <= i), None, None, n, n, device=str(q.device)
+        )
         return flex_attention(q, k, v, block_mask=mask)
 
     return {
@@ -84,9 +86,11 @@ def attention_candidates(lengths: list[int]) -> dict[str, Callable[[], object]]:
 
 def backward_of(forward: Callable[[], object]) -> Callable[[], None]:
     """``forward`` followed by the backward of the sum of its output."""
+
     def run() -> None:
         out = forward()
         (out.values() if out.is_nested else out).sum().backward()
+
     return run
 
 

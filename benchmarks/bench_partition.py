@@ -80,21 +80,30 @@ class Record:
             return f"  {name:<22} no split within the time limit in {self.missing} runs"
         r = np.array(self.ratios)
         ms = np.array(self.seconds) * 1e3
-        return (f"  {name:<22} {r.mean():>10.5f} {r.max():>10.5f} {np.median(ms):>10.1f} "
-                f"{np.percentile(ms, 95):>10.1f} {len(r):>5} {self.beaten:>10}"
-                + (f"  ({self.missing} without a split)" if self.missing else ""))
+        return (
+            f"  {name:<22} {r.mean():>10.5f} {r.max():>10.5f} {np.median(ms):>10.1f} "
+            f"{np.percentile(ms, 95):>10.1f} {len(r):>5} {self.beaten:>10}"
+            + (f"  ({self.missing} without a split)" if self.missing else "")
+        )
 
 
 def run(batches: int, dflop_batches: int, dflop_limits: dict[int, float], seed: int, ours_limit: float) -> float:
     shapes = list(read_manifest(MIXTURE, ShapePolicy()))
     costs_all = item_costs(shapes)
     backend = "cpsat" if baselines.ortools_available() else "cbc"
-    print(f"mixture: {len(shapes)} samples from {MIXTURE.relative_to(ROOT)}; throughput {THROUGHPUT:.3g} FLOP/s; "
-          f"DFLOP ILP backend: {backend} (1 worker); our time_limit_s={ours_limit}")
-    print("DFLOP ILP time limits per size: " + ", ".join(f"{n} items: {t:g} s" for n, t in dflop_limits.items())
-          + "  (the published 10 s on the smallest; shorter on larger sizes to keep the run short)")
-    print("ratio = makespan / lower bound (1.0 = certified optimal); ms = solve time on one core;"
-          " 'beats ours' = instances where that method's makespan is below ours")
+    print(
+        f"mixture: {len(shapes)} samples from {MIXTURE.relative_to(ROOT)}; throughput {THROUGHPUT:.3g} FLOP/s; "
+        f"DFLOP ILP backend: {backend} (1 worker); our time_limit_s={ours_limit}"
+    )
+    print(
+        "DFLOP ILP time limits per size: "
+        + ", ".join(f"{n} items: {t:g} s" for n, t in dflop_limits.items())
+        + "  (the published 10 s on the smallest; shorter on larger sizes to keep the run short)"
+    )
+    print(
+        "ratio = makespan / lower bound (1.0 = certified optimal); ms = solve time on one core;"
+        " 'beats ours' = instances where that method's makespan is below ours"
+    )
     rng = np.random.default_rng(seed)
     final = None
     for n, m in SIZES:
@@ -112,12 +121,16 @@ def run(batches: int, dflop_batches: int, dflop_limits: dict[int, float], seed: 
             results["stock sequential"] = baselines.timed(baselines.stock_sequential, n, m, seed=b)
             lengths = np.array([s.text_tokens for s in batch_shapes])
             multimodal = np.array([s.encoder_tiles > 0 for s in batch_shapes])
-            results["llava modality-length"] = baselines.timed(baselines.llava_modality_grouped, lengths, multimodal, m, seed=b)
+            results["llava modality-length"] = baselines.timed(
+                baselines.llava_modality_grouped, lengths, multimodal, m, seed=b
+            )
             seqlens = np.array([s.llm_tokens for s in batch_shapes])
             results["verl karmarkar-karp"] = baselines.timed(baselines.verl_karmarkar_karp, seqlens, m)
             results["scalar lpt"] = baselines.timed(baselines.scalar_lpt, costs.sum(axis=1), m)
             if b < dflop_batches:
-                results[f"dflop ilp ({backend})"] = baselines.timed(baselines.dflop_ilp, costs, m, dflop_limits[n], backend)
+                results[f"dflop ilp ({backend})"] = baselines.timed(
+                    baselines.dflop_ilp, costs, m, dflop_limits[n], backend
+                )
             for name, (buckets, seconds) in results.items():
                 record = records.setdefault(name, Record())
                 if buckets is None:
@@ -128,10 +141,14 @@ def run(batches: int, dflop_batches: int, dflop_limits: dict[int, float], seed: 
                 record.ratios.append(value / bound)
                 record.seconds.append(seconds)
                 record.beaten += int(ours > value * (1 + 1e-9))
-        print(f"\n{n} items -> {m} buckets ({n_batches} sampled batches; "
-              f"dflop ilp on the first {min(dflop_batches, n_batches)})")
-        print(f"  {'method':<22} {'mean ratio':>10} {'worst':>10} {'median ms':>10} {'p95 ms':>10} "
-              f"{'runs':>5} {'beats ours':>10}")
+        print(
+            f"\n{n} items -> {m} buckets ({n_batches} sampled batches; "
+            f"dflop ilp on the first {min(dflop_batches, n_batches)})"
+        )
+        print(
+            f"  {'method':<22} {'mean ratio':>10} {'worst':>10} {'median ms':>10} {'p95 ms':>10} "
+            f"{'runs':>5} {'beats ours':>10}"
+        )
         for name, record in records.items():
             print(record.row(name))
         if n == 2048:
@@ -146,8 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=10, help="sampled batches per size (x4 at 2048 items)")
     parser.add_argument("--dflop-batches", type=int, default=6, help="batches per size also given to the DFLOP ILP")
-    parser.add_argument("--dflop-limit", type=float, nargs=3, default=(10.0, 5.0, 5.0),
-                        metavar=("S128", "S512", "S2048"), help="DFLOP ILP time limit (s) per size")
+    parser.add_argument(
+        "--dflop-limit",
+        type=float,
+        nargs=3,
+        default=(10.0, 5.0, 5.0),
+        metavar=("S128", "S512", "S2048"),
+        help="DFLOP ILP time limit (s) per size",
+    )
     parser.add_argument("--time-limit", type=float, default=1.0, help="our partition_batch time_limit_s")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

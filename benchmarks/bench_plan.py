@@ -83,9 +83,11 @@ def _row(name: str, gpus: int, batch: int, plans, seconds: float, cpu: float) ->
     gap = plans.result.gap
     over = "same" if best is ds else f"{best.layout.describe()} ({gap:+.1%} for DeepSpeed)"
     vs = f"{speedup:6.3f}" if speedup is not None else "   n/a"
-    return (f"{name:<20} {gpus:>5} {batch:>5}  {ds.layout.describe():<46} {p['step_time_s']:>8.3f} "
-            f"{p['bubble_fraction']:>6.1%} {max(p['peak_memory_bytes']) / 1e9:>6.1f}  {vs}  "
-            f"{seconds:>6.2f} {cpu:>6.2f}  mono: {mono}  best overall: {over}")
+    return (
+        f"{name:<20} {gpus:>5} {batch:>5}  {ds.layout.describe():<46} {p['step_time_s']:>8.3f} "
+        f"{p['bubble_fraction']:>6.1%} {max(p['peak_memory_bytes']) / 1e9:>6.1f}  {vs}  "
+        f"{seconds:>6.2f} {cpu:>6.2f}  mono: {mono}  best overall: {over}"
+    )
 
 
 def main() -> int:
@@ -98,13 +100,17 @@ def main() -> int:
 
     shapes = list(read_manifest(args.data, ShapePolicy()))
     if hasattr(os, "getloadavg"):
-        print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start "
-              "(wall_s is the search's wall time, cpu_s its process CPU time)")
+        print(
+            f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start "
+            "(wall_s is the search's wall time, cpu_s its process CPU time)"
+        )
     print(f"data: {args.data}: {len(shapes)} samples under ShapePolicy() (LLaVA-OneVision tiling)")
     print("cost models: ANALYTIC reference profiles (FLOP counts / assumed throughput), not measured")
     print(f"cluster: 8 GPUs per node, 80 GB each, ZeRO-1; global batch per GPU count: {GLOBAL_BATCH}")
-    print(f"{'profile':<20} {'GPUs':>5} {'batch':>5}  {'chosen shared-pipeline plan':<46} "
-          f"{'step_s':>8} {'bubble':>6} {'mem_GB':>6}  {'x_mono':>6}  {'wall_s':>6} {'cpu_s':>6}")
+    print(
+        f"{'profile':<20} {'GPUs':>5} {'batch':>5}  {'chosen shared-pipeline plan':<46} "
+        f"{'step_s':>8} {'bubble':>6} {'mem_GB':>6}  {'x_mono':>6}  {'wall_s':>6} {'cpu_s':>6}"
+    )
     speedups_256: list[float] = []
     search_1024: list[float] = []
     family_rows: list[str] = []
@@ -139,14 +145,20 @@ def main() -> int:
                 colocated_256.append(x_colo)
                 tp_256.append(1.0 if x_tp is None else x_tp)
     print("\nspeed-up over the best shared-layout plan with tp = 1 (predicted; '-': no such plan)")
-    print(f"{'profile':<20} {'GPUs':>5}  {'shared tp = 1 plan':<44} {'step_s':>8}  {'colocated tp = 1':<51} "
-          f"{'tensor-parallel (shared)':<51} {'colocated (any tp)':<51}")
+    print(
+        f"{'profile':<20} {'GPUs':>5}  {'shared tp = 1 plan':<44} {'step_s':>8}  {'colocated tp = 1':<51} "
+        f"{'tensor-parallel (shared)':<51} {'colocated (any tp)':<51}"
+    )
     print("\n".join(family_rows))
     x, y = geomean(speedups_256), max(search_1024) if search_1024 else float("nan")
-    print(f"(speed-ups: geometric means over {len(speedups_256)} profiles at 256 GPUs; search: slowest of "
-          f"{len(search_1024)} searches at 1024 GPUs, wall seconds, predictions of analytic models)")
-    print(f"plan speedup_vs_monolithic@256={x:.3f} search_s@1024={y:.2f} "
-          f"colocated_vs_shared@256={geomean(colocated_256):.3f} tp_vs_shared@256={geomean(tp_256):.3f}")
+    print(
+        f"(speed-ups: geometric means over {len(speedups_256)} profiles at 256 GPUs; search: slowest of "
+        f"{len(search_1024)} searches at 1024 GPUs, wall seconds, predictions of analytic models)"
+    )
+    print(
+        f"plan speedup_vs_monolithic@256={x:.3f} search_s@1024={y:.2f} "
+        f"colocated_vs_shared@256={geomean(colocated_256):.3f} tp_vs_shared@256={geomean(tp_256):.3f}"
+    )
     return 0
 
 

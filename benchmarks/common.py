@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
 
-import argparse
-
-from dflop_ds.launch import launch_env
 from dflop_ds.cost import FittedCostModel, load_cost_model
+from dflop_ds.launch import launch_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,16 +18,24 @@ def profiled_cost_model(path: str | Path, reuse: bool = True) -> FittedCostModel
     ``reuse`` and the file exists."""
     if not (reuse and Path(path).exists()):
         print(f"profiling the tiny model into {path} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "dflop_ds.cli", "profile", "model", "--no-progress", "-o", str(path)],
-                       check=True, cwd=ROOT, env=launch_env())
+        subprocess.run(
+            [sys.executable, "-m", "dflop_ds.cli", "profile", "model", "--no-progress", "-o", str(path)],
+            check=True,
+            cwd=ROOT,
+            env=launch_env(),
+        )
     return load_cost_model(path)
 
 
 def worker_ds_config(global_batch: int, gas: int, dp: int, zero_stage: int | None = None) -> dict:
     """The DeepSpeed config of a benchmark worker's engine: the batch keys (micro batch derived
     from the global batch, GAS and dp), no step printing, and a ZeRO stage when given."""
-    config = {"train_batch_size": global_batch, "gradient_accumulation_steps": gas,
-              "train_micro_batch_size_per_gpu": max(1, global_batch // (gas * dp)), "steps_per_print": 10**9}
+    config = {
+        "train_batch_size": global_batch,
+        "gradient_accumulation_steps": gas,
+        "train_micro_batch_size_per_gpu": max(1, global_batch // (gas * dp)),
+        "steps_per_print": 10**9,
+    }
     if zero_stage is not None:
         config["zero_optimization"] = {"stage": zero_stage}
     return config

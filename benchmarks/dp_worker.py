@@ -27,18 +27,17 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import add_worker_options, worker_ds_config  # noqa: E402
 from benchmarks.e2e_methods import split_for  # noqa: E402
+from dflop_ds.cost import load_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
 from dflop_ds.models import TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
-from dflop_ds.cost import load_cost_model  # noqa: E402
 from dflop_ds.schedule.dispatch import plan_dispatch  # noqa: E402
 from dflop_ds.schedule.epoch import epoch_permutation, global_batches  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.schedule.splitters import SplitRequest, make_splitter  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 from dflop_ds.train import TrainingEngine, build_engine  # noqa: E402
-from dflop_ds.train.colocated import (DispatchCollate, DispatchDataset, LLMOnlyCost, MicrostepRequest,  # noqa: E402
-                                      tile_costs)
+from dflop_ds.train.colocated import DispatchCollate, DispatchDataset, LLMOnlyCost, MicrostepRequest, tile_costs  # noqa: E402
 
 METHODS = ("stock", "llava", "verl", "dflop", "dflop_dispatch")
 
@@ -93,8 +92,13 @@ def parse_args() -> argparse.Namespace:
 
 def zero2_engine(colocated: bool, gas: int, global_batch: int, dp: int, seed: int) -> TrainingEngine:
     """The tiny MLLM under ZeRO-2 on the plain engine."""
-    return build_engine(*tiny_mllm_layers(seed=seed), worker_ds_config(global_batch, gas, dp, zero_stage=2),
-                        pipeline_stages=1, colocated=colocated, lr=1e-3)
+    return build_engine(
+        *tiny_mllm_layers(seed=seed),
+        worker_ds_config(global_batch, gas, dp, zero_stage=2),
+        pipeline_stages=1,
+        colocated=colocated,
+        lr=1e-3,
+    )
 
 
 def main() -> int:
@@ -110,8 +114,10 @@ def main() -> int:
     llm_only = LLMOnlyCost(cost_model)
     tiles, per_tile = tile_costs(cost_model, shapes)
     labels = np.array([supervised_count(s) for s in shapes])
-    engines = {"local": zero2_engine(False, args.gas, args.global_batch, dp, args.seed),
-               "colocated": zero2_engine(True, args.gas, args.global_batch, dp, args.seed)}
+    engines = {
+        "local": zero2_engine(False, args.gas, args.global_batch, dp, args.seed),
+        "colocated": zero2_engine(True, args.gas, args.global_batch, dp, args.seed),
+    }
     n_encoder = engines["local"].module.n_encoder_layers
     clocks = {name: EncoderClock(trainer.module, n_encoder) for name, trainer in engines.items()}
     dispatch_data, dispatch_collate = DispatchDataset(dataset), DispatchCollate(collate_microbatch, tiles)
@@ -122,23 +128,30 @@ def main() -> int:
         batch = batches[round_id % len(batches)].tolist()
         group = [shapes[i] for i in batch]
         denominator = max(int(labels[batch].sum()), 1) / (args.gas * dp)
-        order = methods[round_id % len(methods):] + methods[: round_id % len(methods)]
+        order = methods[round_id % len(methods) :] + methods[: round_id % len(methods)]
         for method in order:
             start = time.perf_counter()
             if method in ("dflop", "dflop_dispatch"):
                 model = llm_only if method == "dflop_dispatch" else cost_model
-                request = SplitRequest(batch, model.predict_samples(group), args.gas, dp, shapes=group,
-                                       microbatch_cost=lambda pos, m=model, g=group: m.predict_microbatch(
-                                           [g[p] for p in pos]),
-                                       lengths=[s.llm_tokens for s in group], seed=args.seed + round_id)
+                request = SplitRequest(
+                    batch,
+                    model.predict_samples(group),
+                    args.gas,
+                    dp,
+                    shapes=group,
+                    microbatch_cost=lambda pos, m=model, g=group: m.predict_microbatch([g[p] for p in pos]),
+                    lengths=[s.llm_tokens for s in group],
+                    seed=args.seed + round_id,
+                )
                 split = make_splitter("dflop", lockstep=True).split(request).ranks
             else:
                 split = split_for(method, batch, shapes, costs[batch], args.gas, dp, seed=args.seed + round_id)
             own = [[ScheduledIndex(i, denominator) for i in mb] for mb in split[rank]]
             if method == "dflop_dispatch":
                 plans = [plan_dispatch([r[k] for r in split], tiles, per_tile) for k in range(args.gas)]
-                microbatches = [dispatch_collate([dispatch_data[MicrostepRequest(mb, plan, rank)]])
-                                for mb, plan in zip(own, plans)]
+                microbatches = [
+                    dispatch_collate([dispatch_data[MicrostepRequest(mb, plan, rank)]]) for mb, plan in zip(own, plans)
+                ]
                 predicted = np.sum([plan.loads for plan in plans], axis=0)
             else:
                 microbatches = [collate_microbatch([dataset[i] for i in mb]) for mb in own]
@@ -152,15 +165,29 @@ def main() -> int:
             step_s = time.perf_counter() - start
             encoder = [0.0] * dp
             torch.distributed.all_gather_object(encoder, clocks[name].take())
-            rows.append({"round": round_id, "warmup": round_id < args.warmup, "method": method, "step_s": step_s,
-                         "schedule_s": schedule_s, "encoder_s": encoder,
-                         "predicted_encoder": predicted.tolist(), "samples": len(batch), "loss": loss})
+            rows.append(
+                {
+                    "round": round_id,
+                    "warmup": round_id < args.warmup,
+                    "method": method,
+                    "step_s": step_s,
+                    "schedule_s": schedule_s,
+                    "encoder_s": encoder,
+                    "predicted_encoder": predicted.tolist(),
+                    "samples": len(batch),
+                    "loss": loss,
+                }
+            )
             if rank == 0:
-                print(f"[dp] round {round_id:2d} {method:15s} step {step_s:.3f}s encoder "
-                      f"{' '.join(f'{e:.3f}' for e in encoder)}", flush=True)
+                print(
+                    f"[dp] round {round_id:2d} {method:15s} step {step_s:.3f}s encoder "
+                    f"{' '.join(f'{e:.3f}' for e in encoder)}",
+                    flush=True,
+                )
     if rank == 0:
-        Path(args.out).write_text(json.dumps({"rows": rows, "dp": dp, "global_batch": args.global_batch,
-                                              "gas": args.gas}, indent=1))
+        Path(args.out).write_text(
+            json.dumps({"rows": rows, "dp": dp, "global_batch": args.global_batch, "gas": args.gas}, indent=1)
+        )
     return 0
 
 

@@ -56,8 +56,17 @@ def split_for(
     if method not in SPLITTERS:
         raise ValueError(f"unknown method {method!r}: choose from {METHODS}")
     if method == "dflop_colocated":  # the encoder's work is dispatched separately: balance the LLM alone
-        return split_for("dflop", batch, shapes, LLMOnlyCost.drop_encoder(costs), n_mb, dp, time_limit_s=time_limit_s,
-                         seed=seed, lockstep=lockstep)
+        return split_for(
+            "dflop",
+            batch,
+            shapes,
+            LLMOnlyCost.drop_encoder(costs),
+            n_mb,
+            dp,
+            time_limit_s=time_limit_s,
+            seed=seed,
+            lockstep=lockstep,
+        )
     name = SPLITTERS[method]
     rows = [shapes[i] for i in batch]
     if name != "dflop":

@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import add_worker_options, worker_ds_config  # noqa: E402
 from benchmarks.e2e_methods import METHODS, PACKED_METHODS, split_for  # noqa: E402
+from dflop_ds.cost import PackedCost, load_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
-from dflop_ds.cost import PackedCost, load_cost_model  # noqa: E402
 from dflop_ds.models import (  # noqa: E402
     TinyMLLMConfig,
     TinyMLLMDataset,
@@ -64,8 +64,13 @@ def parse_args() -> argparse.Namespace:
 
 def pipeline_engine(bounds, gas: int, global_batch: int, dp: int, seed: int) -> TrainingEngine:
     """A 2-stage pipeline engine of the tiny MLLM with the given stage bounds (None: uniform)."""
-    return build_engine(*tiny_mllm_layers(TinyMLLMConfig(), seed=seed), worker_ds_config(global_batch, gas, dp),
-                        pipeline_stages=2, stage_bounds=bounds, lr=1e-3)
+    return build_engine(
+        *tiny_mllm_layers(TinyMLLMConfig(), seed=seed),
+        worker_ds_config(global_batch, gas, dp),
+        pipeline_stages=2,
+        stage_bounds=bounds,
+        lr=1e-3,
+    )
 
 
 class ColocatedLoading:
@@ -75,8 +80,16 @@ class ColocatedLoading:
     def __init__(self, shapes, dataset, cost_model, gas: int, global_batch: int, dp: int, seed: int) -> None:
         encoder, projector, llm = tiny_mllm_layers(TinyMLLMConfig(), seed=seed)
         bounds = colocated_pipeline_bounds(None, len(encoder), cost_model, shapes, 2)
-        self.trainer = build_engine(encoder, projector, llm, worker_ds_config(global_batch, gas, dp),
-                                    pipeline_stages=2, stage_bounds=bounds, lr=1e-3, colocated=True)
+        self.trainer = build_engine(
+            encoder,
+            projector,
+            llm,
+            worker_ds_config(global_batch, gas, dp),
+            pipeline_stages=2,
+            stage_bounds=bounds,
+            lr=1e-3,
+            colocated=True,
+        )
         self.dispatch = pipeline_dispatch_ranks(self.trainer.engine)
         self.dp_rank = self.trainer.dp_coords[0]
         self.tiles, self.tile_cost = tile_costs(cost_model, shapes)
@@ -86,8 +99,9 @@ class ColocatedLoading:
         """This rank's ``(inputs, labels)`` of every micro-step of ``split``."""
         out = []
         for k in range(len(split[0])):
-            plan = dispatch_microstep([rank[k] for rank in split], self.tiles, self.tile_cost,
-                                      self.dispatch["owners"], self.dispatch["ranks"])
+            plan = dispatch_microstep(
+                [rank[k] for rank in split], self.tiles, self.tile_cost, self.dispatch["owners"], self.dispatch["ranks"]
+            )
             own = [ScheduledIndex(i, denominator) for i in split[self.dp_rank][k]]
             out.append(self.collate([self.data[MicrostepRequest(own, plan, self.dispatch["rank"])]]))
         return out
@@ -107,8 +121,10 @@ def main() -> int:
     labels = np.array([supervised_count(s) for s in shapes])
     methods = args.methods.split(",")
     bounds = [int(b) for b in args.dflop_bounds.split(",")]
-    engines = {"uniform": pipeline_engine(None, args.gas, args.global_batch, dp, args.seed),
-               "dflop": pipeline_engine(bounds, args.gas, args.global_batch, dp, args.seed)}
+    engines = {
+        "uniform": pipeline_engine(None, args.gas, args.global_batch, dp, args.seed),
+        "dflop": pipeline_engine(bounds, args.gas, args.global_batch, dp, args.seed),
+    }
     colocated = ColocatedLoading(shapes, dataset, cost_model, args.gas, args.global_batch, dp, args.seed)
     engines["colocated"] = colocated.trainer
     timers = {name: PipelineTimer(trainer.engine, args.gas).install() for name, trainer in engines.items()}
@@ -119,20 +135,30 @@ def main() -> int:
     for round_id in range(args.warmup + args.rounds):
         batch = batches[round_id % len(batches)]
         denominator = max(int(labels[batch].sum()), 1) / (args.gas * dp)
-        order = methods[round_id % len(methods):] + methods[: round_id % len(methods)]
+        order = methods[round_id % len(methods) :] + methods[: round_id % len(methods)]
         for method in order:
             group = [shapes[i] for i in batch]
             packed = method in PACKED_METHODS
             start = time.perf_counter()
-            split = split_for(method, batch.tolist(), shapes, costs[packed][batch], args.gas, dp,
-                              microbatch_cost=lambda pos, g=group: cost_model.predict_microbatch([g[p] for p in pos]),
-                              time_limit_s=args.time_limit, seed=args.seed + round_id)
+            split = split_for(
+                method,
+                batch.tolist(),
+                shapes,
+                costs[packed][batch],
+                args.gas,
+                dp,
+                microbatch_cost=lambda pos, g=group: cost_model.predict_microbatch([g[p] for p in pos]),
+                time_limit_s=args.time_limit,
+                seed=args.seed + round_id,
+            )
             schedule_s = time.perf_counter() - start
             if method == "dflop_colocated":
                 microbatches = colocated.microsteps(split, denominator)
             else:
-                microbatches = [collate_microbatch([dataset[ScheduledIndex(i, denominator)] for i in mb],
-                                                   packed=packed) for mb in split[dp_rank]]
+                microbatches = [
+                    collate_microbatch([dataset[ScheduledIndex(i, denominator)] for i in mb], packed=packed)
+                    for mb in split[dp_rank]
+                ]
             name = {"dflop": "dflop", "dflop_colocated": "colocated"}.get(method, "uniform")
             torch.distributed.barrier()
             timers[name].start_step()
@@ -142,17 +168,27 @@ def main() -> int:
             compute = torch.tensor([float(timers[name].finish_step().compute.sum())])
             every_rank = [torch.zeros(1) for _ in range(torch.distributed.get_world_size())]
             torch.distributed.all_gather(every_rank, compute)
-            rows.append({
-                "round": round_id, "warmup": round_id < args.warmup, "method": method, "step_s": step_s,
-                "schedule_s": schedule_s, **batch_tokens([mb for r in split for mb in r], shapes, packed),
-                "idle_fraction": bubble_fraction(np.array([float(c) for c in every_rank]), step_s),
-                **(colocated.trainer.colocated_pipeline.phase_s if method == "dflop_colocated" else {}),
-            })
+            rows.append(
+                {
+                    "round": round_id,
+                    "warmup": round_id < args.warmup,
+                    "method": method,
+                    "step_s": step_s,
+                    "schedule_s": schedule_s,
+                    **batch_tokens([mb for r in split for mb in r], shapes, packed),
+                    "idle_fraction": bubble_fraction(np.array([float(c) for c in every_rank]), step_s),
+                    **(colocated.trainer.colocated_pipeline.phase_s if method == "dflop_colocated" else {}),
+                }
+            )
             if rank == 0:
                 print(f"[e2e] round {round_id:2d} {method:12s} step {step_s:.3f}s", flush=True)
     if rank == 0:
-        Path(args.out).write_text(json.dumps({"rows": rows, "dp": dp, "global_batch": args.global_batch,
-                                              "gas": args.gas, "dflop_bounds": bounds}, indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                {"rows": rows, "dp": dp, "global_batch": args.global_batch, "gas": args.gas, "dflop_bounds": bounds},
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -62,31 +62,55 @@ def main() -> int:
     bounds = cost_balanced_bounds(cost_model, shapes, stages) if stages > 1 else None
     trainer = build_engine(*source.layers(), ds_config, pipeline_stages=stages, stage_bounds=bounds, lr=1e-4)
     dp_rank, dp_size = trainer.dp_coords
-    samplers = {method: make_sampler(method, shapes, global_batch_size=args.global_batch,
-                                     gradient_accumulation_steps=args.gas, dp_rank=dp_rank, dp_size=dp_size,
-                                     cost_model=cost_model, seed=args.seed, prefetch=0,
-                                     label_tokens_fn=source.label_tokens_fn, lockstep=stages == 1)
-                for method in METHODS}
+    samplers = {
+        method: make_sampler(
+            method,
+            shapes,
+            global_batch_size=args.global_batch,
+            gradient_accumulation_steps=args.gas,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            cost_model=cost_model,
+            seed=args.seed,
+            prefetch=0,
+            label_tokens_fn=source.label_tokens_fn,
+            lockstep=stages == 1,
+        )
+        for method in METHODS
+    }
     batches = samplers["dflop"].batches_in_epoch(0)
     rows = []
     for round_id in range(args.warmup + args.rounds):
         batch_id = round_id % len(batches)
-        order = METHODS[round_id % 2:] + METHODS[: round_id % 2]
+        order = METHODS[round_id % 2 :] + METHODS[: round_id % 2]
         for method in order:
             sched = samplers[method].schedule(0, batch_id, batches[batch_id])
-            microbatches = [source.collate([dataset[ScheduledIndex(i, sched.loss_denominator, batch_id)] for i in mb])
-                            for mb in sched.split.ranks[dp_rank]]
+            microbatches = [
+                source.collate([dataset[ScheduledIndex(i, sched.loss_denominator, batch_id)] for i in mb])
+                for mb in sched.split.ranks[dp_rank]
+            ]
             torch.distributed.barrier()
             start = time.perf_counter()
             loss = trainer.train_step(iter(microbatches))
             step_s = time.perf_counter() - start
-            rows.append({"round": round_id, "warmup": round_id < args.warmup, "method": method, "step_s": step_s,
-                         "loss": loss, **batch_tokens([mb for r in sched.split.ranks for mb in r], shapes)})
+            rows.append(
+                {
+                    "round": round_id,
+                    "warmup": round_id < args.warmup,
+                    "method": method,
+                    "step_s": step_s,
+                    "loss": loss,
+                    **batch_tokens([mb for r in sched.split.ranks for mb in r], shapes),
+                }
+            )
             if rank == 0:
                 print(f"[hf] {args.engine} round {round_id:2d} {method:5s} step {step_s:.3f}s", flush=True)
     if rank == 0:
-        Path(args.out).write_text(json.dumps({"engine": args.engine, "rows": rows, "dp": dp_size,
-                                              "stage_bounds": trainer.stage_bounds}, indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                {"engine": args.engine, "rows": rows, "dp": dp_size, "stage_bounds": trainer.stage_bounds}, indent=1
+            )
+        )
     for sampler in samplers.values():
         sampler.close()
     torch.distributed.barrier()

@@ -42,12 +42,12 @@ from dflop_ds.config import DFLOPConfig, get_setting, set_settings  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import run_deepspeed  # noqa: E402
 from dflop_ds.plan.cluster import Cluster  # noqa: E402
+from dflop_ds.plan.engine_profile import EngineProfile, engine_profile_from_run, read_engine_steps  # noqa: E402
 from dflop_ds.plan.evaluate import forward_fraction  # noqa: E402
 from dflop_ds.plan.families.colocated import colocated_step  # noqa: E402
 from dflop_ds.plan.layout import Layout, Segment  # noqa: E402
 from dflop_ds.plan.simulator import simulate_1f1b  # noqa: E402
 from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares  # noqa: E402
-from dflop_ds.plan.engine_profile import EngineProfile, engine_profile_from_run, read_engine_steps  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 
 WARMUP = 3
@@ -108,8 +108,13 @@ def read_traced_steps(trace: Path, summary: Path, skip: int) -> list[tuple[float
 def plain_run(config: dict, block: dict, out: Path, name: str, steps: int) -> list[tuple[float, list]]:
     """A 2-rank plain-engine run of ``steps`` steps; its timed steps (see :func:`read_traced_steps`)."""
     trace, summary = out / f"{name}_trace.jsonl", out / f"{name}_summary.json"
-    train(config, set_settings(copy.deepcopy(block), steps=steps, warmup_steps=WARMUP), out, name,
-          {"--trace": trace, "--summary": summary})
+    train(
+        config,
+        set_settings(copy.deepcopy(block), steps=steps, warmup_steps=WARMUP),
+        out,
+        name,
+        {"--trace": trace, "--summary": summary},
+    )
     return read_traced_steps(trace, summary, WARMUP)
 
 
@@ -117,34 +122,56 @@ def local_compute_seconds(model: Any, shapes, order: list) -> float:
     """Compute seconds of a plain-engine step with the encoder on each sample's own rank: every
     micro-step waits for its slowest rank (ZeRO-2 reduces gradients in each backward)."""
     n_mb = len(order[0])
-    return float(sum(max(float(np.sum(model.predict_microbatch([shapes[i] for i in rank[j]]))) for rank in order)
-                     for j in range(n_mb)))
+    return float(
+        sum(
+            max(float(np.sum(model.predict_microbatch([shapes[i] for i in rank[j]]))) for rank in order)
+            for j in range(n_mb)
+        )
+    )
 
 
-def validate_colocated(args: argparse.Namespace, cost_model: Any, engine: EngineProfile,
-                       out: Path) -> tuple[float, float]:
+def validate_colocated(
+    args: argparse.Namespace, cost_model: Any, engine: EngineProfile, out: Path
+) -> tuple[float, float]:
     """Step 5 of the module docstring; returns the mean relative errors (engine terms, cost model only)."""
     config = json.loads(Path(args.colocated_config).read_text())
     block = config.pop("dflop")
     shapes = read_dataset(ROOT / (get_setting(block, "data") or "examples/data/mixture.jsonl"), TINY_POLICY)
     scaled = EngineScaled(cost_model, engine)
     print("\nprofiling the plain engine: ZeRO-2, 2 ranks, stock sampler, local encoder ...", flush=True)
-    profile = plain_run(config, set_settings(copy.deepcopy(block), sampler="stock", encoder="local"), out, "plain_profile",
-                        args.profile_steps)
+    profile = plain_run(
+        config,
+        set_settings(copy.deepcopy(block), sampler="stock", encoder="local"),
+        out,
+        "plain_profile",
+        args.profile_steps,
+    )
     overhead = float(np.mean([s - local_compute_seconds(scaled, shapes, order) for s, order in profile]))
     print(f"plain engine: {overhead:.3f} s per step beyond the compute ({len(profile)} steps)", flush=True)
     print("the colocated case: ZeRO-2, 2 ranks, DFLOP sampler, encoder dispatched by cost ...", flush=True)
-    steps = plain_run(config, set_settings(copy.deepcopy(block), sampler="dflop", encoder="colocated",
-                                           cost_model=str(Path(args.cost_model).resolve())), out, "validate_colocated",
-                      args.colocated_steps)
+    steps = plain_run(
+        config,
+        set_settings(
+            copy.deepcopy(block), sampler="dflop", encoder="colocated", cost_model=str(Path(args.cost_model).resolve())
+        ),
+        out,
+        "validate_colocated",
+        args.colocated_steps,
+    )
     dp, n_mb = len(steps[0][1]), len(steps[0][1][0])
-    layout = Layout(Segment(1, 1, dp), Segment(1, 1, dp), n_mb,
-                    ((cost_model.encoder_layers, 1, cost_model.llm_layers),), colocated=True)
+    layout = Layout(
+        Segment(1, 1, dp),
+        Segment(1, 1, dp),
+        n_mb,
+        ((cost_model.encoder_layers, 1, cost_model.llm_layers),),
+        colocated=True,
+    )
     cluster = Cluster(gpus=dp, gpus_per_node=dp, gpu_memory_bytes=1e15, memory_reserve_bytes=0.0)
     engine_terms = overhead + 2 * n_mb * engine.exchange_s  # one all-to-all per micro-step and direction
     measured = np.array([s for s, _ in steps])
-    profiled = np.array([colocated_step(scaled, cluster, layout, shapes, order).sim.step_time + engine_terms
-                         for _, order in steps])
+    profiled = np.array(
+        [colocated_step(scaled, cluster, layout, shapes, order).sim.step_time + engine_terms for _, order in steps]
+    )
     alone = np.array([colocated_step(cost_model, cluster, layout, shapes, order).sim.step_time for _, order in steps])
     return compare("colocated run: DFLOP sampler, encoder dispatched over 2 ranks, ZeRO-2", measured, profiled, alone)
 
@@ -152,22 +179,30 @@ def validate_colocated(args: argparse.Namespace, cost_model: Any, engine: Engine
 def compare(title: str, measured: np.ndarray, profiled: np.ndarray, alone: np.ndarray) -> tuple[float, float]:
     """Print the per-step table of a run; the mean relative errors (with the engine profile, cost model only)."""
     print(f"{title}, {len(measured)} timed steps")
-    print(f"{'step':>4s} {'measured s':>11s} {'simulated s':>12s} {'error':>8s} "
-          f"{'cost model only s':>18s} {'error':>8s}")
+    print(
+        f"{'step':>4s} {'measured s':>11s} {'simulated s':>12s} {'error':>8s} {'cost model only s':>18s} {'error':>8s}"
+    )
     for k in range(len(measured)):
-        print(f"{k + WARMUP:4d} {measured[k]:11.3f} {profiled[k]:12.3f} {profiled[k] / measured[k] - 1:+8.1%} "
-              f"{alone[k]:18.3f} {alone[k] / measured[k] - 1:+8.1%}")
+        print(
+            f"{k + WARMUP:4d} {measured[k]:11.3f} {profiled[k]:12.3f} {profiled[k] / measured[k] - 1:+8.1%} "
+            f"{alone[k]:18.3f} {alone[k] / measured[k] - 1:+8.1%}"
+        )
     error = float(np.mean(np.abs(profiled / measured - 1)))
     alone_error = float(np.mean(np.abs(alone / measured - 1)))
-    print(f"mean step: measured {measured.mean():.3f} s, simulated {profiled.mean():.3f} s, cost model only "
-          f"{alone.mean():.3f} s; worst step error {np.max(np.abs(profiled / measured - 1)):.3f}")
+    print(
+        f"mean step: measured {measured.mean():.3f} s, simulated {profiled.mean():.3f} s, cost model only "
+        f"{alone.mean():.3f} s; worst step error {np.max(np.abs(profiled / measured - 1)):.3f}"
+    )
     return error, alone_error
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cost-model", default=str(ROOT / "out" / "costmodel_tiny.json"),
-                        help="profiled FittedCostModel JSON (profiled now if missing)")
+    parser.add_argument(
+        "--cost-model",
+        default=str(ROOT / "out" / "costmodel_tiny.json"),
+        help="profiled FittedCostModel JSON (profiled now if missing)",
+    )
     parser.add_argument("--config", default=str(ROOT / "ds_configs" / "tiny_mllm_pp2.json"))
     parser.add_argument("--profile-steps", type=int, default=15, help="steps of the engine-profiling run")
     parser.add_argument("--steps", type=int, default=27, help="steps of the validated run (3 warm-up)")
@@ -185,22 +220,40 @@ def main() -> int:
 
     print("profiling the engine: a stock-sampler run with DeepSpeed's default split ...", flush=True)
     engine_run = out / "engine_profile_run.jsonl"
-    train(config, set_settings(copy.deepcopy(block), sampler="stock", steps=args.profile_steps, warmup_steps=WARMUP),
-          out, "engine_profile", {"--telemetry": engine_run})
+    train(
+        config,
+        set_settings(copy.deepcopy(block), sampler="stock", steps=args.profile_steps, warmup_steps=WARMUP),
+        out,
+        "engine_profile",
+        {"--telemetry": engine_run},
+    )
     engine = engine_profile_from_run(engine_run, shapes, cost_model, skip_steps=WARMUP)
     engine.save(out / "engine_tiny.json")
 
     bounds = cost_balanced_bounds(cost_model, shapes, settings.pipeline_stages)
     validated = out / "validate_telemetry.jsonl"
-    train(config, set_settings(copy.deepcopy(block), sampler="dflop", cost_model=str(Path(args.cost_model).resolve()),
-                               stage_bounds=bounds, steps=args.steps, warmup_steps=WARMUP),
-          out, "validate", {"--telemetry": validated})
+    train(
+        config,
+        set_settings(
+            copy.deepcopy(block),
+            sampler="dflop",
+            cost_model=str(Path(args.cost_model).resolve()),
+            stage_bounds=bounds,
+            steps=args.steps,
+            warmup_steps=WARMUP,
+        ),
+        out,
+        "validate",
+        {"--telemetry": validated},
+    )
     steps, run_bounds = read_engine_steps(validated, shapes, cost_model, skip_steps=WARMUP)
     shares = stage_shares(run_bounds, cost_model)
     error, alone_error = report(engine, steps, shares, forward_fraction(cost_model), run_bounds)
     colocated_error, colocated_alone = validate_colocated(args, cost_model, engine, out)
-    print(f"simulator step_time error={error:.3f} cost_model_only={alone_error:.3f} "
-          f"colocated_error={colocated_error:.3f} colocated_cost_model_only={colocated_alone:.3f}")
+    print(
+        f"simulator step_time error={error:.3f} cost_model_only={alone_error:.3f} "
+        f"colocated_error={colocated_error:.3f} colocated_cost_model_only={colocated_alone:.3f}"
+    )
     return 0
 
 
@@ -208,12 +261,15 @@ def report(engine: EngineProfile, steps, shares: np.ndarray, ff: float, bounds: 
     """Print the pipelined run's per-step comparison; its mean relative errors (engine profile, cost model only)."""
     measured = np.array([step.step_s for step in steps])
     profiled = np.array([engine.simulate(step.costs, shares).step_time for step in steps])
-    alone = np.array([simulate_1f1b(ff * (step.costs @ shares.T), (1 - ff) * (step.costs @ shares.T)).step_time
-                      for step in steps])
-    print(f"\nengine profile (stock run, split {engine.meta['stage_bounds']}): "
-          f"compute x{np.round(engine.compute_scale, 3)} [encoder, llm], forward share {engine.forward_fraction:.3f}, "
-          f"load {np.round(np.multiply(engine.load_s, 1e3), 1)} ms/microbatch, "
-          f"tail {np.round(np.multiply(engine.tail_s, 1e3), 1)} ms, exchange {engine.exchange_s * 1e3:.2f} ms")
+    alone = np.array(
+        [simulate_1f1b(ff * (step.costs @ shares.T), (1 - ff) * (step.costs @ shares.T)).step_time for step in steps]
+    )
+    print(
+        f"\nengine profile (stock run, split {engine.meta['stage_bounds']}): "
+        f"compute x{np.round(engine.compute_scale, 3)} [encoder, llm], forward share {engine.forward_fraction:.3f}, "
+        f"load {np.round(np.multiply(engine.load_s, 1e3), 1)} ms/microbatch, "
+        f"tail {np.round(np.multiply(engine.tail_s, 1e3), 1)} ms, exchange {engine.exchange_s * 1e3:.2f} ms"
+    )
     return compare(f"validated run: DFLOP sampler, split {bounds}", measured, profiled, alone)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from dflop_ds import __version__
 from dflop_ds.data import cli as data_cli
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dflop-ds`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)

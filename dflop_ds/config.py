@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any
 
 from dflop_ds.data.records import BAD_SAMPLE_POLICIES
 from dflop_ds.jsonio import read_json_object
 from dflop_ds.models.hf.lora import lora_settings
 from dflop_ds.plan.cluster import MIXED_PRECISIONS
-from dflop_ds.schedule.splitters import splitter_names
 from dflop_ds.schedule.correction import CorrectionSettings
+from dflop_ds.schedule.splitters import splitter_names
 from dflop_ds.testing.faults import FaultSpec
 from dflop_ds.typecheck import check_setting
 
@@ -190,16 +190,22 @@ class DFLOPConfig:
             except ValueError as error:
                 raise ValueError(f"{source}: {error}") from None
         if self.warmup_steps >= self.steps:
-            raise ValueError(f"{source}: {path('warmup_steps')}={self.warmup_steps} must be smaller than"
-                             f" {path('steps')}={self.steps} (steps may come from --steps): warm-up steps are"
-                             " left out of the throughput figures, so at least one step must remain")
+            raise ValueError(
+                f"{source}: {path('warmup_steps')}={self.warmup_steps} must be smaller than"
+                f" {path('steps')}={self.steps} (steps may come from --steps): warm-up steps are"
+                " left out of the throughput figures, so at least one step must remain"
+            )
         if self.resume and self.checkpoint_dir is None:
             raise ValueError(f"{source}: {path('resume')}=true needs {path('checkpoint_dir')}")
         if self.stage_bounds is not None and len(self.stage_bounds) != self.pipeline_stages + 1:
-            raise ValueError(f"{source}: {path('stage_bounds')} {self.stage_bounds} needs pipeline_stages + 1 ="
-                             f" {self.pipeline_stages + 1} entries")
-        if CorrectionSettings.from_dict(self.correction, f"{source}: {path('correction')}").enabled \
-                and not self.telemetry:
+            raise ValueError(
+                f"{source}: {path('stage_bounds')} {self.stage_bounds} needs pipeline_stages + 1 ="
+                f" {self.pipeline_stages + 1} entries"
+            )
+        if (
+            CorrectionSettings.from_dict(self.correction, f"{source}: {path('correction')}").enabled
+            and not self.telemetry
+        ):
             raise ValueError(f"{source}: {path('correction')} needs {path('telemetry')} = true")
         FaultSpec.from_dict(self.fault, f"{source}: {path('fault')}")
         if self.lora is not None:
@@ -217,7 +223,7 @@ def _location(name: str) -> tuple[str, str]:
 def _flatten(block: Any, source: str) -> dict[str, Any]:
     """Attribute values from a nested block, refusing unknown sections and keys by full path."""
     if not isinstance(block, dict):
-        raise ValueError(f"{source}: the \"dflop\" block must be an object ({{...}}), got {block!r}")
+        raise ValueError(f'{source}: the "dflop" block must be an object ({{...}}), got {block!r}')
     sections = _sections()
     values: dict[str, Any] = {}
     for section, content in block.items():
@@ -229,8 +235,9 @@ def _flatten(block: Any, source: str) -> dict[str, Any]:
             continue
         if not isinstance(content, dict):
             moved = f" (a flat dflop.{section} moved to {DFLOPConfig.path(section)})" if section in _FIELDS else ""
-            raise ValueError(f"{source}: dflop.{section} must be an object ({{...}}) of {sorted(keys)},"
-                             f" got {content!r}{moved}")
+            raise ValueError(
+                f"{source}: dflop.{section} must be an object ({{...}}) of {sorted(keys)}, got {content!r}{moved}"
+            )
         for key, value in content.items():
             if key not in keys:
                 raise ValueError(f"{source}: {_unknown(key, f'dflop.{section}', sorted(keys))}")
@@ -260,7 +267,7 @@ def set_settings(block: dict[str, Any], **settings: Any) -> dict[str, Any]:
     """Put each of ``settings`` (attribute names of :class:`DFLOPConfig`) at its place in the nested
     ``"dflop"`` block ``block`` (modified and returned): the one way code writes the block. A block
     with an unknown or malformed section is refused first, naming it."""
-    _flatten(block, "the \"dflop\" block")
+    _flatten(block, 'the "dflop" block')
     for name, value in settings.items():
         section, key = _location(name)
         if key == WHOLE_SECTION:
@@ -290,8 +297,9 @@ def autotp_size(ds_config: Mapping[str, Any]) -> int:
     return int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
 
 
-def fill_from_plan(ds_config: dict[str, Any], block: dict[str, Any],
-                   plan: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def fill_from_plan(
+    ds_config: dict[str, Any], block: dict[str, Any], plan: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Copies of a DeepSpeed config and its "dflop" block with what ``plan`` decides filled in.
 
     The plan supplies the batch keys (:data:`PLAN_BATCH_KEYS`), ``tensor_parallel`` (tp > 1), the ZeRO
@@ -307,23 +315,32 @@ def fill_from_plan(ds_config: dict[str, Any], block: dict[str, Any],
     for key in ("pipeline_stages", "stage_bounds", "activation_checkpointing"):
         have = get_setting(block, key)
         if have is not None and have != settings[key]:
-            raise ValueError(f"{DFLOPConfig.path(key)} is {have!r}, but the plan is for {settings[key]!r}:"
-                             f" leave it out of the config (the plan sets it) or re-plan")
+            raise ValueError(
+                f"{DFLOPConfig.path(key)} is {have!r}, but the plan is for {settings[key]!r}:"
+                f" leave it out of the config (the plan sets it) or re-plan"
+            )
     zero = (ds_config.get("zero_optimization") or {}).get("stage")
     if zero is not None and zero != plan.zero_stage:
-        raise ValueError(f"zero_optimization.stage is {zero!r}, but the plan's memory model assumed ZeRO stage"
-                         f" {plan.zero_stage}: leave the stage out of the config (the plan sets it) or re-plan")
+        raise ValueError(
+            f"zero_optimization.stage is {zero!r}, but the plan's memory model assumed ZeRO stage"
+            f" {plan.zero_stage}: leave the stage out of the config (the plan sets it) or re-plan"
+        )
     enabled = [key for key in PLAN_PRECISION_KEYS if (ds_config.get(key) or {}).get("enabled")]
     if enabled and enabled != [plan.precision]:
-        raise ValueError(f"{enabled[0]}.enabled is true, but the plan's memory model assumed {plan.precision}:"
-                         f" leave the precision out of the config (the plan sets it) or re-plan")
+        raise ValueError(
+            f"{enabled[0]}.enabled is true, but the plan's memory model assumed {plan.precision}:"
+            f" leave the precision out of the config (the plan sets it) or re-plan"
+        )
     config = dict(ds_config)
     for key in (*PLAN_BATCH_KEYS, "tensor_parallel"):
         if key in planned:
             config.setdefault(key, planned[key])
     for key in ("zero_optimization", *PLAN_PRECISION_KEYS):
-        config[key] = {**planned[key], **(config.get(key) or {}), **{k: planned[key][k] for k in ("stage", "enabled")
-                                                                     if k in planned[key]}}
+        config[key] = {
+            **planned[key],
+            **(config.get(key) or {}),
+            **{k: planned[key][k] for k in ("stage", "enabled") if k in planned[key]},
+        }
     filled = json.loads(json.dumps(block))
     set_settings(filled, **{key: value for key, value in settings.items() if get_setting(block, key) is None})
     return config, filled

@@ -9,8 +9,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 
 def launch_env(**extra: str) -> dict[str, str]:
@@ -37,17 +37,24 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def deepspeed_command(script: str | Path, args: Sequence[str], *, ranks: int = 2,
-                      master_port: int | None = None) -> list[str]:
+def deepspeed_command(
+    script: str | Path, args: Sequence[str], *, ranks: int = 2, master_port: int | None = None
+) -> list[str]:
     """``deepspeed --num_gpus ranks --master_port PORT script args...`` (a free port unless given)."""
     port = free_port() if master_port is None else master_port
-    return [deepspeed_launcher(), "--num_gpus", str(ranks), "--master_port", str(port), str(script),
-            *map(str, args)]
+    return [deepspeed_launcher(), "--num_gpus", str(ranks), "--master_port", str(port), str(script), *map(str, args)]
 
 
-def run_deepspeed(script: str | Path, args: Sequence[str], *, ranks: int = 2, master_port: int | None = None,
-                  cwd: str | Path | None = None, extra_env: dict[str, str] | None = None,
-                  **run_kwargs) -> subprocess.CompletedProcess:
+def run_deepspeed(
+    script: str | Path,
+    args: Sequence[str],
+    *,
+    ranks: int = 2,
+    master_port: int | None = None,
+    cwd: str | Path | None = None,
+    extra_env: dict[str, str] | None = None,
+    **run_kwargs,
+) -> subprocess.CompletedProcess:
     """Run :func:`deepspeed_command` with :func:`launch_env` (plus ``extra_env``);
     ``run_kwargs`` go to ``subprocess.run``. Stale extension build locks are cleared first
     (:func:`clear_stale_build_locks`); afterwards, however the run ended, the CPU all-reduce
@@ -84,8 +91,12 @@ def clear_stale_build_locks(max_age_s: float = 300.0, root: Path | None = None) 
             if now - lock.stat().st_mtime > max_age_s:
                 lock.unlink()
                 removed.append(lock)
-                print(f"[dflop-ds] removed a stale extension build lock {lock} (a killed launch left it; "
-                      "DeepSpeed would wait for it forever)", file=sys.stderr, flush=True)
+                print(
+                    f"[dflop-ds] removed a stale extension build lock {lock} (a killed launch left it; "
+                    "DeepSpeed would wait for it forever)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         except FileNotFoundError:
             pass
     return removed

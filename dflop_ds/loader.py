@@ -11,7 +11,8 @@ exact after any number of microbatches, also in the middle of a global batch.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Deque, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from dflop_ds.schedule.sampler import BatchSchedule, GlobalBatchSampler
 from dflop_ds.schedule.state import Position
@@ -19,7 +20,7 @@ from dflop_ds.schedule.state import Position
 #: DataLoader arguments that would override or reorder the batch sampler's microbatches.
 _REFUSED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
 
-_Log = Deque[tuple[Position, BatchSchedule]]
+_Log = collections.deque[tuple[Position, BatchSchedule]]
 
 
 class _Tap:
@@ -52,8 +53,15 @@ class ResumableLoader:
             (``state_dict``) and ``last_schedule`` follow what the caller has received.
     """
 
-    def __init__(self, dataset: Any, batch_sampler: Any, *, collate_fn: Optional[Callable],
-                 num_workers: int = 0, **dataloader_kwargs: Any) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        batch_sampler: Any,
+        *,
+        collate_fn: Callable | None,
+        num_workers: int = 0,
+        **dataloader_kwargs: Any,
+    ) -> None:
         import torch.utils.data
 
         refused = sorted(set(dataloader_kwargs) & set(_REFUSED))
@@ -62,13 +70,16 @@ class ResumableLoader:
         if dataloader_kwargs.get("in_order", True) is not True:
             raise ValueError("make_loader: in_order=False would hand out microbatches out of schedule order")
         if not hasattr(batch_sampler, "scheduled_microbatches"):
-            raise TypeError(f"make_loader needs a dflop-ds batch sampler (DFLOPBatchSampler, StockBatchSampler),"
-                            f" got {type(batch_sampler).__name__}")
+            raise TypeError(
+                f"make_loader needs a dflop-ds batch sampler (DFLOPBatchSampler, StockBatchSampler),"
+                f" got {type(batch_sampler).__name__}"
+            )
         self.dataset = dataset
         self.batch_sampler = batch_sampler
         self._tap = _Tap(batch_sampler)
-        self._loader = torch.utils.data.DataLoader(dataset, batch_sampler=self._tap, collate_fn=collate_fn,
-                                                   num_workers=num_workers, **dataloader_kwargs)
+        self._loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=self._tap, collate_fn=collate_fn, num_workers=num_workers, **dataloader_kwargs
+        )
 
     def __iter__(self) -> Iterator[Any]:
         """The rest of the sampler's current epoch, from the last microbatch the caller received."""
@@ -91,12 +102,12 @@ class ResumableLoader:
         self.batch_sampler.load_state_dict(state)
 
 
-def make_loader(dataset: Any, batch_sampler: Any, *, collate_fn: Optional[Callable],
-                num_workers: int = 0, **dataloader_kwargs: Any) -> ResumableLoader:
+def make_loader(
+    dataset: Any, batch_sampler: Any, *, collate_fn: Callable | None, num_workers: int = 0, **dataloader_kwargs: Any
+) -> ResumableLoader:
     """A ``DataLoader`` over ``batch_sampler`` whose ``state_dict()`` / ``load_state_dict()``
     resume exactly after the microbatches already yielded to the caller, with any number of
     workers. Save ``loader.state_dict()`` with the checkpoint; on resume build the same sampler
     and loader and call ``load_state_dict``. Other keyword arguments go to ``DataLoader``
     (``pin_memory``, ``prefetch_factor``, ``persistent_workers``, ...)."""
-    return ResumableLoader(dataset, batch_sampler, collate_fn=collate_fn, num_workers=num_workers,
-                           **dataloader_kwargs)
+    return ResumableLoader(dataset, batch_sampler, collate_fn=collate_fn, num_workers=num_workers, **dataloader_kwargs)

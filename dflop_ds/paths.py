@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Union
 
 
 class OutputPathError(ValueError):
@@ -19,7 +18,7 @@ def _probe(folder: Path) -> None:
     os.unlink(probe)
 
 
-def check_writable(path: Union[str, Path], what: str) -> Path:
+def check_writable(path: str | Path, what: str) -> Path:
     """Make sure ``path`` can be written (creating missing parent folders), without changing an
     existing file; raise :class:`OutputPathError` naming ``what`` (e.g. ``"--telemetry"``) and
     the path otherwise. Returns the path."""
@@ -38,7 +37,7 @@ def check_writable(path: Union[str, Path], what: str) -> Path:
     return path
 
 
-def check_writable_folder(path: Union[str, Path], what: str) -> Path:
+def check_writable_folder(path: str | Path, what: str) -> Path:
     """Make sure the folder ``path`` exists or can be created and can be written in; raise
     :class:`OutputPathError` naming ``what`` (e.g. ``"--output_dir"``) and the path otherwise."""
     path = Path(path)

@@ -8,7 +8,8 @@ instead of a hang or a silently different schedule hours later.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from dflop_ds.config import DFLOPConfig, autotp_size
 from dflop_ds.pipe.stage_bounds import StageBounds
@@ -44,7 +45,7 @@ class PlanLike(Protocol):
     def stage_bounds(self) -> list[int]: ...
 
 
-def _positive_int(ds_config: Mapping[str, Any], key: str) -> Optional[int]:
+def _positive_int(ds_config: Mapping[str, Any], key: str) -> int | None:
     """``ds_config[key]`` as a positive int, ``None`` when absent (``"auto"`` is not resolved here)."""
     value = ds_config.get(key)
     if value is None:
@@ -89,7 +90,7 @@ def resolve_batch_keys(ds_config: Mapping[str, Any], dp: int) -> tuple[int, int,
     return total, micro, gas
 
 
-def check_stage_bounds(bounds: Sequence[int], num_stages: int, n_layers: Optional[int]) -> None:
+def check_stage_bounds(bounds: Sequence[int], num_stages: int, n_layers: int | None) -> None:
     """``dflop.plan.stage_bounds`` must run from 0 to the layer count, strictly increasing
     (:class:`~dflop_ds.pipe.stage_bounds.StageBounds`), as a :class:`SetupError`."""
     try:
@@ -104,15 +105,30 @@ def check_plan_topology(plan: PlanLike, *, world_size: int, stages: int) -> None
     if not plan.deepspeed_compatible:
         raise SetupError("plan: it puts encoder and LLM on separate GPU sets; stock DeepSpeed cannot run it")
     if world_size != plan.world_size():
-        raise SetupError(f"this plan is for {plan.world_size()} GPUs, but the run has world size {world_size}:"
-                         f" launch it on {plan.world_size()} GPUs or re-plan for {world_size}")
+        raise SetupError(
+            f"this plan is for {plan.world_size()} GPUs, but the run has world size {world_size}:"
+            f" launch it on {plan.world_size()} GPUs or re-plan for {world_size}"
+        )
     if stages != plan.pipeline_stages:
-        raise SetupError(f"dflop.plan.pipeline_stages is {stages}, but the plan says {plan.pipeline_stages}:"
-                         " leave pipeline_stages (and stage_bounds) out of the config, the plan sets them")
+        raise SetupError(
+            f"dflop.plan.pipeline_stages is {stages}, but the plan says {plan.pipeline_stages}:"
+            " leave pipeline_stages (and stage_bounds) out of the config, the plan sets them"
+        )
 
 
-def check_plan(plan: PlanLike, *, stages: int, world_size: int, dp: int, total: int, micro: int, gas: int,
-               stage_bounds: Optional[Sequence[int]], n_layers: Optional[int], tp: int = 1) -> None:
+def check_plan(
+    plan: PlanLike,
+    *,
+    stages: int,
+    world_size: int,
+    dp: int,
+    total: int,
+    micro: int,
+    gas: int,
+    stage_bounds: Sequence[int] | None,
+    n_layers: int | None,
+    tp: int = 1,
+) -> None:
     """The plan must describe the run the DeepSpeed config and world size set up (``dp``: the
     data-parallel size without tensor-parallel peers; ``tp``: the config's AutoTP size)."""
     check_plan_topology(plan, world_size=world_size, stages=stages)
@@ -138,27 +154,30 @@ def check_plan(plan: PlanLike, *, stages: int, world_size: int, dp: int, total: 
         mismatches.append(("dflop.plan.stage_bounds", list(stage_bounds), plan.stage_bounds()))
     for key, have, want in mismatches:
         if have != want:
-            raise SetupError(f"{key} is {have}, but the plan says {want}: run with the plan's DeepSpeed config"
-                             " (Plan.deepspeed_config) or re-plan for this setup")
+            raise SetupError(
+                f"{key} is {have}, but the plan says {want}: run with the plan's DeepSpeed config"
+                " (Plan.deepspeed_config) or re-plan for this setup"
+            )
 
 
 def check_training_setup(
     ds_config: Mapping[str, Any],
     dflop: DFLOPConfig,
     world_size: int,
-    plan: Optional[PlanLike] = None,
-    n_samples: Optional[int] = None,
+    plan: PlanLike | None = None,
+    n_samples: int | None = None,
     *,
-    n_layers: Optional[int] = None,
+    n_layers: int | None = None,
 ) -> None:
     """Raise :class:`SetupError` (a ``ValueError``) naming the key at fault, or return None.
 
     Checks: ``dflop.plan.pipeline_stages`` divides ``world_size``; the batch keys satisfy
     ``train_batch_size = micro * GAS * dp`` (with ``micro >= 1``, so one global batch fills
-    ``GAS`` microbatches on every data-parallel rank); ``dflop.plan.stage_bounds`` (when given) is increasing from 0 to
-    ``n_layers`` (when known); ``dflop.sampler.time_limit_s`` is 0 when more than one process
-    computes the schedule (only clock-free solves agree across ranks; ``ilp_nodes`` is one); a plan agrees with all of these; the dataset (``n_samples``)
-    holds at least one global batch.
+    ``GAS`` microbatches on every data-parallel rank); ``dflop.plan.stage_bounds`` (when given)
+    is increasing from 0 to ``n_layers`` (when known); ``dflop.sampler.time_limit_s`` is 0 when
+    more than one process computes the schedule (only clock-free solves agree across ranks;
+    ``ilp_nodes`` is one); a plan agrees with all of these; the dataset (``n_samples``) holds at
+    least one global batch.
     """
     stages = dflop.pipeline_stages
     if world_size < 1:
@@ -183,8 +202,18 @@ def check_training_setup(
             " exact solver bounded by nodes instead of time (the same answer on every rank)"
         )
     if plan is not None:
-        check_plan(plan, stages=stages, world_size=world_size, dp=dp // tp, total=total, micro=micro, gas=gas,
-                   stage_bounds=dflop.stage_bounds, n_layers=n_layers, tp=tp)
+        check_plan(
+            plan,
+            stages=stages,
+            world_size=world_size,
+            dp=dp // tp,
+            total=total,
+            micro=micro,
+            gas=gas,
+            stage_bounds=dflop.stage_bounds,
+            n_layers=n_layers,
+            tp=tp,
+        )
     if n_samples is not None and n_samples < total // tp:  # tensor-parallel peers share their samples
         raise SetupError(
             f"dflop.data.path ({dflop.data}) has {n_samples} usable samples"
@@ -198,14 +227,18 @@ def check_engine_features(dflop: DFLOPConfig) -> None:
     per-stage timers; the colocated encoder runs the tiny model only."""
     pipelined = dflop.pipeline_stages > 1
     if not pipelined and CorrectionSettings.from_dict(dflop.correction, "dflop.correction").enabled:
-        raise SetupError("dflop.correction needs the pipeline engine's per-stage timers"
-                         " (dflop.plan.pipeline_stages > 1)")
+        raise SetupError(
+            "dflop.correction needs the pipeline engine's per-stage timers (dflop.plan.pipeline_stages > 1)"
+        )
     if dflop.encoder == "colocated" and CorrectionSettings.from_dict(dflop.correction, "dflop.correction").enabled:
-        raise SetupError("dflop.correction does not model the colocated encoder's phase outside the pipeline"
-                         " yet: switch one of them off")
+        raise SetupError(
+            "dflop.correction does not model the colocated encoder's phase outside the pipeline"
+            " yet: switch one of them off"
+        )
     if dflop.encoder == "colocated" and dflop.model_name_or_path is not None:
-        raise SetupError("dflop.model.encoder = \"colocated\" runs the tiny model only for now"
-                         " (no dflop.model.name_or_path)")
+        raise SetupError(
+            'dflop.model.encoder = "colocated" runs the tiny model only for now (no dflop.model.name_or_path)'
+        )
 
 
 def check_tensor_parallel(dflop: DFLOPConfig, tp: int, world_size: int, zero_stage: int) -> None:
@@ -214,11 +247,15 @@ def check_tensor_parallel(dflop: DFLOPConfig, tp: int, world_size: int, zero_sta
     world size that ``tp`` divides."""
     where = f"tensor_parallel.autotp_size={tp}"
     if dflop.pipeline_stages > 1:
-        raise SetupError(f"{where} needs dflop.plan.pipeline_stages = 1 (got {dflop.pipeline_stages}): AutoTP shards"
-                         " the plain engine's model, a PipelineModule gives it nothing to shard")
+        raise SetupError(
+            f"{where} needs dflop.plan.pipeline_stages = 1 (got {dflop.pipeline_stages}): AutoTP shards"
+            " the plain engine's model, a PipelineModule gives it nothing to shard"
+        )
     if dflop.model_name_or_path is None:
-        raise SetupError(f"{where}: the bundled tiny model has no layers AutoTP can shard; give a HuggingFace model"
-                         " (model_name_or_path) or use autotp_size 1")
+        raise SetupError(
+            f"{where}: the bundled tiny model has no layers AutoTP can shard; give a HuggingFace model"
+            " (model_name_or_path) or use autotp_size 1"
+        )
     if dflop.lora is not None or dflop.encoder != "local":
         raise SetupError(f"{where}: dflop.model.lora and a colocated encoder are not supported with AutoTP yet")
     if zero_stage > 2:
@@ -243,5 +280,13 @@ def check_cost_model(cost_model: Any, *, encoder_layers: int, llm_layers: int, s
         )
 
 
-__all__ = ["SetupError", "check_training_setup", "check_tensor_parallel", "resolve_batch_keys", "check_stage_bounds", "check_plan",
-           "check_plan_topology", "check_cost_model"]
+__all__ = [
+    "SetupError",
+    "check_training_setup",
+    "check_tensor_parallel",
+    "resolve_batch_keys",
+    "check_stage_bounds",
+    "check_plan",
+    "check_plan_topology",
+    "check_cost_model",
+]

@@ -9,8 +9,9 @@ video frames.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 Tokenizer = Callable[[str], int]
 #: An image's own encoder units and LLM tokens from its size, for native-resolution models
@@ -129,11 +130,21 @@ class ShapePolicy:
         """What the shapes depend on, JSON-ready: ``name``, the tiling and token numbers, and
         ``tokenizer`` (its identity). Two policies with equal descriptions but for ``name``
         derive the same shapes."""
-        tokenizer = self.tokenizer_id or f"{getattr(self.tokenizer, '__module__', '?')}." \
-                                         f"{getattr(self.tokenizer, '__qualname__', type(self.tokenizer).__name__)}"
-        described = {"name": self.name, "tile_size": self.tile_size, "max_tiles": self.max_tiles,
-                     "add_thumbnail": self.add_thumbnail, "tokens_per_tile": self.tokens_per_tile,
-                     "max_frames": self.max_frames, "tokens_per_frame": self.tokens_per_frame, "tokenizer": tokenizer}
+        tokenizer = (
+            self.tokenizer_id
+            or f"{getattr(self.tokenizer, '__module__', '?')}."
+            f"{getattr(self.tokenizer, '__qualname__', type(self.tokenizer).__name__)}"
+        )
+        described = {
+            "name": self.name,
+            "tile_size": self.tile_size,
+            "max_tiles": self.max_tiles,
+            "add_thumbnail": self.add_thumbnail,
+            "tokens_per_tile": self.tokens_per_tile,
+            "max_frames": self.max_frames,
+            "tokens_per_frame": self.tokens_per_frame,
+            "tokenizer": tokenizer,
+        }
         if self.image_rule is not None:
             described["image_rule"] = repr(self.image_rule)
         if self.video_rule is not None:
@@ -173,8 +184,9 @@ class ShapePolicy:
         grid = cols * rows
         return grid + 1 if grid > 1 and self.add_thumbnail else grid
 
-    def video_units(self, sample_id: str, frames: int, size: tuple[int, int] | None,
-                    fps: float | None) -> tuple[int, int, int]:
+    def video_units(
+        self, sample_id: str, frames: int, size: tuple[int, int] | None, fps: float | None
+    ) -> tuple[int, int, int]:
         """``(encoder units, LLM tokens, attention units)`` of a video of ``frames`` source frames: its
         sampled frames and their tokens (attention unknown: 0), or the ``video_rule``'s (which needs
         the frame size and rate; attention: units x units per window)."""
@@ -184,8 +196,10 @@ class ShapePolicy:
             sampled = self.sampled_frames(frames)
             return sampled, sampled * self.tokens_per_frame, 0
         if size is None or fps is None:
-            raise ValueError(f"sample {sample_id!r}: policy {self.name!r} needs the video's frame size and rate "
-                             "(read from the video file under a video_folder)")
+            raise ValueError(
+                f"sample {sample_id!r}: policy {self.name!r} needs the video's frame size and rate "
+                "(read from the video file under a video_folder)"
+            )
         units, tokens, window = self.video_rule(int(frames), int(size[0]), int(size[1]), float(fps))
         return int(units), int(tokens), int(units) * int(window)
 
@@ -226,11 +240,12 @@ class ShapePolicy:
         image_tiles = sum(units for units, _ in per_image)
         if video_frames < 0:
             raise ValueError(f"sample {sample_id!r}: video_frames must be >= 0, got {video_frames}")
-        frames, video_tokens, video_attention = self.video_units(str(sample_id), int(video_frames), video_size,
-                                                                 video_fps)
+        frames, video_tokens, video_attention = self.video_units(
+            str(sample_id), int(video_frames), video_size, video_fps
+        )
         visual = sum(tokens for _, tokens in per_image) + video_tokens
         # an image under an image_rule is one attention window; tiles' windows are not known here
-        image_attention = sum(units ** 2 for units, _ in per_image) if self.image_rule is not None else 0
+        image_attention = sum(units**2 for units, _ in per_image) if self.image_rule is not None else 0
         return SampleShape(
             sample_id=str(sample_id),
             image_sizes=sizes,
@@ -260,7 +275,8 @@ class ShapePolicy:
 
 #: The policy of the bundled tiny MLLM: real AnyRes tiling of real image sizes, but few
 #: tokens per tile so that CPU training stays fast.
-TINY_POLICY = ShapePolicy(tile_size=336, max_tiles=4, tokens_per_tile=16, max_frames=8, tokens_per_frame=16,
-                          name="tiny")
+TINY_POLICY = ShapePolicy(
+    tile_size=336, max_tiles=4, tokens_per_tile=16, max_frames=8, tokens_per_frame=16, name="tiny"
+)
 #: The default (LLaVA-OneVision-like) policy, by name.
 DEFAULT_POLICY = ShapePolicy(name="default")

@@ -7,10 +7,17 @@ JSON configs are written by hand: ``"false"`` (a non-empty string, so truthy), `
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-_KINDS = {"bool": "a boolean (true or false)", "int": "an integer", "number": "a number",
-          "str": "a string", "dict": "an object ({...})", "list": "a list ([...])"}
+_KINDS = {
+    "bool": "a boolean (true or false)",
+    "int": "an integer",
+    "number": "a number",
+    "str": "a string",
+    "dict": "an object ({...})",
+    "list": "a list ([...])",
+}
 
 
 def _has_kind(value: Any, kind: str) -> bool:
@@ -23,9 +30,17 @@ def _has_kind(value: Any, kind: str) -> bool:
     return isinstance(value, {"str": str, "dict": dict, "list": list}[kind])
 
 
-def check_setting(key: str, value: Any, kind: str, *, minimum: Optional[float] = None,
-                  maximum: Optional[float] = None, above: Optional[float] = None, optional: bool = False,
-                  choices: Optional[Sequence[Any]] = None) -> None:
+def check_setting(
+    key: str,
+    value: Any,
+    kind: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    above: float | None = None,
+    optional: bool = False,
+    choices: Sequence[Any] | None = None,
+) -> None:
     """Raise ``ValueError`` naming ``key`` and ``value`` unless ``value`` is of ``kind``
     (``"bool"``, ``"int"``, ``"number"``, ``"str"``, ``"dict"``, ``"list"``; ``None`` too when
     ``optional``), within ``[minimum, maximum]``, greater than ``above``, and among ``choices``."""

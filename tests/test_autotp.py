@@ -11,15 +11,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflop_ds.setup_checks import SetupError, check_training_setup
 from dflop_ds.config import DFLOPConfig, fill_from_plan, set_settings
 from dflop_ds.launch import run_deepspeed
 from dflop_ds.plan import Plan
 from dflop_ds.plan.layout import Layout, Segment
+from dflop_ds.setup_checks import SetupError, check_training_setup
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LLAMA_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 
 
@@ -48,8 +55,7 @@ def expected_sharded(model_dir: Path) -> tuple[set[str], set[str]]:
 
 # -- the layout: the HF tp_plan on the wrappers' names ----------------------------------------------
 @pytest.mark.parametrize("vision,text,tied", [("clip", "llama", False), ("siglip", "qwen2", True)])
-def test_autotp_partition_config_shards_the_llm_linears_and_leaves_the_vision_tower_whole(tmp_path, vision, text,
-                                                                                         tied):
+def test_autotp_partition_config_shards_the_llm_linears_and_leaves_the_vision_tower_whole(tmp_path, vision, text, tied):
     import re
 
     from dflop_ds.models.hf.llava import llava_layers, load_llava
@@ -91,13 +97,16 @@ def test_bundled_autotp_config_passes_the_checks():
     check_training_setup(config, block, world_size=2, n_samples=40)
 
 
-@pytest.mark.parametrize("dflop,zero,world,match", [
-    ({"model_name_or_path": None}, 1, 2, "tiny model has no layers AutoTP can shard"),
-    ({"pipeline_stages": 2, "stage_bounds": None}, 1, 2, "pipeline_stages = 1"),
-    ({"lora": {"r": 4}}, 1, 2, "lora"),
-    ({}, 3, 2, "ZeRO stages 0-2"),
-    ({}, 1, 3, "does not divide the world size 3"),
-])
+@pytest.mark.parametrize(
+    "dflop,zero,world,match",
+    [
+        ({"model_name_or_path": None}, 1, 2, "tiny model has no layers AutoTP can shard"),
+        ({"pipeline_stages": 2, "stage_bounds": None}, 1, 2, "pipeline_stages = 1"),
+        ({"lora": {"r": 4}}, 1, 2, "lora"),
+        ({}, 3, 2, "ZeRO stages 0-2"),
+        ({}, 1, 3, "does not divide the world size 3"),
+    ],
+)
 def test_autotp_setups_it_cannot_run_are_refused_with_the_reason(dflop, zero, world, match):
     config, block = tp_config(**dflop)
     config["zero_optimization"] = {"stage": zero}
@@ -110,9 +119,16 @@ def test_autotp_setups_it_cannot_run_are_refused_with_the_reason(dflop, zero, wo
 # -- plans with tp > 1 ------------------------------------------------------------------------------------
 def tp_plan(tp=2, dp=2, n_mb=2, global_batch=16, stages=((3, 1, 4),), zero_stage=1) -> Plan:
     layout = Layout(Segment(tp, len(stages), dp), Segment(tp, len(stages), dp), n_mb, stages)
-    return Plan.from_layout(layout, layer_counts={"encoder": 3, "projector": 1, "llm": 4},
-                            global_batch_size=global_batch, gpus=len(stages) * tp * dp, gpus_per_node=8,
-                            gpu_memory_bytes=8e9, family="deepspeed", zero_stage=zero_stage)
+    return Plan.from_layout(
+        layout,
+        layer_counts={"encoder": 3, "projector": 1, "llm": 4},
+        global_batch_size=global_batch,
+        gpus=len(stages) * tp * dp,
+        gpus_per_node=8,
+        gpu_memory_bytes=8e9,
+        family="deepspeed",
+        zero_stage=zero_stage,
+    )
 
 
 def test_autotp_plan_becomes_a_deepspeed_config_with_tensor_parallel_and_deepspeeds_batch_identity():
@@ -123,16 +139,20 @@ def test_autotp_plan_becomes_a_deepspeed_config_with_tensor_parallel_and_deepspe
     assert world == 4
     # DeepSpeed 0.19.8 counts tensor-parallel peers in its batch identity (micro * GAS * world); the
     # sampler's global batch, train_batch_size / tp, is the plan's, with the plan's microbatches per rank
-    assert config["train_batch_size"] == (config["train_micro_batch_size_per_gpu"]
-                                          * config["gradient_accumulation_steps"] * world) == 16 * 2
+    assert (
+        config["train_batch_size"]
+        == (config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * world)
+        == 16 * 2
+    )
     assert config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * plan.dp == 16
     assert "tensor_parallel" not in tp_plan(tp=1, dp=4).deepspeed_config({})
 
 
 def test_autotp_plan_fills_the_config_and_runs_the_checks():
     plan = tp_plan(tp=2, dp=1, n_mb=2, global_batch=8, zero_stage=2)
-    config, block = fill_from_plan({"zero_optimization": {"stage": 2}},
-                                   set_settings({}, model_name_or_path="some/hf-model"), plan)
+    config, block = fill_from_plan(
+        {"zero_optimization": {"stage": 2}}, set_settings({}, model_name_or_path="some/hf-model"), plan
+    )
     assert config["tensor_parallel"] == {"autotp_size": 2}
     check_training_setup(config, DFLOPConfig.from_dict(block), world_size=2, plan=plan, n_samples=40)
     # a config that sets another tp than its plan is caught, naming the key
@@ -154,8 +174,11 @@ def test_autotp_plan_with_a_pipeline_is_refused():
 
 
 # -- tp2 on 2 ranks against the unsharded run --------------------------------------------------------------
-EXACT = {"optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True,
-         "gradient_clipping": 0.0}  # DeepSpeed clips at 1.0 by default
+EXACT = {
+    "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+    "zero_allow_untested_optimizer": True,
+    "gradient_clipping": 0.0,
+}  # DeepSpeed clips at 1.0 by default
 
 
 def run(tmp_path: Path, name: str, model: Path, data: Path, images: Path, *, ranks: int, ds: dict) -> dict:
@@ -168,9 +191,27 @@ def run(tmp_path: Path, name: str, model: Path, data: Path, images: Path, *, ran
     path.write_text(json.dumps(settings))
     result = run_deepspeed(
         ROOT / "examples" / "train.py",
-        ["--deepspeed_config", str(path), "--model_name_or_path", str(model), "--data_path", str(data),
-         "--image_folder", str(images), "--summary", str(summary), "--trace", str(trace), "--output_dir", str(out)],
-        ranks=ranks, cwd=ROOT, capture_output=True, text=True, timeout=500,
+        [
+            "--deepspeed_config",
+            str(path),
+            "--model_name_or_path",
+            str(model),
+            "--data_path",
+            str(data),
+            "--image_folder",
+            str(images),
+            "--summary",
+            str(summary),
+            "--trace",
+            str(trace),
+            "--output_dir",
+            str(out),
+        ],
+        ranks=ranks,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=500,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return {**json.loads(summary.read_text()), "trace": trace.read_text().splitlines(), "out": out}
@@ -192,8 +233,15 @@ def test_autotp_tp2_trains_like_the_unsharded_run_and_saves_the_full_model(tmp_p
     # 2 ranks, tp2 (dp 1; DeepSpeed's train_batch_size 16 counts both tp ranks) and 1 rank unsharded:
     # the same global batches of 8 in 2 microbatches
     sharded = run(tmp_path, "tp2", model, data, images, ranks=2, ds=zero_block)
-    whole = run(tmp_path, "tp1", model, data, images, ranks=1,
-                ds={**zero_block, "tensor_parallel": {"autotp_size": 1}, "train_batch_size": 8})
+    whole = run(
+        tmp_path,
+        "tp1",
+        model,
+        data,
+        images,
+        ranks=1,
+        ds={**zero_block, "tensor_parallel": {"autotp_size": 1}, "train_batch_size": 8},
+    )
 
     summary = sharded["summary"]
     assert (summary["tensor_parallel"], summary["dp"]) == (2, 1)

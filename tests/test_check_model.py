@@ -30,8 +30,12 @@ def summary(capsys: pytest.CaptureFixture) -> str:
 
 def test_console_script_passes_on_a_good_dir(tmp_path: Path) -> None:
     folder = build_tiny_llava(tmp_path / "m", vision="siglip", text="qwen2", tie_word_embeddings=True)
-    out = subprocess.run([sys.executable, "-m", "dflop_ds.cli", "check-model", str(folder), "--stages", "3"],
-                         capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "dflop_ds.cli", "check-model", str(folder), "--stages", "3"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     line = out.stdout.strip().splitlines()[-1]
     assert "3 stage(s)" in line and "match HF" in line
@@ -83,8 +87,9 @@ def test_processor_that_disagrees_with_the_model(model_dir: Path, tmp_path: Path
 def test_unsupported_model_and_missing_dir(tmp_path: Path, capsys) -> None:
     from transformers import LlamaConfig
 
-    LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                vocab_size=32).save_pretrained(tmp_path / "llama")
+    LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32
+    ).save_pretrained(tmp_path / "llama")
     assert main(["check-model", str(tmp_path / "llama")]) == 1
     err = capsys.readouterr().err
     assert "model type 'llama' is not supported" in err and "supported: 'llava'" in err and "llama" in err

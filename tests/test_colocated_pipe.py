@@ -81,10 +81,23 @@ def test_colocated_dispatch_pipeline_training_loop_resumes_encoder_and_trains_ev
 
     from test_train_zero import BATCH, GAS, SAMPLES, STEPS_PER_EPOCH, reference_token_mean_loss, trace_lines
 
-    dflop = {"max_samples": SAMPLES, "encoder": "colocated", "steps": STEPS_PER_EPOCH, "warmup_steps": 0,
-             "lr": 0.003, "checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": 2}
-    path = ds_config("tiny_mllm_pp2.json", dflop, train_batch_size=BATCH, train_micro_batch_size_per_gpu=BATCH // GAS,
-                     gradient_accumulation_steps=GAS, csv_monitor={"enabled": False})
+    dflop = {
+        "max_samples": SAMPLES,
+        "encoder": "colocated",
+        "steps": STEPS_PER_EPOCH,
+        "warmup_steps": 0,
+        "lr": 0.003,
+        "checkpoint_dir": str(tmp_path / "ckpt"),
+        "checkpoint_every": 2,
+    }
+    path = ds_config(
+        "tiny_mllm_pp2.json",
+        dflop,
+        train_batch_size=BATCH,
+        train_micro_batch_size_per_gpu=BATCH // GAS,
+        gradient_accumulation_steps=GAS,
+        csv_monitor={"enabled": False},
+    )
     killed, resumed = tmp_path / "killed.jsonl", tmp_path / "resumed.jsonl"
     killed_run = run_train(path, "--trace", str(killed), "--exit-after-step", "2", expect=17)
     out = killed_run.stdout + killed_run.stderr
@@ -100,8 +113,8 @@ def test_colocated_dispatch_pipeline_training_loop_resumes_encoder_and_trains_ev
 
 
 def test_colocated_encoder_setup_runs_under_the_pipeline_and_refuses_what_it_cannot_do():
-    from dflop_ds.setup_checks import SetupError, check_engine_features
     from dflop_ds.config import DFLOPConfig, set_settings
+    from dflop_ds.setup_checks import SetupError, check_engine_features
 
     def config(**settings):
         return DFLOPConfig.from_dict(set_settings({}, encoder="colocated", **settings))

@@ -15,8 +15,14 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_colocated_dispatch_zero2_dp2_matches_local_encoder_losses_and_gradients(tmp_path):
     out = tmp_path / "report.json"
-    result = run_deepspeed(ROOT / "tests" / "ds_scripts" / "tiny_colocated_check.py", ["--out", str(out)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = run_deepspeed(
+        ROOT / "tests" / "ds_scripts" / "tiny_colocated_check.py",
+        ["--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_colocated_matches_local(json.loads(out.read_text()))
 
@@ -46,8 +52,9 @@ def test_colocated_dispatch_training_loop_trains_every_sample_once_and_learns(tm
         zero2_config,
     )
 
-    config = zero2_config(tmp_path, sampler="dflop", encoder="colocated", steps=STEPS_PER_EPOCH, warmup_steps=1,
-                          lr=0.003)
+    config = zero2_config(
+        tmp_path, sampler="dflop", encoder="colocated", steps=STEPS_PER_EPOCH, warmup_steps=1, lr=0.003
+    )
     trace, summary = tmp_path / "trace.jsonl", tmp_path / "summary.json"
     train(config, "--trace", str(trace), "--summary", str(summary))
     assert_every_sample_once_token_mean_loss_and_learning(trace_lines(trace), json.loads(summary.read_text()))

@@ -12,27 +12,30 @@ from dflop_ds.config import DFLOPConfig, get_setting, set_settings
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("freeze_encoder", "false", "must be a boolean"),
-    ("telemetry", "false", "must be a boolean"),
-    ("resume", 1, "must be a boolean"),
-    ("drop_last", "yes", "must be a boolean"),
-    ("lr", "0.001", "must be a number"),
-    ("time_limit_s", "5", "must be a number"),
-    ("time_limit_s", True, "must be a number"),
-    ("schedule_timeout_s", 0, "must be > 0"),
-    ("schedule_timeout_s", "60", "must be a number"),
-    ("seed", -1, "must be >= 0"),
-    ("seed", 1.5, "must be an integer"),
-    ("max_samples", 10.5, "must be an integer"),
-    ("max_samples", 0, "must be >= 1"),
-    ("steps", "20", "must be an integer"),
-    ("pipeline_stages", True, "must be an integer"),
-    ("prefetch", -1, "must be >= 0"),
-    ("sampler", "random", "must be one of"),
-    ("lr", float("nan"), "must be a number"),
-    ("model", [], "must be an object"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("freeze_encoder", "false", "must be a boolean"),
+        ("telemetry", "false", "must be a boolean"),
+        ("resume", 1, "must be a boolean"),
+        ("drop_last", "yes", "must be a boolean"),
+        ("lr", "0.001", "must be a number"),
+        ("time_limit_s", "5", "must be a number"),
+        ("time_limit_s", True, "must be a number"),
+        ("schedule_timeout_s", 0, "must be > 0"),
+        ("schedule_timeout_s", "60", "must be a number"),
+        ("seed", -1, "must be >= 0"),
+        ("seed", 1.5, "must be an integer"),
+        ("max_samples", 10.5, "must be an integer"),
+        ("max_samples", 0, "must be >= 1"),
+        ("steps", "20", "must be an integer"),
+        ("pipeline_stages", True, "must be an integer"),
+        ("prefetch", -1, "must be >= 0"),
+        ("sampler", "random", "must be one of"),
+        ("lr", float("nan"), "must be a number"),
+        ("model", [], "must be an object"),
+    ],
+)
 def test_bad_values_are_refused_naming_key_and_value(key, value, message):
     with pytest.raises(ValueError, match=message) as info:
         DFLOPConfig.from_dict(set_settings({}, **{key: value}), source="cfg.json")
@@ -40,11 +43,14 @@ def test_bad_values_are_refused_naming_key_and_value(key, value, message):
     assert text.startswith("cfg.json: ") and DFLOPConfig.path(key) in text and repr(value) in text
 
 
-@pytest.mark.parametrize("block, path", [
-    ({"correction": {"enabled": "false"}}, "dflop.correction.enabled"),
-    ({"correction": {"decay": "0.5"}}, "dflop.correction.decay"),
-    ({"testing": {"fault": {"min_tiles": 3, "seconds_per_tile": "0.1"}}}, "dflop.testing.fault.seconds_per_tile"),
-])
+@pytest.mark.parametrize(
+    "block, path",
+    [
+        ({"correction": {"enabled": "false"}}, "dflop.correction.enabled"),
+        ({"correction": {"decay": "0.5"}}, "dflop.correction.decay"),
+        ({"testing": {"fault": {"min_tiles": 3, "seconds_per_tile": "0.1"}}}, "dflop.testing.fault.seconds_per_tile"),
+    ],
+)
 def test_nested_blocks_are_typed_too(block, path):
     with pytest.raises(ValueError, match=path.replace(".", r"\.")):
         DFLOPConfig.from_dict(block, source="cfg.json")
@@ -59,22 +65,30 @@ def test_warmup_steps_message_shows_both_values():
 
 
 def test_good_values_pass_and_keep_their_types():
-    config = DFLOPConfig.from_dict({"train": {"lr": 1, "seed": 0}, "data": {"max_samples": 64},
-                                    "sampler": {"time_limit_s": 0, "schedule_timeout_s": None, "drop_last": True},
-                                    "correction": {"enabled": False}})
+    config = DFLOPConfig.from_dict(
+        {
+            "train": {"lr": 1, "seed": 0},
+            "data": {"max_samples": 64},
+            "sampler": {"time_limit_s": 0, "schedule_timeout_s": None, "drop_last": True},
+            "correction": {"enabled": False},
+        }
+    )
     assert config.drop_last is True and config.schedule_timeout_s is None and config.lr == 1
 
 
-@pytest.mark.parametrize("block, named", [
-    ({"ilp_nodes": 3}, "unknown key dflop.ilp_nodes; it moved to dflop.sampler.ilp_nodes"),
-    ({"steps": 3}, "unknown key dflop.steps; it moved to dflop.train.steps"),
-    ({"model_name_or_path": "m"}, "it moved to dflop.model.name_or_path"),
-    ({"sampler": "stock"}, "a flat dflop.sampler moved to dflop.sampler.kind"),
-    ({"plan": "plan.json"}, "a flat dflop.plan moved to dflop.plan.file"),
-    ({"telemetry": False}, "a flat dflop.telemetry moved to dflop.telemetry.enabled"),
-    ({"sampler": {"ilp_node": 3}}, "unknown key dflop.sampler.ilp_node; known keys of dflop.sampler:"),
-    ({"samplers": {}}, "unknown key dflop.samplers; known keys of dflop:"),
-])
+@pytest.mark.parametrize(
+    "block, named",
+    [
+        ({"ilp_nodes": 3}, "unknown key dflop.ilp_nodes; it moved to dflop.sampler.ilp_nodes"),
+        ({"steps": 3}, "unknown key dflop.steps; it moved to dflop.train.steps"),
+        ({"model_name_or_path": "m"}, "it moved to dflop.model.name_or_path"),
+        ({"sampler": "stock"}, "a flat dflop.sampler moved to dflop.sampler.kind"),
+        ({"plan": "plan.json"}, "a flat dflop.plan moved to dflop.plan.file"),
+        ({"telemetry": False}, "a flat dflop.telemetry moved to dflop.telemetry.enabled"),
+        ({"sampler": {"ilp_node": 3}}, "unknown key dflop.sampler.ilp_node; known keys of dflop.sampler:"),
+        ({"samplers": {}}, "unknown key dflop.samplers; known keys of dflop:"),
+    ],
+)
 def test_old_flat_keys_and_unknown_keys_are_refused_by_their_full_path(block, named):
     with pytest.raises(ValueError) as info:
         DFLOPConfig.from_dict(block, source="cfg.json")
@@ -85,8 +99,17 @@ def test_every_setting_has_one_path_and_round_trips_through_the_nested_block():
     names = [f.name for f in dataclasses.fields(DFLOPConfig)]
     paths = [DFLOPConfig.path(name) for name in names]
     assert len(set(paths)) == len(paths) and all(p.startswith("dflop.") for p in paths)
-    block = set_settings({}, sampler="stock", steps=7, warmup_steps=1, model_name_or_path=None, telemetry=False,
-                         pipeline_stages=3, correction={"enabled": False}, fault=None)
+    block = set_settings(
+        {},
+        sampler="stock",
+        steps=7,
+        warmup_steps=1,
+        model_name_or_path=None,
+        telemetry=False,
+        pipeline_stages=3,
+        correction={"enabled": False},
+        fault=None,
+    )
     assert block["sampler"] == {"kind": "stock"} and block["plan"] == {"pipeline_stages": 3}
     assert block["correction"] == {"enabled": False} and get_setting(block, "steps") == 7
     config = DFLOPConfig.from_dict(block)

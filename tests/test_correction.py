@@ -22,7 +22,6 @@ from dflop_ds.schedule.correction import (
 from dflop_ds.schedule.sampler import DFLOPBatchSampler
 from dflop_ds.shapes import TINY_POLICY
 
-
 ROOT = Path(__file__).resolve().parent.parent
 # the bundled mixture: text-only, images of 1..20 tiles, videos
 SHAPES = read_dataset(ROOT / "examples" / "data" / "mixture.jsonl", TINY_POLICY)[:2400]
@@ -43,13 +42,15 @@ def true_times(microbatches, fault_s_per_tile: float, min_tiles: int, rng) -> np
     return times * rng.lognormal(0.0, 0.03, times.shape)
 
 
-def run_loop(correction_on: bool, steps: int, fault_from: int, fault: float = 0.006, min_tiles: int = 6,
-             gate: bool = False) -> tuple[list[float], CostCorrection]:
+def run_loop(
+    correction_on: bool, steps: int, fault_from: int, fault: float = 0.006, min_tiles: int = 6, gate: bool = False
+) -> tuple[list[float], CostCorrection]:
     """Train-loop stand-in: schedule with the sampler, observe simulated times, update, publish."""
     rng = np.random.default_rng(1)
     correction = CostCorrection(CorrectionSettings(enabled=correction_on, gate=gate), n_stages=2)
-    sampler = DFLOPBatchSampler(SHAPES, global_batch_size=64, gradient_accumulation_steps=4, dp_size=2,
-                                prefetch=0, cost_adjuster=correction)
+    sampler = DFLOPBatchSampler(
+        SHAPES, global_batch_size=64, gradient_accumulation_steps=4, dp_size=2, prefetch=0, cost_adjuster=correction
+    )
     correction.publish(0)
     buckets = correction.scheme.buckets(SHAPES)
     batches = sampler.batches_in_epoch(0)
@@ -91,8 +92,9 @@ def test_settings_name_the_bad_key():
 
 def test_learns_the_penalty_of_a_slow_bucket_and_leaves_others_near_one():
     scheme = BucketScheme(tile_edges=(7,), token_edges=())
-    correction = CostCorrection(CorrectionSettings(enabled=True, tile_edges=[7], token_edges=[], gate=False),
-                                n_stages=1)
+    correction = CostCorrection(
+        CorrectionSettings(enabled=True, tile_edges=[7], token_edges=[], gate=False), n_stages=1
+    )
     rng = np.random.default_rng(0)
     buckets = scheme.buckets(SHAPES)
     slow = scheme.bucket(TINY_POLICY.shape("x", image_sizes=[(128, 96)], text_tokens=10, label_tokens=1))
@@ -128,8 +130,9 @@ def test_an_outlier_microbatch_does_not_wreck_the_fit():
             times = true_times(microbatches, 0.006, 6, rng)
             if outlier and step == 8:
                 times[0, 3] *= 30  # another process stole the core for one microbatch
-            correction.update(StepObservation(composition(microbatches, costs, buckets, correction.scheme.n_buckets),
-                                              times))
+            correction.update(
+                StepObservation(composition(microbatches, costs, buckets, correction.scheme.n_buckets), times)
+            )
         return correction.publish(1).stage_costs(costs, buckets)[:, 0]
 
     clean, hit = fitted(False), fitted(True)
@@ -145,8 +148,9 @@ def test_same_observations_give_identical_state_and_costs_and_state_round_trips(
     restored.load_state_dict(json.loads(json.dumps(first.state_dict())))
     costs = np.stack([TILES[:50], TOKENS[:50]], axis=1).astype(float)
     for version in (8, 9, 10):
-        np.testing.assert_array_equal(restored.adjust(version, costs, SHAPES[:50]),
-                                      first.adjust(version, costs, SHAPES[:50]))
+        np.testing.assert_array_equal(
+            restored.adjust(version, costs, SHAPES[:50]), first.adjust(version, costs, SHAPES[:50])
+        )
     active = first.adjust(10, costs, SHAPES[:50])
     assert active.shape == (50, 2) and not np.allclose(active, costs)  # per-stage seconds now
     other = CostCorrection(CorrectionSettings(enabled=True, tile_edges=[5]), n_stages=2)
@@ -203,10 +207,10 @@ def test_closed_loop_recovers_from_a_slow_shape_class_only_with_correction():
     steps, fault_from, bound = 30, 8, 10
     on, _ = run_loop(True, steps, fault_from)
     off, _ = run_loop(False, steps, fault_from)
-    normal = float(np.median(on[fault_from - 4:fault_from]))
-    on_late = float(np.median(on[fault_from + bound:]))
-    off_late = float(np.median(off[fault_from + bound:]))
-    off_before = float(np.median(off[fault_from - 4:fault_from]))
+    normal = float(np.median(on[fault_from - 4 : fault_from]))
+    on_late = float(np.median(on[fault_from + bound :]))
+    off_late = float(np.median(off[fault_from + bound :]))
+    off_before = float(np.median(off[fault_from - 4 : fault_from]))
     assert on_late <= normal + 0.08, (normal, on_late, on)
     # without correction the fault leaves the imbalance worse (by 0.02-0.13 over the 4-step window
     # before it, depending on which batches the window holds) and far above the corrected run
@@ -224,25 +228,29 @@ class _KeepColumns:
 def test_sampler_microbatch_cost_follows_the_adjuster():
     shapes = SHAPES[:64]
     plain = DFLOPBatchSampler(shapes, global_batch_size=32, gradient_accumulation_steps=4, prefetch=0)
-    scaled = DFLOPBatchSampler(shapes, global_batch_size=32, gradient_accumulation_steps=4, prefetch=0,
-                               cost_adjuster=_KeepColumns())
+    scaled = DFLOPBatchSampler(
+        shapes, global_batch_size=32, gradient_accumulation_steps=4, prefetch=0, cost_adjuster=_KeepColumns()
+    )
     batch = scaled.batches_in_epoch(0)[1]  # version 0: adjusted
     costs = scaled.batch_costs(0, 1, batch)
     raw = plain._microbatch_cost(batch)([0, 1, 2])
     np.testing.assert_allclose(scaled._microbatch_cost(batch, costs)([0, 1, 2]), 2 * raw)
     correction = CostCorrection(CorrectionSettings(enabled=True), n_stages=2)
-    replacing = DFLOPBatchSampler(shapes, global_batch_size=32, gradient_accumulation_steps=4, prefetch=0,
-                                  cost_adjuster=correction)
+    replacing = DFLOPBatchSampler(
+        shapes, global_batch_size=32, gradient_accumulation_steps=4, prefetch=0, cost_adjuster=correction
+    )
     assert replacing._microbatch_cost(batch, costs * 3) is None  # per-stage seconds: sums of samples
 
 
 def _threaded_run(steps: int) -> list[list[list[int]]]:
     """The sampler's own iteration with a background scheduler one batch ahead, fed by the loop."""
     rng = np.random.default_rng(5)
-    correction = CostCorrection(CorrectionSettings(enabled=True, gate=False, warmup_steps=1), n_stages=2,
-                                wait_timeout_s=20)
-    sampler = DFLOPBatchSampler(SHAPES[:640], global_batch_size=32, gradient_accumulation_steps=4, prefetch=1,
-                                cost_adjuster=correction)
+    correction = CostCorrection(
+        CorrectionSettings(enabled=True, gate=False, warmup_steps=1), n_stages=2, wait_timeout_s=20
+    )
+    sampler = DFLOPBatchSampler(
+        SHAPES[:640], global_batch_size=32, gradient_accumulation_steps=4, prefetch=1, cost_adjuster=correction
+    )
     correction.publish(0)
     buckets = correction.scheme.buckets(SHAPES[:640])
     stream = iter(sampler)
@@ -261,4 +269,6 @@ def _threaded_run(steps: int) -> list[list[list[int]]]:
 def test_background_scheduling_reads_only_published_versions_and_is_reproducible():
     first, second = _threaded_run(10), _threaded_run(10)
     assert first == second
-    assert sorted(i for step in first for mb in step for i in mb) == sorted(set(i for step in first for mb in step for i in mb))
+    assert sorted(i for step in first for mb in step for i in mb) == sorted(
+        set(i for step in first for mb in step for i in mb)
+    )

@@ -33,14 +33,25 @@ def start_run(tmp_path: Path, name: str, correction: bool, port: int) -> tuple[s
     config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / name), "job_name": "job"}
     # padded microbatches, as when this test's thresholds were set: with packing (the tiny model's
     # default now) the fault's skew and the correction's recovery are smaller and closer together
-    set_settings(config["dflop"], steps=STEPS, warmup_steps=1, max_samples=640, model=SMALL_MODEL, fault=FAULT,
-                           correction={"enabled": correction}, packing=False)
+    set_settings(
+        config["dflop"],
+        steps=STEPS,
+        warmup_steps=1,
+        max_samples=640,
+        model=SMALL_MODEL,
+        fault=FAULT,
+        correction={"enabled": correction},
+        packing=False,
+    )
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(config))
     log = tmp_path / f"{name}.log"
     process = subprocess.Popen(
         deepspeed_command(ROOT / "examples" / "train.py", ["--deepspeed_config", path], master_port=port),
-        cwd=ROOT, env=launch_env(OMP_NUM_THREADS="1"), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=launch_env(OMP_NUM_THREADS="1"),
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group: a failed test stops the ranks too
     )
     return process, log
@@ -58,8 +69,10 @@ def encoder_imbalance(tmp_path: Path, name: str) -> np.ndarray:
 def test_correction_recovers_from_a_slow_shape_class_in_a_two_rank_pipeline(tmp_path):
     base = 29700 + os.getpid() % 500
     clear_stale_build_locks()
-    runs = {name: start_run(tmp_path, name, correction, base + i)
-            for i, (name, correction) in enumerate((("on", True), ("off", False)))}
+    runs = {
+        name: start_run(tmp_path, name, correction, base + i)
+        for i, (name, correction) in enumerate((("on", True), ("off", False)))
+    }
     try:
         for name, (process, log) in runs.items():  # both at once: the fault's sleeps leave the CPU free
             assert process.wait(timeout=600) == 0, f"run {name}: " + log.read_text()[-4000:]

@@ -48,16 +48,31 @@ def synthetic_profile(noise: float = 0.0, seed: int = 0, peak: bool = True) -> M
     for b, s in GRID:
         linear, attention = true_llm(b, s)
         acts = 500 * b * s + 4 * b * s * s
-        llm.append(Measurement((linear + attention) * jitter(), attention * jitter(), acts,
-                               acts + 64 if peak else None, batch=b, seq_len=s))
-    return ModelProfile(encoder, llm, encoder_layers=6, llm_layers=5,
-                        param_bytes={"encoder": 10, "projector": 2, "llm": 30}, hidden_bytes_per_token=512.0,
-                        meta={"scaling": ["synthetic"]})
+        llm.append(
+            Measurement(
+                (linear + attention) * jitter(),
+                attention * jitter(),
+                acts,
+                acts + 64 if peak else None,
+                batch=b,
+                seq_len=s,
+            )
+        )
+    return ModelProfile(
+        encoder,
+        llm,
+        encoder_layers=6,
+        llm_layers=5,
+        param_bytes={"encoder": 10, "projector": 2, "llm": 30},
+        hidden_bytes_per_token=512.0,
+        meta={"scaling": ["synthetic"]},
+    )
 
 
 def shape(tiles: int, tokens: int, sample_id: str = "s") -> SampleShape:
-    return SampleShape(sample_id, encoder_tiles=tiles, visual_tokens=16 * tiles,
-                       text_tokens=tokens - 16 * tiles, llm_tokens=tokens)
+    return SampleShape(
+        sample_id, encoder_tiles=tiles, visual_tokens=16 * tiles, text_tokens=tokens - 16 * tiles, llm_tokens=tokens
+    )
 
 
 @pytest.fixture(scope="module")
@@ -200,19 +215,25 @@ def test_encoder_attention_units_follow_each_windows_patch_count() -> None:
     itself) fits ``1, T, A``; one large image then costs more than as many patches in small ones."""
     profile = synthetic_profile()
     for point in profile.encoder:
-        point.attention_units = point.tiles ** 2
-        point.time_s = 2e-3 + 1e-3 * point.tiles + 5e-5 * point.tiles ** 2
+        point.attention_units = point.tiles**2
+        point.time_s = 2e-3 + 1e-3 * point.tiles + 5e-5 * point.tiles**2
     model = FittedCostModel().fit(profile)
     assert model.encoder_features == ("1", "T", "A") and model.typical_window() > 0
 
     def image(sample_id: str, patches: int) -> SampleShape:
-        return SampleShape(sample_id, encoder_tiles=patches, encoder_attention=patches ** 2, text_tokens=8,
-                           llm_tokens=8 + patches // 4, visual_tokens=patches // 4)
+        return SampleShape(
+            sample_id,
+            encoder_tiles=patches,
+            encoder_attention=patches**2,
+            text_tokens=8,
+            llm_tokens=8 + patches // 4,
+            visual_tokens=patches // 4,
+        )
 
     big = model.predict_microbatch([image("big", 32)])[0]
     small = model.predict_microbatch([image(f"s{i}", 8) for i in range(4)])[0]
-    assert big == pytest.approx(2e-3 + 32e-3 + 5e-5 * 32 ** 2, rel=0.02)
-    assert small == pytest.approx(2e-3 + 32e-3 + 5e-5 * 4 * 8 ** 2, rel=0.02)
+    assert big == pytest.approx(2e-3 + 32e-3 + 5e-5 * 32**2, rel=0.02)
+    assert small == pytest.approx(2e-3 + 32e-3 + 5e-5 * 4 * 8**2, rel=0.02)
     loaded = FittedCostModel.from_dict(json.loads(json.dumps(model.to_dict())))
     assert loaded.predict_microbatch([image("big", 32)])[0] == pytest.approx(big)
     assert FittedCostModel().fit(synthetic_profile()).encoder_features == ("1", "T")  # no attention units: as before

@@ -29,7 +29,7 @@ def microsteps(draw):
     cuts = sorted(draw(st.lists(st.integers(0, n), min_size=ranks - 1, max_size=ranks - 1)))
     order = draw(st.permutations(range(n)))
     bounds = [0, *cuts, n]
-    return [list(order[bounds[r]:bounds[r + 1]]) for r in range(ranks)], np.array(tiles), np.array(cost)
+    return [list(order[bounds[r] : bounds[r + 1]]) for r in range(ranks)], np.array(tiles), np.array(cost)
 
 
 @settings(max_examples=200, deadline=None)
@@ -96,10 +96,10 @@ def one_rank_group():
 
 @pytest.mark.parametrize("frozen", [False, True])
 def test_colocated_model_equals_the_sequential_model_on_one_rank(one_rank_group, frozen):
+    from dflop_ds.cost import ProxyCost
     from dflop_ds.data import read_dataset
     from dflop_ds.models import TinyMLLMDataset, collate_microbatch, tiny_mllm_layers
     from dflop_ds.pipe import token_normalized_loss
-    from dflop_ds.cost import ProxyCost
     from dflop_ds.schedule.index import ScheduledIndex
     from dflop_ds.shapes import TINY_POLICY
     from dflop_ds.train.colocated import ColocatedMLLM, DispatchCollate, DispatchDataset, MicrostepRequest, tile_costs
@@ -110,14 +110,19 @@ def test_colocated_model_equals_the_sequential_model_on_one_rank(one_rank_group,
     tiles, per_tile = tile_costs(ProxyCost(), shapes)
     own = [ScheduledIndex(i, 10.0) for i in (3, 0, 7, 1, 2)]
     plan = plan_dispatch([[int(i) for i in own]], tiles, per_tile)
-    inputs, labels = DispatchCollate(collate_microbatch, tiles)([DispatchDataset(dataset)[MicrostepRequest(own, plan, 0)]])
+    inputs, labels = DispatchCollate(collate_microbatch, tiles)(
+        [DispatchDataset(dataset)[MicrostepRequest(own, plan, 0)]]
+    )
     reference_inputs, reference_labels = collate_microbatch([dataset[i] for i in own])
     assert torch.equal(labels[0], reference_labels[0])
 
-    models = [cls(*tiny_mllm_layers(seed=0, as_specs=False), freeze_encoder=frozen)
-              for cls in (SequentialMLLM, ColocatedMLLM)]
-    losses = [token_normalized_loss(models[0](reference_inputs), reference_labels),
-              token_normalized_loss(models[1](inputs), labels)]
+    models = [
+        cls(*tiny_mllm_layers(seed=0, as_specs=False), freeze_encoder=frozen) for cls in (SequentialMLLM, ColocatedMLLM)
+    ]
+    losses = [
+        token_normalized_loss(models[0](reference_inputs), reference_labels),
+        token_normalized_loss(models[1](inputs), labels),
+    ]
     for loss in losses:
         loss.backward()
     assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-6)

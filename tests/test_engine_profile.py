@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 
-from dflop_ds.plan.simulator import simulate_1f1b
 from dflop_ds.plan.engine_profile import (
     EngineProfile,
     EngineStep,
@@ -15,14 +14,16 @@ from dflop_ds.plan.engine_profile import (
     fit_engine_profile,
     read_engine_steps,
 )
+from dflop_ds.plan.simulator import simulate_1f1b
 from dflop_ds.shapes import SampleShape
 
 SHARES = np.array([[1.0, 0.25], [0.0, 0.75]])  # stage 0: the encoder and a quarter of the LLM
 
 
 def truth() -> EngineProfile:
-    return EngineProfile(compute_scale=[1.3, 1.1], forward_fraction=0.36, load_s=[0.002, 0.001],
-                         tail_s=[0.006, 0.04], exchange_s=0.003)
+    return EngineProfile(
+        compute_scale=[1.3, 1.1], forward_fraction=0.36, load_s=[0.002, 0.001], tail_s=[0.006, 0.04], exchange_s=0.003
+    )
 
 
 def measured_steps(profile: EngineProfile, n_steps: int = 6, n_mb: int = 8, seed: int = 0) -> list[EngineStep]:
@@ -33,8 +34,13 @@ def measured_steps(profile: EngineProfile, n_steps: int = 6, n_mb: int = 8, seed
         costs = rng.uniform(0.005, 0.08, (n_mb, 2))
         compute = profile.stage_seconds(costs, SHARES)
         ff = profile.forward_fraction
-        totals = {"forward": ff * compute.sum(0), "backward": (1 - ff) * compute.sum(0),
-                  "load": np.array(profile.load_s) * n_mb, "reduce": np.zeros(2), "optimizer": np.array(profile.tail_s)}
+        totals = {
+            "forward": ff * compute.sum(0),
+            "backward": (1 - ff) * compute.sum(0),
+            "load": np.array(profile.load_s) * n_mb,
+            "reduce": np.zeros(2),
+            "optimizer": np.array(profile.tail_s),
+        }
         steps.append(EngineStep(costs, compute, totals, profile.simulate(costs, SHARES).step_time))
     return steps
 
@@ -110,9 +116,14 @@ class _FlatCost:
 
 def _record(step: int, microbatches: list[list[int]]) -> dict:
     n = len(microbatches)
-    return {"step": step, "step_s": 1.0, "microbatches": [microbatches], "mb_observed": [[0.1] * n, [0.2] * n],
-            "stage_totals_s": {"forward": [0.3, 0.6], "backward": [0.5, 1.0], "load": [0.01, 0.01]},
-            "stage_bounds": [0, 7, 11]}
+    return {
+        "step": step,
+        "step_s": 1.0,
+        "microbatches": [microbatches],
+        "mb_observed": [[0.1] * n, [0.2] * n],
+        "stage_totals_s": {"forward": [0.3, 0.6], "backward": [0.5, 1.0], "load": [0.01, 0.01]},
+        "stage_bounds": [0, 7, 11],
+    }
 
 
 def test_reading_telemetry_names_the_line_at_fault(tmp_path) -> None:

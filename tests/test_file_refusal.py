@@ -6,16 +6,23 @@ import json
 
 import pytest
 
-from dflop_ds.plan import Plan
-from dflop_ds.plan.layout import Layout, Segment
 from dflop_ds.cost import load_cost_model
 from dflop_ds.cost.io import FORMAT, FORMAT_VERSION
+from dflop_ds.plan import Plan
+from dflop_ds.plan.layout import Layout, Segment
 
 
 def plan() -> Plan:
     layout = Layout(Segment(1, 1, 1), Segment(1, 1, 1), 4, ((3, 1, 0), (0, 0, 4)))
-    return Plan.from_layout(layout, layer_counts={"encoder": 3, "projector": 1, "llm": 4}, global_batch_size=16,
-                            gpus=2, gpus_per_node=8, gpu_memory_bytes=8e9, family="deepspeed")
+    return Plan.from_layout(
+        layout,
+        layer_counts={"encoder": 3, "projector": 1, "llm": 4},
+        global_batch_size=16,
+        gpus=2,
+        gpus_per_node=8,
+        gpu_memory_bytes=8e9,
+        family="deepspeed",
+    )
 
 
 LOADERS = {"cost model": load_cost_model, "plan": Plan.load}
@@ -80,18 +87,25 @@ def test_plan_and_cost_model_files_are_not_mixed_up(tmp_path):
 def test_truncated_cost_model_names_the_missing_part(tmp_path):
     path = tmp_path / "partial.json"
     header = {"format": FORMAT, "format_version": FORMAT_VERSION}
-    for content, message in (({**header, "kind": "fitted", "state": {"params": {}}}, "malformed cost model"),
-                             ({**header, "kind": "fitted"}, "needs a \"state\""),
-                             ({**header, "kind": "packed"}, "needs \"wraps\""),
-                             ({**header, "kind": "guessed", "state": {}}, "unknown cost-model kind 'guessed'")):
+    for content, message in (
+        ({**header, "kind": "fitted", "state": {"params": {}}}, "malformed cost model"),
+        ({**header, "kind": "fitted"}, 'needs a "state"'),
+        ({**header, "kind": "packed"}, 'needs "wraps"'),
+        ({**header, "kind": "guessed", "state": {}}, "unknown cost-model kind 'guessed'"),
+    ):
         path.write_text(json.dumps(content))
         with pytest.raises(ValueError, match=message) as caught:
             load_cost_model(path)
         assert str(path) in str(caught.value)
 
 
-@pytest.mark.parametrize("old", [{"format": FORMAT, "format_version": 2, "params": {}},
-                                 {"kind": "dflop_ds.plan.reference.AnalyticMLLM", "format_version": 1}])
+@pytest.mark.parametrize(
+    "old",
+    [
+        {"format": FORMAT, "format_version": 2, "params": {}},
+        {"kind": "dflop_ds.plan.reference.AnalyticMLLM", "format_version": 1},
+    ],
+)
 def test_cost_model_of_an_old_version_is_refused_naming_file_and_version(tmp_path, old):
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))

@@ -22,11 +22,18 @@ from dflop_ds.shapes import TINY_POLICY, SampleShape
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-10, 10), st.integers(-2**63, 2**63),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
+    st.none(),
+    st.booleans(),
+    st.integers(-10, 10),
+    st.integers(-(2**63), 2**63),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
 )
-junk = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-                    max_leaves=6)
+junk = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
 counts = st.integers(0, 3000)
 sides = st.integers(1, 5000)
 sizes = st.lists(st.tuples(sides, sides).map(list), max_size=3)
@@ -57,14 +64,20 @@ def manifest_records(draw) -> dict:
     return record
 
 
-turns = st.fixed_dictionaries({"from": st.sampled_from(["human", "gpt", "assistant", "system"]),
-                               "value": st.text(max_size=30).map(lambda t: "<image>\n" + t)})
+turns = st.fixed_dictionaries(
+    {
+        "from": st.sampled_from(["human", "gpt", "assistant", "system"]),
+        "value": st.text(max_size=30).map(lambda t: "<image>\n" + t),
+    }
+)
 
 
 @st.composite
 def llava_records(draw) -> dict:
-    record = {"id": draw(maybe(ids | st.integers(0, 10**6))),
-              "conversations": draw(maybe(st.lists(maybe(turns), min_size=1, max_size=4)))}
+    record = {
+        "id": draw(maybe(ids | st.integers(0, 10**6))),
+        "conversations": draw(maybe(st.lists(maybe(turns), min_size=1, max_size=4))),
+    }
     n_images = draw(st.integers(0, 3))
     if n_images == 1:
         record["image"] = draw(maybe(st.just("a.jpg")))
@@ -73,8 +86,9 @@ def llava_records(draw) -> dict:
     elif n_images > 1:
         record["image"] = draw(maybe(st.just([f"{i}.jpg" for i in range(n_images)])))
         if draw(st.booleans()):
-            record["image_sizes"] = draw(maybe(st.lists(st.tuples(sides, sides).map(list),
-                                                        min_size=n_images, max_size=n_images)))
+            record["image_sizes"] = draw(
+                maybe(st.lists(st.tuples(sides, sides).map(list), min_size=n_images, max_size=n_images))
+            )
     if draw(st.booleans()):
         record["video"] = draw(maybe(st.just("v.mp4")))
         record["video_frames"] = draw(maybe(counts))
@@ -83,8 +97,13 @@ def llava_records(draw) -> dict:
 
 def lines(records: st.SearchStrategy) -> st.SearchStrategy:
     """JSONL lines: mostly records of one kind, sometimes other JSON or not JSON at all."""
-    line = st.one_of(records.map(json.dumps), records.map(json.dumps), records.map(json.dumps),
-                     junk.map(json.dumps), st.sampled_from(["{", "not json", "[1,", '{"id": }']))
+    line = st.one_of(
+        records.map(json.dumps),
+        records.map(json.dumps),
+        records.map(json.dumps),
+        junk.map(json.dumps),
+        st.sampled_from(["{", "not json", "[1,", '{"id": }']),
+    )
     return st.lists(line, min_size=1, max_size=8)
 
 
@@ -124,8 +143,9 @@ def read_both_ways(text_lines: list[str]) -> None:
             strict_error = error
         problems = validate_dataset(path, TINY_POLICY, fallback_size=DEFAULT_FALLBACK_SIZE, fallback_frames=16)
         try:
-            lenient = read_dataset(path, TINY_POLICY, fallback_size=DEFAULT_FALLBACK_SIZE, fallback_frames=16,
-                                   on_bad_sample="skip")
+            lenient = read_dataset(
+                path, TINY_POLICY, fallback_size=DEFAULT_FALLBACK_SIZE, fallback_frames=16, on_bad_sample="skip"
+            )
         except DataError as error:  # nothing to read at all: the same file-level refusal
             check_error(error, path, len(text_lines))
             assert strict_error is not None and error.record == strict_error.record
@@ -162,10 +182,15 @@ def test_random_llava_files_read_or_fail_clearly(text_lines):
     read_both_ways(text_lines)
 
 
-valid_manifest = st.fixed_dictionaries({
-    "id": ids, "images": sizes, "video_frames": counts, "text_tokens": st.integers(10, 3000),
-    "label_tokens": st.integers(0, 10),
-})
+valid_manifest = st.fixed_dictionaries(
+    {
+        "id": ids,
+        "images": sizes,
+        "video_frames": counts,
+        "text_tokens": st.integers(10, 3000),
+        "label_tokens": st.integers(0, 10),
+    }
+)
 corruptions = {
     "id": st.sampled_from([7, None, "", ["x"]]),
     "images": st.sampled_from(["a.jpg", [[0, 10]], [[10]], [["w", 5]], {"w": 1}]),

@@ -11,17 +11,27 @@ import torch
 
 pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
+from test_costmodel import synthetic_profile  # noqa: E402
 
 from dflop_ds.cli import main as cli_main  # noqa: E402
+from dflop_ds.cost import (  # noqa: E402
+    FittedCostModel,
+    check_policy,  # noqa: E402
+    load_cost_model,
+    save_cost_model,
+)
 from dflop_ds.data import DataError, read_dataset  # noqa: E402
-from dflop_ds.models.hf.data import (LlavaDataset, LlavaPreprocessor, collate_llava, llava_policy,  # noqa: E402
-                                     load_llava_records, supervised_targets)
-from dflop_ds.cost import FittedCostModel, load_cost_model, save_cost_model  # noqa: E402
-from dflop_ds.cost import check_policy  # noqa: E402
+from dflop_ds.models.hf.data import (  # noqa: E402
+    LlavaDataset,
+    LlavaPreprocessor,
+    collate_llava,
+    llava_policy,
+    load_llava_records,
+    supervised_targets,
+)
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY  # noqa: E402
 from dflop_ds.testing import hf_tiny  # noqa: E402
-from test_costmodel import synthetic_profile  # noqa: E402
 
 TOKENS_PER_IMAGE = hf_tiny.TOKENS_PER_IMAGE
 
@@ -47,9 +57,21 @@ def dataset(tmp_path: Path) -> tuple[Path, Path]:
     for name, size in [("a.png", (64, 48)), ("b.jpg", (30, 90)), ("c.png", (200, 33))]:
         Image.new("RGB", size, (len(name) * 40, 20, 150)).save(folder / name)
     records = [
-        {"id": "one", "image": "a.png", "conversations": turns(("human", "<image>\nwhat is shown?"), ("gpt", "a red car"))},
-        {"id": "mid", "image": "b.jpg", "conversations": turns(("Human", "look at this one: <image> describe it"),
-                                                              ("GPT", "a road"), ("user", "and?"), ("Assistant", "hi"))},
+        {
+            "id": "one",
+            "image": "a.png",
+            "conversations": turns(("human", "<image>\nwhat is shown?"), ("gpt", "a red car")),
+        },
+        {
+            "id": "mid",
+            "image": "b.jpg",
+            "conversations": turns(
+                ("Human", "look at this one: <image> describe it"),
+                ("GPT", "a road"),
+                ("user", "and?"),
+                ("Assistant", "hi"),
+            ),
+        },
         {"id": "text", "conversations": turns(("human", "hello"), ("gpt", "hi there"))},
         {"id": 4, "image": ["a.png", "c.png"], "conversations": turns(("human", "compare"), ("gpt", "the two images"))},
     ]
@@ -80,7 +102,9 @@ def test_anyres_processor_is_refused(model_dir: Path) -> None:
     from transformers import AutoTokenizer, LlavaNextImageProcessor, LlavaNextProcessor
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    anyres = LlavaNextProcessor(image_processor=LlavaNextImageProcessor(), tokenizer=tokenizer, patch_size=hf_tiny.PATCH_SIZE)
+    anyres = LlavaNextProcessor(
+        image_processor=LlavaNextImageProcessor(), tokenizer=tokenizer, patch_size=hf_tiny.PATCH_SIZE
+    )
     with pytest.raises(ValueError, match="LlavaNextProcessor is not supported: only plain LLaVA"):
         LlavaPreprocessor(anyres)
 
@@ -90,29 +114,32 @@ def test_placeholders_expand_where_the_prompt_puts_them(pre: LlavaPreprocessor) 
     encoded = pre.encode([("human", "look at this one: <image> describe it"), ("gpt", "a road")], 1)
     ids = encoded.input_ids
     start = ids.index(pre.image_token_id)
-    assert ids[start:start + TOKENS_PER_IMAGE] == [pre.image_token_id] * TOKENS_PER_IMAGE
+    assert ids[start : start + TOKENS_PER_IMAGE] == [pre.image_token_id] * TOKENS_PER_IMAGE
     assert ids.count(pre.image_token_id) == TOKENS_PER_IMAGE
     assert ids[0] == tok.bos_token_id
     assert tok.decode(ids[1:start]).endswith("USER: look at this one: ")
-    assert tok.decode(ids[start + TOKENS_PER_IMAGE:]).startswith(" describe it ASSISTANT: ")
+    assert tok.decode(ids[start + TOKENS_PER_IMAGE :]).startswith(" describe it ASSISTANT: ")
     labelled = [t for t, s in zip(ids, encoded.supervised) if s]
     assert tok.decode(labelled) == "a road</s>"
     # no placeholder: one per image is prepended to the first human turn, as LLaVA does
     prepended = pre.encode([("human", "compare"), ("gpt", "same")], 2).input_ids
     first = prepended.index(pre.image_token_id)
     assert tok.decode(prepended[1:first]).endswith("USER: ")
-    assert prepended[first:first + TOKENS_PER_IMAGE] == [pre.image_token_id] * TOKENS_PER_IMAGE
-    assert tok.decode(prepended[first + TOKENS_PER_IMAGE:first + TOKENS_PER_IMAGE + 1]) == "\n"
+    assert prepended[first : first + TOKENS_PER_IMAGE] == [pre.image_token_id] * TOKENS_PER_IMAGE
+    assert tok.decode(prepended[first + TOKENS_PER_IMAGE : first + TOKENS_PER_IMAGE + 1]) == "\n"
     assert prepended.count(pre.image_token_id) == 2 * TOKENS_PER_IMAGE
 
 
-@pytest.mark.parametrize("conversation, n_images, message", [
-    ([("human", "<image> <image> two?"), ("gpt", "x")], 1, "conversations: 2 <image> placeholder"),
-    ([("human", "<image> hi"), ("gpt", "x")], 0, "conversations: 1 <image> placeholder"),
-    ([("system", "be nice"), ("human", "hi"), ("gpt", "x")], 0, r"conversations\[0\].from: unknown role 'system'"),
-    ([("human", "hi"), ("gpt", "see <image>")], 1, r"conversations\[1\].value: <image> in an assistant turn"),
-    ([("human", "<video> what?"), ("gpt", "x")], 0, r"conversations\[0\].value: <video> is not supported"),
-])
+@pytest.mark.parametrize(
+    "conversation, n_images, message",
+    [
+        ([("human", "<image> <image> two?"), ("gpt", "x")], 1, "conversations: 2 <image> placeholder"),
+        ([("human", "<image> hi"), ("gpt", "x")], 0, "conversations: 1 <image> placeholder"),
+        ([("system", "be nice"), ("human", "hi"), ("gpt", "x")], 0, r"conversations\[0\].from: unknown role 'system'"),
+        ([("human", "hi"), ("gpt", "see <image>")], 1, r"conversations\[1\].value: <image> in an assistant turn"),
+        ([("human", "<video> what?"), ("gpt", "x")], 0, r"conversations\[0\].value: <video> is not supported"),
+    ],
+)
 def test_bad_conversations_name_the_field(pre: LlavaPreprocessor, conversation, n_images, message) -> None:
     with pytest.raises(ValueError, match=message):
         pre.encode(conversation, n_images)
@@ -123,11 +150,17 @@ def test_bad_records_are_named_by_the_shape_reader(pre: LlavaPreprocessor, tmp_p
     folder.mkdir()
     Image.new("RGB", (10, 10)).save(folder / "x.png")
     data = tmp_path / "bad.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in [
-        {"id": "ok", "image": "x.png", "conversations": turns(("human", "<image>"), ("gpt", "x"))},
-        {"id": "two", "image": "x.png", "conversations": turns(("human", "<image><image>"), ("gpt", "x"))},
-        {"id": "role", "conversations": turns(("robot", "hi"), ("gpt", "x"))},
-    ]) + "\n")
+    data.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"id": "ok", "image": "x.png", "conversations": turns(("human", "<image>"), ("gpt", "x"))},
+                {"id": "two", "image": "x.png", "conversations": turns(("human", "<image><image>"), ("gpt", "x"))},
+                {"id": "role", "conversations": turns(("robot", "hi"), ("gpt", "x"))},
+            ]
+        )
+        + "\n"
+    )
     with pytest.raises(DataError, match="placeholder") as info:
         read(data, pre, folder)
     assert info.value.sample_id == "two"
@@ -143,13 +176,16 @@ def test_label_counts_of_shapes_equal_the_collated_targets(pre: LlavaPreprocesso
     pixel_values, input_ids, seq_lens = inputs
     assert int((targets != -100).sum()) == sum(supervised_targets(s) for s in shapes) > 0
     assert seq_lens.tolist() == [s.llm_tokens for s in shapes]
-    assert [int((row == pre.image_token_id).sum()) for row in input_ids] == \
-        [s.visual_tokens for s in shapes] == [TOKENS_PER_IMAGE, TOKENS_PER_IMAGE, 0, 2 * TOKENS_PER_IMAGE]
+    assert (
+        [int((row == pre.image_token_id).sum()) for row in input_ids]
+        == [s.visual_tokens for s in shapes]
+        == [TOKENS_PER_IMAGE, TOKENS_PER_IMAGE, 0, 2 * TOKENS_PER_IMAGE]
+    )
     assert float(denominator) == float((targets != -100).sum())  # plain ints: the microbatch's own count
     for b in range(len(shapes)):  # targets are input_ids shifted by one where supervised
         where = targets[b] != -100
         assert torch.equal(targets[b][:-1][where[:-1]], input_ids[b][1:][where[:-1]])
-        assert not bool(where[seq_lens[b] - 1:].any())
+        assert not bool(where[seq_lens[b] - 1 :].any())
     answers = pre.tokenizer.decode(targets[1][targets[1] != -100].tolist())
     assert answers == "a road</s>hi</s>"
 
@@ -158,14 +194,16 @@ def test_collate_contract_shapes_and_dtypes(pre: LlavaPreprocessor, dataset) -> 
     data, folder = dataset
     shapes = read(data, pre, folder)
     ds = LlavaDataset(shapes, load_llava_records(data), pre, folder)
-    (pixels, input_ids, seq_lens), (targets, denominator) = collate_llava([ds[ScheduledIndex(i, 7.5)] for i in (3, 2, 0)])
+    (pixels, input_ids, seq_lens), (targets, denominator) = collate_llava(
+        [ds[ScheduledIndex(i, 7.5)] for i in (3, 2, 0)]
+    )
     assert pixels.dtype == torch.float32 and pixels.shape == (3, 3, hf_tiny.IMAGE_SIZE, hf_tiny.IMAGE_SIZE)
     assert input_ids.dtype == seq_lens.dtype == targets.dtype == torch.long
     assert input_ids.shape == targets.shape == (3, int(seq_lens.max()))
     assert denominator.dtype == torch.float64 and float(denominator) == 7.5 and denominator.dim() == 0
     short = int(seq_lens.argmin())
-    assert bool((input_ids[short, seq_lens[short]:] == pre.pad_token_id).all())
-    assert bool((targets[short, seq_lens[short] - 1:] == -100).all())
+    assert bool((input_ids[short, seq_lens[short] :] == pre.pad_token_id).all())
+    assert bool((targets[short, seq_lens[short] - 1 :] == -100).all())
     # the images' pixels are the processor's own, in sample order
     expected = pre.image_processor(images=[Image.open(folder / "a.png").convert("RGB")], return_tensors="pt")
     assert torch.allclose(pixels[0], expected["pixel_values"][0].float())
@@ -205,15 +243,19 @@ def test_too_long_samples_are_refused_or_truncated_never_through_images(model_di
         LlavaPreprocessor.from_pretrained(model_dir, max_length=8, truncation="truncate").encode(conversation, 1)
 
 
-def test_cost_model_stores_its_policy_and_refuses_another(pre: LlavaPreprocessor, tmp_path: Path,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_cost_model_stores_its_policy_and_refuses_another(
+    pre: LlavaPreprocessor, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "cm.json"
     save_cost_model(FittedCostModel().fit(synthetic_profile(), pre.policy()), path)
     loaded = load_cost_model(path)
     assert loaded.shape_policy == pre.policy().describe()
     check_policy(loaded, pre.policy())  # same policy: accepted
-    with pytest.raises(ValueError, match=r"profiled under the shape policy 'llava:.*', but the data is shaped with the policy 'tiny'; "
-                                         r"they differ in .*max_tiles: 1 vs 4.*tokenizer: 'llava-v1"):
+    with pytest.raises(
+        ValueError,
+        match=r"profiled under the shape policy 'llava:.*', but the data is shaped with the policy 'tiny'; "
+        r"they differ in .*max_tiles: 1 vs 4.*tokenizer: 'llava-v1",
+    ):
         check_policy(loaded, TINY_POLICY)
     with pytest.raises(ValueError, match="shape policy 'tiny'.*policy 'default'.*tokens_per_tile: 16 vs 729"):
         check_policy(FittedCostModel().fit(synthetic_profile(), TINY_POLICY), DEFAULT_POLICY)
@@ -235,8 +277,19 @@ def test_plan_refuses_a_cost_model_of_another_policy(tmp_path: Path, capsys: pyt
     cost_model = tmp_path / "tiny_cm.json"
     save_cost_model(FittedCostModel().fit(synthetic_profile(), TINY_POLICY), cost_model)
     data = Path(__file__).resolve().parents[1] / "examples" / "data" / "coco.jsonl"
-    argv = ["plan", "--gpus", "2", "--global-batch", "8", "--cost-model", str(cost_model), "--data", str(data),
-            "-o", str(tmp_path / "plan.json")]
+    argv = [
+        "plan",
+        "--gpus",
+        "2",
+        "--global-batch",
+        "8",
+        "--cost-model",
+        str(cost_model),
+        "--data",
+        str(data),
+        "-o",
+        str(tmp_path / "plan.json"),
+    ]
     assert cli_main(argv + ["--policy", "default"]) != 0
     assert "shape policy 'tiny', but the data is shaped with the policy 'default'" in capsys.readouterr().err
 
@@ -248,8 +301,9 @@ def test_scheduled_denominators_match_the_collated_targets(pre: LlavaPreprocesso
     data, folder = dataset
     shapes = read(data, pre, folder)
     ds = LlavaDataset(shapes, load_llava_records(data), pre, folder)
-    sampler = DFLOPBatchSampler(shapes, global_batch_size=4, gradient_accumulation_steps=2, prefetch=0,
-                                label_tokens_fn=supervised_targets)
+    sampler = DFLOPBatchSampler(
+        shapes, global_batch_size=4, gradient_accumulation_steps=2, prefetch=0, label_tokens_fn=supervised_targets
+    )
     loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate_llava)
     batches = list(loader)
     assert len(batches) == 2

@@ -13,12 +13,13 @@ import torch
 
 pytest.importorskip("transformers")
 
+from hf_stage_checks import assert_stages_match_hf  # noqa: E402
+
 from dflop_ds.launch import run_deepspeed  # noqa: E402
 from dflop_ds.models.hf.check import processor_image_tokens, random_image, run_stages  # noqa: E402
 from dflop_ds.models.hf.llava import TIED_EMBEDDING_KEY, check_llava_config, llava_layers, load_llava  # noqa: E402
 from dflop_ds.models.hf.synthetic import contract_microbatch, hf_forward  # noqa: E402
 from dflop_ds.pipe import plan_stage_bounds, token_loss_sum, token_normalized_loss  # noqa: E402
-from hf_stage_checks import assert_stages_match_hf  # noqa: E402
 from dflop_ds.testing.hf_tiny import TOKENS_PER_IMAGE, build_tiny_llava  # noqa: E402
 
 torch.set_num_threads(1)
@@ -37,8 +38,14 @@ MODELS = [
 def loaded(tmp_path_factory: pytest.TempPathFactory, vision: str, text: str, tied: bool, window: int | None):
     from transformers import AutoProcessor
 
-    folder = build_tiny_llava(tmp_path_factory.mktemp(f"{vision}_{text}"), vision=vision, text=text,
-                              tie_word_embeddings=tied, sliding_window=window, seed=3)
+    folder = build_tiny_llava(
+        tmp_path_factory.mktemp(f"{vision}_{text}"),
+        vision=vision,
+        text=text,
+        tie_word_embeddings=tied,
+        sliding_window=window,
+        seed=3,
+    )
     return load_llava(folder), AutoProcessor.from_pretrained(folder), folder
 
 
@@ -47,8 +54,10 @@ def microbatches(seed: int = 0) -> list[list[tuple]]:
 
     rng = random.Random(seed)
     return [
-        [("USER: look at <image> what is shown? ASSISTANT:", "a red car on a road", [random_image(rng)]),
-         ("USER: hello there, thanks ASSISTANT:", "hi", [])],
+        [
+            ("USER: look at <image> what is shown? ASSISTANT:", "a red car on a road", [random_image(rng)]),
+            ("USER: hello there, thanks ASSISTANT:", "hi", []),
+        ],
         [("USER: hi ASSISTANT:", "hello there", []), ("USER: describe the sea ASSISTANT:", "a road", [])],
         [("USER: compare <image> and <image> please ASSISTANT:", "two images", [random_image(rng), random_image(rng)])],
     ]
@@ -75,8 +84,13 @@ def test_global_token_mean_over_microbatches_equals_hf(tmp_path_factory) -> None
     own = [contract_microbatch(processor, mb) for mb in mbs]
     total = sum(float(labels[1]) for _, labels in own)
     gas = len(mbs)
-    summed = sum(token_normalized_loss(layers(inputs), (labels[0], torch.tensor(total / gas, dtype=torch.float64)))
-                 for inputs, labels in own) / gas  # the engine divides each microbatch loss by GAS
+    summed = (
+        sum(
+            token_normalized_loss(layers(inputs), (labels[0], torch.tensor(total / gas, dtype=torch.float64)))
+            for inputs, labels in own
+        )
+        / gas
+    )  # the engine divides each microbatch loss by GAS
     inputs, labels = contract_microbatch(processor, [s for mb in mbs for s in mb])
     with torch.no_grad():
         hf_loss = hf_forward(model, inputs, labels[0]).loss
@@ -114,8 +128,9 @@ def test_text_only_microbatch_sends_a_usable_empty_vis(tmp_path_factory) -> None
     for cut in range(1, len(encoder) + 1):  # a stage boundary after every encoder layer
         vis, ids, lens = run_stages(encoder[:cut], [0, cut], inputs)[0]
         vis = vis.detach().requires_grad_()
-        logits, _ = run_stages([*encoder[cut:], projector, *llm], [0, len(encoder) - cut + 1 + len(llm)],
-                               (vis, ids, lens))
+        logits, _ = run_stages(
+            [*encoder[cut:], projector, *llm], [0, len(encoder) - cut + 1 + len(llm)], (vis, ids, lens)
+        )
         token_normalized_loss(logits, labels).backward()
         assert vis.grad is not None and vis.grad.shape == vis.shape  # the engine's assert passes
 
@@ -139,8 +154,9 @@ def test_eager_attention_matches_hf(tmp_path_factory) -> None:
     inputs, labels = contract_microbatch(processor, microbatches()[0])
     with torch.no_grad():
         reference = hf_forward(model, inputs, labels[0])
-        torch.testing.assert_close(torch.nn.Sequential(*encoder, projector, *llm)(inputs), reference.logits,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            torch.nn.Sequential(*encoder, projector, *llm)(inputs), reference.logits, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_tied_embeddings_are_declared_and_shared(tmp_path_factory) -> None:
@@ -170,9 +186,13 @@ def test_unsupported_configs_are_named(tmp_path_factory) -> None:
     _, _, folder = loaded(tmp_path_factory, "clip", "llama", False, None)
 
     def config(**changes):
-        fields = dict(model_type="llava", vision_feature_layer=-2, vision_feature_select_strategy="default",
-                      vision_config=SimpleNamespace(model_type="clip_vision_model", num_hidden_layers=3),
-                      text_config=SimpleNamespace(model_type="llama"))
+        fields = dict(
+            model_type="llava",
+            vision_feature_layer=-2,
+            vision_feature_select_strategy="default",
+            vision_config=SimpleNamespace(model_type="clip_vision_model", num_hidden_layers=3),
+            text_config=SimpleNamespace(model_type="llama"),
+        )
         return SimpleNamespace(**{**fields, **changes})
 
     check_llava_config(config())
@@ -208,20 +228,37 @@ def test_tiny_builder_round_trips_offline(tmp_path: Path) -> None:
 
 
 def test_import_dflop_ds_does_not_import_transformers() -> None:
-    code = ("import sys, dflop_ds, dflop_ds.cli, dflop_ds.models.hf; dflop_ds.cli.build_parser(); "
-            "print('transformers' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "import sys, dflop_ds, dflop_ds.cli, dflop_ds.models.hf; dflop_ds.cli.build_parser(); "
+        "print('transformers' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert out.stdout.strip() == "False"
 
 
 def run_pipeline(folder: Path, out: Path, *args: str) -> list[dict]:
-    extra_env = {"PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = run_deepspeed(REPO / "tests" / "ds_scripts" / "hf_pipe_check.py",
-                         ["--model-dir", folder, "--out", out, *args], cwd=REPO, extra_env=extra_env,
-                         capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"deepspeed run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    extra_env = {
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+    proc = run_deepspeed(
+        REPO / "tests" / "ds_scripts" / "hf_pipe_check.py",
+        ["--model-dir", folder, "--out", out, *args],
+        cwd=REPO,
+        extra_env=extra_env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, (
+        f"deepspeed run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["stage"] for r in results] == [0, 1]
     for r in results:
@@ -258,9 +295,9 @@ def test_pp2_frozen_tower_alone_on_stage0(tmp_path: Path) -> None:
 def test_stage_bounds_from_a_profile_of_the_real_layers(tmp_path_factory) -> None:
     """The profiler times the HF layers through the input factories; the cost model's split is a
     valid split of the flat list that still matches HF."""
+    from dflop_ds.cost import FittedCostModel
     from dflop_ds.models.hf.llava import llava_input_factories
     from dflop_ds.plan.stages import cost_balanced_bounds
-    from dflop_ds.cost import FittedCostModel
     from dflop_ds.profile.model import profile_model
     from dflop_ds.shapes import SampleShape
 
@@ -269,13 +306,32 @@ def test_stage_bounds_from_a_profile_of_the_real_layers(tmp_path_factory) -> Non
     encoder_inputs, llm_inputs = llava_input_factories(model)
     pixel_values, input_ids, seq_lens = encoder_inputs(3, 2)
     assert pixel_values.shape[0] == 3 and int((input_ids == model.config.image_token_id).sum()) == 3 * TOKENS_PER_IMAGE
-    profile = profile_model(encoder, llm, encoder_inputs=encoder_inputs, llm_inputs=llm_inputs, projector=projector,
-                            tiles=(1, 2, 4), seq_lens=(16, 32, 64), batch_sizes=(1, 2), warmup=0, repeats=1,
-                            progress=False)
+    profile = profile_model(
+        encoder,
+        llm,
+        encoder_inputs=encoder_inputs,
+        llm_inputs=llm_inputs,
+        projector=projector,
+        tiles=(1, 2, 4),
+        seq_lens=(16, 32, 64),
+        batch_sizes=(1, 2),
+        warmup=0,
+        repeats=1,
+        progress=False,
+    )
     assert profile.encoder_layers == len(encoder) and profile.llm_layers == len(llm)
     assert any(m.attention_s for m in profile.llm)  # grouped-query attention was switched off and timed
-    shapes = [SampleShape(f"s{i}", encoder_tiles=1, visual_tokens=TOKENS_PER_IMAGE, text_tokens=24,
-                          llm_tokens=TOKENS_PER_IMAGE + 24, label_tokens=8) for i in range(4)]
+    shapes = [
+        SampleShape(
+            f"s{i}",
+            encoder_tiles=1,
+            visual_tokens=TOKENS_PER_IMAGE,
+            text_tokens=24,
+            llm_tokens=TOKENS_PER_IMAGE + 24,
+            label_tokens=8,
+        )
+        for i in range(4)
+    ]
     layers = [*encoder, projector, *llm]
     bounds = cost_balanced_bounds(FittedCostModel().fit(profile), shapes, 3)
     assert bounds == plan_stage_bounds(len(layers), len(encoder) + 1, 3, stage_bounds=bounds)

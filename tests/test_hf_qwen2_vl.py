@@ -24,8 +24,11 @@ from dflop_ds.testing.hf_tiny import build_tiny_qwen2_vl  # noqa: E402
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module", params=[("qwen2_vl", False), ("qwen2_vl", True), ("qwen2_5_vl", False)],
-                ids=["qwen2_vl", "qwen2_vl-tied", "qwen2_5_vl"])
+@pytest.fixture(
+    scope="module",
+    params=[("qwen2_vl", False), ("qwen2_vl", True), ("qwen2_5_vl", False)],
+    ids=["qwen2_vl", "qwen2_vl-tied", "qwen2_5_vl"],
+)
 def loaded(request, tmp_path_factory: pytest.TempPathFactory):
     family, tied = request.param
     folder = build_tiny_qwen2_vl(tmp_path_factory.mktemp(family), family=family, tie_word_embeddings=tied, seed=3)
@@ -36,12 +39,19 @@ def loaded(request, tmp_path_factory: pytest.TempPathFactory):
 def microbatches(seed: int = 0) -> list[list[tuple]]:
     rng = random.Random(seed)
     return [
-        [(f"USER: look at {IMAGE_MARK} what is shown? ASSISTANT:", "a red car on a road", [random_image(rng)]),
-         ("USER: hello there, thanks ASSISTANT:", "hi", [])],
+        [
+            (f"USER: look at {IMAGE_MARK} what is shown? ASSISTANT:", "a red car on a road", [random_image(rng)]),
+            ("USER: hello there, thanks ASSISTANT:", "hi", []),
+        ],
         [("USER: hi ASSISTANT:", "hello there", []), ("USER: describe the sea ASSISTANT:", "a road", [])],
-        [(f"USER: compare {IMAGE_MARK} and {IMAGE_MARK} please ASSISTANT:", "two images",
-          [random_image(rng), random_image(rng)]),
-         (f"{IMAGE_MARK} what is it? ASSISTANT:", "the sea", [random_image(rng)])],
+        [
+            (
+                f"USER: compare {IMAGE_MARK} and {IMAGE_MARK} please ASSISTANT:",
+                "two images",
+                [random_image(rng), random_image(rng)],
+            ),
+            (f"{IMAGE_MARK} what is it? ASSISTANT:", "the sea", [random_image(rng)]),
+        ],
     ]
 
 
@@ -53,7 +63,7 @@ def test_images_keep_their_own_grids(loaded) -> None:
     assert grid.shape == (3, 3) and len({tuple(g) for g in grid.tolist()}) == 3
     assert pixel_values.shape[0] == int(grid.prod(-1).sum())
     merge = model.config.vision_config.spatial_merge_size
-    assert int((input_ids == model.config.image_token_id).sum()) == int(grid.prod(-1).sum()) // merge ** 2
+    assert int((input_ids == model.config.image_token_id).sum()) == int(grid.prod(-1).sum()) // merge**2
 
 
 def test_layer_lists_match_hf_for_1_2_3_stages(loaded) -> None:
@@ -138,9 +148,11 @@ def test_check_model_names_wrong_positions(tmp_path: Path, capsys, monkeypatch) 
     decoder stage."""
     folder = build_tiny_qwen2_vl(tmp_path / "m", seed=3)
     real = qwen2_vl.mrope_position_ids
-    monkeypatch.setattr(qwen2_vl, "mrope_position_ids",
-                        lambda ids, lens, grid, **kw: real(ids, lens, grid[:0],
-                                                           **{**kw, "video_grid_thw": None}))
+    monkeypatch.setattr(
+        qwen2_vl,
+        "mrope_position_ids",
+        lambda ids, lens, grid, **kw: real(ids, lens, grid[:0], **{**kw, "video_grid_thw": None}),
+    )
     assert main(["check-model", str(folder), "--stages", "3"]) == 1
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "DIFFER from HF" in line and "text-only microbatch" not in line

@@ -13,8 +13,7 @@ pytest.importorskip("transformers")
 from dflop_ds.data import DataError, read_dataset  # noqa: E402
 from dflop_ds.models.hf.data import load_llava_records  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers  # noqa: E402
-from dflop_ds.models.hf.qwen2_vl_data import (Qwen2VLDataset, Qwen2VLPreprocessor, SmartResize,  # noqa: E402
-                                              collate_qwen2_vl)
+from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor, SmartResize, collate_qwen2_vl  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl_synthetic import qwen2_vl_hf_forward  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
 from dflop_ds.pipe import token_normalized_loss  # noqa: E402
@@ -90,8 +89,10 @@ def test_template_supervises_answers_and_end_of_turn(setup) -> None:
     assert "<|vision_start|>" + "<|image_pad|>" * 3 + "<|vision_end|>\nwhat is shown?<|im_end|>" in text
     supervised = pre.tokenizer.decode([t for t, s in zip(encoded.input_ids, encoded.supervised) if s])
     assert supervised == "a red car<|im_end|>"
-    assert pre.count([("human", "<image>\nwhat is shown?"), ("gpt", "a red car")], [3]) == \
-        (len(encoded.input_ids) - 3, encoded.label_count)
+    assert pre.count([("human", "<image>\nwhat is shown?"), ("gpt", "a red car")], [3]) == (
+        len(encoded.input_ids) - 3,
+        encoded.label_count,
+    )
     with pytest.raises(ValueError, match="2 <image> placeholder"):
         pre.encode([("human", "<image> <image>"), ("gpt", "x")], [3])
 
@@ -123,9 +124,9 @@ def test_cli_reads_with_the_qwen2_vl_policy(setup, capsys) -> None:
 def test_profile_target_runs_the_real_layers_on_patch_counts(setup, tmp_path: Path) -> None:
     """The encoder factory turns a patch count into images the layer lists accept (rounded up to
     merge blocks, rows without images allowed); the fitted cost model keeps the Qwen2-VL policy."""
+    from dflop_ds.cost import FittedCostModel
     from dflop_ds.models.hf.profile import hf_target
     from dflop_ds.models.hf.qwen2_vl import Qwen2VLEncoderInputs
-    from dflop_ds.cost import FittedCostModel
     from dflop_ds.profile.model import profile_model
 
     model_dir, _, _, pre, _ = setup
@@ -139,9 +140,10 @@ def test_profile_target_runs_the_real_layers_on_patch_counts(setup, tmp_path: Pa
     for layer in [*target.encoder_layers, target.projector]:
         x = layer(x)
     assert x[0].shape == (4, 9, 64) and x[1].shape == (3, 4, 9)
-    profile = profile_model(**target.profile_kwargs(), tiles=(4, 64), seq_lens=(16,), batch_sizes=(1,), repeats=1,
-                            warmup=0, progress=False)
-    assert [point.attention_units for point in profile.encoder] == [4 ** 2, 64 ** 2]  # one image per point
+    profile = profile_model(
+        **target.profile_kwargs(), tiles=(4, 64), seq_lens=(16,), batch_sizes=(1,), repeats=1, warmup=0, progress=False
+    )
+    assert [point.attention_units for point in profile.encoder] == [4**2, 64**2]  # one image per point
     cost_model = FittedCostModel().fit(profile, target.policy)
     assert "SmartResize" in cost_model.shape_policy["image_rule"]
     assert cost_model.encoder_features == ("1", "T", "A")  # patches and the attention within each image

@@ -8,13 +8,13 @@ import time
 
 import pytest
 import torch
+from test_sampler import mixed_shapes
 
 import dflop_ds
 from dflop_ds.schedule.epoch import epoch_batches
 from dflop_ds.schedule.prefetch import ScheduleTimeoutError
 from dflop_ds.schedule.sampler import DFLOPBatchSampler, make_sampler
 from dflop_ds.testing import StuckSplitSampler
-from test_sampler import mixed_shapes
 
 SHAPES = mixed_shapes(101)  # the 101 samples: not a multiple of any batch size used here
 
@@ -74,8 +74,9 @@ def test_loader_follows_the_consumed_schedule_across_epochs_and_repeated_iterati
     assert sampler.last_schedule.batch_id == 0 and sampler.state_dict()["next_microbatch"] == 1
     # an abandoned iterator's prefetched microbatches are not lost: a new one starts after the consumed
     again = next(iter(loader))
-    assert sampler.state_dict()["next_microbatch"] == 2 and again == [int(i) for i in
-                                                                       sampler.last_schedule.split.ranks[0][1]]
+    assert sampler.state_dict()["next_microbatch"] == 2 and again == [
+        int(i) for i in sampler.last_schedule.split.ranks[0][1]
+    ]
 
 
 def test_loader_refuses_arguments_that_would_reorder_or_resize_microbatches():
@@ -110,8 +111,16 @@ def test_mid_batch_state_needs_the_same_microbatch_layout():
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_every_global_batch_has_exactly_the_global_batch_size(n, drop_last):
     shapes = mixed_shapes(n, seed=n)
-    sampler = make_sampler("dflop", shapes, global_batch_size=32 if n == 40 else 16,
-                           gradient_accumulation_steps=4, dp_size=2, seed=1, drop_last=drop_last, prefetch=0)
+    sampler = make_sampler(
+        "dflop",
+        shapes,
+        global_batch_size=32 if n == 40 else 16,
+        gradient_accumulation_steps=4,
+        dp_size=2,
+        seed=1,
+        drop_last=drop_last,
+        prefetch=0,
+    )
     size = sampler.global_batch_size
     seen = []
     for epoch in range(5):
@@ -130,13 +139,19 @@ def test_every_global_batch_has_exactly_the_global_batch_size(n, drop_last):
     else:
         assert sampler.dropped_per_epoch == 0
         passes = len(seen) // n  # the first passes x n samples trained are every sample `passes` times
-        assert all(sorted(seen[p * n:(p + 1) * n]) == list(range(n)) for p in range(passes))
+        assert all(sorted(seen[p * n : (p + 1) * n]) == list(range(n)) for p in range(passes))
 
 
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_a_stuck_split_raises_naming_epoch_and_batch_instead_of_hanging(prefetch):
-    sampler = StuckSplitSampler(SHAPES, stuck_batch=2, global_batch_size=16, gradient_accumulation_steps=4,
-                                prefetch=prefetch, schedule_timeout_s=0.5)
+    sampler = StuckSplitSampler(
+        SHAPES,
+        stuck_batch=2,
+        global_batch_size=16,
+        gradient_accumulation_steps=4,
+        prefetch=prefetch,
+        schedule_timeout_s=0.5,
+    )
     got = []
     start = time.monotonic()
     with pytest.raises(ScheduleTimeoutError, match="epoch 0 batch 2") as info:
@@ -149,8 +164,15 @@ def test_a_stuck_split_raises_naming_epoch_and_batch_instead_of_hanging(prefetch
 
 
 def test_an_overrunning_exact_solve_falls_back_to_the_heuristic():
-    sampler = StuckSplitSampler(SHAPES, stuck_exact=True, global_batch_size=16, gradient_accumulation_steps=4,
-                                ilp_nodes=100, prefetch=0, schedule_timeout_s=0.6)
+    sampler = StuckSplitSampler(
+        SHAPES,
+        stuck_exact=True,
+        global_batch_size=16,
+        gradient_accumulation_steps=4,
+        ilp_nodes=100,
+        prefetch=0,
+        schedule_timeout_s=0.6,
+    )
     reference = DFLOPBatchSampler(SHAPES, global_batch_size=16, gradient_accumulation_steps=4, prefetch=0)
     start = time.monotonic()
     mbs = take(iter(sampler), 4)
@@ -169,12 +191,14 @@ def test_import_and_heuristic_need_no_pulp_and_an_exact_solve_without_it_falls_b
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['pulp'] = None\n"
-            "import numpy as np, dflop_ds, dflop_ds.plan\n"
-            "from dflop_ds.schedule import SplitRequest, make_splitter, partition_batch\n"
-            "print(partition_batch(np.arange(1.0, 9.0), 2, time_limit_s=0).solver)\n"
-            "costs = np.random.default_rng(0).random((12, 2))  # the heuristic is off the bound here\n"
-            "print(make_splitter('dflop', node_limit=50).split(SplitRequest(list(range(12)), costs, 3, 1)).solver)\n")
+    code = (
+        "import sys; sys.modules['pulp'] = None\n"
+        "import numpy as np, dflop_ds, dflop_ds.plan\n"
+        "from dflop_ds.schedule import SplitRequest, make_splitter, partition_batch\n"
+        "print(partition_batch(np.arange(1.0, 9.0), 2, time_limit_s=0).solver)\n"
+        "costs = np.random.default_rng(0).random((12, 2))  # the heuristic is off the bound here\n"
+        "print(make_splitter('dflop', node_limit=50).split(SplitRequest(list(range(12)), costs, 3, 1)).solver)\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     heuristic, fallback = result.stdout.split()

@@ -30,7 +30,9 @@ def make_dataset(n: int = 10, seed: int = 0) -> TinyMLLMDataset:
     for i in range(n):
         text = rng.randint(3, 30)
         shapes.append(
-            TINY_POLICY.shape(f"s{i}", image_sizes=rng.choice(IMAGES), text_tokens=text, label_tokens=rng.randint(1, text))
+            TINY_POLICY.shape(
+                f"s{i}", image_sizes=rng.choice(IMAGES), text_tokens=text, label_tokens=rng.randint(1, text)
+            )
         )
     return TinyMLLMDataset(shapes, CONFIG, seed=seed)
 

@@ -70,8 +70,9 @@ def test_second_read_uses_the_cache_and_a_changed_file_is_read_again(dataset: tu
     stat = image.stat()
     image.write_bytes(b"\0" * stat.st_size)
     os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert [s.image_sizes for s in read_dataset(data, TINY_POLICY, image_folder=folder)] == \
-        [s.image_sizes for s in first]
+    assert [s.image_sizes for s in read_dataset(data, TINY_POLICY, image_folder=folder)] == [
+        s.image_sizes for s in first
+    ]
     # A new modification time invalidates the entry: the header is read again, and it is garbage now.
     os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     with pytest.raises(DataError, match="cannot read the image header of .*b.jpg") as info:
@@ -113,8 +114,9 @@ def test_missing_and_corrupt_images_are_named_or_skipped_and_counted(dataset: tu
     assert messages[("two", "image[1]")] == f"image file not found: {folder / 'sub' / 'c.png'}"
     # validate reads media the same way and reports the same records
     problems = validate_dataset(data, TINY_POLICY, image_folder=folder)
-    assert {(p.sample_id, p.field, p.message) for p in problems} == \
-        {(p.sample_id, p.field, p.reason) for p in result.report.problems}
+    assert {(p.sample_id, p.field, p.message) for p in problems} == {
+        (p.sample_id, p.field, p.reason) for p in result.report.problems
+    }
 
 
 def test_a_given_size_does_not_excuse_a_missing_file(dataset: tuple[Path, Path]) -> None:
@@ -137,22 +139,28 @@ def test_no_silent_default_size(dataset: tuple[Path, Path]) -> None:
 def test_video_folder_checks_that_videos_exist(tmp_path: Path, write_jsonl) -> None:
     (tmp_path / "clips").mkdir()
     (tmp_path / "clips" / "here.mp4").write_bytes(b"x")
-    data = write_jsonl(tmp_path / "v.jsonl", [
-        {"id": "v1", "video": "here.mp4", "video_frames": 30, "conversations": conv("<video> what?")},
-        {"id": "v2", "video": "gone.mp4", "video_frames": 30, "conversations": conv("<video> what?")},
-    ])
+    data = write_jsonl(
+        tmp_path / "v.jsonl",
+        [
+            {"id": "v1", "video": "here.mp4", "video_frames": 30, "conversations": conv("<video> what?")},
+            {"id": "v2", "video": "gone.mp4", "video_frames": 30, "conversations": conv("<video> what?")},
+        ],
+    )
     result = read_dataset(data, TINY_POLICY, video_folder=tmp_path / "clips", on_bad_sample="skip")
     assert [s.sample_id for s in result] == ["v1"] and result[0].video_frames == 30
     (problem,) = result.report.problems
     assert (problem.sample_id, problem.field) == ("v2", "video") and "video file not found" in problem.reason
 
 
-def test_long_scans_show_progress_on_stderr(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                            capsys: pytest.CaptureFixture, write_jsonl) -> None:
+def test_long_scans_show_progress_on_stderr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, write_jsonl
+) -> None:
     folder = tmp_path / "images"
     write_images(folder)
-    data = write_jsonl(tmp_path / "d.jsonl", [{"id": str(i), "image": name, "conversations": conv()}
-                                              for i, (name, _) in enumerate(IMAGES)])
+    data = write_jsonl(
+        tmp_path / "d.jsonl",
+        [{"id": str(i), "image": name, "conversations": conv()} for i, (name, _) in enumerate(IMAGES)],
+    )
     read_dataset(data, TINY_POLICY, image_folder=folder)
     assert "reading image headers" not in capsys.readouterr().err  # few files: quiet
     cache_path_for(data).unlink()
@@ -162,7 +170,9 @@ def test_long_scans_show_progress_on_stderr(tmp_path: Path, monkeypatch: pytest.
     assert "reading image headers" in captured.err and "reading image headers" not in captured.out
 
 
-def test_unwritable_cache_is_a_warning_not_an_error(dataset: tuple[Path, Path], caplog: pytest.LogCaptureFixture) -> None:
+def test_unwritable_cache_is_a_warning_not_an_error(
+    dataset: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
     data, folder = dataset
     cache_path_for(data).mkdir()  # a directory where the cache file should go: it cannot be written
     shapes = read_dataset(data, TINY_POLICY, image_folder=folder)
@@ -170,8 +180,9 @@ def test_unwritable_cache_is_a_warning_not_an_error(dataset: tuple[Path, Path], 
     assert "cannot write image size cache" in caplog.text
 
 
-def test_commands_take_the_same_media_options(dataset: tuple[Path, Path], tmp_path: Path,
-                                              capsys: pytest.CaptureFixture) -> None:
+def test_commands_take_the_same_media_options(
+    dataset: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     data, folder = dataset
     assert cli_main(["validate", str(data)]) == 1  # sizes unknown without the image folder
     assert "no image_folder" in capsys.readouterr().out

@@ -164,7 +164,11 @@ def test_layer_specs_and_modules_have_identical_weights() -> None:
 
 
 def test_items_have_exactly_the_shape_and_are_deterministic() -> None:
-    shapes = [shape("img", THREE_TILES, text=12, labels=5), shape("vid", frames=3, text=7), shape("txt", text=4, labels=2)]
+    shapes = [
+        shape("img", THREE_TILES, text=12, labels=5),
+        shape("vid", frames=3, text=7),
+        shape("txt", text=4, labels=2),
+    ]
     ds = TinyMLLMDataset(shapes, SMALL, seed=4)
     for i, s in enumerate(shapes):
         item = ds[i]

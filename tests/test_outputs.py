@@ -32,15 +32,41 @@ def test_plan_refuses_an_unwritable_output_before_searching(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     start = time.monotonic()
-    code = cli_main(["plan", "--gpus", "8", "--global-batch", "32", "--cost-model", "llava-ov-0.5b-a100",
-                     "--data", DATA, "-o", str(blocker / "plan.json")])
+    code = cli_main(
+        [
+            "plan",
+            "--gpus",
+            "8",
+            "--global-batch",
+            "32",
+            "--cost-model",
+            "llava-ov-0.5b-a100",
+            "--data",
+            DATA,
+            "-o",
+            str(blocker / "plan.json"),
+        ]
+    )
     assert code == 1 and time.monotonic() - start < 5
     assert "plan -o" in capsys.readouterr().err
 
 
 def test_plan_names_a_folder_given_as_cost_model(tmp_path, capsys):
-    code = cli_main(["plan", "--gpus", "8", "--global-batch", "32", "--cost-model", str(tmp_path),
-                     "--data", DATA, "-o", str(tmp_path / "plan.json")])
+    code = cli_main(
+        [
+            "plan",
+            "--gpus",
+            "8",
+            "--global-batch",
+            "32",
+            "--cost-model",
+            str(tmp_path),
+            "--data",
+            DATA,
+            "-o",
+            str(tmp_path / "plan.json"),
+        ]
+    )
     assert code == 1
     err = capsys.readouterr().err
     assert f"{tmp_path}: is a folder, expected a JSON file" in err and "Traceback" not in err

@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from dflop_ds.config import DFLOPConfig
+from dflop_ds.cost import FittedCostModel, PackedCost
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, build_reference, collate_microbatch
 from dflop_ds.models.packing import segment_positions
+from dflop_ds.models.source import tiny_source
 from dflop_ds.pipe.loss import token_normalized_loss
-from dflop_ds.cost import FittedCostModel, PackedCost
 from dflop_ds.schedule.sampler import make_sampler
 from dflop_ds.shapes import TINY_POLICY
 from dflop_ds.train.loop import build_parser
-from dflop_ds.models.source import tiny_source
-from tests.test_costmodel import shape as cost_shape, synthetic_profile, true_encoder, true_llm
+from tests.test_costmodel import shape as cost_shape
+from tests.test_costmodel import synthetic_profile, true_encoder, true_llm
 
 torch.set_num_threads(1)
 
@@ -28,8 +29,12 @@ def shape(name: str, images=(), text: int = 8, labels: int | None = None):
     return TINY_POLICY.shape(name, image_sizes=images, video_frames=0, text_tokens=text, label_tokens=labels)
 
 
-SHAPES = [shape("one-tile", ((336, 336),), text=5, labels=3), shape("text", text=23, labels=9),
-          shape("three-tiles", ((672, 336),), text=11, labels=11), shape("short", text=3, labels=2)]
+SHAPES = [
+    shape("one-tile", ((336, 336),), text=5, labels=3),
+    shape("text", text=23, labels=9),
+    shape("three-tiles", ((672, 336),), text=11, labels=11),
+    shape("short", text=3, labels=2),
+]
 
 
 def loss_and_grads(model: torch.nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -65,7 +70,9 @@ def test_packed_loss_and_gradients_equal_the_padded_ones() -> None:
     torch.testing.assert_close(packed_loss, padded_loss, atol=1e-6, rtol=1e-5)
     assert padded_grads.keys() == packed_grads.keys()
     for name, grad in padded_grads.items():
-        torch.testing.assert_close(packed_grads[name], grad, atol=1e-6, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            packed_grads[name], grad, atol=1e-6, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def test_packed_logits_of_a_sample_do_not_depend_on_its_neighbours() -> None:
@@ -104,8 +111,10 @@ def test_packed_cost_is_the_overhead_plus_the_sum_of_the_samples() -> None:
 
 def test_the_sampler_balances_packed_costs_additively() -> None:
     rng = np.random.default_rng(0)
-    shapes = [cost_shape(int(t), int(16 * t + n), f"s{i}")
-              for i, (t, n) in enumerate(zip(rng.integers(0, 6, 32), rng.integers(8, 600, 32)))]
+    shapes = [
+        cost_shape(int(t), int(16 * t + n), f"s{i}")
+        for i, (t, n) in enumerate(zip(rng.integers(0, 6, 32), rng.integers(8, 600, 32)))
+    ]
     packed = PackedCost(FittedCostModel().fit(synthetic_profile()))
     kwargs = dict(global_batch_size=16, gradient_accumulation_steps=4, cost_model=packed)
     dflop, stock = make_sampler("dflop", shapes, **kwargs), make_sampler("stock", shapes, **kwargs)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dflop_ds.schedule.padded import padded_contiguous, padded_lpt
 from dflop_ds.schedule.partition import partition_batch
@@ -12,10 +13,12 @@ from dflop_ds.schedule.partition import partition_batch
 
 def padded_cost(costs, lengths):
     """Encoder adds up; LLM pays count x the per-sample LLM cost of the longest sample."""
+
     def cost(items):
         items = list(items)
         longest = max(items, key=lambda i: (lengths[i], costs[i, 1]))
         return np.array([costs[items, 0].sum(), len(items) * costs[longest, 1]])
+
     return cost
 
 

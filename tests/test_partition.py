@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflop_ds.schedule.lower_bounds import lower_bound
 from dflop_ds.schedule.ilp import solve_ilp
+from dflop_ds.schedule.lower_bounds import lower_bound
 from dflop_ds.schedule.lpt import bucket_loads, greedy_assign, item_order
 from dflop_ds.schedule.partition import InfeasibleError, partition_batch
 
@@ -147,8 +147,12 @@ def test_zero_costs_still_fill_every_bucket():
 # optimum, so only the ILP reaches it.
 CRAFTED = [
     (np.array([9, 4, 14, 29, 4, 12, 12, 27, 6, 15], dtype=float), 3),
-    (np.array([[16, 4], [12, 21], [8, 17], [19, 13], [29, 27], [19, 25], [24, 7], [8, 5], [4, 27], [12, 5]],
-              dtype=float), 3),
+    (
+        np.array(
+            [[16, 4], [12, 21], [8, 17], [19, 13], [29, 27], [19, 25], [24, 7], [8, 5], [4, 27], [12, 5]], dtype=float
+        ),
+        3,
+    ),
 ]
 
 

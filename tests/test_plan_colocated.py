@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from test_plan_file import _shapes as plan_file_shapes
 
-from dflop_ds.config import fill_from_plan
-from dflop_ds.config import get_setting, plan_deepspeed_config, set_settings
+from dflop_ds.config import fill_from_plan, get_setting, plan_deepspeed_config, set_settings
 from dflop_ds.cost import reference_model
 from dflop_ds.plan import Cluster, Plan, Segment, make_plans, search
 from dflop_ds.plan.families import COLOCATED, DEEPSPEED, family_of
@@ -137,15 +136,30 @@ def test_a_colocated_plan_trains_on_two_ranks_with_zero2(tmp_path) -> None:
 
     root = Path(__file__).resolve().parent.parent
     layout = Layout(Segment(1, 1, 2), Segment(1, 1, 2), n_mb=4, stages=((5, 1, 5),), colocated=True)
-    plan = Plan.from_layout(layout, layer_counts={"encoder": 5, "projector": 1, "llm": 5}, global_batch_size=16,
-                            gpus=2, gpus_per_node=2, gpu_memory_bytes=8e9, family="colocated")
+    plan = Plan.from_layout(
+        layout,
+        layer_counts={"encoder": 5, "projector": 1, "llm": 5},
+        global_batch_size=16,
+        gpus=2,
+        gpus_per_node=2,
+        gpu_memory_bytes=8e9,
+        family="colocated",
+    )
     plan.save(tmp_path / "plan.json")
-    config = {"steps_per_print": 10**6, "zero_optimization": {"stage": 2},
-              "dflop": {"plan": str(tmp_path / "plan.json"), "max_samples": 64, "steps": 3, "warmup_steps": 1}}
+    config = {
+        "steps_per_print": 10**6,
+        "zero_optimization": {"stage": 2},
+        "dflop": {"plan": str(tmp_path / "plan.json"), "max_samples": 64, "steps": 3, "warmup_steps": 1},
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    result = run_deepspeed(root / "examples" / "train.py",
-                           ["--deepspeed_config", str(tmp_path / "config.json"), "--summary", str(tmp_path / "s.json")],
-                           cwd=root, capture_output=True, text=True, timeout=600)
+    result = run_deepspeed(
+        root / "examples" / "train.py",
+        ["--deepspeed_config", str(tmp_path / "config.json"), "--summary", str(tmp_path / "s.json")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     summary = json.loads((tmp_path / "s.json").read_text())["summary"]
     assert summary["engine"] == "plain" and summary["train_batch_size"] == 16

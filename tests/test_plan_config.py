@@ -15,12 +15,11 @@ from test_planner import POOL
 
 from dflop_ds.cli import main as cli_main
 from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, plan_deepspeed_config, set_settings
+from dflop_ds.cost import FittedCostModel, reference_model, save_cost_model
 from dflop_ds.launch import run_deepspeed
-from dflop_ds.cost import reference_model
 from dflop_ds.plan import Cluster, Plan, PlanError, PlanFileError, make_plans, search
-from dflop_ds.plan.layout import Layout, Segment
-from dflop_ds.cost import FittedCostModel, save_cost_model
 from dflop_ds.plan.families.core import pipeline_grid
+from dflop_ds.plan.layout import Layout, Segment
 from dflop_ds.shapes import TINY_POLICY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,8 +50,9 @@ def test_higher_zero_stages_keep_less_and_stage_three_moves_more_bytes() -> None
     assert three.allreduce_seconds(1e9, 4, 1) == pytest.approx(1.5 * one.allreduce_seconds(1e9, 4, 1))
 
 
-@pytest.mark.parametrize("fields, match", [({"zero_stage": 4}, "zero_stage"), ({"precision": "fp8"}, "precision"),
-                                           ({"max_tp": 0}, "max_tp")])
+@pytest.mark.parametrize(
+    "fields, match", [({"zero_stage": 4}, "zero_stage"), ({"precision": "fp8"}, "precision"), ({"max_tp": 0}, "max_tp")]
+)
 def test_cluster_refuses_settings_outside_the_memory_model(fields: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Cluster(gpus=8, **fields)
@@ -70,8 +70,15 @@ def test_zero_two_and_three_are_planned_without_pipeline_stages(zero: int) -> No
 
 
 def test_autotp_clusters_never_combine_tensor_parallelism_with_pipeline_stages() -> None:
-    result = search(reference_model("llava-ov-7b-h100"), Cluster(gpus=8, autotp=True), POOL, 32, n_batches=1,
-                    top_k=6, families=("deepspeed", "monolithic"))
+    result = search(
+        reference_model("llava-ov-7b-h100"),
+        Cluster(gpus=8, autotp=True),
+        POOL,
+        32,
+        n_batches=1,
+        top_k=6,
+        families=("deepspeed", "monolithic"),
+    )
     assert all(s.layout.llm.tp == 1 or s.layout.n_stages == 1 for s in result.candidates)
     assert Cluster(gpus=8).runs_shared(2, 2) and not Cluster(gpus=8, autotp=True).runs_shared(2, 2)
 
@@ -95,18 +102,35 @@ def test_max_tp_defaults_to_one_without_tensor_parallel_layers_and_more_is_refus
 
 def one_stage_plan(**settings) -> Plan:
     layout = Layout(Segment(1, 1, 2), Segment(1, 1, 2), 2, ((5, 1, 5),))
-    return Plan.from_layout(layout, layer_counts={"encoder": 5, "projector": 1, "llm": 5}, global_batch_size=8,
-                            gpus=2, gpus_per_node=2, gpu_memory_bytes=8e9, family="deepspeed", **settings)
+    return Plan.from_layout(
+        layout,
+        layer_counts={"encoder": 5, "projector": 1, "llm": 5},
+        global_batch_size=8,
+        gpus=2,
+        gpus_per_node=2,
+        gpu_memory_bytes=8e9,
+        family="deepspeed",
+        **settings,
+    )
 
 
 def two_stage_plan(**settings) -> Plan:
     layout = Layout(Segment(1, 1, 1), Segment(1, 2, 1), 4, ((5, 1, 1), (0, 0, 4)))
-    return Plan.from_layout(layout, layer_counts={"encoder": 5, "projector": 1, "llm": 5}, global_batch_size=12,
-                            gpus=2, gpus_per_node=2, gpu_memory_bytes=8e9, family="deepspeed", **settings)
+    return Plan.from_layout(
+        layout,
+        layer_counts={"encoder": 5, "projector": 1, "llm": 5},
+        global_batch_size=12,
+        gpus=2,
+        gpus_per_node=2,
+        gpu_memory_bytes=8e9,
+        family="deepspeed",
+        **settings,
+    )
 
 
-@pytest.mark.parametrize("precision, bf16, fp16",
-                         [("bf16", True, False), ("fp16", False, True), ("fp32", False, False)])
+@pytest.mark.parametrize(
+    "precision, bf16, fp16", [("bf16", True, False), ("fp16", False, True), ("fp32", False, False)]
+)
 def test_the_deepspeed_config_carries_zero_stage_precision_and_checkpointing(precision, bf16, fp16) -> None:
     plan = one_stage_plan(zero_stage=3, precision=precision, activation_checkpointing=True)
     config = plan_deepspeed_config(plan, {"zero_optimization": {"overlap_comm": False}})
@@ -142,9 +166,28 @@ def test_a_config_that_contradicts_what_its_plan_assumed_is_refused() -> None:
 def plan_argv(tmp_path: Path, *extra: str) -> list[str]:
     cost_model = tmp_path / "tiny_cm.json"
     save_cost_model(tiny_cost_model(), cost_model)
-    return ["plan", "--gpus", "2", "--gpus-per-node", "2", "--global-batch", "8", "--cost-model", str(cost_model),
-            "--data", str(DATA), "--policy", "tiny", "--batches", "1", "--top-k", "2",
-            "-o", str(tmp_path / "plan.json"), *extra]
+    return [
+        "plan",
+        "--gpus",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--global-batch",
+        "8",
+        "--cost-model",
+        str(cost_model),
+        "--data",
+        str(DATA),
+        "--policy",
+        "tiny",
+        "--batches",
+        "1",
+        "--top-k",
+        "2",
+        "-o",
+        str(tmp_path / "plan.json"),
+        *extra,
+    ]
 
 
 def test_cli_plan_writes_the_deepspeed_config_its_memory_model_assumed(tmp_path: Path, capsys) -> None:
@@ -162,10 +205,13 @@ def test_cli_plan_writes_the_deepspeed_config_its_memory_model_assumed(tmp_path:
     assert "ZeRO 1, fp32" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("extra, reason", [
-    (("--max-tp", "2"), "no tensor-parallel layers"),
-    (("--precision", "bf16"), "tiny model trains in fp32 only"),
-])
+@pytest.mark.parametrize(
+    "extra, reason",
+    [
+        (("--max-tp", "2"), "no tensor-parallel layers"),
+        (("--precision", "bf16"), "tiny model trains in fp32 only"),
+    ],
+)
 def test_cli_plan_refuses_what_the_tiny_model_cannot_run_with_the_reason(tmp_path: Path, capsys, extra, reason) -> None:
     assert cli_main(plan_argv(tmp_path, *extra)) != 0
     assert reason in capsys.readouterr().err
@@ -210,10 +256,18 @@ print("ENGINE", json.dumps({"zero": engine.zero_optimization_stage(), "bf16": en
 @pytest.mark.slow
 @pytest.mark.parametrize("zero, precision", [(3, "bf16"), (2, "fp16"), (0, "fp32")])
 def test_deepspeed_builds_an_engine_from_a_written_config(tmp_path: Path, zero: int, precision: str) -> None:
-    plan = Plan.from_layout(Layout(Segment(1, 1, 1), Segment(1, 1, 1), 2, ((5, 1, 5),)),
-                            layer_counts={"encoder": 5, "projector": 1, "llm": 5}, global_batch_size=8, gpus=1,
-                            gpus_per_node=1, gpu_memory_bytes=8e9, family="deepspeed", zero_stage=zero,
-                            precision=precision, activation_checkpointing=True)
+    plan = Plan.from_layout(
+        Layout(Segment(1, 1, 1), Segment(1, 1, 1), 2, ((5, 1, 5),)),
+        layer_counts={"encoder": 5, "projector": 1, "llm": 5},
+        global_batch_size=8,
+        gpus=1,
+        gpus_per_node=1,
+        gpu_memory_bytes=8e9,
+        family="deepspeed",
+        zero_stage=zero,
+        precision=precision,
+        activation_checkpointing=True,
+    )
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(plan_deepspeed_config(plan, {"steps_per_print": 10**6})))
     script = tmp_path / "build.py"
@@ -232,8 +286,14 @@ def test_a_config_written_by_cli_plan_trains_on_two_ranks(tmp_path: Path) -> Non
     set_settings(config["dflop"], max_samples=64, steps=3, warmup_steps=1)
     ds.write_text(json.dumps(config))
     summary = tmp_path / "summary.json"
-    result = run_deepspeed(ROOT / "examples" / "train.py", ["--deepspeed_config", str(ds), "--summary", str(summary)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = run_deepspeed(
+        ROOT / "examples" / "train.py",
+        ["--deepspeed_config", str(ds), "--summary", str(summary)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     run = json.loads(summary.read_text())["summary"]
     plan = Plan.load(tmp_path / "plan.json")

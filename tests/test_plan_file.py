@@ -28,15 +28,29 @@ def _shapes(n: int = 120) -> list:
 
 @pytest.fixture(scope="module")
 def plans():
-    return make_plans(reference_model("llava-ov-7b-h100"), Cluster(gpus=16, gpu_memory_bytes=40e9), _shapes(), 48,
-                      n_batches=1, top_k=2)
+    return make_plans(
+        reference_model("llava-ov-7b-h100"),
+        Cluster(gpus=16, gpu_memory_bytes=40e9),
+        _shapes(),
+        48,
+        n_batches=1,
+        top_k=2,
+    )
 
 
 def _manual_plan(**kw) -> Plan:
     stages = ((20, 0, 0), (7, 1, 10), (0, 0, 14))
-    base = dict(encoder=Segment(2, 2, 4), llm=Segment(2, 2, 4), n_mb=6, stages=stages,
-                layer_counts={"encoder": 27, "projector": 1, "llm": 24}, global_batch_size=96, gpus=24,
-                gpus_per_node=8, gpu_memory_bytes=80e9)
+    base = dict(
+        encoder=Segment(2, 2, 4),
+        llm=Segment(2, 2, 4),
+        n_mb=6,
+        stages=stages,
+        layer_counts={"encoder": 27, "projector": 1, "llm": 24},
+        global_batch_size=96,
+        gpus=24,
+        gpus_per_node=8,
+        gpu_memory_bytes=80e9,
+    )
     base.update(kw)
     return Plan(**base)
 
@@ -62,7 +76,9 @@ def test_deepspeed_config_and_stage_bounds_agree(plans) -> None:
     assert cfg["gradient_accumulation_steps"] == plan.n_mb
     # DeepSpeed's identity counts every rank: tp ranks (AutoTP) train the same samples
     assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * plan.n_mb * plan.dp * plan.llm.tp
-    assert cfg["train_batch_size"] // plan.llm.tp == plan.global_batch_size == plan.sampler_settings()["global_batch_size"]
+    assert (
+        cfg["train_batch_size"] // plan.llm.tp == plan.global_batch_size == plan.sampler_settings()["global_batch_size"]
+    )
     assert cfg.get("tensor_parallel", {}).get("autotp_size", 1) == plan.llm.tp
     settings = DFLOPConfig.from_dict(cfg["dflop"])
     bounds = settings.stage_bounds
@@ -88,8 +104,15 @@ def test_stage_bounds_rescale_to_other_depths() -> None:
 
 def test_separate_plan_is_refused_by_deepspeed_config() -> None:
     layout = Layout(Segment(1, 1, 8), Segment(2, 3, 4), 4, separate_stages(27, 24, 1, 3))
-    plan = Plan.from_layout(layout, layer_counts={"encoder": 27, "projector": 1, "llm": 24}, global_batch_size=64,
-                            gpus=32, gpus_per_node=8, gpu_memory_bytes=80e9, family="separate")
+    plan = Plan.from_layout(
+        layout,
+        layer_counts={"encoder": 27, "projector": 1, "llm": 24},
+        global_batch_size=64,
+        gpus=32,
+        gpus_per_node=8,
+        gpu_memory_bytes=80e9,
+        family="separate",
+    )
     assert not plan.deepspeed_compatible
     assert flat_bounds(plan.stages)[-1] == 52
     with pytest.raises(PlanFileError, match="separate GPU sets"):
@@ -139,16 +162,44 @@ def test_cli_plan_then_simulate(tmp_path, capsys) -> None:
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
     out = tmp_path / "plan.json"
-    args = parser.parse_args(["plan", "--gpus", "8", "--global-batch", "32", "--cost-model", "llava-ov-0.5b-a100",
-                              "--data", str(manifest), "--batches", "1", "--top-k", "2", "-o", str(out)])
+    args = parser.parse_args(
+        [
+            "plan",
+            "--gpus",
+            "8",
+            "--global-batch",
+            "32",
+            "--cost-model",
+            "llava-ov-0.5b-a100",
+            "--data",
+            str(manifest),
+            "--batches",
+            "1",
+            "--top-k",
+            "2",
+            "-o",
+            str(out),
+        ]
+    )
     assert args.func(args) == 0
     text = capsys.readouterr().out
     assert "ANALYTIC" in text and "gap of the best shared-pipeline plan" in text
     plan = Plan.load(out)
     assert plan.deepspeed_compatible and plan.gpus == 8 and plan.global_batch_size == 32
     png = tmp_path / "gantt.png"
-    args = parser.parse_args(["simulate", "--plan", str(out), "--cost-model", "llava-ov-0.5b-a100",
-                              "--data", str(manifest), "--png", str(png)])
+    args = parser.parse_args(
+        [
+            "simulate",
+            "--plan",
+            str(out),
+            "--cost-model",
+            "llava-ov-0.5b-a100",
+            "--data",
+            str(manifest),
+            "--png",
+            str(png),
+        ]
+    )
     assert args.func(args) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "monolithic baseline" in capsys.readouterr().out

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflop_ds.cost import reference_model, reference_names
+from dflop_ds.cost import AnalyticMLLM, reference_model, reference_names
 from dflop_ds.plan import Cluster, PlanError, make_plans, search
 from dflop_ds.plan.layout import balanced_bounds, flat_bounds, stages_from_bounds, uniform_bounds
-from dflop_ds.cost import AnalyticMLLM
 from dflop_ds.shapes import ShapePolicy
 
 
@@ -145,7 +144,9 @@ def test_reference_models_are_analytic_flop_counts() -> None:
     assert got == pytest.approx(want)
     # H100 is faster by its throughput ratio
     h = reference_model("llava-ov-7b-h100")
-    assert got / h.predict_samples([SampleShape("x", llm_tokens=4096)])[0, 1] == pytest.approx((989 * 0.40) / (312 * 0.45))
+    assert got / h.predict_samples([SampleShape("x", llm_tokens=4096)])[0, 1] == pytest.approx(
+        (989 * 0.40) / (312 * 0.45)
+    )
     # padding: a microbatch costs its size times the longest sample
     a, b = SampleShape("a", llm_tokens=100), SampleShape("b", llm_tokens=1000)
     assert m.predict_microbatch([a, b])[1] == pytest.approx(2 * m.predict_samples([b])[0, 1])
@@ -187,8 +188,9 @@ def test_stage_shares_follow_the_models_layer_shares() -> None:
 
     from dflop_ds.plan.stages import layer_costs, segment_layer_shares, stage_shares
 
-    measured = SimpleNamespace(encoder_layers=2, llm_layers=3,
-                               layer_shares={"encoder": [0.4, 0.4, 0.2], "llm": [0.45, 0.45, 0.1]})
+    measured = SimpleNamespace(
+        encoder_layers=2, llm_layers=3, layer_shares={"encoder": [0.4, 0.4, 0.2], "llm": [0.45, 0.45, 0.1]}
+    )
     # flat list: enc, enc, projector | llm, llm, head
     np.testing.assert_allclose(stage_shares([0, 3, 6], measured), [[1.0, 0.0], [0.0, 1.0]])
     np.testing.assert_allclose(stage_shares([0, 2, 4, 6], measured), [[0.8, 0.0], [0.2, 0.45], [0.0, 0.55]])

@@ -7,11 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from dflop_ds.plan.stages import stage_shares
-from dflop_ds.cost import PackedCost, load_cost_model, save_cost_model
+from dflop_ds.cost import PackedCost, StageCost, load_cost_model, save_cost_model
 from dflop_ds.models.tiny_profile import cached_tiny_cost_model
+from dflop_ds.plan.stages import stage_shares
 from dflop_ds.profile.cache import cached_cost_model, key_digest, profile_key
-from dflop_ds.cost import StageCost
 from dflop_ds.shapes import SampleShape
 
 #: a small, fast profile of the tiny model

@@ -164,8 +164,13 @@ def test_custom_input_factory_profiles_a_layer_with_another_layout() -> None:
 
     encoder, _ = toy_model()
     profile = profile_model(
-        encoder, [Mixer(), Mixer()], encoder_inputs=ContractEncoderInputs(image_size=8, vocab_size=10),
-        llm_inputs=features, tiles=(1,), llm_shapes=[(3, 5)], **FAST,
+        encoder,
+        [Mixer(), Mixer()],
+        encoder_inputs=ContractEncoderInputs(image_size=8, vocab_size=10),
+        llm_inputs=features,
+        tiles=(1,),
+        llm_shapes=[(3, 5)],
+        **FAST,
     )
     assert (3, 5) in calls
     assert profile.llm[0].batch == 3 and profile.llm[0].seq_len == 5
@@ -243,8 +248,16 @@ def test_layer_shares_are_measured_per_layer() -> None:
     from dflop_ds.models.tiny_profile import tiny_target
 
     target = tiny_target()
-    profile = profile_model(**target.profile_kwargs(), tiles=(4, 16), seq_lens=(128,), batch_sizes=(2,),
-                            max_blocks=2, warmup=1, repeats=3, progress=False)
+    profile = profile_model(
+        **target.profile_kwargs(),
+        tiles=(4, 16),
+        seq_lens=(128,),
+        batch_sizes=(2,),
+        max_blocks=2,
+        warmup=1,
+        repeats=3,
+        progress=False,
+    )
     encoder, llm = profile.layer_shares["encoder"], profile.layer_shares["llm"]
     # patch embedding, 4 vision blocks, projector | 4 decoder blocks, LM head
     assert len(encoder) == 6 and len(llm) == 5
@@ -272,11 +285,29 @@ def test_model_cli_writes_a_loadable_cost_model(tmp_path, capsys) -> None:
     from dflop_ds.cost import load_cost_model
 
     out = tmp_path / "cm.json"
-    code = cli_main([
-        "profile", "model", "--vision-layers", "3", "--llm-layers", "2", "--tiles", "1,2",
-        "--seq-lens", "16,32", "--batch-sizes", "1", "--warmup", "0", "--repeats", "1", "--no-progress",
-        "-o", str(out),
-    ])
+    code = cli_main(
+        [
+            "profile",
+            "model",
+            "--vision-layers",
+            "3",
+            "--llm-layers",
+            "2",
+            "--tiles",
+            "1,2",
+            "--seq-lens",
+            "16,32",
+            "--batch-sizes",
+            "1",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--no-progress",
+            "-o",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "2 of 3 VisionBlock" in printed and "wrote" in printed

@@ -68,7 +68,7 @@ def test_order_puts_cheap_first_stage_first_and_cheap_last_stage_last():
     assert order[-1] == 2  # smallest LLM cost among the rest
     middle_totals = [costs[b].sum() for b in order[1:-1]]
     peak = int(np.argmax(middle_totals))
-    assert middle_totals[:peak + 1] == sorted(middle_totals[:peak + 1])
+    assert middle_totals[: peak + 1] == sorted(middle_totals[: peak + 1])
     assert middle_totals[peak:] == sorted(middle_totals[peak:], reverse=True)
 
 

@@ -13,9 +13,16 @@ from dflop_ds.shapes import TINY_POLICY
 
 
 def good(i: int, **extra) -> dict:
-    record = {"id": f"s{i}", "image": "a.jpg", "width": 64, "height": 48,
-              "conversations": [{"from": "human", "value": "<image>\nWhat is it?"},
-                                {"from": "gpt", "value": "A small test picture."}]}
+    record = {
+        "id": f"s{i}",
+        "image": "a.jpg",
+        "width": 64,
+        "height": 48,
+        "conversations": [
+            {"from": "human", "value": "<image>\nWhat is it?"},
+            {"from": "gpt", "value": "A small test picture."},
+        ],
+    }
     record.update(extra)
     return record
 
@@ -49,10 +56,17 @@ def test_a_broken_line_is_one_bad_record_named_by_file_line_and_id(tmp_path, kin
 
 
 def test_roles_are_case_insensitive_and_unknown_roles_are_named(tmp_path):
-    shouting = good(0, conversations=[{"from": "Human", "value": "<image>\nWhat?"},
-                                      {"from": "GPT", "value": "A picture of a dog."}])
-    user = good(1, conversations=[{"from": "system", "value": "Be brief."}, {"from": "user", "value": "<image>Hi"},
-                                  {"from": "Assistant", "value": "A picture of a dog."}])
+    shouting = good(
+        0, conversations=[{"from": "Human", "value": "<image>\nWhat?"}, {"from": "GPT", "value": "A picture of a dog."}]
+    )
+    user = good(
+        1,
+        conversations=[
+            {"from": "system", "value": "Be brief."},
+            {"from": "user", "value": "<image>Hi"},
+            {"from": "Assistant", "value": "A picture of a dog."},
+        ],
+    )
     unknown = good(2, conversations=[{"from": "human", "value": "<image>?"}, {"from": "bot", "value": "A dog."}])
     path = write(tmp_path / "d.jsonl", [line(shouting), line(user), line(unknown)])
     shapes = read_dataset(path, TINY_POLICY, on_bad_sample="skip")
@@ -63,10 +77,13 @@ def test_roles_are_case_insensitive_and_unknown_roles_are_named(tmp_path):
 
 
 def test_placeholders_without_images_are_flagged(tmp_path):
-    no_image = {"id": "t", "conversations": [{"from": "human", "value": "<image>\nWhat?"},
-                                             {"from": "gpt", "value": "Nothing."}]}
-    two_for_one = good(1, conversations=[{"from": "human", "value": "<image><image>\nCompare."},
-                                         {"from": "gpt", "value": "Same."}])
+    no_image = {
+        "id": "t",
+        "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "Nothing."}],
+    }
+    two_for_one = good(
+        1, conversations=[{"from": "human", "value": "<image><image>\nCompare."}, {"from": "gpt", "value": "Same."}]
+    )
     path = write(tmp_path / "d.jsonl", [line(no_image), line(two_for_one), line(good(2))])
     shapes = read_dataset(path, TINY_POLICY, on_bad_sample="skip")
     assert [s.sample_id for s in shapes] == ["s2"]

@@ -10,19 +10,35 @@ from pathlib import Path
 
 import pytest
 
-from dflop_ds.data import (DataError, SizeDraw, detect_format, load_frame_table, load_size_table, read_dataset,
-                           read_llava, read_manifest, write_manifest)
+from dflop_ds.data import (
+    DataError,
+    SizeDraw,
+    detect_format,
+    load_frame_table,
+    load_size_table,
+    read_dataset,
+    read_llava,
+    read_manifest,
+    write_manifest,
+)
 from dflop_ds.data.manifest import MANIFEST_KEYS
 from dflop_ds.data.records import load_records
 from dflop_ds.shapes import TINY_POLICY, ShapePolicy
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
 #: Counts whitespace-separated words, so expected token counts are easy to read off.
-WORDS = ShapePolicy(tile_size=336, max_tiles=4, tokens_per_tile=16, max_frames=8, tokens_per_frame=16,
-                    tokenizer=lambda text: len(text.split()))
+WORDS = ShapePolicy(
+    tile_size=336,
+    max_tiles=4,
+    tokens_per_tile=16,
+    max_frames=8,
+    tokens_per_frame=16,
+    tokenizer=lambda text: len(text.split()),
+)
 
 
 # ---------------------------------------------------------------- manifest
+
 
 def test_manifest_round_trip(tmp_path: Path) -> None:
     shapes = [
@@ -106,8 +122,9 @@ def test_bad_manifest_record_names_file_line_and_field(tmp_path: Path, record: d
     assert str(path) in str(error) and "line 2" in str(error) and f"field {field!r}" in str(error)
 
 
-@pytest.mark.parametrize("line, reason", [("{not json", "malformed JSON"), ("[1, 2]", "JSON object"),
-                                          ('"text"', "JSON object")])
+@pytest.mark.parametrize(
+    "line, reason", [("{not json", "malformed JSON"), ("[1, 2]", "JSON object"), ('"text"', "JSON object")]
+)
 def test_malformed_lines_name_the_line(tmp_path: Path, line: str, reason: str, write_jsonl) -> None:
     path = write_jsonl(tmp_path / "bad.jsonl", [{"id": "ok", "text_tokens": 1}, "", line])
     with pytest.raises(DataError, match=reason) as info:
@@ -116,8 +133,10 @@ def test_malformed_lines_name_the_line(tmp_path: Path, line: str, reason: str, w
 
 
 def test_duplicate_id_is_a_bad_record(tmp_path: Path, write_jsonl) -> None:
-    path = write_jsonl(tmp_path / "dup.jsonl", [{"id": "a", "text_tokens": 1}, {"id": "b", "text_tokens": 1},
-                                                {"id": "a", "text_tokens": 2}])
+    path = write_jsonl(
+        tmp_path / "dup.jsonl",
+        [{"id": "a", "text_tokens": 1}, {"id": "b", "text_tokens": 1}, {"id": "a", "text_tokens": 2}],
+    )
     with pytest.raises(DataError, match="duplicate id, first seen at line 1") as info:
         read_manifest(path)
     assert (info.value.record, info.value.sample_id, info.value.field) == (3, "a", "id")
@@ -135,13 +154,16 @@ def test_unreadable_and_broken_files(tmp_path: Path) -> None:
 
 
 def test_skip_policy_counts_reports_and_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture, write_jsonl) -> None:
-    path = write_jsonl(tmp_path / "mixed.jsonl", [
-        {"id": "a", "text_tokens": 1},
-        "{oops",
-        {"id": "b", "images": [[0, 4], [-1, 3]], "text_tokens": 1},
-        {"id": "c", "text_tokens": 2},
-        {"id": "a", "text_tokens": 3},
-    ])
+    path = write_jsonl(
+        tmp_path / "mixed.jsonl",
+        [
+            {"id": "a", "text_tokens": 1},
+            "{oops",
+            {"id": "b", "images": [[0, 4], [-1, 3]], "text_tokens": 1},
+            {"id": "c", "text_tokens": 2},
+            {"id": "a", "text_tokens": 3},
+        ],
+    )
     with caplog.at_level(logging.WARNING, logger="dflop_ds.data.records"):
         result = read_manifest(path, on_bad_sample="skip")
     assert [s.sample_id for s in result] == ["a", "c"]
@@ -151,7 +173,11 @@ def test_skip_policy_counts_reports_and_warns(tmp_path: Path, caplog: pytest.Log
     assert report.skipped_records == [2, 3, 5]
     # Every problem of every skipped record is kept, not only the first.
     assert [(e.record, e.field) for e in report.problems] == [
-        (2, None), (3, "images[0].width"), (3, "images[1].width"), (5, "id")]
+        (2, None),
+        (3, "images[0].width"),
+        (3, "images[1].width"),
+        (5, "id"),
+    ]
     assert "skipped 3 bad record(s)" in caplog.text
 
 
@@ -170,17 +196,30 @@ def test_data_error_pickles() -> None:
 
 # ---------------------------------------------------------------- LLaVA
 
+
 def conv(*turns: tuple[str, str]) -> list[dict]:
     return [{"from": role, "value": value} for role, value in turns]
 
 
 def test_llava_text_and_label_tokens(tmp_path: Path, write_jsonl) -> None:
-    path = write_jsonl(tmp_path / "l.jsonl", [
-        {"id": "t", "conversations": conv(("human", "what is two plus two"), ("gpt", "four"),
-                                          ("human", "and three"), ("gpt", "five it is"))},
-        {"id": "i", "image": "a.jpg", "width": 640, "height": 480,
-         "conversations": conv(("human", "<image>\ndescribe it"), ("gpt", "a red car"))},
-    ])
+    path = write_jsonl(
+        tmp_path / "l.jsonl",
+        [
+            {
+                "id": "t",
+                "conversations": conv(
+                    ("human", "what is two plus two"), ("gpt", "four"), ("human", "and three"), ("gpt", "five it is")
+                ),
+            },
+            {
+                "id": "i",
+                "image": "a.jpg",
+                "width": 640,
+                "height": 480,
+                "conversations": conv(("human", "<image>\ndescribe it"), ("gpt", "a red car")),
+            },
+        ],
+    )
     text, image = read_llava(path, WORDS)
     assert (text.text_tokens, text.label_tokens, text.modality) == (5 + 1 + 2 + 3, 1 + 3, "text")
     assert (image.text_tokens, image.label_tokens) == (2 + 3, 3)  # placeholder not counted
@@ -189,14 +228,30 @@ def test_llava_text_and_label_tokens(tmp_path: Path, write_jsonl) -> None:
 
 def test_llava_image_list_video_and_json_array(tmp_path: Path) -> None:
     path = tmp_path / "l.json"
-    path.write_text(json.dumps([
-        {"id": 1, "image": ["a.jpg", "b.jpg"], "image_sizes": [[100, 100], [1000, 300]],
-         "conversations": conv(("human", "<image><image> compare"), ("gpt", "same"))},
-        {"id": "v", "video": "clip.mp4", "frame_count": 300,
-         "conversations": conv(("human", "<video> what happens"), ("assistant", "a dog runs"))},
-        {"id": "v2", "video": "clip2.mp4", "video_frames": 5,
-         "conversations": conv(("human", "<video> ok"), ("gpt", "yes"))},
-    ]))
+    path.write_text(
+        json.dumps(
+            [
+                {
+                    "id": 1,
+                    "image": ["a.jpg", "b.jpg"],
+                    "image_sizes": [[100, 100], [1000, 300]],
+                    "conversations": conv(("human", "<image><image> compare"), ("gpt", "same")),
+                },
+                {
+                    "id": "v",
+                    "video": "clip.mp4",
+                    "frame_count": 300,
+                    "conversations": conv(("human", "<video> what happens"), ("assistant", "a dog runs")),
+                },
+                {
+                    "id": "v2",
+                    "video": "clip2.mp4",
+                    "video_frames": 5,
+                    "conversations": conv(("human", "<video> ok"), ("gpt", "yes")),
+                },
+            ]
+        )
+    )
     multi, video, short = read_llava(path, WORDS)
     assert multi.sample_id == "1" and multi.image_sizes == ((100, 100), (1000, 300))
     assert multi.encoder_tiles == 1 + WORDS.image_tiles(1000, 300)
@@ -205,11 +260,14 @@ def test_llava_image_list_video_and_json_array(tmp_path: Path) -> None:
 
 
 def test_llava_side_tables_from_dict_and_file(tmp_path: Path, write_jsonl) -> None:
-    path = write_jsonl(tmp_path / "l.jsonl", [
-        {"id": "a", "image": "x.jpg", "conversations": conv(("human", "q"), ("gpt", "a"))},
-        {"id": "b", "image": "y.jpg", "width": 50, "height": 60, "conversations": conv(("human", "q"))},
-        {"id": "c", "video": "v.mp4", "conversations": conv(("human", "q"))},
-    ])
+    path = write_jsonl(
+        tmp_path / "l.jsonl",
+        [
+            {"id": "a", "image": "x.jpg", "conversations": conv(("human", "q"), ("gpt", "a"))},
+            {"id": "b", "image": "y.jpg", "width": 50, "height": 60, "conversations": conv(("human", "q"))},
+            {"id": "c", "video": "v.mp4", "conversations": conv(("human", "q"))},
+        ],
+    )
     table = tmp_path / "sizes.json"
     table.write_text(json.dumps({"x.jpg": [1200, 800], "y.jpg": [1, 1]}))
     frames = tmp_path / "frames.json"
@@ -254,17 +312,27 @@ BAD_LLAVA_RECORDS = [
     ({"id": "x"}, "conversations"),
     ({"id": "x", "conversations": []}, "conversations"),
     ({"id": "x", "conversations": ["hi"]}, "conversations[0]"),
-    ({"id": "x", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": 3}]},
-     "conversations[1].value"),
+    (
+        {"id": "x", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": 3}]},
+        "conversations[1].value",
+    ),
     ({"id": "x", "conversations": [{"value": "q"}]}, "conversations[0].from"),
     ({"id": "x", "image": 5, "conversations": conv(("human", "q"))}, "image"),
     ({"id": "x", "image": ["a.jpg", ""], "conversations": conv(("human", "q"))}, "image[1]"),
-    ({"id": "x", "image": ["a.jpg", "b.jpg"], "image_sizes": [[1, 1]], "conversations": conv(("human", "q"))},
-     "image_sizes"),
-    ({"id": "x", "image": ["a.jpg", "b.jpg"], "image_sizes": [[1, 1], [0, 1]], "conversations": conv(("human", "q"))},
-     "image_sizes[1].width"),
-    ({"id": "x", "image": ["a.jpg", "b.jpg"], "width": 5, "height": 5, "conversations": conv(("human", "q"))},
-     "width"),
+    (
+        {"id": "x", "image": ["a.jpg", "b.jpg"], "image_sizes": [[1, 1]], "conversations": conv(("human", "q"))},
+        "image_sizes",
+    ),
+    (
+        {
+            "id": "x",
+            "image": ["a.jpg", "b.jpg"],
+            "image_sizes": [[1, 1], [0, 1]],
+            "conversations": conv(("human", "q")),
+        },
+        "image_sizes[1].width",
+    ),
+    ({"id": "x", "image": ["a.jpg", "b.jpg"], "width": 5, "height": 5, "conversations": conv(("human", "q"))}, "width"),
     ({"id": "x", "image": "a.jpg", "width": 5, "conversations": conv(("human", "q"))}, "width/height.height"),
     ({"id": "x", "video": "", "conversations": conv(("human", "q"))}, "video"),
     ({"id": "x", "video": "v.mp4", "frame_count": 0, "conversations": conv(("human", "q"))}, "frame_count"),
@@ -299,6 +367,7 @@ def test_bad_side_table_entries(tmp_path: Path, table: dict, key: str) -> None:
 
 
 # ---------------------------------------------------------------- dispatch
+
 
 def test_read_dataset_dispatches_on_content(tmp_path: Path, write_jsonl) -> None:
     manifest = write_jsonl(tmp_path / "a.json", [{"id": "m", "text_tokens": 4}])

@@ -18,10 +18,21 @@ def steps(trace: Path) -> dict[int, list[list[int]]]:
 
 @pytest.mark.slow
 def test_killed_run_resumes_without_losing_or_repeating_a_sample(tmp_path, ds_config, run_train):
-    dflop = {"sampler": "dflop", "max_samples": SAMPLES, "steps": STEPS_PER_EPOCH, "warmup_steps": 0,
-             "checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": 2}
-    path = ds_config("tiny_mllm_pp2.json", dflop, train_batch_size=BATCH, train_micro_batch_size_per_gpu=4,
-                     gradient_accumulation_steps=4)
+    dflop = {
+        "sampler": "dflop",
+        "max_samples": SAMPLES,
+        "steps": STEPS_PER_EPOCH,
+        "warmup_steps": 0,
+        "checkpoint_dir": str(tmp_path / "ckpt"),
+        "checkpoint_every": 2,
+    }
+    path = ds_config(
+        "tiny_mllm_pp2.json",
+        dflop,
+        train_batch_size=BATCH,
+        train_micro_batch_size_per_gpu=4,
+        gradient_accumulation_steps=4,
+    )
 
     run_train(path, "--trace", str(tmp_path / "reference.jsonl"))  # one uninterrupted epoch
     reference = steps(tmp_path / "reference.jsonl")

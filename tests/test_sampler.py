@@ -23,8 +23,11 @@ def mixed_shapes(n: int, seed: int = 0):
         text = int(rng.lognormal(4.5, 0.8)) + 2
         images = [(int(rng.integers(200, 1500)), int(rng.integers(200, 1500)))] if kind == "image" else []
         frames = int(rng.integers(10, 3000)) if kind == "video" else 0
-        shapes.append(TINY_POLICY.shape(f"s{i}", image_sizes=images, video_frames=frames,
-                                        text_tokens=text, label_tokens=text // 2))
+        shapes.append(
+            TINY_POLICY.shape(
+                f"s{i}", image_sizes=images, video_frames=frames, text_tokens=text, label_tokens=text // 2
+            )
+        )
     return shapes
 
 
@@ -36,8 +39,12 @@ def run_epoch(sampler):
 def test_exact_global_batches_and_every_sample_once_per_pass_across_ranks_and_epochs(method):
     shapes = mixed_shapes(203)  # 203 = 5 x 40 + 3: the remainder is carried, epoch to epoch
     dp, gas, size = 2, 4, 40
-    samplers = [make_sampler(method, shapes, global_batch_size=size, gradient_accumulation_steps=gas,
-                             dp_rank=r, dp_size=dp, seed=7) for r in range(dp)]
+    samplers = [
+        make_sampler(
+            method, shapes, global_batch_size=size, gradient_accumulation_steps=gas, dp_rank=r, dp_size=dp, seed=7
+        )
+        for r in range(dp)
+    ]
     trained, orders = collections.Counter(), []
     for epoch in range(4):
         per_rank = [run_epoch(s) for s in samplers]
@@ -45,7 +52,7 @@ def test_exact_global_batches_and_every_sample_once_per_pass_across_ranks_and_ep
         assert len(per_rank[0]) == len(per_rank[1]) == gas * samplers[0].n_batches(epoch)
         assert all(len(mb) > 0 for rank in per_rank for mb in rank)
         for batch_id, batch in enumerate(samplers[0].batches_in_epoch(epoch)):
-            got = [int(i) for rank in per_rank for mb in rank[batch_id * gas:(batch_id + 1) * gas] for i in mb]
+            got = [int(i) for rank in per_rank for mb in rank[batch_id * gas : (batch_id + 1) * gas] for i in mb]
             assert len(got) == size and sorted(got) == sorted(batch.tolist()) and len(set(got)) == size
             trained.update(got)
         orders.append([int(i) for mb in per_rank[0] for i in mb])
@@ -60,8 +67,9 @@ def test_ranks_and_repeated_instances_agree_on_the_schedule():
     shapes = mixed_shapes(150)
 
     def make(rank: int) -> DFLOPBatchSampler:
-        return DFLOPBatchSampler(shapes, global_batch_size=48, gradient_accumulation_steps=3,
-                                 dp_rank=rank, dp_size=2, seed=3)
+        return DFLOPBatchSampler(
+            shapes, global_batch_size=48, gradient_accumulation_steps=3, dp_rank=rank, dp_size=2, seed=3
+        )
 
     # the first and last pipeline stage of a rank each build their own sampler
     assert run_epoch(make(0)) == run_epoch(make(0))
@@ -74,7 +82,7 @@ def test_balanced_split_beats_stock_and_varies_microbatch_sizes():
     shapes = mixed_shapes(512, seed=1)
     kwargs = dict(global_batch_size=128, gradient_accumulation_steps=8, dp_rank=0, dp_size=2, seed=0, prefetch=0)
     stock, dflop = StockBatchSampler(shapes, **kwargs), DFLOPBatchSampler(shapes, **kwargs)
-    for (s, d) in zip(stock._schedules(0, 0), dflop._schedules(0, 0)):
+    for s, d in zip(stock._schedules(0, 0), dflop._schedules(0, 0)):
         assert d.split.makespan < s.split.makespan
         assert d.split.makespan >= d.split.lower_bound - 1e-9
     sizes = {len(mb) for mb in run_epoch(dflop)}
@@ -84,8 +92,10 @@ def test_balanced_split_beats_stock_and_varies_microbatch_sizes():
 def test_loss_denominator_counts_label_tokens_of_the_whole_global_batch():
     shapes = mixed_shapes(64)
     gas, dp = 2, 2
-    samplers = [DFLOPBatchSampler(shapes, global_batch_size=32, gradient_accumulation_steps=gas,
-                                  dp_rank=r, dp_size=dp) for r in range(dp)]
+    samplers = [
+        DFLOPBatchSampler(shapes, global_batch_size=32, gradient_accumulation_steps=gas, dp_rank=r, dp_size=dp)
+        for r in range(dp)
+    ]
     per_batch = collections.defaultdict(list)
     for s in samplers:
         for mb in s:
@@ -147,6 +157,7 @@ def test_background_map_surfaces_even_base_exceptions_and_keeps_order():
         if key == 3:
             raise SystemExit("worker killed")
         return key * key
+
     ahead = BackgroundMap(fn, range(5), depth=2, poll_s=0.05)
     assert [next(ahead) for _ in range(3)] == [0, 1, 4]
     with pytest.raises(RuntimeError, match="worker killed"):
@@ -167,8 +178,9 @@ def test_a_given_cost_model_drives_costs_and_microbatch_predictions():
 
     cost_model = FittedCostModel().fit(synthetic_profile())
     shapes = mixed_shapes(80)
-    sampler = DFLOPBatchSampler(shapes, global_batch_size=40, gradient_accumulation_steps=4, dp_size=2,
-                                cost_model=cost_model, prefetch=0)
+    sampler = DFLOPBatchSampler(
+        shapes, global_batch_size=40, gradient_accumulation_steps=4, dp_size=2, cost_model=cost_model, prefetch=0
+    )
     np.testing.assert_allclose(sampler.costs, cost_model.predict_samples(shapes))
     sched = next(sampler._schedules(0, 0))
     for rank, predicted in zip(sched.split.ranks, sched.split.predicted):

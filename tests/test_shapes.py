@@ -14,11 +14,11 @@ DEFAULT = ShapePolicy()  # 384 px tiles, up to 9, thumbnail on
 @pytest.mark.parametrize(
     "policy, size, grid",
     [
-        (DEFAULT, (384, 384), (1, 1)),     # exactly one tile
-        (DEFAULT, (100, 60), (1, 1)),      # small image: every grid keeps it whole; least waste wins
-        (DEFAULT, (768, 384), (2, 1)),     # exactly two tiles wide
-        (DEFAULT, (2000, 2000), (3, 3)),   # large square: the biggest square grid
-        (DEFAULT, (1920, 1080), (4, 2)),   # 16:9: 4x2 keeps 1365x768, more than 3x3's 1152x648
+        (DEFAULT, (384, 384), (1, 1)),  # exactly one tile
+        (DEFAULT, (100, 60), (1, 1)),  # small image: every grid keeps it whole; least waste wins
+        (DEFAULT, (768, 384), (2, 1)),  # exactly two tiles wide
+        (DEFAULT, (2000, 2000), (3, 3)),  # large square: the biggest square grid
+        (DEFAULT, (1920, 1080), (4, 2)),  # 16:9: 4x2 keeps 1365x768, more than 3x3's 1152x648
         (TINY_POLICY, (640, 480), (2, 2)),  # 2x2 (672 px) holds 640x480 at full resolution
         (TINY_POLICY, (10000, 100), (4, 1)),  # extreme panorama: one row of max_tiles
         (TINY_POLICY, (100, 10000), (1, 4)),  # extreme portrait: one column
@@ -89,8 +89,7 @@ def test_label_tokens_bounds() -> None:
 def test_reshape_under_another_policy() -> None:
     shape = DEFAULT.shape("x", image_sizes=[(2000, 2000)], video_frames=64, text_tokens=7, label_tokens=3)
     tiny = TINY_POLICY.reshape(shape)
-    assert (tiny.image_sizes, tiny.video_frames, tiny.text_tokens, tiny.label_tokens) == (
-        shape.image_sizes, 64, 7, 3)
+    assert (tiny.image_sizes, tiny.video_frames, tiny.text_tokens, tiny.label_tokens) == (shape.image_sizes, 64, 7, 3)
     assert tiny.encoder_tiles == 4 + 1 + 8
     assert TINY_POLICY.reshape(tiny) == tiny
 

@@ -37,7 +37,8 @@ def test_schedule_table_is_plain_data() -> None:
     for s in range(3):
         ops = [row[s] for row in table if row[s] is not None]
         assert sorted((o.kind, o.microbatch) for o in ops) == sorted(
-            [("forward", j) for j in range(4)] + [("backward", j) for j in range(4)])
+            [("forward", j) for j in range(4)] + [("backward", j) for j in range(4)]
+        )
     text = format_schedule(3, 4)
     assert text.splitlines()[0].split()[2] == "F0" and len(text.splitlines()) == 3
 
@@ -110,8 +111,11 @@ def _reference_sim(fwd: np.ndarray, bwd: np.ndarray, comm: float) -> float:
                     dep = end.get(("forward", op.microbatch, s - 1), 0.0) + comm if s > 0 else 0.0
                     dur = fwd[op.microbatch, s]
                 else:
-                    dep = (end.get(("backward", op.microbatch, s + 1), 0.0) + comm if s < p - 1
-                           else end.get(("forward", op.microbatch, s), 0.0))
+                    dep = (
+                        end.get(("backward", op.microbatch, s + 1), 0.0) + comm
+                        if s < p - 1
+                        else end.get(("forward", op.microbatch, s), 0.0)
+                    )
                     dur = bwd[op.microbatch, s]
                 t = max(t, dep) + dur
                 if end.get(key) != t:
@@ -175,7 +179,7 @@ def test_blocking_transfers_match_deepspeeds_own_schedule(p: int, m: int, seed: 
     rng = np.random.default_rng(seed)
     fwd, bwd = rng.uniform(0.1, 2.0, (m, p)), rng.uniform(0.1, 4.0, (m, p))
     act, grad = rng.uniform(0.0, 0.5, (m, max(p - 1, 1))), rng.uniform(0.0, 0.5, (m, max(p - 1, 1)))
-    res = simulate_1f1b(fwd, bwd, act_comm=act[:, :p - 1], grad_comm=grad[:, :p - 1])
+    res = simulate_1f1b(fwd, bwd, act_comm=act[:, : p - 1], grad_comm=grad[:, : p - 1])
     assert res.pipeline_time[0] == pytest.approx(_deepspeed_instruction_sim(fwd, bwd, act, grad))
 
 

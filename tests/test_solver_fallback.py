@@ -9,8 +9,8 @@ import pulp
 import pytest
 
 from dflop_ds.schedule import ilp, partition
-from dflop_ds.schedule.splitters import dflop as split
 from dflop_ds.schedule.splitters import FALLBACK_SUFFIX, SplitRequest, SplitResult, make_splitter
+from dflop_ds.schedule.splitters import dflop as split
 
 N_MB, DP = 2, 2
 
@@ -67,8 +67,7 @@ def test_solver_exception_falls_back_to_heuristic_and_warns_once(monkeypatch, ca
 def test_missing_cbc_binary_falls_back(monkeypatch):
     costs = off_bound_costs()
     monkeypatch.setattr(ilp, "available_solver", lambda: "cbc")
-    monkeypatch.setattr(ilp.pulp, "PULP_CBC_CMD",
-                        lambda **kwargs: pulp.COIN_CMD(path="/nonexistent/cbc", msg=False))
+    monkeypatch.setattr(ilp.pulp, "PULP_CBC_CMD", lambda **kwargs: pulp.COIN_CMD(path="/nonexistent/cbc", msg=False))
     result = split_balanced(costs, time_limit_s=1.0)
     check_split(result, len(costs))
     assert result.solver.endswith(FALLBACK_SUFFIX)

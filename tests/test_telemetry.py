@@ -35,10 +35,16 @@ class FakeEngine:
         pass
 
     _INSTRUCTION_MAP = {
-        schedule.ForwardPass: _exec_forward_pass, schedule.BackwardPass: _exec_backward_pass,
-        schedule.LoadMicroBatch: _nothing, schedule.SendActivation: _nothing, schedule.RecvActivation: _nothing,
-        schedule.SendGrad: _nothing, schedule.RecvGrad: _nothing, schedule.ReduceGrads: _nothing,
-        schedule.ReduceTiedGrads: _nothing, schedule.OptimizerStep: _nothing,
+        schedule.ForwardPass: _exec_forward_pass,
+        schedule.BackwardPass: _exec_backward_pass,
+        schedule.LoadMicroBatch: _nothing,
+        schedule.SendActivation: _nothing,
+        schedule.RecvActivation: _nothing,
+        schedule.SendGrad: _nothing,
+        schedule.RecvGrad: _nothing,
+        schedule.ReduceGrads: _nothing,
+        schedule.ReduceTiedGrads: _nothing,
+        schedule.OptimizerStep: _nothing,
     }
 
     def run(self, stage_id: int, stages: int = 2) -> None:
@@ -52,8 +58,10 @@ class FakeEngine:
 def test_timer_charges_each_microbatch_its_own_forward_and_backward(stage_id):
     engine = FakeEngine()
     timer = PipelineTimer(engine, micro_batches=len(FORWARD_S)).install()
-    assert "_INSTRUCTION_MAP" in vars(engine) and FakeEngine._INSTRUCTION_MAP[schedule.ForwardPass] is \
-        FakeEngine._exec_forward_pass  # the class table is untouched
+    assert (
+        "_INSTRUCTION_MAP" in vars(engine)
+        and FakeEngine._INSTRUCTION_MAP[schedule.ForwardPass] is FakeEngine._exec_forward_pass
+    )  # the class table is untouched
     timer.start_step()
     engine.run(stage_id)
     timing = timer.finish_step()
@@ -86,10 +94,21 @@ def test_step_figures():
 
 
 def test_monitor_events_keep_finite_numbers_and_the_log_line_shows_the_figures():
-    record = {"step": 7, "step_s": 1.5, "imbalance_observed": 1.25, "imbalance_predicted": float("nan"),
-              "correction_active": True, "correction_tracking": True, "correction_gain_s": 0.2,
-              "correction_overhead_s": 0.001, "correction_penalty": 3.0, "solver": "lpt+moves",
-              "schedule_ms": 2.0, "bubble_fraction": 0.31, "telemetry_overhead_frac": 0.004}
+    record = {
+        "step": 7,
+        "step_s": 1.5,
+        "imbalance_observed": 1.25,
+        "imbalance_predicted": float("nan"),
+        "correction_active": True,
+        "correction_tracking": True,
+        "correction_gain_s": 0.2,
+        "correction_overhead_s": 0.001,
+        "correction_penalty": 3.0,
+        "solver": "lpt+moves",
+        "schedule_ms": 2.0,
+        "bubble_fraction": 0.31,
+        "telemetry_overhead_frac": 0.004,
+    }
     events = dict((name, value) for name, value, step in monitor_events(record, 7))
     assert events["dflop/imbalance_observed"] == 1.25 and events["dflop/correction_active"] == 1.0
     assert "dflop/imbalance_predicted" not in events
@@ -104,12 +123,22 @@ def _write_log(path, steps=6):
         for step in range(steps):
             active = step >= 3
             predicted = [[0.1 * (m + 1), 0.2] for m in range(4)] if active else [[m + 1.0, 10.0] for m in range(4)]
-            handle.write(json.dumps({
-                "step": step, "step_s": 1.0, "imbalance_observed": 1.5 - 0.1 * step, "imbalance_predicted": 1.1,
-                "correction_active": active, "predicted_space": "stage" if active else "model",
-                "solver": "lpt", "mb_predicted": predicted,
-                "mb_observed": [[0.1 * (m + 1) for m in range(4)], [0.2, 0.2, -1.0, 0.2]],
-            }) + "\n")
+            handle.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "step_s": 1.0,
+                        "imbalance_observed": 1.5 - 0.1 * step,
+                        "imbalance_predicted": 1.1,
+                        "correction_active": active,
+                        "predicted_space": "stage" if active else "model",
+                        "solver": "lpt",
+                        "mb_predicted": predicted,
+                        "mb_observed": [[0.1 * (m + 1) for m in range(4)], [0.2, 0.2, -1.0, 0.2]],
+                    }
+                )
+                + "\n"
+            )
 
 
 def test_report_reads_a_log_and_writes_plots(tmp_path, capsys):
@@ -143,7 +172,9 @@ def test_report_separates_runs_by_run_id_and_selects_one(tmp_path, capsys):
     log = tmp_path / "dflop_telemetry.jsonl"
     _write_log(log, steps=4)
     lines = log.read_text().splitlines()
-    tagged = [json.dumps({**json.loads(line), "run_id": "first" if i < 2 else "resumed"}) for i, line in enumerate(lines)]
+    tagged = [
+        json.dumps({**json.loads(line), "run_id": "first" if i < 2 else "resumed"}) for i, line in enumerate(lines)
+    ]
     log.write_text("\n".join(tagged) + "\n")  # steps 0, 1 then a resumed run's 2, 3: steps alone would merge them
     assert [[r["step"] for r in run] for run in split_runs(read_log(log))] == [[0, 1], [2, 3]]
     assert cli_main(["report", str(log), "--run-id", "first", "--out", str(tmp_path)]) == 0

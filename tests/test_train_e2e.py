@@ -23,8 +23,9 @@ def launch_training(tmp_path: Path, ds_config, run_train):
 
     def launch(dflop: dict, ds: dict | None = None, timeout: int = 400, args: tuple[str, ...] = ()) -> dict:
         summary = tmp_path / "summary.json"
-        run_train(ds_config("tiny_mllm_pp2.json", dflop, **(ds or {})), "--summary", str(summary), *args,
-                  timeout=timeout)
+        run_train(
+            ds_config("tiny_mllm_pp2.json", dflop, **(ds or {})), "--summary", str(summary), *args, timeout=timeout
+        )
         return json.loads(summary.read_text())
 
     return launch
@@ -32,9 +33,9 @@ def launch_training(tmp_path: Path, ds_config, run_train):
 
 @pytest.mark.slow
 def test_two_rank_pipeline_training_with_varying_shapes_lowers_the_loss(launch_training):
-    run = launch_training({"sampler": "dflop", "steps": 20, "warmup_steps": 2, "max_samples": 640,
-                                     "lr": 0.003},
-                          SIXTEEN_IN_FOUR)
+    run = launch_training(
+        {"sampler": "dflop", "steps": 20, "warmup_steps": 2, "max_samples": 640, "lr": 0.003}, SIXTEEN_IN_FOUR
+    )
     steps = run["steps"]
     assert len(steps) == 20
     losses = [s["loss"] for s in steps]
@@ -52,11 +53,21 @@ def test_a_plan_file_starts_a_two_rank_training(tmp_path, run_train):
     from dflop_ds.plan.layout import Layout, Segment
 
     layout = Layout(Segment(1, 1, 1), Segment(1, 2, 1), n_mb=4, stages=((5, 1, 1), (0, 0, 4)))
-    plan = Plan.from_layout(layout, layer_counts={"encoder": 5, "projector": 1, "llm": 5}, global_batch_size=12,
-                            gpus=2, gpus_per_node=2, gpu_memory_bytes=8e9, family="deepspeed", precision="fp32")
+    plan = Plan.from_layout(
+        layout,
+        layer_counts={"encoder": 5, "projector": 1, "llm": 5},
+        global_batch_size=12,
+        gpus=2,
+        gpus_per_node=2,
+        gpu_memory_bytes=8e9,
+        family="deepspeed",
+        precision="fp32",
+    )
     plan.save(tmp_path / "plan.json")
-    config = {"steps_per_print": 10**6, "dflop": set_settings({}, plan=str(tmp_path / "plan.json"), max_samples=60,
-                                                              steps=3, warmup_steps=1)}
+    config = {
+        "steps_per_print": 10**6,
+        "dflop": set_settings({}, plan=str(tmp_path / "plan.json"), max_samples=60, steps=3, warmup_steps=1),
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     run_train(tmp_path / "config.json", "--summary", str(tmp_path / "summary.json"))
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -81,19 +92,57 @@ def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_pat
 
     cost_model = tmp_path / "costmodel.json"
     profiled = subprocess.run(
-        [sys.executable, "-m", "dflop_ds.cli", "profile", "model", "--no-progress", "--tiles", "1,8,32,96",
-         "--seq-lens", "16,128,512,768", "--batch-sizes", "1,4", "--repeats", "2", "-o", str(cost_model)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "dflop_ds.cli",
+            "profile",
+            "model",
+            "--no-progress",
+            "--tiles",
+            "1,8,32,96",
+            "--seq-lens",
+            "16,128,512,768",
+            "--batch-sizes",
+            "1,4",
+            "--repeats",
+            "2",
+            "-o",
+            str(cost_model),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert profiled.returncode == 0, profiled.stderr[-3000:]
     telemetry = tmp_path / "telemetry.jsonl"
-    launch_training({"sampler": "stock", "steps": 8, "warmup_steps": 2},
-                    args=("--telemetry", str(telemetry)))
+    launch_training({"sampler": "stock", "steps": 8, "warmup_steps": 2}, args=("--telemetry", str(telemetry)))
     model = load_cost_model(cost_model)
     data = ROOT / "examples" / "data" / "mixture.jsonl"
     shapes = read_dataset(data, TINY_POLICY)
-    fitted = subprocess.run([sys.executable, "-m", "dflop_ds.cli", "profile", "engine", str(telemetry), "--cost-model",
-                             str(cost_model), "--data", str(data), "--skip-steps", "2", "-o", str(tmp_path / "engine.json")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    fitted = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflop_ds.cli",
+            "profile",
+            "engine",
+            str(telemetry),
+            "--cost-model",
+            str(cost_model),
+            "--data",
+            str(data),
+            "--skip-steps",
+            "2",
+            "-o",
+            str(tmp_path / "engine.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert fitted.returncode == 0, fitted.stderr[-3000:]
     assert "one blocking exchange" in fitted.stdout and "check on the profiled steps" in fitted.stdout
     engine = EngineProfile.load(tmp_path / "engine.json")
@@ -115,15 +164,17 @@ def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_pat
 @pytest.mark.slow
 def test_a_node_limited_exact_solver_gives_every_rank_the_same_schedule(launch_training):
     # telemetry compares the ranks' schedule fingerprints every step and stops the run on a mismatch
-    run = launch_training({"sampler": "dflop", "steps": 3, "warmup_steps": 1, "max_samples": 64,
-                                     "ilp_nodes": 200},
-                          SIXTEEN_IN_FOUR)
+    run = launch_training(
+        {"sampler": "dflop", "steps": 3, "warmup_steps": 1, "max_samples": 64, "ilp_nodes": 200}, SIXTEEN_IN_FOUR
+    )
     assert len(run["steps"]) == 3 and all(s["schedule_ms"] > 0 for s in run["steps"])
 
 
 @pytest.mark.slow
 def test_a_memory_cap_no_sample_fits_stops_before_training_naming_a_sample(ds_config, run_train):
-    config = ds_config("tiny_mllm_pp2.json", {"steps": 2, "warmup_steps": 1, "max_samples": 64, "memory_cap_bytes": 1000})
+    config = ds_config(
+        "tiny_mllm_pp2.json", {"steps": 2, "warmup_steps": 1, "max_samples": 64, "memory_cap_bytes": 1000}
+    )
     result = run_train(config, expect=None)
     output = result.stdout + result.stderr
     assert result.returncode != 0

@@ -10,8 +10,6 @@ import pytest
 import torch
 
 
-
-
 @pytest.fixture(scope="module")
 def llava_run_inputs(tmp_path_factory):
     """A tiny LLaVA directory and a 40-record LLaVA dataset with real PNG/JPEG files."""
@@ -29,11 +27,29 @@ def train(tmp_path: Path, ds_config, run_train):
     """``train(config, model, data, images, *args, dflop=None, ds=None)``: examples/train.py on 2 ranks
     with a bundled config (``dflop`` and DeepSpeed keys ``ds`` overridden) on an HF model; its summary."""
 
-    def launch(config: str, model: Path, data: Path, images: Path, *args: str, dflop: dict | None = None,
-               ds: dict | None = None) -> dict:
+    def launch(
+        config: str,
+        model: Path,
+        data: Path,
+        images: Path,
+        *args: str,
+        dflop: dict | None = None,
+        ds: dict | None = None,
+    ) -> dict:
         summary = tmp_path / "summary.json"
-        run_train(ds_config(config, dflop, **(ds or {})), "--model_name_or_path", str(model), "--data_path", str(data),
-                  "--image_folder", str(images), "--summary", str(summary), *args, timeout=500)
+        run_train(
+            ds_config(config, dflop, **(ds or {})),
+            "--model_name_or_path",
+            str(model),
+            "--data_path",
+            str(data),
+            "--image_folder",
+            str(images),
+            "--summary",
+            str(summary),
+            *args,
+            timeout=500,
+        )
         return json.loads(summary.read_text())
 
     return launch
@@ -51,14 +67,30 @@ def changed_tensors(before: Path, after: Path) -> tuple[int, int]:
 
 @pytest.mark.slow
 # ZeRO-2 with the DFLOP sampler: the LoRA and the one-step-equals-HF tests below
-@pytest.mark.parametrize("config,sampler,zero", [("hf_pp2.json", "dflop", 0), ("hf_pp2.json", "stock", 0),
-                                                 ("hf_zero2.json", "stock", 2), ("hf_zero2.json", "dflop", 3)])
-def test_hf_llava_trains_on_two_ranks_with_both_engines_and_samplers(tmp_path, llava_run_inputs, config, sampler, zero,
-                                                                      train):
+@pytest.mark.parametrize(
+    "config,sampler,zero",
+    [
+        ("hf_pp2.json", "dflop", 0),
+        ("hf_pp2.json", "stock", 0),
+        ("hf_zero2.json", "stock", 2),
+        ("hf_zero2.json", "dflop", 3),
+    ],
+)
+def test_hf_llava_trains_on_two_ranks_with_both_engines_and_samplers(
+    tmp_path, llava_run_inputs, config, sampler, zero, train
+):
     model, data, images = llava_run_inputs
     out = tmp_path / "trained"
-    run = train(config, model, data, images, "--output_dir", str(out),
-                dflop={"sampler": sampler, "steps": 6}, ds={"zero_optimization": {"stage": zero}} if zero else None)
+    run = train(
+        config,
+        model,
+        data,
+        images,
+        "--output_dir",
+        str(out),
+        dflop={"sampler": sampler, "steps": 6},
+        ds={"zero_optimization": {"stage": zero}} if zero else None,
+    )
     summary = run["summary"]
     assert summary["zero_stage"] == zero
     assert summary["engine"] == ("pipeline" if "pp2" in config else "plain") and summary["model"].startswith("llava")
@@ -75,8 +107,15 @@ def test_hf_llava_lora_on_zero2_trains_adapters_and_saves_a_merged_model(tmp_pat
 
     model, data, images = llava_run_inputs
     out = tmp_path / "trained"
-    run = train("hf_zero2.json", model, data, images, "--output_dir", str(out),
-                dflop={"lora": {"r": 4, "alpha": 8}, "lr": 0.01, "steps": 6})
+    run = train(
+        "hf_zero2.json",
+        model,
+        data,
+        images,
+        "--output_dir",
+        str(out),
+        dflop={"lora": {"r": 4, "alpha": 8}, "lr": 0.01, "steps": 6},
+    )
     losses = [s["loss"] for s in run["steps"]]
     assert losses[-1] < losses[0], losses
     old = AutoModelForImageTextToText.from_pretrained(str(model)).state_dict()
@@ -107,8 +146,9 @@ def _hf_forward(family: str):
 # one global batch of 8 records with 2 images, so that at least two of its 4 microbatches have none) passed when
 # written and is left out for the suite's time
 @pytest.mark.parametrize("family,records,seed,text_only", [("llava", 16, 5, 0.5)])
-def test_hf_zero2_step_equals_one_hf_step_on_the_global_batch_with_image_less_microbatches(tmp_path, family, records,
-                                                                                          seed, text_only, train):
+def test_hf_zero2_step_equals_one_hf_step_on_the_global_batch_with_image_less_microbatches(
+    tmp_path, family, records, seed, text_only, train
+):
     """One SGD step of ZeRO-2 dp2 (microbatches with and without images on different ranks) gives
     the weights of one SGD step of the HF model over the whole global batch (its token mean).
     Ranks whose backward produced gradients in another order would mix up ZeRO's buckets."""
@@ -118,15 +158,27 @@ def test_hf_zero2_step_equals_one_hf_step_on_the_global_batch_with_image_less_mi
     from dflop_ds.testing.llava_data import write_llava_dataset
 
     model = _tiny_model(family, tmp_path / "model")
-    data, images = write_llava_dataset(tmp_path / "data", records, seed=seed, text_only=text_only,
-                                       answer_words=(3, 12))
+    data, images = write_llava_dataset(tmp_path / "data", records, seed=seed, text_only=text_only, answer_words=(3, 12))
     trace, out = tmp_path / "trace.jsonl", tmp_path / "trained"
-    train("hf_zero2.json", model, data, images, "--trace", str(trace), "--output_dir", str(out),
-          dflop={"steps": 1, "warmup_steps": 0, "num_workers": 0},
-          ds={"optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True,
-              "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default
-              "train_batch_size": 8,
-              "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 2})
+    train(
+        "hf_zero2.json",
+        model,
+        data,
+        images,
+        "--trace",
+        str(trace),
+        "--output_dir",
+        str(out),
+        dflop={"steps": 1, "warmup_steps": 0, "num_workers": 0},
+        ds={
+            "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+            "zero_allow_untested_optimizer": True,
+            "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default
+            "train_batch_size": 8,
+            "gradient_accumulation_steps": 2,
+            "train_micro_batch_size_per_gpu": 2,
+        },
+    )
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     source = hf_source(str(model), image_folder=str(images))
     shapes = source.read_shapes(str(data), "error")

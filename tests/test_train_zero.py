@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES, BATCH, GAS = 96, 16, 4
 STEPS_PER_EPOCH = SAMPLES // BATCH
@@ -21,8 +20,13 @@ def zero2_config(ds_config):
     """``zero2_config(**dflop) -> path``: the bundled ZeRO-2 config on the tiny model, ``dflop`` keys overridden."""
 
     def write(**dflop) -> Path:
-        return ds_config("tiny_zero2.json", {"max_samples": SAMPLES, **dflop}, train_batch_size=BATCH,
-                         train_micro_batch_size_per_gpu=BATCH // (2 * GAS), gradient_accumulation_steps=GAS)
+        return ds_config(
+            "tiny_zero2.json",
+            {"max_samples": SAMPLES, **dflop},
+            train_batch_size=BATCH,
+            train_micro_batch_size_per_gpu=BATCH // (2 * GAS),
+            gradient_accumulation_steps=GAS,
+        )
 
     return write
 
@@ -68,8 +72,9 @@ def test_zero2_data_parallel_trains_every_sample_once_with_the_global_token_mean
     assert run["summary"]["engine"] == "plain" and run["summary"]["zero_stage"] == 2 and run["summary"]["dp"] == 2
 
     lines = trace_lines(trace)
-    assert sorted((line["step"], line["dp_rank"]) for line in lines) == [(s, r) for s in range(STEPS_PER_EPOCH)
-                                                                         for r in range(2)]
+    assert sorted((line["step"], line["dp_rank"]) for line in lines) == [
+        (s, r) for s in range(STEPS_PER_EPOCH) for r in range(2)
+    ]
     assert all(len(line["microbatches"]) == GAS and all(line["microbatches"]) for line in lines)
     assert_every_sample_once_token_mean_loss_and_learning(lines, run)
     if sampler == "dflop":
@@ -78,8 +83,8 @@ def test_zero2_data_parallel_trains_every_sample_once_with_the_global_token_mean
 
 def assert_each_micro_step_balanced_across_ranks(lines: list[dict]) -> None:
     """Micro-step k of both ranks costs about the same (the ranks meet in every backward)."""
-    from dflop_ds.data import read_dataset
     from dflop_ds.cost import ProxyCost
+    from dflop_ds.data import read_dataset
     from dflop_ds.shapes import TINY_POLICY
 
     shapes = read_dataset(ROOT / "examples" / "data" / "mixture.jsonl", TINY_POLICY)[:SAMPLES]
@@ -94,8 +99,13 @@ def assert_each_micro_step_balanced_across_ranks(lines: list[dict]) -> None:
 
 @pytest.mark.slow
 def test_zero2_killed_run_resumes_without_losing_or_repeating_a_sample(tmp_path, zero2_config, run_train):
-    config = zero2_config(sampler="dflop", steps=STEPS_PER_EPOCH, warmup_steps=0,
-                          checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2)
+    config = zero2_config(
+        sampler="dflop",
+        steps=STEPS_PER_EPOCH,
+        warmup_steps=0,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=2,
+    )
     killed, resumed = tmp_path / "killed.jsonl", tmp_path / "resumed.jsonl"
     run_train(config, "--trace", str(killed), "--exit-after-step", "2", expect=17)
     run_train(config, "--trace", str(resumed), "--resume")

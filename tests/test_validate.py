@@ -24,25 +24,37 @@ def where(problems: list[Problem]) -> set[tuple[int | None, str | None]]:
 
 
 def test_manifest_with_one_of_each_bad_record(tmp_path: Path, write_jsonl) -> None:
-    path = write_jsonl(tmp_path / "bad.jsonl", [
-        {"id": "good", "images": [[640, 480]], "text_tokens": 10},          # 1
-        "{not json",                                                         # 2 malformed
-        {"images": [], "text_tokens": 3},                                    # 3 missing id
-        {"id": "t", "text_tokens": "many"},                                  # 4 wrong type
-        {"id": "n", "images": [[-3, 5]], "text_tokens": 3},                  # 5 negative size
-        {"id": "huge", "images": [[200000, 5]], "text_tokens": 3},           # 6 absurd size
-        {"id": "frames", "video_frames": 10**8, "text_tokens": 3},           # 7 absurd frames
-        {"id": "good", "text_tokens": 1},                                    # 8 duplicate id
-        {"id": "long", "text_tokens": 5000},                                 # 9 over the token cap
-        {"id": "two", "images": [[0, 1]], "video_frames": -1, "text_tokens": 1, "label_tokens": 9},  # 10
-        [1, 2],                                                              # 11 not an object
-        {"id": "fine", "text_tokens": 7},                                    # 12
-    ])
+    path = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [
+            {"id": "good", "images": [[640, 480]], "text_tokens": 10},  # 1
+            "{not json",  # 2 malformed
+            {"images": [], "text_tokens": 3},  # 3 missing id
+            {"id": "t", "text_tokens": "many"},  # 4 wrong type
+            {"id": "n", "images": [[-3, 5]], "text_tokens": 3},  # 5 negative size
+            {"id": "huge", "images": [[200000, 5]], "text_tokens": 3},  # 6 absurd size
+            {"id": "frames", "video_frames": 10**8, "text_tokens": 3},  # 7 absurd frames
+            {"id": "good", "text_tokens": 1},  # 8 duplicate id
+            {"id": "long", "text_tokens": 5000},  # 9 over the token cap
+            {"id": "two", "images": [[0, 1]], "video_frames": -1, "text_tokens": 1, "label_tokens": 9},  # 10
+            [1, 2],  # 11 not an object
+            {"id": "fine", "text_tokens": 7},  # 12
+        ],
+    )
     problems = validate_dataset(path, TINY_POLICY, max_llm_tokens=1000)
     assert where(problems) == {
-        (2, None), (3, "id"), (4, "text_tokens"), (5, "images[0].width"), (6, "images[0].width"),
-        (7, "video_frames"), (8, "id"), (9, "llm_tokens"),
-        (10, "images[0].width"), (10, "video_frames"), (10, "label_tokens"), (11, None),
+        (2, None),
+        (3, "id"),
+        (4, "text_tokens"),
+        (5, "images[0].width"),
+        (6, "images[0].width"),
+        (7, "video_frames"),
+        (8, "id"),
+        (9, "llm_tokens"),
+        (10, "images[0].width"),
+        (10, "video_frames"),
+        (10, "label_tokens"),
+        (11, None),
     }
     assert all(p.path == str(path) for p in problems)
     assert [p.record for p in problems] == sorted(p.record for p in problems)  # file order
@@ -54,22 +66,33 @@ def test_manifest_with_one_of_each_bad_record(tmp_path: Path, write_jsonl) -> No
 
 def test_llava_with_one_of_each_bad_record(tmp_path: Path) -> None:
     path = tmp_path / "bad.json"
-    path.write_text(json.dumps([
-        {"id": "ok", "image": "known.jpg", "conversations": conv()},                   # 0
-        {"id": "nosize", "image": "unknown.jpg", "conversations": conv()},             # 1 missing size
-        {"id": "noconv", "image": "known.jpg"},                                        # 2 missing field
-        {"id": "badturn", "conversations": [{"from": "human", "value": None}]},        # 3 wrong type
-        {"id": "vid", "video": "unknown.mp4", "conversations": conv()},                # 4 no frames
-        {"id": "ok", "conversations": conv()},                                         # 5 duplicate
-        {"id": "tiles", "image": ["known.jpg"] * 3, "conversations": conv()},          # 6 over tile cap
-    ]))
+    path.write_text(
+        json.dumps(
+            [
+                {"id": "ok", "image": "known.jpg", "conversations": conv()},  # 0
+                {"id": "nosize", "image": "unknown.jpg", "conversations": conv()},  # 1 missing size
+                {"id": "noconv", "image": "known.jpg"},  # 2 missing field
+                {"id": "badturn", "conversations": [{"from": "human", "value": None}]},  # 3 wrong type
+                {"id": "vid", "video": "unknown.mp4", "conversations": conv()},  # 4 no frames
+                {"id": "ok", "conversations": conv()},  # 5 duplicate
+                {"id": "tiles", "image": ["known.jpg"] * 3, "conversations": conv()},  # 6 over tile cap
+            ]
+        )
+    )
     problems = validate_dataset(path, TINY_POLICY, image_sizes={"known.jpg": [1000, 1000]}, max_encoder_tiles=10)
-    assert where(problems) == {(1, "image"), (2, "conversations"), (3, "conversations[0].value"), (4, "video"),
-                               (5, "id"), (6, "encoder_tiles")}
+    assert where(problems) == {
+        (1, "image"),
+        (2, "conversations"),
+        (3, "conversations[0].value"),
+        (4, "video"),
+        (5, "id"),
+        (6, "encoder_tiles"),
+    }
     assert all(p.record_kind == "index" for p in problems)
     # With a fallback, the missing size is no longer a problem.
-    assert (1, "image") not in where(validate_dataset(path, TINY_POLICY, image_sizes={"known.jpg": [1000, 1000]},
-                                                      fallback_size=(640, 480)))
+    assert (1, "image") not in where(
+        validate_dataset(path, TINY_POLICY, image_sizes={"known.jpg": [1000, 1000]}, fallback_size=(640, 480))
+    )
 
 
 def test_unreadable_broken_and_unknown_files(tmp_path: Path, write_jsonl) -> None:
@@ -98,9 +121,11 @@ def test_clean_bundled_mixture_has_no_problems() -> None:
 
 def test_format_problems() -> None:
     assert format_problems([]) == "no problems found"
-    problems = [Problem("f.jsonl", 3, "line", "abc", "images[1]", "must be positive, got -3"),
-                Problem("f.jsonl", 3, "line", "abc", "text_tokens", "is missing"),
-                Problem("f.jsonl", 9, "line", None, None, "malformed JSON")]
+    problems = [
+        Problem("f.jsonl", 3, "line", "abc", "images[1]", "must be positive, got -3"),
+        Problem("f.jsonl", 3, "line", "abc", "text_tokens", "is missing"),
+        Problem("f.jsonl", 9, "line", None, None, "malformed JSON"),
+    ]
     text = format_problems(problems).splitlines()
     assert text[0] == "f.jsonl line 3 (id 'abc'), field 'images[1]': must be positive, got -3"
     assert text[2] == "f.jsonl line 9: malformed JSON"

@@ -21,8 +21,9 @@ from dflop_ds.plan.layout import Layout  # noqa: E402
 
 def _write_run(tmp_path: Path, steps: dict[int, list]) -> tuple[Path, Path]:
     trace, summary = tmp_path / "trace.jsonl", tmp_path / "summary.json"
-    lines = [json.dumps({"step": k, "dp_rank": r, "microbatches": ranks[r]})
-             for k, ranks in steps.items() for r in (1, 0)]  # ranks append in any order
+    lines = [
+        json.dumps({"step": k, "dp_rank": r, "microbatches": ranks[r]}) for k, ranks in steps.items() for r in (1, 0)
+    ]  # ranks append in any order
     trace.write_text("\n".join(lines) + "\n")
     summary.write_text(json.dumps({"steps": [{"step": k, "step_s": 1.0 + k} for k in steps]}))
     return trace, summary
@@ -45,8 +46,9 @@ def test_replayed_colocated_step_is_no_slower_than_the_local_encoder_on_skewed_r
     videos = [i for i, s in enumerate(shapes) if s.video_frames]
     rest = [i for i in range(12) if i not in videos]
     order = [[videos[:2], videos[2:4]], [rest[:2], rest[2:4]]]  # rank 0 drew the videos
-    layout = Layout(Segment(1, 1, 2), Segment(1, 1, 2), 2, ((model.encoder_layers, 1, model.llm_layers),),
-                    colocated=True)
+    layout = Layout(
+        Segment(1, 1, 2), Segment(1, 1, 2), 2, ((model.encoder_layers, 1, model.llm_layers),), colocated=True
+    )
     cluster = Cluster(gpus=2, gpus_per_node=2)
     colocated = colocated_step(model, cluster, layout, shapes, order).sim.step_time
     # the encoder spread over both ranks beats each rank encoding its own samples

@@ -73,10 +73,18 @@ class GPUSpec:
         return self.peak_flops * self.mfu
 
 
-SIGLIP_400M = TransformerSpec("siglip-so400m-384", layers=27, hidden=1152, mlp=4304, heads=16, kv_heads=16, gated_mlp=False)
-QWEN2_0_5B = TransformerSpec("qwen2-0.5b", layers=24, hidden=896, mlp=4864, heads=14, kv_heads=2, gated_mlp=True, vocab=151936)
-QWEN2_7B = TransformerSpec("qwen2-7b", layers=28, hidden=3584, mlp=18944, heads=28, kv_heads=4, gated_mlp=True, vocab=152064)
-QWEN2_72B = TransformerSpec("qwen2-72b", layers=80, hidden=8192, mlp=29568, heads=64, kv_heads=8, gated_mlp=True, vocab=152064)
+SIGLIP_400M = TransformerSpec(
+    "siglip-so400m-384", layers=27, hidden=1152, mlp=4304, heads=16, kv_heads=16, gated_mlp=False
+)
+QWEN2_0_5B = TransformerSpec(
+    "qwen2-0.5b", layers=24, hidden=896, mlp=4864, heads=14, kv_heads=2, gated_mlp=True, vocab=151936
+)
+QWEN2_7B = TransformerSpec(
+    "qwen2-7b", layers=28, hidden=3584, mlp=18944, heads=28, kv_heads=4, gated_mlp=True, vocab=152064
+)
+QWEN2_72B = TransformerSpec(
+    "qwen2-72b", layers=80, hidden=8192, mlp=29568, heads=64, kv_heads=8, gated_mlp=True, vocab=152064
+)
 
 A100_80GB = GPUSpec("A100-80GB", peak_flops=312e12, mfu=0.45, memory_bytes=80e9)
 H100_80GB = GPUSpec("H100-80GB", peak_flops=989e12, mfu=0.40, memory_bytes=80e9)
@@ -107,8 +115,6 @@ class AnalyticMLLM:
     is_analytic: bool = field(default=True, init=False)
     #: the LLMs modelled (HuggingFace Qwen2 / Llama) declare a tp_plan DeepSpeed AutoTP shards
     tensor_parallel_layers: bool = field(default=True, init=False)
-    #: the LLMs modelled (HuggingFace Qwen2 / Llama) declare a tp_plan DeepSpeed AutoTP shards
-    tensor_parallel_layers: bool = field(default=True, init=False)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, AnalyticMLLM) and self.to_dict() == other.to_dict()
@@ -121,10 +127,14 @@ class AnalyticMLLM:
         self._s_per_tile = self.encoder_flops_per_tile() * rate
         self._s_lin = float(self.llm_flops(1.0) - self.llm_flops(0.0)) * rate - self._s_quad_raw() * rate
         self._s_quad = self._s_quad_raw() * rate
-        self._kept = (self.tokens_per_tile * self._kept_per_token(self.encoder) * self.encoder.layers,
-                      self._kept_per_token(self.llm) * self.llm.layers)
-        self._work = (self.tokens_per_tile * self._layer_activation_per_token(self.encoder),
-                      self._layer_activation_per_token(self.llm))
+        self._kept = (
+            self.tokens_per_tile * self._kept_per_token(self.encoder) * self.encoder.layers,
+            self._kept_per_token(self.llm) * self.llm.layers,
+        )
+        self._work = (
+            self.tokens_per_tile * self._layer_activation_per_token(self.encoder),
+            self._layer_activation_per_token(self.llm),
+        )
 
     def _s_quad_raw(self) -> float:
         return 3.0 * 2.0 * self.llm.hidden * self.llm.layers
@@ -148,8 +158,10 @@ class AnalyticMLLM:
         layer = 6.0 * e.layer_params * n + 3.0 * 4.0 * n * n * e.hidden
         projector = 6.0 * self._projector_params * n
         total = layer * e.layers + projector
-        return {"encoder": [layer / total] * e.layers + [projector / total],
-                "llm": [1.0 / self.llm.layers] * self.llm.layers}
+        return {
+            "encoder": [layer / total] * e.layers + [projector / total],
+            "llm": [1.0 / self.llm.layers] * self.llm.layers,
+        }
 
     @property
     def param_bytes(self) -> dict[str, float]:

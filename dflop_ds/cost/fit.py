@@ -61,9 +61,7 @@ class MonotoneFit:
         self.iterations = iterations
         design_matrix(self.features, {"T": np.zeros(1), "A": np.zeros(1), "B": np.zeros(1), "S": np.zeros(1)})
 
-    def fit(
-        self, variables: Mapping[str, ArrayLike], y: ArrayLike, scale: ArrayLike | None = None
-    ) -> MonotoneFit:
+    def fit(self, variables: Mapping[str, ArrayLike], y: ArrayLike, scale: ArrayLike | None = None) -> MonotoneFit:
         """Fit to measurements ``y`` at ``variables``; sets ``coef_``.
 
         With ``relative``, errors are measured relative to ``scale`` (default ``y``): pass the

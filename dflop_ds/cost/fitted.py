@@ -140,11 +140,12 @@ class FittedCostModel:
     def typical_window(self) -> float:
         """Attention units per tile of the profiled encoder inputs (median; 0 without attention units):
         what a tile is assumed to add to ``A`` when a shape does not say."""
-        ratios = [p.attention_units / p.tiles for p in self.profile_.encoder
-                  if p.attention_units is not None and p.tiles > 0]
+        ratios = [
+            p.attention_units / p.tiles for p in self.profile_.encoder if p.attention_units is not None and p.tiles > 0
+        ]
         return float(np.median(ratios)) if ratios else 0.0
 
-    def encoder_time(self, tiles: Sequence[float], attention: Sequence[float | None] | None = None) -> np.ndarray:
+    def encoder_time(self, tiles: ArrayLike, attention: Sequence[float | None] | None = None) -> np.ndarray:
         """Encoder (+projector) seconds for microbatches of ``tiles`` tiles in total and ``attention``
         attention units (where not given or 0: ``tiles x`` :meth:`typical_window`)."""
         self._check_fitted()
@@ -199,10 +200,12 @@ class FittedCostModel:
         if not shapes:
             return np.zeros(2)
         tiles, batch, longest = self._microbatch_vars(shapes)
-        return np.array([
-            self.encoder_bytes_.predict({"T": [tiles]})[0],
-            self.llm_bytes_.predict({"B": [batch], "S": [longest]})[0],
-        ])
+        return np.array(
+            [
+                self.encoder_bytes_.predict({"T": [tiles]})[0],
+                self.llm_bytes_.predict({"B": [batch], "S": [longest]})[0],
+            ]
+        )
 
     def predict_memory(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """``(2,)`` peak bytes above the parameters while one microbatch runs forward+backward.
@@ -276,13 +279,16 @@ def check_policy(cost_model: Any, policy: ShapePolicy, *, source: str = "the cos
     wanted = policy.describe()
     if recorded is None:
         logging.getLogger(__name__).warning(
-            "%s records no shape policy; cannot check it against the %r policy in use", source, wanted["name"])
+            "%s records no shape policy; cannot check it against the %r policy in use", source, wanted["name"]
+        )
         return
-    differ = sorted(key for key in set(recorded) | set(wanted)
-                    if key != "name" and recorded.get(key) != wanted.get(key))
+    differ = sorted(
+        key for key in set(recorded) | set(wanted) if key != "name" and recorded.get(key) != wanted.get(key)
+    )
     if differ:
         details = "; ".join(f"{key}: {recorded.get(key)!r} vs {wanted.get(key)!r}" for key in differ)
         raise ValueError(
             f"{source} was profiled under the shape policy {recorded.get('name')!r}, but the data is "
             f"shaped with the policy {wanted['name']!r}; they differ in {details}. Profile the model "
-            "with the policy you train with (or pick the policy the cost model was made for)")
+            "with the policy you train with (or pick the policy the cost model was made for)"
+        )

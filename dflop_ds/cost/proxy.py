@@ -47,12 +47,19 @@ class ProxyCost:
 
     kind = "proxy"
 
-    def __init__(self, tile_cost: float = 16.0, attention_span: float = 12 * 128,
-                 encoder_bytes_per_tile: float = TINY_ENCODER_BYTES_PER_TILE,
-                 llm_bytes_per_token: float = TINY_LLM_BYTES_PER_TOKEN) -> None:
-        for name, value in (("tile_cost", tile_cost), ("attention_span", attention_span),
-                            ("encoder_bytes_per_tile", encoder_bytes_per_tile),
-                            ("llm_bytes_per_token", llm_bytes_per_token)):
+    def __init__(
+        self,
+        tile_cost: float = 16.0,
+        attention_span: float = 12 * 128,
+        encoder_bytes_per_tile: float = TINY_ENCODER_BYTES_PER_TILE,
+        llm_bytes_per_token: float = TINY_LLM_BYTES_PER_TOKEN,
+    ) -> None:
+        for name, value in (
+            ("tile_cost", tile_cost),
+            ("attention_span", attention_span),
+            ("encoder_bytes_per_tile", encoder_bytes_per_tile),
+            ("llm_bytes_per_token", llm_bytes_per_token),
+        ):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         self.tile_cost = float(tile_cost)
@@ -87,9 +94,14 @@ class ProxyCost:
 
     def to_dict(self) -> dict[str, Any]:
         """The constructor parameters (the file's header is :func:`dflop_ds.cost.io.cost_model_to_dict`'s)."""
-        return {"params": {"tile_cost": self.tile_cost, "attention_span": self.attention_span,
-                           "encoder_bytes_per_tile": self.encoder_bytes_per_tile,
-                           "llm_bytes_per_token": self.llm_bytes_per_token}}
+        return {
+            "params": {
+                "tile_cost": self.tile_cost,
+                "attention_span": self.attention_span,
+                "encoder_bytes_per_tile": self.encoder_bytes_per_tile,
+                "llm_bytes_per_token": self.llm_bytes_per_token,
+            }
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "proxy cost model") -> ProxyCost:

@@ -13,7 +13,20 @@ from dflop_ds.data.sizes import DEFAULT_FALLBACK_SIZE, SizeDraw, load_frame_tabl
 from dflop_ds.data.validate import Problem, format_problems, validate_dataset
 
 __all__ = [
-    "DataError", "MediaOptions", "ReadReport", "ReadResult", "SizeDraw", "DEFAULT_FALLBACK_SIZE",
-    "read_dataset", "read_manifest", "write_manifest", "read_llava", "detect_format",
-    "load_size_table", "load_frame_table", "Problem", "format_problems", "validate_dataset",
+    "DataError",
+    "MediaOptions",
+    "ReadReport",
+    "ReadResult",
+    "SizeDraw",
+    "DEFAULT_FALLBACK_SIZE",
+    "read_dataset",
+    "read_manifest",
+    "write_manifest",
+    "read_llava",
+    "detect_format",
+    "load_size_table",
+    "load_frame_table",
+    "Problem",
+    "format_problems",
+    "validate_dataset",
 ]

@@ -6,7 +6,8 @@ Manifest records carry ``text_tokens`` or ``text`` and no ``conversations``; LLa
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from dflop_ds.data.errors import DataError, PathArg
 from dflop_ds.data.llava import parse_llava_record
@@ -31,9 +32,13 @@ def detect_format(records: Sequence[RawRecord], path: PathArg) -> str:
                 return LLAVA
             if is_manifest_record(raw.value):
                 return MANIFEST
-            raise DataError("cannot tell the format: the first record has neither 'conversations' "
-                            "(LLaVA) nor 'text_tokens'/'text' (shape manifest)",
-                            path=path, record=raw.number, record_kind=raw.kind)
+            raise DataError(
+                "cannot tell the format: the first record has neither 'conversations' "
+                "(LLaVA) nor 'text_tokens'/'text' (shape manifest)",
+                path=path,
+                record=raw.number,
+                record_kind=raw.kind,
+            )
     raise DataError("no JSON object records found", path=path)
 
 
@@ -81,8 +86,15 @@ def read_dataset(
     """
     options = MediaOptions(**media)
     records = load_records(path)
-    return read_loaded(path, records, policy, fmt=fmt or detect_format(records, path), media=options,
-                       on_bad_sample=on_bad_sample, warn=warn)
+    return read_loaded(
+        path,
+        records,
+        policy,
+        fmt=fmt or detect_format(records, path),
+        media=options,
+        on_bad_sample=on_bad_sample,
+        warn=warn,
+    )
 
 
 def read_llava(
@@ -109,13 +121,20 @@ def read_llava(
     return read_dataset(path, policy, on_bad_sample=on_bad_sample, fmt=LLAVA, **media)
 
 
-def read_loaded(path: PathArg, records: Sequence[RawRecord], policy: ShapePolicy, *, fmt: str,
-                media: MediaOptions, on_bad_sample: str = "error", warn: bool = True) -> ReadResult:
+def read_loaded(
+    path: PathArg,
+    records: Sequence[RawRecord],
+    policy: ShapePolicy,
+    *,
+    fmt: str,
+    media: MediaOptions,
+    on_bad_sample: str = "error",
+    warn: bool = True,
+) -> ReadResult:
     """:func:`read_dataset` on records already loaded from ``path`` in format ``fmt``."""
     lookup = media_lookup(path, records, media) if fmt == LLAVA else None
     try:
-        return read_records(path, records, record_parser(fmt, policy, lookup), on_bad_sample=on_bad_sample,
-                            warn=warn)
+        return read_records(path, records, record_parser(fmt, policy, lookup), on_bad_sample=on_bad_sample, warn=warn)
     finally:
         if lookup is not None:
             lookup.save_cache()

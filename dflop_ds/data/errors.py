@@ -69,8 +69,9 @@ class DataError(ValueError):
         return describe_location(self.path, self.record, self.record_kind, self.sample_id, self.field)
 
     def __reduce__(self):
-        kwargs = dict(path=self.path, record=self.record, record_kind=self.record_kind,
-                      sample_id=self.sample_id, field=self.field)
+        kwargs = dict(
+            path=self.path, record=self.record, record_kind=self.record_kind, sample_id=self.sample_id, field=self.field
+        )
         return (_rebuild_data_error, (self.reason, kwargs))
 
 

@@ -7,8 +7,9 @@ pass finds all of a record's problems (the validator reports them all; readers r
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 #: Largest plausible image side in pixels; anything bigger is treated as corrupt metadata.
 MAX_IMAGE_SIDE = 100_000
@@ -68,8 +69,13 @@ class FieldProblems:
         return int(value)
 
     def int_field(
-        self, record: Mapping[str, Any], key: str, *, default: int | None = None,
-        minimum: int = 0, maximum: int,
+        self,
+        record: Mapping[str, Any],
+        key: str,
+        *,
+        default: int | None = None,
+        minimum: int = 0,
+        maximum: int,
     ) -> int | None:
         """Read integer field ``key``; missing is a problem only when there is no ``default``."""
         if key not in record:

@@ -13,8 +13,8 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from dflop_ds.data.errors import PathArg
 
@@ -98,20 +98,27 @@ class HeaderSizes:
         try:
             data = json.loads(self.cache_path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            logger.warning("ignoring unreadable %s size cache %s (%s); it will be rebuilt", self.kind, self.cache_path,
-                           exc)
+            logger.warning(
+                "ignoring unreadable %s size cache %s (%s); it will be rebuilt", self.kind, self.cache_path, exc
+            )
             return {}
-        if (not isinstance(data, dict) or data.get("format") != self.cache_format
-                or data.get("format_version") != CACHE_VERSION):
-            logger.warning("ignoring %s size cache %s of another format or version; it will be rebuilt", self.kind,
-                           self.cache_path)
+        if (
+            not isinstance(data, dict)
+            or data.get("format") != self.cache_format
+            or data.get("format_version") != CACHE_VERSION
+        ):
+            logger.warning(
+                "ignoring %s size cache %s of another format or version; it will be rebuilt", self.kind, self.cache_path
+            )
             return {}
         entries = data.get("entries")
         if not isinstance(entries, dict):
             return {}
-        return {key: value for key, value in entries.items()
-                if isinstance(value, list) and len(value) == self.value_len + 2
-                and all(isinstance(v, int) for v in value)}
+        return {
+            key: value
+            for key, value in entries.items()
+            if isinstance(value, list) and len(value) == self.value_len + 2 and all(isinstance(v, int) for v in value)
+        }
 
     def save(self) -> None:
         """Write the cache file if this object read headers or dropped stale entries.
@@ -127,8 +134,12 @@ class HeaderSizes:
             tmp.write_text(json.dumps(payload, separators=(",", ":")), encoding="utf-8")
             os.replace(tmp, self.cache_path)
         except OSError as exc:
-            logger.warning("cannot write %s size cache %s (%s); the files will be read again next time", self.kind,
-                           self.cache_path, exc)
+            logger.warning(
+                "cannot write %s size cache %s (%s); the files will be read again next time",
+                self.kind,
+                self.cache_path,
+                exc,
+            )
             tmp.unlink(missing_ok=True)
             return
         self._dirty = False
@@ -160,7 +171,7 @@ class HeaderSizes:
         entry = self._cache.get(self.full_path(path))
         if entry is None:
             return None
-        if entry[self.value_len:] != _file_key(stat):
+        if entry[self.value_len :] != _file_key(stat):
             del self._cache[self.full_path(path)]
             self._dirty = True
             return None
@@ -198,8 +209,13 @@ class HeaderSizes:
         if self.progress and len(todo) >= PROGRESS_MIN_FILES:
             from tqdm import tqdm
 
-            items = tqdm(todo, desc=f"reading {self.kind} headers under {self.image_folder}", unit="file",
-                         file=sys.stderr, mininterval=1.0)
+            items = tqdm(
+                todo,
+                desc=f"reading {self.kind} headers under {self.image_folder}",
+                unit="file",
+                file=sys.stderr,
+                mininterval=1.0,
+            )
         for path, stat in items:
             self._sizes[path] = self._read(path, stat)
 

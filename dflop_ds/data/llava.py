@@ -28,7 +28,8 @@ A policy with a ``conversation`` counter (a real model's chat template, see
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from dflop_ds.data.fields import MAX_VIDEO_FRAMES, FieldProblems, type_name
 from dflop_ds.data.media import MediaLookup
@@ -81,8 +82,11 @@ def _parse_conversations(record: Mapping[str, Any], problems: FieldProblems) -> 
         if not isinstance(value, str):
             problems.add(f"{name}.value", f"must be a string, got {type_name(value)}")
         if isinstance(role, str) and role.lower() not in KNOWN_ROLES:
-            problems.add(f"{name}.from", f"unknown role {role!r}: expected human/user, gpt/assistant or system"
-                                         " (any case); answers of an unknown role would get no labels")
+            problems.add(
+                f"{name}.from",
+                f"unknown role {role!r}: expected human/user, gpt/assistant or system"
+                " (any case); answers of an unknown role would get no labels",
+            )
         elif isinstance(role, str) and isinstance(value, str):
             turns.append((role, value))
     return None if len(turns) != len(turns_value) else turns
@@ -119,8 +123,9 @@ def _record_sizes(record: Mapping[str, Any], n_images: int, problems: FieldProbl
     return [None] * n_images
 
 
-def _resolve_images(record: Mapping[str, Any], problems: FieldProblems,
-                    media: MediaLookup) -> list[tuple[int, int]] | None:
+def _resolve_images(
+    record: Mapping[str, Any], problems: FieldProblems, media: MediaLookup
+) -> list[tuple[int, int]] | None:
     before = len(problems.items)
     paths = _parse_image_paths(record, problems)
     if paths is None:
@@ -138,8 +143,9 @@ def _resolve_images(record: Mapping[str, Any], problems: FieldProblems,
     return sizes if len(sizes) == len(paths) else None
 
 
-def _resolve_video(record: Mapping[str, Any], problems: FieldProblems, media: MediaLookup,
-                   need_info: bool) -> tuple[int, VideoInfo | None] | None:
+def _resolve_video(
+    record: Mapping[str, Any], problems: FieldProblems, media: MediaLookup, need_info: bool
+) -> tuple[int, VideoInfo | None] | None:
     """``(frames, container facts or None)`` of the record's video (``(0, None)`` without one)."""
     video = record.get("video")
     if "video" in record and (not isinstance(video, str) or not video):
@@ -161,8 +167,9 @@ def _resolve_video(record: Mapping[str, Any], problems: FieldProblems, media: Me
     return found
 
 
-def parse_llava_record(record: Mapping[str, Any], problems: FieldProblems, policy: ShapePolicy,
-                       media: MediaLookup) -> SampleShape | None:
+def parse_llava_record(
+    record: Mapping[str, Any], problems: FieldProblems, policy: ShapePolicy, media: MediaLookup
+) -> SampleShape | None:
     """The :class:`SampleShape` of one LLaVA record; problems go to ``problems``."""
     sample_id = problems.sample_id(record, allow_int=True)
     turns = _parse_conversations(record, problems)
@@ -171,8 +178,10 @@ def parse_llava_record(record: Mapping[str, Any], problems: FieldProblems, polic
     if turns is not None and sizes is not None:
         placeholders = sum(value.count("<image>") for _, value in turns)
         if placeholders > len(sizes) and not (video and video[0] and not sizes and placeholders == 1):
-            problems.add("conversations", f"has {placeholders} <image> placeholder(s) but the record has"
-                                          f" {len(sizes)} image(s) (field 'image')")
+            problems.add(
+                "conversations",
+                f"has {placeholders} <image> placeholder(s) but the record has {len(sizes)} image(s) (field 'image')",
+            )
     if problems or sample_id is None or turns is None or sizes is None or video is None:
         return None
     frames, info = video
@@ -183,5 +192,12 @@ def parse_llava_record(record: Mapping[str, Any], problems: FieldProblems, polic
         text_tokens, label_tokens = policy.conversation(turns, image_tokens, video_tokens)
     else:
         text_tokens, label_tokens = conversation_tokens(turns, policy)
-    return policy.shape(sample_id, image_sizes=sizes, video_frames=frames, text_tokens=text_tokens,
-                        label_tokens=label_tokens, video_size=size, video_fps=fps)
+    return policy.shape(
+        sample_id,
+        image_sizes=sizes,
+        video_frames=frames,
+        text_tokens=text_tokens,
+        label_tokens=label_tokens,
+        video_size=size,
+        video_fps=fps,
+    )

@@ -14,11 +14,12 @@ by the policy's tokenizer. Other keys are ignored.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
-from dflop_ds.data.fields import MAX_TEXT_TOKENS, MAX_VIDEO_FRAMES, FieldProblems, type_name
 from dflop_ds.data.errors import DataError, PathArg
+from dflop_ds.data.fields import MAX_TEXT_TOKENS, MAX_VIDEO_FRAMES, FieldProblems, type_name
 from dflop_ds.data.records import ReadResult, load_records, read_records
 from dflop_ds.shapes import DEFAULT_POLICY, SampleShape, ShapePolicy
 
@@ -27,27 +28,29 @@ MANIFEST_KEYS = ("id", "images", "video_frames", "text_tokens", "label_tokens", 
 
 def is_manifest_record(record: Any) -> bool:
     """True when ``record`` looks like a manifest line (text counts, no conversations)."""
-    return (isinstance(record, Mapping) and "conversations" not in record
-            and ("text_tokens" in record or "text" in record))
+    return (
+        isinstance(record, Mapping) and "conversations" not in record and ("text_tokens" in record or "text" in record)
+    )
 
 
-def parse_manifest_record(record: Mapping[str, Any], problems: FieldProblems,
-                          policy: ShapePolicy) -> SampleShape | None:
+def parse_manifest_record(
+    record: Mapping[str, Any], problems: FieldProblems, policy: ShapePolicy
+) -> SampleShape | None:
     """The :class:`SampleShape` of one manifest record; problems go to ``problems``."""
     sample_id = problems.sample_id(record)
     sizes = _parse_images(record, problems)
     frames = problems.int_field(record, "video_frames", default=0, maximum=MAX_VIDEO_FRAMES)
     text_tokens = _parse_text_tokens(record, problems, policy)
-    labels = problems.int_field(record, "label_tokens", default=text_tokens if text_tokens is not None else 0,
-                                maximum=MAX_TEXT_TOKENS)
+    labels = problems.int_field(
+        record, "label_tokens", default=text_tokens if text_tokens is not None else 0, maximum=MAX_TEXT_TOKENS
+    )
     if "label_tokens" in record and labels is not None and text_tokens is not None and labels > text_tokens:
         problems.add("label_tokens", f"must be <= text_tokens ({text_tokens}), got {labels}")
     if "source" in record:
         problems.str_field(record, "source")
     if problems or sample_id is None or sizes is None or frames is None or text_tokens is None or labels is None:
         return None
-    return policy.shape(sample_id, image_sizes=sizes, video_frames=frames,
-                        text_tokens=text_tokens, label_tokens=labels)
+    return policy.shape(sample_id, image_sizes=sizes, video_frames=frames, text_tokens=text_tokens, label_tokens=labels)
 
 
 def _parse_images(record: Mapping[str, Any], problems: FieldProblems) -> list[tuple[int, int]] | None:
@@ -76,8 +79,7 @@ def _parse_text_tokens(record: Mapping[str, Any], problems: FieldProblems, polic
     return problems.check_int(record["text_tokens"], "text_tokens", maximum=MAX_TEXT_TOKENS)
 
 
-def read_manifest(path: PathArg, policy: ShapePolicy = DEFAULT_POLICY, *,
-                  on_bad_sample: str = "error") -> ReadResult:
+def read_manifest(path: PathArg, policy: ShapePolicy = DEFAULT_POLICY, *, on_bad_sample: str = "error") -> ReadResult:
     """Read a shape manifest into one :class:`SampleShape` per line, derived under ``policy``.
 
     Args:
@@ -89,9 +91,12 @@ def read_manifest(path: PathArg, policy: ShapePolicy = DEFAULT_POLICY, *,
     Returns:
         A :class:`ReadResult` (a list of shapes, in file order, with ``.report``).
     """
-    return read_records(path, load_records(path),
-                        lambda record, problems: parse_manifest_record(record, problems, policy),
-                        on_bad_sample=on_bad_sample)
+    return read_records(
+        path,
+        load_records(path),
+        lambda record, problems: parse_manifest_record(record, problems, policy),
+        on_bad_sample=on_bad_sample,
+    )
 
 
 def manifest_record(shape: SampleShape | Mapping[str, Any], source: str | None = None) -> dict[str, Any]:
@@ -117,8 +122,9 @@ def manifest_record(shape: SampleShape | Mapping[str, Any], source: str | None =
     return record
 
 
-def write_manifest(path: PathArg, records: Iterable[SampleShape | Mapping[str, Any]], *,
-                   source: str | None = None) -> int:
+def write_manifest(
+    path: PathArg, records: Iterable[SampleShape | Mapping[str, Any]], *, source: str | None = None
+) -> int:
     """Write ``records`` (shapes or manifest dicts) as a JSONL manifest; returns the line count.
 
     Every record is checked as :func:`read_manifest` would check it before anything is
@@ -134,13 +140,13 @@ def write_manifest(path: PathArg, records: Iterable[SampleShape | Mapping[str, A
             problems.add("id", "duplicate id")
         if problems:
             field_name, message = problems.items[0]
-            raise DataError(message, path=path, record=index, record_kind="index",
-                            sample_id=str(record.get("id")), field=field_name)
+            raise DataError(
+                message, path=path, record=index, record_kind="index", sample_id=str(record.get("id")), field=field_name
+            )
         seen.add(record["id"])
         lines.append(json.dumps(record, separators=(", ", ": ")))
     Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return len(lines)
 
 
-__all__ = ["read_manifest", "write_manifest", "manifest_record", "parse_manifest_record",
-           "is_manifest_record"]
+__all__ = ["read_manifest", "write_manifest", "manifest_record", "parse_manifest_record", "is_manifest_record"]

@@ -17,8 +17,9 @@ Nothing has a silent default: a size found nowhere is a bad record.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from dflop_ds.data.errors import PathArg
 from dflop_ds.data.headers import HeaderSizes, cache_path_for
@@ -55,12 +56,15 @@ class MediaLookup:
             return self.headers.size(path)
         size = fallback_size_for(self.fallback_size, path)
         if size is None:
-            return (f"no size for image {path!r}: not in the record, not in the image_sizes table, "
-                    "no image_folder to read its header from, and no fallback_size")
+            return (
+                f"no size for image {path!r}: not in the record, not in the image_sizes table, "
+                "no image_folder to read its header from, and no fallback_size"
+            )
         return size
 
-    def video(self, path: str, given: int | None = None, *,
-              need_info: bool = False) -> tuple[int, VideoInfo | None] | str:
+    def video(
+        self, path: str, given: int | None = None, *, need_info: bool = False
+    ) -> tuple[int, VideoInfo | None] | str:
         """``(frame count, container facts or None)`` of video ``path`` (``given``: the record's
         frame count), or a message saying why there is none. ``need_info``: the container's
         facts (size, rate) are needed, so the file must be readable under the ``video_folder``."""
@@ -76,16 +80,20 @@ class MediaLookup:
                 return found
             info = found
         elif need_info:
-            return (f"no frame size and rate for video {path!r}: the shape policy needs them from the video file, "
-                    "and no video_folder was given to read it from")
+            return (
+                f"no frame size and rate for video {path!r}: the shape policy needs them from the video file, "
+                "and no video_folder was given to read it from"
+            )
         if known is not None:
             return known, info
         if info is not None:
             return info.frames, info
         if self.fallback_frames is not None:
             return self.fallback_frames, None
-        return (f"no frame count for video {path!r}: not in the record ('video_frames'/'frame_count'), "
-                "not in the video_frames table, no video_folder to read it from, and no fallback_frames")
+        return (
+            f"no frame count for video {path!r}: not in the record ('video_frames'/'frame_count'), "
+            "not in the video_frames table, no video_folder to read it from, and no fallback_frames"
+        )
 
     def save_cache(self) -> None:
         """Write the header caches (image sizes, video facts), if headers were read."""
@@ -144,8 +152,9 @@ class MediaOptions:
     fallback_frames: int | None = None
 
 
-def media_lookup(data_path: PathArg, records: Sequence[RawRecord], options: MediaOptions,
-                 *, progress: bool = True) -> MediaLookup:
+def media_lookup(
+    data_path: PathArg, records: Sequence[RawRecord], options: MediaOptions, *, progress: bool = True
+) -> MediaLookup:
     """The :class:`MediaLookup` of the LLaVA file ``data_path``, its header sizes read up front.
 
     Every image of ``records`` that needs its header has it read here (once, with a progress
@@ -162,5 +171,6 @@ def media_lookup(data_path: PathArg, records: Sequence[RawRecord], options: Medi
     videos = None
     if options.video_folder is not None:
         videos = VideoHeaders(options.video_folder, cache_path_for(data_path, VIDEO_CACHE_SUFFIX), progress=progress)
-    return MediaLookup(table, load_frame_table(options.video_frames), options.fallback_size,
-                       options.fallback_frames, headers, videos)
+    return MediaLookup(
+        table, load_frame_table(options.video_frames), options.fallback_size, options.fallback_frames, headers, videos
+    )

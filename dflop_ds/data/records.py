@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
-from dflop_ds.data.fields import FieldProblems, peek_id, type_name
 from dflop_ds.data.errors import DataError, PathArg
+from dflop_ds.data.fields import FieldProblems, peek_id, type_name
 from dflop_ds.shapes import SampleShape
 
 logger = logging.getLogger(__name__)
@@ -91,8 +92,9 @@ def load_records(path: PathArg) -> list[RawRecord]:
         try:
             values = json.loads(data.decode("utf-8"))
         except json.JSONDecodeError as exc:
-            raise DataError(f"invalid JSON array: {exc.msg} (column {exc.colno})", path=path,
-                            record=exc.lineno, record_kind="line") from exc
+            raise DataError(
+                f"invalid JSON array: {exc.msg} (column {exc.colno})", path=path, record=exc.lineno, record_kind="line"
+            ) from exc
         except (UnicodeDecodeError, RecursionError, ValueError) as exc:
             raise DataError(f"invalid JSON array: {type(exc).__name__}: {exc}", path=path) from exc
         if not isinstance(values, list):
@@ -124,8 +126,7 @@ class ReadReport:
 
     def summary(self) -> str:
         """One line: read and skipped counts."""
-        return (f"{self.path}: read {self.n_read} of {self.n_records} records, "
-                f"skipped {self.n_skipped} bad record(s)")
+        return f"{self.path}: read {self.n_read} of {self.n_records} records, skipped {self.n_skipped} bad record(s)"
 
 
 class ReadResult(list):
@@ -137,8 +138,7 @@ class ReadResult(list):
     report: ReadReport
     record_numbers: list[int]
 
-    def __init__(self, shapes: Iterable[SampleShape], report: ReadReport,
-                 record_numbers: Iterable[int] = ()) -> None:
+    def __init__(self, shapes: Iterable[SampleShape], report: ReadReport, record_numbers: Iterable[int] = ()) -> None:
         super().__init__(shapes)
         self.report = report
         self.record_numbers = list(record_numbers)
@@ -189,12 +189,17 @@ def read_records(
 
 
 def _record_errors(
-    path: PathArg, raw: RawRecord, parse: RecordParser, first_seen: Mapping[str, int],
+    path: PathArg,
+    raw: RawRecord,
+    parse: RecordParser,
+    first_seen: Mapping[str, int],
 ) -> SampleShape | list[DataError]:
     """The parsed shape of ``raw``, or the list of its problems as DataErrors."""
+
     def error(reason: str, field_name: str | None = None, sample_id: str | None = None) -> DataError:
-        return DataError(reason, path=path, record=raw.number, record_kind=raw.kind,
-                         sample_id=sample_id, field=field_name)
+        return DataError(
+            reason, path=path, record=raw.number, record_kind=raw.kind, sample_id=sample_id, field=field_name
+        )
 
     if raw.error is not None:
         return [error(raw.error, sample_id=raw.id_hint)]

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from dflop_ds.data.fields import MAX_VIDEO_FRAMES, FieldProblems, type_name
 from dflop_ds.data.errors import DataError, PathArg
+from dflop_ds.data.fields import MAX_VIDEO_FRAMES, FieldProblems, type_name
 
 #: A fixed size to pass as ``fallback_size`` when you want one: 640x480, the most common MS-COCO
 #: size. The readers never use it unless it is passed (an image of unknown size is a bad record).
@@ -43,7 +44,7 @@ class SizeDraw:
 
     def draw(self, key: str) -> tuple[int, int]:
         """The size drawn for ``key`` (an image path)."""
-        digest = hashlib.blake2b(f"{self.seed}:{key}".encode("utf-8"), digest_size=8).digest()
+        digest = hashlib.blake2b(f"{self.seed}:{key}".encode(), digest_size=8).digest()
         return self.sizes[int.from_bytes(digest, "little") % len(self.sizes)]
 
     def __repr__(self) -> str:
@@ -74,11 +75,9 @@ def _load_table(table: PathArg | Mapping[str, Any] | None, what: str) -> tuple[d
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"cannot read {what} table: {exc}", path=table) from exc
     except json.JSONDecodeError as exc:
-        raise DataError(f"{what} table is not valid JSON: {exc.msg}", path=table,
-                        record=exc.lineno) from exc
+        raise DataError(f"{what} table is not valid JSON: {exc.msg}", path=table, record=exc.lineno) from exc
     if not isinstance(data, dict):
-        raise DataError(f"{what} table must be a JSON object mapping path -> value, got {type_name(data)}",
-                        path=table)
+        raise DataError(f"{what} table must be a JSON object mapping path -> value, got {type_name(data)}", path=table)
     return data, str(table)
 
 

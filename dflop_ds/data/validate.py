@@ -10,8 +10,9 @@ larger than the model can take (``max_llm_tokens``, ``max_encoder_tiles``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 from dflop_ds.data.dispatch import detect_format, read_loaded
 from dflop_ds.data.errors import DataError, PathArg, describe_location
@@ -33,12 +34,14 @@ class Problem:
     message: str
 
     @classmethod
-    def from_error(cls, error: DataError) -> "Problem":
+    def from_error(cls, error: DataError) -> Problem:
         """The problem a :class:`DataError` describes."""
         return cls(error.path, error.record, error.record_kind, error.sample_id, error.field, error.reason)
 
     def __str__(self) -> str:
-        return f"{describe_location(self.path, self.record, self.record_kind, self.sample_id, self.field)}: {self.message}"
+        return (
+            f"{describe_location(self.path, self.record, self.record_kind, self.sample_id, self.field)}: {self.message}"
+        )
 
 
 def _load_table(loader, table, problems: list[Problem]) -> dict:
@@ -64,8 +67,11 @@ def check_dataset(
     """
     problems: list[Problem] = []
     options = MediaOptions(**media)
-    options = replace(options, image_sizes=_load_table(load_size_table, options.image_sizes, problems),
-                      video_frames=_load_table(load_frame_table, options.video_frames, problems))
+    options = replace(
+        options,
+        image_sizes=_load_table(load_size_table, options.image_sizes, problems),
+        video_frames=_load_table(load_frame_table, options.video_frames, problems),
+    )
     try:
         records = load_records(path)
         fmt = detect_format(records, path)
@@ -79,8 +85,16 @@ def check_dataset(
         for name, cap in caps:
             value = getattr(shape, name)
             if cap is not None and value > cap:
-                problems.append(Problem(str(path), number, kind, shape.sample_id, name,
-                                        f"sample has {value} {name.replace('_', ' ')}, over the cap of {cap}"))
+                problems.append(
+                    Problem(
+                        str(path),
+                        number,
+                        kind,
+                        shape.sample_id,
+                        name,
+                        f"sample has {value} {name.replace('_', ' ')}, over the cap of {cap}",
+                    )
+                )
     problems.sort(key=lambda p: (p.path or "", p.record if p.record is not None else -1))
     return problems, result
 
@@ -106,8 +120,9 @@ def validate_dataset(
         **media: the fields of :class:`~dflop_ds.data.media.MediaOptions`, as for
             :func:`~dflop_ds.data.read_dataset`.
     """
-    problems, _ = check_dataset(path, policy, max_llm_tokens=max_llm_tokens,
-                                max_encoder_tiles=max_encoder_tiles, **media)
+    problems, _ = check_dataset(
+        path, policy, max_llm_tokens=max_llm_tokens, max_encoder_tiles=max_encoder_tiles, **media
+    )
     return problems
 
 

@@ -22,8 +22,9 @@ uses the microbatch's own label-token count (the stock per-microbatch mean).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 from torch.utils.data import Dataset
@@ -179,7 +180,9 @@ def collate_microbatch(
     return (pixels, input_ids, text_lens, tiles), (targets, denominator)
 
 
-def collate_packed_microbatch(items: Sequence[TinyItem]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+def collate_packed_microbatch(
+    items: Sequence[TinyItem],
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
     """:func:`collate_microbatch` with ``packed=True`` (a picklable collate for DataLoader workers)."""
     return collate_microbatch(items, packed=True)
 

@@ -31,8 +31,10 @@ def check_packed(rows: int, length: int, seq_lens: torch.Tensor, where: str) -> 
     """Raise ``ValueError`` naming ``where`` unless ``[rows, length]`` is one row holding every sample."""
     total = int(seq_lens.sum().item())
     if rows != 1 or length != total:
-        raise ValueError(f"{where}: a packed microbatch is one row of sum(seq_lens)={total} tokens, "
-                         f"got {rows} row(s) of {length} for {seq_lens.numel()} samples")
+        raise ValueError(
+            f"{where}: a packed microbatch is one row of sum(seq_lens)={total} tokens, "
+            f"got {rows} row(s) of {length} for {seq_lens.numel()} samples"
+        )
 
 
 def segment_positions(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,8 +9,9 @@ tokens as the loss will. The bundled tiny model is one source; HuggingFace model
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from dflop_ds.data import read_dataset
 from dflop_ds.models.data import TinyMLLMDataset, collate_microbatch, collate_packed_microbatch, supervised_count
@@ -48,10 +49,10 @@ class ModelSource:
     make_dataset: Callable[[Sequence[SampleShape], str], Any]
     collate: Callable
     label_tokens_fn: Callable[[SampleShape], int]
-    save_pretrained: Optional[Callable[[str, dict], None]] = None
+    save_pretrained: Callable[[str, dict], None] | None = None
     hf_model: Any = None
     meta: dict = field(default_factory=dict)
-    packed_collate: Optional[Callable] = None
+    packed_collate: Callable | None = None
 
     @property
     def n_layers(self) -> int:
@@ -62,17 +63,25 @@ class ModelSource:
         """``(encoder_layers, projector, llm_layers)``."""
         return self.encoder_layers, self.projector, self.llm_layers
 
-    def uses_packing(self, setting: Optional[bool]) -> bool:
+    def uses_packing(self, setting: bool | None) -> bool:
         """Whether to pack microbatches for the ``dflop.model.packing`` ``setting`` (None: wherever
         the model can); ``ValueError`` for ``True`` on a model without a packed collate."""
         if setting and self.packed_collate is None:
-            raise ValueError(f"dflop.model.packing = true: model {self.name!r} has no packed microbatches yet "
-                             "(only the bundled tiny model does); set it to false")
+            raise ValueError(
+                f"dflop.model.packing = true: model {self.name!r} has no packed microbatches yet "
+                "(only the bundled tiny model does); set it to false"
+            )
         return self.packed_collate is not None if setting is None else bool(setting)
 
 
-def tiny_source(model_overrides: dict, *, policy_name: str = "tiny", seed: int = 0, as_specs: bool = True,
-                image_folder: Optional[str] = None) -> ModelSource:
+def tiny_source(
+    model_overrides: dict,
+    *,
+    policy_name: str = "tiny",
+    seed: int = 0,
+    as_specs: bool = True,
+    image_folder: str | None = None,
+) -> ModelSource:
     """The bundled tiny MLLM on synthetic tensors of the dataset's real shapes (image sizes from
     the records, or from the files' headers under ``image_folder``)."""
     config = TinyMLLMConfig(**model_overrides)
@@ -85,5 +94,15 @@ def tiny_source(model_overrides: dict, *, policy_name: str = "tiny", seed: int =
     def make_dataset(shapes: Sequence[SampleShape], data_path: str):
         return TinyMLLMDataset(list(shapes), config, seed=seed)
 
-    return ModelSource("tiny", list(encoder), projector, list(llm), policy, read_shapes, make_dataset,
-                       collate_microbatch, supervised_count, packed_collate=collate_packed_microbatch)
+    return ModelSource(
+        "tiny",
+        list(encoder),
+        projector,
+        list(llm),
+        policy,
+        read_shapes,
+        make_dataset,
+        collate_microbatch,
+        supervised_count,
+        packed_collate=collate_packed_microbatch,
+    )

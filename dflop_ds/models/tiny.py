@@ -22,8 +22,9 @@ stage builds it (the key to comparing a pipeline run with a single-process refer
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -117,8 +118,9 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
-                segments: list[int] | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, segments: list[int] | None = None
+    ) -> torch.Tensor:
         """``mask`` is ``[B, 1, L, L]`` with True where a query may attend a key; with ``segments``
         (lengths of the samples packed in ``x [1, L, D]``) attention is causal inside each one."""
         b, length, dim = x.shape
@@ -140,8 +142,9 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
-                segments: list[int] | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, segments: list[int] | None = None
+    ) -> torch.Tensor:
         """Apply the block; ``mask`` and ``segments`` as in :class:`Attention`."""
         x = x + self.attn(self.norm1(x), mask, segments)
         return x + self.mlp(self.norm2(x))
@@ -341,9 +344,7 @@ def tiny_mllm_layers(
     return made[:n_enc], made[n_enc], made[n_enc + 1 :]
 
 
-def build_reference(
-    config: TinyMLLMConfig = DEFAULT_CONFIG, *, seed: int = 0
-) -> nn.Sequential:
+def build_reference(config: TinyMLLMConfig = DEFAULT_CONFIG, *, seed: int = 0) -> nn.Sequential:
     """All layers of :func:`tiny_mllm_layers` as one ``nn.Sequential`` (single-process reference).
 
     Its child ``str(i)`` holds flat layer ``i``, the same naming a ``PipelineModule`` uses, so

@@ -6,8 +6,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from dflop_ds.models.tiny import TinyMLLMConfig, tiny_mllm_layers
 from dflop_ds.cost import FittedCostModel
+from dflop_ds.models.tiny import TinyMLLMConfig, tiny_mllm_layers
 from dflop_ds.profile.cache import cached_cost_model
 from dflop_ds.profile.inputs import ContractEncoderInputs, ContractLLMInputs
 from dflop_ds.profile.target import ProfileTarget, summed_cross_entropy

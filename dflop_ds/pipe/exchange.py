@@ -20,13 +20,19 @@ import torch
 import torch.distributed as dist
 
 
-def _all_to_all(features: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
-                group: Any) -> torch.Tensor:
+def _all_to_all(
+    features: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group: Any
+) -> torch.Tensor:
     """Rows of ``features`` split by ``send_counts`` go to ranks 0..n-1; the result holds the rows
     received from each rank (``recv_counts``), source rank ascending."""
     received = features.new_empty((int(sum(recv_counts)), *features.shape[1:]))
-    dist.all_to_all_single(received, features.contiguous(), output_split_sizes=[int(c) for c in recv_counts],
-                           input_split_sizes=[int(c) for c in send_counts], group=group)
+    dist.all_to_all_single(
+        received,
+        features.contiguous(),
+        output_split_sizes=[int(c) for c in recv_counts],
+        input_split_sizes=[int(c) for c in send_counts],
+        group=group,
+    )
     return received
 
 
@@ -49,9 +55,13 @@ def _counts(counts: torch.Tensor | Sequence[int]) -> list[int]:
     return [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]
 
 
-def exchange_features(features: torch.Tensor, send_counts: torch.Tensor | Sequence[int],
-                      recv_counts: torch.Tensor | Sequence[int], recv_index: torch.Tensor,
-                      group: Any | None = None) -> torch.Tensor:
+def exchange_features(
+    features: torch.Tensor,
+    send_counts: torch.Tensor | Sequence[int],
+    recv_counts: torch.Tensor | Sequence[int],
+    recv_index: torch.Tensor,
+    group: Any | None = None,
+) -> torch.Tensor:
     """Send encoded tiles to their owners; this rank's own tiles in its own order.
 
     Args:
@@ -66,8 +76,9 @@ def exchange_features(features: torch.Tensor, send_counts: torch.Tensor | Sequen
     """
     send, recv = _counts(send_counts), _counts(recv_counts)
     if sum(send) != features.shape[0]:
-        raise ValueError(f"exchange_features: send_counts sum to {sum(send)} but {features.shape[0]} tiles "
-                         "were encoded")
+        raise ValueError(
+            f"exchange_features: send_counts sum to {sum(send)} but {features.shape[0]} tiles were encoded"
+        )
     if features.requires_grad and torch.is_grad_enabled():
         received = _VariableAllToAll.apply(features, send, recv, group)
     else:
@@ -100,9 +111,13 @@ class StepExchange:
     Every rank of ``group`` must call both methods (collectives).
     """
 
-    def __init__(self, send_counts: Sequence[Sequence[int] | torch.Tensor],
-                 recv_counts: Sequence[Sequence[int] | torch.Tensor], recv_index: Sequence[torch.Tensor],
-                 group: Any | None = None) -> None:
+    def __init__(
+        self,
+        send_counts: Sequence[Sequence[int] | torch.Tensor],
+        recv_counts: Sequence[Sequence[int] | torch.Tensor],
+        recv_index: Sequence[torch.Tensor],
+        group: Any | None = None,
+    ) -> None:
         send = torch.tensor([_counts(c) for c in send_counts], dtype=torch.long)  # [steps, ranks]
         recv = torch.tensor([_counts(c) for c in recv_counts], dtype=torch.long)
         self.group = group

@@ -12,7 +12,7 @@ two scalings cancel: the summed gradient equals that of ``sum of token losses / 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -25,8 +25,9 @@ the bundled projector, for one, consumes the visual features and sends only ``hi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from deepspeed import comm as dist
@@ -245,8 +246,11 @@ class MLLMPipelineModule(PipelineModule):
 
     def get_tied_weights_and_groups(self) -> list[tuple[torch.Tensor, Any]]:
         """``(weight, group)`` of every tied weight this stage holds (TiedLayerSpec and declared ties)."""
-        return [(self._recursive_getattr(comm["module"], attr), comm["group"])
-                for comm in self.tied_comms.values() for attr in comm["weight_attr"]]
+        return [
+            (self._recursive_getattr(comm["module"], attr), comm["group"])
+            for comm in self.tied_comms.values()
+            for attr in comm["weight_attr"]
+        ]
 
     def allreduce_tied_weight_gradients(self) -> None:
         """Sum the tied weights' gradients over the stages holding them."""
@@ -367,8 +371,10 @@ class FeatureReceiver(torch.nn.Module):
         """The gradients of the step's microbatch ``features`` (as fed to ``train_batch``), zeros
         where a microbatch's features received none (e.g. no tiles); resets the store."""
         if self._forwards != len(features):
-            raise RuntimeError(f"FeatureReceiver saw {self._forwards} training forwards this step, expected "
-                               f"{len(features)} (one per microbatch)")
+            raise RuntimeError(
+                f"FeatureReceiver saw {self._forwards} training forwards this step, expected "
+                f"{len(features)} (one per microbatch)"
+            )
         grads = [self._gradients.get(microbatch, torch.zeros_like(sent)) for microbatch, sent in enumerate(features)]
         self.start_step(self.keep_gradients)
         return grads

@@ -30,9 +30,14 @@ def _read_shapes(args: argparse.Namespace, model: Any) -> list:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cost-model", required=True,
-                        help=f"a cost-model JSON file or a reference profile: {', '.join(reference_names())}")
-    parser.add_argument("--data", required=True, help="dataset to draw global batches from (shape manifest or LLaVA JSON/JSONL)")
+    parser.add_argument(
+        "--cost-model",
+        required=True,
+        help=f"a cost-model JSON file or a reference profile: {', '.join(reference_names())}",
+    )
+    parser.add_argument(
+        "--data", required=True, help="dataset to draw global batches from (shape manifest or LLaVA JSON/JSONL)"
+    )
     add_read_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled global batches")
 
@@ -43,8 +48,10 @@ def _summary(tag: str, plan: Plan) -> str:
     ds = "yes" if plan.deepspeed_compatible else "no (separate GPU sets)"
     speedup = p["speedup_vs_monolithic"]
     vs = "no monolithic layout fits" if speedup is None else f"x{speedup:.3f} vs monolithic"
-    return (f"{tag:<11} {plan.layout.describe():<48} step {p['step_time_s']:.4g} s  "
-            f"bubble {p['bubble_fraction']:.1%}  peak {mem:.1f} GB  {vs}  stock DeepSpeed: {ds}")
+    return (
+        f"{tag:<11} {plan.layout.describe():<48} step {p['step_time_s']:.4g} s  "
+        f"bubble {p['bubble_fraction']:.1%}  peak {mem:.1f} GB  {vs}  stock DeepSpeed: {ds}"
+    )
 
 
 def hf_model_has_tp_plan(model_name_or_path: str) -> bool:
@@ -75,8 +82,10 @@ def training_precision(args: argparse.Namespace, model: Any) -> str:
     analytic = bool(getattr(model, "is_analytic", False))
     precision = args.precision or ("bf16" if analytic else "fp32")
     if precision != "fp32" and not analytic and args.model_name_or_path is None:
-        raise PlanError(f"--precision {precision}: the bundled tiny model trains in fp32 only (its inputs and"
-                        " loss are fp32); plan with --precision fp32")
+        raise PlanError(
+            f"--precision {precision}: the bundled tiny model trains in fp32 only (its inputs and"
+            " loss are fp32); plan with --precision fp32"
+        )
     return precision
 
 
@@ -86,19 +95,39 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.deepspeed_config is not None:
         check_writable(args.deepspeed_config, "plan --deepspeed-config")
     model = load_cost_model(args.cost_model)
-    memory = args.gpu_memory_gb * 1e9 if args.gpu_memory_gb else getattr(getattr(model, "gpu", None), "memory_bytes", 80e9)
-    cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory_bytes=memory,
-                      max_tp=args.max_tp, zero_stage=args.zero_stage, precision=training_precision(args, model),
-                      autotp=args.model_name_or_path is not None)
+    memory = (
+        args.gpu_memory_gb * 1e9 if args.gpu_memory_gb else getattr(getattr(model, "gpu", None), "memory_bytes", 80e9)
+    )
+    cluster = Cluster(
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        gpu_memory_bytes=memory,
+        max_tp=args.max_tp,
+        zero_stage=args.zero_stage,
+        precision=training_precision(args, model),
+        autotp=args.model_name_or_path is not None,
+    )
     shapes = _read_shapes(args, model)
-    plans = make_plans(model, cluster, shapes, args.global_batch, n_batches=args.batches, top_k=args.top_k,
-                       seed=args.seed, tensor_parallel_layers=tensor_parallel_layers(args, model))
+    plans = make_plans(
+        model,
+        cluster,
+        shapes,
+        args.global_batch,
+        n_batches=args.batches,
+        top_k=args.top_k,
+        seed=args.seed,
+        tensor_parallel_layers=tensor_parallel_layers(args, model),
+    )
     r = plans.result
     if getattr(model, "is_analytic", False):
-        print(f"cost model {plans.best.cost_model['name']}: "
-              "ANALYTIC (FLOP counts and an assumed throughput), not measured")
-    print(f"searched {r.n_layouts} layouts, simulated {len(r.candidates)} in {r.seconds:.2f} s "
-          f"({args.gpus} GPUs, global batch {args.global_batch}, {args.batches} sampled batches)")
+        print(
+            f"cost model {plans.best.cost_model['name']}: "
+            "ANALYTIC (FLOP counts and an assumed throughput), not measured"
+        )
+    print(
+        f"searched {r.n_layouts} layouts, simulated {len(r.candidates)} in {r.seconds:.2f} s "
+        f"({args.gpus} GPUs, global batch {args.global_batch}, {args.batches} sampled batches)"
+    )
     print(_summary("best", plans.best))
     print(_summary("deepspeed", plans.best_deepspeed))
     if plans.colocated is not None:
@@ -108,8 +137,10 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"gap of the best shared-pipeline plan to the best plan: {r.gap:.1%}")
     chosen = plans.best
     chosen.save(args.output)
-    print(f"wrote {args.output} ({chosen.family} plan, stage bounds {chosen.stage_bounds()}, ZeRO"
-          f" {chosen.zero_stage}, {chosen.precision}, activation checkpointing {chosen.activation_checkpointing})")
+    print(
+        f"wrote {args.output} ({chosen.family} plan, stage bounds {chosen.stage_bounds()}, ZeRO"
+        f" {chosen.zero_stage}, {chosen.precision}, activation checkpointing {chosen.activation_checkpointing})"
+    )
     if args.deepspeed_config is not None:
         block = set_settings({}, plan=args.output)
         if args.model_name_or_path is not None:
@@ -131,11 +162,15 @@ def run_simulate(args: argparse.Namespace) -> int:
     if plan.baseline_layout is not None:
         layouts.append(("monolithic baseline", plan.baseline_layout))
     for title, layout in layouts:
-        evals = simulate_layout(model, cluster, layout, shapes, plan.global_batch_size, n_batches=args.batches, seed=args.seed)
+        evals = simulate_layout(
+            model, cluster, layout, shapes, plan.global_batch_size, n_batches=args.batches, seed=args.seed
+        )
         worst = max(evals, key=lambda e: e.sim.step_time)
         mean = sum(e.sim.step_time for e in evals) / len(evals)
-        print(f"{title:<20} {layout.describe():<48} mean step {mean:.4g} s over {len(evals)} batch(es), "
-              f"bubble {worst.sim.bubble_fraction:.1%}, peak memory {worst.memory.max() / 1e9:.1f} GB")
+        print(
+            f"{title:<20} {layout.describe():<48} mean step {mean:.4g} s over {len(evals)} batch(es), "
+            f"bubble {worst.sim.bubble_fraction:.1%}, peak memory {worst.memory.max() / 1e9:.1f} GB"
+        )
         panels.append((f"{title} {layout.describe()}", worst.sim))
     if getattr(model, "is_analytic", False):
         print("times come from an ANALYTIC cost model (not measured)")
@@ -149,18 +184,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help="search encoder/LLM parallelism and microbatching for a cluster and data")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (tensor parallelism stays inside)")
-    p.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU in GB (default: the profile's GPU, else 80)")
+    p.add_argument(
+        "--gpu-memory-gb", type=float, default=None, help="memory per GPU in GB (default: the profile's GPU, else 80)"
+    )
     p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
-    p.add_argument("--max-tp", type=int, default=None,
-                   help="largest tensor-parallel degree (default: --gpus-per-node for a model with tensor-parallel"
-                        " layers, else 1; more than 1 for a model without them is refused)")
-    p.add_argument("--zero-stage", type=int, default=1, choices=sorted(ZERO_SHARDED),
-                   help="DeepSpeed ZeRO stage (2 and 3 only without pipeline stages)")
-    p.add_argument("--precision", default=None, choices=PRECISIONS,
-                   help="training precision the memory model assumes (default: bf16 for an analytic cost model,"
-                        " fp32 for a measured one)")
-    p.add_argument("--deepspeed-config", default=None,
-                   help="also write the DeepSpeed config the plan assumed (its \"dflop\" block points at the plan)")
+    p.add_argument(
+        "--max-tp",
+        type=int,
+        default=None,
+        help="largest tensor-parallel degree (default: --gpus-per-node for a model with tensor-parallel"
+        " layers, else 1; more than 1 for a model without them is refused)",
+    )
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        default=1,
+        choices=sorted(ZERO_SHARDED),
+        help="DeepSpeed ZeRO stage (2 and 3 only without pipeline stages)",
+    )
+    p.add_argument(
+        "--precision",
+        default=None,
+        choices=PRECISIONS,
+        help="training precision the memory model assumes (default: bf16 for an analytic cost model,"
+        " fp32 for a measured one)",
+    )
+    p.add_argument(
+        "--deepspeed-config",
+        default=None,
+        help='also write the DeepSpeed config the plan assumed (its "dflop" block points at the plan)',
+    )
     p.add_argument("--batches", type=int, default=3, help="sampled global batches per simulated layout")
     p.add_argument("--top-k", type=int, default=6, help="layouts simulated per family")
     p.add_argument("-o", "--output", required=True, help="plan JSON to write")

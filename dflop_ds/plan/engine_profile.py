@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import json
 import platform
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 from scipy.optimize import nnls
@@ -111,7 +112,7 @@ class EngineProfile:
         return {"format": FORMAT, "version": FORMAT_VERSION, **asdict(self)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "engine profile") -> "EngineProfile":
+    def from_dict(cls, data: dict[str, Any], source: str = "engine profile") -> EngineProfile:
         """Inverse of :meth:`to_dict`; errors name ``source`` and the key at fault."""
         if data.get("format") != FORMAT:
             raise ValueError(f"{source}: not an engine profile (format {data.get('format')!r}, expected {FORMAT!r})")
@@ -139,7 +140,7 @@ class EngineProfile:
         write_json(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: str | Path) -> "EngineProfile":
+    def load(cls, path: str | Path) -> EngineProfile:
         """Read a profile written by :meth:`save`; errors name the file."""
         return cls.from_dict(read_json_object(path), source=str(path))
 
@@ -196,16 +197,19 @@ def fit_exchange_seconds(steps: Sequence[EngineStep], load_s: np.ndarray, tail_s
     return _solve_increasing(error, upper=measured / n_exchanges)
 
 
-def fit_engine_profile(steps: Sequence[EngineStep], shares: np.ndarray, meta: dict[str, Any] | None = None
-                       ) -> EngineProfile:
+def fit_engine_profile(
+    steps: Sequence[EngineStep], shares: np.ndarray, meta: dict[str, Any] | None = None
+) -> EngineProfile:
     """Fit an :class:`EngineProfile` from a profiling run's measured steps and its stage shares."""
     if not steps:
         raise ValueError("fit_engine_profile needs at least one measured step")
     n_stages = steps[0].compute.shape[1]
     if any(step.compute.shape[1] != n_stages for step in steps) or np.asarray(shares).shape != (n_stages, 2):
         raise ValueError(f"every step needs {n_stages} stages and shares of shape ({n_stages}, 2)")
-    totals = {kind: np.mean([step.totals.get(kind, np.zeros(n_stages)) for step in steps], axis=0)
-              for kind in ("forward", "backward", "load", *TAIL_KINDS)}
+    totals = {
+        kind: np.mean([step.totals.get(kind, np.zeros(n_stages)) for step in steps], axis=0)
+        for kind in ("forward", "backward", "load", *TAIL_KINDS)
+    }
     n_mb = float(np.mean([step.compute.shape[0] for step in steps]))
     load = totals["load"] / n_mb
     tail = sum(totals[kind] for kind in TAIL_KINDS)
@@ -222,8 +226,9 @@ def fit_engine_profile(steps: Sequence[EngineStep], shares: np.ndarray, meta: di
 
 
 # -- reading a run's telemetry ------------------------------------------------------------------
-def read_engine_steps(telemetry: str | Path, shapes: Sequence[SampleShape], cost_model: Any, *,
-                      skip_steps: int = 3) -> tuple[list[EngineStep], list[int]]:
+def read_engine_steps(
+    telemetry: str | Path, shapes: Sequence[SampleShape], cost_model: Any, *, skip_steps: int = 3
+) -> tuple[list[EngineStep], list[int]]:
     """The measured steps (data-parallel rank 0) of a telemetry JSONL written by
     :class:`~dflop_ds.telemetry.RuntimeTracker`, and the run's stage bounds.
 
@@ -242,17 +247,22 @@ def read_engine_steps(telemetry: str | Path, shapes: Sequence[SampleShape], cost
                 raise ValueError(f"{where}: not valid JSON ({exc})") from None
             if record.get("step", 0) < skip_steps:
                 continue
-            missing = [key for key in ("microbatches", "mb_observed", "stage_totals_s", "stage_bounds", "step_s")
-                       if key not in record]
+            missing = [
+                key
+                for key in ("microbatches", "mb_observed", "stage_totals_s", "stage_bounds", "step_s")
+                if key not in record
+            ]
             if missing:
-                raise ValueError(f"{where}: telemetry record lacks {missing} (written by an older dflop-ds, "
-                                 "or a rank without the sampler's schedule)")
+                raise ValueError(
+                    f"{where}: telemetry record lacks {missing} (written by an older dflop-ds, "
+                    "or a rank without the sampler's schedule)"
+                )
             microbatches = record["microbatches"][0]
             try:
                 costs = np.array([cost_model.predict_microbatch([shapes[i] for i in mb]) for mb in microbatches])
             except IndexError:
                 raise ValueError(f"{where}: a sample id is outside the dataset of {len(shapes)} samples") from None
-            observed = np.asarray(record["mb_observed"], dtype=float)[:, :len(microbatches)].T
+            observed = np.asarray(record["mb_observed"], dtype=float)[:, : len(microbatches)].T
             totals = {kind: np.asarray(v, dtype=float) for kind, v in record["stage_totals_s"].items()}
             steps.append(EngineStep(costs, observed, totals, float(record["step_s"])))
             bounds = [int(b) for b in record["stage_bounds"]]
@@ -261,17 +271,21 @@ def read_engine_steps(telemetry: str | Path, shapes: Sequence[SampleShape], cost
     return steps, bounds
 
 
-def engine_profile_from_run(telemetry: str | Path, shapes: Sequence[SampleShape], cost_model: Any, *,
-                            skip_steps: int = 3) -> EngineProfile:
+def engine_profile_from_run(
+    telemetry: str | Path, shapes: Sequence[SampleShape], cost_model: Any, *, skip_steps: int = 3
+) -> EngineProfile:
     """Fit an :class:`EngineProfile` from a profiling run's telemetry JSONL (see :func:`read_engine_steps`)."""
     steps, bounds = read_engine_steps(telemetry, shapes, cost_model, skip_steps=skip_steps)
     shares = stage_shares(bounds, cost_model)
-    profile = fit_engine_profile(steps, shares, meta={"source": str(telemetry), "stage_bounds": bounds,
-                                                      "skip_steps": skip_steps})
+    profile = fit_engine_profile(
+        steps, shares, meta={"source": str(telemetry), "stage_bounds": bounds, "skip_steps": skip_steps}
+    )
     # how well the profile, fed cost-model predictions, reproduces the run it came from
     simulated = [profile.simulate(step.costs, shares).step_time for step in steps]
-    profile.meta.update(measured_mean_step_s=float(np.mean([step.step_s for step in steps])),
-                        simulated_mean_step_s=float(np.mean(simulated)))
+    profile.meta.update(
+        measured_mean_step_s=float(np.mean([step.step_s for step in steps])),
+        simulated_mean_step_s=float(np.mean(simulated)),
+    )
     return profile
 
 

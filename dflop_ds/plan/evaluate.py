@@ -11,20 +11,20 @@ seconds of that slot summed over LLM ranks, divided by the encoder dp.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
-
-from dflop_ds.schedule.padded import padded_lpt
-from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.layout import Layout, flat_bounds
 from dflop_ds.plan.simulator import SimResult, simulate_1f1b
 from dflop_ds.plan.stages import stage_shares
+from dflop_ds.schedule.padded import padded_lpt
 from dflop_ds.schedule.partition import partition_batch
 from dflop_ds.schedule.ranks import assign_to_ranks
+from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 from dflop_ds.shapes import SampleShape
 
 Buckets = list[list[int]]
@@ -95,7 +95,9 @@ def balanced_split(
     if fast:
         buckets = padded_lpt(costs, lengths, n_buckets)
     else:
-        buckets = partition_batch(costs, n_buckets, time_limit_s=0.0, seed=seed, microbatch_cost=microbatch_cost).buckets
+        buckets = partition_batch(
+            costs, n_buckets, time_limit_s=0.0, seed=seed, microbatch_cost=microbatch_cost
+        ).buckets
     if microbatch_cost is not None:
         bucket_costs = np.array([microbatch_cost(list(b)) for b in buckets], dtype=float)
     else:
@@ -132,8 +134,16 @@ def _stats(model: Any, shapes: Sequence[SampleShape], order: list[Buckets]) -> _
     return _MicrobatchStats(time, act, work, enc_bytes, llm_bytes)
 
 
-def split_batch(layout: Layout, shapes: Sequence[SampleShape], costs: np.ndarray, *, fast: bool, seed: int,
-                cluster: Cluster, model: Any) -> list[Buckets]:
+def split_batch(
+    layout: Layout,
+    shapes: Sequence[SampleShape],
+    costs: np.ndarray,
+    *,
+    fast: bool,
+    seed: int,
+    cluster: Cluster,
+    model: Any,
+) -> list[Buckets]:
     """The microbatches of ``layout`` for one batch (``shapes`` with per-sample ``costs`` ``(n, 2)``):
     ``order[r][j]`` = positions in the batch of rank ``r``'s ``j``-th microbatch.
 
@@ -148,14 +158,23 @@ def split_batch(layout: Layout, shapes: Sequence[SampleShape], costs: np.ndarray
     e_frac = max(s[0] for s in layout.stages) / model.encoder_layers
     l_frac = max(s[2] for s in layout.stages) / model.llm_layers
     enc_share = 1.0 if layout.shared else layout.llm.dp / layout.encoder.dp
-    scale = np.array([e_frac / cluster.tp_speedup(layout.encoder.tp) * enc_share, l_frac / cluster.tp_speedup(layout.llm.tp)])
+    scale = np.array(
+        [e_frac / cluster.tp_speedup(layout.encoder.tp) * enc_share, l_frac / cluster.tp_speedup(layout.llm.tp)]
+    )
 
     def microbatch_cost(items: Sequence[int]) -> np.ndarray:
         return np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float) * scale
 
     lengths = np.array([s.llm_tokens for s in shapes])
-    return balanced_split(costs * scale, layout.llm.dp, layout.n_mb, lengths=lengths,
-                          microbatch_cost=microbatch_cost, fast=fast, seed=seed)
+    return balanced_split(
+        costs * scale,
+        layout.llm.dp,
+        layout.n_mb,
+        lengths=lengths,
+        microbatch_cost=microbatch_cost,
+        fast=fast,
+        seed=seed,
+    )
 
 
 def evaluate(
@@ -198,17 +217,28 @@ def evaluate(
         # next stage sits tp * dp ranks further (DeepSpeed's pipe-data-model axis order)
         crossing = not layout.shared and segs[s] is not segs[s + 1]
         stride = cluster.gpus_per_node if crossing else int(tp[s] * dp[s])
-        comm[..., s] = nbytes / tp[s] / (cluster.intra_node_bw if stride < cluster.gpus_per_node else cluster.inter_node_bw)
+        comm[..., s] = (
+            nbytes / tp[s] / (cluster.intra_node_bw if stride < cluster.gpus_per_node else cluster.inter_node_bw)
+        )
 
     params = model.param_bytes
-    weights = np.array([params["encoder"] * enc_frac[s] + params["projector"] * stages[s][1] + params["llm"] * llm_frac[s] for s in range(p)])
+    weights = np.array(
+        [
+            params["encoder"] * enc_frac[s] + params["projector"] * stages[s][1] + params["llm"] * llm_frac[s]
+            for s in range(p)
+        ]
+    )
     allreduce = np.array([cluster.allreduce_seconds(weights[s] / tp[s], int(dp[s]), int(tp[s])) for s in range(p)])
     sim = simulate_1f1b(total * ff, total * (1.0 - ff), act_comm=comm, allreduce=allreduce)
 
     act = (enc_act[..., None] * enc_frac + st.act[..., 1][..., None] * llm_frac).reshape(-1, p).max(axis=0) / tp
-    work = np.maximum(np.where(enc_frac > 0, st.work[..., 0].max(), 0.0), np.where(llm_frac > 0, st.work[..., 1].max(), 0.0)) / tp
+    work = (
+        np.maximum(
+            np.where(enc_frac > 0, st.work[..., 0].max(), 0.0), np.where(llm_frac > 0, st.work[..., 1].max(), 0.0)
+        )
+        / tp
+    )
     in_flight = np.minimum(p - np.arange(p), layout.n_mb)
     static = np.array([weights[s] / tp[s] * cluster.state_factor(int(dp[s])) for s in range(p)])
     memory = static + in_flight * act + work
     return Evaluation(sim=sim, memory=memory, feasible=bool(memory.max() <= cluster.usable_memory), order=order)
-

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -25,8 +25,14 @@ def plot_gantt(panels: Sequence[tuple[str, SimResult]], path: str | Path, *, ran
     if not panels:
         raise ValueError("plot_gantt needs at least one (title, SimResult) panel")
     heights = [max(1.2, 0.35 * r.n_stages + 0.8) for _, r in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, sum(heights) + 0.6), sharex=True,
-                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(12, sum(heights) + 0.6),
+        sharex=True,
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
     cmap = plt.get_cmap("tab20")
     horizon = max(r.step_time for _, r in panels)
     for ax, (title, res) in zip(axes[:, 0], panels):
@@ -34,10 +40,24 @@ def plot_gantt(panels: Sequence[tuple[str, SimResult]], path: str | Path, *, ran
         for s in range(res.n_stages):
             for j in range(res.n_mb):
                 colour = cmap((2 * j) % 20)
-                ax.barh(s, res.f_end[r, j, s] - res.f_start[r, j, s], left=res.f_start[r, j, s], height=0.8,
-                        color=colour, alpha=0.55, edgecolor="none")
-                ax.barh(s, res.b_end[r, j, s] - res.b_start[r, j, s], left=res.b_start[r, j, s], height=0.8,
-                        color=colour, alpha=1.0, edgecolor="none")
+                ax.barh(
+                    s,
+                    res.f_end[r, j, s] - res.f_start[r, j, s],
+                    left=res.f_start[r, j, s],
+                    height=0.8,
+                    color=colour,
+                    alpha=0.55,
+                    edgecolor="none",
+                )
+                ax.barh(
+                    s,
+                    res.b_end[r, j, s] - res.b_start[r, j, s],
+                    left=res.b_start[r, j, s],
+                    height=0.8,
+                    color=colour,
+                    alpha=1.0,
+                    edgecolor="none",
+                )
             done = float(np.max(res.b_end[r, :, s]))
             ax.barh(s, res.allreduce[r, s], left=done, height=0.8, color="0.7", hatch="//", edgecolor="0.4")
         ax.set_yticks(range(res.n_stages))

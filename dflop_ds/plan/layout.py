@@ -14,8 +14,9 @@ layer list puts them) but no stage runs them.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from dflop_ds.pipe.stage_bounds import StageBounds, check_stage_count
 
@@ -109,7 +110,9 @@ def flat_bounds(stages: Sequence[StageLayers]) -> StageBounds:
     return StageBounds.from_sizes(sum(stage) for stage in stages)
 
 
-def stages_from_bounds(bounds: Sequence[int], encoder_layers: int, projector_layers: int, llm_layers: int) -> tuple[StageLayers, ...]:
+def stages_from_bounds(
+    bounds: Sequence[int], encoder_layers: int, projector_layers: int, llm_layers: int
+) -> tuple[StageLayers, ...]:
     """Inverse of :func:`flat_bounds` for given segment depths."""
     split = StageBounds(bounds, n_layers=encoder_layers + projector_layers + llm_layers)
     cuts = (encoder_layers, encoder_layers + projector_layers)
@@ -169,8 +172,10 @@ def balanced_bounds(
             hi = lo + 1
             if prefix[hi] - prefix[lo] > limit or (stage_memory and stage_memory(stage, lo, hi) > memory_cap):
                 return None
-            while hi < n - left_after and prefix[hi + 1] - prefix[lo] <= limit and (
-                stage_memory is None or stage_memory(stage, lo, hi + 1) <= memory_cap
+            while (
+                hi < n - left_after
+                and prefix[hi + 1] - prefix[lo] <= limit
+                and (stage_memory is None or stage_memory(stage, lo, hi + 1) <= memory_cap)
             ):
                 hi += 1
             if stage == n_parts - 1 and hi < n:

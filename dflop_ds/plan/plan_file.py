@@ -48,6 +48,8 @@ def splitter_from_dict(data: dict[str, Any]) -> str:
     if name not in splitter_names():
         raise ValueError(f"splitter {name!r} is not registered: choose one of {list(splitter_names())}")
     return str(name)
+
+
 def _boolean(data: dict[str, Any], key: str) -> bool:
     """``data[key]`` as a bool; anything but true/false is refused."""
     value = data[key]
@@ -58,14 +60,24 @@ def _boolean(data: dict[str, Any], key: str) -> bool:
 
 def layout_to_dict(layout: Layout) -> dict[str, Any]:
     """A :class:`Layout` as plain JSON data."""
-    return {"encoder": asdict(layout.encoder), "llm": asdict(layout.llm), "n_mb": layout.n_mb,
-            "stages": [list(s) for s in layout.stages], "splitter": layout.splitter}
+    return {
+        "encoder": asdict(layout.encoder),
+        "llm": asdict(layout.llm),
+        "n_mb": layout.n_mb,
+        "stages": [list(s) for s in layout.stages],
+        "splitter": layout.splitter,
+    }
 
 
 def layout_from_dict(data: dict[str, Any]) -> Layout:
     """Inverse of :func:`layout_to_dict`."""
-    return Layout(Segment(**data["encoder"]), Segment(**data["llm"]), int(data["n_mb"]),
-                  tuple(stage_layers(s) for s in data["stages"]), splitter=splitter_from_dict(data))
+    return Layout(
+        Segment(**data["encoder"]),
+        Segment(**data["llm"]),
+        int(data["n_mb"]),
+        tuple(stage_layers(s) for s in data["stages"]),
+        splitter=splitter_from_dict(data),
+    )
 
 
 @dataclass
@@ -114,16 +126,41 @@ class Plan:
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
-    def from_layout(cls, layout: Layout, *, layer_counts: dict[str, int], global_batch_size: int, gpus: int,
-                    gpus_per_node: int, gpu_memory_bytes: float, family: str,
-                    predicted: dict[str, Any] | None = None, cost_model: dict[str, Any] | None = None,
-                    zero_stage: int = 1, precision: str = "bf16", activation_checkpointing: bool = False) -> "Plan":
+    def from_layout(
+        cls,
+        layout: Layout,
+        *,
+        layer_counts: dict[str, int],
+        global_batch_size: int,
+        gpus: int,
+        gpus_per_node: int,
+        gpu_memory_bytes: float,
+        family: str,
+        predicted: dict[str, Any] | None = None,
+        cost_model: dict[str, Any] | None = None,
+        zero_stage: int = 1,
+        precision: str = "bf16",
+        activation_checkpointing: bool = False,
+    ) -> Plan:
         """A plan for ``layout`` (see :func:`dflop_ds.plan.make_plans` for plans with predictions)."""
-        return cls(encoder=layout.encoder, llm=layout.llm, n_mb=layout.n_mb, stages=tuple(layout.stages),
-                   layer_counts=dict(layer_counts), global_batch_size=global_batch_size, gpus=gpus,
-                   gpus_per_node=gpus_per_node, gpu_memory_bytes=gpu_memory_bytes, splitter=layout.splitter,
-                   family=family, predicted=dict(predicted or {}), cost_model=dict(cost_model or {}),
-                   zero_stage=zero_stage, precision=precision, activation_checkpointing=activation_checkpointing)
+        return cls(
+            encoder=layout.encoder,
+            llm=layout.llm,
+            n_mb=layout.n_mb,
+            stages=tuple(layout.stages),
+            layer_counts=dict(layer_counts),
+            global_batch_size=global_batch_size,
+            gpus=gpus,
+            gpus_per_node=gpus_per_node,
+            gpu_memory_bytes=gpu_memory_bytes,
+            splitter=layout.splitter,
+            family=family,
+            predicted=dict(predicted or {}),
+            cost_model=dict(cost_model or {}),
+            zero_stage=zero_stage,
+            precision=precision,
+            activation_checkpointing=activation_checkpointing,
+        )
 
     @property
     def baseline_layout(self) -> Layout | None:
@@ -133,8 +170,14 @@ class Plan:
     @property
     def layout(self) -> Layout:
         """The plan's :class:`Layout` (for simulation)."""
-        return Layout(self.encoder, self.llm, self.n_mb, tuple(self.stages), splitter=self.splitter,
-                      colocated=self.family == "colocated")
+        return Layout(
+            self.encoder,
+            self.llm,
+            self.n_mb,
+            tuple(self.stages),
+            splitter=self.splitter,
+            colocated=self.family == "colocated",
+        )
 
     @property
     def deepspeed_compatible(self) -> bool:
@@ -152,8 +195,9 @@ class Plan:
         return self.llm.dp
 
     # -- outputs -----------------------------------------------------------------------------------
-    def stage_bounds(self, encoder_layers: int | None = None, llm_layers: int | None = None,
-                     projector_layers: int | None = None) -> StageBounds:
+    def stage_bounds(
+        self, encoder_layers: int | None = None, llm_layers: int | None = None, projector_layers: int | None = None
+    ) -> StageBounds:
         """Stage bounds over ``encoder + projector + llm`` layers for a model of these depths.
 
         With the planned depths (the defaults) the split is exact; for other depths every
@@ -229,8 +273,12 @@ class Plan:
         """The ``"dflop"`` settings the plan decides, by :class:`dflop_ds.config.DFLOPConfig`
         attribute: ``pipeline_stages``, ``stage_bounds``, ``sampler``, ``activation_checkpointing``
         and, for a colocated plan, ``encoder`` (the encoder data-parallel over every rank)."""
-        settings: dict[str, Any] = {"pipeline_stages": self.pipeline_stages, "stage_bounds": self.stage_bounds().to_list(),
-                                    "sampler": self.splitter, "activation_checkpointing": self.activation_checkpointing}
+        settings: dict[str, Any] = {
+            "pipeline_stages": self.pipeline_stages,
+            "stage_bounds": self.stage_bounds().to_list(),
+            "sampler": self.splitter,
+            "activation_checkpointing": self.activation_checkpointing,
+        }
         if self.layout.colocated:
             settings["encoder"] = "colocated"
         return settings
@@ -253,11 +301,13 @@ class Plan:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "plan") -> "Plan":
+    def from_dict(cls, data: dict[str, Any], source: str = "plan") -> Plan:
         """Inverse of :meth:`to_dict`; errors name ``source`` and the key at fault."""
         version = data.get("format_version")
         if version != PLAN_FORMAT_VERSION:
-            raise PlanFileError(f"{source}: format_version {version!r} is not supported (expected {PLAN_FORMAT_VERSION})")
+            raise PlanFileError(
+                f"{source}: format_version {version!r} is not supported (expected {PLAN_FORMAT_VERSION})"
+            )
         try:
             plan = cls(
                 encoder=Segment(**data["encoder"]),
@@ -295,7 +345,9 @@ class Plan:
         totals = [sum(s[i] for s in self.stages) for i in range(3)]
         want = [self.layer_counts["encoder"], self.layer_counts["projector"], self.layer_counts["llm"]]
         if totals != want:
-            raise PlanFileError(f"{source}: stages hold {totals} (encoder, projector, llm) layers, layer_counts say {want}")
+            raise PlanFileError(
+                f"{source}: stages hold {totals} (encoder, projector, llm) layers, layer_counts say {want}"
+            )
         if any(sum(s) == 0 for s in self.stages):
             raise PlanFileError(f"{source}: a stage holds no layers: {list(self.stages)}")
         stages_from_bounds(flat_bounds(self.stages), *want)
@@ -313,8 +365,10 @@ class Plan:
         if self.layout.gpus > self.gpus:
             raise PlanFileError(f"{source}: the layout needs {self.layout.gpus} GPUs, the plan has {self.gpus}")
         if self.zero_stage not in ZERO_SHARDED or self.precision not in PRECISIONS:
-            raise PlanFileError(f"{source}: zero_stage={self.zero_stage!r} / precision={self.precision!r}: expected"
-                                f" one of {sorted(ZERO_SHARDED)} / {PRECISIONS}")
+            raise PlanFileError(
+                f"{source}: zero_stage={self.zero_stage!r} / precision={self.precision!r}: expected"
+                f" one of {sorted(ZERO_SHARDED)} / {PRECISIONS}"
+            )
         reason = self.unrunnable_reason()
         if reason is not None:
             raise PlanFileError(f"{source}: {reason}")
@@ -323,8 +377,10 @@ class Plan:
         """Why DeepSpeed cannot run this plan's ZeRO stage (None: it can): its pipeline engine runs
         ZeRO stages 0 and 1 only."""
         if self.pipeline_stages > 1 and self.zero_stage > 1:
-            return (f"ZeRO stage {self.zero_stage} with {self.pipeline_stages} pipeline stages: DeepSpeed's pipeline"
-                    " engine runs ZeRO stages 0 and 1 only")
+            return (
+                f"ZeRO stage {self.zero_stage} with {self.pipeline_stages} pipeline stages: DeepSpeed's pipeline"
+                " engine runs ZeRO stages 0 and 1 only"
+            )
         return None
 
     def save(self, path: str | Path) -> None:
@@ -333,6 +389,6 @@ class Plan:
         write_json(path, self.to_dict(), indent=2)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
+    def load(cls, path: str | Path) -> Plan:
         """Read a plan written by :meth:`save`."""
         return cls.from_dict(read_json_object(path, PlanFileError), source=str(path))

@@ -92,14 +92,23 @@ def cluster_for_model(cluster: Cluster, tensor_parallel_layers: bool) -> Cluster
     if cluster.max_tp is None:
         return replace(cluster, max_tp=cluster.gpus_per_node if tensor_parallel_layers else 1)
     if cluster.max_tp > 1 and not tensor_parallel_layers:
-        raise PlanError(f"max_tp={cluster.max_tp}: the model has no tensor-parallel layers (DeepSpeed AutoTP shards"
-                        " a HuggingFace model with a tp_plan; the bundled tiny model has none), so no plan with"
-                        " tensor parallelism could run; plan with max_tp=1")
+        raise PlanError(
+            f"max_tp={cluster.max_tp}: the model has no tensor-parallel layers (DeepSpeed AutoTP shards"
+            " a HuggingFace model with a tp_plan; the bundled tiny model has none), so no plan with"
+            " tensor parallelism could run; plan with max_tp=1"
+        )
     return cluster
 
 
-def make_plans(model: Any, cluster: Cluster, shapes: Sequence[SampleShape], global_batch: int, *,
-               tensor_parallel_layers: bool | None = None, **search_kwargs: Any) -> PlanSet:
+def make_plans(
+    model: Any,
+    cluster: Cluster,
+    shapes: Sequence[SampleShape],
+    global_batch: int,
+    *,
+    tensor_parallel_layers: bool | None = None,
+    **search_kwargs: Any,
+) -> PlanSet:
     """Search (see :func:`dflop_ds.plan.search.search`) and return the plans.
 
     ``cluster.max_tp`` is decided by :func:`cluster_for_model` from ``tensor_parallel_layers``
@@ -120,24 +129,38 @@ def make_plans(model: Any, cluster: Cluster, shapes: Sequence[SampleShape], glob
                 p.baseline = baseline
     best, best_deepspeed = plans[0], plans[1]
     assert best is not None and best_deepspeed is not None  # search raises PlanError otherwise
-    return PlanSet(best=best, best_deepspeed=best_deepspeed, monolithic=plans[2], result=result,
-                   colocated=plans[3])
+    return PlanSet(best=best, best_deepspeed=best_deepspeed, monolithic=plans[2], result=result, colocated=plans[3])
 
 
 def cluster_of(plan: Plan, **overrides: Any) -> Cluster:
     """The cluster a plan was made for (link and memory assumptions at their defaults unless overridden)."""
-    fields: dict[str, Any] = {"gpus": plan.gpus, "gpus_per_node": plan.gpus_per_node,
-                              "gpu_memory_bytes": plan.gpu_memory_bytes,
-                              "zero_stage": plan.zero_stage, "precision": plan.precision}
+    fields: dict[str, Any] = {
+        "gpus": plan.gpus,
+        "gpus_per_node": plan.gpus_per_node,
+        "gpu_memory_bytes": plan.gpu_memory_bytes,
+        "zero_stage": plan.zero_stage,
+        "precision": plan.precision,
+    }
     fields.update(overrides)
     return Cluster(**fields)
 
 
-def simulate_layout(model: Any, cluster: Cluster, layout: Layout, shapes: Sequence[SampleShape], global_batch: int,
-                    *, n_batches: int = 1, seed: int = 0, fast: bool = False) -> list[Evaluation]:
+def simulate_layout(
+    model: Any,
+    cluster: Cluster,
+    layout: Layout,
+    shapes: Sequence[SampleShape],
+    global_batch: int,
+    *,
+    n_batches: int = 1,
+    seed: int = 0,
+    fast: bool = False,
+) -> list[Evaluation]:
     """Simulate ``layout`` on ``n_batches`` global batches drawn from ``shapes`` (same draws as the search)."""
     pool = list(getattr(shapes, "shapes", shapes))  # a DataProfile or a list of shapes
     costs = np.asarray(model.predict_samples(pool), dtype=float)
     family = family_of(layout)
-    return [family.evaluate(model, cluster, layout, [pool[j] for j in b], costs[b], fast=fast, seed=seed + i)
-            for i, b in enumerate(sample_batches(len(pool), global_batch, n_batches, seed))]
+    return [
+        family.evaluate(model, cluster, layout, [pool[j] for j in b], costs[b], fast=fast, seed=seed + i)
+        for i, b in enumerate(sample_batches(len(pool), global_batch, n_batches, seed))
+    ]

@@ -188,8 +188,9 @@ def simulate_1f1b(
     for fs, fm, bs, bm, xs, xg, xa in _cached_tables(n_stages, n_mb):
         if blocking and xs.size:
             link = xs - 1
-            seconds = (np.where(xg >= 0, grad[:, np.maximum(xg, 0), link], 0.0)
-                       + np.where(xa >= 0, act[:, np.maximum(xa, 0), link], 0.0))
+            seconds = np.where(xg >= 0, grad[:, np.maximum(xg, 0), link], 0.0) + np.where(
+                xa >= 0, act[:, np.maximum(xa, 0), link], 0.0
+            )
             done = np.maximum(free[:, link], free[:, xs]) + seconds
             free[:, link], free[:, xs] = done, done
         if fs.size:
@@ -250,8 +251,9 @@ def simulate_stage_times(
     between neighbouring stages (scalar or ``(m, p - 1)``), ``allreduce_s`` the gradient
     all-reduce per stage. Compare ``result.step_time`` with a measured step.
     """
-    return simulate_1f1b(np.asarray(fwd, float), np.asarray(bwd, float), act_comm=p2p_s, allreduce=allreduce_s,
-                         transfers=transfers)
+    return simulate_1f1b(
+        np.asarray(fwd, float), np.asarray(bwd, float), act_comm=p2p_s, allreduce=allreduce_s, transfers=transfers
+    )
 
 
 def simulate_colocated(
@@ -297,6 +299,10 @@ def simulate_colocated(
         f_end=pipe.f_end + before,
         b_start=pipe.b_start + before,
         b_end=pipe.b_end + before,
-        phases={"encoder_forward_s": float(encoder_fwd), "exchange_s": float(exchange),
-                "encoder_backward_s": float(encoder_bwd), "encoder_allreduce_s": float(encoder_allreduce)},
+        phases={
+            "encoder_forward_s": float(encoder_fwd),
+            "exchange_s": float(exchange),
+            "encoder_backward_s": float(encoder_bwd),
+            "encoder_allreduce_s": float(encoder_allreduce),
+        },
     )

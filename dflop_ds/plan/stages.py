@@ -9,7 +9,8 @@ simulator's per-stage times and the planner.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -29,8 +30,10 @@ def segment_layer_shares(model: Any) -> tuple[np.ndarray, np.ndarray]:
     if shares:
         encoder, llm = np.asarray(shares["encoder"], dtype=float), np.asarray(shares["llm"], dtype=float)
         if encoder.shape != (n_enc + 1,) or llm.shape != (n_llm,):
-            raise ValueError(f"layer_shares hold {encoder.size} encoder+projector and {llm.size} LLM entries for a "
-                             f"model of {n_enc} encoder layers (+1 projector) and {n_llm} LLM layers")
+            raise ValueError(
+                f"layer_shares hold {encoder.size} encoder+projector and {llm.size} LLM entries for a "
+                f"model of {n_enc} encoder layers (+1 projector) and {n_llm} LLM layers"
+            )
         return encoder / encoder.sum(), llm / llm.sum()
     return np.r_[np.full(n_enc, 1.0 / n_enc), 0.0], np.full(n_llm, 1.0 / n_llm)
 

@@ -9,7 +9,8 @@ the attention-weighted values. Models with a hand-written attention can pass the
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,9 @@ class AttentionOff(TorchFunctionMode):
         super().__init__()
         self.calls = 0
 
-    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func is _SDPA or getattr(func, "__name__", "") == "scaled_dot_product_attention":
             query = kwargs.get("query", args[0] if args else None)

@@ -14,8 +14,8 @@ import json
 import os
 import platform
 import time
-from importlib import metadata
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -122,4 +122,3 @@ def cached_cost_model(
             f"{time.perf_counter() - started:.1f} s"
         )
         return cost_model, path
-

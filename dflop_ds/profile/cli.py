@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from dflop_ds.cost import FittedCostModel, check_policy, load_cost_model, save_cost_model
 from dflop_ds.data import read_dataset
@@ -70,16 +71,25 @@ def run_model(args: argparse.Namespace) -> int:
     save_cost_model(model, args.output)
     for note in profile.meta["scaling"]:
         print(note)
-    print(f"profiled {len(profile.encoder)} encoder and {len(profile.llm)} LLM shapes in "
-          f"{time.perf_counter() - started:.1f} s ({profile.meta['clock']} clock); wrote {args.output}")
+    print(
+        f"profiled {len(profile.encoder)} encoder and {len(profile.llm)} LLM shapes in "
+        f"{time.perf_counter() - started:.1f} s ({profile.meta['clock']} clock); wrote {args.output}"
+    )
     return 0
 
 
 def run_data(args: argparse.Namespace) -> int:
     """``profile data``: sample a dataset's shapes and save a DataProfile."""
     started = time.perf_counter()
-    profile = profile_data(args.data, policy_from_args(args), samples=args.samples, seed=args.seed,
-                           bins=args.bins, on_bad_sample=args.on_bad_sample, **read_options(args))
+    profile = profile_data(
+        args.data,
+        policy_from_args(args),
+        samples=args.samples,
+        seed=args.seed,
+        bins=args.bins,
+        on_bad_sample=args.on_bad_sample,
+        **read_options(args),
+    )
     profile.save(args.output)
     print(data_profile_table(profile))
     print(f"profiled in {time.perf_counter() - started:.1f} s; wrote {args.output}")
@@ -94,15 +104,21 @@ def run_engine(args: argparse.Namespace) -> int:
     shapes = read_dataset(args.data, policy, **read_options(args))
     profile = engine_profile_from_run(args.telemetry, shapes, cost_model, skip_steps=args.skip_steps)
     profile.save(args.output)
-    print(f"engine profile from {profile.meta['steps']} steps of {args.telemetry} (stage split "
-          f"{profile.meta['stage_bounds']}):")
-    print(f"  compute inside the engine: encoder x{profile.compute_scale[0]:.3f}, llm x{profile.compute_scale[1]:.3f} "
-          f"of the profiled cost model; forward share {profile.forward_fraction:.3f}")
+    print(
+        f"engine profile from {profile.meta['steps']} steps of {args.telemetry} (stage split "
+        f"{profile.meta['stage_bounds']}):"
+    )
+    print(
+        f"  compute inside the engine: encoder x{profile.compute_scale[0]:.3f}, llm x{profile.compute_scale[1]:.3f} "
+        f"of the profiled cost model; forward share {profile.forward_fraction:.3f}"
+    )
     print("  load per microbatch (ms): " + ", ".join(f"{x * 1e3:.2f}" for x in profile.load_s))
     print("  step tail, reduce + optimizer (ms): " + ", ".join(f"{x * 1e3:.2f}" for x in profile.tail_s))
     print(f"  one blocking exchange: {profile.exchange_s * 1e3:.3f} ms")
-    print(f"  check on the profiled steps: simulated mean step {profile.meta['simulated_mean_step_s']:.3f} s, "
-          f"measured {profile.meta['measured_mean_step_s']:.3f} s")
+    print(
+        f"  check on the profiled steps: simulated mean step {profile.meta['simulated_mean_step_s']:.3f} s, "
+        f"measured {profile.meta['measured_mean_step_s']:.3f} s"
+    )
     print(f"wrote {args.output}")
     return 0
 
@@ -111,7 +127,7 @@ def run_report(args: argparse.Namespace) -> int:
     """``profile report``: print the fit tables and write a PNG of the curves."""
     model = load_cost_model(args.cost_model)
     if not isinstance(model, FittedCostModel):
-        raise ValueError(f"{args.cost_model}: a {model.kind} cost model has no fits to report; pass a profiled one")
+        raise ValueError(f"{args.cost_model}: a {type(model).__name__} has no fits to report; pass a profiled one")
     data = DataProfile.load(args.data_profile) if args.data_profile else None
     print(cost_model_table(model))
     if data is not None:
@@ -125,21 +141,35 @@ def run_report(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``profile model``, ``profile data``, ``profile engine`` and ``profile report``."""
-    profile = subparsers.add_parser("profile", help="profile a model or a dataset; report a cost model",
-                                    description="Model profiler, data profiler and cost-model report.")
+    profile = subparsers.add_parser(
+        "profile",
+        help="profile a model or a dataset; report a cost model",
+        description="Model profiler, data profiler and cost-model report.",
+    )
     commands = profile.add_subparsers(dest="profile_command", metavar="WHAT")
     profile.set_defaults(func=lambda args: (profile.print_help(), 2)[1])
 
     model = commands.add_parser(
-        "model", help="time forward+backward of the model's layers; fit and save a FittedCostModel",
+        "model",
+        help="time forward+backward of the model's layers; fit and save a FittedCostModel",
         description="Profile the bundled tiny MLLM (or a HuggingFace LLaVA directory, or --target) over tile "
-                    "counts and (batch, sequence length) grids, a few blocks scaled to the full depth, and "
-                    "save the fitted FittedCostModel.")
-    model.add_argument("--target", default=None, metavar="MODULE:FUNC",
-                       help="a function returning a dflop_ds.profile.ProfileTarget (your own layers)")
-    model.add_argument("--model_name_or_path", "--model-name-or-path", dest="model_name_or_path", metavar="DIR",
-                       help="a HuggingFace LLaVA save_pretrained directory: profile its real vision tower "
-                            "(per image count) and decoder layers (per sequence length)")
+        "counts and (batch, sequence length) grids, a few blocks scaled to the full depth, and "
+        "save the fitted FittedCostModel.",
+    )
+    model.add_argument(
+        "--target",
+        default=None,
+        metavar="MODULE:FUNC",
+        help="a function returning a dflop_ds.profile.ProfileTarget (your own layers)",
+    )
+    model.add_argument(
+        "--model_name_or_path",
+        "--model-name-or-path",
+        dest="model_name_or_path",
+        metavar="DIR",
+        help="a HuggingFace LLaVA save_pretrained directory: profile its real vision tower "
+        "(per image count) and decoder layers (per sequence length)",
+    )
     model.add_argument("--vision-layers", type=int, default=4, help="tiny model: vision blocks (default 4)")
     model.add_argument("--llm-layers", type=int, default=4, help="tiny model: decoder blocks (default 4)")
     model.add_argument("--max-blocks", type=int, default=2, help="identical blocks profiled per segment (default 2)")
@@ -149,8 +179,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
     model.add_argument("--repeats", type=int, default=5, help="timed rounds (default 5)")
     model.add_argument("--statistic", choices=STATISTICS, default="min", help="summary of the repeats")
-    model.add_argument("--clock", choices=CLOCKS, default="auto",
-                       help="auto: process CPU time on a CPU device, wall time on an accelerator")
+    model.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default="auto",
+        help="auto: process CPU time on a CPU device, wall time on an accelerator",
+    )
     model.add_argument("--threads", type=int, default=1, help="torch threads while profiling (default 1)")
     model.add_argument("--seed", type=int, default=0)
     model.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -158,9 +192,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     model.set_defaults(func=run_model)
 
     data = commands.add_parser(
-        "data", help="sample a dataset's shapes and save a DataProfile",
+        "data",
+        help="sample a dataset's shapes and save a DataProfile",
         description="Read a shape manifest or LLaVA file, sample shapes (seeded) and save their "
-                    "distribution (statistics, histograms and the sampled shapes).")
+        "distribution (statistics, histograms and the sampled shapes).",
+    )
     data.add_argument("data", metavar="DATA", help="shape manifest (JSONL) or LLaVA JSON/JSONL file")
     add_read_arguments(data, default_policy="tiny")
     data.add_argument("--samples", type=int, default=2000, help="samples to draw (default 2000; all if fewer)")
@@ -171,10 +207,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     data.set_defaults(func=run_data)
 
     engine = commands.add_parser(
-        "engine", help="fit the engine's own costs from a short training run's telemetry",
+        "engine",
+        help="fit the engine's own costs from a short training run's telemetry",
         description="Fit an EngineProfile (in-engine compute multipliers, microbatch load, the step's "
-                    "reduce+optimizer tail, the cost of a blocking exchange) from the telemetry JSONL of a "
-                    "few steps of DeepSpeed pipeline training, so the simulator predicts other runs.")
+        "reduce+optimizer tail, the cost of a blocking exchange) from the telemetry JSONL of a "
+        "few steps of DeepSpeed pipeline training, so the simulator predicts other runs.",
+    )
     engine.add_argument("telemetry", metavar="TELEMETRY", help="telemetry JSONL written by RuntimeTracker (rank 0)")
     engine.add_argument("--cost-model", required=True, help="the cost-model JSON of `dflop-ds profile model`")
     engine.add_argument("--data", required=True, help="the run's dataset (shape manifest or LLaVA file)")
@@ -184,8 +222,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     engine.set_defaults(func=run_engine)
 
     report = commands.add_parser(
-        "report", help="print a cost model's fit against its measurements; plot it",
-        description="Print the measurements next to the fitted predictions and write a PNG of the curves.")
+        "report",
+        help="print a cost model's fit against its measurements; plot it",
+        description="Print the measurements next to the fitted predictions and write a PNG of the curves.",
+    )
     report.add_argument("cost_model", metavar="COSTMODEL", help="JSON written by `dflop-ds profile model`")
     report.add_argument("--data-profile", default=None, metavar="JSON", help="also summarize this DataProfile")
     report.add_argument("--png", default="costmodel.png", help="PNG to write (default costmodel.png; '' for none)")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from os import PathLike
-from typing import Any, Sequence, Union
+from typing import Any, Union
 
 import numpy as np
 
@@ -84,7 +85,7 @@ class DataProfile:
     @classmethod
     def from_shapes(
         cls, shapes: Sequence[SampleShape], *, source: str, policy: ShapePolicy, n_total: int, seed: int, bins: int = 20
-    ) -> "DataProfile":
+    ) -> DataProfile:
         """Compute statistics and histograms of ``shapes`` (already sampled)."""
         columns = {
             "encoder_tiles": [s.encoder_tiles for s in shapes],
@@ -127,7 +128,7 @@ class DataProfile:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "data profile") -> "DataProfile":
+    def from_dict(cls, data: dict[str, Any], source: str = "data profile") -> DataProfile:
         """Inverse of :meth:`to_dict`; refuses another format or version, naming ``source``."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"{source} is not a dflop-ds data profile (missing format {FORMAT!r})")
@@ -155,7 +156,7 @@ class DataProfile:
         write_json(path, self.to_dict(), indent=None)
 
     @classmethod
-    def load(cls, path: PathArg) -> "DataProfile":
+    def load(cls, path: PathArg) -> DataProfile:
         """Read a profile written by :meth:`save`; errors name the file."""
         return cls.from_dict(read_json_object(path), source=str(path))
 

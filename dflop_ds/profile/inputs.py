@@ -8,8 +8,8 @@ with another input layout; later layers get the outputs of the layers before the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

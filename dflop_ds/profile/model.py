@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import platform
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -288,8 +289,11 @@ def profile_model(
             run_rounds([job for i in by_tokens for job in llm_jobs[i]], run, bar)
     windows = getattr(encoder_inputs, "attention_units", None)  # (tiles, batch) -> attention units, if known
     encoder_points = [
-        Measurement(*summarize_point(jobs, statistic), tiles=int(count),
-                    attention_units=None if windows is None else int(windows(count, 1)))
+        Measurement(
+            *summarize_point(jobs, statistic),
+            tiles=int(count),
+            attention_units=None if windows is None else int(windows(count, 1)),
+        )
         for jobs, count in zip(encoder_jobs, tiles)
     ]
     llm_points = [

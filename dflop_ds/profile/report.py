@@ -31,8 +31,7 @@ def cost_model_table(model: FittedCostModel) -> str:
     lines.append(f"  parameters: {params}; hidden bytes per token {model.hidden_bytes_per_token:g}")
     lines.append("")
     lines.append(" encoder tiles | measured ms | fitted ms |  error | attention ms | activations MiB | peak MiB")
-    fitted = model.encoder_time(
-        [m.tiles for m in profile.encoder], [m.attention_units for m in profile.encoder])
+    fitted = model.encoder_time([m.tiles for m in profile.encoder], [m.attention_units for m in profile.encoder])
     for m, f in zip(profile.encoder, fitted):
         att = "-" if m.attention_s is None else f"{m.attention_s * 1e3:10.2f}"
         lines.append(

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -91,7 +91,7 @@ class PeakMemory:
         self._cpu = accelerator().device_name() == "cpu"
         self._base = 0
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         if self._cpu:
             try:
                 with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:

@@ -32,15 +32,15 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
-
-from dflop_ds.typecheck import check_setting
 from scipy.optimize import nnls
 
 from dflop_ds.shapes import SampleShape
+from dflop_ds.typecheck import check_setting
 
 MODALITIES = ("text", "image", "video")
 
@@ -94,6 +94,7 @@ class BucketScheme:
 
     def label(self, bucket: int) -> str:
         """A readable name, e.g. ``image:tiles[7,12):tokens[160,320)``."""
+
         def span(edges: tuple[int, ...], k: int) -> str:
             low = 0 if k == 0 else edges[k - 1]
             high = "inf" if k == len(edges) else str(edges[k])
@@ -140,7 +141,7 @@ class CorrectionSettings:
     token_edges: list[int] = field(default_factory=lambda: [160, 320])
 
     @classmethod
-    def from_dict(cls, block: Optional[dict[str, Any]], source: str = "correction") -> "CorrectionSettings":
+    def from_dict(cls, block: dict[str, Any] | None, source: str = "correction") -> CorrectionSettings:
         """Build and validate; unknown keys and bad values name the key at fault."""
         block = dict(block or {})
         known = {f.name for f in dataclasses.fields(cls)}
@@ -196,8 +197,9 @@ class StepObservation:
     microbatches_per_rank: int = 1
 
 
-def composition(microbatches: Sequence[Sequence[int]], costs: np.ndarray, buckets: np.ndarray,
-                n_buckets: int) -> np.ndarray:
+def composition(
+    microbatches: Sequence[Sequence[int]], costs: np.ndarray, buckets: np.ndarray, n_buckets: int
+) -> np.ndarray:
     """``(M, C, B)``: per microbatch, the summed ``costs`` rows of its samples per bucket."""
     costs = np.asarray(costs, dtype=float)
     out = np.zeros((len(microbatches), costs.shape[1], n_buckets))
@@ -230,7 +232,7 @@ class Snapshot:
         return {"version": self.version, "active": self.active, "seconds": self.seconds.tolist()}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Snapshot":
+    def from_dict(cls, data: dict) -> Snapshot:
         """Inverse of :meth:`to_dict`."""
         return cls(int(data["version"]), bool(data["active"]), np.asarray(data["seconds"], dtype=float))
 
@@ -267,8 +269,14 @@ class CostCorrection:
     #: active corrections return per-stage seconds, not the cost model's columns
     replaces_columns = True
 
-    def __init__(self, settings: Optional[CorrectionSettings] = None, *, n_columns: int = 2, n_stages: int = 1,
-                 wait_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        settings: CorrectionSettings | None = None,
+        *,
+        n_columns: int = 2,
+        n_stages: int = 1,
+        wait_timeout_s: float = 600.0,
+    ) -> None:
         self.settings = settings or CorrectionSettings(enabled=True)
         self.scheme = self.settings.scheme()
         self.n_columns = int(n_columns)
@@ -323,8 +331,10 @@ class CostCorrection:
         times = np.asarray(obs.stage_times, dtype=float)
         n_mb, n_col, n_b = comp.shape
         if n_col != self.n_columns or n_b != self.scheme.n_buckets or times.shape != (self.n_stages, n_mb):
-            raise ValueError(f"observation shapes composition={comp.shape} stage_times={times.shape} do not match "
-                             f"columns={self.n_columns} buckets={self.scheme.n_buckets} stages={self.n_stages}")
+            raise ValueError(
+                f"observation shapes composition={comp.shape} stage_times={times.shape} do not match "
+                f"columns={self.n_columns} buckets={self.scheme.n_buckets} stages={self.n_stages}"
+            )
         X = comp.reshape(n_mb, -1)
         decay = self.settings.decay
         self.gram_ *= decay
@@ -334,8 +344,11 @@ class CostCorrection:
             weights = self._huber_weights(X[ok], times[s, ok], s)
             self.gram_[s] += (X[ok] * weights[:, None]).T @ X[ok]
             self.rhs_[s] += X[ok].T @ (weights * times[s, ok])
-        self.column_units_ = decay * self.column_units_ + (1 - decay) * comp.sum(axis=2).mean(axis=0) \
-            if self.observations_ else comp.sum(axis=2).mean(axis=0)
+        self.column_units_ = (
+            decay * self.column_units_ + (1 - decay) * comp.sum(axis=2).mean(axis=0)
+            if self.observations_
+            else comp.sum(axis=2).mean(axis=0)
+        )
         self.observations_ += 1
         self.steps_since_probe_ = 0
         self._fit()
@@ -374,19 +387,26 @@ class CostCorrection:
         pooled = np.einsum("mc,sc->sm", comp.sum(axis=2), self.pooled_)
         # the raw scheduler's view of a microbatch: its largest predicted column, in seconds
         raw = comp.sum(axis=2).max(axis=1)
-        raw_seconds = raw[None, :] * np.divide(bucketed.mean(axis=1), raw.mean(), out=np.zeros(self.n_stages),
-                                               where=raw.mean() > 0)[:, None]
+        raw_seconds = (
+            raw[None, :]
+            * np.divide(bucketed.mean(axis=1), raw.mean(), out=np.zeros(self.n_stages), where=raw.mean() > 0)[:, None]
+        )
         # how far the raw view misjudges the slowest microbatch of a stage, per microbatch slot
         err = bucketed - raw_seconds
         excess = (err.max(axis=1) - err.mean(axis=1)).max() if n_mb else 0.0
         gain = float(excess) * obs.microbatches_per_rank
         ok = np.isfinite(times)
         if ok.any():
-            self.last_fit_error_ = (float(np.abs(times - pooled)[ok].mean()), float(np.abs(times - bucketed)[ok].mean()))
+            self.last_fit_error_ = (
+                float(np.abs(times - pooled)[ok].mean()),
+                float(np.abs(times - bucketed)[ok].mean()),
+            )
         weight = 1 - self.settings.decay
         first = self.observations_ == 1
         self.gain_s_ = gain if first else (1 - weight) * self.gain_s_ + weight * gain
-        self.overhead_s_ = float(obs.overhead_s) if first else (1 - weight) * self.overhead_s_ + weight * float(obs.overhead_s)
+        self.overhead_s_ = (
+            float(obs.overhead_s) if first else (1 - weight) * self.overhead_s_ + weight * float(obs.overhead_s)
+        )
         if not self.settings.gate or self.observations_ < self.settings.warmup_steps:
             return
         pays = self.gain_s_ > self.settings.gate_margin * self.overhead_s_
@@ -414,19 +434,22 @@ class CostCorrection:
             self._cond.notify_all()
         return snap
 
-    def published(self, version: int, timeout_s: Optional[float] = None) -> Snapshot:
+    def published(self, version: int, timeout_s: float | None = None) -> Snapshot:
         """The snapshot of ``version``, waiting for it to be published."""
         with self._cond:
-            ready = self._cond.wait_for(lambda: self._latest >= version,
-                                        timeout=self.wait_timeout_s if timeout_s is None else timeout_s)
+            ready = self._cond.wait_for(
+                lambda: self._latest >= version, timeout=self.wait_timeout_s if timeout_s is None else timeout_s
+            )
             if not ready:
-                raise TimeoutError(f"correction version {version} was not published within the timeout "
-                                   f"(latest {self._latest}): is publish() called after every step?")
+                raise TimeoutError(
+                    f"correction version {version} was not published within the timeout "
+                    f"(latest {self._latest}): is publish() called after every step?"
+                )
             if version not in self._snapshots:
                 raise KeyError(f"correction version {version} is no longer kept (have {sorted(self._snapshots)})")
             return self._snapshots[version]
 
-    def snapshot_of(self, version: int) -> Optional[Snapshot]:
+    def snapshot_of(self, version: int) -> Snapshot | None:
         """The published snapshot of ``version`` if it is kept, without waiting."""
         with self._cond:
             return self._snapshots.get(int(version))
@@ -453,12 +476,21 @@ class CostCorrection:
         with self._cond:
             snaps = [s.to_dict() for _, s in sorted(self._snapshots.items())]
         return {
-            "settings": dataclasses.asdict(self.settings), "n_columns": self.n_columns, "n_stages": self.n_stages,
-            "gram": self.gram_.tolist(), "rhs": self.rhs_.tolist(), "theta": self.theta_.tolist(),
-            "pooled": self.pooled_.tolist(), "column_units": self.column_units_.tolist(),
-            "observations": self.observations_, "active": self.active_,
-            "gain_s": self.gain_s_, "overhead_s": self.overhead_s_, "losing_steps": self.losing_steps_,
-            "steps_since_probe": self.steps_since_probe_, "snapshots": snaps,
+            "settings": dataclasses.asdict(self.settings),
+            "n_columns": self.n_columns,
+            "n_stages": self.n_stages,
+            "gram": self.gram_.tolist(),
+            "rhs": self.rhs_.tolist(),
+            "theta": self.theta_.tolist(),
+            "pooled": self.pooled_.tolist(),
+            "column_units": self.column_units_.tolist(),
+            "observations": self.observations_,
+            "active": self.active_,
+            "gain_s": self.gain_s_,
+            "overhead_s": self.overhead_s_,
+            "losing_steps": self.losing_steps_,
+            "steps_since_probe": self.steps_since_probe_,
+            "snapshots": snaps,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -468,8 +500,10 @@ class CostCorrection:
             if list(state["settings"][key]) != list(mine[key]):
                 raise ValueError(f"correction state has {key}={state['settings'][key]}, this run has {mine[key]}")
         if (state["n_columns"], state["n_stages"]) != (self.n_columns, self.n_stages):
-            raise ValueError(f"correction state is for {state['n_columns']} columns x {state['n_stages']} stages, "
-                             f"this run has {self.n_columns} x {self.n_stages}")
+            raise ValueError(
+                f"correction state is for {state['n_columns']} columns x {state['n_stages']} stages, "
+                f"this run has {self.n_columns} x {self.n_stages}"
+            )
         self.gram_ = np.asarray(state["gram"], dtype=float)
         self.rhs_ = np.asarray(state["rhs"], dtype=float)
         self.theta_ = np.asarray(state["theta"], dtype=float)
@@ -495,8 +529,13 @@ class CostCorrection:
         effect = np.where(matters[:, :, None], penalty, -1.0)  # the most penalized (slowest) bucket
         worst = np.unravel_index(int(effect.argmax()), penalty.shape)
         return {
-            "active": bool(self.applying()), "tracking": bool(self.tracking()), "observations": self.observations_,
-            "gain_s": self.gain_s_, "overhead_s": self.overhead_s_, "penalty": float(penalty[worst]),
+            "active": bool(self.applying()),
+            "tracking": bool(self.tracking()),
+            "observations": self.observations_,
+            "gain_s": self.gain_s_,
+            "overhead_s": self.overhead_s_,
+            "penalty": float(penalty[worst]),
             "penalty_where": f"stage{int(worst[0])}:col{int(worst[1])}:{self.scheme.label(int(worst[2]))}",
-            "fit_error_pooled_s": self.last_fit_error_[0], "fit_error_bucketed_s": self.last_fit_error_[1],
+            "fit_error_pooled_s": self.last_fit_error_[0],
+            "fit_error_bucketed_s": self.last_fit_error_[1],
         }

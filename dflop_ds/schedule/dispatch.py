@@ -15,8 +15,8 @@ one tile above the mean unless a single tile is larger than the gap.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -84,7 +84,9 @@ class EncoderDispatch:
                     position[(piece.sample, tile)] = cursor
                     cursor += 1
         try:
-            return [position[(sample, tile)] for sample in self.microbatches[rank] for tile in range(int(tiles[sample]))]
+            return [
+                position[(sample, tile)] for sample in self.microbatches[rank] for tile in range(int(tiles[sample]))
+            ]
         except KeyError as missing:
             raise ValueError(f"encoder dispatch encodes no rank's copy of (sample, tile) {missing.args[0]}") from None
 
@@ -97,8 +99,9 @@ def _tiles_within(room: float, cost: float, available: int) -> int:
     return available if not np.isfinite(fits) else max(0, min(available, int(np.floor(fits + 1e-9))))
 
 
-def _keep_at_home(samples: Sequence[int], owner: int, tiles: np.ndarray, tile_cost: np.ndarray,
-                  budget: float) -> tuple[list[TileRange], list[TileRange]]:
+def _keep_at_home(
+    samples: Sequence[int], owner: int, tiles: np.ndarray, tile_cost: np.ndarray, budget: float
+) -> tuple[list[TileRange], list[TileRange]]:
     """Split one rank's samples into tiles it keeps (up to ``budget`` of cost) and tiles it gives
     away; samples with the most tiles are kept first, so few samples are cut."""
     kept: list[TileRange] = []
@@ -130,8 +133,9 @@ def _send_order(pieces: list[TileRange], position: dict[int, int]) -> tuple[Tile
     return tuple(merged)
 
 
-def plan_dispatch(microbatches: Sequence[Sequence[int]], tiles: Sequence[int] | np.ndarray,
-                  tile_cost: Sequence[float] | np.ndarray) -> EncoderDispatch:
+def plan_dispatch(
+    microbatches: Sequence[Sequence[int]], tiles: Sequence[int] | np.ndarray, tile_cost: Sequence[float] | np.ndarray
+) -> EncoderDispatch:
     """Balance the encoder work of one micro-step over the ranks.
 
     Args:

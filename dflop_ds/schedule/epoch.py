@@ -81,19 +81,20 @@ def epoch_order(n_samples: int, seed: int, epoch: int, global_batch_size: int) -
         order = epoch_permutation(n_samples, seed, e)
         carried = carried_into(e, n_samples, global_batch_size)
         if carried and previous is not None:
-            order = _avoiding(order, previous[n_samples - carried:], global_batch_size - carried)
+            order = _avoiding(order, previous[n_samples - carried :], global_batch_size - carried)
         previous = order
     return order
 
 
-def epoch_batches(n_samples: int, seed: int, epoch: int, global_batch_size: int,
-                  drop_last: bool = False) -> list[np.ndarray]:
+def epoch_batches(
+    n_samples: int, seed: int, epoch: int, global_batch_size: int, drop_last: bool = False
+) -> list[np.ndarray]:
     """The global batches (arrays of sample indices, each exactly ``global_batch_size`` long)
     of ``epoch``; see the module docstring for what happens to the remainder."""
     size = global_batch_size
     if drop_last:
         order = epoch_permutation(n_samples, seed, epoch)
-        return [order[b * size:(b + 1) * size] for b in range(n_samples // size)]
+        return [order[b * size : (b + 1) * size] for b in range(n_samples // size)]
     begin, end = (first_batch(e, n_samples, size) for e in (epoch, epoch + 1))
     offset = begin * size - epoch * n_samples  # -carried: the batch starts in the previous epoch's tail
     pieces = [epoch_order(n_samples, seed, epoch, size)]
@@ -101,7 +102,7 @@ def epoch_batches(n_samples: int, seed: int, epoch: int, global_batch_size: int,
         pieces.insert(0, epoch_order(n_samples, seed, epoch - 1, size))
         offset += n_samples
     stream = np.concatenate(pieces)
-    return [stream[offset + b * size:offset + (b + 1) * size] for b in range(end - begin)]
+    return [stream[offset + b * size : offset + (b + 1) * size] for b in range(end - begin)]
 
 
 def global_batches(order: np.ndarray, global_batch_size: int, min_batch_size: int) -> list[np.ndarray]:
@@ -109,5 +110,7 @@ def global_batches(order: np.ndarray, global_batch_size: int, min_batch_size: in
     samples; the ``len(order) % global_batch_size`` left over are not returned (a single-epoch
     view, e.g. for benchmarks; training uses :func:`epoch_batches`, which carries them)."""
     check_batch_sizes(len(order), global_batch_size, min_batch_size)
-    return [np.asarray(order[b * global_batch_size:(b + 1) * global_batch_size])
-            for b in range(len(order) // global_batch_size)]
+    return [
+        np.asarray(order[b * global_batch_size : (b + 1) * global_batch_size])
+        for b in range(len(order) // global_batch_size)
+    ]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import pulp
@@ -24,7 +23,7 @@ from dflop_ds.schedule.lpt import MemoryCap
 class IlpResult:
     """What the solver returned: ``labels`` (``None`` when it found no split) and its status."""
 
-    labels: Optional[np.ndarray]
+    labels: np.ndarray | None
     optimal: bool
     infeasible: bool
     solver: str
@@ -45,12 +44,22 @@ def _solver(name: str, time_limit_s: float, seed: int, warm: bool, node_limit: i
     nodes = int(node_limit) if node_limit > 0 else None
     if name == "highs":
         if "HiGHS_CMD" in pulp.listSolvers(onlyAvailable=True):
-            return pulp.HiGHS_CMD(msg=False, timeLimit=limit, warmStart=warm, threads=1,
-                                  options=[f"mip_max_nodes={nodes}"] if nodes else None)
+            return pulp.HiGHS_CMD(
+                msg=False,
+                timeLimit=limit,
+                warmStart=warm,
+                threads=1,
+                options=[f"mip_max_nodes={nodes}"] if nodes else None,
+            )
         extra = {"mip_max_nodes": nodes} if nodes else {}
         return pulp.HiGHS(msg=False, timeLimit=limit, threads=1, random_seed=seed, **extra)
     return pulp.PULP_CBC_CMD(
-        msg=False, timeLimit=limit, warmStart=warm, threads=1, gapRel=1e-7, maxNodes=nodes,
+        msg=False,
+        timeLimit=limit,
+        warmStart=warm,
+        threads=1,
+        gapRel=1e-7,
+        maxNodes=nodes,
         options=[f"randomSeed {seed + 1}", f"randomCbcSeed {seed + 1}"],
     )
 
@@ -70,11 +79,11 @@ def solve_ilp(
     order: np.ndarray,
     *,
     lower: float,
-    upper: Optional[float],
-    warm_labels: Optional[np.ndarray],
+    upper: float | None,
+    warm_labels: np.ndarray | None,
     time_limit_s: float,
     seed: int = 0,
-    memory: Optional[MemoryCap] = None,
+    memory: MemoryCap | None = None,
     node_limit: int = 0,
 ) -> IlpResult:
     """Solve the min-makespan model within ``time_limit_s`` seconds (0: no time limit) and
@@ -113,7 +122,10 @@ def _solve(costs, n_buckets, order, lower, upper, warm_labels, time_limit_s, see
     for j, items in enumerate(per_bucket):
         problem += pulp.lpSum(x[i, j] for i in items) >= 1, f"nonempty_{j}"
         for c in range(k):
-            problem += pulp.lpSum(float(costs[i, c]) * x[i, j] for i in items if costs[i, c] > 0) <= makespan, f"load_{j}_{c}"
+            problem += (
+                pulp.lpSum(float(costs[i, c]) * x[i, j] for i in items if costs[i, c] > 0) <= makespan,
+                f"load_{j}_{c}",
+            )
         if memory is not None:
             problem += pulp.lpSum(float(memory.memory[i]) * x[i, j] for i in items) <= float(memory.cap), f"mem_{j}"
     warm = warm_labels is not None

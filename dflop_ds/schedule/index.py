@@ -14,7 +14,7 @@ class ScheduledIndex(int):
     loss_denominator: float
     batch_id: int
 
-    def __new__(cls, index: int, loss_denominator: float, batch_id: int = 0) -> "ScheduledIndex":
+    def __new__(cls, index: int, loss_denominator: float, batch_id: int = 0) -> ScheduledIndex:
         obj = super().__new__(cls, index)
         obj.loss_denominator = float(loss_denominator)
         obj.batch_id = int(batch_id)

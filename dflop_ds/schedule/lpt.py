@@ -14,8 +14,8 @@ column of its load; the makespan is the largest bucket time.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -47,9 +47,7 @@ def item_order(costs: np.ndarray, seed: int) -> np.ndarray:
     return np.lexsort((shuffle, -costs.sum(axis=1), -costs.max(axis=1)))
 
 
-def greedy_assign(
-    costs: np.ndarray, n_buckets: int, order: np.ndarray, memory: Optional[MemoryCap] = None
-) -> np.ndarray:
+def greedy_assign(costs: np.ndarray, n_buckets: int, order: np.ndarray, memory: MemoryCap | None = None) -> np.ndarray:
     """Place items in ``order``, each in the bucket whose time grows the least (vector LPT).
 
     Ties go to the bucket with the fewest items; the last items fill any still-empty bucket, so
@@ -74,7 +72,9 @@ def greedy_assign(
         bucket = int(times.argmin())
         best = times[bucket]
         if not np.isfinite(best):
-            raise InfeasibleError(f"item {int(item)} fits in no bucket under memory_cap={memory.cap if memory else None}")
+            raise InfeasibleError(
+                f"item {int(item)} fits in no bucket under memory_cap={memory.cap if memory else None}"
+            )
         ties = np.flatnonzero(times <= best)
         if ties.size > 1:
             bucket = int(ties[np.argmin(counts[ties])])
@@ -231,7 +231,7 @@ def improve(
     costs: np.ndarray,
     labels: np.ndarray,
     n_buckets: int,
-    memory: Optional[MemoryCap] = None,
+    memory: MemoryCap | None = None,
     max_rounds: int = 20_000,
     partners: Sequence[int] = (12, 48),
     resplit: int = 8,
@@ -317,9 +317,7 @@ def best_two_way_split(rows: np.ndarray) -> np.ndarray:
     return best if best is not None else np.asarray(candidates[0], dtype=np.int64)
 
 
-def pair_sweep(
-    costs: np.ndarray, labels: np.ndarray, n_buckets: int, memory: Optional[MemoryCap] = None
-) -> np.ndarray:
+def pair_sweep(costs: np.ndarray, labels: np.ndarray, n_buckets: int, memory: MemoryCap | None = None) -> np.ndarray:
     """One sweep of pairwise re-splits: the i-th slowest bucket is pooled with the i-th fastest
     and the pair split afresh by :func:`best_two_way_split`, kept where it lowers the pair's slower
     time (and respects the memory cap, leaving neither empty). A coarse, fast leveller to run
@@ -413,7 +411,7 @@ def improve_with_cost(
     labels: np.ndarray,
     n_buckets: int,
     microbatch_cost: MicrobatchCost,
-    memory: Optional[MemoryCap] = None,
+    memory: MemoryCap | None = None,
     candidates: int = 12,
     max_rounds: int = 500,
 ) -> np.ndarray:

@@ -96,5 +96,5 @@ def padded_contiguous(costs: np.ndarray, lengths: np.ndarray, n_buckets: int, it
     while len(groups) < n_buckets:
         size, widest = max((len(g), i) for i, g in enumerate(groups))
         group = groups.pop(widest)
-        groups[widest:widest] = [group[: size // 2], group[size // 2:]]
+        groups[widest:widest] = [group[: size // 2], group[size // 2 :]]
     return groups

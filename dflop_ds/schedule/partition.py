@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 
@@ -86,7 +85,7 @@ class Partition:
         return 1.0 if self.makespan == 0 else float("inf")
 
 
-def _memory_cap(memory, memory_cap, n: int, n_buckets: int) -> Optional[MemoryCap]:
+def _memory_cap(memory, memory_cap, n: int, n_buckets: int) -> MemoryCap | None:
     """Validate the memory arguments; raise naming the first item that cannot fit anywhere."""
     if memory is None and memory_cap is None:
         return None
@@ -110,14 +109,14 @@ def _memory_cap(memory, memory_cap, n: int, n_buckets: int) -> Optional[MemoryCa
     return MemoryCap(usage, cap)
 
 
-def _fits(labels: np.ndarray, n_buckets: int, memory: Optional[MemoryCap]) -> bool:
+def _fits(labels: np.ndarray, n_buckets: int, memory: MemoryCap | None) -> bool:
     """Whether a labelling respects the memory cap (always true without one)."""
     if memory is None:
         return True
     return bool(np.bincount(labels, weights=memory.memory, minlength=n_buckets).max() <= memory.cap)
 
 
-def _starts(costs: np.ndarray, n_buckets: int, seed: int, memory: Optional[MemoryCap]):
+def _starts(costs: np.ndarray, n_buckets: int, seed: int, memory: MemoryCap | None):
     """Starting splits, best first: vector differencing (equal counts), differencing without
     the count constraint (small instances only: it costs ``O(n * n_buckets)``), vector LPT (by
     cost; under a memory cap, by memory when cost order fails). Yields only splits that
@@ -141,8 +140,9 @@ def _starts(costs: np.ndarray, n_buckets: int, seed: int, memory: Optional[Memor
         return
 
 
-def _heuristic(costs: np.ndarray, n_buckets: int, seed: int, memory: Optional[MemoryCap],
-               bound: float) -> tuple[Optional[np.ndarray], str]:
+def _heuristic(
+    costs: np.ndarray, n_buckets: int, seed: int, memory: MemoryCap | None, bound: float
+) -> tuple[np.ndarray | None, str]:
     """Best improved start; later starts are tried only while the best is off the bound."""
     best, best_value, solver = None, np.inf, "lpt"
     target = bound * (1 + STOP_TOLERANCE)
@@ -184,35 +184,54 @@ def _exact_solver():
     try:
         from dflop_ds.schedule.ilp import solve_ilp
     except ImportError as error:
-        raise ImportError(f"the exact solver (time_limit_s or node_limit > 0) needs PuLP ({error});"
-                          " pip install pulp, or set both to 0 for the heuristic") from error
+        raise ImportError(
+            f"the exact solver (time_limit_s or node_limit > 0) needs PuLP ({error});"
+            " pip install pulp, or set both to 0 for the heuristic"
+        ) from error
     return solve_ilp
 
 
-def _within_true_memory(best: np.ndarray | None, solver: str, matrix: np.ndarray, n_buckets: int, cap: MemoryCap,
-                        microbatch_memory: Callable[[list[int]], float],
-                        lengths: np.ndarray | None) -> tuple[np.ndarray | None, str]:
+def _within_true_memory(
+    best: np.ndarray | None,
+    solver: str,
+    matrix: np.ndarray,
+    n_buckets: int,
+    cap: MemoryCap,
+    microbatch_memory: Callable[[list[int]], float],
+    lengths: np.ndarray | None,
+) -> tuple[np.ndarray | None, str]:
     """``best`` if every bucket of two or more items is within ``cap`` by ``microbatch_memory``,
     else the memory-first fit (None if that fails too)."""
-    if best is not None and all(len(b) < 2 or microbatch_memory(b) <= cap.cap
-                                for b in labels_to_buckets(best, n_buckets)):
+    if best is not None and all(
+        len(b) < 2 or microbatch_memory(b) <= cap.cap for b in labels_to_buckets(best, n_buckets)
+    ):
         return best, solver
     key = cap.memory if lengths is None else np.asarray(lengths, dtype=float)
     return memory_first_fit(matrix, key, n_buckets, microbatch_memory, cap.cap), "memory-first-fit"
 
 
-def _isolate(matrix: np.ndarray, n_buckets: int, alone: np.ndarray, memory: np.ndarray, cap: float,
-             microbatch_cost: MicrobatchCost | None, lengths: np.ndarray | None, options: dict,
-             microbatch_memory: Callable[[list[int]], float] | None = None) -> Partition:
+def _isolate(
+    matrix: np.ndarray,
+    n_buckets: int,
+    alone: np.ndarray,
+    memory: np.ndarray,
+    cap: float,
+    microbatch_cost: MicrobatchCost | None,
+    lengths: np.ndarray | None,
+    options: dict,
+    microbatch_memory: Callable[[list[int]], float] | None = None,
+) -> Partition:
     """:func:`partition_batch` with every item of ``alone`` (over ``cap`` by itself) in a bucket of
     its own and the other items split over the remaining buckets under ``cap``."""
     n = matrix.shape[0]
     rest = np.setdiff1d(np.arange(n), alone)
     free = n_buckets - alone.size
     if free < 0 or (free == 0 and rest.size):
-        raise InfeasibleError(f"{alone.size} items (first: item {int(alone[0])}) each exceed memory_cap {cap:g} alone"
-                              f" and need a bucket of their own, but the {n} items must fill exactly {n_buckets}"
-                              " buckets: the other items have none left")
+        raise InfeasibleError(
+            f"{alone.size} items (first: item {int(alone[0])}) each exceed memory_cap {cap:g} alone"
+            f" and need a bucket of their own, but the {n} items must fill exactly {n_buckets}"
+            " buckets: the other items have none left"
+        )
     buckets: list[list[int]] = []
     solver = "alone"
     if rest.size:
@@ -221,9 +240,16 @@ def _isolate(matrix: np.ndarray, n_buckets: int, alone: np.ndarray, memory: np.n
             sub_cost = lambda positions: microbatch_cost(rest[list(positions)].tolist())  # noqa: E731
         if microbatch_memory is not None:
             sub_memory = lambda positions: microbatch_memory(rest[list(positions)].tolist())  # noqa: E731
-        sub = partition_batch(matrix[rest], free, memory=memory[rest], memory_cap=cap, microbatch_cost=sub_cost,
-                              lengths=None if lengths is None else lengths[rest], microbatch_memory=sub_memory,
-                              **options)
+        sub = partition_batch(
+            matrix[rest],
+            free,
+            memory=memory[rest],
+            memory_cap=cap,
+            microbatch_cost=sub_cost,
+            lengths=None if lengths is None else lengths[rest],
+            microbatch_memory=sub_memory,
+            **options,
+        )
         buckets = [rest[b].tolist() for b in sub.buckets]
         solver = f"{sub.solver}+alone"
     buckets += [[int(i)] for i in alone]
@@ -246,12 +272,12 @@ def partition_batch(
     costs: np.ndarray,
     n_buckets: int,
     *,
-    memory: Optional[np.ndarray] = None,
-    memory_cap: Optional[float] = None,
+    memory: np.ndarray | None = None,
+    memory_cap: float | None = None,
     time_limit_s: float = 1.0,
     seed: int = 0,
-    microbatch_cost: Optional[MicrobatchCost] = None,
-    lengths: Optional[np.ndarray] = None,
+    microbatch_cost: MicrobatchCost | None = None,
+    lengths: np.ndarray | None = None,
     node_limit: int = 0,
     allow_oversize: bool = False,
     microbatch_memory: Callable[[list[int]], float] | None = None,
@@ -308,9 +334,17 @@ def partition_batch(
         alone = np.flatnonzero(usage > float(memory_cap))
         if alone.size:
             options = dict(time_limit_s=time_limit_s, seed=seed, node_limit=node_limit)
-            return _isolate(matrix, n_buckets, alone, usage, float(memory_cap), microbatch_cost,
-                            None if lengths is None else np.asarray(lengths, dtype=float), options,
-                            microbatch_memory)
+            return _isolate(
+                matrix,
+                n_buckets,
+                alone,
+                usage,
+                float(memory_cap),
+                microbatch_cost,
+                None if lengths is None else np.asarray(lengths, dtype=float),
+                options,
+                microbatch_memory,
+            )
     cap = _memory_cap(memory, memory_cap, n, n_buckets)
     bound = lower_bound(matrix, n_buckets)
     started = time.perf_counter()
@@ -341,15 +375,23 @@ def partition_batch(
     ilp_helps = (
         (timed or node_limit > 0)
         and additive > bound * (1 + OPTIMALITY_TOLERANCE)
-        and variables <= (min(ILP_MAX_VARIABLES, ILP_VARIABLES_PER_SECOND * time_limit_s) if timed else ILP_MAX_VARIABLES)
+        and variables
+        <= (min(ILP_MAX_VARIABLES, ILP_VARIABLES_PER_SECOND * time_limit_s) if timed else ILP_MAX_VARIABLES)
     )
     if ilp_helps:
         solve_ilp = _exact_solver()
         remaining = max(time_limit_s - (time.perf_counter() - started), 0.05) if timed else 0.0
         result = solve_ilp(
-            matrix, n_buckets, item_order(matrix, seed),
-            lower=bound, upper=None if best is None else additive * (1 + 1e-9), warm_labels=best,
-            time_limit_s=remaining, seed=seed, memory=cap, node_limit=int(node_limit),
+            matrix,
+            n_buckets,
+            item_order(matrix, seed),
+            lower=bound,
+            upper=None if best is None else additive * (1 + 1e-9),
+            warm_labels=best,
+            time_limit_s=remaining,
+            seed=seed,
+            memory=cap,
+            node_limit=int(node_limit),
         )
         if result.infeasible and best is None:
             raise InfeasibleError(

@@ -6,7 +6,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable, Generic, Iterable, Iterator, Optional, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Generic, TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -25,11 +26,13 @@ _DONE = object()
 
 
 def _timeout_message(what: str, timeout_s: float) -> str:
-    return (f"scheduling {what} took longer than schedule_timeout_s={timeout_s:g} s: the partitioner or"
-            " solver is stuck or far too slow (raise dflop.sampler.schedule_timeout_s if it is merely slow)")
+    return (
+        f"scheduling {what} took longer than schedule_timeout_s={timeout_s:g} s: the partitioner or"
+        " solver is stuck or far too slow (raise dflop.sampler.schedule_timeout_s if it is merely slow)"
+    )
 
 
-def run_with_deadline(fn: Callable[[], V], timeout_s: Optional[float], what: str) -> V:
+def run_with_deadline(fn: Callable[[], V], timeout_s: float | None, what: str) -> V:
     """``fn()``, or :class:`ScheduleTimeoutError` naming ``what`` when it has not returned after
     ``timeout_s`` seconds (``None``: wait as long as it takes). An overrunning ``fn`` is left to
     finish in a daemon thread; its result is discarded."""
@@ -63,8 +66,15 @@ class BackgroundMap(Generic[K, V]):
     leaving a ``with`` block) stops the worker.
     """
 
-    def __init__(self, fn: Callable[[K], V], keys: Iterable[K], depth: int = 1, poll_s: float = 1.0,
-                 timeout_s: Optional[float] = None, describe: Callable[[K], str] = repr) -> None:
+    def __init__(
+        self,
+        fn: Callable[[K], V],
+        keys: Iterable[K],
+        depth: int = 1,
+        poll_s: float = 1.0,
+        timeout_s: float | None = None,
+        describe: Callable[[K], str] = repr,
+    ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self._fn = fn
@@ -133,7 +143,7 @@ class BackgroundMap(Generic[K, V]):
         if wait_s > 0 and self._thread is not threading.current_thread():
             self._thread.join(timeout=wait_s)
 
-    def __enter__(self) -> "BackgroundMap[K, V]":
+    def __enter__(self) -> BackgroundMap[K, V]:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -91,7 +91,7 @@ def lockstep_order(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[in
     ranks: list[list[int]] = [[] for _ in range(dp)]
     sums = np.zeros(dp)
     for k in range(n_mb):
-        group = order[k * dp:(k + 1) * dp]
+        group = order[k * dp : (k + 1) * dp]
         free = sorted(range(dp), key=lambda r: (sums[r], r))
         for bucket, rank in zip(group, free):
             ranks[rank].append(bucket)

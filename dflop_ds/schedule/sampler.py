@@ -28,8 +28,9 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -138,20 +139,22 @@ class GlobalBatchSampler:
         gradient_accumulation_steps: int,
         dp_rank: int = 0,
         dp_size: int = 1,
-        cost_model: Optional[CostModel] = None,
+        cost_model: CostModel | None = None,
         seed: int = 0,
         prefetch: int = 1,
-        label_tokens_fn: Optional[Callable[[SampleShape], int]] = None,
-        cost_adjuster: Optional[CostAdjuster] = None,
+        label_tokens_fn: Callable[[SampleShape], int] | None = None,
+        cost_adjuster: CostAdjuster | None = None,
         drop_last: bool = False,
-        schedule_timeout_s: Optional[float] = SCHEDULE_TIMEOUT_S,
+        schedule_timeout_s: float | None = SCHEDULE_TIMEOUT_S,
     ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         if schedule_timeout_s is not None and not schedule_timeout_s > 0:
-            raise ValueError(f"schedule_timeout_s must be > 0 seconds (or None: no deadline), got {schedule_timeout_s!r}")
+            raise ValueError(
+                f"schedule_timeout_s must be > 0 seconds (or None: no deadline), got {schedule_timeout_s!r}"
+            )
         if cost_model is None:
             cost_model = ProxyCost()
         self.shapes = list(shapes)
@@ -162,7 +165,7 @@ class GlobalBatchSampler:
         self.cost_model = cost_model
         self.seed = int(seed)
         self.prefetch = int(prefetch)
-        self._ahead: Optional[BackgroundMap] = None
+        self._ahead: BackgroundMap | None = None
         self.costs = np.asarray(cost_model.predict_samples(self.shapes), dtype=float).reshape(len(self.shapes), -1)
         count = label_tokens_fn or (lambda shape: shape.label_tokens)
         self.label_tokens = np.array([count(s) for s in self.shapes], dtype=np.int64)
@@ -175,12 +178,16 @@ class GlobalBatchSampler:
         check_batch_sizes(len(self.shapes), self.global_batch_size, self.n_mb * self.dp_size)
         self.dropped_per_epoch = dropped_per_epoch(len(self.shapes), self.global_batch_size, self.drop_last)
         if self.dropped_per_epoch:
-            logger.warning("drop_last: %d of %d samples of every epoch are not trained (a different %d each epoch)",
-                           self.dropped_per_epoch, len(self.shapes), self.dropped_per_epoch)
+            logger.warning(
+                "drop_last: %d of %d samples of every epoch are not trained (a different %d each epoch)",
+                self.dropped_per_epoch,
+                len(self.shapes),
+                self.dropped_per_epoch,
+            )
         self.fingerprint = dataset_fingerprint(self.shapes)
         self.position = Position()
-        self.last_schedule: Optional[BatchSchedule] = None
-        self._cached_epoch: Optional[tuple[int, list[np.ndarray]]] = None
+        self.last_schedule: BatchSchedule | None = None
+        self._cached_epoch: tuple[int, list[np.ndarray]] | None = None
 
     @property
     def epoch(self) -> int:
@@ -203,7 +210,7 @@ class GlobalBatchSampler:
         return first_batch(epoch + 1, n, size, self.drop_last) - first_batch(epoch, n, size, self.drop_last)
 
     # -- the schedule: pure in (seed, epoch, batch) -------------------------------------------
-    def batches_in_epoch(self, epoch: Optional[int] = None) -> list[np.ndarray]:
+    def batches_in_epoch(self, epoch: int | None = None) -> list[np.ndarray]:
         """The global batches (arrays of exactly ``global_batch_size`` dataset indices) of
         ``epoch`` (default: the current)."""
         epoch = self.epoch if epoch is None else int(epoch)
@@ -219,9 +226,16 @@ class GlobalBatchSampler:
     def split_request(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitRequest:
         """What a splitter gets for ``batch``: its costs, shapes, the collated-microbatch cost
         (:meth:`_microbatch_cost`) and, unless microbatches are packed, its LLM lengths."""
-        return SplitRequest(batch.tolist(), costs, self.n_mb, self.dp_size, shapes=[self.shapes[i] for i in batch],
-                            microbatch_cost=self._microbatch_cost(batch, costs),
-                            lengths=None if self.additive else self.lengths[batch], seed=batch_seed)
+        return SplitRequest(
+            batch.tolist(),
+            costs,
+            self.n_mb,
+            self.dp_size,
+            shapes=[self.shapes[i] for i in batch],
+            microbatch_cost=self._microbatch_cost(batch, costs),
+            lengths=None if self.additive else self.lengths[batch],
+            seed=batch_seed,
+        )
 
     def batch_costs(self, epoch: int, batch_id: int, batch: np.ndarray) -> np.ndarray:
         """Predicted costs of ``batch``'s samples, adjusted when a cost adjuster is set."""
@@ -234,7 +248,7 @@ class GlobalBatchSampler:
             return costs
         return np.asarray(self.cost_adjuster.adjust(version, costs, [self.shapes[i] for i in batch]), dtype=float)
 
-    def _microbatch_cost(self, batch: np.ndarray, costs: Optional[np.ndarray] = None):
+    def _microbatch_cost(self, batch: np.ndarray, costs: np.ndarray | None = None):
         """The cost model's collated-microbatch predictor over positions in ``batch``, if any.
 
         With adjusted ``costs`` (from the cost adjuster) of the same columns, each column is
@@ -345,11 +359,20 @@ class GlobalBatchSampler:
     def state_dict(self) -> dict:
         """Where the sampler is (the next microbatch to train) and what it schedules: the seed,
         batch sizes and a fingerprint of the dataset's ids and shapes."""
-        return {"method": self.method, "seed": self.seed, "epoch": self.position.epoch,
-                "next_batch": self.position.batch, "next_microbatch": self.position.microbatch,
-                "n_samples": len(self.shapes), "global_batch_size": self.global_batch_size,
-                "drop_last": self.drop_last, "gradient_accumulation_steps": self.n_mb, "dp_size": self.dp_size,
-                "dataset_fingerprint": self.fingerprint, "dataset": describe_dataset(self.shapes)}
+        return {
+            "method": self.method,
+            "seed": self.seed,
+            "epoch": self.position.epoch,
+            "next_batch": self.position.batch,
+            "next_microbatch": self.position.microbatch,
+            "n_samples": len(self.shapes),
+            "global_batch_size": self.global_batch_size,
+            "drop_last": self.drop_last,
+            "gradient_accumulation_steps": self.n_mb,
+            "dp_size": self.dp_size,
+            "dataset_fingerprint": self.fingerprint,
+            "dataset": describe_dataset(self.shapes),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`. Refuses a state of another dataset (naming both), seed,
@@ -357,8 +380,10 @@ class GlobalBatchSampler:
         needs the same sampler, gradient accumulation steps and data-parallel size."""
         mine = self.state_dict()
         if "dataset_fingerprint" in state and state["dataset_fingerprint"] != self.fingerprint:
-            raise ValueError(f"sampler state is for another dataset: the state's is {state.get('dataset')},"
-                             f" this sampler's is {mine['dataset']}")
+            raise ValueError(
+                f"sampler state is for another dataset: the state's is {state.get('dataset')},"
+                f" this sampler's is {mine['dataset']}"
+            )
         keys = ["seed", "n_samples", "global_batch_size"] + (["drop_last"] if "drop_last" in state else [])
         if int(state.get("next_microbatch", 0)):
             keys += ["method", "gradient_accumulation_steps", "dp_size"]
@@ -367,9 +392,11 @@ class GlobalBatchSampler:
                 raise ValueError(f"sampler state has {key}={state.get(key)!r}, this sampler has {mine[key]!r}")
         position = Position(int(state["epoch"]), int(state["next_batch"]), int(state.get("next_microbatch", 0)))
         if position.batch >= self.n_batches(position.epoch) or position.microbatch >= self.n_mb:
-            raise ValueError(f"sampler state points at epoch {position.epoch} batch {position.batch} microbatch"
-                             f" {position.microbatch}, past the end of that epoch's {self.n_batches(position.epoch)}"
-                             f" batches of {self.n_mb} microbatches")
+            raise ValueError(
+                f"sampler state points at epoch {position.epoch} batch {position.batch} microbatch"
+                f" {position.microbatch}, past the end of that epoch's {self.n_batches(position.epoch)}"
+                f" batches of {self.n_mb} microbatches"
+            )
         self.position = position
 
 
@@ -394,8 +421,10 @@ class StockBatchSampler(SplitterSampler):
 
     def __init__(self, shapes: Sequence[SampleShape], *, memory_cap: float | None = None, **kwargs) -> None:
         if memory_cap is not None:
-            raise ValueError("a memory cap (\"dflop\".memory_cap_bytes) needs the dflop sampler: the stock sampler"
-                             " cuts microbatches of a fixed sample count whatever their memory")
+            raise ValueError(
+                'a memory cap ("dflop".memory_cap_bytes) needs the dflop sampler: the stock sampler'
+                " cuts microbatches of a fixed sample count whatever their memory"
+            )
         super().__init__(shapes, splitter="stock", **kwargs)
 
 
@@ -419,9 +448,17 @@ class DFLOPBatchSampler(GlobalBatchSampler):
 
     method = "dflop"
 
-    def __init__(self, shapes: Sequence[SampleShape], *, time_limit_s: float = 0.0, ilp_nodes: int = 0,
-                 lockstep: bool = False, memory_cap: float | None = None, allow_oversize: bool = False,
-                 **kwargs) -> None:
+    def __init__(
+        self,
+        shapes: Sequence[SampleShape],
+        *,
+        time_limit_s: float = 0.0,
+        ilp_nodes: int = 0,
+        lockstep: bool = False,
+        memory_cap: float | None = None,
+        allow_oversize: bool = False,
+        **kwargs,
+    ) -> None:
         self.time_limit_s = float(time_limit_s)
         self.ilp_nodes = int(ilp_nodes)
         self.lockstep = bool(lockstep)
@@ -435,8 +472,15 @@ class DFLOPBatchSampler(GlobalBatchSampler):
             self.memory = sample_bytes(self.cost_model, self.shapes)
             oversize_samples(self.shapes, self.memory, self.memory_cap, self.allow_oversize)
 
-    def _split_once(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int, exact: bool,
-                    memory: np.ndarray | None, checked: bool = False) -> SplitResult:
+    def _split_once(
+        self,
+        batch: np.ndarray,
+        costs: np.ndarray,
+        batch_seed: int,
+        exact: bool,
+        memory: np.ndarray | None,
+        checked: bool = False,
+    ) -> SplitResult:
         """One :class:`DFLOPSplitter` split; ``checked``: the partitioner also checks each
         microbatch's predicted (padded) bytes and falls back to its memory-first fit."""
         microbatch_memory = None
@@ -445,16 +489,23 @@ class DFLOPBatchSampler(GlobalBatchSampler):
             microbatch_memory = lambda rows: microbatch_bytes(self.cost_model, [shapes[r] for r in rows])  # noqa: E731
         splitter = DFLOPSplitter(self.time_limit_s if exact else 0.0, self.ilp_nodes if exact else 0, self.lockstep)
         return splitter.split(
-            self.split_request(batch, costs, batch_seed), memory=memory, memory_cap=self.memory_cap,
-            allow_oversize=memory is not None, microbatch_memory=microbatch_memory,
+            self.split_request(batch, costs, batch_seed),
+            memory=memory,
+            memory_cap=self.memory_cap,
+            allow_oversize=memory is not None,
+            microbatch_memory=microbatch_memory,
         )
 
     def over_cap(self, split: SplitResult) -> list[tuple[list[int], float]]:
         """The microbatches of two or more samples of ``split`` predicted above ``memory_cap``, with
         their predicted bytes (a sample alone is within the cap or an allowed oversize sample)."""
         assert self.memory_cap is not None
-        sized = ((mb, microbatch_bytes(self.cost_model, [self.shapes[i] for i in mb]))
-                 for rank in split.ranks for mb in rank if len(mb) > 1)
+        sized = (
+            (mb, microbatch_bytes(self.cost_model, [self.shapes[i] for i in mb]))
+            for rank in split.ranks
+            for mb in rank
+            if len(mb) > 1
+        )
         return [(mb, size) for mb, size in sized if size > self.memory_cap]
 
     def balanced_split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int, exact: bool) -> SplitResult:
@@ -492,11 +543,13 @@ class DFLOPBatchSampler(GlobalBatchSampler):
             return self.balanced_split(batch, costs, batch_seed, exact=True)
         budget = self.schedule_timeout_s / 2
         try:
-            return run_with_deadline(lambda: self.balanced_split(batch, costs, batch_seed, exact=True), budget,
-                                     "the exact solver")
+            return run_with_deadline(
+                lambda: self.balanced_split(batch, costs, batch_seed, exact=True), budget, "the exact solver"
+            )
         except ScheduleTimeoutError:
-            logger.warning("the exact solver overran half of schedule_timeout_s (%g s); using the heuristic split",
-                           budget)
+            logger.warning(
+                "the exact solver overran half of schedule_timeout_s (%g s); using the heuristic split", budget
+            )
         result = self.balanced_split(batch, costs, batch_seed, exact=False)
         return dataclasses.replace(result, solver=result.solver + FALLBACK_SUFFIX)
 
@@ -514,6 +567,6 @@ def make_sampler(method: str, shapes: Sequence[SampleShape], **kwargs) -> Global
     if method == "stock":
         return StockBatchSampler(shapes, **kwargs)
     if kwargs.get("memory_cap") is not None:
-        raise ValueError(f"a memory cap (\"dflop\".memory_cap_bytes) needs the dflop sampler, not {method!r}")
+        raise ValueError(f'a memory cap ("dflop".memory_cap_bytes) needs the dflop sampler, not {method!r}')
     kwargs.pop("memory_cap", None)
     return SplitterSampler(shapes, splitter=method, **kwargs)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -70,7 +71,7 @@ def monitor_events(record: dict[str, Any], step: int) -> list[tuple[str, float, 
     return events
 
 
-def _fmt(value: Optional[float], spec: str = ".3f") -> str:
+def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
 
 
@@ -79,25 +80,33 @@ def log_line(record: dict[str, Any]) -> str:
     correction = "off"
     if record.get("correction_tracking") or record.get("correction_active"):
         state = "on" if record.get("correction_active") else "tracking"
-        correction = (f"{state} gain {_fmt(record.get('correction_gain_s'), '.4f')}s "
-                      f"cost {_fmt(record.get('correction_overhead_s'), '.4f')}s "
-                      f"max-penalty {_fmt(record.get('correction_penalty'), '.2f')}")
-    return (f"[dflop-ds] telemetry step {record.get('step', 0):3d} {_fmt(record.get('step_s'))}s "
-            f"imbalance pred {_fmt(record.get('imbalance_predicted'))} obs {_fmt(record.get('imbalance_observed'))} "
-            f"bubble {_fmt(record.get('bubble_fraction'), '.2f')} "
-            f"sched {_fmt(record.get('schedule_ms'), '.1f')}ms/{record.get('solver', '-')} "
-            f"correction {correction} "
-            f"telemetry {_fmt(100 * record.get('telemetry_overhead_frac', float('nan')), '.2f')}%")
+        correction = (
+            f"{state} gain {_fmt(record.get('correction_gain_s'), '.4f')}s "
+            f"cost {_fmt(record.get('correction_overhead_s'), '.4f')}s "
+            f"max-penalty {_fmt(record.get('correction_penalty'), '.2f')}"
+        )
+    return (
+        f"[dflop-ds] telemetry step {record.get('step', 0):3d} {_fmt(record.get('step_s'))}s "
+        f"imbalance pred {_fmt(record.get('imbalance_predicted'))} obs {_fmt(record.get('imbalance_observed'))} "
+        f"bubble {_fmt(record.get('bubble_fraction'), '.2f')} "
+        f"sched {_fmt(record.get('schedule_ms'), '.1f')}ms/{record.get('solver', '-')} "
+        f"correction {correction} "
+        f"telemetry {_fmt(100 * record.get('telemetry_overhead_frac', float('nan')), '.2f')}%"
+    )
 
 
-def batch_tokens(microbatches: Sequence[Sequence[int]], shapes: Sequence[SampleShape],
-                 packed: bool = False) -> dict[str, int]:
+def batch_tokens(
+    microbatches: Sequence[Sequence[int]], shapes: Sequence[SampleShape], packed: bool = False
+) -> dict[str, int]:
     """Samples, real LLM tokens and tokens after padding each microbatch to its longest sample
     (packed microbatches have no padding: their padded tokens are their tokens)."""
     lengths = [[shapes[i].llm_tokens for i in mb] for mb in microbatches if len(mb)]
     tokens = int(sum(sum(mb) for mb in lengths))
-    return {"samples": sum(len(mb) for mb in lengths), "tokens": tokens,
-            "padded_tokens": tokens if packed else int(sum(len(mb) * max(mb) for mb in lengths))}
+    return {
+        "samples": sum(len(mb) for mb in lengths),
+        "tokens": tokens,
+        "padded_tokens": tokens if packed else int(sum(len(mb) * max(mb) for mb in lengths)),
+    }
 
 
 def throughput(rows: Sequence[dict[str, Any]]) -> dict[str, float]:

@@ -6,7 +6,7 @@ import json
 import math
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -53,14 +53,17 @@ def split_runs(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     runs: list[list[dict[str, Any]]] = []
     for record in records:
         previous = runs[-1][-1] if runs else None
-        if previous is None or record.get("run_id") != previous.get("run_id") or (
-                record.get("run_id") is None and record.get("step", 0) <= previous.get("step", 0)):
+        if (
+            previous is None
+            or record.get("run_id") != previous.get("run_id")
+            or (record.get("run_id") is None and record.get("step", 0) <= previous.get("step", 0))
+        ):
             runs.append([])
         runs[-1].append(record)
     return runs
 
 
-def select_run(runs: list[list[dict[str, Any]]], run_id: Optional[str], index: int, source: str) -> list[dict]:
+def select_run(runs: list[list[dict[str, Any]]], run_id: str | None, index: int, source: str) -> list[dict]:
     """The run named ``run_id`` (when given), else the ``index``-th (negative: from the end)."""
     if run_id is not None:
         chosen = [record for run in runs for record in run if record.get("run_id") == run_id]
@@ -81,8 +84,14 @@ def _series(records: list[dict], key: str) -> np.ndarray:
 def summarize(records: list[dict]) -> dict[str, Any]:
     """Median figures of a run (NaN-free keys only)."""
     out: dict[str, Any] = {"steps": len(records)}
-    for key in ("step_s", "imbalance_observed", "imbalance_predicted", "bubble_fraction", "schedule_ms",
-                "telemetry_overhead_frac"):
+    for key in (
+        "step_s",
+        "imbalance_observed",
+        "imbalance_predicted",
+        "bubble_fraction",
+        "schedule_ms",
+        "telemetry_overhead_frac",
+    ):
         values = _series(records, key)
         if np.isfinite(values).any():
             out[f"median_{key}"] = float(np.nanmedian(values))
@@ -122,7 +131,7 @@ def scatter_points(records: list[dict]) -> dict[int, tuple[np.ndarray, np.ndarra
     return {s: (np.array(x), np.array(y)) for s, (x, y) in points.items()}
 
 
-def plot_run(records: list[dict], out_dir: str | Path, title: Optional[str] = None) -> list[Path]:
+def plot_run(records: list[dict], out_dir: str | Path, title: str | None = None) -> list[Path]:
     """Write ``imbalance.png`` (over steps) and ``predicted_vs_observed.png``; their paths."""
     import matplotlib
 
@@ -141,8 +150,16 @@ def plot_run(records: list[dict], out_dir: str | Path, title: Optional[str] = No
             ax.plot(steps, values, marker="o", ms=3, label=label)
     active = _series(records, "correction_active")
     if np.nansum(active) > 0:
-        ax.fill_between(steps, 0, 1, where=active > 0, transform=ax.get_xaxis_transform(), alpha=0.12,
-                        color="green", label="correction applied")
+        ax.fill_between(
+            steps,
+            0,
+            1,
+            where=active > 0,
+            transform=ax.get_xaxis_transform(),
+            alpha=0.12,
+            color="green",
+            label="correction applied",
+        )
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("step")
     ax.set_ylabel("max / mean microbatch cost")

@@ -27,7 +27,7 @@ import time
 import uuid
 import zlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,9 +57,17 @@ class RuntimeTracker:
         timer: the :class:`PipelineTimer` (default: installed on ``engine``).
     """
 
-    def __init__(self, engine, sampler, correction: Optional[CostCorrection] = None, *,
-                 jsonl_path: Optional[str] = None, log: bool = True, timer: Optional[PipelineTimer] = None,
-                 run_id: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        engine,
+        sampler,
+        correction: CostCorrection | None = None,
+        *,
+        jsonl_path: str | None = None,
+        log: bool = True,
+        timer: PipelineTimer | None = None,
+        run_id: str | None = None,
+    ) -> None:
         from deepspeed.accelerator import get_accelerator
 
         self.engine = engine
@@ -90,7 +98,7 @@ class RuntimeTracker:
         """Call right before ``engine.train_batch``."""
         self.timer.start_step()
 
-    def end_step(self, step: int, step_s: float, loss: Optional[float] = None) -> dict[str, Any]:
+    def end_step(self, step: int, step_s: float, loss: float | None = None) -> dict[str, Any]:
         """Call right after ``engine.train_batch`` on every rank; returns the step's record."""
         begin = time.perf_counter()
         timing = self.timer.finish_step()
@@ -126,12 +134,19 @@ class RuntimeTracker:
     def _comp_size(self, correction: CostCorrection) -> int:
         return self.dp * self.n_mb * correction.n_columns * correction.scheme.n_buckets
 
-    def _local_vector(self, timing: StageTiming, step_s: float, sched, tracked: Optional[CostCorrection]) -> np.ndarray:
+    def _local_vector(self, timing: StageTiming, step_s: float, sched, tracked: CostCorrection | None) -> np.ndarray:
         """This rank's row of the step: header, per-microbatch times, totals and, when a correction
         is ``tracked``, the step's microbatch composition."""
         fingerprint = zlib.crc32(json.dumps(sched.split.ranks).encode()) if sched is not None else -1
-        head = [float(sched is not None), self.stage, self.dp_rank, step_s, timing.overhead_s, self._tracking_overhead_s,
-                float(fingerprint)]
+        head = [
+            float(sched is not None),
+            self.stage,
+            self.dp_rank,
+            step_s,
+            timing.overhead_s,
+            self._tracking_overhead_s,
+            float(fingerprint),
+        ]
         totals = [timing.totals.get(kind, 0.0) for kind in STEP_KINDS]
         parts = [np.asarray(head, dtype=float), timing.compute, timing.wait, timing.per_mb["load"], np.asarray(totals)]
         if tracked is not None and self.buckets is not None:
@@ -155,12 +170,13 @@ class RuntimeTracker:
         waits = np.full((self.n_stages, self.dp * n), np.nan)
         for row in rows:
             s, d = int(row[1]), int(row[2])
-            stage_times[s, d * n:(d + 1) * n] = row[HEADER:HEADER + n]
-            waits[s, d * n:(d + 1) * n] = row[HEADER + n:HEADER + 2 * n]
+            stage_times[s, d * n : (d + 1) * n] = row[HEADER : HEADER + n]
+            waits[s, d * n : (d + 1) * n] = row[HEADER + n : HEADER + 2 * n]
         return stage_times, waits, float(rows[:, 3].max())
 
-    def _feed_correction(self, correction: CostCorrection, rows: np.ndarray, stage_times: np.ndarray,
-                         tracking: bool) -> float:
+    def _feed_correction(
+        self, correction: CostCorrection, rows: np.ndarray, stage_times: np.ndarray, tracking: bool
+    ) -> float:
         start = time.perf_counter()
         if not tracking:
             correction.skip()
@@ -169,19 +185,24 @@ class RuntimeTracker:
         if with_schedule.size == 0:
             raise RuntimeError("no rank reported a schedule: is the sampler iterated on the first/last stages?")
         offset = self._totals_columns().stop
-        comp = rows[with_schedule[0], offset:offset + self._comp_size(correction)].reshape(
-            self.dp * self.n_mb, correction.n_columns, correction.scheme.n_buckets)
+        comp = rows[with_schedule[0], offset : offset + self._comp_size(correction)].reshape(
+            self.dp * self.n_mb, correction.n_columns, correction.scheme.n_buckets
+        )
         obs = StepObservation(comp, stage_times, overhead_s=float(rows[:, 5].max()), microbatches_per_rank=self.n_mb)
         correction.update(obs)
         return time.perf_counter() - start
 
     def _record(self, step, step_s, loss, rows, stage_times, waits, step_max, sched) -> dict[str, Any]:
         per_stage, overall = observed_imbalance(stage_times)
-        compute_per_rank = np.array([row[HEADER:HEADER + self.n_mb].sum() for row in rows])
-        wait_per_rank = np.array([row[HEADER + self.n_mb:HEADER + 2 * self.n_mb].sum() for row in rows])
+        compute_per_rank = np.array([row[HEADER : HEADER + self.n_mb].sum() for row in rows])
+        wait_per_rank = np.array([row[HEADER + self.n_mb : HEADER + 2 * self.n_mb].sum() for row in rows])
         record: dict[str, Any] = {
-            "run_id": self.run_id, "step": int(step), "step_s": step_max, "loss": None if loss is None else float(loss),
-            "imbalance_observed": overall, "imbalance_observed_stages": per_stage,
+            "run_id": self.run_id,
+            "step": int(step),
+            "step_s": step_max,
+            "loss": None if loss is None else float(loss),
+            "imbalance_observed": overall,
+            "imbalance_observed_stages": per_stage,
             "bubble_fraction": bubble_fraction(compute_per_rank, step_max),
             "wait_fraction": float(wait_per_rank.mean() / step_max) if step_max > 0 else float("nan"),
             "stage_compute_s": np.nansum(stage_times, axis=1).tolist(),
@@ -196,9 +217,12 @@ class RuntimeTracker:
             columns = [imbalance(predicted[:, c]) for c in range(predicted.shape[1])]
             busiest = int(predicted.sum(axis=0).argmax())
             record.update(
-                imbalance_predicted=columns[busiest], imbalance_predicted_columns=columns,
-                schedule_ms=1e3 * sched.schedule_s, solver=sched.split.solver,
-                solver_exact=float(sched.split.solver.startswith("ilp")), mb_predicted=predicted.tolist(),
+                imbalance_predicted=columns[busiest],
+                imbalance_predicted_columns=columns,
+                schedule_ms=1e3 * sched.schedule_s,
+                solver=sched.split.solver,
+                solver_exact=float(sched.split.solver.startswith("ilp")),
+                mb_predicted=predicted.tolist(),
                 microbatches=[[[int(i) for i in mb] for mb in rank] for rank in sched.split.ranks],
             )
             record["predicted_space"] = "stage" if self._stage_space(step) else "model"
@@ -206,9 +230,14 @@ class RuntimeTracker:
                 record.update(imbalance_predicted_encoder=columns[0], imbalance_predicted_llm=columns[-1])
         if self.correction is not None:
             summary = self.correction.summary()
-            record.update(correction_active=summary["active"], correction_tracking=summary["tracking"],
-                          correction_gain_s=summary["gain_s"], correction_overhead_s=summary["overhead_s"],
-                          correction_penalty=summary["penalty"], correction_penalty_where=summary["penalty_where"])
+            record.update(
+                correction_active=summary["active"],
+                correction_tracking=summary["tracking"],
+                correction_gain_s=summary["gain_s"],
+                correction_overhead_s=summary["overhead_s"],
+                correction_penalty=summary["penalty"],
+                correction_penalty_where=summary["penalty_where"],
+            )
         return record
 
     def _stage_totals(self, rows: np.ndarray) -> dict[str, list[float]]:
@@ -254,11 +283,13 @@ def check_same_schedule(rows: np.ndarray, step: int) -> None:
     prints = {int(row[6]) for row in rows if row[0] > 0}
     if len(prints) > 1:
         ranks = [i for i, row in enumerate(rows) if row[0] > 0]
-        raise RuntimeError(f"step {step}: ranks {ranks} computed different schedules (fingerprints {sorted(prints)}); "
-                           "the sampler or its cost adjuster is not deterministic across ranks")
+        raise RuntimeError(
+            f"step {step}: ranks {ranks} computed different schedules (fingerprints {sorted(prints)}); "
+            "the sampler or its cost adjuster is not deterministic across ranks"
+        )
 
 
-def default_jsonl_path(ds_config: dict) -> Optional[str]:
+def default_jsonl_path(ds_config: dict) -> str | None:
     """``<csv_monitor.output_path>/<job_name>/dflop_telemetry.jsonl`` when the CSV monitor is on."""
     csv = ds_config.get("csv_monitor") or {}
     if not csv.get("enabled"):

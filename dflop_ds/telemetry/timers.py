@@ -12,8 +12,8 @@ microbatch: 1F1B runs each kind in microbatch order.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import numpy as np
 
@@ -74,20 +74,21 @@ class PipelineTimer:
             None on CPU.
     """
 
-    def __init__(self, engine, micro_batches: int, synchronize: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, engine, micro_batches: int, synchronize: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.micro_batches = int(micro_batches)
         self.synchronize = synchronize
         self._step = _Step(self.micro_batches)
         self._installed = False
 
-    def install(self) -> "PipelineTimer":
+    def install(self) -> PipelineTimer:
         """Shadow the engine's instruction table with timed entries (this engine only)."""
         if self._installed:
             return self
         table = type(self.engine)._INSTRUCTION_MAP
-        self.engine._INSTRUCTION_MAP = {cls: self._timed(method, KINDS.get(cls.__name__, cls.__name__))
-                                        for cls, method in table.items()}
+        self.engine._INSTRUCTION_MAP = {
+            cls: self._timed(method, KINDS.get(cls.__name__, cls.__name__)) for cls, method in table.items()
+        }
         self._installed = True
         return self
 

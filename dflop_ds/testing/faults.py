@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ class FaultSpec:
     base_seconds_per_tile: float = 0.0
 
     @classmethod
-    def from_dict(cls, block: Optional[dict[str, Any]], source: str = "fault") -> Optional["FaultSpec"]:
+    def from_dict(cls, block: dict[str, Any] | None, source: str = "fault") -> FaultSpec | None:
         """Build and validate (None stays None); bad keys and values are named."""
         if block is None:
             return None

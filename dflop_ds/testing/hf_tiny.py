@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -44,23 +44,40 @@ def build_tokenizer(special_tokens: tuple[str, ...] = SPECIAL_TOKENS, extra_spec
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=list(special_tokens), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=list(special_tokens),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(list(CORPUS) * 4, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", model_max_length=512,
-                                   extra_special_tokens=extra_special_tokens or {"image_token": "<image>"})
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=512,
+        extra_special_tokens=extra_special_tokens or {"image_token": "<image>"},
+    )
 
 
 def _vision_parts(vision: str):
     """``(vision_config, image_processor, select_strategy, extra_tokens)`` of a tower family."""
     from transformers import CLIPImageProcessor, CLIPVisionConfig, SiglipImageProcessor, SiglipVisionConfig
 
-    sizes: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=VISION_LAYERS,
-                                 num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
+    sizes: dict[str, Any] = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=VISION_LAYERS,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+    )
     if vision == "clip":
-        processor = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
-                                       crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+        processor = CLIPImageProcessor(
+            size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+        )
         # "default" drops CLIP's CLS token, so an image gives exactly TOKENS_PER_IMAGE features
         return CLIPVisionConfig(projection_dim=32, **sizes), processor, "default", 1
     if vision == "siglip":
@@ -73,42 +90,64 @@ def _text_config(text: str, vocab_size: int, tie_word_embeddings: bool, sliding_
     """The text model's config of a family (tiny sizes, grouped-query attention)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    sizes = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=TEXT_LAYERS,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 tie_word_embeddings=tie_word_embeddings, **ids)
+    sizes = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=TEXT_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie_word_embeddings,
+        **ids,
+    )
     if text == "llama":
         if sliding_window is not None:
             raise ValueError("a Llama text model has no sliding window")
         return LlamaConfig(**sizes)
     if text == "qwen2":
-        return Qwen2Config(use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
-                           max_window_layers=1, **sizes)
+        return Qwen2Config(
+            use_sliding_window=sliding_window is not None, sliding_window=sliding_window, max_window_layers=1, **sizes
+        )
     if text == "mistral":
         return MistralConfig(sliding_window=sliding_window, **sizes)
     raise ValueError(f"unknown text model {text!r}; choose one of {TEXTS}")
 
 
-@lru_cache(maxsize=None)
-def _built(vision: str, text: str, tie_word_embeddings: bool, seed: int, sliding_window: int | None,
-           vision_feature_layer: int) -> Path:
+@cache
+def _built(
+    vision: str, text: str, tie_word_embeddings: bool, seed: int, sliding_window: int | None, vision_feature_layer: int
+) -> Path:
     """Build and save one tiny model directory in a process-wide temporary folder (cached)."""
     import torch
     from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
     tokenizer = build_tokenizer()
     vision_config, image_processor, strategy, extra = _vision_parts(vision)
-    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-               eos_token_id=tokenizer.eos_token_id)
+    ids = dict(
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
     text_config = _text_config(text, len(tokenizer), tie_word_embeddings, sliding_window, ids)
-    config = LlavaConfig(vision_config=vision_config, text_config=text_config,
-                         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
-                         vision_feature_select_strategy=strategy, vision_feature_layer=vision_feature_layer,
-                         image_seq_length=TOKENS_PER_IMAGE, tie_word_embeddings=tie_word_embeddings, **ids)
+    config = LlavaConfig(
+        vision_config=vision_config,
+        text_config=text_config,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy=strategy,
+        vision_feature_layer=vision_feature_layer,
+        image_seq_length=TOKENS_PER_IMAGE,
+        tie_word_embeddings=tie_word_embeddings,
+        **ids,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlavaForConditionalGeneration(config)
-    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
-                               vision_feature_select_strategy=strategy, num_additional_image_tokens=extra)
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH_SIZE,
+        vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=extra,
+    )
     return _saved(f"tiny_llava_{vision}_{text}_", model, processor)
 
 
@@ -145,13 +184,13 @@ def build_tiny_llava(
     Mistral (all layers) or Qwen2 (layers after the first) a sliding-window attention.
     Weights are drawn from ``seed``; every image becomes :data:`TOKENS_PER_IMAGE` tokens.
     """
-    return _copied(_built(vision, text, bool(tie_word_embeddings), int(seed), sliding_window,
-                          int(vision_feature_layer)), dir)
+    return _copied(
+        _built(vision, text, bool(tie_word_embeddings), int(seed), sliding_window, int(vision_feature_layer)), dir
+    )
 
 
 #: Qwen2-VL's chat and vision tokens (``<|image_pad|>`` is the image token the prompt carries)
-QWEN2_VL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-                   "<|video_pad|>")
+QWEN2_VL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 QWEN2_VL_PATCH = 4
 QWEN2_VL_MERGE = 2
 QWEN2_VL_MIN_PIXELS = (QWEN2_VL_PATCH * QWEN2_VL_MERGE) ** 2  # one LLM token
@@ -160,8 +199,9 @@ QWEN2_VL_MAX_PIXELS = 32 * 32  # 64 patches, 16 LLM tokens
 
 def build_qwen2_vl_tokenizer():
     """The tiny BPE tokenizer with Qwen2-VL's special tokens (``image_token``/``video_token`` named)."""
-    return build_tokenizer(SPECIAL_TOKENS[:4] + QWEN2_VL_TOKENS,
-                           {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
+    return build_tokenizer(
+        SPECIAL_TOKENS[:4] + QWEN2_VL_TOKENS, {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
+    )
 
 
 QWEN2_VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
@@ -175,39 +215,73 @@ def _qwen2_vl_classes(family: str, vision: dict):
         return transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration, vision
     if family == "qwen2_5_vl":
         # Qwen2.5-VL: gated MLP, 16 px attention windows (2 x 2 merge units), block 1 attends fully
-        sizes = dict(vision, hidden_size=vision["embed_dim"], out_hidden_size=vision["hidden_size"],
-                     intermediate_size=64, window_size=16, fullatt_block_indexes=[1])
+        sizes = dict(
+            vision,
+            hidden_size=vision["embed_dim"],
+            out_hidden_size=vision["hidden_size"],
+            intermediate_size=64,
+            window_size=16,
+            fullatt_block_indexes=[1],
+        )
         sizes.pop("embed_dim"), sizes.pop("mlp_ratio")
         return transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration, sizes
     raise ValueError(f"unknown Qwen2-VL family {family!r}; choose one of {QWEN2_VL_FAMILIES}")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _built_qwen2_vl(family: str, tie_word_embeddings: bool, seed: int, min_pixels: int, max_pixels: int) -> Path:
     """Build and save one tiny Qwen2-VL directory in a process-wide temporary folder (cached)."""
     import torch
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = build_qwen2_vl_tokenizer()
-    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-               eos_token_id=tokenizer.eos_token_id)
+    ids = dict(
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
     token = tokenizer.convert_tokens_to_ids
-    vision = dict(depth=VISION_LAYERS, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2,
-                  patch_size=QWEN2_VL_PATCH, spatial_merge_size=QWEN2_VL_MERGE, temporal_patch_size=2)
+    vision = dict(
+        depth=VISION_LAYERS,
+        embed_dim=32,
+        hidden_size=64,
+        mlp_ratio=2,
+        num_heads=2,
+        patch_size=QWEN2_VL_PATCH,
+        spatial_merge_size=QWEN2_VL_MERGE,
+        temporal_patch_size=2,
+    )
     # head_dim 16: the rotary half (8 frequencies) split over (temporal, height, width)
-    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=TEXT_LAYERS,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-                tie_word_embeddings=tie_word_embeddings, **ids)
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=TEXT_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        tie_word_embeddings=tie_word_embeddings,
+        **ids,
+    )
     config_class, model_class, vision = _qwen2_vl_classes(family, vision)
-    config = config_class(vision_config=vision, text_config=text, image_token_id=token("<|image_pad|>"),
-                           video_token_id=token("<|video_pad|>"), vision_start_token_id=token("<|vision_start|>"),
-                           vision_end_token_id=token("<|vision_end|>"), tie_word_embeddings=tie_word_embeddings)
+    config = config_class(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=token("<|image_pad|>"),
+        video_token_id=token("<|video_pad|>"),
+        vision_start_token_id=token("<|vision_start|>"),
+        vision_end_token_id=token("<|vision_end|>"),
+        tie_word_embeddings=tie_word_embeddings,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=QWEN2_VL_PATCH,
-                                               temporal_patch_size=2, merge_size=QWEN2_VL_MERGE)
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        patch_size=QWEN2_VL_PATCH,
+        temporal_patch_size=2,
+        merge_size=QWEN2_VL_MERGE,
+    )
     return _saved(f"tiny_{family}_", model, tokenizer, image_processor)
 
 
@@ -231,5 +305,14 @@ def build_tiny_qwen2_vl(
     return _copied(_built_qwen2_vl(family, bool(tie_word_embeddings), int(seed), int(min_pixels), int(max_pixels)), dir)
 
 
-__all__ = ["IMAGE_SIZE", "PATCH_SIZE", "QWEN2_VL_FAMILIES", "QWEN2_VL_TOKENS", "TOKENS_PER_IMAGE",
-           "build_qwen2_vl_tokenizer", "build_tiny_llava", "build_tiny_qwen2_vl", "build_tokenizer"]
+__all__ = [
+    "IMAGE_SIZE",
+    "PATCH_SIZE",
+    "QWEN2_VL_FAMILIES",
+    "QWEN2_VL_TOKENS",
+    "TOKENS_PER_IMAGE",
+    "build_qwen2_vl_tokenizer",
+    "build_tiny_llava",
+    "build_tiny_qwen2_vl",
+    "build_tokenizer",
+]

@@ -12,9 +12,11 @@ import json
 import random
 from pathlib import Path
 
-WORDS = ("the a cat dog red blue small large photo picture shows sits on table grass sky tree car road "
-         "person holds looks at near under next to what is in this image describe it color count how many "
-         "two three left right top bottom bright dark").split()
+WORDS = (
+    "the a cat dog red blue small large photo picture shows sits on table grass sky tree car road "
+    "person holds looks at near under next to what is in this image describe it color count how many "
+    "two three left right top bottom bright dark"
+).split()
 
 
 def _sentence(rng: random.Random, low: int, high: int) -> str:
@@ -28,8 +30,15 @@ def _write_image(path: Path, rng: random.Random, width: int, height: int) -> Non
     Image.frombytes("RGB", (width, height), raw).save(path)
 
 
-def write_llava_dataset(directory: str | Path, n_records: int = 48, *, seed: int = 0, max_images: int = 3,
-                        answer_words: tuple[int, int] = (3, 40), text_only: float = 0.25) -> tuple[Path, Path]:
+def write_llava_dataset(
+    directory: str | Path,
+    n_records: int = 48,
+    *,
+    seed: int = 0,
+    max_images: int = 3,
+    answer_words: tuple[int, int] = (3, 40),
+    text_only: float = 0.25,
+) -> tuple[Path, Path]:
     """Write ``n_records`` LLaVA records and their images under ``directory``.
 
     Returns ``(data_path, image_folder)``: ``directory/data.json`` and ``directory/images``.
@@ -53,8 +62,10 @@ def write_llava_dataset(directory: str | Path, n_records: int = 48, *, seed: int
         prompt = "".join("<image>\n" for _ in paths) + question
         turns = [{"from": "human", "value": prompt}, {"from": "gpt", "value": _sentence(rng, *answer_words)}]
         if rng.random() < 0.33:
-            turns += [{"from": "human", "value": _sentence(rng, 2, 8)},
-                      {"from": "gpt", "value": _sentence(rng, *answer_words)}]
+            turns += [
+                {"from": "human", "value": _sentence(rng, 2, 8)},
+                {"from": "gpt", "value": _sentence(rng, *answer_words)},
+            ]
         record: dict = {"id": f"r{i:04d}", "conversations": turns}
         if paths:
             record["image"] = paths[0] if len(paths) == 1 else paths

@@ -10,5 +10,12 @@ from dflop_ds.train.engine import TrainingEngine, build_engine, data_parallel_co
 from dflop_ds.train.loop import main
 from dflop_ds.train.sequential import SequentialMLLM
 
-__all__ = ["ModelSource", "SequentialMLLM", "TrainingEngine", "build_engine", "data_parallel_coords", "main",
-           "tiny_source"]
+__all__ = [
+    "ModelSource",
+    "SequentialMLLM",
+    "TrainingEngine",
+    "build_engine",
+    "data_parallel_coords",
+    "main",
+    "tiny_source",
+]

@@ -20,7 +20,8 @@ DeepSpeed compute a vocabulary-parallel loss, which the project's token-normaliz
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 
@@ -42,8 +43,10 @@ def hf_tp_plan(hf_model: nn.Module) -> dict[str, str]:
 
     plan = _get_hf_tp_plan(hf_model)
     if not plan:
-        raise ValueError(f"{type(hf_model).__name__} declares no HuggingFace tp_plan: DeepSpeed AutoTP has no "
-                         "tensor-parallel layout for it; train it with tensor_parallel.autotp_size = 1")
+        raise ValueError(
+            f"{type(hf_model).__name__} declares no HuggingFace tp_plan: DeepSpeed AutoTP has no "
+            "tensor-parallel layout for it; train it with tensor_parallel.autotp_size = 1"
+        )
     return plan
 
 
@@ -57,10 +60,13 @@ def autotp_partition_config(hf_model: nn.Module, module: nn.Module) -> dict[str,
     from deepspeed.module_inject.autotp_config import AutoTPConfig, PartitionType
     from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
 
-    plan = {pattern: ("replicated" if style.lower() in _EMBEDDING_STYLES else style)
-            for pattern, style in hf_tp_plan(hf_model).items()}
-    converted = AutoTPConfig(layer_specs=TPPlanConverter.convert(
-        {p: s for p, s in plan.items() if s != "replicated"}) or [])
+    plan = {
+        pattern: ("replicated" if style.lower() in _EMBEDDING_STYLES else style)
+        for pattern, style in hf_tp_plan(hf_model).items()
+    }
+    converted = AutoTPConfig(
+        layer_specs=TPPlanConverter.convert({p: s for p, s in plan.items() if s != "replicated"}) or []
+    )
     hf_names = {id(p): name for name, p in hf_model.named_parameters(remove_duplicate=False)}
     embeddings = {id(m.weight) for m in hf_model.modules() if isinstance(m, nn.Embedding)}
     grouped: dict[tuple[str, bool], list[str]] = {}
@@ -74,10 +80,14 @@ def autotp_partition_config(hf_model: nn.Module, module: nn.Module) -> dict[str,
         key = (spec.partition_type.value, bool(spec.gather_output))
         grouped.setdefault(key, []).append("^" + re.escape(name) + "$")
     if not grouped:
-        raise ValueError(f"{type(hf_model).__name__}: its tp_plan matches none of the trained layers' parameters; "
-                         "AutoTP would shard nothing")
-    specs = [{"patterns": patterns, "partition_type": kind, "gather_output": gather}
-             for (kind, gather), patterns in sorted(grouped.items())]
+        raise ValueError(
+            f"{type(hf_model).__name__}: its tp_plan matches none of the trained layers' parameters; "
+            "AutoTP would shard nothing"
+        )
+    specs = [
+        {"patterns": patterns, "partition_type": kind, "gather_output": gather}
+        for (kind, gather), patterns in sorted(grouped.items())
+    ]
     return {"use_default_specs": False, "layer_specs": specs}
 
 
@@ -91,8 +101,10 @@ def with_autotp_layout(ds_config: Mapping[str, Any], hf_model: nn.Module | None,
     if autotp_size(ds_config) <= 1:
         return dict(ds_config)
     if hf_model is None:
-        raise ValueError("tensor_parallel.autotp_size > 1 needs a HuggingFace model (model_name_or_path): "
-                         "AutoTP cannot shard the bundled tiny model")
+        raise ValueError(
+            "tensor_parallel.autotp_size > 1 needs a HuggingFace model (model_name_or_path): "
+            "AutoTP cannot shard the bundled tiny model"
+        )
     tp = dict(ds_config["tensor_parallel"])
     if "partition_config" not in tp:
         tp["partition_config"] = autotp_partition_config(hf_model, module)

@@ -69,8 +69,9 @@ def tile_costs(cost_model: Any, shapes: Sequence[SampleShape]) -> tuple[np.ndarr
     return tiles, np.divide(encoder, tiles, out=np.zeros_like(encoder), where=tiles > 0)
 
 
-def dispatch_microstep(microbatches: Sequence[Sequence[int]], tiles: np.ndarray, tile_cost: np.ndarray,
-                       owners: Sequence[int], ranks: int) -> EncoderDispatch:
+def dispatch_microstep(
+    microbatches: Sequence[Sequence[int]], tiles: np.ndarray, tile_cost: np.ndarray, owners: Sequence[int], ranks: int
+) -> EncoderDispatch:
     """The dispatch of one micro-step whose data-parallel rank ``d`` trains ``microbatches[d]``,
     over ``ranks`` encoding ranks of which rank ``owners[d]`` owns replica ``d``'s samples."""
     by_rank: list[Sequence[int]] = [[] for _ in range(ranks)]
@@ -101,9 +102,16 @@ class DispatchingSampler:
     ``last_schedule``, ...); only what a micro-step loads changes.
     """
 
-    def __init__(self, sampler: Any, tiles: np.ndarray, tile_cost: np.ndarray, *,
-                 owners: Sequence[int] | None = None, rank: int | None = None,
-                 ranks: int | None = None) -> None:
+    def __init__(
+        self,
+        sampler: Any,
+        tiles: np.ndarray,
+        tile_cost: np.ndarray,
+        *,
+        owners: Sequence[int] | None = None,
+        rank: int | None = None,
+        ranks: int | None = None,
+    ) -> None:
         self.sampler = sampler
         self.tiles = np.asarray(tiles)
         self.tile_cost = np.asarray(tile_cost, dtype=float)
@@ -111,8 +119,10 @@ class DispatchingSampler:
         self.rank = sampler.dp_rank if rank is None else int(rank)
         self.ranks = len(self.owners) if ranks is None else int(ranks)
         if len(self.owners) != sampler.dp_size or not all(0 <= r < self.ranks for r in self.owners):
-            raise ValueError(f"owners {self.owners} must give one rank in [0, {self.ranks}) per data-parallel rank "
-                             f"({sampler.dp_size})")
+            raise ValueError(
+                f"owners {self.owners} must give one rank in [0, {self.ranks}) per data-parallel rank "
+                f"({sampler.dp_size})"
+            )
         self.last_plan: EncoderDispatch | None = None
 
     def __len__(self) -> int:
@@ -175,9 +185,11 @@ class DispatchDataset(torch.utils.data.Dataset):
                 item = loaded[piece.sample] = self.dataset[piece.sample]
             tiles = self.pixels_of(item)
             if tiles.shape[0] < piece.stop:
-                raise ValueError(f"sample {piece.sample}: dispatch asks for tiles [{piece.start}, {piece.stop}) but "
-                                 f"the dataset gives {tiles.shape[0]}")
-            pixels.append(tiles[piece.start:piece.stop])
+                raise ValueError(
+                    f"sample {piece.sample}: dispatch asks for tiles [{piece.start}, {piece.stop}) but "
+                    f"the dataset gives {tiles.shape[0]}"
+                )
+            pixels.append(tiles[piece.start : piece.stop])
         return MicrostepItems(own, pixels, request)
 
 
@@ -196,11 +208,16 @@ class DispatchCollate:
         inputs, labels = self.collate(loaded.own)
         plan, rank = loaded.request.plan, loaded.request.rank
         own_pixels = inputs[0]
-        encode = (torch.cat(loaded.encode_pixels, dim=0) if loaded.encode_pixels
-                  else own_pixels.new_zeros((0, *own_pixels.shape[1:])))
-        routing = (torch.tensor(plan.send_counts(rank), dtype=torch.long),
-                   torch.tensor(plan.recv_counts(rank), dtype=torch.long),
-                   torch.tensor(plan.recv_index(rank, self.tiles), dtype=torch.long))
+        encode = (
+            torch.cat(loaded.encode_pixels, dim=0)
+            if loaded.encode_pixels
+            else own_pixels.new_zeros((0, *own_pixels.shape[1:]))
+        )
+        routing = (
+            torch.tensor(plan.send_counts(rank), dtype=torch.long),
+            torch.tensor(plan.recv_counts(rank), dtype=torch.long),
+            torch.tensor(plan.recv_index(rank, self.tiles), dtype=torch.long),
+        )
         return (encode, *inputs[1:], *routing), labels
 
 
@@ -215,8 +232,9 @@ class ColocatedMLLM(SequentialMLLM):
     def __init__(self, *args: Any, group: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group = group
-        self.encoder_frozen = not any(p.requires_grad for layer in list(self)[: self.n_encoder_layers]
-                                      for p in layer.parameters())
+        self.encoder_frozen = not any(
+            p.requires_grad for layer in list(self)[: self.n_encoder_layers] for p in layer.parameters()
+        )
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> Any:
         """Encode the dispatched tiles, exchange the features, run projector and LLM."""
@@ -228,13 +246,14 @@ class ColocatedMLLM(SequentialMLLM):
                 x = layer(x)
         features = exchange_features(x[0], send_counts, recv_counts, recv_index, group=self.group)
         x = (features, *x[1:])
-        for layer in layers[self.n_encoder_layers:]:
+        for layer in layers[self.n_encoder_layers :]:
             x = layer(x)
         return x
 
 
-def colocate(sampler: Any, dataset: Any, collate: Callable, shapes: Sequence[SampleShape], cost_model: Any,
-             **dispatch: Any) -> tuple[DispatchingSampler, DispatchDataset, DispatchCollate]:
+def colocate(
+    sampler: Any, dataset: Any, collate: Callable, shapes: Sequence[SampleShape], cost_model: Any, **dispatch: Any
+) -> tuple[DispatchingSampler, DispatchDataset, DispatchCollate]:
     """The sampler, dataset and collate of a colocated-encoder run, wrapping the rank's plain ones.
 
     ``cost_model`` (with its encoder column) prices the tiles; ``sampler`` schedules on the LLM
@@ -243,8 +262,11 @@ def colocate(sampler: Any, dataset: Any, collate: Callable, shapes: Sequence[Sam
     :func:`pipeline_dispatch_ranks` for a pipeline).
     """
     tiles, per_tile = tile_costs(cost_model, shapes)
-    return (DispatchingSampler(sampler, tiles, per_tile, **dispatch), DispatchDataset(dataset),
-            DispatchCollate(collate, tiles))
+    return (
+        DispatchingSampler(sampler, tiles, per_tile, **dispatch),
+        DispatchDataset(dataset),
+        DispatchCollate(collate, tiles),
+    )
 
 
 def pipeline_dispatch_ranks(engine: Any) -> dict[str, Any]:
@@ -316,13 +338,16 @@ def colocated_stage_bounds(bounds: Sequence[int], n_encoder: int) -> list[int]:
     pipeline and the receiver takes the last one's index. The first stage must keep the projector."""
     bounds = [int(b) for b in bounds]
     if len(bounds) < 2 or bounds[1] <= n_encoder:
-        raise ValueError(f"stage bounds {bounds}: with the colocated encoder the first stage must hold the projector "
-                         f"(layer {n_encoder}), so its bound must exceed {n_encoder}")
+        raise ValueError(
+            f"stage bounds {bounds}: with the colocated encoder the first stage must hold the projector "
+            f"(layer {n_encoder}), so its bound must exceed {n_encoder}"
+        )
     return [0, *(b - n_encoder + 1 for b in bounds[1:])]
 
 
-def colocated_pipeline_bounds(bounds: Sequence[int] | None, n_encoder: int, cost_model: Any,
-                              shapes: Sequence[SampleShape], num_stages: int) -> list[int] | None:
+def colocated_pipeline_bounds(
+    bounds: Sequence[int] | None, n_encoder: int, cost_model: Any, shapes: Sequence[SampleShape], num_stages: int
+) -> Sequence[int] | None:
     """The colocated pipeline's stage bounds: ``bounds`` (over the flat list, see
     :func:`colocated_stage_bounds`) if given, else the split balancing the cost model's mean
     per-layer LLM-side cost (the encoder's cost is no stage's), else None (one per layer)."""
@@ -336,9 +361,19 @@ def colocated_pipeline_bounds(bounds: Sequence[int] | None, n_encoder: int, cost
 
 
 #: DeepSpeed config keys the encoder's own engine copies from the pipeline engine's config
-ENCODER_ENGINE_KEYS = ("fp16", "bf16", "gradient_clipping", "optimizer", "scheduler", "zero_optimization",
-                       "zero_allow_untested_optimizer", "steps_per_print", "communication_data_type",
-                       "prescale_gradients", "gradient_predivide_factor")
+ENCODER_ENGINE_KEYS = (
+    "fp16",
+    "bf16",
+    "gradient_clipping",
+    "optimizer",
+    "scheduler",
+    "zero_optimization",
+    "zero_allow_untested_optimizer",
+    "steps_per_print",
+    "communication_data_type",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+)
 
 
 def encoder_engine_config(ds_config: dict, world_size: int) -> dict:
@@ -373,8 +408,15 @@ class ColocatedPipeline:
         group: the process group the dispatch spans (None: the world).
     """
 
-    def __init__(self, encoder: nn.Sequential, receiver: FeatureReceiver, encoder_engine: Any, *,
-                 llm_dp_size: int, group: Any = None) -> None:
+    def __init__(
+        self,
+        encoder: nn.Sequential,
+        receiver: FeatureReceiver,
+        encoder_engine: Any,
+        *,
+        llm_dp_size: int,
+        group: Any = None,
+    ) -> None:
         self.encoder = encoder
         self.receiver = receiver
         self.encoder_engine = encoder_engine
@@ -410,12 +452,16 @@ class ColocatedPipeline:
         trained_at = time.perf_counter()
         if self.trainable:
             self._encoder_backward_and_step(engine, features, exchange, vis)
-        self.phase_s = {"encode": encoded_at - start, "pipeline": trained_at - encoded_at,
-                        "encoder_backward": time.perf_counter() - trained_at}
+        self.phase_s = {
+            "encode": encoded_at - start,
+            "pipeline": trained_at - encoded_at,
+            "encoder_backward": time.perf_counter() - trained_at,
+        }
         return loss
 
-    def _encoder_backward_and_step(self, engine: Any, features: list[torch.Tensor], exchange: StepExchange,
-                                   vis: torch.Tensor) -> None:
+    def _encoder_backward_and_step(
+        self, engine: Any, features: list[torch.Tensor], exchange: StepExchange, vis: torch.Tensor
+    ) -> None:
         """Send the features' gradients back to their encoders, backward, all-reduce and step."""
         first = engine.is_first_stage()
         grads = self.receiver.take_gradients(features) if first else [torch.zeros_like(f) for f in features]

@@ -78,7 +78,7 @@ class TrainingEngine:
     """
 
     engine: Any
-    module: nn.Module
+    module: MLLMPipelineModule | SequentialMLLM
     loss_fn: Callable = token_normalized_loss
     colocated_pipeline: Any = None
 
@@ -113,8 +113,12 @@ class TrainingEngine:
     def reads_data(self) -> bool:
         """Whether this rank draws microbatches (pipeline: first and last stage, every stage with
         the colocated encoder; plain: all)."""
-        return (not self.is_pipeline or self.colocated_pipeline is not None or self.engine.is_first_stage()
-                or self.engine.is_last_stage())
+        return (
+            not self.is_pipeline
+            or self.colocated_pipeline is not None
+            or self.engine.is_first_stage()
+            or self.engine.is_last_stage()
+        )
 
     @property
     def stage_bounds(self) -> StageBounds:
@@ -200,49 +204,87 @@ def build_engine(
     (:func:`~dflop_ds.train.autotp.with_autotp_layout`); the vision tower stays whole.
     """
     if pipeline_stages > 1 and autotp_size(ds_config) > 1:
-        raise ValueError("tensor_parallel.autotp_size > 1 needs pipeline_stages == 1: AutoTP shards the plain "
-                         "engine's model; a PipelineModule gives it nothing to shard")
+        raise ValueError(
+            "tensor_parallel.autotp_size > 1 needs pipeline_stages == 1: AutoTP shards the plain "
+            "engine's model; a PipelineModule gives it nothing to shard"
+        )
     if pipeline_stages > 1 and colocated and activation_checkpoint_interval:
         raise ValueError("a colocated encoder under the pipeline engine does not support activation checkpointing")
     if pipeline_stages > 1:
-        pipe_kwargs = dict(num_stages=pipeline_stages, stage_bounds=stage_bounds, layer_costs=layer_costs,
-                           loss_fn=loss_fn, activation_checkpoint_interval=activation_checkpoint_interval)
+        pipe_kwargs = dict(
+            num_stages=pipeline_stages,
+            stage_bounds=stage_bounds,
+            layer_costs=layer_costs,
+            loss_fn=loss_fn,
+            activation_checkpoint_interval=activation_checkpoint_interval,
+        )
         if colocated:
-            return _colocated_pipeline(encoder_layers, projector, llm_layers, ds_config, pipe_kwargs,
-                                       freeze_encoder=freeze_encoder, lr=lr, make_optimizer=make_optimizer)
-        module: nn.Module = MLLMPipelineModule(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder,
-                                               **pipe_kwargs)
-        trainable = module.optimizer_parameters()
+            return _colocated_pipeline(
+                encoder_layers,
+                projector,
+                llm_layers,
+                ds_config,
+                pipe_kwargs,
+                freeze_encoder=freeze_encoder,
+                lr=lr,
+                make_optimizer=make_optimizer,
+            )
+        pipeline = MLLMPipelineModule(
+            encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder, **pipe_kwargs
+        )
+        trainable = pipeline.optimizer_parameters()
+        module: MLLMPipelineModule | SequentialMLLM = pipeline
     else:
         if colocated and activation_checkpoint_interval:
             raise ValueError("activation checkpointing is not supported with a colocated encoder yet")
         sequential = ColocatedMLLM if colocated else SequentialMLLM
-        module = sequential(encoder_layers, projector, llm_layers, freeze_encoder=freeze_encoder,
-                            checkpoint_layers=activation_checkpoint_interval > 0)
+        module = sequential(
+            encoder_layers,
+            projector,
+            llm_layers,
+            freeze_encoder=freeze_encoder,
+            checkpoint_layers=activation_checkpoint_interval > 0,
+        )
         trainable = [p for p in module.parameters() if p.requires_grad]
         ds_config = with_autotp_layout(ds_config, hf_model, module)
     return TrainingEngine(_initialize(module, trainable, ds_config, make_optimizer, lr), module, loss_fn)
 
 
-def _initialize(module: nn.Module, trainable: list, ds_config: dict,
-                make_optimizer: Callable[[list], torch.optim.Optimizer] | None, lr: float, mpu: Any = None) -> Any:
+def _initialize(
+    module: nn.Module,
+    trainable: list,
+    ds_config: dict,
+    make_optimizer: Callable[[list], torch.optim.Optimizer] | None,
+    lr: float,
+    mpu: Any = None,
+) -> Any:
     """``deepspeed.initialize`` with the optimizer :func:`build_engine` describes; the engine.
     An explicit ``mpu`` does not stay DeepSpeed's global topology (``groups.mpu`` is restored)."""
     import deepspeed
 
+    optimizer: torch.optim.Optimizer | None
     if make_optimizer is not None:
         optimizer = make_optimizer(trainable)
     else:
         optimizer = None if "optimizer" in ds_config else torch.optim.AdamW(trainable, lr=lr)
     with global_topology(mpu) if mpu is not None else contextlib.nullcontext():
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
-                                               model_parameters=trainable, mpu=mpu)
+        engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=ds_config, model_parameters=trainable, mpu=mpu
+        )
     return engine
 
 
-def _colocated_pipeline(encoder_layers: Sequence[Any], projector: Any, llm_layers: Sequence[Any], ds_config: dict,
-                        pipe_kwargs: dict, *, freeze_encoder: bool, lr: float,
-                        make_optimizer: Callable[[list], torch.optim.Optimizer] | None) -> TrainingEngine:
+def _colocated_pipeline(
+    encoder_layers: Sequence[Any],
+    projector: Any,
+    llm_layers: Sequence[Any],
+    ds_config: dict,
+    pipe_kwargs: dict,
+    *,
+    freeze_encoder: bool,
+    lr: float,
+    make_optimizer: Callable[[list], torch.optim.Optimizer] | None,
+) -> TrainingEngine:
     """The pipeline engine over ``[FeatureReceiver, projector, *llm_layers]`` and the encoder
     beside it, data parallel over all ranks with its own engine (none when frozen)."""
     from dflop_ds.pipe.module import FeatureReceiver  # deepspeed is imported with the pipeline module
@@ -252,9 +294,14 @@ def _colocated_pipeline(encoder_layers: Sequence[Any], projector: Any, llm_layer
     if freeze_encoder:
         encoder.requires_grad_(False)
     else:
-        encoder_engine = _initialize(encoder, list(encoder.parameters()),
-                                     encoder_engine_config(ds_config, dist.get_world_size()), make_optimizer, lr,
-                                     mpu=EncoderTopology())
+        encoder_engine = _initialize(
+            encoder,
+            list(encoder.parameters()),
+            encoder_engine_config(ds_config, dist.get_world_size()),
+            make_optimizer,
+            lr,
+            mpu=EncoderTopology(),
+        )
     receiver = FeatureReceiver()
     module = MLLMPipelineModule([receiver], projector, llm_layers, **pipe_kwargs)
     engine = _initialize(module, module.optimizer_parameters(), ds_config, make_optimizer, lr)

@@ -16,25 +16,26 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from dflop_ds.setup_checks import check_cost_model, check_training_setup
 from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, set_settings
 from dflop_ds.cost import CostModel, PackedCost, ProxyCost, StageCost, check_policy, load_cost_model
 from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
 from dflop_ds.loader import make_loader
 from dflop_ds.models.hf.source import hf_source
 from dflop_ds.models.source import ModelSource, tiny_source
+from dflop_ds.models.tiny_profile import cached_tiny_cost_model
 from dflop_ds.paths import check_writable, check_writable_folder
 from dflop_ds.plan import Plan
-from dflop_ds.models.tiny_profile import cached_tiny_cost_model
 from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares
 from dflop_ds.schedule.sampler import GlobalBatchSampler, make_sampler
 from dflop_ds.schedule.splitters import splitter_names
+from dflop_ds.setup_checks import check_cost_model, check_training_setup
 from dflop_ds.telemetry.record import batch_tokens, throughput
 from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
 from dflop_ds.telemetry.setup import inject_fault, make_correction
@@ -50,9 +51,17 @@ from dflop_ds.train.engine import TrainingEngine, build_engine
 from dflop_ds.train.gather import gather_full_state
 
 #: command-line options that override settings of the "dflop" block (option dest -> DFLOPConfig attribute)
-BLOCK_OVERRIDES = {"sampler": "sampler", "steps": "steps", "data": "data", "data_path": "data",
-                   "cost_model": "cost_model", "model_name_or_path": "model_name_or_path",
-                   "image_folder": "image_folder", "video_folder": "video_folder", "packing": "packing"}
+BLOCK_OVERRIDES = {
+    "sampler": "sampler",
+    "steps": "steps",
+    "data": "data",
+    "data_path": "data",
+    "cost_model": "cost_model",
+    "model_name_or_path": "model_name_or_path",
+    "image_folder": "image_folder",
+    "video_folder": "video_folder",
+    "packing": "packing",
+}
 
 
 def true_or_false(value: str) -> bool:
@@ -66,9 +75,11 @@ def true_or_false(value: str) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     """The training script's options (LLaVA's names for model and data)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON config with a \"dflop\" block")
+    parser.add_argument("--deepspeed_config", required=True, help='DeepSpeed JSON config with a "dflop" block')
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    parser.add_argument("--model_name_or_path", help="a HuggingFace save_pretrained directory (default: the tiny model)")
+    parser.add_argument(
+        "--model_name_or_path", help="a HuggingFace save_pretrained directory (default: the tiny model)"
+    )
     parser.add_argument("--data_path", help="LLaVA JSON/JSONL or shape manifest (overrides dflop.data.path)")
     parser.add_argument("--data", help="alias of --data_path")
     parser.add_argument("--image_folder", help="folder the records' image paths are relative to")
@@ -76,18 +87,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sampler", choices=splitter_names(), help="override dflop.sampler.kind")
     parser.add_argument("--steps", type=int, help="override dflop.train.steps")
     parser.add_argument("--packing", type=true_or_false, help="override dflop.model.packing (true or false)")
-    parser.add_argument("--cost-model", dest="cost_model", help="override dflop.sampler.cost_model: a cost-model JSON, or "
-                             "'proxy' for the unitless proxy (default: the tiny model profiled once, cached)")
-    parser.add_argument("--output_dir", help="write the trained model here at the end (save_pretrained for HF "
-                                             "models)")
+    parser.add_argument(
+        "--cost-model",
+        dest="cost_model",
+        help="override dflop.sampler.cost_model: a cost-model JSON, or "
+        "'proxy' for the unitless proxy (default: the tiny model profiled once, cached)",
+    )
+    parser.add_argument("--output_dir", help="write the trained model here at the end (save_pretrained for HF models)")
     parser.add_argument("--summary", help="write the run's figures as JSON to this path (rank 0)")
-    parser.add_argument("--trace", help="append the samples each step trained, one JSON line per step and "
-                                        "data-parallel rank")
-    parser.add_argument("--telemetry", help="append per-step telemetry JSON lines here (rank 0; default: "
-                                            "dflop_telemetry.jsonl in the csv_monitor folder)")
+    parser.add_argument(
+        "--trace", help="append the samples each step trained, one JSON line per step and data-parallel rank"
+    )
+    parser.add_argument(
+        "--telemetry",
+        help="append per-step telemetry JSON lines here (rank 0; default: "
+        "dflop_telemetry.jsonl in the csv_monitor folder)",
+    )
     parser.add_argument("--resume", action="store_true", help="resume from dflop.train.checkpoint_dir")
-    parser.add_argument("--exit-after-step", type=int,
-                        help="stop abruptly (no clean-up) after this step: simulates a crash in tests")
+    parser.add_argument(
+        "--exit-after-step", type=int, help="stop abruptly (no clean-up) after this step: simulates a crash in tests"
+    )
     return parser
 
 
@@ -123,15 +142,19 @@ def resolve_cost_model(cfg: DFLOPConfig, rank: int) -> CostModel | None:
         return load_cost_model(cfg.cost_model)
     if cfg.model_name_or_path is not None:
         if rank == 0:
-            print("[dflop-ds] no cost model given: balancing on the unitless proxy (profile the model with "
-                  "`dflop-ds profile model --model_name_or_path ...` and pass --cost-model)", flush=True)
+            print(
+                "[dflop-ds] no cost model given: balancing on the unitless proxy (profile the model with "
+                "`dflop-ds profile model --model_name_or_path ...` and pass --cost-model)",
+                flush=True,
+            )
         return None
-    cost_model, _ = cached_tiny_cost_model(cfg.model, log=print if rank == 0 else (lambda _: None),
-                                           progress=rank == 0, repeats=AUTO_PROFILE_REPEATS)
+    cost_model, _ = cached_tiny_cost_model(
+        cfg.model, log=print if rank == 0 else (lambda _: None), progress=rank == 0, repeats=AUTO_PROFILE_REPEATS
+    )
     return cost_model
 
 
-def load_plan(path: Optional[str]):
+def load_plan(path: str | None):
     """The plan the run must match, or None (a missing or malformed file raises naming it)."""
     if path is None:
         return None
@@ -142,9 +165,16 @@ def model_source(cfg: DFLOPConfig) -> ModelSource:
     """The tiny model, or the HuggingFace model of ``dflop.model.name_or_path``."""
     if cfg.model_name_or_path is None:
         return tiny_source(cfg.model, policy_name=cfg.policy, seed=cfg.seed, image_folder=cfg.image_folder)
-    return hf_source(cfg.model_name_or_path, image_folder=cfg.image_folder, lora=cfg.lora, max_length=cfg.max_length,
-                     truncation=cfg.truncation, video_folder=cfg.video_folder, video_fps=cfg.video_fps,
-                     video_max_frames=cfg.video_max_frames)
+    return hf_source(
+        cfg.model_name_or_path,
+        image_folder=cfg.image_folder,
+        lora=cfg.lora,
+        max_length=cfg.max_length,
+        truncation=cfg.truncation,
+        video_folder=cfg.video_folder,
+        video_fps=cfg.video_fps,
+        video_max_frames=cfg.video_max_frames,
+    )
 
 
 def print_skip_report(report, limit: int = 20) -> None:
@@ -158,7 +188,7 @@ def print_skip_report(report, limit: int = 20) -> None:
         print(f"[dflop-ds]   ... and {len(report.problems) - limit} more problem(s)", flush=True)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Train as the config says; 0 on success."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -186,23 +216,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cost_model = resolve_cost_model(cfg, rank)
     if cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
         check_policy(cost_model, source.policy, source=str(cfg.cost_model))
-        check_cost_model(cost_model, encoder_layers=len(source.encoder_layers), llm_layers=len(source.llm_layers),
-                         source=str(cfg.cost_model))
+        check_cost_model(
+            cost_model,
+            encoder_layers=len(source.encoder_layers),
+            llm_layers=len(source.llm_layers),
+            source=str(cfg.cost_model),
+        )
 
     encoder, projector, llm = source.layers()
     encoder = inject_fault(encoder, cfg.fault, ds_config)  # testing only: an optional slow shape class
-    check_training_setup(ds_config, cfg, world, plan=load_plan(cfg.plan), n_samples=len(shapes),
-                         n_layers=source.n_layers)
+    check_training_setup(
+        ds_config, cfg, world, plan=load_plan(cfg.plan), n_samples=len(shapes), n_layers=source.n_layers
+    )
     pipelined, colocated = cfg.pipeline_stages > 1, cfg.encoder == "colocated"
-    bounds = cfg.stage_bounds
+    bounds: Sequence[int] | None = cfg.stage_bounds
     if pipelined and colocated:  # the encoder leaves the pipeline: its stages split the LLM side
         bounds = colocated_pipeline_bounds(bounds, len(encoder), cost_model, shapes, cfg.pipeline_stages)
     elif pipelined and bounds is None and cost_model is not None:  # split where the predicted time balances
         bounds = cost_balanced_bounds(cost_model, shapes, cfg.pipeline_stages)
-    trainer = build_engine(encoder, projector, llm, ds_config, pipeline_stages=cfg.pipeline_stages,
-                           stage_bounds=bounds, freeze_encoder=cfg.freeze_encoder, lr=cfg.lr,
-                           colocated=colocated, hf_model=source.hf_model,
-                           activation_checkpoint_interval=int(cfg.activation_checkpointing))
+    trainer = build_engine(
+        encoder,
+        projector,
+        llm,
+        ds_config,
+        pipeline_stages=cfg.pipeline_stages,
+        stage_bounds=bounds,
+        freeze_encoder=cfg.freeze_encoder,
+        lr=cfg.lr,
+        colocated=colocated,
+        hf_model=source.hf_model,
+        activation_checkpoint_interval=int(cfg.activation_checkpointing),
+    )
     engine = trainer.engine
     dp_rank, dp_size = trainer.dp_coords
     correction = make_correction(cfg.correction, trainer.num_stages) if pipelined else None
@@ -213,15 +257,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     packing = source.uses_packing(cfg.packing)
     if packing:  # a packed microbatch costs the sum of its samples (plus one constant)
         sampler_cost = PackedCost(sampler_cost)
-    if pipelined and cost_model is not None and correction is None and not colocated:  # balance what each stage computes
+    if (
+        pipelined and cost_model is not None and correction is None and not colocated
+    ):  # balance what each stage computes
         sampler_cost = StageCost(sampler_cost, stage_shares(trainer.stage_bounds, cost_model))
     sampler: GlobalBatchSampler | DispatchingSampler = make_sampler(
-        cfg.sampler, shapes, global_batch_size=trainer.global_batch_size,
-        gradient_accumulation_steps=engine.gradient_accumulation_steps(), dp_rank=dp_rank, dp_size=dp_size,
-        cost_model=sampler_cost, seed=cfg.seed, prefetch=cfg.prefetch,
-        time_limit_s=cfg.time_limit_s, ilp_nodes=cfg.ilp_nodes, label_tokens_fn=source.label_tokens_fn, cost_adjuster=correction,
-        lockstep=not pipelined, drop_last=cfg.drop_last, schedule_timeout_s=cfg.schedule_timeout_s,
-        memory_cap=cfg.memory_cap_bytes, allow_oversize=cfg.allow_oversize,
+        cfg.sampler,
+        shapes,
+        global_batch_size=trainer.global_batch_size,
+        gradient_accumulation_steps=engine.gradient_accumulation_steps(),
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        cost_model=sampler_cost,
+        seed=cfg.seed,
+        prefetch=cfg.prefetch,
+        time_limit_s=cfg.time_limit_s,
+        ilp_nodes=cfg.ilp_nodes,
+        label_tokens_fn=source.label_tokens_fn,
+        cost_adjuster=correction,
+        lockstep=not pipelined,
+        drop_last=cfg.drop_last,
+        schedule_timeout_s=cfg.schedule_timeout_s,
+        memory_cap=cfg.memory_cap_bytes,
+        allow_oversize=cfg.allow_oversize,
     )
     collate = source.collate
     if packing and source.packed_collate is not None:  # source.uses_packing found one
@@ -236,8 +294,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     tracker = None
     if cfg.telemetry and pipelined:  # per-instruction timers exist only in the pipeline engine
-        tracker = RuntimeTracker(engine, sampler, correction,
-                                 jsonl_path=args.telemetry or default_jsonl_path(ds_config))
+        tracker = RuntimeTracker(
+            engine, sampler, correction, jsonl_path=args.telemetry or default_jsonl_path(ds_config)
+        )
     records = []
     for step in range(first_step, cfg.steps):
         if tracker:
@@ -249,18 +308,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if tracker:  # a collective: every rank, every step
             record["telemetry"] = tracker.end_step(step, elapsed, loss)
         records.append(record)
-        if args.trace and trainer.reads_data and (not pipelined or engine.is_first_stage()) \
-                and trainer.tp_coords[0] == 0:  # one line per data-parallel rank, not per tensor-parallel peer
+        if (
+            args.trace
+            and trainer.reads_data
+            and (not pipelined or engine.is_first_stage())
+            and trainer.tp_coords[0] == 0
+        ):  # one line per data-parallel rank, not per tensor-parallel peer
             write_trace(args.trace, step, sampler)
         if rank == 0:
-            print(f"[dflop-ds] step {step:3d} loss {record['loss']:.4f} time {elapsed:.3f}s "
-                  f"samples/s {record.get('samples', 0) / elapsed:.1f} "
-                  f"imbalance {record.get('imbalance')} sampler={cfg.sampler}", flush=True)
+            print(
+                f"[dflop-ds] step {step:3d} loss {record['loss']:.4f} time {elapsed:.3f}s "
+                f"samples/s {record.get('samples', 0) / elapsed:.1f} "
+                f"imbalance {record.get('imbalance')} sampler={cfg.sampler}",
+                flush=True,
+            )
         done = step + 1
         if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
-            trainer.save_checkpoint(cfg.checkpoint_dir, f"step{done}",
-                                    {"dflop_sampler": loader.state_dict(), "dflop_step": done,
-                                     "dflop_correction": correction.state_dict() if correction else None})
+            trainer.save_checkpoint(
+                cfg.checkpoint_dir,
+                f"step{done}",
+                {
+                    "dflop_sampler": loader.state_dict(),
+                    "dflop_step": done,
+                    "dflop_correction": correction.state_dict() if correction else None,
+                },
+            )
         if args.exit_after_step is not None and step == args.exit_after_step:
             os._exit(17)
 
@@ -268,11 +340,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         save_model(trainer, source, args.output_dir)
     if rank == 0 and records:
         summary = {**summarize(records, cfg, dp_size), "packing": packing}
-        summary.update(stage_bounds=trainer.stage_bounds, engine="pipeline" if pipelined else "plain",
-                       zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
-                       gradient_accumulation_steps=engine.gradient_accumulation_steps(),
-                       train_batch_size=engine.train_batch_size(), model=source.name,
-                       tensor_parallel=trainer.tp_coords[1], tensor_parallel_layers=sharded_layers(trainer.module))
+        summary.update(
+            stage_bounds=trainer.stage_bounds,
+            engine="pipeline" if pipelined else "plain",
+            zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
+            gradient_accumulation_steps=engine.gradient_accumulation_steps(),
+            train_batch_size=engine.train_batch_size(),
+            model=source.name,
+            tensor_parallel=trainer.tp_coords[1],
+            tensor_parallel_layers=sharded_layers(trainer.module),
+        )
         print("[dflop-ds] summary " + json.dumps(summary), flush=True)
         if args.summary:
             Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
@@ -309,7 +386,7 @@ def resume(trainer: TrainingEngine, loader: Any, cfg: DFLOPConfig, correction: A
     """Load the latest checkpoint, restore the loader's (sampler's) position and the correction's
     state; the step to continue from."""
     if cfg.checkpoint_dir is None:
-        raise ValueError("resuming needs \"dflop\".checkpoint_dir")
+        raise ValueError('resuming needs "dflop".checkpoint_dir')
     load_path, client_state = trainer.load_checkpoint(cfg.checkpoint_dir)
     if load_path is None:
         print(f"[dflop-ds] no checkpoint in {cfg.checkpoint_dir}: starting from step 0", flush=True)
@@ -323,8 +400,9 @@ def resume(trainer: TrainingEngine, loader: Any, cfg: DFLOPConfig, correction: A
     return int(client_state["dflop_step"])
 
 
-def step_record(step: int, loss: float, elapsed: float, sampler: Any, shapes: Sequence[Any], reads_data: bool,
-                packed: bool = False) -> dict:
+def step_record(
+    step: int, loss: float, elapsed: float, sampler: Any, shapes: Sequence[Any], reads_data: bool, packed: bool = False
+) -> dict:
     """Loss, time and, on ranks that draw data, the size and balance of the step's global batch."""
     record: dict[str, Any] = {"step": step, "loss": loss, "step_s": elapsed}
     sched = sampler.last_schedule
@@ -343,15 +421,20 @@ def step_record(step: int, loss: float, elapsed: float, sampler: Any, shapes: Se
 def write_trace(path: str, step: int, sampler: Any) -> None:
     """Append the samples this data-parallel rank trained in ``step``."""
     sched = sampler.last_schedule
-    line = {"step": step, "epoch": sched.epoch, "batch_id": sched.batch_id, "dp_rank": sampler.dp_rank,
-            "microbatches": sched.split.ranks[sampler.dp_rank]}
+    line = {
+        "step": step,
+        "epoch": sched.epoch,
+        "batch_id": sched.batch_id,
+        "dp_rank": sampler.dp_rank,
+        "microbatches": sched.split.ranks[sampler.dp_rank],
+    }
     with open(path, "a") as handle:
         handle.write(json.dumps(line) + "\n")
 
 
 def summarize(records: list[dict], cfg: DFLOPConfig, dp_size: int) -> dict:
     """Throughput and balance over the steps after warm-up."""
-    timed = records[cfg.warmup_steps:] or records
+    timed = records[cfg.warmup_steps :] or records
     return {
         "sampler": cfg.sampler,
         "steps": len(timed),
@@ -370,5 +453,7 @@ def telemetry_summary(telemetry: list[dict]) -> dict:
     """Observed balance and the measurement's own cost over the timed steps (empty without telemetry)."""
     if not telemetry:
         return {}
-    return {"imbalance_observed": float(np.nanmean([t["imbalance_observed"] for t in telemetry])),
-            "telemetry_overhead_frac": float(np.median([t["telemetry_overhead_frac"] for t in telemetry]))}
+    return {
+        "imbalance_observed": float(np.nanmean([t["imbalance_observed"] for t in telemetry])),
+        "telemetry_overhead_frac": float(np.median([t["telemetry_overhead_frac"] for t in telemetry])),
+    }

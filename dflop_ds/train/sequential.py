@@ -12,8 +12,9 @@ from torch.utils.checkpoint import checkpoint
 
 def built_layers(layers: Sequence[Any]) -> list[nn.Module]:
     """``layers`` as modules: ``LayerSpec``s built, modules kept."""
-    return [layer.build() if hasattr(layer, "build") and not isinstance(layer, nn.Module) else layer
-            for layer in layers]
+    return [
+        layer.build() if hasattr(layer, "build") and not isinstance(layer, nn.Module) else layer for layer in layers
+    ]
 
 
 class SequentialMLLM(nn.Sequential):

@@ -18,8 +18,9 @@ import json
 import random
 import sys
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
@@ -63,22 +64,34 @@ def load_coco(shared: Path) -> tuple[dict[int, tuple[int, int]], dict[int, list[
     return sizes, captions
 
 
-def shape_record(sample_id: str, source: str, turns: Sequence[tuple[str, str]], *,
-                 images: Sequence[tuple[int, int]] = (), video_frames: int = 0) -> Record:
+def shape_record(
+    sample_id: str,
+    source: str,
+    turns: Sequence[tuple[str, str]],
+    *,
+    images: Sequence[tuple[int, int]] = (),
+    video_frames: int = 0,
+) -> Record:
     """A manifest record (numbers only) of a conversation with the given media."""
     text_tokens, label_tokens = conversation_tokens(turns, COUNTING)
-    shape = COUNTING.shape(sample_id, image_sizes=images, video_frames=video_frames,
-                           text_tokens=text_tokens, label_tokens=label_tokens)
+    shape = COUNTING.shape(
+        sample_id, image_sizes=images, video_frames=video_frames, text_tokens=text_tokens, label_tokens=label_tokens
+    )
     return manifest_record(shape, source)
 
 
 def build_coco(rng: random.Random, sizes: dict, captions: dict) -> list[Record]:
     """One image, one randomly chosen caption as the answer to a fixed prompt."""
     image_ids = rng.sample(sorted(sizes), N_COCO)
-    return [shape_record(f"coco-{image_id}", "coco",
-                         [("human", CAPTION_PROMPT), ("gpt", rng.choice(captions[image_id]))],
-                         images=[sizes[image_id]])
-            for image_id in image_ids]
+    return [
+        shape_record(
+            f"coco-{image_id}",
+            "coco",
+            [("human", CAPTION_PROMPT), ("gpt", rng.choice(captions[image_id]))],
+            images=[sizes[image_id]],
+        )
+        for image_id in image_ids
+    ]
 
 
 def build_multi_image(rng: random.Random, sizes: dict, captions: dict) -> list[Record]:
@@ -89,9 +102,14 @@ def build_multi_image(rng: random.Random, sizes: dict, captions: dict) -> list[R
         chosen = rng.sample(ids, rng.randint(2, 4))
         prompt = "<image>\n" * len(chosen) + MULTI_PROMPT
         answer = "\n".join(f"{k + 1}. {rng.choice(captions[i])}" for k, i in enumerate(chosen))
-        records.append(shape_record(f"multi_image-{index}", "multi_image",
-                                    [("human", prompt), ("gpt", answer)],
-                                    images=[sizes[i] for i in chosen]))
+        records.append(
+            shape_record(
+                f"multi_image-{index}",
+                "multi_image",
+                [("human", prompt), ("gpt", answer)],
+                images=[sizes[i] for i in chosen],
+            )
+        )
     return records
 
 
@@ -126,9 +144,14 @@ def build_nextqa(rng: random.Random, shared: Path) -> list[Record]:
         options = "\n".join(f"{k}. {row[f'a{k}']}" for k in range(5))
         question = f"<video>\n{row['question']}?\n{options}"
         answer = row[f"a{int(row['answer'])}"]
-        records.append(shape_record(f"nextqa-{row['video']}-{row['qid']}", "nextqa",
-                                    [("human", question), ("gpt", answer)],
-                                    video_frames=int(row["frame_count"])))
+        records.append(
+            shape_record(
+                f"nextqa-{row['video']}-{row['qid']}",
+                "nextqa",
+                [("human", question), ("gpt", answer)],
+                video_frames=int(row["frame_count"]),
+            )
+        )
     return records
 
 
@@ -163,10 +186,16 @@ def build_all(shared: Path, seed: int = 0) -> dict[str, list[Record]]:
 
     files = {
         "coco": build_coco(rng("coco"), sizes, captions),
-        "llava_pretrain": build_llava_file(rng("llava_pretrain"), shared / "llava_pretrain_blip_laion_cc_sbu_2k.json",
-                                           "llava_pretrain", N_LLAVA_PRETRAIN, draw),
-        "scienceqa": build_llava_file(rng("scienceqa"), shared / "llava_scienceqa_test_CQM-A.json",
-                                      "scienceqa", N_SCIENCEQA, draw),
+        "llava_pretrain": build_llava_file(
+            rng("llava_pretrain"),
+            shared / "llava_pretrain_blip_laion_cc_sbu_2k.json",
+            "llava_pretrain",
+            N_LLAVA_PRETRAIN,
+            draw,
+        ),
+        "scienceqa": build_llava_file(
+            rng("scienceqa"), shared / "llava_scienceqa_test_CQM-A.json", "scienceqa", N_SCIENCEQA, draw
+        ),
         "alpaca": build_alpaca(shared),
         "nextqa": build_nextqa(rng("nextqa"), shared),
         "multi_image": build_multi_image(rng("multi_image"), sizes, captions),

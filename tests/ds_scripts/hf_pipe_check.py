@@ -16,9 +16,8 @@ import json
 import os
 import random
 
-import torch
-
 import deepspeed
+import torch
 from deepspeed.accelerator import get_accelerator
 
 from dflop_ds.models.hf.llava import llava_layers, load_llava
@@ -36,8 +35,10 @@ def image(rng: random.Random, width: int, height: int):
 def global_batch(rng: random.Random) -> list[list[tuple]]:
     """Three microbatches of (prompt, answer, images)."""
     return [
-        [("USER: look at <image> what is shown? ASSISTANT:", "a red car", [image(rng, 40, 30)]),
-         ("USER: hello there ASSISTANT:", "hi, thanks!", [])],
+        [
+            ("USER: look at <image> what is shown? ASSISTANT:", "a red car", [image(rng, 40, 30)]),
+            ("USER: hello there ASSISTANT:", "hi, thanks!", []),
+        ],
         [("USER: hi ASSISTANT:", "hello", []), ("USER: describe the sea ASSISTANT:", "a road near the sea", [])],
         [("USER: compare <image> and <image> ASSISTANT:", "two images", [image(rng, 64, 20), image(rng, 16, 50)])],
     ]
@@ -70,12 +71,26 @@ def main() -> None:
 
     encoder, projector, llm = llava_layers(load_llava(args.model_dir))
     # default split: the encoder and projector alone on stage 0
-    bounds = [int(b) for b in args.bounds.split(",")] if args.bounds else [0, len(encoder) + 1, len(encoder) + 1 + len(llm)]
-    config = {"train_batch_size": gas * dp, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
-              "steps_per_print": 10**9, "gradient_clipping": 0.0}
-    trainer = build_engine(encoder, projector, llm, config, pipeline_stages=2, stage_bounds=bounds,
-                           freeze_encoder=args.freeze,
-                           make_optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9))
+    bounds = (
+        [int(b) for b in args.bounds.split(",")] if args.bounds else [0, len(encoder) + 1, len(encoder) + 1 + len(llm)]
+    )
+    config = {
+        "train_batch_size": gas * dp,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": gas,
+        "steps_per_print": 10**9,
+        "gradient_clipping": 0.0,
+    }
+    trainer = build_engine(
+        encoder,
+        projector,
+        llm,
+        config,
+        pipeline_stages=2,
+        stage_bounds=bounds,
+        freeze_encoder=args.freeze,
+        make_optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9),
+    )
     engine, model = trainer.engine, trainer.module
 
     # single-process reference: the same layer lists of another copy, one SGD step on the global token mean
@@ -89,8 +104,13 @@ def main() -> None:
         inputs, labels = contract_microbatch(processor, [s for mb in samples for s in mb])
         hf_loss = float(hf_forward(hf_model, [t.to(device) for t in inputs], labels[0].to(device)).loss)
     ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=args.lr, momentum=0.9)
-    ref_loss = sum(token_loss_sum(reference(tuple(t.to(device) for t in inputs)), labels[0].to(device))
-                   for inputs, labels in microbatches) / total_targets
+    ref_loss = (
+        sum(
+            token_loss_sum(reference(tuple(t.to(device) for t in inputs)), labels[0].to(device))
+            for inputs, labels in microbatches
+        )
+        / total_targets
+    )
     ref_opt.zero_grad()
     ref_loss.backward()
     ref_opt.step()
@@ -99,7 +119,10 @@ def main() -> None:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     losses, max_diff, max_change = [], 0.0, 0.0
     for step in range(args.steps):
-        batch = [(tuple(t.to(device) for t in inputs), tuple(t.to(device) for t in labels)) for inputs, labels in microbatches]
+        batch = [
+            (tuple(t.to(device) for t in inputs), tuple(t.to(device) for t in labels))
+            for inputs, labels in microbatches
+        ]
         losses.append(trainer.train_step(iter(batch)))
         if step == 0:
             for name, p in model.named_parameters():
@@ -110,14 +133,21 @@ def main() -> None:
     if tied:
         torch.save(tied[0].detach().cpu(), os.path.join(args.out, f"tied{rank}.pt"))
     result = {
-        "rank": rank, "stage": engine.stage_id, "parts": list(model.parts), "losses": losses,
-        "ref_loss": float(ref_loss.detach()), "hf_loss": hf_loss, "step1_max_param_diff": max_diff,
-        "step1_max_param_change": max_change, "tied_keys": sorted(model.tied_comms),
+        "rank": rank,
+        "stage": engine.stage_id,
+        "parts": list(model.parts),
+        "losses": losses,
+        "ref_loss": float(ref_loss.detach()),
+        "hf_loss": hf_loss,
+        "step1_max_param_diff": max_diff,
+        "step1_max_param_change": max_change,
+        "tied_keys": sorted(model.tied_comms),
         "images_per_microbatch": [int(i[0].shape[0]) for i, _ in microbatches],
         "n_params": sum(p.numel() for p in model.parameters()),
         "n_frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad),
-        "frozen_moved": any(not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters()
-                            if not p.requires_grad),
+        "frozen_moved": any(
+            not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters() if not p.requires_grad
+        ),
     }
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)

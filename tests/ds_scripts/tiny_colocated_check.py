@@ -23,10 +23,10 @@ from deepspeed.utils import RepeatingLoader
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from dflop_ds.cost import ProxyCost  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
 from dflop_ds.models import TinyMLLMDataset, build_reference, collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
-from dflop_ds.cost import ProxyCost  # noqa: E402
 from dflop_ds.schedule.sampler import make_sampler  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 from dflop_ds.train import build_engine  # noqa: E402
@@ -38,9 +38,14 @@ SAMPLES, BATCH, GAS, LR = 64, 16, 2, 0.05
 
 def run(mode: str, colocated: bool, shapes, dataset, steps: int):
     """``steps`` SGD steps of ZeRO-2 data parallel over the world, the encoder local or colocated."""
-    ds_config = {"train_batch_size": BATCH, "gradient_accumulation_steps": GAS,
-                 "train_micro_batch_size_per_gpu": BATCH // (2 * GAS), "steps_per_print": 10**9,
-                 "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+    ds_config = {
+        "train_batch_size": BATCH,
+        "gradient_accumulation_steps": GAS,
+        "train_micro_batch_size_per_gpu": BATCH // (2 * GAS),
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+    }
     return run_engine(mode, colocated, shapes, dataset, steps, ds_config, pipeline_stages=1)
 
 
@@ -48,20 +53,35 @@ def run_engine(mode: str, colocated: bool, shapes, dataset, steps: int, ds_confi
     """``steps`` SGD steps of the engine ``ds_config`` and ``pipeline_stages`` give; ``(losses,
     states, batches)`` and the ranks owning each data-parallel replica's samples (colocated)."""
     pipelined = pipeline_stages > 1
-    trainer = build_engine(*tiny_mllm_layers(seed=0), ds_config, pipeline_stages=pipeline_stages, colocated=colocated,
-                           freeze_encoder=mode == "frozen", make_optimizer=lambda p: torch.optim.SGD(p, lr=LR))
+    trainer = build_engine(
+        *tiny_mllm_layers(seed=0),
+        ds_config,
+        pipeline_stages=pipeline_stages,
+        colocated=colocated,
+        freeze_encoder=mode == "frozen",
+        make_optimizer=lambda p: torch.optim.SGD(p, lr=LR),
+    )
     dp_rank, dp_size = trainer.dp_coords
-    sampler = make_sampler("dflop", shapes, global_batch_size=ds_config["train_batch_size"],
-                           gradient_accumulation_steps=ds_config["gradient_accumulation_steps"], dp_rank=dp_rank,
-                           dp_size=dp_size, cost_model=LLMOnlyCost(ProxyCost()), prefetch=0,
-                           label_tokens_fn=supervised_count, lockstep=not pipelined)
+    sampler = make_sampler(
+        "dflop",
+        shapes,
+        global_batch_size=ds_config["train_batch_size"],
+        gradient_accumulation_steps=ds_config["gradient_accumulation_steps"],
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        cost_model=LLMOnlyCost(ProxyCost()),
+        prefetch=0,
+        label_tokens_fn=supervised_count,
+        lockstep=not pipelined,
+    )
     dispatch = pipeline_dispatch_ranks(trainer.engine) if pipelined else {}
     loader_parts = (sampler, dataset, collate_microbatch)
     if colocated:
         loader_parts = colocate(sampler, dataset, collate_microbatch, shapes, ProxyCost(), **dispatch)
     batch_sampler, data, collate = loader_parts
-    data_iter = iter(RepeatingLoader(torch.utils.data.DataLoader(data, batch_sampler=batch_sampler,
-                                                                 collate_fn=collate)))
+    data_iter = iter(
+        RepeatingLoader(torch.utils.data.DataLoader(data, batch_sampler=batch_sampler, collate_fn=collate))
+    )
     return train_steps(trainer, sampler, data_iter, steps), dispatch.get("owners")
 
 
@@ -83,8 +103,9 @@ def foreign_tiles(batches, shapes, owners=None) -> int:
     for ranks in batches:
         owned_by = list(range(len(ranks))) if owners is None else owners
         for k in range(len(ranks[0])):
-            plan = dispatch_microstep([rank[k] for rank in ranks], tiles, per_tile, owned_by,
-                                      torch.distributed.get_world_size())
+            plan = dispatch_microstep(
+                [rank[k] for rank in ranks], tiles, per_tile, owned_by, torch.distributed.get_world_size()
+            )
             count += sum(p.tiles for rank, work in enumerate(plan.work) for p in work if p.owner != rank)
     return count
 
@@ -114,12 +135,18 @@ def main(run=run) -> int:
         assert all(set(a) == set(b) for a, b in zip(local[1], colo[1])), "the two runs name parameters differently"
         diffs = [max(float((a[k] - b[k]).abs().max()) for k in a) for a, b in zip(local[1], colo[1])]
         moved = max(float((local[1][-1][k] - initial[k]).abs().max()) for k in initial)
-        encoder_moved = max(float((colo[1][-1][k] - initial[k]).abs().max()) for k in initial
-                            if int(k.split(".")[0]) < n_encoder)
-        report[mode] = {"losses_local": local[0], "losses_colocated": colo[0], "max_param_diff": diffs,
-                        "max_param_change": moved, "encoder_change_colocated": encoder_moved,
-                        "foreign_tiles": foreign_tiles(colo[2], shapes, owners),
-                        "samples": sorted(i for ranks in colo[2] for rank in ranks for mb in rank for i in mb)}
+        encoder_moved = max(
+            float((colo[1][-1][k] - initial[k]).abs().max()) for k in initial if int(k.split(".")[0]) < n_encoder
+        )
+        report[mode] = {
+            "losses_local": local[0],
+            "losses_colocated": colo[0],
+            "max_param_diff": diffs,
+            "max_param_change": moved,
+            "encoder_change_colocated": encoder_moved,
+            "foreign_tiles": foreign_tiles(colo[2], shapes, owners),
+            "samples": sorted(i for ranks in colo[2] for rank in ranks for mb in rank for i in mb),
+        }
     if torch.distributed.get_rank() == 0:
         Path(args.out).write_text(json.dumps(report, indent=1))
     torch.distributed.barrier()

@@ -14,9 +14,8 @@ import json
 import os
 import random
 
-import torch
-
 import deepspeed
+import torch
 from deepspeed.accelerator import get_accelerator
 
 from dflop_ds.models import TinyMLLMDataset, build_reference, collate_microbatch, label_tokens_in, tiny_mllm_layers
@@ -39,7 +38,9 @@ def make_shapes(n: int, seed: int) -> list[SampleShape]:
         frames = 2 if kind == 4 else 0
         text = rng.randint(6, 40)
         labels = rng.choice([text, rng.randint(1, text)])
-        shapes.append(TINY_POLICY.shape(f"s{i}", image_sizes=images, video_frames=frames, text_tokens=text, label_tokens=labels))
+        shapes.append(
+            TINY_POLICY.shape(f"s{i}", image_sizes=images, video_frames=frames, text_tokens=text, label_tokens=labels)
+        )
     return shapes
 
 
@@ -56,13 +57,14 @@ def make_batches(n_batches: int, sizes: list[int]) -> list[list[list[int]]]:
     return batches
 
 
-def scheduled(dataset: TinyMLLMDataset, batch: list[list[int]], gas: int, dp: int, batch_id: int,
-              packed: bool = False):
+def scheduled(dataset: TinyMLLMDataset, batch: list[list[int]], gas: int, dp: int, batch_id: int, packed: bool = False):
     """Collated (padded or packed) microbatches of one global batch with the global-batch loss denominator."""
     global_tokens = label_tokens_in([dataset[i] for mb in batch for i in mb])
     denominator = global_tokens / (gas * dp)
-    return [collate_microbatch([dataset[ScheduledIndex(i, denominator, batch_id)] for i in mb], packed=packed)
-            for mb in batch]
+    return [
+        collate_microbatch([dataset[ScheduledIndex(i, denominator, batch_id)] for i in mb], packed=packed)
+        for mb in batch
+    ]
 
 
 def main() -> None:
@@ -92,7 +94,9 @@ def main() -> None:
 
     encoder, projector, llm = tiny_mllm_layers(seed=11)
     # default split: the encoder and projector alone on stage 0
-    bounds = [int(b) for b in args.bounds.split(",")] if args.bounds else [0, len(encoder) + 1, len(encoder) + 1 + len(llm)]
+    bounds = (
+        [int(b) for b in args.bounds.split(",")] if args.bounds else [0, len(encoder) + 1, len(encoder) + 1 + len(llm)]
+    )
     config = {
         "train_batch_size": gas * dp,
         "train_micro_batch_size_per_gpu": 1,
@@ -103,9 +107,17 @@ def main() -> None:
         "gradient_clipping": 0.0,
     }
     # a stage holding only the frozen encoder gets a placeholder parameter (the engine needs an optimizer)
-    trainer = build_engine(encoder, projector, llm, config, pipeline_stages=2, stage_bounds=bounds,
-                           freeze_encoder=args.freeze, activation_checkpoint_interval=args.ckpt,
-                           make_optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9))
+    trainer = build_engine(
+        encoder,
+        projector,
+        llm,
+        config,
+        pipeline_stages=2,
+        stage_bounds=bounds,
+        freeze_encoder=args.freeze,
+        activation_checkpoint_interval=args.ckpt,
+        make_optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9),
+    )
     engine, model = trainer.engine, trainer.module
 
     # single-process reference of step 1: the whole global batch as one batch, token-mean loss

@@ -13,9 +13,10 @@ first stage boundary whose activations differ from HF's hidden states is named.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -27,8 +28,30 @@ from dflop_ds.models.hf.synthetic import contract_microbatch, hf_labels, hf_mode
 from dflop_ds.pipe.loss import token_normalized_loss
 from dflop_ds.pipe.stage_bounds import plan_stage_bounds
 
-WORDS = ("what", "is", "shown", "in", "the", "picture", "a", "red", "car", "on", "road", "near", "sea",
-         "compare", "two", "images", "describe", "it", "hello", "hi", "there", "thanks")
+WORDS = (
+    "what",
+    "is",
+    "shown",
+    "in",
+    "the",
+    "picture",
+    "a",
+    "red",
+    "car",
+    "on",
+    "road",
+    "near",
+    "sea",
+    "compare",
+    "two",
+    "images",
+    "describe",
+    "it",
+    "hello",
+    "hi",
+    "there",
+    "thanks",
+)
 
 
 def load_processor(model_dir: Path, config: Any) -> Any:
@@ -45,21 +68,26 @@ def load_processor(model_dir: Path, config: Any) -> Any:
             tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
             image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
         except (OSError, ValueError) as exc:
-            raise ValueError(f"{model_dir}: no processor ({first}) and no tokenizer + image processor to build "
-                             f"one from ({exc})") from exc
+            raise ValueError(
+                f"{model_dir}: no processor ({first}) and no tokenizer + image processor to build one from ({exc})"
+            ) from exc
         processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer)
     # a processor saved without these would not expand <image> to the model's feature count
     cls_token = 1 if config.vision_config.model_type == "clip_vision_model" else 0
-    for name, value in (("patch_size", config.vision_config.patch_size),
-                        ("vision_feature_select_strategy", config.vision_feature_select_strategy),
-                        ("num_additional_image_tokens", cls_token)):
+    for name, value in (
+        ("patch_size", config.vision_config.patch_size),
+        ("vision_feature_select_strategy", config.vision_feature_select_strategy),
+        ("num_additional_image_tokens", cls_token),
+    ):
         if getattr(processor, name, None) is None:
             setattr(processor, name, value)
     expected = image_features_per_image(config)
     got = getattr(processor, "image_seq_length", None) or processor_image_tokens(processor, config)
     if got != expected:
-        raise ValueError(f"{model_dir}: the processor expands an image to {got} tokens but the model makes {expected} "
-                         "features per image (patch size, image size or select strategy disagree)")
+        raise ValueError(
+            f"{model_dir}: the processor expands an image to {got} tokens but the model makes {expected} "
+            "features per image (patch size, image size or select strategy disagree)"
+        )
     return processor
 
 
@@ -92,8 +120,10 @@ def random_frames(rng: random.Random, count: int) -> list:
     from PIL import Image
 
     width, height = rng.randint(12, 60), rng.randint(12, 60)
-    return [Image.frombytes("RGB", (width, height), bytes(rng.getrandbits(8) for _ in range(width * height * 3)))
-            for _ in range(count)]
+    return [
+        Image.frombytes("RGB", (width, height), bytes(rng.getrandbits(8) for _ in range(width * height * 3)))
+        for _ in range(count)
+    ]
 
 
 def no_batches(seed: int, config: Any) -> list[tuple[str, list]]:
@@ -186,8 +216,9 @@ def _llava_family() -> Family:
             return None
         return model.model.vision_tower(pixel_values, output_hidden_states=True).hidden_states
 
-    return Family(load_llava, llava_layers, microbatches, "<image>", lambda model, inputs: hf_model_kwargs(inputs),
-                  vision_states)
+    return Family(
+        load_llava, llava_layers, microbatches, "<image>", lambda model, inputs: hf_model_kwargs(inputs), vision_states
+    )
 
 
 def _qwen2_vl_family() -> Family:
@@ -205,18 +236,34 @@ def _qwen2_vl_family() -> Family:
         if config.model_type != "qwen2_vl":  # Qwen2.5-VL's videos are not supported yet
             return []
         rng = random.Random(seed + 1)
-        return [("video + image row + text-only row",
-                 [(f"USER: {VIDEO_MARK} what happens? ASSISTANT:", "a car drives", [], random_frames(rng, 4)),
-                  (f"USER: {IMAGE_MARK} and this? ASSISTANT:", "a tree", [random_image(rng)]),
-                  ("USER: hello ASSISTANT:", "hi there", [])])]
+        return [
+            (
+                "video + image row + text-only row",
+                [
+                    (f"USER: {VIDEO_MARK} what happens? ASSISTANT:", "a car drives", [], random_frames(rng, 4)),
+                    (f"USER: {IMAGE_MARK} and this? ASSISTANT:", "a tree", [random_image(rng)]),
+                    ("USER: hello ASSISTANT:", "hi there", []),
+                ],
+            )
+        ]
 
-    return Family(load_qwen2_vl, qwen2_vl_layers, microbatches, IMAGE_MARK,
-                  lambda model, inputs: qwen2_vl_hf_kwargs(inputs, model.config), vision_states, video_batches)
+    return Family(
+        load_qwen2_vl,
+        qwen2_vl_layers,
+        microbatches,
+        IMAGE_MARK,
+        lambda model, inputs: qwen2_vl_hf_kwargs(inputs, model.config),
+        vision_states,
+        video_batches,
+    )
 
 
 #: ``config.model_type`` -> the family's check-model parts (built on first use: they import transformers)
-FAMILIES: dict[str, Callable[[], Family]] = {"llava": _llava_family, "qwen2_vl": _qwen2_vl_family,
-                                             "qwen2_5_vl": _qwen2_vl_family}
+FAMILIES: dict[str, Callable[[], Family]] = {
+    "llava": _llava_family,
+    "qwen2_vl": _qwen2_vl_family,
+    "qwen2_5_vl": _qwen2_vl_family,
+}
 
 
 def model_family(model_dir: Path) -> Family:
@@ -227,8 +274,10 @@ def model_family(model_dir: Path) -> Family:
         raise FileNotFoundError(f"{model_dir}: no config.json (expected a save_pretrained model directory)")
     model_type = getattr(AutoConfig.from_pretrained(model_dir, local_files_only=True), "model_type", None)
     if model_type not in FAMILIES:
-        raise ValueError(f"{model_dir}: model type {model_type!r} is not supported by check-model "
-                         f"(supported: {', '.join(repr(name) for name in FAMILIES)})")
+        raise ValueError(
+            f"{model_dir}: model type {model_type!r} is not supported by check-model "
+            f"(supported: {', '.join(repr(name) for name in FAMILIES)})"
+        )
     return FAMILIES[model_type]()
 
 
@@ -265,12 +314,19 @@ class CheckReport:
         """The one summary line (ends in ``max_rel_err=X``)."""
         stages = len(self.bounds) - 1
         verdict = "match HF" if self.ok else "DIFFER from HF: " + "; ".join(self.problems)
-        return (f"check-model {self.model_dir}: {stages} stage(s), bounds {self.bounds}: loss and logits {verdict}, "
-                f"tolerance {self.tolerance:g}, max_rel_err={self.max_rel_err:.3e}")
+        return (
+            f"check-model {self.model_dir}: {stages} stage(s), bounds {self.bounds}: loss and logits {verdict}, "
+            f"tolerance {self.tolerance:g}, max_rel_err={self.max_rel_err:.3e}"
+        )
 
 
-def first_differing_stage(bounds: list[int], ours: dict[int, torch.Tensor], reference: dict[int, torch.Tensor],
-                          tolerance: float, names: list[str]) -> str:
+def first_differing_stage(
+    bounds: list[int],
+    ours: dict[int, torch.Tensor],
+    reference: dict[int, torch.Tensor],
+    tolerance: float,
+    names: list[str],
+) -> str:
     """The first stage whose output differs from HF's activation at the same layer, named."""
     for stage, stop in enumerate(bounds[1:]):
         index = stop - 1
@@ -291,7 +347,7 @@ def check_model(model_dir: str | Path, *, stages: int = 1, tolerance: float = 1e
     encoder, projector, llm = family.layers(model)
     layers = [*encoder, projector, *llm]
     names = [layer_name(layer) for layer in layers]
-    bounds = plan_stage_bounds(len(layers), len(encoder) + 1, stages)
+    bounds = plan_stage_bounds(len(layers), len(encoder) + 1, stages).to_list()
     report = CheckReport(str(path), bounds, names, tolerance)
     batches = synthetic_batches(seed, family.image_mark) + family.extra_batches(seed, model.config)
     for number, (what, samples) in enumerate(batches):
@@ -311,5 +367,15 @@ def check_model(model_dir: str | Path, *, stages: int = 1, tolerance: float = 1e
     return report
 
 
-__all__ = ["FAMILIES", "CheckReport", "Family", "check_model", "hf_boundaries", "image_features_per_image",
-           "load_processor", "model_family", "run_stages", "synthetic_batches"]
+__all__ = [
+    "FAMILIES",
+    "CheckReport",
+    "Family",
+    "check_model",
+    "hf_boundaries",
+    "image_features_per_image",
+    "load_processor",
+    "model_family",
+    "run_stages",
+    "synthetic_batches",
+]

@@ -17,12 +17,14 @@ def run_check_model(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``check-model`` sub-command."""
     parser = subparsers.add_parser(
-        "check-model", help="check that the pipeline layer lists of a HF model directory match its own forward",
+        "check-model",
+        help="check that the pipeline layer lists of a HF model directory match its own forward",
         description="Load a save_pretrained LLaVA or Qwen2-VL directory (model + processor, or tokenizer + image "
-                    "processor), split its layer lists into "
-                    "--stages stages, run synthetic microbatches (images inside prompts, text-only rows and "
-                    "microbatches, different lengths) stage by stage and through the HF model, and compare "
-                    "loss and logits. Exit 1 when max_rel_err exceeds --tolerance.")
+        "processor), split its layer lists into "
+        "--stages stages, run synthetic microbatches (images inside prompts, text-only rows and "
+        "microbatches, different lengths) stage by stage and through the HF model, and compare "
+        "loss and logits. Exit 1 when max_rel_err exceeds --tolerance.",
+    )
     parser.add_argument("model_dir", help="a save_pretrained directory (config, weights, processor)")
     parser.add_argument("--stages", type=int, default=1, help="pipeline stages to split the layers into (default 1)")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest relative error allowed (default 1e-4)")

@@ -10,7 +10,8 @@ have the dtype and format the configured attention implementation expects.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,8 +35,10 @@ def layer_mask_kinds(text_config: Any) -> list[str]:
     kinds = list(kinds)[:n]
     unknown = sorted(set(kinds) - {FULL, SLIDING})
     if unknown:
-        raise ValueError(f"{text_config.model_type}: attention layer types {unknown} are not supported "
-                         f"(supported: {FULL}, {SLIDING})")
+        raise ValueError(
+            f"{text_config.model_type}: attention layer types {unknown} are not supported "
+            f"(supported: {FULL}, {SLIDING})"
+        )
     return kinds
 
 
@@ -50,16 +53,22 @@ def row_positions(seq_lens: torch.Tensor, length: int) -> torch.Tensor:
     return torch.arange(length, device=seq_lens.device)[None, :].expand(seq_lens.shape[0], length)
 
 
-def attention_mask_for(kind: str, text_config: Any, hidden: torch.Tensor, seq_lens: torch.Tensor,
-                       position_ids: torch.Tensor) -> Any:
+def attention_mask_for(
+    kind: str, text_config: Any, hidden: torch.Tensor, seq_lens: torch.Tensor, position_ids: torch.Tensor
+) -> Any:
     """The mask an HF decoder layer of ``kind`` gets for right-padded ``hidden [B, S, D]``:
     causal (or sliding-window causal) with key padding, in the format of the config's
     attention implementation (``None`` when the implementation needs none)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     make = create_sliding_window_causal_mask if kind == SLIDING else create_causal_mask
-    return make(config=text_config, inputs_embeds=hidden, attention_mask=padding_mask(seq_lens, hidden.shape[1]),
-                past_key_values=None, position_ids=position_ids)
+    return make(
+        config=text_config,
+        inputs_embeds=hidden,
+        attention_mask=padding_mask(seq_lens, hidden.shape[1]),
+        past_key_values=None,
+        position_ids=position_ids,
+    )
 
 
 class DecoderLayer(nn.Module):
@@ -82,8 +91,9 @@ class DecoderLayer(nn.Module):
         position_ids = row_positions(seq_lens, hidden.shape[1])
         mask = attention_mask_for(self.kind, self.text_config, hidden, seq_lens, position_ids)
         position_embeddings = self.rotary_emb(hidden, position_ids)
-        out = self.layer(hidden, attention_mask=mask, position_ids=position_ids,
-                         position_embeddings=position_embeddings)
+        out = self.layer(
+            hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings
+        )
         return (out[0] if isinstance(out, tuple) else out), seq_lens
 
 
@@ -137,8 +147,9 @@ def model_type(model_dir: Any) -> str | None:
     return json.loads(path.read_text()).get("model_type") if path.is_file() else None
 
 
-def load_checked(model_dir: Any, check: Callable[[Any, str], None], model_class: Callable[[Any], Any],
-                 dtype: Any = None) -> Any:
+def load_checked(
+    model_dir: Any, check: Callable[[Any, str], None], model_class: Callable[[Any], Any], dtype: Any = None
+) -> Any:
     """Load a ``save_pretrained`` directory offline: its config is checked first (``check(config,
     where)`` names an unsupported model before any weight is read), then ``model_class(config)``
     (the ``...ForConditionalGeneration`` class to use) loads the weights."""
@@ -163,5 +174,17 @@ def run_layers(layers: Sequence[Callable], inputs: Any) -> Any:
     return x
 
 
-__all__ = ["DecoderLayer", "FULL", "LMHead", "SLIDING", "attention_mask_for", "check_boundary", "decoder_layers",
-           "layer_mask_kinds", "model_type", "padding_mask", "row_positions", "run_layers"]
+__all__ = [
+    "DecoderLayer",
+    "FULL",
+    "LMHead",
+    "SLIDING",
+    "attention_mask_for",
+    "check_boundary",
+    "decoder_layers",
+    "layer_mask_kinds",
+    "model_type",
+    "padding_mask",
+    "row_positions",
+    "run_layers",
+]

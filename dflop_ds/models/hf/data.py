@@ -30,9 +30,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -47,8 +48,10 @@ from dflop_ds.shapes import SampleShape, ShapePolicy
 logger = logging.getLogger(__name__)
 
 TEMPLATE_NAME = "llava-v1"
-DEFAULT_SYSTEM = ("A chat between a curious human and an artificial intelligence assistant. "
-                  "The assistant gives helpful, detailed, and polite answers to the human's questions.")
+DEFAULT_SYSTEM = (
+    "A chat between a curious human and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the human's questions."
+)
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
 USER_ROLES = frozenset({"human", "user"})
@@ -90,13 +93,22 @@ class LlavaPreprocessor:
         name: the policy's name in messages (e.g. the model directory's name).
     """
 
-    def __init__(self, processor: Any, *, system: str = DEFAULT_SYSTEM, max_length: int | None = None,
-                 truncation: str = "error", name: str = "llava") -> None:
+    def __init__(
+        self,
+        processor: Any,
+        *,
+        system: str = DEFAULT_SYSTEM,
+        max_length: int | None = None,
+        truncation: str = "error",
+        name: str = "llava",
+    ) -> None:
         kind = type(processor).__name__
         image_processor = getattr(processor, "image_processor", None)
         if kind != "LlavaProcessor" or getattr(image_processor, "image_grid_pinpoints", None):
-            raise ValueError(f"processor {kind} is not supported: only plain LLaVA (LlavaProcessor, one tile "
-                             "per image); AnyRes processors (LLaVA-NeXT, LLaVA-OneVision) are out of scope")
+            raise ValueError(
+                f"processor {kind} is not supported: only plain LLaVA (LlavaProcessor, one tile "
+                "per image); AnyRes processors (LLaVA-NeXT, LLaVA-OneVision) are out of scope"
+            )
         if truncation not in TRUNCATION:
             raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
         self.processor = processor
@@ -119,7 +131,7 @@ class LlavaPreprocessor:
         self.image_seq_length = self._tokens_per_image()
 
     @classmethod
-    def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> "LlavaPreprocessor":
+    def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> LlavaPreprocessor:
         """Load the processor of a ``save_pretrained`` directory (offline) and wrap it: its
         ``AutoProcessor``, else one built from its tokenizer and image processor, with the image
         token count checked against the model's config
@@ -134,8 +146,10 @@ class LlavaPreprocessor:
     def _tokens_per_image(self) -> int:
         patch = getattr(self.processor, "patch_size", None)
         if not patch:
-            raise ValueError(f"{self.name}: the processor has no patch_size, so the image tokens per image are "
-                             "unknown (save the processor with patch_size and vision_feature_select_strategy)")
+            raise ValueError(
+                f"{self.name}: the processor has no patch_size, so the image tokens per image are "
+                "unknown (save the processor with patch_size and vision_feature_select_strategy)"
+            )
         _, height, width = self.pixel_shape
         tokens = (height // patch) * (width // patch) + int(getattr(self.processor, "num_additional_image_tokens", 0))
         if getattr(self.processor, "vision_feature_select_strategy", None) == "default":
@@ -152,16 +166,18 @@ class LlavaPreprocessor:
         """Tokens of ``text`` alone (for shape manifests that carry raw text)."""
         return len(self._ids(text))
 
-    def _normalize(self, turns: Sequence[tuple[str, str]], n_images: int,
-                   videos: bool = False) -> list[tuple[str, str]]:
+    def _normalize(
+        self, turns: Sequence[tuple[str, str]], n_images: int, videos: bool = False
+    ) -> list[tuple[str, str]]:
         """Turns with roles mapped to user/assistant and image placeholders matched to ``n_images``
         (``<video>`` placeholders are refused unless ``videos``: a family that takes videos places them)."""
         normalized, placeholders = [], 0
         for i, (role, value) in enumerate(turns):
             kind = "user" if role.lower() in USER_ROLES else "assistant" if role.lower() in ASSISTANT_ROLES else None
             if kind is None:
-                raise ValueError(f"conversations[{i}].from: unknown role {role!r} "
-                                 "(expected human/user or gpt/assistant, any case)")
+                raise ValueError(
+                    f"conversations[{i}].from: unknown role {role!r} (expected human/user or gpt/assistant, any case)"
+                )
             if VIDEO_PLACEHOLDER in value and not videos:
                 raise ValueError(f"conversations[{i}].value: {VIDEO_PLACEHOLDER} is not supported by LLaVA models")
             if IMAGE_PLACEHOLDER in value and kind == "assistant":
@@ -174,8 +190,9 @@ class LlavaPreprocessor:
                 raise ValueError("conversations: the record has images but no human turn to put them in")
             normalized[first] = ("user", f"{IMAGE_PLACEHOLDER}\n" * n_images + normalized[first][1])
         elif placeholders != n_images:
-            raise ValueError(f"conversations: {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) for "
-                             f"{n_images} image(s) in 'image'")
+            raise ValueError(
+                f"conversations: {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) for {n_images} image(s) in 'image'"
+            )
         return normalized
 
     def encode(self, turns: Sequence[tuple[str, str]], n_images: int) -> Encoded:
@@ -211,15 +228,19 @@ class LlavaPreprocessor:
         if self.max_length is None or length <= self.max_length:
             return encoded
         if self.truncation == "error":
-            raise ValueError(f"conversations: {length} tokens (images expanded) exceed max_length {self.max_length}"
-                             " (the tokenizer's model_max_length unless set): raise dflop.data.max_length, or set"
-                             " dflop.data.truncation = \"truncate\" to cut such samples (counted), or skip them with"
-                             " \"on_bad_sample\": \"skip\"")
+            raise ValueError(
+                f"conversations: {length} tokens (images expanded) exceed max_length {self.max_length}"
+                " (the tokenizer's model_max_length unless set): raise dflop.data.max_length, or set"
+                ' dflop.data.truncation = "truncate" to cut such samples (counted), or skip them with'
+                ' "on_bad_sample": "skip"'
+            )
         kept = self._uncut_tokens()
         last_image = max((t for t, token in enumerate(encoded.input_ids) if token in kept), default=-1)
         if last_image >= self.max_length:
-            raise ValueError(f"conversations: cutting {length} tokens at max_length {self.max_length} would drop "
-                             "image tokens (or cut through an image's or video's tokens)")
+            raise ValueError(
+                f"conversations: cutting {length} tokens at max_length {self.max_length} would drop "
+                "image tokens (or cut through an image's or video's tokens)"
+            )
         keep = self.max_length
         return Encoded(encoded.input_ids[:keep], encoded.supervised[:keep], encoded.image_tokens, length - keep)
 
@@ -227,8 +248,9 @@ class LlavaPreprocessor:
         """Tokens a truncation must keep whole: the image tokens."""
         return {self.image_token_id}
 
-    def count(self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int],
-              video_tokens: int | None = None) -> tuple[int, int]:
+    def count(
+        self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int], video_tokens: int | None = None
+    ) -> tuple[int, int]:
         """``(text_tokens, label_tokens)`` exactly as :meth:`encode` produces them for images of
         ``image_tokens`` tokens each (every image has ``image_seq_length``; image tokens excluded).
         A video is refused by the dataset, so ``video_tokens`` does not change the count."""
@@ -239,8 +261,11 @@ class LlavaPreprocessor:
         one is counted in ``truncated_samples`` (and the first logged)."""
         if encoded.truncated:
             if not self.truncated_samples:
-                logger.warning("%s: truncating samples longer than max_length %d (counted in truncated_samples)",
-                               self.name, self.max_length)
+                logger.warning(
+                    "%s: truncating samples longer than max_length %d (counted in truncated_samples)",
+                    self.name,
+                    self.max_length,
+                )
             self.truncated_samples += 1
         return len(encoded.input_ids) - encoded.image_tokens, encoded.label_count
 
@@ -258,18 +283,28 @@ class LlavaPreprocessor:
     def identity(self) -> str:
         """What fixes the token counts: template, system line, tokenizer contents, image token, length rule."""
         system = hashlib.sha256(self.system.encode("utf-8")).hexdigest()[:8]
-        return (f"{TEMPLATE_NAME} system:{system} tokenizer:{type(self.tokenizer).__name__}:"
-                f"{_tokenizer_digest(self.tokenizer)} image_token:{self.image_token_id} "
-                f"max_length:{self.max_length} truncation:{self.truncation}")
+        return (
+            f"{TEMPLATE_NAME} system:{system} tokenizer:{type(self.tokenizer).__name__}:"
+            f"{_tokenizer_digest(self.tokenizer)} image_token:{self.image_token_id} "
+            f"max_length:{self.max_length} truncation:{self.truncation}"
+        )
 
     def policy(self) -> ShapePolicy:
         """The :class:`ShapePolicy` of this model's data: one tile per image of ``image_seq_length``
         tokens and exact conversation token counts (videos are not supported)."""
         _, height, width = self.pixel_shape
-        return ShapePolicy(tile_size=max(height, width), max_tiles=1, add_thumbnail=False,
-                           tokens_per_tile=self.image_seq_length, max_frames=1, tokens_per_frame=1,
-                           tokenizer=self.count_text, name=self.name, tokenizer_id=self.identity(),
-                           conversation=self.count)
+        return ShapePolicy(
+            tile_size=max(height, width),
+            max_tiles=1,
+            add_thumbnail=False,
+            tokens_per_tile=self.image_seq_length,
+            max_frames=1,
+            tokens_per_frame=1,
+            tokenizer=self.count_text,
+            name=self.name,
+            tokenizer_id=self.identity(),
+            conversation=self.count,
+        )
 
 
 def _blank_image() -> Any:
@@ -325,9 +360,16 @@ class LlavaDataset(Dataset):
     #: whether the family's model takes videos (LLaVA does not: such samples are refused by name)
     supports_video = False
 
-    def __init__(self, shapes: Sequence[SampleShape], records: Mapping[str, Mapping[str, Any]],
-                 preprocessor: LlavaPreprocessor, image_folder: PathArg | None, *, source: PathArg | None = None,
-                 video_folder: PathArg | None = None) -> None:
+    def __init__(
+        self,
+        shapes: Sequence[SampleShape],
+        records: Mapping[str, Mapping[str, Any]],
+        preprocessor: LlavaPreprocessor,
+        image_folder: PathArg | None,
+        *,
+        source: PathArg | None = None,
+        video_folder: PathArg | None = None,
+    ) -> None:
         self.shapes = list(shapes)
         self.records = records
         self.preprocessor = preprocessor
@@ -387,8 +429,14 @@ class LlavaDataset(Dataset):
         except ValueError as exc:
             raise self._error(shape.sample_id, None, str(exc)) from exc
         denominator = getattr(idx, "loss_denominator", None)
-        return LlavaItem(shape.sample_id, self.preprocessor.pixel_values(images), ids, targets,
-                         self.preprocessor.pad_token_id, None if denominator is None else float(denominator))
+        return LlavaItem(
+            shape.sample_id,
+            self.preprocessor.pixel_values(images),
+            ids,
+            targets,
+            self.preprocessor.pad_token_id,
+            None if denominator is None else float(denominator),
+        )
 
 
 def item_tensors(encoded: Encoded, shape: SampleShape, policy_name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -399,7 +447,8 @@ def item_tensors(encoded: Encoded, shape: SampleShape, policy_name: str) -> tupl
         raise ValueError(
             f"encodes to {len(encoded.input_ids)} tokens with {encoded.label_count} targets, but its shape "
             f"says {shape.llm_tokens} and {shape.label_tokens}: the shapes were made under another policy "
-            f"than {policy_name!r}")
+            f"than {policy_name!r}"
+        )
     ids = torch.tensor(encoded.input_ids, dtype=torch.long)
     targets = torch.full_like(ids, IGNORE_INDEX)
     supervised = torch.tensor(encoded.supervised[1:], dtype=torch.bool)
@@ -429,5 +478,14 @@ def collate_llava(items: Sequence[LlavaItem]) -> tuple[tuple[torch.Tensor, ...],
     return (pixel_values, input_ids, seq_lens), (targets, denominator)
 
 
-__all__ = ["DEFAULT_SYSTEM", "Encoded", "LlavaPreprocessor", "llava_policy", "supervised_targets",
-           "load_llava_records", "LlavaItem", "LlavaDataset", "collate_llava"]
+__all__ = [
+    "DEFAULT_SYSTEM",
+    "Encoded",
+    "LlavaPreprocessor",
+    "llava_policy",
+    "supervised_targets",
+    "load_llava_records",
+    "LlavaItem",
+    "LlavaDataset",
+    "collate_llava",
+]

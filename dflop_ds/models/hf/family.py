@@ -86,12 +86,23 @@ def family_source(
         return folder if folder is not None else str(Path(path).parent)
 
     def read_shapes(path: str, on_bad_sample: str):
-        return read_dataset(path, policy, on_bad_sample=on_bad_sample, image_folder=folder_for(path, image_folder),
-                            video_folder=folder_for(path, video_folder))
+        return read_dataset(
+            path,
+            policy,
+            on_bad_sample=on_bad_sample,
+            image_folder=folder_for(path, image_folder),
+            video_folder=folder_for(path, video_folder),
+        )
 
     def make_dataset(shapes, path: str):
-        return family.dataset(list(shapes), load_llava_records(path), preprocessor, folder_for(path, image_folder),
-                              source=path, video_folder=folder_for(path, video_folder))
+        return family.dataset(
+            list(shapes),
+            load_llava_records(path),
+            preprocessor,
+            folder_for(path, image_folder),
+            source=path,
+            video_folder=folder_for(path, video_folder),
+        )
 
     def save_pretrained(directory: str, state: Mapping[str, torch.Tensor]) -> None:
         # into a fresh copy: the training copy's parameters may be ZeRO-3 partitions

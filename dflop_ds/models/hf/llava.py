@@ -41,9 +41,11 @@ VisTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def check_llava_config(config: Any, where: str = "model") -> None:
     """Refuse a config this adapter cannot run exactly, naming ``where`` and what is supported."""
     if getattr(config, "model_type", None) != "llava":
-        raise ValueError(f"{where}: model type {getattr(config, 'model_type', None)!r} is not supported by the "
-                         f"LLaVA adapter (supported: 'llava' with vision towers {list(VISION_TYPES)} and text models "
-                         f"{list(TEXT_TYPES)})")
+        raise ValueError(
+            f"{where}: model type {getattr(config, 'model_type', None)!r} is not supported by the "
+            f"LLaVA adapter (supported: 'llava' with vision towers {list(VISION_TYPES)} and text models "
+            f"{list(TEXT_TYPES)})"
+        )
     vision_type = config.vision_config.model_type
     if vision_type not in VISION_TYPES:
         raise ValueError(f"{where}: vision tower {vision_type!r} is not supported (supported: {list(VISION_TYPES)})")
@@ -52,15 +54,17 @@ def check_llava_config(config: Any, where: str = "model") -> None:
         raise ValueError(f"{where}: text model {text_type!r} is not supported (supported: {list(TEXT_TYPES)})")
     layer = config.vision_feature_layer
     if not isinstance(layer, int):
-        raise ValueError(f"{where}: vision_feature_layer={layer!r} (several layers) is not supported; "
-                         "use a single integer layer")
+        raise ValueError(
+            f"{where}: vision_feature_layer={layer!r} (several layers) is not supported; use a single integer layer"
+        )
     n = int(config.vision_config.num_hidden_layers)
     if not -(n + 1) <= layer <= n:
         raise ValueError(f"{where}: vision_feature_layer={layer} is outside the tower's {n} layers")
     strategy = config.vision_feature_select_strategy
     if strategy not in STRATEGIES:
-        raise ValueError(f"{where}: vision_feature_select_strategy={strategy!r} is not supported "
-                         f"(supported: {list(STRATEGIES)})")
+        raise ValueError(
+            f"{where}: vision_feature_select_strategy={strategy!r} is not supported (supported: {list(STRATEGIES)})"
+        )
 
 
 def load_llava(model_dir: str | Path, *, dtype: torch.dtype | None = None) -> Any:
@@ -132,8 +136,14 @@ class LlavaProjector(nn.Module):
     order, stays the same; the placeholder's gradient is zero).
     """
 
-    def __init__(self, projector: nn.Module, embed_tokens: nn.Module, image_token_id: int, strategy: str,
-                 tied_key: str | None = None) -> None:
+    def __init__(
+        self,
+        projector: nn.Module,
+        embed_tokens: nn.Module,
+        image_token_id: int,
+        strategy: str,
+        tied_key: str | None = None,
+    ) -> None:
         super().__init__()
         self.projector = projector
         self.embed_tokens = embed_tokens
@@ -154,8 +164,10 @@ class LlavaProjector(nn.Module):
             features = features[:0]
         n_features = features.shape[0] * features.shape[1]
         if n_tokens != n_features:
-            raise ValueError(f"LlavaProjector: the microbatch has {n_tokens} image tokens but its {features.shape[0]} "
-                             f"image(s) give {n_features} features ({features.shape[1]} per image)")
+            raise ValueError(
+                f"LlavaProjector: the microbatch has {n_tokens} image tokens but its {features.shape[0]} "
+                f"image(s) give {n_features} features ({features.shape[1]} per image)"
+            )
         mask = image_positions.unsqueeze(-1).expand_as(embeds)
         hidden = embeds.masked_scatter(mask, features.to(embeds.dtype))
         return hidden, seq_lens
@@ -195,8 +207,10 @@ def llava_input_factories(model: Any, text_tokens: int = 8) -> tuple[LlavaEncode
     """``(encoder_inputs, llm_inputs)`` factories for :func:`dflop_ds.profile.model.profile_model`
     over :func:`llava_layers`, so that a cost model (and from it the stage split) measures the real layers."""
     dtype = model.dtype
-    return (LlavaEncoderInputs(model.config, text_tokens, dtype),
-            ContractLLMInputs(int(model.config.text_config.hidden_size), dtype))
+    return (
+        LlavaEncoderInputs(model.config, text_tokens, dtype),
+        ContractLLMInputs(int(model.config.text_config.hidden_size), dtype),
+    )
 
 
 def llava_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Module]]:
@@ -214,12 +228,29 @@ def llava_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Module
     encoder += [VisionLayer(layer) for layer in list(vision.encoder.layers)[: feature_depth(config)]]
     tied = model.lm_head.weight is language_model.embed_tokens.weight
     key = TIED_EMBEDDING_KEY if tied else None
-    projector = LlavaProjector(body.multi_modal_projector, language_model.embed_tokens, config.image_token_id,
-                               config.vision_feature_select_strategy, tied_key=key)
+    projector = LlavaProjector(
+        body.multi_modal_projector,
+        language_model.embed_tokens,
+        config.image_token_id,
+        config.vision_feature_select_strategy,
+        tied_key=key,
+    )
     llm: list[nn.Module] = [*decoder_layers(language_model), LMHead(language_model.norm, model.lm_head, tied_key=key)]
     return encoder, projector, llm
 
 
-__all__ = ["STRATEGIES", "TEXT_TYPES", "TIED_EMBEDDING_KEY", "VISION_TYPES", "LlavaEncoderInputs", "LlavaProjector",
-           "VisionEmbeddings", "VisionLayer", "check_llava_config", "feature_depth", "llava_input_factories",
-           "llava_layers", "load_llava"]
+__all__ = [
+    "STRATEGIES",
+    "TEXT_TYPES",
+    "TIED_EMBEDDING_KEY",
+    "VISION_TYPES",
+    "LlavaEncoderInputs",
+    "LlavaProjector",
+    "VisionEmbeddings",
+    "VisionLayer",
+    "check_llava_config",
+    "feature_depth",
+    "llava_input_factories",
+    "llava_layers",
+    "load_llava",
+]

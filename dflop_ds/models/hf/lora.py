@@ -10,12 +10,16 @@ stay frozen. The trained model is written back by merging the adapters into the 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 #: linear layers of a Llama/Qwen2/Mistral decoder layer that get adapters by default
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_KEYS: dict[str, type | tuple[type, ...]] = {
-    "r": int, "alpha": (int, float), "dropout": (int, float), "target_modules": list,
+    "r": int,
+    "alpha": (int, float),
+    "dropout": (int, float),
+    "target_modules": list,
 }
 
 
@@ -49,12 +53,18 @@ def apply_lora(model: Any, block: Mapping[str, Any], *, keep_trainable: str = "m
 
     settings = lora_settings(block)
     names = "|".join(sorted(set(settings["target_modules"])))
-    config = LoraConfig(r=settings["r"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"],
-                        target_modules=rf".*language_model.*\.({names})$")
+    config = LoraConfig(
+        r=settings["r"],
+        lora_alpha=settings["alpha"],
+        lora_dropout=settings["dropout"],
+        target_modules=rf".*language_model.*\.({names})$",
+    )
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as error:
-        raise ValueError(f"LoRA: no module of the language model matches {settings['target_modules']}: {error}") from error
+        raise ValueError(
+            f"LoRA: no module of the language model matches {settings['target_modules']}: {error}"
+        ) from error
     for name, parameter in model.named_parameters():
         if keep_trainable in name:
             parameter.requires_grad_(True)

@@ -28,9 +28,15 @@ def llava_target(model_dir: str, *, text_tokens: int = 8) -> ProfileTarget:
     model = load_llava(model_dir)
     encoder, projector, llm = llava_layers(model)
     encoder_inputs, llm_inputs = llava_input_factories(model, text_tokens)
-    return ProfileTarget(encoder_layers=encoder, projector=projector, llm_layers=llm, encoder_inputs=encoder_inputs,
-                         llm_inputs=llm_inputs, output_loss=summed_cross_entropy,
-                         policy=LlavaPreprocessor.from_pretrained(model_dir).policy())
+    return ProfileTarget(
+        encoder_layers=encoder,
+        projector=projector,
+        llm_layers=llm,
+        encoder_inputs=encoder_inputs,
+        llm_inputs=llm_inputs,
+        output_loss=summed_cross_entropy,
+        policy=LlavaPreprocessor.from_pretrained(model_dir).policy(),
+    )
 
 
 def qwen2_vl_target(model_dir: str, *, text_tokens: int = 8) -> ProfileTarget:
@@ -38,11 +44,15 @@ def qwen2_vl_target(model_dir: str, *, text_tokens: int = 8) -> ProfileTarget:
     (the encoder sweep's "tiles" are patches, the policy's encoder units)."""
     model = load_qwen2_vl(model_dir)
     encoder, projector, llm = qwen2_vl_layers(model)
-    return ProfileTarget(encoder_layers=encoder, projector=projector, llm_layers=llm,
-                         encoder_inputs=Qwen2VLEncoderInputs(model.config, text_tokens, model.dtype),
-                         llm_inputs=MRopeLLMInputs(model.config.text_config.hidden_size, model.dtype),
-                         output_loss=summed_cross_entropy,
-                         policy=Qwen2VLPreprocessor.from_pretrained(model_dir).policy())
+    return ProfileTarget(
+        encoder_layers=encoder,
+        projector=projector,
+        llm_layers=llm,
+        encoder_inputs=Qwen2VLEncoderInputs(model.config, text_tokens, model.dtype),
+        llm_inputs=MRopeLLMInputs(model.config.text_config.hidden_size, model.dtype),
+        output_loss=summed_cross_entropy,
+        policy=Qwen2VLPreprocessor.from_pretrained(model_dir).policy(),
+    )
 
 
 def hf_target(model_dir: str, *, text_tokens: int = 8) -> ProfileTarget:

@@ -57,8 +57,10 @@ def tower_grid(image_grid: torch.Tensor, video_grid: torch.Tensor) -> torch.Tens
 def check_qwen2_vl_config(config: Any, where: str = "model") -> None:
     """Refuse a config this adapter cannot run, naming ``where``."""
     if getattr(config, "model_type", None) not in MODEL_CLASSES:
-        raise ValueError(f"{where}: model type {getattr(config, 'model_type', None)!r} is not supported by the "
-                         f"Qwen2-VL adapter (supported: {', '.join(map(repr, MODEL_CLASSES))})")
+        raise ValueError(
+            f"{where}: model type {getattr(config, 'model_type', None)!r} is not supported by the "
+            f"Qwen2-VL adapter (supported: {', '.join(map(repr, MODEL_CLASSES))})"
+        )
     layer_mask_kinds(config.text_config)  # refuses unknown attention kinds by name
 
 
@@ -66,8 +68,9 @@ def load_qwen2_vl(model_dir: str | Path, *, dtype: torch.dtype | None = None) ->
     """Load a ``save_pretrained`` Qwen2-VL / Qwen2.5-VL directory as its ``...ForConditionalGeneration`` (offline)."""
     import transformers
 
-    return load_checked(model_dir, check_qwen2_vl_config,
-                        lambda config: getattr(transformers, MODEL_CLASSES[config.model_type]), dtype)
+    return load_checked(
+        model_dir, check_qwen2_vl_config, lambda config: getattr(transformers, MODEL_CLASSES[config.model_type]), dtype
+    )
 
 
 def window_index(grid: torch.Tensor, vision_config: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -77,13 +80,14 @@ def window_index(grid: torch.Tensor, vision_config: Any) -> tuple[torch.Tensor, 
         return None
     from transformers.vision_utils import get_vision_window_index
 
-    return get_vision_window_index(grid, int(vision_config.spatial_merge_size), int(vision_config.window_size),
-                                   int(vision_config.patch_size))
+    return get_vision_window_index(
+        grid, int(vision_config.spatial_merge_size), int(vision_config.window_size), int(vision_config.patch_size)
+    )
 
 
 def permute_units(x: torch.Tensor, order: torch.Tensor, merge_size: int) -> torch.Tensor:
     """Rows of ``x [P, ...]`` reordered by merge unit (``merge**2`` consecutive patches) as ``order`` says."""
-    unit = merge_size ** 2
+    unit = merge_size**2
     return x.reshape(x.shape[0] // unit, unit, *x.shape[1:])[order].reshape(x.shape)
 
 
@@ -97,9 +101,16 @@ def is_placeholder(grid: torch.Tensor, merge_size: int) -> bool:
     return grid.shape[0] == 1 and grid[0].tolist() == [1, merge_size, merge_size]
 
 
-def mrope_position_ids(input_ids: torch.Tensor, seq_lens: torch.Tensor, image_grid_thw: torch.Tensor, *,
-                       image_token_id: int, merge_size: int, video_grid_thw: torch.Tensor | None = None,
-                       video_token_id: int | None = None) -> torch.Tensor:
+def mrope_position_ids(
+    input_ids: torch.Tensor,
+    seq_lens: torch.Tensor,
+    image_grid_thw: torch.Tensor,
+    *,
+    image_token_id: int,
+    merge_size: int,
+    video_grid_thw: torch.Tensor | None = None,
+    video_token_id: int | None = None,
+) -> torch.Tensor:
     """Qwen2-VL's multimodal rotary position ids ``[3, B, S]`` (temporal, height, width), as HF computes them.
 
     Without images and videos every row counts ``0..S-1`` on all three axes (padding included).
@@ -135,10 +146,16 @@ def mrope_position_ids(input_ids: torch.Tensor, seq_lens: torch.Tensor, image_gr
                 gh, gw = h // merge_size, w // merge_size
                 if t * gh * gw != stop - start:
                     name = names[kinds[start]]
-                    raise ValueError(f"row {row}: a run of {stop - start} {name} tokens at position {start} does not "
-                                     f"match the next {name} grid {(t, h, w)} ({t * gh * gw} tokens)")
-                axes = torch.meshgrid(torch.arange(t, device=device), torch.arange(gh, device=device),
-                                      torch.arange(gw, device=device), indexing="ij")
+                    raise ValueError(
+                        f"row {row}: a run of {stop - start} {name} tokens at position {start} does not "
+                        f"match the next {name} grid {(t, h, w)} ({t * gh * gw} tokens)"
+                    )
+                axes = torch.meshgrid(
+                    torch.arange(t, device=device),
+                    torch.arange(gh, device=device),
+                    torch.arange(gw, device=device),
+                    indexing="ij",
+                )
                 pieces.append(torch.stack([axis.flatten() for axis in axes]) + current)
                 current += max(gh, gw)
             start = stop
@@ -171,7 +188,7 @@ class PatchEmbedding(nn.Module):
         pixel_values, input_ids, seq_lens, grid, video_grid = inputs
         if grid.shape[0] == 0 and video_grid.shape[0] == 0:
             grid = placeholder_grid(self.merge_size, grid)
-            pixel_values = pixel_values.new_zeros((self.merge_size ** 2, pixel_values.shape[1]))
+            pixel_values = pixel_values.new_zeros((self.merge_size**2, pixel_values.shape[1]))
         vis = self.patch_embed(pixel_values)
         windows = window_index(tower_grid(grid, video_grid), self.vision_config)
         if windows is not None:
@@ -236,8 +253,10 @@ class Qwen2VLProjector(nn.Module):
         """Merge image and video features into the token embeddings and compute the 3-D positions."""
         vis, input_ids, seq_lens, grid, video_grid = inputs
         if video_grid.shape[0] and getattr(self.vision_config, "window_size", None) is not None:
-            raise ValueError("Qwen2VLProjector: videos are not supported for Qwen2.5-VL yet (its temporal positions "
-                             "need the seconds per frame pair)")
+            raise ValueError(
+                "Qwen2VLProjector: videos are not supported for Qwen2.5-VL yet (its temporal positions "
+                "need the seconds per frame pair)"
+            )
         features = self.merger(vis)
         embeds = self.embed_tokens(input_ids)
         image_positions = input_ids == self.image_token_id
@@ -245,13 +264,18 @@ class Qwen2VLProjector(nn.Module):
         n_image, n_video = int(image_positions.sum()), int(video_positions.sum())
         if n_image == n_video == 0 and not video_grid.shape[0] and is_placeholder(grid, self.merge_size):
             features, grid = features[:0], grid[:0]
-        unit = self.merge_size ** 2
+        unit = self.merge_size**2
         image_features, video_features = int(grid.prod(-1).sum()) // unit, int(video_grid.prod(-1).sum()) // unit
-        if not (n_image == image_features and n_video == video_features
-                and features.shape[0] == image_features + video_features):
-            raise ValueError(f"Qwen2VLProjector: the microbatch has {n_image} image and {n_video} video tokens but "
-                             f"its {grid.shape[0]} image(s) of grids {grid.tolist()} and {video_grid.shape[0]} "
-                             f"video(s) of grids {video_grid.tolist()} give {features.shape[0]} features")
+        if not (
+            n_image == image_features
+            and n_video == video_features
+            and features.shape[0] == image_features + video_features
+        ):
+            raise ValueError(
+                f"Qwen2VLProjector: the microbatch has {n_image} image and {n_video} video tokens but "
+                f"its {grid.shape[0]} image(s) of grids {grid.tolist()} and {video_grid.shape[0]} "
+                f"video(s) of grids {video_grid.tolist()} give {features.shape[0]} features"
+            )
         windows = window_index(grid, self.vision_config) if grid.shape[0] else None
         if windows is not None:  # back from window order to the images' own order
             features = features[torch.argsort(windows[0])]
@@ -259,9 +283,15 @@ class Qwen2VLProjector(nn.Module):
         hidden = embeds.masked_scatter(image_positions.unsqueeze(-1).expand_as(embeds), features[:image_features])
         if n_video:
             hidden = hidden.masked_scatter(video_positions.unsqueeze(-1).expand_as(hidden), features[image_features:])
-        position_ids = mrope_position_ids(input_ids, seq_lens, grid, image_token_id=self.image_token_id,
-                                          merge_size=self.merge_size, video_grid_thw=video_grid,
-                                          video_token_id=self.video_token_id)
+        position_ids = mrope_position_ids(
+            input_ids,
+            seq_lens,
+            grid,
+            image_token_id=self.image_token_id,
+            merge_size=self.merge_size,
+            video_grid_thw=video_grid,
+            video_token_id=self.video_token_id,
+        )
         return hidden, position_ids, seq_lens
 
 
@@ -294,12 +324,12 @@ def qwen2_vl_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Mod
     projector = Qwen2VLProjector(visual.merger, language_model.embed_tokens, config, tied_key=key)
     text_config = language_model.config
     kinds = layer_mask_kinds(text_config)
-    llm: list[nn.Module] = [MRopeDecoderLayer(layer, language_model.rotary_emb, text_config, kind)
-                            for layer, kind in zip(language_model.layers, kinds)]
+    llm: list[nn.Module] = [
+        MRopeDecoderLayer(layer, language_model.rotary_emb, text_config, kind)
+        for layer, kind in zip(language_model.layers, kinds)
+    ]
     llm.append(LMHead(language_model.norm, model.lm_head, tied_key=key))
     return encoder, projector, llm
-
-
 
 
 class Qwen2VLEncoderInputs:
@@ -320,7 +350,7 @@ class Qwen2VLEncoderInputs:
 
     def grids(self, patches: int, batch: int = 1) -> list[list[int]]:
         """The ``(t, h, w)`` grid of each row's image (rows without patches have none)."""
-        block = self.merge ** 2
+        block = self.merge**2
         return [[1, self.merge, self.merge * -(-n // block)] for n in split_evenly(patches, batch) if n > 0]
 
     def attention_units(self, patches: int, batch: int = 1) -> int:
@@ -328,7 +358,7 @@ class Qwen2VLEncoderInputs:
         return sum((t * h * w) ** 2 for t, h, w in self.grids(patches, batch))
 
     def __call__(self, patches: int, batch: int = 1) -> VisTuple:
-        block = self.merge ** 2
+        block = self.merge**2
         grids = self.grids(patches, batch)
         tokens = [t * h * w // block for t, h, w in grids] + [0] * (batch - len(grids))
         lengths = [n + self.text_tokens for n in tokens]
@@ -355,7 +385,23 @@ class MRopeLLMInputs:
         return hidden, torch.arange(seq_len).expand(3, batch, seq_len).clone(), seq_lens
 
 
-__all__ = ["MODEL_CLASSES", "MODEL_TYPE", "MRopeDecoderLayer", "MRopeLLMInputs", "PatchEmbedding",
-           "Qwen2VLEncoderInputs", "Qwen2VLProjector", "TIED_EMBEDDING_KEY", "VisionBlock", "check_qwen2_vl_config",
-           "is_placeholder", "load_qwen2_vl", "mrope_position_ids", "permute_units", "placeholder_grid",
-           "qwen2_vl_layers", "tower_grid", "window_index"]
+__all__ = [
+    "MODEL_CLASSES",
+    "MODEL_TYPE",
+    "MRopeDecoderLayer",
+    "MRopeLLMInputs",
+    "PatchEmbedding",
+    "Qwen2VLEncoderInputs",
+    "Qwen2VLProjector",
+    "TIED_EMBEDDING_KEY",
+    "VisionBlock",
+    "check_qwen2_vl_config",
+    "is_placeholder",
+    "load_qwen2_vl",
+    "mrope_position_ids",
+    "permute_units",
+    "placeholder_grid",
+    "qwen2_vl_layers",
+    "tower_grid",
+    "window_index",
+]

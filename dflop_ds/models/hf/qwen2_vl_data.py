@@ -82,23 +82,28 @@ class SmartResize:
     max_pixels: int
 
     @classmethod
-    def from_image_processor(cls, image_processor: Any) -> "SmartResize":
+    def from_image_processor(cls, image_processor: Any) -> SmartResize:
         """The rule of a ``Qwen2VLImageProcessor`` (its ``size`` edges are the pixel bounds)."""
         size = image_processor.size
-        return cls(int(image_processor.patch_size), int(image_processor.merge_size), int(size["shortest_edge"]),
-                   int(size["longest_edge"]))
+        return cls(
+            int(image_processor.patch_size),
+            int(image_processor.merge_size),
+            int(size["shortest_edge"]),
+            int(size["longest_edge"]),
+        )
 
     def grid(self, width: int, height: int) -> tuple[int, int]:
         """``(grid_h, grid_w)`` patches of an image of ``width x height`` pixels after resizing."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-        new_h, new_w = smart_resize(height, width, self.patch_size * self.merge_size, min_pixels=self.min_pixels,
-                                    max_pixels=self.max_pixels)
+        new_h, new_w = smart_resize(
+            height, width, self.patch_size * self.merge_size, min_pixels=self.min_pixels, max_pixels=self.max_pixels
+        )
         return new_h // self.patch_size, new_w // self.patch_size
 
     def __call__(self, width: int, height: int) -> tuple[int, int]:
         grid_h, grid_w = self.grid(width, height)
-        return grid_h * grid_w, grid_h * grid_w // self.merge_size ** 2
+        return grid_h * grid_w, grid_h * grid_w // self.merge_size**2
 
 
 @dataclass(frozen=True)
@@ -119,11 +124,18 @@ class VideoFrames:
         Raises:
             ValueError: the video has fewer frames than one temporal patch.
         """
-        count = sampled_frame_count(frames, source_fps, target_fps=self.fps, max_frames=self.max_frames,
-                                    min_frames=VIDEO_MIN_FRAMES, multiple=self.temporal_patch_size)
+        count = sampled_frame_count(
+            frames,
+            source_fps,
+            target_fps=self.fps,
+            max_frames=self.max_frames,
+            min_frames=VIDEO_MIN_FRAMES,
+            multiple=self.temporal_patch_size,
+        )
         if count < self.temporal_patch_size:
-            raise ValueError(f"a video of {frames} frame(s) is shorter than one temporal patch "
-                             f"({self.temporal_patch_size} frames)")
+            raise ValueError(
+                f"a video of {frames} frame(s) is shorter than one temporal patch ({self.temporal_patch_size} frames)"
+            )
         return count
 
     def grid(self, frames: int, width: int, height: int, source_fps: float) -> tuple[int, int, int]:
@@ -133,7 +145,7 @@ class VideoFrames:
 
     def __call__(self, frames: int, width: int, height: int, source_fps: float) -> tuple[int, int, int]:
         t, h, w = self.grid(frames, width, height, source_fps)
-        return t * h * w, t * h * w // self.resize.merge_size ** 2, h * w
+        return t * h * w, t * h * w // self.resize.merge_size**2, h * w
 
 
 def mark_video(turns: Sequence[tuple[str, str]], n_images: int) -> list[tuple[str, str]]:
@@ -149,10 +161,10 @@ def mark_video(turns: Sequence[tuple[str, str]], n_images: int) -> list[tuple[st
     image_marks = [i for i, (_, value) in enumerate(turns) if IMAGE_PLACEHOLDER in value]
     if not n_images and len(image_marks) == 1 and turns[image_marks[0]][1].count(IMAGE_PLACEHOLDER) == 1:
         i = image_marks[0]
-        return [*turns[:i], (turns[i][0], turns[i][1].replace(IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER)), *turns[i + 1:]]
+        return [*turns[:i], (turns[i][0], turns[i][1].replace(IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER)), *turns[i + 1 :]]
     for i, (role, value) in enumerate(turns):
         if role.lower() in USER_ROLES:
-            return [*turns[:i], (role, f"{VIDEO_PLACEHOLDER}\n{value}"), *turns[i + 1:]]
+            return [*turns[:i], (role, f"{VIDEO_PLACEHOLDER}\n{value}"), *turns[i + 1 :]]
     raise ValueError("conversations: the record has a video but no human turn to put it in")
 
 
@@ -169,10 +181,19 @@ class Qwen2VLPreprocessor:
             :class:`~dflop_ds.models.hf.data.LlavaPreprocessor` (visual tokens included).
     """
 
-    def __init__(self, tokenizer: Any, image_processor: Any, config: Any, *, system: str = DEFAULT_SYSTEM,
-                 name: str = "qwen2_vl", video_fps: float = DEFAULT_VIDEO_FPS,
-                 video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES, max_length: int | None = None,
-                 truncation: str = "error") -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        image_processor: Any,
+        config: Any,
+        *,
+        system: str = DEFAULT_SYSTEM,
+        name: str = "qwen2_vl",
+        video_fps: float = DEFAULT_VIDEO_FPS,
+        video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
+        max_length: int | None = None,
+        truncation: str = "error",
+    ) -> None:
         self.inputs = Qwen2VLInputs(tokenizer, image_processor, config, name)  # checks the processor vs config
         self.tokenizer, self.image_processor, self.system, self.name = tokenizer, image_processor, system, name
         self.rule = SmartResize.from_image_processor(image_processor)
@@ -181,8 +202,10 @@ class Qwen2VLPreprocessor:
         self.model_type = str(config.model_type)
         temporal = int(config.vision_config.temporal_patch_size)
         if video_fps <= 0 or video_max_frames < temporal:
-            raise ValueError(f"{name}: video_fps must be > 0 and video_max_frames >= {temporal} (the temporal patch "
-                             f"size), got {video_fps} and {video_max_frames}")
+            raise ValueError(
+                f"{name}: video_fps must be > 0 and video_max_frames >= {temporal} (the temporal patch "
+                f"size), got {video_fps} and {video_max_frames}"
+            )
         self.video_rule = VideoFrames(self.rule, float(video_fps), int(video_max_frames), temporal)
         self.end_of_turn = self._special("<|im_end|>")
         self.vision_start, self.vision_end = self._special("<|vision_start|>"), self._special("<|vision_end|>")
@@ -201,15 +224,18 @@ class Qwen2VLPreprocessor:
         return int(token_id)
 
     @classmethod
-    def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> "Qwen2VLPreprocessor":
+    def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> Qwen2VLPreprocessor:
         """Load the tokenizer, image processor and config of a ``save_pretrained`` directory (offline)."""
         from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
         path = str(model_dir)
         kwargs.setdefault("name", f"qwen2_vl:{Path(model_dir).name}")
-        return cls(AutoTokenizer.from_pretrained(path, local_files_only=True),
-                   AutoImageProcessor.from_pretrained(path, local_files_only=True),
-                   AutoConfig.from_pretrained(path, local_files_only=True), **kwargs)
+        return cls(
+            AutoTokenizer.from_pretrained(path, local_files_only=True),
+            AutoImageProcessor.from_pretrained(path, local_files_only=True),
+            AutoConfig.from_pretrained(path, local_files_only=True),
+            **kwargs,
+        )
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
@@ -218,8 +244,9 @@ class Qwen2VLPreprocessor:
         """Tokens of ``text`` alone."""
         return len(self._ids(text))
 
-    def encode(self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int],
-               video_tokens: int | None = None) -> Encoded:
+    def encode(
+        self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int], video_tokens: int | None = None
+    ) -> Encoded:
         """Token ids and supervision mask of ``(role, value)`` turns whose images give ``image_tokens``
         tokens each and whose video (if any) ``video_tokens``.
 
@@ -266,8 +293,9 @@ class Qwen2VLPreprocessor:
         """Tokens a truncation must keep: every image and video token and the ends of their blocks."""
         return {self.image_token_id, self.video_token_id, self.vision_end}
 
-    def count(self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int],
-              video_tokens: int | None = None) -> tuple[int, int]:
+    def count(
+        self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int], video_tokens: int | None = None
+    ) -> tuple[int, int]:
         """``(text_tokens, label_tokens)`` exactly as :meth:`encode` produces them (the length rule
         applied; image and video tokens excluded); a record has at most one video."""
         return LlavaPreprocessor._counted(self, self.encode(turns, image_tokens, video_tokens))  # type: ignore[arg-type]
@@ -289,18 +317,30 @@ class Qwen2VLPreprocessor:
         import hashlib
 
         system = hashlib.sha256(self.system.encode("utf-8")).hexdigest()[:8]
-        return (f"{TEMPLATE_NAME} system:{system} tokenizer:{type(self.tokenizer).__name__}:"
-                f"{_tokenizer_digest(self.tokenizer)} image_token:{self.image_token_id} "
-                f"max_length:{self.max_length} truncation:{self.truncation}")
+        return (
+            f"{TEMPLATE_NAME} system:{system} tokenizer:{type(self.tokenizer).__name__}:"
+            f"{_tokenizer_digest(self.tokenizer)} image_token:{self.image_token_id} "
+            f"max_length:{self.max_length} truncation:{self.truncation}"
+        )
 
     def policy(self) -> ShapePolicy:
         """The :class:`ShapePolicy` of this model's data: per-image patches and tokens from
         :class:`SmartResize`, per-video ones from :class:`VideoFrames`, exact conversation token counts."""
         factor = self.rule.patch_size * self.rule.merge_size
-        return ShapePolicy(tile_size=factor, max_tiles=1, add_thumbnail=False, tokens_per_tile=1, max_frames=1,
-                           tokens_per_frame=1, tokenizer=self.count_text, name=self.name,
-                           tokenizer_id=self.identity(), conversation=self.count, image_rule=self.rule,
-                           video_rule=self.video_rule)
+        return ShapePolicy(
+            tile_size=factor,
+            max_tiles=1,
+            add_thumbnail=False,
+            tokens_per_tile=1,
+            max_frames=1,
+            tokens_per_frame=1,
+            tokenizer=self.count_text,
+            name=self.name,
+            tokenizer_id=self.identity(),
+            conversation=self.count,
+            image_rule=self.rule,
+            video_rule=self.video_rule,
+        )
 
 
 def _no_grid() -> torch.Tensor:
@@ -329,8 +369,11 @@ class Qwen2VLDataset(LlavaDataset):
         if self.preprocessor.model_type != "qwen2_vl":
             for shape in self.shapes:
                 if shape.video_frames:
-                    raise self._error(shape.sample_id, "video", f"videos are not supported for "
-                                      f"{self.preprocessor.model_type} yet (only qwen2_vl)")
+                    raise self._error(
+                        shape.sample_id,
+                        "video",
+                        f"videos are not supported for {self.preprocessor.model_type} yet (only qwen2_vl)",
+                    )
 
     def _video(self, shape: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(pixel_values_videos, video_grid_thw)`` of the sample's video, its sampled frames decoded."""
@@ -354,9 +397,9 @@ class Qwen2VLDataset(LlavaDataset):
         pixel_values, grid = self.preprocessor.pixel_values(images)
         video_pixels, video_grid = self._video(shape)
         merge = self.preprocessor.rule.merge_size
-        video_tokens = int(video_grid.prod(-1).sum()) // merge ** 2 if video_grid.shape[0] else None
+        video_tokens = int(video_grid.prod(-1).sum()) // merge**2 if video_grid.shape[0] else None
         try:
-            encoded = self.preprocessor.encode(turns, (grid.prod(-1) // merge ** 2).tolist(), video_tokens)
+            encoded = self.preprocessor.encode(turns, (grid.prod(-1) // merge**2).tolist(), video_tokens)
         except ValueError as exc:
             raise self._error(shape.sample_id, None, str(exc)) from exc
         try:
@@ -364,8 +407,17 @@ class Qwen2VLDataset(LlavaDataset):
         except ValueError as exc:
             raise self._error(shape.sample_id, None, str(exc)) from exc
         denominator = getattr(idx, "loss_denominator", None)
-        return Qwen2VLItem(shape.sample_id, pixel_values, ids, targets, self.preprocessor.pad_token_id,
-                           None if denominator is None else float(denominator), grid, video_pixels, video_grid)
+        return Qwen2VLItem(
+            shape.sample_id,
+            pixel_values,
+            ids,
+            targets,
+            self.preprocessor.pad_token_id,
+            None if denominator is None else float(denominator),
+            grid,
+            video_pixels,
+            video_grid,
+        )
 
 
 def collate_qwen2_vl(items: Sequence[Qwen2VLItem]):
@@ -379,5 +431,15 @@ def collate_qwen2_vl(items: Sequence[Qwen2VLItem]):
     return (torch.cat([pixel_values, *videos]), input_ids, seq_lens, grid, video_grid), labels
 
 
-__all__ = ["DEFAULT_SYSTEM", "DEFAULT_VIDEO_FPS", "DEFAULT_VIDEO_MAX_FRAMES", "Qwen2VLDataset", "Qwen2VLItem",
-           "Qwen2VLPreprocessor", "SmartResize", "VideoFrames", "collate_qwen2_vl", "mark_video"]
+__all__ = [
+    "DEFAULT_SYSTEM",
+    "DEFAULT_VIDEO_FPS",
+    "DEFAULT_VIDEO_MAX_FRAMES",
+    "Qwen2VLDataset",
+    "Qwen2VLItem",
+    "Qwen2VLPreprocessor",
+    "SmartResize",
+    "VideoFrames",
+    "collate_qwen2_vl",
+    "mark_video",
+]

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from dflop_ds.models.hf.family import HFFamily, family_source
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers
@@ -11,24 +12,32 @@ from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor
 from dflop_ds.models.source import ModelSource
 
 
-def qwen2_vl_source(model_dir: str, *, image_folder: Optional[str] = None, lora: Optional[Mapping[str, Any]] = None,
-                    video_folder: str | None = None, video_fps: float = 2.0,
-                    video_max_frames: int = 768, max_length: int | None = None,
-                    truncation: str = "error") -> ModelSource:
+def qwen2_vl_source(
+    model_dir: str,
+    *,
+    image_folder: str | None = None,
+    lora: Mapping[str, Any] | None = None,
+    video_folder: str | None = None,
+    video_fps: float = 2.0,
+    video_max_frames: int = 768,
+    max_length: int | None = None,
+    truncation: str = "error",
+) -> ModelSource:
     """The Qwen2-VL model, its data pipeline (:mod:`~dflop_ds.models.hf.qwen2_vl_data`) and layer
     lists for the training loop. The arguments as for ``hf_source``; with LoRA the patch merger
     (the projector) is trained in full, as the LLaVA projector is."""
+
     def save_processor(preprocessor: Any, directory: str) -> None:
         preprocessor.tokenizer.save_pretrained(directory)
         preprocessor.image_processor.save_pretrained(directory)
 
-    family = HFFamily(load_qwen2_vl, qwen2_vl_layers, "visual.merger", Qwen2VLDataset, collate_qwen2_vl,
-                      save_processor)
-    preprocessor = Qwen2VLPreprocessor.from_pretrained(model_dir, video_fps=video_fps,
-                                                       video_max_frames=video_max_frames, max_length=max_length,
-                                                       truncation=truncation)
-    return family_source(model_dir, family, preprocessor, image_folder=image_folder, lora=lora,
-                         video_folder=video_folder)
+    family = HFFamily(load_qwen2_vl, qwen2_vl_layers, "visual.merger", Qwen2VLDataset, collate_qwen2_vl, save_processor)
+    preprocessor = Qwen2VLPreprocessor.from_pretrained(
+        model_dir, video_fps=video_fps, video_max_frames=video_max_frames, max_length=max_length, truncation=truncation
+    )
+    return family_source(
+        model_dir, family, preprocessor, image_folder=image_folder, lora=lora, video_folder=video_folder
+    )
 
 
 __all__ = ["qwen2_vl_source"]

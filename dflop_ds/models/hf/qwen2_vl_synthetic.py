@@ -12,8 +12,9 @@ loss_denominator))``, ``dflop_ds.models.hf.qwen2_vl``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -34,12 +35,17 @@ class Qwen2VLInputs:
 
     def __init__(self, tokenizer: Any, image_processor: Any, config: Any, where: str = "model") -> None:
         vision = config.vision_config
-        expected = {"patch_size": vision.patch_size, "merge_size": vision.spatial_merge_size,
-                    "temporal_patch_size": vision.temporal_patch_size}
+        expected = {
+            "patch_size": vision.patch_size,
+            "merge_size": vision.spatial_merge_size,
+            "temporal_patch_size": vision.temporal_patch_size,
+        }
         for key, value in expected.items():
             if int(getattr(image_processor, key)) != int(value):
-                raise ValueError(f"{where}: the image processor's {key}={getattr(image_processor, key)} but the "
-                                 f"model's vision config has {value}")
+                raise ValueError(
+                    f"{where}: the image processor's {key}={getattr(image_processor, key)} but the "
+                    f"model's vision config has {value}"
+                )
         self.tokenizer, self.image_processor = tokenizer, image_processor
         self.image_token_id = int(config.image_token_id)
         self.video_token_id = int(config.video_token_id)
@@ -48,7 +54,7 @@ class Qwen2VLInputs:
         self.patch_dim = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, config: Any) -> "Qwen2VLInputs":
+    def from_dir(cls, model_dir: str | Path, config: Any) -> Qwen2VLInputs:
         """Load the directory's tokenizer and image processor (offline)."""
         from transformers import AutoImageProcessor, AutoTokenizer
 
@@ -85,23 +91,30 @@ class Qwen2VLInputs:
         """``(pixel_values [P, C*T*p*p], image_grid_thw [n, 3], pixel_values_videos [Pv, C*T*p*p],
         video_grid_thw [0 or 1, 3], input_ids [L], targets [L])`` of one sample (``video``: its frames)."""
         prompt_ids = torch.tensor(self.tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
-        for token, count, what in ((self.image_token_id, len(images), "image"),
-                                   (self.video_token_id, int(bool(video)), "video")):
+        for token, count, what in (
+            (self.image_token_id, len(images), "image"),
+            (self.video_token_id, int(bool(video)), "video"),
+        ):
             marks = int((prompt_ids == token).sum())
             if marks != count:
-                raise ValueError(f"prompt {prompt[:60]!r} has {marks} {what} token(s) but {count} {what}(s) "
-                                 "come with it")
+                raise ValueError(
+                    f"prompt {prompt[:60]!r} has {marks} {what} token(s) but {count} {what}(s) come with it"
+                )
         if images:
             encoded = self.image_processor(images=list(images), return_tensors="pt")
             pixel_values, grid = encoded["pixel_values"], encoded["image_grid_thw"].long()
         else:
             pixel_values, grid = self._no_pixels()
         video_pixels, video_grid = self.video_pixel_values(video) if video else self._no_pixels()
-        unit = self.merge_size ** 2
-        counts = {self.image_token_id: iter((grid.prod(-1) // unit).tolist()),
-                  self.video_token_id: iter((video_grid.prod(-1) // unit).tolist())}
-        pieces = [torch.full((next(counts[token]),), token) if token in counts else torch.tensor([token])
-                  for token in prompt_ids.tolist()]
+        unit = self.merge_size**2
+        counts = {
+            self.image_token_id: iter((grid.prod(-1) // unit).tolist()),
+            self.video_token_id: iter((video_grid.prod(-1) // unit).tolist()),
+        }
+        pieces = [
+            torch.full((next(counts[token]),), token) if token in counts else torch.tensor([token])
+            for token in prompt_ids.tolist()
+        ]
         ids = torch.cat(pieces) if pieces else prompt_ids
         return (pixel_values, grid, video_pixels, video_grid, *append_answer(self.tokenizer, ids, answer))
 
@@ -111,8 +124,9 @@ class Qwen2VLInputs:
         if not samples:
             raise ValueError("Qwen2VLInputs.microbatch: no samples")
         encoded = [self.encode_sample(*sample) for sample in samples]
-        input_ids, seq_lens, targets, count = stack_rows([(row[4], row[5]) for row in encoded],
-                                                         pad_token_id(self.tokenizer), denominator)
+        input_ids, seq_lens, targets, count = stack_rows(
+            [(row[4], row[5]) for row in encoded], pad_token_id(self.tokenizer), denominator
+        )
         pixel_values = torch.cat([row[0] for row in encoded] + [row[2] for row in encoded])
         grid = torch.cat([row[1] for row in encoded])
         video_grid = torch.cat([row[3] for row in encoded])
@@ -126,8 +140,9 @@ def qwen2_vl_hf_kwargs(inputs: Sequence[torch.Tensor], config: Any) -> dict[str,
     pixel_values, input_ids, seq_lens, grid, video_grid = inputs
     kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": padding_mask(seq_lens, input_ids.shape[1])}
     if grid.shape[0] or video_grid.shape[0]:
-        kwargs["mm_token_type_ids"] = ((input_ids == int(config.image_token_id)).int()
-                                       + 2 * (input_ids == int(config.video_token_id)).int())
+        kwargs["mm_token_type_ids"] = (input_ids == int(config.image_token_id)).int() + 2 * (
+            input_ids == int(config.video_token_id)
+        ).int()
     image_patches = int(grid.prod(-1).sum())
     if grid.shape[0]:
         kwargs.update(pixel_values=pixel_values[:image_patches], image_grid_thw=grid)
@@ -143,10 +158,13 @@ def qwen2_vl_hf_positions(model: Any, inputs: Sequence[torch.Tensor]) -> torch.T
     input_ids = kwargs["input_ids"]
     if "mm_token_type_ids" not in kwargs:
         return torch.arange(input_ids.shape[1]).expand(3, *input_ids.shape)
-    positions, _ = model.model.get_rope_index(input_ids, kwargs["mm_token_type_ids"],
-                                              image_grid_thw=kwargs.get("image_grid_thw"),
-                                              video_grid_thw=kwargs.get("video_grid_thw"),
-                                              attention_mask=kwargs["attention_mask"])
+    positions, _ = model.model.get_rope_index(
+        input_ids,
+        kwargs["mm_token_type_ids"],
+        image_grid_thw=kwargs.get("image_grid_thw"),
+        video_grid_thw=kwargs.get("video_grid_thw"),
+        attention_mask=kwargs["attention_mask"],
+    )
     return positions
 
 
@@ -155,5 +173,12 @@ def qwen2_vl_hf_forward(model: Any, inputs: Sequence[torch.Tensor], targets: tor
     return model(**qwen2_vl_hf_kwargs(inputs, model.config), labels=hf_labels(targets))
 
 
-__all__ = ["IMAGE_MARK", "VIDEO_MARK", "Qwen2VLInputs", "VideoSample", "qwen2_vl_hf_forward", "qwen2_vl_hf_kwargs",
-           "qwen2_vl_hf_positions"]
+__all__ = [
+    "IMAGE_MARK",
+    "VIDEO_MARK",
+    "Qwen2VLInputs",
+    "VideoSample",
+    "qwen2_vl_hf_forward",
+    "qwen2_vl_hf_kwargs",
+    "qwen2_vl_hf_positions",
+]

@@ -4,7 +4,8 @@ here, the Qwen2-VL family in :mod:`~dflop_ds.models.hf.qwen2_vl_source`, both th
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from dflop_ds.models.hf.common import model_type
 from dflop_ds.models.hf.data import LlavaDataset, LlavaPreprocessor, collate_llava
@@ -18,9 +19,9 @@ from dflop_ds.models.source import ModelSource
 def hf_source(
     model_dir: str,
     *,
-    image_folder: Optional[str] = None,
-    lora: Optional[Mapping[str, Any]] = None,
-    max_length: Optional[int] = None,
+    image_folder: str | None = None,
+    lora: Mapping[str, Any] | None = None,
+    max_length: int | None = None,
     truncation: str = "error",
     video_folder: str | None = None,
     video_fps: float = 2.0,
@@ -44,11 +45,25 @@ def hf_source(
             (:class:`~dflop_ds.models.hf.qwen2_vl_data.VideoFrames`).
     """
     if model_type(model_dir) in MODEL_CLASSES:  # the Qwen2-VL family has its own preprocessor
-        return qwen2_vl_source(model_dir, image_folder=image_folder, lora=lora, video_folder=video_folder,
-                               video_fps=video_fps, video_max_frames=video_max_frames, max_length=max_length,
-                               truncation=truncation)
-    family = HFFamily(load_llava, llava_layers, "multi_modal_projector", LlavaDataset, collate_llava,
-                      lambda pre, directory: pre.processor.save_pretrained(directory))
+        return qwen2_vl_source(
+            model_dir,
+            image_folder=image_folder,
+            lora=lora,
+            video_folder=video_folder,
+            video_fps=video_fps,
+            video_max_frames=video_max_frames,
+            max_length=max_length,
+            truncation=truncation,
+        )
+    family = HFFamily(
+        load_llava,
+        llava_layers,
+        "multi_modal_projector",
+        LlavaDataset,
+        collate_llava,
+        lambda pre, directory: pre.processor.save_pretrained(directory),
+    )
     preprocessor = LlavaPreprocessor.from_pretrained(model_dir, max_length=max_length, truncation=truncation)
-    return family_source(model_dir, family, preprocessor, image_folder=image_folder, lora=lora,
-                         video_folder=video_folder)
+    return family_source(
+        model_dir, family, preprocessor, image_folder=image_folder, lora=lora, video_folder=video_folder
+    )

@@ -9,7 +9,8 @@ are appended and supervised. The result follows the HF microbatch contract
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -19,7 +20,9 @@ from dflop_ds.pipe.loss import IGNORE_INDEX
 Sample = tuple[str, str, Sequence[Any]]  # (prompt with <image> placeholders, answer, PIL images)
 
 
-def encode_sample(processor: Any, prompt: str, answer: str, images: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def encode_sample(
+    processor: Any, prompt: str, answer: str, images: Sequence[Any]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(pixel_values [n, C, H, W], input_ids [L], targets [L])`` of one sample (targets already shifted)."""
     tokenizer = processor.tokenizer
     if images:
@@ -41,8 +44,9 @@ def append_answer(tokenizer: Any, prompt_ids: torch.Tensor, answer: str) -> tupl
     return ids, targets
 
 
-def stack_rows(rows: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int,
-               denominator: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def stack_rows(
+    rows: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int, denominator: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids [B, S], seq_lens [B], targets [B, S], loss_denominator)`` of right-padded
     ``(input_ids, targets)`` rows; ``denominator`` defaults to the rows' target count."""
     seq_lens = torch.tensor([ids.numel() for ids, _ in rows], dtype=torch.long)
@@ -60,8 +64,13 @@ def pad_token_id(tokenizer: Any) -> int:
     return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
 
 
-def contract_microbatch(processor: Any, samples: Sequence[Sample], *, image_shape: Sequence[int] | None = None,
-                        denominator: float | None = None):
+def contract_microbatch(
+    processor: Any,
+    samples: Sequence[Sample],
+    *,
+    image_shape: Sequence[int] | None = None,
+    denominator: float | None = None,
+):
     """One microbatch ``((pixel_values, input_ids, seq_lens), (targets, loss_denominator))``.
 
     ``image_shape`` ``(C, H, W)`` shapes the empty ``pixel_values`` of a text-only microbatch
@@ -71,8 +80,9 @@ def contract_microbatch(processor: Any, samples: Sequence[Sample], *, image_shap
     if not samples:
         raise ValueError("contract_microbatch: no samples")
     encoded = [encode_sample(processor, *sample) for sample in samples]
-    input_ids, seq_lens, targets, count = stack_rows([(ids, tgt) for _, ids, tgt in encoded],
-                                                     pad_token_id(processor.tokenizer), denominator)
+    input_ids, seq_lens, targets, count = stack_rows(
+        [(ids, tgt) for _, ids, tgt in encoded], pad_token_id(processor.tokenizer), denominator
+    )
     pixels = [px for px, _, _ in encoded if px is not None]
     if pixels:
         pixel_values = torch.cat(pixels)
@@ -114,5 +124,15 @@ def hf_forward(model: Any, inputs: Sequence[torch.Tensor], targets: torch.Tensor
     return model(**hf_model_kwargs(inputs), labels=hf_labels(targets))
 
 
-__all__ = ["Sample", "append_answer", "contract_microbatch", "default_image_shape", "encode_sample", "hf_forward",
-           "hf_labels", "hf_model_kwargs", "pad_token_id", "stack_rows"]
+__all__ = [
+    "Sample",
+    "append_answer",
+    "contract_microbatch",
+    "default_image_shape",
+    "encode_sample",
+    "hf_forward",
+    "hf_labels",
+    "hf_model_kwargs",
+    "pad_token_id",
+    "stack_rows",
+]
