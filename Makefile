@@ -31,7 +31,8 @@ lint: setup
 	$(VENV)/bin/ruff format --check dflop_ds tests benchmarks examples
 	$(VENV)/bin/mypy
 
-test: setup
+# lint first: a type or style error stops CI before the (long) suite runs
+test: setup lint
 	$(RUN) $(PY) -m pytest -q -p no:cacheprovider
 
 bench-partition: setup
