@@ -14,7 +14,6 @@ max/mean over ranks with dispatch, median over rounds).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,8 +22,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import add_round_options, profiled_cost_model  # noqa: E402
-from dflop_ds.launch import run_deepspeed  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_round_options,
+    profiled_cost_model,
+    round_output,
+    run_round_worker,
+    timed_rows,
+)
 
 BASELINES = ("stock", "llava", "verl")
 #: records drawn from each file of examples/data for the encoder-heavy mixture
@@ -50,8 +54,7 @@ def imbalance(per_rank: np.ndarray) -> float:
 def summarize(rows: list[dict]) -> dict[str, dict]:
     """Per method over the timed rounds: median step (min-max), encoder share and imbalance."""
     table: dict[str, dict] = {}
-    for method in dict.fromkeys(r["method"] for r in rows):
-        timed = [r for r in rows if r["method"] == method and not r["warmup"]]
+    for method, timed in timed_rows(rows).items():
         steps = np.array([r["step_s"] for r in timed])
         encoder = np.array([r["encoder_s"] for r in timed])  # (rounds, ranks)
         table[method] = {
@@ -73,34 +76,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_round_options(parser, rounds=8, gas=4)
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cost_path = args.cost_model or str(out / "costmodel_tiny.json")
+    out, cost_path = round_output(args)
     profiled_cost_model(cost_path, reuse=True)
     data = build_mixture(out / "dp_mixture.jsonl")
     raw = out / "dp_rows.json"
-    run_deepspeed(
-        ROOT / "benchmarks" / "dp_worker.py",
-        [
-            "--data",
-            str(data),
-            "--cost-model",
-            cost_path,
-            "--rounds",
-            str(args.rounds),
-            "--warmup",
-            str(args.warmup),
-            "--global-batch",
-            str(args.global_batch),
-            "--gas",
-            str(args.gas),
-            "--out",
-            str(raw),
-        ],
-        cwd=ROOT,
-        check=True,
-    )
-    table = summarize(json.loads(raw.read_text())["rows"])
+    table = summarize(run_round_worker("dp_worker.py", args, cost_path, raw, ["--data", str(data)]))
 
     print(f"\nZeRO-2, 2 ranks, tiny MLLM, mixture {MIXTURE} (global batch {args.global_batch}, GAS {args.gas})")
     print(

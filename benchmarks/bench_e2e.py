@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 from pathlib import Path
 
@@ -22,9 +21,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import add_round_options, profiled_cost_model  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_round_options,
+    profiled_cost_model,
+    round_output,
+    run_round_worker,
+    timed_rows,
+)
 from dflop_ds.data import read_dataset  # noqa: E402
-from dflop_ds.launch import run_deepspeed  # noqa: E402
 from dflop_ds.plan.stages import cost_balanced_bounds  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 from dflop_ds.telemetry.record import throughput  # noqa: E402
@@ -35,8 +39,7 @@ BASELINES = ("stock", "llava", "verl")  # dflop_uniform is an ablation of dflop,
 def summarize(rows: list[dict]) -> dict[str, dict]:
     """Per method over the timed rounds: throughput, median step, padding, ratio to stock."""
     table: dict[str, dict] = {}
-    for method in dict.fromkeys(r["method"] for r in rows):
-        timed = [r for r in rows if r["method"] == method and not r["warmup"]]
+    for method, timed in timed_rows(rows).items():
         table[method] = {
             **throughput(timed),
             "idle_fraction": float(np.mean([r["idle_fraction"] for r in timed])),
@@ -77,38 +80,14 @@ def main() -> int:
     add_round_options(parser, rounds=12, gas=8)
     parser.add_argument("--data", default=str(ROOT / "examples" / "data" / "mixture.jsonl"))
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cost_path = args.cost_model or str(out / "costmodel_tiny.json")
+    out, cost_path = round_output(args)
     cost_model = profiled_cost_model(cost_path, reuse=args.cost_model is not None)
     bounds = cost_balanced_bounds(cost_model, read_dataset(args.data, TINY_POLICY), 2)
     print(f"dflop stage bounds from the cost model: {bounds} (baselines: split by layer count)", flush=True)
 
     raw = out / "e2e_rows.json"
-    run_deepspeed(
-        ROOT / "benchmarks" / "e2e_worker.py",
-        [
-            "--cost-model",
-            cost_path,
-            "--dflop-bounds",
-            ",".join(map(str, bounds)),
-            "--data",
-            args.data,
-            "--rounds",
-            str(args.rounds),
-            "--warmup",
-            str(args.warmup),
-            "--global-batch",
-            str(args.global_batch),
-            "--gas",
-            str(args.gas),
-            "--out",
-            str(raw),
-        ],
-        cwd=ROOT,
-        check=True,
-    )
-    rows = json.loads(raw.read_text())["rows"]
+    extra = ["--dflop-bounds", ",".join(map(str, bounds)), "--data", args.data]
+    rows = run_round_worker("e2e_worker.py", args, cost_path, raw, extra)
     table = summarize(rows)
     write_outputs(table, out)
 
@@ -130,7 +109,7 @@ def main() -> int:
             f"(dflop / stock_packed) x{table['dflop']['samples_per_s'] / table['stock_packed']['samples_per_s']:.3f}"
         )
     if "dflop_colocated" in table:
-        phases = [r for r in rows if r["method"] == "dflop_colocated" and not r["warmup"]]
+        phases = timed_rows(rows)["dflop_colocated"]
         medians = {phase: np.median([r[phase] for r in phases]) for phase in ("encode", "pipeline", "encoder_backward")}
         print("dflop_colocated median phase seconds (rank 0): " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
         print(

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from dflop_ds.cost import FittedCostModel, load_cost_model
-from dflop_ds.launch import launch_env
+from dflop_ds.launch import launch_env, run_deepspeed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,3 +65,47 @@ def add_round_options(parser: argparse.ArgumentParser, *, rounds: int, gas: int)
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--gas", type=int, default=gas)
     parser.add_argument("--out", default=str(ROOT / "out"))
+
+
+def round_output(args: argparse.Namespace) -> tuple[Path, str]:
+    """The output folder of a round benchmark (created) and its cost-model path: ``--cost-model``,
+    or ``costmodel_tiny.json`` in that folder."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out, args.cost_model or str(out / "costmodel_tiny.json")
+
+
+def run_round_worker(
+    worker: str, args: argparse.Namespace, cost_path: str, raw: Path, extra: Sequence[str] = ()
+) -> list[dict]:
+    """Launch ``benchmarks/<worker>`` under `deepspeed` with the round options of ``args`` (see
+    :func:`add_round_options`), the cost model and ``extra`` options; return the rows it wrote to ``raw``."""
+    run_deepspeed(
+        ROOT / "benchmarks" / worker,
+        [
+            "--cost-model",
+            cost_path,
+            *extra,
+            "--rounds",
+            str(args.rounds),
+            "--warmup",
+            str(args.warmup),
+            "--global-batch",
+            str(args.global_batch),
+            "--gas",
+            str(args.gas),
+            "--out",
+            str(raw),
+        ],
+        cwd=ROOT,
+        check=True,
+    )
+    return json.loads(raw.read_text())["rows"]
+
+
+def timed_rows(rows: list[dict]) -> dict[str, list[dict]]:
+    """The rows of the timed (not warm-up) rounds of each method, methods in the order they first appear."""
+    return {
+        method: [r for r in rows if r["method"] == method and not r["warmup"]]
+        for method in dict.fromkeys(r["method"] for r in rows)
+    }
