@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 from test_plan_file import _shapes as plan_file_shapes
+from tiny_plans import tiny_plan
 
 from dflop_ds.config import fill_from_plan, get_setting, plan_deepspeed_config, set_settings
 from dflop_ds.cost import reference_model
@@ -136,15 +137,7 @@ def test_a_colocated_plan_trains_on_two_ranks_with_zero2(tmp_path) -> None:
 
     root = Path(__file__).resolve().parent.parent
     layout = Layout(Segment(1, 1, 2), Segment(1, 1, 2), n_mb=4, stages=((5, 1, 5),), colocated=True)
-    plan = Plan.from_layout(
-        layout,
-        layer_counts={"encoder": 5, "projector": 1, "llm": 5},
-        global_batch_size=16,
-        gpus=2,
-        gpus_per_node=2,
-        gpu_memory_bytes=8e9,
-        family="colocated",
-    )
+    plan = tiny_plan(layout, 16, family="colocated")
     plan.save(tmp_path / "plan.json")
     config = {
         "steps_per_print": 10**6,

@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_costmodel import synthetic_profile
 from test_planner import POOL
+from tiny_plans import one_stage_plan, tiny_plan, two_stage_plan
 
 from dflop_ds.cli import main as cli_main
 from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, plan_deepspeed_config, set_settings
@@ -98,34 +99,6 @@ def test_max_tp_defaults_to_one_without_tensor_parallel_layers_and_more_is_refus
     # a model with tensor-parallel layers keeps max_tp = gpus_per_node
     analytic = make_plans(reference_model("llava-ov-7b-h100"), Cluster(gpus=8), POOL, 32, n_batches=1, top_k=2)
     assert any(s.layout.llm.tp > 1 for s in analytic.result.candidates)
-
-
-def one_stage_plan(**settings) -> Plan:
-    layout = Layout(Segment(1, 1, 2), Segment(1, 1, 2), 2, ((5, 1, 5),))
-    return Plan.from_layout(
-        layout,
-        layer_counts={"encoder": 5, "projector": 1, "llm": 5},
-        global_batch_size=8,
-        gpus=2,
-        gpus_per_node=2,
-        gpu_memory_bytes=8e9,
-        family="deepspeed",
-        **settings,
-    )
-
-
-def two_stage_plan(**settings) -> Plan:
-    layout = Layout(Segment(1, 1, 1), Segment(1, 2, 1), 4, ((5, 1, 1), (0, 0, 4)))
-    return Plan.from_layout(
-        layout,
-        layer_counts={"encoder": 5, "projector": 1, "llm": 5},
-        global_batch_size=12,
-        gpus=2,
-        gpus_per_node=2,
-        gpu_memory_bytes=8e9,
-        family="deepspeed",
-        **settings,
-    )
 
 
 @pytest.mark.parametrize(
@@ -256,14 +229,11 @@ print("ENGINE", json.dumps({"zero": engine.zero_optimization_stage(), "bf16": en
 @pytest.mark.slow
 @pytest.mark.parametrize("zero, precision", [(3, "bf16"), (2, "fp16"), (0, "fp32")])
 def test_deepspeed_builds_an_engine_from_a_written_config(tmp_path: Path, zero: int, precision: str) -> None:
-    plan = Plan.from_layout(
+    plan = tiny_plan(
         Layout(Segment(1, 1, 1), Segment(1, 1, 1), 2, ((5, 1, 5),)),
-        layer_counts={"encoder": 5, "projector": 1, "llm": 5},
-        global_batch_size=8,
+        8,
         gpus=1,
         gpus_per_node=1,
-        gpu_memory_bytes=8e9,
-        family="deepspeed",
         zero_stage=zero,
         precision=precision,
         activation_checkpointing=True,

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_plans import two_stage_plan
 
 from dflop_ds.config import set_settings
 
@@ -49,20 +50,7 @@ def test_two_rank_pipeline_training_with_varying_shapes_lowers_the_loss(launch_t
 
 @pytest.mark.slow
 def test_a_plan_file_starts_a_two_rank_training(tmp_path, run_train):
-    from dflop_ds.plan import Plan
-    from dflop_ds.plan.layout import Layout, Segment
-
-    layout = Layout(Segment(1, 1, 1), Segment(1, 2, 1), n_mb=4, stages=((5, 1, 1), (0, 0, 4)))
-    plan = Plan.from_layout(
-        layout,
-        layer_counts={"encoder": 5, "projector": 1, "llm": 5},
-        global_batch_size=12,
-        gpus=2,
-        gpus_per_node=2,
-        gpu_memory_bytes=8e9,
-        family="deepspeed",
-        precision="fp32",
-    )
+    plan = two_stage_plan(precision="fp32")
     plan.save(tmp_path / "plan.json")
     config = {
         "steps_per_print": 10**6,
