@@ -14,6 +14,14 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = str(ROOT / "examples" / "data" / "mixture.jsonl")
 
 
+def plan_8_gpus(cost_model: str, output: Path) -> int:
+    """``dflop-ds plan`` of the example mixture on 8 GPUs (global batch 32) with ``cost_model``
+    written to ``output``: its exit code."""
+    return cli_main(
+        ["plan", "--gpus", "8", "--global-batch", "32", "--cost-model", cost_model, "--data", DATA, "-o", str(output)]
+    )
+
+
 def test_check_writable_names_the_option_and_leaves_files_alone(tmp_path):
     existing = tmp_path / "log.jsonl"
     existing.write_text("kept\n")
@@ -32,41 +40,13 @@ def test_plan_refuses_an_unwritable_output_before_searching(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     start = time.monotonic()
-    code = cli_main(
-        [
-            "plan",
-            "--gpus",
-            "8",
-            "--global-batch",
-            "32",
-            "--cost-model",
-            "llava-ov-0.5b-a100",
-            "--data",
-            DATA,
-            "-o",
-            str(blocker / "plan.json"),
-        ]
-    )
+    code = plan_8_gpus("llava-ov-0.5b-a100", blocker / "plan.json")
     assert code == 1 and time.monotonic() - start < 5
     assert "plan -o" in capsys.readouterr().err
 
 
 def test_plan_names_a_folder_given_as_cost_model(tmp_path, capsys):
-    code = cli_main(
-        [
-            "plan",
-            "--gpus",
-            "8",
-            "--global-batch",
-            "32",
-            "--cost-model",
-            str(tmp_path),
-            "--data",
-            DATA,
-            "-o",
-            str(tmp_path / "plan.json"),
-        ]
-    )
+    code = plan_8_gpus(str(tmp_path), tmp_path / "plan.json")
     assert code == 1
     err = capsys.readouterr().err
     assert f"{tmp_path}: is a folder, expected a JSON file" in err and "Traceback" not in err
