@@ -10,11 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ds_runs import REPO, run_on_ranks
 
 from dflop_ds.config import set_settings
-from dflop_ds.launch import run_deepspeed
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _write_jsonl(path: Path, records: list) -> Path:
@@ -54,19 +52,8 @@ def run_train() -> Callable[..., subprocess.CompletedProcess]:
     ``expect`` (None: any failure) and returns the finished process (output captured as text)."""
 
     def run(config: Path, *args: str, expect: int | None = 0, timeout: float = 400) -> subprocess.CompletedProcess:
-        result = run_deepspeed(
-            REPO / "examples" / "train.py",
-            ["--deepspeed_config", str(config), *args],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
+        return run_on_ranks(
+            REPO / "examples" / "train.py", ["--deepspeed_config", str(config), *args], expect=expect, timeout=timeout
         )
-        output = result.stdout[-4000:] + result.stderr[-4000:]
-        if expect is None:
-            assert result.returncode != 0, output
-        else:
-            assert result.returncode == expect, output
-        return result
 
     return run

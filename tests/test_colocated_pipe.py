@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from dflop_ds.launch import run_deepspeed
+from ds_runs import run_on_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,16 +16,9 @@ def check_colocated_pipeline_matches_in_pipeline_encoder(tmp_path: Path, ranks: 
     from test_colocated_zero import assert_colocated_matches_local
 
     out = tmp_path / "report.json"
-    result = run_deepspeed(
-        ROOT / "tests" / "ds_scripts" / "tiny_colocated_pipe_check.py",
-        ["--out", str(out)],
-        ranks=ranks,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1500,
+    run_on_ranks(
+        ROOT / "tests" / "ds_scripts" / "tiny_colocated_pipe_check.py", ["--out", str(out)], ranks=ranks, timeout=1500
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_colocated_matches_local(json.loads(out.read_text()))
 
 

@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from dflop_ds.launch import run_deepspeed
+from ds_runs import run_on_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -15,15 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_colocated_dispatch_zero2_dp2_matches_local_encoder_losses_and_gradients(tmp_path):
     out = tmp_path / "report.json"
-    result = run_deepspeed(
-        ROOT / "tests" / "ds_scripts" / "tiny_colocated_check.py",
-        ["--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_on_ranks(ROOT / "tests" / "ds_scripts" / "tiny_colocated_check.py", ["--out", str(out)], timeout=600)
     assert_colocated_matches_local(json.loads(out.read_text()))
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,9 +12,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from ds_runs import run_pipeline_check  # noqa: E402
 from hf_stage_checks import assert_stages_match_hf  # noqa: E402
 
-from dflop_ds.launch import run_deepspeed  # noqa: E402
 from dflop_ds.models.hf.check import processor_image_tokens, random_image, run_stages  # noqa: E402
 from dflop_ds.models.hf.llava import TIED_EMBEDDING_KEY, check_llava_config, llava_layers, load_llava  # noqa: E402
 from dflop_ds.models.hf.synthetic import contract_microbatch, hf_forward  # noqa: E402
@@ -243,24 +242,8 @@ def test_import_dflop_ds_does_not_import_transformers() -> None:
 
 
 def run_pipeline(folder: Path, out: Path, *args: str) -> list[dict]:
-    extra_env = {
-        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-    }
-    proc = run_deepspeed(
-        REPO / "tests" / "ds_scripts" / "hf_pipe_check.py",
-        ["--model-dir", folder, "--out", out, *args],
-        cwd=REPO,
-        extra_env=extra_env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, (
-        f"deepspeed run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert [r["stage"] for r in results] == [0, 1]
+    script = REPO / "tests" / "ds_scripts" / "hf_pipe_check.py"
+    results = run_pipeline_check(script, out, ["--model-dir", folder, "--out", out, *args], timeout=900)
     for r in results:
         assert r["images_per_microbatch"] == [1, 0, 2]  # a microbatch without any image was trained
         assert r["losses"] == results[0]["losses"] and r["losses"][-1] < r["losses"][0]

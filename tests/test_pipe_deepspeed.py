@@ -9,14 +9,11 @@ token-mean loss: that checks the token-normalized loss and the variable-shape pi
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from pathlib import Path
 
 import pytest
-
-from dflop_ds.launch import run_deepspeed
+from ds_runs import run_pipeline_check
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "ds_scripts" / "tiny_pipe_train.py"
@@ -24,25 +21,7 @@ STEPS = 20
 
 
 def run_pipeline(out: Path, *args: str) -> list[dict]:
-    extra_env = {
-        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-    }
-    proc = run_deepspeed(
-        SCRIPT,
-        ["--out", out, "--steps", STEPS, *args],
-        cwd=REPO,
-        extra_env=extra_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, (
-        f"deepspeed run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert [r["stage"] for r in results] == [0, 1]
-    return results
+    return run_pipeline_check(SCRIPT, out, ["--out", out, "--steps", STEPS, *args], timeout=600)
 
 
 def check_training(results: list[dict]) -> None:

@@ -130,12 +130,7 @@ def test_cluster_terms_are_elementwise_over_arrays() -> None:
 
 
 @pytest.mark.slow
-def test_a_colocated_plan_trains_on_two_ranks_with_zero2(tmp_path) -> None:
-    from pathlib import Path
-
-    from dflop_ds.launch import run_deepspeed
-
-    root = Path(__file__).resolve().parent.parent
+def test_a_colocated_plan_trains_on_two_ranks_with_zero2(tmp_path, run_train) -> None:
     layout = Layout(Segment(1, 1, 2), Segment(1, 1, 2), n_mb=4, stages=((5, 1, 5),), colocated=True)
     plan = tiny_plan(layout, 16, family="colocated")
     plan.save(tmp_path / "plan.json")
@@ -145,15 +140,7 @@ def test_a_colocated_plan_trains_on_two_ranks_with_zero2(tmp_path) -> None:
         "dflop": {"plan": str(tmp_path / "plan.json"), "max_samples": 64, "steps": 3, "warmup_steps": 1},
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    result = run_deepspeed(
-        root / "examples" / "train.py",
-        ["--deepspeed_config", str(tmp_path / "config.json"), "--summary", str(tmp_path / "s.json")],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_train(tmp_path / "config.json", "--summary", str(tmp_path / "s.json"), timeout=600)
     summary = json.loads((tmp_path / "s.json").read_text())["summary"]
     assert summary["engine"] == "plain" and summary["train_batch_size"] == 16
     assert summary["gradient_accumulation_steps"] == 4

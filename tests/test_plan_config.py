@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ds_runs import run_on_ranks
 from test_costmodel import synthetic_profile
 from test_planner import POOL
 from tiny_plans import one_stage_plan, tiny_plan, two_stage_plan
@@ -17,7 +18,6 @@ from tiny_plans import one_stage_plan, tiny_plan, two_stage_plan
 from dflop_ds.cli import main as cli_main
 from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, plan_deepspeed_config, set_settings
 from dflop_ds.cost import FittedCostModel, reference_model, save_cost_model
-from dflop_ds.launch import run_deepspeed
 from dflop_ds.plan import Cluster, Plan, PlanError, PlanFileError, make_plans, search
 from dflop_ds.plan.families.core import pipeline_grid
 from dflop_ds.plan.layout import Layout, Segment
@@ -242,29 +242,20 @@ def test_deepspeed_builds_an_engine_from_a_written_config(tmp_path: Path, zero: 
     path.write_text(json.dumps(plan_deepspeed_config(plan, {"steps_per_print": 10**6})))
     script = tmp_path / "build.py"
     script.write_text(ENGINE_SCRIPT)
-    result = run_deepspeed(script, [str(path)], cwd=ROOT, capture_output=True, text=True, timeout=400, ranks=1)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_on_ranks(script, [str(path)], ranks=1, timeout=400)
     built = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("ENGINE "))[7:])
     assert built == {"zero": zero, "bf16": precision == "bf16", "fp16": precision == "fp16", "checkpointing": True}
 
 
 @pytest.mark.slow
-def test_a_config_written_by_cli_plan_trains_on_two_ranks(tmp_path: Path) -> None:
+def test_a_config_written_by_cli_plan_trains_on_two_ranks(tmp_path: Path, run_train) -> None:
     ds = tmp_path / "ds.json"
     assert cli_main(plan_argv(tmp_path, "--deepspeed-config", str(ds), "--zero-stage", "0")) == 0
     config = json.loads(ds.read_text())
     set_settings(config["dflop"], max_samples=64, steps=3, warmup_steps=1)
     ds.write_text(json.dumps(config))
     summary = tmp_path / "summary.json"
-    result = run_deepspeed(
-        ROOT / "examples" / "train.py",
-        ["--deepspeed_config", str(ds), "--summary", str(summary)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_train(ds, "--summary", str(summary), timeout=600)
     run = json.loads(summary.read_text())["summary"]
     plan = Plan.load(tmp_path / "plan.json")
     assert run["zero_stage"] == 0 and run["pipeline_stages"] == plan.pipeline_stages

@@ -1,0 +1,50 @@
+"""Scripts the tests run on DeepSpeed ranks: the launch, the exit-code check and the per-rank reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dflop_ds.launch import run_deepspeed
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_on_ranks(
+    script: Path,
+    args: Sequence[Any],
+    *,
+    ranks: int = 2,
+    timeout: float = 600,
+    expect: int | None = 0,
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """``script args`` under the DeepSpeed launcher on ``ranks`` ranks, from the repository root with
+    the output captured as text; asserts the exit code is ``expect`` (None: any failure), showing the
+    output's tail when it is not, and returns the finished process."""
+    result = run_deepspeed(
+        script, args, ranks=ranks, cwd=REPO, extra_env=extra_env, capture_output=True, text=True, timeout=timeout
+    )
+    output = f"exit code {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    if expect is None:
+        assert result.returncode != 0, output
+    else:
+        assert result.returncode == expect, output
+    return result
+
+
+def run_pipeline_check(script: Path, out: Path, args: Sequence[Any], *, timeout: float) -> list[dict]:
+    """A two-stage pipeline check ``script`` on 2 ranks with this repository first on PYTHONPATH: the
+    ``rank{r}.json`` reports it wrote into ``out``, stage 0's then stage 1's."""
+    extra_env = {
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+    run_on_ranks(script, args, extra_env=extra_env, timeout=timeout)
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["stage"] for r in results] == [0, 1]
+    return results
