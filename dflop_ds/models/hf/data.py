@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,24 @@ def _tokenizer_digest(tokenizer: Any) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def text_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` alone (no special tokens added; none for empty text)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def counting_identity(
+    template: str, system: str, tokenizer: Any, image_token_id: int, max_length: int | None, truncation: str
+) -> str:
+    """What fixes a preprocessor's token counts: its chat ``template``, ``system`` message (hashed),
+    tokenizer (class and contents), image token and length rule."""
+    digest = hashlib.sha256(system.encode("utf-8")).hexdigest()[:8]
+    return (
+        f"{template} system:{digest} tokenizer:{type(tokenizer).__name__}:"
+        f"{_tokenizer_digest(tokenizer)} image_token:{image_token_id} "
+        f"max_length:{max_length} truncation:{truncation}"
+    )
 
 
 class LlavaPreprocessor:
@@ -160,7 +178,7 @@ class LlavaPreprocessor:
 
     # -- text ---------------------------------------------------------------------------
     def _ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        return text_ids(self.tokenizer, text)
 
     def count_text(self, text: str) -> int:
         """Tokens of ``text`` alone (for shape manifests that carry raw text)."""
@@ -282,11 +300,8 @@ class LlavaPreprocessor:
     # -- identity -----------------------------------------------------------------------
     def identity(self) -> str:
         """What fixes the token counts: template, system line, tokenizer contents, image token, length rule."""
-        system = hashlib.sha256(self.system.encode("utf-8")).hexdigest()[:8]
-        return (
-            f"{TEMPLATE_NAME} system:{system} tokenizer:{type(self.tokenizer).__name__}:"
-            f"{_tokenizer_digest(self.tokenizer)} image_token:{self.image_token_id} "
-            f"max_length:{self.max_length} truncation:{self.truncation}"
+        return counting_identity(
+            TEMPLATE_NAME, self.system, self.tokenizer, self.image_token_id, self.max_length, self.truncation
         )
 
     def policy(self) -> ShapePolicy:
@@ -389,6 +404,14 @@ class LlavaDataset(Dataset):
     def _error(self, sample_id: str, field: str | None, reason: str) -> DataError:
         return DataError(reason, path=self.source, sample_id=sample_id, field=field)
 
+    def _tensors(self, shape: SampleShape, encode: Callable[[], Encoded]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, targets)`` of the sample of ``shape`` as ``encode()`` encodes it; a failed
+        encoding, or one that disagrees with the shape, raises naming the sample."""
+        try:
+            return item_tensors(encode(), shape, self.preprocessor.name)
+        except ValueError as exc:
+            raise self._error(shape.sample_id, None, str(exc)) from exc
+
     def __len__(self) -> int:
         return len(self.shapes)
 
@@ -420,23 +443,21 @@ class LlavaDataset(Dataset):
     def __getitem__(self, idx: int) -> LlavaItem:
         """The sample at ``idx`` (an ``int`` or a ``ScheduledIndex``, whose denominator is kept)."""
         shape, images, turns = self._sample(idx)
-        try:
-            encoded = self.preprocessor.encode(turns, len(images))
-        except ValueError as exc:
-            raise self._error(shape.sample_id, None, str(exc)) from exc
-        try:
-            ids, targets = item_tensors(encoded, shape, self.preprocessor.name)
-        except ValueError as exc:
-            raise self._error(shape.sample_id, None, str(exc)) from exc
-        denominator = getattr(idx, "loss_denominator", None)
+        ids, targets = self._tensors(shape, lambda: self.preprocessor.encode(turns, len(images)))
         return LlavaItem(
             shape.sample_id,
             self.preprocessor.pixel_values(images),
             ids,
             targets,
             self.preprocessor.pad_token_id,
-            None if denominator is None else float(denominator),
+            scheduled_denominator(idx),
         )
+
+
+def scheduled_denominator(idx: Any) -> float | None:
+    """The loss denominator a ``ScheduledIndex`` carries, or None for a plain index."""
+    denominator = getattr(idx, "loss_denominator", None)
+    return None if denominator is None else float(denominator)
 
 
 def item_tensors(encoded: Encoded, shape: SampleShape, policy_name: str) -> tuple[torch.Tensor, torch.Tensor]:

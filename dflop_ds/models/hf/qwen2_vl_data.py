@@ -55,9 +55,10 @@ from dflop_ds.models.hf.data import (
     LlavaDataset,
     LlavaItem,
     LlavaPreprocessor,
-    _tokenizer_digest,
     collate_llava,
-    item_tensors,
+    counting_identity,
+    scheduled_denominator,
+    text_ids,
 )
 from dflop_ds.models.hf.qwen2_vl_synthetic import Qwen2VLInputs
 from dflop_ds.shapes import ShapePolicy
@@ -238,7 +239,7 @@ class Qwen2VLPreprocessor:
         )
 
     def _ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        return text_ids(self.tokenizer, text)
 
     def count_text(self, text: str) -> int:
         """Tokens of ``text`` alone."""
@@ -314,13 +315,8 @@ class Qwen2VLPreprocessor:
 
     def identity(self) -> str:
         """What fixes the token counts: template, system message, tokenizer contents, image token."""
-        import hashlib
-
-        system = hashlib.sha256(self.system.encode("utf-8")).hexdigest()[:8]
-        return (
-            f"{TEMPLATE_NAME} system:{system} tokenizer:{type(self.tokenizer).__name__}:"
-            f"{_tokenizer_digest(self.tokenizer)} image_token:{self.image_token_id} "
-            f"max_length:{self.max_length} truncation:{self.truncation}"
+        return counting_identity(
+            TEMPLATE_NAME, self.system, self.tokenizer, self.image_token_id, self.max_length, self.truncation
         )
 
     def policy(self) -> ShapePolicy:
@@ -398,22 +394,15 @@ class Qwen2VLDataset(LlavaDataset):
         video_pixels, video_grid = self._video(shape)
         merge = self.preprocessor.rule.merge_size
         video_tokens = int(video_grid.prod(-1).sum()) // merge**2 if video_grid.shape[0] else None
-        try:
-            encoded = self.preprocessor.encode(turns, (grid.prod(-1) // merge**2).tolist(), video_tokens)
-        except ValueError as exc:
-            raise self._error(shape.sample_id, None, str(exc)) from exc
-        try:
-            ids, targets = item_tensors(encoded, shape, self.preprocessor.name)
-        except ValueError as exc:
-            raise self._error(shape.sample_id, None, str(exc)) from exc
-        denominator = getattr(idx, "loss_denominator", None)
+        image_tokens = (grid.prod(-1) // merge**2).tolist()
+        ids, targets = self._tensors(shape, lambda: self.preprocessor.encode(turns, image_tokens, video_tokens))
         return Qwen2VLItem(
             shape.sample_id,
             pixel_values,
             ids,
             targets,
             self.preprocessor.pad_token_id,
-            None if denominator is None else float(denominator),
+            scheduled_denominator(idx),
             grid,
             video_pixels,
             video_grid,
