@@ -40,24 +40,17 @@ def plot_gantt(panels: Sequence[tuple[str, SimResult]], path: str | Path, *, ran
         for s in range(res.n_stages):
             for j in range(res.n_mb):
                 colour = cmap((2 * j) % 20)
-                ax.barh(
-                    s,
-                    res.f_end[r, j, s] - res.f_start[r, j, s],
-                    left=res.f_start[r, j, s],
-                    height=0.8,
-                    color=colour,
-                    alpha=0.55,
-                    edgecolor="none",
-                )
-                ax.barh(
-                    s,
-                    res.b_end[r, j, s] - res.b_start[r, j, s],
-                    left=res.b_start[r, j, s],
-                    height=0.8,
-                    color=colour,
-                    alpha=1.0,
-                    edgecolor="none",
-                )
+                # the forward pale, the backward solid
+                for start, end, alpha in ((res.f_start, res.f_end, 0.55), (res.b_start, res.b_end, 1.0)):
+                    ax.barh(
+                        s,
+                        end[r, j, s] - start[r, j, s],
+                        left=start[r, j, s],
+                        height=0.8,
+                        color=colour,
+                        alpha=alpha,
+                        edgecolor="none",
+                    )
             done = float(np.max(res.b_end[r, :, s]))
             ax.barh(s, res.allreduce[r, s], left=done, height=0.8, color="0.7", hatch="//", edgecolor="0.4")
         ax.set_yticks(range(res.n_stages))
