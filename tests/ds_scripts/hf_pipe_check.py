@@ -12,18 +12,23 @@ the whole global batch; step 1's loss and parameters must match. Each rank write
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 
-import deepspeed
 import torch
-from deepspeed.accelerator import get_accelerator
+from pipe_checks import (
+    add_pipeline_options,
+    parameter_counts,
+    pipeline_trainer,
+    sgd,
+    start_distributed,
+    step_gaps,
+    write_report,
+)
 
 from dflop_ds.models.hf.llava import llava_layers, load_llava
 from dflop_ds.models.hf.synthetic import contract_microbatch, hf_forward
 from dflop_ds.pipe import token_loss_sum
-from dflop_ds.train import build_engine
 
 
 def image(rng: random.Random, width: int, height: int):
@@ -47,20 +52,12 @@ def global_batch(rng: random.Random) -> list[list[tuple]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--freeze", action="store_true")
-    parser.add_argument("--bounds", default="", help="comma-separated stage bounds; default encoder_stages=1")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--local_rank", type=int, default=0)
+    add_pipeline_options(parser, steps=4)
     args = parser.parse_args()
 
     from transformers import AutoProcessor
 
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-    rank = torch.distributed.get_rank()
-    device = torch.device(get_accelerator().device_name())
+    rank, device = start_distributed()
     processor = AutoProcessor.from_pretrained(args.model_dir)
     samples = global_batch(random.Random(5))
     gas, dp = len(samples), 1
@@ -70,27 +67,7 @@ def main() -> None:
     microbatches = [(inputs, (labels[0], denominator)) for inputs, labels in unscaled]
 
     encoder, projector, llm = llava_layers(load_llava(args.model_dir))
-    # default split: the encoder and projector alone on stage 0
-    bounds = (
-        [int(b) for b in args.bounds.split(",")] if args.bounds else [0, len(encoder) + 1, len(encoder) + 1 + len(llm)]
-    )
-    config = {
-        "train_batch_size": gas * dp,
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": gas,
-        "steps_per_print": 10**9,
-        "gradient_clipping": 0.0,
-    }
-    trainer = build_engine(
-        encoder,
-        projector,
-        llm,
-        config,
-        pipeline_stages=2,
-        stage_bounds=bounds,
-        freeze_encoder=args.freeze,
-        make_optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9),
-    )
+    trainer = pipeline_trainer(encoder, projector, llm, args, gas, dp)
     engine, model = trainer.engine, trainer.module
 
     # single-process reference: the same layer lists of another copy, one SGD step on the global token mean
@@ -103,7 +80,7 @@ def main() -> None:
     with torch.no_grad():  # HF's own loss over the whole global batch as one padded batch
         inputs, labels = contract_microbatch(processor, [s for mb in samples for s in mb])
         hf_loss = float(hf_forward(hf_model, [t.to(device) for t in inputs], labels[0].to(device)).loss)
-    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=args.lr, momentum=0.9)
+    ref_opt = sgd([p for p in reference.parameters() if p.requires_grad], args.lr)
     ref_loss = (
         sum(
             token_loss_sum(reference(tuple(t.to(device) for t in inputs)), labels[0].to(device))
@@ -125,9 +102,7 @@ def main() -> None:
         ]
         losses.append(trainer.train_step(iter(batch)))
         if step == 0:
-            for name, p in model.named_parameters():
-                max_diff = max(max_diff, float((p.detach() - ref_state[name].detach()).abs().max()))
-                max_change = max(max_change, float((p.detach() - before[name]).abs().max()))
+            max_diff, max_change = step_gaps(model, ref_state, before)
     tied = [getattr(comm["module"], comm["weight_attr"][0]) for comm in model.tied_comms.values()]
     os.makedirs(args.out, exist_ok=True)
     if tied:
@@ -143,16 +118,9 @@ def main() -> None:
         "step1_max_param_change": max_change,
         "tied_keys": sorted(model.tied_comms),
         "images_per_microbatch": [int(i[0].shape[0]) for i, _ in microbatches],
-        "n_params": sum(p.numel() for p in model.parameters()),
-        "n_frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad),
-        "frozen_moved": any(
-            not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters() if not p.requires_grad
-        ),
+        **parameter_counts(model, before),
     }
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
-        json.dump(result, fh)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    write_report(args.out, rank, result)
 
 
 if __name__ == "__main__":

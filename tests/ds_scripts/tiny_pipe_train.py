@@ -10,19 +10,22 @@ the test can check the loss goes down. Each rank writes ``<out>/rank<r>.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 
-import deepspeed
-import torch
-from deepspeed.accelerator import get_accelerator
+from pipe_checks import (
+    add_pipeline_options,
+    parameter_counts,
+    pipeline_trainer,
+    sgd,
+    start_distributed,
+    step_gaps,
+    write_report,
+)
 
 from dflop_ds.models import TinyMLLMDataset, build_reference, collate_microbatch, label_tokens_in, tiny_mllm_layers
 from dflop_ds.pipe import token_normalized_loss
 from dflop_ds.schedule.index import ScheduledIndex
 from dflop_ds.shapes import TINY_POLICY, SampleShape
-from dflop_ds.train import build_engine
 
 # image sizes giving 1, 3 and 5 tiles under TINY_POLICY
 IMAGE_CHOICES = [(), ((336, 336),), ((672, 336),), ((672, 672),)]
@@ -69,20 +72,11 @@ def scheduled(dataset: TinyMLLMDataset, batch: list[list[int]], gas: int, dp: in
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--freeze", action="store_true")
-    parser.add_argument("--bounds", default="", help="comma-separated stage bounds; default encoder_stages=1")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--lr", type=float, default=0.05)
+    add_pipeline_options(parser, steps=20)
     parser.add_argument("--packed", action="store_true", help="packed microbatches (the reference stays padded)")
     parser.add_argument("--ckpt", type=int, default=0, help="activation_checkpoint_interval")
-    parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
-
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-    rank = torch.distributed.get_rank()
-    device = torch.device(get_accelerator().device_name())
+    rank, device = start_distributed()
 
     # microbatches of 1, 3 and 2 samples: tensor shapes change every microbatch
     sizes = [1, 3, 2]
@@ -93,31 +87,7 @@ def main() -> None:
     batches = make_batches(n_batches, sizes)
 
     encoder, projector, llm = tiny_mllm_layers(seed=11)
-    # default split: the encoder and projector alone on stage 0
-    bounds = (
-        [int(b) for b in args.bounds.split(",")] if args.bounds else [0, len(encoder) + 1, len(encoder) + 1 + len(llm)]
-    )
-    config = {
-        "train_batch_size": gas * dp,
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": gas,
-        "steps_per_print": 10**9,
-        # DeepSpeed clips each pipeline stage by its own norm (not the global one) and fails on a
-        # stage without gradients; clipping is off so that step 1 can match the reference exactly
-        "gradient_clipping": 0.0,
-    }
-    # a stage holding only the frozen encoder gets a placeholder parameter (the engine needs an optimizer)
-    trainer = build_engine(
-        encoder,
-        projector,
-        llm,
-        config,
-        pipeline_stages=2,
-        stage_bounds=bounds,
-        freeze_encoder=args.freeze,
-        activation_checkpoint_interval=args.ckpt,
-        make_optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9),
-    )
+    trainer = pipeline_trainer(encoder, projector, llm, args, gas, dp, activation_checkpoint_interval=args.ckpt)
     engine, model = trainer.engine, trainer.module
 
     # single-process reference of step 1: the whole global batch as one batch, token-mean loss
@@ -125,7 +95,7 @@ def main() -> None:
     if args.freeze:
         for i in range(len(encoder)):
             reference[i].requires_grad_(False)
-    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=args.lr, momentum=0.9)
+    ref_opt = sgd([p for p in reference.parameters() if p.requires_grad], args.lr)
     first = [i for mb in batches[0] for i in mb]
     inputs, labels = collate_microbatch([dataset[i] for i in first])
     inputs = tuple(t.to(device) for t in inputs)
@@ -142,12 +112,7 @@ def main() -> None:
         b = step % n_batches
         losses.append(trainer.train_step(iter(scheduled(dataset, batches[b], gas, dp, step, args.packed))))
         if step == 0:
-            for name, p in model.named_parameters():
-                max_diff = max(max_diff, float((p.detach() - ref_state[name]).abs().max()))
-                max_change = max(max_change, float((p.detach() - before[name]).abs().max()))
-    frozen_moved = any(
-        not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters() if not p.requires_grad
-    )
+            max_diff, max_change = step_gaps(model, ref_state, before)
     result = {
         "rank": rank,
         "stage": engine.stage_id,
@@ -156,16 +121,10 @@ def main() -> None:
         "ref_loss": float(ref_loss.detach()),
         "step1_max_param_diff": max_diff,
         "step1_max_param_change": max_change,
-        "n_params": sum(p.numel() for p in model.parameters()),
-        "n_frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad),
-        "frozen_moved": frozen_moved,
+        **parameter_counts(model, before),
         "tiles_per_microbatch": [[sum(shapes[i].encoder_tiles for i in mb) for mb in batch] for batch in batches],
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
-        json.dump(result, fh)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()  # an orderly exit: gloo's threads stop before teardown
+    write_report(args.out, rank, result)
 
 
 if __name__ == "__main__":
