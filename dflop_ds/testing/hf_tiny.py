@@ -22,6 +22,15 @@ IMAGE_SIZE = 32
 PATCH_SIZE = 8
 VISION_LAYERS = 3
 TEXT_LAYERS = 3
+#: the text model's sizes in every family (grouped-query attention: 4 query heads, 2 key/value heads)
+TEXT_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=TEXT_LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH_SIZE) ** 2
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<image>")
 VISIONS = ("clip", "siglip")
@@ -92,12 +101,7 @@ def _text_config(text: str, vocab_size: int, tie_word_embeddings: bool, sliding_
 
     sizes = dict(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=TEXT_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+        **TEXT_SIZES,
         tie_word_embeddings=tie_word_embeddings,
         **ids,
     )
@@ -252,12 +256,7 @@ def _built_qwen2_vl(family: str, tie_word_embeddings: bool, seed: int, min_pixel
     # head_dim 16: the rotary half (8 frequencies) split over (temporal, height, width)
     text = dict(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=TEXT_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+        **TEXT_SIZES,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
         tie_word_embeddings=tie_word_embeddings,
         **ids,
