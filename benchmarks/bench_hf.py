@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,7 +24,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflop_ds.launch import launch_env, run_deepspeed  # noqa: E402
+from benchmarks.common import profile_model_into, timed_rows  # noqa: E402
+from dflop_ds.launch import run_deepspeed  # noqa: E402
 
 #: the rows: (name, model family, engine)
 RUNS = (("pp2", "llava", "pp2"), ("zero2", "llava", "zero2"), ("qwen2_vl_zero2", "qwen2_vl", "zero2"))
@@ -57,35 +57,15 @@ def prepare(out: Path, records: int, family: str) -> dict[str, Path]:
     cost_model = root / "costmodel.json"
     if not cost_model.exists():
         print(f"profiling {model} into {cost_model} ...", flush=True)
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "dflop_ds.cli",
-                "profile",
-                "model",
-                "--no-progress",
-                "--model_name_or_path",
-                str(model),
-                "--tiles",
-                TILE_SWEEPS[family],
-                "--seq-lens",
-                "32,64,128,256,512",
-                "-o",
-                str(cost_model),
-            ],
-            check=True,
-            cwd=ROOT,
-            env=launch_env(),
-        )
+        sweep = ["--tiles", TILE_SWEEPS[family], "--seq-lens", "32,64,128,256,512"]
+        profile_model_into(cost_model, ["--model_name_or_path", str(model), *sweep])
     return {"model": model, "data": data, "images": images, "videos": videos, "cost_model": cost_model}
 
 
 def per_method(rows: list[dict]) -> dict[str, dict]:
     """Samples/s of the timed rounds per method: median, min, max; padding efficiency."""
     table = {}
-    for method in dict.fromkeys(r["method"] for r in rows):
-        timed = [r for r in rows if r["method"] == method and not r["warmup"]]
+    for method, timed in timed_rows(rows).items():
         rates = [r["samples"] / r["step_s"] for r in timed]
         table[method] = {
             "median": float(np.median(rates)),

@@ -15,17 +15,21 @@ from dflop_ds.launch import launch_env, run_deepspeed
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def profile_model_into(path: str | Path, options: Sequence[str] = ()) -> None:
+    """Run ``dflop-ds profile model --no-progress <options> -o path`` (1 thread, as training ranks run)."""
+    subprocess.run(
+        [sys.executable, "-m", "dflop_ds.cli", "profile", "model", "--no-progress", *options, "-o", str(path)],
+        check=True,
+        cwd=ROOT,
+        env=launch_env(),
+    )
+
+
 def profiled_cost_model(path: str | Path, reuse: bool = True) -> FittedCostModel:
-    """The tiny model's FittedCostModel at ``path``, profiled now (1 thread, as training ranks run) unless
-    ``reuse`` and the file exists."""
+    """The tiny model's FittedCostModel at ``path``, profiled now unless ``reuse`` and the file exists."""
     if not (reuse and Path(path).exists()):
         print(f"profiling the tiny model into {path} ...", flush=True)
-        subprocess.run(
-            [sys.executable, "-m", "dflop_ds.cli", "profile", "model", "--no-progress", "-o", str(path)],
-            check=True,
-            cwd=ROOT,
-            env=launch_env(),
-        )
+        profile_model_into(path)
     return load_cost_model(path)
 
 
