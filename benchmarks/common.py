@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from dflop_ds.cost import FittedCostModel, load_cost_model
 from dflop_ds.launch import launch_env, run_deepspeed
@@ -105,6 +106,12 @@ def run_round_worker(
         check=True,
     )
     return json.loads(raw.read_text())["rows"]
+
+
+def round_row(round_id: int, warmup: int, method: str, step_s: float, **figures: Any) -> dict:
+    """A worker's row of one method in one round: the round, whether it is one of the first ``warmup``
+    (untimed) rounds, the method, the step seconds, then its other ``figures`` (read back by :func:`timed_rows`)."""
+    return {"round": round_id, "warmup": round_id < warmup, "method": method, "step_s": step_s, **figures}
 
 
 def timed_rows(rows: list[dict]) -> dict[str, list[dict]]:

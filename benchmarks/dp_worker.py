@@ -25,7 +25,7 @@ from deepspeed.accelerator import get_accelerator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import add_worker_options, worker_ds_config  # noqa: E402
+from benchmarks.common import add_worker_options, round_row, worker_ds_config  # noqa: E402
 from benchmarks.e2e_methods import split_for  # noqa: E402
 from dflop_ds.cost import load_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
@@ -166,17 +166,17 @@ def main() -> int:
             encoder = [0.0] * dp
             torch.distributed.all_gather_object(encoder, clocks[name].take())
             rows.append(
-                {
-                    "round": round_id,
-                    "warmup": round_id < args.warmup,
-                    "method": method,
-                    "step_s": step_s,
-                    "schedule_s": schedule_s,
-                    "encoder_s": encoder,
-                    "predicted_encoder": predicted.tolist(),
-                    "samples": len(batch),
-                    "loss": loss,
-                }
+                round_row(
+                    round_id,
+                    args.warmup,
+                    method,
+                    step_s,
+                    schedule_s=schedule_s,
+                    encoder_s=encoder,
+                    predicted_encoder=predicted.tolist(),
+                    samples=len(batch),
+                    loss=loss,
+                )
             )
             if rank == 0:
                 print(

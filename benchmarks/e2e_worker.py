@@ -22,7 +22,7 @@ from deepspeed.accelerator import get_accelerator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import add_worker_options, worker_ds_config  # noqa: E402
+from benchmarks.common import add_worker_options, round_row, worker_ds_config  # noqa: E402
 from benchmarks.e2e_methods import METHODS, PACKED_METHODS, split_for  # noqa: E402
 from dflop_ds.cost import PackedCost, load_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
@@ -169,16 +169,16 @@ def main() -> int:
             every_rank = [torch.zeros(1) for _ in range(torch.distributed.get_world_size())]
             torch.distributed.all_gather(every_rank, compute)
             rows.append(
-                {
-                    "round": round_id,
-                    "warmup": round_id < args.warmup,
-                    "method": method,
-                    "step_s": step_s,
-                    "schedule_s": schedule_s,
+                round_row(
+                    round_id,
+                    args.warmup,
+                    method,
+                    step_s,
+                    schedule_s=schedule_s,
                     **batch_tokens([mb for r in split for mb in r], shapes, packed),
-                    "idle_fraction": bubble_fraction(np.array([float(c) for c in every_rank]), step_s),
+                    idle_fraction=bubble_fraction(np.array([float(c) for c in every_rank]), step_s),
                     **(colocated.trainer.colocated_pipeline.phase_s if method == "dflop_colocated" else {}),
-                }
+                )
             )
             if rank == 0:
                 print(f"[e2e] round {round_id:2d} {method:12s} step {step_s:.3f}s", flush=True)

@@ -22,7 +22,7 @@ from deepspeed.accelerator import get_accelerator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import add_worker_options, worker_ds_config  # noqa: E402
+from benchmarks.common import add_worker_options, round_row, worker_ds_config  # noqa: E402
 from dflop_ds.cost import load_cost_model  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
@@ -94,14 +94,14 @@ def main() -> int:
             loss = trainer.train_step(iter(microbatches))
             step_s = time.perf_counter() - start
             rows.append(
-                {
-                    "round": round_id,
-                    "warmup": round_id < args.warmup,
-                    "method": method,
-                    "step_s": step_s,
-                    "loss": loss,
+                round_row(
+                    round_id,
+                    args.warmup,
+                    method,
+                    step_s,
+                    loss=loss,
                     **batch_tokens([mb for r in sched.split.ranks for mb in r], shapes),
-                }
+                )
             )
             if rank == 0:
                 print(f"[hf] {args.engine} round {round_id:2d} {method:5s} step {step_s:.3f}s", flush=True)
