@@ -46,6 +46,12 @@ class Evaluation:
     feasible: bool
     order: list[Buckets]
 
+    @classmethod
+    def of_step(cls, sim: SimResult, memory: np.ndarray, cluster: Cluster, order: list[Buckets]) -> Evaluation:
+        """A simulated step whose stages need ``memory`` bytes per GPU: feasible when every stage fits
+        the cluster's usable memory."""
+        return cls(sim=sim, memory=memory, feasible=bool(memory.max() <= cluster.usable_memory), order=order)
+
 
 def forward_fraction(model: Any) -> float:
     """Share of forward+backward time spent in the forward: 1/3, or 1/4 with recompute."""
@@ -241,4 +247,4 @@ def evaluate(
     in_flight = np.minimum(p - np.arange(p), layout.n_mb)
     static = np.array([weights[s] / tp[s] * cluster.state_factor(int(dp[s])) for s in range(p)])
     memory = static + in_flight * act + work
-    return Evaluation(sim=sim, memory=memory, feasible=bool(memory.max() <= cluster.usable_memory), order=order)
+    return Evaluation.of_step(sim, memory, cluster, order)
