@@ -15,16 +15,8 @@ import argparse
 import os
 import random
 
+import pipe_checks as check
 import torch
-from pipe_checks import (
-    add_pipeline_options,
-    parameter_counts,
-    pipeline_trainer,
-    sgd,
-    start_distributed,
-    step_gaps,
-    write_report,
-)
 
 from dflop_ds.models.hf.llava import llava_layers, load_llava
 from dflop_ds.models.hf.synthetic import contract_microbatch, hf_forward
@@ -52,12 +44,12 @@ def global_batch(rng: random.Random) -> list[list[tuple]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", required=True)
-    add_pipeline_options(parser, steps=4)
+    check.add_pipeline_options(parser, steps=4)
     args = parser.parse_args()
 
     from transformers import AutoProcessor
 
-    rank, device = start_distributed()
+    rank, device = check.start_distributed()
     processor = AutoProcessor.from_pretrained(args.model_dir)
     samples = global_batch(random.Random(5))
     gas, dp = len(samples), 1
@@ -67,7 +59,7 @@ def main() -> None:
     microbatches = [(inputs, (labels[0], denominator)) for inputs, labels in unscaled]
 
     encoder, projector, llm = llava_layers(load_llava(args.model_dir))
-    trainer = pipeline_trainer(encoder, projector, llm, args, gas, dp)
+    trainer = check.pipeline_trainer(encoder, projector, llm, args, gas, dp)
     engine, model = trainer.engine, trainer.module
 
     # single-process reference: the same layer lists of another copy, one SGD step on the global token mean
@@ -80,7 +72,7 @@ def main() -> None:
     with torch.no_grad():  # HF's own loss over the whole global batch as one padded batch
         inputs, labels = contract_microbatch(processor, [s for mb in samples for s in mb])
         hf_loss = float(hf_forward(hf_model, [t.to(device) for t in inputs], labels[0].to(device)).loss)
-    ref_opt = sgd([p for p in reference.parameters() if p.requires_grad], args.lr)
+    ref_opt = check.sgd([p for p in reference.parameters() if p.requires_grad], args.lr)
     ref_loss = (
         sum(
             token_loss_sum(reference(tuple(t.to(device) for t in inputs)), labels[0].to(device))
@@ -102,7 +94,7 @@ def main() -> None:
         ]
         losses.append(trainer.train_step(iter(batch)))
         if step == 0:
-            max_diff, max_change = step_gaps(model, ref_state, before)
+            max_diff, max_change = check.step_gaps(model, ref_state, before)
     tied = [getattr(comm["module"], comm["weight_attr"][0]) for comm in model.tied_comms.values()]
     os.makedirs(args.out, exist_ok=True)
     if tied:
@@ -118,9 +110,9 @@ def main() -> None:
         "step1_max_param_change": max_change,
         "tied_keys": sorted(model.tied_comms),
         "images_per_microbatch": [int(i[0].shape[0]) for i, _ in microbatches],
-        **parameter_counts(model, before),
+        **check.parameter_counts(model, before),
     }
-    write_report(args.out, rank, result)
+    check.write_report(args.out, rank, result)
 
 
 if __name__ == "__main__":

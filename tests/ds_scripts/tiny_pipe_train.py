@@ -12,15 +12,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from pipe_checks import (
-    add_pipeline_options,
-    parameter_counts,
-    pipeline_trainer,
-    sgd,
-    start_distributed,
-    step_gaps,
-    write_report,
-)
+import pipe_checks as check
 
 from dflop_ds.models import TinyMLLMDataset, build_reference, collate_microbatch, label_tokens_in, tiny_mllm_layers
 from dflop_ds.pipe import token_normalized_loss
@@ -72,11 +64,11 @@ def scheduled(dataset: TinyMLLMDataset, batch: list[list[int]], gas: int, dp: in
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    add_pipeline_options(parser, steps=20)
+    check.add_pipeline_options(parser, steps=20)
     parser.add_argument("--packed", action="store_true", help="packed microbatches (the reference stays padded)")
     parser.add_argument("--ckpt", type=int, default=0, help="activation_checkpoint_interval")
     args = parser.parse_args()
-    rank, device = start_distributed()
+    rank, device = check.start_distributed()
 
     # microbatches of 1, 3 and 2 samples: tensor shapes change every microbatch
     sizes = [1, 3, 2]
@@ -87,7 +79,7 @@ def main() -> None:
     batches = make_batches(n_batches, sizes)
 
     encoder, projector, llm = tiny_mllm_layers(seed=11)
-    trainer = pipeline_trainer(encoder, projector, llm, args, gas, dp, activation_checkpoint_interval=args.ckpt)
+    trainer = check.pipeline_trainer(encoder, projector, llm, args, gas, dp, activation_checkpoint_interval=args.ckpt)
     engine, model = trainer.engine, trainer.module
 
     # single-process reference of step 1: the whole global batch as one batch, token-mean loss
@@ -95,7 +87,7 @@ def main() -> None:
     if args.freeze:
         for i in range(len(encoder)):
             reference[i].requires_grad_(False)
-    ref_opt = sgd([p for p in reference.parameters() if p.requires_grad], args.lr)
+    ref_opt = check.sgd([p for p in reference.parameters() if p.requires_grad], args.lr)
     first = [i for mb in batches[0] for i in mb]
     inputs, labels = collate_microbatch([dataset[i] for i in first])
     inputs = tuple(t.to(device) for t in inputs)
@@ -112,7 +104,7 @@ def main() -> None:
         b = step % n_batches
         losses.append(trainer.train_step(iter(scheduled(dataset, batches[b], gas, dp, step, args.packed))))
         if step == 0:
-            max_diff, max_change = step_gaps(model, ref_state, before)
+            max_diff, max_change = check.step_gaps(model, ref_state, before)
     result = {
         "rank": rank,
         "stage": engine.stage_id,
@@ -121,10 +113,10 @@ def main() -> None:
         "ref_loss": float(ref_loss.detach()),
         "step1_max_param_diff": max_diff,
         "step1_max_param_change": max_change,
-        **parameter_counts(model, before),
+        **check.parameter_counts(model, before),
         "tiles_per_microbatch": [[sum(shapes[i].encoder_tiles for i in mb) for mb in batch] for batch in batches],
     }
-    write_report(args.out, rank, result)
+    check.write_report(args.out, rank, result)
 
 
 if __name__ == "__main__":
