@@ -57,3 +57,36 @@ def run_train() -> Callable[..., subprocess.CompletedProcess]:
         )
 
     return run
+
+
+@pytest.fixture
+def train(tmp_path: Path, ds_config, run_train) -> Callable[..., dict]:
+    """``train(config, model, data, images, *args, dflop=None, ds=None)``: examples/train.py on 2 ranks
+    with a bundled config (``dflop`` and DeepSpeed keys ``ds`` overridden) on an HF model; its summary."""
+
+    def launch(
+        config: str,
+        model: Path,
+        data: Path,
+        images: Path,
+        *args: str,
+        dflop: dict | None = None,
+        ds: dict | None = None,
+    ) -> dict:
+        summary = tmp_path / "summary.json"
+        run_train(
+            ds_config(config, dflop, **(ds or {})),
+            "--model_name_or_path",
+            str(model),
+            "--data_path",
+            str(data),
+            "--image_folder",
+            str(images),
+            "--summary",
+            str(summary),
+            *args,
+            timeout=500,
+        )
+        return json.loads(summary.read_text())
+
+    return launch

@@ -34,20 +34,33 @@ def assert_colocated_matches_local(report: dict) -> None:
 
 
 @pytest.mark.slow
-def test_colocated_dispatch_training_loop_trains_every_sample_once_and_learns(tmp_path):
+def test_colocated_dispatch_training_loop_trains_every_sample_once_and_learns(tmp_path, ds_config, run_train):
     from test_train_zero import (
+        BATCH,
+        GAS,
+        SAMPLES,
         STEPS_PER_EPOCH,
         assert_every_sample_once_token_mean_loss_and_learning,
         trace_lines,
-        train,
-        zero2_config,
     )
 
-    config = zero2_config(
-        tmp_path, sampler="dflop", encoder="colocated", steps=STEPS_PER_EPOCH, warmup_steps=1, lr=0.003
+    dflop = {
+        "max_samples": SAMPLES,
+        "sampler": "dflop",
+        "encoder": "colocated",
+        "steps": STEPS_PER_EPOCH,
+        "warmup_steps": 1,
+        "lr": 0.003,
+    }
+    config = ds_config(
+        "tiny_zero2.json",
+        dflop,
+        train_batch_size=BATCH,
+        train_micro_batch_size_per_gpu=BATCH // (2 * GAS),
+        gradient_accumulation_steps=GAS,
     )
     trace, summary = tmp_path / "trace.jsonl", tmp_path / "summary.json"
-    train(config, "--trace", str(trace), "--summary", str(summary))
+    run_train(config, "--trace", str(trace), "--summary", str(summary))
     assert_every_sample_once_token_mean_loss_and_learning(trace_lines(trace), json.loads(summary.read_text()))
 
 

@@ -238,16 +238,13 @@ def test_qwen2_5_vl_videos_are_refused_by_name(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_qwen2_vl_trains_on_videos_on_two_ranks_pipelined(tmp_path: Path) -> None:
+def test_qwen2_vl_trains_on_videos_on_two_ranks_pipelined(tmp_path: Path, train) -> None:
     """examples/train.py, 2 pipeline stages, records mixing short real videos, images and text: the loss falls."""
-    from test_train_hf import train
-
     model = build_tiny_qwen2_vl(tmp_path / "model")
     data, images = write_llava_dataset(tmp_path / "data", 24, seed=4)
     add_video_records(data, tmp_path / "videos", 16, seed=2)
     trace = tmp_path / "trace.jsonl"
     run = train(
-        tmp_path,
         "hf_pp2.json",
         model,
         data,

@@ -55,6 +55,24 @@ def test_a_stale_key_file_is_not_trusted(tmp_path):
     assert calls == [1]
 
 
+def test_a_cached_file_this_version_cannot_read_is_profiled_again(tmp_path):
+    from dflop_ds.models import TinyMLLMConfig
+    from dflop_ds.models.tiny_profile import tiny_target
+
+    model = {"name": "tiny", "vision_layers": 2, "llm_layers": 2}
+    config = TinyMLLMConfig(vision_layers=2, llm_layers=2)
+    _, path = cached_cost_model(model, lambda: tiny_target(config), tmp_path, log=lambda _: None, **FAST)
+    stale = json.loads(path.read_text())
+    stale["format_version"] = 2  # e.g. written by an older dflop-ds under the same key
+    path.write_text(json.dumps(stale))
+    calls, messages = [], []
+    again, _ = cached_cost_model(
+        model, lambda: calls.append(1) or tiny_target(config), tmp_path, log=messages.append, **FAST
+    )
+    assert calls == [1] and any("profiling again" in m for m in messages)
+    assert load_cost_model(path).llm_layers == again.llm_layers
+
+
 def test_key_digest_is_stable_and_sensitive():
     key = profile_key({"name": "m"}, {"repeats": 3})
     assert key_digest(key) == key_digest(json.loads(json.dumps(key)))

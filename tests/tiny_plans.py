@@ -12,9 +12,15 @@ TINY_LAYERS = {"encoder": 5, "projector": 1, "llm": 5}
 
 
 def tiny_plan(layout: Layout, global_batch_size: int, **settings: Any) -> Plan:
-    """``Plan.from_layout`` of the tiny MLLM: on 2 GPUs of 8 GB in one node, family ``"deepspeed"``,
+    """``Plan.from_layout`` of the tiny MLLM: on 2 GPUs of 8 GB in one node, family ``"deepspeed"``, fp32,
     unless ``settings`` say otherwise (they also carry the plan's other keyword arguments)."""
-    options: dict[str, Any] = {"gpus": 2, "gpus_per_node": 2, "gpu_memory_bytes": 8e9, "family": "deepspeed"}
+    options: dict[str, Any] = {
+        "gpus": 2,
+        "gpus_per_node": 2,
+        "gpu_memory_bytes": 8e9,
+        "family": "deepspeed",
+        "precision": "fp32",
+    }
     options.update(settings)
     return Plan.from_layout(layout, layer_counts=dict(TINY_LAYERS), global_batch_size=global_batch_size, **options)
 

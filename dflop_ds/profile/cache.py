@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dflop_ds.cost import FittedCostModel, load_cost_model, save_cost_model
+from dflop_ds.cost.io import FORMAT_VERSION as COST_MODEL_FORMAT_VERSION
 from dflop_ds.profile.model import profile_model
 from dflop_ds.profile.target import ProfileTarget
 
@@ -70,7 +71,12 @@ def software_key() -> dict[str, str]:
         ours = metadata.version("dflop-ds")
     except metadata.PackageNotFoundError:  # run from a source tree that is not installed
         ours = "source"
-    return {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "dflop_ds": ours}
+    return {
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "dflop_ds": ours,
+        "cost_model_format": str(COST_MODEL_FORMAT_VERSION),
+    }
 
 
 def profile_key(model: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
@@ -81,6 +87,25 @@ def profile_key(model: dict[str, Any], options: dict[str, Any]) -> dict[str, Any
 def key_digest(key: dict[str, Any]) -> str:
     """A short stable hash of a cache key."""
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _cached(path: Path, key_path: Path, key: dict[str, Any], log: Callable[[str], None]) -> FittedCostModel | None:
+    """The fitted cost model at ``path`` if its key file holds ``key`` and it loads as one; None
+    otherwise (absent, another key, or a file this version cannot read: it is profiled again)."""
+    if not (path.exists() and key_path.exists()):
+        return None
+    if json.loads(key_path.read_text()) != json.loads(json.dumps(key)):
+        return None
+    try:
+        loaded = load_cost_model(path)
+    except ValueError as error:
+        log(f"[dflop-ds] cost model: {error}; profiling again")
+        return None
+    if not isinstance(loaded, FittedCostModel):
+        log(f"[dflop-ds] cost model: {path} holds a {type(loaded).__name__}, not a fitted model; profiling again")
+        return None
+    log(f"[dflop-ds] cost model: reusing {path} (same model, machine and versions)")
+    return loaded
 
 
 def cached_cost_model(
@@ -105,11 +130,9 @@ def cached_cost_model(
     key_path = path.with_suffix(".key.json")
     with open(folder / f"{path.stem}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process profiles, the others wait and load its file
-        if path.exists() and key_path.exists() and json.loads(key_path.read_text()) == json.loads(json.dumps(key)):
-            log(f"[dflop-ds] cost model: reusing {path} (same model, machine and versions)")
-            loaded = load_cost_model(path)
-            assert isinstance(loaded, FittedCostModel), path
-            return loaded, path
+        cached = _cached(path, key_path, key, log)
+        if cached is not None:
+            return cached, path
         log(f"[dflop-ds] cost model: profiling {model} once on this machine into {path} ...")
         started = time.perf_counter()
         target = make_target()
