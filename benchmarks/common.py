@@ -26,12 +26,33 @@ def profile_model_into(path: str | Path, options: Sequence[str] = ()) -> None:
     )
 
 
+def readable_cost_model(path: str | Path) -> FittedCostModel | None:
+    """The profiled cost model at ``path``, or None when there is none this version can read (no
+    file, an older format, or not a profiled model: the caller profiles again)."""
+    if not Path(path).exists():
+        return None
+    try:
+        model = load_cost_model(path)
+    except ValueError as error:
+        print(f"{error}: profiling again", flush=True)
+        return None
+    if not isinstance(model, FittedCostModel):
+        print(f"{path} holds a {type(model).__name__}, not a profiled model: profiling again", flush=True)
+        return None
+    return model
+
+
 def profiled_cost_model(path: str | Path, reuse: bool = True) -> FittedCostModel:
-    """The tiny model's FittedCostModel at ``path``, profiled now unless ``reuse`` and the file exists."""
-    if not (reuse and Path(path).exists()):
-        print(f"profiling the tiny model into {path} ...", flush=True)
-        profile_model_into(path)
-    return load_cost_model(path)
+    """The tiny model's FittedCostModel at ``path``, profiled now unless ``reuse`` and the file
+    holds one this version reads (:func:`readable_cost_model`)."""
+    model = readable_cost_model(path) if reuse else None
+    if model is not None:
+        return model
+    print(f"profiling the tiny model into {path} ...", flush=True)
+    profile_model_into(path)
+    model = load_cost_model(path)
+    assert isinstance(model, FittedCostModel), path
+    return model
 
 
 def worker_ds_config(global_batch: int, gas: int, dp: int, zero_stage: int | None = None) -> dict:
