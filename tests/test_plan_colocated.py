@@ -59,7 +59,7 @@ def test_colocated_plan_writes_the_colocated_encoder_key(tmp_path) -> None:
     assert get_setting(cfg["dflop"], "stage_bounds") == flat_bounds(plan.stages)
     assert cfg["train_batch_size"] == 64 and loaded.world_size() == 8
     assert get_setting(plan_deepspeed_config(plans.best_deepspeed)["dflop"], "encoder") is None
-    # a "dflop".plan entry turns the colocated encoder on in the training config
+    # a dflop.plan.file entry turns the colocated encoder on in the training config
     _, block = fill_from_plan({}, set_settings({}, plan=str(path)), loaded)
     assert get_setting(block, "encoder") == "colocated"
     assert get_setting(block, "pipeline_stages") == plan.pipeline_stages

@@ -50,7 +50,7 @@ class Layout:
             global batch into microbatches: ``"dflop"`` (our data-aware ones), ``"stock"``
             (fixed sample counts), ``"llava"``, ``"verl"``, ...
         colocated: the encoder runs data-parallel over all GPUs, outside the LLM pipeline
-            (``"dflop".encoder = "colocated"``).
+            (``dflop.model.encoder = "colocated"``).
     """
 
     encoder: Segment

@@ -93,7 +93,7 @@ class Plan:
         global_batch_size: samples per optimizer step.
         gpus, gpus_per_node, gpu_memory_bytes: the cluster planned for.
         splitter: the registered splitter of the microbatches (``"dflop"``: our scheduler,
-            ``"stock"``: fixed sample counts); the training config's ``"dflop".sampler``.
+            ``"stock"``: fixed sample counts); the training config's ``dflop.sampler.kind``.
         family: ``"deepspeed"``, ``"colocated"`` or ``"monolithic"`` (``"separate"`` in older files).
         predicted: the simulator's figures (step time, bubble fraction, memory, speed-ups).
         cost_model: name of the cost model and whether it is analytic (not measured).

@@ -422,7 +422,7 @@ class StockBatchSampler(SplitterSampler):
     def __init__(self, shapes: Sequence[SampleShape], *, memory_cap: float | None = None, **kwargs) -> None:
         if memory_cap is not None:
             raise ValueError(
-                'a memory cap ("dflop".memory_cap_bytes) needs the dflop sampler: the stock sampler'
+                "a memory cap (dflop.sampler.memory_cap_bytes) needs the dflop sampler: the stock sampler"
                 " cuts microbatches of a fixed sample count whatever their memory"
             )
         super().__init__(shapes, splitter="stock", **kwargs)
@@ -567,6 +567,6 @@ def make_sampler(method: str, shapes: Sequence[SampleShape], **kwargs) -> Global
     if method == "stock":
         return StockBatchSampler(shapes, **kwargs)
     if kwargs.get("memory_cap") is not None:
-        raise ValueError(f'a memory cap ("dflop".memory_cap_bytes) needs the dflop sampler, not {method!r}')
+        raise ValueError(f"a memory cap (dflop.sampler.memory_cap_bytes) needs the dflop sampler, not {method!r}")
     kwargs.pop("memory_cap", None)
     return SplitterSampler(shapes, splitter=method, **kwargs)

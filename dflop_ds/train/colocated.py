@@ -333,7 +333,7 @@ def global_topology(mpu: Any) -> Iterator[None]:
 
 def colocated_stage_bounds(bounds: Sequence[int], n_encoder: int) -> list[int]:
     """Stage bounds over the flat ``encoder layers + [projector] + llm layers`` list (what
-    ``"dflop".stage_bounds`` and the cost-balanced split give) as bounds over the colocated
+    ``dflop.plan.stage_bounds`` and the cost-balanced split give) as bounds over the colocated
     pipeline's ``[FeatureReceiver, projector, *llm layers]``: the encoder layers leave the
     pipeline and the receiver takes the last one's index. The first stage must keep the projector."""
     bounds = [int(b) for b in bounds]

@@ -386,7 +386,7 @@ def resume(trainer: TrainingEngine, loader: Any, cfg: DFLOPConfig, correction: A
     """Load the latest checkpoint, restore the loader's (sampler's) position and the correction's
     state; the step to continue from."""
     if cfg.checkpoint_dir is None:
-        raise ValueError('resuming needs "dflop".checkpoint_dir')
+        raise ValueError("resuming needs dflop.train.checkpoint_dir")
     load_path, client_state = trainer.load_checkpoint(cfg.checkpoint_dir)
     if load_path is None:
         print(f"[dflop-ds] no checkpoint in {cfg.checkpoint_dir}: starting from step 0", flush=True)

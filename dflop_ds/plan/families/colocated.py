@@ -2,7 +2,7 @@
 
 Every GPU holds an encoder replica (``E_dp = GPUs``, ``E_pp = E_tp = 1``); the LLM keeps its own
 ``(tp, pp, dp)`` in the DeepSpeed engine, its stages split over the projector and the LLM layers
-only. One step (``"dflop".encoder = "colocated"``, :mod:`dflop_ds.train.colocated`):
+only. One step (``dflop.model.encoder = "colocated"``, :mod:`dflop_ds.train.colocated`):
 
 1. the encoder forward, its work dispatched by predicted cost over all GPUs: a micro-step costs
    its encoder seconds over the GPUs, or its heaviest tile (the dispatch unit) if that is longer;
