@@ -208,8 +208,8 @@ def build_engine(
             "tensor_parallel.autotp_size > 1 needs pipeline_stages == 1: AutoTP shards the plain "
             "engine's model; a PipelineModule gives it nothing to shard"
         )
-    if pipeline_stages > 1 and colocated and activation_checkpoint_interval:
-        raise ValueError("a colocated encoder under the pipeline engine does not support activation checkpointing")
+    if colocated and activation_checkpoint_interval:
+        raise ValueError("activation checkpointing is not supported with a colocated encoder yet (either engine)")
     if pipeline_stages > 1:
         pipe_kwargs = dict(
             num_stages=pipeline_stages,
@@ -235,8 +235,6 @@ def build_engine(
         trainable = pipeline.optimizer_parameters()
         module: MLLMPipelineModule | SequentialMLLM = pipeline
     else:
-        if colocated and activation_checkpoint_interval:
-            raise ValueError("activation checkpointing is not supported with a colocated encoder yet")
         sequential = ColocatedMLLM if colocated else SequentialMLLM
         module = sequential(
             encoder_layers,
