@@ -24,7 +24,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import profile_model_into, readable_cost_model, timed_rows  # noqa: E402
+from benchmarks.common import profile_model_into, timed_rows  # noqa: E402
+from dflop_ds.cost import reusable_fitted_model  # noqa: E402
 from dflop_ds.launch import run_deepspeed  # noqa: E402
 
 #: the rows: (name, model family, engine)
@@ -55,7 +56,7 @@ def prepare(out: Path, records: int, family: str) -> dict[str, Path]:
         if n_videos:
             add_video_records(data, videos, n_videos, seed=1)
     cost_model = root / "costmodel.json"
-    if not readable_cost_model(cost_model):
+    if reusable_fitted_model(cost_model) is None:
         print(f"profiling {model} into {cost_model} ...", flush=True)
         sweep = ["--tiles", TILE_SWEEPS[family], "--seq-lens", "32,64,128,256,512"]
         profile_model_into(cost_model, ["--model_name_or_path", str(model), *sweep])

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dflop_ds.cost import FittedCostModel, load_cost_model
+from dflop_ds.cost import FittedCostModel, load_cost_model, reusable_fitted_model
 from dflop_ds.launch import launch_env, run_deepspeed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,26 +26,10 @@ def profile_model_into(path: str | Path, options: Sequence[str] = ()) -> None:
     )
 
 
-def readable_cost_model(path: str | Path) -> FittedCostModel | None:
-    """The profiled cost model at ``path``, or None when there is none this version can read (no
-    file, an older format, or not a profiled model: the caller profiles again)."""
-    if not Path(path).exists():
-        return None
-    try:
-        model = load_cost_model(path)
-    except ValueError as error:
-        print(f"{error}: profiling again", flush=True)
-        return None
-    if not isinstance(model, FittedCostModel):
-        print(f"{path} holds a {type(model).__name__}, not a profiled model: profiling again", flush=True)
-        return None
-    return model
-
-
 def profiled_cost_model(path: str | Path, reuse: bool = True) -> FittedCostModel:
     """The tiny model's FittedCostModel at ``path``, profiled now unless ``reuse`` and the file
-    holds one this version reads (:func:`readable_cost_model`)."""
-    model = readable_cost_model(path) if reuse else None
+    holds one this version reads (:func:`~dflop_ds.cost.reusable_fitted_model`)."""
+    model = reusable_fitted_model(path) if reuse else None
     if model is not None:
         return model
     print(f"profiling the tiny model into {path} ...", flush=True)

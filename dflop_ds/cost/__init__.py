@@ -10,7 +10,13 @@
 
 from dflop_ds.cost.analytic import AnalyticMLLM, reference_model, reference_names
 from dflop_ds.cost.fitted import FittedCostModel, check_policy
-from dflop_ds.cost.io import cost_model_from_dict, cost_model_to_dict, load_cost_model, save_cost_model
+from dflop_ds.cost.io import (
+    cost_model_from_dict,
+    cost_model_to_dict,
+    load_cost_model,
+    reusable_fitted_model,
+    save_cost_model,
+)
 from dflop_ds.cost.measurements import Measurement, ModelProfile
 from dflop_ds.cost.packed import PackedCost
 from dflop_ds.cost.protocol import CostModel
@@ -30,6 +36,7 @@ __all__ = [
     "cost_model_from_dict",
     "cost_model_to_dict",
     "load_cost_model",
+    "reusable_fitted_model",
     "reference_model",
     "reference_names",
     "save_cost_model",

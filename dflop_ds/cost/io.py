@@ -8,6 +8,7 @@ models had a format of their own) are refused with the file and the version name
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from os import PathLike
 from pathlib import Path
 from typing import Any, Union
@@ -82,3 +83,20 @@ def load_cost_model(spec: PathArg) -> CostModel:
             f"cost model {str(spec)!r} is neither a file nor a reference profile ({', '.join(reference_names())})"
         )
     return cost_model_from_dict(read_json_object(path), source=str(path))
+
+
+def reusable_fitted_model(path: PathArg, log: Callable[[str], None] = print) -> FittedCostModel | None:
+    """The fitted cost model in the file ``path``, or None when there is none this version can
+    read: no file, a format it refuses, or another kind of model (``log`` says which), so that
+    the caller profiles again instead of failing on a stale file."""
+    if not Path(path).exists():
+        return None
+    try:
+        model = load_cost_model(path)
+    except ValueError as error:
+        log(f"{error}: profiling again")
+        return None
+    if not isinstance(model, FittedCostModel):
+        log(f"{path} holds a {type(model).__name__}, not a profiled model: profiling again")
+        return None
+    return model

@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from dflop_ds.cost import FittedCostModel, load_cost_model, save_cost_model
+from dflop_ds.cost import FittedCostModel, reusable_fitted_model, save_cost_model
 from dflop_ds.cost.io import FORMAT_VERSION as COST_MODEL_FORMAT_VERSION
 from dflop_ds.profile.model import profile_model
 from dflop_ds.profile.target import ProfileTarget
@@ -92,17 +92,10 @@ def key_digest(key: dict[str, Any]) -> str:
 def _cached(path: Path, key_path: Path, key: dict[str, Any], log: Callable[[str], None]) -> FittedCostModel | None:
     """The fitted cost model at ``path`` if its key file holds ``key`` and it loads as one; None
     otherwise (absent, another key, or a file this version cannot read: it is profiled again)."""
-    if not (path.exists() and key_path.exists()):
+    if not key_path.exists() or json.loads(key_path.read_text()) != json.loads(json.dumps(key)):
         return None
-    if json.loads(key_path.read_text()) != json.loads(json.dumps(key)):
-        return None
-    try:
-        loaded = load_cost_model(path)
-    except ValueError as error:
-        log(f"[dflop-ds] cost model: {error}; profiling again")
-        return None
-    if not isinstance(loaded, FittedCostModel):
-        log(f"[dflop-ds] cost model: {path} holds a {type(loaded).__name__}, not a fitted model; profiling again")
+    loaded = reusable_fitted_model(path, lambda message: log(f"[dflop-ds] cost model: {message}"))
+    if loaded is None:
         return None
     log(f"[dflop-ds] cost model: reusing {path} (same model, machine and versions)")
     return loaded
