@@ -106,15 +106,16 @@ def test_allow_oversize_trains_the_sample_alone_once_with_a_warning(caplog):
 
 
 def test_the_stock_sampler_refuses_a_cap_and_the_config_keys_are_typed():
-    with pytest.raises(ValueError, match="memory_cap_bytes.*needs the dflop sampler"):
-        make_sampler(
-            "stock",
-            planted(32, 1),
-            global_batch_size=16,
-            gradient_accumulation_steps=2,
-            memory_cap=1e9,
-            allow_oversize=True,
-        )
+    for method in ("stock", "verl"):  # the registered splitters other than dflop ignore memory
+        with pytest.raises(ValueError, match=f"memory_cap_bytes.*needs the dflop sampler: the '{method}'"):
+            make_sampler(
+                method,
+                planted(32, 1),
+                global_batch_size=16,
+                gradient_accumulation_steps=2,
+                memory_cap=1e9,
+                allow_oversize=True,
+            )
     assert DFLOPConfig.from_dict({}).memory_cap_bytes is None
     assert DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": 2e9, "allow_oversize": True}}).allow_oversize is True
     with pytest.raises(ValueError, match="memory_cap_bytes"):

@@ -402,9 +402,17 @@ class GlobalBatchSampler:
 
 class SplitterSampler(GlobalBatchSampler):
     """A sampler whose global batches are cut by the registered splitter named ``splitter``
-    (:func:`~dflop_ds.schedule.splitters.make_splitter`), e.g. ``"llava"`` or ``"verl"``."""
+    (:func:`~dflop_ds.schedule.splitters.make_splitter`), e.g. ``"llava"`` or ``"verl"``. These
+    splitters cut microbatches without regard to their memory, so a ``memory_cap`` is refused."""
 
-    def __init__(self, shapes: Sequence[SampleShape], *, splitter: str, **kwargs) -> None:
+    def __init__(
+        self, shapes: Sequence[SampleShape], *, splitter: str, memory_cap: float | None = None, **kwargs
+    ) -> None:
+        if memory_cap is not None:
+            raise ValueError(
+                f"a memory cap (dflop.sampler.memory_cap_bytes) needs the dflop sampler: the {splitter!r}"
+                " splitter cuts microbatches whatever their memory"
+            )
         self.splitter = make_splitter(splitter)
         self.method = splitter
         super().__init__(shapes, **kwargs)
@@ -419,12 +427,7 @@ class StockBatchSampler(SplitterSampler):
 
     method = "stock"
 
-    def __init__(self, shapes: Sequence[SampleShape], *, memory_cap: float | None = None, **kwargs) -> None:
-        if memory_cap is not None:
-            raise ValueError(
-                "a memory cap (dflop.sampler.memory_cap_bytes) needs the dflop sampler: the stock sampler"
-                " cuts microbatches of a fixed sample count whatever their memory"
-            )
+    def __init__(self, shapes: Sequence[SampleShape], **kwargs) -> None:
         super().__init__(shapes, splitter="stock", **kwargs)
 
 
@@ -566,7 +569,4 @@ def make_sampler(method: str, shapes: Sequence[SampleShape], **kwargs) -> Global
         kwargs.pop(key, None)
     if method == "stock":
         return StockBatchSampler(shapes, **kwargs)
-    if kwargs.get("memory_cap") is not None:
-        raise ValueError(f"a memory cap (dflop.sampler.memory_cap_bytes) needs the dflop sampler, not {method!r}")
-    kwargs.pop("memory_cap", None)
     return SplitterSampler(shapes, splitter=method, **kwargs)
