@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dflop_ds.data.records import BAD_SAMPLE_POLICIES
+from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.jsonio import read_json_object
 from dflop_ds.models.hf.lora import lora_settings
 from dflop_ds.plan.cluster import MIXED_PRECISIONS
@@ -121,8 +122,8 @@ class DFLOPConfig:
     policy: str = setting("tiny", "data", kind="str", choices=("tiny", "default"))
     image_folder: str | None = setting(None, "data", kind="str", optional=True)
     video_folder: str | None = setting(None, "data", kind="str", optional=True)
-    video_fps: float = setting(2.0, "data", kind="number", minimum=0.01)
-    video_max_frames: int = setting(768, "data", kind="int", minimum=2)
+    video_fps: float = setting(DEFAULT_VIDEO_FPS, "data", kind="number", minimum=0.01)
+    video_max_frames: int = setting(DEFAULT_VIDEO_MAX_FRAMES, "data", kind="int", minimum=2)
     max_length: int | None = setting(None, "data", kind="int", minimum=1, optional=True)
     truncation: str = setting("error", "data", kind="str", choices=("error", "truncate"))
     num_workers: int = setting(2, "data", kind="int", minimum=0)

@@ -21,6 +21,8 @@ from dflop_ds.data.headers import HeaderSizes
 
 VIDEO_CACHE_FORMAT = "dflop-ds-video-info-cache"
 VIDEO_CACHE_SUFFIX = ".video_info.cache.json"
+#: Qwen2-VL's recipe (qwen-vl-utils): 2 frames per second, 4 to 768 frames
+DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES, VIDEO_MIN_FRAMES = 2.0, 768, 4
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,13 @@ class VideoHeaders(HeaderSizes):
 
 
 def sampled_frame_count(
-    frames: int, fps: float, *, target_fps: float, max_frames: int, min_frames: int = 4, multiple: int = 2
+    frames: int,
+    fps: float,
+    *,
+    target_fps: float,
+    max_frames: int,
+    min_frames: int = VIDEO_MIN_FRAMES,
+    multiple: int = 2,
 ) -> int:
     """Frames Qwen2-VL's recipe samples from a video of ``frames`` frames at ``fps``: ``target_fps``
     frames per second of video, at least ``min_frames`` and at most ``max_frames`` (and the

@@ -46,7 +46,14 @@ from typing import Any
 import torch
 
 from dflop_ds.data.errors import PathArg
-from dflop_ds.data.video import decode_frames, sample_frame_indices, sampled_frame_count
+from dflop_ds.data.video import (
+    DEFAULT_VIDEO_FPS,
+    DEFAULT_VIDEO_MAX_FRAMES,
+    VIDEO_MIN_FRAMES,
+    decode_frames,
+    sample_frame_indices,
+    sampled_frame_count,
+)
 from dflop_ds.models.hf.data import (
     NO_LIMIT,
     TRUNCATION,
@@ -67,8 +74,6 @@ TEMPLATE_NAME = "qwen2-vl-chatml"
 DEFAULT_SYSTEM = "You are a helpful assistant."
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
-#: Qwen2-VL's recipe (qwen-vl-utils): 2 frames per second, 4 to 768 frames
-DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES, VIDEO_MIN_FRAMES = 2.0, 768, 4
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.models.hf.family import HFFamily, family_source
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers
 from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor, collate_qwen2_vl
@@ -18,8 +19,8 @@ def qwen2_vl_source(
     image_folder: str | None = None,
     lora: Mapping[str, Any] | None = None,
     video_folder: str | None = None,
-    video_fps: float = 2.0,
-    video_max_frames: int = 768,
+    video_fps: float = DEFAULT_VIDEO_FPS,
+    video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
     max_length: int | None = None,
     truncation: str = "error",
 ) -> ModelSource:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.models.hf.common import model_type
 from dflop_ds.models.hf.data import LlavaDataset, LlavaPreprocessor, collate_llava
 from dflop_ds.models.hf.family import HFFamily, family_source
@@ -24,8 +25,8 @@ def hf_source(
     max_length: int | None = None,
     truncation: str = "error",
     video_folder: str | None = None,
-    video_fps: float = 2.0,
-    video_max_frames: int = 768,
+    video_fps: float = DEFAULT_VIDEO_FPS,
+    video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
 ) -> ModelSource:
     """The model, processor and data pipeline of a HuggingFace directory for the training loop:
     a ``LlavaForConditionalGeneration`` here, the Qwen2-VL family through
