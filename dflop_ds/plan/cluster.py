@@ -127,11 +127,6 @@ class Cluster:
         stages: a pipeline needs ZeRO 0/1, and no tensor parallelism under AutoTP."""
         return pp == 1 or (self.zero_stage <= 1 and (tp == 1 or not self.autotp))
 
-    @property
-    def runs_pipelines(self) -> bool:
-        """Whether the ZeRO stage allows pipelines at all (DeepSpeed's pipeline engine: ZeRO 0/1)."""
-        return self.zero_stage <= 1
-
     def allreduce_seconds(self, nbytes: ArrayLike, dp: ArrayLike, inner: ArrayLike) -> Number:
         """Gradient synchronisation of ``nbytes`` over ``dp`` ranks spaced ``inner`` GPUs apart: a
         ring all-reduce, times :attr:`sync_factor` (elementwise over arrays)."""
