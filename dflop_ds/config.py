@@ -21,6 +21,8 @@ from dflop_ds.typecheck import check_setting
 
 #: the key of a section that is one attribute as a whole (``dflop.correction``)
 WHOLE_SECTION = "*"
+#: ``dflop.sampler.memory_cap_bytes`` values besides a number: decided for the run (plan, device), none
+AUTO, OFF = "auto", "off"
 
 
 def setting(default: Any, section: str, key: str | None = None, **rule: Any) -> Any:
@@ -106,9 +108,15 @@ class DFLOPConfig:
             (None: the tokenizer's ``model_max_length``).
         truncation: a longer sample is a bad record (``"error"``) or is cut at ``max_length``
             (``"truncate"``, counted; a cut through image tokens is always a bad record).
-        memory_cap_bytes: the most bytes a microbatch may be predicted to need beyond the
-            parameters (the cost model's ``predict_memory``, encoder + LLM); the DFLOP sampler
-            splits so that none exceeds it (None: no cap). A plan may set it.
+        memory_cap_bytes: the activation bytes one device may hold (its memory beyond the
+            parameters, gradients and optimizer states); the DFLOP sampler splits so that no
+            microbatch is predicted above it (the cost model's ``predict_memory``, encoder + LLM;
+            in a pipeline, stage ``s``'s share of it for each of the microbatches it holds in
+            flight, :func:`dflop_ds.cost.stage.stage_memory_caps`). A number of bytes;
+            ``"auto"`` (default): the plan's cap when the run follows a plan that records one,
+            else :func:`dflop_ds.train.memory_cap.device_activation_budget` of the device's free
+            memory (the DFLOP sampler only; the others run without a cap); ``"off"``: no cap.
+            A number or ``"off"`` in the config wins over the plan's.
         allow_oversize: a sample predicted above ``memory_cap_bytes`` alone is trained in a
             microbatch of its own, with a warning naming it, instead of stopping with an error.
         fault: inject a slow shape class for tests and demos (see
@@ -143,7 +151,7 @@ class DFLOPConfig:
     prefetch: int = setting(1, "sampler", kind="int", minimum=0)
     schedule_timeout_s: float | None = setting(300.0, "sampler", kind="number", above=0, optional=True)
     drop_last: bool = setting(False, "sampler", kind="bool")
-    memory_cap_bytes: float | None = setting(None, "sampler", kind="number", above=0, optional=True)
+    memory_cap_bytes: float | str = setting(AUTO, "sampler", kind="number", above=0, words=(AUTO, OFF))
     allow_oversize: bool = setting(False, "sampler", kind="bool")
     # -- plan -------------------------------------------------------------------------------------
     plan: str | None = setting(None, "plan", "file", kind="str", optional=True)
@@ -306,8 +314,10 @@ def fill_from_plan(
     The plan supplies the batch keys (:data:`PLAN_BATCH_KEYS`), ``tensor_parallel`` (tp > 1), the ZeRO
     stage and precision (:data:`PLAN_PRECISION_KEYS`) its memory model assumed, and the block's
     ``pipeline_stages``, ``stage_bounds``, ``activation_checkpointing`` and ``sampler`` wherever the config
-    leaves them out;
-    values the config does set are kept, so a config that contradicts its plan is caught by
+    leaves them out, and its ``memory_cap_bytes`` (the activation bytes per device its memory model
+    left) where the config leaves it out or sets ``"auto"`` and the sampler is ``"dflop"``;
+    values the config does set are kept (a cap the config sets wins over the plan's), so a config
+    that contradicts its plan is caught by
     :func:`dflop_ds.setup_checks.check_training_setup` rather than silently overridden; a stage count
     or split, ZeRO stage, precision or checkpointing that contradicts it is refused here, naming both.
     """
@@ -343,7 +353,13 @@ def fill_from_plan(
             **{k: planned[key][k] for k in ("stage", "enabled") if k in planned[key]},
         }
     filled = json.loads(json.dumps(block))
-    set_settings(filled, **{key: value for key, value in settings.items() if get_setting(block, key) is None})
+    unset = {key: value for key, value in settings.items() if get_setting(block, key) is None}
+    cap = settings.get("memory_cap_bytes")
+    if cap is not None and get_setting(block, "memory_cap_bytes") in (None, AUTO):
+        unset["memory_cap_bytes"] = cap  # "auto" asks for the plan's cap; a number or "off" wins
+    if (get_setting(block, "sampler") or settings["sampler"]) != "dflop":
+        unset.pop("memory_cap_bytes", None)  # only the DFLOP sampler honours a cap
+    set_settings(filled, **unset)
     return config, filled
 
 

@@ -40,13 +40,15 @@ def check_setting(
     above: float | None = None,
     optional: bool = False,
     choices: Sequence[Any] | None = None,
+    words: Sequence[str] = (),
 ) -> None:
     """Raise ``ValueError`` naming ``key`` and ``value`` unless ``value`` is of ``kind``
     (``"bool"``, ``"int"``, ``"number"``, ``"str"``, ``"dict"``, ``"list"``; ``None`` too when
-    ``optional``), within ``[minimum, maximum]``, greater than ``above``, and among ``choices``."""
-    if value is None and optional:
+    ``optional``; one of the strings ``words`` too, e.g. ``"auto"`` beside a number), within
+    ``[minimum, maximum]``, greater than ``above``, and among ``choices``."""
+    if (value is None and optional) or (isinstance(value, str) and value in words):
         return
-    what = _KINDS[kind] + (" or null" if optional else "")
+    what = _KINDS[kind] + (" or null" if optional else "") + "".join(f" or {word!r}" for word in words)
     if not _has_kind(value, kind):
         raise ValueError(f"{key} must be {what}, got {value!r} ({type(value).__name__})")
     if choices is not None and value not in choices:

@@ -116,7 +116,8 @@ def test_the_stock_sampler_refuses_a_cap_and_the_config_keys_are_typed():
                 memory_cap=1e9,
                 allow_oversize=True,
             )
-    assert DFLOPConfig.from_dict({}).memory_cap_bytes is None
+    assert DFLOPConfig.from_dict({}).memory_cap_bytes == "auto"
+    assert DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": "off"}}).memory_cap_bytes == "off"
     assert DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": 2e9, "allow_oversize": True}}).allow_oversize is True
     with pytest.raises(ValueError, match="memory_cap_bytes"):
         DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": "2GB"}})

@@ -111,11 +111,7 @@ class Cluster:
     def state_factor(self, dp: ArrayLike) -> Number:
         """Training-state bytes per weight byte (weights, gradients, optimizer) on a GPU of a
         ``dp``-way data-parallel group under the ZeRO stage (elementwise over arrays)."""
-        dp = np.asarray(dp, dtype=float)
-        total = np.zeros_like(dp)
-        for term, sharded in zip(STATE_TERMS[self.precision], ZERO_SHARDED[self.zero_stage]):
-            total = total + (term / dp if sharded else term)
-        return _scalar_or_array(total)
+        return state_factor(self.precision, self.zero_stage, dp)
 
     @property
     def sync_factor(self) -> float:
@@ -143,6 +139,20 @@ class Cluster:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready fields."""
         return asdict(self)
+
+
+def state_factor(precision: str, zero_stage: int, dp: ArrayLike, trainable: bool = True) -> Number:
+    """Training-state bytes per weight byte on a rank of a ``dp``-way data-parallel group:
+    :data:`STATE_TERMS` of ``precision``, each term sharded over ``dp`` where ZeRO stage
+    ``zero_stage`` shards it (:data:`ZERO_SHARDED`); a frozen weight (``trainable=False``) keeps
+    its weights alone (elementwise over arrays)."""
+    dp = np.asarray(dp, dtype=float)
+    total = np.zeros_like(dp)
+    for term, sharded in zip(STATE_TERMS[precision], ZERO_SHARDED[zero_stage]):
+        total = total + (term / dp if sharded else term)
+        if not trainable:
+            break
+    return _scalar_or_array(total)
 
 
 def _scalar_or_array(x: np.ndarray) -> Number:

@@ -39,18 +39,24 @@ class Evaluation:
         memory: ``(n_stages,)`` predicted peak bytes per GPU of each stage.
         feasible: every stage fits the cluster's usable memory.
         order: ``order[r][j]``: sample indices (into the batch) of rank ``r``'s ``j``-th microbatch.
+        states: ``(n_stages,)`` bytes per GPU of each stage's model states (weights, gradients,
+            optimizer states): the part of ``memory`` no microbatch changes.
     """
 
     sim: SimResult
     memory: np.ndarray
     feasible: bool
     order: list[Buckets]
+    states: np.ndarray
 
     @classmethod
-    def of_step(cls, sim: SimResult, memory: np.ndarray, cluster: Cluster, order: list[Buckets]) -> Evaluation:
-        """A simulated step whose stages need ``memory`` bytes per GPU: feasible when every stage fits
-        the cluster's usable memory."""
-        return cls(sim=sim, memory=memory, feasible=bool(memory.max() <= cluster.usable_memory), order=order)
+    def of_step(
+        cls, sim: SimResult, memory: np.ndarray, cluster: Cluster, order: list[Buckets], states: np.ndarray
+    ) -> Evaluation:
+        """A simulated step whose stages need ``memory`` bytes per GPU, ``states`` of them for model
+        states: feasible when every stage fits the cluster's usable memory."""
+        feasible = bool(memory.max() <= cluster.usable_memory)
+        return cls(sim=sim, memory=memory, feasible=feasible, order=order, states=np.asarray(states, dtype=float))
 
 
 def forward_fraction(model: Any) -> float:
@@ -247,4 +253,4 @@ def evaluate(
     in_flight = np.minimum(p - np.arange(p), layout.n_mb)
     static = np.array([weights[s] / tp[s] * cluster.state_factor(int(dp[s])) for s in range(p)])
     memory = static + in_flight * act + work
-    return Evaluation.of_step(sim, memory, cluster, order)
+    return Evaluation.of_step(sim, memory, cluster, order, static)

@@ -8,12 +8,14 @@ it come:
   ``encoder layers + projector + LLM layers`` (rescaled when the model has other depths);
 - the DeepSpeed config the plan assumed (batch keys, ZeRO stage, precision, activation
   checkpointing, AutoTP, stages): :meth:`Plan.deepspeed_config`;
-- the sampler's settings: :meth:`Plan.sampler_settings`.
+- the sampler's settings: :meth:`Plan.sampler_settings`, and the ``"dflop"`` block's settings
+  (stages, splitter, the activation memory cap per device): :meth:`Plan.dflop_settings`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,16 @@ def splitter_from_dict(data: dict[str, Any]) -> str:
     if name not in splitter_names():
         raise ValueError(f"splitter {name!r} is not registered: choose one of {list(splitter_names())}")
     return str(name)
+
+
+def _optional_bytes(data: dict[str, Any], key: str) -> float | None:
+    """``data[key]`` as a positive number of bytes; absent or null: None (files written before it)."""
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{key} must be a positive number of bytes or null, got {value!r}")
+    return float(value)
 
 
 def _boolean(data: dict[str, Any], key: str) -> bool:
@@ -102,6 +114,11 @@ class Plan:
         precision: ``"bf16"``, ``"fp16"`` or ``"fp32"``, the precision the memory model assumed.
         activation_checkpointing: whether the cost model's activation memory assumed every
             layer's activations recomputed in backward.
+        memory_cap_bytes: the activation bytes one GPU may hold under the plan's memory model (its
+            usable memory less the largest stage's model states, in the cost model's tp = 1
+            sizes; :func:`dflop_ds.plan.planner.activation_budget`), the run's
+            ``dflop.sampler.memory_cap_bytes`` unless its config sets one; None in files written
+            before plans recorded it.
         format_version: JSON format version.
     """
 
@@ -122,6 +139,7 @@ class Plan:
     zero_stage: int = 1
     precision: str = "bf16"
     activation_checkpointing: bool = False
+    memory_cap_bytes: float | None = None
     format_version: int = PLAN_FORMAT_VERSION
 
     # -- construction ----------------------------------------------------------------------------
@@ -141,6 +159,7 @@ class Plan:
         zero_stage: int = 1,
         precision: str = "bf16",
         activation_checkpointing: bool = False,
+        memory_cap_bytes: float | None = None,
     ) -> Plan:
         """A plan for ``layout`` (see :func:`dflop_ds.plan.make_plans` for plans with predictions)."""
         return cls(
@@ -160,6 +179,7 @@ class Plan:
             zero_stage=zero_stage,
             precision=precision,
             activation_checkpointing=activation_checkpointing,
+            memory_cap_bytes=memory_cap_bytes,
         )
 
     @property
@@ -271,8 +291,9 @@ class Plan:
 
     def dflop_settings(self) -> dict[str, Any]:
         """The ``"dflop"`` settings the plan decides, by :class:`dflop_ds.config.DFLOPConfig`
-        attribute: ``pipeline_stages``, ``stage_bounds``, ``sampler``, ``activation_checkpointing``
-        and, for a colocated plan, ``encoder`` (the encoder data-parallel over every rank)."""
+        attribute: ``pipeline_stages``, ``stage_bounds``, ``sampler``, ``activation_checkpointing``,
+        for a colocated plan ``encoder`` (the encoder data-parallel over every rank), and for a plan
+        of the DFLOP sampler that records one, ``memory_cap_bytes`` (the other samplers take no cap)."""
         settings: dict[str, Any] = {
             "pipeline_stages": self.pipeline_stages,
             "stage_bounds": self.stage_bounds().to_list(),
@@ -281,6 +302,8 @@ class Plan:
         }
         if self.layout.colocated:
             settings["encoder"] = "colocated"
+        if self.memory_cap_bytes is not None and self.splitter == "dflop":
+            settings["memory_cap_bytes"] = self.memory_cap_bytes
         return settings
 
     def sampler_settings(self) -> dict[str, int]:
@@ -327,6 +350,7 @@ class Plan:
                 zero_stage=_integer(data, "zero_stage"),
                 precision=str(data["precision"]),
                 activation_checkpointing=_boolean(data, "activation_checkpointing"),
+                memory_cap_bytes=_optional_bytes(data, "memory_cap_bytes"),
             )
             if plan.baseline is not None:
                 layout_from_dict(plan.baseline)
@@ -368,6 +392,10 @@ class Plan:
             raise PlanFileError(
                 f"{source}: zero_stage={self.zero_stage!r} / precision={self.precision!r}: expected"
                 f" one of {sorted(ZERO_SHARDED)} / {PRECISIONS}"
+            )
+        if self.memory_cap_bytes is not None and not 0 < self.memory_cap_bytes < math.inf:
+            raise PlanFileError(
+                f"{source}: memory_cap_bytes={self.memory_cap_bytes!r} must be a positive number of bytes"
             )
         reason = self.unrunnable_reason()
         if reason is not None:

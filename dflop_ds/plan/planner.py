@@ -47,6 +47,15 @@ def describe_cost_model(model: Any) -> dict[str, Any]:
     }
 
 
+def activation_budget(scored: Scored, cluster: Cluster) -> float:
+    """The activation bytes one device may hold under ``scored``'s layout, in the cost model's
+    sizes (tensor parallelism 1): the usable memory of a GPU less the largest stage's model states,
+    times the tensor-parallel degree (each GPU keeps ``1 / tp`` of the activations). What the
+    plan writes as ``memory_cap_bytes``; the plan's own microbatches fit under it."""
+    states = max(float(e.states.max()) for e in scored.evaluations)
+    return max(cluster.usable_memory - states, 0.0) * scored.layout.llm.tp
+
+
 def _plan(model: Any, cluster: Cluster, global_batch: int, scored: Scored, result: SearchResult) -> Plan:
     predicted = {
         "step_time_s": scored.step_time,
@@ -73,6 +82,7 @@ def _plan(model: Any, cluster: Cluster, global_batch: int, scored: Scored, resul
         zero_stage=cluster.zero_stage,
         precision=cluster.precision,
         activation_checkpointing=bool(getattr(model, "activation_checkpointing", False)),
+        memory_cap_bytes=activation_budget(scored, cluster) or None,
     )
 
 

@@ -1,12 +1,16 @@
 """The memory cap of a microbatch: predicted bytes per sample and per microbatch, oversize samples.
 
 A cost model's ``predict_memory(shapes)`` gives the bytes one microbatch needs beyond the
-parameters, per column ``[encoder, llm]``. The cap bounds their sum: the bytes of a device that
-holds the whole model (exact for the plain engine; conservative for a pipeline stage, which holds
-a part of the layers). The partitioner sums per-sample bytes (each sample predicted alone), which
-is exact or conservative for packed microbatches (one per-microbatch constant counted per sample);
-padded microbatches, which pay for their longest sample on every row, are checked afterwards with
-the microbatch prediction (see :meth:`dflop_ds.schedule.sampler.DFLOPBatchSampler.balanced_split`).
+parameters, per column ``[encoder, llm]``. The cap (``dflop.sampler.memory_cap_bytes``: the
+activation bytes one device may hold) bounds their sum: the bytes of a device that holds the
+whole model. A cost model whose columns are the bytes of different devices
+(``memory_per_device``: :class:`~dflop_ds.cost.StageCost`, one column per pipeline stage, its
+share times the microbatches it holds in flight) has the cap bound each column, i.e. their
+largest. The partitioner sums per-sample bytes (each sample predicted alone), which is exact or
+conservative for packed microbatches (one per-microbatch constant counted per sample; the sum of
+per-sample largest columns bounds the largest column of the sum); padded microbatches, which pay
+for their longest sample on every row, are checked afterwards with the microbatch prediction (see
+:meth:`dflop_ds.schedule.sampler.DFLOPBatchSampler.balanced_split`).
 """
 
 from __future__ import annotations
@@ -42,8 +46,10 @@ def memory_predictor(cost_model: Any) -> Any:
 
 
 def microbatch_bytes(cost_model: Any, shapes: Sequence[SampleShape]) -> float:
-    """Predicted bytes of one microbatch of ``shapes``: the sum of its memory columns."""
-    return float(np.sum(memory_predictor(cost_model)(list(shapes))))
+    """Predicted bytes of one microbatch of ``shapes`` against the cap: the sum of its memory
+    columns, or their largest when ``cost_model.memory_per_device`` (columns on different devices)."""
+    columns = np.asarray(memory_predictor(cost_model)(list(shapes)), dtype=float)
+    return float(columns.max(initial=0.0) if getattr(cost_model, "memory_per_device", False) else columns.sum())
 
 
 def sample_bytes(cost_model: Any, shapes: Sequence[SampleShape]) -> np.ndarray:

@@ -25,6 +25,7 @@ import torch
 
 from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, set_settings
 from dflop_ds.cost import CostModel, PackedCost, ProxyCost, StageCost, check_policy, load_cost_model
+from dflop_ds.cost.stage import stage_memory_caps
 from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
 from dflop_ds.loader import make_loader
 from dflop_ds.models.hf.source import hf_source
@@ -49,6 +50,7 @@ from dflop_ds.train.colocated import (
 )
 from dflop_ds.train.engine import TrainingEngine, build_engine
 from dflop_ds.train.gather import gather_full_state
+from dflop_ds.train.memory_cap import MemoryCap, device_memory_cap, resolve_memory_cap
 
 #: command-line options that override settings of the "dflop" block (option dest -> DFLOPConfig attribute)
 BLOCK_OVERRIDES = {
@@ -161,6 +163,29 @@ def load_plan(path: str | None):
     return Plan.load(path)
 
 
+def run_memory_cap(cfg: DFLOPConfig, trainer: TrainingEngine, ds_config: dict, accelerator: Any) -> MemoryCap:
+    """The run's memory cap (:func:`~dflop_ds.train.memory_cap.resolve_memory_cap`): the config's,
+    the plan's, or the default from this device's memory (a collective: every rank calls this)."""
+    plan = load_plan(cfg.plan)
+    from_plan = plan is not None and plan.memory_cap_bytes == cfg.memory_cap_bytes
+    return resolve_memory_cap(
+        cfg.memory_cap_bytes,
+        cfg.sampler,
+        from_plan,
+        lambda: device_memory_cap(trainer.module, ds_config, trainer.dp_coords[1], accelerator),
+    )
+
+
+def sampler_memory_cap(cap: MemoryCap, sampler_cost: Any, num_stages: int, microbatches: int) -> float | None:
+    """The cap the sampler compares microbatches with: the device budget itself for a cost model
+    that predicts per stage (:class:`StageCost`: each stage's share times its microbatches in
+    flight) or for one stage; otherwise whole-model bytes against the smallest per-stage cap
+    (:func:`~dflop_ds.cost.stage.stage_memory_caps`), which bounds every stage's share."""
+    if cap.bytes is None or num_stages == 1 or getattr(sampler_cost, "memory_per_device", False):
+        return cap.bytes
+    return float(stage_memory_caps(cap.bytes, num_stages, microbatches).min())
+
+
 def model_source(cfg: DFLOPConfig) -> ModelSource:
     """The tiny model, or the HuggingFace model of ``dflop.model.name_or_path``."""
     if cfg.model_name_or_path is None:
@@ -260,7 +285,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (
         pipelined and cost_model is not None and correction is None and not colocated
     ):  # balance what each stage computes
-        sampler_cost = StageCost(sampler_cost, stage_shares(trainer.stage_bounds, cost_model))
+        sampler_cost = StageCost(
+            sampler_cost,
+            stage_shares(trainer.stage_bounds, cost_model),
+            microbatches=engine.gradient_accumulation_steps(),
+        )
+    memory_cap = run_memory_cap(cfg, trainer, ds_config, get_accelerator())
+    if rank == 0:
+        print(f"[dflop-ds] {memory_cap.describe()}", flush=True)
+    gas = engine.gradient_accumulation_steps()
     sampler: GlobalBatchSampler | DispatchingSampler = make_sampler(
         cfg.sampler,
         shapes,
@@ -278,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lockstep=not pipelined,
         drop_last=cfg.drop_last,
         schedule_timeout_s=cfg.schedule_timeout_s,
-        memory_cap=cfg.memory_cap_bytes,
+        memory_cap=sampler_memory_cap(memory_cap, sampler_cost, trainer.num_stages, gas),
         allow_oversize=cfg.allow_oversize,
     )
     collate = source.collate

@@ -189,7 +189,7 @@ def colocated_step(
     work = max(float(st.work[..., 0].max()), float(st.work[..., 1].max()) / tp)
     static = weights / tp * cluster.state_factor(dp) + encoder_state_bytes(model, cluster)
     memory = static + np.minimum(p - np.arange(p), layout.n_mb) * act + enc_act + work
-    return Evaluation.of_step(sim, memory, cluster, order)
+    return Evaluation.of_step(sim, memory, cluster, order, static)
 
 
 def encoder_phase_seconds(model: Any, shapes: Sequence[SampleShape], order: list[Buckets], gpus: int) -> float:
