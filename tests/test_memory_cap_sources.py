@@ -15,12 +15,13 @@ from test_sampler_memory_cap import clip, planted, sampler, trained
 from tiny_plans import one_stage_plan, two_stage_plan
 
 from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, plan_deepspeed_config, set_settings
-from dflop_ds.cost import ProxyCost, StageCost
+from dflop_ds.cost import PackedCost, ProxyCost, StageCost
 from dflop_ds.cost.stage import in_flight_microbatches, stage_memory_caps
 from dflop_ds.models.source import tiny_source
 from dflop_ds.plan import Cluster, Plan, make_plans
 from dflop_ds.plan.planner import activation_budget
-from dflop_ds.schedule.memory import OversizeSampleError, microbatch_bytes, sample_bytes
+from dflop_ds.schedule.memory import OversizeSampleError, memory_blind_model, microbatch_bytes, sample_bytes
+from dflop_ds.train.colocated import LLMOnlyCost
 from dflop_ds.train.loop import sampler_memory_cap
 from dflop_ds.train.memory_cap import (
     DEFAULT_MEMORY_MARGIN,
@@ -221,6 +222,13 @@ def test_off_and_other_samplers_have_no_cap_and_the_setting_is_typed():
     assert resolve_memory_cap("off", "dflop", False, never) == MemoryCap(None, "off")
     assert resolve_memory_cap("auto", "stock", False, never).bytes is None
     assert resolve_memory_cap(2e9, "dflop", False, never) == MemoryCap(2e9, "config")
+    # a colocated encoder's sampler balances LLMOnlyCost, which predicts no memory: "auto" is no cap,
+    # a number is refused by the sampler naming the model
+    blind = memory_blind_model(PackedCost(LLMOnlyCost(ProxyCost())))
+    assert isinstance(blind, LLMOnlyCost) and memory_blind_model(PackedCost(ProxyCost())) is None
+    assert resolve_memory_cap("auto", "dflop", False, never, blind) == MemoryCap(None, "LLMOnlyCost predicts no memory")
+    with pytest.raises(ValueError, match="predicts memory.*LLMOnlyCost does not"):
+        sampler(planted(32, 1), PackedCost(LLMOnlyCost(ProxyCost())), memory_cap=1e9)
     for good in ("auto", "off", 1, 2.5e9):
         assert DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": good}}).memory_cap_bytes == good
     for bad in ("2GB", None, True, -1):

@@ -46,18 +46,24 @@ def test_two_rank_pipeline_training_with_varying_shapes_lowers_the_loss(launch_t
     assert len({s["tokens"] for s in steps}) > 10
     assert any(len(set(s["microbatch_sizes"])) > 1 for s in steps)
     assert run["summary"]["samples_per_s"] > 0
+    # "auto" without a plan: the smallest device figure of the ranks, which the bundled data fits under
+    cap = run["summary"]["memory_cap"]
+    assert cap["source"] == "device" and cap["bytes"] > 0 and "the smallest of all ranks" in cap["detail"]
 
 
 @pytest.mark.slow
 def test_a_plan_file_starts_a_two_rank_training(tmp_path, run_train):
-    plan = two_stage_plan(precision="fp32")
+    plan = two_stage_plan(precision="fp32", memory_cap_bytes=2e9)
     plan.save(tmp_path / "plan.json")
     config = {
         "steps_per_print": 10**6,
         "dflop": set_settings({}, plan=str(tmp_path / "plan.json"), max_samples=60, steps=3, warmup_steps=1),
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    run_train(tmp_path / "config.json", "--summary", str(tmp_path / "summary.json"))
+    result = run_train(tmp_path / "config.json", "--summary", str(tmp_path / "summary.json"))
+    output = result.stdout + result.stderr
+    assert "memory cap 2 GB of activations per device (from the plan)" in output  # logged once, on rank 0
+    assert output.count("memory cap") == 1
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["summary"]["stage_bounds"] == plan.stage_bounds() == [0, 7, 11]
     assert summary["summary"]["gradient_accumulation_steps"] == 4

@@ -34,15 +34,24 @@ class OversizeSampleError(ValueError):
     """A sample needs more memory alone than the cap allows any microbatch."""
 
 
+def memory_blind_model(cost_model: Any) -> Any:
+    """The first of ``cost_model`` and the models it wraps (``.cost_model``, e.g. a
+    :class:`~dflop_ds.cost.PackedCost`'s) without ``predict_memory``, or None when all predict memory."""
+    while cost_model is not None:
+        if not hasattr(cost_model, "predict_memory"):
+            return cost_model
+        cost_model = getattr(cost_model, "cost_model", None)
+    return None
+
+
 def memory_predictor(cost_model: Any) -> Any:
-    """``cost_model.predict_memory``; a clear error when the model predicts no memory."""
-    predict = getattr(cost_model, "predict_memory", None)
-    if predict is None:
+    """``cost_model.predict_memory``; a clear error when the model (or one it wraps) predicts no memory."""
+    blind = memory_blind_model(cost_model)
+    if blind is not None:
         raise ValueError(
-            f"a memory cap needs a cost model that predicts memory (predict_memory);"
-            f" {type(cost_model).__name__} does not"
+            f"a memory cap needs a cost model that predicts memory (predict_memory); {type(blind).__name__} does not"
         )
-    return predict
+    return cost_model.predict_memory
 
 
 def microbatch_bytes(cost_model: Any, shapes: Sequence[SampleShape]) -> float:

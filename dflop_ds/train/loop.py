@@ -17,6 +17,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from dflop_ds.models.tiny_profile import cached_tiny_cost_model
 from dflop_ds.paths import check_writable, check_writable_folder
 from dflop_ds.plan import Plan
 from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares
+from dflop_ds.schedule.memory import memory_blind_model
 from dflop_ds.schedule.sampler import GlobalBatchSampler, make_sampler
 from dflop_ds.schedule.splitters import splitter_names
 from dflop_ds.setup_checks import check_cost_model, check_training_setup
@@ -163,7 +165,9 @@ def load_plan(path: str | None):
     return Plan.load(path)
 
 
-def run_memory_cap(cfg: DFLOPConfig, trainer: TrainingEngine, ds_config: dict, accelerator: Any) -> MemoryCap:
+def run_memory_cap(
+    cfg: DFLOPConfig, trainer: TrainingEngine, ds_config: dict, accelerator: Any, sampler_cost: Any
+) -> MemoryCap:
     """The run's memory cap (:func:`~dflop_ds.train.memory_cap.resolve_memory_cap`): the config's,
     the plan's, or the default from this device's memory (a collective: every rank calls this)."""
     plan = load_plan(cfg.plan)
@@ -173,6 +177,7 @@ def run_memory_cap(cfg: DFLOPConfig, trainer: TrainingEngine, ds_config: dict, a
         cfg.sampler,
         from_plan,
         lambda: device_memory_cap(trainer.module, ds_config, trainer.dp_coords[1], accelerator),
+        memory_blind_model(sampler_cost),
     )
 
 
@@ -290,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stage_shares(trainer.stage_bounds, cost_model),
             microbatches=engine.gradient_accumulation_steps(),
         )
-    memory_cap = run_memory_cap(cfg, trainer, ds_config, get_accelerator())
+    memory_cap = run_memory_cap(cfg, trainer, ds_config, get_accelerator(), sampler_cost)
     if rank == 0:
         print(f"[dflop-ds] {memory_cap.describe()}", flush=True)
     gas = engine.gradient_accumulation_steps()
@@ -372,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.output_dir:
         save_model(trainer, source, args.output_dir)
     if rank == 0 and records:
-        summary = {**summarize(records, cfg, dp_size), "packing": packing}
+        summary = {**summarize(records, cfg, dp_size), "packing": packing, "memory_cap": asdict(memory_cap)}
         summary.update(
             stage_bounds=trainer.stage_bounds,
             engine="pipeline" if pipelined else "plain",

@@ -132,13 +132,21 @@ def device_memory_cap(module: torch.nn.Module, ds_config: Mapping[str, Any], dp:
     return MemoryCap(budget, "device", detail)
 
 
-def resolve_memory_cap(setting: float | str, sampler: str, from_plan: bool, device_default: Any) -> MemoryCap:
+def resolve_memory_cap(
+    setting: float | str, sampler: str, from_plan: bool, device_default: Any, memory_blind: Any = None
+) -> MemoryCap:
     """The run's :class:`MemoryCap` from ``dflop.sampler.memory_cap_bytes`` (after
     :func:`~dflop_ds.config.fill_from_plan`): a number is the plan's (``from_plan``: the plan
     put it there) or the config's, ``"off"`` none, ``"auto"`` ``device_default()`` for the DFLOP
-    sampler and none for the others (they cut microbatches whatever their memory)."""
+    sampler and none for the others (they cut microbatches whatever their memory) or when the
+    sampler's cost model includes ``memory_blind``, a model that predicts no memory
+    (:func:`~dflop_ds.schedule.memory.memory_blind_model`; a number is refused for it, by the sampler)."""
     if setting == OFF:
         return MemoryCap(None, "off")
+    if setting == AUTO and sampler != "dflop":
+        return MemoryCap(None, "not the dflop sampler")
+    if setting == AUTO and memory_blind is not None:
+        return MemoryCap(None, f"{type(memory_blind).__name__} predicts no memory")
     if setting == AUTO:
-        return device_default() if sampler == "dflop" else MemoryCap(None, "not the dflop sampler")
+        return device_default()
     return MemoryCap(float(setting), "plan" if from_plan else "config")
