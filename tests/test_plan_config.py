@@ -175,7 +175,11 @@ def test_cli_plan_writes_the_deepspeed_config_its_memory_model_assumed(tmp_path:
     assert settings.plan == str(tmp_path / "plan.json") and settings.activation_checkpointing is False
     assert settings.pipeline_stages == plan.pipeline_stages and settings.stage_bounds == plan.stage_bounds()
     assert config["gradient_accumulation_steps"] == plan.n_mb
-    assert "ZeRO 1, fp32" in capsys.readouterr().out
+    # the activation bytes per GPU its memory model left: the sampler's cap unless the config sets one
+    assert plan.splitter == "dflop" and 0 < plan.memory_cap_bytes < plan.gpu_memory_bytes
+    assert settings.memory_cap_bytes == plan.memory_cap_bytes
+    out = capsys.readouterr().out
+    assert "ZeRO 1, fp32" in out and f"activations <= {plan.memory_cap_bytes / 1e9:.1f} GB/GPU" in out
 
 
 @pytest.mark.parametrize(

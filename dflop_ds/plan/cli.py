@@ -48,9 +48,10 @@ def _summary(tag: str, plan: Plan) -> str:
     ds = "yes" if plan.deepspeed_compatible else "no (separate GPU sets)"
     speedup = p["speedup_vs_monolithic"]
     vs = "no monolithic layout fits" if speedup is None else f"x{speedup:.3f} vs monolithic"
+    cap = "" if plan.memory_cap_bytes is None else f"  activations <= {plan.memory_cap_bytes / 1e9:.1f} GB/GPU"
     return (
         f"{tag:<11} {plan.layout.describe():<48} step {p['step_time_s']:.4g} s  "
-        f"bubble {p['bubble_fraction']:.1%}  peak {mem:.1f} GB  {vs}  stock DeepSpeed: {ds}"
+        f"bubble {p['bubble_fraction']:.1%}  peak {mem:.1f} GB{cap}  {vs}  stock DeepSpeed: {ds}"
     )
 
 
