@@ -172,4 +172,4 @@ def test_a_memory_cap_no_sample_fits_stops_before_training_naming_a_sample(ds_co
     result = run_train(config, expect=None)
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert "OversizeSampleError" in output and "memory_cap_bytes = 1000 bytes" in output and "allow_oversize" in output
+    assert "OversizeSampleError" in output and "memory cap of 1000 bytes" in output and "allow_oversize" in output

@@ -87,12 +87,13 @@ def oversize_samples(shapes: Sequence[SampleShape], usage: np.ndarray, cap: floa
     more = f" and {over.size - NAMED} more" if over.size > NAMED else ""
     if not allow_oversize:
         raise OversizeSampleError(
-            f"sample {named}{more} alone is predicted above dflop.sampler.memory_cap_bytes = {cap:.4g} bytes: it fits"
-            " in no microbatch. Raise the cap, drop or shorten the sample, or set dflop.sampler.allow_oversize = true"
-            " to train it alone in its own microbatch"
+            f"sample {named}{more} alone is predicted above the memory cap of {cap:.4g} bytes (from"
+            " dflop.sampler.memory_cap_bytes; the run's log says how): it fits in no microbatch. Raise the"
+            " cap, drop or shorten the sample, or set dflop.sampler.allow_oversize = true to train it alone"
+            " in its own microbatch"
         )
     logger.warning(
-        "%d sample(s) are predicted above memory_cap_bytes = %.4g bytes alone and are trained each in a"
+        "%d sample(s) are predicted above the memory cap of %.4g bytes alone and are trained each in a"
         " microbatch of its own (allow_oversize): %s%s",
         over.size,
         cap,

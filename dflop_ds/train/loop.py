@@ -296,9 +296,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             microbatches=engine.gradient_accumulation_steps(),
         )
     memory_cap = run_memory_cap(cfg, trainer, ds_config, get_accelerator(), sampler_cost)
+    gas = engine.gradient_accumulation_steps()
+    microbatch_cap = sampler_memory_cap(memory_cap, sampler_cost, trainer.num_stages, gas)
     if rank == 0:
         print(f"[dflop-ds] {memory_cap.describe()}", flush=True)
-    gas = engine.gradient_accumulation_steps()
+        if microbatch_cap != memory_cap.bytes:
+            print(
+                f"[dflop-ds] no per-stage memory predictions: a microbatch's whole-model bytes are held under"
+                f" {microbatch_cap:.4g} bytes, the cap over the microbatches stage 0 keeps in flight",
+                flush=True,
+            )
     sampler: GlobalBatchSampler | DispatchingSampler = make_sampler(
         cfg.sampler,
         shapes,
@@ -316,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lockstep=not pipelined,
         drop_last=cfg.drop_last,
         schedule_timeout_s=cfg.schedule_timeout_s,
-        memory_cap=sampler_memory_cap(memory_cap, sampler_cost, trainer.num_stages, gas),
+        memory_cap=microbatch_cap,
         allow_oversize=cfg.allow_oversize,
     )
     collate = source.collate
