@@ -287,16 +287,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     packing = source.uses_packing(cfg.packing)
     if packing:  # a packed microbatch costs the sum of its samples (plus one constant)
         sampler_cost = PackedCost(sampler_cost)
+    gas = engine.gradient_accumulation_steps()
     if (
         pipelined and cost_model is not None and correction is None and not colocated
-    ):  # balance what each stage computes
-        sampler_cost = StageCost(
-            sampler_cost,
-            stage_shares(trainer.stage_bounds, cost_model),
-            microbatches=engine.gradient_accumulation_steps(),
-        )
+    ):  # balance what each stage computes; its memory per stage, times the microbatches it holds
+        sampler_cost = StageCost(sampler_cost, stage_shares(trainer.stage_bounds, cost_model), microbatches=gas)
     memory_cap = run_memory_cap(cfg, trainer, ds_config, get_accelerator(), sampler_cost)
-    gas = engine.gradient_accumulation_steps()
     microbatch_cap = sampler_memory_cap(memory_cap, sampler_cost, trainer.num_stages, gas)
     if rank == 0:
         print(f"[dflop-ds] {memory_cap.describe()}", flush=True)
@@ -310,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.sampler,
         shapes,
         global_batch_size=trainer.global_batch_size,
-        gradient_accumulation_steps=engine.gradient_accumulation_steps(),
+        gradient_accumulation_steps=gas,
         dp_rank=dp_rank,
         dp_size=dp_size,
         cost_model=sampler_cost,
