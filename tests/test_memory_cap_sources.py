@@ -37,6 +37,11 @@ DATA = ROOT / "examples" / "data" / "mixture.jsonl"
 SHARES = np.array([[0.9, 0.2], [0.1, 0.8]])  # stage 0: most of the encoder; stage 1: most of the LLM
 
 
+def never() -> MemoryCap:
+    """A device default that must not be asked for."""
+    raise AssertionError("the device is not asked")
+
+
 # -- the stage share ----------------------------------------------------------------------------------
 def test_under_1f1b_stage_s_holds_p_minus_s_microbatches_and_its_cap_is_the_budget_over_them():
     assert in_flight_microbatches(4).tolist() == [4, 3, 2, 1]
@@ -147,13 +152,13 @@ def test_planted_long_videos_against_a_plan_given_cap():
     video = float(sample_bytes(cost, shapes).max())
     plan = one_stage_plan(memory_cap_bytes=1.4 * video)
     _, block = fill_from_plan({}, {}, plan)
-    cap = resolve_memory_cap(DFLOPConfig.from_dict(block).memory_cap_bytes, "dflop", True, None)
+    cap = resolve_memory_cap(DFLOPConfig.from_dict(block).memory_cap_bytes, "dflop", True, never)
     assert cap == MemoryCap(1.4 * video, "plan")
     capped = trained(sampler(shapes, cost, memory_cap=cap.bytes))
     assert max(microbatch_bytes(cost, [shapes[i] for i in mb]) for rank in capped for mb in rank) <= cap.bytes
     # the config's own cap wins: below one video alone, the video is refused by name
     _, block = fill_from_plan({}, set_settings({}, memory_cap_bytes=0.5 * video), plan)
-    mine = resolve_memory_cap(DFLOPConfig.from_dict(block).memory_cap_bytes, "dflop", False, None)
+    mine = resolve_memory_cap(DFLOPConfig.from_dict(block).memory_cap_bytes, "dflop", False, never)
     assert mine == MemoryCap(0.5 * video, "config")
     with pytest.raises(OversizeSampleError, match="'video"):
         sampler(shapes, cost, memory_cap=mine.bytes)
@@ -218,7 +223,6 @@ def test_the_device_default_never_refuses_the_bundled_data():
 
 
 def test_off_and_other_samplers_have_no_cap_and_the_setting_is_typed():
-    never = lambda: pytest.fail("the device is not asked")  # noqa: E731
     assert resolve_memory_cap("off", "dflop", False, never) == MemoryCap(None, "off")
     assert resolve_memory_cap("auto", "stock", False, never).bytes is None
     assert resolve_memory_cap(2e9, "dflop", False, never) == MemoryCap(2e9, "config")

@@ -20,7 +20,7 @@ compute the same schedules, so every rank takes the smallest budget of all ranks
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,7 +133,11 @@ def device_memory_cap(module: torch.nn.Module, ds_config: Mapping[str, Any], dp:
 
 
 def resolve_memory_cap(
-    setting: float | str, sampler: str, from_plan: bool, device_default: Any, memory_blind: Any = None
+    setting: float | str,
+    sampler: str,
+    from_plan: bool,
+    device_default: Callable[[], MemoryCap],
+    memory_blind: Any = None,
 ) -> MemoryCap:
     """The run's :class:`MemoryCap` from ``dflop.sampler.memory_cap_bytes`` (after
     :func:`~dflop_ds.config.fill_from_plan`): a number is the plan's (``from_plan``: the plan
