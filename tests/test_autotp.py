@@ -260,3 +260,49 @@ def test_autotp_tp2_trains_like_the_unsharded_run_and_saves_the_full_model(tmp_p
     assert worst < 1e-5, worst
     moved = [k for k in trained if not torch.equal(trained[k], initial[k])]
     assert any("language_model" in k and "q_proj" in k for k in moved) and any("vision_tower" in k for k in moved)
+
+
+def test_autotp_partition_config_sums_the_colocated_encoders_gradients_over_the_group(tmp_path):
+    from dflop_ds.models.hf.llava import llava_layers, load_llava
+    from dflop_ds.testing.hf_tiny import build_tiny_llava
+    from dflop_ds.train.autotp import autotp_partition_config, with_autotp_layout
+    from dflop_ds.train.colocated import ColocatedMLLM
+    from dflop_ds.train.engine import encoder_parameter_names
+
+    model = load_llava(build_tiny_llava(tmp_path / "model"))
+    module = ColocatedMLLM(*llava_layers(model))
+    encoder = encoder_parameter_names(module)
+    assert encoder and all(int(name.split(".")[0]) < module.n_encoder_layers for name in encoder)
+    specs = autotp_partition_config(model, module, sum_gradients=encoder)["layer_specs"]
+    summed = [spec for spec in specs if spec.get("grad_allreduce")]
+    assert len(summed) == 1 and summed[0]["partition_type"] == "skip"
+    assert len(summed[0]["patterns"]) == len(encoder)
+    sharded = next(spec["patterns"][0] for spec in specs if spec["partition_type"] == "column")
+    with pytest.raises(ValueError, match="sharded"):
+        autotp_partition_config(model, module, sum_gradients=[sharded.strip("^$").replace("\\", "")])
+    config, _ = tp_config()
+    config["tensor_parallel"]["partition_config"] = {"layer_specs": []}
+    with pytest.raises(ValueError, match="partition_config is set"):
+        with_autotp_layout(config, model, module, sum_gradients=encoder)
+
+
+def test_autotp_colocated_plan_of_an_hf_model_fills_a_runnable_config():
+    plan = tp_plan(tp=2, dp=1, n_mb=2, global_batch=8, zero_stage=2)
+    plan = Plan.from_layout(
+        Layout(plan.layout.encoder, plan.layout.llm, plan.layout.n_mb, plan.layout.stages, colocated=True),
+        layer_counts={"encoder": 3, "projector": 1, "llm": 4},
+        global_batch_size=8,
+        gpus=2,
+        gpus_per_node=8,
+        gpu_memory_bytes=8e9,
+        family="colocated",
+        zero_stage=2,
+    )
+    config, block = fill_from_plan(
+        {"zero_optimization": {"stage": 2}}, set_settings({}, model_name_or_path="some/hf-model"), plan
+    )
+    settings = DFLOPConfig.from_dict(block)
+    assert config["tensor_parallel"] == {"autotp_size": 2} and settings.encoder == "colocated"
+    check_training_setup(config, settings, world_size=2, plan=plan, n_samples=40)
+    with pytest.raises(SetupError, match="lora"):  # what AutoTP still refuses is named
+        check_training_setup(config, DFLOPConfig.from_dict(set_settings(block, lora={"r": 4})), world_size=2)

@@ -80,6 +80,14 @@ class _FanOut(torch.autograd.Function):
         return total / copies.reshape(-1, *([1] * (grad.dim() - 1))), None
 
 
+def fan_out(features: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``features[rows]`` (a row may be picked several times); with autograd each row's gradient
+    is the mean of its copies' gradients. Without grad no graph is kept."""
+    if features.requires_grad and torch.is_grad_enabled():
+        return _FanOut.apply(features, rows)
+    return features.detach().index_select(0, rows)
+
+
 def fan_out_routing(send_counts: Sequence[int], owner_of: Sequence[int]) -> tuple[list[int], list[int]]:
     """``(rows, split sizes)`` of the all-to-all's input when rank ``j`` receives the tiles encoded
     for rank ``owner_of[j]``: the encoded rows are grouped by owner (``send_counts[o]`` rows for
@@ -119,8 +127,7 @@ def exchange_features(
     if owner_of is not None and list(owner_of) != list(range(len(send))):
         rows, send = fan_out_routing(send, owner_of)
         index = torch.tensor(rows, dtype=torch.long, device=features.device)
-        track = features.requires_grad and torch.is_grad_enabled()
-        features = _FanOut.apply(features, index) if track else features.detach().index_select(0, index)
+        features = fan_out(features, index)
     if features.requires_grad and torch.is_grad_enabled():
         received = _VariableAllToAll.apply(features, send, recv, group)
     else:
