@@ -174,6 +174,11 @@ def test_autotp_plan_with_a_pipeline_is_refused():
 
 
 # -- tp2 on 2 ranks against the unsharded run --------------------------------------------------------------
+def step_samples(trace_line: str) -> list[int]:
+    """The samples a trace line's step trained, sorted."""
+    return sorted(i for mb in json.loads(trace_line)["microbatches"] for i in mb)
+
+
 EXACT = {
     "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
     "zero_allow_untested_optimizer": True,
@@ -181,11 +186,12 @@ EXACT = {
 }  # DeepSpeed clips at 1.0 by default
 
 
-def run(tmp_path: Path, name: str, model: Path, data: Path, images: Path, *, ranks: int, ds: dict) -> dict:
-    """examples/train.py for 3 SGD steps on ``ranks`` ranks; the summary, steps, trace and output dir."""
+def run(tmp_path: Path, name: str, model: Path, data: Path, images: Path, *, ranks: int, ds: dict, **dflop) -> dict:
+    """examples/train.py for 3 SGD steps on ``ranks`` ranks (``dflop``: settings of the "dflop"
+    block); the summary, steps, trace and output dir."""
     settings = json.loads((ROOT / "ds_configs" / "hf_tp2.json").read_text())
     settings.update(EXACT, **ds)
-    set_settings(settings["dflop"], steps=3, warmup_steps=0, num_workers=0)
+    set_settings(settings["dflop"], steps=3, warmup_steps=0, num_workers=0, **dflop)
     path, summary = tmp_path / f"{name}.json", tmp_path / f"{name}_summary.json"
     trace, out = tmp_path / f"{name}_trace.jsonl", tmp_path / f"{name}_model"
     path.write_text(json.dumps(settings))
@@ -217,7 +223,9 @@ def run(tmp_path: Path, name: str, model: Path, data: Path, images: Path, *, ran
 # one 2-rank run in CI, ZeRO-2 with tied embeddings (the untied CLIP+Llama layout is checked by the
 # partition-config test; its ZeRO-1 run passed when written but doubles this test's time)
 @pytest.mark.parametrize("vision,text,tied,zero", [("siglip", "qwen2", True, 2)])
-def test_autotp_tp2_trains_like_the_unsharded_run_and_saves_the_full_model(tmp_path, vision, text, tied, zero):
+def test_autotp_tp2_colocated_trains_like_the_unsharded_run_and_saves_the_full_model(
+    tmp_path, vision, text, tied, zero
+):
     from transformers import AutoModelForImageTextToText
 
     from dflop_ds.testing.hf_tiny import build_tiny_llava
@@ -226,9 +234,10 @@ def test_autotp_tp2_trains_like_the_unsharded_run_and_saves_the_full_model(tmp_p
     model = build_tiny_llava(tmp_path / "model", vision=vision, text=text, tie_word_embeddings=tied)
     data, images = write_llava_dataset(tmp_path / "data", 24, seed=3)
     zero_block = {"zero_optimization": {"stage": zero}}
-    # 2 ranks, tp2 (dp 1; DeepSpeed's train_batch_size 16 counts both tp ranks) and 1 rank unsharded:
-    # the same global batches of 8 in 2 microbatches
-    sharded = run(tmp_path, "tp2", model, data, images, ranks=2, ds=zero_block)
+    # 2 ranks, tp2 (dp 1; DeepSpeed's train_batch_size 16 counts both tp ranks) with the colocated
+    # encoder (the group's images dispatched over both ranks; tp2 with the local encoder is checked by
+    # tests/test_colocated_autotp.py) and 1 rank unsharded: the same global batches of 8 in 2 microbatches
+    sharded = run(tmp_path, "tp2", model, data, images, ranks=2, ds=zero_block, encoder="colocated")
     whole = run(
         tmp_path,
         "tp1",
@@ -244,8 +253,11 @@ def test_autotp_tp2_trains_like_the_unsharded_run_and_saves_the_full_model(tmp_p
     column, row = expected_sharded(model)
     assert set(summary["tensor_parallel_layers"]) == column | row  # sharded LinearLayer / LinearAllreduce
     assert whole["summary"]["tensor_parallel_layers"] == []
-    # both ranks of the tp group trained the same microbatches: one trace line per step, the unsharded run's
-    assert sharded["trace"] == whole["trace"] and len(sharded["trace"]) == 3
+    # one trace line per step (a tp group trains one data-parallel replica's microbatches; DeepSpeed
+    # checks its ranks' LLM inputs agree), the unsharded run's global batches (split otherwise: with
+    # the colocated encoder the sampler balances the LLM alone)
+    assert len(sharded["trace"]) == 3
+    assert [step_samples(line) for line in sharded["trace"]] == [step_samples(line) for line in whole["trace"]]
     losses = [s["loss"] for s in sharded["steps"]]
     reference = [s["loss"] for s in whole["steps"]]
     assert losses == pytest.approx(reference, abs=1e-5), (losses, reference)

@@ -1,15 +1,15 @@
 """A tiny HF LLaVA with the colocated (dispatched) encoder: ZeRO-2 dp2 and AutoTP tp2 against the
 local encoder, same global batches, on 2 ranks.
 
-Launched by tests/test_colocated_autotp.py under `deepspeed --num_gpus 2`. Three engines train
+Launched by tests/test_colocated_autotp.py under `deepspeed --num_gpus 2`. Four engines train
 the same global batches with plain SGD and no clipping (a parameter change is the learning rate
 times the gradient), each from a fresh copy of the model: ``local`` (ZeRO-2 dp2, every rank
 encodes its own samples: the unsharded reference), ``colocated`` (ZeRO-2 dp2, tiles dispatched by
-cost, features exchanged) and ``autotp`` (tp2: the LLM sharded by DeepSpeed AutoTP, both ranks
+cost, features exchanged), ``autotp`` (tp2: the LLM sharded by DeepSpeed AutoTP, both ranks
 training the same microbatches, the group's tiles dispatched over both ranks and every feature
-sent to both). Rank 0 writes, per run, the losses, the largest parameter difference to the
-reference after every step (the encoder's apart), the samples of every step and the tiles encoded
-away from their owner.
+sent to both) and ``autotp_local`` (tp2, both ranks encoding all the group's images). Rank 0
+writes, per run, the losses, the largest parameter difference to the reference after every step
+(the encoder's apart), the samples of every step and the tiles encoded away from their owner.
 """
 
 from __future__ import annotations
@@ -42,19 +42,18 @@ ZERO2 = {
     "zero_optimization": {"stage": 2},
     "zero_allow_untested_optimizer": True,
 }
+TP2 = {
+    **ZERO2,
+    "train_batch_size": 2 * BATCH,
+    "train_micro_batch_size_per_gpu": BATCH // GAS,
+    "tensor_parallel": {"autotp_size": 2},
+}
 RUNS = {  # name -> (colocated, DeepSpeed config)
     "local": (False, {**ZERO2, "train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // (2 * GAS)}),
     "colocated": (True, {**ZERO2, "train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // (2 * GAS)}),
     # DeepSpeed counts both ranks of the tensor-parallel group in train_batch_size
-    "autotp": (
-        True,
-        {
-            **ZERO2,
-            "train_batch_size": 2 * BATCH,
-            "train_micro_batch_size_per_gpu": BATCH // GAS,
-            "tensor_parallel": {"autotp_size": 2},
-        },
-    ),
+    "autotp": (True, TP2),
+    "autotp_local": (False, TP2),
 }
 
 
@@ -132,7 +131,7 @@ def main() -> int:
                 "max_param_change": max_diff(states[-1], start, keys),
                 "max_encoder_change": max_diff(states[-1], start, encoder),
                 "samples": [sorted(i for rank in ranks for mb in rank for i in mb) for ranks in batches],
-                "foreign_tiles": 0 if name == "local" else foreign_tiles(batches, shapes, owners),
+                "foreign_tiles": foreign_tiles(batches, shapes, owners) if RUNS[name][0] else 0,
             }
         Path(args.out).write_text(json.dumps(report, indent=1))
     torch.distributed.barrier()
