@@ -117,8 +117,9 @@ def test_autotp_setups_it_cannot_run_are_refused_with_the_reason(dflop, zero, wo
 
 
 # -- plans with tp > 1 ------------------------------------------------------------------------------------
-def tp_plan(tp=2, dp=2, n_mb=2, global_batch=16, stages=((3, 1, 4),), zero_stage=1) -> Plan:
-    layout = Layout(Segment(tp, len(stages), dp), Segment(tp, len(stages), dp), n_mb, stages)
+def tp_plan(tp=2, dp=2, n_mb=2, global_batch=16, stages=((3, 1, 4),), zero_stage=1, family="deepspeed") -> Plan:
+    colocated = family == "colocated"
+    layout = Layout(Segment(tp, len(stages), dp), Segment(tp, len(stages), dp), n_mb, stages, colocated=colocated)
     return Plan.from_layout(
         layout,
         layer_counts={"encoder": 3, "projector": 1, "llm": 4},
@@ -126,7 +127,7 @@ def tp_plan(tp=2, dp=2, n_mb=2, global_batch=16, stages=((3, 1, 4),), zero_stage
         gpus=len(stages) * tp * dp,
         gpus_per_node=8,
         gpu_memory_bytes=8e9,
-        family="deepspeed",
+        family=family,
         zero_stage=zero_stage,
     )
 
@@ -299,17 +300,7 @@ def test_autotp_partition_config_sums_the_colocated_encoders_gradients_over_the_
 
 
 def test_autotp_colocated_plan_of_an_hf_model_fills_a_runnable_config():
-    plan = tp_plan(tp=2, dp=1, n_mb=2, global_batch=8, zero_stage=2)
-    plan = Plan.from_layout(
-        Layout(plan.layout.encoder, plan.layout.llm, plan.layout.n_mb, plan.layout.stages, colocated=True),
-        layer_counts={"encoder": 3, "projector": 1, "llm": 4},
-        global_batch_size=8,
-        gpus=2,
-        gpus_per_node=8,
-        gpu_memory_bytes=8e9,
-        family="colocated",
-        zero_stage=2,
-    )
+    plan = tp_plan(tp=2, dp=1, n_mb=2, global_batch=8, zero_stage=2, family="colocated")
     config, block = fill_from_plan(
         {"zero_optimization": {"stage": 2}}, set_settings({}, model_name_or_path="some/hf-model"), plan
     )
