@@ -85,7 +85,8 @@ class DFLOPConfig:
             there), off otherwise; true for a model without packing is refused.
         encoder: where a sample's tiles are encoded: ``"local"`` (default; on the rank that
             trains it) or ``"colocated"`` (dispatched by predicted cost over all ranks, features
-            exchanged; either engine, the tiny model only, see :mod:`dflop_ds.train.colocated`).
+            exchanged; either engine for the tiny model, the plain engine (with or without
+            AutoTP) for LLaVA, see :mod:`dflop_ds.train.colocated`).
         model: overrides of :class:`dflop_ds.models.TinyMLLMConfig` fields.
         checkpoint_dir: where DeepSpeed checkpoints go (None: no checkpoints).
         checkpoint_every: save a checkpoint every this many steps (0: only at the end).

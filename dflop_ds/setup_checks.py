@@ -224,7 +224,7 @@ def check_training_setup(
 
 def check_engine_features(dflop: DFLOPConfig) -> None:
     """Features that need one engine kind: adaptive correction reads the pipeline engine's
-    per-stage timers; the colocated encoder runs the tiny model only."""
+    per-stage timers; a HuggingFace model's colocated encoder runs on the plain engine only."""
     pipelined = dflop.pipeline_stages > 1
     if not pipelined and CorrectionSettings.from_dict(dflop.correction, "dflop.correction").enabled:
         raise SetupError(
@@ -235,16 +235,17 @@ def check_engine_features(dflop: DFLOPConfig) -> None:
             "dflop.correction does not model the colocated encoder's phase outside the pipeline"
             " yet: switch one of them off"
         )
-    if dflop.encoder == "colocated" and dflop.model_name_or_path is not None:
+    if dflop.encoder == "colocated" and dflop.model_name_or_path is not None and pipelined:
         raise SetupError(
-            'dflop.model.encoder = "colocated" runs the tiny model only for now (no dflop.model.name_or_path)'
+            'dflop.model.encoder = "colocated" with a HuggingFace model (dflop.model.name_or_path) runs on the'
+            " plain engine only for now (dflop.plan.pipeline_stages = 1)"
         )
 
 
 def check_tensor_parallel(dflop: DFLOPConfig, tp: int, world_size: int, zero_stage: int) -> None:
     """``tensor_parallel.autotp_size = tp > 1`` runs only where DeepSpeed AutoTP can shard the LLM:
     a HuggingFace model (its tp_plan), the plain engine (pp = 1), ZeRO 0-2, no LoRA, and a
-    world size that ``tp`` divides."""
+    world size that ``tp`` divides (the encoder local or colocated)."""
     where = f"tensor_parallel.autotp_size={tp}"
     if dflop.pipeline_stages > 1:
         raise SetupError(
@@ -256,8 +257,8 @@ def check_tensor_parallel(dflop: DFLOPConfig, tp: int, world_size: int, zero_sta
             f"{where}: the bundled tiny model has no layers AutoTP can shard; give a HuggingFace model"
             " (model_name_or_path) or use autotp_size 1"
         )
-    if dflop.lora is not None or dflop.encoder != "local":
-        raise SetupError(f"{where}: dflop.model.lora and a colocated encoder are not supported with AutoTP yet")
+    if dflop.lora is not None:
+        raise SetupError(f"{where}: dflop.model.lora is not supported with AutoTP yet")
     if zero_stage > 2:
         raise SetupError(f"{where} runs with ZeRO stages 0-2 here (got stage {zero_stage})")
     if world_size % tp:

@@ -117,8 +117,9 @@ def test_autotp_setups_it_cannot_run_are_refused_with_the_reason(dflop, zero, wo
 
 
 # -- plans with tp > 1 ------------------------------------------------------------------------------------
-def tp_plan(tp=2, dp=2, n_mb=2, global_batch=16, stages=((3, 1, 4),), zero_stage=1) -> Plan:
-    layout = Layout(Segment(tp, len(stages), dp), Segment(tp, len(stages), dp), n_mb, stages)
+def tp_plan(tp=2, dp=2, n_mb=2, global_batch=16, stages=((3, 1, 4),), zero_stage=1, family="deepspeed") -> Plan:
+    colocated = family == "colocated"
+    layout = Layout(Segment(tp, len(stages), dp), Segment(tp, len(stages), dp), n_mb, stages, colocated=colocated)
     return Plan.from_layout(
         layout,
         layer_counts={"encoder": 3, "projector": 1, "llm": 4},
@@ -126,7 +127,7 @@ def tp_plan(tp=2, dp=2, n_mb=2, global_batch=16, stages=((3, 1, 4),), zero_stage
         gpus=len(stages) * tp * dp,
         gpus_per_node=8,
         gpu_memory_bytes=8e9,
-        family="deepspeed",
+        family=family,
         zero_stage=zero_stage,
     )
 
@@ -174,6 +175,11 @@ def test_autotp_plan_with_a_pipeline_is_refused():
 
 
 # -- tp2 on 2 ranks against the unsharded run --------------------------------------------------------------
+def step_samples(trace_line: str) -> list[int]:
+    """The samples a trace line's step trained, sorted."""
+    return sorted(i for mb in json.loads(trace_line)["microbatches"] for i in mb)
+
+
 EXACT = {
     "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
     "zero_allow_untested_optimizer": True,
@@ -181,11 +187,12 @@ EXACT = {
 }  # DeepSpeed clips at 1.0 by default
 
 
-def run(tmp_path: Path, name: str, model: Path, data: Path, images: Path, *, ranks: int, ds: dict) -> dict:
-    """examples/train.py for 3 SGD steps on ``ranks`` ranks; the summary, steps, trace and output dir."""
+def run(tmp_path: Path, name: str, model: Path, data: Path, images: Path, *, ranks: int, ds: dict, **dflop) -> dict:
+    """examples/train.py for 3 SGD steps on ``ranks`` ranks (``dflop``: settings of the "dflop"
+    block); the summary, steps, trace and output dir."""
     settings = json.loads((ROOT / "ds_configs" / "hf_tp2.json").read_text())
     settings.update(EXACT, **ds)
-    set_settings(settings["dflop"], steps=3, warmup_steps=0, num_workers=0)
+    set_settings(settings["dflop"], steps=3, warmup_steps=0, num_workers=0, **dflop)
     path, summary = tmp_path / f"{name}.json", tmp_path / f"{name}_summary.json"
     trace, out = tmp_path / f"{name}_trace.jsonl", tmp_path / f"{name}_model"
     path.write_text(json.dumps(settings))
@@ -217,7 +224,9 @@ def run(tmp_path: Path, name: str, model: Path, data: Path, images: Path, *, ran
 # one 2-rank run in CI, ZeRO-2 with tied embeddings (the untied CLIP+Llama layout is checked by the
 # partition-config test; its ZeRO-1 run passed when written but doubles this test's time)
 @pytest.mark.parametrize("vision,text,tied,zero", [("siglip", "qwen2", True, 2)])
-def test_autotp_tp2_trains_like_the_unsharded_run_and_saves_the_full_model(tmp_path, vision, text, tied, zero):
+def test_autotp_tp2_colocated_trains_like_the_unsharded_run_and_saves_the_full_model(
+    tmp_path, vision, text, tied, zero
+):
     from transformers import AutoModelForImageTextToText
 
     from dflop_ds.testing.hf_tiny import build_tiny_llava
@@ -226,9 +235,10 @@ def test_autotp_tp2_trains_like_the_unsharded_run_and_saves_the_full_model(tmp_p
     model = build_tiny_llava(tmp_path / "model", vision=vision, text=text, tie_word_embeddings=tied)
     data, images = write_llava_dataset(tmp_path / "data", 24, seed=3)
     zero_block = {"zero_optimization": {"stage": zero}}
-    # 2 ranks, tp2 (dp 1; DeepSpeed's train_batch_size 16 counts both tp ranks) and 1 rank unsharded:
-    # the same global batches of 8 in 2 microbatches
-    sharded = run(tmp_path, "tp2", model, data, images, ranks=2, ds=zero_block)
+    # 2 ranks, tp2 (dp 1; DeepSpeed's train_batch_size 16 counts both tp ranks) with the colocated
+    # encoder (the group's images dispatched over both ranks; tp2 with the local encoder is checked by
+    # tests/test_colocated_autotp.py) and 1 rank unsharded: the same global batches of 8 in 2 microbatches
+    sharded = run(tmp_path, "tp2", model, data, images, ranks=2, ds=zero_block, encoder="colocated")
     whole = run(
         tmp_path,
         "tp1",
@@ -244,8 +254,11 @@ def test_autotp_tp2_trains_like_the_unsharded_run_and_saves_the_full_model(tmp_p
     column, row = expected_sharded(model)
     assert set(summary["tensor_parallel_layers"]) == column | row  # sharded LinearLayer / LinearAllreduce
     assert whole["summary"]["tensor_parallel_layers"] == []
-    # both ranks of the tp group trained the same microbatches: one trace line per step, the unsharded run's
-    assert sharded["trace"] == whole["trace"] and len(sharded["trace"]) == 3
+    # one trace line per step (a tp group trains one data-parallel replica's microbatches; DeepSpeed
+    # checks its ranks' LLM inputs agree), the unsharded run's global batches (split otherwise: with
+    # the colocated encoder the sampler balances the LLM alone)
+    assert len(sharded["trace"]) == 3
+    assert [step_samples(line) for line in sharded["trace"]] == [step_samples(line) for line in whole["trace"]]
     losses = [s["loss"] for s in sharded["steps"]]
     reference = [s["loss"] for s in whole["steps"]]
     assert losses == pytest.approx(reference, abs=1e-5), (losses, reference)
@@ -260,3 +273,39 @@ def test_autotp_tp2_trains_like_the_unsharded_run_and_saves_the_full_model(tmp_p
     assert worst < 1e-5, worst
     moved = [k for k in trained if not torch.equal(trained[k], initial[k])]
     assert any("language_model" in k and "q_proj" in k for k in moved) and any("vision_tower" in k for k in moved)
+
+
+def test_autotp_partition_config_sums_the_colocated_encoders_gradients_over_the_group(tmp_path):
+    from dflop_ds.models.hf.llava import llava_layers, load_llava
+    from dflop_ds.testing.hf_tiny import build_tiny_llava
+    from dflop_ds.train.autotp import autotp_partition_config, with_autotp_layout
+    from dflop_ds.train.colocated import ColocatedMLLM
+    from dflop_ds.train.engine import encoder_parameter_names
+
+    model = load_llava(build_tiny_llava(tmp_path / "model"))
+    module = ColocatedMLLM(*llava_layers(model))
+    encoder = encoder_parameter_names(module)
+    assert encoder and all(int(name.split(".")[0]) < module.n_encoder_layers for name in encoder)
+    specs = autotp_partition_config(model, module, sum_gradients=encoder)["layer_specs"]
+    summed = [spec for spec in specs if spec.get("grad_allreduce")]
+    assert len(summed) == 1 and summed[0]["partition_type"] == "skip"
+    assert len(summed[0]["patterns"]) == len(encoder)
+    sharded = next(spec["patterns"][0] for spec in specs if spec["partition_type"] == "column")
+    with pytest.raises(ValueError, match="sharded"):
+        autotp_partition_config(model, module, sum_gradients=[sharded.strip("^$").replace("\\", "")])
+    config, _ = tp_config()
+    config["tensor_parallel"]["partition_config"] = {"layer_specs": []}
+    with pytest.raises(ValueError, match="partition_config is set"):
+        with_autotp_layout(config, model, module, sum_gradients=encoder)
+
+
+def test_autotp_colocated_plan_of_an_hf_model_fills_a_runnable_config():
+    plan = tp_plan(tp=2, dp=1, n_mb=2, global_batch=8, zero_stage=2, family="colocated")
+    config, block = fill_from_plan(
+        {"zero_optimization": {"stage": 2}}, set_settings({}, model_name_or_path="some/hf-model"), plan
+    )
+    settings = DFLOPConfig.from_dict(block)
+    assert config["tensor_parallel"] == {"autotp_size": 2} and settings.encoder == "colocated"
+    check_training_setup(config, settings, world_size=2, plan=plan, n_samples=40)
+    with pytest.raises(SetupError, match="lora"):  # what AutoTP still refuses is named
+        check_training_setup(config, DFLOPConfig.from_dict(set_settings(block, lora={"r": 4})), world_size=2)

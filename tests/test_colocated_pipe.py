@@ -112,7 +112,8 @@ def test_colocated_encoder_setup_runs_under_the_pipeline_and_refuses_what_it_can
         return DFLOPConfig.from_dict(set_settings({}, encoder="colocated", **settings))
 
     check_engine_features(config(pipeline_stages=2))
-    with pytest.raises(SetupError, match="tiny model only"):
-        check_engine_features(config(model_name_or_path="some/dir"))
+    check_engine_features(config(model_name_or_path="some/dir", pipeline_stages=1))  # HF models: the plain engine
+    with pytest.raises(SetupError, match="plain engine only"):
+        check_engine_features(config(model_name_or_path="some/dir", pipeline_stages=2))
     with pytest.raises(SetupError, match="correction"):
         check_engine_features(config(correction={"enabled": True}))

@@ -71,3 +71,14 @@ def test_colocated_encoder_key_is_validated():
         DFLOPConfig.from_dict({"model": {"encoder": "elsewhere"}}, source="cfg.json")
     assert DFLOPConfig.from_dict({"model": {"encoder": "colocated"}}).encoder == "colocated"
     assert DFLOPConfig().encoder == "local"
+
+
+def test_colocated_encoder_is_refused_by_name_for_a_model_that_cannot_dispatch_its_tiles():
+    import dataclasses
+
+    from dflop_ds.models.source import tiny_source
+
+    source = tiny_source({})
+    assert source.colocated_tile_pixels() is source.tile_pixels
+    with pytest.raises(ValueError, match="'qwen2_vl:m' cannot dispatch its encoder tiles"):
+        dataclasses.replace(source, name="qwen2_vl:m", tile_pixels=None).colocated_tile_pixels()

@@ -133,3 +133,20 @@ def test_colocated_model_equals_the_sequential_model_on_one_rank(one_rank_group,
     if frozen:  # no graph through the encoder: its output is a plain tensor
         encoded = models[1][0]((inputs[0], *inputs[1:4]))[0]
         assert not encoded.requires_grad
+
+
+def test_dispatch_fan_out_sends_each_owners_tiles_to_all_its_receivers_and_averages_their_gradients():
+    from dflop_ds.pipe.exchange import fan_out, fan_out_routing
+
+    # 4 ranks in two tensor-parallel groups owned by ranks 0 and 2: 2 tiles for owner 0, 3 for owner 2
+    rows, splits = fan_out_routing([2, 0, 3, 0], owner_of=[0, 0, 2, 2])
+    assert rows == [0, 1, 0, 1, 2, 3, 4, 2, 3, 4] and splits == [2, 2, 3, 3]
+    assert fan_out_routing([1, 2], owner_of=[0, 1]) == ([0, 1, 2], [1, 2])  # no fan-out: as encoded
+    features = torch.randn(5, 3, requires_grad=True)
+    copies = fan_out(features, torch.tensor(rows))
+    assert torch.equal(copies, features.detach()[rows])
+    weights = torch.randn_like(copies)
+    (copies * weights).sum().backward()
+    expected = torch.zeros(5, 3).index_add_(0, torch.tensor(rows), weights) / 2  # every row has two copies
+    torch.testing.assert_close(features.grad, expected)
+    assert not fan_out(features.detach(), torch.tensor(rows)).requires_grad

@@ -38,6 +38,9 @@ class ModelSource:
             native format with the trained flat ``state`` (``"<layer index>.<name>"``, gathered
             on the one rank that calls it).
         hf_model: the HuggingFace model whose modules the layers share, if any.
+        tile_pixels: a dataset item's encoder tiles, one row per tile (what a colocated encoder
+            dispatches, see :mod:`dflop_ds.train.colocated`); None when the model cannot
+            dispatch its tiles.
     """
 
     name: str
@@ -53,6 +56,7 @@ class ModelSource:
     hf_model: Any = None
     meta: dict = field(default_factory=dict)
     packed_collate: Callable | None = None
+    tile_pixels: Callable[[Any], Any] | None = None
 
     @property
     def n_layers(self) -> int:
@@ -62,6 +66,15 @@ class ModelSource:
     def layers(self) -> tuple[list, Any, list]:
         """``(encoder_layers, projector, llm_layers)``."""
         return self.encoder_layers, self.projector, self.llm_layers
+
+    def colocated_tile_pixels(self) -> Callable[[Any], Any]:
+        """:attr:`tile_pixels`, or ``ValueError`` naming the model when it has none."""
+        if self.tile_pixels is None:
+            raise ValueError(
+                f'dflop.model.encoder = "colocated": model {self.name!r} cannot dispatch its encoder tiles yet '
+                "(the bundled tiny model and LLaVA can); use the local encoder"
+            )
+        return self.tile_pixels
 
     def uses_packing(self, setting: bool | None) -> bool:
         """Whether to pack microbatches for the ``dflop.model.packing`` ``setting`` (None: wherever
@@ -105,4 +118,5 @@ def tiny_source(
         collate_microbatch,
         supervised_count,
         packed_collate=collate_packed_microbatch,
+        tile_pixels=lambda item: item.pixels,
     )

@@ -9,6 +9,13 @@ The collective is ``torch.distributed.all_to_all_single`` with per-rank split si
 NCCL and gloo implement (measured here with gloo on CPU, torch 2.13: variable splits and
 zero-size splits work; the list form ``all_to_all`` refuses unequal sizes under gloo). Tensors
 stay on the device they come on.
+
+Under tensor parallelism (AutoTP) several ranks train the same samples: every rank of a
+tensor-parallel group needs the features of the group's samples. The dispatch then names one
+rank of the group as the samples' owner, and ``owner_of`` tells the exchange whose tiles each
+rank receives: a tile is sent to every rank whose owner is its owner (a fan-out), and its
+gradient is the mean of the copies' gradients, since every receiver computes the same function
+of it (the replicated projector and the same loss), not their sum.
 """
 
 from __future__ import annotations
@@ -55,21 +62,59 @@ def _counts(counts: torch.Tensor | Sequence[int]) -> list[int]:
     return [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]
 
 
+class _FanOut(torch.autograd.Function):
+    """Rows of ``features`` picked by ``index`` (a row may be picked several times); the backward
+    gives each row the mean of its copies' gradients."""
+
+    @staticmethod
+    def forward(ctx, features: torch.Tensor, index: torch.Tensor):
+        ctx.save_for_backward(index)
+        ctx.rows = features.shape[0]
+        return features.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        total = grad.new_zeros((ctx.rows, *grad.shape[1:])).index_add_(0, index, grad)
+        copies = torch.bincount(index, minlength=ctx.rows).clamp(min=1).to(grad.dtype)
+        return total / copies.reshape(-1, *([1] * (grad.dim() - 1))), None
+
+
+def fan_out(features: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``features[rows]`` (a row may be picked several times); with autograd each row's gradient
+    is the mean of its copies' gradients. Without grad no graph is kept."""
+    if features.requires_grad and torch.is_grad_enabled():
+        return _FanOut.apply(features, rows)
+    return features.detach().index_select(0, rows)
+
+
+def fan_out_routing(send_counts: Sequence[int], owner_of: Sequence[int]) -> tuple[list[int], list[int]]:
+    """``(rows, split sizes)`` of the all-to-all's input when rank ``j`` receives the tiles encoded
+    for rank ``owner_of[j]``: the encoded rows are grouped by owner (``send_counts[o]`` rows for
+    owner ``o``, owners ascending), and each owner's block is repeated for each of its receivers."""
+    starts = [sum(send_counts[:o]) for o in range(len(send_counts))]
+    rows = [row for owner in owner_of for row in range(starts[owner], starts[owner] + int(send_counts[owner]))]
+    return rows, [int(send_counts[owner]) for owner in owner_of]
+
+
 def exchange_features(
     features: torch.Tensor,
     send_counts: torch.Tensor | Sequence[int],
     recv_counts: torch.Tensor | Sequence[int],
     recv_index: torch.Tensor,
     group: Any | None = None,
+    owner_of: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Send encoded tiles to their owners; this rank's own tiles in its own order.
 
     Args:
         features: ``[T_encoded, ...]`` the tiles this rank encoded, grouped by owner rank.
-        send_counts: tiles for each rank (sums to ``T_encoded``).
-        recv_counts: tiles each rank encoded for this one.
+        send_counts: tiles for each owner rank (sums to ``T_encoded``).
+        recv_counts: tiles each rank encoded for this rank's owner.
         recv_index: ``[T_own]`` position in the received buffer of each of this rank's tiles.
         group: the process group the dispatch spans (default: the world).
+        owner_of: ``owner_of[j]`` the rank whose tiles rank ``j`` receives (its tensor-parallel
+            group's owner, see the module docstring); None: every rank its own.
 
     Every rank of ``group`` must call it (a collective), in forward and, when ``features``
     requires grad, in backward. Without grad (a frozen encoder) no graph is kept.
@@ -79,6 +124,10 @@ def exchange_features(
         raise ValueError(
             f"exchange_features: send_counts sum to {sum(send)} but {features.shape[0]} tiles were encoded"
         )
+    if owner_of is not None and list(owner_of) != list(range(len(send))):
+        rows, send = fan_out_routing(send, owner_of)
+        index = torch.tensor(rows, dtype=torch.long, device=features.device)
+        features = fan_out(features, index)
     if features.requires_grad and torch.is_grad_enabled():
         received = _VariableAllToAll.apply(features, send, recv, group)
     else:

@@ -15,12 +15,17 @@ projector stay whole (E_tp = 1) while the LLM's linears shard (L_tp = N).
 
 A tied embedding / output head stays replicated (its row-wise embedding plan would make
 DeepSpeed compute a vocabulary-parallel loss, which the project's token-normalized loss is not).
+
+Whole parameters whose gradient each rank of a tensor-parallel group computes only in part
+(the colocated encoder's: every rank encodes other tiles, see :mod:`dflop_ds.train.colocated`)
+are listed in a ``"skip"`` spec with ``grad_allreduce``: DeepSpeed then sums their gradient over
+the group as it is computed (a tensor hook, before ZeRO reduces it over the data-parallel ranks).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -50,12 +55,16 @@ def hf_tp_plan(hf_model: nn.Module) -> dict[str, str]:
     return plan
 
 
-def autotp_partition_config(hf_model: nn.Module, module: nn.Module) -> dict[str, Any]:
+def autotp_partition_config(
+    hf_model: nn.Module, module: nn.Module, *, sum_gradients: Sequence[str] = ()
+) -> dict[str, Any]:
     """DeepSpeed ``tensor_parallel.partition_config`` that shards ``module``'s parameters as the
     HF model's tp_plan shards the same parameters of ``hf_model`` (shared by identity).
 
     Parameters the plan leaves out (the vision tower, the projector, norms) match no spec and
-    stay whole; embeddings and a head tied to one stay whole too.
+    stay whole; embeddings and a head tied to one stay whole too. ``sum_gradients``: names of
+    ``module``'s parameters kept whole whose gradients are summed over the tensor-parallel group
+    (see the module docstring); they must be ones the plan does not shard.
     """
     from deepspeed.module_inject.autotp_config import AutoTPConfig, PartitionType
     from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
@@ -84,16 +93,25 @@ def autotp_partition_config(hf_model: nn.Module, module: nn.Module) -> dict[str,
             f"{type(hf_model).__name__}: its tp_plan matches none of the trained layers' parameters; "
             "AutoTP would shard nothing"
         )
-    specs = [
+    specs: list[dict[str, Any]] = [
         {"patterns": patterns, "partition_type": kind, "gather_output": gather}
         for (kind, gather), patterns in sorted(grouped.items())
     ]
+    summed = ["^" + re.escape(name) + "$" for name in sum_gradients]
+    sharded = {p for spec in specs for p in spec["patterns"]}
+    if sharded & set(summed):
+        raise ValueError(f"sum_gradients names sharded parameters: {sorted(sharded & set(summed))}")
+    if summed:
+        specs.append({"patterns": summed, "partition_type": "skip", "grad_allreduce": True})
     return {"use_default_specs": False, "layer_specs": specs}
 
 
-def with_autotp_layout(ds_config: Mapping[str, Any], hf_model: nn.Module | None, module: nn.Module) -> dict:
-    """``ds_config`` (copied) with the partition config of :func:`autotp_partition_config` when it
-    asks for ``autotp_size > 1`` and gives no partition config of its own; unchanged otherwise.
+def with_autotp_layout(
+    ds_config: Mapping[str, Any], hf_model: nn.Module | None, module: nn.Module, *, sum_gradients: Sequence[str] = ()
+) -> dict:
+    """``ds_config`` (copied) with the partition config of :func:`autotp_partition_config` (and its
+    ``sum_gradients``) when it asks for ``autotp_size > 1`` and gives no partition config of its
+    own; unchanged otherwise.
 
     Raises ``ValueError`` when tensor parallelism is asked for a model without an HF model
     (the bundled tiny model has no layout AutoTP knows).
@@ -106,8 +124,14 @@ def with_autotp_layout(ds_config: Mapping[str, Any], hf_model: nn.Module | None,
             "AutoTP cannot shard the bundled tiny model"
         )
     tp = dict(ds_config["tensor_parallel"])
+    if "partition_config" in tp and sum_gradients:
+        raise ValueError(
+            "tensor_parallel.partition_config is set: with a colocated encoder dflop-ds writes the "
+            "partition config itself (the encoder's gradients are summed over the tensor-parallel "
+            "group); remove the key"
+        )
     if "partition_config" not in tp:
-        tp["partition_config"] = autotp_partition_config(hf_model, module)
+        tp["partition_config"] = autotp_partition_config(hf_model, module, sum_gradients=sum_gradients)
     return {**ds_config, "tensor_parallel": tp}
 
 

@@ -13,6 +13,14 @@ integer routing tensors follow the inputs::
 
 With the encoder balanced by dispatch, the sampler balances each micro-step on the LLM alone
 (:class:`LLMOnlyCost`): a micro-step then costs the slowest rank's LLM plus the mean encoder work.
+
+Under DeepSpeed AutoTP (``tensor_parallel.autotp_size = tp > 1``, HF models) the ranks of a
+tensor-parallel group train the same microbatches with the LLM sharded and the vision tower
+whole. The dispatch spans every rank (:class:`TensorParallelDispatch`): a group's first
+rank owns its samples in the plan, every rank of the group receives their features
+(``owner_of``, see :mod:`dflop_ds.pipe.exchange`), and the encoder's gradients are summed over the
+group (each rank encoded other tiles) before DeepSpeed averages them over the data-parallel ranks
+(:func:`~dflop_ds.train.autotp.autotp_partition_config` with ``sum_gradients``).
 """
 
 from __future__ import annotations
@@ -82,11 +90,19 @@ def dispatch_microstep(
 
 @dataclass(frozen=True)
 class MicrostepRequest:
-    """What rank ``rank`` loads for one micro-step: its own samples and the plan's tiles."""
+    """What rank ``rank`` loads for one micro-step: its own samples and the plan's tiles.
+    ``owner``: the rank that owns its samples in the plan (its tensor-parallel group's first
+    rank under AutoTP; None: ``rank`` itself)."""
 
     own: list[ScheduledIndex]
     plan: EncoderDispatch
     rank: int
+    owner: int | None = None
+
+    @property
+    def receives_for(self) -> int:
+        """The rank whose tiles this rank receives."""
+        return self.rank if self.owner is None else self.owner
 
 
 class DispatchingSampler:
@@ -95,8 +111,10 @@ class DispatchingSampler:
 
     The dispatch spans ``ranks`` ranks (default: the data-parallel ranks); data-parallel rank
     ``d``'s samples belong to rank ``owners[d]`` of them (default: ``d``) and this process is
-    rank ``rank`` (default: its data-parallel rank). Under a pipeline every rank encodes, the
-    first stage of each data-parallel replica owns its samples, and the other ranks own none.
+    rank ``rank`` (default: its data-parallel rank), training the samples of rank ``owner``
+    (default: its own). Under a pipeline every rank encodes, the first stage of each
+    data-parallel replica owns its samples, and the other ranks own none; under AutoTP the
+    first rank of each tensor-parallel group owns them and its peers train them too.
 
     Position, checkpoints and schedules stay the wrapped sampler's (``state_dict``,
     ``last_schedule``, ...); only what a micro-step loads changes.
@@ -111,6 +129,7 @@ class DispatchingSampler:
         owners: Sequence[int] | None = None,
         rank: int | None = None,
         ranks: int | None = None,
+        owner: int | None = None,
     ) -> None:
         self.sampler = sampler
         self.tiles = np.asarray(tiles)
@@ -118,6 +137,7 @@ class DispatchingSampler:
         self.owners = list(range(sampler.dp_size)) if owners is None else [int(r) for r in owners]
         self.rank = sampler.dp_rank if rank is None else int(rank)
         self.ranks = len(self.owners) if ranks is None else int(ranks)
+        self.owner = None if owner is None else int(owner)
         if len(self.owners) != sampler.dp_size or not all(0 <= r < self.ranks for r in self.owners):
             raise ValueError(
                 f"owners {self.owners} must give one rank in [0, {self.ranks}) per data-parallel rank "
@@ -131,7 +151,7 @@ class DispatchingSampler:
     def _request(self, schedule: Any, step: int, own: Sequence[ScheduledIndex]) -> list[MicrostepRequest]:
         microbatches = [rank[step] for rank in schedule.split.ranks]
         self.last_plan = dispatch_microstep(microbatches, self.tiles, self.tile_cost, self.owners, self.ranks)
-        return [MicrostepRequest(list(own), self.last_plan, self.rank)]
+        return [MicrostepRequest(list(own), self.last_plan, self.rank, self.owner)]
 
     def __iter__(self) -> Iterator[list[MicrostepRequest]]:
         """Each micro-step's request, the position moving as it is handed out (as the wrapped
@@ -213,12 +233,26 @@ class DispatchCollate:
             if loaded.encode_pixels
             else own_pixels.new_zeros((0, *own_pixels.shape[1:]))
         )
+        receives_for = loaded.request.receives_for
         routing = (
             torch.tensor(plan.send_counts(rank), dtype=torch.long),
-            torch.tensor(plan.recv_counts(rank), dtype=torch.long),
-            torch.tensor(plan.recv_index(rank, self.tiles), dtype=torch.long),
+            torch.tensor(plan.recv_counts(receives_for), dtype=torch.long),
+            torch.tensor(plan.recv_index(receives_for, self.tiles), dtype=torch.long),
         )
         return (encode, *inputs[1:], *routing), labels
+
+
+def encoded_tiles(vis: torch.Tensor, tiles: int) -> torch.Tensor:
+    """The encoder output's rows of the ``tiles`` dispatched tiles. An encoder given no tile may
+    encode one placeholder (LLaVA's :class:`~dflop_ds.models.hf.llava.VisionEmbeddings`, so that
+    every rank's backward runs the same layers); it is sliced away here, keeping the graph."""
+    if tiles == 0 and vis.shape[0] == 1:
+        return vis[:0]
+    return vis
+
+
+#: routing tensors :class:`DispatchCollate` appends to a microbatch's inputs
+ROUTING_TENSORS = 3
 
 
 class ColocatedMLLM(SequentialMLLM):
@@ -226,25 +260,40 @@ class ColocatedMLLM(SequentialMLLM):
     feature exchange, then projector and LLM on the rank's own samples.
 
     ``group`` is the process group the dispatch spans (None: the world, E_dp = all ranks).
-    A frozen encoder runs without autograd: no graph, and no exchange in the backward.
+    ``owner_of`` (set by :func:`~dflop_ds.train.engine.build_engine` under AutoTP) maps each rank
+    of the group to the rank whose tiles it receives (None: its own, see
+    :func:`~dflop_ds.pipe.exchange.exchange_features`). A frozen encoder runs without autograd:
+    no graph, and no exchange in the backward.
     """
 
     def __init__(self, *args: Any, group: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group = group
+        self.owner_of: list[int] | None = None
         self.encoder_frozen = not any(
             p.requires_grad for layer in list(self)[: self.n_encoder_layers] for p in layer.parameters()
         )
 
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> Any:
-        """Encode the dispatched tiles, exchange the features, run projector and LLM."""
-        *model_inputs, send_counts, recv_counts, recv_index = inputs
+    @staticmethod
+    def shared_inputs(inputs: Sequence[Any]) -> tuple[Any, ...]:
+        """The inputs every rank training the same microbatch gets alike (all but the dispatched
+        pixels and the routing tensors): what a tensor-parallel group must agree on."""
+        return tuple(inputs[1:-ROUTING_TENSORS])
+
+    def forward(self, *inputs: Any) -> Any:
+        """Encode the dispatched tiles, exchange the features, run projector and LLM. ``inputs``:
+        one tuple, or its tensors as separate arguments (as :class:`SequentialMLLM`)."""
+        flat = inputs[0] if len(inputs) == 1 else inputs
+        *model_inputs, send_counts, recv_counts, recv_index = flat
         layers = list(self)
         x: Any = tuple(model_inputs)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.encoder_frozen):
             for layer in layers[: self.n_encoder_layers]:
                 x = layer(x)
-        features = exchange_features(x[0], send_counts, recv_counts, recv_index, group=self.group)
+        vis = encoded_tiles(x[0], int(model_inputs[0].shape[0]))
+        features = exchange_features(
+            vis, send_counts, recv_counts, recv_index, group=self.group, owner_of=self.owner_of
+        )
         x = (features, *x[1:])
         for layer in layers[self.n_encoder_layers :]:
             x = layer(x)
@@ -252,19 +301,27 @@ class ColocatedMLLM(SequentialMLLM):
 
 
 def colocate(
-    sampler: Any, dataset: Any, collate: Callable, shapes: Sequence[SampleShape], cost_model: Any, **dispatch: Any
+    sampler: Any,
+    dataset: Any,
+    collate: Callable,
+    shapes: Sequence[SampleShape],
+    cost_model: Any,
+    *,
+    pixels_of: Callable[[Any], torch.Tensor] | None = None,
+    **dispatch: Any,
 ) -> tuple[DispatchingSampler, DispatchDataset, DispatchCollate]:
     """The sampler, dataset and collate of a colocated-encoder run, wrapping the rank's plain ones.
 
     ``cost_model`` (with its encoder column) prices the tiles; ``sampler`` schedules on the LLM
-    alone (build it with :class:`LLMOnlyCost`; in lockstep on the plain engine). ``dispatch``:
-    ``owners``, ``rank`` and ``ranks`` of :class:`DispatchingSampler` (see
-    :func:`pipeline_dispatch_ranks` for a pipeline).
+    alone (build it with :class:`LLMOnlyCost`; in lockstep on the plain engine). ``pixels_of``:
+    a dataset item's tiles, one row each (default: ``item.pixels``, the tiny model's). ``dispatch``:
+    ``owners``, ``rank``, ``ranks`` and ``owner`` of :class:`DispatchingSampler` (see
+    :func:`pipeline_dispatch_ranks` for a pipeline, :meth:`TensorParallelDispatch.sampler_ranks` for AutoTP).
     """
     tiles, per_tile = tile_costs(cost_model, shapes)
     return (
         DispatchingSampler(sampler, tiles, per_tile, **dispatch),
-        DispatchDataset(dataset),
+        DispatchDataset(dataset) if pixels_of is None else DispatchDataset(dataset, pixels_of),
         DispatchCollate(collate, tiles),
     )
 
@@ -275,6 +332,37 @@ def pipeline_dispatch_ranks(engine: Any) -> dict[str, Any]:
     grid = engine.grid
     owners = [grid.stage_to_global(stage_id=0, data=d) for d in range(grid.get_data_parallel_world_size())]
     return {"owners": owners, "rank": dist.get_rank(), "ranks": dist.get_world_size()}
+
+
+@dataclass(frozen=True)
+class TensorParallelDispatch:
+    """Who owns and who receives the samples of each tensor-parallel group under AutoTP.
+
+    Attributes:
+        owners: ``owners[d]`` the rank owning data-parallel replica ``d``'s samples in the plan
+            (the first rank of its tensor-parallel group).
+        owner_of: ``owner_of[r]`` the owner whose samples rank ``r`` trains (and whose features
+            it receives).
+        rank: this process's global rank.
+    """
+
+    owners: list[int]
+    owner_of: list[int]
+    rank: int
+
+    @classmethod
+    def gather(cls, dp_rank: int, tp_group: Any) -> TensorParallelDispatch:
+        """Every rank's replica and group, gathered (a collective over the world)."""
+        owner = min(dist.get_process_group_ranks(tp_group))
+        pairs: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(pairs, (int(dp_rank), owner))
+        owners = dict(pairs)
+        return cls([owners[d] for d in range(len(owners))], [first for _, first in pairs], dist.get_rank())
+
+    def sampler_ranks(self) -> dict[str, Any]:
+        """``owners``, ``rank``, ``ranks`` and ``owner`` of :class:`DispatchingSampler`."""
+        owner = self.owner_of[self.rank]
+        return {"owners": self.owners, "rank": self.rank, "ranks": len(self.owner_of), "owner": owner}
 
 
 class EncoderTopology:

@@ -31,8 +31,10 @@ from dflop_ds.train.colocated import (
     ColocatedMLLM,
     ColocatedPipeline,
     EncoderTopology,
+    TensorParallelDispatch,
     encoder_engine_config,
     global_topology,
+    pipeline_dispatch_ranks,
 )
 from dflop_ds.train.device import move_to
 from dflop_ds.train.sequential import SequentialMLLM, built_layers
@@ -75,12 +77,15 @@ class TrainingEngine:
         loss_fn: the loss of the plain engine (the pipeline module holds its own).
         colocated_pipeline: the encoder phase of a pipeline whose encoder runs data parallel
             over all ranks (:class:`~dflop_ds.train.colocated.ColocatedPipeline`), else None.
+        tensor_parallel_dispatch: who owns and receives each tensor-parallel group's samples
+            with a colocated encoder under AutoTP, else None.
     """
 
     engine: Any
     module: MLLMPipelineModule | SequentialMLLM
     loss_fn: Callable = token_normalized_loss
     colocated_pipeline: Any = None
+    tensor_parallel_dispatch: TensorParallelDispatch | None = None
 
     @property
     def is_pipeline(self) -> bool:
@@ -120,6 +125,17 @@ class TrainingEngine:
             or self.engine.is_last_stage()
         )
 
+    def dispatch_ranks(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`~dflop_ds.train.colocated.colocate` placing this rank in
+        the colocated encoder's dispatch: over every rank of a pipeline (its first stages own
+        the samples) or of an AutoTP run (each tensor-parallel group's first rank owns them);
+        over the data-parallel ranks otherwise (empty)."""
+        if self.is_pipeline:
+            return pipeline_dispatch_ranks(self.engine)
+        if self.tensor_parallel_dispatch is not None:
+            return self.tensor_parallel_dispatch.sampler_ranks()
+        return {}
+
     @property
     def stage_bounds(self) -> StageBounds:
         """Layer boundaries of the stages over the flat layer list."""
@@ -151,7 +167,7 @@ class TrainingEngine:
         engine = self.engine
         gas = engine.gradient_accumulation_steps()
         total = torch.zeros((), dtype=torch.float64, device=engine.device)
-        spread = self.tp_coords[1] > 1  # AutoTP (never with the colocated encoder): see SequentialMLLM.forward
+        spread = self.tp_coords[1] > 1  # AutoTP: see SequentialMLLM.forward
         for _ in range(gas):
             inputs, labels = next(data_iter)
             inputs = move_to(inputs, engine.device)
@@ -244,8 +260,51 @@ def build_engine(
             checkpoint_layers=activation_checkpoint_interval > 0,
         )
         trainable = [p for p in module.parameters() if p.requires_grad]
-        ds_config = with_autotp_layout(ds_config, hf_model, module)
-    return TrainingEngine(_initialize(module, trainable, ds_config, make_optimizer, lr), module, loss_fn)
+        summed = encoder_parameter_names(module) if colocated else []
+        ds_config = with_autotp_layout(ds_config, hf_model, module, sum_gradients=summed)
+    trainer = TrainingEngine(_initialize(module, trainable, ds_config, make_optimizer, lr), module, loss_fn)
+    if colocated and trainer.tp_coords[1] > 1 and isinstance(module, ColocatedMLLM):
+        _colocate_under_autotp(trainer, module)
+    return trainer
+
+
+def encoder_parameter_names(module: SequentialMLLM) -> list[str]:
+    """Names of ``module``'s trainable encoder-layer parameters (flat layer index < encoder layers)."""
+    return [
+        name
+        for name, param in module.named_parameters()
+        if param.requires_grad and int(name.split(".", 1)[0]) < module.n_encoder_layers
+    ]
+
+
+def _colocate_under_autotp(trainer: TrainingEngine, module: ColocatedMLLM) -> None:
+    """Place the colocated encoder's dispatch over every rank of an AutoTP engine: each
+    tensor-parallel group's first rank owns its samples and all its ranks receive their
+    features; DeepSpeed's first-forward check that a group got the same data is narrowed to
+    the inputs the group shares (the dispatched pixels and routing differ by design)."""
+    from deepspeed.utils import groups
+
+    dispatch = TensorParallelDispatch.gather(trainer.dp_coords[0], groups.get_tensor_model_parallel_group())
+    trainer.tensor_parallel_dispatch = dispatch
+    module.owner_of = dispatch.owner_of
+    narrow_tensor_parallel_input_check(trainer.engine, module.shared_inputs)
+
+
+def narrow_tensor_parallel_input_check(engine: Any, shared: Callable[[tuple], tuple]) -> None:
+    """Make DeepSpeed AutoTP's first-forward check (the ranks of a tensor-parallel group got equal
+    inputs) compare ``shared(args)`` instead of all the forward's arguments."""
+    handle = getattr(engine, "first_dataloader_check", None)
+    hooks = engine.module._forward_pre_hooks
+    if handle is None or handle.id not in hooks:  # already ran
+        return
+    check = hooks[handle.id]
+    handle.remove()
+
+    def check_shared(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        check(module, shared(args), kwargs)
+        narrowed.remove()
+
+    narrowed = engine.module.register_forward_pre_hook(check_shared, prepend=True, with_kwargs=True)
 
 
 def _initialize(

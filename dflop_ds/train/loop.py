@@ -48,7 +48,6 @@ from dflop_ds.train.colocated import (
     LLMOnlyCost,
     colocate,
     colocated_pipeline_bounds,
-    pipeline_dispatch_ranks,
 )
 from dflop_ds.train.engine import TrainingEngine, build_engine
 from dflop_ds.train.gather import gather_full_state
@@ -259,6 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ds_config, cfg, world, plan=load_plan(cfg.plan), n_samples=len(shapes), n_layers=source.n_layers
     )
     pipelined, colocated = cfg.pipeline_stages > 1, cfg.encoder == "colocated"
+    tile_pixels = source.colocated_tile_pixels() if colocated else None  # refused now, not after building
     bounds: Sequence[int] | None = cfg.stage_bounds
     if pipelined and colocated:  # the encoder leaves the pipeline: its stages split the LLM side
         bounds = colocated_pipeline_bounds(bounds, len(encoder), cost_model, shapes, cfg.pipeline_stages)
@@ -325,9 +325,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     collate = source.collate
     if packing and source.packed_collate is not None:  # source.uses_packing found one
         collate = source.packed_collate
-    if colocated:  # under a pipeline every rank encodes; each replica's first stage owns its samples
-        dispatch = pipeline_dispatch_ranks(engine) if pipelined else {}
-        sampler, dataset, collate = colocate(sampler, dataset, collate, shapes, costs, **dispatch)
+    if colocated:  # under a pipeline or AutoTP every rank encodes (see TrainingEngine.dispatch_ranks)
+        sampler, dataset, collate = colocate(
+            sampler, dataset, collate, shapes, costs, pixels_of=tile_pixels, **trainer.dispatch_ranks()
+        )
     # the loader's state is what training consumed, not what its workers prefetched
     loader = make_loader(dataset, sampler, collate_fn=collate, num_workers=cfg.num_workers)
     first_step = resume(trainer, loader, cfg, correction) if cfg.resume else 0

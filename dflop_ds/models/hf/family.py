@@ -48,7 +48,8 @@ def load_flat_state(layers: list, state: Mapping[str, torch.Tensor]) -> None:
 class HFFamily:
     """What differs between HF model families for training: how to load the model and cut it into
     layer lists, which module LoRA runs still train in full (the projector), the dataset class and
-    collate of its microbatch contract, and how its processor is written back."""
+    collate of its microbatch contract, how its processor is written back, and a dataset item's
+    encoder tiles for a colocated encoder (None: the family cannot dispatch them)."""
 
     load: Callable[[str], Any]
     layers: Callable[[Any], tuple]
@@ -56,6 +57,7 @@ class HFFamily:
     dataset: Callable[..., Any]
     collate: Callable
     save_processor: Callable[[Any, str], None]
+    tile_pixels: Callable[[Any], torch.Tensor] | None = None
 
 
 def family_source(
@@ -125,4 +127,5 @@ def family_source(
         supervised_targets,
         save_pretrained=save_pretrained,
         hf_model=model,
+        tile_pixels=family.tile_pixels,
     )

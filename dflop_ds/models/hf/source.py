@@ -63,6 +63,7 @@ def hf_source(
         LlavaDataset,
         collate_llava,
         lambda pre, directory: pre.processor.save_pretrained(directory),
+        tile_pixels=lambda item: item.pixel_values,  # one tile per image
     )
     preprocessor = LlavaPreprocessor.from_pretrained(model_dir, max_length=max_length, truncation=truncation)
     return family_source(
