@@ -2,8 +2,9 @@
 
 Profiles the tiny model (unless a cost model is given), splits dflop's two pipeline stages by
 per-layer costs measured on its own packed microbatches (:mod:`dflop_ds.profile.layer_split`: the
-layer profile's encoder/LLM ratio picked a boundary one layer off), then launches `deepspeed --num_gpus 2 benchmarks/e2e_worker.py`, which trains
-the same global batches with every method, interleaved. Prints a table, writes a CSV and a PNG
+layer profile's encoder/LLM ratio picked a boundary one layer off), then launches
+`deepspeed --num_gpus 2 benchmarks/e2e_worker.py`, which trains the same global batches with
+every method, interleaved. Prints a table, writes a CSV and a PNG
 bar chart to out/, and ends with
 `e2e speedup_vs_stock=<x> speedup_vs_best_baseline=<y> padding_efficiency=<p> idle=<i>` (samples/s
 ratios; padding efficiency and idle fraction of dflop). ``stock_packed`` (stock's split, packed
@@ -46,20 +47,32 @@ from dflop_ds.telemetry.record import throughput  # noqa: E402
 BASELINES = ("stock", "llava", "verl")  # dflop_uniform is an ablation of dflop, not a baseline
 
 
-def measured_bounds(
-    cost_model, shapes: list[SampleShape], global_batch: int, gas: int, n_batches: int = 2
-) -> list[int]:
-    """dflop's 2-stage bounds from per-layer costs measured (one thread, as a rank runs) on its own
-    packed microbatches of the first ``n_batches`` global batches (seed 0, as the worker draws them)."""
+def packed_microbatches(
+    method: str, cost_model, shapes: list[SampleShape], global_batch: int, gas: int, n_batches: int = 2
+) -> list:
+    """``method``'s collated packed microbatches (one rank) of the first ``n_batches`` global batches
+    (seed 0, as the worker draws them)."""
     dataset = TinyMLLMDataset(shapes, TinyMLLMConfig(), seed=0)
     costs = PackedCost(cost_model).predict_samples(shapes)
     microbatches = []
     for batch in global_batches(epoch_permutation(len(shapes), 0, 0), global_batch, gas)[:n_batches]:
-        for mb in split_for("dflop", batch.tolist(), shapes, costs[batch], gas, 1)[0]:
+        for mb in split_for(method, batch.tolist(), shapes, costs[batch], gas, 1)[0]:
             microbatches.append(collate_microbatch([dataset[ScheduledIndex(i, 1.0)] for i in mb], packed=True))
+    return microbatches
+
+
+def flat_tiny_layers() -> list:
+    """The tiny MLLM's pipeline layer list as built modules."""
     encoder, projector, llm = tiny_mllm_layers(TinyMLLMConfig(), as_specs=False)
+    return [*encoder, projector, *llm]
+
+
+def measured_bounds(cost_model, shapes: list[SampleShape], global_batch: int, gas: int) -> list[int]:
+    """dflop's 2-stage bounds from per-layer costs measured (one thread, as a rank runs) on its own
+    packed microbatches (:func:`packed_microbatches`)."""
+    microbatches = packed_microbatches("dflop", cost_model, shapes, global_batch, gas)
     with torch_threads(1):
-        seconds = measure_layer_costs([*encoder, projector, *llm], microbatches, token_normalized_loss)
+        seconds = measure_layer_costs(flat_tiny_layers(), microbatches, token_normalized_loss)
     return split_by_cost(seconds, 2).to_list()
 
 

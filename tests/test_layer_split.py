@@ -8,7 +8,7 @@ import torch
 from dflop_ds.models import TinyMLLMDataset, collate_microbatch, tiny_mllm_layers
 from dflop_ds.pipe import split_by_cost
 from dflop_ds.pipe.loss import token_normalized_loss
-from dflop_ds.profile.layer_split import measure_layer_costs
+from dflop_ds.profile.layer_split import measure_layer_costs, measure_layer_times
 from tests.test_packing import SHAPES, SMALL
 
 torch.set_num_threads(1)
@@ -44,7 +44,17 @@ def test_layer_split_charges_a_heavier_layer_more() -> None:
     assert seconds[1] > 4 * seconds[0]
 
 
+def test_layer_split_times_each_microbatch_forward_and_backward() -> None:
+    layer = torch.nn.Sequential(torch.nn.Linear(32, 1024), torch.nn.Linear(1024, 32))
+    small, large = (torch.randn(16, 32), None), (torch.randn(1024, 32), None)
+    times = measure_layer_times([layer], [small, large], lambda out, _labels: out.sum(), repeats=3)
+    assert times.shape == (2, 2, 1) and (times > 0).all()
+    assert times[0, 1, 0] > 4 * times[0, 0, 0] and times[1, 1, 0] > 4 * times[1, 0, 0]  # 64x the rows
+
+
 def test_layer_split_refuses_empty_inputs() -> None:
+    with pytest.raises(ValueError, match="needs layers and microbatches"):
+        measure_layer_costs([], [(torch.ones(1, 2), None)], lambda out, _labels: out.sum())
     with pytest.raises(ValueError, match="needs layers and microbatches"):
         measure_layer_costs([torch.nn.Linear(2, 2)], [], lambda out, _labels: out.sum())
     with pytest.raises(ValueError, match="repeats"):

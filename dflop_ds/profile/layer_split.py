@@ -53,8 +53,8 @@ def _time_microbatch(
     clock: Callable[[], float],
     out: np.ndarray,
 ) -> None:
-    """Add every layer's forward + backward seconds on ``microbatch`` to ``out`` (the loss is
-    charged to the last layer, as the pipeline's last stage computes it)."""
+    """Add every layer's forward and backward seconds on ``microbatch`` to ``out[0]`` and
+    ``out[1]`` (the loss is charged to the last layer, as the pipeline's last stage computes it)."""
     sync = accelerator().synchronize
     x, labels = microbatch
     leaves, outputs = [], []
@@ -66,7 +66,7 @@ def _time_microbatch(
         if i == len(layers) - 1:
             x = loss_fn(x, labels)
         sync()
-        out[i] += clock() - start
+        out[0, i] += clock() - start
         leaves.append(leaf)
         outputs.append(x)
     grad: Any = None
@@ -80,11 +80,11 @@ def _time_microbatch(
         if tensors:
             torch.autograd.backward(tensors, grads)
         sync()
-        out[i] += clock() - start
+        out[1, i] += clock() - start
         grad = _input_grads(leaves[i])
 
 
-def measure_layer_costs(
+def measure_layer_times(
     layers: Sequence[torch.nn.Module],
     microbatches: Sequence[Microbatch],
     loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -93,9 +93,9 @@ def measure_layer_costs(
     warmup: int = 2,
     clock: str = "auto",
 ) -> np.ndarray:
-    """``(len(layers),)`` forward + backward seconds of every layer of a flat pipeline layer list,
-    summed over ``microbatches`` (``(inputs, labels)`` as the engine receives them) and taken as
-    the median over ``repeats`` passes, after ``warmup`` untimed microbatches.
+    """``(2, len(microbatches), len(layers))`` forward (``[0]``) and backward (``[1]``) seconds of
+    every layer of a flat pipeline layer list on every microbatch (``(inputs, labels)`` as the
+    engine receives them), the median over ``repeats`` passes, after ``warmup`` untimed microbatches.
 
     ``loss_fn(last_layer_output, labels)`` is charged to the last layer. ``clock`` as in
     :func:`~dflop_ds.profile.timing.resolve_clock` (``"auto"``: CPU time of this process on a
@@ -104,18 +104,27 @@ def measure_layer_costs(
     """
     if not layers or not microbatches:
         raise ValueError(
-            f"measure_layer_costs needs layers and microbatches, got {len(layers)} and {len(microbatches)}"
+            f"measure_layer_times needs layers and microbatches, got {len(layers)} and {len(microbatches)}"
         )
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
     tick = clock_function(clock)
-    scratch = np.zeros(len(layers))
+    scratch = np.zeros((2, len(layers)))
     for k in range(warmup):
         _time_microbatch(layers, microbatches[k % len(microbatches)], loss_fn, tick, scratch)
-    passes = []
-    for _ in range(repeats):
-        totals = np.zeros(len(layers))
-        for microbatch in microbatches:
-            _time_microbatch(layers, microbatch, loss_fn, tick, totals)
-        passes.append(totals)
-    return np.median(np.array(passes), axis=0)
+    passes = np.zeros((repeats, 2, len(microbatches), len(layers)))
+    for r in range(repeats):
+        for j, microbatch in enumerate(microbatches):
+            _time_microbatch(layers, microbatch, loss_fn, tick, passes[r, :, j])
+    return np.median(passes, axis=0)
+
+
+def measure_layer_costs(
+    layers: Sequence[torch.nn.Module],
+    microbatches: Sequence[Microbatch],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    **options: Any,
+) -> np.ndarray:
+    """``(len(layers),)`` forward + backward seconds of every layer summed over ``microbatches``
+    (:func:`measure_layer_times`, same ``options``): the layer costs a stage split balances."""
+    return measure_layer_times(layers, microbatches, loss_fn, **options).sum(axis=(0, 1))
