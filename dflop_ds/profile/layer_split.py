@@ -3,10 +3,12 @@
 A 2-stage split of a small model moves whole layers, so a bias in the relative cost of the
 encoder and the LLM picks the wrong boundary. Measured here (tiny MLLM, packed microbatches of
 the bundled mixture, one thread): the profiled cost model predicted the LLM layers 1.6x
-cheaper relative to the encoder's than they ran, and its split ``[0, 5, 11]`` left the LLM
-stage 35% above the encoder stage. This module times every layer's forward and backward on
-real collated microbatches (the layout the engine trains, loss included on the last layer) so
-that :func:`~dflop_ds.pipe.stage_bounds.split_by_cost` balances what the stages will run.
+cheaper relative to the encoder's than they ran, and its split ``[0, 5, 11]`` gave the LLM
+stage 1.45-1.5x the encoder stage's time (``[0, 6, 11]``: 1.2-1.3x; a decoder layer is ~13% of
+the compute). This module times every layer's forward and backward on real collated
+microbatches (the layout the engine trains, loss included on the last layer) so that
+:func:`~dflop_ds.pipe.stage_bounds.split_by_cost` balances what the stages will run. Ranks that
+measure on their own may disagree on a near tie: measure once and hand every rank the bounds.
 """
 
 from __future__ import annotations
