@@ -5,7 +5,8 @@ examples/data/*.jsonl, profiles the tiny model (unless a cost model is given), t
 `deepspeed --num_gpus 2 benchmarks/dp_worker.py`, which trains the same global batches with
 every method, interleaved round by round: the stock sampler, LLaVA's modality-grouped sampler,
 verl's Karmarkar-Karp, the DFLOP sampler (lockstep), and the DFLOP sampler with the encoder's
-tiles dispatched over the ranks. Prints a table and ends with
+tiles dispatched over the ranks (stock and LLaVA pad their microbatches, verl and dflop-ds pack
+them). Prints a table and ends with
 `dp speedup_vs_stock=A speedup_vs_best_baseline=B dispatch_gain=C encoder_imbalance=D`
 (median step-time ratios; C = DFLOP with dispatch / without; D = measured encoder seconds
 max/mean over ranks with dispatch, median over rounds).

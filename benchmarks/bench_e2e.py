@@ -1,8 +1,10 @@
 """`make bench-e2e`: end-to-end training throughput of the tiny MLLM on a real data mixture.
 
-Profiles the tiny model (unless a cost model is given), splits its two pipeline stages by
-predicted cost, then launches `deepspeed --num_gpus 2 benchmarks/e2e_worker.py`, which trains
-the same global batches with every method, interleaved. Prints a table, writes a CSV and a PNG
+Profiles the tiny model (unless a cost model is given), splits dflop's two pipeline stages by
+per-layer costs measured on its own packed microbatches (:mod:`dflop_ds.profile.layer_split`: the
+layer profile's encoder/LLM ratio picked a boundary one layer off), then launches
+`deepspeed --num_gpus 2 benchmarks/e2e_worker.py`, which trains the same global batches with
+every method, interleaved. Prints a table, writes a CSV and a PNG
 bar chart to out/, and ends with
 `e2e speedup_vs_stock=<x> speedup_vs_best_baseline=<y> padding_efficiency=<p> idle=<i>` (samples/s
 ratios; padding efficiency and idle fraction of dflop). ``stock_packed`` (stock's split, packed
@@ -28,12 +30,50 @@ from benchmarks.common import (  # noqa: E402
     run_round_worker,
     timed_rows,
 )
+from benchmarks.e2e_methods import split_for  # noqa: E402
+from dflop_ds.cost import PackedCost  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
+from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, tiny_mllm_layers  # noqa: E402
+from dflop_ds.pipe import split_by_cost  # noqa: E402
+from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
 from dflop_ds.plan.stages import cost_balanced_bounds  # noqa: E402
-from dflop_ds.shapes import TINY_POLICY  # noqa: E402
+from dflop_ds.profile.layer_split import measure_layer_costs  # noqa: E402
+from dflop_ds.profile.model import torch_threads  # noqa: E402
+from dflop_ds.schedule.epoch import epoch_permutation, global_batches  # noqa: E402
+from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
+from dflop_ds.shapes import TINY_POLICY, SampleShape  # noqa: E402
 from dflop_ds.telemetry.record import throughput  # noqa: E402
 
 BASELINES = ("stock", "llava", "verl")  # dflop_uniform is an ablation of dflop, not a baseline
+
+
+def packed_microbatches(
+    method: str, cost_model, shapes: list[SampleShape], global_batch: int, gas: int, n_batches: int = 2
+) -> list:
+    """``method``'s collated packed microbatches (one rank) of the first ``n_batches`` global batches
+    (seed 0, as the worker draws them)."""
+    dataset = TinyMLLMDataset(shapes, TinyMLLMConfig(), seed=0)
+    costs = PackedCost(cost_model).predict_samples(shapes)
+    microbatches = []
+    for batch in global_batches(epoch_permutation(len(shapes), 0, 0), global_batch, gas)[:n_batches]:
+        for mb in split_for(method, batch.tolist(), shapes, costs[batch], gas, 1)[0]:
+            microbatches.append(collate_microbatch([dataset[ScheduledIndex(i, 1.0)] for i in mb], packed=True))
+    return microbatches
+
+
+def flat_tiny_layers() -> list:
+    """The tiny MLLM's pipeline layer list as built modules."""
+    encoder, projector, llm = tiny_mllm_layers(TinyMLLMConfig(), as_specs=False)
+    return [*encoder, projector, *llm]
+
+
+def measured_bounds(cost_model, shapes: list[SampleShape], global_batch: int, gas: int) -> list[int]:
+    """dflop's 2-stage bounds from per-layer costs measured (one thread, as a rank runs) on its own
+    packed microbatches (:func:`packed_microbatches`)."""
+    microbatches = packed_microbatches("dflop", cost_model, shapes, global_batch, gas)
+    with torch_threads(1):
+        seconds = measure_layer_costs(flat_tiny_layers(), microbatches, token_normalized_loss)
+    return split_by_cost(seconds, 2).to_list()
 
 
 def summarize(rows: list[dict]) -> dict[str, dict]:
@@ -82,8 +122,14 @@ def main() -> int:
     args = parser.parse_args()
     out, cost_path = round_output(args)
     cost_model = profiled_cost_model(cost_path, reuse=args.cost_model is not None)
-    bounds = cost_balanced_bounds(cost_model, read_dataset(args.data, TINY_POLICY), 2)
-    print(f"dflop stage bounds from the cost model: {bounds} (baselines: split by layer count)", flush=True)
+    shapes = read_dataset(args.data, TINY_POLICY)
+    predicted = cost_balanced_bounds(cost_model, shapes, 2)
+    bounds = measured_bounds(cost_model, shapes, args.global_batch, args.gas)
+    print(
+        f"dflop stage bounds from layer costs measured on its packed microbatches: {bounds} (from the cost "
+        f"model's layer profile: {predicted}; baselines: split by layer count)",
+        flush=True,
+    )
 
     raw = out / "e2e_rows.json"
     extra = ["--dflop-bounds", ",".join(map(str, bounds)), "--data", args.data]

@@ -3,7 +3,8 @@
 Two ZeRO-2 engines of the tiny MLLM on the plain engine: one encodes each sample on its own
 rank, the other dispatches the encoder's tiles by cost (:mod:`dflop_ds.train.colocated`). Every
 method trains the same global batches, interleaved round by round (the order rotates every
-round). Per step it records the wall time and each rank's encoder seconds (forward: from the
+round). Stock and LLaVA pad their microbatches; verl and dflop-ds pack them, as their users
+run them (packed microbatches: :mod:`dflop_ds.models.packing`). Per step it records the wall time and each rank's encoder seconds (forward: from the
 first encoder layer's input to the last one's output; backward: from the gradient reaching the
 encoder's output to the last encoder parameter's gradient, ZeRO's hooks on those parameters
 included).
@@ -26,20 +27,29 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import add_worker_options, round_row, worker_ds_config  # noqa: E402
-from benchmarks.e2e_methods import split_for  # noqa: E402
-from dflop_ds.cost import load_cost_model  # noqa: E402
+from benchmarks.e2e_methods import PACKED_METHODS, split_for  # noqa: E402
+from dflop_ds.cost import PackedCost, load_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
-from dflop_ds.models import TinyMLLMDataset, collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
+from dflop_ds.models import (  # noqa: E402
+    TinyMLLMDataset,
+    collate_microbatch,
+    collate_packed_microbatch,
+    supervised_count,
+    tiny_mllm_layers,
+)
 from dflop_ds.schedule.dispatch import plan_dispatch  # noqa: E402
 from dflop_ds.schedule.epoch import epoch_permutation, global_batches  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
-from dflop_ds.schedule.splitters import SplitRequest, make_splitter  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 from dflop_ds.train import TrainingEngine, build_engine  # noqa: E402
-from dflop_ds.train.colocated import DispatchCollate, DispatchDataset, LLMOnlyCost, MicrostepRequest, tile_costs  # noqa: E402
+from dflop_ds.train.colocated import DispatchCollate, DispatchDataset, MicrostepRequest, tile_costs  # noqa: E402
 
 METHODS = ("stock", "llava", "verl", "dflop", "dflop_dispatch")
+#: the split of each method (:func:`benchmarks.e2e_methods.split_for`): dflop_dispatch is dflop
+#: balancing the LLM alone, its encoder's tiles dispatched over the ranks; verl and dflop-ds pack
+#: their microbatches as their users run them (:data:`benchmarks.e2e_methods.PACKED_METHODS`)
+SPLITS = {"stock": "stock", "llava": "llava", "verl": "verl", "dflop": "dflop", "dflop_dispatch": "dflop_colocated"}
 
 
 class EncoderClock:
@@ -110,8 +120,7 @@ def main() -> int:
     shapes = read_dataset(args.data, TINY_POLICY)
     dataset = TinyMLLMDataset(shapes, seed=args.seed)
     cost_model = load_cost_model(args.cost_model)
-    costs = cost_model.predict_samples(shapes)
-    llm_only = LLMOnlyCost(cost_model)
+    costs = {False: cost_model.predict_samples(shapes), True: PackedCost(cost_model).predict_samples(shapes)}
     tiles, per_tile = tile_costs(cost_model, shapes)
     labels = np.array([supervised_count(s) for s in shapes])
     engines = {
@@ -120,7 +129,7 @@ def main() -> int:
     }
     n_encoder = engines["local"].module.n_encoder_layers
     clocks = {name: EncoderClock(trainer.module, n_encoder) for name, trainer in engines.items()}
-    dispatch_data, dispatch_collate = DispatchDataset(dataset), DispatchCollate(collate_microbatch, tiles)
+    dispatch_data, dispatch_collate = DispatchDataset(dataset), DispatchCollate(collate_packed_microbatch, tiles)
     methods = args.methods.split(",")
     batches = global_batches(epoch_permutation(len(shapes), args.seed, 0), args.global_batch, args.gas * dp)
     rows = []
@@ -131,21 +140,18 @@ def main() -> int:
         order = methods[round_id % len(methods) :] + methods[: round_id % len(methods)]
         for method in order:
             start = time.perf_counter()
-            if method in ("dflop", "dflop_dispatch"):
-                model = llm_only if method == "dflop_dispatch" else cost_model
-                request = SplitRequest(
-                    batch,
-                    model.predict_samples(group),
-                    args.gas,
-                    dp,
-                    shapes=group,
-                    microbatch_cost=lambda pos, m=model, g=group: m.predict_microbatch([g[p] for p in pos]),
-                    lengths=[s.llm_tokens for s in group],
-                    seed=args.seed + round_id,
-                )
-                split = make_splitter("dflop", lockstep=True).split(request).ranks
-            else:
-                split = split_for(method, batch, shapes, costs[batch], args.gas, dp, seed=args.seed + round_id)
+            packed = SPLITS[method] in PACKED_METHODS
+            split = split_for(
+                SPLITS[method],
+                batch,
+                shapes,
+                costs[packed][batch],
+                args.gas,
+                dp,
+                microbatch_cost=lambda pos, g=group: cost_model.predict_microbatch([g[p] for p in pos]),
+                seed=args.seed + round_id,
+                lockstep=True,
+            )
             own = [[ScheduledIndex(i, denominator) for i in mb] for mb in split[rank]]
             if method == "dflop_dispatch":
                 plans = [plan_dispatch([r[k] for r in split], tiles, per_tile) for k in range(args.gas)]
@@ -154,7 +160,7 @@ def main() -> int:
                 ]
                 predicted = np.sum([plan.loads for plan in plans], axis=0)
             else:
-                microbatches = [collate_microbatch([dataset[i] for i in mb]) for mb in own]
+                microbatches = [collate_microbatch([dataset[i] for i in mb], packed=packed) for mb in own]
                 predicted = np.array([sum(tiles[i] * per_tile[i] for mb in r for i in mb) for r in split])
             schedule_s = time.perf_counter() - start
             name = "colocated" if method == "dflop_dispatch" else "local"
