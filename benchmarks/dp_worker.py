@@ -4,10 +4,10 @@ Two ZeRO-2 engines of the tiny MLLM on the plain engine: one encodes each sample
 rank, the other dispatches the encoder's tiles by cost (:mod:`dflop_ds.train.colocated`). Every
 method trains the same global batches, interleaved round by round (the order rotates every
 round). Stock and LLaVA pad their microbatches; verl and dflop-ds pack them, as their users
-run them (packed microbatches: :mod:`dflop_ds.models.packing`). Per step it records the wall time and each rank's encoder seconds (forward: from the
-first encoder layer's input to the last one's output; backward: from the gradient reaching the
-encoder's output to the last encoder parameter's gradient, ZeRO's hooks on those parameters
-included).
+run them (packed microbatches: :mod:`dflop_ds.models.packing`). Per step it records the wall
+time and each rank's encoder seconds (forward: from the first encoder layer's input to the
+last one's output; backward: from the gradient reaching the encoder's output to the last
+encoder parameter's gradient, ZeRO's hooks on those parameters included).
 """
 
 from __future__ import annotations
