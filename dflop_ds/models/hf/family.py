@@ -48,7 +48,7 @@ def load_flat_state(layers: list, state: Mapping[str, torch.Tensor]) -> None:
 class HFFamily:
     """What differs between HF model families for training: how to load the model and cut it into
     layer lists, which module LoRA runs still train in full (the projector), the dataset class and
-    collate of its microbatch contract, and how its processor is written back."""
+    the padded and packed collates of its microbatch contract, and how its processor is written back."""
 
     load: Callable[[str], Any]
     layers: Callable[[Any], tuple]
@@ -56,6 +56,7 @@ class HFFamily:
     dataset: Callable[..., Any]
     collate: Callable
     save_processor: Callable[[Any, str], None]
+    packed_collate: Callable | None = None
 
 
 def family_source(
@@ -125,4 +126,5 @@ def family_source(
         supervised_targets,
         save_pretrained=save_pretrained,
         hf_model=model,
+        packed_collate=family.packed_collate,
     )
