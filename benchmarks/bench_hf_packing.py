@@ -15,9 +15,11 @@ import random
 import sys
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
+from transformers import AutoProcessor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_packed_attention import median_ms  # noqa: E402
@@ -46,17 +48,24 @@ def samples(image_mark: str, seed: int = 0) -> list[tuple]:
     return out
 
 
-def steps(layers: tuple, build: Callable[[bool], tuple]) -> dict[str, Callable[[], None]]:
+def steps(layers: tuple, build: Callable[..., tuple]) -> dict[str, Callable[[], None]]:
     """Forward+backward closures of the ``(encoder, projector, llm)`` layer lists on the microbatch
     ``build(packed)``, padded and packed."""
     encoder, projector, llm = layers
     model = torch.nn.Sequential(*encoder, projector, *llm)
 
     def step(packed: bool) -> Callable[[], None]:
-        inputs, labels = build(packed)
+        inputs, labels = build(packed=packed)
         return lambda: token_normalized_loss(model(inputs), labels).backward()
 
     return {"padded": step(False), "packed": step(True)}
+
+
+def report(name: str, layers: tuple, build: Callable[..., tuple]) -> None:
+    """Print the sample lengths of ``build``'s microbatch and the padded and packed medians."""
+    lengths = build(packed=False)[0][2].tolist()
+    times = median_ms(steps(layers, build))
+    print(f"{name}: lengths {lengths}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items()))
 
 
 def main() -> int:
@@ -64,20 +73,17 @@ def main() -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
     with tempfile.TemporaryDirectory() as folder:
         for text in ("llama", "qwen2"):
-            model = load_llava(build_tiny_llava(Path(folder) / text, vision="clip", text=text))
-            from transformers import AutoProcessor
-
-            processor = AutoProcessor.from_pretrained(Path(folder) / text)
-            mb = samples("<image>")
-            lengths = contract_microbatch(processor, mb)[0][2].tolist()
-            times = median_ms(steps(llava_layers(model), lambda p: contract_microbatch(processor, mb, packed=p)))
-            print(f"llava-{text}: lengths {lengths}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items()))
-        model = load_qwen2_vl(build_tiny_qwen2_vl(Path(folder) / "qwen2_vl"))
-        inputs_of = Qwen2VLInputs.from_dir(Path(folder) / "qwen2_vl", model.config)
-        mb = samples(IMAGE_MARK)
-        lengths = inputs_of.microbatch(mb)[0][2].tolist()
-        times = median_ms(steps(qwen2_vl_layers(model), lambda p: inputs_of.microbatch(mb, packed=p)))
-        print(f"qwen2_vl: lengths {lengths}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items()))
+            model_dir = build_tiny_llava(Path(folder) / text, vision="clip", text=text)
+            processor, mb = AutoProcessor.from_pretrained(model_dir), samples("<image>")
+            report(
+                f"llava-{text}",
+                llava_layers(load_llava(model_dir)),
+                partial(contract_microbatch, processor, mb),
+            )
+        model_dir = build_tiny_qwen2_vl(Path(folder) / "qwen2_vl")
+        model = load_qwen2_vl(model_dir)
+        inputs_of = Qwen2VLInputs.from_dir(model_dir, model.config)
+        report("qwen2_vl", qwen2_vl_layers(model), partial(inputs_of.microbatch, samples(IMAGE_MARK)))
     print(f"load average after {os.getloadavg()[0]:.1f}")
     return 0
 
