@@ -81,8 +81,9 @@ class DFLOPConfig:
         packing: pack each microbatch's samples into one sequence (attention kept inside each
             sample; :mod:`dflop_ds.models.packing`) instead of padding them to the longest, and
             balance on the additive packed cost (:class:`dflop_ds.cost.PackedCost`).
-            None (default): on where the model supports it (the tiny model; measured faster
-            there), off otherwise; true for a model without packing is refused.
+            None (default): on where the model supports it (the tiny model and the HF LLaVA and
+            Qwen2-VL families; measured faster on each, see docs/configuration.md), off
+            otherwise; true for a model without packing is refused.
         encoder: where a sample's tiles are encoded: ``"local"`` (default; on the rank that
             trains it) or ``"colocated"`` (dispatched by predicted cost over all ranks, features
             exchanged; either engine for the tiny model, the plain engine (with or without

@@ -64,8 +64,8 @@ def test_wrong_feature_layer_is_named_with_its_stage(model_dir: Path, capsys, mo
 def test_wrong_positions_are_named(model_dir: Path, capsys, monkeypatch) -> None:
     """Rotary positions at twice the distance: the first decoder stage is named, on every batch.
     (A uniform shift would not show: rotary attention depends on relative positions only.)"""
-    real = common.row_positions
-    monkeypatch.setattr(common, "row_positions", lambda lens, n: real(lens, n) * 2)
+    real = common.token_positions
+    monkeypatch.setattr(common, "token_positions", lambda lens, rows, n: real(lens, rows, n) * 2)
     assert main(["check-model", str(model_dir), "--stages", "3"]) == 1
     line = summary(capsys)
     assert line.count("logits rel err") == 4

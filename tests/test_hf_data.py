@@ -25,6 +25,7 @@ from dflop_ds.models.hf.data import (  # noqa: E402
     LlavaDataset,
     LlavaPreprocessor,
     collate_llava,
+    collate_packed_llava,
     llava_policy,
     load_llava_records,
     supervised_targets,
@@ -209,6 +210,14 @@ def test_collate_contract_shapes_and_dtypes(pre: LlavaPreprocessor, dataset) -> 
     assert torch.allclose(pixels[0], expected["pixel_values"][0].float())
     (text_pixels, *_), _ = collate_llava([ds[2]])
     assert text_pixels.shape == (0, 3, hf_tiny.IMAGE_SIZE, hf_tiny.IMAGE_SIZE)
+    # packed: the same samples one after another in one row, the rest unchanged
+    (packed_pixels, packed_ids, packed_lens), (packed_targets, packed_denominator) = collate_packed_llava(
+        [ds[ScheduledIndex(i, 7.5)] for i in (3, 2, 0)]
+    )
+    real = torch.arange(input_ids.shape[1])[None, :] < seq_lens[:, None]
+    assert torch.equal(packed_pixels, pixels) and torch.equal(packed_lens, seq_lens)
+    assert torch.equal(packed_ids, input_ids[real][None]) and torch.equal(packed_targets, targets[real][None])
+    assert float(packed_denominator) == 7.5
 
 
 def test_missing_image_at_load_time_is_named(pre: LlavaPreprocessor, dataset) -> None:

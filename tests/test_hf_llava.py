@@ -13,10 +13,12 @@ import torch
 pytest.importorskip("transformers")
 
 from ds_runs import run_pipeline_check  # noqa: E402
-from hf_stage_checks import assert_stages_match_hf  # noqa: E402
+from hf_stage_checks import assert_packed_matches_padded, assert_stages_match_hf  # noqa: E402
 
 from dflop_ds.models.hf.check import processor_image_tokens, random_image, run_stages  # noqa: E402
+from dflop_ds.models.hf.common import run_layers  # noqa: E402
 from dflop_ds.models.hf.llava import TIED_EMBEDDING_KEY, check_llava_config, llava_layers, load_llava  # noqa: E402
+from dflop_ds.models.hf.packed import PACKED_ATTENTION, packed_attention, segment_attention  # noqa: E402
 from dflop_ds.models.hf.synthetic import contract_microbatch, hf_forward  # noqa: E402
 from dflop_ds.pipe import plan_stage_bounds, token_loss_sum, token_normalized_loss  # noqa: E402
 from dflop_ds.testing.hf_tiny import TOKENS_PER_IMAGE, build_tiny_llava  # noqa: E402
@@ -72,6 +74,56 @@ def test_layer_lists_match_hf_for_1_2_3_stages(tmp_path_factory, vision, text, t
         with torch.no_grad():
             reference = hf_forward(model, inputs, labels[0])
         assert_stages_match_hf(layers, len(encoder) + 1, inputs, labels, reference)
+
+
+@pytest.mark.parametrize(
+    "vision,text,tied,window", [MODELS[0], MODELS[1], MODELS[2]], ids=["llama", "qwen2-tied", "mistral-window"]
+)
+def test_packed_microbatch_gives_the_padded_loss_and_gradients(tmp_path_factory, vision, text, tied, window) -> None:
+    """Images and text-only samples of different lengths in one row, at 1 and 2 stages."""
+    model, processor, _ = loaded(tmp_path_factory, vision, text, tied, window)
+    encoder, projector, llm = llava_layers(model)
+    samples = [sample for microbatch in microbatches(4) for sample in microbatch]
+    padded, packed = (contract_microbatch(processor, samples, packed=p) for p in (False, True))
+    assert_packed_matches_padded([*encoder, projector, *llm], len(encoder) + 1, padded, packed)
+
+
+def test_packed_attention_costs_the_sum_of_squared_lengths(tmp_path_factory, monkeypatch) -> None:
+    """One SDPA per sample (no N x N mask), whatever the model's implementation, which comes back after."""
+    model, processor, _ = loaded(tmp_path_factory, "clip", "llama", False, None)
+    model.set_attn_implementation("eager")  # HF's own path would then call no SDPA at all
+    encoder, projector, llm = llava_layers(model)
+    samples = [sample for microbatch in microbatches(5) for sample in microbatch]
+    inputs, labels = contract_microbatch(processor, samples, packed=True)
+    hidden = run_layers([*encoder, projector], inputs)
+    real_sdpa, shapes = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(q, k, v, *args, **kwargs):
+        shapes.append((q.shape[-2], k.shape[-2]))
+        return real_sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    logits = run_layers(llm, hidden)
+    lengths = inputs[2].tolist()
+    assert len(set(lengths)) > 1 and logits.shape[:2] == (1, sum(lengths))
+    assert sum(q * k for q, k in shapes) == (len(llm) - 1) * sum(n * n for n in lengths)
+    assert model.config.text_config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match="packed microbatches only"):
+        segment_attention(llm[0].layer.self_attn, *[hidden[0][:, None]] * 3, torch.ones(1, dtype=torch.bool))
+
+
+def test_a_flash_attention_model_keeps_its_own_varlen_path() -> None:
+    """Under flash attention transformers reads the packed samples' bounds itself: nothing is swapped."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig()
+    config._attn_implementation_internal = "flash_attention_2"
+    with packed_attention(config):
+        assert config._attn_implementation == "flash_attention_2"
+    config._attn_implementation_internal = "sdpa"
+    with packed_attention(config):
+        assert config._attn_implementation == PACKED_ATTENTION
+    assert config._attn_implementation == "sdpa"
 
 
 def test_global_token_mean_over_microbatches_equals_hf(tmp_path_factory) -> None:

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_stage_checks import assert_stages_match_hf  # noqa: E402
+from hf_stage_checks import assert_qwen2_vl_packs, assert_stages_match_hf  # noqa: E402
 
 from dflop_ds.cli import main  # noqa: E402
 from dflop_ds.models.hf import qwen2_vl  # noqa: E402
@@ -111,6 +111,12 @@ def test_position_ids_equal_hf(loaded) -> None:
             assert not torch.equal(position_ids[1], position_ids[2])  # height and width differ on images
 
 
+def test_packed_microbatch_gives_each_sample_its_own_positions_and_the_padded_loss(loaded) -> None:
+    """Images of different sizes and text-only samples in one packed row, at 1 and 2 stages."""
+    model, inputs_of, _ = loaded
+    assert_qwen2_vl_packs(model, inputs_of, microbatches(3)[0] + microbatches(3)[2])
+
+
 def test_mrope_refuses_grids_that_do_not_match_the_image_tokens() -> None:
     ids = torch.tensor([[5, 9, 9, 9, 9, 6]])
     grid = torch.tensor([[1, 4, 4]])  # 4 tokens with merge 2: matches
@@ -120,6 +126,16 @@ def test_mrope_refuses_grids_that_do_not_match_the_image_tokens() -> None:
         mrope_position_ids(ids, torch.tensor([6]), torch.tensor([[1, 2, 4]]), image_token_id=9, merge_size=2)
     with pytest.raises(ValueError, match="1 image grid"):
         mrope_position_ids(ids, torch.tensor([6]), torch.cat([grid, grid]), image_token_id=9, merge_size=2)
+    packed = torch.tensor([[5, 9, 9, 9, 9, 6, 7, 7, 5, 9, 9, 9, 9]])  # 3 samples, each counting from 0
+    two = torch.cat([grid, grid])
+    positions = mrope_position_ids(packed, torch.tensor([6, 2, 5]), two, image_token_id=9, merge_size=2)
+    assert positions[:, 0].tolist() == [
+        [0, 1, 1, 1, 1, 3, 0, 1, 0, 1, 1, 1, 1],
+        [0, 1, 1, 2, 2, 3, 0, 1, 0, 1, 1, 2, 2],
+        [0, 1, 2, 1, 2, 3, 0, 1, 0, 1, 2, 1, 2],
+    ]
+    with pytest.raises(ValueError, match="packed microbatch is one row of sum"):
+        mrope_position_ids(packed, torch.tensor([6, 2, 4]), two, image_token_id=9, merge_size=2)
 
 
 def test_projector_refuses_feature_count_mismatch(loaded) -> None:

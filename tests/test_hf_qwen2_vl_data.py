@@ -13,7 +13,13 @@ pytest.importorskip("transformers")
 from dflop_ds.data import DataError, read_dataset  # noqa: E402
 from dflop_ds.models.hf.data import load_llava_records  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers  # noqa: E402
-from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor, SmartResize, collate_qwen2_vl  # noqa: E402
+from dflop_ds.models.hf.qwen2_vl_data import (  # noqa: E402
+    Qwen2VLDataset,
+    Qwen2VLPreprocessor,
+    SmartResize,
+    collate_packed_qwen2_vl,
+    collate_qwen2_vl,
+)
 from dflop_ds.models.hf.qwen2_vl_synthetic import qwen2_vl_hf_forward  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
 from dflop_ds.pipe import token_normalized_loss  # noqa: E402
@@ -101,6 +107,7 @@ def test_hf_source_dispatches_on_the_model_type(setup, tmp_path: Path) -> None:
     model_dir, data, images, _, shapes = setup
     source = hf_source(str(model_dir), image_folder=str(images))
     assert source.name.startswith("qwen2_vl") and source.collate is collate_qwen2_vl
+    assert source.packed_collate is collate_packed_qwen2_vl and source.uses_packing(None)  # HF models pack
     assert list(source.read_shapes(str(data), "error")) == shapes
     cutting = hf_source(str(model_dir), image_folder=str(images), max_length=4096, truncation="truncate")
     assert "max_length:4096 truncation:truncate" in cutting.policy.describe()["tokenizer"]

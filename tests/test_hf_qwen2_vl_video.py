@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("av")
 
-from hf_stage_checks import assert_stages_match_hf  # noqa: E402
+from hf_stage_checks import assert_qwen2_vl_packs, assert_stages_match_hf  # noqa: E402
 
 from dflop_ds.data import DataError, read_dataset  # noqa: E402
 from dflop_ds.data.video import (  # noqa: E402
@@ -95,6 +95,13 @@ def test_layer_lists_match_hf_with_videos_for_1_2_3_stages(model_and_inputs) -> 
         with torch.no_grad():
             reference = qwen2_vl_hf_forward(model, inputs, labels[0])
         assert_stages_match_hf(layers, len(encoder) + 1, inputs, labels, reference)
+
+
+def test_packed_videos_and_images_give_the_padded_loss_at_1_and_2_stages(model_and_inputs) -> None:
+    """Two videos, two images and a text-only sample packed in one row: per-sample positions, same loss."""
+    model, inputs_of = model_and_inputs
+    first, second = video_microbatches(4)
+    assert_qwen2_vl_packs(model, inputs_of, first + second[:1])
 
 
 def test_video_position_ids_equal_hf(model_and_inputs) -> None:
@@ -188,9 +195,13 @@ def test_dataset_with_videos_matches_shapes_and_hf(video_data) -> None:
     for batch in ([items[i] for i in with_video[:2]] + items[:2], [items[i] for i in with_video[2:]]):
         inputs, labels = collate_qwen2_vl(batch)
         assert inputs[4].shape[0] == sum(item.video_grid_thw.shape[0] for item in batch) > 0
+        packed_inputs, packed_labels = collate_qwen2_vl(batch, packed=True)
+        assert packed_inputs[1].shape == (1, int(inputs[2].sum()))
         with torch.no_grad():
             reference = qwen2_vl_hf_forward(model, inputs, labels[0])
             torch.testing.assert_close(token_normalized_loss(layers(inputs), labels), reference.loss)
+            packed_loss = token_normalized_loss(layers(packed_inputs), packed_labels)
+            torch.testing.assert_close(packed_loss, reference.loss, rtol=1e-5, atol=1e-6)
 
 
 def test_missing_and_unreadable_videos_name_the_record(video_data, tmp_path: Path) -> None:

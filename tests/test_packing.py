@@ -11,7 +11,7 @@ import torch
 from dflop_ds.config import DFLOPConfig
 from dflop_ds.cost import FittedCostModel, PackedCost
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, build_reference, collate_microbatch
-from dflop_ds.models.packing import segment_positions
+from dflop_ds.models.packing import join_rows, segment_causal_attention, segment_positions, token_positions
 from dflop_ds.models.source import tiny_source
 from dflop_ds.pipe.loss import token_normalized_loss
 from dflop_ds.schedule.sampler import make_sampler
@@ -48,6 +48,36 @@ def loss_and_grads(model: torch.nn.Module, batch) -> tuple[torch.Tensor, dict[st
 def test_segment_positions_restart_per_run() -> None:
     segment, offset = segment_positions(torch.tensor([2, 0, 3]))
     assert segment.tolist() == [0, 0, 2, 2, 2] and offset.tolist() == [0, 1, 0, 1, 2]
+
+
+def test_rows_join_padded_or_packed_and_positions_restart_per_sample() -> None:
+    rows = [torch.tensor([1, 2, 3]), torch.tensor([4]), torch.tensor([5, 6])]
+    assert join_rows(rows, -1, packed=False).tolist() == [[1, 2, 3], [4, -1, -1], [5, 6, -1]]
+    assert join_rows(rows, -1, packed=True).tolist() == [[1, 2, 3, 4, 5, 6]]
+    lens = torch.tensor([3, 1, 2])
+    assert token_positions(lens, 3, 3).tolist() == [[0, 1, 2]] * 3
+    assert token_positions(lens, 1, 6).tolist() == [[0, 1, 2, 0, 0, 1]]
+    with pytest.raises(ValueError, match="one row of sum"):
+        token_positions(lens, 1, 5)
+
+
+@pytest.mark.parametrize("kv_heads,window", [(4, None), (2, None), (2, 3)], ids=["mha", "gqa", "gqa-window"])
+def test_segment_attention_equals_a_dense_per_sample_mask(kv_heads: int, window: int | None) -> None:
+    """One SDPA per sample equals SDPA over the packed row with the (N x N) mask of each sample's
+    causal (sliding-window) attention, with grouped key/value heads and a custom scale."""
+    torch.manual_seed(0)
+    lengths, heads = [5, 1, 7], 4
+    n = sum(lengths)
+    q = torch.randn(1, heads, n, 8)
+    k, v = torch.randn(1, kv_heads, n, 8), torch.randn(1, kv_heads, n, 8)
+    segment, offset = segment_positions(torch.tensor(lengths))
+    distance = offset[:, None] - offset[None, :]
+    mask = (segment[:, None] == segment[None, :]) & (distance >= 0) & (distance < (window or n))
+    repeat = heads // kv_heads
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1), attn_mask=mask, scale=0.3
+    )
+    torch.testing.assert_close(segment_causal_attention(q, k, v, lengths, scale=0.3, window=window), dense)
 
 
 def test_packed_collate_is_one_row_of_the_padded_contents() -> None:

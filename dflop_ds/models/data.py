@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 from torch.utils.data import Dataset
 
+from dflop_ds.models.packing import join_rows
 from dflop_ds.models.tiny import DEFAULT_CONFIG, TinyMLLMConfig
 from dflop_ds.shapes import SampleShape
 
@@ -169,12 +170,8 @@ def collate_microbatch(
     pixels = torch.cat([item.pixels for item in items], dim=0)
     text_lens = torch.tensor([item.input_ids.numel() for item in items], dtype=torch.long)
     tiles = torch.tensor([item.tiles for item in items], dtype=torch.long)
-    if packed:
-        input_ids = torch.cat([item.input_ids for item in items])[None, :]
-        targets = torch.cat([item.targets for item in items])[None, :]
-    else:
-        input_ids = _right_padded([item.input_ids for item in items], 0)
-        targets = _right_padded([item.targets for item in items], IGNORE_INDEX)
+    input_ids = join_rows([item.input_ids for item in items], 0, packed)
+    targets = join_rows([item.targets for item in items], IGNORE_INDEX, packed)
     # float64 keeps ratios like 83 / 6 exact enough; the loss casts it to its own dtype
     denominator = torch.tensor(microbatch_denominator(items), dtype=torch.float64)
     return (pixels, input_ids, text_lens, tiles), (targets, denominator)
@@ -185,11 +182,3 @@ def collate_packed_microbatch(
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
     """:func:`collate_microbatch` with ``packed=True`` (a picklable collate for DataLoader workers)."""
     return collate_microbatch(items, packed=True)
-
-
-def _right_padded(rows: Sequence[torch.Tensor], fill: int) -> torch.Tensor:
-    """``[len(rows), longest]`` long tensor of the 1-D ``rows``, right-padded with ``fill``."""
-    out = torch.full((len(rows), max(row.numel() for row in rows)), fill, dtype=torch.long)
-    for b, row in enumerate(rows):
-        out[b, : row.numel()] = row
-    return out

@@ -18,6 +18,8 @@ and 83 ms.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -44,10 +46,51 @@ def segment_positions(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return segment, torch.arange(segment.numel(), device=lengths.device) - starts[segment]
 
 
-def segment_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Causal attention inside each segment of a packed ``[1, H, N, Dh]`` query/key/value."""
-    outputs = [
-        F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-        for qs, ks, vs in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))
-    ]
+def segment_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: list[int],
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention inside each segment of a packed ``[1, H, N, Dh]`` query and ``[1, Hkv, N, Dh]``
+    key/value (grouped-query attention when ``Hkv < H``), one SDPA per segment.
+
+    ``scale`` is SDPA's (default ``Dh**-0.5``); with ``window`` a query sees only the keys less than
+    ``window`` positions back (a sliding window, as HF's masks count it); ``dropout`` is SDPA's.
+    """
+    gqa = k.shape[1] != q.shape[1]
+    outputs = []
+    for qs, ks, vs in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2)):
+        length, mask = qs.shape[2], None
+        if window is not None and length > window:
+            distance = torch.arange(length, device=q.device)[:, None] - torch.arange(length, device=q.device)
+            mask = (distance >= 0) & (distance < window)
+        out = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, dropout_p=dropout, scale=scale, enable_gqa=gqa
+        )
+        outputs.append(out)
     return torch.cat(outputs, dim=2)
+
+
+def join_rows(rows: Sequence[torch.Tensor], fill: int, packed: bool) -> torch.Tensor:
+    """The 1-D ``rows`` of a microbatch as one tensor: one packed row ``[1, sum(lengths)]``, or
+    ``[len(rows), longest]`` right-padded with ``fill`` (same dtype as the rows)."""
+    if packed:
+        return torch.cat(list(rows))[None, :]
+    out = torch.full((len(rows), max(row.numel() for row in rows)), fill, dtype=rows[0].dtype)
+    for b, row in enumerate(rows):
+        out[b, : row.numel()] = row
+    return out
+
+
+def token_positions(seq_lens: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    """``[rows, length]`` position ids of a microbatch's tokens: ``0..len-1`` of every sample, on
+    right-padded rows (padding continues counting) or restarting at each sample of a packed row."""
+    if is_packed(rows, seq_lens):
+        check_packed(rows, length, seq_lens, "token_positions")
+        return segment_positions(seq_lens)[1][None, :]
+    return torch.arange(length, device=seq_lens.device)[None, :].expand(rows, length)

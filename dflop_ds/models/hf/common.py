@@ -5,7 +5,9 @@ model back with ``save_pretrained`` saves what was trained) and maps a tuple to 
 floating-point tensors first, as the pipeline contract asks (``docs/architecture.md``). Only
 ``(hidden, seq_lens)`` crosses a stage boundary: attention masks and rotary tables are built in
 every layer from ``seq_lens``, with the same transformers functions the HF model calls, so they
-have the dtype and format the configured attention implementation expects.
+have the dtype and format the configured attention implementation expects. A packed microbatch
+(one row ``[1, sum(seq_lens), D]``, :mod:`dflop_ds.models.packing`) gets positions restarting at
+every sample and attention within each sample (:mod:`dflop_ds.models.hf.packed`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from dflop_ds.models.hf.packed import packed_attention, packed_kwargs
+from dflop_ds.models.packing import is_packed, token_positions
 
 #: how a decoder layer's attention is masked: HF ``layer_types`` values
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -48,13 +53,8 @@ def padding_mask(seq_lens: torch.Tensor, length: int) -> torch.Tensor:
     return (positions[None, :] < seq_lens[:, None]).long()
 
 
-def row_positions(seq_lens: torch.Tensor, length: int) -> torch.Tensor:
-    """``[B, length]`` position ids: ``0..len-1`` on each right-padded row (padding continues counting)."""
-    return torch.arange(length, device=seq_lens.device)[None, :].expand(seq_lens.shape[0], length)
-
-
 def attention_mask_for(
-    kind: str, text_config: Any, hidden: torch.Tensor, seq_lens: torch.Tensor, position_ids: torch.Tensor
+    kind: str, text_config: Any, hidden: torch.Tensor, seq_lens: torch.Tensor, position_ids: torch.Tensor | None
 ) -> Any:
     """The mask an HF decoder layer of ``kind`` gets for right-padded ``hidden [B, S, D]``:
     causal (or sliding-window causal) with key padding, in the format of the config's
@@ -75,7 +75,8 @@ class DecoderLayer(nn.Module):
     """One HF decoder layer: ``(hidden [B, S, D], seq_lens [B]) -> (hidden, seq_lens)``.
 
     Rotary tables come from the HF model's rotary module (no parameters) at positions
-    ``0..len-1`` of every row; the mask from :func:`attention_mask_for`.
+    ``0..len-1`` of every sample (:func:`~dflop_ds.models.packing.token_positions`); padded rows
+    are masked by :func:`attention_mask_for`, a packed row attends within each sample.
     """
 
     def __init__(self, layer: nn.Module, rotary_emb: nn.Module, text_config: Any, kind: str) -> None:
@@ -85,16 +86,37 @@ class DecoderLayer(nn.Module):
         self.text_config = text_config
         self.kind = kind
 
+    def attend(
+        self,
+        hidden: torch.Tensor,
+        seq_lens: torch.Tensor,
+        rope_positions: torch.Tensor,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Run the HF layer on ``hidden`` with rotary tables at ``rope_positions``: causal with key
+        padding on right-padded rows, causal within each sample on a packed row."""
+        position_embeddings = self.rotary_emb(hidden, rope_positions)
+        if is_packed(hidden.shape[0], seq_lens):
+            with packed_attention(self.text_config):
+                out = self.layer(
+                    hidden,
+                    attention_mask=None,
+                    position_ids=position_ids,
+                    position_embeddings=position_embeddings,
+                    **packed_kwargs(seq_lens),
+                )
+        else:
+            mask = attention_mask_for(self.kind, self.text_config, hidden, seq_lens, position_ids)
+            out = self.layer(
+                hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings
+            )
+        return out[0] if isinstance(out, tuple) else out
+
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Apply the layer with key padding from ``seq_lens``."""
+        """Apply the layer to a padded or packed microbatch."""
         hidden, seq_lens = inputs
-        position_ids = row_positions(seq_lens, hidden.shape[1])
-        mask = attention_mask_for(self.kind, self.text_config, hidden, seq_lens, position_ids)
-        position_embeddings = self.rotary_emb(hidden, position_ids)
-        out = self.layer(
-            hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings
-        )
-        return (out[0] if isinstance(out, tuple) else out), seq_lens
+        position_ids = token_positions(seq_lens, hidden.shape[0], hidden.shape[1])
+        return self.attend(hidden, seq_lens, position_ids, position_ids), seq_lens
 
 
 class LMHead(nn.Module):
@@ -185,6 +207,5 @@ __all__ = [
     "layer_mask_kinds",
     "model_type",
     "padding_mask",
-    "row_positions",
     "run_layers",
 ]

@@ -43,6 +43,7 @@ from dflop_ds.data.media import record_image_paths
 from dflop_ds.data.records import load_records
 from dflop_ds.models.data import IGNORE_INDEX, microbatch_denominator
 from dflop_ds.models.hf.check import load_processor
+from dflop_ds.models.packing import join_rows
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
 logger = logging.getLogger(__name__)
@@ -477,11 +478,15 @@ def item_tensors(encoded: Encoded, shape: SampleShape, policy_name: str) -> tupl
     return ids, targets
 
 
-def collate_llava(items: Sequence[LlavaItem]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+def collate_llava(
+    items: Sequence[LlavaItem], packed: bool = False
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
     """One microbatch as the contract's ``((pixel_values, input_ids, seq_lens), (targets, loss_denominator))``.
 
-    ``input_ids`` are right-padded with the tokenizer's pad id, ``targets`` with -100; the
-    denominator is the scheduled one, or the microbatch's own target count for plain indices.
+    ``input_ids`` are right-padded with the tokenizer's pad id, ``targets`` with -100; with
+    ``packed`` both are one row ``[1, sum(seq_lens)]`` of the samples one after another
+    (:mod:`dflop_ds.models.packing`). The denominator is the scheduled one, or the microbatch's
+    own target count for plain indices.
     """
     if not items:
         raise ValueError("collate_llava: empty microbatch")
@@ -489,14 +494,18 @@ def collate_llava(items: Sequence[LlavaItem]) -> tuple[tuple[torch.Tensor, ...],
     if len(pads) > 1:
         raise ValueError(f"collate_llava: items of different tokenizers (pad ids {sorted(pads)})")
     seq_lens = torch.tensor([item.input_ids.numel() for item in items], dtype=torch.long)
-    input_ids = torch.full((len(items), int(seq_lens.max())), pads.pop(), dtype=torch.long)
-    targets = torch.full_like(input_ids, IGNORE_INDEX)
-    for b, item in enumerate(items):
-        input_ids[b, : item.input_ids.numel()] = item.input_ids
-        targets[b, : item.targets.numel()] = item.targets
+    input_ids = join_rows([item.input_ids for item in items], pads.pop(), packed)
+    targets = join_rows([item.targets for item in items], IGNORE_INDEX, packed)
     pixel_values = torch.cat([item.pixel_values for item in items], dim=0)
     denominator = torch.tensor(microbatch_denominator(items), dtype=torch.float64)
     return (pixel_values, input_ids, seq_lens), (targets, denominator)
+
+
+def collate_packed_llava(
+    items: Sequence[LlavaItem],
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`collate_llava` with ``packed=True`` (a picklable collate for DataLoader workers)."""
+    return collate_llava(items, packed=True)
 
 
 __all__ = [
@@ -509,4 +518,5 @@ __all__ = [
     "LlavaItem",
     "LlavaDataset",
     "collate_llava",
+    "collate_packed_llava",
 ]

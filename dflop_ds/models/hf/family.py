@@ -48,8 +48,8 @@ def load_flat_state(layers: list, state: Mapping[str, torch.Tensor]) -> None:
 class HFFamily:
     """What differs between HF model families for training: how to load the model and cut it into
     layer lists, which module LoRA runs still train in full (the projector), the dataset class and
-    collate of its microbatch contract, how its processor is written back, and a dataset item's
-    encoder tiles for a colocated encoder (None: the family cannot dispatch them)."""
+    the padded and packed collates of its microbatch contract, how its processor is written back, and
+    a dataset item's encoder tiles for a colocated encoder (None: the family cannot dispatch them)."""
 
     load: Callable[[str], Any]
     layers: Callable[[Any], tuple]
@@ -58,6 +58,7 @@ class HFFamily:
     collate: Callable
     save_processor: Callable[[Any, str], None]
     tile_pixels: Callable[[Any], torch.Tensor] | None = None
+    packed_collate: Callable | None = None
 
 
 def family_source(
@@ -128,4 +129,5 @@ def family_source(
         save_pretrained=save_pretrained,
         hf_model=model,
         tile_pixels=family.tile_pixels,
+        packed_collate=family.packed_collate,
     )

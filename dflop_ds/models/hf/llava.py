@@ -12,6 +12,10 @@
 * LLM: one :class:`~dflop_ds.models.hf.common.DecoderLayer` per decoder layer, then the
   :class:`~dflop_ds.models.hf.common.LMHead` (final norm + ``lm_head``).
 
+A packed microbatch (``input_ids [1, sum(seq_lens)]``, :mod:`dflop_ds.models.packing`) runs through
+the same layers: the projector's merge is row-major either way, and the decoder layers restart
+positions and attention at every sample, giving ``hidden``/``logits [1, sum(seq_lens), ...]``.
+
 Every entry holds the HF submodules themselves, so the layers and the HF model share weights.
 Supported: vision towers :data:`VISION_TYPES`, text models :data:`TEXT_TYPES`, an integer
 ``vision_feature_layer``, strategies ``default`` and ``full``. transformers is imported only

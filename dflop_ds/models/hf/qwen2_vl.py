@@ -24,6 +24,10 @@ attending within itself, exactly as it treats images, so one pass embeds both.
 * LLM: one :class:`MRopeDecoderLayer` per decoder layer, then the shared
   :class:`~dflop_ds.models.hf.common.LMHead`.
 
+Packed microbatches (:mod:`dflop_ds.models.packing`): ``input_ids [1, sum(seq_lens)]`` holds every
+sample in one row; the projector gives each sample its own M-RoPE positions (restarting at 0) and
+the decoder layers attend within each sample (:mod:`dflop_ds.models.hf.packed`).
+
 Qwen2.5-VL (``model_type`` ``qwen2_5_vl``) differs in its tower only: patches are reordered
 into attention windows after the embedding (:func:`window_index`), every block but the
 ``fullatt_block_indexes`` attends within windows, and the projector restores the order after
@@ -38,8 +42,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflop_ds.models.hf.common import DecoderLayer, LMHead, attention_mask_for, layer_mask_kinds, load_checked
+from dflop_ds.models.hf.common import DecoderLayer, LMHead, layer_mask_kinds, load_checked
 from dflop_ds.models.hf.llava import TIED_EMBEDDING_KEY
+from dflop_ds.models.packing import check_packed, is_packed, token_positions
 from dflop_ds.profile.inputs import split_evenly
 
 MODEL_TYPE = "qwen2_vl"
@@ -113,59 +118,74 @@ def mrope_position_ids(
 ) -> torch.Tensor:
     """Qwen2-VL's multimodal rotary position ids ``[3, B, S]`` (temporal, height, width), as HF computes them.
 
-    Without images and videos every row counts ``0..S-1`` on all three axes (padding included).
-    Otherwise each row's real tokens count on: a text token takes the next position on all three
-    axes; an image or video of grid ``(t, h, w)`` (``t*h*w / merge**2`` consecutive image or video
-    tokens) starting at position ``p`` takes ``(p + i, p + y, p + x)`` for its merged patch
-    ``(i, y, x)`` (``i``: the frame pair of a video), and the text after it continues at
-    ``p + max(h, w) / merge``. Padding gets 0. Images are consumed from ``image_grid_thw``, videos
-    from ``video_grid_thw``, in row-major order; a run of tokens whose length is not the next
-    grid's token count is refused.
+    Without images and videos every sample counts ``0..len-1`` on all three axes (padding
+    continues counting). Otherwise each sample's tokens count on: a text token takes the next
+    position on all three axes; an image or video of grid ``(t, h, w)`` (``t*h*w / merge**2``
+    consecutive image or video tokens) starting at position ``p`` takes ``(p + i, p + y, p + x)``
+    for its merged patch ``(i, y, x)`` (``i``: the frame pair of a video), and the text after it
+    continues at ``p + max(h, w) / merge``. Padding gets 0. Images are consumed from
+    ``image_grid_thw``, videos from ``video_grid_thw``, in sample order; a run of tokens whose
+    length is not the next grid's token count is refused. A packed ``input_ids [1, sum(seq_lens)]``
+    gives ``[3, 1, sum(seq_lens)]``: every sample's positions as if it were alone (what HF's
+    ``get_rope_index`` gives it), restarting at 0.
     """
     batch, length = input_ids.shape
     device = input_ids.device
     video_grid_thw = image_grid_thw[:0] if video_grid_thw is None else video_grid_thw
     if image_grid_thw.shape[0] == 0 and video_grid_thw.shape[0] == 0:
-        return torch.arange(length, device=device).view(1, 1, -1).expand(3, batch, length).clone()
-    positions = torch.zeros(3, batch, length, dtype=torch.long, device=device)
+        return token_positions(seq_lens, batch, length).expand(3, batch, length).clone()
     grids = {image_token_id: iter(image_grid_thw.tolist()), video_token_id: iter(video_grid_thw.tolist())}
     names = {image_token_id: "image", video_token_id: "video"}
-    for row in range(batch):
-        ids = input_ids[row, : int(seq_lens[row])].tolist()
-        kinds = [token if token in grids else None for token in ids]
-        pieces, start, current = [], 0, 0
-        while start < len(kinds):
-            stop = start
-            while stop < len(kinds) and kinds[stop] == kinds[start]:
-                stop += 1
-            if kinds[start] is None:
-                pieces.append(torch.arange(current, current + stop - start, device=device).expand(3, -1))
-                current += stop - start
-            else:
-                t, h, w = next(grids[kinds[start]], (0, 0, 0))
-                gh, gw = h // merge_size, w // merge_size
-                if t * gh * gw != stop - start:
-                    name = names[kinds[start]]
-                    raise ValueError(
-                        f"row {row}: a run of {stop - start} {name} tokens at position {start} does not "
-                        f"match the next {name} grid {(t, h, w)} ({t * gh * gw} tokens)"
-                    )
-                axes = torch.meshgrid(
-                    torch.arange(t, device=device),
-                    torch.arange(gh, device=device),
-                    torch.arange(gw, device=device),
-                    indexing="ij",
-                )
-                pieces.append(torch.stack([axis.flatten() for axis in axes]) + current)
-                current += max(gh, gw)
-            start = stop
-        if pieces:
-            positions[:, row, : len(kinds)] = torch.cat(pieces, dim=1)
+    if is_packed(batch, seq_lens):
+        check_packed(batch, length, seq_lens, "mrope_position_ids: packed input_ids")
+        samples = input_ids[0].split(seq_lens.tolist())
+        pieces = [_sample_positions(ids.tolist(), i, grids, names, merge_size, device) for i, ids in enumerate(samples)]
+        positions = torch.cat(pieces, dim=1)[:, None, :]
+    else:
+        positions = torch.zeros(3, batch, length, dtype=torch.long, device=device)
+        for row in range(batch):
+            ids = input_ids[row, : int(seq_lens[row])].tolist()
+            positions[:, row, : len(ids)] = _sample_positions(ids, row, grids, names, merge_size, device)
     for token, rest in grids.items():
         leftover = sum(1 for _ in rest)
         if leftover:
             raise ValueError(f"{leftover} {names[token]} grid(s) have no {names[token]} tokens in the microbatch")
     return positions
+
+
+def _sample_positions(
+    ids: list[int], sample: int, grids: dict, names: dict, merge_size: int, device: torch.device
+) -> torch.Tensor:
+    """``[3, len(ids)]`` M-RoPE positions of one sample's tokens, taking its images' and videos'
+    grids from the ``grids`` iterators (see :func:`mrope_position_ids`)."""
+    kinds = [token if token in grids else None for token in ids]
+    pieces, start, current = [], 0, 0
+    while start < len(kinds):
+        stop = start
+        while stop < len(kinds) and kinds[stop] == kinds[start]:
+            stop += 1
+        if kinds[start] is None:
+            pieces.append(torch.arange(current, current + stop - start, device=device).expand(3, -1))
+            current += stop - start
+        else:
+            t, h, w = next(grids[kinds[start]], (0, 0, 0))
+            gh, gw = h // merge_size, w // merge_size
+            if t * gh * gw != stop - start:
+                name = names[kinds[start]]
+                raise ValueError(
+                    f"sample {sample}: a run of {stop - start} {name} tokens at position {start} does not "
+                    f"match the next {name} grid {(t, h, w)} ({t * gh * gw} tokens)"
+                )
+            axes = torch.meshgrid(
+                torch.arange(t, device=device),
+                torch.arange(gh, device=device),
+                torch.arange(gw, device=device),
+                indexing="ij",
+            )
+            pieces.append(torch.stack([axis.flatten() for axis in axes]) + current)
+            current += max(gh, gw)
+        start = stop
+    return torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long, device=device)
 
 
 class PatchEmbedding(nn.Module):
@@ -236,7 +256,8 @@ class Qwen2VLProjector(nn.Module):
     The merged features of the microbatch's images, in order, replace the embeddings of the
     image tokens in row-major order, those of its videos the video tokens'. A microbatch without
     images and videos brings the tower's placeholder image, whose one feature is dropped here
-    (sliced off, so the graph stays the same).
+    (sliced off, so the graph stays the same). A packed microbatch (``input_ids [1, sum(seq_lens)]``)
+    gives ``hidden [1, N, D]`` and positions restarting at every sample.
     """
 
     def __init__(self, merger: nn.Module, embed_tokens: nn.Module, config: Any, tied_key: str | None = None) -> None:
@@ -296,15 +317,13 @@ class Qwen2VLProjector(nn.Module):
 
 
 class MRopeDecoderLayer(DecoderLayer):
-    """One decoder layer at the M-RoPE positions: ``(hidden, position_ids [3, B, S], seq_lens) -> same``."""
+    """One decoder layer at the M-RoPE positions: ``(hidden, position_ids [3, B, S], seq_lens) -> same``
+    (padded rows or one packed row, as :class:`~dflop_ds.models.hf.common.DecoderLayer`)."""
 
     def forward(self, inputs):
-        """Apply the layer: causal attention with key padding from ``seq_lens``, rotary from ``position_ids``."""
+        """Apply the layer: attention masked by ``seq_lens``, rotary from ``position_ids``."""
         hidden, position_ids, seq_lens = inputs
-        mask = attention_mask_for(self.kind, self.text_config, hidden, seq_lens, None)
-        position_embeddings = self.rotary_emb(hidden, position_ids)
-        out = self.layer(hidden, attention_mask=mask, position_ids=None, position_embeddings=position_embeddings)
-        return (out[0] if isinstance(out, tuple) else out), position_ids, seq_lens
+        return self.attend(hidden, seq_lens, position_ids, None), position_ids, seq_lens
 
 
 def qwen2_vl_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Module]]:

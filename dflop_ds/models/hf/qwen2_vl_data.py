@@ -414,15 +414,21 @@ class Qwen2VLDataset(LlavaDataset):
         )
 
 
-def collate_qwen2_vl(items: Sequence[Qwen2VLItem]):
+def collate_qwen2_vl(items: Sequence[Qwen2VLItem], packed: bool = False):
     """One microbatch ``((pixel_values, input_ids, seq_lens, image_grid_thw, video_grid_thw), (targets,
     loss_denominator))``: ``pixel_values`` holds every image's patches, then every video's, samples in
-    order (padding and denominator as :func:`~dflop_ds.models.hf.data.collate_llava`)."""
-    (pixel_values, input_ids, seq_lens), labels = collate_llava(items)
+    order (padding or packing, ``packed``, and denominator as :func:`~dflop_ds.models.hf.data.collate_llava`;
+    the projector computes each sample's M-RoPE positions)."""
+    (pixel_values, input_ids, seq_lens), labels = collate_llava(items, packed)
     videos = [item.pixel_values_videos for item in items if item.pixel_values_videos is not None]
     grid = torch.cat([item.image_grid_thw for item in items])
     video_grid = torch.cat([item.video_grid_thw for item in items])
     return (torch.cat([pixel_values, *videos]), input_ids, seq_lens, grid, video_grid), labels
+
+
+def collate_packed_qwen2_vl(items: Sequence[Qwen2VLItem]):
+    """:func:`collate_qwen2_vl` with ``packed=True`` (a picklable collate for DataLoader workers)."""
+    return collate_qwen2_vl(items, packed=True)
 
 
 __all__ = [
@@ -434,6 +440,7 @@ __all__ = [
     "Qwen2VLPreprocessor",
     "SmartResize",
     "VideoFrames",
+    "collate_packed_qwen2_vl",
     "collate_qwen2_vl",
     "mark_video",
 ]

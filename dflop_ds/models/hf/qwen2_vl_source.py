@@ -9,7 +9,12 @@ from typing import Any
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.models.hf.family import HFFamily, family_source
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers
-from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor, collate_qwen2_vl
+from dflop_ds.models.hf.qwen2_vl_data import (
+    Qwen2VLDataset,
+    Qwen2VLPreprocessor,
+    collate_packed_qwen2_vl,
+    collate_qwen2_vl,
+)
 from dflop_ds.models.source import ModelSource
 
 
@@ -32,7 +37,15 @@ def qwen2_vl_source(
         preprocessor.tokenizer.save_pretrained(directory)
         preprocessor.image_processor.save_pretrained(directory)
 
-    family = HFFamily(load_qwen2_vl, qwen2_vl_layers, "visual.merger", Qwen2VLDataset, collate_qwen2_vl, save_processor)
+    family = HFFamily(
+        load_qwen2_vl,
+        qwen2_vl_layers,
+        "visual.merger",
+        Qwen2VLDataset,
+        collate_qwen2_vl,
+        save_processor,
+        packed_collate=collate_packed_qwen2_vl,
+    )
     preprocessor = Qwen2VLPreprocessor.from_pretrained(
         model_dir, video_fps=video_fps, video_max_frames=video_max_frames, max_length=max_length, truncation=truncation
     )

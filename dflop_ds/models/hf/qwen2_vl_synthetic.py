@@ -118,14 +118,17 @@ class Qwen2VLInputs:
         ids = torch.cat(pieces) if pieces else prompt_ids
         return (pixel_values, grid, video_pixels, video_grid, *append_answer(self.tokenizer, ids, answer))
 
-    def microbatch(self, samples: Sequence[Sample | VideoSample], *, denominator: float | None = None):
+    def microbatch(
+        self, samples: Sequence[Sample | VideoSample], *, denominator: float | None = None, packed: bool = False
+    ):
         """``((pixel_values, input_ids, seq_lens, image_grid_thw, video_grid_thw), (targets,
-        loss_denominator))`` of ``samples`` (image patches, then video patches)."""
+        loss_denominator))`` of ``samples`` (image patches, then video patches); ``packed``: the
+        samples in one row (:mod:`dflop_ds.models.packing`) instead of right-padded rows."""
         if not samples:
             raise ValueError("Qwen2VLInputs.microbatch: no samples")
         encoded = [self.encode_sample(*sample) for sample in samples]
         input_ids, seq_lens, targets, count = stack_rows(
-            [(row[4], row[5]) for row in encoded], pad_token_id(self.tokenizer), denominator
+            [(row[4], row[5]) for row in encoded], pad_token_id(self.tokenizer), denominator, packed
         )
         pixel_values = torch.cat([row[0] for row in encoded] + [row[2] for row in encoded])
         grid = torch.cat([row[1] for row in encoded])

@@ -9,7 +9,7 @@ from typing import Any
 
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.models.hf.common import model_type
-from dflop_ds.models.hf.data import LlavaDataset, LlavaPreprocessor, collate_llava
+from dflop_ds.models.hf.data import LlavaDataset, LlavaPreprocessor, collate_llava, collate_packed_llava
 from dflop_ds.models.hf.family import HFFamily, family_source
 from dflop_ds.models.hf.llava import llava_layers, load_llava
 from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES
@@ -64,6 +64,7 @@ def hf_source(
         collate_llava,
         lambda pre, directory: pre.processor.save_pretrained(directory),
         tile_pixels=lambda item: item.pixel_values,  # one tile per image
+        packed_collate=collate_packed_llava,
     )
     preprocessor = LlavaPreprocessor.from_pretrained(model_dir, max_length=max_length, truncation=truncation)
     return family_source(

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from dflop_ds.models.hf.common import padding_mask
+from dflop_ds.models.packing import join_rows
 from dflop_ds.pipe.loss import IGNORE_INDEX
 
 Sample = tuple[str, str, Sequence[Any]]  # (prompt with <image> placeholders, answer, PIL images)
@@ -45,16 +46,17 @@ def append_answer(tokenizer: Any, prompt_ids: torch.Tensor, answer: str) -> tupl
 
 
 def stack_rows(
-    rows: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int, denominator: float | None = None
+    rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    pad_id: int,
+    denominator: float | None = None,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids [B, S], seq_lens [B], targets [B, S], loss_denominator)`` of right-padded
-    ``(input_ids, targets)`` rows; ``denominator`` defaults to the rows' target count."""
+    ``(input_ids, targets)`` rows (one packed row ``[1, sum(seq_lens)]`` each with ``packed``);
+    ``denominator`` defaults to the rows' target count."""
     seq_lens = torch.tensor([ids.numel() for ids, _ in rows], dtype=torch.long)
-    input_ids = torch.full((len(rows), int(seq_lens.max())), pad_id, dtype=torch.long)
-    targets = torch.full_like(input_ids, IGNORE_INDEX)
-    for b, (ids, tgt) in enumerate(rows):
-        input_ids[b, : ids.numel()] = ids
-        targets[b, : tgt.numel()] = tgt
+    input_ids = join_rows([ids.long() for ids, _ in rows], pad_id, packed)
+    targets = join_rows([tgt.long() for _, tgt in rows], IGNORE_INDEX, packed)
     count = float((targets != IGNORE_INDEX).sum()) if denominator is None else float(denominator)
     return input_ids, seq_lens, targets, torch.tensor(count, dtype=torch.float64)
 
@@ -70,18 +72,20 @@ def contract_microbatch(
     *,
     image_shape: Sequence[int] | None = None,
     denominator: float | None = None,
+    packed: bool = False,
 ):
     """One microbatch ``((pixel_values, input_ids, seq_lens), (targets, loss_denominator))``.
 
     ``image_shape`` ``(C, H, W)`` shapes the empty ``pixel_values`` of a text-only microbatch
     (default: the processor's crop size, 3 channels). ``denominator`` defaults to the
-    microbatch's own target count (a per-microbatch token mean).
+    microbatch's own target count (a per-microbatch token mean). ``packed``: the samples in one
+    row (:mod:`dflop_ds.models.packing`) instead of right-padded rows.
     """
     if not samples:
         raise ValueError("contract_microbatch: no samples")
     encoded = [encode_sample(processor, *sample) for sample in samples]
     input_ids, seq_lens, targets, count = stack_rows(
-        [(ids, tgt) for _, ids, tgt in encoded], pad_token_id(processor.tokenizer), denominator
+        [(ids, tgt) for _, ids, tgt in encoded], pad_token_id(processor.tokenizer), denominator, packed
     )
     pixels = [px for px, _, _ in encoded if px is not None]
     if pixels:
