@@ -7,7 +7,9 @@ The tiny model is profiled once (cached per model, machine and software versions
 ``dflop_ds.profile.cache``) and both samplers run on the fitted cost model. Every round launches
 each sampler once, in an order that rotates from round to round so that the machine's drift hits
 both alike; the table shows the median over rounds with the min-max. The last lines give the
-correlation of predicted microbatch cost and observed compute per pipeline stage.
+correlation of predicted microbatch cost and observed compute per pipeline stage, compute timed by
+the wall clock and by the CPU time of each rank's computing thread (which other processes on a
+shared machine do not inflate).
 """
 
 from __future__ import annotations

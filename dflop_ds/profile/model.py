@@ -10,8 +10,8 @@ with and without its attention (:class:`dflop_ds.profile.attention.AttentionOff`
 Timing protocol, built for a shared machine and for the conditions of a training step: every
 (layer, size) job is prepared once, then timed in rounds that sweep all jobs in model order, so
 each layer finds the caches as the layer before it in a running model leaves them (a pass of the
-same layer right before the timed one, ``warm_pass=True``, makes layers look 3-6% faster than they
-run inside the model: measured on the tiny MLLM, see benchmarks/bench_costmodel.py). The repeats
+same layer right before the timed one, ``warm_pass=True``, made the tiny MLLM's layers sum to 4-6%
+less than the whole model on the same microbatches, 1.4% in model order: README, bench-costmodel). The repeats
 are summarized by a robust statistic (``min`` by default: the pass least disturbed by other
 processes; ``median`` and ``trimmed_mean`` are available). On a CPU the clock is the process's CPU
 time, which a co-running process does not inflate the way it inflates wall time.
