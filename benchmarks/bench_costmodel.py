@@ -12,8 +12,13 @@
    ``predict_microbatch``; the same microbatches packed (one row, attention per sample) against
    :class:`~dflop_ds.cost.PackedCost`'s ``predict_microbatch``, timed in the same rounds.
 
-Prints the mean absolute percentage error (MAPE) per module; the last line reads
-``costmodel heldout mape encoder=<x> llm=<y> microbatch=<z> packed_microbatch=<w>`` (fractions).
+Prints the mean absolute percentage error (MAPE) per module and, for real microbatches, the
+MAPE after one fitted scale factor (``scale_free``: balancing needs the cost ratios right, and the
+adaptive correction absorbs a common scale); the last line reads
+``costmodel heldout mape encoder=<x> llm=<y> microbatch=<z> packed_microbatch=<w>
+scale_free_microbatch=<u> scale_free_packed_microbatch=<v>`` (fractions), with the load average.
+``--warm-pass`` profiles with the old protocol (each layer run once right before its timed pass),
+for an A/B of the profiler's timing conditions.
 
 Run: ``.venv/bin/python benchmarks/bench_costmodel.py`` from the repository root.
 """
@@ -72,6 +77,14 @@ def scale_free_mape(predicted: Sequence[float], measured: Sequence[float]) -> fl
     relative errors: what balancing sees, since only ratios matter to it."""
     ratio = np.asarray(predicted, dtype=float) / np.asarray(measured, dtype=float)
     return mape(np.asarray(predicted, dtype=float) * ratio.sum() / (ratio**2).sum(), measured)
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages (``/proc/loadavg``), or ``n/a`` where there is none."""
+    try:
+        return "/".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
 
 
 def split_profile(
@@ -148,9 +161,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-microbatch", type=int, default=4)
     parser.add_argument("--data", default=str(ROOT / "examples" / "data" / "mixture.jsonl"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warm-pass", action="store_true", help="profile each layer right after a pass of itself")
     args = parser.parse_args(argv)
     clock = resolve_clock(args.clock)
-    timing = dict(repeats=args.repeats, statistic=args.statistic, clock=clock, threads=args.threads, progress=False)
+    timing = dict(
+        repeats=args.repeats,
+        statistic=args.statistic,
+        clock=clock,
+        threads=args.threads,
+        progress=False,
+        warm_pass=args.warm_pass,
+    )
+    load_before = load_average()
 
     started = time.perf_counter()
     fit_llm = [(b, s) for b in DEFAULT_BATCH_SIZES for s in DEFAULT_SEQ_LENS]
@@ -218,16 +240,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"\nreal microbatch parts: encoder mape={mape(*zip(*enc_real)):.3f} "
         f"llm mape={mape(predicted[:, 1], real[:, 2]):.3f}"
     )
+    padded_whole, packed_whole = predicted.sum(axis=1), predicted_packed.sum(axis=1)
     print(
-        "scale-free mape (one fitted scale factor): "
-        f"microbatch={scale_free_mape(predicted.sum(axis=1), real[:, 0]):.3f} "
-        f"packed_microbatch={scale_free_mape(predicted_packed.sum(axis=1), real_packed[:, 0]):.3f}"
+        f"real / predicted, median: microbatch x{np.median(real[:, 0] / padded_whole):.3f} "
+        f"packed x{np.median(real_packed[:, 0] / packed_whole):.3f}"
     )
-    print(f"total benchmark wall time {time.perf_counter() - started:.1f} s")
+    print(
+        f"total benchmark wall time {time.perf_counter() - started:.1f} s; load average {load_before} before, "
+        f"{load_average()} after; profiler {'warm pass' if args.warm_pass else 'model order'}"
+    )
     print(
         f"costmodel heldout mape encoder={mape(enc_pred, enc_meas):.3f} llm={mape(llm_pred, llm_meas):.3f} "
-        f"microbatch={mape(predicted.sum(axis=1), real[:, 0]):.3f} "
-        f"packed_microbatch={mape(predicted_packed.sum(axis=1), real_packed[:, 0]):.3f}"
+        f"microbatch={mape(padded_whole, real[:, 0]):.3f} "
+        f"packed_microbatch={mape(packed_whole, real_packed[:, 0]):.3f} "
+        f"scale_free_microbatch={scale_free_mape(padded_whole, real[:, 0]):.3f} "
+        f"scale_free_packed_microbatch={scale_free_mape(packed_whole, real_packed[:, 0]):.3f}"
     )
     return 0
 

@@ -7,7 +7,9 @@ The tiny model is profiled once (cached per model, machine and software versions
 ``dflop_ds.profile.cache``) and both samplers run on the fitted cost model. Every round launches
 each sampler once, in an order that rotates from round to round so that the machine's drift hits
 both alike; the table shows the median over rounds with the min-max. The last lines give the
-correlation of predicted microbatch cost and observed compute per pipeline stage.
+correlation of predicted microbatch cost and observed compute per pipeline stage, compute timed by
+the wall clock and by the CPU time of each rank's computing thread (which other processes on a
+shared machine do not inflate).
 """
 
 from __future__ import annotations
@@ -82,11 +84,15 @@ def timed_telemetry(run_output: dict) -> list[dict]:
     return [step["telemetry"] for step in timed if "telemetry" in step]
 
 
-def stage_correlations(telemetry: list[dict]) -> dict[int, float]:
-    """Per pipeline stage: Pearson r of predicted microbatch cost vs observed compute (as
-    ``dflop-ds report`` computes it); NaN where the predictions do not vary."""
+#: observed compute per microbatch: record key, label
+OBSERVED = (("mb_observed", "wall"), ("mb_observed_cpu", "CPU time"))
+
+
+def stage_correlations(telemetry: list[dict], observed: str = "mb_observed") -> dict[int, float]:
+    """Per pipeline stage: Pearson r of predicted microbatch cost vs observed compute (``observed``:
+    wall or CPU seconds, as ``dflop-ds report`` reads them); NaN where the predictions do not vary."""
     out = {}
-    for stage, (x, y) in sorted(scatter_points(telemetry).items()):
+    for stage, (x, y) in sorted(scatter_points(telemetry, observed).items()):
         out[stage] = float(np.corrcoef(x, y)[0, 1]) if x.size > 1 and np.ptp(x) > 0 and np.ptp(y) > 0 else float("nan")
     return out
 
@@ -116,15 +122,31 @@ def speedups(runs: dict[str, list[dict]]) -> list[float]:
 
 
 def correlation_lines(runs: dict[str, list[dict]]) -> list[str]:
-    """r per stage over the timed steps of all rounds: per method, and over both methods'
-    microbatches together (the cost model's check over the widest range of microbatches)."""
+    """r per stage over the timed steps of all rounds, compute timed by the wall clock and by the
+    CPU-time clock: per method, and over both methods' microbatches together (the cost model's
+    check over the widest range of microbatches), with the coefficient of variation of the
+    predicted costs (balanced microbatches vary little, so timing noise weighs more in their r)."""
     telemetry = {method: [t for output in outputs for t in timed_telemetry(output)] for method, outputs in runs.items()}
     telemetry["both samplers"] = [t for records in telemetry.values() for t in records]
     lines = []
     for name, records in telemetry.items():
-        cells = ", ".join(f"stage {s} r={v:.3f}" for s, v in stage_correlations(records).items())
-        lines.append(f"{name}: predicted microbatch cost vs observed stage compute: {cells or 'no telemetry'}")
+        for key, clock in OBSERVED:
+            points = scatter_points(records, key)
+            if not points and key != OBSERVED[0][0]:
+                continue
+            cells = ", ".join(
+                f"stage {s} r={r:.3f} (cv {variation(points[s][0]):.2f})"
+                for s, r in stage_correlations(records, key).items()
+            )
+            lines.append(
+                f"{name}: predicted microbatch cost vs observed stage compute ({clock}): {cells or 'no telemetry'}"
+            )
     return lines
+
+
+def variation(values: np.ndarray) -> float:
+    """Coefficient of variation (standard deviation over mean) of ``values``; NaN for none."""
+    return float(np.std(values) / np.mean(values)) if values.size and np.mean(values) > 0 else float("nan")
 
 
 def model_overrides(config: str) -> dict[str, Any]:

@@ -76,3 +76,18 @@ def test_speedup_per_round_and_table_show_median_and_range(demo):
     assert "1.300 (1.200-1.500)" in text and "1.000 (1.000-1.300)" in text
     lines = demo.correlation_lines(runs)
     assert len(lines) == 3 and "nan" in lines[0]  # constant predictions: no correlation to report
+
+
+def test_correlation_lines_add_cpu_time_where_the_runs_measured_it(demo):
+    rng = np.random.default_rng(1)
+    predicted = rng.uniform(0.01, 0.1, size=(3, 4, 2))
+    wall = rng.uniform(0.01, 0.3, size=(3, 2, 4))  # noise
+    runs = {m: [run_output(1.0, predicted, wall)] for m in ("stock", "dflop")}
+    for output in runs["stock"] + runs["dflop"]:
+        for step, p in zip(output["steps"], predicted):
+            step["telemetry"]["mb_observed_cpu"] = (2.0 * p.T).tolist()  # exactly proportional
+    lines = demo.correlation_lines(runs)
+    cpu = [line for line in lines if "(CPU time)" in line]
+    assert len(lines) == 6 and len(cpu) == 3
+    assert all("r=1.000" in line for line in cpu) and not any("r=1.000" in line for line in lines if line not in cpu)
+    assert demo.variation(np.array([1.0, 3.0])) == pytest.approx(0.5)

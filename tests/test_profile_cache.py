@@ -11,6 +11,7 @@ from dflop_ds.cost import PackedCost, StageCost, load_cost_model, save_cost_mode
 from dflop_ds.models.tiny_profile import cached_tiny_cost_model
 from dflop_ds.plan.stages import stage_shares
 from dflop_ds.profile.cache import cached_cost_model, key_digest, profile_key
+from dflop_ds.profile.model import TIMING_PROTOCOL
 from dflop_ds.shapes import SampleShape
 
 #: a small, fast profile of the tiny model
@@ -77,6 +78,7 @@ def test_key_digest_is_stable_and_sensitive():
     key = profile_key({"name": "m"}, {"repeats": 3})
     assert key_digest(key) == key_digest(json.loads(json.dumps(key)))
     assert key_digest(key) != key_digest(profile_key({"name": "m"}, {"repeats": 5}))
+    assert key["software"]["timing_protocol"] == str(TIMING_PROTOCOL)  # a new protocol profiles again
 
 
 @pytest.fixture(scope="module")

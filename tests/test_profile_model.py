@@ -87,8 +87,9 @@ def toy_model(vision_blocks: int = 3, decoder_blocks: int = 5):
     return encoder, llm
 
 
-def run_toy(**overrides) -> ModelProfile:
-    encoder, llm = toy_model()
+def run_toy(encoder=None, llm=None, **overrides) -> ModelProfile:
+    if encoder is None or llm is None:
+        encoder, llm = toy_model()
     options = dict(
         encoder_inputs=ContractEncoderInputs(image_size=8, vocab_size=10),
         llm_inputs=ContractLLMInputs(hidden_size=DIM),
@@ -187,6 +188,27 @@ def test_output_loss_is_applied_to_the_last_llm_layer_only() -> None:
 
     run_toy(tiles=(1,), seq_lens=(8,), batch_sizes=(2,), output_loss=loss)
     assert seen and set(seen) == {(2, 8, 10)}
+
+
+def test_layers_are_timed_in_model_order_unless_a_warm_pass_is_asked_for() -> None:
+    passes: dict[bool, list[tuple[int, tuple[int, ...]]]] = {}
+    for warm in (False, True):
+        encoder, llm = toy_model(vision_blocks=1, decoder_blocks=1)
+        log: list[tuple[int, tuple[int, ...]]] = []
+        for index, layer in enumerate(encoder + llm):
+            layer.register_forward_pre_hook(
+                lambda _, args, i=index, seen=log: seen.append((i, tuple(args[0][0].shape)))
+            )
+        profile = run_toy(
+            encoder=encoder, llm=llm, tiles=(1, 8), seq_lens=(8,), batch_sizes=(1,), warmup=1, repeats=2, warm_pass=warm
+        )
+        assert profile.meta["warm_pass"] is warm
+        passes[warm] = log
+    # the last round of the LLM: decoder (with and without attention), then the head
+    assert [i for i, _ in passes[False][-3:]] == [2, 2, 3]
+    assert [i for i, _ in passes[True][-5:]] == [2, 2, 2, 3, 3]
+    for job in set(passes[False]):  # one more pass of every job per round (1 warm-up + 2 timed rounds)
+        assert passes[True].count(job) - passes[False].count(job) == 3, job
 
 
 def test_threads_are_restored_after_profiling() -> None:

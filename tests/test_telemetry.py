@@ -15,6 +15,7 @@ from deepspeed.runtime.pipe import schedule
 from dflop_ds.cli import main as cli_main
 from dflop_ds.telemetry import PipelineTimer, bubble_fraction, imbalance, log_line, monitor_events, observed_imbalance
 from dflop_ds.telemetry.report import read_log, scatter_points, split_runs, summarize
+from dflop_ds.telemetry.timers import compute_cpu_clock
 
 FORWARD_S = [0.004, 0.012, 0.002, 0.008]  # per microbatch
 
@@ -72,6 +73,50 @@ def test_timer_charges_each_microbatch_its_own_forward_and_backward(stage_id):
     assert 0 < timing.overhead_s < 0.005
     timer.uninstall()
     assert "_INSTRUCTION_MAP" not in vars(engine)
+
+
+class ChargedEngine(FakeEngine):
+    """:class:`FakeEngine` whose passes also advance a virtual CPU-time clock (``cpu_seconds``) by
+    known amounts: microbatch ``k``'s forward by ``10 (k + 1)`` s, its backward by twice that."""
+
+    cpu_seconds = 0.0
+
+    def _exec_forward_pass(self, buffer_id):
+        self.cpu_seconds += 10.0 * (self.forwards + 1)
+        FakeEngine._exec_forward_pass(self, buffer_id)
+
+    def _exec_backward_pass(self, buffer_id):
+        self.cpu_seconds += 20.0 * (self.backwards + 1)
+        FakeEngine._exec_backward_pass(self, buffer_id)
+
+    _INSTRUCTION_MAP = {
+        **FakeEngine._INSTRUCTION_MAP,
+        schedule.ForwardPass: _exec_forward_pass,
+        schedule.BackwardPass: _exec_backward_pass,
+    }
+
+
+@pytest.mark.parametrize("stage_id", [0, 1])
+def test_cpu_clock_charges_each_microbatch_its_own_passes(stage_id):
+    engine = ChargedEngine()
+    timer = PipelineTimer(engine, micro_batches=len(FORWARD_S), cpu_clock=lambda: engine.cpu_seconds).install()
+    timer.start_step()
+    engine.run(stage_id)
+    timing = timer.finish_step()
+    np.testing.assert_allclose(timing.compute_cpu, 30.0 * (np.arange(len(FORWARD_S)) + 1))
+    assert timing.per_mb["forward"].sum() >= sum(FORWARD_S)  # wall time still recorded
+
+
+def test_thread_cpu_time_leaves_out_waiting_that_wall_time_counts():
+    engine = FakeEngine()  # its passes sleep: wall time, no compute
+    timer = PipelineTimer(engine, micro_batches=len(FORWARD_S), cpu_clock=compute_cpu_clock(1)).install()
+    timer.start_step()
+    engine.run(0)
+    timing = timer.finish_step()
+    assert timing.compute.sum() > 0.08
+    assert timing.compute_cpu.sum() < 0.2 * timing.compute.sum()
+    assert PipelineTimer(engine, micro_batches=1).install().finish_step().compute_cpu is None  # no CPU clock
+    assert compute_cpu_clock(1) is time.thread_time and compute_cpu_clock(4) is time.process_time
 
 
 def test_timer_overhead_is_small_per_instruction():

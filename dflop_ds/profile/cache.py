@@ -21,7 +21,7 @@ from typing import Any
 
 from dflop_ds.cost import FittedCostModel, reusable_fitted_model, save_cost_model
 from dflop_ds.cost.io import FORMAT_VERSION as COST_MODEL_FORMAT_VERSION
-from dflop_ds.profile.model import profile_model
+from dflop_ds.profile.model import TIMING_PROTOCOL, profile_model
 from dflop_ds.profile.target import ProfileTarget
 
 #: the environment variable naming the cache folder (default ``$XDG_CACHE_HOME/dflop-ds``)
@@ -76,6 +76,7 @@ def software_key() -> dict[str, str]:
         "deepspeed": deepspeed.__version__,
         "dflop_ds": ours,
         "cost_model_format": str(COST_MODEL_FORMAT_VERSION),
+        "timing_protocol": str(TIMING_PROTOCOL),
     }
 
 

@@ -104,8 +104,11 @@ def summarize(records: list[dict]) -> dict[str, Any]:
     return out
 
 
-def scatter_points(records: list[dict]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def scatter_points(records: list[dict], observed: str = "mb_observed") -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Per stage: (predicted, observed) per microbatch over the steps.
+
+    ``observed`` names the records' observed times: ``mb_observed`` (wall seconds of forward +
+    backward) or ``mb_observed_cpu`` (their CPU seconds, where the run measured them).
 
     Steps scheduled on corrected per-stage seconds (``predicted_space == "stage"``) compare stage
     ``s`` with predicted column ``s``; when there are such steps only they are used (the other
@@ -115,11 +118,11 @@ def scatter_points(records: list[dict]) -> dict[int, tuple[np.ndarray, np.ndarra
     points: dict[int, tuple[list, list]] = {}
     in_seconds = any(r.get("predicted_space") == "stage" for r in records)
     for r in records:
-        predicted, observed = r.get("mb_predicted"), r.get("mb_observed")
-        if not predicted or not observed or (r.get("predicted_space") == "stage") != in_seconds:
+        predicted, times = r.get("mb_predicted"), r.get(observed)
+        if not predicted or not times or (r.get("predicted_space") == "stage") != in_seconds:
             continue
         pred = np.asarray(predicted, dtype=float)
-        obs = np.asarray(observed, dtype=float)
+        obs = np.asarray(times, dtype=float)
         if pred.shape[0] != obs.shape[1]:
             continue
         for s in range(obs.shape[0]):

@@ -14,6 +14,9 @@ same observation, updates the correction identically and publishes it as version
 
 A step's record (one JSON line, rank 0) holds, besides the balance figures: ``mb_observed`` and
 ``mb_wait``, ``(stages, dp * n_mb)`` forward+backward and send+receive seconds per microbatch;
+on a CPU device ``mb_observed_cpu``, the same forward+backward in CPU seconds of the computing
+thread (:func:`~dflop_ds.telemetry.timers.compute_cpu_clock`), which other processes on a shared
+machine do not inflate;
 ``stage_totals_s``, instruction kind -> seconds per stage over the step (data-parallel mean);
 ``stage_bounds``, the layer split; ``microbatches``, the sample ids of every data-parallel
 rank's microbatches (when the sampler ran on rank 0). :mod:`dflop_ds.plan.engine_profile` fits an
@@ -36,7 +39,7 @@ import torch.distributed as dist
 from dflop_ds.paths import check_writable
 from dflop_ds.schedule.correction import CostCorrection, StepObservation, composition
 from dflop_ds.telemetry.record import bubble_fraction, imbalance, log_line, monitor_events, observed_imbalance
-from dflop_ds.telemetry.timers import STEP_KINDS, PipelineTimer, StageTiming
+from dflop_ds.telemetry.timers import STEP_KINDS, PipelineTimer, StageTiming, compute_cpu_clock
 
 HEADER = 7  # has_schedule, stage, dp_rank, step_s, timer_overhead_s, tracking_overhead_s, schedule fingerprint
 
@@ -81,8 +84,10 @@ class RuntimeTracker:
         self.rank = dist.get_rank()
         accelerator = get_accelerator()
         self.device = accelerator.current_device_name()
-        sync = None if accelerator.device_name() == "cpu" else accelerator.synchronize
-        self.timer = timer or PipelineTimer(engine, self.n_mb, synchronize=sync).install()
+        on_cpu = accelerator.device_name() == "cpu"
+        sync = None if on_cpu else accelerator.synchronize
+        cpu_clock = compute_cpu_clock(torch.get_num_threads()) if on_cpu else None
+        self.timer = timer or PipelineTimer(engine, self.n_mb, synchronize=sync, cpu_clock=cpu_clock).install()
         self.jsonl_path = Path(jsonl_path) if jsonl_path else None
         if self.jsonl_path is not None and self.rank == 0:
             check_writable(self.jsonl_path, "telemetry log")
@@ -107,7 +112,7 @@ class RuntimeTracker:
         rows = self._gather(self._local_vector(timing, step_s, sched, self.correction if tracking else None))
         check_same_schedule(rows, step)
         gathered = time.perf_counter()
-        stage_times, waits, step_max = self._stage_arrays(rows)
+        stage_times, waits, step_max = self._stage_arrays(rows, 0), self._stage_arrays(rows, 1), float(rows[:, 3].max())
         update_s = 0.0
         if self.correction is not None:
             update_s = self._feed_correction(self.correction, rows, stage_times, tracking)
@@ -127,8 +132,9 @@ class RuntimeTracker:
 
     # -- pieces --------------------------------------------------------------------------------
     def _totals_columns(self) -> slice:
-        """Where a gathered row holds the step's per-kind totals (after header, compute, wait, load)."""
-        start = HEADER + 3 * self.n_mb
+        """Where a gathered row holds the step's per-kind totals (after header, compute, wait, load,
+        CPU compute)."""
+        start = HEADER + 4 * self.n_mb
         return slice(start, start + len(STEP_KINDS))
 
     def _comp_size(self, correction: CostCorrection) -> int:
@@ -148,7 +154,9 @@ class RuntimeTracker:
             float(fingerprint),
         ]
         totals = [timing.totals.get(kind, 0.0) for kind in STEP_KINDS]
-        parts = [np.asarray(head, dtype=float), timing.compute, timing.wait, timing.per_mb["load"], np.asarray(totals)]
+        cpu = timing.compute_cpu if timing.compute_cpu is not None else np.full(self.n_mb, np.nan)
+        parts = [np.asarray(head, dtype=float), timing.compute, timing.wait, timing.per_mb["load"], cpu]
+        parts.append(np.asarray(totals))
         if tracked is not None and self.buckets is not None:
             comp = np.zeros(self._comp_size(tracked))
             if sched is not None:
@@ -164,15 +172,16 @@ class RuntimeTracker:
         dist.all_gather(out, local)
         return torch.stack(out).cpu().numpy()
 
-    def _stage_arrays(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    def _stage_arrays(self, rows: np.ndarray, block: int = 0) -> np.ndarray:
+        """``(stages, dp * n_mb)``: the ``block``-th per-microbatch block of every rank's row
+        (0 compute, 1 wait, 2 load, 3 CPU compute), NaN where no rank reported."""
         n = self.n_mb
-        stage_times = np.full((self.n_stages, self.dp * n), np.nan)
-        waits = np.full((self.n_stages, self.dp * n), np.nan)
+        out = np.full((self.n_stages, self.dp * n), np.nan)
+        start = HEADER + block * n
         for row in rows:
             s, d = int(row[1]), int(row[2])
-            stage_times[s, d * n : (d + 1) * n] = row[HEADER : HEADER + n]
-            waits[s, d * n : (d + 1) * n] = row[HEADER + n : HEADER + 2 * n]
-        return stage_times, waits, float(rows[:, 3].max())
+            out[s, d * n : (d + 1) * n] = row[start : start + n]
+        return out
 
     def _feed_correction(
         self, correction: CostCorrection, rows: np.ndarray, stage_times: np.ndarray, tracking: bool
@@ -212,6 +221,9 @@ class RuntimeTracker:
             "stage_totals_s": self._stage_totals(rows),
             "stage_bounds": [int(b) for b in getattr(self.engine.module, "parts", [])],
         }
+        cpu_times = self._stage_arrays(rows, 3)
+        if np.isfinite(cpu_times).any():
+            record["mb_observed_cpu"] = np.where(np.isfinite(cpu_times), cpu_times, -1.0).tolist()
         if sched is not None:
             predicted = sched.split.predicted.reshape(-1, sched.split.predicted.shape[-1])
             columns = [imbalance(predicted[:, c]) for c in range(predicted.shape[1])]
