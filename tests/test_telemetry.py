@@ -17,7 +17,7 @@ from dflop_ds.telemetry import PipelineTimer, bubble_fraction, imbalance, log_li
 from dflop_ds.telemetry.report import read_log, scatter_points, split_runs, summarize
 from dflop_ds.telemetry.timers import compute_cpu_clock
 
-FORWARD_S = [0.004, 0.012, 0.002, 0.008]  # per microbatch
+FORWARD_S = [0.02, 0.06, 0.01, 0.04]  # per microbatch: long enough that a loaded machine's sleep overrun stays small
 
 
 class FakeEngine:
@@ -66,11 +66,11 @@ def test_timer_charges_each_microbatch_its_own_forward_and_backward(stage_id):
     timer.start_step()
     engine.run(stage_id)
     timing = timer.finish_step()
-    np.testing.assert_allclose(timing.per_mb["forward"], FORWARD_S, atol=0.003, rtol=0.5)
-    np.testing.assert_allclose(timing.per_mb["backward"], 2 * np.array(FORWARD_S), atol=0.004, rtol=0.5)
+    np.testing.assert_allclose(timing.per_mb["forward"], FORWARD_S, atol=0.008, rtol=0.5)
+    np.testing.assert_allclose(timing.per_mb["backward"], 2 * np.array(FORWARD_S), atol=0.008, rtol=0.5)
     assert int(np.argmax(timing.compute)) == 1 and int(np.argmin(timing.compute)) == 2
     assert timing.totals["forward"] == pytest.approx(timing.per_mb["forward"].sum())
-    assert 0 < timing.overhead_s < 0.005
+    assert 0 < timing.overhead_s < 0.02
     timer.uninstall()
     assert "_INSTRUCTION_MAP" not in vars(engine)
 
