@@ -1,4 +1,4 @@
-"""`make bench-hf`: stock vs DFLOP sampler on tiny HuggingFace models, pipeline (pp2) and ZeRO-2.
+"""`make bench-hf`: the samplers of the end-to-end benchmark on tiny HuggingFace models, pipeline (pp2) and ZeRO-2.
 
 Builds a tiny random ``LlavaForConditionalGeneration`` (CLIP + Llama, saved offline) and a LLaVA
 JSON dataset with real PNG/JPEG files (text-only chats, one to three images, answers of 2 to 45
@@ -7,9 +7,13 @@ varied resolution (each its own patch grid), text-only chats and short real vide
 4-12 frames, written with PyAV). Profiles each model's real layers (``dflop-ds profile model
 --model_name_or_path``), then launches `deepspeed --num_gpus 2 benchmarks/hf_worker.py` once per
 row (LLaVA on pp2 and ZeRO-2, Qwen2-VL on ZeRO-2); each launch trains the same global batches
-with both samplers, interleaved round by round. Prints a table (samples/s median with min-max
-over rounds) and ends with `hf speedup_pp2=<x> speedup_zero2=<y> speedup_qwen2_vl_zero2=<z>`
-(median samples/s, DFLOP over stock).
+with every method, interleaved round by round. The methods run as their users run them
+(:mod:`benchmarks.e2e_methods`): stock and LLaVA's modality grouping pad their microbatches,
+verl and dflop-ds pack them (dflop-ds balancing on the packed cost), and ``stock_packed``
+(stock's split, packed) separates packing's gain from balancing's. Prints a table (samples/s
+median with min-max over rounds) and ends with
+`hf speedup_pp2=<x> balancing_pp2=<b> speedup_zero2=<y> ...` (median samples/s: dflop over
+stock, and dflop over stock_packed).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import profile_model_into, timed_rows  # noqa: E402
+from benchmarks.e2e_methods import ONE_ENGINE_METHODS  # noqa: E402
 from dflop_ds.cost import reusable_fitted_model  # noqa: E402
 from dflop_ds.launch import run_deepspeed  # noqa: E402
 
@@ -78,13 +83,27 @@ def per_method(rows: list[dict]) -> dict[str, dict]:
     return table
 
 
+def ratios(results: dict[str, dict[str, dict]]) -> dict[str, float]:
+    """Median samples/s of dflop over stock (``speedup_<run>``) and over stock_packed
+    (``balancing_<run>``: balancing's gain alone), for the runs that have both methods."""
+    out = {}
+    for name, table in results.items():
+        for figure, base in (("speedup", "stock"), ("balancing", "stock_packed")):
+            if "dflop" in table and base in table:
+                out[f"{figure}_{name}"] = table["dflop"]["median"] / table[base]["median"]
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "out" / "bench_hf"))
     parser.add_argument("--records", type=int, default=160)
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds (both samplers once per round)")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds (every method once per round)")
     parser.add_argument("--qwen-rounds", type=int, default=6, help="timed rounds of the Qwen2-VL row")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--methods", default=",".join(ONE_ENGINE_METHODS), help="comma-separated methods (default: all)"
+    )
     parser.add_argument(
         "--runs", default=",".join(name for name, _, _ in RUNS), help="comma-separated rows to run (default: all)"
     )
@@ -115,6 +134,8 @@ def main() -> int:
                 str(paths["videos"]),
                 "--cost-model",
                 str(paths["cost_model"]),
+                "--methods",
+                args.methods,
                 "--rounds",
                 str(rounds),
                 "--warmup",
@@ -131,15 +152,14 @@ def main() -> int:
             print(result.stdout[-3000:] + result.stderr[-3000:])
             return result.returncode
         results[name] = per_method(json.loads(path.read_text())["rows"])
-    print(f"\n{'run':15s} {'sampler':8s} {'samples/s median':>17s} {'min-max':>13s} {'padding eff':>12s}")
+    print(f"\n{'run':15s} {'method':12s} {'samples/s median':>17s} {'min-max':>13s} {'padding eff':>12s}")
     for name, table in results.items():
         for method, row in table.items():
             print(
-                f"{name:15s} {method:8s} {row['median']:17.1f} {row['min']:6.1f}-{row['max']:<6.1f} "
+                f"{name:15s} {method:12s} {row['median']:17.1f} {row['min']:6.1f}-{row['max']:<6.1f} "
                 f"{row['padding']:12.3f}"
             )
-    ratios = {name: table["dflop"]["median"] / table["stock"]["median"] for name, table in results.items()}
-    print("hf " + " ".join(f"speedup_{name}={ratio:.3f}" for name, ratio in ratios.items()))
+    print("hf " + " ".join(f"{figure}={ratio:.3f}" for figure, ratio in ratios(results).items()))
     return 0
 
 

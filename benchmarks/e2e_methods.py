@@ -7,9 +7,11 @@ exactly ``n_mb`` microbatches per rank, so the same engine can run any of them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from dflop_ds.cost import PackedCost
 from dflop_ds.schedule.splitters import MicrobatchCost, RankSplit, SplitRequest, make_splitter
 from dflop_ds.shapes import SampleShape
 from dflop_ds.train.colocated import LLMOnlyCost
@@ -19,6 +21,9 @@ from dflop_ds.train.colocated import LLMOnlyCost
 #: ``dflop_colocated``: dflop-ds with the encoder beside the pipeline, dispatched over both ranks
 #: (:class:`dflop_ds.train.colocated.ColocatedPipeline`); the sampler balances the LLM alone.
 METHODS = ("stock", "stock_packed", "llava", "verl", "dflop_uniform", "dflop", "dflop_colocated")
+#: the methods that need one engine only, with the local encoder and any one stage split (what
+#: ``make bench-hf`` runs): the baselines, stock's split packed, and dflop-ds
+ONE_ENGINE_METHODS = ("stock", "stock_packed", "llava", "verl", "dflop")
 #: methods whose microbatches are packed, as their users run them: verl removes padding, and
 #: dflop-ds packs by default where the model can (``dflop.model.packing``)
 PACKED_METHODS = frozenset({"stock_packed", "verl", "dflop_uniform", "dflop", "dflop_colocated"})
@@ -33,6 +38,15 @@ SPLITTERS = {
     "dflop": "dflop",
     "dflop_colocated": "dflop",
 }
+
+
+def method_cost_model(method: str, cost_model: Any) -> Any:
+    """The cost model ``method`` schedules with: :class:`~dflop_ds.cost.PackedCost` of ``cost_model``
+    for a method of :data:`PACKED_METHODS` (as the training loop wraps it when packing), else
+    ``cost_model`` itself."""
+    if method not in SPLITTERS:
+        raise ValueError(f"unknown method {method!r}: choose from {METHODS}")
+    return PackedCost(cost_model) if method in PACKED_METHODS else cost_model
 
 
 def split_for(

@@ -2,9 +2,12 @@
 
 One engine (the pipeline engine with 2 stages, or the plain engine with ZeRO-2) over a
 HuggingFace LLaVA or Qwen2-VL directory, built by the library's training pieces (``hf_source``,
-``build_engine``). The stock and the DFLOP sampler share the seed, so they cut the same global
-batches; every round trains the same batch with each sampler, the order rotating every round,
-and rank 0 writes each step's time and token counts.
+``build_engine``). Every method's sampler shares the seed, so they cut the same global batches;
+every round trains the same batch with each method, the order rotating every round, and rank 0
+writes each step's time and token counts. The methods run as their users run them
+(:mod:`benchmarks.e2e_methods`): stock and LLaVA pad their microbatches (``source.collate``),
+verl and dflop-ds pack them (``source.packed_collate``) and schedule on the packed cost
+(:class:`~dflop_ds.cost.PackedCost`), and ``stock_packed`` is stock's split packed.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import add_worker_options, round_row, worker_ds_config  # noqa: E402
+from benchmarks.e2e_methods import ONE_ENGINE_METHODS, PACKED_METHODS, SPLITTERS, method_cost_model  # noqa: E402
 from dflop_ds.cost import load_cost_model  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
@@ -32,8 +36,6 @@ from dflop_ds.schedule.sampler import make_sampler  # noqa: E402
 from dflop_ds.telemetry.record import batch_tokens  # noqa: E402
 from dflop_ds.train import build_engine  # noqa: E402
 
-METHODS = ("stock", "dflop")
-
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
@@ -42,12 +44,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--data", required=True)
     parser.add_argument("--images", required=True)
     parser.add_argument("--videos", help="folder the records' video paths are relative to")
+    parser.add_argument(
+        "--methods", default=",".join(ONE_ENGINE_METHODS), help=f"comma-separated, of {ONE_ENGINE_METHODS}"
+    )
     add_worker_options(parser, global_batch=16, gas=4, rounds=10)
     return parser.parse_args()
 
 
 def main() -> int:
     args = parse_args()
+    methods = args.methods.split(",")
+    unknown = sorted(set(methods) - set(ONE_ENGINE_METHODS))
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}: choose from {ONE_ENGINE_METHODS}")
     torch.manual_seed(args.seed)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     share_cpu_threads()
@@ -64,29 +73,33 @@ def main() -> int:
     dp_rank, dp_size = trainer.dp_coords
     samplers = {
         method: make_sampler(
-            method,
+            SPLITTERS[method],
             shapes,
             global_batch_size=args.global_batch,
             gradient_accumulation_steps=args.gas,
             dp_rank=dp_rank,
             dp_size=dp_size,
-            cost_model=cost_model,
+            cost_model=method_cost_model(method, cost_model),
             seed=args.seed,
             prefetch=0,
             label_tokens_fn=source.label_tokens_fn,
             lockstep=stages == 1,
         )
-        for method in METHODS
+        for method in methods
     }
-    batches = samplers["dflop"].batches_in_epoch(0)
+    if PACKED_METHODS.intersection(methods):
+        source.uses_packing(True)  # a clear error for a model without packed microbatches
+    collates = {False: source.collate, True: source.packed_collate}
+    batches = samplers[methods[0]].batches_in_epoch(0)
     rows = []
     for round_id in range(args.warmup + args.rounds):
         batch_id = round_id % len(batches)
-        order = METHODS[round_id % 2 :] + METHODS[: round_id % 2]
+        order = methods[round_id % len(methods) :] + methods[: round_id % len(methods)]
         for method in order:
+            packed = method in PACKED_METHODS
             sched = samplers[method].schedule(0, batch_id, batches[batch_id])
             microbatches = [
-                source.collate([dataset[ScheduledIndex(i, sched.loss_denominator, batch_id)] for i in mb])
+                collates[packed]([dataset[ScheduledIndex(i, sched.loss_denominator, batch_id)] for i in mb])
                 for mb in sched.split.ranks[dp_rank]
             ]
             torch.distributed.barrier()
@@ -100,11 +113,11 @@ def main() -> int:
                     method,
                     step_s,
                     loss=loss,
-                    **batch_tokens([mb for r in sched.split.ranks for mb in r], shapes),
+                    **batch_tokens([mb for r in sched.split.ranks for mb in r], shapes, packed),
                 )
             )
             if rank == 0:
-                print(f"[hf] {args.engine} round {round_id:2d} {method:5s} step {step_s:.3f}s", flush=True)
+                print(f"[hf] {args.engine} round {round_id:2d} {method:12s} step {step_s:.3f}s", flush=True)
     if rank == 0:
         Path(args.out).write_text(
             json.dumps(
