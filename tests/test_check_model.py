@@ -47,6 +47,24 @@ def test_passes_in_process(model_dir: Path, stages: int, capsys) -> None:
     assert main(["check-model", str(model_dir), "--stages", str(stages), "--seed", "4"]) == 0
     line = summary(capsys)
     assert "match HF" in line and float(line.rsplit("max_rel_err=", 1)[1]) <= 1e-4
+    assert "packed microbatches match padded" in line
+    assert float(line.split("packed_rel_err=", 1)[1].split()[0]) <= 1e-4
+
+
+def test_packed_attention_across_samples_is_named(model_dir: Path, capsys, monkeypatch) -> None:
+    """Packed rows whose attention spans the whole row (one segment instead of one per sample):
+    the padded microbatches still match HF, the packed ones differ from them on every batch of
+    more than one sample, each named."""
+    real = common.packed_kwargs
+    monkeypatch.setattr(common, "packed_kwargs", lambda seq_lens: real(seq_lens.sum().reshape(1)))
+    assert main(["check-model", str(model_dir), "--stages", "2"]) == 1
+    line = summary(capsys)
+    assert "loss and logits match HF" in line and float(line.rsplit("max_rel_err=", 1)[1]) <= 1e-4
+    packed = line.split("packed microbatches DIFFER from padded: ", 1)[1]
+    for batch in ("batch 0 (image inside", "batch 1 (text-only microbatch)", "batch 2 (two images"):
+        assert batch in packed
+    assert "batch 3" not in packed  # one sample: packed and padded are the same row
+    assert "packed loss rel err" in packed and float(line.split("packed_rel_err=", 1)[1].split()[0]) > 1e-4
 
 
 def test_wrong_feature_layer_is_named_with_its_stage(model_dir: Path, capsys, monkeypatch) -> None:

@@ -7,7 +7,10 @@ few synthetic microbatches (an image inside the prompt, several images, text-onl
 microbatch without any image, rows of different lengths) stage by stage, checking every
 boundary as the pipeline engine would (floats before ints, every float received is used). The
 loss and logits are compared with the HF model's own forward with labels; when they differ, the
-first stage boundary whose activations differ from HF's hidden states is named.
+first stage boundary whose activations differ from HF's hidden states is named. Every microbatch
+is also run packed (its samples in one row, :mod:`dflop_ds.models.packing`) through the same
+stages: its loss must equal the padded microbatch's, and its logits the padded ones at the real
+tokens.
 """
 
 from __future__ import annotations
@@ -191,7 +194,7 @@ def run_stages(layers: list, bounds: list[int], inputs: tuple) -> tuple[torch.Te
 @dataclass(frozen=True)
 class Family:
     """What check-model needs of a model family: load the model, its layer lists, a microbatch
-    builder from the directory (``(model_dir, config) -> samples -> (inputs, labels)``), how a
+    builder from the directory (``(model_dir, config) -> (samples, packed=False) -> (inputs, labels)``), how a
     prompt marks an image, the HF model's keyword arguments of a microbatch, and the HF vision
     tower's hidden states (``hidden_states[j]`` after encoder entry ``j``; ``None`` without images);
     ``extra_batches(seed, config)``: the family's own microbatches (videos) besides :func:`synthetic_batches`."""
@@ -208,7 +211,7 @@ class Family:
 def _llava_family() -> Family:
     def microbatches(path: Path, config: Any) -> Callable[[list], tuple]:
         processor = load_processor(path, config)
-        return lambda samples: contract_microbatch(processor, samples)
+        return lambda samples, packed=False: contract_microbatch(processor, samples, packed=packed)
 
     def vision_states(model: Any, inputs: tuple) -> Any:
         pixel_values = inputs[0]
@@ -296,7 +299,8 @@ def hf_boundaries(model: Any, family: Family, inputs: tuple, n_vision: int) -> d
 
 @dataclass
 class CheckReport:
-    """What check-model found: the split, the largest relative error and, per batch, what differed."""
+    """What check-model found: the split, the largest relative error against HF and, per batch,
+    what differed; the same for packed microbatches against the padded ones."""
 
     model_dir: str
     bounds: list[int]
@@ -304,19 +308,25 @@ class CheckReport:
     tolerance: float
     max_rel_err: float = 0.0
     problems: list[str] = field(default_factory=list)
+    packed_max_rel_err: float = 0.0
+    packed_problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """True when loss and logits agree within the tolerance on every batch."""
-        return not self.problems
+        """True when loss and logits agree with HF, and packed with padded, within the tolerance on every batch."""
+        return not self.problems and not self.packed_problems
 
     def line(self) -> str:
-        """The one summary line (ends in ``max_rel_err=X``)."""
+        """The one summary line (``packed_rel_err=P``, then it ends in ``max_rel_err=X``)."""
         stages = len(self.bounds) - 1
-        verdict = "match HF" if self.ok else "DIFFER from HF: " + "; ".join(self.problems)
+        verdict = "match HF" if not self.problems else "DIFFER from HF: " + "; ".join(self.problems)
+        packed = (
+            "match padded" if not self.packed_problems else "DIFFER from padded: " + "; ".join(self.packed_problems)
+        )
         return (
             f"check-model {self.model_dir}: {stages} stage(s), bounds {self.bounds}: loss and logits {verdict}, "
-            f"tolerance {self.tolerance:g}, max_rel_err={self.max_rel_err:.3e}"
+            f"packed microbatches {packed}, tolerance {self.tolerance:g}, "
+            f"packed_rel_err={self.packed_max_rel_err:.3e} max_rel_err={self.max_rel_err:.3e}"
         )
 
 
@@ -333,6 +343,21 @@ def first_differing_stage(
         if index in reference and index in ours and _relative(ours[index], reference[index]) > tolerance:
             return f"stage {stage} output (layer {index} {names[index]}) already differs"
     return f"stage {len(bounds) - 2} (the head) differs"
+
+
+def packed_errors(
+    layers: list, bounds: list[int], packed: tuple, padded_logits: torch.Tensor, padded_loss: torch.Tensor
+) -> dict[str, float]:
+    """Relative errors of a packed microbatch (``(inputs, labels)``, run stage by stage) against the
+    same samples padded: its loss, and its logits against the padded logits of the real tokens."""
+    inputs, labels = packed
+    logits, _ = run_stages(layers, bounds, inputs)
+    seq_lens = inputs[2].tolist()
+    real = torch.cat([padded_logits[row, :length] for row, length in enumerate(seq_lens)])
+    return {
+        "loss": _relative(token_normalized_loss(logits, labels), padded_loss),
+        "logits": _relative(logits[0], real),
+    }
 
 
 def check_model(model_dir: str | Path, *, stages: int = 1, tolerance: float = 1e-4, seed: int = 0) -> CheckReport:
@@ -364,6 +389,11 @@ def check_model(model_dir: str | Path, *, stages: int = 1, tolerance: float = 1e
                 hf_acts = hf_boundaries(model, family, inputs, len(encoder))
             where = first_differing_stage(bounds, ours, hf_acts, tolerance, names)
             report.problems.append(f"batch {number} ({what}): {', '.join(bad)}; {where}")
+        packed = packed_errors(layers, bounds, microbatch(samples, packed=True), logits, loss)
+        report.packed_max_rel_err = max(report.packed_max_rel_err, *packed.values())
+        bad = [f"packed {kind} rel err {err:.2e}" for kind, err in packed.items() if not err <= tolerance]
+        if bad:
+            report.packed_problems.append(f"batch {number} ({what}): {', '.join(bad)}")
     return report
 
 
@@ -376,6 +406,7 @@ __all__ = [
     "image_features_per_image",
     "load_processor",
     "model_family",
+    "packed_errors",
     "run_stages",
     "synthetic_batches",
 ]
