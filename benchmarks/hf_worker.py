@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import deepspeed
@@ -87,9 +88,11 @@ def main() -> int:
         )
         for method in methods
     }
+    collates: dict[bool, Callable] = {False: source.collate}
     if PACKED_METHODS.intersection(methods):
         source.uses_packing(True)  # a clear error for a model without packed microbatches
-    collates = {False: source.collate, True: source.packed_collate}
+        assert source.packed_collate is not None  # uses_packing(True) found one
+        collates[True] = source.packed_collate
     batches = samplers[methods[0]].batches_in_epoch(0)
     rows = []
     for round_id in range(args.warmup + args.rounds):

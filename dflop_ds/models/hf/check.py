@@ -16,10 +16,10 @@ tokens.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -191,17 +191,23 @@ def run_stages(layers: list, bounds: list[int], inputs: tuple) -> tuple[torch.Te
     return x, outputs
 
 
+class MicrobatchBuilder(Protocol):
+    """Builds one contract microbatch ``(inputs, labels)`` of synthetic samples, right-padded or packed."""
+
+    def __call__(self, samples: Sequence[Any], *, packed: bool = False) -> tuple: ...
+
+
 @dataclass(frozen=True)
 class Family:
     """What check-model needs of a model family: load the model, its layer lists, a microbatch
-    builder from the directory (``(model_dir, config) -> (samples, packed=False) -> (inputs, labels)``), how a
+    builder from the directory (``(model_dir, config) ->`` :class:`MicrobatchBuilder`), how a
     prompt marks an image, the HF model's keyword arguments of a microbatch, and the HF vision
     tower's hidden states (``hidden_states[j]`` after encoder entry ``j``; ``None`` without images);
     ``extra_batches(seed, config)``: the family's own microbatches (videos) besides :func:`synthetic_batches`."""
 
     load: Callable[[Path], Any]
     layers: Callable[[Any], tuple[list, Any, list]]
-    microbatches: Callable[[Path, Any], Callable[[list], tuple]]
+    microbatches: Callable[[Path, Any], MicrobatchBuilder]
     image_mark: str
     hf_kwargs: Callable[[Any, tuple], dict]
     vision_states: Callable[[Any, tuple], Any]
@@ -209,9 +215,13 @@ class Family:
 
 
 def _llava_family() -> Family:
-    def microbatches(path: Path, config: Any) -> Callable[[list], tuple]:
+    def microbatches(path: Path, config: Any) -> MicrobatchBuilder:
         processor = load_processor(path, config)
-        return lambda samples, packed=False: contract_microbatch(processor, samples, packed=packed)
+
+        def build(samples: Sequence[Any], *, packed: bool = False) -> tuple:
+            return contract_microbatch(processor, samples, packed=packed)
+
+        return build
 
     def vision_states(model: Any, inputs: tuple) -> Any:
         pixel_values = inputs[0]
@@ -225,7 +235,7 @@ def _llava_family() -> Family:
 
 
 def _qwen2_vl_family() -> Family:
-    def microbatches(path: Path, config: Any) -> Callable[[list], tuple]:
+    def microbatches(path: Path, config: Any) -> MicrobatchBuilder:
         return Qwen2VLInputs.from_dir(path, config).microbatch
 
     def vision_states(model: Any, inputs: tuple) -> Any:
@@ -401,6 +411,7 @@ __all__ = [
     "FAMILIES",
     "CheckReport",
     "Family",
+    "MicrobatchBuilder",
     "check_model",
     "hf_boundaries",
     "image_features_per_image",
