@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.e2e_methods import SPLITTERS, split_for
-from dflop_ds.cost import ProxyCost, reference_model
+from benchmarks.e2e_methods import PACKED_METHODS, SPLITTERS, method_cost_model, split_for
+from dflop_ds.cost import PackedCost, ProxyCost, reference_model
 from dflop_ds.plan import Cluster
 from dflop_ds.plan.evaluate import evaluate
 from dflop_ds.plan.layout import Layout, Segment, separate_stages
@@ -173,3 +173,41 @@ def test_plans_name_their_splitter_and_read_the_old_flag(tmp_path) -> None:
     path.write_text(json.dumps(data))
     with pytest.raises(PlanFileError, match="splitter 'fancy' is not registered"):
         Plan.load(path)
+
+
+@pytest.mark.parametrize("method", ["stock", "stock_packed", "verl", "dflop"])
+def test_a_benchmark_method_schedules_as_its_sampler(method: str) -> None:
+    """bench-hf's samplers (the method's splitter on :func:`method_cost_model`) cut a batch as
+    bench-e2e's :func:`split_for` does; packed methods on the packed cost, padded ones not."""
+    shapes = shapes_of(40, seed=2)
+    cost = reference_model("llava-ov-7b-a100")
+    cost_model = method_cost_model(method, cost)
+    assert isinstance(cost_model, PackedCost) == (method in PACKED_METHODS)
+    sampler = make_sampler(
+        SPLITTERS[method],
+        shapes,
+        global_batch_size=16,
+        gradient_accumulation_steps=2,
+        dp_size=2,
+        dp_rank=0,
+        prefetch=0,
+        cost_model=cost_model,
+        time_limit_s=0.0,
+        lockstep=True,
+    )
+    batch = sampler.batches_in_epoch(0)[0]
+    group = [shapes[i] for i in batch]
+    split = split_for(
+        method,
+        batch.tolist(),
+        shapes,
+        cost_model.predict_samples(shapes)[batch],
+        2,
+        2,
+        microbatch_cost=lambda pos: cost.predict_microbatch([group[p] for p in pos]),
+        seed=sched_seed(0, 0),
+        lockstep=True,
+    )
+    assert sampler.schedule(0, 0, batch).split.ranks == split
+    with pytest.raises(ValueError, match="unknown method 'fancy'"):
+        method_cost_model("fancy", cost)
