@@ -16,7 +16,7 @@ from dflop_ds.plan import Cluster
 from dflop_ds.plan.evaluate import evaluate
 from dflop_ds.plan.layout import Layout, Segment, separate_stages
 from dflop_ds.plan.plan_file import Plan, PlanFileError, layout_from_dict, layout_to_dict
-from dflop_ds.schedule.sampler import SplitterSampler, make_sampler
+from dflop_ds.schedule.sampler import GlobalBatchSampler, SplitterSampler, make_sampler
 from dflop_ds.schedule.splitters import (
     SplitRequest,
     check_split,
@@ -101,10 +101,10 @@ def sched_seed(epoch: int, batch_id: int, seed: int = 0) -> int:
     return seed * 1_000_003 + epoch * 10_007 + batch_id
 
 
-@pytest.mark.parametrize("name", ["llava", "verl"])
-def test_a_baseline_trains_through_the_sampler_by_name(name: str) -> None:
-    shapes = shapes_of(40, seed=1)
-    sampler = make_sampler(
+def rank0_sampler(name: str, shapes: list[SampleShape], **options) -> GlobalBatchSampler:
+    """Rank 0's sampler ``name`` of 2 data-parallel ranks, 16 samples in 2 microbatches per rank,
+    scheduled inline, in lockstep; ``options`` go to :func:`make_sampler`."""
+    return make_sampler(
         name,
         shapes,
         global_batch_size=16,
@@ -112,9 +112,15 @@ def test_a_baseline_trains_through_the_sampler_by_name(name: str) -> None:
         dp_size=2,
         dp_rank=0,
         prefetch=0,
-        time_limit_s=1.0,
         lockstep=True,
-    )  # dflop's options are dropped
+        **options,
+    )
+
+
+@pytest.mark.parametrize("name", ["llava", "verl"])
+def test_a_baseline_trains_through_the_sampler_by_name(name: str) -> None:
+    shapes = shapes_of(40, seed=1)
+    sampler = rank0_sampler(name, shapes, time_limit_s=1.0)  # dflop's options are dropped
     assert isinstance(sampler, SplitterSampler) and sampler.state_dict()["method"] == name
     sched = sampler.schedule(0, 0, sampler.batches_in_epoch(0)[0])
     assert sched.split.solver == name
@@ -183,18 +189,7 @@ def test_a_benchmark_method_schedules_as_its_sampler(method: str) -> None:
     cost = reference_model("llava-ov-7b-a100")
     cost_model = method_cost_model(method, cost)
     assert isinstance(cost_model, PackedCost) == (method in PACKED_METHODS)
-    sampler = make_sampler(
-        SPLITTERS[method],
-        shapes,
-        global_batch_size=16,
-        gradient_accumulation_steps=2,
-        dp_size=2,
-        dp_rank=0,
-        prefetch=0,
-        cost_model=cost_model,
-        time_limit_s=0.0,
-        lockstep=True,
-    )
+    sampler = rank0_sampler(SPLITTERS[method], shapes, cost_model=cost_model, time_limit_s=0.0)
     batch = sampler.batches_in_epoch(0)[0]
     group = [shapes[i] for i in batch]
     split = split_for(
