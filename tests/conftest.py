@@ -90,3 +90,29 @@ def train(tmp_path: Path, ds_config, run_train) -> Callable[..., dict]:
         return json.loads(summary.read_text())
 
     return launch
+
+
+#: the shared DFLOP pp2 run's settings: tiny_mllm_pp2.json with global batches of 16 in 4 microbatches
+#: of the first 640 samples, a node-limited exact solver (the same answer on every rank)
+DFLOP_PP2 = {
+    "ds": {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4},
+    "dflop": {"sampler": "dflop", "max_samples": 640, "lr": 0.003, "ilp_nodes": 200},
+}
+
+
+@pytest.fixture(scope="session")
+def dflop_pp2_run(tmp_path_factory) -> dict:
+    """One 20-step run of :data:`DFLOP_PP2` on 2 ranks that several test files assert on:
+    ``{"run": summary, "trace": trace path}``."""
+    folder = tmp_path_factory.mktemp("dflop_pp2")
+    config = json.loads((REPO / "ds_configs" / "tiny_mllm_pp2.json").read_text())
+    config.update(DFLOP_PP2["ds"])
+    set_settings(config["dflop"], **DFLOP_PP2["dflop"], steps=20, warmup_steps=2)
+    (folder / "config.json").write_text(json.dumps(config))
+    summary, trace = folder / "summary.json", folder / "trace.jsonl"
+    run_on_ranks(
+        REPO / "examples" / "train.py",
+        ["--deepspeed_config", folder / "config.json", "--summary", summary, "--trace", trace],
+        timeout=400,
+    )
+    return {"run": json.loads(summary.read_text()), "trace": trace}
