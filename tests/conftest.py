@@ -28,35 +28,42 @@ def write_jsonl() -> Callable[[Path, list], Path]:
     return _write_jsonl
 
 
+def write_ds_config(path: Path, name: str, dflop: dict[str, Any] | None = None, **keys: Any) -> Path:
+    """The bundled ``ds_configs/<name>`` with the top-level DeepSpeed ``keys`` and the ``"dflop"``
+    block's ``dflop`` keys overridden, written to ``path``; returns ``path``."""
+    config = json.loads((REPO / "ds_configs" / name).read_text())
+    config.update(keys)
+    set_settings(config["dflop"], **(dflop or {}))
+    path.write_text(json.dumps(config))
+    return path
+
+
 @pytest.fixture
 def ds_config(tmp_path: Path) -> Callable[..., Path]:
-    """``ds_config(name, dflop=None, **keys) -> path``: the bundled ``ds_configs/<name>`` with the
-    top-level DeepSpeed ``keys`` and the ``"dflop"`` block's ``dflop`` keys overridden, written to
+    """``ds_config(name, dflop=None, **keys) -> path``: :func:`write_ds_config` to
     ``tmp_path / "config.json"``."""
 
     def write(name: str, dflop: dict[str, Any] | None = None, **keys: Any) -> Path:
-        config = json.loads((REPO / "ds_configs" / name).read_text())
-        config.update(keys)
-        set_settings(config["dflop"], **(dflop or {}))
-        path = tmp_path / "config.json"
-        path.write_text(json.dumps(config))
-        return path
+        return write_ds_config(tmp_path / "config.json", name, dflop, **keys)
 
     return write
 
 
+def run_train_script(
+    config: Path, *args: Any, expect: int | None = 0, timeout: float = 400
+) -> subprocess.CompletedProcess:
+    """``examples/train.py`` on the DeepSpeed launcher's 2 ranks with ``--deepspeed_config config``
+    and ``args``; asserts the exit code is ``expect`` (None: any failure) and returns the finished
+    process (output captured as text)."""
+    return run_on_ranks(
+        REPO / "examples" / "train.py", ["--deepspeed_config", str(config), *args], expect=expect, timeout=timeout
+    )
+
+
 @pytest.fixture
 def run_train() -> Callable[..., subprocess.CompletedProcess]:
-    """``run_train(config, *args, expect=0, timeout=400)``: ``examples/train.py`` on the DeepSpeed
-    launcher's 2 ranks with ``--deepspeed_config config`` and ``args``; asserts the exit code is
-    ``expect`` (None: any failure) and returns the finished process (output captured as text)."""
-
-    def run(config: Path, *args: str, expect: int | None = 0, timeout: float = 400) -> subprocess.CompletedProcess:
-        return run_on_ranks(
-            REPO / "examples" / "train.py", ["--deepspeed_config", str(config), *args], expect=expect, timeout=timeout
-        )
-
-    return run
+    """``run_train(config, *args, expect=0, timeout=400)``: :func:`run_train_script`."""
+    return run_train_script
 
 
 @pytest.fixture
@@ -105,14 +112,8 @@ def dflop_pp2_run(tmp_path_factory) -> dict:
     """One 20-step run of :data:`DFLOP_PP2` on 2 ranks that several test files assert on:
     ``{"run": summary, "trace": trace path}``."""
     folder = tmp_path_factory.mktemp("dflop_pp2")
-    config = json.loads((REPO / "ds_configs" / "tiny_mllm_pp2.json").read_text())
-    config.update(DFLOP_PP2["ds"])
-    set_settings(config["dflop"], **DFLOP_PP2["dflop"], steps=20, warmup_steps=2)
-    (folder / "config.json").write_text(json.dumps(config))
+    dflop = {**DFLOP_PP2["dflop"], "steps": 20, "warmup_steps": 2}
+    config = write_ds_config(folder / "config.json", "tiny_mllm_pp2.json", dflop, **DFLOP_PP2["ds"])
     summary, trace = folder / "summary.json", folder / "trace.jsonl"
-    run_on_ranks(
-        REPO / "examples" / "train.py",
-        ["--deepspeed_config", folder / "config.json", "--summary", summary, "--trace", trace],
-        timeout=400,
-    )
+    run_train_script(config, "--summary", summary, "--trace", trace)
     return {"run": json.loads(summary.read_text()), "trace": trace}
