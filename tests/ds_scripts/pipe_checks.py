@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -97,10 +99,29 @@ def parameter_counts(model: torch.nn.Module, before: dict[str, torch.Tensor]) ->
     }
 
 
-def write_report(out: str, rank: int, result: dict[str, Any]) -> None:
-    """``out/rank<rank>.json``, then an orderly exit: gloo's threads stop before teardown."""
+def write_report(out: str, rank: int, result: dict[str, Any], *, last: bool = True) -> None:
+    """``out/rank<rank>.json``; after the ``last`` report, an orderly exit: gloo's threads stop before teardown."""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    if last:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def variants(parser: argparse.ArgumentParser) -> list[tuple[argparse.Namespace, bool]]:
+    """The script's runs, in one process group: its own options, or one run per ``--variant
+    NAME=OPTIONS`` (the options added to the others, the reports under ``--out``/NAME); each with
+    whether it is the last."""
+    parser.add_argument("--variant", action="append", default=[], help="NAME=OPTIONS: one more run in this launch")
+    args, _ = parser.parse_known_args()
+    if not args.variant:
+        return [(parser.parse_args(), True)]
+    common = [a for a in sys.argv[1:] if not any(a == v or a == "--variant" for v in args.variant)]
+    runs = []
+    for i, variant in enumerate(args.variant):
+        name, _, options = variant.partition("=")
+        run = parser.parse_args([*common, *shlex.split(options)])
+        run.out = os.path.join(run.out, name)
+        runs.append((run, i == len(args.variant) - 1))
+    return runs
