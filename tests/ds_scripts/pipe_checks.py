@@ -113,15 +113,15 @@ def variants(parser: argparse.ArgumentParser) -> list[tuple[argparse.Namespace, 
     """The script's runs, in one process group: its own options, or one run per ``--variant
     NAME=OPTIONS`` (the options added to the others, the reports under ``--out``/NAME); each with
     whether it is the last."""
-    parser.add_argument("--variant", action="append", default=[], help="NAME=OPTIONS: one more run in this launch")
-    args, _ = parser.parse_known_args()
-    if not args.variant:
-        return [(parser.parse_args(), True)]
-    common = [a for a in sys.argv[1:] if not any(a == v or a == "--variant" for v in args.variant)]
+    argv = sys.argv[1:]
+    at = [i for i, arg in enumerate(argv) if arg == "--variant"]
+    if not at:
+        return [(parser.parse_args(argv), True)]
+    common = [arg for i, arg in enumerate(argv) if i not in at and i - 1 not in at]
     runs = []
-    for i, variant in enumerate(args.variant):
-        name, _, options = variant.partition("=")
+    for i in at:
+        name, _, options = argv[i + 1].partition("=")
         run = parser.parse_args([*common, *shlex.split(options)])
         run.out = os.path.join(run.out, name)
-        runs.append((run, i == len(args.variant) - 1))
+        runs.append((run, i == at[-1]))
     return runs
