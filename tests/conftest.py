@@ -117,3 +117,17 @@ def dflop_pp2_run(tmp_path_factory) -> dict:
     summary, trace = folder / "summary.json", folder / "trace.jsonl"
     run_train_script(config, "--summary", summary, "--trace", trace)
     return {"run": json.loads(summary.read_text()), "trace": trace}
+
+
+def run_colocated_check(out: Path, engines: str, ranks: int = 2) -> dict[str, dict]:
+    """``ds_scripts/tiny_colocated_check.py`` comparing the local and the colocated encoder on the
+    comma-separated ``engines`` in one launch on ``ranks`` ranks: each engine's report."""
+    script = REPO / "tests" / "ds_scripts" / "tiny_colocated_check.py"
+    run_on_ranks(script, ["--out", out, "--engines", engines], ranks=ranks, timeout=1500)
+    return {engine: json.loads((out / f"{engine}.json").read_text()) for engine in engines.split(",")}
+
+
+@pytest.fixture(scope="session")
+def colocated_reports(tmp_path_factory) -> dict[str, dict]:
+    """The colocated-encoder comparison on ZeRO-2 dp2 and on pp2, both in one 2-rank launch."""
+    return run_colocated_check(tmp_path_factory.mktemp("colocated"), "zero2,pp2")

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from ds_runs import run_on_ranks
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_colocated_dispatch_zero2_dp2_matches_local_encoder_losses_and_gradients(tmp_path):
-    out = tmp_path / "report.json"
-    run_on_ranks(ROOT / "tests" / "ds_scripts" / "tiny_colocated_check.py", ["--out", str(out)], timeout=600)
-    assert_colocated_matches_local(json.loads(out.read_text()))
+def test_colocated_dispatch_zero2_dp2_matches_local_encoder_losses_and_gradients(colocated_reports):
+    assert_colocated_matches_local(colocated_reports["zero2"])
 
 
 def assert_colocated_matches_local(report: dict) -> None:
