@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 from ds_runs import REPO, run_on_ranks
+from tiny_plans import tiny_plan
 
 from dflop_ds.config import set_settings
+from dflop_ds.plan.layout import Layout, Segment
 
 
 def _write_jsonl(path: Path, records: list) -> Path:
@@ -131,3 +133,21 @@ def run_colocated_check(out: Path, engines: str, ranks: int = 2) -> dict[str, di
 def colocated_reports(tmp_path_factory) -> dict[str, dict]:
     """The colocated-encoder comparison on ZeRO-2 dp2 and on pp2, both in one 2-rank launch."""
     return run_colocated_check(tmp_path_factory.mktemp("colocated"), "zero2,pp2")
+
+
+@pytest.fixture(scope="session")
+def colocated_plan_run(tmp_path_factory) -> dict:
+    """A colocated ZeRO-2 plan file (the encoder dispatched over both ranks, 4 microbatches of a
+    global batch of 16) driving one DFLOP epoch of the first 96 samples (6 steps) on 2 ranks:
+    ``{"run": summary, "trace": trace path}``."""
+    folder = tmp_path_factory.mktemp("colocated_plan")
+    layout = Layout(Segment(1, 1, 2), Segment(1, 1, 2), n_mb=4, stages=((5, 1, 5),), colocated=True)
+    tiny_plan(layout, 16, family="colocated", zero_stage=2).save(folder / "plan.json")
+    dflop = set_settings(
+        {}, plan=str(folder / "plan.json"), sampler="dflop", max_samples=96, steps=6, warmup_steps=1, lr=0.003
+    )
+    config = folder / "config.json"
+    config.write_text(json.dumps({"steps_per_print": 10**6, "zero_optimization": {"stage": 2}, "dflop": dflop}))
+    summary, trace = folder / "summary.json", folder / "trace.jsonl"
+    run_train_script(config, "--summary", summary, "--trace", trace, timeout=600)
+    return {"run": json.loads(summary.read_text()), "trace": trace}

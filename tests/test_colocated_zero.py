@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 
@@ -28,34 +26,14 @@ def assert_colocated_matches_local(report: dict) -> None:
 
 
 @pytest.mark.slow
-def test_colocated_dispatch_training_loop_trains_every_sample_once_and_learns(tmp_path, ds_config, run_train):
-    from test_train_zero import (
-        BATCH,
-        GAS,
-        SAMPLES,
-        STEPS_PER_EPOCH,
-        assert_every_sample_once_token_mean_loss_and_learning,
-        trace_lines,
-    )
+def test_colocated_dispatch_training_loop_trains_every_sample_once_and_learns(colocated_plan_run):
+    """examples/train.py on ZeRO-2 with the colocated encoder (set by a colocated plan), one epoch."""
+    from test_train_zero import BATCH, GAS, SAMPLES, assert_every_sample_once_token_mean_loss_and_learning, trace_lines
 
-    dflop = {
-        "max_samples": SAMPLES,
-        "sampler": "dflop",
-        "encoder": "colocated",
-        "steps": STEPS_PER_EPOCH,
-        "warmup_steps": 1,
-        "lr": 0.003,
-    }
-    config = ds_config(
-        "tiny_zero2.json",
-        dflop,
-        train_batch_size=BATCH,
-        train_micro_batch_size_per_gpu=BATCH // (2 * GAS),
-        gradient_accumulation_steps=GAS,
-    )
-    trace, summary = tmp_path / "trace.jsonl", tmp_path / "summary.json"
-    run_train(config, "--trace", str(trace), "--summary", str(summary))
-    assert_every_sample_once_token_mean_loss_and_learning(trace_lines(trace), json.loads(summary.read_text()))
+    run = colocated_plan_run["run"]
+    assert (run["summary"]["train_batch_size"], run["summary"]["gradient_accumulation_steps"]) == (BATCH, GAS)
+    assert len(run["steps"]) == SAMPLES // BATCH
+    assert_every_sample_once_token_mean_loss_and_learning(trace_lines(colocated_plan_run["trace"]), run)
 
 
 def test_colocated_encoder_key_is_validated():
