@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,14 +38,20 @@ def run_on_ranks(
     return result
 
 
-def run_pipeline_check(script: Path, out: Path, args: Sequence[Any], *, timeout: float) -> list[dict]:
-    """A two-stage pipeline check ``script`` on 2 ranks with this repository first on PYTHONPATH: the
-    ``rank{r}.json`` reports it wrote into ``out``, stage 0's then stage 1's."""
+def run_pipeline_variants(
+    script: Path, out: Path, args: Sequence[Any], variants: dict[str, Sequence[str]], *, timeout: float
+) -> dict[str, list[dict]]:
+    """Two-stage pipeline check runs of ``script`` with ``args``, one per ``--variant NAME=OPTIONS``
+    (see ``ds_scripts/pipe_checks.py``), in one launch on 2 ranks with this repository first on
+    PYTHONPATH: the ``rank{r}.json`` reports each wrote into ``out/NAME``, stage 0's then stage 1's."""
     extra_env = {
         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     }
-    run_on_ranks(script, args, extra_env=extra_env, timeout=timeout)
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert [r["stage"] for r in results] == [0, 1]
-    return results
+    options = [a for name, opts in variants.items() for a in ("--variant", f"{name}={shlex.join(opts)}")]
+    run_on_ranks(script, [*args, *options], extra_env=extra_env, timeout=timeout)
+    reports = {}
+    for name in variants:
+        reports[name] = [json.loads((out / name / f"rank{r}.json").read_text()) for r in (0, 1)]
+        assert [r["stage"] for r in reports[name]] == [0, 1], name
+    return reports

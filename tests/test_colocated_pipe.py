@@ -2,34 +2,20 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-from ds_runs import run_on_ranks
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def check_colocated_pipeline_matches_in_pipeline_encoder(tmp_path: Path, ranks: int) -> None:
-    """Both modes: same losses and parameters after every SGD step as the encoder on stage 0."""
-    from test_colocated_zero import assert_colocated_matches_local
-
-    out = tmp_path / "report.json"
-    run_on_ranks(
-        ROOT / "tests" / "ds_scripts" / "tiny_colocated_pipe_check.py", ["--out", str(out)], ranks=ranks, timeout=1500
-    )
-    assert_colocated_matches_local(json.loads(out.read_text()))
+from conftest import run_colocated_check
+from test_colocated_zero import assert_colocated_matches_local
 
 
 @pytest.mark.slow
-def test_colocated_dispatch_pp2_matches_in_pipeline_encoder_losses_and_gradients(tmp_path):
-    check_colocated_pipeline_matches_in_pipeline_encoder(tmp_path, ranks=2)
+def test_colocated_dispatch_pp2_matches_in_pipeline_encoder_losses_and_gradients(colocated_reports):
+    """Both modes: same losses and parameters after every SGD step as the encoder on stage 0."""
+    assert_colocated_matches_local(colocated_reports["pp2"])
 
 
 @pytest.mark.slow
 def test_colocated_dispatch_pp2_dp2_four_ranks_matches_in_pipeline_encoder(tmp_path):
-    check_colocated_pipeline_matches_in_pipeline_encoder(tmp_path, ranks=4)
+    assert_colocated_matches_local(run_colocated_check(tmp_path, "pp2", ranks=4)["pp2"])
 
 
 def test_colocated_stage_bounds_drop_the_encoder_and_keep_the_projector_on_stage_0():

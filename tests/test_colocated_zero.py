@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-from ds_runs import run_on_ranks
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_colocated_dispatch_zero2_dp2_matches_local_encoder_losses_and_gradients(tmp_path):
-    out = tmp_path / "report.json"
-    run_on_ranks(ROOT / "tests" / "ds_scripts" / "tiny_colocated_check.py", ["--out", str(out)], timeout=600)
-    assert_colocated_matches_local(json.loads(out.read_text()))
+def test_colocated_dispatch_zero2_dp2_matches_local_encoder_losses_and_gradients(colocated_reports):
+    assert_colocated_matches_local(colocated_reports["zero2"])
 
 
 def assert_colocated_matches_local(report: dict) -> None:
@@ -34,34 +26,14 @@ def assert_colocated_matches_local(report: dict) -> None:
 
 
 @pytest.mark.slow
-def test_colocated_dispatch_training_loop_trains_every_sample_once_and_learns(tmp_path, ds_config, run_train):
-    from test_train_zero import (
-        BATCH,
-        GAS,
-        SAMPLES,
-        STEPS_PER_EPOCH,
-        assert_every_sample_once_token_mean_loss_and_learning,
-        trace_lines,
-    )
+def test_colocated_dispatch_training_loop_trains_every_sample_once_and_learns(colocated_plan_run):
+    """examples/train.py on ZeRO-2 with the colocated encoder (set by a colocated plan), one epoch."""
+    from test_train_zero import BATCH, GAS, SAMPLES, assert_every_sample_once_token_mean_loss_and_learning, trace_lines
 
-    dflop = {
-        "max_samples": SAMPLES,
-        "sampler": "dflop",
-        "encoder": "colocated",
-        "steps": STEPS_PER_EPOCH,
-        "warmup_steps": 1,
-        "lr": 0.003,
-    }
-    config = ds_config(
-        "tiny_zero2.json",
-        dflop,
-        train_batch_size=BATCH,
-        train_micro_batch_size_per_gpu=BATCH // (2 * GAS),
-        gradient_accumulation_steps=GAS,
-    )
-    trace, summary = tmp_path / "trace.jsonl", tmp_path / "summary.json"
-    run_train(config, "--trace", str(trace), "--summary", str(summary))
-    assert_every_sample_once_token_mean_loss_and_learning(trace_lines(trace), json.loads(summary.read_text()))
+    run = colocated_plan_run["run"]
+    assert (run["summary"]["train_batch_size"], run["summary"]["gradient_accumulation_steps"]) == (BATCH, GAS)
+    assert len(run["steps"]) == SAMPLES // BATCH
+    assert_every_sample_once_token_mean_loss_and_learning(trace_lines(colocated_plan_run["trace"]), run)
 
 
 def test_colocated_encoder_key_is_validated():

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from ds_runs import run_pipeline_check  # noqa: E402
+from ds_runs import run_pipeline_variants  # noqa: E402
 from hf_stage_checks import assert_packed_matches_padded, assert_stages_match_hf  # noqa: E402
 
 from dflop_ds.models.hf.check import processor_image_tokens, random_image, run_stages  # noqa: E402
@@ -293,35 +293,45 @@ def test_import_dflop_ds_does_not_import_transformers() -> None:
     assert out.stdout.strip() == "False"
 
 
-def run_pipeline(folder: Path, out: Path, *args: str) -> list[dict]:
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory) -> dict:
+    """One launch of ds_scripts/hf_pipe_check.py training two LLaVAs one after the other: ``tied``
+    (encoder + projector with the embedding on stage 0, decoder + tied lm_head on stage 1) and
+    ``frozen`` (the frozen tower alone on stage 0). Each run's reports, model folder and output."""
+    root = tmp_path_factory.mktemp("hf_pipe")
+    tied = build_tiny_llava(root / "tied", vision="clip", text="qwen2", tie_word_embeddings=True)
+    frozen = build_tiny_llava(root / "frozen", vision="siglip", text="mistral", sliding_window=8)
+    variants = {
+        "tied": ["--model-dir", str(tied)],
+        "frozen": ["--model-dir", str(frozen), "--freeze", "--bounds", "0,3,8"],
+    }
     script = REPO / "tests" / "ds_scripts" / "hf_pipe_check.py"
-    results = run_pipeline_check(script, out, ["--model-dir", folder, "--out", out, *args], timeout=900)
-    for r in results:
-        assert r["images_per_microbatch"] == [1, 0, 2]  # a microbatch without any image was trained
-        assert r["losses"] == results[0]["losses"] and r["losses"][-1] < r["losses"][0]
-        # the engine's step-1 loss is the single-process layer-list loss and HF's own token mean
-        assert r["losses"][0] == pytest.approx(r["ref_loss"], rel=1e-5)
-        assert r["hf_loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
-        assert r["step1_max_param_diff"] <= 1e-6 + 1e-4 * r["step1_max_param_change"], r
-    return results
+    reports = run_pipeline_variants(script, root / "out", ["--out", root / "out"], variants, timeout=900)
+    for results in reports.values():
+        for r in results:
+            assert r["images_per_microbatch"] == [1, 0, 2]  # a microbatch without any image was trained
+            assert r["losses"] == results[0]["losses"] and r["losses"][-1] < r["losses"][0]
+            # the engine's step-1 loss is the single-process layer-list loss and HF's own token mean
+            assert r["losses"][0] == pytest.approx(r["ref_loss"], rel=1e-5)
+            assert r["hf_loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
+            assert r["step1_max_param_diff"] <= 1e-6 + 1e-4 * r["step1_max_param_change"], r
+    return {"reports": reports, "models": {"tied": tied, "frozen": frozen}, "out": root / "out"}
 
 
 @pytest.mark.slow
-def test_pp2_tied_embeddings_stay_equal(tmp_path: Path) -> None:
+def test_pp2_tied_embeddings_stay_equal(pipeline_runs) -> None:
     """Encoder + projector (embedding) on stage 0, decoder + head (tied lm_head) on stage 1."""
-    folder = build_tiny_llava(tmp_path / "model", vision="clip", text="qwen2", tie_word_embeddings=True)
-    results = run_pipeline(folder, tmp_path / "out")
+    results = pipeline_runs["reports"]["tied"]
     assert all(r["tied_keys"] == [TIED_EMBEDDING_KEY] for r in results)
     assert results[0]["parts"] == [0, 4, 8]
-    embedding, lm_head = (torch.load(tmp_path / "out" / f"tied{r}.pt") for r in (0, 1))
-    initial = load_llava(folder).lm_head.weight.detach()
+    embedding, lm_head = (torch.load(pipeline_runs["out"] / "tied" / f"tied{r}.pt") for r in (0, 1))
+    initial = load_llava(pipeline_runs["models"]["tied"]).lm_head.weight.detach()
     assert torch.equal(embedding, lm_head) and not torch.equal(embedding, initial)
 
 
 @pytest.mark.slow
-def test_pp2_frozen_tower_alone_on_stage0(tmp_path: Path) -> None:
-    folder = build_tiny_llava(tmp_path / "model", vision="siglip", text="mistral", sliding_window=8)
-    stage0, stage1 = run_pipeline(folder, tmp_path / "out", "--freeze", "--bounds", "0,3,8")
+def test_pp2_frozen_tower_alone_on_stage0(pipeline_runs) -> None:
+    stage0, stage1 = pipeline_runs["reports"]["frozen"]
     assert stage0["parts"] == [0, 3, 8]
     assert stage0["n_frozen"] == stage0["n_params"] > 0 and not stage0["frozen_moved"]
     assert stage0["step1_max_param_change"] == 0.0 and stage1["n_frozen"] == 0

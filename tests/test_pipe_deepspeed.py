@@ -1,6 +1,7 @@
 """Real 2-rank DeepSpeed pipeline runs of the tiny MLLM (CPU accelerator, gloo).
 
-Each run launches tests/ds_scripts/tiny_pipe_train.py with ``deepspeed --num_gpus 2``. The
+One launch of tests/ds_scripts/tiny_pipe_train.py with ``deepspeed --num_gpus 2`` trains the three
+variants below one after the other (a new engine each) in one process group. The
 microbatches of a step have 1, 3 and 2 samples of varying text lengths and tile counts (a
 zero-tile microbatch included). After step 1 (SGD), the parameters of both pipeline stages must
 equal those of a single-process reference that ran the global batch as one batch with a
@@ -13,15 +14,26 @@ import math
 from pathlib import Path
 
 import pytest
-from ds_runs import run_pipeline_check
+from ds_runs import run_pipeline_variants
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "ds_scripts" / "tiny_pipe_train.py"
 STEPS = 20
 
 
-def run_pipeline(out: Path, *args: str) -> list[dict]:
-    return run_pipeline_check(SCRIPT, out, ["--out", out, "--steps", STEPS, *args], timeout=600)
+#: the runs of the one launch: their script options
+VARIANTS = {
+    "trainable": ["--ckpt", "1"],  # encoder + projector on stage 0, LLM on stage 1; activation checkpointing
+    "frozen": ["--freeze", "--bounds", "0,5,11"],  # a frozen encoder alone on stage 0
+    "packed": ["--packed"],
+}
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each variant's reports (stage 0's, stage 1's), from one launch."""
+    out = tmp_path_factory.mktemp("pipe")
+    return run_pipeline_variants(SCRIPT, out, ["--out", out, "--steps", STEPS], VARIANTS, timeout=900)
 
 
 def check_training(results: list[dict]) -> None:
@@ -42,9 +54,9 @@ def check_step1_matches_reference(results: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_trainable_encoder_two_stages(tmp_path: Path) -> None:
+def test_trainable_encoder_two_stages(pipeline_runs) -> None:
     """Encoder + projector on stage 0, LLM on stage 1; activation checkpointing on."""
-    results = run_pipeline(tmp_path, "--ckpt", "1")
+    results = pipeline_runs["trainable"]
     assert [r["parts"] for r in results] == [[0, 6, 11]] * 2
     check_step1_matches_reference(results)
     assert all(r["step1_max_param_change"] > 1e-4 for r in results)  # both stages really trained
@@ -52,9 +64,9 @@ def test_trainable_encoder_two_stages(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_frozen_encoder_alone_on_stage0(tmp_path: Path) -> None:
+def test_frozen_encoder_alone_on_stage0(pipeline_runs) -> None:
     """A frozen encoder alone on stage 0: its outputs cross the boundary without grad history."""
-    results = run_pipeline(tmp_path, "--freeze", "--bounds", "0,5,11")
+    results = pipeline_runs["frozen"]
     stage0, stage1 = results
     assert stage0["parts"] == [0, 5, 11]
     assert stage0["n_frozen"] == stage0["n_params"] > 0 and not stage0["frozen_moved"]
@@ -64,9 +76,9 @@ def test_frozen_encoder_alone_on_stage0(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_packed_microbatches_two_stages(tmp_path: Path) -> None:
+def test_packed_microbatches_two_stages(pipeline_runs) -> None:
     """Packed microbatches through the dynamic-shape pipeline equal the padded one-batch reference."""
-    results = run_pipeline(tmp_path, "--packed")
+    results = pipeline_runs["packed"]
     check_step1_matches_reference(results)
     assert all(r["step1_max_param_change"] > 1e-4 for r in results)
     check_training(results)

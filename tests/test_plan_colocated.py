@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 from test_plan_file import _shapes as plan_file_shapes
-from tiny_plans import tiny_plan
 
 from dflop_ds.config import fill_from_plan, get_setting, plan_deepspeed_config, set_settings
 from dflop_ds.cost import reference_model
@@ -130,17 +129,7 @@ def test_cluster_terms_are_elementwise_over_arrays() -> None:
 
 
 @pytest.mark.slow
-def test_a_colocated_plan_trains_on_two_ranks_with_zero2(tmp_path, run_train) -> None:
-    layout = Layout(Segment(1, 1, 2), Segment(1, 1, 2), n_mb=4, stages=((5, 1, 5),), colocated=True)
-    plan = tiny_plan(layout, 16, family="colocated", zero_stage=2)
-    plan.save(tmp_path / "plan.json")
-    config = {
-        "steps_per_print": 10**6,
-        "zero_optimization": {"stage": 2},
-        "dflop": set_settings({}, plan=str(tmp_path / "plan.json"), max_samples=64, steps=3, warmup_steps=1),
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    run_train(tmp_path / "config.json", "--summary", str(tmp_path / "s.json"), timeout=600)
-    summary = json.loads((tmp_path / "s.json").read_text())["summary"]
+def test_a_colocated_plan_trains_on_two_ranks_with_zero2(colocated_plan_run) -> None:
+    summary = colocated_plan_run["run"]["summary"]
     assert summary["engine"] == "plain" and summary["train_batch_size"] == 16
-    assert summary["gradient_accumulation_steps"] == 4
+    assert summary["gradient_accumulation_steps"] == 4 and summary["zero_stage"] == 2

@@ -220,34 +220,49 @@ import json, sys
 from dflop_ds.config import DFLOPConfig
 from dflop_ds.models import tiny_mllm_layers
 from dflop_ds.train import build_engine
-config = json.loads(open(sys.argv[-1]).read())  # the launcher adds --local_rank before it
-settings = DFLOPConfig.from_dict(config.pop("dflop"))
-trainer = build_engine(*tiny_mllm_layers(seed=0), config, pipeline_stages=settings.pipeline_stages,
-                       activation_checkpoint_interval=int(settings.activation_checkpointing))
-engine = trainer.engine
-print("ENGINE", json.dumps({"zero": engine.zero_optimization_stage(), "bf16": engine.bfloat16_enabled(),
-                  "fp16": engine.fp16_enabled(), "checkpointing": trainer.module.checkpoint_layers}))
+for path in [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]:  # one engine per config
+    config = json.loads(open(path).read())
+    settings = DFLOPConfig.from_dict(config.pop("dflop"))
+    trainer = build_engine(*tiny_mllm_layers(seed=0), config, pipeline_stages=settings.pipeline_stages,
+                           activation_checkpoint_interval=int(settings.activation_checkpointing))
+    engine = trainer.engine
+    print("ENGINE", path, json.dumps({"zero": engine.zero_optimization_stage(), "bf16": engine.bfloat16_enabled(),
+                      "fp16": engine.fp16_enabled(), "checkpointing": trainer.module.checkpoint_layers}))
 """
+#: (ZeRO stage, precision) of the configs DeepSpeed builds engines from; ZeRO-3 last, as its
+#: parameter hooks outlive its engine in the process
+ENGINE_CASES = [(0, "fp32"), (2, "fp16"), (3, "bf16")]
+
+
+@pytest.fixture(scope="module")
+def built_engines(tmp_path_factory) -> dict[tuple[int, str], dict]:
+    """What DeepSpeed built from the config each :data:`ENGINE_CASES` plan writes: one process on
+    one rank builds them one after the other."""
+    folder = tmp_path_factory.mktemp("engines")
+    paths = {}
+    for zero, precision in ENGINE_CASES:
+        plan = tiny_plan(
+            Layout(Segment(1, 1, 1), Segment(1, 1, 1), 2, ((5, 1, 5),)),
+            8,
+            gpus=1,
+            gpus_per_node=1,
+            zero_stage=zero,
+            precision=precision,
+            activation_checkpointing=True,
+        )
+        paths[zero, precision] = folder / f"ds_zero{zero}_{precision}.json"
+        paths[zero, precision].write_text(json.dumps(plan_deepspeed_config(plan, {"steps_per_print": 10**6})))
+    script = folder / "build.py"
+    script.write_text(ENGINE_SCRIPT)
+    result = run_on_ranks(script, list(paths.values()), ranks=1, timeout=400)
+    built = dict(line.split(" ", 2)[1:] for line in result.stdout.splitlines() if line.startswith("ENGINE "))
+    return {case: json.loads(built[str(path)]) for case, path in paths.items()}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero, precision", [(3, "bf16"), (2, "fp16"), (0, "fp32")])
-def test_deepspeed_builds_an_engine_from_a_written_config(tmp_path: Path, zero: int, precision: str) -> None:
-    plan = tiny_plan(
-        Layout(Segment(1, 1, 1), Segment(1, 1, 1), 2, ((5, 1, 5),)),
-        8,
-        gpus=1,
-        gpus_per_node=1,
-        zero_stage=zero,
-        precision=precision,
-        activation_checkpointing=True,
-    )
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(plan_deepspeed_config(plan, {"steps_per_print": 10**6})))
-    script = tmp_path / "build.py"
-    script.write_text(ENGINE_SCRIPT)
-    result = run_on_ranks(script, [str(path)], ranks=1, timeout=400)
-    built = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("ENGINE "))[7:])
+@pytest.mark.parametrize("zero, precision", ENGINE_CASES)
+def test_deepspeed_builds_an_engine_from_a_written_config(built_engines, zero: int, precision: str) -> None:
+    built = built_engines[zero, precision]
     assert built == {"zero": zero, "bf16": precision == "bf16", "fp16": precision == "fp16", "checkpointing": True}
 
 

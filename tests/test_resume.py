@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import collections
 import json
-import shutil
 from pathlib import Path
 
 import pytest
+from conftest import DFLOP_PP2
 
-SAMPLES, BATCH, STEPS_PER_EPOCH = 96, 16, 6
+STEPS = 6
 
 
 def steps(trace: Path) -> dict[int, list[list[int]]]:
@@ -17,26 +17,17 @@ def steps(trace: Path) -> dict[int, list[list[int]]]:
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_without_losing_or_repeating_a_sample(tmp_path, ds_config, run_train):
+def test_killed_run_resumes_without_losing_or_repeating_a_sample(tmp_path, ds_config, run_train, dflop_pp2_run):
+    """The shared uninterrupted run (same data, batches and solver) is the reference schedule."""
     dflop = {
-        "sampler": "dflop",
-        "max_samples": SAMPLES,
-        "steps": STEPS_PER_EPOCH,
+        **DFLOP_PP2["dflop"],
+        "steps": STEPS,
         "warmup_steps": 0,
         "checkpoint_dir": str(tmp_path / "ckpt"),
         "checkpoint_every": 2,
     }
-    path = ds_config(
-        "tiny_mllm_pp2.json",
-        dflop,
-        train_batch_size=BATCH,
-        train_micro_batch_size_per_gpu=4,
-        gradient_accumulation_steps=4,
-    )
-
-    run_train(path, "--trace", str(tmp_path / "reference.jsonl"))  # one uninterrupted epoch
-    reference = steps(tmp_path / "reference.jsonl")
-    shutil.rmtree(tmp_path / "ckpt")
+    path = ds_config("tiny_mllm_pp2.json", dflop, **DFLOP_PP2["ds"])
+    reference = {s: mbs for s, mbs in steps(dflop_pp2_run["trace"]).items() if s < STEPS}
 
     # dies after step 2
     run_train(path, "--trace", str(tmp_path / "killed.jsonl"), "--exit-after-step", "2", expect=17)
@@ -50,7 +41,9 @@ def test_killed_run_resumes_without_losing_or_repeating_a_sample(tmp_path, ds_co
     trained = [i for s in (0, 1) for mb in killed[s] for i in mb]
     trained += [i for mb_list in resumed.values() for mb in mb_list for i in mb]
     counts = collections.Counter(trained)
-    assert sorted(counts) == list(range(SAMPLES)) and set(counts.values()) == {1}
+    expected = sorted(i for mbs in reference.values() for mb in mbs for i in mb)
+    assert len(expected) == STEPS * DFLOP_PP2["ds"]["train_batch_size"] and len(set(expected)) == len(expected)
+    assert sorted(counts) == expected and set(counts.values()) == {1}
     # and the schedule after resume is the uninterrupted one
     assert {s: resumed[s] for s in resumed} == {s: reference[s] for s in resumed}
     assert {s: killed[s] for s in killed} == {s: reference[s] for s in killed}

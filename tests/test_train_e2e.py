@@ -33,10 +33,8 @@ def launch_training(tmp_path: Path, ds_config, run_train):
 
 
 @pytest.mark.slow
-def test_two_rank_pipeline_training_with_varying_shapes_lowers_the_loss(launch_training):
-    run = launch_training(
-        {"sampler": "dflop", "steps": 20, "warmup_steps": 2, "max_samples": 640, "lr": 0.003}, SIXTEEN_IN_FOUR
-    )
+def test_two_rank_pipeline_training_with_varying_shapes_lowers_the_loss(dflop_pp2_run):
+    run = dflop_pp2_run["run"]
     steps = run["steps"]
     assert len(steps) == 20
     losses = [s["loss"] for s in steps]
@@ -156,12 +154,10 @@ def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_node_limited_exact_solver_gives_every_rank_the_same_schedule(launch_training):
+def test_a_node_limited_exact_solver_gives_every_rank_the_same_schedule(dflop_pp2_run):
     # telemetry compares the ranks' schedule fingerprints every step and stops the run on a mismatch
-    run = launch_training(
-        {"sampler": "dflop", "steps": 3, "warmup_steps": 1, "max_samples": 64, "ilp_nodes": 200}, SIXTEEN_IN_FOUR
-    )
-    assert len(run["steps"]) == 3 and all(s["schedule_ms"] > 0 for s in run["steps"])
+    steps = dflop_pp2_run["run"]["steps"]
+    assert len(steps) == 20 and all(s["schedule_ms"] > 0 for s in steps)
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Train a tiny HF LLaVA for a few steps on a 2-stage MLLMPipelineModule (launched by tests/test_hf_llava.py).
 
-``deepspeed --num_gpus 2 hf_pipe_check.py --model-dir DIR --out OUT [--freeze] [--bounds a,b,c]``.
+``deepspeed --num_gpus 2 hf_pipe_check.py --model-dir DIR --out OUT [--freeze] [--bounds a,b,c]``, or
+several such runs in one launch with ``--variant NAME=OPTIONS`` (see pipe_checks.variants).
 One global batch of three microbatches (an image inside a prompt next to a text-only row, a
 text-only microbatch, two images in one row) with the global-batch loss denominator. Every rank
 also runs the same step in one process on the layer lists of its own copy of the model (an
@@ -45,11 +46,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", required=True)
     check.add_pipeline_options(parser, steps=4)
-    args = parser.parse_args()
+    runs = check.variants(parser)
+    rank, device = check.start_distributed()
+    for args, last in runs:
+        run(args, rank, device, last)
 
+
+def run(args, rank: int, device, last: bool) -> None:
+    """One training of the variant ``args``: its report (and tied embedding) in ``args.out``."""
     from transformers import AutoProcessor
 
-    rank, device = check.start_distributed()
     processor = AutoProcessor.from_pretrained(args.model_dir)
     samples = global_batch(random.Random(5))
     gas, dp = len(samples), 1
@@ -112,7 +118,7 @@ def main() -> None:
         "images_per_microbatch": [int(i[0].shape[0]) for i, _ in microbatches],
         **check.parameter_counts(model, before),
     }
-    check.write_report(args.out, rank, result)
+    check.write_report(args.out, rank, result, last=last)
 
 
 if __name__ == "__main__":

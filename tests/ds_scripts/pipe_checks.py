@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -97,10 +99,29 @@ def parameter_counts(model: torch.nn.Module, before: dict[str, torch.Tensor]) ->
     }
 
 
-def write_report(out: str, rank: int, result: dict[str, Any]) -> None:
-    """``out/rank<rank>.json``, then an orderly exit: gloo's threads stop before teardown."""
+def write_report(out: str, rank: int, result: dict[str, Any], *, last: bool = True) -> None:
+    """``out/rank<rank>.json``; after the ``last`` report, an orderly exit: gloo's threads stop before teardown."""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    if last:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def variants(parser: argparse.ArgumentParser) -> list[tuple[argparse.Namespace, bool]]:
+    """The script's runs, in one process group: its own options, or one run per ``--variant
+    NAME=OPTIONS`` (the options added to the others, the reports under ``--out``/NAME); each with
+    whether it is the last."""
+    argv = sys.argv[1:]
+    at = [i for i, arg in enumerate(argv) if arg == "--variant"]
+    if not at:
+        return [(parser.parse_args(argv), True)]
+    common = [arg for i, arg in enumerate(argv) if i not in at and i - 1 not in at]
+    runs = []
+    for i in at:
+        name, _, options = argv[i + 1].partition("=")
+        run = parser.parse_args([*common, *shlex.split(options)])
+        run.out = os.path.join(run.out, name)
+        runs.append((run, i == at[-1]))
+    return runs

@@ -1,11 +1,13 @@
-"""Local vs colocated (dispatched) encoder on DeepSpeed's plain engine, ZeRO-2, same global batches.
+"""Local vs colocated (dispatched) encoder, same global batches, on each engine ``--engines`` names:
+``zero2`` (DeepSpeed's plain engine, ZeRO-2 over the world) and ``pp2`` (the pipeline engine, pp2 x
+dp = world / 2, the encoder on the first stage or beside the pipeline).
 
-Launched by tests/test_colocated_zero.py under `deepspeed --num_gpus 2`. For each mode
-(trainable / frozen encoder) two engines of the tiny model train the same global batches with
-plain SGD (so a parameter change is the learning rate times the gradient): one encodes each
-sample on its own rank, the other dispatches tiles by cost and exchanges features. Rank 0
-writes the losses, the largest parameter difference after every step, and how many tiles were
-encoded away from their sample's rank.
+Launched by tests/conftest.py (zero2 and pp2 on 2 ranks) and tests/test_colocated_pipe.py (pp2 on
+4 ranks). For each mode (trainable / frozen encoder) two engines of the tiny model train the same
+global batches with plain SGD (so a parameter change is the learning rate times the gradient): one
+encodes each sample on its own rank (or stage), the other dispatches tiles by cost and exchanges
+features. Rank 0 writes, per engine, the losses, the largest parameter difference after every step,
+and how many tiles were encoded away from their sample's owner.
 """
 
 from __future__ import annotations
@@ -85,6 +87,24 @@ def run_engine(mode: str, colocated: bool, shapes, dataset, steps: int, ds_confi
     return train_steps(trainer, sampler, data_iter, steps), dispatch.get("owners")
 
 
+def run_pipeline(mode: str, colocated: bool, shapes, dataset, steps: int):
+    """``steps`` SGD steps of a pp2 engine (x dp = world / 2), the encoder in the pipeline or beside
+    it (no gradient clipping)."""
+    dp = torch.distributed.get_world_size() // 2
+    ds_config = {
+        "train_batch_size": 8 * dp,
+        "gradient_accumulation_steps": GAS,
+        "train_micro_batch_size_per_gpu": 8 // GAS,
+        "steps_per_print": 10**9,
+        "gradient_clipping": 0.0,
+    }
+    return run_engine(mode, colocated, shapes, dataset, steps, ds_config, pipeline_stages=2)
+
+
+#: the engines a launch can compare the two encoders on
+ENGINES = {"zero2": run, "pp2": run_pipeline}
+
+
 def train_steps(trainer, sampler, data_iter, steps: int):
     """``(losses, full states, global batches)`` of ``steps`` steps."""
     losses, states, batches = [], [], []
@@ -110,12 +130,14 @@ def foreign_tiles(batches, shapes, owners=None) -> int:
     return count
 
 
-def main(run=run) -> int:
-    """Compare ``run(mode, colocated, shapes, dataset, steps) -> ((losses, states, batches), owners)``
-    local vs colocated in each mode; rank 0 writes the report."""
+def main() -> int:
+    """Compare each ``--engines`` engine's ``run(mode, colocated, shapes, dataset, steps) ->
+    ((losses, states, batches), owners)`` local vs colocated in each mode; rank 0 writes the
+    reports, ``--out``/<engine>.json."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", required=True, help="folder of the reports")
+    parser.add_argument("--engines", default="zero2", help=f"comma-separated, of {sorted(ENGINES)}")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--modes", default="trainable,frozen")
     args = parser.parse_args()
@@ -123,12 +145,23 @@ def main(run=run) -> int:
     share_cpu_threads()
     shapes = read_dataset(ROOT / "examples" / "data" / "mixture.jsonl", TINY_POLICY)[:SAMPLES]
     dataset = TinyMLLMDataset(shapes, seed=0)
+    for engine in args.engines.split(","):
+        report = compare(ENGINES[engine], shapes, dataset, args.steps, args.modes.split(","))
+        if torch.distributed.get_rank() == 0:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"{engine}.json").write_text(json.dumps(report, indent=1))
+    torch.distributed.barrier()
+    return 0
+
+
+def compare(run, shapes, dataset, steps: int, modes: list[str]) -> dict:
+    """Rank 0: each mode's local and colocated losses, parameter differences, tiles moved and samples."""
     initial = build_reference(seed=0).state_dict()
     n_encoder = len(tiny_mllm_layers(seed=0, as_specs=False)[0])
     report = {}
-    for mode in args.modes.split(","):
-        local, _ = run(mode, False, shapes, dataset, args.steps)
-        colo, owners = run(mode, True, shapes, dataset, args.steps)
+    for mode in modes:
+        local, _ = run(mode, False, shapes, dataset, steps)
+        colo, owners = run(mode, True, shapes, dataset, steps)
         if torch.distributed.get_rank() != 0:
             continue
         assert local[2] == colo[2], "the two runs trained different global batches"
@@ -147,10 +180,7 @@ def main(run=run) -> int:
             "foreign_tiles": foreign_tiles(colo[2], shapes, owners),
             "samples": sorted(i for ranks in colo[2] for rank in ranks for mb in rank for i in mb),
         }
-    if torch.distributed.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    torch.distributed.barrier()
-    return 0
+    return report
 
 
 if __name__ == "__main__":

@@ -67,9 +67,14 @@ def main() -> None:
     check.add_pipeline_options(parser, steps=20)
     parser.add_argument("--packed", action="store_true", help="packed microbatches (the reference stays padded)")
     parser.add_argument("--ckpt", type=int, default=0, help="activation_checkpoint_interval")
-    args = parser.parse_args()
+    runs = check.variants(parser)
     rank, device = check.start_distributed()
+    for args, last in runs:
+        run(args, rank, device, last)
 
+
+def run(args, rank: int, device, last: bool) -> None:
+    """One training of the variant ``args``: its report in ``args.out``."""
     # microbatches of 1, 3 and 2 samples: tensor shapes change every microbatch
     sizes = [1, 3, 2]
     gas, dp, n_batches = len(sizes), 1, 4
@@ -116,7 +121,7 @@ def main() -> None:
         **check.parameter_counts(model, before),
         "tiles_per_microbatch": [[sum(shapes[i].encoder_tiles for i in mb) for mb in batch] for batch in batches],
     }
-    check.write_report(args.out, rank, result)
+    check.write_report(args.out, rank, result, last=last)
 
 
 if __name__ == "__main__":
