@@ -45,7 +45,12 @@ def layer_costs(mean_costs: Sequence[float] | np.ndarray, model: Any) -> list[fl
 
 
 def cost_balanced_bounds(cost_model: Any, shapes: Sequence[SampleShape], num_stages: int) -> StageBounds:
-    """Stage bounds balancing the data's mean predicted per-sample cost across ``num_stages``."""
+    """Stage bounds balancing the data's mean predicted per-sample cost across ``num_stages``.
+
+    Per-sample costs, not an expected packed microbatch's (:class:`~dflop_ds.cost.PackedCost`
+    overhead plus marginals): on the tiny demo the latter rated the LLM 1.17x the encoder, the
+    former 1.24x, against 1.30x measured on packed microbatches.
+    """
     mean = np.asarray(cost_model.predict_samples(shapes), dtype=float).mean(axis=0)
     return split_by_cost(layer_costs(mean, cost_model), num_stages)
 

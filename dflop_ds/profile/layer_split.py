@@ -5,8 +5,13 @@ encoder and the LLM picks the wrong boundary. Measured here (tiny MLLM, packed m
 the bundled mixture, one thread): the profiled cost model predicted the LLM layers 1.6x
 cheaper relative to the encoder's than they ran, and its split ``[0, 5, 11]`` gave the LLM
 stage 1.45-1.5x the encoder stage's time (``[0, 6, 11]``: 1.2-1.3x; a decoder layer is ~13% of
-the compute). This module times every layer's forward and backward on real collated
-microbatches (the layout the engine trains, loss included on the last layer) so that
+the compute). Under the model-order timing protocol (``TIMING_PROTOCOL`` 2 of
+:mod:`dflop_ds.profile.model`; two of them with ``warm_pass``), six fresh profiles at load ~2
+all split ``[0, 6, 11]``, a near tie with ``[0, 7, 11]`` for the measured best; the five read
+rated the LLM 1.16-1.28x the encoder against 1.30x measured
+(``tests/test_stage_split_measured.py`` checks the loop's split this way).
+This module times every layer's forward and backward on real collated microbatches (the layout
+the engine trains, loss included on the last layer) so that
 :func:`~dflop_ds.pipe.stage_bounds.split_by_cost` balances what the stages will run. Ranks that
 measure on their own may disagree on a near tie: measure once and hand every rank the bounds.
 """
