@@ -8,8 +8,8 @@ stage 1.45-1.5x the encoder stage's time (``[0, 6, 11]``: 1.2-1.3x; a decoder la
 the compute). Under the model-order timing protocol (``TIMING_PROTOCOL`` 2 of
 :mod:`dflop_ds.profile.model`; two of them with ``warm_pass``), six fresh profiles at load ~2
 all split ``[0, 6, 11]``, a near tie with ``[0, 7, 11]`` for the measured best; the five read
-rated the LLM 1.16-1.28x the encoder against 1.30x measured
-(``tests/test_stage_split_measured.py`` checks the loop's split this way).
+rated the LLM 1.16-1.28x the encoder against 1.30x measured (``benchmarks/bench_stage_split.py``
+compares every split's simulated step on measured layer costs).
 This module times every layer's forward and backward on real collated microbatches (the layout
 the engine trains, loss included on the last layer) so that
 :func:`~dflop_ds.pipe.stage_bounds.split_by_cost` balances what the stages will run. Ranks that
