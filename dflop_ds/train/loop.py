@@ -165,11 +165,11 @@ def load_plan(path: str | None):
 
 
 def run_memory_cap(
-    cfg: DFLOPConfig, trainer: TrainingEngine, ds_config: dict, accelerator: Any, sampler_cost: Any
+    cfg: DFLOPConfig, plan: Plan | None, trainer: TrainingEngine, ds_config: dict, accelerator: Any, sampler_cost: Any
 ) -> MemoryCap:
     """The run's memory cap (:func:`~dflop_ds.train.memory_cap.resolve_memory_cap`): the config's,
-    the plan's, or the default from this device's memory (a collective: every rank calls this)."""
-    plan = load_plan(cfg.plan)
+    ``plan``'s (the run's plan, if any), or the default from this device's memory (a collective:
+    every rank calls this)."""
     from_plan = plan is not None and plan.memory_cap_bytes == cfg.memory_cap_bytes
     return resolve_memory_cap(
         cfg.memory_cap_bytes,
@@ -254,9 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     encoder, projector, llm = source.layers()
     encoder = inject_fault(encoder, cfg.fault, ds_config)  # testing only: an optional slow shape class
-    check_training_setup(
-        ds_config, cfg, world, plan=load_plan(cfg.plan), n_samples=len(shapes), n_layers=source.n_layers
-    )
+    plan = load_plan(cfg.plan)
+    check_training_setup(ds_config, cfg, world, plan=plan, n_samples=len(shapes), n_layers=source.n_layers)
     pipelined, colocated = cfg.pipeline_stages > 1, cfg.encoder == "colocated"
     tile_pixels = source.colocated_tile_pixels() if colocated else None  # refused now, not after building
     bounds: Sequence[int] | None = cfg.stage_bounds
@@ -292,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pipelined and cost_model is not None and correction is None and not colocated
     ):  # balance what each stage computes; its memory per stage, times the microbatches it holds
         sampler_cost = StageCost(sampler_cost, stage_shares(trainer.stage_bounds, cost_model), microbatches=gas)
-    memory_cap = run_memory_cap(cfg, trainer, ds_config, get_accelerator(), sampler_cost)
+    memory_cap = run_memory_cap(cfg, plan, trainer, ds_config, get_accelerator(), sampler_cost)
     microbatch_cap = sampler_memory_cap(memory_cap, sampler_cost, trainer.num_stages, gas)
     if rank == 0:
         print(f"[dflop-ds] {memory_cap.describe()}", flush=True)
