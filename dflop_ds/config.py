@@ -303,6 +303,11 @@ PLAN_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradie
 PLAN_PRECISION_KEYS = MIXED_PRECISIONS
 
 
+def enabled_precisions(ds_config: Mapping[str, Any]) -> list[str]:
+    """The mixed-precision sections (:data:`PLAN_PRECISION_KEYS`) a DeepSpeed config enables."""
+    return [key for key in PLAN_PRECISION_KEYS if (ds_config.get(key) or {}).get("enabled")]
+
+
 def autotp_size(ds_config: Mapping[str, Any]) -> int:
     """The DeepSpeed config's ``tensor_parallel.autotp_size`` (1 without tensor parallelism)."""
     return int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
@@ -338,7 +343,7 @@ def fill_from_plan(
             f"zero_optimization.stage is {zero!r}, but the plan's memory model assumed ZeRO stage"
             f" {plan.zero_stage}: leave the stage out of the config (the plan sets it) or re-plan"
         )
-    enabled = [key for key in PLAN_PRECISION_KEYS if (ds_config.get(key) or {}).get("enabled")]
+    enabled = enabled_precisions(ds_config)
     if enabled and enabled != [plan.precision]:
         raise ValueError(
             f"{enabled[0]}.enabled is true, but the plan's memory model assumed {plan.precision}:"

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from dflop_ds.config import AUTO, OFF, PLAN_PRECISION_KEYS
+from dflop_ds.config import AUTO, OFF, enabled_precisions
 from dflop_ds.plan.cluster import state_factor
 
 #: share of a device's free memory the default cap leaves unused
@@ -58,7 +58,7 @@ class MemoryCap:
 
 def config_precision(ds_config: Mapping[str, Any]) -> str:
     """The training precision a DeepSpeed config enables: ``"bf16"``, ``"fp16"`` or ``"fp32"``."""
-    enabled = [key for key in PLAN_PRECISION_KEYS if (ds_config.get(key) or {}).get("enabled")]
+    enabled = enabled_precisions(ds_config)
     return enabled[0] if enabled else "fp32"
 
 
