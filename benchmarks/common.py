@@ -6,9 +6,12 @@ import argparse
 import json
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from dflop_ds.cost import FittedCostModel, load_cost_model, reusable_fitted_model
 from dflop_ds.launch import launch_env, run_deepspeed
@@ -111,6 +114,15 @@ def run_round_worker(
         check=True,
     )
     return json.loads(raw.read_text())["rows"]
+
+
+def timed_train_step(train_step: Callable[[Any], Any], microbatches: Sequence[Any]) -> tuple[Any, float]:
+    """``train_step(iter(microbatches))`` started on every rank together (a barrier first): its
+    result (the loss) and its wall seconds on this rank."""
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    loss = train_step(iter(microbatches))
+    return loss, time.perf_counter() - start
 
 
 def round_row(round_id: int, warmup: int, method: str, step_s: float, **figures: Any) -> dict:

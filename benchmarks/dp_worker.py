@@ -26,7 +26,7 @@ from deepspeed.accelerator import get_accelerator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import add_worker_options, round_row, worker_ds_config  # noqa: E402
+from benchmarks.common import add_worker_options, round_row, timed_train_step, worker_ds_config  # noqa: E402
 from benchmarks.e2e_methods import PACKED_METHODS, split_for  # noqa: E402
 from dflop_ds.cost import PackedCost, load_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
@@ -165,10 +165,7 @@ def main() -> int:
             schedule_s = time.perf_counter() - start
             name = "colocated" if method == "dflop_dispatch" else "local"
             clocks[name].take()
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            loss = engines[name].train_step(iter(microbatches))
-            step_s = time.perf_counter() - start
+            loss, step_s = timed_train_step(engines[name].train_step, microbatches)
             encoder = [0.0] * dp
             torch.distributed.all_gather_object(encoder, clocks[name].take())
             rows.append(

@@ -22,7 +22,7 @@ from deepspeed.accelerator import get_accelerator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import add_worker_options, round_row, worker_ds_config  # noqa: E402
+from benchmarks.common import add_worker_options, round_row, timed_train_step, worker_ds_config  # noqa: E402
 from benchmarks.e2e_methods import METHODS, PACKED_METHODS, split_for  # noqa: E402
 from dflop_ds.cost import PackedCost, load_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
@@ -160,11 +160,8 @@ def main() -> int:
                     for mb in split[dp_rank]
                 ]
             name = {"dflop": "dflop", "dflop_colocated": "colocated"}.get(method, "uniform")
-            torch.distributed.barrier()
             timers[name].start_step()
-            start = time.perf_counter()
-            engines[name].train_step(iter(microbatches))
-            step_s = time.perf_counter() - start
+            _, step_s = timed_train_step(engines[name].train_step, microbatches)
             compute = torch.tensor([float(timers[name].finish_step().compute.sum())])
             every_rank = [torch.zeros(1) for _ in range(torch.distributed.get_world_size())]
             torch.distributed.all_gather(every_rank, compute)

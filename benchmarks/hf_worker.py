@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from deepspeed.accelerator import get_accelerator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import add_worker_options, round_row, worker_ds_config  # noqa: E402
+from benchmarks.common import add_worker_options, round_row, timed_train_step, worker_ds_config  # noqa: E402
 from benchmarks.e2e_methods import ONE_ENGINE_METHODS, PACKED_METHODS, SPLITTERS, method_cost_model  # noqa: E402
 from dflop_ds.cost import load_cost_model  # noqa: E402
 from dflop_ds.launch import share_cpu_threads  # noqa: E402
@@ -105,10 +104,7 @@ def main() -> int:
                 collates[packed]([dataset[ScheduledIndex(i, sched.loss_denominator, batch_id)] for i in mb])
                 for mb in sched.split.ranks[dp_rank]
             ]
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            loss = trainer.train_step(iter(microbatches))
-            step_s = time.perf_counter() - start
+            loss, step_s = timed_train_step(trainer.train_step, microbatches)
             rows.append(
                 round_row(
                     round_id,
