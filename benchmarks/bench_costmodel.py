@@ -17,8 +17,9 @@ MAPE after one fitted scale factor (``scale_free``: balancing needs the cost rat
 adaptive correction absorbs a common scale); the last line reads
 ``costmodel heldout mape encoder=<x> llm=<y> microbatch=<z> packed_microbatch=<w>
 scale_free_microbatch=<u> scale_free_packed_microbatch=<v>`` (fractions), with the load average.
-``--warm-pass`` profiles with the old protocol (each layer run once right before its timed pass),
-for an A/B of the profiler's timing conditions.
+``--protocol layer`` profiles each layer on its own instead of inside one connected pass of the
+profiled layers (the default, ``chain``), and ``--no-calibrate`` skips the profiler's full-depth
+calibration, for an A/B of the profiler's timing conditions.
 
 Run: ``.venv/bin/python benchmarks/bench_costmodel.py`` from the repository root.
 """
@@ -44,7 +45,13 @@ from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, build_reference, co
 from dflop_ds.models.tiny_profile import tiny_target  # noqa: E402
 from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
 from dflop_ds.profile import ModelProfile, profile_model  # noqa: E402
-from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES, torch_threads  # noqa: E402
+from dflop_ds.profile.model import (  # noqa: E402
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_SEQ_LENS,
+    DEFAULT_TILES,
+    PROTOCOLS,
+    torch_threads,
+)
 from dflop_ds.profile.timing import clock_function, resolve_clock, robust_statistic  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY, SampleShape  # noqa: E402
 
@@ -161,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-microbatch", type=int, default=4)
     parser.add_argument("--data", default=str(ROOT / "examples" / "data" / "mixture.jsonl"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warm-pass", action="store_true", help="profile each layer right after a pass of itself")
+    parser.add_argument("--protocol", default="chain", choices=PROTOCOLS, help="how the profiler times layers")
+    parser.add_argument("--no-calibrate", action="store_true", help="skip the profiler's full-depth calibration")
     args = parser.parse_args(argv)
     clock = resolve_clock(args.clock)
     timing = dict(
@@ -170,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         clock=clock,
         threads=args.threads,
         progress=False,
-        warm_pass=args.warm_pass,
+        protocol=args.protocol,
+        calibrate=not args.no_calibrate,
     )
     load_before = load_average()
 
@@ -247,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(
         f"total benchmark wall time {time.perf_counter() - started:.1f} s; load average {load_before} before, "
-        f"{load_average()} after; profiler {'warm pass' if args.warm_pass else 'model order'}"
+        f"{load_average()} after; profiler protocol {args.protocol}, "
+        f"{'not ' if args.no_calibrate else ''}calibrated at full depth"
     )
     print(
         f"costmodel heldout mape encoder={mape(enc_pred, enc_meas):.3f} llm={mape(llm_pred, llm_meas):.3f} "

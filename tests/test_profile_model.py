@@ -190,25 +190,37 @@ def test_output_loss_is_applied_to_the_last_llm_layer_only() -> None:
     assert seen and set(seen) == {(2, 8, 10)}
 
 
-def test_layers_are_timed_in_model_order_unless_a_warm_pass_is_asked_for() -> None:
-    passes: dict[bool, list[tuple[int, tuple[int, ...]]]] = {}
-    for warm in (False, True):
-        encoder, llm = toy_model(vision_blocks=1, decoder_blocks=1)
-        log: list[tuple[int, tuple[int, ...]]] = []
-        for index, layer in enumerate(encoder + llm):
-            layer.register_forward_pre_hook(
-                lambda _, args, i=index, seen=log: seen.append((i, tuple(args[0][0].shape)))
+def test_layers_are_timed_as_one_chain_or_each_on_its_own_and_the_segment_at_full_depth() -> None:
+    passes: dict[tuple[str, bool], list[int]] = {}
+    for protocol in ("chain", "layer"):
+        for calibrate in (False, True):
+            encoder, llm = toy_model(vision_blocks=1, decoder_blocks=1)
+            log: list[int] = []
+            for index, layer in enumerate(encoder + llm):
+                layer.register_forward_pre_hook(lambda *_, i=index, seen=log: seen.append(i))
+            profile = run_toy(
+                encoder=encoder,
+                llm=llm,
+                tiles=(1, 8),
+                seq_lens=(8,),
+                batch_sizes=(1,),
+                warmup=1,
+                repeats=2,
+                protocol=protocol,
+                calibrate=calibrate,
             )
-        profile = run_toy(
-            encoder=encoder, llm=llm, tiles=(1, 8), seq_lens=(8,), batch_sizes=(1,), warmup=1, repeats=2, warm_pass=warm
-        )
-        assert profile.meta["warm_pass"] is warm
-        passes[warm] = log
-    # the last round of the LLM: decoder (with and without attention), then the head
-    assert [i for i, _ in passes[False][-3:]] == [2, 2, 3]
-    assert [i for i, _ in passes[True][-5:]] == [2, 2, 2, 3, 3]
-    for job in set(passes[False]):  # one more pass of every job per round (1 warm-up + 2 timed rounds)
-        assert passes[True].count(job) - passes[False].count(job) == 3, job
+            assert profile.meta["protocol"] == protocol
+            passes[protocol, calibrate] = log
+    # the last round of the LLM: the decoder, with attention and without, then the head ...
+    assert passes["layer", False][-3:] == [2, 2, 3]
+    # ... or the chain decoder -> head with attention, then the chain without it
+    assert passes["chain", False][-4:] == [2, 3, 2, 3]
+    # calibration then runs each segment at full depth: 3 rounds (1 warm-up + 2) per size
+    for protocol in ("chain", "layer"):
+        extra = passes[protocol, True][len(passes[protocol, False]) :]
+        assert [i for i in extra if i >= 2] == [2, 3] * 3
+    with pytest.raises(ValueError, match="protocol"):
+        run_toy(protocol="warm")
 
 
 def test_threads_are_restored_after_profiling() -> None:

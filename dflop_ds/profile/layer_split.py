@@ -6,7 +6,7 @@ the bundled mixture, one thread): the profiled cost model predicted the LLM laye
 cheaper relative to the encoder's than they ran, and its split ``[0, 5, 11]`` gave the LLM
 stage 1.45-1.5x the encoder stage's time (``[0, 6, 11]``: 1.2-1.3x; a decoder layer is ~13% of
 the compute). Under the model-order timing protocol (``TIMING_PROTOCOL`` 2 of
-:mod:`dflop_ds.profile.model`; two of them with ``warm_pass``), six fresh profiles at load ~2
+:mod:`dflop_ds.profile.model`, layers timed on their own), six fresh profiles at load ~2
 all split ``[0, 6, 11]``, a near tie with ``[0, 7, 11]`` for the measured best; the five read
 rated the LLM 1.16-1.28x the encoder against 1.30x measured (``benchmarks/bench_stage_split.py``
 compares every split's simulated step on measured layer costs).

@@ -8,10 +8,13 @@ depth (:mod:`dflop_ds.profile.layers`). Attention is timed as the difference bet
 with and without its attention (:class:`dflop_ds.profile.attention.AttentionOff`).
 
 Timing protocol, built for a shared machine and for the conditions of a training step: every
-(layer, size) job is prepared once, then timed in rounds that sweep all jobs in model order, so
-each layer finds the caches as the layer before it in a running model leaves them (a pass of the
-same layer right before the timed one, ``warm_pass=True``, made the tiny MLLM's layers sum to 4-6%
-less than the whole model on the same microbatches, 1.4% in model order: README, bench-costmodel). The repeats
+(layer, size) job is prepared once, then timed in rounds that sweep all input sizes. By default
+(``protocol="chain"``) each round runs the profiled layers of one size as one connected
+forward+backward pass, every forward first and the backwards in reverse order with all their
+activations alive, as a model runs them, and attributes the time to each layer
+(:func:`dflop_ds.profile.chain.time_chain`). ``protocol="layer"`` times each layer's
+forward+backward on its own, in model order: on the tiny MLLM that predicted padded 3-4-sample
+microbatches 5-10% fast and single samples 2-5% slow (bench-costmodel, November 2026). The repeats
 are summarized by a robust statistic (``min`` by default: the pass least disturbed by other
 processes; ``median`` and ``trimmed_mean`` are available). On a CPU the clock is the process's CPU
 time, which a co-running process does not inflate the way it inflates wall time.
@@ -33,6 +36,8 @@ import torch
 
 from dflop_ds.cost.measurements import Measurement, ModelProfile
 from dflop_ds.profile.attention import AttentionOff
+from dflop_ds.profile.chain import time_chain
+from dflop_ds.profile.depth import DepthScale, calibration_points, depth_scale
 from dflop_ds.profile.inputs import EncoderInputFactory, LLMInputFactory
 from dflop_ds.profile.layers import ProfiledLayer, describe_selection, parameter_bytes, select_layers
 from dflop_ds.profile.timing import (
@@ -50,13 +55,20 @@ from dflop_ds.profile.timing import (
 )
 
 #: Version of the timing protocol: profiles taken under another one are not reused from a cache
-#: (2: layers timed in model order, without a pass of the same layer right before)
-TIMING_PROTOCOL = 2
+#: (2: layers timed on their own in model order; 3: layers timed inside one connected pass)
+TIMING_PROTOCOL = 3
+
+#: How the layers of one input size are timed (see the module's docstring)
+PROTOCOLS = ("chain", "layer")
 
 #: Default sweeps for the bundled tiny model (TINY_POLICY: 16 tokens per tile/frame).
 DEFAULT_TILES = (1, 2, 4, 8, 16, 32, 64, 96)
 DEFAULT_SEQ_LENS = (16, 64, 128, 256, 384, 512, 768)
 DEFAULT_BATCH_SIZES = (1, 2, 4)
+
+
+#: ``(time_s, attention_s, activation_bytes, peak_bytes)`` of one input size at full depth
+PointSummary = tuple[float, float | None, int, int | None]
 
 
 @dataclass
@@ -69,7 +81,7 @@ class SegmentRun:
     clock: str = "auto"
     attention_off: Callable[[], AbstractContextManager[Any]] | None = None
     device: torch.device = field(default_factory=profiling_device)
-    warm_pass: bool = False
+    protocol: str = "chain"
 
 
 @dataclass
@@ -135,31 +147,47 @@ def prepare_jobs(
 def run_rounds(jobs: Sequence[LayerJob], run: SegmentRun, bar: Any = None) -> None:
     """Time every job ``warmup + repeats`` times, one pass per job per round.
 
-    Rounds sweep all jobs, so a change of machine load during profiling spreads over all
-    input sizes instead of bending one end of a curve. ``jobs`` come in model order within an
-    input size and sizes in increasing order, so each timed pass follows the layer before it
-    on inputs of the same size, as in a training step. With ``run.warm_pass`` each timed pass
-    follows an untimed pass of the same job instead (its weights and inputs then sit in the
-    caches, which a layer inside a model never finds).
+    Rounds sweep all input sizes, so a change of machine load during profiling spreads over all
+    of them instead of bending one end of a curve. ``jobs`` come in model order within an input
+    size and sizes in increasing order. Under ``run.protocol == "chain"`` the jobs of one size
+    run as one connected pass (twice when some use attention: with it and without); under
+    ``"layer"`` each job is timed on its own, right after the job before it.
     """
     now = clock_function(run.clock)
+    groups: list[list[LayerJob]] = []
+    for job in jobs:
+        if run.protocol == "chain" and groups and groups[-1][0].point == job.point:
+            groups[-1].append(job)
+        else:
+            groups.append([job])
     for round_index in range(run.warmup + run.repeats):
         keep = round_index >= run.warmup
-        for job in jobs:
-            if run.warm_pass:
-                forward_backward(job.layer, job.inputs, job.loss)
-            elapsed = time_once(job.layer, job.inputs, now, loss=job.loss)
-            if job.attention_off is not None:
-                without = time_once(job.layer, job.inputs, now, job.attention_off, job.loss)
-                if keep:
-                    job.without_attention.append(without)
-            if keep:
-                job.full.append(elapsed)
+        for group in groups:
+            full = _time_group(group, now)
+            off = next((job.attention_off for job in group if job.attention_off is not None), None)
+            without = _time_group(group, now, off) if off is not None else None
+            if not keep:
+                continue
+            for position, job in enumerate(group):
+                job.full.append(full[position])
+                if without is not None and job.attention_off is not None:
+                    job.without_attention.append(without[position])
         if bar is not None:
             bar.update(1)
 
 
-def summarize_point(jobs: Sequence[LayerJob], statistic: str) -> tuple[float, float | None, int, int | None]:
+def _time_group(
+    group: Sequence[LayerJob], now: Callable[[], float], context: Callable[[], Any] | None = None
+) -> list[float]:
+    """Seconds of each job of ``group``: one job on its own, or several as one chain."""
+    context = context or nullcontext
+    if len(group) == 1:
+        job = group[0]
+        return [time_once(job.layer, job.inputs, now, context, job.loss)]
+    return time_chain([job.layer for job in group], group[0].inputs, now, loss=group[-1].loss, context=context)
+
+
+def summarize_point(jobs: Sequence[LayerJob], statistic: str) -> PointSummary:
     """Full-depth ``(time_s, attention_s, activation_bytes, peak_bytes)`` of one input size.
 
     Peak memory at full depth is every layer's saved activations plus the largest transient.
@@ -175,6 +203,39 @@ def summarize_point(jobs: Sequence[LayerJob], statistic: str) -> tuple[float, fl
         activations += job.weight * job.activation_bytes
     peak = int(activations + max(transients)) if transients and len(transients) == len(jobs) else None
     return time_s, attention_s, int(activations), peak
+
+
+def calibrate_depth(
+    layers: Sequence[torch.nn.Module],
+    jobs_per_point: Sequence[Sequence[LayerJob]],
+    order: Sequence[int],
+    run: SegmentRun,
+    *,
+    loss: OutputLoss | None = None,
+    bar: Any = None,
+) -> DepthScale:
+    """:func:`~dflop_ds.profile.depth.depth_scale` of a segment (all of ``layers``) at a few of its
+    profiled sizes (``order``: point indices by increasing size)."""
+    summaries = [summarize_point(jobs, run.statistic) for jobs in jobs_per_point]
+    budget = max(sum(job.activation_bytes for job in jobs) for jobs in jobs_per_point)
+    picks = calibration_points(order, [summary[2] for summary in summaries], budget)
+    return depth_scale(
+        layers,
+        [jobs_per_point[i][0].inputs for i in picks],
+        [summaries[i][0] for i in picks],
+        clock_function(run.clock),
+        rounds=run.repeats,
+        warmup=run.warmup,
+        statistic=run.statistic,
+        loss=loss,
+        bar=bar,
+    )
+
+
+def scaled_point(jobs: Sequence[LayerJob], statistic: str, factor: float) -> PointSummary:
+    """:func:`summarize_point` with both times multiplied by ``factor``."""
+    time_s, attention_s, activations, peak = summarize_point(jobs, statistic)
+    return time_s * factor, None if attention_s is None else attention_s * factor, activations, peak
 
 
 def layer_time_shares(
@@ -246,7 +307,8 @@ def profile_model(
     output_loss: OutputLoss | None = None,
     progress: bool = True,
     seed: int = 0,
-    warm_pass: bool = False,
+    protocol: str = "chain",
+    calibrate: bool = True,
 ) -> ModelProfile:
     """Profile forward+backward of an encoder and an LLM, given as flat lists of layers.
 
@@ -270,16 +332,20 @@ def profile_model(
             cost is counted (default: backward from a gradient of ones).
         progress: show a tqdm progress bar.
         seed: seeds the random inputs.
-        warm_pass: run each layer once, untimed, right before each timed pass (the protocol before
-            November 2026; default off: layers are timed in model order, see :func:`run_rounds`).
+        protocol: ``"chain"`` (default) times the layers of one input size inside one connected
+            pass, ``"layer"`` each on its own (see the module's docstring).
+        calibrate: scale each segment's times by its whole depth's measured time at a few sizes
+            (:mod:`dflop_ds.profile.depth`); off, the profiled layers' times are only multiplied out.
     """
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     run = SegmentRun(
         warmup=warmup,
         repeats=repeats,
         statistic=statistic,
         clock=resolve_clock(clock),
         attention_off=attention_off,
-        warm_pass=warm_pass,
+        protocol=protocol,
     )
     encoder_chain = list(encoder_layers) + ([projector] if projector is not None else [])
     encoder_pick = select_layers(encoder_chain, max_blocks)
@@ -303,20 +369,26 @@ def profile_model(
         # each segment in its own rounds, smallest inputs first, so that every job follows
         # one of a similar size
         by_tokens = sorted(range(len(grid)), key=lambda i: (grid[i][0] * grid[i][1], grid[i]))
-        with _progress(2 * (warmup + repeats), progress, "profile model") as bar:
+        by_tiles = sorted(range(len(tiles)), key=lambda i: tiles[i])
+        with _progress((4 if calibrate else 2) * (warmup + repeats), progress, "profile model") as bar:
             run_rounds([job for jobs in encoder_jobs for job in jobs], run, bar)
             run_rounds([job for i in by_tokens for job in llm_jobs[i]], run, bar)
+            if calibrate:
+                encoder_scale = calibrate_depth(encoder_chain, encoder_jobs, by_tiles, run, bar=bar)
+                llm_scale = calibrate_depth(list(llm_layers), llm_jobs, by_tokens, run, loss=output_loss, bar=bar)
+            else:
+                encoder_scale = llm_scale = DepthScale(1.0, ())
     windows = getattr(encoder_inputs, "attention_units", None)  # (tiles, batch) -> attention units, if known
     encoder_points = [
         Measurement(
-            *summarize_point(jobs, statistic),
+            *scaled_point(jobs, statistic, encoder_scale.factor),
             tiles=int(count),
             attention_units=None if windows is None else int(windows(count, 1)),
         )
         for jobs, count in zip(encoder_jobs, tiles)
     ]
     llm_points = [
-        Measurement(*summarize_point(jobs, statistic), batch=int(b), seq_len=int(s))
+        Measurement(*scaled_point(jobs, statistic, llm_scale.factor), batch=int(b), seq_len=int(s))
         for jobs, (b, s) in zip(llm_jobs, grid)
     ]
     shares = {
@@ -330,6 +402,8 @@ def profile_model(
         describe_selection("encoder", encoder_pick, len(encoder_chain)),
         describe_selection("llm", llm_pick, len(llm_layers)),
     ]
+    if calibrate:
+        notes += [encoder_scale.describe("encoder"), llm_scale.describe("llm")]
     meta = {
         "device": str(run.device),
         "threads": threads if threads is not None else torch.get_num_threads(),
@@ -338,7 +412,8 @@ def profile_model(
         "statistic": statistic,
         "clock": run.clock,
         "max_blocks": max_blocks,
-        "warm_pass": warm_pass,
+        "protocol": protocol,
+        "depth_scale": {"encoder": encoder_scale.factor, "llm": llm_scale.factor},
         "scaling": notes,
         "projector_in_encoder": projector is not None,
         "output_loss": output_loss is not None,
@@ -366,6 +441,7 @@ __all__ = [
     "DEFAULT_BATCH_SIZES",
     "DEFAULT_SEQ_LENS",
     "DEFAULT_TILES",
+    "PROTOCOLS",
     "Measurement",
     "ModelProfile",
     "layer_time_shares",

@@ -1,0 +1,151 @@
+"""Layers timed inside one connected pass, and the full-depth calibration of a profiled segment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dflop_ds.profile import ContractEncoderInputs, ContractLLMInputs, profile_model
+from dflop_ds.profile.chain import time_chain
+from dflop_ds.profile.depth import calibration_points
+from dflop_ds.profile.model import torch_threads
+from dflop_ds.profile.timing import clock_function
+
+DIM = 32
+WORK = torch.randn(160, 160)
+
+
+def busy(rounds: int) -> None:
+    """CPU work the process's CPU clock sees (a co-running process does not change it)."""
+    for _ in range(rounds):
+        WORK @ WORK
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity whose backward does ``rounds`` of extra work."""
+
+    @staticmethod
+    def forward(ctx, x, rounds):  # noqa: ANN001, ANN205 - autograd.Function signature
+        ctx.rounds = rounds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        busy(ctx.rounds)
+        return grad, None
+
+
+class Step(nn.Module):
+    """``(hidden, scale) -> (hidden', scale)``: ``scale`` is a float tensor passed through unchanged
+    (as position embeddings are); extra work in forward or backward on request."""
+
+    def __init__(self, forward_work: int = 0, backward_work: int = 0) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.forward_work, self.backward_work = forward_work, backward_work
+
+    def forward(self, inputs):  # noqa: ANN001, ANN201
+        hidden, scale = inputs
+        busy(self.forward_work)
+        out = self.linear(hidden) * scale
+        return SlowBackward.apply(out, self.backward_work), scale
+
+
+def test_a_layers_backward_is_attributed_to_it_not_to_its_neighbours() -> None:
+    layers = [Step(), Step(backward_work=60), Step(forward_work=20)]
+    hidden = torch.randn(4, DIM, requires_grad=True)
+    scale = torch.rand(1, requires_grad=True)  # gets its gradient only when the first layer is done
+    now = clock_function("cpu")
+    with torch_threads(1):  # spinning worker threads would add to the process's CPU time
+        runs = [time_chain(layers, (hidden, scale), now) for _ in range(5)]
+    first, slow_backward, slow_forward = (min(run[i] for run in runs) for i in range(3))
+    assert slow_backward > 5 * first
+    assert slow_forward > 5 * first
+    assert slow_backward > 1.5 * slow_forward  # 60 rounds of work against 20
+    with pytest.raises(ValueError, match="empty"):
+        time_chain([], (hidden,), now)
+
+
+def test_the_last_layer_includes_its_loss() -> None:
+    layers = [Step(), Step()]
+    seen = []
+
+    def loss(outputs):  # noqa: ANN001, ANN202
+        seen.append(len(outputs))
+        busy(30)
+        return outputs[0].sum()
+
+    inputs = (torch.randn(4, DIM, requires_grad=True), torch.ones(1))
+    with torch_threads(1):
+        runs = [time_chain(layers, inputs, clock_function("cpu"), loss=loss) for _ in range(3)]
+    assert seen == [2, 2, 2]
+    assert min(run[1] for run in runs) > 5 * min(run[0] for run in runs)
+
+
+def test_calibration_points_fit_the_memory_budget_and_spread_over_the_upper_half() -> None:
+    order = [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    full_bytes = [10, 20, 30, 40, 50, 60, 70, 80, 90]
+    assert calibration_points(order, full_bytes, budget_bytes=90) == [4, 6, 8]
+    assert calibration_points(order, full_bytes, budget_bytes=50) == [2, 3, 4]
+    assert calibration_points(order, full_bytes, budget_bytes=5) == []
+    assert calibration_points([2, 0, 1], [5, 5, 5], budget_bytes=5) == [0, 1]
+
+
+class Block(nn.Module):
+    """A decoder block; some instances do much more work than the first ones the profiler times."""
+
+    def __init__(self, work: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.work = work
+
+    def forward(self, inputs):  # noqa: ANN001, ANN201
+        hidden, lens = inputs
+        busy(self.work)
+        return hidden + self.linear(hidden), lens
+
+
+class Head(nn.Module):
+    def forward(self, inputs):  # noqa: ANN001, ANN201
+        return inputs[0]
+
+
+class Patches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3 * 8 * 8, DIM)
+
+    def forward(self, inputs):  # noqa: ANN001, ANN201
+        pixels, ids, lens, tiles = inputs
+        return self.linear(pixels.flatten(1)), ids, lens, tiles
+
+
+def test_calibration_measures_the_blocks_the_profiler_did_not_time() -> None:
+    torch.manual_seed(0)
+    llm = [Block(2), Block(2), Block(10), Block(10), Head()]  # the profiler times the first two blocks
+
+    def profile(calibrate: bool) -> tuple[float, float]:
+        result = profile_model(
+            [Patches()],
+            llm,
+            encoder_inputs=ContractEncoderInputs(image_size=8, vocab_size=10),
+            llm_inputs=ContractLLMInputs(hidden_size=DIM),
+            tiles=(1,),
+            seq_lens=(8,),
+            batch_sizes=(1, 2),
+            warmup=1,
+            repeats=2,
+            progress=False,
+            calibrate=calibrate,
+        )
+        if calibrate:
+            assert any("full depth / profiled layers" in note for note in result.meta["scaling"])
+        return result.meta["depth_scale"]["llm"], result.llm[-1].time_s
+
+    plain_scale, plain = profile(calibrate=False)
+    scale, calibrated = profile(calibrate=True)
+    # the first two blocks stand for all four: 4 x 2 rounds of work are profiled, 24 run
+    assert plain_scale == 1.0
+    assert scale > 1.8
+    assert calibrated > 1.8 * plain
