@@ -143,13 +143,13 @@ class RealMicrobatch:
 
 
 def time_real(batches: Sequence[RealMicrobatch], repeats: int, statistic: str, clock: str) -> np.ndarray:
-    """``(n, 3)`` robust seconds ``[whole, encoder part, llm part]``, timed in interleaved rounds."""
+    """``(n, 3)`` robust seconds ``[whole, encoder part, llm part]``, timed in interleaved rounds
+    (round 0 untimed): each pass follows another one, as a microbatch follows another in training."""
     now = clock_function(clock)
-    samples = [[[], [], []] for _ in batches]
+    samples: list[list[list[float]]] = [[[], [], []] for _ in batches]
     for round_index in range(repeats + 1):
         for b, batch in enumerate(batches):
             for slot, run in enumerate((batch.whole, batch.encoder_part, batch.llm_part)):
-                run()  # an untimed pass first, as the profiler does
                 start = now()
                 run()
                 if round_index > 0:

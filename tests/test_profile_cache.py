@@ -79,6 +79,12 @@ def test_key_digest_is_stable_and_sensitive():
     assert key_digest(key) == key_digest(json.loads(json.dumps(key)))
     assert key_digest(key) != key_digest(profile_key({"name": "m"}, {"repeats": 5}))
     assert key["software"]["timing_protocol"] == str(TIMING_PROTOCOL)  # a new protocol profiles again
+    # a default passed explicitly keys the same file; another protocol or no calibration a new one
+    assert key_digest(profile_key({"name": "m"}, {"repeats": 3, "protocol": "chain", "calibrate": True})) == key_digest(
+        key
+    )
+    for changed in ({"protocol": "layer"}, {"calibrate": False}):
+        assert key_digest(profile_key({"name": "m"}, {"repeats": 3, **changed})) != key_digest(key)
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,165 @@ def test_a_layers_backward_is_attributed_to_it_not_to_its_neighbours() -> None:
         time_chain([], (hidden,), now)
 
 
+class Producer(nn.Module):
+    """``hidden -> (hidden', extra)``: ``extra`` is a new tensor with a gradient, used two layers on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, inputs):  # noqa: ANN001, ANN201
+        out = self.linear(inputs[0])
+        return out, out.mean(dim=0, keepdim=True)
+
+
+class PassesExtraOn(nn.Module):
+    """Works on ``hidden`` (slow backward) and passes ``extra`` on unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, inputs):  # noqa: ANN001, ANN201
+        hidden, extra = inputs
+        return SlowBackward.apply(self.linear(hidden), 60), extra
+
+
+class UsesExtra(nn.Module):
+    def forward(self, inputs):  # noqa: ANN001, ANN201
+        hidden, extra = inputs
+        return (hidden + extra,)
+
+
+def test_a_tensor_passed_on_unchanged_does_not_end_the_backward_of_the_layer_passing_it() -> None:
+    layers = [Producer(), PassesExtraOn(), UsesExtra()]
+    inputs = (torch.randn(4, DIM, requires_grad=True),)
+    with torch_threads(1):
+        runs = [time_chain(layers, inputs, clock_function("cpu")) for _ in range(5)]
+    producer, slow, user = (min(run[i] for run in runs) for i in range(3))
+    # extra's gradient is ready right after UsesExtra's backward: taken as the end of the middle
+    # layer's backward, the middle layer's work would land on the producer
+    assert slow > 5 * producer and slow > 5 * user
+
+
+class Frozen(nn.Module):
+    """No parameters: with inputs that carry no gradient, its outputs carry none either."""
+
+    def forward(self, inputs):  # noqa: ANN001, ANN201
+        return inputs[0] * 2.0, inputs[1]
+
+
+def test_a_layer_after_a_frozen_one_ends_its_backward_with_its_parameters() -> None:
+    layers = [Frozen(), Step(backward_work=60), Step()]
+    inputs = (torch.randn(4, DIM), torch.ones(1))  # pixels, say: no gradient
+    with torch_threads(1):
+        runs = [time_chain(layers, inputs, clock_function("cpu")) for _ in range(5)]
+    frozen, slow, last = (min(run[i] for run in runs) for i in range(3))
+    assert slow > 5 * frozen and slow > 5 * last
+
+
+class TwoOutputs(nn.Module):
+    """``hidden -> (late, early)``: ``early`` is made before a slow step, ``late`` after it, so in
+    backward the slow step runs between their producers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, inputs):  # noqa: ANN001, ANN201
+        early = self.first(inputs[0])
+        return self.second(SlowBackward.apply(early, 60)), early
+
+
+def test_a_layers_backward_ends_where_the_layer_before_starts_its_own() -> None:
+    layers = [TwoOutputs(), UsesExtra(), Head()]
+    with torch_threads(1):
+        runs = [time_chain(layers, (torch.randn(4, DIM, requires_grad=True),), clock_function("cpu")) for _ in range(5)]
+    slow, consumer, last = (min(run[i] for run in runs) for i in range(3))
+    assert slow > 5 * consumer and slow > 5 * last
+
+
+class UsesLeafLater(nn.Module):
+    """Passes the chain's second input on, or (``use``) adds it."""
+
+    def __init__(self, use: bool, backward_work: int = 0) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.use, self.backward_work = use, backward_work
+
+    def forward(self, inputs):  # noqa: ANN001, ANN201
+        hidden, leaf = inputs
+        hidden = SlowBackward.apply(self.linear(hidden), self.backward_work)
+        return (hidden + leaf, leaf) if self.use else (hidden, leaf)
+
+
+def test_a_leaf_passed_through_does_not_mark_a_layers_backward() -> None:
+    layers = [UsesLeafLater(False), UsesLeafLater(False, backward_work=60), UsesLeafLater(True)]
+    inputs = (torch.randn(4, DIM, requires_grad=True), torch.randn(DIM, requires_grad=True))
+    with torch_threads(1):
+        runs = [time_chain(layers, inputs, clock_function("cpu")) for _ in range(5)]
+    first, slow, last = (min(run[i] for run in runs) for i in range(3))
+    assert slow > 5 * first and slow > 5 * last
+
+
+class FrozenWithExtra(nn.Module):
+    """``pixels -> (features without a gradient, extra with one)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Parameter(torch.ones(DIM))
+
+    def forward(self, inputs):  # noqa: ANN001, ANN201
+        return inputs[0] * 2.0, self.extra * 1.0
+
+
+def test_a_layer_that_only_passes_on_what_has_a_gradient_ends_its_backward_with_its_parameters() -> None:
+    layers = [FrozenWithExtra(), PassesExtraOn(), UsesExtra()]
+    with torch_threads(1):
+        runs = [time_chain(layers, (torch.randn(4, DIM),), clock_function("cpu")) for _ in range(5)]
+    first, slow, last = (min(run[i] for run in runs) for i in range(3))
+    assert slow > 5 * first and slow > 5 * last
+
+
+class ReturnsItsWeight(nn.Module):
+    """Passes a parameter (a tensor that outlives the pass) to the next layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(DIM))
+
+    def forward(self, inputs):  # noqa: ANN001, ANN201
+        return inputs[0] * self.weight, self.weight
+
+
+def test_every_hook_is_removed_after_the_pass() -> None:
+    returns_weight, after_frozen = ReturnsItsWeight(), Step()
+    for _ in range(3):
+        time_chain([returns_weight, UsesExtra()], (torch.randn(4, DIM, requires_grad=True),), clock_function("cpu"))
+        time_chain([Frozen(), after_frozen], (torch.randn(4, DIM), torch.ones(1)), clock_function("cpu"))
+    assert not returns_weight.weight._backward_hooks  # the parameter outlives the passes; its hook does not
+    assert all(not p._post_accumulate_grad_hooks for p in after_frozen.parameters())
+
+
+def test_the_profiler_gives_each_job_its_own_time_from_the_chain() -> None:
+    llm = [Block(0), SlowBlock(), Head()]
+    profile = profile_model(
+        [Patches()],
+        llm,
+        encoder_inputs=ContractEncoderInputs(image_size=8, vocab_size=10),
+        llm_inputs=ContractLLMInputs(hidden_size=DIM),
+        tiles=(1,),
+        seq_lens=(8,),
+        batch_sizes=(1,),
+        warmup=1,
+        repeats=3,
+        progress=False,
+    )
+    assert profile.meta["protocol"] == "chain"
+    block, slow, head = profile.layer_shares["llm"]
+    assert slow > 0.7 and slow > 5 * block
+
+
 def test_the_last_layer_includes_its_loss() -> None:
     layers = [Step(), Step()]
     seen = []
@@ -106,6 +265,18 @@ class Block(nn.Module):
         return hidden + self.linear(hidden), lens
 
 
+class SlowBlock(nn.Module):
+    """A layer of its own class (so profiled with weight 1) whose backward does much more work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, inputs):  # noqa: ANN001, ANN201
+        hidden, lens = inputs
+        return SlowBackward.apply(hidden + self.linear(hidden), 60), lens
+
+
 class Head(nn.Module):
     def forward(self, inputs):  # noqa: ANN001, ANN201
         return inputs[0]
@@ -133,7 +304,7 @@ def test_calibration_measures_the_blocks_the_profiler_did_not_time() -> None:
             llm_inputs=ContractLLMInputs(hidden_size=DIM),
             tiles=(1,),
             seq_lens=(8,),
-            batch_sizes=(1, 2),
+            batch_sizes=(1, 4),
             warmup=1,
             repeats=2,
             progress=False,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import inspect
 import json
 import os
 import platform
@@ -80,9 +81,30 @@ def software_key() -> dict[str, str]:
     }
 
 
+#: keyword arguments of :func:`~dflop_ds.profile.model.profile_model` that do not change what it measures
+_NOT_MEASURED = {"progress"}
+
+
+def effective_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with :func:`~dflop_ds.profile.model.profile_model`'s defaults filled in, so that
+    passing a default explicitly keys the same file and a changed default keys a new one."""
+    defaults = {
+        name: parameter.default
+        for name, parameter in inspect.signature(profile_model).parameters.items()
+        if parameter.default is not inspect.Parameter.empty and name not in _NOT_MEASURED
+    }
+    return {**defaults, **{name: value for name, value in options.items() if name not in _NOT_MEASURED}}
+
+
 def profile_key(model: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
-    """The full cache key of ``model`` (its identity, JSON-serializable) profiled with ``options``."""
-    return {"model": model, "machine": machine_key(), "software": software_key(), "options": options}
+    """The full cache key of ``model`` (its identity, JSON-serializable) profiled with ``options``
+    (:func:`effective_options`)."""
+    return {
+        "model": model,
+        "machine": machine_key(),
+        "software": software_key(),
+        "options": effective_options(options),
+    }
 
 
 def key_digest(key: dict[str, Any]) -> str:

@@ -7,11 +7,13 @@ by several percent, in either direction, with the microbatch's size. The chain p
 the profiled layers as a model does and attributes the time to them:
 
 - a layer's forward is the time of its call (the last layer's includes the loss);
-- a layer's backward ends when autograd has the gradient of its own inputs (a hook on the
-  floating-point tensors the previous layer produced: the earliest of them, since a tensor that
-  is also passed on to later layers gets its gradient only after theirs), and starts where the
-  next layer's backward ended. A layer whose inputs carry no gradient is lumped into the layer
-  before it; the first layer's backward ends when the whole backward does.
+- a layer's backward ends when the backward of the layer before starts: autograd runs the
+  ready node created last first, so the first hook to fire on the floating-point tensors the
+  layer before produced (tensors seen earlier in the chain, passed through unchanged, are left
+  out: a leaf's gradient can be accumulated early) marks it. A layer that gets no such tensor
+  (e.g. the first trainable block after a frozen embedding) ends its backward when the last of
+  its parameters has its gradient; a layer with neither has no backward. The first layer's
+  backward ends when the whole backward does. Every hook is removed after the pass.
 """
 
 from __future__ import annotations
@@ -45,47 +47,63 @@ def time_chain(
     if not layers:
         raise ValueError("cannot time an empty chain of layers")
     acc = accelerator()
-    gradient_ready: dict[int, float] = {}
+    inputs_ready: dict[int, float] = {}
+    params_ready: dict[int, float] = {}
 
-    def mark(index: int) -> Callable[[torch.Tensor], None]:
+    def mark_inputs(index: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
-            if index not in gradient_ready:  # the first of the layer's inputs to get its gradient
+            if index not in inputs_ready:  # the first: the layer before has started its backward
                 acc.synchronize()
-                gradient_ready[index] = now()
+                inputs_ready[index] = now()
 
         return hook
 
-    forward: list[float] = []
-    seen = {id(t) for t in inputs}
-    current = inputs
-    with context():
-        acc.synchronize()
-        for index, layer in enumerate(layers):
-            if index > 0:
-                for tensor in float_outputs(current):
-                    if id(tensor) not in seen:  # produced by the layer before, not passed through
-                        tensor.register_hook(mark(index))
-                seen.update(id(t) for t in current)
-            start = now()
-            outputs = layer(current)
-            if index == len(layers) - 1 and loss is not None:
-                outputs = loss(outputs)
+    def mark_params(index: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
             acc.synchronize()
-            forward.append(now() - start)
-            current = _as_tuple(outputs)
-        start = now()
-        if loss is not None:
-            current[0].backward()
-        elif float_outputs(current):
-            grads_of = float_outputs(current)
-            torch.autograd.backward(grads_of, [torch.ones_like(t) for t in grads_of])
-        acc.synchronize()
-        end = now()
+            params_ready[index] = now()  # the last of the layer's parameters to get its gradient
+
+        return hook
+
+    handles: list[Any] = []
+    forward: list[float] = []
+    seen = {id(t): t for t in inputs}  # the tensors themselves: a freed tensor's id can come back
+    current = inputs
+    try:
+        with context():
+            acc.synchronize()
+            for index, layer in enumerate(layers):
+                if index > 0:
+                    fresh = [t for t in float_outputs(current) if id(t) not in seen]
+                    handles += [t.register_hook(mark_inputs(index)) for t in fresh]
+                    if not fresh:
+                        trained = [p for p in layer.parameters() if p.requires_grad]
+                        handles += [p.register_post_accumulate_grad_hook(mark_params(index)) for p in trained]
+                    seen.update((id(t), t) for t in current)
+                start = now()
+                outputs = layer(current)
+                if index == len(layers) - 1 and loss is not None:
+                    outputs = loss(outputs)
+                acc.synchronize()
+                forward.append(now() - start)
+                current = _as_tuple(outputs)
+            start = now()
+            if loss is not None:
+                current[0].backward()
+            elif float_outputs(current):
+                grads_of = float_outputs(current)
+                torch.autograd.backward(grads_of, [torch.ones_like(t) for t in grads_of])
+            acc.synchronize()
+            end = now()
+    finally:
+        for handle in handles:
+            handle.remove()
     # boundary[i]: when layer i's backward ended (layer n's "backward" ends where backward starts)
     boundary = [0.0] * (len(layers) + 1)
     boundary[len(layers)] = start
     for index in range(len(layers) - 1, 0, -1):
-        boundary[index] = max(gradient_ready.get(index, boundary[index + 1]), boundary[index + 1])
+        ready = inputs_ready.get(index, params_ready.get(index, boundary[index + 1]))
+        boundary[index] = max(ready, boundary[index + 1])
     boundary[0] = end
     return [forward[i] + boundary[i] - boundary[i + 1] for i in range(len(layers))]
 

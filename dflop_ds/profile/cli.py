@@ -16,7 +16,7 @@ from dflop_ds.models.tiny import TinyMLLMConfig
 from dflop_ds.models.tiny_profile import tiny_target
 from dflop_ds.plan.engine_profile import engine_profile_from_run
 from dflop_ds.profile.data import DataProfile, profile_data
-from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES, profile_model
+from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES, PROTOCOLS, profile_model
 from dflop_ds.profile.report import cost_model_table, data_profile_table, plot_report
 from dflop_ds.profile.timing import CLOCKS, STATISTICS
 
@@ -66,6 +66,8 @@ def run_model(args: argparse.Namespace) -> int:
         threads=args.threads,
         progress=not args.no_progress,
         seed=args.seed,
+        protocol=args.protocol,
+        calibrate=not args.no_calibrate,
     )
     model = FittedCostModel().fit(profile, getattr(target, "policy", None))
     save_cost_model(model, args.output)
@@ -186,6 +188,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="auto: process CPU time on a CPU device, wall time on an accelerator",
     )
     model.add_argument("--threads", type=int, default=1, help="torch threads while profiling (default 1)")
+    model.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default="chain",
+        help="chain: the profiled layers of one size in one connected pass (default); layer: each on its own",
+    )
+    model.add_argument(
+        "--no-calibrate", action="store_true", help="skip scaling each segment by its measured full-depth time"
+    )
     model.add_argument("--seed", type=int, default=0)
     model.add_argument("--no-progress", action="store_true", help="no progress bar")
     model.add_argument("--output", "-o", default="costmodel.json", help="output JSON (default costmodel.json)")

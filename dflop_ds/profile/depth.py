@@ -6,12 +6,15 @@ layer slower as the segment gets deeper (3-11% on the tiny MLLM's LLM, five laye
 three profiled). Calibration runs the whole segment as one connected pass at a few of the
 profiled sizes and returns the median ratio of its time to the profiled one; the profiler scales
 the segment's times by it. Only sizes whose full-depth activations are no larger than the largest
-the profiled layers already held are used, so calibration never needs more memory than profiling.
+the profiled layers already held are used, and each parameter's gradient is dropped as soon as it
+is accumulated, so calibration needs no more activation memory than profiling and no gradient
+memory for the layers profiling did not run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +52,22 @@ def calibration_points(order: Sequence[int], full_bytes: Sequence[int], budget_b
     return list(dict.fromkeys(fitting[round(q * (len(fitting) - 1))] for q in CALIBRATION_QUANTILES))
 
 
+def _drop_gradient(parameter: torch.Tensor) -> None:
+    parameter.grad = None
+
+
+@contextmanager
+def discarded_gradients(layers: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Within the block, every trainable parameter of ``layers`` drops its gradient once accumulated."""
+    parameters = {id(p): p for layer in layers for p in layer.parameters() if p.requires_grad}
+    handles = [p.register_post_accumulate_grad_hook(_drop_gradient) for p in parameters.values()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def depth_scale(
     layers: Sequence[torch.nn.Module],
     inputs: Sequence[Inputs],
@@ -69,17 +88,18 @@ def depth_scale(
     if not inputs:
         return DepthScale(1.0, ())
     samples: list[list[float]] = [[] for _ in inputs]
-    for round_index in range(warmup + rounds):
-        for k, first in enumerate(inputs):
-            seconds = sum(time_chain(layers, first, now, loss=loss))
-            if round_index >= warmup:
-                samples[k].append(seconds)
-        if bar is not None:
-            bar.update(1)
+    with discarded_gradients(layers):
+        for round_index in range(warmup + rounds):
+            for k, first in enumerate(inputs):
+                seconds = sum(time_chain(layers, first, now, loss=loss))
+                if round_index >= warmup:
+                    samples[k].append(seconds)
+            if bar is not None:
+                bar.update(1)
     ratios = tuple(
         robust_statistic(times, statistic) / max(profiled, 1e-12) for times, profiled in zip(samples, profiled_seconds)
     )
     return DepthScale(float(np.median(ratios)), ratios)
 
 
-__all__ = ["CALIBRATION_QUANTILES", "DepthScale", "calibration_points", "depth_scale"]
+__all__ = ["CALIBRATION_QUANTILES", "DepthScale", "calibration_points", "depth_scale", "discarded_gradients"]

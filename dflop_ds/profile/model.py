@@ -2,9 +2,10 @@
 
 The encoder segment (its layers, then the projector if given) is swept over tile counts; the
 LLM segment over ``(batch, seq_len)`` grids, every sample ``seq_len`` long as in a microbatch
-padded to its longest sample. Each profiled layer is timed on its own (inputs are fresh leaves
-that require grad, as at a pipeline stage boundary); a few identical blocks stand for the full
-depth (:mod:`dflop_ds.profile.layers`). Attention is timed as the difference between a layer
+padded to its longest sample. The first profiled layer of a segment gets fresh leaves as inputs
+(requiring grad for the LLM, as at a pipeline stage boundary); a few identical blocks stand for
+the full depth (:mod:`dflop_ds.profile.layers`), and a full-depth calibration corrects what that
+scaling misses (:mod:`dflop_ds.profile.depth`). Attention is timed as the difference between a layer
 with and without its attention (:class:`dflop_ds.profile.attention.AttentionOff`).
 
 Timing protocol, built for a shared machine and for the conditions of a training step: every
@@ -190,19 +191,32 @@ def _time_group(
 def summarize_point(jobs: Sequence[LayerJob], statistic: str) -> PointSummary:
     """Full-depth ``(time_s, attention_s, activation_bytes, peak_bytes)`` of one input size.
 
-    Peak memory at full depth is every layer's saved activations plus the largest transient.
+    The time is the statistic of each round's weighted sum over the layers (as a whole pass is
+    summarized), not the sum of each layer's statistic, which with ``min`` would pick every
+    layer's luckiest round. Peak memory at full depth is every layer's saved activations plus
+    the largest transient.
     """
-    time_s, attention_s, activations = 0.0, None, 0.0
+    rounds = min(len(job.full) for job in jobs)
+    time_s = robust_statistic([sum(job.weight * job.full[r] for job in jobs) for r in range(rounds)], statistic)
+    attention_s, activations = None, 0.0
     transients = [job.transient_bytes for job in jobs if job.transient_bytes is not None]
     for job in jobs:
-        full = robust_statistic(job.full, statistic)
-        time_s += job.weight * full
         if job.without_attention:
+            full = robust_statistic(job.full, statistic)
             share = max(0.0, full - robust_statistic(job.without_attention, statistic))
             attention_s = (attention_s or 0.0) + job.weight * share
         activations += job.weight * job.activation_bytes
     peak = int(activations + max(transients)) if transients and len(transients) == len(jobs) else None
     return time_s, attention_s, int(activations), peak
+
+
+def held_bytes(jobs: Sequence[LayerJob], protocol: str) -> int:
+    """Activation bytes profiling held at once for one input size: every profiled layer's saved
+    activations plus the largest transient under ``"chain"``, the largest single layer's otherwise."""
+    per_job = [(job.activation_bytes, job.transient_bytes or 0) for job in jobs]
+    if protocol == "chain":
+        return sum(saved for saved, _ in per_job) + max(transient for _, transient in per_job)
+    return max(saved + transient for saved, transient in per_job)
 
 
 def calibrate_depth(
@@ -216,9 +230,14 @@ def calibrate_depth(
 ) -> DepthScale:
     """:func:`~dflop_ds.profile.depth.depth_scale` of a segment (all of ``layers``) at a few of its
     profiled sizes (``order``: point indices by increasing size)."""
+    if not jobs_per_point:
+        return DepthScale(1.0, ())
     summaries = [summarize_point(jobs, run.statistic) for jobs in jobs_per_point]
-    budget = max(sum(job.activation_bytes for job in jobs) for jobs in jobs_per_point)
-    picks = calibration_points(order, [summary[2] for summary in summaries], budget)
+    budget = max(held_bytes(jobs, run.protocol) for jobs in jobs_per_point)
+    full_bytes = [
+        summary[2] + max(job.transient_bytes or 0 for job in jobs) for summary, jobs in zip(summaries, jobs_per_point)
+    ]
+    picks = [i for i in calibration_points(order, full_bytes, budget) if summaries[i][0] > 0]
     return depth_scale(
         layers,
         [jobs_per_point[i][0].inputs for i in picks],
@@ -378,6 +397,8 @@ def profile_model(
                 llm_scale = calibrate_depth(list(llm_layers), llm_jobs, by_tokens, run, loss=output_loss, bar=bar)
             else:
                 encoder_scale = llm_scale = DepthScale(1.0, ())
+    for module in encoder_chain + list(llm_layers):
+        module.zero_grad(set_to_none=True)  # profiling's gradients are not the caller's
     windows = getattr(encoder_inputs, "attention_units", None)  # (tiles, batch) -> attention units, if known
     encoder_points = [
         Measurement(
