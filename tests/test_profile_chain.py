@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflop_ds.profile import ContractEncoderInputs, ContractLLMInputs, profile_model
+from dflop_ds.profile import ContractEncoderInputs, ContractLLMInputs, ModelProfile, profile_model
 from dflop_ds.profile.chain import time_chain
 from dflop_ds.profile.depth import calibration_points
 from dflop_ds.profile.model import torch_threads
@@ -52,19 +52,29 @@ class Step(nn.Module):
         return SlowBackward.apply(out, self.backward_work), scale
 
 
+def fastest_times(layers, inputs, *, loss=None, rounds: int = 5) -> list[float]:  # noqa: ANN001
+    """Each layer's smallest time over ``rounds`` chain passes, by CPU time on one thread (spinning
+    worker threads would add to the process's CPU time)."""
+    with torch_threads(1):
+        runs = [time_chain(layers, inputs, clock_function("cpu"), loss=loss) for _ in range(rounds)]
+    return [min(run[i] for run in runs) for i in range(len(layers))]
+
+
+def assert_slowest(times: list[float], index: int) -> None:
+    """Layer ``index`` took over five times as long as any other."""
+    assert all(times[index] > 5 * t for i, t in enumerate(times) if i != index), times
+
+
 def test_a_layers_backward_is_attributed_to_it_not_to_its_neighbours() -> None:
     layers = [Step(), Step(backward_work=60), Step(forward_work=20)]
     hidden = torch.randn(4, DIM, requires_grad=True)
     scale = torch.rand(1, requires_grad=True)  # gets its gradient only when the first layer is done
-    now = clock_function("cpu")
-    with torch_threads(1):  # spinning worker threads would add to the process's CPU time
-        runs = [time_chain(layers, (hidden, scale), now) for _ in range(5)]
-    first, slow_backward, slow_forward = (min(run[i] for run in runs) for i in range(3))
+    first, slow_backward, slow_forward = fastest_times(layers, (hidden, scale))
     assert slow_backward > 5 * first
     assert slow_forward > 5 * first
     assert slow_backward > 1.5 * slow_forward  # 60 rounds of work against 20
     with pytest.raises(ValueError, match="empty"):
-        time_chain([], (hidden,), now)
+        time_chain([], (hidden,), clock_function("cpu"))
 
 
 class Producer(nn.Module):
@@ -80,7 +90,8 @@ class Producer(nn.Module):
 
 
 class PassesExtraOn(nn.Module):
-    """Works on ``hidden`` (slow backward) and passes ``extra`` on unchanged."""
+    """Works on its first input (slow backward) and passes the second on unchanged; a layer class
+    of its own, so the profiler times it with weight 1."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -100,12 +111,10 @@ class UsesExtra(nn.Module):
 def test_a_tensor_passed_on_unchanged_does_not_end_the_backward_of_the_layer_passing_it() -> None:
     layers = [Producer(), PassesExtraOn(), UsesExtra()]
     inputs = (torch.randn(4, DIM, requires_grad=True),)
-    with torch_threads(1):
-        runs = [time_chain(layers, inputs, clock_function("cpu")) for _ in range(5)]
-    producer, slow, user = (min(run[i] for run in runs) for i in range(3))
+    times = fastest_times(layers, inputs)
     # extra's gradient is ready right after UsesExtra's backward: taken as the end of the middle
     # layer's backward, the middle layer's work would land on the producer
-    assert slow > 5 * producer and slow > 5 * user
+    assert_slowest(times, 1)
 
 
 class Frozen(nn.Module):
@@ -118,10 +127,7 @@ class Frozen(nn.Module):
 def test_a_layer_after_a_frozen_one_ends_its_backward_with_its_parameters() -> None:
     layers = [Frozen(), Step(backward_work=60), Step()]
     inputs = (torch.randn(4, DIM), torch.ones(1))  # pixels, say: no gradient
-    with torch_threads(1):
-        runs = [time_chain(layers, inputs, clock_function("cpu")) for _ in range(5)]
-    frozen, slow, last = (min(run[i] for run in runs) for i in range(3))
-    assert slow > 5 * frozen and slow > 5 * last
+    assert_slowest(fastest_times(layers, inputs), 1)
 
 
 class TwoOutputs(nn.Module):
@@ -139,10 +145,7 @@ class TwoOutputs(nn.Module):
 
 def test_a_layers_backward_ends_where_the_layer_before_starts_its_own() -> None:
     layers = [TwoOutputs(), UsesExtra(), Head()]
-    with torch_threads(1):
-        runs = [time_chain(layers, (torch.randn(4, DIM, requires_grad=True),), clock_function("cpu")) for _ in range(5)]
-    slow, consumer, last = (min(run[i] for run in runs) for i in range(3))
-    assert slow > 5 * consumer and slow > 5 * last
+    assert_slowest(fastest_times(layers, (torch.randn(4, DIM, requires_grad=True),)), 0)
 
 
 class UsesLeafLater(nn.Module):
@@ -162,10 +165,7 @@ class UsesLeafLater(nn.Module):
 def test_a_leaf_passed_through_does_not_mark_a_layers_backward() -> None:
     layers = [UsesLeafLater(False), UsesLeafLater(False, backward_work=60), UsesLeafLater(True)]
     inputs = (torch.randn(4, DIM, requires_grad=True), torch.randn(DIM, requires_grad=True))
-    with torch_threads(1):
-        runs = [time_chain(layers, inputs, clock_function("cpu")) for _ in range(5)]
-    first, slow, last = (min(run[i] for run in runs) for i in range(3))
-    assert slow > 5 * first and slow > 5 * last
+    assert_slowest(fastest_times(layers, inputs), 1)
 
 
 class FrozenWithExtra(nn.Module):
@@ -181,10 +181,7 @@ class FrozenWithExtra(nn.Module):
 
 def test_a_layer_that_only_passes_on_what_has_a_gradient_ends_its_backward_with_its_parameters() -> None:
     layers = [FrozenWithExtra(), PassesExtraOn(), UsesExtra()]
-    with torch_threads(1):
-        runs = [time_chain(layers, (torch.randn(4, DIM),), clock_function("cpu")) for _ in range(5)]
-    first, slow, last = (min(run[i] for run in runs) for i in range(3))
-    assert slow > 5 * first and slow > 5 * last
+    assert_slowest(fastest_times(layers, (torch.randn(4, DIM),)), 1)
 
 
 class ReturnsItsWeight(nn.Module):
@@ -207,20 +204,23 @@ def test_every_hook_is_removed_after_the_pass() -> None:
     assert all(not p._post_accumulate_grad_hooks for p in after_frozen.parameters())
 
 
-def test_the_profiler_gives_each_job_its_own_time_from_the_chain() -> None:
-    llm = [Block(0), SlowBlock(), Head()]
-    profile = profile_model(
+def profile_llm(llm: list[nn.Module], **options: object) -> ModelProfile:
+    """:func:`profile_model` of a one-layer encoder and ``llm`` at sequence length 8."""
+    return profile_model(
         [Patches()],
         llm,
         encoder_inputs=ContractEncoderInputs(image_size=8, vocab_size=10),
         llm_inputs=ContractLLMInputs(hidden_size=DIM),
         tiles=(1,),
         seq_lens=(8,),
-        batch_sizes=(1,),
         warmup=1,
-        repeats=3,
         progress=False,
+        **options,
     )
+
+
+def test_the_profiler_gives_each_job_its_own_time_from_the_chain() -> None:
+    profile = profile_llm([Block(0), PassesExtraOn(), Head()], batch_sizes=(1,), repeats=3)
     assert profile.meta["protocol"] == "chain"
     block, slow, head = profile.layer_shares["llm"]
     assert slow > 0.7 and slow > 5 * block
@@ -236,10 +236,9 @@ def test_the_last_layer_includes_its_loss() -> None:
         return outputs[0].sum()
 
     inputs = (torch.randn(4, DIM, requires_grad=True), torch.ones(1))
-    with torch_threads(1):
-        runs = [time_chain(layers, inputs, clock_function("cpu"), loss=loss) for _ in range(3)]
+    times = fastest_times(layers, inputs, loss=loss, rounds=3)
     assert seen == [2, 2, 2]
-    assert min(run[1] for run in runs) > 5 * min(run[0] for run in runs)
+    assert_slowest(times, 1)
 
 
 def test_calibration_points_fit_the_memory_budget_and_spread_over_the_upper_half() -> None:
@@ -265,18 +264,6 @@ class Block(nn.Module):
         return hidden + self.linear(hidden), lens
 
 
-class SlowBlock(nn.Module):
-    """A layer of its own class (so profiled with weight 1) whose backward does much more work."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(DIM, DIM)
-
-    def forward(self, inputs):  # noqa: ANN001, ANN201
-        hidden, lens = inputs
-        return SlowBackward.apply(hidden + self.linear(hidden), 60), lens
-
-
 class Head(nn.Module):
     def forward(self, inputs):  # noqa: ANN001, ANN201
         return inputs[0]
@@ -297,19 +284,7 @@ def test_calibration_measures_the_blocks_the_profiler_did_not_time() -> None:
     llm = [Block(2), Block(2), Block(10), Block(10), Head()]  # the profiler times the first two blocks
 
     def profile(calibrate: bool) -> tuple[float, float]:
-        result = profile_model(
-            [Patches()],
-            llm,
-            encoder_inputs=ContractEncoderInputs(image_size=8, vocab_size=10),
-            llm_inputs=ContractLLMInputs(hidden_size=DIM),
-            tiles=(1,),
-            seq_lens=(8,),
-            batch_sizes=(1, 4),
-            warmup=1,
-            repeats=2,
-            progress=False,
-            calibrate=calibrate,
-        )
+        result = profile_llm(llm, batch_sizes=(1, 4), repeats=2, calibrate=calibrate)
         if calibrate:
             assert any("full depth / profiled layers" in note for note in result.meta["scaling"])
         return result.meta["depth_scale"]["llm"], result.llm[-1].time_s
