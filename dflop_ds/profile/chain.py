@@ -24,13 +24,9 @@ from typing import Any
 
 import torch
 
-from dflop_ds.profile.timing import Inputs, OutputLoss, accelerator, float_outputs
+from dflop_ds.profile.timing import Inputs, OutputLoss, accelerator, as_tuple, float_outputs
 
 Layer = torch.nn.Module
-
-
-def _as_tuple(outputs: Any) -> Inputs:
-    return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
 
 
 def time_chain(
@@ -86,7 +82,7 @@ def time_chain(
                     outputs = loss(outputs)
                 acc.synchronize()
                 forward.append(now() - start)
-                current = _as_tuple(outputs)
+                current = as_tuple(outputs)
             start = now()
             if loss is not None:
                 current[0].backward()

@@ -45,6 +45,7 @@ from dflop_ds.profile.timing import (
     Inputs,
     OutputLoss,
     PeakMemory,
+    as_tuple,
     clock_function,
     forward_backward,
     prepare_inputs,
@@ -52,7 +53,6 @@ from dflop_ds.profile.timing import (
     resolve_clock,
     robust_statistic,
     saved_activation_bytes,
-    time_once,
 )
 
 #: Version of the timing protocol: profiles taken under another one are not reused from a cache
@@ -141,7 +141,7 @@ def prepare_jobs(
         jobs.append(LayerJob(point, layer, chosen.weight, leaf, saved[0], transient, off, loss))
         with torch.no_grad():
             out = layer(leaf)
-        current = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        current = as_tuple(out)
     return jobs
 
 
@@ -180,12 +180,10 @@ def run_rounds(jobs: Sequence[LayerJob], run: SegmentRun, bar: Any = None) -> No
 def _time_group(
     group: Sequence[LayerJob], now: Callable[[], float], context: Callable[[], Any] | None = None
 ) -> list[float]:
-    """Seconds of each job of ``group``: one job on its own, or several as one chain."""
-    context = context or nullcontext
-    if len(group) == 1:
-        job = group[0]
-        return [time_once(job.layer, job.inputs, now, context, job.loss)]
-    return time_chain([job.layer for job in group], group[0].inputs, now, loss=group[-1].loss, context=context)
+    """Seconds of each job of ``group``, run as one chain (a single job: on its own)."""
+    return time_chain(
+        [job.layer for job in group], group[0].inputs, now, loss=group[-1].loss, context=context or nullcontext
+    )
 
 
 def summarize_point(jobs: Sequence[LayerJob], statistic: str) -> PointSummary:
@@ -222,6 +220,7 @@ def held_bytes(jobs: Sequence[LayerJob], protocol: str) -> int:
 def calibrate_depth(
     layers: Sequence[torch.nn.Module],
     jobs_per_point: Sequence[Sequence[LayerJob]],
+    summaries: Sequence[PointSummary],
     order: Sequence[int],
     run: SegmentRun,
     *,
@@ -229,10 +228,10 @@ def calibrate_depth(
     bar: Any = None,
 ) -> DepthScale:
     """:func:`~dflop_ds.profile.depth.depth_scale` of a segment (all of ``layers``) at a few of its
-    profiled sizes (``order``: point indices by increasing size)."""
+    profiled sizes (``summaries``: :func:`summarize_point` of each; ``order``: point indices by
+    increasing size)."""
     if not jobs_per_point:
         return DepthScale(1.0, ())
-    summaries = [summarize_point(jobs, run.statistic) for jobs in jobs_per_point]
     budget = max(held_bytes(jobs, run.protocol) for jobs in jobs_per_point)
     full_bytes = [
         summary[2] + max(job.transient_bytes or 0 for job in jobs) for summary, jobs in zip(summaries, jobs_per_point)
@@ -251,9 +250,9 @@ def calibrate_depth(
     )
 
 
-def scaled_point(jobs: Sequence[LayerJob], statistic: str, factor: float) -> PointSummary:
-    """:func:`summarize_point` with both times multiplied by ``factor``."""
-    time_s, attention_s, activations, peak = summarize_point(jobs, statistic)
+def scaled_point(summary: PointSummary, factor: float) -> PointSummary:
+    """A :func:`summarize_point` result with both times multiplied by ``factor``."""
+    time_s, attention_s, activations, peak = summary
     return time_s * factor, None if attention_s is None else attention_s * factor, activations, peak
 
 
@@ -392,9 +391,13 @@ def profile_model(
         with _progress((4 if calibrate else 2) * (warmup + repeats), progress, "profile model") as bar:
             run_rounds([job for jobs in encoder_jobs for job in jobs], run, bar)
             run_rounds([job for i in by_tokens for job in llm_jobs[i]], run, bar)
+            encoder_summaries = [summarize_point(jobs, statistic) for jobs in encoder_jobs]
+            llm_summaries = [summarize_point(jobs, statistic) for jobs in llm_jobs]
             if calibrate:
-                encoder_scale = calibrate_depth(encoder_chain, encoder_jobs, by_tiles, run, bar=bar)
-                llm_scale = calibrate_depth(list(llm_layers), llm_jobs, by_tokens, run, loss=output_loss, bar=bar)
+                encoder_scale = calibrate_depth(encoder_chain, encoder_jobs, encoder_summaries, by_tiles, run, bar=bar)
+                llm_scale = calibrate_depth(
+                    list(llm_layers), llm_jobs, llm_summaries, by_tokens, run, loss=output_loss, bar=bar
+                )
             else:
                 encoder_scale = llm_scale = DepthScale(1.0, ())
     for module in encoder_chain + list(llm_layers):
@@ -402,15 +405,15 @@ def profile_model(
     windows = getattr(encoder_inputs, "attention_units", None)  # (tiles, batch) -> attention units, if known
     encoder_points = [
         Measurement(
-            *scaled_point(jobs, statistic, encoder_scale.factor),
+            *scaled_point(summary, encoder_scale.factor),
             tiles=int(count),
             attention_units=None if windows is None else int(windows(count, 1)),
         )
-        for jobs, count in zip(encoder_jobs, tiles)
+        for summary, count in zip(encoder_summaries, tiles)
     ]
     llm_points = [
-        Measurement(*scaled_point(jobs, statistic, llm_scale.factor), batch=int(b), seq_len=int(s))
-        for jobs, (b, s) in zip(llm_jobs, grid)
+        Measurement(*scaled_point(summary, llm_scale.factor), batch=int(b), seq_len=int(s))
+        for summary, (b, s) in zip(llm_summaries, grid)
     ]
     shares = {
         "encoder": layer_time_shares(encoder_jobs, encoder_pick, [type(m).__name__ for m in encoder_chain], statistic),

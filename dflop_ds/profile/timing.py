@@ -11,6 +11,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import torch
 
@@ -143,10 +144,14 @@ def saved_activation_bytes(exclude: Sequence[torch.Tensor] = ()) -> Iterator[lis
         yield total
 
 
+def as_tuple(outputs: Any) -> tuple[Any, ...]:
+    """A layer's outputs as a tuple (a single tensor becomes a 1-tuple)."""
+    return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+
+
 def float_outputs(outputs: object) -> list[torch.Tensor]:
     """The floating-point tensors of a layer's output that carry a gradient history."""
-    items = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-    return [t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    return [t for t in as_tuple(outputs) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
 
 
 def prepare_inputs(inputs: Sequence[torch.Tensor], device: torch.device, requires_grad: bool) -> Inputs:
