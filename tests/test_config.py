@@ -121,3 +121,17 @@ def test_every_setting_has_one_path_and_round_trips_through_the_nested_block():
 @pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.name)
 def test_bundled_configs_use_the_nested_block(path):
     DFLOPConfig.from_deepspeed_config(path)
+
+
+@pytest.mark.parametrize(
+    "settings, path",
+    [
+        ({"model": {"hidden": 64}}, "dflop.model.tiny"),
+        ({"fault": {"min_tiles": 3, "seconds_per_tile": 0.1}}, "dflop.testing.fault"),
+    ],
+)
+def test_tiny_model_settings_are_refused_with_a_huggingface_model(settings, path):
+    block = set_settings({}, model_name_or_path="models/llava", **settings)
+    with pytest.raises(ValueError, match=f"cfg.json: {path} .* does not apply to the HuggingFace model"):
+        DFLOPConfig.from_dict(block, source="cfg.json")
+    DFLOPConfig.from_dict(set_settings({}, **settings), source="cfg.json")  # the tiny model takes them

@@ -17,6 +17,7 @@ Nothing has a silent default: a size found nowhere is a bad record.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,6 +151,12 @@ class MediaOptions:
     video_frames: PathArg | Mapping[str, int] | None = None
     fallback_size: Fallback = None
     fallback_frames: int | None = None
+
+
+def media_folder(data_path: PathArg, folder: PathArg | None) -> str:
+    """The folder a data file's media paths are relative to: ``folder`` when given, else the data
+    file's own folder (the default of training and of every data command alike)."""
+    return str(folder) if folder is not None else os.path.dirname(os.path.abspath(data_path))
 
 
 def media_lookup(
