@@ -135,3 +135,19 @@ def test_tiny_model_settings_are_refused_with_a_huggingface_model(settings, path
     with pytest.raises(ValueError, match=f"cfg.json: {path} .* does not apply to the HuggingFace model"):
         DFLOPConfig.from_dict(block, source="cfg.json")
     DFLOPConfig.from_dict(set_settings({}, **settings), source="cfg.json")  # the tiny model takes them
+
+
+def test_the_configuration_doc_lists_every_key_and_sampler():
+    from dflop_ds.config import _sections
+    from dflop_ds.schedule.splitters import splitter_names
+
+    rows = {
+        line.split("|")[1].strip(" `"): line
+        for line in (ROOT / "docs" / "configuration.md").read_text().splitlines()
+        if line.startswith("| `")
+    }
+    for section, keys in _sections().items():
+        assert section in rows, section
+        for key in keys:
+            assert key == "*" or f"`{key}`" in rows[section], f"dflop.{section}.{key} is not in docs/configuration.md"
+    assert all(f'`"{kind}"`' in rows["sampler"] for kind in splitter_names())
