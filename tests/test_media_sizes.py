@@ -14,6 +14,7 @@ from dflop_ds.cli import main as cli_main
 from dflop_ds.data import DataError, read_dataset, validate_dataset
 from dflop_ds.data import headers as headers_module
 from dflop_ds.data.headers import cache_path_for
+from dflop_ds.models.source import tiny_source
 from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,6 +200,10 @@ def test_commands_take_the_same_media_options(
     assert cli_main(["validate", str(beside)]) == 0
     assert cli_main(["profile", "data", str(beside), "-o", str(out)]) == 0
     assert json.loads(out.read_text())["n_total"] == 5
+    trained = tiny_source({}).read_shapes(str(beside), "error")  # and training reads it the same way
+    assert [s.image_sizes for s in trained] == [
+        s.image_sizes for s in read_dataset(beside, TINY_POLICY, image_folder=folder)
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "examples" / "data").glob("*.jsonl")))
