@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import fields
 from typing import Any
 
-from dflop_ds.data.media import MediaOptions, media_folder
+from dflop_ds.data.media import MediaOptions, default_media_folders
 from dflop_ds.data.validate import check_dataset, format_problems
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.models.hf.data import TRUNCATION
@@ -143,14 +143,9 @@ def policy_from_args(args: argparse.Namespace) -> ShapePolicy:
 
 def read_options(args: argparse.Namespace) -> dict[str, Any]:
     """The media keyword arguments of :func:`~dflop_ds.data.read_dataset` the flags ask for; the
-    image and video folders default to the data file's folder (:func:`~dflop_ds.data.media.media_folder`,
-    as training does) unless a side table or fallback gives what the files would."""
-    options = {item.name: getattr(args, item.name) for item in fields(MediaOptions)}
-    given = {"image_folder": ("image_sizes", "fallback_size"), "video_folder": ("video_frames", "fallback_frames")}
-    for folder, alternatives in given.items():
-        if options[folder] is None and all(options[name] is None for name in alternatives):
-            options[folder] = media_folder(args.data, None)
-    return options
+    image and video folders default to the data file's folder, as training's do
+    (:func:`~dflop_ds.data.media.default_media_folders`)."""
+    return default_media_folders(args.data, {item.name: getattr(args, item.name) for item in fields(MediaOptions)})
 
 
 def apply_training_config(args: argparse.Namespace) -> None:

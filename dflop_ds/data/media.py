@@ -159,6 +159,24 @@ def media_folder(data_path: PathArg, folder: PathArg | None) -> str:
     return str(folder) if folder is not None else os.path.dirname(os.path.abspath(data_path))
 
 
+#: each media folder, and the options that give what its files would (so it is not defaulted)
+FOLDER_ALTERNATIVES = {
+    "image_folder": ("image_sizes", "fallback_size"),
+    "video_folder": ("video_frames", "fallback_frames"),
+}
+
+
+def default_media_folders(data_path: PathArg, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` (fields of :class:`MediaOptions`) with each media folder that is not given set to
+    the data file's folder (:func:`media_folder`, as training does), unless a side table or fallback
+    is given for that kind of media instead (then no folder: its files need not be at hand)."""
+    filled = dict(options)
+    for folder, alternatives in FOLDER_ALTERNATIVES.items():
+        if filled.get(folder) is None and all(filled.get(name) is None for name in alternatives):
+            filled[folder] = media_folder(data_path, None)
+    return filled
+
+
 def media_lookup(
     data_path: PathArg, records: Sequence[RawRecord], options: MediaOptions, *, progress: bool = True
 ) -> MediaLookup:
