@@ -110,7 +110,7 @@ class DFLOPConfig:
             :func:`dflop_ds.models.hf.lora.apply_lora`), e.g. ``{"r": 8, "alpha": 16}``; None
             trains every weight.
         max_length: longest token sequence of a HuggingFace model's sample, image tokens included
-            (None: the tokenizer's ``model_max_length``).
+            (None: the tokenizer's ``model_max_length``); refused, as is ``truncation``, for the tiny model.
         truncation: a longer sample is a bad record (``"error"``) or is cut at ``max_length``
             (``"truncate"``, counted; a cut through image tokens is always a bad record).
         memory_cap_bytes: the activation bytes one device may hold (its memory beyond the
@@ -223,6 +223,16 @@ class DFLOPConfig:
         ):
             raise ValueError(f"{source}: {path('correction')} needs {path('telemetry')} = true")
         FaultSpec.from_dict(self.fault, f"{source}: {path('fault')}")
+        self._check_model_kind(source)
+        if self.lora is not None:
+            if self.model_name_or_path is None:
+                raise ValueError(f"{source}: {path('lora')} needs a HuggingFace model (--model_name_or_path)")
+            lora_settings(self.lora, f"{source}: {path('lora')}")
+
+    def _check_model_kind(self, source: str) -> None:
+        """Refuse, by key, settings of the other kind of model than the one trained: the tiny
+        model's sizes and fault with a HuggingFace model, a tokenization rule with the tiny model."""
+        path = self.path
         if self.model_name_or_path is not None:
             for name, what in (
                 ("model", "sizes of the bundled tiny model"),
@@ -233,10 +243,12 @@ class DFLOPConfig:
                         f"{source}: {path(name)} ({what}) does not apply to the HuggingFace model"
                         f" {path('model_name_or_path')}={self.model_name_or_path!r}: remove it"
                     )
-        if self.lora is not None:
-            if self.model_name_or_path is None:
-                raise ValueError(f"{source}: {path('lora')} needs a HuggingFace model (--model_name_or_path)")
-            lora_settings(self.lora, f"{source}: {path('lora')}")
+        elif self.max_length is not None or self.truncation != "error":
+            name = "max_length" if self.max_length is not None else "truncation"
+            raise ValueError(
+                f"{source}: {path(name)} sets a HuggingFace model's tokenization; the bundled tiny model"
+                f" takes its token counts from the data as they are: remove it or set {path('model_name_or_path')}"
+            )
 
 
 def _location(name: str) -> tuple[str, str]:

@@ -137,6 +137,15 @@ def test_tiny_model_settings_are_refused_with_a_huggingface_model(settings, path
     DFLOPConfig.from_dict(set_settings({}, **settings), source="cfg.json")  # the tiny model takes them
 
 
+@pytest.mark.parametrize(
+    "settings, path", [({"max_length": 64}, "max_length"), ({"truncation": "truncate"}, "truncation")]
+)
+def test_tokenization_settings_are_refused_with_the_tiny_model(settings, path):
+    with pytest.raises(ValueError, match=f"cfg.json: dflop.data.{path} sets a HuggingFace model's tokenization"):
+        DFLOPConfig.from_dict(set_settings({}, **settings), source="cfg.json")
+    DFLOPConfig.from_dict(set_settings({}, model_name_or_path="models/llava", **settings), source="cfg.json")
+
+
 def test_the_configuration_doc_lists_every_key_and_sampler():
     from dflop_ds.config import _sections
     from dflop_ds.schedule.splitters import splitter_names
