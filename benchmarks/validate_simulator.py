@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import profiled_cost_model  # noqa: E402
 from dflop_ds.config import DFLOPConfig, get_setting, set_settings  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
+from dflop_ds.jsonio import read_json_object  # noqa: E402
 from dflop_ds.launch import run_deepspeed  # noqa: E402
 from dflop_ds.plan.cluster import Cluster  # noqa: E402
 from dflop_ds.plan.engine_profile import EngineProfile, engine_profile_from_run, read_engine_steps  # noqa: E402
@@ -134,7 +135,7 @@ def validate_colocated(
     args: argparse.Namespace, cost_model: Any, engine: EngineProfile, out: Path
 ) -> tuple[float, float]:
     """Step 5 of the module docstring; returns the mean relative errors (engine terms, cost model only)."""
-    config = json.loads(Path(args.colocated_config).read_text())
+    config = read_json_object(args.colocated_config)
     block = config.pop("dflop")
     shapes = read_dataset(ROOT / (get_setting(block, "data") or "examples/data/mixture.jsonl"), TINY_POLICY)
     scaled = EngineScaled(cost_model, engine)
@@ -213,7 +214,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cost_model = profiled_cost_model(args.cost_model, reuse=True)
-    config = json.loads(Path(args.config).read_text())
+    config = read_json_object(args.config)
     block = config.pop("dflop")
     settings = DFLOPConfig.from_dict(block, source=args.config)
     shapes = read_dataset(ROOT / settings.data, TINY_POLICY)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,8 +58,9 @@ class DFLOPConfig:
         stage_bounds: layer index bounds of each stage over encoder + projector + LLM layers
             (None: split by predicted layer cost).
         cost_model: a cost-model JSON (:func:`dflop_ds.cost.load_cost_model`; None: the unitless proxy).
-        plan: a plan JSON written by ``dflop-ds plan``; the run is refused unless the DeepSpeed
-            config and this block agree with it (``Plan.deepspeed_config`` writes such a config).
+        plan: a plan JSON written by ``dflop-ds plan``, relative to the DeepSpeed config's folder
+            (:func:`plan_path`); the run is refused unless the DeepSpeed config and this block
+            agree with it (``Plan.deepspeed_config`` writes such a config).
         time_limit_s: exact-solver time per global batch (0: no time-limited solve). Time limits
             make splits differ between processes, so they are for single-process runs.
         ilp_nodes: branch-and-bound nodes the exact solver may explore per global batch (0: the
@@ -88,7 +90,8 @@ class DFLOPConfig:
             trains it) or ``"colocated"`` (dispatched by predicted cost over all ranks, features
             exchanged; either engine for the tiny model, the plain engine (with or without
             AutoTP) for LLaVA, see :mod:`dflop_ds.train.colocated`).
-        model: overrides of :class:`dflop_ds.models.TinyMLLMConfig` fields.
+        model: overrides of :class:`dflop_ds.models.TinyMLLMConfig` fields (refused with a
+            HuggingFace model).
         checkpoint_dir: where DeepSpeed checkpoints go (None: no checkpoints).
         checkpoint_every: save a checkpoint every this many steps (0: only at the end).
         resume: resume from the latest checkpoint in ``checkpoint_dir`` if there is one.
@@ -107,7 +110,7 @@ class DFLOPConfig:
             :func:`dflop_ds.models.hf.lora.apply_lora`), e.g. ``{"r": 8, "alpha": 16}``; None
             trains every weight.
         max_length: longest token sequence of a HuggingFace model's sample, image tokens included
-            (None: the tokenizer's ``model_max_length``).
+            (None: the tokenizer's ``model_max_length``); refused, as is ``truncation``, for the tiny model.
         truncation: a longer sample is a bad record (``"error"``) or is cut at ``max_length``
             (``"truncate"``, counted; a cut through image tokens is always a bad record).
         memory_cap_bytes: the activation bytes one device may hold (its memory beyond the
@@ -121,8 +124,9 @@ class DFLOPConfig:
             A number or ``"off"`` in the config wins over the plan's.
         allow_oversize: a sample predicted above ``memory_cap_bytes`` alone is trained in a
             microbatch of its own, with a warning naming it, instead of stopping with an error.
-        fault: inject a slow shape class for tests and demos (see
-            :class:`dflop_ds.testing.FaultSpec`), e.g. ``{"min_tiles": 6, "seconds_per_tile": 0.01}``.
+        fault: inject a slow shape class into the tiny model for tests and demos (see
+            :class:`dflop_ds.testing.FaultSpec`), e.g. ``{"min_tiles": 6, "seconds_per_tile": 0.01}``;
+            refused with a HuggingFace model.
     """
 
     # -- data -------------------------------------------------------------------------------------
@@ -219,10 +223,32 @@ class DFLOPConfig:
         ):
             raise ValueError(f"{source}: {path('correction')} needs {path('telemetry')} = true")
         FaultSpec.from_dict(self.fault, f"{source}: {path('fault')}")
+        self._check_model_kind(source)
         if self.lora is not None:
             if self.model_name_or_path is None:
                 raise ValueError(f"{source}: {path('lora')} needs a HuggingFace model (--model_name_or_path)")
             lora_settings(self.lora, f"{source}: {path('lora')}")
+
+    def _check_model_kind(self, source: str) -> None:
+        """Refuse, by key, settings of the other kind of model than the one trained: the tiny
+        model's sizes and fault with a HuggingFace model, a tokenization rule with the tiny model."""
+        path = self.path
+        if self.model_name_or_path is not None:
+            for name, what in (
+                ("model", "sizes of the bundled tiny model"),
+                ("fault", "slows the tiny model's encoder"),
+            ):
+                if getattr(self, name):
+                    raise ValueError(
+                        f"{source}: {path(name)} ({what}) does not apply to the HuggingFace model"
+                        f" {path('model_name_or_path')}={self.model_name_or_path!r}: remove it"
+                    )
+        elif self.max_length is not None or self.truncation != "error":
+            name = "max_length" if self.max_length is not None else "truncation"
+            raise ValueError(
+                f"{source}: {path(name)} sets a HuggingFace model's tokenization; the bundled tiny model"
+                f" takes its token counts from the data as they are: remove it or set {path('model_name_or_path')}"
+            )
 
 
 def _location(name: str) -> tuple[str, str]:
@@ -295,6 +321,18 @@ def get_setting(block: dict[str, Any], name: str) -> Any:
     if key == WHOLE_SECTION or content is None:
         return content
     return content.get(key) if isinstance(content, dict) else None
+
+
+def plan_path(plan: str, config_path: str | Path) -> str:
+    """The plan file a DeepSpeed config at ``config_path`` names as ``dflop.plan.file``: a relative
+    path is relative to the config's folder, so the config works from any working directory."""
+    return str(Path(config_path).parent / plan)
+
+
+def plan_reference(plan: str | Path, config_path: str | Path) -> str:
+    """What a config written to ``config_path`` stores as ``dflop.plan.file`` for the plan at
+    ``plan``: its path relative to the config's folder (read back by :func:`plan_path`)."""
+    return os.path.relpath(Path(plan).resolve(), Path(config_path).resolve().parent)
 
 
 #: DeepSpeed config keys a plan decides.

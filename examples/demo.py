@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from dflop_ds.jsonio import read_json_object
 from dflop_ds.launch import run_deepspeed
 from dflop_ds.models.tiny_profile import cached_tiny_cost_model
 from dflop_ds.profile.cache import default_cache_folder
@@ -151,7 +152,7 @@ def variation(values: np.ndarray) -> float:
 
 def model_overrides(config: str) -> dict[str, Any]:
     """The tiny model's config overrides in the DeepSpeed config's ``"dflop"`` block."""
-    return dict(json.loads((ROOT / config).read_text()).get("dflop", {}).get("model", {}))
+    return dict(read_json_object(ROOT / config).get("dflop", {}).get("model", {}))
 
 
 def main() -> int:

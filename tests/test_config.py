@@ -121,3 +121,42 @@ def test_every_setting_has_one_path_and_round_trips_through_the_nested_block():
 @pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.name)
 def test_bundled_configs_use_the_nested_block(path):
     DFLOPConfig.from_deepspeed_config(path)
+
+
+@pytest.mark.parametrize(
+    "settings, path",
+    [
+        ({"model": {"hidden": 64}}, "dflop.model.tiny"),
+        ({"fault": {"min_tiles": 3, "seconds_per_tile": 0.1}}, "dflop.testing.fault"),
+    ],
+)
+def test_tiny_model_settings_are_refused_with_a_huggingface_model(settings, path):
+    block = set_settings({}, model_name_or_path="models/llava", **settings)
+    with pytest.raises(ValueError, match=f"cfg.json: {path} .* does not apply to the HuggingFace model"):
+        DFLOPConfig.from_dict(block, source="cfg.json")
+    DFLOPConfig.from_dict(set_settings({}, **settings), source="cfg.json")  # the tiny model takes them
+
+
+@pytest.mark.parametrize(
+    "settings, path", [({"max_length": 64}, "max_length"), ({"truncation": "truncate"}, "truncation")]
+)
+def test_tokenization_settings_are_refused_with_the_tiny_model(settings, path):
+    with pytest.raises(ValueError, match=f"cfg.json: dflop.data.{path} sets a HuggingFace model's tokenization"):
+        DFLOPConfig.from_dict(set_settings({}, **settings), source="cfg.json")
+    DFLOPConfig.from_dict(set_settings({}, model_name_or_path="models/llava", **settings), source="cfg.json")
+
+
+def test_the_configuration_doc_lists_every_key_and_sampler():
+    from dflop_ds.config import _sections
+    from dflop_ds.schedule.splitters import splitter_names
+
+    rows = {
+        line.split("|")[1].strip(" `"): line
+        for line in (ROOT / "docs" / "configuration.md").read_text().splitlines()
+        if line.startswith("| `")
+    }
+    for section, keys in _sections().items():
+        assert section in rows, section
+        for key in keys:
+            assert key == "*" or f"`{key}`" in rows[section], f"dflop.{section}.{key} is not in docs/configuration.md"
+    assert all(f'`"{kind}"`' in rows["sampler"] for kind in splitter_names())

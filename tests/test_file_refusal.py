@@ -111,3 +111,27 @@ def test_cost_model_of_an_old_version_is_refused_naming_file_and_version(tmp_pat
     path.write_text(json.dumps(old))
     with pytest.raises(ValueError, match=r"old\.json.*format_version (2|1)"):
         load_cost_model(path)
+
+
+@pytest.mark.parametrize("kind", sorted(LOADERS))
+def test_syntax_errors_and_repeated_keys_name_file_line_column_and_key(tmp_path, kind):
+    broken = tmp_path / "broken.json"
+    broken.write_text('{\n  "format": "x",\n  "format_version" 2\n}\n')
+    with pytest.raises(ValueError, match=f"{broken}: not valid JSON at line 3, column 20: Expecting ':' delimiter"):
+        LOADERS[kind](broken)
+    repeated = tmp_path / "repeated.json"
+    repeated.write_text('{"format": "x", "nested": {"gpus": 2, "gpus": 4}}')
+    with pytest.raises(ValueError, match=f"{repeated}: duplicate key 'gpus'"):
+        LOADERS[kind](repeated)
+
+
+def test_training_config_is_read_strictly(tmp_path):
+    from dflop_ds.train.loop import build_parser, load_settings
+
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_batch_size": 8, "dflop": {"train": {"steps": 5, "steps": 50}}}')
+    with pytest.raises(ValueError, match=f"{config}: duplicate key 'steps'"):
+        load_settings(build_parser().parse_args(["--deepspeed_config", str(config)]))
+    config.write_text('{"train_batch_size": 8,}')
+    with pytest.raises(ValueError, match=f"{config}: not valid JSON at line 1, column 24"):
+        load_settings(build_parser().parse_args(["--deepspeed_config", str(config)]))

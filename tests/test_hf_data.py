@@ -319,3 +319,24 @@ def test_scheduled_denominators_match_the_collated_targets(pre: LlavaPreprocesso
     targets_seen = sum(int((targets != -100).sum()) for _, (targets, _) in batches)
     # each microbatch's denominator is the global batch's target count / (GAS * dp)
     assert {float(den) * 2 for _, (_, den) in batches} == {float(targets_seen)}
+
+
+def test_records_whose_labels_are_all_cut_are_bad_records(model_dir: Path, tmp_path: Path) -> None:
+    long_question = ("human", "<image> " + "tell me what is shown in this picture " * 3)
+    answered = [long_question, ("gpt", "a car")]
+    first_label = LlavaPreprocessor.from_pretrained(model_dir).encode(answered, 1).supervised.index(True)
+    records = [
+        {"id": "cut", "conversations": turns(*answered)},
+        {"id": "no-answer", "conversations": turns(("human", "hello"))},
+        {"id": "ok", "conversations": turns(("human", "hi"), ("gpt", "yes"))},
+    ]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({**r, "image": "x.png"} if r["id"] == "cut" else r) + "\n" for r in records))
+    Image.new("RGB", (10, 10)).save(tmp_path / "x.png")
+    cutting = LlavaPreprocessor.from_pretrained(model_dir, max_length=first_label, truncation="truncate")
+    with pytest.raises(DataError, match="every one cut by truncation at max_length") as info:
+        read(data, cutting, tmp_path)
+    assert (info.value.record, info.value.sample_id, info.value.field) == (1, "cut", "conversations")
+    kept = read(data, cutting, tmp_path, on_bad_sample="skip")
+    assert [s.sample_id for s in kept] == ["ok"] and kept.report.n_skipped == 2
+    assert "line 2 (id 'no-answer'), field 'conversations': has no assistant turn" in str(kept.report.problems[1])

@@ -111,6 +111,12 @@ def test_hf_source_dispatches_on_the_model_type(setup, tmp_path: Path) -> None:
     assert list(source.read_shapes(str(data), "error")) == shapes
     cutting = hf_source(str(model_dir), image_folder=str(images), max_length=4096, truncation="truncate")
     assert "max_length:4096 truncation:truncate" in cutting.policy.describe()["tokenizer"]
+    limit = sorted(shape.llm_tokens for shape in shapes)[len(shapes) // 2]
+    cutting = hf_source(str(model_dir), image_folder=str(images), max_length=limit, truncation="truncate")
+    assert source.truncated_samples() == cutting.truncated_samples() == 0
+    read = cutting.read_shapes(str(data), "skip")  # what the run summary reports as truncated_samples
+    broken = sum("cut through" in problem.reason for problem in read.report.problems)
+    assert cutting.truncated_samples() == sum(shape.llm_tokens > limit for shape in shapes) - broken > 0
     missing = tmp_path / "missing"
     (missing).mkdir()
     dataset = source.make_dataset(shapes, str(data))
@@ -163,3 +169,51 @@ def test_lora_trains_adapters_and_the_merger_only(setup) -> None:
     assert any("lora_" in name and "language_model" in name for name in trainable)
     assert any("visual.merger" in name for name in trainable)
     assert not any("visual.blocks" in name or "patch_embed" in name or "embed_tokens" in name for name in trainable)
+
+
+@pytest.mark.parametrize(
+    "targets, message",
+    [
+        ([".*"], r"match \d+ module\(s\) of the language model, but \d+ of them are not Linear layers: .*\("),
+        (["mlp"], r"are not Linear layers: .*layers\.0\.mlp \(Qwen2MLP\)"),
+        (["no_such_layer"], r"no module of the language model matches target_modules \['no_such_layer'\]"),
+    ],
+)
+def test_lora_targets_that_are_not_linear_layers_are_named(setup, targets, message) -> None:
+    model_dir, _, images, _, _ = setup
+    with pytest.raises(ValueError, match=message):
+        hf_source(str(model_dir), image_folder=str(images), lora={"target_modules": targets})
+
+
+def test_validate_reads_the_data_as_the_training_config_does(setup, tmp_path: Path, capsys) -> None:
+    import argparse
+    import json
+
+    from dflop_ds.cli import main
+    from dflop_ds.data.cli import add_read_arguments, policy_from_args
+
+    model_dir, data, images, _, shapes = setup
+    limit = max(shape.llm_tokens for shape in shapes) - 1
+    flags = ["--model_name_or_path", str(model_dir), "--image_folder", str(images), "--max-length", str(limit)]
+    assert main(["validate", str(data), *flags]) == 1  # Qwen2-VL takes --max-length too
+    assert f"exceed max_length {limit}" in capsys.readouterr().out
+    assert main(["validate", str(data), *flags, "--truncation", "truncate"]) == 0
+    assert f"{len(shapes)} samples, no problems" in capsys.readouterr().out
+    # --deepspeed-config: the data file, model, folders and length rule of its "dflop" block
+    config = tmp_path / "ds.json"
+    data_block = {"path": str(data), "image_folder": str(images), "max_length": limit}
+    config.write_text(json.dumps({"dflop": {"data": data_block, "model": {"name_or_path": str(model_dir)}}}))
+    assert main(["validate", "--deepspeed-config", str(config)]) == 1
+    assert f"exceed max_length {limit}" in capsys.readouterr().out
+    assert main(["validate", "--deepspeed-config", str(config), "--truncation", "truncate"]) == 0
+    data_block["truncation"] = "truncate"
+    config.write_text(json.dumps({"dflop": {"data": data_block, "model": {"name_or_path": str(model_dir)}}}))
+    assert main(["validate", "--deepspeed-config", str(config)]) == 0
+    # the video rule reaches the policy; a tokenization flag without a HuggingFace model is refused
+    parser = argparse.ArgumentParser()
+    add_read_arguments(parser)
+    video = ["--video-fps", "1.5", "--video-max-frames", "6"]
+    rule = policy_from_args(parser.parse_args(["--model_name_or_path", str(model_dir), *video])).video_rule
+    assert (rule.fps, rule.max_frames) == (1.5, 6)
+    with pytest.raises(ValueError, match="--video-fps, --video-max-frames: these set a HuggingFace model's"):
+        policy_from_args(parser.parse_args(video))

@@ -301,7 +301,8 @@ def test_max_length_refuses_or_truncates_never_through_a_vision_block(video_data
     )
     result = read_dataset(data, rule.policy(), image_folder=images, video_folder=videos, on_bad_sample="skip")
     assert len(result) + result.report.n_skipped == len(shapes) and len(result) > len(shapes) // 2
-    assert all("cut through" in problem.reason for problem in result.report.problems)
+    cut_reasons = ("cut through", "every one cut by truncation")  # a broken vision block, or no answer left
+    assert all(any(r in problem.reason for r in cut_reasons) for problem in result.report.problems)
     dataset = Qwen2VLDataset(list(result), load_llava_records(data), rule, images, source=data, video_folder=videos)
     for i, shape in enumerate(result):
         assert shape.llm_tokens <= limit and dataset[i].input_ids.numel() == shape.llm_tokens

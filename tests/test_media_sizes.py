@@ -14,6 +14,7 @@ from dflop_ds.cli import main as cli_main
 from dflop_ds.data import DataError, read_dataset, validate_dataset
 from dflop_ds.data import headers as headers_module
 from dflop_ds.data.headers import cache_path_for
+from dflop_ds.models.source import tiny_source
 from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,15 +185,25 @@ def test_commands_take_the_same_media_options(
     dataset: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     data, folder = dataset
-    assert cli_main(["validate", str(data)]) == 1  # sizes unknown without the image folder
-    assert "no image_folder" in capsys.readouterr().out
+    missing = f"(id 'one'), field 'image': image file not found: {data.parent / 'a.png'}"
+    assert cli_main(["validate", str(data)]) == 1  # by default, as in training: the data file's folder
+    assert missing in capsys.readouterr().out
     assert cli_main(["validate", str(data), "--image_folder", str(folder)]) == 0
     assert "5 samples, no problems" in capsys.readouterr().out
     out = tmp_path / "profile.json"
     assert cli_main(["profile", "data", str(data), "-o", str(out)]) != 0
-    assert "(id 'one'), field 'image': no size for image 'a.png'" in capsys.readouterr().err
+    assert missing in capsys.readouterr().err
     assert cli_main(["profile", "data", str(data), "--image-folder", str(folder), "-o", str(out)]) == 0
     assert json.loads(out.read_text())["n_total"] == 5
+    beside = folder / "train.jsonl"  # the data file beside its images: no folder option needed
+    beside.write_text(data.read_text())
+    assert cli_main(["validate", str(beside)]) == 0
+    assert cli_main(["profile", "data", str(beside), "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["n_total"] == 5
+    trained = tiny_source({}).read_shapes(str(beside), "error")  # and training reads it the same way
+    assert [s.image_sizes for s in trained] == [
+        s.image_sizes for s in read_dataset(beside, TINY_POLICY, image_folder=folder)
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "examples" / "data").glob("*.jsonl")))

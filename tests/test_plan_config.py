@@ -22,6 +22,7 @@ from dflop_ds.plan import Cluster, Plan, PlanError, PlanFileError, make_plans, s
 from dflop_ds.plan.families.core import pipeline_grid
 from dflop_ds.plan.layout import Layout, Segment
 from dflop_ds.shapes import TINY_POLICY
+from dflop_ds.train.loop import build_parser, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "data" / "mixture.jsonl"
@@ -164,7 +165,7 @@ def plan_argv(tmp_path: Path, *extra: str) -> list[str]:
 
 
 def test_cli_plan_writes_the_deepspeed_config_its_memory_model_assumed(tmp_path: Path, capsys) -> None:
-    ds = tmp_path / "ds.json"
+    ds = tmp_path / "configs" / "ds.json"
     assert cli_main(plan_argv(tmp_path, "--deepspeed-config", str(ds))) == 0
     plan = Plan.load(tmp_path / "plan.json")
     config = json.loads(ds.read_text())
@@ -172,7 +173,7 @@ def test_cli_plan_writes_the_deepspeed_config_its_memory_model_assumed(tmp_path:
     assert config["zero_optimization"] == {"stage": 1}
     assert not config["bf16"]["enabled"] and not config["fp16"]["enabled"]
     settings = DFLOPConfig.from_dict(config["dflop"])
-    assert settings.plan == str(tmp_path / "plan.json") and settings.activation_checkpointing is False
+    assert settings.plan == "../plan.json" and settings.activation_checkpointing is False  # the config's folder
     assert settings.pipeline_stages == plan.pipeline_stages and settings.stage_bounds == plan.stage_bounds()
     assert config["gradient_accumulation_steps"] == plan.n_mb
     # the activation bytes per GPU its memory model left: the sampler's cap unless the config sets one
@@ -279,3 +280,21 @@ def test_a_config_written_by_cli_plan_trains_on_two_ranks(tmp_path: Path, run_tr
     plan = Plan.load(tmp_path / "plan.json")
     assert run["zero_stage"] == 0 and run["pipeline_stages"] == plan.pipeline_stages
     assert run["gradient_accumulation_steps"] == plan.n_mb and run["tensor_parallel"] == 1
+
+
+def test_a_written_config_finds_its_plan_from_any_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds = tmp_path / "configs" / "ds.json"
+    assert cli_main(plan_argv(tmp_path, "--deepspeed-config", str(ds))) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    ds_config, settings = load_settings(build_parser().parse_args(["--deepspeed_config", str(ds)]))
+    plan = Plan.load(tmp_path / "plan.json")
+    assert Path(settings.plan).resolve() == (tmp_path / "plan.json").resolve()
+    assert ds_config["gradient_accumulation_steps"] == plan.n_mb and settings.stage_bounds == plan.stage_bounds()
+    (tmp_path / "plan.json").unlink()
+    with pytest.raises(ValueError, match="relative to the config's folder") as info:
+        load_settings(build_parser().parse_args(["--deepspeed_config", str(ds)]))
+    assert str(ds) in str(info.value)

@@ -129,7 +129,8 @@ def test_bad_plan_files_name_the_problem(tmp_path) -> None:
         (lambda d: d.update(stages=[[20, 0, 0], [7, 1, 20]]), "stages hold"),
         (lambda d: d.update(stages=[[20, 0, 0], [0, 0, 0], [7, 1, 24]]), "holds no layers"),
         (lambda d: d.update(global_batch_size=3), "cannot fill"),
-        (lambda d: d.update(gpus=8), "needs 24 GPUs"),
+        (lambda d: d.update(gpus=8), "gpus is 8, but the plan's layout uses 24 GPUs"),
+        (lambda d: d.update(gpus=32), "gpus is 32, but the plan's layout uses 24 GPUs"),  # hand-edited
         (lambda d: d.update(global_batch_size=100), "100 is not a multiple of dp=4 x n_mb=6 = 24"),
         (lambda d: d.update(n_mb=6.5), "n_mb must be an integer, got 6.5"),
         (lambda d: d.update(global_batch_size="96"), "global_batch_size must be an integer"),

@@ -97,4 +97,4 @@ def test_validate_flags_records_the_trainer_would_reject(tmp_path):
     path = write(tmp_path / "d.jsonl", [line(good(0)), line(empty), BROKEN["huge integer"]])
     problems = validate_dataset(path, TINY_POLICY)
     assert [(p.record, p.sample_id) for p in problems] == [(2, "e"), (3, "bad")]
-    assert "no text tokens and no media" in str(problems[0])
+    assert "only empty assistant turns: 0 label tokens, nothing to learn" in str(problems[0])

@@ -44,7 +44,7 @@ def test_manifest_round_trip(tmp_path: Path) -> None:
     shapes = [
         TINY_POLICY.shape("img", image_sizes=[(640, 480)], text_tokens=30, label_tokens=10),
         TINY_POLICY.shape("multi", image_sizes=[(10, 20), (3000, 200), (5, 5)], text_tokens=9),
-        TINY_POLICY.shape("vid", video_frames=1234, text_tokens=40, label_tokens=0),
+        TINY_POLICY.shape("vid", video_frames=1234, text_tokens=40, label_tokens=3),
         TINY_POLICY.shape("txt", text_tokens=12, label_tokens=7),
     ]
     path = tmp_path / "m.jsonl"
@@ -264,8 +264,14 @@ def test_llava_side_tables_from_dict_and_file(tmp_path: Path, write_jsonl) -> No
         tmp_path / "l.jsonl",
         [
             {"id": "a", "image": "x.jpg", "conversations": conv(("human", "q"), ("gpt", "a"))},
-            {"id": "b", "image": "y.jpg", "width": 50, "height": 60, "conversations": conv(("human", "q"))},
-            {"id": "c", "video": "v.mp4", "conversations": conv(("human", "q"))},
+            {
+                "id": "b",
+                "image": "y.jpg",
+                "width": 50,
+                "height": 60,
+                "conversations": conv(("human", "q"), ("gpt", "a")),
+            },
+            {"id": "c", "video": "v.mp4", "conversations": conv(("human", "q"), ("gpt", "a"))},
         ],
     )
     table = tmp_path / "sizes.json"
@@ -280,7 +286,9 @@ def test_llava_side_tables_from_dict_and_file(tmp_path: Path, write_jsonl) -> No
 
 
 def test_llava_fallbacks(tmp_path: Path, write_jsonl) -> None:
-    records = [{"id": str(i), "image": f"img{i}.jpg", "conversations": conv(("human", "q"))} for i in range(40)]
+    records = [
+        {"id": str(i), "image": f"img{i}.jpg", "conversations": conv(("human", "q"), ("gpt", "a"))} for i in range(40)
+    ]
     path = write_jsonl(tmp_path / "l.jsonl", records)
     with pytest.raises(DataError, match="no size for image 'img0.jpg'"):  # no silent default size
         read_llava(path, WORDS)
@@ -300,7 +308,9 @@ def test_llava_fallbacks(tmp_path: Path, write_jsonl) -> None:
 
 
 def test_llava_video_frames_fallback(tmp_path: Path, write_jsonl) -> None:
-    path = write_jsonl(tmp_path / "l.jsonl", [{"id": "v", "video": "v.mp4", "conversations": conv(("human", "q"))}])
+    path = write_jsonl(
+        tmp_path / "l.jsonl", [{"id": "v", "video": "v.mp4", "conversations": conv(("human", "q"), ("gpt", "a"))}]
+    )
     with pytest.raises(DataError, match="no frame count") as info:
         read_llava(path, WORDS)
     assert info.value.field == "video"
@@ -308,7 +318,7 @@ def test_llava_video_frames_fallback(tmp_path: Path, write_jsonl) -> None:
 
 
 BAD_LLAVA_RECORDS = [
-    ({"image": "a.jpg", "conversations": conv(("human", "q"))}, "id"),
+    ({"image": "a.jpg", "conversations": conv(("human", "q"), ("gpt", "a"))}, "id"),
     ({"id": "x"}, "conversations"),
     ({"id": "x", "conversations": []}, "conversations"),
     ({"id": "x", "conversations": ["hi"]}, "conversations[0]"),
@@ -317,10 +327,15 @@ BAD_LLAVA_RECORDS = [
         "conversations[1].value",
     ),
     ({"id": "x", "conversations": [{"value": "q"}]}, "conversations[0].from"),
-    ({"id": "x", "image": 5, "conversations": conv(("human", "q"))}, "image"),
-    ({"id": "x", "image": ["a.jpg", ""], "conversations": conv(("human", "q"))}, "image[1]"),
+    ({"id": "x", "image": 5, "conversations": conv(("human", "q"), ("gpt", "a"))}, "image"),
+    ({"id": "x", "image": ["a.jpg", ""], "conversations": conv(("human", "q"), ("gpt", "a"))}, "image[1]"),
     (
-        {"id": "x", "image": ["a.jpg", "b.jpg"], "image_sizes": [[1, 1]], "conversations": conv(("human", "q"))},
+        {
+            "id": "x",
+            "image": ["a.jpg", "b.jpg"],
+            "image_sizes": [[1, 1]],
+            "conversations": conv(("human", "q"), ("gpt", "a")),
+        },
         "image_sizes",
     ),
     (
@@ -328,22 +343,40 @@ BAD_LLAVA_RECORDS = [
             "id": "x",
             "image": ["a.jpg", "b.jpg"],
             "image_sizes": [[1, 1], [0, 1]],
-            "conversations": conv(("human", "q")),
+            "conversations": conv(("human", "q"), ("gpt", "a")),
         },
         "image_sizes[1].width",
     ),
-    ({"id": "x", "image": ["a.jpg", "b.jpg"], "width": 5, "height": 5, "conversations": conv(("human", "q"))}, "width"),
-    ({"id": "x", "image": "a.jpg", "width": 5, "conversations": conv(("human", "q"))}, "width/height.height"),
-    ({"id": "x", "video": "", "conversations": conv(("human", "q"))}, "video"),
-    ({"id": "x", "video": "v.mp4", "frame_count": 0, "conversations": conv(("human", "q"))}, "frame_count"),
-    ({"id": "x", "video": "v.mp4", "video_frames": "9", "conversations": conv(("human", "q"))}, "video_frames"),
+    (
+        {
+            "id": "x",
+            "image": ["a.jpg", "b.jpg"],
+            "width": 5,
+            "height": 5,
+            "conversations": conv(("human", "q"), ("gpt", "a")),
+        },
+        "width",
+    ),
+    (
+        {"id": "x", "image": "a.jpg", "width": 5, "conversations": conv(("human", "q"), ("gpt", "a"))},
+        "width/height.height",
+    ),
+    ({"id": "x", "video": "", "conversations": conv(("human", "q"), ("gpt", "a"))}, "video"),
+    (
+        {"id": "x", "video": "v.mp4", "frame_count": 0, "conversations": conv(("human", "q"), ("gpt", "a"))},
+        "frame_count",
+    ),
+    (
+        {"id": "x", "video": "v.mp4", "video_frames": "9", "conversations": conv(("human", "q"), ("gpt", "a"))},
+        "video_frames",
+    ),
 ]
 
 
 @pytest.mark.parametrize("record, field", BAD_LLAVA_RECORDS)
 def test_bad_llava_record_names_file_index_and_field(tmp_path: Path, record: dict, field: str) -> None:
     path = tmp_path / "bad.json"
-    good = {"id": "ok", "conversations": conv(("human", "q"))}
+    good = {"id": "ok", "conversations": conv(("human", "q"), ("gpt", "a"))}
     path.write_text(json.dumps([good, good | {"id": "ok2"}, record]))
     with pytest.raises(DataError) as info:
         read_llava(path)
@@ -371,7 +404,9 @@ def test_bad_side_table_entries(tmp_path: Path, table: dict, key: str) -> None:
 
 def test_read_dataset_dispatches_on_content(tmp_path: Path, write_jsonl) -> None:
     manifest = write_jsonl(tmp_path / "a.json", [{"id": "m", "text_tokens": 4}])
-    llava = write_jsonl(tmp_path / "b.jsonl", [{"id": "l", "image": "z.jpg", "conversations": conv(("human", "q r"))}])
+    llava = write_jsonl(
+        tmp_path / "b.jsonl", [{"id": "l", "image": "z.jpg", "conversations": conv(("human", "q"), ("gpt", "r"))}]
+    )
     assert read_dataset(manifest, WORDS, fallback_size=None)[0].text_tokens == 4
     (shape,) = read_dataset(llava, WORDS, image_sizes={"z.jpg": [5, 5]})
     assert (shape.sample_id, shape.text_tokens, shape.image_sizes) == ("l", 2, ((5, 5),))
@@ -417,3 +452,24 @@ def test_bundled_mixture_has_the_advertised_modalities() -> None:
     sources = Counter(json.loads(line)["source"] for line in (EXAMPLES / "mixture.jsonl").read_text().splitlines())
     assert set(sources) == set(BUNDLED) - {"mixture"}
     assert all(0 <= s.label_tokens <= s.text_tokens for s in shapes)
+
+
+def test_records_with_nothing_to_learn_are_bad_records(tmp_path: Path, write_jsonl) -> None:
+    path = write_jsonl(
+        tmp_path / "l.jsonl",
+        [
+            {"id": "ok", "conversations": conv(("human", "q"), ("gpt", "a"))},
+            {"id": "no-answer", "conversations": conv(("human", "what is it"))},
+            {"id": "empty", "conversations": conv(("human", "q"), ("gpt", "  "))},
+        ],
+    )
+    with pytest.raises(DataError, match="no assistant turn") as info:
+        read_llava(path, WORDS)
+    assert (info.value.record, info.value.sample_id, info.value.field) == (2, "no-answer", "conversations")
+    kept = read_llava(path, WORDS, on_bad_sample="skip")
+    assert [s.sample_id for s in kept] == ["ok"] and kept.report.n_skipped == 2
+    messages = [str(p) for p in kept.report.problems]
+    assert "l.jsonl line 3 (id 'empty'), field 'conversations': has only empty assistant turns" in messages[-1]
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "m", "text_tokens": 4, "label_tokens": 0}])
+    with pytest.raises(DataError, match="'label_tokens': is 0"):
+        read_manifest(manifest, TINY_POLICY)

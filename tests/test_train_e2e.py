@@ -44,6 +44,7 @@ def test_two_rank_pipeline_training_with_varying_shapes_lowers_the_loss(dflop_pp
     assert len({s["tokens"] for s in steps}) > 10
     assert any(len(set(s["microbatch_sizes"])) > 1 for s in steps)
     assert run["summary"]["samples_per_s"] > 0
+    assert run["summary"]["truncated_samples"] == 0  # the tiny model never truncates
     # "auto" without a plan: the smallest device figure of the ranks, which the bundled data fits under
     cap = run["summary"]["memory_cap"]
     assert cap["source"] == "device" and cap["bytes"] > 0 and "the smallest of all ranks" in cap["detail"]

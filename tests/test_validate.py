@@ -153,8 +153,8 @@ def test_cli_side_table_and_fallback(tmp_path: Path, capsys: pytest.CaptureFixtu
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": "x", "image": "a.jpg", "conversations": conv()}])
     table = tmp_path / "t.json"
     table.write_text(json.dumps({"a.jpg": [100, 100]}))
-    assert run_cli(["validate", str(data)]) == 1
-    assert "no size for image 'a.jpg'" in capsys.readouterr().out
+    assert run_cli(["validate", str(data)]) == 1  # the default image folder is the data file's
+    assert f"image file not found: {tmp_path / 'a.jpg'}" in capsys.readouterr().out
     assert run_cli(["validate", str(data), "--image-sizes", str(table)]) == 0
     assert run_cli(["validate", str(data), "--fallback-size", "640x480"]) == 0
     with pytest.raises(SystemExit):

@@ -7,12 +7,11 @@ from collections import Counter
 from dataclasses import fields
 from typing import Any
 
-from dflop_ds.data.media import MediaOptions
+from dflop_ds.data.media import MediaOptions, default_media_folders
 from dflop_ds.data.validate import check_dataset, format_problems
-from dflop_ds.models.hf.common import model_type
-from dflop_ds.models.hf.data import llava_policy
-from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES
-from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLPreprocessor
+from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
+from dflop_ds.models.hf.data import TRUNCATION
+from dflop_ds.models.hf.preprocessor import hf_preprocessor
 from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY, ShapePolicy
 
 POLICIES = {"tiny": TINY_POLICY, "default": DEFAULT_POLICY}
@@ -35,25 +34,55 @@ def add_read_arguments(parser: argparse.ArgumentParser, *, default_policy: str =
     parser.add_argument(
         "--policy",
         choices=sorted(POLICIES),
-        default=default_policy,
+        default=None,
         help="shape policy: 'tiny' (bundled tiny model) or 'default' (LLaVA-OneVision-like); "
         f"default {default_policy!r}; --model-name-or-path overrides it",
     )
+    parser.set_defaults(default_policy=default_policy)
     parser.add_argument(
         "--model-name-or-path",
         "--model_name_or_path",
         dest="model_name_or_path",
         default=None,
         metavar="DIR",
-        help="a HuggingFace LLaVA save_pretrained directory: the shape policy "
+        help="a HuggingFace LLaVA or Qwen2-VL save_pretrained directory: the shape policy "
         "(tokens per image, chat template token counts) of its processor",
     )
     parser.add_argument(
         "--max-length",
+        "--max_length",
+        dest="max_length",
         type=int,
         default=None,
         metavar="N",
-        help="with --model-name-or-path: longest sequence (default: the tokenizer's model_max_length)",
+        help="with --model-name-or-path: longest sequence, visual tokens included (default: the "
+        "tokenizer's model_max_length), as dflop.data.max_length",
+    )
+    parser.add_argument(
+        "--truncation",
+        choices=TRUNCATION,
+        default=None,
+        help="with --model-name-or-path: a longer sample is a bad record ('error', default) or is cut "
+        "at --max-length ('truncate'), as dflop.data.truncation",
+    )
+    parser.add_argument(
+        "--video-fps",
+        "--video_fps",
+        dest="video_fps",
+        type=float,
+        default=None,
+        metavar="FPS",
+        help=f"Qwen2-VL: video frames sampled per second (default {DEFAULT_VIDEO_FPS}), as dflop.data.video_fps",
+    )
+    parser.add_argument(
+        "--video-max-frames",
+        "--video_max_frames",
+        dest="video_max_frames",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"Qwen2-VL: at most this many frames per video (default {DEFAULT_VIDEO_MAX_FRAMES}), "
+        "as dflop.data.video_max_frames",
     )
     parser.add_argument(
         "--image-folder",
@@ -61,7 +90,8 @@ def add_read_arguments(parser: argparse.ArgumentParser, *, default_policy: str =
         dest="image_folder",
         default=None,
         metavar="DIR",
-        help="folder the records' image paths are relative to; sizes the records lack are "
+        help="folder the records' image paths are relative to (default, as in training: the data file's "
+        "folder, unless --image-sizes or --fallback-size give the sizes); sizes the records lack are "
         "read from the image headers (cached beside the data file)",
     )
     parser.add_argument(
@@ -70,7 +100,8 @@ def add_read_arguments(parser: argparse.ArgumentParser, *, default_policy: str =
         dest="video_folder",
         default=None,
         metavar="DIR",
-        help="folder the records' video paths are relative to (each video must exist)",
+        help="folder the records' video paths are relative to, each video must exist (default, as in "
+        "training: the data file's folder, unless --video-frames or --fallback-frames give the counts)",
     )
     parser.add_argument(
         "--image-sizes", default=None, metavar="TABLE", help="JSON side table: image path -> [width, height]"
@@ -94,20 +125,46 @@ def add_read_arguments(parser: argparse.ArgumentParser, *, default_policy: str =
     )
 
 
+#: options of :func:`add_read_arguments` that only a HuggingFace model's tokenization uses
+HF_ONLY_OPTIONS = ("max_length", "truncation", "video_fps", "video_max_frames")
+
+
 def policy_from_args(args: argparse.Namespace) -> ShapePolicy:
-    """The shape policy the flags of :func:`add_read_arguments` ask for."""
+    """The shape policy the flags of :func:`add_read_arguments` ask for: a HuggingFace model's
+    (under the length and video rules training would use), else the named policy."""
+    rule = {name: getattr(args, name) for name in HF_ONLY_OPTIONS if getattr(args, name, None) is not None}
     if getattr(args, "model_name_or_path", None):
-        if model_type(args.model_name_or_path) in MODEL_CLASSES:
-            if args.max_length is not None:
-                raise ValueError(f"{args.model_name_or_path}: --max-length is not supported for Qwen2-VL yet")
-            return Qwen2VLPreprocessor.from_pretrained(args.model_name_or_path).policy()
-        return llava_policy(args.model_name_or_path, max_length=args.max_length)
-    return POLICIES[args.policy]
+        return hf_preprocessor(args.model_name_or_path, **rule).policy()
+    if rule:
+        flags = ", ".join("--" + name.replace("_", "-") for name in rule)
+        raise ValueError(f"{flags}: these set a HuggingFace model's tokenization; give --model-name-or-path")
+    return POLICIES[args.policy or args.default_policy]
 
 
 def read_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The media keyword arguments of :func:`~dflop_ds.data.read_dataset` the flags ask for."""
-    return {item.name: getattr(args, item.name) for item in fields(MediaOptions)}
+    """The media keyword arguments of :func:`~dflop_ds.data.read_dataset` the flags ask for; the
+    image and video folders default to the data file's folder, as training's do
+    (:func:`~dflop_ds.data.media.default_media_folders`)."""
+    return default_media_folders(args.data, {item.name: getattr(args, item.name) for item in fields(MediaOptions)})
+
+
+def apply_training_config(args: argparse.Namespace) -> None:
+    """Fill the options not given on the command line from the ``dflop`` block of
+    ``args.deepspeed_config`` (:class:`~dflop_ds.config.DFLOPConfig`: the data file, model, policy,
+    media folders and length and video rules), so the data is read exactly as training reads it."""
+    from dflop_ds.config import DFLOPConfig  # the config module imports this package
+
+    config = DFLOPConfig.from_deepspeed_config(args.deepspeed_config)
+    if args.data is None:
+        args.data = config.data
+    args.model_name_or_path = args.model_name_or_path or config.model_name_or_path
+    args.policy = args.policy or config.policy
+    for name in ("image_folder", "video_folder", *HF_ONLY_OPTIONS):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(config, name))
+    if not args.model_name_or_path:  # the tiny model: training applies no length or video rule
+        for name in HF_ONLY_OPTIONS:
+            setattr(args, name, None)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -118,7 +175,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Read the whole dataset file and print every problem found (exit code 1), "
         "or a summary of its samples (exit code 0).",
     )
-    parser.add_argument("data", metavar="DATA", help="shape manifest (JSONL) or LLaVA JSON/JSONL file")
+    parser.add_argument(
+        "data",
+        metavar="DATA",
+        nargs="?",
+        default=None,
+        help="shape manifest (JSONL) or LLaVA JSON/JSONL file (default: the --deepspeed-config's dflop.data.path)",
+    )
+    parser.add_argument(
+        "--deepspeed-config",
+        "--deepspeed_config",
+        dest="deepspeed_config",
+        default=None,
+        metavar="FILE",
+        help='a training config: read the data as its "dflop" block says (data path, model, policy, media '
+        "folders, max_length, truncation, video rule); options given here win",
+    )
     add_read_arguments(parser)
     parser.add_argument(
         "--max-llm-tokens",
@@ -139,6 +211,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_validate(args: argparse.Namespace) -> int:
     """Validate ``args.data``; print the problems (exit 1) or a summary (exit 0)."""
+    if args.deepspeed_config is not None:
+        apply_training_config(args)
+    if args.data is None:
+        raise ValueError("validate: give the data file (DATA) or a --deepspeed-config that names it")
     policy = policy_from_args(args)
     problems, shapes = check_dataset(
         args.data,

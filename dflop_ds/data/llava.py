@@ -9,7 +9,8 @@ A record::
 
 Text tokens are the tokens of every turn's value with the ``<image>``/``<video>`` placeholders
 removed, counted turn by turn with the policy's tokenizer; label tokens are those of the
-assistant turns (``from`` = ``gpt`` or ``assistant``).
+assistant turns (``from`` = ``gpt`` or ``assistant``). A record that counts no label token (no
+answer turn, empty answers, or every answer cut by truncation) has nothing to learn: a bad record.
 
 Image sizes are looked up, in this order: in the record (``width``/``height`` for a single
 image, or ``image_sizes: [[w, h], ...]`` with one pair per image); in the ``image_sizes`` side
@@ -59,6 +60,18 @@ def conversation_tokens(turns: Sequence[tuple[str, str]], policy: ShapePolicy) -
         if role.lower() in ASSISTANT_ROLES:
             labels += tokens
     return text, labels
+
+
+def no_labels_reason(turns: Sequence[tuple[str, str]]) -> str:
+    """Why a conversation that counts 0 label tokens has nothing to learn (for its bad-record message)."""
+    answers = [value for role, value in turns if role.lower() in ASSISTANT_ROLES]
+    if not answers:
+        why = "has no assistant turn (from gpt/assistant)"
+    elif not any(strip_placeholders(value) for value in answers):
+        why = "has only empty assistant turns"
+    else:
+        why = "keeps no answer token (every one cut by truncation at max_length, or none counted)"
+    return f"{why}: 0 label tokens, nothing to learn (the sample would train at loss 0)"
 
 
 def _parse_conversations(record: Mapping[str, Any], problems: FieldProblems) -> list[tuple[str, str]] | None:
@@ -192,6 +205,9 @@ def parse_llava_record(
         text_tokens, label_tokens = policy.conversation(turns, image_tokens, video_tokens)
     else:
         text_tokens, label_tokens = conversation_tokens(turns, policy)
+    if label_tokens == 0:
+        problems.add("conversations", no_labels_reason(turns))
+        return None
     return policy.shape(
         sample_id,
         image_sizes=sizes,

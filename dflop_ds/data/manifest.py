@@ -46,6 +46,8 @@ def parse_manifest_record(
     )
     if "label_tokens" in record and labels is not None and text_tokens is not None and labels > text_tokens:
         problems.add("label_tokens", f"must be <= text_tokens ({text_tokens}), got {labels}")
+    if labels == 0 and text_tokens is not None:
+        problems.add("label_tokens", "is 0 (or text_tokens is 0 and no label_tokens given): nothing to learn")
     if "source" in record:
         problems.str_field(record, "source")
     if problems or sample_id is None or sizes is None or frames is None or text_tokens is None or labels is None:

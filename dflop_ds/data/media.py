@@ -17,6 +17,7 @@ Nothing has a silent default: a size found nowhere is a bad record.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,6 +151,30 @@ class MediaOptions:
     video_frames: PathArg | Mapping[str, int] | None = None
     fallback_size: Fallback = None
     fallback_frames: int | None = None
+
+
+def media_folder(data_path: PathArg, folder: PathArg | None) -> str:
+    """The folder a data file's media paths are relative to: ``folder`` when given, else the data
+    file's own folder (the default of training and of every data command alike)."""
+    return str(folder) if folder is not None else os.path.dirname(os.path.abspath(data_path))
+
+
+#: each media folder, and the options that give what its files would (so it is not defaulted)
+FOLDER_ALTERNATIVES = {
+    "image_folder": ("image_sizes", "fallback_size"),
+    "video_folder": ("video_frames", "fallback_frames"),
+}
+
+
+def default_media_folders(data_path: PathArg, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` (fields of :class:`MediaOptions`) with each media folder that is not given set to
+    the data file's folder (:func:`media_folder`, as training does), unless a side table or fallback
+    is given for that kind of media instead (then no folder: its files need not be at hand)."""
+    filled = dict(options)
+    for folder, alternatives in FOLDER_ALTERNATIVES.items():
+        if filled.get(folder) is None and all(filled.get(name) is None for name in alternatives):
+            filled[folder] = media_folder(data_path, None)
+    return filled
 
 
 def media_lookup(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflop_ds.data import read_dataset
+from dflop_ds.data.media import media_folder
 from dflop_ds.models.data import TinyMLLMDataset, collate_microbatch, collate_packed_microbatch, supervised_count
 from dflop_ds.models.tiny import TinyMLLMConfig, tiny_mllm_layers
 from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY, SampleShape, ShapePolicy
@@ -41,6 +42,8 @@ class ModelSource:
         tile_pixels: a dataset item's encoder tiles, one row per tile (what a colocated encoder
             dispatches, see :mod:`dflop_ds.train.colocated`); None when the model cannot
             dispatch its tiles.
+        truncated_samples: how many records read so far were cut at ``max_length``
+            (``dflop.data.truncation = "truncate"``; 0 for a model that never truncates).
     """
 
     name: str
@@ -57,6 +60,7 @@ class ModelSource:
     meta: dict = field(default_factory=dict)
     packed_collate: Callable | None = None
     tile_pixels: Callable[[Any], Any] | None = None
+    truncated_samples: Callable[[], int] = lambda: 0
 
     @property
     def n_layers(self) -> int:
@@ -94,15 +98,23 @@ def tiny_source(
     seed: int = 0,
     as_specs: bool = True,
     image_folder: str | None = None,
+    video_folder: str | None = None,
 ) -> ModelSource:
-    """The bundled tiny MLLM on synthetic tensors of the dataset's real shapes (image sizes from
-    the records, or from the files' headers under ``image_folder``)."""
+    """The bundled tiny MLLM on synthetic tensors of the dataset's real shapes (a LLaVA file's media
+    sizes from the records, or from the files' headers under ``image_folder`` / ``video_folder``,
+    by default the data file's folder: :func:`~dflop_ds.data.media.media_folder`)."""
     config = TinyMLLMConfig(**model_overrides)
     policy = TINY_POLICY if policy_name == "tiny" else DEFAULT_POLICY
     encoder, projector, llm = tiny_mllm_layers(config, seed=seed, as_specs=as_specs)
 
     def read_shapes(path: str, on_bad_sample: str):
-        return read_dataset(path, policy, on_bad_sample=on_bad_sample, image_folder=image_folder)
+        return read_dataset(
+            path,
+            policy,
+            on_bad_sample=on_bad_sample,
+            image_folder=media_folder(path, image_folder),
+            video_folder=media_folder(path, video_folder),
+        )
 
     def make_dataset(shapes: Sequence[SampleShape], data_path: str):
         return TinyMLLMDataset(list(shapes), config, seed=seed)

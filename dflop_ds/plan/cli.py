@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dflop_ds.config import plan_deepspeed_config, set_settings
+from dflop_ds.config import plan_deepspeed_config, plan_reference, set_settings
 from dflop_ds.cost import check_policy, load_cost_model, reference_names
 from dflop_ds.data import read_dataset
 from dflop_ds.data.cli import add_read_arguments, policy_from_args, read_options
@@ -143,7 +143,7 @@ def run_plan(args: argparse.Namespace) -> int:
         f" {chosen.zero_stage}, {chosen.precision}, activation checkpointing {chosen.activation_checkpointing})"
     )
     if args.deepspeed_config is not None:
-        block = set_settings({}, plan=args.output)
+        block = set_settings({}, plan=plan_reference(args.output, args.deepspeed_config))
         if args.model_name_or_path is not None:
             set_settings(block, model_name_or_path=args.model_name_or_path)
         write_json(args.deepspeed_config, plan_deepspeed_config(chosen, {"dflop": block}), indent=2)

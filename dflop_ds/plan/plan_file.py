@@ -386,8 +386,11 @@ class Plan:
                 f" n_mb={self.n_mb} = {self.dp * self.n_mb}: DeepSpeed's train_batch_size (micro x n_mb x dp)"
                 f" would become {self.micro_batch_size() * self.dp * self.n_mb}, not the planned batch"
             )
-        if self.layout.gpus > self.gpus:
-            raise PlanFileError(f"{source}: the layout needs {self.layout.gpus} GPUs, the plan has {self.gpus}")
+        if self.layout.gpus != self.gpus:  # a hand-edited gpus would otherwise be ignored
+            raise PlanFileError(
+                f"{source}: gpus is {self.gpus}, but the plan's layout uses {self.layout.gpus} GPUs: re-plan"
+                " with --gpus instead of editing the plan"
+            )
         if self.zero_stage not in ZERO_SHARDED or self.precision not in PRECISIONS:
             raise PlanFileError(
                 f"{source}: zero_stage={self.zero_stage!r} / precision={self.precision!r}: expected"

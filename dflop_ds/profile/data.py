@@ -17,6 +17,7 @@ from typing import Any, Union
 import numpy as np
 
 from dflop_ds.data import read_dataset
+from dflop_ds.data.media import default_media_folders
 from dflop_ds.jsonio import read_json_object, write_json
 from dflop_ds.shapes import TINY_POLICY, SampleShape, ShapePolicy
 
@@ -198,10 +199,12 @@ def profile_data(
 
     ``policy`` defaults to :data:`dflop_ds.shapes.TINY_POLICY` (the bundled tiny model).
 
-    ``read_options`` go to the reader (e.g. ``image_sizes=``, ``on_bad_sample="skip"``).
+    ``read_options`` go to the reader (e.g. ``image_sizes=``, ``on_bad_sample="skip"``); the image
+    and video folders default to the data file's folder, as in training
+    (:func:`~dflop_ds.data.media.default_media_folders`).
     """
     policy = policy or TINY_POLICY
-    shapes = read_dataset(path, policy, **read_options)
+    shapes = read_dataset(path, policy, **default_media_folders(path, read_options))
     if not shapes:
         raise ValueError(f"{path}: no samples to profile")
     chosen = [shapes[i] for i in sample_indices(len(shapes), samples, seed)]

@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, set_settings
+from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, plan_path, set_settings
 from dflop_ds.cost import CostModel, PackedCost, ProxyCost, StageCost, check_policy, load_cost_model
 from dflop_ds.cost.stage import stage_memory_caps
+from dflop_ds.jsonio import read_json_object
 from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
 from dflop_ds.loader import make_loader
 from dflop_ds.models.hf.source import hf_source
@@ -115,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_settings(args: argparse.Namespace) -> tuple[dict, DFLOPConfig]:
     """The DeepSpeed config without its "dflop" block, and the validated "dflop" block."""
-    ds_config = json.loads(Path(args.deepspeed_config).read_text())
+    ds_config = read_json_object(args.deepspeed_config)
     block = ds_config.pop("dflop", {})
     for option, key in BLOCK_OVERRIDES.items():
         value = getattr(args, option, None)
@@ -124,8 +125,15 @@ def load_settings(args: argparse.Namespace) -> tuple[dict, DFLOPConfig]:
     if args.resume:
         set_settings(block, resume=True)
     plan = get_setting(block, "plan")
-    if plan:  # a plan from `dflop-ds plan` fills batch keys, the stage split and what its memory model assumed
-        ds_config, block = fill_from_plan(ds_config, block, load_plan(plan))
+    if isinstance(plan, str) and plan:  # `dflop-ds plan` fills batch keys, the split, what its memory model assumed
+        resolved = plan_path(plan, args.deepspeed_config)
+        if not Path(resolved).is_file():
+            raise ValueError(
+                f"{args.deepspeed_config}: {DFLOPConfig.path('plan')} {plan!r} (relative to the config's folder):"
+                f" no plan file at {resolved}"
+            )
+        set_settings(block, plan=resolved)
+        ds_config, block = fill_from_plan(ds_config, block, load_plan(resolved))
     return ds_config, DFLOPConfig.from_dict(block, source=args.deepspeed_config)
 
 
@@ -193,7 +201,13 @@ def sampler_memory_cap(cap: MemoryCap, sampler_cost: Any, num_stages: int, micro
 def model_source(cfg: DFLOPConfig) -> ModelSource:
     """The tiny model, or the HuggingFace model of ``dflop.model.name_or_path``."""
     if cfg.model_name_or_path is None:
-        return tiny_source(cfg.model, policy_name=cfg.policy, seed=cfg.seed, image_folder=cfg.image_folder)
+        return tiny_source(
+            cfg.model,
+            policy_name=cfg.policy,
+            seed=cfg.seed,
+            image_folder=cfg.image_folder,
+            video_folder=cfg.video_folder,
+        )
     return hf_source(
         cfg.model_name_or_path,
         image_folder=cfg.image_folder,
@@ -240,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = source.read_shapes(cfg.data, cfg.on_bad_sample)  # bad records named, or skipped and counted
     if rank == 0:
         print_skip_report(data.report)
+        if source.truncated_samples():
+            print(f"[dflop-ds] {source.truncated_samples()} sample(s) cut at dflop.data.max_length", flush=True)
     shapes = data[: cfg.max_samples]
     dataset = source.make_dataset(shapes, cfg.data)
     cost_model = resolve_cost_model(cfg, rank)
@@ -390,6 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model=source.name,
             tensor_parallel=trainer.tp_coords[1],
             tensor_parallel_layers=sharded_layers(trainer.module),
+            truncated_samples=source.truncated_samples(),
         )
         print("[dflop-ds] summary " + json.dumps(summary), flush=True)
         if args.summary:

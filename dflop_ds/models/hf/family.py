@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from dflop_ds.data import read_dataset
+from dflop_ds.data.media import media_folder
 from dflop_ds.models.hf.data import load_llava_records, supervised_targets
 from dflop_ds.models.hf.lora import apply_lora
 from dflop_ds.models.source import ModelSource
@@ -85,16 +86,13 @@ def family_source(
     policy = preprocessor.policy()
     encoder, projector, llm = family.layers(model)
 
-    def folder_for(path: str, folder: str | None = None) -> str:
-        return folder if folder is not None else str(Path(path).parent)
-
     def read_shapes(path: str, on_bad_sample: str):
         return read_dataset(
             path,
             policy,
             on_bad_sample=on_bad_sample,
-            image_folder=folder_for(path, image_folder),
-            video_folder=folder_for(path, video_folder),
+            image_folder=media_folder(path, image_folder),
+            video_folder=media_folder(path, video_folder),
         )
 
     def make_dataset(shapes, path: str):
@@ -102,9 +100,9 @@ def family_source(
             list(shapes),
             load_llava_records(path),
             preprocessor,
-            folder_for(path, image_folder),
+            media_folder(path, image_folder),
             source=path,
-            video_folder=folder_for(path, video_folder),
+            video_folder=media_folder(path, video_folder),
         )
 
     def save_pretrained(directory: str, state: Mapping[str, torch.Tensor]) -> None:
@@ -130,4 +128,5 @@ def family_source(
         hf_model=model,
         tile_pixels=family.tile_pixels,
         packed_collate=family.packed_collate,
+        truncated_samples=lambda: int(preprocessor.truncated_samples),
     )

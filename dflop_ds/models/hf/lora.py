@@ -10,6 +10,7 @@ stay frozen. The trained model is written back by merging the adapters into the 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,30 +42,47 @@ def lora_settings(block: Mapping[str, Any], source: str = "dflop.model.lora") ->
     return settings
 
 
+def lora_targets(model: Any, pattern: str, targets: list[str]) -> None:
+    """Check that the modules whose full name matches ``pattern`` (as peft matches a string of
+    ``target_modules``: ``re.fullmatch``) are all ``torch.nn.Linear`` layers; ``ValueError`` saying
+    that none matches, or naming a few matched modules that are not Linear layers."""
+    import torch
+
+    matched = [(name, module) for name, module in model.named_modules() if re.fullmatch(pattern, name)]
+    if not matched:
+        raise ValueError(f"LoRA: no module of the language model matches target_modules {targets}")
+    other = [f"{name} ({type(module).__name__})" for name, module in matched if not isinstance(module, torch.nn.Linear)]
+    if other:
+        more = f" and {len(other) - 3} more" if len(other) > 3 else ""
+        raise ValueError(
+            f"LoRA: target_modules {targets} match {len(matched)} module(s) of the language model, but"
+            f" {len(other)} of them are not Linear layers: {', '.join(other[:3])}{more}; name Linear layers"
+            f" such as {list(DEFAULT_TARGETS)}"
+        )
+
+
 def apply_lora(model: Any, block: Mapping[str, Any], *, keep_trainable: str = "multi_modal_projector") -> Any:
     """Inject LoRA adapters into ``model``'s language model (in place); returns the ``PeftModel``.
 
     Only modules under the language model are targeted (never the vision tower or the
     projector); parameters whose name contains ``keep_trainable`` (the projector: LLaVA's
     ``multi_modal_projector``, Qwen2-VL's ``visual.merger``) stay trained in full. Raises
-    ``ValueError`` when no module of the language model matches ``target_modules``.
+    ``ValueError`` when no module of the language model matches ``target_modules``, or when a
+    matched module is not a Linear layer (:func:`lora_targets`).
     """
     from peft import LoraConfig, get_peft_model
 
     settings = lora_settings(block)
     names = "|".join(sorted(set(settings["target_modules"])))
+    pattern = rf".*language_model.*\.({names})$"
+    lora_targets(model, pattern, settings["target_modules"])
     config = LoraConfig(
         r=settings["r"],
         lora_alpha=settings["alpha"],
         lora_dropout=settings["dropout"],
-        target_modules=rf".*language_model.*\.({names})$",
+        target_modules=pattern,
     )
-    try:
-        peft_model = get_peft_model(model, config)
-    except ValueError as error:
-        raise ValueError(
-            f"LoRA: no module of the language model matches {settings['target_modules']}: {error}"
-        ) from error
+    peft_model = get_peft_model(model, config)
     for name, parameter in model.named_parameters():
         if keep_trainable in name:
             parameter.requires_grad_(True)

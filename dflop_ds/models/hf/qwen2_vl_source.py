@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.models.hf.family import HFFamily, family_source
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers
 from dflop_ds.models.hf.qwen2_vl_data import (
@@ -20,18 +19,16 @@ from dflop_ds.models.source import ModelSource
 
 def qwen2_vl_source(
     model_dir: str,
+    preprocessor: Qwen2VLPreprocessor,
     *,
     image_folder: str | None = None,
     lora: Mapping[str, Any] | None = None,
     video_folder: str | None = None,
-    video_fps: float = DEFAULT_VIDEO_FPS,
-    video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
-    max_length: int | None = None,
-    truncation: str = "error",
 ) -> ModelSource:
-    """The Qwen2-VL model, its data pipeline (:mod:`~dflop_ds.models.hf.qwen2_vl_data`) and layer
-    lists for the training loop. The arguments as for ``hf_source``; with LoRA the patch merger
-    (the projector) is trained in full, as the LLaVA projector is."""
+    """The Qwen2-VL model, its data pipeline (:mod:`~dflop_ds.models.hf.qwen2_vl_data`, with the
+    ``preprocessor`` of :func:`~dflop_ds.models.hf.preprocessor.hf_preprocessor`) and layer lists for
+    the training loop. The other arguments as for ``hf_source``; with LoRA the patch merger (the
+    projector) is trained in full, as the LLaVA projector is."""
 
     def save_processor(preprocessor: Any, directory: str) -> None:
         preprocessor.tokenizer.save_pretrained(directory)
@@ -45,9 +42,6 @@ def qwen2_vl_source(
         collate_qwen2_vl,
         save_processor,
         packed_collate=collate_packed_qwen2_vl,
-    )
-    preprocessor = Qwen2VLPreprocessor.from_pretrained(
-        model_dir, video_fps=video_fps, video_max_frames=video_max_frames, max_length=max_length, truncation=truncation
     )
     return family_source(
         model_dir, family, preprocessor, image_folder=image_folder, lora=lora, video_folder=video_folder

@@ -9,9 +9,10 @@ from typing import Any
 
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.models.hf.common import model_type
-from dflop_ds.models.hf.data import LlavaDataset, LlavaPreprocessor, collate_llava, collate_packed_llava
+from dflop_ds.models.hf.data import LlavaDataset, collate_llava, collate_packed_llava
 from dflop_ds.models.hf.family import HFFamily, family_source
 from dflop_ds.models.hf.llava import llava_layers, load_llava
+from dflop_ds.models.hf.preprocessor import hf_preprocessor
 from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES
 from dflop_ds.models.hf.qwen2_vl_source import qwen2_vl_source
 from dflop_ds.models.source import ModelSource
@@ -45,17 +46,11 @@ def hf_source(
         video_fps, video_max_frames: how a Qwen2-VL model samples video frames
             (:class:`~dflop_ds.models.hf.qwen2_vl_data.VideoFrames`).
     """
+    preprocessor = hf_preprocessor(
+        model_dir, max_length=max_length, truncation=truncation, video_fps=video_fps, video_max_frames=video_max_frames
+    )
     if model_type(model_dir) in MODEL_CLASSES:  # the Qwen2-VL family has its own preprocessor
-        return qwen2_vl_source(
-            model_dir,
-            image_folder=image_folder,
-            lora=lora,
-            video_folder=video_folder,
-            video_fps=video_fps,
-            video_max_frames=video_max_frames,
-            max_length=max_length,
-            truncation=truncation,
-        )
+        return qwen2_vl_source(model_dir, preprocessor, image_folder=image_folder, lora=lora, video_folder=video_folder)
     family = HFFamily(
         load_llava,
         llava_layers,
@@ -66,7 +61,6 @@ def hf_source(
         tile_pixels=lambda item: item.pixel_values,  # one tile per image
         packed_collate=collate_packed_llava,
     )
-    preprocessor = LlavaPreprocessor.from_pretrained(model_dir, max_length=max_length, truncation=truncation)
     return family_source(
         model_dir, family, preprocessor, image_folder=image_folder, lora=lora, video_folder=video_folder
     )
