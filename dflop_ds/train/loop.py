@@ -75,9 +75,12 @@ def true_or_false(value: str) -> bool:
     return choices[value.lower()]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The training script's options (LLaVA's names for model and data)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """The training script's options (LLaVA's names for model and data); ``add_help=False`` for a
+    parent parser (``dflop-ds check-launch`` takes the same options)."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, add_help=add_help
+    )
     parser.add_argument("--deepspeed_config", required=True, help='DeepSpeed JSON config with a "dflop" block')
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument(
