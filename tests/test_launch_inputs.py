@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import pickle
 import traceback
 from pathlib import Path
 
@@ -125,6 +126,8 @@ def test_one_process_resolves_its_own_inputs(tmp_path):
     assert [s.sample_id for s in inputs.shapes] == ["a", "b", "c"] and inputs.cost_model is None
     assert inputs.shapes.report.n_skipped == 0  # the read report travels with the shapes
     assert dataset_fingerprint(inputs.shapes) in messages[-1]
+    sent = pickle.loads(pickle.dumps(inputs.shapes))  # as broadcast_object_list carries it to the other ranks
+    assert dataset_fingerprint(sent) == dataset_fingerprint(inputs.shapes) and sent.report.n_read == 3
 
 
 def _two_ranks(rank: int, port: int, folder: str, results) -> None:
@@ -214,3 +217,17 @@ def test_a_named_cost_model_is_checked_a_cached_one_is_taken(tmp_path, named):
         assert str(path) in problem and "/rank0/costmodel.json" in problem and json_digest(state) in problem
     else:
         assert problems == []
+
+
+def test_a_rank_with_another_plan_is_told_which_and_why(tmp_path):
+    from tiny_plans import one_stage_plan, two_stage_plan
+
+    from dflop_ds.train.launch_inputs import check_against_rank_zero
+
+    theirs, mine = two_stage_plan().to_dict(), one_stage_plan().to_dict()
+    shared = {"shapes": [], "cost_state": None, "cost_source": "proxy"}
+    shared["reference"] = [InputDigest(PLAN, json_digest(theirs), "/shared/plan.json")]
+    (problem,) = check_against_rank_zero(config(cost_model="proxy"), shared, mine, "/node2/plan.json", rank=5)
+    for part in ("rank 5", "plan", json_digest(theirs), json_digest(mine), "/shared/plan.json", "/node2/plan.json"):
+        assert part in problem
+    assert check_against_rank_zero(config(cost_model="proxy"), shared, theirs, "/node2/plan.json", rank=5) == []
