@@ -97,7 +97,8 @@ def input_digests(
     """The digests of the inputs one rank holds: a ``None`` source means the rank does not hold
     that input itself (a rank other than 0 takes the cost model and shape table from rank 0);
     ``shapes`` None likewise. The data file is hashed as bytes, since every rank loads its
-    records; a plan or cost model absent by choice digests as ``"none"``."""
+    records (``"missing"`` where this rank cannot see it); no plan or no cost model (the proxy)
+    digests as JSON ``null``."""
     digests = []
     if shapes is not None:
         digests.append(InputDigest(SHAPE_TABLE, dataset_fingerprint(shapes), shapes_source))
