@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("plan", ("plan",)),
     ("telemetry", ("telemetry",)),
     ("train", ("train", "config", "setup_checks", "launch")),
-    ("cli", ()),  # dflop_ds/__init__.py, dflop_ds/cli.py and every ``cli`` module
+    ("cli", ("commands",)),  # dflop_ds/__init__.py, dflop_ds/cli.py, every ``cli`` module and dflop_ds/commands/
 ]
 
 

@@ -118,16 +118,30 @@ def test_stage_cost_refuses_flat_shares(tiny_model):
 
 def test_the_training_loop_resolves_its_cost_model(tmp_path, tiny_model, capsys):
     from dflop_ds.config import DFLOPConfig, set_settings
-    from dflop_ds.train.loop import resolve_cost_model
+    from dflop_ds.train.launch_inputs import resolve_cost_model
 
     def config(**settings):
         return DFLOPConfig.from_dict(set_settings({}, **settings))
 
     path = tmp_path / "costmodel.json"
     save_cost_model(tiny_model, path)
-    loaded = resolve_cost_model(config(cost_model=str(path)), rank=0)
-    assert loaded.llm_layers == tiny_model.llm_layers
-    assert resolve_cost_model(config(cost_model="proxy"), rank=0) is None
+    loaded, source = resolve_cost_model(config(cost_model=str(path)))
+    assert loaded.llm_layers == tiny_model.llm_layers and source == str(path)
+    assert resolve_cost_model(config(cost_model="proxy"))[0] is None
     hf = config(model_name_or_path=str(tmp_path))
-    assert resolve_cost_model(hf, rank=0) is None
+    assert resolve_cost_model(hf)[0] is None
     assert "unitless proxy" in capsys.readouterr().out
+
+
+def test_a_stored_cost_model_is_what_the_cache_reuses(tmp_path, tiny_model):
+    """store_cost_model writes under the key cached_cost_model looks up: nothing is profiled."""
+    from dflop_ds.models.tiny_profile import tiny_model_identity
+    from dflop_ds.profile.cache import store_cost_model
+
+    key = profile_key(tiny_model_identity(SMALL), FAST)
+    stored = store_cost_model(tiny_model, tmp_path, key)
+    messages: list[str] = []
+    reused, path = cached_tiny_cost_model(SMALL, tmp_path, log=messages.append, **FAST)
+    assert path == stored and not any("profiling" in m for m in messages)
+    shapes = [SampleShape("a", encoder_tiles=4, llm_tokens=60, text_tokens=20)]
+    np.testing.assert_allclose(reused.predict_samples(shapes), tiny_model.predict_samples(shapes))

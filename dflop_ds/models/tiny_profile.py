@@ -37,10 +37,15 @@ def tiny_target(config: Any = None, *, seed: int = 0, text_tokens: int = 8) -> P
     )
 
 
+def tiny_model_identity(model_overrides: dict[str, Any]) -> dict[str, Any]:
+    """What keys the tiny MLLM with ``model_overrides`` of its config in the profile cache."""
+    return {"name": "tiny_mllm", **asdict(TinyMLLMConfig(**model_overrides))}
+
+
 def cached_tiny_cost_model(
     model_overrides: dict[str, Any], folder: str | Path | None = None, **kwargs: Any
 ) -> tuple[FittedCostModel, Path]:
     """:func:`~dflop_ds.profile.cache.cached_cost_model` of the bundled tiny MLLM with
     ``model_overrides`` of its config."""
     config = TinyMLLMConfig(**model_overrides)
-    return cached_cost_model({"name": "tiny_mllm", **asdict(config)}, lambda: tiny_target(config), folder, **kwargs)
+    return cached_cost_model(tiny_model_identity(model_overrides), lambda: tiny_target(config), folder, **kwargs)

@@ -2,8 +2,10 @@
 
 The key is the model's identity (its config), the machine (architecture, CPU model, core count,
 accelerator), the torch / DeepSpeed / dflop-ds versions and the profiling options. A file whose
-key differs is never reused: the model is profiled again and written under its own key. Processes
-that ask at once (the ranks of one launch) take a file lock, so one profiles and the others load.
+key differs is never reused: the model is profiled again and written under its own key. In a
+training launch only global rank 0 asks (the other ranks receive its cost model, see
+:mod:`dflop_ds.train.launch_inputs`); processes that ask at once (launches side by side) take a
+file lock, so one profiles and the others load.
 """
 
 from __future__ import annotations
@@ -112,6 +114,22 @@ def key_digest(key: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def cache_files(folder: str | Path, key: dict[str, Any]) -> tuple[Path, Path]:
+    """``(cost-model file, key file)`` of ``key`` in the cache ``folder``."""
+    path = Path(folder) / f"costmodel-{key_digest(key)}.json"
+    return path, path.with_suffix(".key.json")
+
+
+def store_cost_model(cost_model: FittedCostModel, folder: str | Path, key: dict[str, Any]) -> Path:
+    """Write ``cost_model`` into the cache ``folder`` under ``key`` (:func:`profile_key`), where
+    :func:`cached_cost_model` finds it; its file."""
+    path, key_path = cache_files(folder, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_cost_model(cost_model, path)
+    key_path.write_text(json.dumps(key, indent=1, sort_keys=True))
+    return path
+
+
 def _cached(path: Path, key_path: Path, key: dict[str, Any], log: Callable[[str], None]) -> FittedCostModel | None:
     """The fitted cost model at ``path`` if its key file holds ``key`` and it loads as one; None
     otherwise (absent, another key, or a file this version cannot read: it is profiled again)."""
@@ -142,8 +160,7 @@ def cached_cost_model(
     folder = Path(folder) if folder is not None else default_cache_folder()
     folder.mkdir(parents=True, exist_ok=True)
     key = profile_key(model, options)
-    path = folder / f"costmodel-{key_digest(key)}.json"
-    key_path = path.with_suffix(".key.json")
+    path, key_path = cache_files(folder, key)
     with open(folder / f"{path.stem}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process profiles, the others wait and load its file
         cached = _cached(path, key_path, key, log)
@@ -154,8 +171,7 @@ def cached_cost_model(
         target = make_target()
         profile = profile_model(**target.profile_kwargs(), progress=progress, **options)
         cost_model = FittedCostModel().fit(profile, target.policy)
-        save_cost_model(cost_model, path)
-        key_path.write_text(json.dumps(key, indent=1, sort_keys=True))
+        store_cost_model(cost_model, folder, key)
         log(
             f"[dflop-ds] cost model: profiled {len(profile.encoder)} encoder and {len(profile.llm)} LLM shapes in "
             f"{time.perf_counter() - started:.1f} s"

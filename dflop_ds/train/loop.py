@@ -25,14 +25,13 @@ import numpy as np
 import torch
 
 from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, plan_path, set_settings
-from dflop_ds.cost import CostModel, PackedCost, ProxyCost, StageCost, check_policy, load_cost_model
+from dflop_ds.cost import PackedCost, ProxyCost, StageCost, check_policy
 from dflop_ds.cost.stage import stage_memory_caps
 from dflop_ds.jsonio import read_json_object
 from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
 from dflop_ds.loader import make_loader
 from dflop_ds.models.hf.source import hf_source
 from dflop_ds.models.source import ModelSource, tiny_source
-from dflop_ds.models.tiny_profile import cached_tiny_cost_model
 from dflop_ds.paths import check_writable, check_writable_folder
 from dflop_ds.plan import Plan
 from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares
@@ -52,6 +51,7 @@ from dflop_ds.train.colocated import (
 )
 from dflop_ds.train.engine import TrainingEngine, build_engine
 from dflop_ds.train.gather import gather_full_state
+from dflop_ds.train.launch_inputs import agree_on_inputs
 from dflop_ds.train.memory_cap import MemoryCap, device_memory_cap, resolve_memory_cap
 
 #: command-line options that override settings of the "dflop" block (option dest -> DFLOPConfig attribute)
@@ -76,9 +76,12 @@ def true_or_false(value: str) -> bool:
     return choices[value.lower()]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The training script's options (LLaVA's names for model and data)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """The training script's options (LLaVA's names for model and data); ``add_help=False`` for a
+    parent parser (``dflop-ds check-launch`` takes the same options)."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, add_help=add_help
+    )
     parser.add_argument("--deepspeed_config", required=True, help='DeepSpeed JSON config with a "dflop" block')
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument(
@@ -135,34 +138,6 @@ def load_settings(args: argparse.Namespace) -> tuple[dict, DFLOPConfig]:
         set_settings(block, plan=resolved)
         ds_config, block = fill_from_plan(ds_config, block, load_plan(resolved))
     return ds_config, DFLOPConfig.from_dict(block, source=args.deepspeed_config)
-
-
-#: timed rounds of the automatic profile (the `profile model` default is 5; 3 keeps it short)
-AUTO_PROFILE_REPEATS = 3
-#: ``dflop.sampler.cost_model`` value that asks for the sampler's unitless proxy instead of a profiled model
-PROXY = "proxy"
-
-
-def resolve_cost_model(cfg: DFLOPConfig, rank: int) -> CostModel | None:
-    """The run's cost model: the config's file; ``"proxy"``: None (the unitless proxy); unset: the
-    tiny model's profiled cost model from the profile cache (profiled once per model, machine and
-    software, see :mod:`dflop_ds.profile.cache`). HuggingFace models without one use the proxy."""
-    if cfg.cost_model == PROXY:
-        return None
-    if cfg.cost_model is not None:
-        return load_cost_model(cfg.cost_model)
-    if cfg.model_name_or_path is not None:
-        if rank == 0:
-            print(
-                "[dflop-ds] no cost model given: balancing on the unitless proxy (profile the model with "
-                "`dflop-ds profile model --model_name_or_path ...` and pass --cost-model)",
-                flush=True,
-            )
-        return None
-    cost_model, _ = cached_tiny_cost_model(
-        cfg.model, log=print if rank == 0 else (lambda _: None), progress=rank == 0, repeats=AUTO_PROFILE_REPEATS
-    )
-    return cost_model
 
 
 def load_plan(path: str | None):
@@ -251,14 +226,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = torch.distributed.get_rank()
 
     source = model_source(cfg)
-    data = source.read_shapes(cfg.data, cfg.on_bad_sample)  # bad records named, or skipped and counted
+    plan = load_plan(cfg.plan)
+    # shape table and cost model from rank 0 (bad records named, or skipped and counted), checked on every rank
+    inputs = agree_on_inputs(cfg, lambda: source.read_shapes(cfg.data, cfg.on_bad_sample), plan)
     if rank == 0:
-        print_skip_report(data.report)
+        print_skip_report(inputs.shapes.report)
         if source.truncated_samples():
             print(f"[dflop-ds] {source.truncated_samples()} sample(s) cut at dflop.data.max_length", flush=True)
-    shapes = data[: cfg.max_samples]
+    shapes = inputs.shapes[: cfg.max_samples]
     dataset = source.make_dataset(shapes, cfg.data)
-    cost_model = resolve_cost_model(cfg, rank)
+    cost_model = inputs.cost_model
     if cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
         check_policy(cost_model, source.policy, source=str(cfg.cost_model))
         check_cost_model(
@@ -270,7 +247,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     encoder, projector, llm = source.layers()
     encoder = inject_fault(encoder, cfg.fault, ds_config)  # testing only: an optional slow shape class
-    plan = load_plan(cfg.plan)
     check_training_setup(ds_config, cfg, world, plan=plan, n_samples=len(shapes), n_layers=source.n_layers)
     pipelined, colocated = cfg.pipeline_stages > 1, cfg.encoder == "colocated"
     tile_pixels = source.colocated_tile_pixels() if colocated else None  # refused now, not after building

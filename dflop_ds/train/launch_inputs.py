@@ -1,0 +1,291 @@
+"""The inputs of one launch, resolved once on global rank 0 and shared with every rank.
+
+Every rank computes the schedule itself from the data set's shape table, the cost model and the
+plan, so all three must be the same everywhere, or ranks train mismatched microbatches (on two
+nodes with their own profile caches, each node would profile its own cost model).
+:func:`agree_on_inputs` makes global rank 0 the one source of truth:
+
+- rank 0 reads the shape table (image and video headers) and resolves the cost model (a file,
+  the profile cache or a fresh profile: profiling runs on rank 0 only), and broadcasts both;
+  every rank, rank 0 included, trains on the broadcast copies;
+- every rank checks what it reads itself (the data file its dataset loads, the plan, a cost
+  model named in the config) and what it received against rank 0's digests;
+- any disagreement stops every rank before the first step, naming the input, both digests and
+  the source on each side.
+
+Digests and serialization are pure functions (:func:`json_digest`, :func:`file_digest`,
+:func:`input_digests`, :func:`disagreements`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflop_ds.config import DFLOPConfig
+from dflop_ds.cost import CostModel, cost_model_from_dict, cost_model_to_dict, load_cost_model
+from dflop_ds.data import ReadResult
+from dflop_ds.models.tiny_profile import cached_tiny_cost_model
+from dflop_ds.schedule.state import dataset_fingerprint
+from dflop_ds.shapes import SampleShape
+
+#: timed rounds of the automatic profile (the `profile model` default is 5; 3 keeps it short)
+AUTO_PROFILE_REPEATS = 3
+#: ``dflop.sampler.cost_model`` value that asks for the sampler's unitless proxy instead of a profiled model
+PROXY = "proxy"
+#: names of the inputs, as messages print them
+SHAPE_TABLE, COST_MODEL, PLAN, DATA_FILE = "shape table", "cost model", "plan", "data file"
+
+
+class InputMismatchError(RuntimeError):
+    """The ranks of one launch disagree on an input of the schedule."""
+
+
+@dataclass(frozen=True)
+class InputDigest:
+    """What one rank holds of one input: its ``name``, a short ``digest`` of its content and the
+    ``source`` it came from on that rank (a path, the profile cache, ``"received from rank 0"``)."""
+
+    name: str
+    digest: str
+    source: str
+
+
+def json_digest(value: Any) -> str:
+    """A short hash of a JSON-ready value (keys sorted, so equal content gives equal digests)."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def file_digest(path: str | Path, chunk: int = 1 << 20) -> str:
+    """A short hash of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def cost_model_state(model: CostModel | None) -> dict[str, Any] | None:
+    """``model`` as the JSON content of its file (None: the unitless proxy), passed through JSON so
+    that the broadcast copy and its digest hold exactly what a file would."""
+    if model is None:
+        return None
+    return json.loads(json.dumps(cost_model_to_dict(model)))
+
+
+def cost_model_from_state(state: dict[str, Any] | None, source: str) -> CostModel | None:
+    """Inverse of :func:`cost_model_state`."""
+    return None if state is None else cost_model_from_dict(state, source=source)
+
+
+def input_digests(
+    *,
+    shapes: Sequence[SampleShape] | None,
+    cost_state: dict[str, Any] | None,
+    cost_source: str | None,
+    plan_state: dict[str, Any] | None,
+    plan_source: str | None,
+    data_path: str | None,
+    shapes_source: str,
+) -> list[InputDigest]:
+    """The digests of the inputs one rank holds: a ``None`` source means the rank does not hold
+    that input itself (a rank other than 0 takes the cost model and shape table from rank 0);
+    ``shapes`` None likewise. The data file is hashed as bytes, since every rank loads its
+    records (``"missing"`` where this rank cannot see it); no plan or no cost model (the proxy)
+    digests as JSON ``null``."""
+    digests = []
+    if shapes is not None:
+        digests.append(InputDigest(SHAPE_TABLE, dataset_fingerprint(shapes), shapes_source))
+    if cost_source is not None:
+        digests.append(InputDigest(COST_MODEL, json_digest(cost_state), cost_source))
+    if plan_source is not None:
+        digests.append(InputDigest(PLAN, json_digest(plan_state), plan_source))
+    if data_path is not None and not Path(data_path).exists():
+        digests.append(InputDigest(DATA_FILE, "missing", data_path))
+    elif data_path is not None and Path(data_path).is_file():
+        digests.append(InputDigest(DATA_FILE, file_digest(data_path), data_path))
+    return digests
+
+
+def disagreements(reference: Sequence[InputDigest], mine: Sequence[InputDigest], rank: int) -> list[str]:
+    """One message per input that rank ``rank`` holds with another digest than rank 0's
+    (``reference``): the input, both digests and both sources. Inputs only one side holds are
+    not compared."""
+    theirs = {entry.name: entry for entry in reference}
+    problems = []
+    for entry in mine:
+        other = theirs.get(entry.name)
+        if other is not None and other.digest != entry.digest:
+            problems.append(
+                f"rank {rank}: its {entry.name} differs from rank 0's: digest {entry.digest} from {entry.source},"
+                f" rank 0 has {other.digest} from {other.source}"
+            )
+    return problems
+
+
+def mismatch_report(problems_per_rank: Sequence[Sequence[str]]) -> str | None:
+    """One message for every rank's problems, or None when every rank agrees."""
+    problems = [problem for rank_problems in problems_per_rank for problem in rank_problems]
+    if not problems:
+        return None
+    return (
+        "the ranks of this launch disagree on the inputs of the schedule:\n  "
+        + "\n  ".join(problems)
+        + "\nevery node must see the same files (put data, images, cost model and plan on a shared filesystem,"
+        " see docs/multinode.md)"
+    )
+
+
+def resolve_cost_model(cfg: DFLOPConfig, log: Callable[[str], None] = print) -> tuple[CostModel | None, str]:
+    """The run's cost model and where it came from: the config's file (or reference name);
+    ``"proxy"``: None (the unitless proxy); unset: the tiny model's profiled cost model from the
+    profile cache (profiled once per model, machine and software, see
+    :mod:`dflop_ds.profile.cache`). HuggingFace models without one use the proxy."""
+    if cfg.cost_model == PROXY:
+        return None, "the unitless proxy (dflop.sampler.cost_model = proxy)"
+    if cfg.cost_model is not None:
+        return load_cost_model(cfg.cost_model), cfg.cost_model
+    if cfg.model_name_or_path is not None:
+        log(
+            "[dflop-ds] no cost model given: balancing on the unitless proxy (profile the model with "
+            "`dflop-ds profile model --model_name_or_path ...` and pass --cost-model)"
+        )
+        return None, "the unitless proxy (no cost model given)"
+    cost_model, path = cached_tiny_cost_model(cfg.model, log=log, repeats=AUTO_PROFILE_REPEATS)
+    return cost_model, f"the profile cache {path}"
+
+
+@dataclass
+class LaunchInputs:
+    """The inputs every rank trains with, agreed across the launch."""
+
+    shapes: ReadResult
+    cost_model: CostModel | None
+    digests: list[InputDigest]
+
+
+def agree_on_inputs(
+    cfg: DFLOPConfig,
+    read_shapes: Callable[[], ReadResult],
+    plan: Any = None,
+    log: Callable[[str], None] = print,
+) -> LaunchInputs:
+    """The launch's shape table and cost model, resolved on global rank 0 (``read_shapes()``,
+    :func:`resolve_cost_model`) and broadcast; every rank's own data file, plan (``plan``, as
+    loaded from ``cfg.plan``) and named cost model checked against rank 0's. Raises
+    :class:`InputMismatchError` on every rank when any rank disagrees. A collective: every rank
+    calls it after ``deepspeed.init_distributed``."""
+    import torch.distributed as dist
+
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    rank = dist.get_rank() if distributed else 0
+    plan_state = None if plan is None else plan.to_dict()
+    plan_source = cfg.plan or "no plan"
+    payload: list[Any] = [None]
+    failure: Exception | None = None
+    if rank == 0:
+        try:
+            payload = [_resolve_on_rank_zero(cfg, read_shapes, plan_state, plan_source, log)]
+        except Exception as error:  # every rank stops with rank 0's reason, not a collective timeout
+            failure = error
+            payload = [{"error": f"{type(error).__name__}: {error}"}]
+    if distributed:
+        _set_object_device()
+        dist.broadcast_object_list(payload, src=0)
+    if failure is not None:
+        raise failure
+    if "error" in payload[0]:
+        raise RuntimeError(f"rank 0 could not resolve the launch's inputs: {payload[0]['error']}")
+    shared = payload[0]
+    problems = [] if rank == 0 else check_against_rank_zero(cfg, shared, plan_state, plan_source, rank)
+    if distributed:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problems)
+        report = mismatch_report(everyone)
+        if report is not None:
+            raise InputMismatchError(report)
+    cost_model = cost_model_from_state(shared["cost_state"], source=shared["cost_source"])
+    reference = list(shared["reference"])
+    if rank == 0:
+        log("[dflop-ds] inputs agreed on every rank: " + ", ".join(f"{d.name} {d.digest}" for d in reference))
+    return LaunchInputs(shared["shapes"], cost_model, reference)
+
+
+def check_against_rank_zero(
+    cfg: DFLOPConfig, shared: dict[str, Any], plan_state: dict[str, Any] | None, plan_source: str, rank: int
+) -> list[str]:
+    """This rank's disagreements with rank 0: the received copies (a broadcast check), its own
+    data file, plan and named cost model; an input it cannot read is a disagreement too."""
+    named = cfg.cost_model if cfg.cost_model != PROXY else None  # a named cost model: this rank reads its own copy
+    try:
+        mine = input_digests(
+            shapes=shared["shapes"],
+            cost_state=cost_model_state(load_cost_model(named)) if named else shared["cost_state"],
+            cost_source=named or f"received from rank 0 ({shared['cost_source']})",
+            plan_state=plan_state,
+            plan_source=plan_source,
+            data_path=cfg.data,
+            shapes_source="received from rank 0",
+        )
+    except (OSError, ValueError) as error:
+        return [f"rank {rank}: cannot read its own inputs: {error}"]
+    return disagreements(shared["reference"], mine, rank)
+
+
+def _resolve_on_rank_zero(
+    cfg: DFLOPConfig,
+    read_shapes: Callable[[], ReadResult],
+    plan_state: dict[str, Any] | None,
+    plan_source: str,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """What rank 0 broadcasts: the shape table, the cost model's state and source, and the
+    digests of every input it holds."""
+    shapes = read_shapes()
+    cost_model, cost_source = resolve_cost_model(cfg, log)
+    cost_state = cost_model_state(cost_model)
+    reference = input_digests(
+        shapes=shapes,
+        cost_state=cost_state,
+        cost_source=cost_source,
+        plan_state=plan_state,
+        plan_source=plan_source,
+        data_path=cfg.data,
+        shapes_source=f"the records and media headers of {cfg.data}, read on rank 0",
+    )
+    return {"shapes": shapes, "cost_state": cost_state, "cost_source": cost_source, "reference": reference}
+
+
+def _set_object_device() -> None:
+    """Select this process's accelerator before the first object collective, as DeepSpeed's
+    engine does later (NCCL sends objects through the current device)."""
+    from deepspeed.accelerator import get_accelerator
+
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None:
+        get_accelerator().set_device(int(local_rank))
+
+
+__all__ = [
+    "AUTO_PROFILE_REPEATS",
+    "PROXY",
+    "InputDigest",
+    "InputMismatchError",
+    "LaunchInputs",
+    "agree_on_inputs",
+    "check_against_rank_zero",
+    "cost_model_from_state",
+    "cost_model_state",
+    "disagreements",
+    "file_digest",
+    "input_digests",
+    "json_digest",
+    "mismatch_report",
+    "resolve_cost_model",
+]

@@ -1,0 +1,233 @@
+"""One source of truth per launch: digests, serialization and the rank-0 broadcast of the inputs
+(dflop_ds.train.launch_inputs). The 2-process cases run on a gloo group of their own, without
+DeepSpeed's launcher; test_launch_inputs_deepspeed.py trains a real 2-rank launch."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import pickle
+import traceback
+from pathlib import Path
+
+import pytest
+
+from dflop_ds.config import DFLOPConfig, set_settings
+from dflop_ds.cost import FittedCostModel, save_cost_model
+from dflop_ds.data import read_dataset
+from dflop_ds.launch import free_port
+from dflop_ds.schedule.state import dataset_fingerprint
+from dflop_ds.shapes import TINY_POLICY, SampleShape
+from dflop_ds.train.launch_inputs import (
+    COST_MODEL,
+    DATA_FILE,
+    PLAN,
+    SHAPE_TABLE,
+    InputDigest,
+    agree_on_inputs,
+    cost_model_from_state,
+    cost_model_state,
+    disagreements,
+    file_digest,
+    input_digests,
+    json_digest,
+    mismatch_report,
+)
+
+RECORDS = [
+    {"id": "a", "text_tokens": 30, "label_tokens": 4},
+    {"id": "b", "images": [[336, 336]], "text_tokens": 20, "label_tokens": 3},
+    {"id": "c", "images": [[672, 672]], "text_tokens": 40, "label_tokens": 5},
+]
+
+
+def config(**settings) -> DFLOPConfig:
+    return DFLOPConfig.from_dict(set_settings({"data": {"policy": "tiny"}}, **settings))
+
+
+def test_json_digest_depends_on_content_not_key_order():
+    assert json_digest({"a": 1, "b": [1.5, 2]}) == json_digest({"b": [1.5, 2], "a": 1})
+    assert json_digest({"a": 1}) != json_digest({"a": 2})
+    assert json_digest(None) == json_digest(None) != json_digest({})
+
+
+def test_file_digest_is_of_the_bytes(tmp_path):
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    one.write_text('{"id": "a"}\n')
+    two.write_text('{"id": "a"}\n')
+    assert file_digest(one) == file_digest(two)
+    two.write_text('{"id": "a"} \n')
+    assert file_digest(one) != file_digest(two)
+
+
+def test_a_cost_model_survives_its_state_with_the_same_digest(tmp_path):
+    from test_costmodel import synthetic_profile
+
+    model = FittedCostModel().fit(synthetic_profile(), TINY_POLICY)
+    state = cost_model_state(model)
+    rebuilt = cost_model_from_state(json.loads(json.dumps(state)), source="broadcast")
+    assert json_digest(cost_model_state(rebuilt)) == json_digest(state)
+    shapes = [SampleShape("s", encoder_tiles=3, llm_tokens=90, text_tokens=20)]
+    assert rebuilt.predict_samples(shapes).tolist() == model.predict_samples(shapes).tolist()
+    path = tmp_path / "cm.json"  # the state is the file's content: a rank reading the file agrees
+    save_cost_model(model, path)
+    assert json_digest(json.loads(path.read_text())) == json_digest(state)
+    assert cost_model_state(None) is None and cost_model_from_state(None, "proxy") is None
+
+
+def test_input_digests_cover_what_a_rank_holds(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in RECORDS))
+    shapes = read_dataset(data, TINY_POLICY)
+    held = input_digests(
+        shapes=shapes,
+        cost_state=None,
+        cost_source="proxy",
+        plan_state=None,
+        plan_source="no plan",
+        data_path=str(data),
+        shapes_source="read here",
+    )
+    by_name = {d.name: d for d in held}
+    assert set(by_name) == {SHAPE_TABLE, COST_MODEL, PLAN, DATA_FILE}
+    assert by_name[SHAPE_TABLE].digest == dataset_fingerprint(shapes)
+    assert by_name[DATA_FILE] == InputDigest(DATA_FILE, file_digest(data), str(data))
+    taken = input_digests(  # a rank that holds neither shapes nor a cost model of its own
+        shapes=None,
+        cost_state=None,
+        cost_source=None,
+        plan_state=None,
+        plan_source=None,
+        data_path=str(tmp_path / "absent.jsonl"),
+        shapes_source="",
+    )
+    assert taken == [InputDigest(DATA_FILE, "missing", str(tmp_path / "absent.jsonl"))]
+
+
+def test_disagreements_name_the_input_both_digests_and_both_sources():
+    reference = [InputDigest(COST_MODEL, "aaaa", "/cache/a.json"), InputDigest(PLAN, "pppp", "plan.json")]
+    mine = [InputDigest(COST_MODEL, "bbbb", "/node2/cm.json"), InputDigest(PLAN, "pppp", "plan.json")]
+    (problem,) = disagreements(reference, mine, rank=3)
+    for part in ("rank 3", COST_MODEL, "aaaa", "bbbb", "/cache/a.json", "/node2/cm.json"):
+        assert part in problem
+    assert disagreements(reference, reference, rank=1) == []
+    assert disagreements(reference, [InputDigest(DATA_FILE, "dddd", "x")], rank=1) == []  # rank 0 holds none
+    assert mismatch_report([[], []]) is None
+    report = mismatch_report([[], [problem]])
+    assert report is not None and problem in report and "docs/multinode.md" in report
+
+
+def test_one_process_resolves_its_own_inputs(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in RECORDS))
+    cfg = config(data=str(data), cost_model="proxy")
+    messages: list[str] = []
+    inputs = agree_on_inputs(cfg, lambda: read_dataset(data, TINY_POLICY), log=messages.append)
+    assert [s.sample_id for s in inputs.shapes] == ["a", "b", "c"] and inputs.cost_model is None
+    assert inputs.shapes.report.n_skipped == 0  # the read report travels with the shapes
+    assert dataset_fingerprint(inputs.shapes) in messages[-1]
+    sent = pickle.loads(pickle.dumps(inputs.shapes))  # as broadcast_object_list carries it to the other ranks
+    assert dataset_fingerprint(sent) == dataset_fingerprint(inputs.shapes) and sent.report.n_read == 3
+
+
+def _two_ranks(rank: int, port: int, folder: str, results) -> None:
+    """One rank of a 2-process gloo group: each reads its own data file; then rank 0 fails to
+    read. Reports what each call raised (or returned) in ``results[rank]``."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    outcome = {}
+    try:
+        data = Path(folder) / f"data{rank}.jsonl"
+        cfg = config(data=str(data), cost_model="proxy")
+        for case, read in (
+            ("own data file", lambda: read_dataset(data, TINY_POLICY)),
+            ("rank 0 fails", lambda: read_dataset(Path(folder) / "absent.jsonl", TINY_POLICY)),
+        ):
+            try:
+                inputs = agree_on_inputs(cfg, read, log=lambda _: None)
+                outcome[case] = "agreed on " + ",".join(s.sample_id for s in inputs.shapes)
+            except Exception as error:
+                outcome[case] = f"{type(error).__name__}: {error}"
+    except Exception:
+        outcome["crash"] = traceback.format_exc()
+    finally:
+        results[rank] = outcome
+        dist.destroy_process_group()
+
+
+def test_two_ranks_with_different_data_files_both_stop_naming_it(tmp_path):
+    """Rank 1's data file differs from rank 0's: both ranks stop before training, with the input,
+    both digests and both paths; when rank 0 cannot read the data, rank 1 stops with its reason
+    instead of waiting in a collective."""
+    (tmp_path / "data0.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS))
+    (tmp_path / "data1.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS[:2]))
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        results = manager.dict()
+        port = free_port()
+        processes = [context.Process(target=_two_ranks, args=(r, port, str(tmp_path), results)) for r in (0, 1)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(timeout=120)
+        outcomes = dict(results)
+    assert set(outcomes) == {0, 1}, outcomes
+    for rank in (0, 1):
+        assert "crash" not in outcomes[rank], outcomes[rank]
+        message = outcomes[rank]["own data file"]
+        assert message.startswith("InputMismatchError"), message
+        for part in (
+            "rank 1",
+            DATA_FILE,
+            file_digest(tmp_path / "data0.jsonl"),
+            file_digest(tmp_path / "data1.jsonl"),
+            str(tmp_path / "data0.jsonl"),
+            str(tmp_path / "data1.jsonl"),
+        ):
+            assert part in message, (part, message)
+    assert outcomes[0]["rank 0 fails"].startswith("DataError")  # its own error, as before
+    assert "rank 0 could not resolve" in outcomes[1]["rank 0 fails"]
+    assert "absent.jsonl" in outcomes[1]["rank 0 fails"]
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_a_named_cost_model_is_checked_a_cached_one_is_taken(tmp_path, named):
+    """Pure part of the rank check: with a cost model named in the config, a rank compares its own
+    file's digest; without one, it takes rank 0's and compares nothing of its own."""
+    from test_costmodel import synthetic_profile
+
+    from dflop_ds.train.launch_inputs import check_against_rank_zero
+
+    model = FittedCostModel().fit(synthetic_profile(), TINY_POLICY)
+    other = FittedCostModel().fit(synthetic_profile(noise=0.2, seed=3), TINY_POLICY)
+    path = tmp_path / "cm.json"
+    save_cost_model(other, path)
+    state = cost_model_state(model)
+    shared = {
+        "shapes": [],
+        "cost_state": state,
+        "cost_source": "the profile cache /rank0/costmodel.json",
+        "reference": [InputDigest(COST_MODEL, json_digest(state), "the profile cache /rank0/costmodel.json")],
+    }
+    cfg = config(cost_model=str(path)) if named else config()
+    problems = check_against_rank_zero(cfg, shared, None, "no plan", rank=1)
+    if named:
+        (problem,) = problems
+        assert str(path) in problem and "/rank0/costmodel.json" in problem and json_digest(state) in problem
+    else:
+        assert problems == []
+
+
+def test_a_rank_with_another_plan_is_told_which_and_why(tmp_path):
+    from tiny_plans import one_stage_plan, two_stage_plan
+
+    from dflop_ds.train.launch_inputs import check_against_rank_zero
+
+    theirs, mine = two_stage_plan().to_dict(), one_stage_plan().to_dict()
+    shared = {"shapes": [], "cost_state": None, "cost_source": "proxy"}
+    shared["reference"] = [InputDigest(PLAN, json_digest(theirs), "/shared/plan.json")]
+    (problem,) = check_against_rank_zero(config(cost_model="proxy"), shared, mine, "/node2/plan.json", rank=5)
+    for part in ("rank 5", "plan", json_digest(theirs), json_digest(mine), "/shared/plan.json", "/node2/plan.json"):
+        assert part in problem
+    assert check_against_rank_zero(config(cost_model="proxy"), shared, theirs, "/node2/plan.json", rank=5) == []
