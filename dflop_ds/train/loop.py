@@ -241,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0:
         print_skip_report(data.report)
     shapes = data[: cfg.max_samples]
-    dataset = source.make_dataset(shapes, cfg.data)
+    dataset = source.make_dataset(shapes, cfg.data, cfg.on_bad_sample)  # skip: media that fail to load stand in
     cost_model = resolve_cost_model(cfg, rank)
     if cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
         check_policy(cost_model, source.policy, source=str(cfg.cost_model))
