@@ -44,6 +44,7 @@ from dflop_ds.data.media import record_image_paths
 from dflop_ds.data.records import BAD_SAMPLE_POLICIES, load_records
 from dflop_ds.models.data import IGNORE_INDEX, microbatch_denominator
 from dflop_ds.models.hf.check import load_processor
+from dflop_ds.models.hf.folder import check_model_folder
 from dflop_ds.models.packing import join_rows
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
@@ -158,6 +159,7 @@ class LlavaPreprocessor:
         (:func:`dflop_ds.models.hf.check.load_processor`)."""
         from transformers import AutoConfig
 
+        check_model_folder(model_dir, weights=False)
         config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
         processor = load_processor(Path(model_dir), config)
         kwargs.setdefault("name", f"llava:{Path(model_dir).name}")

@@ -66,6 +66,7 @@ from dflop_ds.models.hf.data import (
     counting_identity,
     text_ids,
 )
+from dflop_ds.models.hf.folder import check_model_folder
 from dflop_ds.models.hf.qwen2_vl_synthetic import Qwen2VLInputs
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
@@ -234,6 +235,7 @@ class Qwen2VLPreprocessor:
         from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
         path = str(model_dir)
+        check_model_folder(path, weights=False)
         kwargs.setdefault("name", f"qwen2_vl:{Path(model_dir).name}")
         return cls(
             AutoTokenizer.from_pretrained(path, local_files_only=True),
