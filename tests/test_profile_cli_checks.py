@@ -56,9 +56,9 @@ def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(
     "removed,missing",
     [
-        (["model.safetensors"], "missing weights (none of *.safetensors"),
-        (["tokenizer.json"], "missing a tokenizer (none of tokenizer.json, tokenizer.model"),
-        (["config.json"], "missing config.json"),
+        (["model.safetensors"], "no weights (none of *.safetensors"),
+        (["tokenizer.json"], "no tokenizer (none of tokenizer.json, tokenizer.model"),
+        (["config.json"], "no config.json"),
     ],
 )
 def test_a_model_folder_missing_a_part_is_named_before_transformers_reads_it(
@@ -81,9 +81,9 @@ def test_preprocessors_and_loaders_name_the_missing_tokenizer_or_weights(llava_d
     folder = Path(shutil.copytree(llava_dir, tmp_path / "model"))
     (folder / "tokenizer.json").unlink()
     for load in (LlavaPreprocessor.from_pretrained, Qwen2VLPreprocessor.from_pretrained):
-        with pytest.raises(FileNotFoundError, match="missing a tokenizer"):
+        with pytest.raises(FileNotFoundError, match="no tokenizer"):
             load(folder)
     assert load_llava(folder) is not None  # the model alone needs no tokenizer
     (folder / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="missing weights"):
+    with pytest.raises(FileNotFoundError, match="no weights"):
         load_llava(folder)

@@ -376,8 +376,8 @@ def check_model(model_dir: str | Path, *, stages: int = 1, tolerance: float = 1e
     from dflop_ds.pipe.module import layer_name
 
     path = Path(model_dir)
+    family = model_family(path)  # an unsupported model type is named first
     check_model_folder(path)
-    family = model_family(path)
     torch.manual_seed(seed)
     model = family.load(path).eval()  # eval: no dropout, so both paths are deterministic
     microbatch = family.microbatches(path, model.config)

@@ -21,14 +21,14 @@ def missing_parts(model_dir: PathArg, *, weights: bool = True, tokenizer: bool =
     """What the folder ``model_dir`` lacks of a ``save_pretrained`` model (empty when nothing)."""
     folder = Path(model_dir)
     if not folder.is_dir():
-        return ["the folder itself (it does not exist or is not a folder)"]
+        return ["config.json (the folder does not exist or is not a folder)"]
     missing = []
     if not (folder / "config.json").is_file():
         missing.append("config.json")
     if weights and not any(any(folder.glob(pattern)) for pattern in WEIGHT_PATTERNS):
         missing.append(f"weights (none of {', '.join(WEIGHT_PATTERNS)})")
     if tokenizer and not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        missing.append(f"a tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+        missing.append(f"tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     return missing
 
 
@@ -41,7 +41,7 @@ def check_model_folder(model_dir: PathArg, *, weights: bool = True, tokenizer: b
     missing = missing_parts(model_dir, weights=weights, tokenizer=tokenizer)
     if missing:
         raise FileNotFoundError(
-            f"model folder {model_dir}: missing {'; '.join(missing)} (expected what save_pretrained of the "
+            f"model folder {model_dir}: no {'; no '.join(missing)} (expected what save_pretrained of the "
             "model and of its processor or tokenizer writes)"
         )
 
