@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
-from dflop_ds.data import DataError, read_dataset  # noqa: E402
+from dflop_ds.data import DataError, read_dataset, validate_dataset  # noqa: E402
 from dflop_ds.models.hf.data import LlavaDataset, LlavaPreprocessor, collate_llava, load_llava_records  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor, collate_qwen2_vl  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
@@ -140,6 +140,8 @@ def test_qwen2_vl_refuses_a_recorded_size_that_is_not_the_file_s(qwen, tmp_path,
         info.value
     )
     assert "another policy" not in str(info.value)
+    (problem,) = validate_dataset(data, qwen.policy(), image_folder=images)  # the decode sample finds it too
+    assert problem.sample_id == "w" and "is 32x32, but its sample was sized 64x48" in problem.message
 
 
 def test_qwen2_vl_video_that_fails_to_load_stands_in_with_its_planned_grid(qwen, tmp_path: Path) -> None:

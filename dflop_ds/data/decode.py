@@ -26,7 +26,8 @@ SAMPLED_DECODES = 8
 
 @dataclass(frozen=True)
 class MediaFile:
-    """One media file of a good record: where it is named (record, id, field) and what it must hold."""
+    """One media file of a good record: where it is named (record, id, field) and what it must hold
+    (a video's ``frames``; an image's ``size`` when the sample's tokens depend on it)."""
 
     record: int
     sample_id: str
@@ -34,11 +35,16 @@ class MediaFile:
     kind: str
     full_path: str
     frames: int = 0
+    size: tuple[int, int] | None = None
 
 
-def media_files(records: Sequence[RawRecord], result: ReadResult, options: MediaOptions) -> list[MediaFile]:
+def media_files(
+    records: Sequence[RawRecord], result: ReadResult, options: MediaOptions, *, check_sizes: bool = False
+) -> list[MediaFile]:
     """The image and video files of the records ``result`` read well, in file order; media of a
-    kind whose folder ``options`` does not give are left out (there is no file to decode)."""
+    kind whose folder ``options`` does not give are left out (there is no file to decode).
+    ``check_sizes``: each image must have the size its shape was made with (a policy whose tokens
+    depend on the size, as Qwen2-VL's, where training refuses a recorded size that is not the file's)."""
     by_number = {raw.number: raw for raw in records}
     files: list[MediaFile] = []
     for shape, number in zip(result, result.record_numbers):
@@ -48,7 +54,8 @@ def media_files(records: Sequence[RawRecord], result: ReadResult, options: Media
             for i, path in enumerate(paths):
                 field = "image" if isinstance(value.get("image"), str) else f"image[{i}]"
                 full = os.path.abspath(os.path.join(options.image_folder, path))
-                files.append(MediaFile(number, shape.sample_id, field, "image", full))
+                size = shape.image_sizes[i] if check_sizes else None
+                files.append(MediaFile(number, shape.sample_id, field, "image", full, size=size))
         if options.video_folder is not None and shape.video_frames and isinstance(value.get("video"), str):
             full = os.path.abspath(os.path.join(options.video_folder, value["video"]))
             files.append(MediaFile(number, shape.sample_id, "video", "video", full, shape.video_frames))
@@ -69,7 +76,12 @@ def decode_problem(file: MediaFile) -> str | None:
     """Why ``file`` cannot be decoded in full (naming it), or None when it decodes."""
     try:
         if file.kind == "image":
-            load_rgb(file.full_path)
+            real = load_rgb(file.full_path).size
+            if file.size is not None and tuple(real) != file.size:
+                return (
+                    f"image {file.full_path} is {real[0]}x{real[1]}, but its sample was sized {file.size[0]}x"
+                    f"{file.size[1]} (from the record or the image_sizes table); its tokens depend on its size"
+                )
             return None
         decoded = decoded_frame_count(file.full_path)
     except (OSError, ValueError) as exc:
