@@ -52,7 +52,8 @@ class DFLOPConfig:
         max_samples: use only the first ``max_samples`` samples of the dataset (None: all).
         on_bad_sample: what a bad dataset record does: ``"error"`` (default) stops with a
             message naming the file, record and field; ``"skip"`` drops it, counts it and
-            prints the skip report (nothing is dropped silently).
+            prints the skip report (nothing is dropped silently); a sample whose media then fail
+            to load in training trains as a logged stand-in without targets (docs/reliability.md).
         policy: ``"tiny"`` (the bundled tiny model's tiling) or ``"default"`` (LLaVA-OneVision).
         pipeline_stages: pipeline stages; the data-parallel size is world size / stages.
         stage_bounds: layer index bounds of each stage over encoder + projector + LLM layers

@@ -16,6 +16,7 @@ from dflop_ds.data import headers as headers_module
 from dflop_ds.data.headers import cache_path_for
 from dflop_ds.models.source import tiny_source
 from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY
+from dflop_ds.testing.video import write_video
 
 ROOT = Path(__file__).resolve().parents[1]
 #: (file name, size): PNG and JPEG files of varied sizes and aspect ratios
@@ -138,8 +139,7 @@ def test_no_silent_default_size(dataset: tuple[Path, Path]) -> None:
 
 
 def test_video_folder_checks_that_videos_exist(tmp_path: Path, write_jsonl) -> None:
-    (tmp_path / "clips").mkdir()
-    (tmp_path / "clips" / "here.mp4").write_bytes(b"x")
+    write_video(tmp_path / "clips" / "here.mp4", frames=30, width=16, height=12)
     data = write_jsonl(
         tmp_path / "v.jsonl",
         [

@@ -358,9 +358,9 @@ def test_model_cli_writes_a_loadable_cost_model(tmp_path, capsys) -> None:
 def test_cli_target_spec_loads_a_user_factory() -> None:
     pytest.importorskip("dflop_ds.models")
     from dflop_ds.profile import ProfileTarget
-    from dflop_ds.profile.cli import int_list, load_target
+    from dflop_ds.profile.cli import load_target, positive_int_list
 
     assert isinstance(load_target("dflop_ds.models.tiny_profile:tiny_target"), ProfileTarget)
     with pytest.raises(ValueError, match="module:function"):
         load_target("no_colon_here")
-    assert int_list("1, 2,8") == [1, 2, 8]
+    assert positive_int_list("1, 2,8") == [1, 2, 8]

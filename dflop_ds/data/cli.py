@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import fields
 from typing import Any
 
+from dflop_ds.data.decode import SAMPLED_DECODES
 from dflop_ds.data.media import MediaOptions, default_media_folders
 from dflop_ds.data.validate import check_dataset, format_problems
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
@@ -206,6 +207,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="report samples with more than N encoder tiles (tiles + frames)",
     )
+    parser.add_argument(
+        "--deep",
+        action="store_true",
+        help="decode every image and every video frame in full (with a progress bar), to find truncated or "
+        "corrupt files their headers hide; without it a few media files spread over the data are decoded",
+    )
     parser.set_defaults(func=run_validate)
 
 
@@ -221,6 +228,7 @@ def run_validate(args: argparse.Namespace) -> int:
         policy,
         max_llm_tokens=args.max_llm_tokens,
         max_encoder_tiles=args.max_encoder_tiles,
+        decode=None if args.deep else SAMPLED_DECODES,
         **read_options(args),
     )
     if problems:

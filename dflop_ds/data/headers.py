@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from dflop_ds.data.errors import PathArg
+from dflop_ds.data.images import open_image
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +37,10 @@ def read_header_size(path: PathArg) -> tuple[int, int]:
     """``(width, height)`` of the image at ``path`` from its header (no pixel decoding).
 
     Raises:
-        OSError: the file cannot be opened, or PIL does not recognise it as an image.
+        OSError: the file cannot be opened, PIL does not recognise it as an image, or it is over
+            the pixel limit (:func:`~dflop_ds.data.images.open_image`).
     """
-    from PIL import Image
-
-    with Image.open(path) as image:
+    with open_image(path) as image:
         width, height = image.size
     if width < 1 or height < 1:
         raise OSError(f"header gives an empty size {width}x{height}")

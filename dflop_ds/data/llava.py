@@ -164,16 +164,17 @@ def _resolve_video(
     if "video" in record and (not isinstance(video, str) or not video):
         problems.add("video", f"must be a non-empty path string, got {type_name(video)} {video!r}")
         return None
-    given = None
+    given, given_by = None, "the record"
     for key in FRAME_KEYS:
         if key in record:
             given = problems.check_int(record[key], key, minimum=1, maximum=MAX_VIDEO_FRAMES)
             if given is None:
                 return None
+            given_by = f"the record's {key!r}"
             break
     if video is None:
         return given or 0, None
-    found = media.video(video, given, need_info=need_info)
+    found = media.video(video, given, need_info=need_info, given_by=given_by)
     if isinstance(found, str):
         problems.add("video", found)
         return None

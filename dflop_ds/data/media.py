@@ -8,7 +8,8 @@ when no ``image_folder`` is given, an explicitly requested ``fallback_size``. Wi
 missing or unreadable file is a bad record naming the path. A video's frame count is the
 record's, the ``video_frames`` table's, then (under a ``video_folder``) its container's, read
 with PyAV and cached beside the data file (:mod:`dflop_ds.data.video`), then
-``fallback_frames``; with a ``video_folder`` every video must exist. A shape policy with a
+``fallback_frames``; with a ``video_folder`` every video must exist and a count the record or
+the table gives must match its container's. A shape policy with a
 ``video_rule`` also needs the frame size and rate: they come from the container, so such a
 video needs a ``video_folder``.
 
@@ -64,22 +65,31 @@ class MediaLookup:
         return size
 
     def video(
-        self, path: str, given: int | None = None, *, need_info: bool = False
+        self, path: str, given: int | None = None, *, need_info: bool = False, given_by: str = "the record"
     ) -> tuple[int, VideoInfo | None] | str:
         """``(frame count, container facts or None)`` of video ``path`` (``given``: the record's
-        frame count), or a message saying why there is none. ``need_info``: the container's
-        facts (size, rate) are needed, so the file must be readable under the ``video_folder``."""
+        frame count, from ``given_by``), or a message saying why there is none. ``need_info``: the
+        container's facts (size, rate) are needed, so the file must be readable under the
+        ``video_folder``. Under a ``video_folder`` the file is the truth: a frame count the record
+        or the table gives that disagrees with the container's is refused, naming both."""
         if self.videos is not None:
             problem = self.videos.missing(path)
             if problem is not None:
                 return problem
         known = given if given is not None else self.video_frames.get(path)
         info = None
-        if self.videos is not None and (need_info or known is None):
+        if self.videos is not None:
             found = self.videos.info(path)
             if isinstance(found, str):
                 return found
             info = found
+            if known is not None and known != info.frames:
+                source = given_by if given is not None else "the video_frames table"
+                return (
+                    f"{source} gives {known} frame(s) for video {path!r}, but the file "
+                    f"{self.videos.full_path(path)} has {info.frames}: correct or remove the count "
+                    "(the file's is read when none is given)"
+                )
         elif need_info:
             return (
                 f"no frame size and rate for video {path!r}: the shape policy needs them from the video file, "

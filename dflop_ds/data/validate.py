@@ -4,8 +4,10 @@ Checks, for a shape manifest or a LLaVA file: the file can be read and parsed; e
 is a JSON object with the right fields of the right types; sizes, frame counts and token counts
 are positive and plausible (image sides <= 100000 px, frames <= 10^7); ids are unique; every
 image has a size (record, side table, image header or an explicit fallback) and, with an image
-folder, exists and is readable; and, when caps are given, no sample is
-larger than the model can take (``max_llm_tokens``, ``max_encoder_tiles``).
+folder, exists and is readable; media files decode in full (all of them with ``decode=None``,
+``dflop-ds validate --deep``; by default a few spread over the file, :mod:`dflop_ds.data.decode`);
+and, when caps are given, no sample is larger than the model can take (``max_llm_tokens``,
+``max_encoder_tiles``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dflop_ds.data.dispatch import detect_format, read_loaded
+from dflop_ds.data.decode import SAMPLED_DECODES, decode_media, media_files, spread
+from dflop_ds.data.dispatch import LLAVA, detect_format, read_loaded
 from dflop_ds.data.errors import DataError, PathArg, describe_location
 from dflop_ds.data.media import MediaOptions
 from dflop_ds.data.records import ReadResult, load_records
@@ -59,6 +62,8 @@ def check_dataset(
     *,
     max_llm_tokens: int | None = None,
     max_encoder_tiles: int | None = None,
+    decode: int | None = SAMPLED_DECODES,
+    progress: bool = True,
     **media: Any,
 ) -> tuple[list[Problem], ReadResult | None]:
     """Like :func:`validate_dataset`, also returning the shapes of the good records.
@@ -95,6 +100,10 @@ def check_dataset(
                         f"sample has {value} {name.replace('_', ' ')}, over the cap of {cap}",
                     )
                 )
+    if fmt == LLAVA:
+        files = spread(media_files(records, result, options, check_sizes=policy.image_rule is not None), decode)
+        for file, message in decode_media(files, progress=progress and decode is None):
+            problems.append(Problem(str(path), file.record, kind, file.sample_id, file.field, message))
     problems.sort(key=lambda p: (p.path or "", p.record if p.record is not None else -1))
     return problems, result
 
@@ -105,6 +114,7 @@ def validate_dataset(
     *,
     max_llm_tokens: int | None = None,
     max_encoder_tiles: int | None = None,
+    decode: int | None = SAMPLED_DECODES,
     **media: Any,
 ) -> list[Problem]:
     """Every problem of the dataset at ``path`` (empty when it is clean), in file order.
@@ -117,11 +127,14 @@ def validate_dataset(
         policy: the shape policy (the caps are checked against its derived shapes).
         max_llm_tokens: report samples whose LLM sequence is longer.
         max_encoder_tiles: report samples with more encoder tiles (tiles + sampled frames).
+        decode: media files of the good records to decode in full, spread over the file
+            (None: every one, with a progress bar; 0: none): a truncated or corrupt file passes
+            its header check and fails only here.
         **media: the fields of :class:`~dflop_ds.data.media.MediaOptions`, as for
             :func:`~dflop_ds.data.read_dataset`.
     """
     problems, _ = check_dataset(
-        path, policy, max_llm_tokens=max_llm_tokens, max_encoder_tiles=max_encoder_tiles, **media
+        path, policy, max_llm_tokens=max_llm_tokens, max_encoder_tiles=max_encoder_tiles, decode=decode, **media
     )
     return problems
 

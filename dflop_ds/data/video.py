@@ -160,10 +160,28 @@ def decode_frames(path: PathArg, indices: Sequence[int]) -> list[Any]:
     return [images[int(i)] for i in indices]
 
 
+def decoded_frame_count(path: PathArg) -> int:
+    """Frames of the video at ``path`` that decode, every frame of its first video stream decoded
+    (what ``dflop-ds validate --deep`` checks a video with).
+
+    Raises:
+        OSError: the file cannot be opened, has no video stream, or a frame cannot be decoded.
+    """
+    av = _import_av()
+    with _open(path) as container:
+        if not container.streams.video:
+            raise OSError(f"{path} has no video stream")
+        try:
+            return sum(1 for _ in container.decode(container.streams.video[0]))
+        except (av.FFmpegError, ValueError) as exc:
+            raise OSError(f"cannot decode {path}: {exc}") from exc
+
+
 __all__ = [
     "VideoHeaders",
     "VideoInfo",
     "decode_frames",
+    "decoded_frame_count",
     "read_video_info",
     "sample_frame_indices",
     "sampled_frame_count",

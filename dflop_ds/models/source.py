@@ -30,7 +30,9 @@ class ModelSource:
         policy: turns dataset records into :class:`SampleShape` s.
         read_shapes: ``read_shapes(data_path, on_bad_sample) -> ReadResult`` of the dataset
             (:func:`dflop_ds.data.read_dataset` with the source's policy and media options).
-        make_dataset: ``make_dataset(shapes, data_path) -> Dataset`` indexed like the shapes.
+        make_dataset: ``make_dataset(shapes, data_path, on_bad_sample="error") -> Dataset`` indexed
+            like the shapes; ``on_bad_sample`` says what a sample whose media fail to load does
+            (see :class:`~dflop_ds.models.hf.data.LlavaDataset`).
         collate: microbatch collate producing ``(inputs, labels)``, padded.
         packed_collate: the collate of packed microbatches (one row per microbatch), or None
             when the model cannot run them.
@@ -52,7 +54,7 @@ class ModelSource:
     llm_layers: list
     policy: ShapePolicy
     read_shapes: Callable[[str, str], Any]
-    make_dataset: Callable[[Sequence[SampleShape], str], Any]
+    make_dataset: Callable[..., Any]
     collate: Callable
     label_tokens_fn: Callable[[SampleShape], int]
     save_pretrained: Callable[[str, dict], None] | None = None
@@ -116,7 +118,8 @@ def tiny_source(
             video_folder=media_folder(path, video_folder),
         )
 
-    def make_dataset(shapes: Sequence[SampleShape], data_path: str):
+    def make_dataset(shapes: Sequence[SampleShape], data_path: str, on_bad_sample: str = "error"):
+        # synthetic tensors of the shapes: no file is loaded, so no sample can fail at load time
         return TinyMLLMDataset(list(shapes), config, seed=seed)
 
     return ModelSource(

@@ -14,6 +14,7 @@ from dflop_ds.data.cli import add_read_arguments, policy_from_args, read_options
 from dflop_ds.models.hf.profile import hf_target
 from dflop_ds.models.tiny import TinyMLLMConfig
 from dflop_ds.models.tiny_profile import tiny_target
+from dflop_ds.paths import check_writable
 from dflop_ds.plan.engine_profile import engine_profile_from_run
 from dflop_ds.profile.data import DataProfile, profile_data
 from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAULT_TILES, PROTOCOLS, profile_model
@@ -21,15 +22,34 @@ from dflop_ds.profile.report import cost_model_table, data_profile_table, plot_r
 from dflop_ds.profile.timing import CLOCKS, STATISTICS
 
 
-def int_list(text: str) -> list[int]:
-    """``"1,2,4"`` -> ``[1, 2, 4]`` (argparse type)."""
+def positive_int_list(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (argparse type; every value >= 1: a size of 0 has no cost to fit)."""
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def bounded_int(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+positive_int, non_negative_int = bounded_int(1), bounded_int(0)
 
 
 def load_target(spec: str) -> Any:
@@ -45,10 +65,11 @@ def run_model(args: argparse.Namespace) -> int:
     """``profile model``: profile, fit and save a FittedCostModel (measurements included)."""
     if args.target and args.model_name_or_path:
         raise SystemExit("profile model: give --target or --model_name_or_path, not both")
+    check_writable(args.output, "--output")  # fail now, not after profiling
     if args.target:
         target = load_target(args.target)
     elif args.model_name_or_path:
-        target = hf_target(args.model_name_or_path)
+        target = hf_target(args.model_name_or_path)  # a folder lacking weights or tokenizer is named first
     else:
         config = TinyMLLMConfig(vision_layers=args.vision_layers, llm_layers=args.llm_layers)
         target = tiny_target(config, seed=args.seed)
@@ -82,6 +103,7 @@ def run_model(args: argparse.Namespace) -> int:
 
 def run_data(args: argparse.Namespace) -> int:
     """``profile data``: sample a dataset's shapes and save a DataProfile."""
+    check_writable(args.output, "--output")
     started = time.perf_counter()
     profile = profile_data(
         args.data,
@@ -100,6 +122,7 @@ def run_data(args: argparse.Namespace) -> int:
 
 def run_engine(args: argparse.Namespace) -> int:
     """``profile engine``: fit an EngineProfile from a profiling run's telemetry and save it."""
+    check_writable(args.output, "--output")
     policy = policy_from_args(args)
     cost_model = load_cost_model(args.cost_model)
     check_policy(cost_model, policy, source=args.cost_model)
@@ -131,6 +154,8 @@ def run_report(args: argparse.Namespace) -> int:
     if not isinstance(model, FittedCostModel):
         raise ValueError(f"{args.cost_model}: a {type(model).__name__} has no fits to report; pass a profiled one")
     data = DataProfile.load(args.data_profile) if args.data_profile else None
+    if args.png:
+        check_writable(args.png, "--png")
     print(cost_model_table(model))
     if data is not None:
         print()
@@ -172,14 +197,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a HuggingFace LLaVA save_pretrained directory: profile its real vision tower "
         "(per image count) and decoder layers (per sequence length)",
     )
-    model.add_argument("--vision-layers", type=int, default=4, help="tiny model: vision blocks (default 4)")
-    model.add_argument("--llm-layers", type=int, default=4, help="tiny model: decoder blocks (default 4)")
-    model.add_argument("--max-blocks", type=int, default=2, help="identical blocks profiled per segment (default 2)")
-    model.add_argument("--tiles", type=int_list, default=list(DEFAULT_TILES), help="encoder tile counts")
-    model.add_argument("--seq-lens", type=int_list, default=list(DEFAULT_SEQ_LENS), help="LLM sequence lengths")
-    model.add_argument("--batch-sizes", type=int_list, default=list(DEFAULT_BATCH_SIZES), help="LLM batch sizes")
-    model.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
-    model.add_argument("--repeats", type=int, default=5, help="timed rounds (default 5)")
+    model.add_argument("--vision-layers", type=positive_int, default=4, help="tiny model: vision blocks (default 4)")
+    model.add_argument("--llm-layers", type=positive_int, default=4, help="tiny model: decoder blocks (default 4)")
+    model.add_argument(
+        "--max-blocks", type=positive_int, default=2, help="identical blocks profiled per segment (default 2)"
+    )
+    model.add_argument("--tiles", type=positive_int_list, default=list(DEFAULT_TILES), help="encoder tile counts")
+    model.add_argument(
+        "--seq-lens", type=positive_int_list, default=list(DEFAULT_SEQ_LENS), help="LLM sequence lengths"
+    )
+    model.add_argument(
+        "--batch-sizes", type=positive_int_list, default=list(DEFAULT_BATCH_SIZES), help="LLM batch sizes"
+    )
+    model.add_argument("--warmup", type=non_negative_int, default=1, help="untimed rounds (default 1)")
+    model.add_argument("--repeats", type=positive_int, default=5, help="timed rounds (default 5)")
     model.add_argument("--statistic", choices=STATISTICS, default="min", help="summary of the repeats")
     model.add_argument(
         "--clock",
@@ -187,7 +218,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         help="auto: process CPU time on a CPU device, wall time on an accelerator",
     )
-    model.add_argument("--threads", type=int, default=1, help="torch threads while profiling (default 1)")
+    model.add_argument("--threads", type=positive_int, default=1, help="torch threads while profiling (default 1)")
     model.add_argument(
         "--protocol",
         choices=PROTOCOLS,
@@ -210,9 +241,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     data.add_argument("data", metavar="DATA", help="shape manifest (JSONL) or LLaVA JSON/JSONL file")
     add_read_arguments(data, default_policy="tiny")
-    data.add_argument("--samples", type=int, default=2000, help="samples to draw (default 2000; all if fewer)")
+    data.add_argument("--samples", type=positive_int, default=2000, help="samples to draw (default 2000; all if fewer)")
     data.add_argument("--seed", type=int, default=0)
-    data.add_argument("--bins", type=int, default=20, help="histogram bins (default 20)")
+    data.add_argument("--bins", type=positive_int, default=20, help="histogram bins (default 20)")
     data.add_argument("--on-bad-sample", choices=("error", "skip"), default="error")
     data.add_argument("--output", "-o", default="dataprofile.json", help="output JSON (default dataprofile.json)")
     data.set_defaults(func=run_data)
@@ -228,7 +259,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--cost-model", required=True, help="the cost-model JSON of `dflop-ds profile model`")
     engine.add_argument("--data", required=True, help="the run's dataset (shape manifest or LLaVA file)")
     add_read_arguments(engine, default_policy="tiny")
-    engine.add_argument("--skip-steps", type=int, default=3, help="warm-up steps to leave out (default 3)")
+    engine.add_argument("--skip-steps", type=non_negative_int, default=3, help="warm-up steps to leave out (default 3)")
     engine.add_argument("--output", "-o", default="engine_profile.json", help="output JSON")
     engine.set_defaults(func=run_engine)
 

@@ -234,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if source.truncated_samples():
             print(f"[dflop-ds] {source.truncated_samples()} sample(s) cut at dflop.data.max_length", flush=True)
     shapes = inputs.shapes[: cfg.max_samples]
-    dataset = source.make_dataset(shapes, cfg.data)
+    dataset = source.make_dataset(shapes, cfg.data, cfg.on_bad_sample)  # skip: media that fail to load stand in
     cost_model = inputs.cost_model
     if cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
         check_policy(cost_model, source.policy, source=str(cfg.cost_model))

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from dflop_ds.models.hf.common import check_boundary
+from dflop_ds.models.hf.folder import check_model_folder
 from dflop_ds.models.hf.llava import llava_layers, load_llava
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers, tower_grid
 from dflop_ds.models.hf.qwen2_vl_synthetic import IMAGE_MARK, VIDEO_MARK, Qwen2VLInputs, qwen2_vl_hf_kwargs
@@ -375,7 +376,8 @@ def check_model(model_dir: str | Path, *, stages: int = 1, tolerance: float = 1e
     from dflop_ds.pipe.module import layer_name
 
     path = Path(model_dir)
-    family = model_family(path)
+    family = model_family(path)  # an unsupported model type is named first
+    check_model_folder(path)
     torch.manual_seed(seed)
     model = family.load(path).eval()  # eval: no dropout, so both paths are deterministic
     microbatch = family.microbatches(path, model.config)

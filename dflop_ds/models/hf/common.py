@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflop_ds.models.hf.folder import check_model_folder
 from dflop_ds.models.hf.packed import packed_attention, packed_kwargs
 from dflop_ds.models.packing import is_packed, token_positions
 
@@ -172,7 +173,8 @@ def model_type(model_dir: Any) -> str | None:
 def load_checked(
     model_dir: Any, check: Callable[[Any, str], None], model_class: Callable[[Any], Any], dtype: Any = None
 ) -> Any:
-    """Load a ``save_pretrained`` directory offline: its config is checked first (``check(config,
+    """Load a ``save_pretrained`` directory offline: a missing config or weights file is named
+    first (:func:`~dflop_ds.models.hf.folder.check_model_folder`), then its config is checked (``check(config,
     where)`` names an unsupported model before any weight is read), then ``model_class(config)``
     (the ``...ForConditionalGeneration`` class to use) loads the weights."""
     from pathlib import Path
@@ -180,8 +182,7 @@ def load_checked(
     from transformers import AutoConfig
 
     path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: no config.json (expected a save_pretrained model directory)")
+    check_model_folder(path, tokenizer=False)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     check(config, str(path))
     kwargs = {} if dtype is None else {"dtype": dtype}

@@ -39,10 +39,12 @@ import torch
 from torch.utils.data import Dataset
 
 from dflop_ds.data.errors import DataError, PathArg
+from dflop_ds.data.images import load_rgb
 from dflop_ds.data.media import record_image_paths
-from dflop_ds.data.records import load_records
+from dflop_ds.data.records import BAD_SAMPLE_POLICIES, load_records
 from dflop_ds.models.data import IGNORE_INDEX, microbatch_denominator
 from dflop_ds.models.hf.check import load_processor
+from dflop_ds.models.hf.folder import check_model_folder
 from dflop_ds.models.packing import join_rows
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
@@ -157,6 +159,7 @@ class LlavaPreprocessor:
         (:func:`dflop_ds.models.hf.check.load_processor`)."""
         from transformers import AutoConfig
 
+        check_model_folder(model_dir, weights=False)
         config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
         processor = load_processor(Path(model_dir), config)
         kwargs.setdefault("name", f"llava:{Path(model_dir).name}")
@@ -364,6 +367,14 @@ class LlavaItem:
 class LlavaDataset(Dataset):
     """The samples of ``shapes`` (made under ``preprocessor.policy()``) as contract tensors.
 
+    A sample whose media cannot be loaded (a missing, truncated or corrupt file, an image over the
+    pixel limit) is a :class:`~dflop_ds.data.errors.DataError` naming the record, the field and the
+    file. With ``on_bad_sample="skip"`` it becomes a *stand-in* instead: the same tensor shapes,
+    blank pixels, the same token ids and no targets, logged by name. The schedule was built before
+    any file was decoded, so dropping the sample here would leave this rank a microbatch short of
+    the others and desynchronise every collective; the stand-in keeps all ranks in lockstep, adds
+    nothing to the loss or the gradients, and leaves every other sample trained exactly once.
+
     Args:
         shapes: one shape per sample, in dataset order (e.g. ``read_dataset(...)[:n]``).
         records: the raw records by id (:func:`load_llava_records`).
@@ -371,10 +382,15 @@ class LlavaDataset(Dataset):
         image_folder: folder the records' image paths are relative to.
         source: the data file, for messages.
         video_folder: folder the records' video paths are relative to (families that take videos).
+        on_bad_sample: ``"error"`` (default): a sample whose media fail to load raises;
+            ``"skip"``: it is trained as a stand-in (above) and counted in :attr:`stand_ins`.
     """
 
     #: whether the family's model takes videos (LLaVA does not: such samples are refused by name)
     supports_video = False
+    #: whether an image's size changes the sample's tokens, so a recorded size must match the file
+    #: (plain LLaVA resizes every image to one tile: a wrong recorded size changes nothing)
+    size_sets_tokens = False
 
     def __init__(
         self,
@@ -385,13 +401,19 @@ class LlavaDataset(Dataset):
         *,
         source: PathArg | None = None,
         video_folder: PathArg | None = None,
+        on_bad_sample: str = "error",
     ) -> None:
+        if on_bad_sample not in BAD_SAMPLE_POLICIES:
+            raise ValueError(f"on_bad_sample must be one of {BAD_SAMPLE_POLICIES}, got {on_bad_sample!r}")
         self.shapes = list(shapes)
         self.records = records
         self.preprocessor = preprocessor
         self.image_folder = None if image_folder is None else Path(image_folder)
         self.video_folder = None if video_folder is None else Path(video_folder)
         self.source = source
+        self.on_bad_sample = on_bad_sample
+        #: the load errors of the samples this process trained as stand-ins
+        self.stand_ins: list[DataError] = []
         for shape in self.shapes:
             if shape.sample_id not in records:
                 raise self._error(shape.sample_id, None, "no record with this id in the records given")
@@ -416,43 +438,90 @@ class LlavaDataset(Dataset):
     def __len__(self) -> int:
         return len(self.shapes)
 
-    def _load_images(self, sample_id: str, record: Mapping[str, Any]) -> list:
-        from PIL import Image
-
-        paths = record_image_paths(record)
+    def _load_images(self, shape: SampleShape) -> list:
+        """The sample's images, decoded as 8-bit RGB; one that cannot be loaded, or (when
+        :attr:`size_sets_tokens`) whose size is not the one its shape was made with, raises naming
+        the record, the field and the file."""
+        record = self.records[shape.sample_id]
         images = []
-        for i, path in enumerate(paths):
+        for i, path in enumerate(record_image_paths(record)):
             full = os.path.abspath(os.path.join(self.image_folder, path))  # type: ignore[arg-type]
+            field = "image" if isinstance(record.get("image"), str) else f"image[{i}]"
             try:
-                with Image.open(full) as image:
-                    images.append(image.convert("RGB"))
+                image = load_rgb(full)
             except (OSError, ValueError) as exc:
-                field = "image" if isinstance(record.get("image"), str) else f"image[{i}]"
-                raise self._error(sample_id, field, f"cannot load image {full}: {exc}") from exc
+                raise self._error(shape.sample_id, field, f"cannot load image {full}: {exc}") from exc
+            if self.size_sets_tokens and tuple(image.size) != tuple(shape.image_sizes[i]):
+                raise self._size_error(shape, record, i, path, full, image.size)
+            images.append(image)
         return images
 
-    def _sample(self, idx: int) -> tuple[SampleShape, list, list[tuple[str, str]]]:
-        """``(shape, images, turns)`` of the sample at ``idx``, its images loaded."""
+    def _size_error(
+        self, shape: SampleShape, record: Mapping[str, Any], i: int, path: str, full: str, real: tuple[int, int]
+    ) -> DataError:
+        """The error of image ``i`` whose file is ``real`` pixels but whose shape says otherwise,
+        naming the field the wrong size came from."""
+        width, height = shape.image_sizes[i]
+        if "image_sizes" in record:
+            field, given_by = f"image_sizes[{i}]", "the record's 'image_sizes'"
+        elif "width" in record or "height" in record:
+            field, given_by = "width/height", "the record's 'width'/'height'"
+        else:
+            field = "image" if isinstance(record.get("image"), str) else f"image[{i}]"
+            given_by = "the image_sizes table (or a stale header cache)"
+        return self._error(
+            shape.sample_id,
+            field,
+            f"{given_by} gives {width}x{height} for image {path!r}, but the file {full} is {real[0]}x{real[1]}: "
+            "its tokens depend on its size, so correct or remove the recorded size (the file's header is read "
+            "when none is given)",
+        )
+
+    def _turns(self, shape: SampleShape) -> list[tuple[str, str]]:
+        return [(turn["from"], turn["value"]) for turn in self.records[shape.sample_id]["conversations"]]
+
+    def _shape(self, idx: Any) -> SampleShape:
         i = int(idx)
         if not 0 <= i < len(self.shapes):
             raise IndexError(f"{type(self).__name__} index {i} out of range [0, {len(self.shapes)})")
-        shape = self.shapes[i]
-        record = self.records[shape.sample_id]
-        turns = [(turn["from"], turn["value"]) for turn in record["conversations"]]
-        return shape, self._load_images(shape.sample_id, record), turns
+        return self.shapes[i]
 
-    def __getitem__(self, idx: int) -> LlavaItem:
-        """The sample at ``idx`` (an ``int`` or a ``ScheduledIndex``, whose denominator is kept)."""
-        shape, images, turns = self._sample(idx)
-        ids, targets = self._tensors(shape, lambda: self.preprocessor.encode(turns, len(images)))
-        return LlavaItem(
-            shape.sample_id,
-            self.preprocessor.pixel_values(images),
-            ids,
-            targets,
-            self.preprocessor.pad_token_id,
-            scheduled_denominator(idx),
+    def _item(self, shape: SampleShape, blank: bool) -> LlavaItem:
+        """The sample of ``shape`` with its media loaded, or (``blank``) with blank pixels of the same shape."""
+        n_images = len(shape.image_sizes)
+        ids, targets = self._tensors(shape, lambda: self.preprocessor.encode(self._turns(shape), n_images))
+        if blank:
+            pixels = torch.zeros((n_images, *self.preprocessor.pixel_shape), dtype=torch.float32)
+        else:
+            pixels = self.preprocessor.pixel_values(self._load_images(shape))
+        return LlavaItem(shape.sample_id, pixels, ids, targets, self.preprocessor.pad_token_id)
+
+    def _stand_in(self, shape: SampleShape, error: DataError) -> LlavaItem:
+        """The stand-in of a sample whose media failed with ``error`` (re-raised when the sample's
+        text cannot be encoded either)."""
+        try:
+            item = self._item(shape, blank=True)
+        except (DataError, ValueError):
+            raise error from None
+        item.targets = torch.full_like(item.targets, IGNORE_INDEX)
+        self.stand_ins.append(error)
+        logger.warning(
+            "%s; on_bad_sample=skip: trained as a stand-in with blank media and no targets (no loss, no gradient)",
+            error,
         )
+        return item
+
+    def __getitem__(self, idx: Any) -> LlavaItem:
+        """The sample at ``idx`` (an ``int`` or a ``ScheduledIndex``, whose denominator is kept)."""
+        shape = self._shape(idx)
+        try:
+            item = self._item(shape, blank=False)
+        except DataError as error:
+            if self.on_bad_sample != "skip":
+                raise
+            item = self._stand_in(shape, error)
+        item.loss_denominator = scheduled_denominator(idx)
+        return item
 
 
 def scheduled_denominator(idx: Any) -> float | None:

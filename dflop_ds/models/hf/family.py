@@ -95,7 +95,7 @@ def family_source(
             video_folder=media_folder(path, video_folder),
         )
 
-    def make_dataset(shapes, path: str):
+    def make_dataset(shapes, path: str, on_bad_sample: str = "error"):
         return family.dataset(
             list(shapes),
             load_llava_records(path),
@@ -103,6 +103,7 @@ def family_source(
             media_folder(path, image_folder),
             source=path,
             video_folder=media_folder(path, video_folder),
+            on_bad_sample=on_bad_sample,
         )
 
     def save_pretrained(directory: str, state: Mapping[str, torch.Tensor]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dflop_ds.models.hf.common import model_type
 from dflop_ds.models.hf.data import LlavaPreprocessor
+from dflop_ds.models.hf.folder import check_model_folder
 from dflop_ds.models.hf.llava import llava_input_factories, llava_layers, load_llava
 from dflop_ds.models.hf.qwen2_vl import (
     MODEL_CLASSES,
@@ -56,7 +57,9 @@ def qwen2_vl_target(model_dir: str, *, text_tokens: int = 8) -> ProfileTarget:
 
 
 def hf_target(model_dir: str, *, text_tokens: int = 8) -> ProfileTarget:
-    """The profiling target of a HuggingFace directory, by its ``config.model_type`` (LLaVA or Qwen2-VL)."""
+    """The profiling target of a HuggingFace directory, by its ``config.model_type`` (LLaVA or Qwen2-VL);
+    a folder without config, weights or tokenizer is refused first, naming what it lacks."""
+    check_model_folder(model_dir)
     if model_type(model_dir) in MODEL_CLASSES:
         return qwen2_vl_target(model_dir, text_tokens=text_tokens)
     return llava_target(model_dir, text_tokens=text_tokens)

@@ -64,11 +64,11 @@ from dflop_ds.models.hf.data import (
     LlavaPreprocessor,
     collate_llava,
     counting_identity,
-    scheduled_denominator,
     text_ids,
 )
+from dflop_ds.models.hf.folder import check_model_folder
 from dflop_ds.models.hf.qwen2_vl_synthetic import Qwen2VLInputs
-from dflop_ds.shapes import ShapePolicy
+from dflop_ds.shapes import SampleShape, ShapePolicy
 
 TEMPLATE_NAME = "qwen2-vl-chatml"
 DEFAULT_SYSTEM = "You are a helpful assistant."
@@ -235,6 +235,7 @@ class Qwen2VLPreprocessor:
         from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
         path = str(model_dir)
+        check_model_folder(path, weights=False)
         kwargs.setdefault("name", f"qwen2_vl:{Path(model_dir).name}")
         return cls(
             AutoTokenizer.from_pretrained(path, local_files_only=True),
@@ -364,6 +365,7 @@ class Qwen2VLDataset(LlavaDataset):
 
     preprocessor: Qwen2VLPreprocessor  # type: ignore[assignment]
     supports_video = True
+    size_sets_tokens = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -376,11 +378,10 @@ class Qwen2VLDataset(LlavaDataset):
                         f"videos are not supported for {self.preprocessor.model_type} yet (only qwen2_vl)",
                     )
 
-    def _video(self, shape: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _video(self, shape: SampleShape) -> tuple[torch.Tensor, torch.Tensor]:
         """``(pixel_values_videos, video_grid_thw)`` of the sample's video, its sampled frames decoded."""
-        patch_dim = self.preprocessor.inputs.patch_dim
         if not shape.video_frames:
-            return torch.zeros(0, patch_dim), _no_grid()
+            return torch.zeros(0, self.preprocessor.inputs.patch_dim), _no_grid()
         path = self.records[shape.sample_id]["video"]
         full = os.path.abspath(os.path.join(self.video_folder, path))  # type: ignore[arg-type]
         try:
@@ -392,14 +393,34 @@ class Qwen2VLDataset(LlavaDataset):
         except (OSError, ValueError) as exc:
             raise self._error(shape.sample_id, "video", f"cannot load video {full}: {exc}") from exc
 
-    def __getitem__(self, idx: int) -> Qwen2VLItem:
-        """The sample at ``idx`` (an ``int`` or a ``ScheduledIndex``, whose denominator is kept)."""
-        shape, images, turns = self._sample(idx)
-        pixel_values, grid = self.preprocessor.pixel_values(images)
-        video_pixels, video_grid = self._video(shape)
+    def _blank_media(
+        self, shape: SampleShape
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """Zero pixels and the patch grids of the sample's images and video as its shape sizes them
+        (what :meth:`_item` loads, for a stand-in)."""
+        patch_dim = self.preprocessor.inputs.patch_dim
+        grid = torch.tensor([(1, *self.preprocessor.rule.grid(w, h)) for w, h in shape.image_sizes], dtype=torch.long)
+        video_grid = _no_grid()
+        if shape.video_frames:
+            if shape.video_size is None or shape.video_fps is None:
+                raise ValueError("its shape has no frame size or rate (read the data with a video_folder)")
+            t_h_w = self.preprocessor.video_rule.grid(shape.video_frames, *shape.video_size, shape.video_fps)
+            video_grid = torch.tensor([t_h_w], dtype=torch.long)
+        grid = grid.reshape(-1, 3)
+        images = torch.zeros(int(grid.prod(-1).sum()), patch_dim), grid
+        return images, (torch.zeros(int(video_grid.prod(-1).sum()), patch_dim), video_grid)
+
+    def _item(self, shape: SampleShape, blank: bool) -> Qwen2VLItem:
+        """The sample of ``shape`` with its media loaded, or (``blank``) zero pixels of the same grids."""
+        if blank:
+            (pixel_values, grid), (video_pixels, video_grid) = self._blank_media(shape)
+        else:
+            pixel_values, grid = self.preprocessor.pixel_values(self._load_images(shape))
+            video_pixels, video_grid = self._video(shape)
         merge = self.preprocessor.rule.merge_size
         video_tokens = int(video_grid.prod(-1).sum()) // merge**2 if video_grid.shape[0] else None
         image_tokens = (grid.prod(-1) // merge**2).tolist()
+        turns = self._turns(shape)
         ids, targets = self._tensors(shape, lambda: self.preprocessor.encode(turns, image_tokens, video_tokens))
         return Qwen2VLItem(
             shape.sample_id,
@@ -407,11 +428,15 @@ class Qwen2VLDataset(LlavaDataset):
             ids,
             targets,
             self.preprocessor.pad_token_id,
-            scheduled_denominator(idx),
+            None,
             grid,
             video_pixels,
             video_grid,
         )
+
+    def __getitem__(self, idx: Any) -> Qwen2VLItem:
+        """The sample at ``idx`` (an ``int`` or a ``ScheduledIndex``, whose denominator is kept)."""
+        return super().__getitem__(idx)  # type: ignore[return-value]
 
 
 def collate_qwen2_vl(items: Sequence[Qwen2VLItem], packed: bool = False):

@@ -1,0 +1,49 @@
+"""Check a ``save_pretrained`` model folder before transformers reads it.
+
+transformers reports a folder without weights or without a tokenizer with a long traceback (a
+missing tokenizer even blames sentencepiece); :func:`check_model_folder` says which part is
+missing, naming the folder and the files looked for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflop_ds.data.errors import PathArg
+
+#: Files holding a model's weights (one is enough; sharded weights come with an index).
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+#: Files a tokenizer is loaded from (one is enough): fast, SentencePiece, BPE and WordPiece vocabularies.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def missing_parts(model_dir: PathArg, *, weights: bool = True, tokenizer: bool = True) -> list[str]:
+    """What the folder ``model_dir`` lacks of a ``save_pretrained`` model (empty when nothing)."""
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        return ["config.json (the folder does not exist or is not a folder)"]
+    missing = []
+    if not (folder / "config.json").is_file():
+        missing.append("config.json")
+    if weights and not any(any(folder.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        missing.append(f"weights (none of {', '.join(WEIGHT_PATTERNS)})")
+    if tokenizer and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        missing.append(f"tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    return missing
+
+
+def check_model_folder(model_dir: PathArg, *, weights: bool = True, tokenizer: bool = True) -> None:
+    """Raise ``FileNotFoundError`` naming ``model_dir`` and every part it lacks (:func:`missing_parts`).
+
+    ``weights`` / ``tokenizer``: whether the caller reads them (a tokenizer-only reader does not
+    need weights).
+    """
+    missing = missing_parts(model_dir, weights=weights, tokenizer=tokenizer)
+    if missing:
+        raise FileNotFoundError(
+            f"model folder {model_dir}: no {'; no '.join(missing)} (expected what save_pretrained of the "
+            "model and of its processor or tokenizer writes)"
+        )
+
+
+__all__ = ["TOKENIZER_FILES", "WEIGHT_PATTERNS", "check_model_folder", "missing_parts"]
