@@ -22,8 +22,8 @@ from dflop_ds.config import AUTO, OFF, DFLOPConfig, autotp_size
 from dflop_ds.cost import check_policy, load_cost_model
 from dflop_ds.setup_checks import SetupError, check_cost_model, check_training_setup, resolve_batch_keys
 from dflop_ds.train.launch_inputs import PROXY
-from dflop_ds.train.loop import build_parser, load_plan, load_settings, model_source, print_skip_report
 from dflop_ds.train.memory_cap import MemoryCap
+from dflop_ds.train.options import build_parser, load_plan, load_settings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -63,6 +63,8 @@ def check_launch(args: argparse.Namespace) -> list[str]:
         raise SetupError(f"--nodes and --gpus-per-node must be >= 1, got {args.nodes} and {args.gpus_per_node}")
     world = args.nodes * args.gpus_per_node
     where = f"{args.nodes} node(s) x {args.gpus_per_node} GPU(s) = world size {world}"
+    from dflop_ds.train.loop import model_source, print_skip_report  # the model's code: not at parser build
+
     ds_config, cfg = load_settings(args)
     plan = load_plan(cfg.plan)
     try:  # the config alone first: a refusal costs no model loading

@@ -12,7 +12,6 @@ MLLM trains on synthetic tensors of the dataset's real shapes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -24,10 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, plan_path, set_settings
+from dflop_ds.config import DFLOPConfig
 from dflop_ds.cost import PackedCost, ProxyCost, StageCost, check_policy
 from dflop_ds.cost.stage import stage_memory_caps
-from dflop_ds.jsonio import read_json_object
 from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
 from dflop_ds.loader import make_loader
 from dflop_ds.models.hf.source import hf_source
@@ -37,7 +35,6 @@ from dflop_ds.plan import Plan
 from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares
 from dflop_ds.schedule.memory import memory_blind_model
 from dflop_ds.schedule.sampler import GlobalBatchSampler, make_sampler
-from dflop_ds.schedule.splitters import splitter_names
 from dflop_ds.setup_checks import check_cost_model, check_training_setup
 from dflop_ds.telemetry.record import batch_tokens, throughput
 from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
@@ -53,98 +50,7 @@ from dflop_ds.train.engine import TrainingEngine, build_engine
 from dflop_ds.train.gather import gather_full_state
 from dflop_ds.train.launch_inputs import agree_on_inputs
 from dflop_ds.train.memory_cap import MemoryCap, device_memory_cap, resolve_memory_cap
-
-#: command-line options that override settings of the "dflop" block (option dest -> DFLOPConfig attribute)
-BLOCK_OVERRIDES = {
-    "sampler": "sampler",
-    "steps": "steps",
-    "data": "data",
-    "data_path": "data",
-    "cost_model": "cost_model",
-    "model_name_or_path": "model_name_or_path",
-    "image_folder": "image_folder",
-    "video_folder": "video_folder",
-    "packing": "packing",
-}
-
-
-def true_or_false(value: str) -> bool:
-    """``"true"`` / ``"false"`` (any case) as a bool, for boolean command-line overrides."""
-    choices = {"true": True, "false": False}
-    if value.lower() not in choices:
-        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
-    return choices[value.lower()]
-
-
-def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    """The training script's options (LLaVA's names for model and data); ``add_help=False`` for a
-    parent parser (``dflop-ds check-launch`` takes the same options)."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, add_help=add_help
-    )
-    parser.add_argument("--deepspeed_config", required=True, help='DeepSpeed JSON config with a "dflop" block')
-    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    parser.add_argument(
-        "--model_name_or_path", help="a HuggingFace save_pretrained directory (default: the tiny model)"
-    )
-    parser.add_argument("--data_path", help="LLaVA JSON/JSONL or shape manifest (overrides dflop.data.path)")
-    parser.add_argument("--data", help="alias of --data_path")
-    parser.add_argument("--image_folder", help="folder the records' image paths are relative to")
-    parser.add_argument("--video_folder", help="folder the records' video paths are relative to")
-    parser.add_argument("--sampler", choices=splitter_names(), help="override dflop.sampler.kind")
-    parser.add_argument("--steps", type=int, help="override dflop.train.steps")
-    parser.add_argument("--packing", type=true_or_false, help="override dflop.model.packing (true or false)")
-    parser.add_argument(
-        "--cost-model",
-        dest="cost_model",
-        help="override dflop.sampler.cost_model: a cost-model JSON, or "
-        "'proxy' for the unitless proxy (default: the tiny model profiled once, cached)",
-    )
-    parser.add_argument("--output_dir", help="write the trained model here at the end (save_pretrained for HF models)")
-    parser.add_argument("--summary", help="write the run's figures as JSON to this path (rank 0)")
-    parser.add_argument(
-        "--trace", help="append the samples each step trained, one JSON line per step and data-parallel rank"
-    )
-    parser.add_argument(
-        "--telemetry",
-        help="append per-step telemetry JSON lines here (rank 0; default: "
-        "dflop_telemetry.jsonl in the csv_monitor folder)",
-    )
-    parser.add_argument("--resume", action="store_true", help="resume from dflop.train.checkpoint_dir")
-    parser.add_argument(
-        "--exit-after-step", type=int, help="stop abruptly (no clean-up) after this step: simulates a crash in tests"
-    )
-    return parser
-
-
-def load_settings(args: argparse.Namespace) -> tuple[dict, DFLOPConfig]:
-    """The DeepSpeed config without its "dflop" block, and the validated "dflop" block."""
-    ds_config = read_json_object(args.deepspeed_config)
-    block = ds_config.pop("dflop", {})
-    for option, key in BLOCK_OVERRIDES.items():
-        value = getattr(args, option, None)
-        if value is not None:
-            set_settings(block, **{key: value})
-    if args.resume:
-        set_settings(block, resume=True)
-    plan = get_setting(block, "plan")
-    if isinstance(plan, str) and plan:  # `dflop-ds plan` fills batch keys, the split, what its memory model assumed
-        resolved = plan_path(plan, args.deepspeed_config)
-        if not Path(resolved).is_file():
-            raise ValueError(
-                f"{args.deepspeed_config}: {DFLOPConfig.path('plan')} {plan!r} (relative to the config's folder):"
-                f" no plan file at {resolved}"
-            )
-        set_settings(block, plan=resolved)
-        ds_config, block = fill_from_plan(ds_config, block, load_plan(resolved))
-    return ds_config, DFLOPConfig.from_dict(block, source=args.deepspeed_config)
-
-
-def load_plan(path: str | None):
-    """The plan the run must match, or None (a missing or malformed file raises naming it)."""
-    if path is None:
-        return None
-    return Plan.load(path)
+from dflop_ds.train.options import build_parser, load_plan, load_settings
 
 
 def run_memory_cap(
