@@ -509,6 +509,10 @@ def compare_attention_paths(ctx: Context, entry: dict) -> bool:
             )
             del model
     entry["tolerance"] = {"loss_logits": LOSS_TOLERANCE, "grads": GRAD_TOLERANCE}
+    entry["packed_path"] = (
+        "padded microbatches use the named implementation; packed ones transformers' varlen path under "
+        "flash_attention_2, else dflop_segments (one causal SDPA per sample, dflop_ds.models.hf.packed)"
+    )
     tried = [impl for family in ("llava", "qwen2_vl") for impl in entry.get(family, {})]
     return ok and bool(tried)
 
