@@ -535,7 +535,13 @@ def build_profiled_llava(ctx: Context) -> Path:
             text_sizes=REAL_TEXT,
             dtype="bfloat16" if ctx.bf16 else None,
         )
-    return build_tiny_llava(ctx.work / "llava_small", vision="siglip", text="qwen2", vision_feature_layer=-1)
+    return build_tiny_llava(
+        ctx.work / "llava_small",
+        vision="siglip",
+        text="qwen2",
+        vision_feature_layer=-1,
+        dtype="bfloat16" if ctx.bf16 else None,
+    )
 
 
 def part_profile(ctx: Context, entry: dict) -> bool:
@@ -740,6 +746,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheels", default=str(ROOT / ".gpu-wheels"))
     parser.add_argument("--site", default=os.path.join(tempfile.gettempdir(), "dflop_gpu_site"))
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {list(PARTS)}")
+    parser.add_argument(
+        "--bf16",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="bf16 weights and DeepSpeed bf16: auto = where the GPU supports it (on: also on a CPU, to test the path)",
+    )
     args = parser.parse_args(argv)
     wanted = args.parts.split(",")
     unknown = sorted(set(wanted) - set(PARTS))
@@ -756,13 +768,14 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = accelerator.device_name() == "cuda" and torch.cuda.is_available()
     device = torch.device(accelerator.device_name(0) if on_gpu else "cpu")
     name = torch.cuda.get_device_name(0).replace(" ", "_") if on_gpu else "cpu"
-    bf16 = bool(on_gpu and torch.cuda.is_bf16_supported())
+    bf16 = args.bf16 == "on" or (args.bf16 == "auto" and on_gpu and torch.cuda.is_bf16_supported())
     sizes = GPU_SIZES if on_gpu else CPU_SIZES
     report.data.update(
         device=name, started_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), sizes=sizes.__dict__
     )
+    if not bf16:
+        report.skip("bf16", "no GPU with bf16 (or --bf16 off): float32")
     if not on_gpu:
-        report.skip("bf16", "no GPU: float32 on the CPU")
         report.skip("real layer sizes", "no GPU: parts profile and throughput use the tiny LLaVA")
         report.skip("nccl", f"no GPU: the engine uses {accelerator.communication_backend_name()}")
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
