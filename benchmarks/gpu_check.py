@@ -94,7 +94,7 @@ class Sizes:
 
 
 GPU_SIZES = Sizes(
-    budgets={"env": 60, "packed": 120, "profile": 100, "throughput": 120},
+    budgets={"env": 60, "packed": 100, "profile": 100, "throughput": 120},
     engine_steps=20,
     real_layers=True,
     fit_tiles=(1, 2, 4, 8, 16),
@@ -102,11 +102,11 @@ GPU_SIZES = Sizes(
     fit_llm=tuple((b, s) for b in (1, 2, 4) for s in (256, 512, 1024, 2048, 3072)),
     heldout_llm=((1, 768), (1, 1536), (2, 640), (2, 2560), (3, 1024), (4, 1280)),
     profile_repeats=5,
-    records=64,
-    microbatches=16,
+    records=96,
+    microbatches=24,
     max_microbatch=4,
     timing_repeats=5,
-    rounds=6,
+    rounds=10,
     warmup=2,
     global_batch=16,
     gas=4,
@@ -164,6 +164,10 @@ def install_wheels(wheels: Path, site: Path) -> str:
             for path in found:
                 with zipfile.ZipFile(path) as wheel:
                     wheel.extractall(site)
+                    for member in wheel.infolist():  # extractall drops the executable bits (PuLP's CBC)
+                        mode = member.external_attr >> 16
+                        if mode & 0o111:
+                            os.chmod(site / member.filename, mode & 0o777)
             how = "unzipped"
         marker.write_text(names)
         log(f"installed {len(found)} wheels into {site} ({how}) in {time.perf_counter() - started:.1f} s")
@@ -418,17 +422,17 @@ def packed_vs_padded(model: Any, family: Any, path: Path, device: Any, seed: int
 
 
 def padded_path_fails(model: Any, family: Any, path: Path, device: Any) -> str | None:
-    """Why HF's own padded path cannot train with the model's attention implementation here (one
-    microbatch forward+backward), or None when it can: such an implementation is skipped, not failed."""
+    """Why the HF model's own forward+backward (padded, one microbatch) fails with its attention
+    implementation here, or None when it trains: an implementation HF cannot train with here is
+    skipped; one that HF trains with and the layer lists do not is a failure."""
     from dflop_ds.models.hf.check import synthetic_batches
+    from dflop_ds.models.hf.synthetic import hf_labels
     from dflop_ds.train.device import move_to
 
-    encoder, projector, llm = family.layers(model)
     samples = synthetic_batches(0, family.image_mark)[0][1]
     try:
-        microbatch = move_to(family.microbatches(path, model.config)(samples), device)
-        _, loss = microbatch_loss([*encoder, projector, *llm], *microbatch)
-        loss.backward()
+        inputs, labels = move_to(family.microbatches(path, model.config)(samples), device)
+        model(**family.hf_kwargs(model, inputs), labels=hf_labels(labels[0])).loss.backward()
     except Exception as exc:  # any failure of HF's own path makes the implementation unusable here
         return f"{type(exc).__name__}: {exc}"[:300]
     finally:
@@ -486,7 +490,7 @@ def compare_attention_paths(ctx: Context, entry: dict) -> bool:
                 with time_limit(left - 5):
                     unusable = padded_path_fails(model, family, path, ctx.device)
                     if unusable is not None:
-                        ctx.report.skip(f"packed/{name}/{impl}", f"HF's padded path fails with it here: {unusable}")
+                        ctx.report.skip(f"packed/{name}/{impl}", f"the HF model cannot train with it here: {unusable}")
                         continue
                     errors = packed_vs_padded(model, family, path, ctx.device, seed=0)
             except PartTimeout:  # no verdict either way (flex_attention compiles every new shape)
