@@ -12,7 +12,7 @@ PY         := $(VENV)/bin/python
 # DeepSpeed's launcher and its JIT build (ninja) must be found on PATH.
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONUNBUFFERED=1
 
-.PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-e2e bench-dp validate-simulator bench-hf clean
+.PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-e2e bench-dp validate-simulator bench-hf gpu-wheels gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -56,6 +56,16 @@ bench-hf: setup
 
 validate-simulator: setup
 	$(RUN) $(PY) benchmarks/validate_simulator.py
+
+# GPU check (issue 28). No `setup` prerequisite: on a lent GPU machine it runs the system python3
+# with its CUDA torch and installs .gpu-wheels/ (made here by `make gpu-wheels`) without network.
+GPU_PY ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
+
+gpu-wheels:
+	PY=$(GPU_PY) bash benchmarks/gpu_wheels.sh .gpu-wheels
+
+gpu-check:
+	PYTHONUNBUFFERED=1 $(GPU_PY) benchmarks/gpu_check.py
 
 bench: bench-partition bench-costmodel bench-plan bench-e2e bench-dp
 

@@ -30,7 +30,7 @@ import argparse
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -120,26 +120,43 @@ def draw_microbatches(shapes: Sequence[SampleShape], count: int, seed: int, max_
 
 
 class RealMicrobatch:
-    """A collated microbatch and closures running the whole model, or its two parts, fwd+bwd."""
+    """A collated microbatch and closures running the whole model, or its two parts, fwd+bwd.
 
-    def __init__(self, model: torch.nn.Sequential, n_encoder: int, items: list, packed: bool = False) -> None:
-        self.inputs, self.labels = collate_microbatch(items, packed=packed)
+    ``microbatch`` is ``(inputs, labels)`` as a collate returns it, or the tiny model's samples
+    (collated here, padded or ``packed``); ``synchronize`` runs after every pass (an
+    accelerator's, so that a wall clock around a pass times its kernels)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Sequential,
+        n_encoder: int,
+        microbatch: list | tuple,
+        packed: bool = False,
+        synchronize: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.inputs, self.labels = (
+            microbatch if isinstance(microbatch, tuple) else collate_microbatch(microbatch, packed=packed)
+        )
         self.model = model
         self.encoder = model[:n_encoder]
         self.llm = model[n_encoder:]
+        self.synchronize = synchronize
         with torch.no_grad():
             self.hidden = tuple(t.detach() for t in self.encoder(self.inputs))
         self.hidden[0].requires_grad_(True)
 
     def whole(self) -> None:
         token_normalized_loss(self.model(self.inputs), self.labels).backward()
+        self.synchronize()
 
     def encoder_part(self) -> None:
         out = self.encoder(self.inputs)[0]
         out.backward(torch.ones_like(out))
+        self.synchronize()
 
     def llm_part(self) -> None:
         token_normalized_loss(self.llm(self.hidden), self.labels).backward()
+        self.synchronize()
 
 
 def time_real(batches: Sequence[RealMicrobatch], repeats: int, statistic: str, clock: str) -> np.ndarray:

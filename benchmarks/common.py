@@ -42,9 +42,10 @@ def profiled_cost_model(path: str | Path, reuse: bool = True) -> FittedCostModel
     return model
 
 
-def worker_ds_config(global_batch: int, gas: int, dp: int, zero_stage: int | None = None) -> dict:
+def worker_ds_config(global_batch: int, gas: int, dp: int, zero_stage: int | None = None, bf16: bool = False) -> dict:
     """The DeepSpeed config of a benchmark worker's engine: the batch keys (micro batch derived
-    from the global batch, GAS and dp), no step printing, and a ZeRO stage when given."""
+    from the global batch, GAS and dp), no step printing, a ZeRO stage when given, and bf16
+    mixed precision when asked."""
     config = {
         "train_batch_size": global_batch,
         "gradient_accumulation_steps": gas,
@@ -53,6 +54,8 @@ def worker_ds_config(global_batch: int, gas: int, dp: int, zero_stage: int | Non
     }
     if zero_stage is not None:
         config["zero_optimization"] = {"stage": zero_stage}
+    if bf16:
+        config["bf16"] = {"enabled": True}
     return config
 
 

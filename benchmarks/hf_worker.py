@@ -47,6 +47,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--methods", default=",".join(ONE_ENGINE_METHODS), help=f"comma-separated, of {ONE_ENGINE_METHODS}"
     )
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (DeepSpeed's bf16 section)")
     add_worker_options(parser, global_batch=16, gas=4, rounds=10)
     return parser.parse_args()
 
@@ -67,7 +68,7 @@ def main() -> int:
     shapes = source.read_shapes(args.data, "error")
     dataset = source.make_dataset(shapes, args.data)
     cost_model = load_cost_model(args.cost_model)
-    ds_config = worker_ds_config(args.global_batch, args.gas, dp, zero_stage=2 if stages == 1 else None)
+    ds_config = worker_ds_config(args.global_batch, args.gas, dp, zero_stage=2 if stages == 1 else None, bf16=args.bf16)
     bounds = cost_balanced_bounds(cost_model, shapes, stages) if stages > 1 else None
     trainer = build_engine(*source.layers(), ds_config, pipeline_stages=stages, stage_bounds=bounds, lr=1e-4)
     dp_rank, dp_size = trainer.dp_coords

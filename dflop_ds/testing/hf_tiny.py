@@ -6,14 +6,16 @@ model) and a ``LlavaProcessor`` (the tower's image processor and a byte-level BP
 trained in-process with ``tokenizers`` on a few sentences). It loads back with
 ``AutoProcessor.from_pretrained`` and ``AutoModelForImageTextToText.from_pretrained`` and nothing
 is downloaded. Sizes are tiny (32 px images, 8 px patches, 16 image tokens, 64-wide text model)
-so that a forward takes milliseconds. A directory is built once per argument set and process
-and copied afterwards.
+so that a forward takes milliseconds; ``vision_sizes`` and ``text_sizes`` override them (real
+layer sizes for profiling, e.g. ``benchmarks/gpu_check.py``). A directory is built once per
+argument set and process and copied afterwards.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,8 @@ TEXT_SIZES = dict(
     max_position_embeddings=512,
 )
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH_SIZE) ** 2
+#: size overrides of a config, as sorted ``(key, value)`` pairs (hashable, for the build cache)
+Sizes = tuple[tuple[str, Any], ...]
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<image>")
 VISIONS = ("clip", "siglip")
 TEXTS = ("llama", "qwen2", "mistral")
@@ -71,37 +75,41 @@ def build_tokenizer(special_tokens: tuple[str, ...] = SPECIAL_TOKENS, extra_spec
     )
 
 
-def _vision_parts(vision: str):
-    """``(vision_config, image_processor, select_strategy, extra_tokens)`` of a tower family."""
+def _vision_parts(vision: str, overrides: Sizes = ()):
+    """``(vision_config, image_processor, select_strategy, extra_tokens)`` of a tower family
+    (tiny sizes, ``overrides`` replacing any of them)."""
     from transformers import CLIPImageProcessor, CLIPVisionConfig, SiglipImageProcessor, SiglipVisionConfig
 
-    sizes: dict[str, Any] = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=VISION_LAYERS,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH_SIZE,
-    )
+    sizes: dict[str, Any] = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": VISION_LAYERS,
+        "num_attention_heads": 2,
+        "image_size": IMAGE_SIZE,
+        "patch_size": PATCH_SIZE,
+        **dict(overrides),
+    }
+    side = int(sizes["image_size"])
     if vision == "clip":
-        processor = CLIPImageProcessor(
-            size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-        )
+        processor = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
         # "default" drops CLIP's CLS token, so an image gives exactly TOKENS_PER_IMAGE features
         return CLIPVisionConfig(projection_dim=32, **sizes), processor, "default", 1
     if vision == "siglip":
-        siglip_processor = SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+        siglip_processor = SiglipImageProcessor(size={"height": side, "width": side})
         return SiglipVisionConfig(**sizes), siglip_processor, "full", 0
     raise ValueError(f"unknown vision tower {vision!r}; choose one of {VISIONS}")
 
 
-def _text_config(text: str, vocab_size: int, tie_word_embeddings: bool, sliding_window: int | None, ids: dict):
-    """The text model's config of a family (tiny sizes, grouped-query attention)."""
+def _text_config(
+    text: str, vocab_size: int, tie_word_embeddings: bool, sliding_window: int | None, ids: dict, overrides: Sizes = ()
+):
+    """The text model's config of a family (tiny sizes, grouped-query attention; ``overrides``
+    replacing any of :data:`TEXT_SIZES`)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     sizes = dict(
         vocab_size=vocab_size,
-        **TEXT_SIZES,
+        **{**TEXT_SIZES, **dict(overrides)},
         tie_word_embeddings=tie_word_embeddings,
         **ids,
     )
@@ -120,35 +128,48 @@ def _text_config(text: str, vocab_size: int, tie_word_embeddings: bool, sliding_
 
 @cache
 def _built(
-    vision: str, text: str, tie_word_embeddings: bool, seed: int, sliding_window: int | None, vision_feature_layer: int
+    vision: str,
+    text: str,
+    tie_word_embeddings: bool,
+    seed: int,
+    sliding_window: int | None,
+    vision_feature_layer: int,
+    vision_sizes: Sizes = (),
+    text_sizes: Sizes = (),
+    dtype: str | None = None,
 ) -> Path:
     """Build and save one tiny model directory in a process-wide temporary folder (cached)."""
     import torch
     from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
     tokenizer = build_tokenizer()
-    vision_config, image_processor, strategy, extra = _vision_parts(vision)
+    vision_config, image_processor, strategy, extra = _vision_parts(vision, vision_sizes)
     ids = dict(
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
     )
-    text_config = _text_config(text, len(tokenizer), tie_word_embeddings, sliding_window, ids)
+    text_config = _text_config(text, len(tokenizer), tie_word_embeddings, sliding_window, ids, text_sizes)
+    tokenizer.model_max_length = int(text_config.max_position_embeddings)
+    patch_size = int(vision_config.patch_size)
+    tokens_per_image = (int(vision_config.image_size) // patch_size) ** 2
     config = LlavaConfig(
         vision_config=vision_config,
         text_config=text_config,
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
         vision_feature_select_strategy=strategy,
         vision_feature_layer=vision_feature_layer,
-        image_seq_length=TOKENS_PER_IMAGE,
+        image_seq_length=tokens_per_image,
         tie_word_embeddings=tie_word_embeddings,
         **ids,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlavaForConditionalGeneration(config)
+    if dtype is not None:
+        model = model.to(getattr(torch, dtype))
     processor = LlavaProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
-        patch_size=PATCH_SIZE,
+        patch_size=patch_size,
         vision_feature_select_strategy=strategy,
         num_additional_image_tokens=extra,
     )
@@ -180,17 +201,33 @@ def build_tiny_llava(
     seed: int = 0,
     sliding_window: int | None = None,
     vision_feature_layer: int = -2,
+    vision_sizes: Mapping[str, Any] | None = None,
+    text_sizes: Mapping[str, Any] | None = None,
+    dtype: str | None = None,
 ) -> Path:
     """Write a tiny random LLaVA model + processor to ``dir`` (``save_pretrained`` layout); returns ``dir``.
 
     ``vision``: ``"clip"`` (``vision_feature_select_strategy="default"``) or ``"siglip"``
     (``"full"``); ``text``: ``"llama"``, ``"qwen2"`` or ``"mistral"``; ``sliding_window`` gives
     Mistral (all layers) or Qwen2 (layers after the first) a sliding-window attention.
-    Weights are drawn from ``seed``; every image becomes :data:`TOKENS_PER_IMAGE` tokens.
+    Weights are drawn from ``seed``; every image becomes :data:`TOKENS_PER_IMAGE` tokens unless
+    ``vision_sizes`` (vision config keys: ``hidden_size``, ``image_size``, ``patch_size``, ...)
+    or ``text_sizes`` (keys of :data:`TEXT_SIZES`; the tokenizer's ``model_max_length`` follows
+    ``max_position_embeddings``) replace the tiny sizes. ``dtype`` (a torch dtype name such as
+    ``"bfloat16"``) is the saved weights' dtype (default float32).
     """
-    return _copied(
-        _built(vision, text, bool(tie_word_embeddings), int(seed), sliding_window, int(vision_feature_layer)), dir
+    built = _built(
+        vision,
+        text,
+        bool(tie_word_embeddings),
+        int(seed),
+        sliding_window,
+        int(vision_feature_layer),
+        tuple(sorted((vision_sizes or {}).items())),
+        tuple(sorted((text_sizes or {}).items())),
+        dtype,
     )
+    return _copied(built, dir)
 
 
 #: Qwen2-VL's chat and vision tokens (``<|image_pad|>`` is the image token the prompt carries)
