@@ -12,13 +12,34 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+#: the folder of a virtual environment where torch JIT-builds that environment's C++ extensions
+VENV_EXTENSIONS_FOLDER = "torch_extensions"
+
+
+def extensions_dir_setting() -> str | None:
+    """What ``TORCH_EXTENSIONS_DIR`` should be for this interpreter: the user's value when set,
+    else ``<virtual environment>/torch_extensions`` (None outside a virtual environment: torch's
+    default). Every environment builds DeepSpeed's ops in its own folder: two checkouts with two
+    environments sharing torch's default folder would rebuild the ops in turn (torch keys a build
+    on its sources and include paths, which differ between environments)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    if sys.prefix == sys.base_prefix:
+        return None
+    return str(Path(sys.prefix) / VENV_EXTENSIONS_FOLDER)
+
 
 def launch_env(**extra: str) -> dict[str, str]:
     """The environment with this interpreter's ``bin`` first on PATH, where pip put the
     ``deepspeed`` launcher and ``ninja`` (DeepSpeed JIT-builds a communication op with it),
+    ``TORCH_EXTENSIONS_DIR`` set to this environment's build folder (:func:`extensions_dir_setting`),
     plus ``extra`` variables."""
     bin_dir = str(Path(sys.executable).parent)
-    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", **extra}
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    extensions = extensions_dir_setting()
+    if extensions is not None:
+        env["TORCH_EXTENSIONS_DIR"] = extensions
+    return {**env, **extra}
 
 
 def deepspeed_launcher() -> str:
@@ -69,10 +90,14 @@ def run_deepspeed(
 
 
 def extensions_root() -> Path:
-    """Where torch JIT-builds C++ extensions (DeepSpeed's ops among them)."""
+    """Where torch JIT-builds C++ extensions (DeepSpeed's ops among them) in the processes
+    :func:`launch_env` starts: :func:`extensions_dir_setting`, else torch's default."""
+    setting = extensions_dir_setting()
+    if setting is not None:
+        return Path(setting)
     from torch.utils.cpp_extension import get_default_build_root
 
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return Path(get_default_build_root())
 
 
 def clear_stale_build_locks(max_age_s: float = 300.0, root: Path | None = None) -> list[Path]:
