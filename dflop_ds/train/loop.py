@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, set_settings
+from dflop_ds.config import DFLOPConfig, enabled_precisions, fill_from_plan, get_setting, set_settings
 from dflop_ds.cost import CostModel, PackedCost, ProxyCost, StageCost, check_policy, load_cost_model
 from dflop_ds.cost.stage import stage_memory_caps
 from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
@@ -35,6 +35,7 @@ from dflop_ds.models.tiny_profile import cached_tiny_cost_model
 from dflop_ds.paths import check_writable, check_writable_folder
 from dflop_ds.plan import Plan
 from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares
+from dflop_ds.precision import check_precisions
 from dflop_ds.schedule.memory import memory_blind_model
 from dflop_ds.schedule.sampler import GlobalBatchSampler, make_sampler
 from dflop_ds.schedule.splitters import splitter_names
@@ -126,6 +127,8 @@ def load_settings(args: argparse.Namespace) -> tuple[dict, DFLOPConfig]:
     plan = get_setting(block, "plan")
     if plan:  # a plan from `dflop-ds plan` fills batch keys, the stage split and what its memory model assumed
         ds_config, block = fill_from_plan(ds_config, block, load_plan(plan))
+    where = f"plan {plan}" if plan else f"DeepSpeed config {args.deepspeed_config}"
+    check_precisions(enabled_precisions(ds_config), where)  # refused here, before DeepSpeed does
     return ds_config, DFLOPConfig.from_dict(block, source=args.deepspeed_config)
 
 
