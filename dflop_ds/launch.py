@@ -167,6 +167,17 @@ def exit_fault_message(output: str, returncode: int, what: str) -> str:
 
 #: what :func:`finish_rank` prints once a rank has shut down, before its process exits
 CLEAN_SHUTDOWN = "[dflop-ds] clean shutdown of rank"
+#: seconds :func:`finish_rank` gives threads that are ending (a closed queue's feeder) to end
+LEFTOVER_GRACE_S = 2.0
+
+
+def _threads_after(grace_s: float) -> list[threading.Thread]:
+    """The threads besides this one still alive after waiting up to ``grace_s`` seconds in all."""
+    deadline = time.monotonic() + grace_s
+    others = [t for t in threading.enumerate() if t is not threading.current_thread()]
+    for thread in others:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    return [t for t in others if t.is_alive()]
 
 
 def finish_rank(*running: Any) -> None:
@@ -178,8 +189,8 @@ def finish_rank(*running: Any) -> None:
     buffer (:func:`release_own_shm_buffer`). A process group left to the interpreter's teardown can
     abort a finished run: gloo's C++ worker threads still hold work whose tensors need the
     interpreter (``terminate called without an active exception``, exit -6; torch issue 190489),
-    as can a thread still computing then. Threads or child processes still alive afterwards are
-    named on stderr; then :data:`CLEAN_SHUTDOWN` and the rank are printed.
+    as can a thread still computing then. Threads still alive after :data:`LEFTOVER_GRACE_S` and
+    child processes still alive are named on stderr; then :data:`CLEAN_SHUTDOWN` and the rank are printed.
     """
     import torch.distributed as dist
 
@@ -192,7 +203,7 @@ def finish_rank(*running: Any) -> None:
         dist.barrier()
         dist.destroy_process_group()
     release_own_shm_buffer()
-    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+    left = [t.name for t in _threads_after(LEFTOVER_GRACE_S)]
     left += [f"process {child.name}" for child in multiprocessing.active_children()]
     if left:  # one write per line: the ranks share the launcher's output
         sys.stderr.write(f"[dflop-ds] rank {rank}: still running at exit: {', '.join(left)}\n")
