@@ -9,8 +9,12 @@ VENV       ?= .venv
 VENV_FLAGS ?=
 TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
+# DeepSpeed JIT-builds its CPU communication op once per environment, in the environment's own
+# folder (two checkouts with two environments would otherwise rebuild it in turn); a
+# TORCH_EXTENSIONS_DIR you set wins. dflop_ds.launch.launch_env picks the same folder.
+TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 # DeepSpeed's launcher and its JIT build (ninja) must be found on PATH.
-RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONUNBUFFERED=1
+RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="$(TORCH_EXTENSIONS_DIR)"
 
 .PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-e2e bench-dp validate-simulator bench-hf gpu-wheels gpu-check clean
 

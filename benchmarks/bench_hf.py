@@ -19,7 +19,6 @@ stock, and dflop over stock_packed).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -28,10 +27,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import profile_model_into, timed_rows  # noqa: E402
+from benchmarks.common import profile_model_into, run_worker, timed_rows  # noqa: E402
 from benchmarks.e2e_methods import ONE_ENGINE_METHODS  # noqa: E402
 from dflop_ds.cost import reusable_fitted_model  # noqa: E402
-from dflop_ds.launch import run_deepspeed  # noqa: E402
 
 #: the rows: (name, model family, engine)
 RUNS = (("pp2", "llava", "pp2"), ("zero2", "llava", "zero2"), ("qwen2_vl_zero2", "qwen2_vl", "zero2"))
@@ -119,8 +117,8 @@ def main() -> int:
         paths = prepare(out, args.records, family)
         path = out / f"{name}.json"
         rounds = args.rounds if family == "llava" else args.qwen_rounds
-        result = run_deepspeed(
-            ROOT / "benchmarks" / "hf_worker.py",
+        written = run_worker(
+            "hf_worker.py",
             [
                 "--engine",
                 engine,
@@ -143,15 +141,10 @@ def main() -> int:
                 "--out",
                 str(path),
             ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
+            path,
             timeout=1800,
         )
-        if result.returncode != 0:
-            print(result.stdout[-3000:] + result.stderr[-3000:])
-            return result.returncode
-        results[name] = per_method(json.loads(path.read_text())["rows"])
+        results[name] = per_method(written["rows"])
     print(f"\n{'run':15s} {'method':12s} {'samples/s median':>17s} {'min-max':>13s} {'padding eff':>12s}")
     for name, table in results.items():
         for method, row in table.items():

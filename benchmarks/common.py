@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from dflop_ds.cost import FittedCostModel, load_cost_model, reusable_fitted_model
-from dflop_ds.launch import launch_env, run_deepspeed
+from dflop_ds.launch import exit_fault_message, launch_env, run_deepspeed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,13 +91,29 @@ def round_output(args: argparse.Namespace) -> tuple[Path, str]:
     return out, args.cost_model or str(out / "costmodel_tiny.json")
 
 
+def run_worker(worker: str, options: Sequence[str], out: Path, timeout: float | None = None) -> dict:
+    """Launch ``benchmarks/<worker> options`` (``worker``: a file name there, or an absolute path)
+    under `deepspeed` (its output shown as it comes) and
+    return the JSON object it wrote to ``out`` once every round was done. A launch that fails before
+    writing ``out`` raises; one that wrote it and then exited non-zero is an exit fault (a rank that
+    did not shut down cleanly): printed, naming the rank, and its results are kept."""
+    out.unlink(missing_ok=True)  # what is there afterwards, this launch wrote
+    result = run_deepspeed(ROOT / "benchmarks" / worker, options, cwd=ROOT, echo=True, timeout=timeout)
+    if result.returncode != 0 and not out.exists():
+        raise RuntimeError(f"benchmarks/{worker} failed with exit code {result.returncode} before writing {out}")
+    if result.returncode != 0:
+        print(f"\n{exit_fault_message(result.stdout, result.returncode, f'every round of {worker}')}\n", flush=True)
+    return json.loads(out.read_text())
+
+
 def run_round_worker(
     worker: str, args: argparse.Namespace, cost_path: str, raw: Path, extra: Sequence[str] = ()
 ) -> list[dict]:
     """Launch ``benchmarks/<worker>`` under `deepspeed` with the round options of ``args`` (see
-    :func:`add_round_options`), the cost model and ``extra`` options; return the rows it wrote to ``raw``."""
-    run_deepspeed(
-        ROOT / "benchmarks" / worker,
+    :func:`add_round_options`), the cost model and ``extra`` options (:func:`run_worker`); return the
+    rows it wrote to ``raw``."""
+    return run_worker(
+        worker,
         [
             "--cost-model",
             cost_path,
@@ -113,10 +129,8 @@ def run_round_worker(
             "--out",
             str(raw),
         ],
-        cwd=ROOT,
-        check=True,
-    )
-    return json.loads(raw.read_text())["rows"]
+        raw,
+    )["rows"]
 
 
 def timed_train_step(train_step: Callable[[Any], Any], microbatches: Sequence[Any]) -> tuple[Any, float]:

@@ -30,7 +30,7 @@ from benchmarks.common import add_worker_options, round_row, timed_train_step, w
 from benchmarks.e2e_methods import PACKED_METHODS, split_for  # noqa: E402
 from dflop_ds.cost import PackedCost, load_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
-from dflop_ds.launch import share_cpu_threads  # noqa: E402
+from dflop_ds.launch import finish_rank, share_cpu_threads  # noqa: E402
 from dflop_ds.models import (  # noqa: E402
     TinyMLLMDataset,
     collate_microbatch,
@@ -191,6 +191,7 @@ def main() -> int:
         Path(args.out).write_text(
             json.dumps({"rows": rows, "dp": dp, "global_batch": args.global_batch, "gas": args.gas}, indent=1)
         )
+    finish_rank()
     return 0
 
 

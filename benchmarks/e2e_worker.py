@@ -26,7 +26,7 @@ from benchmarks.common import add_worker_options, round_row, timed_train_step, w
 from benchmarks.e2e_methods import METHODS, PACKED_METHODS, split_for  # noqa: E402
 from dflop_ds.cost import PackedCost, load_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
-from dflop_ds.launch import share_cpu_threads  # noqa: E402
+from dflop_ds.launch import finish_rank, share_cpu_threads  # noqa: E402
 from dflop_ds.models import (  # noqa: E402
     TinyMLLMConfig,
     TinyMLLMDataset,
@@ -186,6 +186,7 @@ def main() -> int:
                 indent=1,
             )
         )
+    finish_rank()
     return 0
 
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import add_worker_options, round_row, timed_train_step, worker_ds_config  # noqa: E402
 from benchmarks.e2e_methods import ONE_ENGINE_METHODS, PACKED_METHODS, SPLITTERS, method_cost_model  # noqa: E402
 from dflop_ds.cost import load_cost_model  # noqa: E402
-from dflop_ds.launch import share_cpu_threads  # noqa: E402
+from dflop_ds.launch import finish_rank, share_cpu_threads  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
 from dflop_ds.plan.stages import cost_balanced_bounds  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
@@ -124,10 +124,7 @@ def main() -> int:
                 {"engine": args.engine, "rows": rows, "dp": dp_size, "stage_bounds": trainer.stage_bounds}, indent=1
             )
         )
-    for sampler in samplers.values():
-        sampler.close()
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    finish_rank(*samplers.values())
     return 0
 
 

@@ -1,20 +1,46 @@
 """Fixtures the test files share: JSONL data files, bundled DeepSpeed configs written to
-``tmp_path`` with keys overridden, and 2-rank runs of ``examples/train.py``."""
+``tmp_path`` with keys overridden, and 2-rank runs of ``examples/train.py``; the
+``--deny-precisions`` option (see tests/capabilities.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from capabilities import DENY_ENV, deny_precisions, parse_denied
 from ds_runs import REPO, run_on_ranks
 from tiny_plans import tiny_plan
 
 from dflop_ds.config import set_settings
 from dflop_ds.plan.layout import Layout, Segment
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--deny-precisions",
+        default=os.environ.get(DENY_ENV, ""),
+        help=f"comma-separated precisions (fp16,bf16) DeepSpeed's accelerator reports unsupported for the run, "
+        f"in this process and in test scripts on DeepSpeed ranks (default: ${DENY_ENV})",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    denied = parse_denied(config.getoption("--deny-precisions"))
+    if denied:  # the environment carries it to the scripts the tests launch (tests/capabilities.py)
+        patcher = pytest.MonkeyPatch()
+        patcher.setenv(DENY_ENV, ",".join(denied))
+        deny_precisions(denied, patcher.setattr)
+        config.add_cleanup(patcher.undo)
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    denied = config.getoption("--deny-precisions")
+    return f"precisions reported unsupported by the accelerator: {denied}" if denied else None
 
 
 def _write_jsonl(path: Path, records: list) -> Path:

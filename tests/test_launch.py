@@ -1,11 +1,30 @@
-"""dflop_ds.launch: DeepSpeed's CPU all-reduce buffers do not outlive a run."""
+"""dflop_ds.launch: DeepSpeed's CPU all-reduce buffers do not outlive a run; each virtual environment
+builds DeepSpeed's ops in its own folder; every rank of a finished launch exits 0, and a benchmark
+whose rank does not is reported as an exit fault, not a failed benchmark."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-from dflop_ds.launch import clear_stale_build_locks, release_own_shm_buffer, release_shm_buffers, shm_buffer_name
+import pytest
+from conftest import DFLOP_PP2
+from ds_runs import REPO
+
+from dflop_ds.launch import (
+    CLEAN_SHUTDOWN,
+    clear_stale_build_locks,
+    extensions_root,
+    launch_env,
+    rank_exits,
+    release_own_shm_buffer,
+    release_shm_buffers,
+    shm_buffer_name,
+)
 
 
 def test_release_removes_only_the_jobs_buffers(tmp_path) -> None:
@@ -36,8 +55,9 @@ def test_a_rank_releases_its_own_buffer(tmp_path, monkeypatch) -> None:
     assert str(os.getuid()) in peer.name
 
 
-def test_only_old_build_locks_are_cleared(tmp_path, capsys) -> None:
-    old, fresh = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock", tmp_path / "py311_cpu" / "other_op" / "lock"
+@pytest.mark.parametrize("levels", [("py311_cpu",), ()], ids=["default-root", "TORCH_EXTENSIONS_DIR"])
+def test_only_old_build_locks_are_cleared(tmp_path, capsys, levels) -> None:
+    old, fresh = tmp_path.joinpath(*levels, "deepspeed_shm_comm", "lock"), tmp_path.joinpath(*levels, "other", "lock")
     for lock in (old, fresh):
         lock.parent.mkdir(parents=True)
         lock.write_text("")
@@ -45,3 +65,91 @@ def test_only_old_build_locks_are_cleared(tmp_path, capsys) -> None:
     assert clear_stale_build_locks(max_age_s=300, root=tmp_path) == [old]
     assert not old.exists() and fresh.exists()
     assert "stale extension build lock" in capsys.readouterr().err
+
+
+def as_virtual_environment(monkeypatch, prefix: Path) -> None:
+    """This process as if its interpreter ran from the virtual environment at ``prefix``."""
+    monkeypatch.setattr(sys, "prefix", str(prefix))
+    monkeypatch.setattr(sys, "base_prefix", "/usr")
+
+
+def test_each_virtual_environment_builds_extensions_in_its_own_folder(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    folders = []
+    for checkout in ("first", "second"):
+        as_virtual_environment(monkeypatch, tmp_path / checkout / ".venv")
+        folders.append(launch_env()["TORCH_EXTENSIONS_DIR"])
+        assert extensions_root() == Path(folders[-1])  # where stale build locks are looked for
+    assert folders == [str(tmp_path / c / ".venv" / "torch_extensions") for c in ("first", "second")]
+
+
+def test_a_torch_extensions_folder_the_user_set_is_kept(tmp_path: Path, monkeypatch) -> None:
+    as_virtual_environment(monkeypatch, tmp_path / ".venv")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    assert launch_env()["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "mine") == str(extensions_root())
+    assert launch_env(TORCH_EXTENSIONS_DIR="/elsewhere")["TORCH_EXTENSIONS_DIR"] == "/elsewhere"
+
+
+def test_outside_a_virtual_environment_torch_keeps_its_default_folder(monkeypatch) -> None:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(sys, "base_prefix", sys.prefix)
+    assert "TORCH_EXTENSIONS_DIR" not in launch_env()
+    assert extensions_root() == Path(get_default_build_root())
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_the_makefile_gives_its_environment_the_same_folder(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_EXTENSIONS_DIR", "MAKEFLAGS", "MAKELEVEL")}
+    venv = tmp_path / "venv"
+    dry_run = subprocess.run(
+        ["make", "-n", "demo", f"VENV={venv}"], cwd=REPO, env=env, capture_output=True, text=True, check=True
+    )
+    assert f'TORCH_EXTENSIONS_DIR="{venv}/torch_extensions"' in dry_run.stdout
+
+
+#: a short DFLOP pipeline run on 2 ranks: background scheduling, 2 loader workers per rank, gloo
+SHORT_RUN = {**DFLOP_PP2["dflop"], "steps": 2, "warmup_steps": 0, "max_samples": 64, "cost_model": "proxy"}
+
+
+@pytest.mark.slow
+def test_repeated_two_rank_runs_exit_zero_on_every_rank(ds_config, run_train) -> None:
+    config = ds_config("tiny_mllm_pp2.json", SHORT_RUN, **DFLOP_PP2["ds"])
+    for attempt in range(3):
+        result = run_train(config)
+        output = result.stdout + result.stderr
+        assert rank_exits(output) == {0: 0, 1: 0}, f"launch {attempt}: {output[-3000:]}"
+        assert all(f"{CLEAN_SHUTDOWN} {rank}\n" in output for rank in (0, 1)), f"launch {attempt}"
+        assert "still running at exit" not in output, f"launch {attempt}: {output[-3000:]}"
+
+
+FAULT_AFTER_FINISH = """
+import json, os, sys, time
+import deepspeed, torch
+from deepspeed.accelerator import get_accelerator
+from dflop_ds.launch import finish_rank
+deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+if torch.distributed.get_rank() == 0:
+    open(sys.argv[sys.argv.index("--out") + 1], "w").write(json.dumps({"rows": ["every round"]}))
+finish_rank()
+if os.environ["RANK"] == "1":  # dies after its work, once rank 0 has exited
+    time.sleep(3)
+    os._exit(3)
+"""
+
+
+@pytest.mark.slow
+def test_a_benchmark_worker_failing_after_its_rounds_is_an_exit_fault_naming_the_rank(tmp_path: Path, capsys) -> None:
+    from benchmarks.common import run_worker
+
+    script = tmp_path / "worker.py"
+    script.write_text(FAULT_AFTER_FINISH)
+    out = tmp_path / "rows.json"
+    assert run_worker(str(script), ["--out", str(out)], out, timeout=300) == {"rows": ["every round"]}
+    printed = capsys.readouterr().out
+    assert "EXIT FAULT: every round of" in printed and "but rank 1 exited with code 3 after it" in printed
+    out.write_text("stale")  # a launch that fails before writing its results is a failure, not a fault
+    script.write_text("raise SystemExit(5)")
+    with pytest.raises(RuntimeError, match="failed with exit code 5 before writing"):
+        run_worker(str(script), ["--out", str(out)], out, timeout=300)

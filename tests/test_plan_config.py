@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from capabilities import deny_precisions
+from deepspeed.accelerator import get_accelerator
 from ds_runs import run_on_ranks
 from test_costmodel import synthetic_profile
 from test_planner import POOL
@@ -21,6 +23,7 @@ from dflop_ds.cost import FittedCostModel, reference_model, save_cost_model
 from dflop_ds.plan import Cluster, Plan, PlanError, PlanFileError, make_plans, search
 from dflop_ds.plan.families.core import pipeline_grid
 from dflop_ds.plan.layout import Layout, Segment
+from dflop_ds.precision import UnsupportedPrecisionError, check_precisions, precision_supported
 from dflop_ds.shapes import TINY_POLICY
 from dflop_ds.train.loop import build_parser, load_settings
 
@@ -137,6 +140,28 @@ def test_a_config_that_contradicts_what_its_plan_assumed_is_refused() -> None:
     assert get_setting(block, "activation_checkpointing") is False
 
 
+def test_a_precision_the_device_lacks_is_refused_before_deepspeed_naming_it_and_the_device(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from dflop_ds.models import tiny_mllm_layers
+    from dflop_ds.train import build_engine
+    from dflop_ds.train.loop import build_parser, load_settings
+
+    deny_precisions(["fp16"], monkeypatch.setattr)
+    device = f"the {get_accelerator().device_name()} device"
+    config = {"train_batch_size": 2, "fp16": {"enabled": True}}
+    with pytest.raises(UnsupportedPrecisionError, match=f"the DeepSpeed config trains in fp16, which {device}"):
+        build_engine(*tiny_mllm_layers(seed=0), config, pipeline_stages=1)  # before DeepSpeed's own ValueError
+    one_stage_plan(zero_stage=1, precision="fp16").save(tmp_path / "plan.json")
+    written = tmp_path / "ds.json"
+    written.write_text(json.dumps({"dflop": set_settings({}, plan=str(tmp_path / "plan.json"))}))
+    with pytest.raises(
+        UnsupportedPrecisionError, match=f"plan {tmp_path / 'plan.json'} trains in fp16, which {device}"
+    ):
+        load_settings(build_parser().parse_args(["--deepspeed_config", str(written)]))
+    check_precisions(["fp32"], "a config")  # every device trains in fp32
+
+
 def plan_argv(tmp_path: Path, *extra: str) -> list[str]:
     cost_model = tmp_path / "tiny_cm.json"
     save_cost_model(tiny_cost_model(), cost_model)
@@ -216,19 +241,27 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients() -> None:
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain_grads, ckpt_grads))
 
 
-ENGINE_SCRIPT = """
+ENGINE_SCRIPT = f"""
 import json, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from capabilities import deny_from_env
 from dflop_ds.config import DFLOPConfig
 from dflop_ds.models import tiny_mllm_layers
+from dflop_ds.precision import UnsupportedPrecisionError
 from dflop_ds.train import build_engine
+deny_from_env()  # the precisions a test run pretends the device lacks
 for path in [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]:  # one engine per config
     config = json.loads(open(path).read())
     settings = DFLOPConfig.from_dict(config.pop("dflop"))
-    trainer = build_engine(*tiny_mllm_layers(seed=0), config, pipeline_stages=settings.pipeline_stages,
-                           activation_checkpoint_interval=int(settings.activation_checkpointing))
+    try:
+        trainer = build_engine(*tiny_mllm_layers(seed=0), config, pipeline_stages=settings.pipeline_stages,
+                               activation_checkpoint_interval=int(settings.activation_checkpointing))
+    except UnsupportedPrecisionError as error:
+        print("REFUSED", path, json.dumps(str(error)))
+        continue
     engine = trainer.engine
-    print("ENGINE", path, json.dumps({"zero": engine.zero_optimization_stage(), "bf16": engine.bfloat16_enabled(),
-                      "fp16": engine.fp16_enabled(), "checkpointing": trainer.module.checkpoint_layers}))
+    print("ENGINE", path, json.dumps({{"zero": engine.zero_optimization_stage(), "bf16": engine.bfloat16_enabled(),
+                      "fp16": engine.fp16_enabled(), "checkpointing": trainer.module.checkpoint_layers}}))
 """
 #: (ZeRO stage, precision) of the configs DeepSpeed builds engines from; ZeRO-3 last, as its
 #: parameter hooks outlive its engine in the process
@@ -237,8 +270,9 @@ ENGINE_CASES = [(0, "fp32"), (2, "fp16"), (3, "bf16")]
 
 @pytest.fixture(scope="module")
 def built_engines(tmp_path_factory) -> dict[tuple[int, str], dict]:
-    """What DeepSpeed built from the config each :data:`ENGINE_CASES` plan writes: one process on
-    one rank builds them one after the other."""
+    """What DeepSpeed built from the config each :data:`ENGINE_CASES` plan writes (``{"refused":
+    message}`` where the device lacks its precision): one process on one rank builds them one
+    after the other."""
     folder = tmp_path_factory.mktemp("engines")
     paths = {}
     for zero, precision in ENGINE_CASES:
@@ -256,14 +290,20 @@ def built_engines(tmp_path_factory) -> dict[tuple[int, str], dict]:
     script = folder / "build.py"
     script.write_text(ENGINE_SCRIPT)
     result = run_on_ranks(script, list(paths.values()), ranks=1, timeout=400)
-    built = dict(line.split(" ", 2)[1:] for line in result.stdout.splitlines() if line.startswith("ENGINE "))
-    return {case: json.loads(built[str(path)]) for case, path in paths.items()}
+    lines = [line.split(" ", 2) for line in result.stdout.splitlines() if line.startswith(("ENGINE ", "REFUSED "))]
+    built = {
+        path: json.loads(text) if kind == "ENGINE" else {"refused": json.loads(text)} for kind, path, text in lines
+    }
+    return {case: built[str(path)] for case, path in paths.items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero, precision", ENGINE_CASES)
 def test_deepspeed_builds_an_engine_from_a_written_config(built_engines, zero: int, precision: str) -> None:
     built = built_engines[zero, precision]
+    if not precision_supported(precision):  # refused by name before DeepSpeed's "not supported on your device"
+        assert f"trains in {precision}, which the {get_accelerator().device_name()} device" in built["refused"]
+        return
     assert built == {"zero": zero, "bf16": precision == "bf16", "fp16": precision == "fp16", "checkpointing": True}
 
 

@@ -65,7 +65,7 @@ def check_launch(args: argparse.Namespace) -> list[str]:
     where = f"{args.nodes} node(s) x {args.gpus_per_node} GPU(s) = world size {world}"
     from dflop_ds.train.loop import model_source, print_skip_report  # the model's code: not at parser build
 
-    ds_config, cfg = load_settings(args)
+    ds_config, cfg = load_settings(args, check_device=False)  # the launch's devices are not this machine's
     plan = load_plan(cfg.plan)
     try:  # the config alone first: a refusal costs no model loading
         check_training_setup(ds_config, cfg, world, plan=plan)

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflop_ds.config import autotp_size
+from dflop_ds.config import autotp_size, enabled_precisions
 from dflop_ds.pipe import MLLMPipelineModule, StageBounds, token_normalized_loss
+from dflop_ds.precision import check_precisions
 from dflop_ds.train.autotp import with_autotp_layout
 from dflop_ds.train.colocated import (
     ColocatedMLLM,
@@ -218,7 +219,10 @@ def build_engine(
     ``"tensor_parallel": {"autotp_size": N > 1}`` (plain engine only) shards the LLM's linears of
     ``hf_model`` (whose modules the layers share) as its HF tp_plan says, through DeepSpeed AutoTP
     (:func:`~dflop_ds.train.autotp.with_autotp_layout`); the vision tower stays whole.
+    A 16-bit precision the device cannot train in is refused before DeepSpeed sees the config
+    (:func:`~dflop_ds.precision.check_precisions`).
     """
+    check_precisions(enabled_precisions(ds_config), "the DeepSpeed config")
     if pipeline_stages > 1 and autotp_size(ds_config) > 1:
         raise ValueError(
             "tensor_parallel.autotp_size > 1 needs pipeline_stages == 1: AutoTP shards the plain "

@@ -26,7 +26,7 @@ import torch
 from dflop_ds.config import DFLOPConfig
 from dflop_ds.cost import PackedCost, ProxyCost, StageCost, check_policy
 from dflop_ds.cost.stage import stage_memory_caps
-from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
+from dflop_ds.launch import finish_rank, share_cpu_threads
 from dflop_ds.loader import make_loader
 from dflop_ds.models.hf.source import hf_source
 from dflop_ds.models.source import ModelSource, tiny_source
@@ -294,12 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.summary:
             Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
             Path(args.summary).write_text(json.dumps({"summary": summary, "steps": records}, indent=1))
-    if tracker:
-        tracker.close()
-    sampler.close()  # no scheduling thread left running while the process exits
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()  # an orderly exit: gloo's threads stop before teardown
-    release_own_shm_buffer()  # DeepSpeed's CPU all-reduce buffer would stay in /dev/shm
+    # scheduling thread, loader workers (the live epoch iterator) and process group stopped before exit
+    finish_rank(tracker, sampler, data_iter.data_iter)
     return 0
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, plan_path, set_settings
+from dflop_ds.config import DFLOPConfig, enabled_precisions, fill_from_plan, get_setting, plan_path, set_settings
 from dflop_ds.jsonio import read_json_object
 from dflop_ds.plan import Plan
+from dflop_ds.precision import check_precisions
 from dflop_ds.schedule.splitters import splitter_names
 
 #: command-line options that override settings of the "dflop" block (option dest -> DFLOPConfig attribute)
@@ -86,8 +87,10 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
-def load_settings(args: argparse.Namespace) -> tuple[dict, DFLOPConfig]:
-    """The DeepSpeed config without its "dflop" block, and the validated "dflop" block."""
+def load_settings(args: argparse.Namespace, *, check_device: bool = True) -> tuple[dict, DFLOPConfig]:
+    """The DeepSpeed config without its "dflop" block, and the validated "dflop" block; a precision
+    this machine's device cannot train in is refused unless ``check_device`` is false (a dry run
+    on another machine than the launch's)."""
     ds_config = read_json_object(args.deepspeed_config)
     block = ds_config.pop("dflop", {})
     for option, key in BLOCK_OVERRIDES.items():
@@ -106,6 +109,9 @@ def load_settings(args: argparse.Namespace) -> tuple[dict, DFLOPConfig]:
             )
         set_settings(block, plan=resolved)
         ds_config, block = fill_from_plan(ds_config, block, load_plan(resolved))
+    where = f"plan {get_setting(block, 'plan')}" if plan else f"DeepSpeed config {args.deepspeed_config}"
+    if check_device:
+        check_precisions(enabled_precisions(ds_config), where)  # refused here, before DeepSpeed does
     return ds_config, DFLOPConfig.from_dict(block, source=args.deepspeed_config)
 
 

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from dflop_ds.cost import ProxyCost  # noqa: E402
-from dflop_ds.launch import share_cpu_threads  # noqa: E402
+from dflop_ds.launch import finish_rank, share_cpu_threads  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
 from dflop_ds.schedule.sampler import make_sampler  # noqa: E402
 from dflop_ds.train import build_engine  # noqa: E402
@@ -134,7 +134,7 @@ def main() -> int:
                 "foreign_tiles": foreign_tiles(batches, shapes, owners) if RUNS[name][0] else 0,
             }
         Path(args.out).write_text(json.dumps(report, indent=1))
-    torch.distributed.barrier()
+    finish_rank()
     return 0
 
 

@@ -15,6 +15,7 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from dflop_ds.launch import finish_rank
 from dflop_ds.train import build_engine
 
 
@@ -100,13 +101,12 @@ def parameter_counts(model: torch.nn.Module, before: dict[str, torch.Tensor]) ->
 
 
 def write_report(out: str, rank: int, result: dict[str, Any], *, last: bool = True) -> None:
-    """``out/rank<rank>.json``; after the ``last`` report, an orderly exit: gloo's threads stop before teardown."""
+    """``out/rank<rank>.json``; after the ``last`` report, the rank's clean shutdown (:func:`finish_rank`)."""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
     if last:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        finish_rank()
 
 
 def variants(parser: argparse.ArgumentParser) -> list[tuple[argparse.Namespace, bool]]:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from dflop_ds.cost import ProxyCost  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
-from dflop_ds.launch import share_cpu_threads  # noqa: E402
+from dflop_ds.launch import finish_rank, share_cpu_threads  # noqa: E402
 from dflop_ds.models import TinyMLLMDataset, build_reference, collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
 from dflop_ds.schedule.sampler import make_sampler  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
@@ -150,7 +150,7 @@ def main() -> int:
         if torch.distributed.get_rank() == 0:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / f"{engine}.json").write_text(json.dumps(report, indent=1))
-    torch.distributed.barrier()
+    finish_rank()
     return 0
 
 
