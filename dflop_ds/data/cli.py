@@ -9,10 +9,7 @@ from typing import Any
 
 from dflop_ds.data.media import MediaOptions
 from dflop_ds.data.validate import check_dataset, format_problems
-from dflop_ds.models.hf.common import model_type
-from dflop_ds.models.hf.data import llava_policy
-from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES
-from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLPreprocessor
+from dflop_ds.models.hf.source import hf_policy
 from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY, ShapePolicy
 
 POLICIES = {"tiny": TINY_POLICY, "default": DEFAULT_POLICY}
@@ -97,11 +94,7 @@ def add_read_arguments(parser: argparse.ArgumentParser, *, default_policy: str =
 def policy_from_args(args: argparse.Namespace) -> ShapePolicy:
     """The shape policy the flags of :func:`add_read_arguments` ask for."""
     if getattr(args, "model_name_or_path", None):
-        if model_type(args.model_name_or_path) in MODEL_CLASSES:
-            if args.max_length is not None:
-                raise ValueError(f"{args.model_name_or_path}: --max-length is not supported for Qwen2-VL yet")
-            return Qwen2VLPreprocessor.from_pretrained(args.model_name_or_path).policy()
-        return llava_policy(args.model_name_or_path, max_length=args.max_length)
+        return hf_policy(args.model_name_or_path, max_length=args.max_length)
     return POLICIES[args.policy]
 
 

@@ -9,12 +9,30 @@ from typing import Any
 
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.models.hf.common import model_type
-from dflop_ds.models.hf.data import LlavaDataset, LlavaPreprocessor, collate_llava, collate_packed_llava
+from dflop_ds.models.hf.data import (
+    LlavaDataset,
+    LlavaPreprocessor,
+    collate_llava,
+    collate_packed_llava,
+    llava_policy,
+)
 from dflop_ds.models.hf.family import HFFamily, family_source
 from dflop_ds.models.hf.llava import llava_layers, load_llava
 from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES
+from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLPreprocessor
 from dflop_ds.models.hf.qwen2_vl_source import qwen2_vl_source
 from dflop_ds.models.source import ModelSource
+from dflop_ds.shapes import ShapePolicy
+
+
+def hf_policy(model_dir: str, *, max_length: int | None = None) -> ShapePolicy:
+    """The shape policy of a HuggingFace ``save_pretrained`` directory's processor: the Qwen2-VL
+    family's or LLaVA's, chosen by the config's model type (the one dispatch for both)."""
+    if model_type(model_dir) in MODEL_CLASSES:
+        if max_length is not None:
+            raise ValueError(f"{model_dir}: a max_length is not supported for Qwen2-VL yet")
+        return Qwen2VLPreprocessor.from_pretrained(model_dir).policy()
+    return llava_policy(model_dir, max_length=max_length)
 
 
 def hf_source(

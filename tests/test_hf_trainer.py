@@ -1,0 +1,260 @@
+"""dflop_ds.hf_trainer: DFLOP's sampler inside ``transformers.Trainer``.
+
+In-process: the window arithmetic, the blank-image guard against the real tiny LLaVA, the shapes
+helper, and the errors raised before training. On 2 DeepSpeed ranks (one launch of
+ds_scripts/hf_trainer_checks.py, a Trainer script written as a user writes one): ZeRO-2 training
+killed and resumed, one SGD step against the whole global batch in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ds_runs import REPO, run_on_ranks
+
+from dflop_ds.hf_trainer import SUPPORTED, DFLOPTrainer, check_transformers_version, dflop_settings, llava_json_shapes
+from dflop_ds.hf_trainer.guard import BlankImage, has_images, with_blank_image
+from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, data_parallel_coords, stream_position
+from dflop_ds.schedule import DFLOPBatchSampler
+from dflop_ds.schedule.epoch import epoch_batches
+from dflop_ds.shapes import SampleShape
+
+SCRIPT = Path(__file__).parent / "ds_scripts" / "hf_trainer_checks.py"
+GAS = 2
+
+
+@pytest.fixture(scope="module")
+def llava_inputs(tmp_path_factory):
+    """A tiny HF LLaVA and 24 LLaVA JSON records (30% text-only) with real image files."""
+    from dflop_ds.testing.hf_tiny import build_tiny_llava
+    from dflop_ds.testing.llava_data import write_llava_dataset
+
+    root = tmp_path_factory.mktemp("hf_trainer")
+    model = build_tiny_llava(root / "model")
+    data, images = write_llava_dataset(root / "data", 24, seed=1, text_only=0.3, answer_words=(3, 20))
+    return model, data, images
+
+
+def shapes(n: int) -> list[SampleShape]:
+    return [SampleShape(f"s{i}", text_tokens=10 + i, label_tokens=3, llm_tokens=10 + i) for i in range(n)]
+
+
+# ---- the sampler as the Trainer sees it ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_stream_position_finds_every_global_batch(drop_last):
+    n, size = 10, 4
+    run = [(e, b) for e in range(6) for b in range(len(epoch_batches(n, 0, e, size, drop_last)))]
+    for g, (epoch, batch) in enumerate(run):
+        position = stream_position(g, n, size, drop_last)
+        assert (position.epoch, position.batch, position.microbatch) == (epoch, batch, 0)
+
+
+def test_trainer_windows_train_every_sample_once_with_carry_and_restart_anywhere():
+    n, dp = 10, 2
+    ranks = [
+        TrainerBatchSampler(
+            DFLOPBatchSampler(shapes(n), global_batch_size=4, gradient_accumulation_steps=GAS, dp_rank=r, dp_size=dp)
+        )
+        for r in range(dp)
+    ]
+    assert ranks[0].window == 2 and len(ranks[0]) == 2 * GAS  # 10 // 4 global batches per Trainer epoch
+    seen: list[int] = []
+    per_epoch = []
+    for epoch in range(5):  # 5 windows of 8 samples: 4 passes over the data
+        for rank in ranks:
+            rank.set_epoch(epoch)
+            microbatches = list(rank)
+            assert len(microbatches) == len(rank)
+            per_epoch.append(microbatches)
+            seen += [int(i) for mb in microbatches for i in mb]
+    assert np.bincount(seen, minlength=n).tolist() == [4] * n
+    again = ranks[1]
+    again.set_epoch(3)  # a restart at any epoch yields the same microbatches
+    assert [[int(i) for i in mb] for mb in again] == [[int(i) for i in mb] for mb in per_epoch[3 * dp + 1]]
+
+
+def test_tensor_parallel_peers_share_a_data_parallel_rank():
+    assert [data_parallel_coords(r, 4, 2) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    with pytest.raises(ValueError, match="not a multiple"):
+        data_parallel_coords(0, 3, 2)
+
+
+# ---- the blank image of image-free microbatches ----------------------------------------------------
+
+
+def test_blank_image_leaves_loss_and_gradients_unchanged_and_runs_the_tower(llava_inputs):
+    from transformers import AutoModelForImageTextToText
+
+    model_dir, _, _ = llava_inputs
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir))
+    blank = BlankImage.for_model(model.config)
+    assert blank is not None and blank.tokens == 16 and blank.pixel_shape == (3, 32, 32)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 300, (2, 9), generator=generator)
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    batch["attention_mask"][1, 6:] = 0
+    batch["labels"][1, 6:] = -100
+    guarded = with_blank_image(batch, blank)
+    assert not has_images(batch) and has_images(guarded)
+    assert guarded["input_ids"].shape == (2, 25) and int((guarded["input_ids"] == blank.image_token_id).sum()) == 16
+
+    def run(inputs):
+        model.zero_grad()
+        loss = model(**inputs).loss
+        loss.backward()
+        return loss.detach(), {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()}
+
+    loss, grads = run(batch)
+    guarded_loss, guarded_grads = run(guarded)
+    assert torch.allclose(loss, guarded_loss, atol=1e-6)
+    tower = [k for k in grads if "vision_tower" in k]
+    assert all(grads[k] is None for k in tower)  # no image: the tower takes no part
+    # control: the same image, visible and predicted from, gives the tower gradients that are not zero
+    image = {
+        **guarded,
+        "pixel_values": torch.rand((1, *blank.pixel_shape), generator=generator),
+        "attention_mask": torch.ones_like(guarded["input_ids"]),
+        "labels": guarded["input_ids"].clone(),
+    }
+    _, image_grads = run(image)
+    used = [k for k in tower if image_grads[k] is not None]
+    assert used and [k for k in tower if guarded_grads[k] is not None] == used  # the tower ran as with an image
+    assert all(not guarded_grads[k].any() for k in used) and any(image_grads[k].any() for k in used)
+    for k, g in grads.items():
+        if g is not None:
+            assert torch.allclose(g, guarded_grads[k], atol=1e-6), k
+
+
+def test_blank_image_is_only_for_llava():
+    from transformers import LlamaConfig
+
+    assert BlankImage.for_model(LlamaConfig()) is None
+
+
+# ---- shapes and bad input ------------------------------------------------------------------------
+
+
+def test_llava_json_shapes_cover_every_record_from_headers(llava_inputs):
+    model_dir, data, images = llava_inputs
+    records = json.loads(Path(data).read_text())
+    got = llava_json_shapes(data, str(model_dir), image_folder=images)
+    assert [s.sample_id for s in got] == [r["id"] for r in records]
+    n_images = [0 if "image" not in r else 1 if isinstance(r["image"], str) else len(r["image"]) for r in records]
+    assert [s.encoder_tiles for s in got] == n_images
+    assert all(s.visual_tokens == 16 * k for s, k in zip(got, n_images))
+
+
+def test_dflop_block_comes_from_the_deepspeed_config_and_bad_keys_are_named(tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"dflop": {"sampler": {"kind": "stock"}}}))
+    assert dflop_settings(None, str(config)).sampler == "stock"
+    assert dflop_settings({"sampler": {"kind": "verl"}}, str(config)).sampler == "verl"
+    assert dflop_settings(None, {"dflop": {"sampler": {"prefetch": 0}}}).prefetch == 0
+    config.write_text(json.dumps({"dflop": {"sampler": {"kindd": "dflop"}}}))
+    with pytest.raises(ValueError, match=r"ds\.json: unknown key dflop\.sampler\.kindd"):
+        dflop_settings(None, str(config))
+
+
+def test_transformers_outside_the_tested_range_is_refused():
+    low, high = SUPPORTED
+    assert check_transformers_version(str(low)) == str(low)
+    for bad in ("4.57.0", str(high)):
+        with pytest.raises(RuntimeError, match=rf"supports transformers >={low},<{high}.*{bad} is installed"):
+            check_transformers_version(bad)
+
+
+@pytest.fixture
+def tiny_trainer_parts(llava_inputs, tmp_path):
+    from transformers import AutoModelForImageTextToText, TrainingArguments
+
+    model_dir, data, images = llava_inputs
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2)
+    dataset = torch.utils.data.TensorDataset(torch.zeros(24, 3))
+    return model, args, dataset, llava_json_shapes(data, str(model_dir), image_folder=images)
+
+
+def test_wrong_shapes_and_bad_settings_are_refused_before_training(tiny_trainer_parts):
+    model, args, dataset, good = tiny_trainer_parts
+    with pytest.raises(ValueError, match=r"sample_shapes has 23 shapes but train_dataset \(TensorDataset\) has 24"):
+        DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good[:-1])
+    with pytest.raises(ValueError, match=r"dflop\.sampler\.prefetch"):
+        DFLOPTrainer(
+            model=model, args=args, train_dataset=dataset, sample_shapes=good, dflop={"sampler": {"prefetch": -1}}
+        )
+    with pytest.raises(ValueError, match="packing"):
+        DFLOPTrainer(
+            model=model, args=args, train_dataset=dataset, sample_shapes=good, dflop={"model": {"packing": True}}
+        )
+    trainer = DFLOPTrainer(model=model, args=args, train_dataset=dataset)
+    with pytest.raises(ValueError, match="needs sample_shapes="):
+        trainer.get_train_dataloader()
+
+
+def test_single_process_loader_yields_gas_microbatches_of_the_global_batch(tiny_trainer_parts):
+    model, args, dataset, good = tiny_trainer_parts
+    args.gradient_accumulation_steps = GAS
+    dataset = torch.utils.data.TensorDataset(torch.arange(24))
+    collate = lambda items: torch.stack([item[0] for item in items])  # noqa: E731
+    trainer = DFLOPTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate, sample_shapes=good)
+    loader = trainer.get_train_dataloader()
+    assert len(loader) == 24 // (2 * GAS) * GAS  # 6 steps of GAS microbatches: the Trainer's epoch
+    batches = list(loader)
+    assert len(batches) == len(loader)
+    assert sorted(torch.cat(batches).tolist()) == list(range(24))
+
+
+# ---- on two DeepSpeed ranks ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trainer_reports(llava_inputs, tmp_path_factory):
+    model, data, images = llava_inputs
+    out = tmp_path_factory.mktemp("hf_trainer_run")
+    env = {
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+    args = ["--out", out, "--model", model, "--data", data, "--images", images, "--epochs", 2, "--stop_at", 2]
+    run_on_ranks(SCRIPT, [str(a) for a in args], extra_env=env, timeout=900)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_trainer_zero2_killed_and_resumed_trains_every_sample_once_in_gas_microbatches(trainer_reports):
+    runs = [report["resume"] for report in trainer_reports]
+    fetched = [i for run in runs for i in run["fetched_before"] + run["fetched_after"]]
+    assert np.bincount(fetched, minlength=24).tolist() == [2] * 24  # 2 epochs, each sample once per epoch
+    assert sum(len(run["fetched_before"]) for run in runs) == 2 * 8  # killed after 2 steps of 8 samples
+    assert all(run["per_step"] == [GAS] * 6 for run in runs) and runs[0]["steps"] == 6
+    losses = runs[0]["losses"]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert runs[0]["state_file"]
+    telemetry = runs[0]["telemetry"]
+    assert len(telemetry) == 6 and all(t["dflop_predicted_imbalance"] >= 1.0 for t in telemetry)
+
+
+@pytest.mark.slow
+def test_trainer_zero2_survives_microbatches_without_images_on_one_rank(trainer_reports):
+    had = [report["resume"]["had_images"] for report in trainer_reports]
+    assert len(had[0]) == len(had[1])
+    mixed = [k for k, (a, b) in enumerate(zip(*had)) if a != b]
+    assert mixed, "the data never put an image-free microbatch beside one with images: the check is void"
+
+
+@pytest.mark.slow
+def test_trainer_sgd_step_over_uneven_microbatches_equals_the_whole_batch(trainer_reports):
+    sgd = [report["sgd"] for report in trainer_reports]
+    assert sorted(sgd[0]["fetched"] + sgd[1]["fetched"]) == sorted(set(sgd[0]["fetched"] + sgd[1]["fetched"]))
+    assert len(sgd[0]["fetched"]) + len(sgd[1]["fetched"]) == 12
+    rows = sgd[0]["rows"] + sgd[1]["rows"]
+    assert len(rows) == 2 * GAS and len(set(rows)) > 1, rows  # uneven microbatches
+    assert sgd[0]["max_update"] > 1e-3  # the step moved the weights
+    assert sgd[0]["max_diff"] < 1e-5
