@@ -258,3 +258,8 @@ def test_trainer_sgd_step_over_uneven_microbatches_equals_the_whole_batch(traine
     assert len(rows) == 2 * GAS and len(set(rows)) > 1, rows  # uneven microbatches
     assert sgd[0]["max_update"] > 1e-3  # the step moved the weights
     assert sgd[0]["max_diff"] < 1e-5
+
+
+@pytest.mark.slow
+def test_the_example_trains_and_saves(trainer_reports):
+    assert trainer_reports[0]["example"]["saved"]

@@ -1,5 +1,5 @@
-"""A Trainer script as a user writes one (its own Dataset over LLaVA JSON, its own padded collator),
-switched to DFLOP by the documented lines, and checked on 2 ranks in one launch:
+"""Trainer scripts as a user writes them (the Dataset over LLaVA JSON and the padded collator of
+examples/hf_trainer.py), switched to DFLOP by the documented lines, checked on 2 ranks in one launch:
 
 * ``resume``: ZeRO-2 training stopped after step ``--stop_at`` (checkpoint saved), then a new
   Trainer resumes from that checkpoint to the end of ``--epochs`` epochs; the report lists every
@@ -7,7 +7,8 @@ switched to DFLOP by the documented lines, and checked on 2 ranks in one launch:
   microbatch held an image;
 * ``sgd``: one SGD step; rank 0 then repeats it in one process on the whole global batch (the
   indices both ranks fetched) from the same initial weights and reports the largest weight
-  difference.
+  difference;
+* ``example``: examples/hf_trainer.py itself, run for two steps with its command-line options.
 
 Each rank writes ``--out/rank{r}.json``.
 """
@@ -15,88 +16,51 @@ Each rank writes ``--out/rank{r}.json``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback, TrainingArguments
 
 from dflop_ds.hf_trainer import DFLOPTrainer, llava_json_shapes  # DFLOP: the one import
 
-# ---- the user's data code (nothing DFLOP-specific) -------------------------------------------
+# ---- the user's data code: the example's Dataset and collator, recording what they are asked ----
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
+_spec = importlib.util.spec_from_file_location("hf_trainer_example", EXAMPLE)
+example = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+sys.modules[_spec.name] = example  # type: ignore[union-attr]  # its dataclass looks itself up there
+_spec.loader.exec_module(example)  # type: ignore[union-attr]
 
 
-class LlavaJsonDataset(torch.utils.data.Dataset):
-    """LLaVA JSON records as ``input_ids``, ``labels`` (answers only) and ``pixel_values``."""
+class LlavaJsonDataset(example.LlavaJsonDataset):
+    """The example's dataset, listing every index fetched."""
 
-    def __init__(self, data_path: str, image_folder: str, processor) -> None:
-        self.records = json.loads(Path(data_path).read_text())
-        self.image_folder = Path(image_folder)
-        self.processor = processor
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
         self.fetched: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self.records)
 
     def __getitem__(self, index: int) -> dict:
         self.fetched.append(int(index))
-        record = self.records[index]
-        paths = record.get("image", [])
-        paths = [paths] if isinstance(paths, str) else paths
-        images = [Image.open(self.image_folder / p).convert("RGB") for p in paths]
-        tokenizer = self.processor.tokenizer
-        ids, labels = [tokenizer.bos_token_id], [-100]
-        pixel_values = None
-        for turn in record["conversations"]:
-            if turn["from"] == "human":
-                text = "USER: " + turn["value"] + " ASSISTANT: "
-                has = "<image>" in text
-                encoded = self.processor(
-                    text=text, images=images if has else None, add_special_tokens=False, return_tensors="pt"
-                )
-                if has:
-                    pixel_values = encoded["pixel_values"]
-                piece = encoded["input_ids"][0].tolist()
-                ids += piece
-                labels += [-100] * len(piece)
-            else:
-                piece = tokenizer(turn["value"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                ids += piece
-                labels += piece
-        item = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels)}
-        if pixel_values is not None:
-            item["pixel_values"] = pixel_values
-        return item
+        return super().__getitem__(index)
 
 
-class PadCollator:
-    """Right-pads a list of items; concatenates their images (the key is left out when none)."""
+class PadCollator(example.PadCollator):
+    """The example's collator, listing each microbatch's rows and whether it held an image."""
 
     def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
+        super().__init__(pad_id)
         self.had_images: list[bool] = []
         self.rows: list[int] = []
 
     def __call__(self, items: list[dict]) -> dict:
-        length = max(len(item["input_ids"]) for item in items)
-        batch = {
-            "input_ids": torch.full((len(items), length), self.pad_id),
-            "labels": torch.full((len(items), length), -100),
-            "attention_mask": torch.zeros((len(items), length), dtype=torch.long),
-        }
-        for row, item in enumerate(items):
-            n = len(item["input_ids"])
-            batch["input_ids"][row, :n] = item["input_ids"]
-            batch["labels"][row, :n] = item["labels"]
-            batch["attention_mask"][row, :n] = 1
-        pixels = [item["pixel_values"] for item in items if "pixel_values" in item]
-        self.had_images.append(bool(pixels))
+        batch = super().__call__(items)
+        self.had_images.append("pixel_values" in batch)
         self.rows.append(len(items))
-        if pixels:
-            batch["pixel_values"] = torch.cat(pixels)
         return batch
 
 
@@ -221,6 +185,23 @@ def check_sgd(cli, processor, out: Path) -> dict:
     return report
 
 
+def check_example(cli, out: Path) -> dict:
+    """examples/hf_trainer.py as the README runs it, for two steps."""
+    argv = [
+        "--model_name_or_path", cli.model, "--data_path", cli.data, "--image_folder", cli.images,
+        "--deepspeed", cli.deepspeed, "--output_dir", str(out), "--use_cpu", "--max_steps", "2",
+        "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--report_to", "none",
+        "--save_strategy", "no", "--logging_steps", "1",
+    ]  # fmt: skip
+    saved, sys.argv = sys.argv, [str(EXAMPLE), *argv]
+    try:
+        example.main()
+    finally:
+        sys.argv = saved
+    saved = all((out / name).is_file() for name in ("config.json", "model.safetensors", "processor_config.json"))
+    return {"saved": saved}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -238,6 +219,7 @@ def main() -> None:
     processor = AutoProcessor.from_pretrained(cli.model)
     report = {"resume": check_resume(cli, processor, out / "resume")}
     report["sgd"] = check_sgd(cli, processor, out / "sgd")
+    report["example"] = check_example(cli, out / "example")
     rank = int(os.environ.get("RANK", "0"))
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 
