@@ -17,7 +17,14 @@ import pytest
 import torch
 from ds_runs import REPO, run_on_ranks
 
-from dflop_ds.hf_trainer import SUPPORTED, DFLOPTrainer, check_transformers_version, dflop_settings, llava_json_shapes
+from dflop_ds.hf_trainer import (
+    SAMPLER_STATE,
+    SUPPORTED,
+    DFLOPTrainer,
+    check_transformers_version,
+    dflop_settings,
+    llava_json_shapes,
+)
 from dflop_ds.hf_trainer.guard import BlankImage, has_images, with_blank_image
 from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, data_parallel_coords, stream_position
 from dflop_ds.schedule import DFLOPBatchSampler
@@ -193,6 +200,10 @@ def test_wrong_shapes_and_bad_settings_are_refused_before_training(tiny_trainer_
         DFLOPTrainer(
             model=model, args=args, train_dataset=dataset, sample_shapes=good, dflop={"model": {"packing": True}}
         )
+    args.average_tokens_across_devices = False
+    with pytest.raises(ValueError, match=r"average_tokens_across_devices=True"):
+        DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good)
+    args.average_tokens_across_devices = True
     trainer = DFLOPTrainer(model=model, args=args, train_dataset=dataset)
     with pytest.raises(ValueError, match="needs sample_shapes="):
         trainer.get_train_dataloader()
@@ -209,6 +220,20 @@ def test_single_process_loader_yields_gas_microbatches_of_the_global_batch(tiny_
     batches = list(loader)
     assert len(batches) == len(loader)
     assert sorted(torch.cat(batches).tolist()) == list(range(24))
+
+
+def test_resume_from_a_checkpoint_of_another_dataset_is_refused(tiny_trainer_parts, tmp_path):
+    model, args, _, good = tiny_trainer_parts
+    dataset = torch.utils.data.TensorDataset(torch.arange(24))
+    first = DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good)
+    first.get_train_dataloader()
+    first._save_sampler_state(str(tmp_path), global_step=3)
+    saved = json.loads((tmp_path / SAMPLER_STATE).read_text())
+    assert (saved["sampler"]["epoch"], saved["sampler"]["next_batch"]) == (0, 3)  # global batches of 2: 12 per epoch
+    other = DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good[::-1])
+    other._dflop_resume = str(tmp_path)  # what train(resume_from_checkpoint=tmp_path) records
+    with pytest.raises(ValueError, match=rf"{SAMPLER_STATE}: cannot resume this run from it: .*another dataset"):
+        other.get_train_dataloader()
 
 
 # ---- on two DeepSpeed ranks ----------------------------------------------------------------------
