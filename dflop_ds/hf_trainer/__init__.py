@@ -9,9 +9,11 @@ Change one import and one class name, and add the shapes::
                            sample_shapes=shapes)   # the "dflop" block of args.deepspeed, if any
 
 ``DFLOPTrainer`` needs transformers (:mod:`dflop_ds.hf_trainer.version` names the tested range).
+TRL's ``SFTTrainer``: ``from dflop_ds.hf_trainer.sft import DFLOPSFTTrainer`` with
+:func:`hf_dataset_shapes` (``pip install 'dflop-ds[trl]'``).
 """
 
-from dflop_ds.hf_trainer.shapes import llava_json_shapes
+from dflop_ds.hf_trainer.shapes import hf_dataset_shapes, llava_json_shapes
 from dflop_ds.hf_trainer.trainer import SAMPLER_STATE, DFLOPTrainer, DFLOPTrainerMixin, dflop_settings
 from dflop_ds.hf_trainer.version import SUPPORTED, check_transformers_version
 
@@ -22,5 +24,6 @@ __all__ = [
     "DFLOPTrainerMixin",
     "check_transformers_version",
     "dflop_settings",
+    "hf_dataset_shapes",
     "llava_json_shapes",
 ]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import io
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from dflop_ds.data import read_dataset
+from dflop_ds.data import DataError, read_dataset
 from dflop_ds.data.errors import PathArg
+from dflop_ds.models.hf.data import LlavaPreprocessor
 from dflop_ds.models.hf.source import hf_policy
 from dflop_ds.shapes import SampleShape
 
@@ -39,4 +43,65 @@ def llava_json_shapes(
     )
 
 
-__all__ = ["llava_json_shapes"]
+def image_size(image: Any) -> tuple[int, int]:
+    """``(width, height)`` of a dataset's image: a PIL image, or an undecoded ``{"bytes", "path"}``
+    entry of a ``datasets.Image(decode=False)`` column, read from its header only."""
+    if hasattr(image, "size") and not isinstance(image, Mapping):
+        return tuple(image.size)
+    from PIL import Image
+
+    source = io.BytesIO(image["bytes"]) if image.get("bytes") else image.get("path")
+    if source is None:
+        raise ValueError("an image entry with neither bytes nor a path")
+    with Image.open(source) as opened:  # reads the header; pixels are decoded only on access
+        return opened.size
+
+
+def hf_dataset_shapes(dataset: Any, processor: Any) -> list[SampleShape]:
+    """One :class:`SampleShape` per row of a ``datasets.Dataset`` in TRL's vision format (a
+    ``messages`` column of chat turns whose contents list ``{"type": "image"}`` and ``{"type":
+    "text"}`` parts, and an ``images`` column), for a LLaVA ``processor`` with a chat template.
+
+    Text tokens are those of the processor's chat template (image placeholders excluded), every
+    one supervised, as TRL's vision collator trains them; image sizes come from the images'
+    headers (an ``Image`` column is read undecoded). A row the template or the images refuse is a
+    :class:`~dflop_ds.data.DataError` naming its index and field.
+    """
+    policy = LlavaPreprocessor(processor).policy()
+    tokenizer = processor.tokenizer
+    if getattr(processor, "chat_template", None) is None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"{type(processor).__name__} has no chat template: TRL renders messages with it")
+    rows = _undecoded(dataset)
+    image_token = int(processor.image_token_id)
+    shapes = []
+    for index, row in enumerate(rows):
+        images: Sequence[Any] = row.get("images") or []
+        try:
+            sizes = [image_size(image) for image in images]
+        except (OSError, ValueError) as error:
+            raise DataError(f"cannot read an image header: {error}", sample_id=str(index), field="images") from error
+        try:
+            text = processor.apply_chat_template(row["messages"], tokenize=False)
+        except Exception as error:  # noqa: BLE001 - a template error names the row, whatever its type
+            raise DataError(f"the chat template refused it: {error}", sample_id=str(index), field="messages") from error
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        text_tokens = sum(1 for token in ids if token != image_token)
+        shapes.append(policy.shape(str(index), image_sizes=sizes, text_tokens=text_tokens))
+    return shapes
+
+
+def _undecoded(dataset: Any) -> Any:
+    """``dataset`` with its ``images`` column left undecoded when it is a ``datasets`` Image column."""
+    features = getattr(dataset, "features", None)
+    if features is None or "images" not in features:
+        return dataset
+    import datasets
+
+    column = features["images"]
+    inner = getattr(column, "feature", None) or (column[0] if isinstance(column, list) and column else None)
+    if isinstance(inner, datasets.Image) and inner.decode:
+        return dataset.cast_column("images", datasets.Sequence(datasets.Image(decode=False)))
+    return dataset
+
+
+__all__ = ["hf_dataset_shapes", "image_size", "llava_json_shapes"]
