@@ -26,24 +26,25 @@ from dflop_ds.hf_trainer import (
     llava_json_shapes,
 )
 from dflop_ds.hf_trainer.guard import BlankImage, has_images, with_blank_image
-from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, data_parallel_coords, stream_position
+from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, data_parallel_coords, epoch_batches_with_tail
 from dflop_ds.schedule import DFLOPBatchSampler
-from dflop_ds.schedule.epoch import epoch_batches
 from dflop_ds.shapes import SampleShape
 
 SCRIPT = Path(__file__).parent / "ds_scripts" / "hf_trainer_checks.py"
 GAS = 2
+RECORDS = 28
 
 
 @pytest.fixture(scope="module")
 def llava_inputs(tmp_path_factory):
-    """A tiny HF LLaVA and 24 LLaVA JSON records (30% text-only) with real image files."""
+    """A tiny HF LLaVA and 28 LLaVA JSON records (30% text-only) with real image files: 3 global
+    batches of 8 and a short one of 4 per epoch on 2 ranks with 2 microbatches each."""
     from dflop_ds.testing.hf_tiny import build_tiny_llava
     from dflop_ds.testing.llava_data import write_llava_dataset
 
     root = tmp_path_factory.mktemp("hf_trainer")
     model = build_tiny_llava(root / "model")
-    data, images = write_llava_dataset(root / "data", 24, seed=1, text_only=0.3, answer_words=(3, 20))
+    data, images = write_llava_dataset(root / "data", RECORDS, seed=1, text_only=0.3, answer_words=(3, 20))
     return model, data, images
 
 
@@ -54,37 +55,38 @@ def shapes(n: int) -> list[SampleShape]:
 # ---- the sampler as the Trainer sees it ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_stream_position_finds_every_global_batch(drop_last):
-    n, size = 10, 4
-    run = [(e, b) for e in range(6) for b in range(len(epoch_batches(n, 0, e, size, drop_last)))]
-    for g, (epoch, batch) in enumerate(run):
-        position = stream_position(g, n, size, drop_last)
-        assert (position.epoch, position.batch, position.microbatch) == (epoch, batch, 0)
+def test_epoch_keeps_a_short_last_batch_that_fills_a_step_and_drops_a_smaller_one():
+    batches, dropped = epoch_batches_with_tail(10, 0, 3, 4, min_batch=2)
+    assert [len(b) for b in batches] == [4, 4, 2] and dropped == 0
+    assert sorted(np.concatenate(batches).tolist()) == list(range(10))
+    batches, dropped = epoch_batches_with_tail(10, 0, 3, 4, min_batch=4)
+    assert [len(b) for b in batches] == [4, 4] and dropped == 2
+    assert [len(b) for b in epoch_batches_with_tail(10, 0, 3, 4, min_batch=2, drop_last=True)[0]] == [4, 4]
 
 
-def test_trainer_windows_train_every_sample_once_with_carry_and_restart_anywhere():
-    n, dp = 10, 2
+def test_trainer_epochs_train_every_sample_once_in_gas_microbatches_and_restart_anywhere():
+    n, dp, gas = 10, 2, 1
     ranks = [
         TrainerBatchSampler(
-            DFLOPBatchSampler(shapes(n), global_batch_size=4, gradient_accumulation_steps=GAS, dp_rank=r, dp_size=dp)
+            DFLOPBatchSampler(shapes(n), global_batch_size=4, gradient_accumulation_steps=gas, dp_rank=r, dp_size=dp)
         )
         for r in range(dp)
     ]
-    assert ranks[0].window == 2 and len(ranks[0]) == 2 * GAS  # 10 // 4 global batches per Trainer epoch
-    seen: list[int] = []
-    per_epoch = []
-    for epoch in range(5):  # 5 windows of 8 samples: 4 passes over the data
-        for rank in ranks:
+    assert ranks[0].batches_per_epoch == 3 and len(ranks[0]) == 3 * gas  # 4 + 4 + the last 2
+    per_epoch = {}
+    for epoch in range(3):
+        seen: list[int] = []
+        for r, rank in enumerate(ranks):
             rank.set_epoch(epoch)
-            microbatches = list(rank)
-            assert len(microbatches) == len(rank)
-            per_epoch.append(microbatches)
-            seen += [int(i) for mb in microbatches for i in mb]
-    assert np.bincount(seen, minlength=n).tolist() == [4] * n
+            microbatches = [[int(i) for i in mb] for mb in rank]
+            assert len(microbatches) == len(rank) and all(microbatches)
+            per_epoch[epoch, r] = microbatches
+            seen += [i for mb in microbatches for i in mb]
+        assert sorted(seen) == list(range(n))  # each sample once per epoch, over both ranks
+    assert per_epoch[0, 0] != per_epoch[1, 0]  # a fresh order each epoch
     again = ranks[1]
-    again.set_epoch(3)  # a restart at any epoch yields the same microbatches
-    assert [[int(i) for i in mb] for mb in again] == [[int(i) for i in mb] for mb in per_epoch[3 * dp + 1]]
+    again.set_epoch(1)  # a restart at any epoch yields the same microbatches
+    assert [[int(i) for i in mb] for mb in again] == per_epoch[1, 1]
 
 
 def test_tensor_parallel_peers_share_a_data_parallel_rank():
@@ -229,7 +231,7 @@ def test_resume_from_a_checkpoint_of_another_dataset_is_refused(tiny_trainer_par
     first.get_train_dataloader()
     first._save_sampler_state(str(tmp_path), global_step=3)
     saved = json.loads((tmp_path / SAMPLER_STATE).read_text())
-    assert (saved["sampler"]["epoch"], saved["sampler"]["next_batch"]) == (0, 3)  # global batches of 2: 12 per epoch
+    assert (saved["epoch"], saved["next_batch"]) == (0, 3)  # global batches of 2: 12 per epoch
     other = DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good[::-1])
     other._dflop_resume = str(tmp_path)  # what train(resume_from_checkpoint=tmp_path) records
     with pytest.raises(ValueError, match=rf"{SAMPLER_STATE}: cannot resume this run from it: .*another dataset"):
@@ -256,14 +258,15 @@ def trainer_reports(llava_inputs, tmp_path_factory):
 def test_trainer_zero2_killed_and_resumed_trains_every_sample_once_in_gas_microbatches(trainer_reports):
     runs = [report["resume"] for report in trainer_reports]
     fetched = [i for run in runs for i in run["fetched_before"] + run["fetched_after"]]
-    assert np.bincount(fetched, minlength=24).tolist() == [2] * 24  # 2 epochs, each sample once per epoch
+    assert np.bincount(fetched, minlength=RECORDS).tolist() == [2] * RECORDS  # 2 epochs, each sample once in each
     assert sum(len(run["fetched_before"]) for run in runs) == 2 * 8  # killed after 2 steps of 8 samples
-    assert all(run["per_step"] == [GAS] * 6 for run in runs) and runs[0]["steps"] == 6
+    steps = 2 * 4  # per epoch: 3 global batches of 8, then the last 4 samples
+    assert all(run["per_step"] == [GAS] * steps for run in runs) and runs[0]["steps"] == steps
     losses = runs[0]["losses"]
-    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert len(losses) == steps and losses[-1] < losses[0]
     assert runs[0]["state_file"]
     telemetry = runs[0]["telemetry"]
-    assert len(telemetry) == 6 and all(t["dflop_predicted_imbalance"] >= 1.0 for t in telemetry)
+    assert len(telemetry) == steps and all(t["dflop_predicted_imbalance"] >= 1.0 for t in telemetry)
 
 
 @pytest.mark.slow

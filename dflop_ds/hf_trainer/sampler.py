@@ -1,17 +1,22 @@
 """The DFLOP batch sampler as a ``transformers.Trainer`` iterates it.
 
-The Trainer counts epochs of ``len(dataloader)`` microbatches and calls ``set_epoch`` before each.
-A dflop-ds sampler is one stream of global batches (an epoch's remainder is carried into the next
-epoch, so epochs differ by a batch). :class:`TrainerBatchSampler` cuts that stream into windows of
-a fixed number of global batches: Trainer epoch ``w`` is global batches ``[w * window, (w + 1) *
-window)`` of the stream, this rank's ``gradient_accumulation_steps`` microbatches of each. Where a
-window starts is a pure function of ``w``, so the Trainer's own resume (its epoch, then skipping
-the microbatches already trained) lands on the next untrained microbatch, and over the run every
-sample of the stream is trained exactly once.
+The Trainer counts epochs of ``len(dataloader)`` microbatches, calls ``set_epoch`` before each, and
+on resume skips the microbatches of the current epoch it already trained. :class:`TrainerBatchSampler`
+follows the Trainer's own epoch rule: epoch ``e`` is the seeded permutation of ``(seed, e)`` cut
+into global batches of ``global_batch_size`` samples, and the last, shorter batch is trained too
+(as the Trainer's loader keeps its last partial batch) when it fills every microbatch of a step
+(``gradient_accumulation_steps x dp`` samples); fewer left-over samples are dropped for that epoch,
+with a warning that counts them. Each global batch is split by the dflop-ds sampler's
+``schedule`` (a pure function of epoch, batch and samples), so every rank computes the same split
+alone, and each data-parallel rank yields exactly ``gradient_accumulation_steps`` microbatches per
+step. Every sample of an epoch is trained exactly once, and a resumed epoch yields the same
+microbatches as the interrupted one.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,10 +24,12 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, Sampler
 
-from dflop_ds.schedule.epoch import first_batch
+from dflop_ds.schedule.epoch import epoch_permutation
 from dflop_ds.schedule.index import ScheduledIndex
+from dflop_ds.schedule.prefetch import BackgroundMap, run_with_deadline
 from dflop_ds.schedule.sampler import BatchSchedule, GlobalBatchSampler
-from dflop_ds.schedule.state import Position
+
+logger = logging.getLogger(__name__)
 
 
 def data_parallel_coords(process_index: int, world_size: int, tp_size: int) -> tuple[int, int]:
@@ -34,15 +41,19 @@ def data_parallel_coords(process_index: int, world_size: int, tp_size: int) -> t
     return process_index // tp_size, world_size // tp_size
 
 
-def stream_position(global_batch: int, n_samples: int, global_batch_size: int, drop_last: bool) -> Position:
-    """The sampler position of global batch ``global_batch`` counted over the run (its epoch and
-    its index within that epoch)."""
-    epoch = global_batch * global_batch_size // max(n_samples, 1)
-    while epoch > 0 and first_batch(epoch, n_samples, global_batch_size, drop_last) > global_batch:
-        epoch -= 1
-    while first_batch(epoch + 1, n_samples, global_batch_size, drop_last) <= global_batch:
-        epoch += 1
-    return Position(epoch, global_batch - first_batch(epoch, n_samples, global_batch_size, drop_last), 0)
+def epoch_batches_with_tail(
+    n_samples: int, seed: int, epoch: int, global_batch_size: int, min_batch: int, drop_last: bool = False
+) -> tuple[list[np.ndarray], int]:
+    """``(batches, dropped)``: the global batches of ``epoch`` (full ones, then the short rest of
+    the permutation when it holds at least ``min_batch`` samples and ``drop_last`` is off) and how
+    many samples of the epoch are left out."""
+    order = epoch_permutation(n_samples, seed, epoch)
+    full = n_samples // global_batch_size
+    batches = [order[b * global_batch_size : (b + 1) * global_batch_size] for b in range(full)]
+    rest = order[full * global_batch_size :]
+    if len(rest) and (drop_last or len(rest) < min_batch):
+        return batches, len(rest)
+    return (batches + [rest] if len(rest) else batches), 0
 
 
 @dataclass
@@ -72,54 +83,78 @@ class ScheduleLog:
 
 
 class TrainerBatchSampler(Sampler[list[ScheduledIndex]]):
-    """A dflop-ds sampler in fixed windows of global batches, one window per Trainer epoch.
+    """This rank's microbatches of a Trainer epoch, cut and balanced by a dflop-ds sampler.
 
     Args:
-        sampler: the dflop-ds sampler (its ``dp_rank`` is this process's data-parallel rank).
-        window: global batches per Trainer epoch (default: the sampler's first epoch's, i.e.
-            ``len(dataset) // global_batch_size``).
+        sampler: the dflop-ds sampler: its ``schedule`` splits each global batch; its
+            ``dp_rank``, ``seed``, ``prefetch`` and ``schedule_timeout_s`` apply.
+        drop_last: drop every epoch's short last batch (the Trainer's ``dataloader_drop_last``).
     """
 
-    def __init__(self, sampler: GlobalBatchSampler, window: int | None = None) -> None:
+    def __init__(self, sampler: GlobalBatchSampler, drop_last: bool = False) -> None:
         self.sampler = sampler
-        self.window = int(sampler.n_batches(0) if window is None else window)
-        if self.window < 1:
-            raise ValueError(f"a Trainer epoch needs at least one global batch, got window={self.window}")
+        self.drop_last = bool(drop_last)
         self.epoch = 0
         self.log = ScheduleLog()
+        n, size = len(sampler.shapes), sampler.global_batch_size
+        min_batch = sampler.n_mb * sampler.dp_size
+        batches, self.dropped_per_epoch = epoch_batches_with_tail(n, 0, 0, size, min_batch, self.drop_last)
+        self.batches_per_epoch = len(batches)
+        if self.dropped_per_epoch:
+            logger.warning(
+                "%d of %d samples of every epoch are not trained (a different %d each epoch): they are left after"
+                " the full global batches of %d, and %s",
+                self.dropped_per_epoch,
+                n,
+                self.dropped_per_epoch,
+                size,
+                "drop_last is set" if self.drop_last else f"fewer than the {min_batch} microbatches of a step",
+            )
 
     def set_epoch(self, epoch: int) -> None:
-        """Start Trainer epoch ``epoch`` at the next iteration."""
+        """Iterate Trainer epoch ``epoch`` next."""
         self.epoch = int(epoch)
 
     def __len__(self) -> int:
         """Microbatches this rank yields per Trainer epoch."""
-        return self.window * self.sampler.n_mb
+        return self.batches_per_epoch * self.sampler.n_mb
 
-    def position_of(self, global_batch: int) -> Position:
-        """The sampler position of global batch ``global_batch`` of the run."""
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        """The global batches of ``epoch`` (dataset indices)."""
         sampler = self.sampler
-        return stream_position(global_batch, len(sampler.shapes), sampler.global_batch_size, sampler.drop_last)
+        return epoch_batches_with_tail(
+            len(sampler.shapes),
+            sampler.seed,
+            epoch,
+            sampler.global_batch_size,
+            sampler.n_mb * sampler.dp_size,
+            self.drop_last,
+        )[0]
+
+    def schedules(self, epoch: int) -> Iterator[BatchSchedule]:
+        """The schedules of ``epoch``'s global batches in order, ``prefetch`` of them computed ahead
+        in a thread; one that takes longer than ``schedule_timeout_s`` is an error naming it."""
+        batches, sampler = self.batches(epoch), self.sampler
+        timeout = sampler.schedule_timeout_s
+
+        def one(b: int) -> BatchSchedule:
+            return sampler.schedule(epoch, b, batches[b])
+
+        def name(b: int) -> str:
+            return f"epoch {epoch} batch {b}"
+
+        if sampler.prefetch == 0:
+            yield from (run_with_deadline(functools.partial(one, b), timeout, name(b)) for b in range(len(batches)))
+            return
+        with BackgroundMap(one, range(len(batches)), depth=sampler.prefetch, timeout_s=timeout, describe=name) as ahead:
+            yield from ahead
 
     def __iter__(self) -> Iterator[list[ScheduledIndex]]:
         """This rank's microbatches of the current Trainer epoch, in training order."""
-        self.sampler.position = self.position_of(self.epoch * self.window)
-        produced, wanted = 0, len(self)
-        last: BatchSchedule | None = None
-        while produced < wanted:
-            stream = self.sampler.scheduled_microbatches()
-            try:
-                for position, schedule, indices in stream:
-                    self.sampler.consumed(position, schedule)
-                    if schedule is not last:
-                        self.log.add(schedule)
-                        last = schedule
-                    yield indices
-                    produced += 1
-                    if produced == wanted:
-                        break
-            finally:
-                getattr(stream, "close", lambda: None)()  # stop its background scheduling
+        for schedule in self.schedules(self.epoch):
+            self.log.add(schedule)
+            for microbatch in schedule.split.ranks[self.sampler.dp_rank]:
+                yield [ScheduledIndex(i, schedule.loss_denominator, schedule.batch_id) for i in microbatch]
 
 
 class TrainerDataLoader(DataLoader):
@@ -138,5 +173,5 @@ __all__ = [
     "TrainerBatchSampler",
     "TrainerDataLoader",
     "data_parallel_coords",
-    "stream_position",
+    "epoch_batches_with_tail",
 ]

@@ -144,14 +144,14 @@ class DFLOPTrainerMixin:
             cost_model=None if settings.cost_model is None else load_cost_model(settings.cost_model),
             seed=self._dflop_seed(),
             prefetch=settings.prefetch,
-            drop_last=settings.drop_last,
+            drop_last=False,  # epochs are cut by TrainerBatchSampler
             schedule_timeout_s=settings.schedule_timeout_s,
             time_limit_s=settings.time_limit_s,
             ilp_nodes=settings.ilp_nodes,
             lockstep=True,  # no pipeline: ZeRO ranks meet in every microbatch's backward
             **options,
         )
-        return TrainerBatchSampler(sampler)
+        return TrainerBatchSampler(sampler, drop_last=settings.drop_last or args.dataloader_drop_last)
 
     def _dflop_seed(self) -> int:
         """The data order's seed: ``dflop.train.seed`` when the block sets it, else the Trainer's
@@ -215,8 +215,9 @@ class DFLOPTrainerMixin:
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
 
     def _check_resume_state(self, batch_sampler: TrainerBatchSampler) -> None:
-        """Refuse to resume from a checkpoint whose sampler state is of another dataset, seed or
-        batch size (naming both); a checkpoint without one (a plain Trainer's) is resumed with a warning."""
+        """Refuse to resume from a checkpoint whose sampler state is of another dataset, seed,
+        batch size or epoch length (naming both); a checkpoint without one (a plain Trainer's) is
+        resumed with a warning. Where to resume is the Trainer's: its epoch and step count."""
         if self._dflop_resume is None:
             return
         path = Path(self._dflop_resume) / SAMPLER_STATE
@@ -228,27 +229,27 @@ class DFLOPTrainerMixin:
             batch_sampler.sampler.load_state_dict(saved["sampler"])
         except (KeyError, ValueError) as error:
             raise ValueError(f"{path}: cannot resume this run from it: {error}") from error
-        if saved.get("window") != batch_sampler.window:
+        if saved.get("batches_per_epoch") != batch_sampler.batches_per_epoch:
             raise ValueError(
-                f"{path}: saved with {saved.get('window')} global batches per epoch, this run has"
-                f" {batch_sampler.window}: the dataset size or batch size changed"
+                f"{path}: saved with {saved.get('batches_per_epoch')} global batches per epoch, this run has"
+                f" {batch_sampler.batches_per_epoch}: the dataset size, batch size or drop_last changed"
             )
 
     def _save_sampler_state(self, checkpoint_dir: str, global_step: int) -> None:
-        """Write where the sampler stands after ``global_step`` optimizer steps into ``checkpoint_dir``."""
+        """Write into ``checkpoint_dir`` what the sampler schedules (seed, batch sizes, dataset
+        fingerprint) and where training stands after ``global_step`` optimizer steps."""
         batch_sampler = self.dflop_batch_sampler
         if batch_sampler is None:
             return
-        sampler = batch_sampler.sampler
-        position = batch_sampler.position_of(global_step)
+        per_epoch = batch_sampler.batches_per_epoch
         state = {
-            **sampler.state_dict(),
-            "epoch": position.epoch,
-            "next_batch": position.batch,
-            "next_microbatch": 0,
+            "global_step": global_step,
+            "epoch": global_step // per_epoch,
+            "next_batch": global_step % per_epoch,
+            "batches_per_epoch": per_epoch,
+            "sampler": batch_sampler.sampler.state_dict(),
         }
-        text = json.dumps({"global_step": global_step, "window": batch_sampler.window, "sampler": state}, indent=1)
-        Path(checkpoint_dir, SAMPLER_STATE).write_text(text)
+        Path(checkpoint_dir, SAMPLER_STATE).write_text(json.dumps(state, indent=1))
 
 
 class SamplerStateCallback(TrainerCallback):
