@@ -12,7 +12,7 @@ PY         := $(VENV)/bin/python
 # DeepSpeed's launcher and its JIT build (ninja) must be found on PATH.
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONUNBUFFERED=1
 
-.PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-e2e bench-dp validate-simulator bench-hf clean
+.PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-e2e bench-dp validate-simulator bench-hf bench-trainer clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -53,6 +53,9 @@ bench-dp: setup
 
 bench-hf: setup
 	$(RUN) $(PY) benchmarks/bench_hf.py
+
+bench-trainer: setup
+	$(RUN) $(PY) benchmarks/bench_trainer.py
 
 validate-simulator: setup
 	$(RUN) $(PY) benchmarks/validate_simulator.py

@@ -13,6 +13,7 @@ TRL's ``SFTTrainer``: ``from dflop_ds.hf_trainer.sft import DFLOPSFTTrainer`` wi
 :func:`hf_dataset_shapes` (``pip install 'dflop-ds[trl]'``).
 """
 
+from dflop_ds.hf_trainer.guard import BlankImageGuardMixin
 from dflop_ds.hf_trainer.shapes import hf_dataset_shapes, llava_json_shapes
 from dflop_ds.hf_trainer.trainer import SAMPLER_STATE, DFLOPTrainer, DFLOPTrainerMixin, dflop_settings
 from dflop_ds.hf_trainer.version import SUPPORTED, check_transformers_version
@@ -20,6 +21,7 @@ from dflop_ds.hf_trainer.version import SUPPORTED, check_transformers_version
 __all__ = [
     "SAMPLER_STATE",
     "SUPPORTED",
+    "BlankImageGuardMixin",
     "DFLOPTrainer",
     "DFLOPTrainerMixin",
     "check_transformers_version",

@@ -84,4 +84,21 @@ def with_blank_image(inputs: Mapping[str, Any], blank: BlankImage) -> dict[str, 
     return out
 
 
-__all__ = ["BlankImage", "has_images", "with_blank_image"]
+class BlankImageGuardMixin:
+    """Put before ``transformers.Trainer`` in the bases: a training microbatch of a LLaVA model
+    without images gets one blank image (:func:`with_blank_image`) before the Trainer's loss.
+    :class:`~dflop_ds.hf_trainer.DFLOPTrainerMixin` includes it; alone it keeps any other sampler
+    (the Trainer's own) from breaking ZeRO's reduction on image-free microbatches."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._blank_image = BlankImage.for_model(getattr(getattr(self, "model", None), "config", None))
+
+    def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's loss, after the blank image where a LLaVA training microbatch has none."""
+        if self._blank_image is not None and model.training and "input_ids" in inputs and not has_images(inputs):
+            inputs = with_blank_image(inputs, self._blank_image)
+        return super().compute_loss(model, inputs, *args, **kwargs)  # type: ignore[misc]
+
+
+__all__ = ["BlankImage", "BlankImageGuardMixin", "has_images", "with_blank_image"]

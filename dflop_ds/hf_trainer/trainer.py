@@ -36,7 +36,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from dflop_ds.config import AUTO, OFF, DFLOPConfig
 from dflop_ds.cost import load_cost_model
-from dflop_ds.hf_trainer.guard import BlankImage, has_images, with_blank_image
+from dflop_ds.hf_trainer.guard import BlankImageGuardMixin
 from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, TrainerDataLoader, data_parallel_coords
 from dflop_ds.hf_trainer.version import check_transformers_version
 from dflop_ds.jsonio import read_json_object
@@ -69,7 +69,7 @@ def memory_cap(settings: DFLOPConfig) -> float | None:
     return None if cap in (AUTO, OFF) else float(cap)
 
 
-class DFLOPTrainerMixin:
+class DFLOPTrainerMixin(BlankImageGuardMixin):
     """Put before ``transformers.Trainer`` (or a subclass such as TRL's ``SFTTrainer``) in the bases.
 
     Takes every argument of the Trainer, plus:
@@ -115,7 +115,6 @@ class DFLOPTrainerMixin:
             check_shapes(self.sample_shapes, trainer.train_dataset)
         self.dflop_batch_sampler: TrainerBatchSampler | None = None
         self._dflop_resume: str | None = None
-        self._blank_image = BlankImage.for_model(getattr(trainer.model, "config", None))
         trainer.add_callback(SamplerStateCallback(self))
 
     # -- the sampler and loader -------------------------------------------------------------
@@ -188,14 +187,7 @@ class DFLOPTrainerMixin:
             worker_init_fn=partial(seed_worker, num_workers=workers, rank=args.process_index),
         )
 
-    # -- the step ----------------------------------------------------------------------------
-    def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's loss; a training microbatch of a LLaVA model without images first gets a
-        blank image (:func:`~dflop_ds.hf_trainer.guard.with_blank_image`)."""
-        if self._blank_image is not None and model.training and "input_ids" in inputs and not has_images(inputs):
-            inputs = with_blank_image(inputs, self._blank_image)
-        return super().compute_loss(model, inputs, *args, **kwargs)  # type: ignore[misc]
-
+    # -- telemetry ---------------------------------------------------------------------------
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's log, with the scheduler's telemetry since the last training log
         (``dflop_predicted_imbalance``: mean slowest / mean microbatch cost; ``dflop_schedule_s``)."""
