@@ -186,13 +186,15 @@ def tiny_trainer_parts(llava_inputs, tmp_path):
     model_dir, data, images = llava_inputs
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir))
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2)
-    dataset = torch.utils.data.TensorDataset(torch.zeros(24, 3))
+    dataset = torch.utils.data.TensorDataset(torch.zeros(RECORDS, 3))
     return model, args, dataset, llava_json_shapes(data, str(model_dir), image_folder=images)
 
 
 def test_wrong_shapes_and_bad_settings_are_refused_before_training(tiny_trainer_parts):
     model, args, dataset, good = tiny_trainer_parts
-    with pytest.raises(ValueError, match=r"sample_shapes has 23 shapes but train_dataset \(TensorDataset\) has 24"):
+    with pytest.raises(
+        ValueError, match=rf"sample_shapes has {RECORDS - 1} shapes but train_dataset \(TensorDataset\) has {RECORDS}"
+    ):
         DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good[:-1])
     with pytest.raises(ValueError, match=r"dflop\.sampler\.prefetch"):
         DFLOPTrainer(
@@ -214,24 +216,24 @@ def test_wrong_shapes_and_bad_settings_are_refused_before_training(tiny_trainer_
 def test_single_process_loader_yields_gas_microbatches_of_the_global_batch(tiny_trainer_parts):
     model, args, dataset, good = tiny_trainer_parts
     args.gradient_accumulation_steps = GAS
-    dataset = torch.utils.data.TensorDataset(torch.arange(24))
+    dataset = torch.utils.data.TensorDataset(torch.arange(RECORDS))
     collate = lambda items: torch.stack([item[0] for item in items])  # noqa: E731
     trainer = DFLOPTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate, sample_shapes=good)
     loader = trainer.get_train_dataloader()
-    assert len(loader) == 24 // (2 * GAS) * GAS  # 6 steps of GAS microbatches: the Trainer's epoch
+    assert len(loader) == RECORDS // (2 * GAS) * GAS  # 7 steps of GAS microbatches: the Trainer's epoch
     batches = list(loader)
     assert len(batches) == len(loader)
-    assert sorted(torch.cat(batches).tolist()) == list(range(24))
+    assert sorted(torch.cat(batches).tolist()) == list(range(RECORDS))
 
 
 def test_resume_from_a_checkpoint_of_another_dataset_is_refused(tiny_trainer_parts, tmp_path):
     model, args, _, good = tiny_trainer_parts
-    dataset = torch.utils.data.TensorDataset(torch.arange(24))
+    dataset = torch.utils.data.TensorDataset(torch.arange(RECORDS))
     first = DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good)
     first.get_train_dataloader()
     first._save_sampler_state(str(tmp_path), global_step=3)
     saved = json.loads((tmp_path / SAMPLER_STATE).read_text())
-    assert (saved["epoch"], saved["next_batch"]) == (0, 3)  # global batches of 2: 12 per epoch
+    assert (saved["epoch"], saved["next_batch"]) == (0, 3)  # global batches of 2: 14 per epoch
     other = DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good[::-1])
     other._dflop_resume = str(tmp_path)  # what train(resume_from_checkpoint=tmp_path) records
     with pytest.raises(ValueError, match=rf"{SAMPLER_STATE}: cannot resume this run from it: .*another dataset"):
