@@ -14,6 +14,7 @@ in the same order as on a rank with images.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 
 from dflop_ds.models.data import IGNORE_INDEX
+
+logger = logging.getLogger(__name__)
 
 #: batch keys that are per-token targets (filled with the ignore index where the blank image goes)
 TARGET_KEYS = ("labels", "shift_labels")
@@ -92,7 +95,14 @@ class BlankImageGuardMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._blank_image = BlankImage.for_model(getattr(getattr(self, "model", None), "config", None))
+        config = getattr(getattr(self, "model", None), "config", None)
+        self._blank_image = BlankImage.for_model(config)
+        if self._blank_image is None and getattr(config, "vision_config", None) is not None:
+            logger.warning(
+                "no blank-image guard for model type %r (LLaVA only): under ZeRO-2/3 a microbatch without images"
+                " on one rank beside images on another can abort the gradient reduction",
+                getattr(config, "model_type", None),
+            )
 
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's loss, after the blank image where a LLaVA training microbatch has none."""
