@@ -16,7 +16,7 @@ TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 # DeepSpeed's launcher and its JIT build (ninja) must be found on PATH.
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="$(TORCH_EXTENSIONS_DIR)"
 
-.PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-e2e bench-dp validate-simulator bench-hf gpu-wheels gpu-check clean
+.PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-e2e bench-dp validate-simulator bench-hf bench-trainer gpu-wheels gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -57,6 +57,9 @@ bench-dp: setup
 
 bench-hf: setup
 	$(RUN) $(PY) benchmarks/bench_hf.py
+
+bench-trainer: setup
+	$(RUN) $(PY) benchmarks/bench_trainer.py
 
 validate-simulator: setup
 	$(RUN) $(PY) benchmarks/validate_simulator.py

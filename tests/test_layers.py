@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("models",)),
     ("plan", ("plan",)),
     ("telemetry", ("telemetry",)),
-    ("train", ("train", "config", "setup_checks", "launch")),
+    ("train", ("train", "config", "setup_checks", "launch", "hf_trainer")),
     ("cli", ("commands",)),  # dflop_ds/__init__.py, dflop_ds/cli.py, every ``cli`` module and dflop_ds/commands/
 ]
 

@@ -1,0 +1,177 @@
+"""The DFLOP batch sampler as a ``transformers.Trainer`` iterates it.
+
+The Trainer counts epochs of ``len(dataloader)`` microbatches, calls ``set_epoch`` before each, and
+on resume skips the microbatches of the current epoch it already trained. :class:`TrainerBatchSampler`
+follows the Trainer's own epoch rule: epoch ``e`` is the seeded permutation of ``(seed, e)`` cut
+into global batches of ``global_batch_size`` samples, and the last, shorter batch is trained too
+(as the Trainer's loader keeps its last partial batch) when it fills every microbatch of a step
+(``gradient_accumulation_steps x dp`` samples); fewer left-over samples are dropped for that epoch,
+with a warning that counts them. Each global batch is split by the dflop-ds sampler's
+``schedule`` (a pure function of epoch, batch and samples), so every rank computes the same split
+alone, and each data-parallel rank yields exactly ``gradient_accumulation_steps`` microbatches per
+step. Every sample of an epoch is trained exactly once, and a resumed epoch yields the same
+microbatches as the interrupted one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from torch.utils.data import DataLoader, Sampler
+
+from dflop_ds.schedule.epoch import epoch_permutation
+from dflop_ds.schedule.index import ScheduledIndex
+from dflop_ds.schedule.prefetch import BackgroundMap, run_with_deadline
+from dflop_ds.schedule.sampler import BatchSchedule, GlobalBatchSampler
+
+logger = logging.getLogger(__name__)
+
+
+def data_parallel_coords(process_index: int, world_size: int, tp_size: int) -> tuple[int, int]:
+    """``(dp_rank, dp_size)`` of a process when ranks form a ``(data, tensor)`` mesh, tensor-parallel
+    peers adjacent (DeepSpeed AutoTP's and Accelerate's layout): the peers of a tensor-parallel
+    group share one data-parallel rank, so they get identical microbatches."""
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(f"the world size {world_size} is not a multiple of the tensor-parallel size {tp_size}")
+    return process_index // tp_size, world_size // tp_size
+
+
+def epoch_batches_with_tail(
+    n_samples: int, seed: int, epoch: int, global_batch_size: int, min_batch: int, drop_last: bool = False
+) -> tuple[list[np.ndarray], int]:
+    """``(batches, dropped)``: the global batches of ``epoch`` (full ones, then the short rest of
+    the permutation when it holds at least ``min_batch`` samples and ``drop_last`` is off) and how
+    many samples of the epoch are left out."""
+    order = epoch_permutation(n_samples, seed, epoch)
+    full = n_samples // global_batch_size
+    batches = [order[b * global_batch_size : (b + 1) * global_batch_size] for b in range(full)]
+    rest = order[full * global_batch_size :]
+    if len(rest) and (drop_last or len(rest) < min_batch):
+        return batches, len(rest)
+    return (batches + [rest] if len(rest) else batches), 0
+
+
+@dataclass
+class ScheduleLog:
+    """The schedules a rank has drawn microbatches from since the last :meth:`drain`."""
+
+    imbalance: list[float] = field(default_factory=list)
+    schedule_s: list[float] = field(default_factory=list)
+
+    def add(self, schedule: BatchSchedule) -> None:
+        """Record one global batch's schedule."""
+        self.imbalance.append(float(np.max(schedule.imbalance())))
+        self.schedule_s.append(float(schedule.schedule_s))
+
+    def drain(self) -> dict[str, float]:
+        """Mean predicted imbalance (slowest / mean microbatch) and total scheduler seconds of the
+        schedules since the last call, as Trainer log entries (empty when there were none)."""
+        if not self.imbalance:
+            return {}
+        logs = {
+            "dflop_predicted_imbalance": float(np.mean(self.imbalance)),
+            "dflop_schedule_s": float(np.sum(self.schedule_s)),
+        }
+        self.imbalance.clear()
+        self.schedule_s.clear()
+        return logs
+
+
+class TrainerBatchSampler(Sampler[list[ScheduledIndex]]):
+    """This rank's microbatches of a Trainer epoch, cut and balanced by a dflop-ds sampler.
+
+    Args:
+        sampler: the dflop-ds sampler: its ``schedule`` splits each global batch; its
+            ``dp_rank``, ``seed``, ``prefetch`` and ``schedule_timeout_s`` apply.
+        drop_last: drop every epoch's short last batch (the Trainer's ``dataloader_drop_last``).
+    """
+
+    def __init__(self, sampler: GlobalBatchSampler, drop_last: bool = False) -> None:
+        self.sampler = sampler
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        self.log = ScheduleLog()
+        n, size = len(sampler.shapes), sampler.global_batch_size
+        min_batch = sampler.n_mb * sampler.dp_size
+        batches, self.dropped_per_epoch = epoch_batches_with_tail(n, 0, 0, size, min_batch, self.drop_last)
+        self.batches_per_epoch = len(batches)
+        if self.dropped_per_epoch:
+            logger.warning(
+                "%d of %d samples of every epoch are not trained (a different %d each epoch): they are left after"
+                " the full global batches of %d, and %s",
+                self.dropped_per_epoch,
+                n,
+                self.dropped_per_epoch,
+                size,
+                "drop_last is set" if self.drop_last else f"fewer than the {min_batch} microbatches of a step",
+            )
+
+    def set_epoch(self, epoch: int) -> None:
+        """Iterate Trainer epoch ``epoch`` next."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        """Microbatches this rank yields per Trainer epoch."""
+        return self.batches_per_epoch * self.sampler.n_mb
+
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        """The global batches of ``epoch`` (dataset indices)."""
+        sampler = self.sampler
+        return epoch_batches_with_tail(
+            len(sampler.shapes),
+            sampler.seed,
+            epoch,
+            sampler.global_batch_size,
+            sampler.n_mb * sampler.dp_size,
+            self.drop_last,
+        )[0]
+
+    def schedules(self, epoch: int) -> Iterator[BatchSchedule]:
+        """The schedules of ``epoch``'s global batches in order, ``prefetch`` of them computed ahead
+        in a thread; one that takes longer than ``schedule_timeout_s`` is an error naming it."""
+        batches, sampler = self.batches(epoch), self.sampler
+        timeout = sampler.schedule_timeout_s
+
+        def one(b: int) -> BatchSchedule:
+            return sampler.schedule(epoch, b, batches[b])
+
+        def name(b: int) -> str:
+            return f"epoch {epoch} batch {b}"
+
+        if sampler.prefetch == 0:
+            yield from (run_with_deadline(functools.partial(one, b), timeout, name(b)) for b in range(len(batches)))
+            return
+        with BackgroundMap(one, range(len(batches)), depth=sampler.prefetch, timeout_s=timeout, describe=name) as ahead:
+            yield from ahead
+
+    def __iter__(self) -> Iterator[list[ScheduledIndex]]:
+        """This rank's microbatches of the current Trainer epoch, in training order."""
+        for schedule in self.schedules(self.epoch):
+            self.log.add(schedule)
+            for microbatch in schedule.split.ranks[self.sampler.dp_rank]:
+                yield [ScheduledIndex(i, schedule.loss_denominator, schedule.batch_id) for i in microbatch]
+
+
+class TrainerDataLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`TrainerBatchSampler` that passes ``set_epoch`` on (the
+    Trainer calls it on the loader before every epoch)."""
+
+    batch_sampler: Any
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start Trainer epoch ``epoch``."""
+        self.batch_sampler.set_epoch(epoch)
+
+
+__all__ = [
+    "ScheduleLog",
+    "TrainerBatchSampler",
+    "TrainerDataLoader",
+    "data_parallel_coords",
+    "epoch_batches_with_tail",
+]

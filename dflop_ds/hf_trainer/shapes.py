@@ -1,0 +1,106 @@
+"""Sample shapes for a Trainer's dataset, read from the data file and media headers (no pixels)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dflop_ds.data import DataError, read_dataset
+from dflop_ds.data.errors import PathArg
+from dflop_ds.data.media import media_folder
+from dflop_ds.models.hf.data import LlavaPreprocessor
+from dflop_ds.models.hf.preprocessor import hf_preprocessor
+from dflop_ds.shapes import SampleShape
+
+
+def llava_json_shapes(
+    data_path: PathArg,
+    model_name_or_path: str,
+    *,
+    image_folder: PathArg | None = None,
+    video_folder: PathArg | None = None,
+    max_length: int | None = None,
+) -> list[SampleShape]:
+    """One :class:`SampleShape` per record of a LLaVA JSON/JSONL file, in file order (dataset index
+    ``i`` is record ``i``), for the HuggingFace model in ``model_name_or_path`` (LLaVA or the
+    Qwen2-VL family: its processor decides image tokens and token counts).
+
+    Image sizes come from the files' headers (cached beside the data file), video frame counts
+    from their containers; nothing is decoded. Media paths are relative to ``image_folder`` /
+    ``video_folder`` (default: the data file's folder). A bad record (a missing image, an unknown
+    role, an over-long chat) is a :class:`~dflop_ds.data.DataError` naming the file, record and
+    field: the shapes must cover every index of the dataset the Trainer samples from.
+    """
+    return list(
+        read_dataset(
+            data_path,
+            hf_preprocessor(model_name_or_path, max_length=max_length).policy(),
+            image_folder=media_folder(data_path, image_folder),
+            video_folder=media_folder(data_path, video_folder),
+        )
+    )
+
+
+def image_size(image: Any) -> tuple[int, int]:
+    """``(width, height)`` of a dataset's image: a PIL image, or an undecoded ``{"bytes", "path"}``
+    entry of a ``datasets.Image(decode=False)`` column, read from its header only."""
+    if hasattr(image, "size") and not isinstance(image, Mapping):
+        return tuple(image.size)
+    from PIL import Image
+
+    source = io.BytesIO(image["bytes"]) if image.get("bytes") else image.get("path")
+    if source is None:
+        raise ValueError("an image entry with neither bytes nor a path")
+    with Image.open(source) as opened:  # reads the header; pixels are decoded only on access
+        return opened.size
+
+
+def hf_dataset_shapes(dataset: Any, processor: Any) -> list[SampleShape]:
+    """One :class:`SampleShape` per row of a ``datasets.Dataset`` in TRL's vision format (a
+    ``messages`` column of chat turns whose contents list ``{"type": "image"}`` and ``{"type":
+    "text"}`` parts, and an ``images`` column), for a LLaVA ``processor`` with a chat template.
+
+    Text tokens are those of the processor's chat template (image placeholders excluded), every
+    one supervised, as TRL's vision collator trains them; image sizes come from the images'
+    headers (an ``Image`` column is read undecoded). A row the template or the images refuse is a
+    :class:`~dflop_ds.data.DataError` naming its index and field.
+    """
+    policy = LlavaPreprocessor(processor).policy()
+    tokenizer = processor.tokenizer
+    if getattr(processor, "chat_template", None) is None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"{type(processor).__name__} has no chat template: TRL renders messages with it")
+    rows = _undecoded(dataset)
+    image_token = int(processor.image_token_id)
+    shapes = []
+    for index, row in enumerate(rows):
+        images: Sequence[Any] = row.get("images") or []
+        try:
+            sizes = [image_size(image) for image in images]
+        except (OSError, ValueError) as error:
+            raise DataError(f"cannot read an image header: {error}", sample_id=str(index), field="images") from error
+        try:
+            text = processor.apply_chat_template(row["messages"], tokenize=False)
+        except Exception as error:  # noqa: BLE001 - a template error names the row, whatever its type
+            raise DataError(f"the chat template refused it: {error}", sample_id=str(index), field="messages") from error
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        text_tokens = sum(1 for token in ids if token != image_token)
+        shapes.append(policy.shape(str(index), image_sizes=sizes, text_tokens=text_tokens))
+    return shapes
+
+
+def _undecoded(dataset: Any) -> Any:
+    """``dataset`` with its ``images`` column left undecoded when it is a ``datasets`` Image column."""
+    features = getattr(dataset, "features", None)
+    if features is None or "images" not in features:
+        return dataset
+    import datasets
+
+    column = features["images"]
+    inner = getattr(column, "feature", None) or (column[0] if isinstance(column, list) and column else None)
+    if isinstance(inner, datasets.Image) and inner.decode:
+        return dataset.cast_column("images", datasets.Sequence(datasets.Image(decode=False)))
+    return dataset
+
+
+__all__ = ["hf_dataset_shapes", "image_size", "llava_json_shapes"]

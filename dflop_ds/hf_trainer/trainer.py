@@ -1,0 +1,293 @@
+"""``DFLOPTrainerMixin``: DFLOP's balanced microbatches in a ``transformers.Trainer`` (or TRL's).
+
+The mixin replaces the Trainer's training sampler and data loader and nothing else: the user's
+model, collator, optimizer, logging, checkpointing and evaluation stay. What it guarantees:
+
+* each data-parallel rank yields exactly ``gradient_accumulation_steps`` microbatches per
+  optimizer step, of any sample count, cut from one global batch of ``per_device_train_batch_size
+  x gradient_accumulation_steps x dp`` samples by the sampler named in the ``"dflop"`` block
+  (balanced on predicted cost, padded to the longest sample since the user's collator pads);
+  tensor-parallel peers get identical microbatches;
+* Accelerate never re-shards or pads them: the loader is not passed through ``accelerator.prepare``
+  (the Trainer moves each batch to its device itself);
+* the loss stays the global batch's label-token mean through the Trainer's own
+  ``num_items_in_batch`` (labels counted over the step's microbatches and summed over ranks), which
+  is why ``average_tokens_across_devices`` must stay on;
+* a LLaVA microbatch without images gets a blank image masked out of attention and loss
+  (:mod:`dflop_ds.hf_trainer.guard`), so ZeRO's gradient reduction matches across ranks;
+* resume: the Trainer's own epoch and skip arithmetic lands on the next untrained microbatch
+  (:mod:`dflop_ds.hf_trainer.sampler`); the sampler's state is written into every checkpoint
+  folder and checked on resume, so another dataset, seed or batch size is refused by name;
+* the predicted imbalance and the scheduler's time join the Trainer's logs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
+
+from dflop_ds.config import AUTO, OFF, DFLOPConfig
+from dflop_ds.cost import load_cost_model
+from dflop_ds.hf_trainer.guard import BlankImageGuardMixin
+from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, TrainerDataLoader, data_parallel_coords
+from dflop_ds.hf_trainer.version import check_transformers_version
+from dflop_ds.jsonio import read_json_object
+from dflop_ds.schedule import make_sampler
+from dflop_ds.shapes import SampleShape
+
+logger = logging.getLogger(__name__)
+
+#: the sampler state file in every checkpoint folder
+SAMPLER_STATE = "dflop_sampler.json"
+
+
+def dflop_settings(dflop: Mapping[str, Any] | None, deepspeed: Any) -> DFLOPConfig:
+    """The typed settings: ``dflop`` (a ``"dflop"`` block) if given, else the ``"dflop"`` block of
+    the DeepSpeed config ``deepspeed`` (``TrainingArguments.deepspeed``: a path or a dict), else
+    the defaults. A bad block is a ``ValueError`` naming the key and where it came from."""
+    if dflop is not None:
+        return DFLOPConfig.from_dict(dict(dflop), source="DFLOPTrainer(dflop=...)")
+    if deepspeed is None:
+        return DFLOPConfig.from_dict({}, source="defaults")
+    if isinstance(deepspeed, Mapping):
+        return DFLOPConfig.from_dict(deepspeed.get("dflop", {}), source="TrainingArguments.deepspeed")
+    return DFLOPConfig.from_dict(read_json_object(deepspeed).get("dflop", {}), source=str(deepspeed))
+
+
+def memory_cap(settings: DFLOPConfig) -> float | None:
+    """``dflop.sampler.memory_cap_bytes`` as the sampler takes it: a number, or None for ``"off"``
+    and ``"auto"`` (the Trainer runs no plan and measures no device budget)."""
+    cap = settings.memory_cap_bytes
+    return None if cap in (AUTO, OFF) else float(cap)
+
+
+class DFLOPTrainerMixin(BlankImageGuardMixin):
+    """Put before ``transformers.Trainer`` (or a subclass such as TRL's ``SFTTrainer``) in the bases.
+
+    Takes every argument of the Trainer, plus:
+
+    Args:
+        dflop: the settings, a dict in the shape of the DeepSpeed config's ``"dflop"`` block
+            (``{"sampler": {"kind": "dflop", "cost_model": "costmodel.json"}}``); default: the
+            ``"dflop"`` block of ``TrainingArguments.deepspeed``. Of it the Trainer uses the
+            ``sampler`` section and ``train.seed`` (default: ``TrainingArguments.seed``).
+        sample_shapes: one :class:`~dflop_ds.shapes.SampleShape` per index of ``train_dataset``
+            (e.g. :func:`~dflop_ds.hf_trainer.llava_json_shapes`); required for training.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        dflop: Mapping[str, Any] | None = None,
+        sample_shapes: Sequence[SampleShape] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        check_transformers_version()
+        super().__init__(*args, **kwargs)
+        trainer: Any = self
+        self.dflop_settings = dflop_settings(dflop, trainer.args.deepspeed)
+        if self.dflop_settings.packing:
+            raise ValueError(
+                "dflop.model.packing=true is not supported by DFLOPTrainer: it balances the microbatches your"
+                " collator pads; leave packing out of the block"
+            )
+        if not trainer.args.average_tokens_across_devices:
+            raise ValueError(
+                "DFLOPTrainer needs TrainingArguments(average_tokens_across_devices=True): its microbatches differ"
+                " in size, so the loss must be divided by the label tokens of the whole step over all ranks"
+            )
+        if not (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None):
+            raise ValueError(
+                f"DFLOPTrainer: the model {type(trainer.model).__name__} does not take num_items_in_batch in"
+                " forward, so its loss would be a per-microbatch mean, which uneven microbatches distort; pass"
+                " compute_loss_func= that divides by num_items_in_batch"
+            )
+        self.sample_shapes = None if sample_shapes is None else list(sample_shapes)
+        if trainer.train_dataset is not None and self.sample_shapes is not None:
+            check_shapes(self.sample_shapes, trainer.train_dataset)
+        self.dflop_batch_sampler: TrainerBatchSampler | None = None
+        self._dflop_resume: str | None = None
+        trainer.add_callback(SamplerStateCallback(self))
+
+    # -- the sampler and loader -------------------------------------------------------------
+    def _get_train_sampler(self, train_dataset: Any = None) -> TrainerBatchSampler:
+        """The training batch sampler: this rank's microbatches of DFLOP's global batches."""
+        trainer: Any = self
+        dataset = trainer.train_dataset if train_dataset is None else train_dataset
+        if self.sample_shapes is None:
+            raise ValueError(
+                "DFLOPTrainer needs sample_shapes=: one SampleShape per index of train_dataset"
+                " (dflop_ds.hf_trainer.llava_json_shapes(data_path, model_name_or_path, image_folder=...))"
+            )
+        check_shapes(self.sample_shapes, dataset)
+        args, settings = trainer.args, self.dflop_settings
+        dp_rank, dp_size = data_parallel_coords(args.process_index, max(1, args.world_size), trainer.get_tp_size())
+        gas = args.gradient_accumulation_steps
+        cap = memory_cap(settings)
+        options: dict[str, Any] = {"memory_cap": cap, "allow_oversize": settings.allow_oversize} if cap else {}
+        sampler = make_sampler(
+            settings.sampler,
+            self.sample_shapes,
+            global_batch_size=args.per_device_train_batch_size * gas * dp_size,
+            gradient_accumulation_steps=gas,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            cost_model=None if settings.cost_model is None else load_cost_model(settings.cost_model),
+            seed=self._dflop_seed(),
+            prefetch=settings.prefetch,
+            drop_last=False,  # epochs are cut by TrainerBatchSampler
+            schedule_timeout_s=settings.schedule_timeout_s,
+            time_limit_s=settings.time_limit_s,
+            ilp_nodes=settings.ilp_nodes,
+            lockstep=True,  # no pipeline: ZeRO ranks meet in every microbatch's backward
+            **options,
+        )
+        return TrainerBatchSampler(sampler, drop_last=settings.drop_last or args.dataloader_drop_last)
+
+    def _dflop_seed(self) -> int:
+        """The data order's seed: ``dflop.train.seed`` when the block sets it, else the Trainer's
+        ``data_seed`` or ``seed``."""
+        trainer: Any = self
+        if self.dflop_settings.seed != DFLOPConfig.seed:
+            return self.dflop_settings.seed
+        return int(trainer.args.data_seed if trainer.args.data_seed is not None else trainer.args.seed)
+
+    def get_train_dataloader(self) -> TrainerDataLoader:
+        """The training loader: the user's collator over :meth:`_get_train_sampler`'s microbatches,
+        not passed through ``accelerator.prepare`` (which would shard and pad them again)."""
+        trainer: Any = self
+        if trainer.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        dataset, collator = trainer.train_dataset, trainer.data_collator
+        if _is_hf_dataset(dataset):
+            dataset = trainer._remove_unused_columns(dataset, description="Training")
+        else:
+            collator = trainer._get_collator_with_removed_columns(collator, description="Training")
+        batch_sampler = self._get_train_sampler(dataset)
+        self._check_resume_state(batch_sampler)
+        self.dflop_batch_sampler = batch_sampler
+        args = trainer.args
+        workers = args.dataloader_num_workers
+        return TrainerDataLoader(
+            dataset,
+            batch_sampler=batch_sampler,
+            collate_fn=collator,
+            num_workers=workers,
+            pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers and workers > 0,
+            prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+            worker_init_fn=partial(seed_worker, num_workers=workers, rank=args.process_index),
+        )
+
+    # -- telemetry ---------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log, with the scheduler's telemetry since the last training log
+        (``dflop_predicted_imbalance``: mean slowest / mean microbatch cost; ``dflop_schedule_s``)."""
+        if "loss" in logs and self.dflop_batch_sampler is not None:
+            logs = {**logs, **self.dflop_batch_sampler.log.drain()}
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; a resumed run checks the checkpoint's sampler state first."""
+        trainer: Any = self
+        self._dflop_resume = None
+        if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
+            self._dflop_resume = get_last_checkpoint(trainer.args.output_dir)
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            self._dflop_resume = str(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+    def _check_resume_state(self, batch_sampler: TrainerBatchSampler) -> None:
+        """Refuse to resume from a checkpoint whose sampler state is of another dataset, seed,
+        batch size or epoch length (naming both); a checkpoint without one (a plain Trainer's) is
+        resumed with a warning. Where to resume is the Trainer's: its epoch and step count."""
+        if self._dflop_resume is None:
+            return
+        path = Path(self._dflop_resume) / SAMPLER_STATE
+        if not path.is_file():
+            logger.warning("%s: no %s, resuming by the Trainer's step count alone", self._dflop_resume, SAMPLER_STATE)
+            return
+        saved = read_json_object(path)
+        try:
+            batch_sampler.sampler.load_state_dict(saved["sampler"])
+        except (KeyError, ValueError) as error:
+            raise ValueError(f"{path}: cannot resume this run from it: {error}") from error
+        if saved.get("batches_per_epoch") != batch_sampler.batches_per_epoch:
+            raise ValueError(
+                f"{path}: saved with {saved.get('batches_per_epoch')} global batches per epoch, this run has"
+                f" {batch_sampler.batches_per_epoch}: the dataset size, batch size or drop_last changed"
+            )
+
+    def _save_sampler_state(self, checkpoint_dir: str, global_step: int) -> None:
+        """Write into ``checkpoint_dir`` what the sampler schedules (seed, batch sizes, dataset
+        fingerprint) and where training stands after ``global_step`` optimizer steps."""
+        batch_sampler = self.dflop_batch_sampler
+        if batch_sampler is None:
+            return
+        per_epoch = batch_sampler.batches_per_epoch
+        state = {
+            "global_step": global_step,
+            "epoch": global_step // per_epoch,
+            "next_batch": global_step % per_epoch,
+            "batches_per_epoch": per_epoch,
+            "sampler": batch_sampler.sampler.state_dict(),
+        }
+        Path(checkpoint_dir, SAMPLER_STATE).write_text(json.dumps(state, indent=1))
+
+
+class SamplerStateCallback(TrainerCallback):
+    """Writes the sampler state into every checkpoint folder the Trainer saves (by the process
+    that saves it)."""
+
+    def __init__(self, trainer: DFLOPTrainerMixin) -> None:
+        self.trainer = trainer
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """After the Trainer wrote ``checkpoint-<step>``, add :data:`SAMPLER_STATE` to it."""
+        folder = Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if args.should_save and folder.is_dir():
+            self.trainer._save_sampler_state(str(folder), state.global_step)
+
+
+def _is_hf_dataset(dataset: Any) -> bool:
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return isinstance(dataset, datasets.Dataset)
+
+
+def check_shapes(shapes: Sequence[SampleShape], dataset: Any) -> None:
+    """Refuse shapes that do not cover the dataset index for index."""
+    if not hasattr(dataset, "__len__"):
+        raise ValueError("DFLOPTrainer needs a train_dataset with a length (not an IterableDataset)")
+    if len(shapes) != len(dataset):
+        raise ValueError(
+            f"sample_shapes has {len(shapes)} shapes but train_dataset ({type(dataset).__name__}) has"
+            f" {len(dataset)} samples: give one SampleShape per dataset index, in index order"
+        )
+
+
+class DFLOPTrainer(DFLOPTrainerMixin, Trainer):
+    """``transformers.Trainer`` with DFLOP's balanced microbatches: every Trainer argument, plus
+    ``dflop=`` and ``sample_shapes=`` (see :class:`DFLOPTrainerMixin`)."""
+
+
+__all__ = [
+    "SAMPLER_STATE",
+    "DFLOPTrainer",
+    "DFLOPTrainerMixin",
+    "SamplerStateCallback",
+    "check_shapes",
+    "dflop_settings",
+    "memory_cap",
+]

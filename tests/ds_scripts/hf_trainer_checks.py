@@ -1,0 +1,228 @@
+"""Trainer scripts as a user writes them (the Dataset over LLaVA JSON and the padded collator of
+examples/hf_trainer.py), switched to DFLOP by the documented lines, checked on 2 ranks in one launch:
+
+* ``resume``: ZeRO-2 training stopped after step ``--stop_at`` (checkpoint saved), then a new
+  Trainer resumes from that checkpoint to the end of ``--epochs`` epochs; the report lists every
+  dataset index fetched, the microbatches of every step, the logged losses and whether each
+  microbatch held an image;
+* ``sgd``: one SGD step; rank 0 then repeats it in one process on the whole global batch (the
+  indices both ranks fetched) from the same initial weights and reports the largest weight
+  difference;
+* ``example``: examples/hf_trainer.py itself, run for two steps with its command-line options.
+
+Each rank writes ``--out/rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback, TrainingArguments
+
+from dflop_ds.hf_trainer import DFLOPTrainer, llava_json_shapes  # DFLOP: the one import
+
+# ---- the user's data code: the example's Dataset and collator, recording what they are asked ----
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
+_spec = importlib.util.spec_from_file_location("hf_trainer_example", EXAMPLE)
+example = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+sys.modules[_spec.name] = example  # type: ignore[union-attr]  # its dataclass looks itself up there
+_spec.loader.exec_module(example)  # type: ignore[union-attr]
+
+
+class LlavaJsonDataset(example.LlavaJsonDataset):
+    """The example's dataset, listing every index fetched."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.fetched: list[int] = []
+
+    def __getitem__(self, index: int) -> dict:
+        self.fetched.append(int(index))
+        return super().__getitem__(index)
+
+
+class PadCollator(example.PadCollator):
+    """The example's collator, listing each microbatch's rows and whether it held an image."""
+
+    def __init__(self, pad_id: int) -> None:
+        super().__init__(pad_id)
+        self.had_images: list[bool] = []
+        self.rows: list[int] = []
+
+    def __call__(self, items: list[dict]) -> dict:
+        batch = super().__call__(items)
+        self.had_images.append("pixel_values" in batch)
+        self.rows.append(len(items))
+        return batch
+
+
+class StepRecorder(TrainerCallback):
+    """Microbatches collated per optimizer step; stops training after ``stop_at`` steps (a kill)."""
+
+    def __init__(self, collator: PadCollator, stop_at: int | None = None) -> None:
+        self.collator = collator
+        self.stop_at = stop_at
+        self.seen = 0
+        self.per_step: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.per_step.append(len(self.collator.had_images) - self.seen)
+        self.seen = len(self.collator.had_images)
+        if self.stop_at is not None and state.global_step >= self.stop_at:
+            control.should_training_stop = True
+            control.should_save = True
+
+
+# ---- the checks ------------------------------------------------------------------------------
+
+
+def training_args(cli, out: Path, **overrides) -> TrainingArguments:
+    options = dict(
+        output_dir=str(out),
+        use_cpu=True,
+        deepspeed=cli.deepspeed,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=5e-3,
+        num_train_epochs=cli.epochs,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=cli.seed,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    options.update(overrides)
+    return TrainingArguments(**options)
+
+
+def trainer_for(cli, args, processor, callbacks_stop_at=None, model=None):
+    dataset = LlavaJsonDataset(cli.data, cli.images, processor)
+    collator = PadCollator(processor.tokenizer.pad_token_id)
+    recorder = StepRecorder(collator, callbacks_stop_at)
+    shapes = llava_json_shapes(cli.data, cli.model, image_folder=cli.images)  # DFLOP: the shapes line
+    model = model or AutoModelForImageTextToText.from_pretrained(cli.model)
+    trainer = DFLOPTrainer(  # DFLOP: the class name
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        data_collator=collator,
+        callbacks=[recorder],
+        sample_shapes=shapes,  # DFLOP
+    )
+    return trainer, dataset, collator, recorder
+
+
+def losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def telemetry(trainer) -> list[dict]:
+    keys = ("dflop_predicted_imbalance", "dflop_schedule_s")
+    return [{k: entry[k] for k in keys} for entry in trainer.state.log_history if keys[0] in entry]
+
+
+def check_resume(cli, processor, out: Path) -> dict:
+    args = training_args(cli, out, save_strategy="steps", save_steps=cli.stop_at)
+    first, data_a, collator_a, rec_a = trainer_for(cli, args, processor, callbacks_stop_at=cli.stop_at)
+    first.train()
+    checkpoint = out / f"checkpoint-{cli.stop_at}"
+    second, data_b, collator_b, rec_b = trainer_for(cli, training_args(cli, out), processor)
+    second.train(resume_from_checkpoint=str(checkpoint))
+    return {
+        "fetched_before": data_a.fetched,
+        "fetched_after": data_b.fetched,
+        "per_step": rec_a.per_step + rec_b.per_step,
+        "had_images": collator_a.had_images + collator_b.had_images,
+        "losses": losses(second),  # the resumed state's log history holds the first run's entries
+        "telemetry": telemetry(second),
+        "state_file": (checkpoint / "dflop_sampler.json").is_file(),
+        "steps": second.state.global_step,
+    }
+
+
+def check_sgd(cli, processor, out: Path) -> dict:
+    lr = 0.1
+    args = training_args(
+        cli,
+        out,
+        optim="sgd",
+        learning_rate=lr,
+        max_steps=1,
+        max_grad_norm=0.0,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=3,  # a global batch of 12 in 4 microbatches of 3 on average
+    )
+    trainer, dataset, collator, _ = trainer_for(cli, args, processor)
+    trainer.train()
+    trained = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}  # ZeRO-2: whole on every rank
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dataset.fetched)
+    report: dict = {"fetched": dataset.fetched, "rows": collator.rows}
+    if dist.get_rank() == 0:
+        reference = AutoModelForImageTextToText.from_pretrained(cli.model)
+        initial = {k: v.detach().clone() for k, v in reference.named_parameters()}
+        plain = LlavaJsonDataset(cli.data, cli.images, processor)
+        batch = PadCollator(processor.tokenizer.pad_token_id)([plain[i] for part in everyone for i in part])
+        reference.train()
+        reference(**batch).loss.backward()
+        with torch.no_grad():
+            for p in reference.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+        expected = {k: v.detach() for k, v in reference.named_parameters()}
+        name = lambda k: k.removeprefix("module.")  # noqa: E731
+        report["max_diff"] = max(float((trained[k] - expected[name(k)]).abs().max()) for k in trained)
+        report["max_update"] = max(float((trained[k] - initial[name(k)]).abs().max()) for k in trained)
+    return report
+
+
+def check_example(cli, out: Path) -> dict:
+    """examples/hf_trainer.py as the README runs it, for two steps."""
+    argv = [
+        "--model_name_or_path", cli.model, "--data_path", cli.data, "--image_folder", cli.images,
+        "--deepspeed", cli.deepspeed, "--output_dir", str(out), "--use_cpu", "--max_steps", "2",
+        "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--report_to", "none",
+        "--save_strategy", "no", "--logging_steps", "1",
+    ]  # fmt: skip
+    saved, sys.argv = sys.argv, [str(EXAMPLE), *argv]
+    try:
+        example.main()
+    finally:
+        sys.argv = saved
+    saved = all((out / name).is_file() for name in ("config.json", "model.safetensors", "processor_config.json"))
+    return {"saved": saved}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--images", required=True)
+    parser.add_argument("--deepspeed", default="ds_configs/hf_trainer_zero2.json")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--stop_at", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--local_rank", type=int, default=0)
+    cli = parser.parse_args()
+    torch.set_num_threads(1)
+    out = Path(cli.out)
+    processor = AutoProcessor.from_pretrained(cli.model)
+    report = {"resume": check_resume(cli, processor, out / "resume")}
+    report["sgd"] = check_sgd(cli, processor, out / "sgd")
+    report["example"] = check_example(cli, out / "example")
+    rank = int(os.environ.get("RANK", "0"))
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""dflop_ds.hf_trainer: DFLOP's sampler inside ``transformers.Trainer``.
+
+In-process: the window arithmetic, the blank-image guard against the real tiny LLaVA, the shapes
+helper, and the errors raised before training. On 2 DeepSpeed ranks (one launch of
+ds_scripts/hf_trainer_checks.py, a Trainer script written as a user writes one): ZeRO-2 training
+killed and resumed, one SGD step against the whole global batch in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ds_runs import REPO, run_on_ranks
+
+from dflop_ds.hf_trainer import (
+    SAMPLER_STATE,
+    SUPPORTED,
+    DFLOPTrainer,
+    check_transformers_version,
+    dflop_settings,
+    llava_json_shapes,
+)
+from dflop_ds.hf_trainer.guard import BlankImage, has_images, with_blank_image
+from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, data_parallel_coords, epoch_batches_with_tail
+from dflop_ds.schedule import DFLOPBatchSampler
+from dflop_ds.shapes import SampleShape
+
+SCRIPT = Path(__file__).parent / "ds_scripts" / "hf_trainer_checks.py"
+GAS = 2
+RECORDS = 28
+
+
+@pytest.fixture(scope="module")
+def llava_inputs(tmp_path_factory):
+    """A tiny HF LLaVA and 28 LLaVA JSON records (30% text-only) with real image files: 3 global
+    batches of 8 and a short one of 4 per epoch on 2 ranks with 2 microbatches each."""
+    from dflop_ds.testing.hf_tiny import build_tiny_llava
+    from dflop_ds.testing.llava_data import write_llava_dataset
+
+    root = tmp_path_factory.mktemp("hf_trainer")
+    model = build_tiny_llava(root / "model")
+    data, images = write_llava_dataset(root / "data", RECORDS, seed=1, text_only=0.3, answer_words=(3, 20))
+    return model, data, images
+
+
+def shapes(n: int) -> list[SampleShape]:
+    return [SampleShape(f"s{i}", text_tokens=10 + i, label_tokens=3, llm_tokens=10 + i) for i in range(n)]
+
+
+# ---- the sampler as the Trainer sees it ----------------------------------------------------------
+
+
+def test_epoch_keeps_a_short_last_batch_that_fills_a_step_and_drops_a_smaller_one():
+    batches, dropped = epoch_batches_with_tail(10, 0, 3, 4, min_batch=2)
+    assert [len(b) for b in batches] == [4, 4, 2] and dropped == 0
+    assert sorted(np.concatenate(batches).tolist()) == list(range(10))
+    batches, dropped = epoch_batches_with_tail(10, 0, 3, 4, min_batch=4)
+    assert [len(b) for b in batches] == [4, 4] and dropped == 2
+    assert [len(b) for b in epoch_batches_with_tail(10, 0, 3, 4, min_batch=2, drop_last=True)[0]] == [4, 4]
+
+
+def test_trainer_epochs_train_every_sample_once_in_gas_microbatches_and_restart_anywhere():
+    n, dp, gas = 10, 2, 1
+    ranks = [
+        TrainerBatchSampler(
+            DFLOPBatchSampler(shapes(n), global_batch_size=4, gradient_accumulation_steps=gas, dp_rank=r, dp_size=dp)
+        )
+        for r in range(dp)
+    ]
+    assert ranks[0].batches_per_epoch == 3 and len(ranks[0]) == 3 * gas  # 4 + 4 + the last 2
+    per_epoch = {}
+    for epoch in range(3):
+        seen: list[int] = []
+        for r, rank in enumerate(ranks):
+            rank.set_epoch(epoch)
+            microbatches = [[int(i) for i in mb] for mb in rank]
+            assert len(microbatches) == len(rank) and all(microbatches)
+            per_epoch[epoch, r] = microbatches
+            seen += [i for mb in microbatches for i in mb]
+        assert sorted(seen) == list(range(n))  # each sample once per epoch, over both ranks
+    assert per_epoch[0, 0] != per_epoch[1, 0]  # a fresh order each epoch
+    again = ranks[1]
+    again.set_epoch(1)  # a restart at any epoch yields the same microbatches
+    assert [[int(i) for i in mb] for mb in again] == per_epoch[1, 1]
+
+
+def test_tensor_parallel_peers_share_a_data_parallel_rank():
+    assert [data_parallel_coords(r, 4, 2) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    with pytest.raises(ValueError, match="not a multiple"):
+        data_parallel_coords(0, 3, 2)
+
+
+# ---- the blank image of image-free microbatches ----------------------------------------------------
+
+
+def test_blank_image_leaves_loss_and_gradients_unchanged_and_runs_the_tower(llava_inputs):
+    from transformers import AutoModelForImageTextToText
+
+    model_dir, _, _ = llava_inputs
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir))
+    blank = BlankImage.for_model(model.config)
+    assert blank is not None and blank.tokens == 16 and blank.pixel_shape == (3, 32, 32)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 300, (2, 9), generator=generator)
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    batch["attention_mask"][1, 6:] = 0
+    batch["labels"][1, 6:] = -100
+    guarded = with_blank_image(batch, blank)
+    assert not has_images(batch) and has_images(guarded)
+    assert guarded["input_ids"].shape == (2, 25) and int((guarded["input_ids"] == blank.image_token_id).sum()) == 16
+
+    def run(inputs):
+        model.zero_grad()
+        loss = model(**inputs).loss
+        loss.backward()
+        return loss.detach(), {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()}
+
+    loss, grads = run(batch)
+    guarded_loss, guarded_grads = run(guarded)
+    assert torch.allclose(loss, guarded_loss, atol=1e-6)
+    tower = [k for k in grads if "vision_tower" in k]
+    assert all(grads[k] is None for k in tower)  # no image: the tower takes no part
+    # control: the same image, visible and predicted from, gives the tower gradients that are not zero
+    image = {
+        **guarded,
+        "pixel_values": torch.rand((1, *blank.pixel_shape), generator=generator),
+        "attention_mask": torch.ones_like(guarded["input_ids"]),
+        "labels": guarded["input_ids"].clone(),
+    }
+    _, image_grads = run(image)
+    used = [k for k in tower if image_grads[k] is not None]
+    assert used and [k for k in tower if guarded_grads[k] is not None] == used  # the tower ran as with an image
+    assert all(not guarded_grads[k].any() for k in used) and any(image_grads[k].any() for k in used)
+    for k, g in grads.items():
+        if g is not None:
+            assert torch.allclose(g, guarded_grads[k], atol=1e-6), k
+
+
+def test_blank_image_is_only_for_llava():
+    from transformers import LlamaConfig
+
+    assert BlankImage.for_model(LlamaConfig()) is None
+
+
+# ---- shapes and bad input ------------------------------------------------------------------------
+
+
+def test_llava_json_shapes_cover_every_record_from_headers(llava_inputs):
+    model_dir, data, images = llava_inputs
+    records = json.loads(Path(data).read_text())
+    got = llava_json_shapes(data, str(model_dir), image_folder=images)
+    assert [s.sample_id for s in got] == [r["id"] for r in records]
+    n_images = [0 if "image" not in r else 1 if isinstance(r["image"], str) else len(r["image"]) for r in records]
+    assert [s.encoder_tiles for s in got] == n_images
+    assert all(s.visual_tokens == 16 * k for s, k in zip(got, n_images))
+
+
+def test_dflop_block_comes_from_the_deepspeed_config_and_bad_keys_are_named(tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"dflop": {"sampler": {"kind": "stock"}}}))
+    assert dflop_settings(None, str(config)).sampler == "stock"
+    assert dflop_settings({"sampler": {"kind": "verl"}}, str(config)).sampler == "verl"
+    assert dflop_settings(None, {"dflop": {"sampler": {"prefetch": 0}}}).prefetch == 0
+    config.write_text(json.dumps({"dflop": {"sampler": {"kindd": "dflop"}}}))
+    with pytest.raises(ValueError, match=r"ds\.json: unknown key dflop\.sampler\.kindd"):
+        dflop_settings(None, str(config))
+
+
+def test_transformers_outside_the_tested_range_is_refused():
+    low, high = SUPPORTED
+    assert check_transformers_version(str(low)) == str(low)
+    for bad in ("4.57.0", str(high)):
+        with pytest.raises(RuntimeError, match=rf"supports transformers >={low},<{high}.*{bad} is installed"):
+            check_transformers_version(bad)
+
+
+@pytest.fixture
+def tiny_trainer_parts(llava_inputs, tmp_path):
+    from transformers import AutoModelForImageTextToText, TrainingArguments
+
+    model_dir, data, images = llava_inputs
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2)
+    dataset = torch.utils.data.TensorDataset(torch.zeros(RECORDS, 3))
+    return model, args, dataset, llava_json_shapes(data, str(model_dir), image_folder=images)
+
+
+def test_wrong_shapes_and_bad_settings_are_refused_before_training(tiny_trainer_parts):
+    model, args, dataset, good = tiny_trainer_parts
+    with pytest.raises(
+        ValueError, match=rf"sample_shapes has {RECORDS - 1} shapes but train_dataset \(TensorDataset\) has {RECORDS}"
+    ):
+        DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good[:-1])
+    with pytest.raises(ValueError, match=r"dflop\.sampler\.prefetch"):
+        DFLOPTrainer(
+            model=model, args=args, train_dataset=dataset, sample_shapes=good, dflop={"sampler": {"prefetch": -1}}
+        )
+    with pytest.raises(ValueError, match="packing"):
+        DFLOPTrainer(
+            model=model, args=args, train_dataset=dataset, sample_shapes=good, dflop={"model": {"packing": True}}
+        )
+    args.average_tokens_across_devices = False
+    with pytest.raises(ValueError, match=r"average_tokens_across_devices=True"):
+        DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good)
+    args.average_tokens_across_devices = True
+    trainer = DFLOPTrainer(model=model, args=args, train_dataset=dataset)
+    with pytest.raises(ValueError, match="needs sample_shapes="):
+        trainer.get_train_dataloader()
+
+
+def test_single_process_loader_yields_gas_microbatches_of_the_global_batch(tiny_trainer_parts):
+    model, args, dataset, good = tiny_trainer_parts
+    args.gradient_accumulation_steps = GAS
+    dataset = torch.utils.data.TensorDataset(torch.arange(RECORDS))
+    collate = lambda items: torch.stack([item[0] for item in items])  # noqa: E731
+    trainer = DFLOPTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate, sample_shapes=good)
+    loader = trainer.get_train_dataloader()
+    assert len(loader) == RECORDS // (2 * GAS) * GAS  # 7 steps of GAS microbatches: the Trainer's epoch
+    batches = list(loader)
+    assert len(batches) == len(loader)
+    assert sorted(torch.cat(batches).tolist()) == list(range(RECORDS))
+
+
+def test_resume_from_a_checkpoint_of_another_dataset_is_refused(tiny_trainer_parts, tmp_path):
+    model, args, _, good = tiny_trainer_parts
+    dataset = torch.utils.data.TensorDataset(torch.arange(RECORDS))
+    first = DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good)
+    first.get_train_dataloader()
+    first._save_sampler_state(str(tmp_path), global_step=3)
+    saved = json.loads((tmp_path / SAMPLER_STATE).read_text())
+    assert (saved["epoch"], saved["next_batch"]) == (0, 3)  # global batches of 2: 14 per epoch
+    other = DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good[::-1])
+    other._dflop_resume = str(tmp_path)  # what train(resume_from_checkpoint=tmp_path) records
+    with pytest.raises(ValueError, match=rf"{SAMPLER_STATE}: cannot resume this run from it: .*another dataset"):
+        other.get_train_dataloader()
+
+
+# ---- on two DeepSpeed ranks ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trainer_reports(llava_inputs, tmp_path_factory):
+    model, data, images = llava_inputs
+    out = tmp_path_factory.mktemp("hf_trainer_run")
+    env = {
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+    args = ["--out", out, "--model", model, "--data", data, "--images", images, "--epochs", 2, "--stop_at", 2]
+    run_on_ranks(SCRIPT, [str(a) for a in args], extra_env=env, timeout=900)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_trainer_zero2_killed_and_resumed_trains_every_sample_once_in_gas_microbatches(trainer_reports):
+    runs = [report["resume"] for report in trainer_reports]
+    fetched = [i for run in runs for i in run["fetched_before"] + run["fetched_after"]]
+    assert np.bincount(fetched, minlength=RECORDS).tolist() == [2] * RECORDS  # 2 epochs, each sample once in each
+    assert sum(len(run["fetched_before"]) for run in runs) == 2 * 8  # killed after 2 steps of 8 samples
+    steps = 2 * 4  # per epoch: 3 global batches of 8, then the last 4 samples
+    assert all(run["per_step"] == [GAS] * steps for run in runs) and runs[0]["steps"] == steps
+    losses = runs[0]["losses"]
+    assert len(losses) == steps and losses[-1] < losses[0]
+    assert runs[0]["state_file"]
+    telemetry = runs[0]["telemetry"]
+    assert len(telemetry) == steps and all(t["dflop_predicted_imbalance"] >= 1.0 for t in telemetry)
+
+
+@pytest.mark.slow
+def test_trainer_zero2_survives_microbatches_without_images_on_one_rank(trainer_reports):
+    had = [report["resume"]["had_images"] for report in trainer_reports]
+    assert len(had[0]) == len(had[1])
+    mixed = [k for k, (a, b) in enumerate(zip(*had)) if a != b]
+    assert mixed, "the data never put an image-free microbatch beside one with images: the check is void"
+
+
+@pytest.mark.slow
+def test_trainer_sgd_step_over_uneven_microbatches_equals_the_whole_batch(trainer_reports):
+    sgd = [report["sgd"] for report in trainer_reports]
+    assert sorted(sgd[0]["fetched"] + sgd[1]["fetched"]) == sorted(set(sgd[0]["fetched"] + sgd[1]["fetched"]))
+    assert len(sgd[0]["fetched"]) + len(sgd[1]["fetched"]) == 12
+    rows = sgd[0]["rows"] + sgd[1]["rows"]
+    assert len(rows) == 2 * GAS and len(set(rows)) > 1, rows  # uneven microbatches
+    assert sgd[0]["max_update"] > 1e-3  # the step moved the weights
+    assert sgd[0]["max_diff"] < 1e-5
+
+
+@pytest.mark.slow
+def test_the_example_trains_and_saves(trainer_reports):
+    assert trainer_reports[0]["example"]["saved"]
