@@ -20,6 +20,7 @@ from dflop_ds.schedule.splitters.base import (
     register_splitter,
     splitter_names,
 )
+from dflop_ds.schedule.splitters.batch_rebalance import BatchRebalanceSplitter
 from dflop_ds.schedule.splitters.dflop import FALLBACK_SUFFIX, DFLOPSplitter
 from dflop_ds.schedule.splitters.llava import LlavaSplitter
 from dflop_ds.schedule.splitters.stock import StockSplitter
@@ -29,6 +30,7 @@ for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
+    "BatchRebalanceSplitter",
     "DFLOPSplitter",
     "FALLBACK_SUFFIX",
     "LlavaSplitter",

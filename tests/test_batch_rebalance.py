@@ -1,0 +1,82 @@
+"""The ``batch_rebalance`` splitter groups a global batch as transformers' own BatchRebalanceSampler does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+from dflop_ds.config import DFLOPConfig
+from dflop_ds.schedule.splitters import SplitRequest, make_splitter
+from dflop_ds.schedule.splitters.batch_rebalance import batch_rebalance, padded_group_cost
+from dflop_ds.shapes import SampleShape
+
+
+def transformers_split(lengths: list[int], batch_size: int, dp: int, gas: int, seed: int) -> list[list[list[int]]]:
+    """``ranks[r][j]``: the dataset indices transformers' sampler yields rank ``r`` for the ``j``-th
+    microbatch of the first global batch (one sampler per rank, as the Trainer builds them)."""
+    ranks = []
+    for rank in range(dp):
+        sampler = BatchRebalanceSampler(lengths, batch_size, dp, gas, seed=seed, rank=rank)
+        ranks.append([list(mb) for mb, _ in zip(sampler, range(gas))])
+    return ranks
+
+
+def our_split(lengths: list[int], batch_size: int, dp: int, gas: int, seed: int) -> list[list[list[int]]]:
+    """The registered splitter on the same global batch: the rows transformers' shuffle draws first."""
+    generator = torch.Generator()
+    generator.manual_seed(seed)  # epoch 0
+    batch = torch.randperm(len(lengths), generator=generator).tolist()[:batch_size]
+    shapes = [SampleShape(f"s{i}", text_tokens=lengths[i], llm_tokens=lengths[i]) for i in batch]
+    request = SplitRequest(batch, np.zeros((batch_size, 2)), gas, dp, shapes=shapes, seed=seed)
+    return make_splitter("batch_rebalance").split(request).ranks
+
+
+CASES = [
+    # (dataset size, global batch, dp, GAS, length draw)
+    (64, 32, 2, 2, "uniform"),
+    (200, 96, 4, 3, "lognormal"),
+    (300, 128, 8, 2, "lognormal"),
+    (40, 10, 4, 2, "skewed"),  # two samples more than groups: the climb freezes one-sample slots
+    (60, 24, 3, 4, "ties"),  # many equal lengths: ties broken by batch order and group index
+    (500, 256, 16, 4, "lognormal"),
+]
+
+
+def draw_lengths(n: int, kind: str, seed: int) -> list[int]:
+    """Token lengths of ``n`` samples of one kind of distribution."""
+    rng = np.random.default_rng(seed)
+    if kind == "uniform":
+        return rng.integers(5, 400, n).tolist()
+    if kind == "lognormal":
+        return np.clip(rng.lognormal(5.0, 1.0, n), 3, 8000).astype(int).tolist()
+    if kind == "skewed":
+        return [int(x) for x in np.where(rng.random(n) < 0.1, rng.integers(2000, 4000, n), rng.integers(5, 50, n))]
+    return rng.choice([16, 64, 256], n).tolist()
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+@pytest.mark.parametrize(("n", "batch_size", "dp", "gas", "kind"), CASES)
+def test_grouping_matches_transformers(n: int, batch_size: int, dp: int, gas: int, kind: str, seed: int) -> None:
+    lengths = draw_lengths(n, kind, seed)
+    assert our_split(lengths, batch_size, dp, gas, seed) == transformers_split(lengths, batch_size, dp, gas, seed)
+
+
+def test_slots_hold_the_costliest_groups_first() -> None:
+    lengths = np.array([900, 30, 30, 30, 800, 30, 30, 25, 20, 10, 700, 15])
+    ranks = batch_rebalance(lengths, dp=2, n_mb=3)
+    costs = [[float(padded_group_cost(len(mb), lengths[mb].max())) for mb in rank] for rank in ranks]
+    slot_min = [min(rank[j] for rank in costs) for j in range(3)]
+    slot_max = [max(rank[j] for rank in costs) for j in range(3)]
+    assert all(slot_min[j] >= slot_max[j + 1] for j in range(2)), costs
+    assert sorted(i for rank in ranks for mb in rank for i in mb) == list(range(len(lengths)))
+
+
+def test_too_few_samples_is_refused() -> None:
+    with pytest.raises(ValueError, match="batch_rebalance: 3 samples cannot fill 4 microbatches"):
+        batch_rebalance(np.array([5, 6, 7]), dp=2, n_mb=2)
+
+
+def test_it_is_a_sampler_kind() -> None:
+    assert DFLOPConfig.from_dict({"sampler": {"kind": "batch_rebalance"}}).sampler == "batch_rebalance"
