@@ -29,10 +29,12 @@ import argparse
 import copy
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from deepspeed.accelerator import get_accelerator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -42,6 +44,7 @@ from dflop_ds.config import DFLOPConfig, get_setting, set_settings  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.jsonio import read_json_object  # noqa: E402
 from dflop_ds.launch import run_deepspeed  # noqa: E402
+from dflop_ds.plan.calibration import save_calibration  # noqa: E402
 from dflop_ds.plan.cluster import Cluster  # noqa: E402
 from dflop_ds.plan.engine_profile import EngineProfile, engine_profile_from_run, read_engine_steps  # noqa: E402
 from dflop_ds.plan.evaluate import forward_fraction  # noqa: E402
@@ -251,6 +254,19 @@ def main() -> int:
     shares = stage_shares(run_bounds, cost_model)
     error, alone_error = report(engine, steps, shares, forward_fraction(cost_model), run_bounds)
     colocated_error, colocated_alone = validate_colocated(args, cost_model, engine, out)
+    figures = {
+        "error": error,
+        "cost_model_only": alone_error,
+        "colocated_error": colocated_error,
+        "colocated_cost_model_only": colocated_alone,
+    }
+    device = get_accelerator().device_name()
+    save_calibration(  # what `dflop-ds project` prints beside its predictions
+        out / "simulator_calibration.json",
+        figures,
+        measured=time.strftime("%d %b %Y %H:%M UTC", time.gmtime()),
+        machine=f"2 {'GPU' if device == 'cuda' else device.upper()} ranks, tiny model",
+    )
     print(
         f"simulator step_time error={error:.3f} cost_model_only={alone_error:.3f} "
         f"colocated_error={colocated_error:.3f} colocated_cost_model_only={colocated_alone:.3f}"

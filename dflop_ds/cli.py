@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from dflop_ds import __version__
-from dflop_ds.commands import check_launch
+from dflop_ds.commands import check_launch, project
 from dflop_ds.data import cli as data_cli
 from dflop_ds.models.hf import cli as hf_cli
 from dflop_ds.plan import cli as plan_cli
@@ -16,7 +16,7 @@ from dflop_ds.telemetry import cli as telemetry_cli
 
 # Modules that add sub-commands through ``register(subparsers)``, imported here so that the
 # layering test (tests/test_layers.py) sees them.
-COMMAND_MODULES = (data_cli, profile_cli, plan_cli, telemetry_cli, hf_cli, check_launch)
+COMMAND_MODULES = (data_cli, profile_cli, plan_cli, telemetry_cli, hf_cli, check_launch, project)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from dflop_ds.schedule.splitters.base import RankSplit, SplitRequest, SplitResult, register_splitter
 
@@ -27,7 +28,7 @@ from dflop_ds.schedule.splitters.base import RankSplit, SplitRequest, SplitResul
 QUADRATIC_COST_COEF = 0.001
 
 
-def padded_group_cost(sizes: np.ndarray, longest: np.ndarray) -> np.ndarray:
+def padded_group_cost(sizes: ArrayLike, longest: ArrayLike) -> np.ndarray:
     """transformers' cost of groups of ``sizes`` samples padded to ``longest`` tokens:
     ``bs * max_len + 0.001 * bs * max_len**2`` (evaluated in the same order, so ties break alike)."""
     bs = np.asarray(sizes, dtype=np.int64)

@@ -1,0 +1,128 @@
+"""``dflop-ds project``: what each sampler would gain on your data from 8 to thousands of GPUs (a prediction).
+
+    dflop-ds project --cost-model llava-ov-7b-h100 --data data.jsonl --gpus 8 64 512 --png gain.png
+
+For every cluster size it prints the predicted step time and samples/s of stock, LLaVA's modality
+grouping, verl, transformers' ``batch_rebalance``, stock + packing and DFLOP (dflop-ds), each on
+the best plan the planner finds for it (:mod:`dflop_ds.plan.projection`), DFLOP's gain over the
+best of them with its range over the sampled global batches, the cost model used and the
+simulator's last measured error against real runs (:mod:`dflop_ds.plan.calibration`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from dflop_ds.cost import load_cost_model
+from dflop_ds.paths import check_writable
+from dflop_ds.plan.calibration import load_calibration
+from dflop_ds.plan.cli import _common, _read_shapes, tensor_parallel_layers, training_precision
+from dflop_ds.plan.cluster import PRECISIONS, ZERO_SHARDED, Cluster
+from dflop_ds.plan.planner import describe_cost_model
+from dflop_ds.plan.projection import SizeProjection, encoder_share, project, table_lines
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``project`` to the ``dflop-ds`` command."""
+    parser = subparsers.add_parser(
+        "project",
+        help="predict each sampler's step time and DFLOP's gain on a data set at several cluster sizes",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--gpus", type=int, nargs="+", required=True, help="cluster sizes (GPUs) to project")
+    parser.add_argument("--batch-per-gpu", type=int, default=2, help="global batch = this x GPUs (default 2)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (tensor parallelism stays inside)")
+    parser.add_argument(
+        "--gpu-memory-gb", type=float, default=None, help="memory per GPU (default: the profile's, else 80)"
+    )
+    parser.add_argument("--zero-stage", type=int, default=1, choices=sorted(ZERO_SHARDED), help="DeepSpeed ZeRO stage")
+    parser.add_argument("--precision", default=None, choices=PRECISIONS, help="training precision (as for `plan`)")
+    parser.add_argument("--batches", type=int, default=3, help="sampled global batches per plan (the spread)")
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        help="simulator calibration JSON (default: out/simulator_calibration.json, else the figures in docs)",
+    )
+    parser.add_argument("--png", default=None, help="also draw DFLOP's gain against the GPU count into this PNG")
+    _common(parser)
+    parser.set_defaults(func=run_project)
+
+
+def run_project(args: argparse.Namespace) -> int:
+    """``dflop-ds project``: print the projection table, the cost model and the simulator's error."""
+    if args.png is not None:
+        check_writable(args.png, "project --png")
+    if min(args.gpus) < 1 or args.batch_per_gpu < 1 or args.batches < 1:
+        raise ValueError("--gpus, --batch-per-gpu and --batches must be positive")
+    calibration = load_calibration(args.calibration)
+    model = load_cost_model(args.cost_model)
+    shapes = _read_shapes(args, model)
+    memory = (
+        args.gpu_memory_gb * 1e9 if args.gpu_memory_gb else getattr(getattr(model, "gpu", None), "memory_bytes", 80e9)
+    )
+    cluster = Cluster(
+        gpus=1,
+        gpus_per_node=args.gpus_per_node,
+        gpu_memory_bytes=memory,
+        zero_stage=args.zero_stage,
+        precision=training_precision(args, model),
+        autotp=args.model_name_or_path is not None,
+    )
+    sizes = project(
+        model,
+        shapes,
+        args.gpus,
+        batch_per_gpu=args.batch_per_gpu,
+        cluster=cluster,
+        n_batches=args.batches,
+        seed=args.seed,
+        tensor_parallel_layers=tensor_parallel_layers(args, model),
+    )
+    for line in header_lines(model, args.data, shapes, args.batch_per_gpu, args.batches, cluster):
+        print(line)
+    print(calibration.describe())
+    for line in table_lines(sizes):
+        print(line)
+    if args.png is not None:
+        plot_gains(sizes, args.png, describe_cost_model(model)["name"])
+        print(f"wrote {args.png}")
+    return 0
+
+
+def header_lines(
+    model: Any, data: str, shapes: Sequence[Any], batch_per_gpu: int, batches: int, cluster: Cluster
+) -> list[str]:
+    """What the projection is (a prediction), the cost model it used, and the data and cluster."""
+    described = describe_cost_model(model)
+    return [
+        f"PREDICTION, not a measurement: cost model {described['name']} ({described['note']}), 1F1B simulator",
+        f"data: {data}: {len(shapes)} samples, encoder {encoder_share(model, shapes):.1%} of the work; global batch"
+        f" {batch_per_gpu} x GPUs, {batches} sampled global batches per plan; {cluster.gpus_per_node} GPUs per node,"
+        f" {cluster.gpu_memory_bytes / 1e9:.0f} GB each, ZeRO-{cluster.zero_stage}, {cluster.precision}",
+    ]
+
+
+def plot_gains(sizes: Sequence[SizeProjection], path: str, cost_model: str) -> None:
+    """Draw DFLOP's predicted gain over the best baseline against the GPU count, with its range."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpus = [s.gpus for s in sizes]
+    gains = [s.gain for s in sizes]
+    low = [s.gain - s.gain_range[0] for s in sizes]
+    high = [s.gain_range[1] - s.gain for s in sizes]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.errorbar(gpus, gains, yerr=[low, high], marker="o", capsize=4)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("DFLOP step speed-up over the best baseline")
+    ax.set_title(f"predicted, not measured ({cost_model})")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,320 @@
+"""Projection: what each way of cutting batches would give on a user's data at a cluster size (a prediction).
+
+For every cluster size, each method runs on the best plan the planner finds for it, and every plan
+is simulated (1F1B, :func:`~dflop_ds.plan.planner.simulate_layout`) on the same sampled global
+batches of ``batch_per_gpu * GPUs`` samples:
+
+- ``dflop``: dflop-ds as it trains by default: packed microbatches (:class:`PackedView`), the
+  planner's best plan of any family (cost-balanced stage split, or the colocated encoder);
+- the baselines (:data:`METHODS`), each with its registered splitter and padded or packed as its
+  users run it (stock DeepSpeed / the HF Trainer, LLaVA's and transformers' ``batch_rebalance``
+  pad; verl removes padding; ``stock_packed`` is stock's split packed). A baseline's plan is the
+  fastest, in its own simulation, of the best shared-pipeline layouts the planner simulated (the
+  ``monolithic`` family's uniform layer split and the ``deepspeed`` family's cost-balanced one,
+  with their microbatch counts) searched on its padded or packed costs; layouts whose
+  microbatches overflow memory under the baseline's split are skipped.
+
+DFLOP's gain at a size is the best baseline's mean step time over DFLOP's; its spread is the
+range of the same ratio batch by batch. Everything here is a prediction of the cost model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from dflop_ds.cost import PackedCost
+from dflop_ds.plan.cluster import Cluster
+from dflop_ds.plan.layout import Layout
+from dflop_ds.plan.planner import cluster_for_model, has_tensor_parallel_layers, simulate_layout
+from dflop_ds.plan.search import PlanError, Scored, search
+from dflop_ds.shapes import SampleShape
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way of training: its registered splitter and whether its microbatches are packed."""
+
+    name: str
+    label: str
+    splitter: str
+    packed: bool
+
+
+METHODS = (
+    Method("stock", "stock", "stock", packed=False),
+    Method("llava", "LLaVA modality grouping", "llava", packed=False),
+    Method("verl", "verl (packed)", "verl", packed=True),
+    Method("batch_rebalance", "transformers batch_rebalance", "batch_rebalance", packed=False),
+    Method("stock_packed", "stock + packing", "stock", packed=True),
+    Method("dflop", "DFLOP (dflop-ds, packed)", "dflop", packed=True),
+)
+BASELINES = tuple(m for m in METHODS if m.name != "dflop")
+#: the families whose layouts a baseline may run: one pipeline, the encoder in it
+SHARED_FAMILIES = ("monolithic", "deepspeed")
+
+
+class CostModelView:
+    """A cost model seen differently: what a subclass does not override is the wrapped model's."""
+
+    def __init__(self, base: Any) -> None:
+        self.base = base
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "base":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+
+class PackedView(CostModelView):
+    """``base`` for packed microbatches: time from :class:`~dflop_ds.cost.PackedCost`, kept and
+    working bytes the sum of the samples' (no padding)."""
+
+    def __init__(self, base: Any) -> None:
+        super().__init__(base)
+        self.packed = PackedCost(base)
+
+    def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """Marginal ``[encoder, llm]`` seconds of each sample in a packed microbatch."""
+        return self.packed.predict_samples(shapes)
+
+    def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """Seconds of one packed microbatch."""
+        return self.packed.predict_microbatch(shapes)
+
+    def predict_activation_bytes(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """Kept bytes of a packed microbatch: its samples' own."""
+        return _summed(self.base.predict_activation_bytes, shapes)
+
+    def predict_working_bytes(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """One layer's transient bytes of a packed microbatch: its samples' own."""
+        return _summed(self.base.predict_working_bytes, shapes)
+
+
+def _summed(predict: Any, shapes: Sequence[SampleShape]) -> np.ndarray:
+    return np.sum([np.asarray(predict([s]), dtype=float) for s in shapes], axis=0) if shapes else np.zeros(2)
+
+
+class EncoderScaled(CostModelView):
+    """``base`` with its encoder seconds multiplied by ``factor`` (memory unchanged)."""
+
+    def __init__(self, base: Any, factor: float) -> None:
+        super().__init__(base)
+        self.factor = float(factor)
+        self.name = f"{getattr(base, 'name', type(base).__name__)} (encoder time x{self.factor:.3g})"
+
+    def _scale(self, costs: Any) -> np.ndarray:
+        out = np.array(costs, dtype=float)
+        out[..., 0] *= self.factor
+        return out
+
+    def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """The base's ``[encoder, llm]`` seconds, the encoder's scaled."""
+        return self._scale(self.base.predict_samples(shapes))
+
+    def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """The base's microbatch seconds, the encoder's scaled."""
+        return self._scale(self.base.predict_microbatch(shapes))
+
+
+def encoder_share(model: Any, shapes: Sequence[SampleShape]) -> float:
+    """The encoder's share of the data's work: summed encoder seconds over summed total seconds."""
+    costs = np.asarray(model.predict_samples(list(shapes)), dtype=float)
+    return float(costs[:, 0].sum() / costs.sum())
+
+
+def with_encoder_share(model: Any, shapes: Sequence[SampleShape], share: float) -> EncoderScaled:
+    """``model`` with its encoder time scaled so that the encoder does ``share`` of the data's work."""
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"an encoder share must lie strictly between 0 and 1, got {share}")
+    costs = np.asarray(model.predict_samples(list(shapes)), dtype=float).sum(axis=0)
+    if costs[0] <= 0:
+        raise ValueError("the data has no encoder work (no images or videos): its share cannot be scaled")
+    return EncoderScaled(model, share / (1.0 - share) * costs[1] / costs[0])
+
+
+@dataclass(frozen=True)
+class MethodProjection:
+    """A method at one cluster size: its plan and simulated step time on each sampled batch."""
+
+    method: Method
+    layout: Layout | None
+    step_times: tuple[float, ...]
+    global_batch: int
+
+    @property
+    def step_time(self) -> float:
+        """Mean predicted step seconds (nan when no plan fits)."""
+        return float(np.mean(self.step_times)) if self.step_times else float("nan")
+
+    @property
+    def samples_per_s(self) -> float:
+        """Predicted samples per second."""
+        return self.global_batch / self.step_time
+
+
+@dataclass(frozen=True)
+class SizeProjection:
+    """Every method at one cluster size."""
+
+    gpus: int
+    global_batch: int
+    methods: tuple[MethodProjection, ...]
+
+    def of(self, name: str) -> MethodProjection:
+        """The projection of the method called ``name``."""
+        return next(m for m in self.methods if m.method.name == name)
+
+    @property
+    def best_baseline(self) -> MethodProjection:
+        """The fastest baseline (mean step time) among those with a plan."""
+        planned = [m for m in self.methods if m.method.name != "dflop" and m.step_times]
+        if not planned:
+            raise PlanError(f"no baseline plan fits {self.gpus} GPUs")
+        return min(planned, key=lambda m: m.step_time)
+
+    @property
+    def gain(self) -> float:
+        """DFLOP's speed-up over the best baseline: their mean step times' ratio."""
+        return self.best_baseline.step_time / self.of("dflop").step_time
+
+    @property
+    def gain_range(self) -> tuple[float, float]:
+        """The lowest and highest ratio, batch by batch, of the best baseline's step to DFLOP's."""
+        dflop = self.of("dflop").step_times
+        if not dflop:
+            return float("nan"), float("nan")
+        ratios = np.divide(self.best_baseline.step_times, dflop)
+        return float(ratios.min()), float(ratios.max())
+
+
+def _simulate(
+    model: Any, cluster: Cluster, layout: Layout, shapes: Sequence[SampleShape], batch: int, n_batches: int, seed: int
+) -> tuple[float, ...]:
+    """Step seconds of ``layout`` on each sampled batch; empty when a batch does not fit in memory."""
+    evals = simulate_layout(model, cluster, layout, shapes, batch, n_batches=n_batches, seed=seed)
+    return tuple(e.sim.step_time for e in evals) if all(e.feasible for e in evals) else ()
+
+
+def shared_layouts(candidates: Sequence[Scored], per_family: int) -> list[Layout]:
+    """The ``per_family`` fastest distinct feasible layouts of each shared-pipeline family, as simulated."""
+    layouts: list[Layout] = []
+    for family in SHARED_FAMILIES:
+        ranked = sorted((s for s in candidates if s.family == family and s.feasible), key=lambda s: s.step_time)
+        picked: list[Layout] = []
+        for scored in ranked:
+            if scored.layout not in picked:
+                picked.append(scored.layout)
+            if len(picked) == per_family:
+                break
+        layouts.extend(picked)
+    return layouts
+
+
+def best_baseline_plan(
+    method: Method,
+    model: Any,
+    cluster: Cluster,
+    shapes: Sequence[SampleShape],
+    layouts: Sequence[Layout],
+    batch: int,
+    n_batches: int,
+    seed: int,
+) -> MethodProjection:
+    """``method`` on the fastest of ``layouts`` (each cut by its splitter) that fits in memory."""
+    best: MethodProjection = MethodProjection(method, None, (), batch)
+    for layout in dict.fromkeys(replace(layout, splitter=method.splitter) for layout in layouts):
+        times = _simulate(model, cluster, layout, shapes, batch, n_batches, seed)
+        if times and (not best.step_times or np.mean(times) < best.step_time):
+            best = MethodProjection(method, layout, times, batch)
+    return best
+
+
+def project_size(
+    model: Any,
+    cluster: Cluster,
+    shapes: Sequence[SampleShape],
+    global_batch: int,
+    *,
+    n_batches: int = 3,
+    seed: int = 0,
+    per_family: int = 2,
+    methods: Sequence[Method] = METHODS,
+    tensor_parallel_layers: bool | None = None,
+    **search_options: Any,
+) -> SizeProjection:
+    """Every method of ``methods`` on its best plan for ``cluster`` (see the module docstring):
+    ``n_batches`` sampled global batches, the ``per_family`` best layouts of each shared-pipeline
+    family for a baseline; ``tensor_parallel_layers`` decides ``cluster.max_tp`` when unset
+    (:func:`~dflop_ds.plan.planner.cluster_for_model`; None: the cost model says).
+
+    Raises:
+        PlanError: not even DFLOP's plan fits.
+    """
+    if tensor_parallel_layers is None:
+        tensor_parallel_layers = has_tensor_parallel_layers(model)
+    cluster = cluster_for_model(cluster, tensor_parallel_layers)
+    pool = list(getattr(shapes, "shapes", shapes))
+    views = {False: model, True: PackedView(model)}
+    results = {}
+    out: list[MethodProjection] = []
+    for method in methods:
+        view = views[method.packed]
+        if method.packed not in results:
+            results[method.packed] = search(
+                view, cluster, pool, global_batch, n_batches=n_batches, seed=seed, **search_options
+            )
+        result = results[method.packed]
+        if method.splitter == "dflop":
+            layout = result.best.layout
+            out.append(
+                MethodProjection(
+                    method, layout, _simulate(view, cluster, layout, pool, global_batch, n_batches, seed), global_batch
+                )
+            )
+            continue
+        layouts = shared_layouts(result.candidates, per_family)
+        out.append(best_baseline_plan(method, view, cluster, pool, layouts, global_batch, n_batches, seed))
+    return SizeProjection(cluster.gpus, global_batch, tuple(out))
+
+
+def project(
+    model: Any,
+    shapes: Sequence[SampleShape],
+    gpu_counts: Sequence[int],
+    *,
+    batch_per_gpu: int = 2,
+    cluster: Cluster | None = None,
+    **options: Any,
+) -> list[SizeProjection]:
+    """:func:`project_size` at every count of ``gpu_counts``, global batch ``batch_per_gpu * GPUs``;
+    ``cluster`` gives the other cluster settings (GPUs per node, memory, ZeRO stage, precision)."""
+    base = cluster or Cluster(gpus=1, gpu_memory_bytes=getattr(getattr(model, "gpu", None), "memory_bytes", 80e9))
+    return [
+        project_size(model, replace(base, gpus=gpus), shapes, batch_per_gpu * gpus, **options) for gpus in gpu_counts
+    ]
+
+
+def table_lines(sizes: Sequence[SizeProjection]) -> list[str]:
+    """The projection as a table: per size, every method's predicted step (mean, range over the
+    sampled batches), samples/s and plan, then DFLOP's gain over the best baseline."""
+    lines = [f"{'GPUs':>6} {'batch':>6}  {'method':<30} {'step_s':>8} {'(min-max)':<17} {'samples/s':>10}  plan"]
+    for size in sizes:
+        for m in size.methods:
+            if not m.step_times:
+                lines.append(f"{size.gpus:>6} {size.global_batch:>6}  {m.method.label:<30} no plan fits in memory")
+                continue
+            spread = f"({min(m.step_times):.3f}-{max(m.step_times):.3f})"
+            lines.append(
+                f"{size.gpus:>6} {size.global_batch:>6}  {m.method.label:<30} {m.step_time:>8.3f} {spread:<17} "
+                f"{m.samples_per_s:>10.1f}  {m.layout.describe() if m.layout else ''}"
+            )
+        low, high = size.gain_range
+        lines.append(
+            f"{'':>14}DFLOP over the best baseline ({size.best_baseline.method.label}): x{size.gain:.3f} "
+            f"(x{low:.3f}-{high:.3f} over {len(size.of('dflop').step_times)} sampled batches)"
+        )
+    return lines

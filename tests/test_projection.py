@@ -1,0 +1,111 @@
+"""`dflop-ds project`: every method on its best plan, DFLOP's gain, the cost model and the simulator's error."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflop_ds.cli import main
+from dflop_ds.cost import reference_model
+from dflop_ds.data import read_dataset
+from dflop_ds.plan import Cluster
+from dflop_ds.plan.calibration import DOCUMENTED, load_calibration, save_calibration
+from dflop_ds.plan.projection import METHODS, PackedView, encoder_share, project_size, with_encoder_share
+from dflop_ds.shapes import ShapePolicy
+
+MODEL = "llava-ov-0.5b-a100"
+
+
+def records(n: int, seed: int = 0) -> list[dict]:
+    """A small mixed data set: text-only chats, single and multi-image samples, short videos."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        record: dict = {"id": f"r{i}", "text_tokens": int(rng.integers(20, 900)), "label_tokens": 8}
+        kind = i % 4
+        if kind == 1:
+            record["images"] = [[int(rng.integers(300, 1500)), int(rng.integers(300, 1500))]]
+        elif kind == 2:
+            record["images"] = [[640, 480]] * int(rng.integers(2, 5))
+        elif kind == 3:
+            record["video_frames"] = int(rng.integers(40, 600))
+        out.append(record)
+    return out
+
+
+@pytest.fixture
+def data(tmp_path: Path, write_jsonl) -> Path:
+    return write_jsonl(tmp_path / "tiny.jsonl", records(48))
+
+
+def test_project_prints_every_method_and_the_gain(data: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # no out/simulator_calibration.json here: the documented figures
+    png = tmp_path / "gain.png"
+    argv = ["project", "--cost-model", MODEL, "--data", str(data), "--gpus", "8", "16", "--batches", "2"]
+    assert main([*argv, "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("PREDICTION, not a measurement: cost model llava-ov-0.5b-a100 (analytic")
+    assert "from docs/benchmarks.md" in out and f"{DOCUMENTED.error:.1%} pipelined" in out
+    for gpus in (8, 16):
+        for method in METHODS:
+            numbers = r"\s+\d+\.\d+ \(\d+\.\d+-\d+\.\d+\)\s+\d+\.\d\s+E\("  # step (min-max) samples/s plan
+            row = rf"^\s+{gpus}\s+{2 * gpus}\s+{re.escape(method.label)}{numbers}"
+            assert re.search(row, out, re.MULTILINE), (method.label, gpus, out)
+    gains = re.findall(r"DFLOP over the best baseline \((.+?)\): x(\d+\.\d+) \(x(\d+\.\d+)-(\d+\.\d+) over 2", out)
+    assert len(gains) == 2, out
+    for label, gain, low, high in gains:
+        assert label in {m.label for m in METHODS if m.name != "dflop"}
+        assert float(low) <= float(gain) <= float(high)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_method_runs_its_own_split_and_the_gain_is_over_the_fastest(data: Path) -> None:
+    shapes = list(read_dataset(data, ShapePolicy()))
+    model = reference_model(MODEL)
+    size = project_size(model, Cluster(gpus=8, gpu_memory_bytes=80e9), shapes, 32, n_batches=2)
+    assert [m.method.name for m in size.methods] == [m.name for m in METHODS]
+    for m in size.methods:
+        assert m.layout is not None and len(m.step_times) == 2
+        assert m.layout.splitter == m.method.splitter
+    baselines = [m for m in size.methods if m.method.name != "dflop"]
+    fastest = min(baselines, key=lambda m: m.step_time)
+    assert size.best_baseline is fastest
+    assert size.gain == pytest.approx(fastest.step_time / size.of("dflop").step_time)
+    assert size.of("dflop").samples_per_s == pytest.approx(32 / size.of("dflop").step_time)
+
+
+def test_packed_microbatches_cost_their_samples_and_padded_ones_more(data: Path) -> None:
+    shapes = list(read_dataset(data, ShapePolicy()))[:6]
+    model = reference_model(MODEL)
+    packed = PackedView(model)
+    assert packed.predict_microbatch(shapes) == pytest.approx(model.predict_samples(shapes).sum(axis=0))
+    assert packed.predict_microbatch(shapes)[1] < model.predict_microbatch(shapes)[1]  # no padding
+    assert packed.predict_activation_bytes(shapes)[1] < model.predict_activation_bytes(shapes)[1]
+    assert packed.encoder_layers == model.encoder_layers  # the rest is the model's
+
+
+@pytest.mark.parametrize("share", [0.1, 0.25, 0.5])
+def test_the_encoder_share_is_scaled_to_the_target(data: Path, share: float) -> None:
+    shapes = list(read_dataset(data, ShapePolicy()))
+    model = reference_model(MODEL)
+    scaled = with_encoder_share(model, shapes, share)
+    assert encoder_share(scaled, shapes) == pytest.approx(share)
+    assert scaled.predict_microbatch(shapes[:3])[1] == model.predict_microbatch(shapes[:3])[1]
+    with pytest.raises(ValueError, match="strictly between 0 and 1"):
+        with_encoder_share(model, shapes, 1.0)
+
+
+def test_calibration_reads_the_last_validation_run(tmp_path: Path) -> None:
+    path = tmp_path / "calibration.json"
+    figures = {"error": 0.05, "cost_model_only": 0.1, "colocated_error": 0.07, "colocated_cost_model_only": 0.2}
+    save_calibration(path, figures, measured="26 Nov 2026 12:00 UTC", machine="2 GPU ranks, tiny model")
+    calibration = load_calibration(path)
+    assert (calibration.error, calibration.colocated_error, calibration.source) == (0.05, 0.07, str(path))
+    assert "5.0% pipelined" in calibration.describe() and "no GPU run" not in calibration.describe()
+    path.write_text(json.dumps({"error": 0.1}))
+    with pytest.raises(ValueError, match=r"calibration\.json: not a simulator calibration record \(missing"):
+        load_calibration(path)
