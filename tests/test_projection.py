@@ -14,7 +14,14 @@ from dflop_ds.cost import reference_model
 from dflop_ds.data import read_dataset
 from dflop_ds.plan import Cluster
 from dflop_ds.plan.calibration import DOCUMENTED, load_calibration, save_calibration
-from dflop_ds.plan.projection import METHODS, PackedView, encoder_share, project_size, with_encoder_share
+from dflop_ds.plan.projection import (
+    METHODS,
+    PackedView,
+    encoder_share,
+    project_size,
+    table_lines,
+    with_encoder_share,
+)
 from dflop_ds.shapes import ShapePolicy
 
 MODEL = "llava-ov-0.5b-a100"
@@ -109,3 +116,12 @@ def test_calibration_reads_the_last_validation_run(tmp_path: Path) -> None:
     path.write_text(json.dumps({"error": 0.1}))
     with pytest.raises(ValueError, match=r"calibration\.json: not a simulator calibration record \(missing"):
         load_calibration(path)
+
+
+def test_a_size_nothing_fits_has_no_plans_and_no_gain(data: Path) -> None:
+    shapes = list(read_dataset(data, ShapePolicy()))
+    model = reference_model("llava-ov-72b-h100")  # 72B's training state needs more than 8 x 80 GB
+    size = project_size(model, Cluster(gpus=8, gpu_memory_bytes=80e9), shapes, 16, n_batches=1)
+    assert all(m.layout is None and not m.step_times for m in size.methods)
+    assert size.best_baseline is None and np.isnan(size.gain)
+    assert "DFLOP over the best baseline: n/a (no baseline plan fits)" in "\n".join(table_lines([size]))

@@ -30,7 +30,7 @@ from dflop_ds.cost import PackedCost
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.layout import Layout
 from dflop_ds.plan.planner import cluster_for_model, has_tensor_parallel_layers, simulate_layout
-from dflop_ds.plan.search import PlanError, Scored, search
+from dflop_ds.plan.search import PlanError, Scored, SearchResult, search
 from dflop_ds.shapes import SampleShape
 
 
@@ -169,26 +169,30 @@ class SizeProjection:
         return next(m for m in self.methods if m.method.name == name)
 
     @property
-    def best_baseline(self) -> MethodProjection:
-        """The fastest baseline (mean step time) among those with a plan."""
+    def best_baseline(self) -> MethodProjection | None:
+        """The fastest baseline (mean step time) among those with a plan; None when none has one."""
         planned = [m for m in self.methods if m.method.name != "dflop" and m.step_times]
-        if not planned:
-            raise PlanError(f"no baseline plan fits {self.gpus} GPUs")
-        return min(planned, key=lambda m: m.step_time)
+        return min(planned, key=lambda m: m.step_time) if planned else None
 
     @property
     def gain(self) -> float:
-        """DFLOP's speed-up over the best baseline: their mean step times' ratio."""
-        return self.best_baseline.step_time / self.of("dflop").step_time
+        """DFLOP's speed-up over the best baseline: their mean step times' ratio (nan when either has no plan)."""
+        return self.gain_of(np.mean)
 
     @property
     def gain_range(self) -> tuple[float, float]:
         """The lowest and highest ratio, batch by batch, of the best baseline's step to DFLOP's."""
-        dflop = self.of("dflop").step_times
-        if not dflop:
-            return float("nan"), float("nan")
-        ratios = np.divide(self.best_baseline.step_times, dflop)
-        return float(ratios.min()), float(ratios.max())
+        return self.gain_of(np.min), self.gain_of(np.max)
+
+    def gain_of(self, statistic: Any) -> float:
+        """``statistic`` (mean, min or max) of the best baseline's over DFLOP's step times: of the
+        means for the mean, of the batch-by-batch ratios otherwise; nan when either has no plan."""
+        best, dflop = self.best_baseline, self.of("dflop")
+        if best is None or not dflop.step_times:
+            return float("nan")
+        if statistic is np.mean:
+            return best.step_time / dflop.step_time
+        return float(statistic(np.divide(best.step_times, dflop.step_times)))
 
 
 def _simulate(
@@ -251,23 +255,31 @@ def project_size(
     family for a baseline; ``tensor_parallel_layers`` decides ``cluster.max_tp`` when unset
     (:func:`~dflop_ds.plan.planner.cluster_for_model`; None: the cost model says).
 
-    Raises:
-        PlanError: not even DFLOP's plan fits.
+    A method whose search finds no layout that fits has no plan (empty ``step_times``).
     """
     if tensor_parallel_layers is None:
         tensor_parallel_layers = has_tensor_parallel_layers(model)
     cluster = cluster_for_model(cluster, tensor_parallel_layers)
     pool = list(getattr(shapes, "shapes", shapes))
     views = {False: model, True: PackedView(model)}
-    results = {}
+    results: dict[bool, SearchResult | None] = {}
     out: list[MethodProjection] = []
     for method in methods:
         view = views[method.packed]
         if method.packed not in results:
-            results[method.packed] = search(
-                view, cluster, pool, global_batch, n_batches=n_batches, seed=seed, **search_options
-            )
+            # a search only baselines read needs its shared-pipeline layouts, not the sampler's final re-scoring
+            baselines_only = not any(m.packed == method.packed and m.splitter == "dflop" for m in methods)
+            options = {"families": SHARED_FAMILIES, "final_partition": False} if baselines_only else {}
+            try:
+                results[method.packed] = search(
+                    view, cluster, pool, global_batch, n_batches=n_batches, seed=seed, **{**options, **search_options}
+                )
+            except PlanError:
+                results[method.packed] = None
         result = results[method.packed]
+        if result is None:
+            out.append(MethodProjection(method, None, (), global_batch))
+            continue
         if method.splitter == "dflop":
             layout = result.best.layout
             out.append(
@@ -312,9 +324,13 @@ def table_lines(sizes: Sequence[SizeProjection]) -> list[str]:
                 f"{size.gpus:>6} {size.global_batch:>6}  {m.method.label:<30} {m.step_time:>8.3f} {spread:<17} "
                 f"{m.samples_per_s:>10.1f}  {m.layout.describe() if m.layout else ''}"
             )
-        low, high = size.gain_range
+        best, (low, high) = size.best_baseline, size.gain_range
+        if best is None or not size.of("dflop").step_times:
+            reason = "no baseline plan fits" if best is None else "no DFLOP plan fits"
+            lines.append(f"{'':>14}DFLOP over the best baseline: n/a ({reason})")
+            continue
         lines.append(
-            f"{'':>14}DFLOP over the best baseline ({size.best_baseline.method.label}): x{size.gain:.3f} "
+            f"{'':>14}DFLOP over the best baseline ({best.method.label}): x{size.gain:.3f} "
             f"(x{low:.3f}-{high:.3f} over {len(size.of('dflop').step_times)} sampled batches)"
         )
     return lines
