@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dflop_ds.cli import main
-from dflop_ds.cost import reference_model
+from dflop_ds.cost import FittedCostModel, reference_model, save_cost_model
 from dflop_ds.data import read_dataset
 from dflop_ds.plan import Cluster
 from dflop_ds.plan.calibration import DOCUMENTED, load_calibration, save_calibration
@@ -23,6 +23,7 @@ from dflop_ds.plan.projection import (
     with_encoder_share,
 )
 from dflop_ds.shapes import ShapePolicy
+from tests.test_costmodel import synthetic_profile
 
 MODEL = "llava-ov-0.5b-a100"
 
@@ -125,3 +126,14 @@ def test_a_size_nothing_fits_has_no_plans_and_no_gain(data: Path) -> None:
     assert all(m.layout is None and not m.step_times for m in size.methods)
     assert size.best_baseline is None and np.isnan(size.gain)
     assert "DFLOP over the best baseline: n/a (no baseline plan fits)" in "\n".join(table_lines([size]))
+
+
+def test_project_runs_on_a_profiled_cost_model_file(tmp_path: Path, write_jsonl, capsys) -> None:
+    path = tmp_path / "profiled.json"
+    save_cost_model(FittedCostModel().fit(synthetic_profile()), path)
+    data = write_jsonl(tmp_path / "tiny.jsonl", records(24, seed=3))
+    argv = ["project", "--cost-model", str(path), "--data", str(data), "--policy", "tiny", "--gpus", "2"]
+    assert main([*argv, "--batches", "1", "--gpu-memory-gb", "24"]) == 0
+    out = capsys.readouterr().out
+    assert f"cost model {path} (FittedCostModel) (measured)" in out
+    assert re.search(r"DFLOP over the best baseline \(.+\): x\d+\.\d+", out), out

@@ -81,7 +81,7 @@ def run_project(args: argparse.Namespace) -> int:
         seed=args.seed,
         tensor_parallel_layers=tensor_parallel_layers(args, model),
     )
-    for line in header_lines(model, args.data, shapes, args.batch_per_gpu, args.batches, cluster):
+    for line in header_lines(model, args.cost_model, args.data, shapes, args.batch_per_gpu, args.batches, cluster):
         print(line)
     print(calibration.describe())
     for line in table_lines(sizes):
@@ -93,12 +93,14 @@ def run_project(args: argparse.Namespace) -> int:
 
 
 def header_lines(
-    model: Any, data: str, shapes: Sequence[Any], batch_per_gpu: int, batches: int, cluster: Cluster
+    model: Any, spec: str, data: str, shapes: Sequence[Any], batch_per_gpu: int, batches: int, cluster: Cluster
 ) -> list[str]:
-    """What the projection is (a prediction), the cost model it used, and the data and cluster."""
+    """What the projection is (a prediction), the cost model it used (``spec``: its file or
+    reference name), and the data and cluster."""
     described = describe_cost_model(model)
+    name = spec if spec.lower() == described["name"] else f"{spec} ({described['name']})"
     return [
-        f"PREDICTION, not a measurement: cost model {described['name']} ({described['note']}), 1F1B simulator",
+        f"PREDICTION, not a measurement: cost model {name} ({described['note']}), 1F1B simulator",
         f"data: {data}: {len(shapes)} samples, encoder {encoder_share(model, shapes):.1%} of the work; global batch"
         f" {batch_per_gpu} x GPUs, {batches} sampled global batches per plan; {cluster.gpus_per_node} GPUs per node,"
         f" {cluster.gpu_memory_bytes / 1e9:.0f} GB each, ZeRO-{cluster.zero_stage}, {cluster.precision}",

@@ -71,7 +71,7 @@ class CostModelView:
 
 class PackedView(CostModelView):
     """``base`` for packed microbatches: time from :class:`~dflop_ds.cost.PackedCost`, kept and
-    working bytes the sum of the samples' (no padding)."""
+    working bytes (where the base predicts them) the sum of the samples' (no padding)."""
 
     def __init__(self, base: Any) -> None:
         super().__init__(base)
@@ -89,9 +89,11 @@ class PackedView(CostModelView):
         """Kept bytes of a packed microbatch: its samples' own."""
         return _summed(self.base.predict_activation_bytes, shapes)
 
-    def predict_working_bytes(self, shapes: Sequence[SampleShape]) -> np.ndarray:
-        """One layer's transient bytes of a packed microbatch: its samples' own."""
-        return _summed(self.base.predict_working_bytes, shapes)
+    def __getattr__(self, name: str) -> Any:
+        if name == "predict_working_bytes":  # only where the base predicts them (the planner asks hasattr)
+            predict = getattr(self.base, name)
+            return lambda shapes: _summed(predict, shapes)  # a packed microbatch's: its samples' own
+        return super().__getattr__(name)
 
 
 def _summed(predict: Any, shapes: Sequence[SampleShape]) -> np.ndarray:
