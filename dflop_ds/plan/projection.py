@@ -281,17 +281,12 @@ def project_size(
         result = results[method.packed]
         if result is None:
             out.append(MethodProjection(method, None, (), global_batch))
-            continue
-        if method.splitter == "dflop":
-            layout = result.best.layout
-            out.append(
-                MethodProjection(
-                    method, layout, _simulate(view, cluster, layout, pool, global_batch, n_batches, seed), global_batch
-                )
-            )
-            continue
-        layouts = shared_layouts(result.candidates, per_family)
-        out.append(best_baseline_plan(method, view, cluster, pool, layouts, global_batch, n_batches, seed))
+        elif method.splitter == "dflop":
+            times = _simulate(view, cluster, result.best.layout, pool, global_batch, n_batches, seed)
+            out.append(MethodProjection(method, result.best.layout, times, global_batch))
+        else:
+            layouts = shared_layouts(result.candidates, per_family)
+            out.append(best_baseline_plan(method, view, cluster, pool, layouts, global_batch, n_batches, seed))
     return SizeProjection(cluster.gpus, global_batch, tuple(out))
 
 
