@@ -8,6 +8,7 @@ import torch
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 
 from dflop_ds.config import DFLOPConfig
+from dflop_ds.schedule.sampler import make_sampler
 from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 from dflop_ds.schedule.splitters.batch_rebalance import batch_rebalance, padded_group_cost
 from dflop_ds.shapes import SampleShape
@@ -80,3 +81,18 @@ def test_too_few_samples_is_refused() -> None:
 
 def test_it_is_a_sampler_kind() -> None:
     assert DFLOPConfig.from_dict({"sampler": {"kind": "batch_rebalance"}}).sampler == "batch_rebalance"
+
+
+def test_the_sampler_trains_it_by_name() -> None:
+    rng = np.random.default_rng(3)
+    shapes = [
+        SampleShape(f"s{i}", text_tokens=int(t), llm_tokens=int(t)) for i, t in enumerate(rng.integers(5, 900, 40))
+    ]
+    sampler = make_sampler(
+        "batch_rebalance", shapes, global_batch_size=16, gradient_accumulation_steps=2, dp_size=2, dp_rank=0, prefetch=0
+    )
+    batch = sampler.batches_in_epoch(0)[0]
+    split = sampler.schedule(0, 0, batch).split
+    lengths = np.array([shapes[i].text_tokens for i in batch])
+    expected = [[[int(batch[p]) for p in mb] for mb in rank] for rank in batch_rebalance(lengths, dp=2, n_mb=2)]
+    assert split.solver == "batch_rebalance" and split.ranks == expected
