@@ -46,7 +46,8 @@ class DFLOPConfig:
 
     Attributes:
         sampler: a registered splitter (:mod:`dflop_ds.schedule.splitters`): ``"dflop"``
-            (balanced microbatches), ``"stock"`` (fixed sample count), ``"llava"``, ``"verl"``.
+            (balanced microbatches), ``"stock"`` (fixed sample count), ``"llava"``, ``"verl"``,
+            ``"batch_rebalance"`` (transformers').
         data: dataset path (shape manifest JSONL or LLaVA JSON/JSONL), relative to the working
             directory.
         max_samples: use only the first ``max_samples`` samples of the dataset (None: all).
