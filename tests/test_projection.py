@@ -58,6 +58,7 @@ def test_project_prints_every_method_and_the_gain(data: Path, tmp_path: Path, ca
     out = capsys.readouterr().out
     assert out.startswith("PREDICTION, not a measurement: cost model llava-ov-0.5b-a100 (analytic")
     assert "from docs/benchmarks.md" in out and f"{DOCUMENTED.error:.1%} pipelined" in out
+    assert "simulator has not been checked against a GPU run" in out
     for gpus in (8, 16):
         for method in METHODS:
             numbers = r"\s+\d+\.\d+ \(\d+\.\d+-\d+\.\d+\)\s+\d+\.\d\s+E\("  # step (min-max) samples/s plan
@@ -113,7 +114,7 @@ def test_calibration_reads_the_last_validation_run(tmp_path: Path) -> None:
     save_calibration(path, figures, measured="26 Nov 2026 12:00 UTC", machine="2 GPU ranks, tiny model")
     calibration = load_calibration(path)
     assert (calibration.error, calibration.colocated_error, calibration.source) == (0.05, 0.07, str(path))
-    assert "5.0% pipelined" in calibration.describe() and "no GPU run" not in calibration.describe()
+    assert "5.0% pipelined" in calibration.describe() and "not been checked against a GPU" not in calibration.describe()
     path.write_text(json.dumps({"error": 0.1}))
     with pytest.raises(ValueError, match=r"calibration\.json: not a simulator calibration record \(missing"):
         load_calibration(path)

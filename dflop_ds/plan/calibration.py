@@ -16,6 +16,11 @@ from typing import Any
 #: where ``make validate-simulator`` writes its result, relative to the repository root
 CALIBRATION_FILE = Path("out") / "simulator_calibration.json"
 FIGURES = ("error", "cost_model_only", "colocated_error", "colocated_cost_model_only")
+#: what is known on GPUs while no GPU validation run is recorded (docs/benchmarks.md, "GPU")
+GPU_NOTE = (
+    "the simulator has not been checked against a GPU run; on one H100 (make gpu-check, 26 Nov 2026,"
+    " docs/benchmarks.md) the cost model's microbatch time error was 6-15%"
+)
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class Calibration:
 
     def describe(self) -> str:
         """One line for a printout."""
-        gpu = "" if "GPU" in self.machine else "; no GPU run recorded"
+        gpu = "" if "GPU" in self.machine else f"; {GPU_NOTE}"
         return (
             f"simulator vs real runs ({self.machine}, {self.measured}; from {self.source}): mean step-time error "
             f"{self.error:.1%} pipelined, {self.colocated_error:.1%} colocated (cost model alone: "
