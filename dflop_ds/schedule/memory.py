@@ -160,3 +160,41 @@ def _first_fit(
         used[bucket] = size
         labels[item] = bucket
     return labels
+
+
+def fit_under_cap(
+    memory: np.ndarray,
+    order_key: np.ndarray,
+    n_buckets: int,
+    microbatch_memory: Callable[[list[int]], float],
+    cap: float,
+) -> list[list[int]] | None:
+    """A split of items ``0..n-1`` into ``n_buckets`` non-empty buckets under ``cap``, or None.
+
+    Each item whose ``memory`` alone exceeds ``cap`` gets a bucket of its own; the others are
+    placed by :func:`memory_first_fit`'s memory rule, which never looks at costs, so the answer
+    (and whether there is one) is the same whatever the costs a training step schedules with.
+    ``microbatch_memory`` must not shrink when an item is added (true of padded and packed
+    microbatches): when all the other items fit in one bucket, any split of them fits.
+    """
+    usage = np.asarray(memory, dtype=float)
+    alone = np.flatnonzero(usage > cap)
+    rest = np.flatnonzero(usage <= cap)
+    free = n_buckets - alone.size
+    if free < 0 or (free == 0 and rest.size) or usage.size < n_buckets:
+        return None
+    buckets = [[int(i)] for i in alone]
+    if not rest.size:
+        return buckets
+
+    def rest_memory(positions: list[int]) -> float:
+        return microbatch_memory(rest[positions].tolist())
+
+    key = np.asarray(order_key, dtype=float)[rest]
+    if rest_memory(list(range(rest.size))) <= cap:
+        order = np.argsort(-key, kind="stable")
+        return buckets + [rest[part].tolist() for part in np.array_split(order, free)]
+    labels = _first_fit(np.zeros((rest.size, 1)), key, free, rest_memory, cap, "memory")
+    if labels is None:
+        return None
+    return buckets + [rest[labels == b].tolist() for b in range(free)]

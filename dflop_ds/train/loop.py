@@ -321,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         memory_cap=microbatch_cap,
         allow_oversize=cfg.allow_oversize,
     )
+    sampler.check_steps(cfg.steps)  # a global batch the memory cap cannot split is refused before step 0
     collate = source.collate
     if packing and source.packed_collate is not None:  # source.uses_packing found one
         collate = source.packed_collate
