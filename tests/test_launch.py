@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
+from pathlib import Path
 
-from dflop_ds.launch import clear_stale_build_locks, release_own_shm_buffer, release_shm_buffers, shm_buffer_name
+from dflop_ds.launch import (
+    SHM_BUFFER_PREFIX,
+    SHM_DIR,
+    clear_stale_build_locks,
+    deepspeed_command,
+    free_port,
+    launch_env,
+    release_own_shm_buffer,
+    release_shm_buffers,
+    shm_buffer_name,
+)
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_release_removes_only_the_jobs_buffers(tmp_path) -> None:
@@ -45,3 +59,22 @@ def test_only_old_build_locks_are_cleared(tmp_path, capsys) -> None:
     assert clear_stale_build_locks(max_age_s=300, root=tmp_path) == [old]
     assert not old.exists() and fresh.exists()
     assert "stale extension build lock" in capsys.readouterr().err
+
+
+def test_a_rank_that_fails_in_set_up_leaves_nothing_in_dev_shm(tmp_path) -> None:
+    """Issue 25: a launch that failed after DeepSpeed's CPU op made its buffers left 2 x 66 MB in
+    /dev/shm. Here `deepspeed` runs examples/train.py directly (no wrapper cleans up by port) on a
+    missing data file, which fails after ``init_distributed``: the ranks released their own buffers."""
+    port = free_port()
+    command = deepspeed_command(
+        REPO / "examples" / "train.py",
+        ["--deepspeed_config", REPO / "ds_configs" / "tiny_mllm_pp2.json", "--data_path", tmp_path / "missing.jsonl"],
+        ranks=2,
+        master_port=port,
+    )
+    env = launch_env(PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    leaked = [p.name for p in SHM_DIR.glob(f"{SHM_BUFFER_PREFIX}_{os.getuid()}_*_{port}_*")]
+    release_shm_buffers(port)  # whatever the outcome, leave the machine clean
+    assert result.returncode != 0 and "missing.jsonl" in result.stdout + result.stderr, result.stderr[-2000:]
+    assert leaked == []

@@ -27,7 +27,7 @@ import torch
 from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, set_settings
 from dflop_ds.cost import CostModel, PackedCost, ProxyCost, StageCost, check_policy, load_cost_model
 from dflop_ds.cost.stage import stage_memory_caps
-from dflop_ds.launch import release_own_shm_buffer, share_cpu_threads
+from dflop_ds.launch import release_shm_buffer_once_mapped, share_cpu_threads
 from dflop_ds.loader import make_loader
 from dflop_ds.models.hf.source import hf_source
 from dflop_ds.models.source import ModelSource, tiny_source
@@ -232,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_writable_folder(args.output_dir, "--output_dir")
     torch.manual_seed(cfg.seed)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    release_shm_buffer_once_mapped()  # nothing left in /dev/shm however the run ends
     share_cpu_threads()  # CPU ranks on one machine: a share of the cores each, not all of them
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
@@ -401,7 +402,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     sampler.close()  # no scheduling thread left running while the process exits
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()  # an orderly exit: gloo's threads stop before teardown
-    release_own_shm_buffer()  # DeepSpeed's CPU all-reduce buffer would stay in /dev/shm
     return 0
 
 
