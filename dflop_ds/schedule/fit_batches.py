@@ -17,6 +17,9 @@ import numpy as np
 
 from dflop_ds.schedule.lpt import InfeasibleError
 
+#: Exchanges tried (each checking that the partner still fits) before a batch is given up on.
+TRIALS = 32
+
 
 class MemoryCapError(InfeasibleError):
     """A global batch cannot be split under the memory cap, even after exchanging samples."""
@@ -53,28 +56,31 @@ def _give_away_one(
     fits: Callable[[np.ndarray], bool],
     pinned: int,
 ) -> bool:
-    """Exchange one of batch ``b``'s largest samples for a smaller one of a batch that still fits
-    afterwards; False when there is no such exchange."""
+    """Exchange one of batch ``b``'s largest samples for the smallest sample of a batch that still
+    fits afterwards (the batches holding the fewest bytes are asked first); False when none of
+    :data:`TRIALS` exchanges tried is accepted."""
     batch = batches[b]
     first = pinned if b == 0 else 0
-    partners = [c for c in [*range(b + 1, len(batches)), *range(b)] if fitting[c]]
-    for p in sorted(range(first, len(batch)), key=lambda q: (-memory[batch[q]], q)):
+    partners = sorted(
+        (c for c in range(len(batches)) if c != b and fitting[c]), key=lambda c: (memory[batches[c]].sum(), c)
+    )
+    trials = 0
+    for p in first + np.argsort(-memory[batch[first:]], kind="stable"):
         given = batch[p]
         for c in partners:
             other = batches[c]
             if np.any(other == given):
                 continue  # a sample carried into batch 0 may appear again later in the epoch
-            start = pinned if c == 0 else 0
-            smaller = [
-                q
-                for q in range(start, len(other))
-                if memory[other[q]] < memory[given] and not np.any(batch == other[q])
-            ]
-            if not smaller:
+            allowed = (memory[other] < memory[given]) & ~np.isin(other, batch)
+            allowed[: pinned if c == 0 else 0] = False
+            if not allowed.any():
                 continue
-            q = min(smaller, key=lambda q: (memory[other[q]], q))
+            q = int(np.argmin(np.where(allowed, memory[other], np.inf)))
             batch[p], other[q] = other[q], given
             if fits(other):
                 return True
             batch[p], other[q] = given, batch[p]
+            trials += 1
+            if trials == TRIALS:
+                return False
     return False

@@ -226,14 +226,8 @@ class GlobalBatchSampler:
         return batches
 
     def check_steps(self, steps: int) -> None:
-        """Compute the global batches of every epoch the first ``steps`` steps (one global batch
-        each, counted from the run's start) reach, so that any batch the sampler cannot schedule
-        is refused now, before training, instead of when training reaches it."""
-        n, size = len(self.shapes), self.global_batch_size
-        epoch = 0
-        while first_batch(epoch, n, size, self.drop_last) < steps:
-            self.batches_in_epoch(epoch)
-            epoch += 1
+        """Refuse now, before training, any global batch of the first ``steps`` steps that the
+        sampler could not schedule (nothing to check here: every batch can be split)."""
 
     def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
         """Split one global batch (``costs`` its rows' costs) into per-rank microbatches."""
@@ -511,6 +505,21 @@ class DFLOPBatchSampler(GlobalBatchSampler):
             lambda rows: microbatch_bytes(self.cost_model, [shapes[r] for r in rows]),
             cap,
         )
+
+    def check_steps(self, steps: int) -> None:
+        """Fit the global batches of every epoch the first ``steps`` steps (one global batch
+        each, counted from the run's start) reach, so that a batch the memory cap cannot split
+        is a :class:`MemoryCapError` now, before training, not when training reaches it."""
+        if self.memory is None:
+            return
+        n, size = len(self.shapes), self.global_batch_size
+        current = self._cached_epoch  # kept: training starts with it
+        epoch = 0
+        while first_batch(epoch, n, size, self.drop_last) < steps:
+            if current is None or current[0] != epoch:
+                self.batches_in_epoch(epoch)
+            epoch += 1
+        self._cached_epoch = current or self._cached_epoch
 
     def fit_epoch(self, epoch: int, batches: list[np.ndarray]) -> list[np.ndarray]:
         """Under a memory cap, ``batches`` with samples exchanged between them until each has a
