@@ -17,6 +17,7 @@ from dflop_ds.schedule.fit_batches import MemoryCapError
 from dflop_ds.schedule.memory import OversizeSampleError, fit_under_cap, microbatch_bytes, sample_bytes
 from dflop_ds.schedule.partition import InfeasibleError, partition_batch
 from dflop_ds.schedule.sampler import DFLOPBatchSampler, make_sampler
+from dflop_ds.schedule.splitters import DFLOPSplitter
 from dflop_ds.shapes import SampleShape
 
 TOKENS_PER_FRAME = 1  # a strongly pooling video projector: long videos cost memory (tiles) more than time
@@ -213,6 +214,28 @@ def test_allow_oversize_trains_oversize_samples_alone_moving_the_excess_to_other
     assert all(len(mb) == 1 for mb in microbatches if any(shapes[i].sample_id.startswith("video") for i in mb))
     with pytest.raises(MemoryCapError, match="16 of them exceed the cap alone"):  # every sample oversize
         sampler(shapes, cost, memory_cap=1e-3 * video, **options)
+
+
+def test_the_fit_found_before_training_is_a_valid_split_for_any_costs():
+    """The last resort of scheduling: :meth:`DFLOPBatchSampler.fit_under_cap`'s cost-blind split,
+    turned into per-rank microbatches by ``DFLOPSplitter.split_buckets``."""
+    shapes = with_videos(64, videos=8)
+    cost = PackedCost(ProxyCost(tile_cost=1.0))
+    cap = 1.3 * float(sample_bytes(cost, shapes).max())
+    capped = sampler(shapes, cost, global_batch_size=16, gradient_accumulation_steps=2, dp_size=2, memory_cap=cap)[0]
+    batch = capped.batches_in_epoch(0)[2]
+    buckets = capped.fit_under_cap(batch, cap)
+    assert buckets is not None and len(buckets) == 4 and all(buckets)
+    assert sorted(p for b in buckets for p in b) == list(range(16))
+    assert all(microbatch_bytes(cost, [shapes[batch[p]] for p in b]) <= cap for b in buckets)
+    for lockstep in (False, True):
+        costs = np.random.default_rng(1).random((16, 2))  # whatever the step's costs
+        request = capped.split_request(batch, costs, batch_seed=0)
+        split = DFLOPSplitter(lockstep=lockstep).split_buckets(request, buckets, "memory-fit")
+        assert split.solver == "memory-fit" and [len(rank) for rank in split.ranks] == [2, 2]
+        placed = sorted(sorted(mb) for rank in split.ranks for mb in rank)
+        assert placed == sorted(sorted(int(batch[p]) for p in b) for b in buckets)
+        assert split.predicted.shape[:2] == (2, 2) and split.makespan == split.predicted.max()
 
 
 def test_partition_gives_oversize_items_a_bucket_of_their_own():
