@@ -293,6 +293,28 @@ def release_own_shm_buffer(*, shm_dir: Path = SHM_DIR) -> bool:
     return True
 
 
+def release_shm_buffer_once_mapped(*, shm_dir: Path = SHM_DIR) -> bool:
+    """Call on every rank right after ``deepspeed.init_distributed``: unlink this rank's DeepSpeed
+    CPU all-reduce buffer as soon as every rank has mapped it, so that nothing stays in /dev/shm
+    however the run ends (an error in set-up or training, a kill by the launcher or by hand).
+
+    DeepSpeed's CPU op maps the buffers of all its peers (opening them by name) before
+    ``init_distributed`` returns and never opens them again; a barrier therefore means every
+    rank holds every mapping, and the name is no longer needed. Does nothing where DeepSpeed made
+    no buffer (GPUs, ranks on several hosts: the same on every rank). Returns whether one was removed.
+    """
+    import torch.distributed as dist
+
+    rank = os.environ.get("RANK")
+    if rank is None or not dist.is_initialized():
+        return False
+    path = shm_dir / shm_buffer_name(os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), rank)
+    if not path.exists():
+        return False
+    dist.barrier()
+    return release_own_shm_buffer(shm_dir=shm_dir)
+
+
 def share_cpu_threads() -> int:
     """On the CPU accelerator, give each local rank its share of the cores as torch threads.
 

@@ -9,6 +9,7 @@ video frames.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,20 @@ VideoRule = Callable[[int, int, int, float], tuple[int, int, int]]
 #: included): ``(turns as (role, value) pairs, LLM tokens of each image, LLM tokens of the video or
 #: None) -> (text_tokens, label_tokens)``.
 ConversationCounter = Callable[[Sequence[tuple[str, str]], Sequence[int], "int | None"], tuple[int, int]]
+
+
+def length_rule(max_length: int | None, truncation: str) -> str:
+    """How a tokenizer identity (``ShapePolicy.tokenizer_id``) spells the sequence-length rule."""
+    return f"max_length:{max_length} truncation:{truncation}"
+
+
+_LENGTH_RULE = re.compile(r"\s*max_length:\S+ truncation:\S+")
+
+
+def without_length_rule(tokenizer_id: str) -> str:
+    """``tokenizer_id`` without its :func:`length_rule`: what fixes the tokens of a given piece of
+    text. The length rule decides which lengths occur, not what one of a given length costs."""
+    return _LENGTH_RULE.sub("", tokenizer_id)
 
 
 def default_token_count(text: str) -> int:

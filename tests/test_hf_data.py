@@ -252,6 +252,22 @@ def test_too_long_samples_are_refused_or_truncated_never_through_images(model_di
         LlavaPreprocessor.from_pretrained(model_dir, max_length=8, truncation="truncate").encode(conversation, 1)
 
 
+def test_a_profiled_cost_model_serves_a_truncating_run_but_not_another_tokenization(
+    model_dir: Path, pre: LlavaPreprocessor
+) -> None:
+    """Issue 25: ``profile model`` records no length rule, so a cost model was refused for every
+    run that truncates. The length rule decides which shapes occur, not what one costs: accepted.
+    What changes the tokens of the same text (here the system message) is still refused."""
+    profiled = FittedCostModel().fit(synthetic_profile(), pre.policy())
+    truncating = LlavaPreprocessor.from_pretrained(model_dir, max_length=64, truncation="truncate")
+    assert truncating.policy().describe()["tokenizer"] != pre.policy().describe()["tokenizer"]
+    check_policy(profiled, truncating.policy())
+    check_policy(FittedCostModel().fit(synthetic_profile(), truncating.policy()), pre.policy())
+    other_system = LlavaPreprocessor.from_pretrained(model_dir, system="Answer in French.", max_length=64)
+    with pytest.raises(ValueError, match=r"they differ in tokenizer: '.*system:.*' vs '.*system:"):
+        check_policy(profiled, other_system.policy())
+
+
 def test_cost_model_stores_its_policy_and_refuses_another(
     pre: LlavaPreprocessor, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -17,8 +17,12 @@ from ds_runs import REPO
 
 from dflop_ds.launch import (
     CLEAN_SHUTDOWN,
+    SHM_BUFFER_PREFIX,
+    SHM_DIR,
     clear_stale_build_locks,
+    deepspeed_command,
     extensions_root,
+    free_port,
     launch_env,
     rank_exits,
     release_own_shm_buffer,
@@ -153,3 +157,22 @@ def test_a_benchmark_worker_failing_after_its_rounds_is_an_exit_fault_naming_the
     script.write_text("raise SystemExit(5)")
     with pytest.raises(RuntimeError, match="failed with exit code 5 before writing"):
         run_worker(str(script), ["--out", str(out)], out, timeout=300)
+
+
+def test_a_rank_that_fails_in_set_up_leaves_nothing_in_dev_shm(tmp_path) -> None:
+    """Issue 25: a launch that failed after DeepSpeed's CPU op made its buffers left 2 x 66 MB in
+    /dev/shm. Here `deepspeed` runs examples/train.py directly (no wrapper cleans up by port) on a
+    missing data file, which fails after ``init_distributed``: the ranks released their own buffers."""
+    port = free_port()
+    command = deepspeed_command(
+        REPO / "examples" / "train.py",
+        ["--deepspeed_config", REPO / "ds_configs" / "tiny_mllm_pp2.json", "--data_path", tmp_path / "missing.jsonl"],
+        ranks=2,
+        master_port=port,
+    )
+    env = launch_env(PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    leaked = [p.name for p in SHM_DIR.glob(f"{SHM_BUFFER_PREFIX}_{os.getuid()}_*_{port}_*")]
+    release_shm_buffers(port)  # whatever the outcome, leave the machine clean
+    assert result.returncode != 0 and "missing.jsonl" in result.stdout + result.stderr, result.stderr[-2000:]
+    assert leaked == []

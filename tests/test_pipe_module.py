@@ -211,11 +211,17 @@ def test_single_stage_module_matches_the_reference(single_rank) -> None:
     assert len(trainable) == sum(1 for p in module.parameters() if p.requires_grad) > 0
     n_params = len(list(module.parameters()))
     module.requires_grad_(False)  # a stage with nothing to train still gets an optimizer parameter
-    placeholder = module.optimizer_parameters()
-    assert len(placeholder) == 1 and placeholder[0].requires_grad
-    assert module.optimizer_parameters()[0] is placeholder[0]
-    assert len(list(module.parameters())) == n_params and "_frozen_stage_placeholder" not in module.state_dict()
-    torch.optim.SGD(placeholder, lr=0.1)
+    anchor = module.optimizer_parameters()
+    assert len(anchor) == 1 and anchor[0].requires_grad and torch.equal(anchor[0], torch.zeros(1))
+    assert module.optimizer_parameters()[0] is anchor[0]
+    assert len(list(module.parameters())) == n_params + 1 and "frozen_stage_anchor" not in module.state_dict()
+    module.train()
+    out = module(inputs)  # the anchor joins the graph without changing any output value
+    with torch.no_grad():
+        torch.testing.assert_close(out, reference(inputs), rtol=0, atol=0)
+    module.loss_fn(out, labels).backward()
+    assert torch.equal(anchor[0].grad, torch.zeros(1))  # what DeepSpeed's gradient clipping needs
+    torch.optim.SGD(anchor, lr=0.1)
 
     with pytest.raises(ValueError, match="entries"):
         MLLMPipelineModule(encoder, projector, llm, num_stages=1, stage_bounds=[0, 4, 8])

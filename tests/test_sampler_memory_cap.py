@@ -12,9 +12,12 @@ from hypothesis import strategies as st
 
 from dflop_ds.config import DFLOPConfig
 from dflop_ds.cost import PackedCost, ProxyCost
-from dflop_ds.schedule.memory import OversizeSampleError, microbatch_bytes, sample_bytes
+from dflop_ds.schedule.epoch import epoch_batches
+from dflop_ds.schedule.fit_batches import MemoryCapError
+from dflop_ds.schedule.memory import OversizeSampleError, fit_under_cap, microbatch_bytes, sample_bytes
 from dflop_ds.schedule.partition import InfeasibleError, partition_batch
 from dflop_ds.schedule.sampler import DFLOPBatchSampler, make_sampler
+from dflop_ds.schedule.splitters import DFLOPSplitter
 from dflop_ds.shapes import SampleShape
 
 TOKENS_PER_FRAME = 1  # a strongly pooling video projector: long videos cost memory (tiles) more than time
@@ -125,6 +128,114 @@ def test_the_stock_sampler_refuses_a_cap_and_the_config_keys_are_typed():
         DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": 0}})
     with pytest.raises(ValueError, match="allow_oversize"):
         DFLOPConfig.from_dict({"sampler": {"allow_oversize": 1}})
+
+
+def with_videos(n: int, videos: int, seed: int = 0) -> list[SampleShape]:
+    """Short texts with ``videos`` equal long videos at random positions."""
+    rng = np.random.default_rng(seed)
+    shapes = [clip(f"s{i}", 0, int(rng.integers(8, 20))) for i in range(n)]
+    for i in rng.choice(n, size=videos, replace=False):
+        shapes[i] = clip(f"video{i}", 40, 200)
+    return shapes
+
+
+def videos_per_batch(shapes, seed: int, epoch: int, drop_last: bool = False) -> list[int]:
+    """How many videos each global batch of 16 of ``epoch`` holds as the epoch permutation draws them."""
+    batches = epoch_batches(len(shapes), seed, epoch, 16, drop_last)
+    return [sum(shapes[i].sample_id.startswith("video") for i in batch) for batch in batches]
+
+
+def check_trained_within_cap(samplers, shapes, cost, cap, epochs: int) -> list[list[int]]:
+    """Train ``epochs`` epochs: every sample once per epoch, every batch whole, microbatches of two
+    or more samples within ``cap``; returns the microbatches."""
+    microbatches = [mb for rank in trained(samplers, epochs) for mb in rank]
+    counts = collections.Counter(i for mb in microbatches for i in mb)
+    assert len(counts) == len(shapes) and set(counts.values()) == {epochs}
+    assert all(microbatch_bytes(cost, [shapes[i] for i in mb]) <= cap for mb in microbatches if len(mb) > 1)
+    return microbatches
+
+
+def test_a_batch_over_its_microbatches_is_fixed_before_training_by_exchanging_samples():
+    """Issue 25: every sample fits the cap alone, but a batch drawing more videos than it has
+    microbatches could not be split (the run died when training reached it). The sampler now
+    moves the excess videos to the epoch's other batches; every sample is still trained once."""
+    shapes = with_videos(64, videos=8)
+    cost = PackedCost(ProxyCost(tile_cost=1.0))
+    video = float(sample_bytes(cost, shapes).max())
+    cap = 1.3 * video  # one video and some text per microbatch: 2 videos per batch of 2 microbatches
+    assert videos_per_batch(shapes, seed=3, epoch=0) == [0, 1, 4, 3]
+    plain = epoch_batches(64, 3, 0, 16)[2]
+    size = lambda rows: microbatch_bytes(cost, [shapes[plain[r]] for r in rows])  # noqa: E731
+    assert fit_under_cap(sample_bytes(cost, [shapes[i] for i in plain]), np.zeros(16), 2, size, cap) is None
+    samplers = sampler(shapes, cost, global_batch_size=16, gradient_accumulation_steps=2, dp_size=1, memory_cap=cap)
+    microbatches = check_trained_within_cap(samplers, shapes, cost, cap, epochs=2)
+    assert len(microbatches) == 2 * 4 * 2  # 2 epochs of 4 batches of 2 microbatches
+    again = sampler(shapes, cost, global_batch_size=16, gradient_accumulation_steps=2, dp_size=1, memory_cap=cap)
+    again[0].load_state_dict({**samplers[0].state_dict(), "epoch": 0, "next_batch": 2, "next_microbatch": 1})
+    assert [list(map(int, mb)) for mb in again[0]] == microbatches[5:8], "a resume hits the same batches"
+    (other_cap,) = sampler(shapes, cost, global_batch_size=16, gradient_accumulation_steps=2, dp_size=1)
+    with pytest.raises(ValueError, match=f"memory_cap={cap!r}.*resuming inside it needs the same cap"):
+        other_cap.load_state_dict(again[0].state_dict() | {"epoch": 0, "next_batch": 2})
+    other_cap.load_state_dict(again[0].state_dict() | {"epoch": 1, "next_batch": 0})  # an epoch boundary: any cap
+
+
+def test_an_epoch_that_cannot_fit_is_refused_before_training_naming_batch_and_cap():
+    shapes = with_videos(64, videos=9)  # 9 videos, 4 batches of 2 microbatches: room for 8
+    cost = PackedCost(ProxyCost(tile_cost=1.0))
+    cap = 1.3 * float(sample_bytes(cost, shapes).max())
+    with pytest.raises(MemoryCapError) as error:
+        sampler(shapes, cost, global_batch_size=16, gradient_accumulation_steps=2, dp_size=1, memory_cap=cap)
+    message = str(error.value)
+    assert "epoch 0 global batch" in message and f"{cap:.4g} bytes" in message and "memory_cap_bytes" in message
+    assert "'video" in message and "gradient_accumulation_steps" in message
+
+
+def test_check_steps_refuses_a_later_epoch_before_the_first_step():
+    """With drop_last each epoch trains another subset: epoch 2 keeps all 9 videos (room for 8)."""
+    shapes = with_videos(68, videos=9)
+    cost = PackedCost(ProxyCost(tile_cost=1.0))
+    cap = 1.3 * float(sample_bytes(cost, shapes).max())
+    assert [sum(videos_per_batch(shapes, 1, e, drop_last=True)) for e in range(3)] == [7, 7, 9]
+    options = dict(global_batch_size=16, gradient_accumulation_steps=2, dp_size=1, seed=1, drop_last=True)
+    (capped,) = sampler(shapes, cost, memory_cap=cap, **options)
+    capped.check_steps(8)  # epochs 0 and 1
+    with pytest.raises(MemoryCapError, match="epoch 2 global batch"):
+        capped.check_steps(9)
+
+
+def test_allow_oversize_trains_oversize_samples_alone_moving_the_excess_to_other_batches():
+    shapes = with_videos(64, videos=12)  # 4 microbatches per batch: 3 videos alone and the text together
+    cost = PackedCost(ProxyCost(tile_cost=1.0))
+    video = float(sample_bytes(cost, shapes).max())
+    assert max(videos_per_batch(shapes, seed=3, epoch=0)) > 3
+    options = dict(global_batch_size=16, gradient_accumulation_steps=4, dp_size=1, allow_oversize=True)
+    samplers = sampler(shapes, cost, memory_cap=0.5 * video, **options)
+    microbatches = check_trained_within_cap(samplers, shapes, cost, 0.5 * video, epochs=2)
+    assert all(len(mb) == 1 for mb in microbatches if any(shapes[i].sample_id.startswith("video") for i in mb))
+    with pytest.raises(MemoryCapError, match="16 of them exceed the cap alone"):  # every sample oversize
+        sampler(shapes, cost, memory_cap=1e-3 * video, **options)
+
+
+def test_the_fit_found_before_training_is_a_valid_split_for_any_costs():
+    """The last resort of scheduling: :meth:`DFLOPBatchSampler.fit_under_cap`'s cost-blind split,
+    turned into per-rank microbatches by ``DFLOPSplitter.split_buckets``."""
+    shapes = with_videos(64, videos=8)
+    cost = PackedCost(ProxyCost(tile_cost=1.0))
+    cap = 1.3 * float(sample_bytes(cost, shapes).max())
+    capped = sampler(shapes, cost, global_batch_size=16, gradient_accumulation_steps=2, dp_size=2, memory_cap=cap)[0]
+    batch = capped.batches_in_epoch(0)[2]
+    buckets = capped.fit_under_cap(batch, cap)
+    assert buckets is not None and len(buckets) == 4 and all(buckets)
+    assert sorted(p for b in buckets for p in b) == list(range(16))
+    assert all(microbatch_bytes(cost, [shapes[batch[p]] for p in b]) <= cap for b in buckets)
+    for lockstep in (False, True):
+        costs = np.random.default_rng(1).random((16, 2))  # whatever the step's costs
+        request = capped.split_request(batch, costs, batch_seed=0)
+        split = DFLOPSplitter(lockstep=lockstep).split_buckets(request, buckets, "memory-fit")
+        assert split.solver == "memory-fit" and [len(rank) for rank in split.ranks] == [2, 2]
+        placed = sorted(sorted(mb) for rank in split.ranks for mb in rank)
+        assert placed == sorted(sorted(int(batch[p]) for p in b) for b in buckets)
+        assert split.predicted.shape[:2] == (2, 2) and split.makespan == split.predicted.max()
 
 
 def test_partition_gives_oversize_items_a_bucket_of_their_own():

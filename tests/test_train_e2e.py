@@ -170,3 +170,12 @@ def test_a_memory_cap_no_sample_fits_stops_before_training_naming_a_sample(ds_co
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "OversizeSampleError" in output and "memory cap of 1000 bytes" in output and "allow_oversize" in output
+
+
+def test_a_frozen_encoder_alone_on_a_stage_trains_with_gradient_clipping(launch_training):
+    """Issue 25: freeze_encoder with the encoder alone on stage 0 crashed at the first step in
+    DeepSpeed's gradient clipping (no gradient on that stage). Its zero anchor parameter gets one."""
+    dflop = {"freeze_encoder": True, "stage_bounds": [0, 5, 11], "max_samples": 32, "steps": 2, "warmup_steps": 0}
+    run = launch_training(dflop, ds={**SIXTEEN_IN_FOUR, "gradient_clipping": 1.0})
+    assert run["summary"]["stage_bounds"] == [0, 5, 11]
+    assert len(run["steps"]) == 2 and all(math.isfinite(step["loss"]) for step in run["steps"])

@@ -21,7 +21,7 @@ from numpy.typing import ArrayLike
 
 from dflop_ds.cost.fit import MonotoneFit
 from dflop_ds.cost.measurements import Measurement, ModelProfile
-from dflop_ds.shapes import SampleShape, ShapePolicy
+from dflop_ds.shapes import SampleShape, ShapePolicy, without_length_rule
 
 ENCODER_TIME = ("1", "T")
 #: the encoder time of a profile with attention units: linear work plus attention within windows
@@ -271,17 +271,21 @@ def check_policy(cost_model: Any, policy: ShapePolicy, *, source: str = "the cos
     A cost model predicts from encoder tiles and LLM tokens; the same data gives other tiles
     and tokens under another policy, so its predictions would be for another model. A model
     that records no policy (an analytic or proxy model) is accepted with a logged warning.
+    The sequence-length rule (``max_length``, ``truncation``; :func:`~dflop_ds.shapes.length_rule`)
+    is not compared: it decides which lengths the data has, not what a sample of a given shape
+    costs, so a model profiled without truncation predicts a truncating run's shapes as well.
 
     Raises:
         ValueError: naming both policies and every field in which they differ.
     """
     recorded = getattr(cost_model, "shape_policy", None)
-    wanted = policy.describe()
+    wanted = _comparable(policy.describe())
     if recorded is None:
         logging.getLogger(__name__).warning(
             "%s records no shape policy; cannot check it against the %r policy in use", source, wanted["name"]
         )
         return
+    recorded = _comparable(recorded)
     differ = sorted(
         key for key in set(recorded) | set(wanted) if key != "name" and recorded.get(key) != wanted.get(key)
     )
@@ -292,3 +296,11 @@ def check_policy(cost_model: Any, policy: ShapePolicy, *, source: str = "the cos
             f"shaped with the policy {wanted['name']!r}; they differ in {details}. Profile the model "
             "with the policy you train with (or pick the policy the cost model was made for)"
         )
+
+
+def _comparable(described: dict[str, Any]) -> dict[str, Any]:
+    """A policy description without what per-shape costs do not depend on (the length rule)."""
+    tokenizer = described.get("tokenizer")
+    if not isinstance(tokenizer, str):
+        return described
+    return {**described, "tokenizer": without_length_rule(tokenizer)}

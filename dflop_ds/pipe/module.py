@@ -55,6 +55,28 @@ def mark_boundary_outputs(outputs: Any) -> Any:
     return outputs
 
 
+#: Name of the zero parameter a stage of frozen layers alone trains (see ``optimizer_parameters``).
+ANCHOR = "frozen_stage_anchor"
+
+
+def through_anchor(outputs: Any, anchor: torch.Tensor) -> Any:
+    """``outputs`` (tensor or tuple) with ``anchor * 0`` added to its first floating-point tensor:
+    the same values, with ``anchor`` in the graph so that backward gives it a (zero) gradient."""
+    tensors = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    for i, t in enumerate(tensors):
+        if torch.is_tensor(t) and t.is_floating_point():
+            tensors[i] = t + (anchor * 0).sum().to(t.dtype)
+            break
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(tensors)
+    return tensors[0]
+
+
+def _drop_anchor(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """State-dict post-hook: the anchor is no weight of the model."""
+    state_dict.pop(prefix + ANCHOR, None)
+
+
 def contiguous_outputs(outputs: Any) -> Any:
     """``outputs`` (tensor or tuple) with every tensor made contiguous: p2p sends refuse strided
     tensors, and HF layers return them (e.g. a vision tower's transposed patch embeddings)."""
@@ -284,21 +306,20 @@ class MLLMPipelineModule(PipelineModule):
         """This stage's trainable parameters, for building its optimizer.
 
         A stage holding only frozen layers (e.g. a frozen encoder alone on stage 0) has none,
-        yet DeepSpeed's pipeline engine needs an optimizer on every stage and torch optimizers
-        reject an empty list: such a stage gets one zero placeholder parameter that never
-        receives a gradient. (Also set ``"gradient_clipping": 0`` for such a plan: DeepSpeed
-        0.19.8 fails to clip a stage without gradients.)
+        yet DeepSpeed's pipeline engine needs an optimizer on every stage (torch optimizers
+        reject an empty list) and its gradient clipping fails on a stage without gradients
+        (DeepSpeed 0.19.8 indexes the first one). Such a stage gets :data:`ANCHOR`, a one-element
+        zero parameter of the module that :meth:`forward` adds, times zero, to its output: it
+        receives a zero gradient every step and never changes, and the outputs keep their
+        values. It is left out of :meth:`state_dict` (the layers' checkpoints never see it).
         """
         trainable = [p for p in self.parameters() if p.requires_grad]
         if trainable:
             return trainable
-        placeholder = self.__dict__.get("_frozen_stage_placeholder")
-        if placeholder is None:
-            device = next(iter(self.parameters()), torch.zeros(())).device
-            placeholder = torch.nn.Parameter(torch.zeros(1, device=device))
-            # kept outside the module's parameters so checkpoints and DeepSpeed never see it
-            self.__dict__["_frozen_stage_placeholder"] = placeholder
-        return [placeholder]
+        device = next(iter(self.parameters()), torch.zeros(())).device
+        self.register_parameter(ANCHOR, torch.nn.Parameter(torch.zeros(1, device=device)))
+        self.register_state_dict_post_hook(_drop_anchor)
+        return [getattr(self, ANCHOR)]
 
     @property
     def is_last_stage(self) -> bool:
@@ -322,6 +343,9 @@ class MLLMPipelineModule(PipelineModule):
                     "drop float tensors that later layers do not use"
                 )
             self._inputs_checked = True
+        anchor = self._parameters.get(ANCHOR)
+        if anchor is not None and torch.is_grad_enabled():
+            outputs = through_anchor(outputs, anchor)
         if not self.is_last_stage:
             outputs = mark_boundary_outputs(contiguous_outputs(outputs))
         return outputs

@@ -1,5 +1,6 @@
 """dflop_ds.schedule: balanced microbatches: the partitioner, rank assignment and batch samplers."""
 
+from dflop_ds.schedule.fit_batches import MemoryCapError
 from dflop_ds.schedule.index import ScheduledIndex
 from dflop_ds.schedule.partition import InfeasibleError, Partition, partition_batch
 from dflop_ds.schedule.ranks import assign_to_ranks
@@ -18,6 +19,7 @@ __all__ = [
     "DFLOPBatchSampler",
     "GlobalBatchSampler",
     "InfeasibleError",
+    "MemoryCapError",
     "Partition",
     "ScheduledIndex",
     "SplitRequest",

@@ -160,3 +160,61 @@ def _first_fit(
         used[bucket] = size
         labels[item] = bucket
     return labels
+
+
+def fit_under_cap(
+    memory: np.ndarray,
+    order_key: np.ndarray,
+    n_buckets: int,
+    microbatch_memory: Callable[[list[int]], float],
+    cap: float,
+) -> list[list[int]] | None:
+    """A split of items ``0..n-1`` into ``n_buckets`` non-empty buckets, each of two or more items
+    within ``cap`` by ``microbatch_memory``, or None when none is found.
+
+    Each item whose ``memory`` alone exceeds ``cap`` gets a bucket of its own. The others are
+    placed largest ``order_key`` first, by a first fit on their summed ``memory`` (cheap: the
+    true bytes of each bucket are then checked once), else by :func:`memory_first_fit`'s memory
+    rule. Neither looks at costs, so the answer (and whether there is one) is the same whatever
+    costs a training step schedules with. ``microbatch_memory`` must not grow when an item is
+    removed (true of padded and packed microbatches), so a fitting bucket may be split.
+    """
+    usage = np.asarray(memory, dtype=float)
+    alone = np.flatnonzero(usage > cap)
+    rest = np.flatnonzero(usage <= cap)
+    free = n_buckets - alone.size
+    if free < 0 or (free == 0 and rest.size) or usage.size < n_buckets:
+        return None
+    buckets = [[int(i)] for i in alone]
+    if not rest.size:
+        return buckets
+
+    def rest_memory(positions: list[int]) -> float:
+        return microbatch_memory(rest[positions].tolist())
+
+    key = np.asarray(order_key, dtype=float)[rest]
+    summed = _summed_first_fit(usage[rest], np.argsort(-key, kind="stable"), free, cap)
+    if summed is not None and all(len(b) < 2 or rest_memory(b) <= cap for b in summed):
+        return buckets + [rest[b].tolist() for b in summed]
+    labels = _first_fit(np.zeros((rest.size, 1)), key, free, rest_memory, cap, "memory")
+    if labels is None:
+        return None
+    return buckets + [rest[labels == b].tolist() for b in range(free)]
+
+
+def _summed_first_fit(usage: np.ndarray, order: np.ndarray, n_buckets: int, cap: float) -> list[list[int]] | None:
+    """Items in ``order`` into the first of ``n_buckets`` buckets whose summed ``usage`` stays
+    within ``cap`` (None if one fits nowhere); empty buckets then take half of the fullest."""
+    loads = [0.0] * n_buckets
+    buckets: list[list[int]] = [[] for _ in range(n_buckets)]
+    for item in order.tolist():
+        bucket = next((b for b in range(n_buckets) if loads[b] + usage[item] <= cap), None)
+        if bucket is None:
+            return None
+        loads[bucket] += float(usage[item])
+        buckets[bucket].append(item)
+    for empty in [b for b in range(n_buckets) if not buckets[b]]:
+        fullest = max(range(n_buckets), key=lambda b: (len(buckets[b]), -b))
+        half = len(buckets[fullest]) // 2
+        buckets[empty], buckets[fullest] = buckets[fullest][half:], buckets[fullest][:half]
+    return buckets

@@ -50,7 +50,7 @@ ILP_VARIABLES_PER_SECOND = 3000
 #: Never build an ILP with more binary variables than this (model building itself is slow).
 ILP_MAX_VARIABLES = 20_000
 
-__all__ = ["Partition", "InfeasibleError", "partition_batch"]
+__all__ = ["Partition", "InfeasibleError", "partition_batch", "partition_from_buckets"]
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,17 @@ def _isolate(
         buckets = [rest[b].tolist() for b in sub.buckets]
         solver = f"{sub.solver}+alone"
     buckets += [[int(i)] for i in alone]
-    labels = buckets_to_labels(buckets, n)
+    return partition_from_buckets(matrix, buckets, solver, microbatch_cost)
+
+
+def partition_from_buckets(
+    costs: np.ndarray, buckets: list[list[int]], solver: str, microbatch_cost: MicrobatchCost | None = None
+) -> Partition:
+    """The :class:`Partition` of a given split (every item of ``costs`` in one of ``buckets``),
+    its bucket costs measured as :func:`partition_batch` measures them."""
+    matrix = as_cost_matrix(costs)
+    n_buckets = len(buckets)
+    labels = buckets_to_labels(buckets, matrix.shape[0])
     loads = bucket_loads(matrix, labels, n_buckets)
     order = labels_to_buckets(labels, n_buckets)  # the bucket order bucket_loads uses
     measured = loads if microbatch_cost is None else true_times(order, microbatch_cost, matrix.shape[1])

@@ -209,7 +209,7 @@ def build_engine(
     :class:`SequentialMLLM` under the plain engine, with the config's ZeRO stage. The optimizer:
     ``make_optimizer(trainable_parameters)`` if given, else the config's ``"optimizer"``, else
     AdamW at ``lr`` (a torch optimizer starts faster than DeepSpeed's CPU FusedAdam build). A
-    pipeline stage holding only frozen layers gets a placeholder parameter (see
+    pipeline stage holding only frozen layers gets a zero anchor parameter (see
     :meth:`MLLMPipelineModule.optimizer_parameters`). ``colocated``: the encoder runs on
     dispatched tiles and exchanges features; on the plain engine inside the model's forward
     (:class:`~dflop_ds.train.colocated.ColocatedMLLM`), under a pipeline before ``train_batch``,

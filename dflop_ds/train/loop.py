@@ -26,7 +26,7 @@ import torch
 from dflop_ds.config import DFLOPConfig
 from dflop_ds.cost import PackedCost, ProxyCost, StageCost, check_policy
 from dflop_ds.cost.stage import stage_memory_caps
-from dflop_ds.launch import finish_rank, share_cpu_threads
+from dflop_ds.launch import finish_rank, release_shm_buffer_once_mapped, share_cpu_threads
 from dflop_ds.loader import make_loader
 from dflop_ds.models.hf.source import hf_source
 from dflop_ds.models.source import ModelSource, tiny_source
@@ -127,6 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_writable_folder(args.output_dir, "--output_dir")
     torch.manual_seed(cfg.seed)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    release_shm_buffer_once_mapped()  # nothing left in /dev/shm however the run ends
     share_cpu_threads()  # CPU ranks on one machine: a share of the cores each, not all of them
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
@@ -219,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         memory_cap=microbatch_cap,
         allow_oversize=cfg.allow_oversize,
     )
+    sampler.check_steps(cfg.steps)  # a global batch the memory cap cannot split is refused before step 0
     collate = source.collate
     if packing and source.packed_collate is not None:  # source.uses_packing found one
         collate = source.packed_collate

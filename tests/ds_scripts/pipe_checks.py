@@ -16,6 +16,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from dflop_ds.launch import finish_rank
+from dflop_ds.pipe.module import ANCHOR
 from dflop_ds.train import build_engine
 
 
@@ -60,11 +61,11 @@ def pipeline_trainer(
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": gas,
         "steps_per_print": 10**9,
-        # DeepSpeed clips each pipeline stage by its own norm (not the global one) and fails on a
-        # stage without gradients; clipping is off so that step 1 can match the reference exactly
+        # DeepSpeed clips each pipeline stage by its own norm (not the global one); clipping is
+        # off so that step 1 can match the reference exactly
         "gradient_clipping": 0.0,
     }
-    # a stage holding only the frozen encoder gets a placeholder parameter (the engine needs an optimizer)
+    # a stage holding only the frozen encoder gets a zero anchor parameter (the engine needs an optimizer)
     return build_engine(
         encoder,
         projector,
@@ -78,12 +79,17 @@ def pipeline_trainer(
     )
 
 
+def model_weights(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The stage's named parameters that are weights of the model (not a frozen stage's anchor)."""
+    return [(name, p) for name, p in model.named_parameters() if name != ANCHOR]
+
+
 def step_gaps(
     model: torch.nn.Module, reference: dict[str, torch.Tensor], before: dict[str, torch.Tensor]
 ) -> tuple[float, float]:
     """``(largest |parameter - reference|, largest |parameter - before|)`` over the stage's parameters."""
     max_diff = max_change = 0.0
-    for name, p in model.named_parameters():
+    for name, p in model_weights(model):
         max_diff = max(max_diff, float((p.detach() - reference[name].detach()).abs().max()))
         max_change = max(max_change, float((p.detach() - before[name]).abs().max()))
     return max_diff, max_change
@@ -92,10 +98,10 @@ def step_gaps(
 def parameter_counts(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The stage's parameter count, its frozen count, and whether a frozen parameter moved since ``before``."""
     return {
-        "n_params": sum(p.numel() for p in model.parameters()),
-        "n_frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad),
+        "n_params": sum(p.numel() for _, p in model_weights(model)),
+        "n_frozen": sum(p.numel() for _, p in model_weights(model) if not p.requires_grad),
         "frozen_moved": any(
-            not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters() if not p.requires_grad
+            not torch.equal(p.detach(), before[n]) for n, p in model_weights(model) if not p.requires_grad
         ),
     }
 

@@ -46,7 +46,7 @@ from dflop_ds.models.data import IGNORE_INDEX, microbatch_denominator
 from dflop_ds.models.hf.check import load_processor
 from dflop_ds.models.hf.folder import check_model_folder
 from dflop_ds.models.packing import join_rows
-from dflop_ds.shapes import SampleShape, ShapePolicy
+from dflop_ds.shapes import SampleShape, ShapePolicy, length_rule
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +98,7 @@ def counting_identity(
     digest = hashlib.sha256(system.encode("utf-8")).hexdigest()[:8]
     return (
         f"{template} system:{digest} tokenizer:{type(tokenizer).__name__}:"
-        f"{_tokenizer_digest(tokenizer)} image_token:{image_token_id} "
-        f"max_length:{max_length} truncation:{truncation}"
+        f"{_tokenizer_digest(tokenizer)} image_token:{image_token_id} {length_rule(max_length, truncation)}"
     )
 
 

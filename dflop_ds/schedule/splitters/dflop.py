@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from dflop_ds.schedule import partition as partitioner
+from dflop_ds.schedule.lpt import MicrobatchCost
 from dflop_ds.schedule.ranks import assign_to_ranks, lockstep_order
 from dflop_ds.schedule.splitters.base import SplitRequest, SplitResult, register_splitter
 
@@ -61,13 +62,7 @@ class DFLOPSplitter:
         ``microbatch_memory`` go to :func:`~dflop_ds.schedule.partition.partition_batch`: no
         microbatch's summed memory above the cap.
         """
-        cost_matrix = request.costs
-        microbatch_cost = request.microbatch_cost
-        if self.lockstep:
-            cost_matrix = cost_matrix.sum(axis=1, keepdims=True)
-            if microbatch_cost is not None:
-                columns = microbatch_cost
-                microbatch_cost = lambda positions: np.atleast_1d(np.asarray(columns(positions), dtype=float).sum())  # noqa: E731
+        cost_matrix, microbatch_cost = self._costs(request)
         lengths = None if request.lengths is None else np.asarray(request.lengths, float)
         partition, solver = _partition_or_fallback(
             cost_matrix,
@@ -82,8 +77,30 @@ class DFLOPSplitter:
             allow_oversize=allow_oversize,
             microbatch_memory=microbatch_memory,
         )
+        return self._onto_ranks(request, partition, solver)
+
+    def split_buckets(self, request: SplitRequest, buckets: list[list[int]], solver: str) -> SplitResult:
+        """``request``'s batch split into the given ``n_mb * dp`` microbatches (lists of batch rows),
+        assigned and ordered onto ranks as :meth:`split` does."""
+        cost_matrix, microbatch_cost = self._costs(request)
+        partition = partitioner.partition_from_buckets(cost_matrix, buckets, solver, microbatch_cost)
+        return self._onto_ranks(request, partition, solver)
+
+    def _costs(self, request: SplitRequest) -> tuple[np.ndarray, MicrobatchCost | None]:
+        """The cost matrix and microbatch cost the partitioner balances (summed columns in lockstep)."""
+        cost_matrix = request.costs
+        microbatch_cost = request.microbatch_cost
+        if self.lockstep:
+            cost_matrix = cost_matrix.sum(axis=1, keepdims=True)
+            if microbatch_cost is not None:
+                columns = microbatch_cost
+                microbatch_cost = lambda positions: np.atleast_1d(np.asarray(columns(positions), dtype=float).sum())  # noqa: E731
+        return cost_matrix, microbatch_cost
+
+    def _onto_ranks(self, request: SplitRequest, partition: Any, solver: str) -> SplitResult:
+        """Assign ``partition``'s microbatches to ranks and order them (costs as the partitioner measured them)."""
         assign = lockstep_order if self.lockstep else assign_to_ranks
-        order = assign(partition.bucket_costs, request.dp, request.n_mb)  # costs as the partitioner measured them
+        order = assign(partition.bucket_costs, request.dp, request.n_mb)
         local = [[list(partition.buckets[b]) for b in rank] for rank in order]
         predicted = partition.bucket_costs[np.asarray(order)]
         return request.result(local, solver, predicted, float(partition.lower_bound))
