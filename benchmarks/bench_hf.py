@@ -41,8 +41,9 @@ QWEN_MAX_PIXELS, QWEN_VIDEO_SHARE = 64 * 64, 3
 
 def prepare(out: Path, records: int, family: str) -> dict[str, Path]:
     """The model directory, data file, media folders and cost model of ``family`` (made once, then reused)."""
-    from dflop_ds.testing.hf_tiny import build_tiny_llava, build_tiny_qwen2_vl
+    from dflop_ds.testing.hf_tiny import build_tiny_llava
     from dflop_ds.testing.llava_data import write_llava_dataset
+    from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl
     from dflop_ds.testing.video import add_video_records
 
     root = out if family == "llava" else out / family

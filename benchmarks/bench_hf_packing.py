@@ -25,11 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_packed_attention import median_ms  # noqa: E402
 from dflop_ds.models.hf.check import random_image  # noqa: E402
 from dflop_ds.models.hf.llava import llava_layers, load_llava  # noqa: E402
+from dflop_ds.models.hf.llava_synthetic import contract_microbatch  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl_synthetic import IMAGE_MARK, Qwen2VLInputs  # noqa: E402
-from dflop_ds.models.hf.synthetic import contract_microbatch  # noqa: E402
 from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
-from dflop_ds.testing.hf_tiny import build_tiny_llava, build_tiny_qwen2_vl  # noqa: E402
+from dflop_ds.testing.hf_tiny import build_tiny_llava  # noqa: E402
+from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl  # noqa: E402
 
 #: words of each sample's answer (text lengths of a mixed microbatch); samples 0 and 3 carry an image
 ANSWER_WORDS = [10, 20, 40, 75, 130, 30, 15, 55]

@@ -428,7 +428,7 @@ def padded_path_fails(model: Any, family: Any, path: Path, device: Any) -> str |
     implementation here, or None when it trains: an implementation HF cannot train with here is
     skipped; one that HF trains with and the layer lists do not is a failure."""
     from dflop_ds.models.hf.check import synthetic_batches
-    from dflop_ds.models.hf.synthetic import hf_labels
+    from dflop_ds.models.hf.llava_synthetic import hf_labels
     from dflop_ds.train.device import move_to
 
     samples = synthetic_batches(0, family.image_mark)[0][1]
@@ -458,8 +458,9 @@ def compare_attention_paths(ctx: Context, entry: dict) -> bool:
     """Part b's body: every family, every attention implementation (see :func:`part_packed`)."""
     import torch
 
-    from dflop_ds.models.hf.check import model_family
-    from dflop_ds.testing.hf_tiny import build_tiny_llava, build_tiny_qwen2_vl
+    from dflop_ds.models.hf.registry import family_of
+    from dflop_ds.testing.hf_tiny import build_tiny_llava
+    from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl
 
     builders = {"llava": lambda d: build_tiny_llava(d, vision="clip", text="llama"), "qwen2_vl": build_tiny_qwen2_vl}
     budget = ctx.sizes.budgets["packed"]
@@ -468,7 +469,7 @@ def compare_attention_paths(ctx: Context, entry: dict) -> bool:
     worst = 0.0
     for name, build in builders.items():
         path = build(ctx.work / f"tiny_{name}")
-        family = model_family(path)
+        family = family_of(path).check_parts()
         results: dict[str, Any] = {}
         entry[name] = results
         for impl in ATTENTION:

@@ -21,7 +21,7 @@ from dflop_ds.cost import (  # noqa: E402
     save_cost_model,
 )
 from dflop_ds.data import DataError, read_dataset  # noqa: E402
-from dflop_ds.models.hf.data import (  # noqa: E402
+from dflop_ds.models.hf.llava_data import (  # noqa: E402
     LlavaDataset,
     LlavaPreprocessor,
     collate_llava,

@@ -15,11 +15,12 @@ pytest.importorskip("transformers")
 from ds_runs import run_pipeline_variants  # noqa: E402
 from hf_stage_checks import assert_packed_matches_padded, assert_stages_match_hf  # noqa: E402
 
-from dflop_ds.models.hf.check import processor_image_tokens, random_image, run_stages  # noqa: E402
+from dflop_ds.models.hf.check import random_image, run_stages  # noqa: E402
 from dflop_ds.models.hf.common import run_layers  # noqa: E402
 from dflop_ds.models.hf.llava import TIED_EMBEDDING_KEY, check_llava_config, llava_layers, load_llava  # noqa: E402
+from dflop_ds.models.hf.llava_processor import processor_image_tokens  # noqa: E402
+from dflop_ds.models.hf.llava_synthetic import contract_microbatch, hf_forward  # noqa: E402
 from dflop_ds.models.hf.packed import PACKED_ATTENTION, packed_attention, segment_attention  # noqa: E402
-from dflop_ds.models.hf.synthetic import contract_microbatch, hf_forward  # noqa: E402
 from dflop_ds.pipe import plan_stage_bounds, token_loss_sum, token_normalized_loss  # noqa: E402
 from dflop_ds.testing.hf_tiny import TOKENS_PER_IMAGE, build_tiny_llava  # noqa: E402
 

@@ -19,7 +19,7 @@ from dflop_ds.models.hf.common import run_layers  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, mrope_position_ids, qwen2_vl_layers  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl_synthetic import IMAGE_MARK, Qwen2VLInputs, qwen2_vl_hf_forward, qwen2_vl_hf_positions  # noqa: E402
 from dflop_ds.pipe import token_normalized_loss  # noqa: E402
-from dflop_ds.testing.hf_tiny import build_tiny_qwen2_vl  # noqa: E402
+from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 from dflop_ds.data import DataError, read_dataset  # noqa: E402
-from dflop_ds.models.hf.data import load_llava_records  # noqa: E402
+from dflop_ds.models.hf.llava_data import load_llava_records  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl_data import (  # noqa: E402
     Qwen2VLDataset,
@@ -23,8 +23,8 @@ from dflop_ds.models.hf.qwen2_vl_data import (  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl_synthetic import qwen2_vl_hf_forward  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
 from dflop_ds.pipe import token_normalized_loss  # noqa: E402
-from dflop_ds.testing.hf_tiny import build_tiny_qwen2_vl  # noqa: E402
 from dflop_ds.testing.llava_data import write_llava_dataset  # noqa: E402
+from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -25,7 +25,7 @@ from dflop_ds.data.video import (  # noqa: E402
 )
 from dflop_ds.models.hf.check import random_frames, random_image  # noqa: E402
 from dflop_ds.models.hf.common import run_layers  # noqa: E402
-from dflop_ds.models.hf.data import load_llava_records  # noqa: E402
+from dflop_ds.models.hf.llava_data import load_llava_records  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor, collate_qwen2_vl  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl_synthetic import (  # noqa: E402
@@ -36,8 +36,8 @@ from dflop_ds.models.hf.qwen2_vl_synthetic import (  # noqa: E402
     qwen2_vl_hf_positions,
 )
 from dflop_ds.pipe import token_normalized_loss  # noqa: E402
-from dflop_ds.testing.hf_tiny import build_tiny_qwen2_vl  # noqa: E402
 from dflop_ds.testing.llava_data import write_llava_dataset  # noqa: E402
+from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl  # noqa: E402
 from dflop_ds.testing.video import add_video_records, write_video  # noqa: E402
 
 torch.set_num_threads(1)

@@ -16,10 +16,10 @@ pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
 from dflop_ds.data import DataError, read_dataset, validate_dataset  # noqa: E402
-from dflop_ds.models.hf.data import LlavaDataset, LlavaPreprocessor, collate_llava, load_llava_records  # noqa: E402
+from dflop_ds.models.hf.llava_data import LlavaDataset, LlavaPreprocessor, collate_llava, load_llava_records  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor, collate_qwen2_vl  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
-from dflop_ds.testing import hf_tiny  # noqa: E402
+from dflop_ds.testing import hf_tiny, qwen2_vl_tiny  # noqa: E402
 from dflop_ds.testing.video import write_video  # noqa: E402
 
 IGNORE = -100
@@ -50,7 +50,7 @@ def llava(tmp_path_factory: pytest.TempPathFactory) -> LlavaPreprocessor:
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> Qwen2VLPreprocessor:
-    folder = hf_tiny.build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny_qwen2_vl"))
+    folder = qwen2_vl_tiny.build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny_qwen2_vl"))
     return Qwen2VLPreprocessor.from_pretrained(folder, video_fps=2.0, video_max_frames=6)
 
 

@@ -96,14 +96,15 @@ def test_hf_llava_lora_on_zero2_with_the_stock_sampler_trains_adapters_and_saves
 
 
 def _tiny_model(family: str, folder: Path) -> Path:
-    from dflop_ds.testing.hf_tiny import build_tiny_llava, build_tiny_qwen2_vl
+    from dflop_ds.testing.hf_tiny import build_tiny_llava
+    from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl
 
     return build_tiny_llava(folder, vision="clip", text="llama") if family == "llava" else build_tiny_qwen2_vl(folder)
 
 
 def _hf_forward(family: str):
+    from dflop_ds.models.hf.llava_synthetic import hf_forward
     from dflop_ds.models.hf.qwen2_vl_synthetic import qwen2_vl_hf_forward
-    from dflop_ds.models.hf.synthetic import hf_forward
 
     return hf_forward if family == "llava" else qwen2_vl_hf_forward
 
@@ -175,8 +176,8 @@ def test_hf_qwen2_vl_trains_on_two_ranks(tmp_path, config, family, train):
     """A tiny Qwen2-VL directory (no processor class) on LLaVA JSON with real image files of varied sizes."""
     from transformers import AutoModelForImageTextToText
 
-    from dflop_ds.testing.hf_tiny import build_tiny_qwen2_vl
     from dflop_ds.testing.llava_data import write_llava_dataset
+    from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl
 
     model = build_tiny_qwen2_vl(tmp_path / "model", family=family)
     data, images = write_llava_dataset(tmp_path / "data", 40, seed=4)

@@ -9,7 +9,7 @@ from typing import Any
 from dflop_ds.data import DataError, read_dataset
 from dflop_ds.data.errors import PathArg
 from dflop_ds.data.media import media_folder
-from dflop_ds.models.hf.data import LlavaPreprocessor
+from dflop_ds.models.hf.llava_data import LlavaPreprocessor
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
 from dflop_ds.shapes import SampleShape
 

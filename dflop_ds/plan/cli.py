@@ -57,9 +57,14 @@ def _summary(tag: str, plan: Plan) -> str:
 
 def hf_model_has_tp_plan(model_name_or_path: str) -> bool:
     """Whether the HuggingFace model saved at ``model_name_or_path`` declares a tensor-parallel plan
-    for its language model (what DeepSpeed AutoTP shards; read from its config, no weights loaded)."""
+    for its language model (what DeepSpeed AutoTP shards; read from its config, no weights loaded)
+    and its model family runs under AutoTP (:attr:`~dflop_ds.models.hf.registry.ModelFamily.tensor_parallel`)."""
     from transformers import AutoConfig
 
+    from dflop_ds.models.hf.registry import family_of
+
+    if not family_of(model_name_or_path).tensor_parallel:
+        return False
     config = AutoConfig.from_pretrained(model_name_or_path)
     plans = (getattr(c, "base_model_tp_plan", None) for c in (config, config.get_text_config()))
     return any(bool(plan) for plan in plans)

@@ -1,8 +1,8 @@
 """``dflop-ds check-model``: do the pipeline layer lists compute what the HF model computes?
 
-Loads a ``save_pretrained`` directory (model + processor), picks the model family's adapter by
-``config.model_type`` (:data:`FAMILIES`: LLaVA, Qwen2-VL), splits the layer lists into stages
-with :func:`dflop_ds.pipe.stage_bounds.plan_stage_bounds` (what ``MLLMPipelineModule`` uses), and runs a
+Loads a ``save_pretrained`` directory (model + processor), takes its family's :class:`CheckParts`
+by ``config.model_type`` (:func:`~dflop_ds.models.hf.registry.family_of`), splits the layer lists
+into stages with :func:`dflop_ds.pipe.stage_bounds.plan_stage_bounds` (what ``MLLMPipelineModule`` uses), and runs a
 few synthetic microbatches (an image inside the prompt, several images, text-only rows and a
 microbatch without any image, rows of different lengths) stage by stage, checking every
 boundary as the pipeline engine would (floats before ints, every float received is used). The
@@ -16,19 +16,17 @@ tokens.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from dflop_ds.models.hf.check_parts import CheckParts
 from dflop_ds.models.hf.common import check_boundary
 from dflop_ds.models.hf.folder import check_model_folder
-from dflop_ds.models.hf.llava import llava_layers, load_llava
-from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers, tower_grid
-from dflop_ds.models.hf.qwen2_vl_synthetic import IMAGE_MARK, VIDEO_MARK, Qwen2VLInputs, qwen2_vl_hf_kwargs
-from dflop_ds.models.hf.synthetic import contract_microbatch, hf_labels, hf_model_kwargs
+from dflop_ds.models.hf.llava_synthetic import hf_labels
+from dflop_ds.models.hf.registry import family_of
 from dflop_ds.pipe.loss import token_normalized_loss
 from dflop_ds.pipe.stage_bounds import plan_stage_bounds
 
@@ -58,59 +56,6 @@ WORDS = (
 )
 
 
-def load_processor(model_dir: Path, config: Any) -> Any:
-    """The directory's ``AutoProcessor``; failing that, a ``LlavaProcessor`` from its tokenizer and
-    image processor. Checks that an image expands to as many tokens as the model makes features."""
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, LlavaProcessor
-
-    try:
-        processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
-        if not hasattr(processor, "image_processor"):
-            raise ValueError("not a multimodal processor")
-    except (OSError, ValueError, TypeError, KeyError) as first:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-            image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise ValueError(
-                f"{model_dir}: no processor ({first}) and no tokenizer + image processor to build one from ({exc})"
-            ) from exc
-        processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer)
-    # a processor saved without these would not expand <image> to the model's feature count
-    cls_token = 1 if config.vision_config.model_type == "clip_vision_model" else 0
-    for name, value in (
-        ("patch_size", config.vision_config.patch_size),
-        ("vision_feature_select_strategy", config.vision_feature_select_strategy),
-        ("num_additional_image_tokens", cls_token),
-    ):
-        if getattr(processor, name, None) is None:
-            setattr(processor, name, value)
-    expected = image_features_per_image(config)
-    got = getattr(processor, "image_seq_length", None) or processor_image_tokens(processor, config)
-    if got != expected:
-        raise ValueError(
-            f"{model_dir}: the processor expands an image to {got} tokens but the model makes {expected} "
-            "features per image (patch size, image size or select strategy disagree)"
-        )
-    return processor
-
-
-def image_features_per_image(config: Any) -> int:
-    """Features one image gives: patches, plus CLIP's CLS token unless the "default" strategy drops it."""
-    vision = config.vision_config
-    patches = (int(vision.image_size) // int(vision.patch_size)) ** 2
-    cls_token = 1 if vision.model_type == "clip_vision_model" else 0
-    return patches + cls_token - (1 if config.vision_feature_select_strategy == "default" else 0)
-
-
-def processor_image_tokens(processor: Any, config: Any) -> int:
-    """Image tokens the processor writes for one image."""
-    from PIL import Image
-
-    encoded = processor(images=[Image.new("RGB", (20, 20))], text=["<image>"], return_tensors="pt")
-    return int((encoded["input_ids"] == config.image_token_id).sum())
-
-
 def random_image(rng: random.Random) -> Any:
     """A random RGB image of random size (the processor resizes it)."""
     from PIL import Image
@@ -128,11 +73,6 @@ def random_frames(rng: random.Random, count: int) -> list:
         Image.frombytes("RGB", (width, height), bytes(rng.getrandbits(8) for _ in range(width * height * 3)))
         for _ in range(count)
     ]
-
-
-def no_batches(seed: int, config: Any) -> list[tuple[str, list]]:
-    """No microbatches beyond :func:`synthetic_batches` (families without videos)."""
-    return []
 
 
 def synthetic_batches(seed: int, image_mark: str = "<image>") -> list[tuple[str, list]]:
@@ -192,110 +132,7 @@ def run_stages(layers: list, bounds: list[int], inputs: tuple) -> tuple[torch.Te
     return x, outputs
 
 
-class MicrobatchBuilder(Protocol):
-    """Builds one contract microbatch ``(inputs, labels)`` of synthetic samples, right-padded or packed."""
-
-    def __call__(self, samples: Sequence[Any], *, packed: bool = False) -> tuple: ...
-
-
-@dataclass(frozen=True)
-class Family:
-    """What check-model needs of a model family: load the model, its layer lists, a microbatch
-    builder from the directory (``(model_dir, config) ->`` :class:`MicrobatchBuilder`), how a
-    prompt marks an image, the HF model's keyword arguments of a microbatch, and the HF vision
-    tower's hidden states (``hidden_states[j]`` after encoder entry ``j``; ``None`` without images);
-    ``extra_batches(seed, config)``: the family's own microbatches (videos) besides :func:`synthetic_batches`."""
-
-    load: Callable[[Path], Any]
-    layers: Callable[[Any], tuple[list, Any, list]]
-    microbatches: Callable[[Path, Any], MicrobatchBuilder]
-    image_mark: str
-    hf_kwargs: Callable[[Any, tuple], dict]
-    vision_states: Callable[[Any, tuple], Any]
-    extra_batches: Callable[[int, Any], list[tuple[str, list]]] = no_batches
-
-
-def _llava_family() -> Family:
-    def microbatches(path: Path, config: Any) -> MicrobatchBuilder:
-        processor = load_processor(path, config)
-
-        def build(samples: Sequence[Any], *, packed: bool = False) -> tuple:
-            return contract_microbatch(processor, samples, packed=packed)
-
-        return build
-
-    def vision_states(model: Any, inputs: tuple) -> Any:
-        pixel_values = inputs[0]
-        if not pixel_values.shape[0]:
-            return None
-        return model.model.vision_tower(pixel_values, output_hidden_states=True).hidden_states
-
-    return Family(
-        load_llava, llava_layers, microbatches, "<image>", lambda model, inputs: hf_model_kwargs(inputs), vision_states
-    )
-
-
-def _qwen2_vl_family() -> Family:
-    def microbatches(path: Path, config: Any) -> MicrobatchBuilder:
-        return Qwen2VLInputs.from_dir(path, config).microbatch
-
-    def vision_states(model: Any, inputs: tuple) -> Any:
-        pixel_values, _, _, image_grid, video_grid = inputs
-        grid = tower_grid(image_grid, video_grid)
-        if not grid.shape[0]:
-            return None
-        return model.model.visual(pixel_values, grid_thw=grid, output_hidden_states=True).hidden_states
-
-    def video_batches(seed: int, config: Any) -> list[tuple[str, list]]:
-        if config.model_type != "qwen2_vl":  # Qwen2.5-VL's videos are not supported yet
-            return []
-        rng = random.Random(seed + 1)
-        return [
-            (
-                "video + image row + text-only row",
-                [
-                    (f"USER: {VIDEO_MARK} what happens? ASSISTANT:", "a car drives", [], random_frames(rng, 4)),
-                    (f"USER: {IMAGE_MARK} and this? ASSISTANT:", "a tree", [random_image(rng)]),
-                    ("USER: hello ASSISTANT:", "hi there", []),
-                ],
-            )
-        ]
-
-    return Family(
-        load_qwen2_vl,
-        qwen2_vl_layers,
-        microbatches,
-        IMAGE_MARK,
-        lambda model, inputs: qwen2_vl_hf_kwargs(inputs, model.config),
-        vision_states,
-        video_batches,
-    )
-
-
-#: ``config.model_type`` -> the family's check-model parts (built on first use: they import transformers)
-FAMILIES: dict[str, Callable[[], Family]] = {
-    "llava": _llava_family,
-    "qwen2_vl": _qwen2_vl_family,
-    "qwen2_5_vl": _qwen2_vl_family,
-}
-
-
-def model_family(model_dir: Path) -> Family:
-    """The :class:`Family` of a ``save_pretrained`` directory, by its ``config.model_type``."""
-    from transformers import AutoConfig
-
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir}: no config.json (expected a save_pretrained model directory)")
-    model_type = getattr(AutoConfig.from_pretrained(model_dir, local_files_only=True), "model_type", None)
-    if model_type not in FAMILIES:
-        raise ValueError(
-            f"{model_dir}: model type {model_type!r} is not supported by check-model "
-            f"(supported: {', '.join(repr(name) for name in FAMILIES)})"
-        )
-    return FAMILIES[model_type]()
-
-
-def hf_boundaries(model: Any, family: Family, inputs: tuple, n_vision: int) -> dict[int, torch.Tensor]:
+def hf_boundaries(model: Any, family: CheckParts, inputs: tuple, n_vision: int) -> dict[int, torch.Tensor]:
     """HF's activations after flat layer ``j``: vision ``hidden_states[j]`` for the encoder entries,
     the language model's ``hidden_states[i]`` after the projector (i = 0) and decoder layer i - 1
     (the last decoder layer is left out: HF normalizes it in place)."""
@@ -376,7 +213,7 @@ def check_model(model_dir: str | Path, *, stages: int = 1, tolerance: float = 1e
     from dflop_ds.pipe.module import layer_name
 
     path = Path(model_dir)
-    family = model_family(path)  # an unsupported model type is named first
+    family = family_of(path).check_parts()  # an unsupported model type is named first
     check_model_folder(path)
     torch.manual_seed(seed)
     model = family.load(path).eval()  # eval: no dropout, so both paths are deterministic
@@ -410,16 +247,12 @@ def check_model(model_dir: str | Path, *, stages: int = 1, tolerance: float = 1e
 
 
 __all__ = [
-    "FAMILIES",
     "CheckReport",
-    "Family",
-    "MicrobatchBuilder",
     "check_model",
     "hf_boundaries",
-    "image_features_per_image",
-    "load_processor",
-    "model_family",
     "packed_errors",
+    "random_frames",
+    "random_image",
     "run_stages",
     "synthetic_batches",
 ]

@@ -15,7 +15,7 @@ format, so that the shapes the sampler sees and the tensors the dataset makes ag
   ``<|vision_start|>`` + the image's ``<|image_pad|>`` tokens + ``<|vision_end|>``; an image gives
   as many tokens as its own size allows (:class:`SmartResize`, the image processor's rule
   under ``min_pixels``/``max_pixels``). Placeholders are matched to images as for LLaVA
-  (:class:`~dflop_ds.models.hf.data.LlavaPreprocessor`: missing ones are prepended).
+  (:class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor`: missing ones are prepended).
 * **Videos** (LLaVA-Video records: ``"video"``: a path under the video folder): frames are
   sampled at ``video_fps`` frames per second of video, at least 4 and at most
   ``video_max_frames``, their count rounded down to the temporal patch size (2), as Qwen2-VL's
@@ -54,7 +54,8 @@ from dflop_ds.data.video import (
     sample_frame_indices,
     sampled_frame_count,
 )
-from dflop_ds.models.hf.data import (
+from dflop_ds.models.hf.folder import check_model_folder
+from dflop_ds.models.hf.llava_data import (
     NO_LIMIT,
     TRUNCATION,
     USER_ROLES,
@@ -66,7 +67,6 @@ from dflop_ds.models.hf.data import (
     counting_identity,
     text_ids,
 )
-from dflop_ds.models.hf.folder import check_model_folder
 from dflop_ds.models.hf.qwen2_vl_synthetic import Qwen2VLInputs
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
@@ -184,7 +184,7 @@ class Qwen2VLPreprocessor:
         system: the system message; name: the policy's name in messages.
         video_fps, video_max_frames: how videos are sampled (:class:`VideoFrames`).
         max_length, truncation: the length rule, as for
-            :class:`~dflop_ds.models.hf.data.LlavaPreprocessor` (visual tokens included).
+            :class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor` (visual tokens included).
     """
 
     def __init__(
@@ -361,7 +361,7 @@ class Qwen2VLItem(LlavaItem):
 
 class Qwen2VLDataset(LlavaDataset):
     """The samples of ``shapes`` (made under ``preprocessor.policy()``) as Qwen2-VL contract tensors
-    (arguments as :class:`~dflop_ds.models.hf.data.LlavaDataset`)."""
+    (arguments as :class:`~dflop_ds.models.hf.llava_data.LlavaDataset`)."""
 
     preprocessor: Qwen2VLPreprocessor  # type: ignore[assignment]
     supports_video = True
@@ -442,7 +442,7 @@ class Qwen2VLDataset(LlavaDataset):
 def collate_qwen2_vl(items: Sequence[Qwen2VLItem], packed: bool = False):
     """One microbatch ``((pixel_values, input_ids, seq_lens, image_grid_thw, video_grid_thw), (targets,
     loss_denominator))``: ``pixel_values`` holds every image's patches, then every video's, samples in
-    order (padding or packing, ``packed``, and denominator as :func:`~dflop_ds.models.hf.data.collate_llava`;
+    order (padding or packing, ``packed``, and denominator as :func:`~dflop_ds.models.hf.llava_data.collate_llava`;
     the projector computes each sample's M-RoPE positions)."""
     (pixel_values, input_ids, seq_lens), labels = collate_llava(items, packed)
     videos = [item.pixel_values_videos for item in items if item.pixel_values_videos is not None]

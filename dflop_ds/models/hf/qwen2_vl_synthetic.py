@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dflop_ds.models.hf.common import padding_mask
-from dflop_ds.models.hf.synthetic import Sample, append_answer, hf_labels, pad_token_id, stack_rows
+from dflop_ds.models.hf.llava_synthetic import Sample, append_answer, hf_labels, pad_token_id, stack_rows
 
 #: how a prompt marks an image (Qwen2-VL's chat template)
 IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -1,6 +1,6 @@
-"""A HuggingFace ``save_pretrained`` directory as a training-loop :class:`ModelSource`: LLaVA
-here, the Qwen2-VL family in :mod:`~dflop_ds.models.hf.qwen2_vl_source`, both through
-:func:`~dflop_ds.models.hf.family.family_source`."""
+"""A HuggingFace ``save_pretrained`` directory as a training-loop :class:`ModelSource`, built from
+its family's training pieces (:func:`~dflop_ds.models.hf.registry.family_of`,
+:func:`~dflop_ds.models.hf.training.training_source`)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
-from dflop_ds.models.hf.common import model_type
-from dflop_ds.models.hf.data import LlavaDataset, collate_llava, collate_packed_llava
-from dflop_ds.models.hf.family import HFFamily, family_source
-from dflop_ds.models.hf.llava import llava_layers, load_llava
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
-from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES
-from dflop_ds.models.hf.qwen2_vl_source import qwen2_vl_source
+from dflop_ds.models.hf.registry import family_of
+from dflop_ds.models.hf.training import training_source
 from dflop_ds.models.source import ModelSource
 
 
@@ -29,9 +25,7 @@ def hf_source(
     video_fps: float = DEFAULT_VIDEO_FPS,
     video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
 ) -> ModelSource:
-    """The model, processor and data pipeline of a HuggingFace directory for the training loop:
-    a ``LlavaForConditionalGeneration`` here, the Qwen2-VL family through
-    :func:`~dflop_ds.models.hf.qwen2_vl_source.qwen2_vl_source`.
+    """The model, processor and data pipeline of a HuggingFace directory for the training loop.
 
     Args:
         model_dir: a ``save_pretrained`` directory of the model with its processor.
@@ -39,28 +33,19 @@ def hf_source(
             file's folder).
         lora: LoRA settings for the language model (see :func:`dflop_ds.models.hf.lora.apply_lora`);
             None trains all weights.
-        max_length, truncation: sequence-length rule of the tokenization
-            (:class:`~dflop_ds.models.hf.data.LlavaPreprocessor`).
+        max_length, truncation: sequence-length rule of the tokenization.
         video_folder: folder the records' video paths are relative to (default: the data file's
-            folder); LLaVA models refuse videos.
-        video_fps, video_max_frames: how a Qwen2-VL model samples video frames
-            (:class:`~dflop_ds.models.hf.qwen2_vl_data.VideoFrames`).
+            folder); families without videos refuse them.
+        video_fps, video_max_frames: how a family that takes videos samples their frames.
     """
     preprocessor = hf_preprocessor(
         model_dir, max_length=max_length, truncation=truncation, video_fps=video_fps, video_max_frames=video_max_frames
     )
-    if model_type(model_dir) in MODEL_CLASSES:  # the Qwen2-VL family has its own preprocessor
-        return qwen2_vl_source(model_dir, preprocessor, image_folder=image_folder, lora=lora, video_folder=video_folder)
-    family = HFFamily(
-        load_llava,
-        llava_layers,
-        "multi_modal_projector",
-        LlavaDataset,
-        collate_llava,
-        lambda pre, directory: pre.processor.save_pretrained(directory),
-        tile_pixels=lambda item: item.pixel_values,  # one tile per image
-        packed_collate=collate_packed_llava,
-    )
-    return family_source(
-        model_dir, family, preprocessor, image_folder=image_folder, lora=lora, video_folder=video_folder
+    return training_source(
+        model_dir,
+        family_of(model_dir).training(),
+        preprocessor,
+        image_folder=image_folder,
+        lora=lora,
+        video_folder=video_folder,
     )

@@ -1,5 +1,6 @@
-"""What the training loop needs of any HuggingFace model family, and the :class:`ModelSource`
-built from it (:func:`family_source`); each family's file only names its own pieces.
+"""What the training loop needs of a HuggingFace model family (:class:`TrainingParts`, one
+field of its :class:`~dflop_ds.models.hf.registry.ModelFamily`), and the :class:`ModelSource`
+built from it (:func:`training_source`); each family's file only names its own pieces.
 
 The layer lists share their modules with the HF model, so training them trains the HF model,
 and :meth:`ModelSource.save_pretrained` writes it back in HF's own format (after the loop has
@@ -17,7 +18,7 @@ import torch
 
 from dflop_ds.data import read_dataset
 from dflop_ds.data.media import media_folder
-from dflop_ds.models.hf.data import load_llava_records, supervised_targets
+from dflop_ds.models.hf.llava_data import load_llava_records, supervised_targets
 from dflop_ds.models.hf.lora import apply_lora
 from dflop_ds.models.source import ModelSource
 
@@ -46,8 +47,8 @@ def load_flat_state(layers: list, state: Mapping[str, torch.Tensor]) -> None:
 
 
 @dataclass(frozen=True)
-class HFFamily:
-    """What differs between HF model families for training: how to load the model and cut it into
+class TrainingParts:
+    """The training pieces of one HF model family: how to load the model and cut it into
     layer lists, which module LoRA runs still train in full (the projector), the dataset class and
     the padded and packed collates of its microbatch contract, how its processor is written back, and
     a dataset item's encoder tiles for a colocated encoder (None: the family cannot dispatch them)."""
@@ -62,29 +63,29 @@ class HFFamily:
     packed_collate: Callable | None = None
 
 
-def family_source(
+def training_source(
     model_dir: str,
-    family: HFFamily,
+    parts: TrainingParts,
     preprocessor: Any,
     *,
     image_folder: str | None = None,
     lora: Mapping[str, Any] | None = None,
     video_folder: str | None = None,
 ) -> ModelSource:
-    """The training-loop source of ``model_dir`` for a model ``family`` with its ``preprocessor``
+    """The training-loop source of ``model_dir`` for a model family's training ``parts`` with its ``preprocessor``
     (tokenization template, image processing, shape policy); media paths are relative to
     ``image_folder`` / ``video_folder`` (default: the data file's folder)."""
 
     def build() -> tuple[Any, Any]:
         """A fresh copy of the model (with its LoRA adapters) and its PeftModel, if any."""
-        built = family.load(model_dir)
+        built = parts.load(model_dir)
         if lora is None:
             return built, None
-        return built, apply_lora(built, lora, keep_trainable=family.projector_name)
+        return built, apply_lora(built, lora, keep_trainable=parts.projector_name)
 
     model, _ = build()
     policy = preprocessor.policy()
-    encoder, projector, llm = family.layers(model)
+    encoder, projector, llm = parts.layers(model)
 
     def read_shapes(path: str, on_bad_sample: str):
         return read_dataset(
@@ -96,7 +97,7 @@ def family_source(
         )
 
     def make_dataset(shapes, path: str, on_bad_sample: str = "error"):
-        return family.dataset(
+        return parts.dataset(
             list(shapes),
             load_llava_records(path),
             preprocessor,
@@ -109,11 +110,11 @@ def family_source(
     def save_pretrained(directory: str, state: Mapping[str, torch.Tensor]) -> None:
         # into a fresh copy: the training copy's parameters may be ZeRO-3 partitions
         fresh, peft_model = build()
-        fresh_encoder, fresh_projector, fresh_llm = family.layers(fresh)
+        fresh_encoder, fresh_projector, fresh_llm = parts.layers(fresh)
         load_flat_state([*fresh_encoder, fresh_projector, *fresh_llm], state)
         final = peft_model.merge_and_unload() if peft_model is not None else fresh
         final.save_pretrained(directory)
-        family.save_processor(preprocessor, directory)
+        parts.save_processor(preprocessor, directory)
 
     return ModelSource(
         f"{model.config.model_type}:{Path(model_dir).name}",
@@ -123,11 +124,11 @@ def family_source(
         policy,
         read_shapes,
         make_dataset,
-        family.collate,
+        parts.collate,
         supervised_targets,
         save_pretrained=save_pretrained,
         hf_model=model,
-        tile_pixels=family.tile_pixels,
-        packed_collate=family.packed_collate,
+        tile_pixels=parts.tile_pixels,
+        packed_collate=parts.packed_collate,
         truncated_samples=lambda: int(preprocessor.truncated_samples),
     )

@@ -1,0 +1,590 @@
+"""LLaVA JSON records -> the HF LLaVA microbatch contract (docs: /work/notes/hf_contract.md).
+
+:class:`LlavaPreprocessor` wraps a model directory's ``LlavaProcessor`` (its image processor
+and tokenizer) and owns the one conversation format, so that the shapes the sampler sees and
+the tensors the dataset makes come from the same code and agree token for token:
+
+* **Template** (LLaVA-v1 / Vicuna style)::
+
+      <bos>{system} USER: {human turn} ASSISTANT: {gpt turn}<eos>USER: ... ASSISTANT: ...<eos>
+
+  Each piece is tokenized on its own (no special tokens added) and the pieces' ids are
+  concatenated; ``<bos>`` is there when the tokenizer has one. Supervised (labels): every
+  assistant answer and the ``<eos>`` after it. Roles: ``human``/``user`` and
+  ``gpt``/``assistant`` (any case); any other role is a bad record.
+* **Images**: each ``<image>`` placeholder in a human turn becomes ``image_seq_length`` copies of
+  the image token (as ``LlavaProcessor`` expands it), so the features go where the prompt put
+  them. A record with images but no placeholder gets ``<image>\\n`` per image prepended to its
+  first human turn (as LLaVA does); other mismatches are bad records.
+* **Length**: sequences longer than ``max_length`` (default: the tokenizer's
+  ``model_max_length``) are bad records (``truncation="error"``, the default) or cut at
+  ``max_length`` (``truncation="truncate"``, counted in ``truncated_samples``); a cut that
+  would drop image tokens is always a bad record.
+
+Only plain LLaVA (one tile per image) is supported; AnyRes processors (LLaVA-NeXT,
+LLaVA-OneVision) are refused. transformers and PIL are imported lazily.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from dflop_ds.data.errors import DataError, PathArg
+from dflop_ds.data.images import load_rgb
+from dflop_ds.data.media import record_image_paths
+from dflop_ds.data.records import BAD_SAMPLE_POLICIES, load_records
+from dflop_ds.models.data import IGNORE_INDEX, microbatch_denominator
+from dflop_ds.models.hf.folder import check_model_folder
+from dflop_ds.models.hf.llava_processor import load_processor
+from dflop_ds.models.packing import join_rows
+from dflop_ds.shapes import SampleShape, ShapePolicy, length_rule
+
+logger = logging.getLogger(__name__)
+
+TEMPLATE_NAME = "llava-v1"
+DEFAULT_SYSTEM = (
+    "A chat between a curious human and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the human's questions."
+)
+IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
+USER_ROLES = frozenset({"human", "user"})
+ASSISTANT_ROLES = frozenset({"gpt", "assistant"})
+TRUNCATION = ("error", "truncate")
+#: tokenizers without a real limit report a huge ``model_max_length``; above this it means none
+NO_LIMIT = 10**8
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One conversation as token ids; ``supervised[t]`` marks tokens the loss predicts."""
+
+    input_ids: list[int]
+    supervised: list[bool]
+    image_tokens: int
+    truncated: int = 0
+
+    @property
+    def label_count(self) -> int:
+        """Targets the sample gets: supervised tokens after position 0 (position 0 is never predicted)."""
+        return sum(self.supervised[1:])
+
+
+def _tokenizer_digest(tokenizer: Any) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def text_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` alone (no special tokens added; none for empty text)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def counting_identity(
+    template: str, system: str, tokenizer: Any, image_token_id: int, max_length: int | None, truncation: str
+) -> str:
+    """What fixes a preprocessor's token counts: its chat ``template``, ``system`` message (hashed),
+    tokenizer (class and contents), image token and length rule."""
+    digest = hashlib.sha256(system.encode("utf-8")).hexdigest()[:8]
+    return (
+        f"{template} system:{digest} tokenizer:{type(tokenizer).__name__}:"
+        f"{_tokenizer_digest(tokenizer)} image_token:{image_token_id} {length_rule(max_length, truncation)}"
+    )
+
+
+class LlavaPreprocessor:
+    """A LLaVA processor's image processor and tokenizer plus the conversation template.
+
+    Args:
+        processor: a ``transformers.LlavaProcessor``.
+        system: the system line of the template.
+        max_length: longest sequence, image tokens included (default: ``model_max_length``).
+        truncation: ``"error"`` (a longer sample is a bad record) or ``"truncate"``.
+        name: the policy's name in messages (e.g. the model directory's name).
+    """
+
+    def __init__(
+        self,
+        processor: Any,
+        *,
+        system: str = DEFAULT_SYSTEM,
+        max_length: int | None = None,
+        truncation: str = "error",
+        name: str = "llava",
+    ) -> None:
+        kind = type(processor).__name__
+        image_processor = getattr(processor, "image_processor", None)
+        if kind != "LlavaProcessor" or getattr(image_processor, "image_grid_pinpoints", None):
+            raise ValueError(
+                f"processor {kind} is not supported: only plain LLaVA (LlavaProcessor, one tile "
+                "per image); AnyRes processors (LLaVA-NeXT, LLaVA-OneVision) are out of scope"
+            )
+        if truncation not in TRUNCATION:
+            raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.image_processor: Any = image_processor  # the LlavaProcessor's, checked above
+        self.system = system
+        self.truncation = truncation
+        self.name = name
+        self.truncated_samples = 0
+        self.image_token_id = int(processor.image_token_id)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            raise ValueError(f"{name}: the tokenizer has no eos token to end assistant turns with")
+        self.bos_token_id = self.tokenizer.bos_token_id
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(self.eos_token_id if pad is None else pad)
+        limit = max_length if max_length is not None else self.tokenizer.model_max_length
+        self.max_length = None if limit is None or limit > NO_LIMIT else int(limit)
+        self.pixel_shape = tuple(self._process([_blank_image()]).shape[1:])
+        self.image_seq_length = self._tokens_per_image()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> LlavaPreprocessor:
+        """Load the processor of a ``save_pretrained`` directory (offline) and wrap it: its
+        ``AutoProcessor``, else one built from its tokenizer and image processor, with the image
+        token count checked against the model's config
+        (:func:`dflop_ds.models.hf.llava_processor.load_processor`)."""
+        from transformers import AutoConfig
+
+        check_model_folder(model_dir, weights=False)
+        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        processor = load_processor(Path(model_dir), config)
+        kwargs.setdefault("name", f"llava:{Path(model_dir).name}")
+        return cls(processor, **kwargs)
+
+    def _tokens_per_image(self) -> int:
+        patch = getattr(self.processor, "patch_size", None)
+        if not patch:
+            raise ValueError(
+                f"{self.name}: the processor has no patch_size, so the image tokens per image are "
+                "unknown (save the processor with patch_size and vision_feature_select_strategy)"
+            )
+        _, height, width = self.pixel_shape
+        tokens = (height // patch) * (width // patch) + int(getattr(self.processor, "num_additional_image_tokens", 0))
+        if getattr(self.processor, "vision_feature_select_strategy", None) == "default":
+            tokens -= 1
+        if tokens < 1:
+            raise ValueError(f"{self.name}: {tokens} image tokens per image for {height}x{width} pixels, patch {patch}")
+        return tokens
+
+    # -- text ---------------------------------------------------------------------------
+    def _ids(self, text: str) -> list[int]:
+        return text_ids(self.tokenizer, text)
+
+    def count_text(self, text: str) -> int:
+        """Tokens of ``text`` alone (for shape manifests that carry raw text)."""
+        return len(self._ids(text))
+
+    def _normalize(
+        self, turns: Sequence[tuple[str, str]], n_images: int, videos: bool = False
+    ) -> list[tuple[str, str]]:
+        """Turns with roles mapped to user/assistant and image placeholders matched to ``n_images``
+        (``<video>`` placeholders are refused unless ``videos``: a family that takes videos places them)."""
+        normalized, placeholders = [], 0
+        for i, (role, value) in enumerate(turns):
+            kind = "user" if role.lower() in USER_ROLES else "assistant" if role.lower() in ASSISTANT_ROLES else None
+            if kind is None:
+                raise ValueError(
+                    f"conversations[{i}].from: unknown role {role!r} (expected human/user or gpt/assistant, any case)"
+                )
+            if VIDEO_PLACEHOLDER in value and not videos:
+                raise ValueError(f"conversations[{i}].value: {VIDEO_PLACEHOLDER} is not supported by LLaVA models")
+            if IMAGE_PLACEHOLDER in value and kind == "assistant":
+                raise ValueError(f"conversations[{i}].value: {IMAGE_PLACEHOLDER} in an assistant turn")
+            placeholders += value.count(IMAGE_PLACEHOLDER)
+            normalized.append((kind, value))
+        if n_images and not placeholders:
+            first = next((i for i, (kind, _) in enumerate(normalized) if kind == "user"), None)
+            if first is None:
+                raise ValueError("conversations: the record has images but no human turn to put them in")
+            normalized[first] = ("user", f"{IMAGE_PLACEHOLDER}\n" * n_images + normalized[first][1])
+        elif placeholders != n_images:
+            raise ValueError(
+                f"conversations: {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) for {n_images} image(s) in 'image'"
+            )
+        return normalized
+
+    def encode(self, turns: Sequence[tuple[str, str]], n_images: int) -> Encoded:
+        """Token ids and supervision mask of a conversation of ``(role, value)`` turns with ``n_images`` images.
+
+        Raises:
+            ValueError: a bad role, placeholder mismatch or over-long sample, naming the field.
+        """
+        ids: list[int] = []
+        supervised: list[bool] = []
+
+        def add(tokens: list[int], label: bool) -> None:
+            ids.extend(tokens)
+            supervised.extend([label] * len(tokens))
+
+        if self.bos_token_id is not None:
+            add([int(self.bos_token_id)], False)
+        if self.system:
+            add(self._ids(self.system + " "), False)
+        for kind, value in self._normalize(turns, n_images):
+            if kind == "user":
+                for k, part in enumerate(f"USER: {value} ".split(IMAGE_PLACEHOLDER)):
+                    if k:
+                        add([self.image_token_id] * self.image_seq_length, False)
+                    add(self._ids(part), False)
+            else:
+                add(self._ids("ASSISTANT: "), False)
+                add(self._ids(value) + [int(self.eos_token_id)], True)
+        return self._fit(Encoded(ids, supervised, n_images * self.image_seq_length))
+
+    def _fit(self, encoded: Encoded) -> Encoded:
+        length = len(encoded.input_ids)
+        if self.max_length is None or length <= self.max_length:
+            return encoded
+        if self.truncation == "error":
+            raise ValueError(
+                f"conversations: {length} tokens (images expanded) exceed max_length {self.max_length}"
+                " (the tokenizer's model_max_length unless set): raise dflop.data.max_length, or set"
+                ' dflop.data.truncation = "truncate" to cut such samples (counted), or skip them with'
+                ' "on_bad_sample": "skip"'
+            )
+        kept = self._uncut_tokens()
+        last_image = max((t for t, token in enumerate(encoded.input_ids) if token in kept), default=-1)
+        if last_image >= self.max_length:
+            raise ValueError(
+                f"conversations: cutting {length} tokens at max_length {self.max_length} would drop "
+                "image tokens (or cut through an image's or video's tokens)"
+            )
+        keep = self.max_length
+        return Encoded(encoded.input_ids[:keep], encoded.supervised[:keep], encoded.image_tokens, length - keep)
+
+    def _uncut_tokens(self) -> set[int]:
+        """Tokens a truncation must keep whole: the image tokens."""
+        return {self.image_token_id}
+
+    def count(
+        self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int], video_tokens: int | None = None
+    ) -> tuple[int, int]:
+        """``(text_tokens, label_tokens)`` exactly as :meth:`encode` produces them for images of
+        ``image_tokens`` tokens each (every image has ``image_seq_length``; image tokens excluded).
+        A video is refused by the dataset, so ``video_tokens`` does not change the count."""
+        return self._counted(self.encode(turns, len(image_tokens)))
+
+    def _counted(self, encoded: Encoded) -> tuple[int, int]:
+        """``(text_tokens, label_tokens)`` of an encoded sample (visual tokens excluded); a truncated
+        one is counted in ``truncated_samples`` (and the first logged)."""
+        if encoded.truncated:
+            if not self.truncated_samples:
+                logger.warning(
+                    "%s: truncating samples longer than max_length %d (counted in truncated_samples)",
+                    self.name,
+                    self.max_length,
+                )
+            self.truncated_samples += 1
+        return len(encoded.input_ids) - encoded.image_tokens, encoded.label_count
+
+    # -- images -------------------------------------------------------------------------
+    def _process(self, images: list) -> torch.Tensor:
+        return self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+
+    def pixel_values(self, images: list) -> torch.Tensor:
+        """``[len(images), C, H, W]`` float pixel values (``[0, C, H, W]`` for no images)."""
+        if not images:
+            return torch.zeros((0, *self.pixel_shape), dtype=torch.float32)
+        return self._process(images).float()
+
+    # -- identity -----------------------------------------------------------------------
+    def identity(self) -> str:
+        """What fixes the token counts: template, system line, tokenizer contents, image token, length rule."""
+        return counting_identity(
+            TEMPLATE_NAME, self.system, self.tokenizer, self.image_token_id, self.max_length, self.truncation
+        )
+
+    def policy(self) -> ShapePolicy:
+        """The :class:`ShapePolicy` of this model's data: one tile per image of ``image_seq_length``
+        tokens and exact conversation token counts (videos are not supported)."""
+        _, height, width = self.pixel_shape
+        return ShapePolicy(
+            tile_size=max(height, width),
+            max_tiles=1,
+            add_thumbnail=False,
+            tokens_per_tile=self.image_seq_length,
+            max_frames=1,
+            tokens_per_frame=1,
+            tokenizer=self.count_text,
+            name=self.name,
+            tokenizer_id=self.identity(),
+            conversation=self.count,
+        )
+
+
+def _blank_image() -> Any:
+    from PIL import Image
+
+    return Image.new("RGB", (64, 48))
+
+
+def llava_policy(model_dir: PathArg, *, max_length: int | None = None, truncation: str = "error") -> ShapePolicy:
+    """The shape policy of a HuggingFace LLaVA ``save_pretrained`` directory's processor."""
+    return LlavaPreprocessor.from_pretrained(model_dir, max_length=max_length, truncation=truncation).policy()
+
+
+def supervised_targets(shape: SampleShape) -> int:
+    """Targets (non -100 entries) :class:`LlavaDataset` makes for ``shape``: its ``label_tokens``
+    (the sampler's ``label_tokens_fn`` for shapes of :meth:`LlavaPreprocessor.policy`)."""
+    return shape.label_tokens
+
+
+def load_llava_records(path: PathArg) -> dict[str, Mapping[str, Any]]:
+    """The records of a LLaVA JSON/JSONL file by id (as a string); records without one are left out."""
+    records = {}
+    for raw in load_records(path):
+        if isinstance(raw.value, Mapping) and isinstance(raw.value.get("id"), (str, int)):
+            records[str(raw.value["id"])] = raw.value
+    return records
+
+
+@dataclass
+class LlavaItem:
+    """One sample: ``pixel_values [n_img, C, H, W]``, ``input_ids [L]``, shifted ``targets [L]``."""
+
+    sample_id: str
+    pixel_values: torch.Tensor
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    pad_token_id: int
+    loss_denominator: float | None = None
+
+
+class LlavaDataset(Dataset):
+    """The samples of ``shapes`` (made under ``preprocessor.policy()``) as contract tensors.
+
+    A sample whose media cannot be loaded (a missing, truncated or corrupt file, an image over the
+    pixel limit) is a :class:`~dflop_ds.data.errors.DataError` naming the record, the field and the
+    file. With ``on_bad_sample="skip"`` it becomes a *stand-in* instead: the same tensor shapes,
+    blank pixels, the same token ids and no targets, logged by name. The schedule was built before
+    any file was decoded, so dropping the sample here would leave this rank a microbatch short of
+    the others and desynchronise every collective; the stand-in keeps all ranks in lockstep, adds
+    nothing to the loss or the gradients, and leaves every other sample trained exactly once.
+
+    Args:
+        shapes: one shape per sample, in dataset order (e.g. ``read_dataset(...)[:n]``).
+        records: the raw records by id (:func:`load_llava_records`).
+        preprocessor: the model directory's :class:`LlavaPreprocessor`.
+        image_folder: folder the records' image paths are relative to.
+        source: the data file, for messages.
+        video_folder: folder the records' video paths are relative to (families that take videos).
+        on_bad_sample: ``"error"`` (default): a sample whose media fail to load raises;
+            ``"skip"``: it is trained as a stand-in (above) and counted in :attr:`stand_ins`.
+    """
+
+    #: whether the family's model takes videos (LLaVA does not: such samples are refused by name)
+    supports_video = False
+    #: whether an image's size changes the sample's tokens, so a recorded size must match the file
+    #: (plain LLaVA resizes every image to one tile: a wrong recorded size changes nothing)
+    size_sets_tokens = False
+
+    def __init__(
+        self,
+        shapes: Sequence[SampleShape],
+        records: Mapping[str, Mapping[str, Any]],
+        preprocessor: LlavaPreprocessor,
+        image_folder: PathArg | None,
+        *,
+        source: PathArg | None = None,
+        video_folder: PathArg | None = None,
+        on_bad_sample: str = "error",
+    ) -> None:
+        if on_bad_sample not in BAD_SAMPLE_POLICIES:
+            raise ValueError(f"on_bad_sample must be one of {BAD_SAMPLE_POLICIES}, got {on_bad_sample!r}")
+        self.shapes = list(shapes)
+        self.records = records
+        self.preprocessor = preprocessor
+        self.image_folder = None if image_folder is None else Path(image_folder)
+        self.video_folder = None if video_folder is None else Path(video_folder)
+        self.source = source
+        self.on_bad_sample = on_bad_sample
+        #: the load errors of the samples this process trained as stand-ins
+        self.stand_ins: list[DataError] = []
+        for shape in self.shapes:
+            if shape.sample_id not in records:
+                raise self._error(shape.sample_id, None, "no record with this id in the records given")
+            if shape.video_frames and not self.supports_video:
+                raise self._error(shape.sample_id, "video", "videos are not supported by LLaVA models")
+            if shape.image_sizes and self.image_folder is None:
+                raise self._error(shape.sample_id, "image", "the sample has images but no image_folder was given")
+            if shape.video_frames and self.video_folder is None:
+                raise self._error(shape.sample_id, "video", "the sample has a video but no video_folder was given")
+
+    def _error(self, sample_id: str, field: str | None, reason: str) -> DataError:
+        return DataError(reason, path=self.source, sample_id=sample_id, field=field)
+
+    def _tensors(self, shape: SampleShape, encode: Callable[[], Encoded]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, targets)`` of the sample of ``shape`` as ``encode()`` encodes it; a failed
+        encoding, or one that disagrees with the shape, raises naming the sample."""
+        try:
+            return item_tensors(encode(), shape, self.preprocessor.name)
+        except ValueError as exc:
+            raise self._error(shape.sample_id, None, str(exc)) from exc
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def _load_images(self, shape: SampleShape) -> list:
+        """The sample's images, decoded as 8-bit RGB; one that cannot be loaded, or (when
+        :attr:`size_sets_tokens`) whose size is not the one its shape was made with, raises naming
+        the record, the field and the file."""
+        record = self.records[shape.sample_id]
+        images = []
+        for i, path in enumerate(record_image_paths(record)):
+            full = os.path.abspath(os.path.join(self.image_folder, path))  # type: ignore[arg-type]
+            field = "image" if isinstance(record.get("image"), str) else f"image[{i}]"
+            try:
+                image = load_rgb(full)
+            except (OSError, ValueError) as exc:
+                raise self._error(shape.sample_id, field, f"cannot load image {full}: {exc}") from exc
+            if self.size_sets_tokens and tuple(image.size) != tuple(shape.image_sizes[i]):
+                raise self._size_error(shape, record, i, path, full, image.size)
+            images.append(image)
+        return images
+
+    def _size_error(
+        self, shape: SampleShape, record: Mapping[str, Any], i: int, path: str, full: str, real: tuple[int, int]
+    ) -> DataError:
+        """The error of image ``i`` whose file is ``real`` pixels but whose shape says otherwise,
+        naming the field the wrong size came from."""
+        width, height = shape.image_sizes[i]
+        if "image_sizes" in record:
+            field, given_by = f"image_sizes[{i}]", "the record's 'image_sizes'"
+        elif "width" in record or "height" in record:
+            field, given_by = "width/height", "the record's 'width'/'height'"
+        else:
+            field = "image" if isinstance(record.get("image"), str) else f"image[{i}]"
+            given_by = "the image_sizes table (or a stale header cache)"
+        return self._error(
+            shape.sample_id,
+            field,
+            f"{given_by} gives {width}x{height} for image {path!r}, but the file {full} is {real[0]}x{real[1]}: "
+            "its tokens depend on its size, so correct or remove the recorded size (the file's header is read "
+            "when none is given)",
+        )
+
+    def _turns(self, shape: SampleShape) -> list[tuple[str, str]]:
+        return [(turn["from"], turn["value"]) for turn in self.records[shape.sample_id]["conversations"]]
+
+    def _shape(self, idx: Any) -> SampleShape:
+        i = int(idx)
+        if not 0 <= i < len(self.shapes):
+            raise IndexError(f"{type(self).__name__} index {i} out of range [0, {len(self.shapes)})")
+        return self.shapes[i]
+
+    def _item(self, shape: SampleShape, blank: bool) -> LlavaItem:
+        """The sample of ``shape`` with its media loaded, or (``blank``) with blank pixels of the same shape."""
+        n_images = len(shape.image_sizes)
+        ids, targets = self._tensors(shape, lambda: self.preprocessor.encode(self._turns(shape), n_images))
+        if blank:
+            pixels = torch.zeros((n_images, *self.preprocessor.pixel_shape), dtype=torch.float32)
+        else:
+            pixels = self.preprocessor.pixel_values(self._load_images(shape))
+        return LlavaItem(shape.sample_id, pixels, ids, targets, self.preprocessor.pad_token_id)
+
+    def _stand_in(self, shape: SampleShape, error: DataError) -> LlavaItem:
+        """The stand-in of a sample whose media failed with ``error`` (re-raised when the sample's
+        text cannot be encoded either)."""
+        try:
+            item = self._item(shape, blank=True)
+        except (DataError, ValueError):
+            raise error from None
+        item.targets = torch.full_like(item.targets, IGNORE_INDEX)
+        self.stand_ins.append(error)
+        logger.warning(
+            "%s; on_bad_sample=skip: trained as a stand-in with blank media and no targets (no loss, no gradient)",
+            error,
+        )
+        return item
+
+    def __getitem__(self, idx: Any) -> LlavaItem:
+        """The sample at ``idx`` (an ``int`` or a ``ScheduledIndex``, whose denominator is kept)."""
+        shape = self._shape(idx)
+        try:
+            item = self._item(shape, blank=False)
+        except DataError as error:
+            if self.on_bad_sample != "skip":
+                raise
+            item = self._stand_in(shape, error)
+        item.loss_denominator = scheduled_denominator(idx)
+        return item
+
+
+def scheduled_denominator(idx: Any) -> float | None:
+    """The loss denominator a ``ScheduledIndex`` carries, or None for a plain index."""
+    denominator = getattr(idx, "loss_denominator", None)
+    return None if denominator is None else float(denominator)
+
+
+def item_tensors(encoded: Encoded, shape: SampleShape, policy_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, targets)`` of an encoded sample, targets already shifted (-100 where nothing is
+    predicted); raises ``ValueError`` when the encoding disagrees with the sample's shape (the
+    shapes were made under another policy, so the sampler's loss denominator would be wrong)."""
+    if len(encoded.input_ids) != shape.llm_tokens or encoded.label_count != shape.label_tokens:
+        raise ValueError(
+            f"encodes to {len(encoded.input_ids)} tokens with {encoded.label_count} targets, but its shape "
+            f"says {shape.llm_tokens} and {shape.label_tokens}: the shapes were made under another policy "
+            f"than {policy_name!r}"
+        )
+    ids = torch.tensor(encoded.input_ids, dtype=torch.long)
+    targets = torch.full_like(ids, IGNORE_INDEX)
+    supervised = torch.tensor(encoded.supervised[1:], dtype=torch.bool)
+    targets[:-1][supervised] = ids[1:][supervised]
+    return ids, targets
+
+
+def collate_llava(
+    items: Sequence[LlavaItem], packed: bool = False
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+    """One microbatch as the contract's ``((pixel_values, input_ids, seq_lens), (targets, loss_denominator))``.
+
+    ``input_ids`` are right-padded with the tokenizer's pad id, ``targets`` with -100; with
+    ``packed`` both are one row ``[1, sum(seq_lens)]`` of the samples one after another
+    (:mod:`dflop_ds.models.packing`). The denominator is the scheduled one, or the microbatch's
+    own target count for plain indices.
+    """
+    if not items:
+        raise ValueError("collate_llava: empty microbatch")
+    pads = {item.pad_token_id for item in items}
+    if len(pads) > 1:
+        raise ValueError(f"collate_llava: items of different tokenizers (pad ids {sorted(pads)})")
+    seq_lens = torch.tensor([item.input_ids.numel() for item in items], dtype=torch.long)
+    input_ids = join_rows([item.input_ids for item in items], pads.pop(), packed)
+    targets = join_rows([item.targets for item in items], IGNORE_INDEX, packed)
+    pixel_values = torch.cat([item.pixel_values for item in items], dim=0)
+    denominator = torch.tensor(microbatch_denominator(items), dtype=torch.float64)
+    return (pixel_values, input_ids, seq_lens), (targets, denominator)
+
+
+def collate_packed_llava(
+    items: Sequence[LlavaItem],
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`collate_llava` with ``packed=True`` (a picklable collate for DataLoader workers)."""
+    return collate_llava(items, packed=True)
+
+
+__all__ = [
+    "DEFAULT_SYSTEM",
+    "Encoded",
+    "LlavaPreprocessor",
+    "llava_policy",
+    "supervised_targets",
+    "load_llava_records",
+    "LlavaItem",
+    "LlavaDataset",
+    "collate_llava",
+    "collate_packed_llava",
+]

@@ -1,0 +1,98 @@
+"""The LLaVA family (``LlavaForConditionalGeneration``, one tile per image) as a registered
+:class:`~dflop_ds.models.hf.registry.ModelFamily`: its adapter (:mod:`~dflop_ds.models.hf.llava`),
+data pipeline (:mod:`~dflop_ds.models.hf.llava_data`), synthetic microbatches
+(:mod:`~dflop_ds.models.hf.llava_synthetic`) and processor (:mod:`~dflop_ds.models.hf.llava_processor`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dflop_ds.models.hf.check_parts import CheckParts, MicrobatchBuilder
+from dflop_ds.models.hf.llava import llava_input_factories, llava_layers, load_llava
+from dflop_ds.models.hf.llava_data import LlavaDataset, LlavaPreprocessor, collate_llava, collate_packed_llava
+from dflop_ds.models.hf.llava_processor import load_processor
+from dflop_ds.models.hf.llava_synthetic import contract_microbatch, hf_model_kwargs
+from dflop_ds.models.hf.registry import ModelFamily
+from dflop_ds.models.hf.training import TrainingParts
+from dflop_ds.profile.target import ProfileTarget, summed_cross_entropy
+
+
+def llava_preprocessor(model_dir: str, *, max_length: int | None = None, truncation: str = "error", **video: Any):
+    """The :class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor` of ``model_dir`` (LLaVA takes
+    no videos, so the video rule in ``video`` does not apply)."""
+    return LlavaPreprocessor.from_pretrained(model_dir, max_length=max_length, truncation=truncation)
+
+
+def llava_training() -> TrainingParts:
+    """LLaVA's training pieces: the projector trains in full under LoRA; one tile per image."""
+    return TrainingParts(
+        load_llava,
+        llava_layers,
+        "multi_modal_projector",
+        LlavaDataset,
+        collate_llava,
+        lambda pre, directory: pre.processor.save_pretrained(directory),
+        tile_pixels=lambda item: item.pixel_values,  # one tile per image
+        packed_collate=collate_packed_llava,
+    )
+
+
+def llava_target(model_dir: str, preprocessor: LlavaPreprocessor, text_tokens: int = 8) -> ProfileTarget:
+    """The layer lists, contract input factories and shape policy of the LLaVA model in ``model_dir``."""
+    model = load_llava(model_dir)
+    encoder, projector, llm = llava_layers(model)
+    encoder_inputs, llm_inputs = llava_input_factories(model, text_tokens)
+    return ProfileTarget(
+        encoder_layers=encoder,
+        projector=projector,
+        llm_layers=llm,
+        encoder_inputs=encoder_inputs,
+        llm_inputs=llm_inputs,
+        output_loss=summed_cross_entropy,
+        policy=preprocessor.policy(),
+    )
+
+
+def llava_check() -> CheckParts:
+    """LLaVA's check-model parts: microbatches through its processor, the CLIP/SigLIP tower's states."""
+
+    def microbatches(path: Path, config: Any) -> MicrobatchBuilder:
+        processor = load_processor(path, config)
+
+        def build(samples: Sequence[Any], *, packed: bool = False) -> tuple:
+            return contract_microbatch(processor, samples, packed=packed)
+
+        return build
+
+    def vision_states(model: Any, inputs: tuple) -> Any:
+        pixel_values = inputs[0]
+        if not pixel_values.shape[0]:
+            return None
+        return model.model.vision_tower(pixel_values, output_hidden_states=True).hidden_states
+
+    return CheckParts(
+        load_llava, llava_layers, microbatches, "<image>", lambda model, inputs: hf_model_kwargs(inputs), vision_states
+    )
+
+
+FAMILY = ModelFamily(
+    name="LLaVA",
+    model_types=("llava",),
+    files=(
+        "models/hf/llava.py",
+        "models/hf/llava_data.py",
+        "models/hf/llava_family.py",
+        "models/hf/llava_processor.py",
+        "models/hf/llava_synthetic.py",
+        "testing/hf_tiny.py",
+    ),
+    preprocessor=llava_preprocessor,
+    training=llava_training,
+    profile_target=llava_target,
+    check_parts=llava_check,
+    tensor_parallel=True,
+)
+
+__all__ = ["FAMILY", "llava_check", "llava_preprocessor", "llava_target", "llava_training"]

@@ -1,0 +1,112 @@
+"""The HuggingFace model families dflop-ds trains, keyed by ``config.model_type``.
+
+Each family is one :class:`ModelFamily` object in a module of its own (:data:`FAMILY_MODULES`),
+which provides everything the package asks of a family: its data preprocessor (tokenization
+template and shape policy), its training pieces (loading, layer lists, dataset and collates),
+its profiling target, its ``check-model`` parts and its capabilities. Training, profiling, the
+data commands and ``check-model`` all find a directory's family here (:func:`family_of`), and a
+``model_type`` no family registers is refused naming the registered ones. Adding a family is a
+new family module plus one line in :data:`FAMILY_MODULES`.
+
+The family modules are imported on the first lookup, so ``import dflop_ds`` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dflop_ds.data.errors import PathArg
+from dflop_ds.models.hf.common import model_type
+
+if TYPE_CHECKING:
+    from dflop_ds.models.hf.check_parts import CheckParts
+    from dflop_ds.models.hf.training import TrainingParts
+    from dflop_ds.profile.target import ProfileTarget
+
+#: The modules that define a family, each as a module-level ``FAMILY``.
+FAMILY_MODULES = (
+    "dflop_ds.models.hf.llava_family",
+    "dflop_ds.models.hf.qwen2_vl_family",
+)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One HuggingFace model family, all the package asks of it.
+
+    Attributes:
+        name: the family's name in messages (e.g. ``"LLaVA"``).
+        model_types: the ``config.model_type`` values it runs.
+        files: its own modules, relative to the package root (``models/hf/llava.py``, its tiny
+            test builders in ``testing/``): the only modules that may name its ``model_types``.
+        preprocessor: ``(model_dir, *, max_length, truncation, video_fps, video_max_frames)`` ->
+            the data preprocessor (tokenization template, media processing, ``policy()``).
+        training: ``() ->`` its :class:`~dflop_ds.models.hf.training.TrainingParts` (whose
+            ``tile_pixels`` says whether its encoder tiles can go to a colocated encoder).
+        profile_target: ``(model_dir, preprocessor, text_tokens) ->`` its profiling target.
+        check_parts: ``() ->`` its :class:`~dflop_ds.models.hf.check.CheckParts`.
+        tensor_parallel: whether DeepSpeed AutoTP may shard its language model (where its
+            config declares a tensor-parallel plan).
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    files: tuple[str, ...]
+    preprocessor: Callable[..., Any]
+    training: Callable[[], TrainingParts]
+    profile_target: Callable[[str, Any, int], ProfileTarget]
+    check_parts: Callable[[], CheckParts]
+    tensor_parallel: bool
+
+
+@cache
+def registered_families() -> tuple[ModelFamily, ...]:
+    """Every registered family, in :data:`FAMILY_MODULES` order (imported on first call)."""
+    families = tuple(importlib.import_module(name).FAMILY for name in FAMILY_MODULES)
+    seen: dict[str, str] = {}
+    for family in families:
+        for kind in family.model_types:
+            if kind in seen:
+                raise ValueError(f"model type {kind!r} is registered by both {seen[kind]} and {family.name}")
+            seen[kind] = family.name
+    return families
+
+
+def registered_model_types() -> list[str]:
+    """The ``model_type`` values some family runs, in registration order."""
+    return [kind for family in registered_families() for kind in family.model_types]
+
+
+def family_for(kind: str | None, where: str = "model") -> ModelFamily:
+    """The family that runs ``config.model_type == kind``; ``ValueError`` naming ``where``, the
+    type and every registered type when none does."""
+    for family in registered_families():
+        if kind in family.model_types:
+            return family
+    raise ValueError(
+        f"{where}: model type {kind!r} is not supported "
+        f"(supported: {', '.join(repr(name) for name in registered_model_types())})"
+    )
+
+
+def family_of(model_dir: PathArg) -> ModelFamily:
+    """The family of a ``save_pretrained`` directory, by its ``config.json``'s ``model_type``
+    (``FileNotFoundError`` naming the directory when it has no ``config.json``)."""
+    if not (Path(model_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: no config.json (expected a save_pretrained model directory)")
+    return family_for(model_type(model_dir), str(model_dir))
+
+
+__all__ = [
+    "FAMILY_MODULES",
+    "ModelFamily",
+    "family_for",
+    "family_of",
+    "registered_families",
+    "registered_model_types",
+]
