@@ -22,6 +22,11 @@ ImageRule = Callable[[int, int], tuple[int, int]]
 #: its source frames, frame size and frame rate, for models that sample frames by time (Qwen2-VL):
 #: ``(frames, width, height, fps) -> (encoder_units, visual_tokens, window_units)``. Its ``repr`` names it.
 VideoRule = Callable[[int, int, int, float], tuple[int, int, int]]
+#: The encoder tiles and LLM tokens of each image of one sample, from all its images' sizes, for
+#: models whose tiling depends on how many images a sample has (LLaVA-OneVision: AnyRes for a lone
+#: image, one tile for each of several): ``[(width, height), ...] -> [(tiles, visual_tokens), ...]``.
+#: Its ``repr`` names it; the encoder's cost stays counted by tiles.
+SampleImagesRule = Callable[[Sequence[tuple[int, int]]], Sequence[tuple[int, int]]]
 #: Counts a whole conversation exactly as a model's data pipeline tokenizes it (its length rule
 #: included): ``(turns as (role, value) pairs, LLM tokens of each image, LLM tokens of the video or
 #: None) -> (text_tokens, label_tokens)``.
@@ -121,6 +126,9 @@ class ShapePolicy:
     patches) and LLM tokens the rule derives from its own size (native-resolution models such as
     Qwen2-VL; ``encoder_tiles`` then counts those units). ``video_rule``, when set, does the same
     for a video from its frames, size and frame rate (which its shape must then carry).
+    ``sample_images``, when set, replaces the tiling by a rule over all of a sample's images
+    (:data:`SampleImagesRule`); ``tokens_per_video`` adds that many tokens to each video besides
+    its frames' (LLaVA-OneVision's closing newline).
     """
 
     tile_size: int = 384
@@ -135,11 +143,15 @@ class ShapePolicy:
     conversation: ConversationCounter | None = field(default=None, compare=False, repr=False)
     image_rule: ImageRule | None = field(default=None, compare=False, repr=False)
     video_rule: VideoRule | None = field(default=None, compare=False, repr=False)
+    sample_images: SampleImagesRule | None = field(default=None, compare=False, repr=False)
+    tokens_per_video: int = 0
 
     def __post_init__(self) -> None:
         for name in ("tile_size", "max_tiles", "tokens_per_tile", "max_frames", "tokens_per_frame"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ShapePolicy.{name} must be >= 1, got {getattr(self, name)}")
+        if self.tokens_per_video < 0:
+            raise ValueError(f"ShapePolicy.tokens_per_video must be >= 0, got {self.tokens_per_video}")
 
     def describe(self) -> dict[str, Any]:
         """What the shapes depend on, JSON-ready: ``name``, the tiling and token numbers, and
@@ -164,6 +176,10 @@ class ShapePolicy:
             described["image_rule"] = repr(self.image_rule)
         if self.video_rule is not None:
             described["video_rule"] = repr(self.video_rule)
+        if self.sample_images is not None:
+            described["sample_images"] = repr(self.sample_images)
+        if self.tokens_per_video:
+            described["tokens_per_video"] = self.tokens_per_video
         return described
 
     def image_units(self, width: int, height: int) -> tuple[int, int]:
@@ -175,6 +191,20 @@ class ShapePolicy:
             return int(units), int(tokens)
         tiles = self.image_tiles(width, height)
         return tiles, tiles * self.tokens_per_tile
+
+    def images_units(self, sizes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``(encoder units, LLM tokens)`` of each image of one sample (``(width, height)`` each):
+        the ``sample_images`` rule's, else each image's own (:meth:`image_units`)."""
+        if self.sample_images is None or not sizes:
+            return [self.image_units(w, h) for w, h in sizes]
+        if any(w <= 0 or h <= 0 for w, h in sizes):
+            raise ValueError(f"image sizes must be positive, got {list(sizes)}")
+        units = [(int(tiles), int(tokens)) for tiles, tokens in self.sample_images(sizes)]
+        if len(units) != len(sizes):
+            raise ValueError(
+                f"policy {self.name!r}: its sample_images rule gave {len(units)} counts for {len(sizes)} images"
+            )
+        return units
 
     def tile_grid(self, width: int, height: int) -> tuple[int, int]:
         """The ``(cols, rows)`` tile grid chosen for an image of ``width x height`` pixels."""
@@ -209,7 +239,7 @@ class ShapePolicy:
             return 0, 0, 0
         if self.video_rule is None:
             sampled = self.sampled_frames(frames)
-            return sampled, sampled * self.tokens_per_frame, 0
+            return sampled, sampled * self.tokens_per_frame + self.tokens_per_video, 0
         if size is None or fps is None:
             raise ValueError(
                 f"sample {sample_id!r}: policy {self.name!r} needs the video's frame size and rate "
@@ -251,7 +281,7 @@ class ShapePolicy:
                 f"sample {sample_id!r}: label_tokens must be in [0, text_tokens={text_tokens}], got {labels}"
             )
         sizes = tuple((int(w), int(h)) for w, h in image_sizes)
-        per_image = [self.image_units(w, h) for w, h in sizes]
+        per_image = self.images_units(sizes)
         image_tiles = sum(units for units, _ in per_image)
         if video_frames < 0:
             raise ValueError(f"sample {sample_id!r}: video_frames must be >= 0, got {video_frames}")

@@ -201,7 +201,7 @@ def parse_llava_record(
     frames, info = video
     size, fps = (None, None) if info is None else ((info.width, info.height), info.fps)
     if policy.conversation is not None:
-        image_tokens = [policy.image_units(w, h)[1] for w, h in sizes]
+        image_tokens = [tokens for _, tokens in policy.images_units(sizes)]
         video_tokens = policy.video_units(sample_id, frames, size, fps)[1] if frames else None
         text_tokens, label_tokens = policy.conversation(turns, image_tokens, video_tokens)
     else:

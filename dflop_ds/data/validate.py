@@ -101,7 +101,12 @@ def check_dataset(
                     )
                 )
     if fmt == LLAVA:
-        files = spread(media_files(records, result, options, check_sizes=policy.image_rule is not None), decode)
+        files = spread(
+            media_files(
+                records, result, options, check_sizes=policy.image_rule is not None or policy.sample_images is not None
+            ),
+            decode,
+        )
         for file, message in decode_media(files, progress=progress and decode is None):
             problems.append(Problem(str(path), file.record, kind, file.sample_id, file.field, message))
     problems.sort(key=lambda p: (p.path or "", p.record if p.record is not None else -1))

@@ -21,8 +21,8 @@ the tensors the dataset makes come from the same code and agree token for token:
   ``max_length`` (``truncation="truncate"``, counted in ``truncated_samples``); a cut that
   would drop image tokens is always a bad record.
 
-Only plain LLaVA (one tile per image) is supported; AnyRes processors (LLaVA-NeXT,
-LLaVA-OneVision) are refused. transformers and PIL are imported lazily.
+Only plain LLaVA (one tile per image) is handled here (LLaVA-OneVision has its own family,
+:mod:`~dflop_ds.models.hf.llava_onevision_data`). transformers and PIL are imported lazily.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,26 @@ def counting_identity(
     )
 
 
+def mark_video(turns: Sequence[tuple[str, str]], n_images: int) -> list[tuple[str, str]]:
+    """``turns`` of a record with one video, its placeholder made the one ``<video>``: LLaVA-Video
+    marks it with the one ``<image>`` of a record without images; a record without a mark gets
+    ``<video>\n`` before its first human turn."""
+    turns = list(turns)
+    marks = sum(value.count(VIDEO_PLACEHOLDER) for _, value in turns)
+    if marks > 1:
+        raise ValueError(f"conversations: {marks} {VIDEO_PLACEHOLDER} placeholders for the record's one video")
+    if marks == 1:
+        return turns
+    image_marks = [i for i, (_, value) in enumerate(turns) if IMAGE_PLACEHOLDER in value]
+    if not n_images and len(image_marks) == 1 and turns[image_marks[0]][1].count(IMAGE_PLACEHOLDER) == 1:
+        i = image_marks[0]
+        return [*turns[:i], (turns[i][0], turns[i][1].replace(IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER)), *turns[i + 1 :]]
+    for i, (role, value) in enumerate(turns):
+        if role.lower() in USER_ROLES:
+            return [*turns[:i], (role, f"{VIDEO_PLACEHOLDER}\n{value}"), *turns[i + 1 :]]
+    raise ValueError("conversations: the record has a video but no human turn to put it in")
+
+
 class LlavaPreprocessor:
     """A LLaVA processor's image processor and tokenizer plus the conversation template.
 
@@ -112,6 +133,9 @@ class LlavaPreprocessor:
         truncation: ``"error"`` (a longer sample is a bad record) or ``"truncate"``.
         name: the policy's name in messages (e.g. the model directory's name).
     """
+
+    #: the video token (None: the family takes no videos)
+    video_token_id: int | None = None
 
     def __init__(
         self,
@@ -127,28 +151,34 @@ class LlavaPreprocessor:
         if kind != "LlavaProcessor" or getattr(image_processor, "image_grid_pinpoints", None):
             raise ValueError(
                 f"processor {kind} is not supported: only plain LLaVA (LlavaProcessor, one tile "
-                "per image); AnyRes processors (LLaVA-NeXT, LLaVA-OneVision) are out of scope"
+                "per image); LLaVA-OneVision directories load as their own family, LLaVA-NeXT is not supported"
             )
+        self.processor = processor
+        self.image_processor: Any = image_processor  # the LlavaProcessor's, checked above
+        self._set_text(processor.tokenizer, int(processor.image_token_id), system, max_length, truncation, name)
+        self.pixel_shape = tuple(self._process([_blank_image()]).shape[1:])
+        self.image_seq_length = self._tokens_per_image()
+
+    def _set_text(
+        self, tokenizer: Any, image_token_id: int, system: str, max_length: int | None, truncation: str, name: str
+    ) -> None:
+        """The template's and length rule's settings (shared with families on the LLaVA-v1 template)."""
         if truncation not in TRUNCATION:
             raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
-        self.processor = processor
-        self.tokenizer = processor.tokenizer
-        self.image_processor: Any = image_processor  # the LlavaProcessor's, checked above
+        self.tokenizer = tokenizer
         self.system = system
         self.truncation = truncation
         self.name = name
         self.truncated_samples = 0
-        self.image_token_id = int(processor.image_token_id)
-        self.eos_token_id = self.tokenizer.eos_token_id
+        self.image_token_id = image_token_id
+        self.eos_token_id = tokenizer.eos_token_id
         if self.eos_token_id is None:
             raise ValueError(f"{name}: the tokenizer has no eos token to end assistant turns with")
-        self.bos_token_id = self.tokenizer.bos_token_id
-        pad = self.tokenizer.pad_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        pad = tokenizer.pad_token_id
         self.pad_token_id = int(self.eos_token_id if pad is None else pad)
-        limit = max_length if max_length is not None else self.tokenizer.model_max_length
+        limit = max_length if max_length is not None else tokenizer.model_max_length
         self.max_length = None if limit is None or limit > NO_LIMIT else int(limit)
-        self.pixel_shape = tuple(self._process([_blank_image()]).shape[1:])
-        self.image_seq_length = self._tokens_per_image()
 
     @classmethod
     def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> LlavaPreprocessor:
@@ -217,7 +247,20 @@ class LlavaPreprocessor:
         return normalized
 
     def encode(self, turns: Sequence[tuple[str, str]], n_images: int) -> Encoded:
-        """Token ids and supervision mask of a conversation of ``(role, value)`` turns with ``n_images`` images.
+        """Token ids and supervision mask of a conversation of ``(role, value)`` turns with ``n_images``
+        images of ``image_seq_length`` tokens each.
+
+        Raises:
+            ValueError: a bad role, placeholder mismatch or over-long sample, naming the field.
+        """
+        return self.encode_media(turns, [self.image_seq_length] * n_images)
+
+    def encode_media(
+        self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int], video_tokens: int | None = None
+    ) -> Encoded:
+        """Token ids and supervision mask of ``(role, value)`` turns under the LLaVA-v1 template, whose
+        images give ``image_tokens`` tokens each and whose one video (if any, placed by
+        :func:`mark_video`) ``video_tokens``.
 
         Raises:
             ValueError: a bad role, placeholder mismatch or over-long sample, naming the field.
@@ -229,20 +272,29 @@ class LlavaPreprocessor:
             ids.extend(tokens)
             supervised.extend([label] * len(tokens))
 
+        video_id = self.video_token_id
+        if video_tokens is not None:
+            if video_id is None:
+                raise ValueError(f"{self.name}: the model takes no videos")
+            turns = mark_video(turns, len(image_tokens))
+        images = iter(image_tokens)
         if self.bos_token_id is not None:
             add([int(self.bos_token_id)], False)
         if self.system:
             add(self._ids(self.system + " "), False)
-        for kind, value in self._normalize(turns, n_images):
+        for kind, value in self._normalize(turns, len(image_tokens), videos=video_tokens is not None):
             if kind == "user":
-                for k, part in enumerate(f"USER: {value} ".split(IMAGE_PLACEHOLDER)):
-                    if k:
-                        add([self.image_token_id] * self.image_seq_length, False)
-                    add(self._ids(part), False)
+                for part in re.split(f"({IMAGE_PLACEHOLDER}|{VIDEO_PLACEHOLDER})", f"USER: {value} "):
+                    if part == IMAGE_PLACEHOLDER:
+                        add([self.image_token_id] * next(images), False)
+                    elif part == VIDEO_PLACEHOLDER:
+                        add([int(video_id or 0)] * int(video_tokens or 0), False)
+                    else:
+                        add(self._ids(part), False)
             else:
                 add(self._ids("ASSISTANT: "), False)
                 add(self._ids(value) + [int(self.eos_token_id)], True)
-        return self._fit(Encoded(ids, supervised, n_images * self.image_seq_length))
+        return self._fit(Encoded(ids, supervised, sum(image_tokens) + int(video_tokens or 0)))
 
     def _fit(self, encoded: Encoded) -> Encoded:
         length = len(encoded.input_ids)

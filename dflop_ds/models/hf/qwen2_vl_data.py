@@ -58,13 +58,13 @@ from dflop_ds.models.hf.folder import check_model_folder
 from dflop_ds.models.hf.llava_data import (
     NO_LIMIT,
     TRUNCATION,
-    USER_ROLES,
     Encoded,
     LlavaDataset,
     LlavaItem,
     LlavaPreprocessor,
     collate_llava,
     counting_identity,
+    mark_video,
     text_ids,
 )
 from dflop_ds.models.hf.qwen2_vl_synthetic import Qwen2VLInputs
@@ -152,26 +152,6 @@ class VideoFrames:
     def __call__(self, frames: int, width: int, height: int, source_fps: float) -> tuple[int, int, int]:
         t, h, w = self.grid(frames, width, height, source_fps)
         return t * h * w, t * h * w // self.resize.merge_size**2, h * w
-
-
-def mark_video(turns: Sequence[tuple[str, str]], n_images: int) -> list[tuple[str, str]]:
-    """``turns`` of a record with one video, its placeholder made the one ``<video>``: LLaVA-Video
-    marks it with the one ``<image>`` of a record without images; a record without a mark gets
-    ``<video>\n`` before its first human turn."""
-    turns = list(turns)
-    marks = sum(value.count(VIDEO_PLACEHOLDER) for _, value in turns)
-    if marks > 1:
-        raise ValueError(f"conversations: {marks} {VIDEO_PLACEHOLDER} placeholders for the record's one video")
-    if marks == 1:
-        return turns
-    image_marks = [i for i, (_, value) in enumerate(turns) if IMAGE_PLACEHOLDER in value]
-    if not n_images and len(image_marks) == 1 and turns[image_marks[0]][1].count(IMAGE_PLACEHOLDER) == 1:
-        i = image_marks[0]
-        return [*turns[:i], (turns[i][0], turns[i][1].replace(IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER)), *turns[i + 1 :]]
-    for i, (role, value) in enumerate(turns):
-        if role.lower() in USER_ROLES:
-            return [*turns[:i], (role, f"{VIDEO_PLACEHOLDER}\n{value}"), *turns[i + 1 :]]
-    raise ValueError("conversations: the record has a video but no human turn to put it in")
 
 
 class Qwen2VLPreprocessor:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 FAMILY_MODULES = (
     "dflop_ds.models.hf.llava_family",
     "dflop_ds.models.hf.qwen2_vl_family",
+    "dflop_ds.models.hf.llava_onevision_family",
 )
 
 

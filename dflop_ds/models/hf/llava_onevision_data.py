@@ -1,0 +1,206 @@
+"""LLaVA-OneVision's data pipeline: LLaVA JSON records as contract microbatches.
+
+The conversation template is LLaVA-v1's (:class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor`);
+images and videos give the tokens :class:`~dflop_ds.models.hf.llava_onevision_shapes.OnevisionTokenRule`
+counts (AnyRes for a lone image, one tile each for several, pooled frames plus a newline for a video).
+A video's frames are ``min(frames, video_max_frames)`` frames sampled uniformly by the project's
+PyAV path (:func:`~dflop_ds.data.video.decode_frames`), one tile each. The shape policy's encoder
+cost is counted by tiles.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflop_ds.data.errors import PathArg
+from dflop_ds.data.video import DEFAULT_VIDEO_MAX_FRAMES, decode_frames, sample_frame_indices
+from dflop_ds.models.hf.folder import check_model_folder
+from dflop_ds.models.hf.llava_data import (
+    DEFAULT_SYSTEM,
+    LlavaDataset,
+    LlavaItem,
+    LlavaPreprocessor,
+    collate_llava,
+    counting_identity,
+)
+from dflop_ds.models.hf.llava_onevision_synthetic import OnevisionMedia, stack_media
+from dflop_ds.shapes import SampleShape, ShapePolicy
+
+TEMPLATE_NAME = "llava-v1"
+
+
+class OnevisionPreprocessor(LlavaPreprocessor):
+    """A LLaVA-OneVision directory's tokenizer and image processor, the LLaVA-v1 template and the
+    checkpoint's counting rule.
+
+    Args:
+        tokenizer, image_processor, config: the directory's (``AutoTokenizer``, ``AutoImageProcessor``, config).
+        video_max_frames: frames sampled uniformly from a video (at most).
+        system, max_length, truncation, name: as for :class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor`.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        image_processor: Any,
+        config: Any,
+        *,
+        system: str = DEFAULT_SYSTEM,
+        max_length: int | None = None,
+        truncation: str = "error",
+        name: str = "llava_onevision",
+        video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
+    ) -> None:
+        if video_max_frames < 1:
+            raise ValueError(f"{name}: video_max_frames must be >= 1, got {video_max_frames}")
+        self.media = OnevisionMedia(image_processor, config, name)
+        self.image_processor = image_processor
+        self.video_token_id = self.media.video_token_id
+        self.video_max_frames = int(video_max_frames)
+        self._set_text(tokenizer, self.media.image_token_id, system, max_length, truncation, name)
+        self.pixel_shape = self.media.tile_shape
+
+    @classmethod
+    def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> OnevisionPreprocessor:
+        """Load the tokenizer, image processor and config of a ``save_pretrained`` directory (offline)."""
+        from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+        path = str(model_dir)
+        check_model_folder(path, weights=False)
+        kwargs.setdefault("name", f"llava_onevision:{Path(model_dir).name}")
+        return cls(
+            AutoTokenizer.from_pretrained(path, local_files_only=True),
+            AutoImageProcessor.from_pretrained(path, local_files_only=True),
+            AutoConfig.from_pretrained(path, local_files_only=True),
+            **kwargs,
+        )
+
+    def _uncut_tokens(self) -> set[int]:
+        """Tokens a truncation must keep whole: every image and video token."""
+        return {self.image_token_id, self.media.video_token_id}
+
+    def count(
+        self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int], video_tokens: int | None = None
+    ) -> tuple[int, int]:
+        """``(text_tokens, label_tokens)`` exactly as :meth:`encode_media` produces them (visual tokens excluded)."""
+        return self._counted(self.encode_media(turns, image_tokens, video_tokens))
+
+    def identity(self) -> str:
+        """What fixes the token counts: template, system line, tokenizer contents, media tokens, length rule."""
+        return counting_identity(
+            TEMPLATE_NAME, self.system, self.tokenizer, self.image_token_id, self.max_length, self.truncation
+        )
+
+    def policy(self) -> ShapePolicy:
+        """The :class:`ShapePolicy` of this model's data: each sample's images by the counting rule,
+        ``min(frames, video_max_frames)`` pooled frames per video plus its newline, exact conversation
+        token counts; the encoder's cost is counted by tiles."""
+        rule = self.media.rule
+        pooled = rule.video(1)[1] - 1
+        return ShapePolicy(
+            tile_size=rule.tile_size,
+            max_tiles=1,
+            add_thumbnail=False,
+            tokens_per_tile=rule.side**2,
+            max_frames=self.video_max_frames,
+            tokens_per_frame=pooled,
+            tokenizer=self.count_text,
+            name=self.name,
+            tokenizer_id=self.identity(),
+            conversation=self.count,
+            sample_images=rule,
+            tokens_per_video=1,
+        )
+
+
+def _no_media() -> torch.Tensor:
+    return torch.zeros(0, 5, dtype=torch.long)
+
+
+@dataclass
+class OnevisionItem(LlavaItem):
+    """One sample: its tiles ``pixel_values [T, C, H, W]`` (images, then the video's frames), ids,
+    shifted targets and ``media [M, 5]`` rows (sample column 0)."""
+
+    media: torch.Tensor = field(default_factory=_no_media)
+
+
+class OnevisionDataset(LlavaDataset):
+    """The samples of ``shapes`` (made under ``preprocessor.policy()``) as LLaVA-OneVision contract
+    tensors (arguments as :class:`~dflop_ds.models.hf.llava_data.LlavaDataset`)."""
+
+    preprocessor: OnevisionPreprocessor
+    supports_video = True
+    size_sets_tokens = True
+
+    def _frames(self, shape: SampleShape) -> list:
+        """The sample's video's uniformly sampled frames, decoded."""
+        path = self.records[shape.sample_id]["video"]
+        full = os.path.abspath(os.path.join(self.video_folder, path))  # type: ignore[arg-type]
+        count = min(shape.video_frames, self.preprocessor.video_max_frames)
+        try:
+            return decode_frames(full, sample_frame_indices(shape.video_frames, count))
+        except (OSError, ValueError) as exc:
+            raise self._error(shape.sample_id, "video", f"cannot load video {full}: {exc}") from exc
+
+    def _blank_media(self, shape: SampleShape) -> tuple[torch.Tensor, list[list[int]]]:
+        """Zero tiles and the media rows the sample's shape sizes (what :meth:`_item` loads, for a stand-in)."""
+        rule = self.preprocessor.media.rule
+        rows = [[0, 0, h, w, tiles] for (w, h), (tiles, _) in zip(shape.image_sizes, rule.images(shape.image_sizes))]
+        if shape.video_frames:
+            rows.append([0, 1, 0, 0, min(shape.video_frames, self.preprocessor.video_max_frames)])
+        tiles = sum(row[4] for row in rows)
+        return torch.zeros((tiles, *self.preprocessor.media.tile_shape)), rows
+
+    def _item(self, shape: SampleShape, blank: bool) -> OnevisionItem:
+        """The sample of ``shape`` with its media loaded, or (``blank``) zero tiles of the same count."""
+        media = self.preprocessor.media
+        if blank:
+            tiles, rows = self._blank_media(shape)
+        else:
+            tiles, rows = media.image_tiles(self._load_images(shape))
+            if shape.video_frames:
+                frame_tiles, video_rows = media.frame_tiles(self._frames(shape))
+                tiles, rows = torch.cat([tiles, frame_tiles]), rows + video_rows
+        counts = media.tokens(rows, len(shape.image_sizes))
+        image_tokens = [c for c, row in zip(counts, rows) if not row[1]]
+        video_tokens = next((c for c, row in zip(counts, rows) if row[1]), None)
+        turns = self._turns(shape)
+        ids, targets = self._tensors(shape, lambda: self.preprocessor.encode_media(turns, image_tokens, video_tokens))
+        media_rows = torch.tensor(rows, dtype=torch.long).reshape(-1, 5)
+        return OnevisionItem(shape.sample_id, tiles, ids, targets, self.preprocessor.pad_token_id, None, media_rows)
+
+    def __getitem__(self, idx: Any) -> OnevisionItem:
+        """The sample at ``idx`` (an ``int`` or a ``ScheduledIndex``, whose denominator is kept)."""
+        return super().__getitem__(idx)  # type: ignore[return-value]
+
+
+def collate_onevision(items: Sequence[OnevisionItem], packed: bool = False):
+    """One microbatch ``((pixel_values, input_ids, seq_lens, media), (targets, loss_denominator))``:
+    every sample's tiles in order and their media rows with the sample's index (padding, packing and
+    denominator as :func:`~dflop_ds.models.hf.llava_data.collate_llava`)."""
+    (_, input_ids, seq_lens), labels = collate_llava(items, packed)
+    pixel_values, media = stack_media(
+        [(item.pixel_values, item.media.tolist()) for item in items], tuple(items[0].pixel_values.shape[1:])
+    )
+    return (pixel_values, input_ids, seq_lens, media), labels
+
+
+def collate_packed_onevision(items: Sequence[OnevisionItem]):
+    """:func:`collate_onevision` with ``packed=True`` (a picklable collate for DataLoader workers)."""
+    return collate_onevision(items, packed=True)
+
+
+__all__ = [
+    "OnevisionDataset",
+    "OnevisionItem",
+    "OnevisionPreprocessor",
+    "collate_onevision",
+    "collate_packed_onevision",
+]
