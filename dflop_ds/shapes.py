@@ -115,8 +115,13 @@ class ShapePolicy:
     ``min(frames, max_frames)`` uniformly sampled frames, each one tile of
     ``tokens_per_frame`` tokens.
 
-    The defaults follow LLaVA-OneVision-SI at 384 px with SigLIP (729 tokens per tile,
-    196 per pooled video frame, 32 frames).
+    The defaults take LLaVA-OneVision-SI's sizes at 384 px with SigLIP (729 tokens per tile,
+    196 per pooled video frame, 32 frames), but this tiling is an AnyRes-like approximation, not
+    that processor: on the single images of ``examples/data`` its tiles agree with
+    LLaVA-OneVision's for over 99 % of the sizes, its tokens for none (the processor un-pads the
+    grid, adds a newline per feature row, pools large grids and gives each image of a multi-image
+    sample one tile). A HuggingFace LLaVA-OneVision directory's own policy counts exactly
+    (:mod:`dflop_ds.models.hf.llava_onevision_data`).
 
     ``name`` labels the policy in messages; ``tokenizer_id`` names the tokenizer (and chat
     template) that counts the text, for :meth:`describe` (default: the ``tokenizer``
@@ -323,5 +328,6 @@ class ShapePolicy:
 TINY_POLICY = ShapePolicy(
     tile_size=336, max_tiles=4, tokens_per_tile=16, max_frames=8, tokens_per_frame=16, name="tiny"
 )
-#: The default (LLaVA-OneVision-like) policy, by name.
+#: The default policy, by name: AnyRes-like tiling with LLaVA-OneVision's sizes (an approximation,
+#: see :class:`ShapePolicy`).
 DEFAULT_POLICY = ShapePolicy(name="default")

@@ -122,3 +122,24 @@ def test_grid_properties(width: int, height: int, policy: ShapePolicy) -> None:
     if width <= policy.tile_size and height <= policy.tile_size:
         assert (cols, rows) == (1, 1)
     assert isinstance(policy.shape("p", image_sizes=[(width, height)]), SampleShape)
+
+
+def test_a_sample_images_rule_sees_all_of_a_samples_images_and_videos_add_their_own_tokens() -> None:
+    def one_tile_each_unless_alone(sizes):
+        return [(3, 30)] if len(sizes) == 1 else [(1, 10)] * len(sizes)
+
+    policy = ShapePolicy(tokens_per_frame=4, max_frames=2, sample_images=one_tile_each_unless_alone, tokens_per_video=1)
+    alone = policy.shape("a", image_sizes=[(50, 20)], text_tokens=3)
+    several = policy.shape("b", image_sizes=[(50, 20), (20, 50)], text_tokens=3)
+    video = policy.shape("c", video_frames=5, text_tokens=3)
+    assert (alone.encoder_tiles, alone.visual_tokens) == (3, 30)
+    assert (several.encoder_tiles, several.visual_tokens) == (2, 20)
+    assert (video.encoder_tiles, video.visual_tokens, video.llm_tokens) == (2, 2 * 4 + 1, 12)
+    assert (
+        policy.describe()["tokens_per_video"] == 1
+        and "one_tile_each_unless_alone" in policy.describe()["sample_images"]
+    )
+    # the policies without these options describe themselves as before (cost models stay valid)
+    assert not {"sample_images", "tokens_per_video"} & set(ShapePolicy().describe())
+    with pytest.raises(ValueError, match="gave 1 counts for 2 images"):
+        ShapePolicy(sample_images=lambda sizes: [(1, 1)]).shape("d", image_sizes=[(5, 5), (6, 6)])
