@@ -43,6 +43,7 @@ from dflop_ds.data.errors import DataError, PathArg
 from dflop_ds.data.images import load_rgb
 from dflop_ds.data.media import record_image_paths
 from dflop_ds.data.records import BAD_SAMPLE_POLICIES, load_records
+from dflop_ds.data.video import decode_frames, sample_frame_indices
 from dflop_ds.models.data import IGNORE_INDEX, microbatch_denominator
 from dflop_ds.models.hf.folder import check_model_folder
 from dflop_ds.models.hf.llava_processor import load_processor
@@ -286,15 +287,23 @@ class LlavaPreprocessor:
             if kind == "user":
                 for part in re.split(f"({IMAGE_PLACEHOLDER}|{VIDEO_PLACEHOLDER})", f"USER: {value} "):
                     if part == IMAGE_PLACEHOLDER:
-                        add([self.image_token_id] * next(images), False)
+                        add(self._image_block(next(images)), False)
                     elif part == VIDEO_PLACEHOLDER:
-                        add([int(video_id or 0)] * int(video_tokens or 0), False)
+                        add(self._video_block(int(video_id or 0), int(video_tokens or 0)), False)
                     else:
                         add(self._ids(part), False)
             else:
                 add(self._ids("ASSISTANT: "), False)
                 add(self._ids(value) + [int(self.eos_token_id)], True)
         return self._fit(Encoded(ids, supervised, sum(image_tokens) + int(video_tokens or 0)))
+
+    def _image_block(self, tokens: int) -> list[int]:
+        """The ids an image of ``tokens`` visual tokens writes into the prompt."""
+        return [self.image_token_id] * tokens
+
+    def _video_block(self, video_id: int, tokens: int) -> list[int]:
+        """The ids a video of ``tokens`` visual tokens writes into the prompt."""
+        return [video_id] * tokens
 
     def _fit(self, encoded: Encoded) -> Encoded:
         length = len(encoded.input_ids)
@@ -506,6 +515,16 @@ class LlavaDataset(Dataset):
                 raise self._size_error(shape, record, i, path, full, image.size)
             images.append(image)
         return images
+
+    def _uniform_frames(self, shape: SampleShape, count: int) -> list:
+        """``count`` frames sampled uniformly from the sample's video, decoded (PyAV); a video that
+        cannot be loaded raises naming the record and the file."""
+        path = self.records[shape.sample_id]["video"]
+        full = os.path.abspath(os.path.join(self.video_folder, path))  # type: ignore[arg-type]
+        try:
+            return decode_frames(full, sample_frame_indices(shape.video_frames, count))
+        except (OSError, ValueError) as exc:
+            raise self._error(shape.sample_id, "video", f"cannot load video {full}: {exc}") from exc
 
     def _size_error(
         self, shape: SampleShape, record: Mapping[str, Any], i: int, path: str, full: str, real: tuple[int, int]

@@ -10,7 +10,6 @@ cost is counted by tiles.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 
 from dflop_ds.data.errors import PathArg
-from dflop_ds.data.video import DEFAULT_VIDEO_MAX_FRAMES, decode_frames, sample_frame_indices
+from dflop_ds.data.video import DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.models.hf.folder import check_model_folder
 from dflop_ds.models.hf.llava_data import (
     DEFAULT_SYSTEM,
@@ -139,16 +138,6 @@ class OnevisionDataset(LlavaDataset):
     supports_video = True
     size_sets_tokens = True
 
-    def _frames(self, shape: SampleShape) -> list:
-        """The sample's video's uniformly sampled frames, decoded."""
-        path = self.records[shape.sample_id]["video"]
-        full = os.path.abspath(os.path.join(self.video_folder, path))  # type: ignore[arg-type]
-        count = min(shape.video_frames, self.preprocessor.video_max_frames)
-        try:
-            return decode_frames(full, sample_frame_indices(shape.video_frames, count))
-        except (OSError, ValueError) as exc:
-            raise self._error(shape.sample_id, "video", f"cannot load video {full}: {exc}") from exc
-
     def _blank_media(self, shape: SampleShape) -> tuple[torch.Tensor, list[list[int]]]:
         """Zero tiles and the media rows the sample's shape sizes (what :meth:`_item` loads, for a stand-in)."""
         rule = self.preprocessor.media.rule
@@ -166,7 +155,8 @@ class OnevisionDataset(LlavaDataset):
         else:
             tiles, rows = media.image_tiles(self._load_images(shape))
             if shape.video_frames:
-                frame_tiles, video_rows = media.frame_tiles(self._frames(shape))
+                count = min(shape.video_frames, self.preprocessor.video_max_frames)
+                frame_tiles, video_rows = media.frame_tiles(self._uniform_frames(shape, count))
                 tiles, rows = torch.cat([tiles, frame_tiles]), rows + video_rows
         counts = media.tokens(rows, len(shape.image_sizes))
         image_tokens = [c for c, row in zip(counts, rows) if not row[1]]

@@ -33,6 +33,7 @@ FAMILY_MODULES = (
     "dflop_ds.models.hf.llava_family",
     "dflop_ds.models.hf.qwen2_vl_family",
     "dflop_ds.models.hf.llava_onevision_family",
+    "dflop_ds.models.hf.internvl_family",
 )
 
 
