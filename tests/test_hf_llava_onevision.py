@@ -201,3 +201,23 @@ def test_llava_onevision_trains_on_two_ranks_with_zero2(tmp_path, onevision_data
     old = AutoModelForImageTextToText.from_pretrained(str(model)).state_dict()
     new = AutoModelForImageTextToText.from_pretrained(str(out)).state_dict()
     assert old.keys() == new.keys() and sum(not torch.equal(old[k], new[k]) for k in old) > len(old) // 2
+
+
+def test_profiling_target_sweeps_tiles_and_fits_a_cost_model_with_the_family_policy(onevision_data):
+    from dflop_ds.cost import FittedCostModel
+    from dflop_ds.models.hf.profile import hf_target
+    from dflop_ds.profile.model import profile_model
+
+    model, *_ = onevision_data
+    target = hf_target(str(model))
+    x = target.encoder_inputs(5, 2)  # 3 + 2 one-tile images (16 features and a newline each)
+    image_id = target.encoder_inputs.image_token_id  # type: ignore[attr-defined]
+    assert x[3][:, 0].tolist() == [0, 0, 0, 1, 1] and (x[1] == image_id).sum(1).tolist() == [3 * 17, 2 * 17]
+    for layer in [*target.encoder_layers, target.projector]:
+        x = layer(x)
+    assert x[0].shape[:2] == (2, 3 * 17 + 8)
+    profile = profile_model(
+        **target.profile_kwargs(), tiles=(1, 4), seq_lens=(16,), batch_sizes=(1,), repeats=1, warmup=0, progress=False
+    )
+    cost_model = FittedCostModel().fit(profile, target.policy)
+    assert cost_model.shape_policy["sample_images"].startswith("OnevisionTokenRule(")
