@@ -2,12 +2,13 @@
 
 Builds a tiny random ``LlavaForConditionalGeneration`` (CLIP + Llama, saved offline) and a LLaVA
 JSON dataset with real PNG/JPEG files (text-only chats, one to three images, answers of 2 to 45
-words), and a tiny random ``Qwen2VLForConditionalGeneration`` with its own dataset: images of
-varied resolution (each its own patch grid), text-only chats and short real videos (mpeg4,
+words), and a tiny random ``Qwen2VLForConditionalGeneration``, ``LlavaOnevisionForConditionalGeneration``
+(AnyRes) and ``InternVLForConditionalGeneration`` (dynamic tiles), each with its own dataset: images
+of varied sizes and aspect ratios, multi-image and text-only chats and short real videos (mpeg4,
 4-12 frames, written with PyAV). Profiles each model's real layers (``dflop-ds profile model
 --model_name_or_path``), then launches `deepspeed --num_gpus 2 benchmarks/hf_worker.py` once per
-row (LLaVA on pp2 and ZeRO-2, Qwen2-VL on ZeRO-2); each launch trains the same global batches
-with every method, interleaved round by round. The methods run as their users run them
+row (LLaVA on pp2 and ZeRO-2, Qwen2-VL, LLaVA-OneVision and InternVL on ZeRO-2); each launch
+trains the same global batches with every method, interleaved round by round. The methods run as their users run them
 (:mod:`benchmarks.e2e_methods`): stock and LLaVA's modality grouping pad their microbatches,
 verl and dflop-ds pack them (dflop-ds balancing on the packed cost), and ``stock_packed``
 (stock's split, packed) separates packing's gain from balancing's. Prints a table (samples/s
@@ -32,17 +33,31 @@ from benchmarks.e2e_methods import ONE_ENGINE_METHODS  # noqa: E402
 from dflop_ds.cost import reusable_fitted_model  # noqa: E402
 
 #: the rows: (name, model family, engine)
-RUNS = (("pp2", "llava", "pp2"), ("zero2", "llava", "zero2"), ("qwen2_vl_zero2", "qwen2_vl", "zero2"))
-#: the profile's encoder sweep per family: LLaVA tiles (images), Qwen2-VL patches
-TILE_SWEEPS = {"llava": "1,2,4,8,16", "qwen2_vl": "4,16,64,128,256,512"}
-#: the Qwen2-VL dataset: images up to 64x64 px after resizing (256 patches), a third of the records videos
-QWEN_MAX_PIXELS, QWEN_VIDEO_SHARE = 64 * 64, 3
+RUNS = (
+    ("pp2", "llava", "pp2"),
+    ("zero2", "llava", "zero2"),
+    ("qwen2_vl_zero2", "qwen2_vl", "zero2"),
+    ("llava_ov_zero2", "llava_onevision", "zero2"),
+    ("internvl_zero2", "internvl", "zero2"),
+)
+#: the profile's encoder sweep per family: LLaVA, LLaVA-OneVision and InternVL tiles, Qwen2-VL patches
+TILE_SWEEPS = {
+    "llava": "1,2,4,8,16",
+    "qwen2_vl": "4,16,64,128,256,512",
+    "llava_onevision": "1,2,4,8,16,32",
+    "internvl": "1,2,4,8,16,32",
+}
+#: the Qwen2-VL dataset: images up to 64x64 px after resizing (256 patches); a third of the records of
+#: every family but LLaVA are videos
+QWEN_MAX_PIXELS, VIDEO_SHARE = 64 * 64, 3
 
 
 def prepare(out: Path, records: int, family: str) -> dict[str, Path]:
     """The model directory, data file, media folders and cost model of ``family`` (made once, then reused)."""
     from dflop_ds.testing.hf_tiny import build_tiny_llava
+    from dflop_ds.testing.internvl_tiny import build_tiny_internvl
     from dflop_ds.testing.llava_data import write_llava_dataset
+    from dflop_ds.testing.llava_onevision_tiny import build_tiny_llava_onevision
     from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl
     from dflop_ds.testing.video import add_video_records
 
@@ -51,11 +66,15 @@ def prepare(out: Path, records: int, family: str) -> dict[str, Path]:
     if not (model / "config.json").exists():
         if family == "llava":
             build_tiny_llava(model, vision="clip", text="llama")
+        elif family == "llava_onevision":
+            build_tiny_llava_onevision(model)  # 16 px tiles, grids up to 3 x 3, pooled over 2 tiles' worth
+        elif family == "internvl":
+            build_tiny_internvl(model)  # 16 px tiles, 1-6 tiles and a thumbnail
         else:
             build_tiny_qwen2_vl(model, max_pixels=QWEN_MAX_PIXELS)
     data, images, videos = root / "data" / "data.json", root / "data" / "images", root / "data" / "videos"
     if not data.exists():
-        n_videos = 0 if family == "llava" else records // QWEN_VIDEO_SHARE
+        n_videos = 0 if family == "llava" else records // VIDEO_SHARE
         write_llava_dataset(root / "data", records - n_videos, seed=1, answer_words=(2, 45))
         if n_videos:
             add_video_records(data, videos, n_videos, seed=1)
@@ -98,7 +117,9 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "out" / "bench_hf"))
     parser.add_argument("--records", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds (every method once per round)")
-    parser.add_argument("--qwen-rounds", type=int, default=6, help="timed rounds of the Qwen2-VL row")
+    parser.add_argument(
+        "--qwen-rounds", type=int, default=6, help="timed rounds of the Qwen2-VL, LLaVA-OneVision and InternVL rows"
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument(
         "--methods", default=",".join(ONE_ENGINE_METHODS), help="comma-separated methods (default: all)"

@@ -1,7 +1,7 @@
 """One rank of `make bench-hf` (launched by bench_hf.py under `deepspeed`).
 
 One engine (the pipeline engine with 2 stages, or the plain engine with ZeRO-2) over a
-HuggingFace LLaVA or Qwen2-VL directory, built by the library's training pieces (``hf_source``,
+HuggingFace directory of any registered family, built by the library's training pieces (``hf_source``,
 ``build_engine``). Every method's sampler shares the seed, so they cut the same global batches;
 every round trains the same batch with each method, the order rotating every round, and rank 0
 writes each step's time and token counts. The methods run as their users run them
