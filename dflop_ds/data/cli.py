@@ -46,7 +46,7 @@ def add_read_arguments(parser: argparse.ArgumentParser, *, default_policy: str =
         dest="model_name_or_path",
         default=None,
         metavar="DIR",
-        help="a HuggingFace LLaVA or Qwen2-VL save_pretrained directory: the shape policy "
+        help="a HuggingFace save_pretrained directory of a registered family: the shape policy "
         "(tokens per image, chat template token counts) of its processor",
     )
     parser.add_argument(

@@ -20,8 +20,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "check-model",
         help="check that the pipeline layer lists of a HF model directory match its own forward",
-        description="Load a save_pretrained LLaVA or Qwen2-VL directory (model + processor, or tokenizer + image "
-        "processor), split its layer lists into "
+        description="Load a save_pretrained directory of a registered family (LLaVA, Qwen2-VL, LLaVA-OneVision, "
+        "InternVL; model + processor, or tokenizer + image processor), split its layer lists into "
         "--stages stages, run synthetic microbatches (images inside prompts, text-only rows and "
         "microbatches, different lengths) stage by stage and through the HF model, and compare "
         "loss and logits; run every microbatch packed too and compare with the padded one "
