@@ -22,6 +22,7 @@ OTHER_MEANINGS = {
     ("data/dispatch.py", "llava"): "the LLaVA JSON data format, read for every family",
     ("schedule/splitters/llava.py", "llava"): "the name of the LLaVA data-ordering splitter",
     ("cost/analytic.py", "llava"): "the prefix of the paper's analytic 'llava-ov-...' cost models",
+    ("plan/projection.py", "llava"): "the LLaVA modality-grouping baseline method and its splitter",
 }
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dflop_ds.models.data import IGNORE_INDEX
+from dflop_ds.models.hf.llava import MODEL_TYPE as LLAVA_TYPE
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class BlankImage:
     def for_model(cls, config: Any) -> BlankImage | None:
         """The blank image of a ``LlavaForConditionalGeneration`` config; None for another model
         (the guard then does nothing)."""
-        if getattr(config, "model_type", None) != "llava" or not isinstance(config.vision_feature_layer, int):
+        if getattr(config, "model_type", None) != LLAVA_TYPE or not isinstance(config.vision_feature_layer, int):
             return None
         vision = config.vision_config
         patches = (int(vision.image_size) // int(vision.patch_size)) ** 2

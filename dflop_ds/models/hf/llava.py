@@ -33,6 +33,7 @@ from torch import nn
 from dflop_ds.models.hf.common import LMHead, decoder_layers, load_checked
 from dflop_ds.profile.inputs import ContractLLMInputs, split_evenly
 
+MODEL_TYPE = "llava"
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
 TEXT_TYPES = ("llama", "qwen2", "mistral")
 STRATEGIES = ("default", "full")
@@ -44,7 +45,7 @@ VisTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def check_llava_config(config: Any, where: str = "model") -> None:
     """Refuse a config this adapter cannot run exactly, naming ``where`` and what is supported."""
-    if getattr(config, "model_type", None) != "llava":
+    if getattr(config, "model_type", None) != MODEL_TYPE:
         raise ValueError(
             f"{where}: model type {getattr(config, 'model_type', None)!r} is not supported by the "
             f"LLaVA adapter (supported: 'llava' with vision towers {list(VISION_TYPES)} and text models "
@@ -244,6 +245,7 @@ def llava_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Module
 
 
 __all__ = [
+    "MODEL_TYPE",
     "STRATEGIES",
     "TEXT_TYPES",
     "TIED_EMBEDDING_KEY",
