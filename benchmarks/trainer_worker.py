@@ -25,6 +25,7 @@ import torch.distributed as dist
 from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainerCallback, TrainingArguments
 
 from dflop_ds.hf_trainer import BlankImageGuardMixin, DFLOPTrainer, llava_json_shapes
+from dflop_ds.launch import finish_rank
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
 _spec = importlib.util.spec_from_file_location("hf_trainer_example", EXAMPLE)
@@ -118,6 +119,8 @@ def run(strategy: str, cli, processor, shapes) -> dict:
     )
     trainer.clock = clock
     trainer.train()
+    if isinstance(trainer, DFLOPTrainer) and trainer.dflop_batch_sampler is not None:
+        trainer.dflop_batch_sampler.close()  # max_steps ends mid-epoch: stop its scheduling thread
     timed = clock.steps[1:]
     wall = sum(w for w, _ in timed)
     busy = torch.tensor([b for _, b in timed], dtype=torch.float64)
@@ -153,6 +156,7 @@ def main() -> None:
             results.append({"round": round_index, "strategy": strategy, **run(strategy, cli, processor, shapes)})
     if dist.get_rank() == 0:
         Path(cli.out).write_text(json.dumps(results, indent=1))
+    finish_rank()
 
 
 if __name__ == "__main__":

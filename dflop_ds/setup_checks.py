@@ -12,8 +12,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from dflop_ds.config import DFLOPConfig, autotp_size
+from dflop_ds.cost import check_policy
 from dflop_ds.pipe.stage_bounds import StageBounds
 from dflop_ds.schedule.correction import CorrectionSettings
+from dflop_ds.shapes import ShapePolicy
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -194,13 +196,7 @@ def check_training_setup(
     total, micro, gas = resolve_batch_keys(ds_config, dp)  # micro >= 1, so total >= gas * dp
     if dflop.stage_bounds is not None:
         check_stage_bounds(dflop.stage_bounds, stages, n_layers)
-    if dflop.time_limit_s > 0 and world_size > 1:
-        raise SetupError(
-            f"dflop.sampler.time_limit_s={dflop.time_limit_s:g}: each of the {world_size} processes computes the"
-            " schedule itself, and a time-limited solver can answer differently on each, so stages and"
-            " ranks would train mismatched microbatches; with world size > 1 use 0, and dflop.sampler.ilp_nodes for an"
-            " exact solver bounded by nodes instead of time (the same answer on every rank)"
-        )
+    check_time_limit(dflop, world_size)
     if plan is not None:
         check_plan(
             plan,
@@ -219,6 +215,18 @@ def check_training_setup(
             f"dflop.data.path ({dflop.data}) has {n_samples} usable samples"
             f"{'' if dflop.max_samples is None else f' (max_samples={dflop.max_samples})'},"
             f" fewer than one global batch (train_batch_size={total}{f' / autotp_size {tp}' if tp > 1 else ''})"
+        )
+
+
+def check_time_limit(dflop: DFLOPConfig, world_size: int) -> None:
+    """``dflop.sampler.time_limit_s`` must be 0 when more than one of ``world_size`` processes
+    computes the schedule: a time-limited solver can answer differently on each."""
+    if dflop.time_limit_s > 0 and world_size > 1:
+        raise SetupError(
+            f"dflop.sampler.time_limit_s={dflop.time_limit_s:g}: each of the {world_size} processes computes the"
+            " schedule itself, and a time-limited solver can answer differently on each, so stages and"
+            " ranks would train mismatched microbatches; with world size > 1 use 0, and dflop.sampler.ilp_nodes for an"
+            " exact solver bounded by nodes instead of time (the same answer on every rank)"
         )
 
 
@@ -281,6 +289,23 @@ def check_cost_model(cost_model: Any, *, encoder_layers: int, llm_layers: int, s
         )
 
 
+def check_cost_model_fits(
+    cost_model: Any,
+    policy: ShapePolicy | None,
+    *,
+    encoder_layers: int | None,
+    llm_layers: int | None,
+    source: str = "cost model",
+) -> None:
+    """A cost model fits the run when it was profiled under the shape policy the data is shaped
+    with (:func:`~dflop_ds.cost.check_policy`) and on the model's depth (:func:`check_cost_model`).
+    ``policy`` or the depths None: the run does not know them, that check is skipped."""
+    if policy is not None:
+        check_policy(cost_model, policy, source=source)
+    if encoder_layers is not None and llm_layers is not None:
+        check_cost_model(cost_model, encoder_layers=encoder_layers, llm_layers=llm_layers, source=source)
+
+
 __all__ = [
     "SetupError",
     "check_training_setup",
@@ -290,4 +315,6 @@ __all__ = [
     "check_plan",
     "check_plan_topology",
     "check_cost_model",
+    "check_cost_model_fits",
+    "check_time_limit",
 ]

@@ -25,6 +25,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, HfArgumentParser, TrainingArguments
 
 from dflop_ds.hf_trainer import DFLOPTrainer, llava_json_shapes  # DFLOP (was: from transformers import Trainer)
+from dflop_ds.launch import finish_rank  # DFLOP: a clean end of every rank
 
 IGNORE = -100
 
@@ -118,6 +119,7 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model()
     processor.save_pretrained(args.output_dir)
+    finish_rank(trainer.dflop_batch_sampler)  # DFLOP: stop the scheduling thread and the process group
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser, get_peft_con
 
 from dflop_ds.hf_trainer import hf_dataset_shapes  # DFLOP
 from dflop_ds.hf_trainer.sft import DFLOPSFTTrainer  # DFLOP (was: from trl import SFTTrainer)
+from dflop_ds.launch import finish_rank  # DFLOP: a clean end of every rank
 
 
 def main() -> None:
@@ -44,6 +45,7 @@ def main() -> None:
     )
     trainer.train()
     trainer.save_model(training_args.output_dir)
+    finish_rank(trainer.dflop_batch_sampler)  # DFLOP: stop the scheduling thread and the process group
 
 
 if __name__ == "__main__":

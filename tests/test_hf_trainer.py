@@ -25,8 +25,10 @@ from dflop_ds.hf_trainer import (
     dflop_settings,
     llava_json_shapes,
 )
+from dflop_ds.hf_trainer.agreement import ranks_disagreement, trainer_input_digests
 from dflop_ds.hf_trainer.guard import BlankImage, has_images, with_blank_image
-from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, data_parallel_coords, epoch_batches_with_tail
+from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, epoch_batches_with_tail, trainer_data_parallel_coords
+from dflop_ds.launch import CLEAN_SHUTDOWN
 from dflop_ds.schedule import DFLOPBatchSampler
 from dflop_ds.shapes import SampleShape
 
@@ -90,9 +92,30 @@ def test_trainer_epochs_train_every_sample_once_in_gas_microbatches_and_restart_
 
 
 def test_tensor_parallel_peers_share_a_data_parallel_rank():
-    assert [data_parallel_coords(r, 4, 2) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert [trainer_data_parallel_coords(r, 4, 2) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     with pytest.raises(ValueError, match="not a multiple"):
-        data_parallel_coords(0, 3, 2)
+        trainer_data_parallel_coords(0, 3, 2)
+
+
+def test_ranks_that_would_train_different_splits_are_named_before_the_first_step():
+    settings = {"kind": "dflop", "global_batch_size": 8, "gradient_accumulation_steps": 2, "dp_size": 2}
+
+    def digests(rank, table, seed, cost_model=None):
+        return trainer_input_digests(
+            table, cost_model, "costmodel.json", seed, "TrainingArguments.seed", settings, rank
+        )
+
+    same = [digests(0, shapes(12), 3), digests(1, shapes(12), 3)]
+    assert ranks_disagreement(same) is None
+    reordered = shapes(12)[::-1]  # e.g. a rank whose dataset listed the files in another order
+    report = ranks_disagreement([digests(0, shapes(12), 3), digests(1, reordered, 4)])
+    assert report is not None
+    assert "rank 1: its shape table differs from rank 0's" in report and "sample_shapes= on rank 1" in report
+    assert "rank 1: its data-order seed differs from rank 0's" in report
+    from dflop_ds.cost import ProxyCost
+
+    other_cost = ranks_disagreement([digests(0, shapes(12), 3), digests(1, shapes(12), 3, ProxyCost())])
+    assert other_cost is not None and "its cost model differs" in other_cost
 
 
 # ---- the blank image of image-free microbatches ----------------------------------------------------
@@ -231,13 +254,68 @@ def test_resume_from_a_checkpoint_of_another_dataset_is_refused(tiny_trainer_par
     dataset = torch.utils.data.TensorDataset(torch.arange(RECORDS))
     first = DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good)
     first.get_train_dataloader()
-    first._save_sampler_state(str(tmp_path), global_step=3)
+    first._save_sampler_state(str(tmp_path))
     saved = json.loads((tmp_path / SAMPLER_STATE).read_text())
-    assert (saved["epoch"], saved["next_batch"]) == (0, 3)  # global batches of 2: 14 per epoch
+    assert saved["batches_per_epoch"] == RECORDS // 2  # global batches of 2
     other = DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good[::-1])
     other._dflop_resume = str(tmp_path)  # what train(resume_from_checkpoint=tmp_path) records
     with pytest.raises(ValueError, match=rf"{SAMPLER_STATE}: cannot resume this run from it: .*another dataset"):
         other.get_train_dataloader()
+
+
+def test_an_explicit_dflop_seed_of_zero_wins_over_the_trainers_seed(tiny_trainer_parts):
+    model, args, dataset, good = tiny_trainer_parts
+    args.seed = 5
+    explicit = DFLOPTrainer(
+        model=model, args=args, train_dataset=dataset, sample_shapes=good, dflop={"train": {"seed": 0}}
+    )
+    assert explicit.get_train_dataloader().batch_sampler.sampler.seed == 0
+    implicit = DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good, dflop={})
+    assert implicit.get_train_dataloader().batch_sampler.sampler.seed == 5
+
+
+def test_time_limited_solver_is_refused_with_more_than_one_rank(tiny_trainer_parts, tmp_path):
+    from transformers import TrainingArguments
+
+    from dflop_ds.setup_checks import SetupError
+
+    class TwoRankArguments(TrainingArguments):  # the world size a 2-rank launch gives the Trainer
+        @property
+        def world_size(self) -> int:
+            return 2
+
+    model, args, dataset, good = tiny_trainer_parts
+    limited = {"sampler": {"time_limit_s": 0.5}}
+    two = TwoRankArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2)
+    trainer = DFLOPTrainer(model=model, args=two, train_dataset=dataset, sample_shapes=good, dflop=limited)
+    with pytest.raises(SetupError, match=r"dflop\.sampler\.time_limit_s=0\.5: each of the 2 processes"):
+        trainer.get_train_dataloader()
+    one = DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good, dflop=limited)
+    assert one.get_train_dataloader().batch_sampler.sampler.time_limit_s == 0.5  # one rank: allowed
+
+
+def test_cost_model_of_another_shape_policy_or_depth_is_refused_by_the_trainer(tiny_trainer_parts, tmp_path):
+    from dataclasses import replace
+
+    from test_costmodel import synthetic_profile
+
+    from dflop_ds.cost import FittedCostModel, save_cost_model
+    from dflop_ds.shapes import TINY_POLICY
+
+    model, args, dataset, good = tiny_trainer_parts
+    path = tmp_path / "cm.json"
+    trainer = DFLOPTrainer(
+        model=model, args=args, train_dataset=dataset, sample_shapes=good, dflop={"sampler": {"cost_model": str(path)}}
+    )
+    save_cost_model(FittedCostModel().fit(synthetic_profile(), TINY_POLICY), path)
+    with pytest.raises(ValueError, match=rf"{path} was profiled under the shape policy 'tiny', but the data is shaped"):
+        trainer.get_train_dataloader()
+    save_cost_model(FittedCostModel().fit(synthetic_profile(), good.policy), path)  # the shapes' own policy
+    with pytest.raises(ValueError, match=r"profiled for 6 encoder and 5 LLM layers, but the model has 3 encoder and 4"):
+        trainer.get_train_dataloader()  # the tiny LLaVA as dflop-ds cuts it (llava_layers)
+    fitting = replace(synthetic_profile(), encoder_layers=3, llm_layers=4)
+    save_cost_model(FittedCostModel().fit(fitting, good.policy), path)
+    assert trainer.get_train_dataloader().batch_sampler.sampler.cost_model is not None
 
 
 # ---- on two DeepSpeed ranks ----------------------------------------------------------------------
@@ -252,7 +330,8 @@ def trainer_reports(llava_inputs, tmp_path_factory):
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     }
     args = ["--out", out, "--model", model, "--data", data, "--images", images, "--epochs", 2, "--stop_at", 2]
-    run_on_ranks(SCRIPT, [str(a) for a in args], extra_env=env, timeout=900)
+    result = run_on_ranks(SCRIPT, [str(a) for a in args], extra_env=env, timeout=900)
+    assert all(f"{CLEAN_SHUTDOWN} {r}\n" in result.stdout for r in (0, 1)), result.stdout[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 

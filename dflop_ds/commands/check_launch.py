@@ -19,8 +19,8 @@ import argparse
 from typing import Any
 
 from dflop_ds.config import AUTO, OFF, DFLOPConfig, autotp_size
-from dflop_ds.cost import check_policy, load_cost_model
-from dflop_ds.setup_checks import SetupError, check_cost_model, check_training_setup, resolve_batch_keys
+from dflop_ds.cost import load_cost_model
+from dflop_ds.setup_checks import SetupError, check_cost_model_fits, check_training_setup, resolve_batch_keys
 from dflop_ds.train.launch_inputs import PROXY
 from dflop_ds.train.memory_cap import MemoryCap
 from dflop_ds.train.options import build_parser, load_plan, load_settings
@@ -76,9 +76,9 @@ def check_launch(args: argparse.Namespace) -> list[str]:
         check_training_setup(ds_config, cfg, world, plan=plan, n_samples=len(shapes), n_layers=source.n_layers)
         if cfg.cost_model not in (None, PROXY):
             cost_model = load_cost_model(cfg.cost_model)
-            check_policy(cost_model, source.policy, source=str(cfg.cost_model))
-            check_cost_model(
+            check_cost_model_fits(
                 cost_model,
+                source.policy,
                 encoder_layers=len(source.encoder_layers),
                 llm_layers=len(source.llm_layers),
                 source=str(cfg.cost_model),

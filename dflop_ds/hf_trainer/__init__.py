@@ -14,7 +14,7 @@ TRL's ``SFTTrainer``: ``from dflop_ds.hf_trainer.sft import DFLOPSFTTrainer`` wi
 """
 
 from dflop_ds.hf_trainer.guard import BlankImageGuardMixin
-from dflop_ds.hf_trainer.shapes import hf_dataset_shapes, llava_json_shapes
+from dflop_ds.hf_trainer.shapes import ShapeTable, hf_dataset_shapes, llava_json_shapes
 from dflop_ds.hf_trainer.trainer import SAMPLER_STATE, DFLOPTrainer, DFLOPTrainerMixin, dflop_settings
 from dflop_ds.hf_trainer.version import SUPPORTED, check_transformers_version
 
@@ -22,6 +22,7 @@ __all__ = [
     "SAMPLER_STATE",
     "SUPPORTED",
     "BlankImageGuardMixin",
+    "ShapeTable",
     "DFLOPTrainer",
     "DFLOPTrainerMixin",
     "check_transformers_version",

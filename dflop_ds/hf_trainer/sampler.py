@@ -15,7 +15,6 @@ microbatches as the interrupted one.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,36 +23,47 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, Sampler
 
-from dflop_ds.schedule.epoch import epoch_permutation
+from dflop_ds.schedule.epoch import epoch_permutation, global_batches
 from dflop_ds.schedule.index import ScheduledIndex
-from dflop_ds.schedule.prefetch import BackgroundMap, run_with_deadline
 from dflop_ds.schedule.sampler import BatchSchedule, GlobalBatchSampler
 
 logger = logging.getLogger(__name__)
 
 
-def data_parallel_coords(process_index: int, world_size: int, tp_size: int) -> tuple[int, int]:
-    """``(dp_rank, dp_size)`` of a process when ranks form a ``(data, tensor)`` mesh, tensor-parallel
-    peers adjacent (DeepSpeed AutoTP's and Accelerate's layout): the peers of a tensor-parallel
-    group share one data-parallel rank, so they get identical microbatches."""
+def trainer_data_parallel_coords(process_index: int, world_size: int, tp_size: int) -> tuple[int, int]:
+    """``(dp_rank, dp_size)`` of the Trainer process ``process_index`` of ``world_size`` when ranks
+    form a ``(data, tensor)`` mesh of ``tp_size`` tensor-parallel peers, peers adjacent (DeepSpeed
+    AutoTP's and Accelerate's layout): the peers of a tensor-parallel group share one data-parallel
+    rank, so they get identical microbatches."""
     if tp_size < 1 or world_size % tp_size:
         raise ValueError(f"the world size {world_size} is not a multiple of the tensor-parallel size {tp_size}")
     return process_index // tp_size, world_size // tp_size
 
 
+def epoch_batch_count(
+    n_samples: int, global_batch_size: int, min_batch: int, drop_last: bool = False
+) -> tuple[int, int]:
+    """``(batches, dropped)``: how many global batches an epoch of ``n_samples`` has (the full ones,
+    plus the short rest when it holds at least ``min_batch`` samples and ``drop_last`` is off) and
+    how many of its samples are left out."""
+    full, rest = divmod(n_samples, global_batch_size)
+    if rest and (drop_last or rest < min_batch):
+        return full, rest
+    return full + (1 if rest else 0), 0
+
+
 def epoch_batches_with_tail(
     n_samples: int, seed: int, epoch: int, global_batch_size: int, min_batch: int, drop_last: bool = False
 ) -> tuple[list[np.ndarray], int]:
-    """``(batches, dropped)``: the global batches of ``epoch`` (full ones, then the short rest of
-    the permutation when it holds at least ``min_batch`` samples and ``drop_last`` is off) and how
-    many samples of the epoch are left out."""
+    """``(batches, dropped)``: the global batches of ``epoch`` (the full ones of
+    :func:`~dflop_ds.schedule.epoch.global_batches`, then the short rest of the permutation as
+    :func:`epoch_batch_count` keeps it) and how many samples of the epoch are left out."""
     order = epoch_permutation(n_samples, seed, epoch)
-    full = n_samples // global_batch_size
-    batches = [order[b * global_batch_size : (b + 1) * global_batch_size] for b in range(full)]
-    rest = order[full * global_batch_size :]
-    if len(rest) and (drop_last or len(rest) < min_batch):
-        return batches, len(rest)
-    return (batches + [rest] if len(rest) else batches), 0
+    batches = global_batches(order, global_batch_size, min_batch)
+    count, dropped = epoch_batch_count(n_samples, global_batch_size, min_batch, drop_last)
+    if count > len(batches):
+        batches.append(order[len(batches) * global_batch_size :])
+    return batches, dropped
 
 
 @dataclass
@@ -98,8 +108,7 @@ class TrainerBatchSampler(Sampler[list[ScheduledIndex]]):
         self.log = ScheduleLog()
         n, size = len(sampler.shapes), sampler.global_batch_size
         min_batch = sampler.n_mb * sampler.dp_size
-        batches, self.dropped_per_epoch = epoch_batches_with_tail(n, 0, 0, size, min_batch, self.drop_last)
-        self.batches_per_epoch = len(batches)
+        self.batches_per_epoch, self.dropped_per_epoch = epoch_batch_count(n, size, min_batch, self.drop_last)
         if self.dropped_per_epoch:
             logger.warning(
                 "%d of %d samples of every epoch are not trained (a different %d each epoch): they are left after"
@@ -132,22 +141,14 @@ class TrainerBatchSampler(Sampler[list[ScheduledIndex]]):
         )[0]
 
     def schedules(self, epoch: int) -> Iterator[BatchSchedule]:
-        """The schedules of ``epoch``'s global batches in order, ``prefetch`` of them computed ahead
-        in a thread; one that takes longer than ``schedule_timeout_s`` is an error naming it."""
-        batches, sampler = self.batches(epoch), self.sampler
-        timeout = sampler.schedule_timeout_s
+        """The schedules of ``epoch``'s global batches in order, computed as the dflop-ds sampler
+        computes its own (``prefetch`` ahead in a thread, ``schedule_timeout_s`` per batch)."""
+        return self.sampler._schedules(epoch, 0, self.batches(epoch))
 
-        def one(b: int) -> BatchSchedule:
-            return sampler.schedule(epoch, b, batches[b])
-
-        def name(b: int) -> str:
-            return f"epoch {epoch} batch {b}"
-
-        if sampler.prefetch == 0:
-            yield from (run_with_deadline(functools.partial(one, b), timeout, name(b)) for b in range(len(batches)))
-            return
-        with BackgroundMap(one, range(len(batches)), depth=sampler.prefetch, timeout_s=timeout, describe=name) as ahead:
-            yield from ahead
+    def close(self) -> None:
+        """Stop the background scheduling thread (at the end of training, see
+        :func:`dflop_ds.launch.finish_rank`)."""
+        self.sampler.close()
 
     def __iter__(self) -> Iterator[list[ScheduledIndex]]:
         """This rank's microbatches of the current Trainer epoch, in training order."""
@@ -172,6 +173,7 @@ __all__ = [
     "ScheduleLog",
     "TrainerBatchSampler",
     "TrainerDataLoader",
-    "data_parallel_coords",
+    "epoch_batch_count",
     "epoch_batches_with_tail",
+    "trainer_data_parallel_coords",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from dflop_ds.data import DataError, read_dataset
@@ -11,7 +11,18 @@ from dflop_ds.data.errors import PathArg
 from dflop_ds.data.media import media_folder
 from dflop_ds.models.hf.llava_data import LlavaPreprocessor
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
-from dflop_ds.shapes import SampleShape
+from dflop_ds.shapes import SampleShape, ShapePolicy
+
+
+class ShapeTable(list):
+    """A ``list[SampleShape]`` that also names the :class:`ShapePolicy` that shaped it, so the
+    Trainer can check a cost model against it."""
+
+    policy: ShapePolicy
+
+    def __init__(self, shapes: Iterable[SampleShape], policy: ShapePolicy) -> None:
+        super().__init__(shapes)
+        self.policy = policy
 
 
 def llava_json_shapes(
@@ -21,7 +32,7 @@ def llava_json_shapes(
     image_folder: PathArg | None = None,
     video_folder: PathArg | None = None,
     max_length: int | None = None,
-) -> list[SampleShape]:
+) -> ShapeTable:
     """One :class:`SampleShape` per record of a LLaVA JSON/JSONL file, in file order (dataset index
     ``i`` is record ``i``), for the HuggingFace model in ``model_name_or_path`` (LLaVA or the
     Qwen2-VL family: its processor decides image tokens and token counts).
@@ -32,14 +43,14 @@ def llava_json_shapes(
     role, an over-long chat) is a :class:`~dflop_ds.data.DataError` naming the file, record and
     field: the shapes must cover every index of the dataset the Trainer samples from.
     """
-    return list(
-        read_dataset(
-            data_path,
-            hf_preprocessor(model_name_or_path, max_length=max_length).policy(),
-            image_folder=media_folder(data_path, image_folder),
-            video_folder=media_folder(data_path, video_folder),
-        )
+    policy = hf_preprocessor(model_name_or_path, max_length=max_length).policy()
+    shapes = read_dataset(
+        data_path,
+        policy,
+        image_folder=media_folder(data_path, image_folder),
+        video_folder=media_folder(data_path, video_folder),
     )
+    return ShapeTable(shapes, policy)
 
 
 def image_size(image: Any) -> tuple[int, int]:
@@ -56,7 +67,7 @@ def image_size(image: Any) -> tuple[int, int]:
         return opened.size
 
 
-def hf_dataset_shapes(dataset: Any, processor: Any) -> list[SampleShape]:
+def hf_dataset_shapes(dataset: Any, processor: Any) -> ShapeTable:
     """One :class:`SampleShape` per row of a ``datasets.Dataset`` in TRL's vision format (a
     ``messages`` column of chat turns whose contents list ``{"type": "image"}`` and ``{"type":
     "text"}`` parts, and an ``images`` column), for a LLaVA ``processor`` with a chat template.
@@ -86,7 +97,7 @@ def hf_dataset_shapes(dataset: Any, processor: Any) -> list[SampleShape]:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         text_tokens = sum(1 for token in ids if token != image_token)
         shapes.append(policy.shape(str(index), image_sizes=sizes, text_tokens=text_tokens))
-    return shapes
+    return ShapeTable(shapes, policy)
 
 
 def _undecoded(dataset: Any) -> Any:
@@ -103,4 +114,4 @@ def _undecoded(dataset: Any) -> Any:
     return dataset
 
 
-__all__ = ["hf_dataset_shapes", "image_size", "llava_json_shapes"]
+__all__ = ["ShapeTable", "hf_dataset_shapes", "image_size", "llava_json_shapes"]

@@ -18,6 +18,11 @@ model, collator, optimizer, logging, checkpointing and evaluation stay. What it 
 * resume: the Trainer's own epoch and skip arithmetic lands on the next untrained microbatch
   (:mod:`dflop_ds.hf_trainer.sampler`); the sampler's state is written into every checkpoint
   folder and checked on resume, so another dataset, seed or batch size is refused by name;
+* the ranks agree before the first step: each rank digests its shape table, cost model, seed and
+  sampler settings and one ``all_gather_object`` compares them
+  (:mod:`dflop_ds.hf_trainer.agreement`), so ranks never train different splits; the cost model is
+  checked against the shapes' policy and the model's depth, and a time-limited solver
+  (``time_limit_s > 0``) is refused with more than one rank, as in the training loop;
 * the predicted imbalance and the scheduler's time join the Trainer's logs.
 """
 
@@ -36,11 +41,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from dflop_ds.config import AUTO, OFF, DFLOPConfig
 from dflop_ds.cost import load_cost_model
+from dflop_ds.hf_trainer.agreement import check_ranks_agree, model_depths, trainer_input_digests
 from dflop_ds.hf_trainer.guard import BlankImageGuardMixin
-from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, TrainerDataLoader, data_parallel_coords
+from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, TrainerDataLoader, trainer_data_parallel_coords
 from dflop_ds.hf_trainer.version import check_transformers_version
 from dflop_ds.jsonio import read_json_object
 from dflop_ds.schedule import make_sampler
+from dflop_ds.setup_checks import check_cost_model_fits, check_time_limit
 from dflop_ds.shapes import SampleShape
 
 logger = logging.getLogger(__name__)
@@ -49,17 +56,30 @@ logger = logging.getLogger(__name__)
 SAMPLER_STATE = "dflop_sampler.json"
 
 
-def dflop_settings(dflop: Mapping[str, Any] | None, deepspeed: Any) -> DFLOPConfig:
-    """The typed settings: ``dflop`` (a ``"dflop"`` block) if given, else the ``"dflop"`` block of
-    the DeepSpeed config ``deepspeed`` (``TrainingArguments.deepspeed``: a path or a dict), else
-    the defaults. A bad block is a ``ValueError`` naming the key and where it came from."""
+def dflop_block(dflop: Mapping[str, Any] | None, deepspeed: Any) -> tuple[dict[str, Any], str]:
+    """``(block, source)``: ``dflop`` (a ``"dflop"`` block) if given, else the ``"dflop"`` block of
+    the DeepSpeed config ``deepspeed`` (``TrainingArguments.deepspeed``: a path or a dict), else an
+    empty block; ``source`` names where it came from."""
     if dflop is not None:
-        return DFLOPConfig.from_dict(dict(dflop), source="DFLOPTrainer(dflop=...)")
+        return dict(dflop), "DFLOPTrainer(dflop=...)"
     if deepspeed is None:
-        return DFLOPConfig.from_dict({}, source="defaults")
+        return {}, "defaults"
     if isinstance(deepspeed, Mapping):
-        return DFLOPConfig.from_dict(deepspeed.get("dflop", {}), source="TrainingArguments.deepspeed")
-    return DFLOPConfig.from_dict(read_json_object(deepspeed).get("dflop", {}), source=str(deepspeed))
+        return dict(deepspeed.get("dflop", {})), "TrainingArguments.deepspeed"
+    return dict(read_json_object(deepspeed).get("dflop", {})), str(deepspeed)
+
+
+def dflop_settings(dflop: Mapping[str, Any] | None, deepspeed: Any) -> DFLOPConfig:
+    """The typed settings of :func:`dflop_block`'s block (the defaults where it sets nothing). A bad
+    block is a ``ValueError`` naming the key and where it came from."""
+    block, source = dflop_block(dflop, deepspeed)
+    return DFLOPConfig.from_dict(block, source=source)
+
+
+def block_sets_seed(block: Mapping[str, Any]) -> bool:
+    """Whether a ``"dflop"`` block sets ``train.seed`` itself (0 included)."""
+    train = block.get("train")
+    return isinstance(train, Mapping) and "seed" in train
 
 
 def memory_cap(settings: DFLOPConfig) -> float | None:
@@ -93,7 +113,9 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         check_transformers_version()
         super().__init__(*args, **kwargs)
         trainer: Any = self
-        self.dflop_settings = dflop_settings(dflop, trainer.args.deepspeed)
+        block, source = dflop_block(dflop, trainer.args.deepspeed)
+        self.dflop_settings = DFLOPConfig.from_dict(block, source=source)
+        self._dflop_seed_source = f"{source}: train.seed" if block_sets_seed(block) else None
         if self.dflop_settings.packing:
             raise ValueError(
                 "dflop.model.packing=true is not supported by DFLOPTrainer: it balances the microbatches your"
@@ -110,6 +132,8 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
                 " forward, so its loss would be a per-microbatch mean, which uneven microbatches distort; pass"
                 " compute_loss_func= that divides by num_items_in_batch"
             )
+        #: the shape policy of the shape helpers' tables (checked against the cost model's)
+        self.shape_policy = getattr(sample_shapes, "policy", None)
         self.sample_shapes = None if sample_shapes is None else list(sample_shapes)
         if trainer.train_dataset is not None and self.sample_shapes is not None:
             check_shapes(self.sample_shapes, trainer.train_dataset)
@@ -129,10 +153,35 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
             )
         check_shapes(self.sample_shapes, dataset)
         args, settings = trainer.args, self.dflop_settings
-        dp_rank, dp_size = data_parallel_coords(args.process_index, max(1, args.world_size), trainer.get_tp_size())
+        world = max(1, args.world_size)
+        dp_rank, dp_size = trainer_data_parallel_coords(args.process_index, world, trainer.get_tp_size())
+        check_time_limit(settings, world)  # every rank computes the schedule itself
         gas = args.gradient_accumulation_steps
         cap = memory_cap(settings)
         options: dict[str, Any] = {"memory_cap": cap, "allow_oversize": settings.allow_oversize} if cap else {}
+        cost_model = self._dflop_cost_model()
+        seed, seed_source = self._dflop_seed()
+        drop_last = settings.drop_last or args.dataloader_drop_last
+        sampler_settings = {
+            "kind": settings.sampler,
+            "global_batch_size": args.per_device_train_batch_size * gas * dp_size,
+            "gradient_accumulation_steps": gas,
+            "dp_size": dp_size,
+            "drop_last": drop_last,
+            "ilp_nodes": settings.ilp_nodes,
+            **options,
+        }
+        check_ranks_agree(
+            trainer_input_digests(
+                self.sample_shapes,
+                cost_model,
+                settings.cost_model or "the unitless proxy",
+                seed,
+                seed_source,
+                sampler_settings,
+                args.process_index,
+            )
+        )
         sampler = make_sampler(
             settings.sampler,
             self.sample_shapes,
@@ -140,8 +189,8 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
             gradient_accumulation_steps=gas,
             dp_rank=dp_rank,
             dp_size=dp_size,
-            cost_model=None if settings.cost_model is None else load_cost_model(settings.cost_model),
-            seed=self._dflop_seed(),
+            cost_model=cost_model,
+            seed=seed,
             prefetch=settings.prefetch,
             drop_last=False,  # epochs are cut by TrainerBatchSampler
             schedule_timeout_s=settings.schedule_timeout_s,
@@ -150,15 +199,35 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
             lockstep=True,  # no pipeline: ZeRO ranks meet in every microbatch's backward
             **options,
         )
-        return TrainerBatchSampler(sampler, drop_last=settings.drop_last or args.dataloader_drop_last)
+        return TrainerBatchSampler(sampler, drop_last=drop_last)
 
-    def _dflop_seed(self) -> int:
-        """The data order's seed: ``dflop.train.seed`` when the block sets it, else the Trainer's
-        ``data_seed`` or ``seed``."""
+    def _dflop_cost_model(self) -> Any:
+        """The cost model ``dflop.sampler.cost_model`` names (None: the proxy), checked against the
+        shapes' policy (when the shape helpers made them) and the model's depth (LLaVA, Qwen2-VL)."""
         trainer: Any = self
-        if self.dflop_settings.seed != DFLOPConfig.seed:
-            return self.dflop_settings.seed
-        return int(trainer.args.data_seed if trainer.args.data_seed is not None else trainer.args.seed)
+        path = self.dflop_settings.cost_model
+        if path is None:
+            return None
+        cost_model = load_cost_model(path)
+        depths = model_depths(trainer.model)
+        check_cost_model_fits(
+            cost_model,
+            self.shape_policy,
+            encoder_layers=None if depths is None else depths[0],
+            llm_layers=None if depths is None else depths[1],
+            source=str(path),
+        )
+        return cost_model
+
+    def _dflop_seed(self) -> tuple[int, str]:
+        """``(seed, where it came from)`` of the data order: ``dflop.train.seed`` when the block
+        sets it (0 included), else the Trainer's ``data_seed`` or ``seed``."""
+        trainer: Any = self
+        if self._dflop_seed_source is not None:
+            return self.dflop_settings.seed, self._dflop_seed_source
+        if trainer.args.data_seed is not None:
+            return int(trainer.args.data_seed), "TrainingArguments.data_seed"
+        return int(trainer.args.seed), "TrainingArguments.seed"
 
     def get_train_dataloader(self) -> TrainerDataLoader:
         """The training loader: the user's collator over :meth:`_get_train_sampler`'s microbatches,
@@ -227,20 +296,14 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
                 f" {batch_sampler.batches_per_epoch}: the dataset size, batch size or drop_last changed"
             )
 
-    def _save_sampler_state(self, checkpoint_dir: str, global_step: int) -> None:
+    def _save_sampler_state(self, checkpoint_dir: str) -> None:
         """Write into ``checkpoint_dir`` what the sampler schedules (seed, batch sizes, dataset
-        fingerprint) and where training stands after ``global_step`` optimizer steps."""
+        fingerprint, global batches per epoch), which a resume checks; where to resume is the
+        Trainer's own state."""
         batch_sampler = self.dflop_batch_sampler
         if batch_sampler is None:
             return
-        per_epoch = batch_sampler.batches_per_epoch
-        state = {
-            "global_step": global_step,
-            "epoch": global_step // per_epoch,
-            "next_batch": global_step % per_epoch,
-            "batches_per_epoch": per_epoch,
-            "sampler": batch_sampler.sampler.state_dict(),
-        }
+        state = {"batches_per_epoch": batch_sampler.batches_per_epoch, "sampler": batch_sampler.sampler.state_dict()}
         Path(checkpoint_dir, SAMPLER_STATE).write_text(json.dumps(state, indent=1))
 
 
@@ -255,7 +318,7 @@ class SamplerStateCallback(TrainerCallback):
         """After the Trainer wrote ``checkpoint-<step>``, add :data:`SAMPLER_STATE` to it."""
         folder = Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if args.should_save and folder.is_dir():
-            self.trainer._save_sampler_state(str(folder), state.global_step)
+            self.trainer._save_sampler_state(str(folder))
 
 
 def _is_hf_dataset(dataset: Any) -> bool:
@@ -287,7 +350,9 @@ __all__ = [
     "DFLOPTrainer",
     "DFLOPTrainerMixin",
     "SamplerStateCallback",
+    "block_sets_seed",
     "check_shapes",
+    "dflop_block",
     "dflop_settings",
     "memory_cap",
 ]

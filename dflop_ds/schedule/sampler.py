@@ -304,8 +304,14 @@ class GlobalBatchSampler:
         """Microbatches this rank yields in the current epoch."""
         return self.batches_per_epoch * self.n_mb
 
-    def _schedules(self, epoch: int, start: int) -> Iterator[BatchSchedule]:
-        batches = self.batches_in_epoch(epoch)
+    def _schedules(
+        self, epoch: int, start: int, batches: Sequence[np.ndarray] | None = None
+    ) -> Iterator[BatchSchedule]:
+        """The schedules of ``epoch``'s global batches from ``start`` on (``batches``: the epoch's
+        global batches, default :meth:`batches_in_epoch`), ``prefetch`` of them computed ahead in a
+        thread (stopped by :meth:`close`); one that takes longer than ``schedule_timeout_s`` is an
+        error naming it."""
+        batches = self.batches_in_epoch(epoch) if batches is None else batches
         keys = range(start, len(batches))
         timeout = self.schedule_timeout_s
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from dflop_ds.config import DFLOPConfig
-from dflop_ds.cost import PackedCost, ProxyCost, StageCost, check_policy
+from dflop_ds.cost import PackedCost, ProxyCost, StageCost
 from dflop_ds.cost.stage import stage_memory_caps
 from dflop_ds.launch import finish_rank, release_shm_buffer_once_mapped, share_cpu_threads
 from dflop_ds.loader import make_loader
@@ -35,7 +35,7 @@ from dflop_ds.plan import Plan
 from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares
 from dflop_ds.schedule.memory import memory_blind_model
 from dflop_ds.schedule.sampler import GlobalBatchSampler, make_sampler
-from dflop_ds.setup_checks import check_cost_model, check_training_setup
+from dflop_ds.setup_checks import check_cost_model_fits, check_training_setup
 from dflop_ds.telemetry.record import batch_tokens, throughput
 from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
 from dflop_ds.telemetry.setup import inject_fault, make_correction
@@ -144,9 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     dataset = source.make_dataset(shapes, cfg.data, cfg.on_bad_sample)  # skip: media that fail to load stand in
     cost_model = inputs.cost_model
     if cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
-        check_policy(cost_model, source.policy, source=str(cfg.cost_model))
-        check_cost_model(
+        check_cost_model_fits(
             cost_model,
+            source.policy,
             encoder_layers=len(source.encoder_layers),
             llm_layers=len(source.llm_layers),
             source=str(cfg.cost_model),

@@ -134,9 +134,11 @@ def check_resume(cli, processor, out: Path) -> dict:
     args = training_args(cli, out, save_strategy="steps", save_steps=cli.stop_at)
     first, data_a, collator_a, rec_a = trainer_for(cli, args, processor, callbacks_stop_at=cli.stop_at)
     first.train()
+    first.dflop_batch_sampler.close()  # stopped mid-epoch: its scheduling thread may be ahead
     checkpoint = out / f"checkpoint-{cli.stop_at}"
     second, data_b, collator_b, rec_b = trainer_for(cli, training_args(cli, out), processor)
     second.train(resume_from_checkpoint=str(checkpoint))
+    second.dflop_batch_sampler.close()
     return {
         "fetched_before": data_a.fetched,
         "fetched_after": data_b.fetched,
@@ -163,6 +165,7 @@ def check_sgd(cli, processor, out: Path) -> dict:
     )
     trainer, dataset, collator, _ = trainer_for(cli, args, processor)
     trainer.train()
+    trainer.dflop_batch_sampler.close()  # max_steps=1 ends mid-epoch
     trained = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}  # ZeRO-2: whole on every rank
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, dataset.fetched)
@@ -219,7 +222,7 @@ def main() -> None:
     processor = AutoProcessor.from_pretrained(cli.model)
     report = {"resume": check_resume(cli, processor, out / "resume")}
     report["sgd"] = check_sgd(cli, processor, out / "sgd")
-    report["example"] = check_example(cli, out / "example")
+    report["example"] = check_example(cli, out / "example")  # last: the example ends the rank (finish_rank)
     rank = int(os.environ.get("RANK", "0"))
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 
