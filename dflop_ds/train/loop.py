@@ -48,7 +48,7 @@ from dflop_ds.train.colocated import (
 )
 from dflop_ds.train.engine import TrainingEngine, build_engine
 from dflop_ds.train.gather import gather_full_state
-from dflop_ds.train.launch_inputs import agree_on_inputs
+from dflop_ds.train.launch_inputs import agree_on_inputs, all_ranks_or_none
 from dflop_ds.train.memory_cap import MemoryCap, device_memory_cap, resolve_memory_cap
 from dflop_ds.train.options import build_parser, load_plan, load_settings
 
@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
 
-    source = model_source(cfg)
+    source = all_ranks_or_none("loading the model", lambda: model_source(cfg))  # every rank told of one's failure
     plan = load_plan(cfg.plan)
     # shape table and cost model from rank 0 (bad records named, or skipped and counted), checked on every rank
     inputs = agree_on_inputs(cfg, lambda: source.read_shapes(cfg.data, cfg.on_bad_sample), plan)
