@@ -112,6 +112,18 @@ def print_skip_report(report, limit: int = 20) -> None:
         print(f"[dflop-ds]   ... and {len(report.problems) - limit} more problem(s)", flush=True)
 
 
+def print_stand_ins(dataset: Any, rank: int) -> None:
+    """Print, on each rank that made any, how many samples its loader made as stand-ins
+    (``on_bad_sample="skip"``: media that failed to load; each was logged by name when made)."""
+    count = getattr(dataset, "stand_in_count", 0)
+    if count:
+        print(
+            f"[dflop-ds] rank {rank}: {count} sample(s) whose media failed to load trained as stand-ins without"
+            " targets (prefetched ones included; each named in a warning above)",
+            flush=True,
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Train as the config says; 0 on success."""
     import deepspeed
@@ -142,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[dflop-ds] {source.truncated_samples()} sample(s) cut at dflop.data.max_length", flush=True)
     shapes = inputs.shapes[: cfg.max_samples]
     dataset = source.make_dataset(shapes, cfg.data, cfg.on_bad_sample)  # skip: media that fail to load stand in
+    loaded = dataset  # counts its stand-ins (colocation wraps `dataset` below)
     cost_model = inputs.cost_model
     if cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
         check_policy(cost_model, source.policy, source=str(cfg.cost_model))
@@ -296,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.summary:
             Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
             Path(args.summary).write_text(json.dumps({"summary": summary, "steps": records}, indent=1))
+    print_stand_ins(loaded, rank)
     # scheduling thread, loader workers (the live epoch iterator) and process group stopped before exit
     finish_rank(tracker, sampler, data_iter.data_iter)
     return 0
