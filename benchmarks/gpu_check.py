@@ -310,8 +310,8 @@ def part_env(ctx: Context, entry: dict) -> bool:
         bf16=ctx.bf16,
     )
     if ctx.on_gpu:
-        entry["nccl"] = str(torch.cuda.nccl.version())
-        entry["memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        entry["nccl"] = str(torch.cuda.nccl.version()) if accelerator.communication_backend_name() == "nccl" else None
+        entry["memory_gib"] = round(accelerator.total_memory(0) / 2**30, 1)
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(1024, 1024, dtype=torch.float64, generator=generator) for _ in range(2))
     reference = a @ b
@@ -657,7 +657,9 @@ def part_profile(ctx: Context, entry: dict) -> bool:
     )
     del batches, model, encoder, projector, llm, source
     if ctx.on_gpu:
-        torch.cuda.empty_cache()
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().empty_cache()
     return True
 
 
@@ -734,6 +736,18 @@ PARTS: dict[str, Callable[[Context, dict], bool]] = {
 }
 
 
+def device_label(device: Any) -> str:
+    """The report's device name: the card's name from torch's module for the accelerator's device
+    type (spaces as ``_``), or the device type where that module names no card (``torch.cpu``)."""
+    import torch
+
+    module = torch.get_device_module(device)
+    get_name = getattr(module, "get_device_name", None)
+    if get_name is None:
+        return device.type
+    return str(get_name(device)).replace(" ", "_")
+
+
 def summary_line(device: str, parts: dict[str, dict], shared: dict[str, Any]) -> str:
     """The last line: device, parts passed of parts run, and the three figures (``n/a`` when missing)."""
 
@@ -772,10 +786,10 @@ def main(argv: list[str] | None = None) -> int:
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
-    on_gpu = accelerator.device_name() == "cuda" and torch.cuda.is_available()
-    device = torch.device(accelerator.device_name(0) if on_gpu else "cpu")
-    name = torch.cuda.get_device_name(0).replace(" ", "_") if on_gpu else "cpu"
-    bf16 = args.bf16 == "on" or (args.bf16 == "auto" and on_gpu and torch.cuda.is_bf16_supported())
+    device = torch.device(accelerator.device_name(0))
+    on_gpu = accelerator.device_name() != "cpu"  # DeepSpeed's CPU accelerator is the host itself
+    name = device_label(device)
+    bf16 = args.bf16 == "on" or (args.bf16 == "auto" and on_gpu and accelerator.is_bf16_supported())
     sizes = GPU_SIZES if on_gpu else CPU_SIZES
     report.data.update(
         device=name, started_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), sizes=sizes.__dict__

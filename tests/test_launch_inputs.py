@@ -8,7 +8,9 @@ import json
 import multiprocessing
 import pickle
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,17 +23,25 @@ from dflop_ds.shapes import TINY_POLICY, SampleShape
 from dflop_ds.train.launch_inputs import (
     COST_MODEL,
     DATA_FILE,
+    MEDIA,
+    MISSING,
+    NAMED_MEDIA,
     PLAN,
     SHAPE_TABLE,
     InputDigest,
+    SetupStepError,
     agree_on_inputs,
+    all_ranks_or_none,
     cost_model_from_state,
     cost_model_state,
     disagreements,
     file_digest,
     input_digests,
     json_digest,
+    media_differences,
+    media_listing,
     mismatch_report,
+    step_failures,
 )
 
 RECORDS = [
@@ -118,55 +128,71 @@ def test_disagreements_name_the_input_both_digests_and_both_sources():
 
 
 def test_one_process_resolves_its_own_inputs(tmp_path):
+    """Without a process group the process is rank 0: it reads the shapes once, loads the named
+    cost model, and digests every input it holds (shape table, cost model, plan, data file,
+    media), as the log line says."""
+    from test_costmodel import synthetic_profile
+    from tiny_plans import two_stage_plan
+
     data = tmp_path / "data.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in RECORDS))
-    cfg = config(data=str(data), cost_model="proxy")
+    data.write_text("\n".join(json.dumps(dict(r, image=f"{r['id']}.png")) for r in RECORDS))
+    (tmp_path / "a.png").write_bytes(b"12345")
+    model = FittedCostModel().fit(synthetic_profile(), TINY_POLICY)
+    save_cost_model(model, tmp_path / "cm.json")
+    plan = two_stage_plan()
+    cfg = config(data=str(data), cost_model=str(tmp_path / "cm.json"))
     messages: list[str] = []
-    inputs = agree_on_inputs(cfg, lambda: read_dataset(data, TINY_POLICY), log=messages.append)
-    assert [s.sample_id for s in inputs.shapes] == ["a", "b", "c"] and inputs.cost_model is None
+    reads: list[int] = []
+
+    def read():
+        reads.append(1)
+        return read_dataset(data, TINY_POLICY)
+
+    inputs = agree_on_inputs(cfg, read, plan, log=messages.append)
+    assert reads == [1] and [s.sample_id for s in inputs.shapes] == ["a", "b", "c"]
     assert inputs.shapes.report.n_skipped == 0  # the read report travels with the shapes
-    assert dataset_fingerprint(inputs.shapes) in messages[-1]
+    probe = [SampleShape("s", encoder_tiles=3, llm_tokens=90, text_tokens=20)]
+    assert inputs.cost_model is not None
+    assert inputs.cost_model.predict_samples(probe).tolist() == model.predict_samples(probe).tolist()
+    media = {"image:a.png": 5, "image:b.png": MISSING, "image:c.png": MISSING}
+    expected = {
+        SHAPE_TABLE: dataset_fingerprint(inputs.shapes),
+        COST_MODEL: json_digest(json.loads((tmp_path / "cm.json").read_text())),
+        PLAN: json_digest(plan.to_dict()),
+        DATA_FILE: file_digest(data),
+        MEDIA: json_digest(media),
+    }
+    assert {d.name: d.digest for d in inputs.digests} == expected
+    assert all(f"{name} {digest}" in messages[-1] for name, digest in expected.items()), messages
     sent = pickle.loads(pickle.dumps(inputs.shapes))  # as broadcast_object_list carries it to the other ranks
     assert dataset_fingerprint(sent) == dataset_fingerprint(inputs.shapes) and sent.report.n_read == 3
 
 
-def _two_ranks(rank: int, port: int, folder: str, results) -> None:
-    """One rank of a 2-process gloo group: each reads its own data file; then rank 0 fails to
-    read. Reports what each call raised (or returned) in ``results[rank]``."""
+def _gloo_rank(rank: int, port: int, results, body: Callable[..., dict], args: tuple) -> None:
+    """One rank of a 2-process gloo group: ``results[rank]`` is what ``body(rank, *args)`` returns
+    (``{"crash": traceback}`` when it raises)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     outcome = {}
     try:
-        data = Path(folder) / f"data{rank}.jsonl"
-        cfg = config(data=str(data), cost_model="proxy")
-        for case, read in (
-            ("own data file", lambda: read_dataset(data, TINY_POLICY)),
-            ("rank 0 fails", lambda: read_dataset(Path(folder) / "absent.jsonl", TINY_POLICY)),
-        ):
-            try:
-                inputs = agree_on_inputs(cfg, read, log=lambda _: None)
-                outcome[case] = "agreed on " + ",".join(s.sample_id for s in inputs.shapes)
-            except Exception as error:
-                outcome[case] = f"{type(error).__name__}: {error}"
+        outcome = body(rank, *args)
     except Exception:
-        outcome["crash"] = traceback.format_exc()
+        outcome = {"crash": traceback.format_exc()}
     finally:
         results[rank] = outcome
         dist.destroy_process_group()
 
 
-def test_two_ranks_with_different_data_files_both_stop_naming_it(tmp_path):
-    """Rank 1's data file differs from rank 0's: both ranks stop before training, with the input,
-    both digests and both paths; when rank 0 cannot read the data, rank 1 stops with its reason
-    instead of waiting in a collective."""
-    (tmp_path / "data0.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS))
-    (tmp_path / "data1.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS[:2]))
+def on_two_ranks(body: Callable[..., dict], *args) -> dict[int, dict]:
+    """``body(rank, *args)`` on each rank of a 2-process gloo group of its own (``body`` a
+    module-level function, as spawned processes import it): what each rank returned, checked
+    not to have crashed."""
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager:
         results = manager.dict()
         port = free_port()
-        processes = [context.Process(target=_two_ranks, args=(r, port, str(tmp_path), results)) for r in (0, 1)]
+        processes = [context.Process(target=_gloo_rank, args=(r, port, results, body, args)) for r in (0, 1)]
         for process in processes:
             process.start()
         for process in processes:
@@ -175,6 +201,40 @@ def test_two_ranks_with_different_data_files_both_stop_naming_it(tmp_path):
     assert set(outcomes) == {0, 1}, outcomes
     for rank in (0, 1):
         assert "crash" not in outcomes[rank], outcomes[rank]
+    return outcomes
+
+
+def outcome_of(call: Callable[[], Any]) -> str:
+    """What ``call()`` returned, or the error it raised as ``Type: message``."""
+    try:
+        return f"returned {call()!r}"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def _agree_with_own_data_file(rank: int, folder: str) -> dict:
+    """Each rank reads its own data file; then rank 0 fails to read."""
+    data = Path(folder) / f"data{rank}.jsonl"
+    cfg = config(data=str(data), cost_model="proxy")
+    outcome = {}
+    for case, read in (
+        ("own data file", lambda: read_dataset(data, TINY_POLICY)),
+        ("rank 0 fails", lambda: read_dataset(Path(folder) / "absent.jsonl", TINY_POLICY)),
+    ):
+        outcome[case] = outcome_of(
+            lambda read=read: agree_on_inputs(cfg, read, log=lambda _: None).shapes.report.n_read
+        )
+    return outcome
+
+
+def test_two_ranks_with_different_data_files_both_stop_naming_it(tmp_path):
+    """Rank 1's data file differs from rank 0's: both ranks stop before training, with the input,
+    both digests and both paths; when rank 0 cannot read the data, rank 1 stops with its reason
+    instead of waiting in a collective."""
+    (tmp_path / "data0.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS))
+    (tmp_path / "data1.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS[:2]))
+    outcomes = on_two_ranks(_agree_with_own_data_file, str(tmp_path))
+    for rank in (0, 1):
         message = outcomes[rank]["own data file"]
         assert message.startswith("InputMismatchError"), message
         for part in (
@@ -194,7 +254,8 @@ def test_two_ranks_with_different_data_files_both_stop_naming_it(tmp_path):
 @pytest.mark.parametrize("named", [True, False])
 def test_a_named_cost_model_is_checked_a_cached_one_is_taken(tmp_path, named):
     """Pure part of the rank check: with a cost model named in the config, a rank compares its own
-    file's digest; without one, it takes rank 0's and compares nothing of its own."""
+    file's digest; without one, it takes rank 0's and compares no cost model of its own, while
+    what it does read itself (here a plan unlike rank 0's) is still checked."""
     from test_costmodel import synthetic_profile
 
     from dflop_ds.train.launch_inputs import check_against_rank_zero
@@ -208,15 +269,20 @@ def test_a_named_cost_model_is_checked_a_cached_one_is_taken(tmp_path, named):
         "shapes": [],
         "cost_state": state,
         "cost_source": "the profile cache /rank0/costmodel.json",
-        "reference": [InputDigest(COST_MODEL, json_digest(state), "the profile cache /rank0/costmodel.json")],
+        "reference": [
+            InputDigest(COST_MODEL, json_digest(state), "the profile cache /rank0/costmodel.json"),
+            InputDigest(PLAN, json_digest(None), "no plan"),
+        ],
     }
     cfg = config(cost_model=str(path)) if named else config()
-    problems = check_against_rank_zero(cfg, shared, None, "no plan", rank=1)
+    problems = check_against_rank_zero(cfg, shared, {"stages": 2}, "/node2/plan.json", rank=1)
+    *cost_problems, plan_problem = problems
+    assert "its plan differs" in plan_problem and "/node2/plan.json" in plan_problem
     if named:
-        (problem,) = problems
+        (problem,) = cost_problems
         assert str(path) in problem and "/rank0/costmodel.json" in problem and json_digest(state) in problem
     else:
-        assert problems == []
+        assert cost_problems == []
 
 
 def test_a_rank_with_another_plan_is_told_which_and_why(tmp_path):
@@ -231,3 +297,70 @@ def test_a_rank_with_another_plan_is_told_which_and_why(tmp_path):
     for part in ("rank 5", "plan", json_digest(theirs), json_digest(mine), "/shared/plan.json", "/node2/plan.json"):
         assert part in problem
     assert check_against_rank_zero(config(cost_model="proxy"), shared, theirs, "/node2/plan.json", rank=5) == []
+
+
+def _one_rank_fails_to_set_up(rank: int, folder: str) -> dict:
+    """A set-up step that fails on rank 1 only (its model file is missing), one that succeeds
+    everywhere, then the launch's inputs where rank 1's image folder lacks one image."""
+    model = Path(folder) / f"model{rank}.txt"
+    outcome = {"fails on rank 1": outcome_of(lambda: all_ranks_or_none("loading the model", model.read_text))}
+    try:
+        all_ranks_or_none("loading the model", model.read_text)
+    except SetupStepError as error:
+        outcome["cause"] = type(error.__cause__).__name__
+    outcome["succeeds"] = outcome_of(lambda: all_ranks_or_none("counting", lambda: rank + 1))
+    data = Path(folder) / "media.jsonl"
+    cfg = config(data=str(data), cost_model="proxy", image_folder=str(Path(folder) / f"images{rank}"))
+    read = lambda: read_dataset(data, TINY_POLICY)  # noqa: E731
+    outcome["media"] = outcome_of(lambda: agree_on_inputs(cfg, read, log=lambda _: None).shapes.report.n_read)
+    return outcome
+
+
+def test_a_set_up_failure_on_one_rank_stops_every_rank_naming_it(tmp_path):
+    """Rank 1 cannot load its model: both ranks raise the same error naming rank 1 and its reason
+    (not rank 0 waiting in the next collective); a rank whose image folder lacks a file the
+    records name is told which file before the first step."""
+    (tmp_path / "model0.txt").write_text("weights")
+    media_records = [dict(record, image=f"{record['id']}.png") for record in RECORDS]
+    (tmp_path / "media.jsonl").write_text("\n".join(json.dumps(r) for r in media_records))
+    for rank, names in ((0, "abc"), (1, "ab")):  # rank 1 lacks c.png
+        (tmp_path / f"images{rank}").mkdir()
+        for name in names:
+            (tmp_path / f"images{rank}" / f"{name}.png").write_bytes(b"x" * 10)
+    outcomes = on_two_ranks(_one_rank_fails_to_set_up, str(tmp_path))
+    failed = outcomes[0]["fails on rank 1"]
+    assert failed == outcomes[1]["fails on rank 1"]
+    assert failed.startswith("SetupStepError: loading the model failed on rank(s) 1 of 2"), failed
+    assert "rank 1: FileNotFoundError" in failed and str(tmp_path / "model1.txt") in failed
+    assert "rank 0:" not in failed
+    assert outcomes[1]["cause"] == "FileNotFoundError" and outcomes[0]["cause"] == "NoneType"
+    assert outcomes[0]["succeeds"] == "returned 1" and outcomes[1]["succeeds"] == "returned 2"
+    for rank in (0, 1):
+        message = outcomes[rank]["media"]
+        assert message.startswith("InputMismatchError"), message
+        assert "rank 1: image c.png is missing there, 10 bytes on rank 0" in message, message
+        assert "a.png" not in message and MEDIA in message
+
+
+def test_step_failures_names_each_failing_rank():
+    assert step_failures("loading the model", [None, None]) is None
+    report = step_failures("loading the model", ["OSError: no a", None, "OSError: no c"])
+    assert report == "loading the model failed on rank(s) 0, 2 of 3:\n  rank 0: OSError: no a\n  rank 2: OSError: no c"
+
+
+def test_media_listing_and_differences_name_missing_and_changed_files(tmp_path):
+    records = [{"id": "a", "image": ["x.png", "y.png"]}, {"id": "b", "video": "v.mp4"}, {"id": "c"}]
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in records))
+    (tmp_path / "x.png").write_bytes(b"1234")
+    (tmp_path / "v.mp4").write_bytes(b"12")
+    mine = media_listing(str(data))  # default folder: the data file's
+    assert mine == {"image:x.png": 4, "image:y.png": MISSING, "video:v.mp4": 2}
+    reference = {"image:x.png": 5, "image:y.png": 3, "video:v.mp4": 2}
+    assert media_differences(reference, mine, rank=2) == [
+        "rank 2: image x.png is 4 bytes there, 5 bytes on rank 0",
+        "rank 2: image y.png is missing there, 3 bytes on rank 0",
+    ]
+    many = {f"image:{i}.png": i for i in range(NAMED_MEDIA + 3)}
+    problems = media_differences(many, {}, rank=1)
+    assert len(problems) == NAMED_MEDIA + 1 and problems[-1] == "rank 1: ... and 3 more media file(s) differ"

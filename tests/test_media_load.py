@@ -6,6 +6,7 @@ in lockstep (one 2-rank run checks it)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -79,7 +80,7 @@ def test_a_truncated_image_is_a_named_bad_record_at_load_time(llava, tmp_path: P
 
 
 def test_under_skip_a_sample_that_fails_to_load_stands_in_with_the_same_shapes_and_no_targets(
-    llava, tmp_path: Path
+    llava, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     data, images = llava_data(tmp_path)
     shapes = read_dataset(data, llava.policy(), image_folder=images)
@@ -91,8 +92,9 @@ def test_under_skip_a_sample_that_fails_to_load_stands_in_with_the_same_shapes_a
     assert stand_in.pixel_values.shape == good.pixel_values.shape and not stand_in.pixel_values.any()
     assert torch.equal(stand_in.input_ids, good.input_ids) and (good.targets != IGNORE).any()
     assert (stand_in.targets == IGNORE).all() and stand_in.loss_denominator == 9.0
-    ((error),) = dataset.stand_ins
-    assert (error.sample_id, error.field) == ("bad", "image[1]")
+    assert dataset.stand_in_count == 1
+    (logged,) = [r.getMessage() for r in caplog.records if "stand-in" in r.getMessage()]
+    assert "(id 'bad')" in logged and "image[1]" in logged and "loss denominator" in logged
     # it collates with good samples into the microbatch the schedule planned
     first = dataset[ScheduledIndex(0, 9.0)]
     inputs, (targets, denominator) = collate_llava([first, stand_in])
@@ -100,6 +102,17 @@ def test_under_skip_a_sample_that_fails_to_load_stands_in_with_the_same_shapes_a
     assert float(denominator) == 9.0 and int((targets[1] != IGNORE).sum()) == 0
     with pytest.raises(ValueError, match="on_bad_sample must be one of"):
         LlavaDataset(shapes, records, llava, images, on_bad_sample="ignore")
+
+
+def test_stand_ins_made_in_dataloader_workers_are_counted_in_the_training_process(llava, tmp_path: Path) -> None:
+    """Workers load the samples: the count the training loop prints is read in the main process."""
+    data, images = llava_data(tmp_path)
+    shapes = read_dataset(data, llava.policy(), image_folder=images)
+    cut(images / "bad.png")
+    dataset = LlavaDataset(shapes, load_llava_records(data), llava, images, source=data, on_bad_sample="skip")
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=[1, 0, 1, 1], num_workers=2)
+    assert [item.sample_id for item in loader] == ["bad", "good", "bad", "bad"]
+    assert dataset.stand_in_count == 3
 
 
 def test_a_decompression_bomb_at_load_time_names_the_record_and_the_limit(llava, tmp_path: Path) -> None:
@@ -141,7 +154,7 @@ def test_qwen2_vl_refuses_a_recorded_size_that_is_not_the_file_s(qwen, tmp_path,
     )
     assert "another policy" not in str(info.value)
     (problem,) = validate_dataset(data, qwen.policy(), image_folder=images)  # the decode sample finds it too
-    assert problem.sample_id == "w" and "is 32x32, but its sample was sized 64x48" in problem.message
+    assert problem.sample_id == "w" and f"{given_by} gives 64x48 for image 'small.png'" in problem.message
 
 
 def test_qwen2_vl_video_that_fails_to_load_stands_in_with_its_planned_grid(qwen, tmp_path: Path) -> None:
@@ -196,6 +209,8 @@ def test_two_ranks_stay_in_lockstep_when_samples_fail_to_load_under_skip(tmp_pat
     output = run.stdout + run.stderr
     for record in bad:
         assert f"(id {str(record['id'])!r})" in output and "trained as a stand-in" in output, output[-3000:]
+    counted = re.findall(r"rank \d: (\d+) sample\(s\) whose media failed to load trained as stand-ins", output)
+    assert sum(map(int, counted)) == 2, output[-3000:]  # each rank prints what its loader made
     steps = json.loads(summary.read_text())["steps"]
     assert len(steps) == 2 and sum(step["samples"] for step in steps) == 16
     assert all(np.isfinite(step["loss"]) for step in steps)

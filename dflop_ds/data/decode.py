@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from dflop_ds.data.images import load_rgb
-from dflop_ds.data.media import MediaOptions, record_image_paths
+from dflop_ds.data.media import MediaOptions, image_field, record_image_paths, recorded_size_source, size_mismatch
 from dflop_ds.data.records import RawRecord, ReadResult
 from dflop_ds.data.video import decoded_frame_count
 
@@ -26,8 +26,9 @@ SAMPLED_DECODES = 8
 
 @dataclass(frozen=True)
 class MediaFile:
-    """One media file of a good record: where it is named (record, id, field) and what it must hold
-    (a video's ``frames``; an image's ``size`` when the sample's tokens depend on it)."""
+    """One media file of a good record: where it is named (record, id, field, ``path`` as the record
+    gives it) and what it must hold (a video's ``frames``; an image's ``size`` when the sample's
+    tokens depend on it, as ``size_given_by`` gave it)."""
 
     record: int
     sample_id: str
@@ -36,6 +37,8 @@ class MediaFile:
     full_path: str
     frames: int = 0
     size: tuple[int, int] | None = None
+    path: str = ""
+    size_given_by: str = ""
 
 
 def media_files(
@@ -52,10 +55,15 @@ def media_files(
         if options.image_folder is not None:
             paths = record_image_paths(value)
             for i, path in enumerate(paths):
-                field = "image" if isinstance(value.get("image"), str) else f"image[{i}]"
                 full = os.path.abspath(os.path.join(options.image_folder, path))
                 size = shape.image_sizes[i] if check_sizes else None
-                files.append(MediaFile(number, shape.sample_id, field, "image", full, size=size))
+                given_by = recorded_size_source(value, i)[1]
+                field = image_field(value, i)
+                files.append(
+                    MediaFile(
+                        number, shape.sample_id, field, "image", full, size=size, path=path, size_given_by=given_by
+                    )
+                )
         if options.video_folder is not None and shape.video_frames and isinstance(value.get("video"), str):
             full = os.path.abspath(os.path.join(options.video_folder, value["video"]))
             files.append(MediaFile(number, shape.sample_id, "video", "video", full, shape.video_frames))
@@ -77,11 +85,8 @@ def decode_problem(file: MediaFile) -> str | None:
     try:
         if file.kind == "image":
             real = load_rgb(file.full_path).size
-            if file.size is not None and tuple(real) != file.size:
-                return (
-                    f"image {file.full_path} is {real[0]}x{real[1]}, but its sample was sized {file.size[0]}x"
-                    f"{file.size[1]} (from the record or the image_sizes table); its tokens depend on its size"
-                )
+            if file.size is not None and tuple(real) != tuple(file.size):
+                return size_mismatch(file.size_given_by, file.size, file.path, file.full_path, real)
             return None
         decoded = decoded_frame_count(file.full_path)
     except (OSError, ValueError) as exc:

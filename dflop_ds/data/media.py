@@ -125,6 +125,32 @@ def record_image_paths(value: Any) -> list[str]:
     return []
 
 
+def image_field(record: Mapping[str, Any], i: int) -> str:
+    """The field that names image ``i`` of ``record``: ``image`` for one path, ``image[i]`` for a list."""
+    return "image" if isinstance(record.get("image"), str) else f"image[{i}]"
+
+
+def recorded_size_source(record: Mapping[str, Any], i: int) -> tuple[str, str]:
+    """``(field, description)`` of where image ``i``'s size came from when it is not read from the
+    file itself: the record's ``image_sizes`` or ``width``/``height``, else the ``image_sizes``
+    table (or a header cache made when the file was another size)."""
+    if "image_sizes" in record:
+        return f"image_sizes[{i}]", "the record's 'image_sizes'"
+    if "width" in record or "height" in record:
+        return "width/height", "the record's 'width'/'height'"
+    return image_field(record, i), "the image_sizes table (or a stale header cache)"
+
+
+def size_mismatch(given_by: str, given: Sequence[int], path: str, full: str, real: Sequence[int]) -> str:
+    """Why image ``path`` (the file ``full``, ``real`` pixels) cannot train when its tokens depend
+    on its size and ``given_by`` (:func:`recorded_size_source`) sized it ``given``."""
+    return (
+        f"{given_by} gives {given[0]}x{given[1]} for image {path!r}, but the file {full} is {real[0]}x{real[1]}: "
+        "its tokens depend on its size, so correct or remove the recorded size (the file's header is read "
+        "when none is given)"
+    )
+
+
 def paths_needing_headers(records: Iterable[RawRecord], table: Mapping[str, Any]) -> list[str]:
     """Image paths of records that give no size for them and that ``table`` does not cover."""
     paths: list[str] = []

@@ -8,13 +8,18 @@ nodes with their own profile caches, each node would profile its own cost model)
 - rank 0 reads the shape table (image and video headers) and resolves the cost model (a file,
   the profile cache or a fresh profile: profiling runs on rank 0 only), and broadcasts both;
   every rank, rank 0 included, trains on the broadcast copies;
-- every rank checks what it reads itself (the data file its dataset loads, the plan, a cost
-  model named in the config) and what it received against rank 0's digests;
+- every rank checks what it reads itself (the data file its dataset loads, the media files its
+  records name, the plan, a cost model named in the config) against rank 0's digests; what it
+  received from rank 0 is not checked again (it is rank 0's by construction);
 - any disagreement stops every rank before the first step, naming the input, both digests and
   the source on each side.
 
+A set-up step that may fail on one rank only before those collectives (loading the model from a
+node's folder) runs under :func:`all_ranks_or_none`, so that every rank stops naming the rank that
+failed and why, instead of the others waiting in the next collective until its timeout.
+
 Digests and serialization are pure functions (:func:`json_digest`, :func:`file_digest`,
-:func:`input_digests`, :func:`disagreements`).
+:func:`input_digests`, :func:`disagreements`, :func:`media_differences`, :func:`step_failures`).
 """
 
 from __future__ import annotations
@@ -22,14 +27,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dflop_ds.config import DFLOPConfig
 from dflop_ds.cost import CostModel, cost_model_from_dict, cost_model_to_dict, load_cost_model
 from dflop_ds.data import ReadResult
+from dflop_ds.data.media import media_folder, record_image_paths
+from dflop_ds.data.records import load_records
 from dflop_ds.models.tiny_profile import cached_tiny_cost_model
 from dflop_ds.schedule.state import dataset_fingerprint
 from dflop_ds.shapes import SampleShape
@@ -39,11 +46,57 @@ AUTO_PROFILE_REPEATS = 3
 #: ``dflop.sampler.cost_model`` value that asks for the sampler's unitless proxy instead of a profiled model
 PROXY = "proxy"
 #: names of the inputs, as messages print them
-SHAPE_TABLE, COST_MODEL, PLAN, DATA_FILE = "shape table", "cost model", "plan", "data file"
+SHAPE_TABLE, COST_MODEL, PLAN, DATA_FILE, MEDIA = "shape table", "cost model", "plan", "data file", "media files"
+#: a media file's size in a listing (:func:`media_listing`) when this process cannot see it
+MISSING = -1
+#: media files a disagreement names at most, per rank
+NAMED_MEDIA = 5
+
+T = TypeVar("T")
 
 
 class InputMismatchError(RuntimeError):
     """The ranks of one launch disagree on an input of the schedule."""
+
+
+class SetupStepError(RuntimeError):
+    """A set-up step failed on some rank of the launch (raised on every rank)."""
+
+
+def step_failures(step_name: str, errors_per_rank: Sequence[str | None]) -> str | None:
+    """One message naming every rank whose ``step_name`` failed and its error (``errors_per_rank[r]``,
+    None where rank ``r`` succeeded), or None when no rank failed."""
+    failed = [(rank, error) for rank, error in enumerate(errors_per_rank) if error is not None]
+    if not failed:
+        return None
+    ranks = ", ".join(str(rank) for rank, _ in failed)
+    return f"{step_name} failed on rank(s) {ranks} of {len(errors_per_rank)}:\n  " + "\n  ".join(
+        f"rank {rank}: {error}" for rank, error in failed
+    )
+
+
+def all_ranks_or_none(step_name: str, step: Callable[[], T]) -> T:
+    """``step()`` run on every rank: its result when it succeeded everywhere; otherwise every rank
+    raises :class:`SetupStepError` naming the rank(s) that failed and their errors (the failing
+    rank's error chained). A collective (one ``all_gather_object``) when a process group of more
+    than one rank is up; without one, ``step()`` itself."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return step()
+    failure: Exception | None = None
+    result: Any = None
+    try:
+        result = step()
+    except Exception as error:  # every rank learns of it, not only this one
+        failure = error
+    errors: list[Any] = [None] * dist.get_world_size()
+    _set_object_device()
+    dist.all_gather_object(errors, None if failure is None else f"{type(failure).__name__}: {failure}")
+    report = step_failures(step_name, errors)
+    if report is not None:
+        raise SetupStepError(report) from failure
+    return result
 
 
 @dataclass(frozen=True)
@@ -84,6 +137,43 @@ def cost_model_from_state(state: dict[str, Any] | None, source: str) -> CostMode
     return None if state is None else cost_model_from_dict(state, source=source)
 
 
+def media_listing(data_path: str, image_folder: str | None = None, video_folder: str | None = None) -> dict[str, int]:
+    """Every image and video file the records of ``data_path`` name, as ``"image:PATH"`` or
+    ``"video:PATH"`` (the path as the record gives it) -> its size in bytes as this process sees
+    it under its folder (:func:`~dflop_ds.data.media.media_folder`: by default the data file's),
+    :data:`MISSING` where it cannot. Only file metadata is read, no pixel."""
+    folders = {"image": media_folder(data_path, image_folder), "video": media_folder(data_path, video_folder)}
+    listing = {}
+    for raw in load_records(data_path):
+        video = raw.value.get("video") if isinstance(raw.value, Mapping) else None
+        named = [("image", path) for path in record_image_paths(raw.value)]
+        named += [("video", video)] if isinstance(video, str) and video else []
+        for kind, path in named:
+            try:
+                size = os.stat(os.path.join(folders[kind], path)).st_size
+            except OSError:
+                size = MISSING
+            listing[f"{kind}:{path}"] = size
+    return listing
+
+
+def media_differences(reference: Mapping[str, int], mine: Mapping[str, int], rank: int) -> list[str]:
+    """The media files rank ``rank`` sees otherwise than rank 0 (``reference``), missing or with
+    another size, the first :data:`NAMED_MEDIA` by name (and how many more)."""
+
+    def seen(size: int | None) -> str:
+        return "missing" if size is None or size == MISSING else f"{size} bytes"
+
+    differing = [key for key in sorted(set(reference) | set(mine)) if reference.get(key) != mine.get(key)]
+    problems = [
+        f"rank {rank}: {key.replace(':', ' ', 1)} is {seen(mine.get(key))} there, {seen(reference.get(key))} on rank 0"
+        for key in differing[:NAMED_MEDIA]
+    ]
+    if len(differing) > NAMED_MEDIA:
+        problems.append(f"rank {rank}: ... and {len(differing) - NAMED_MEDIA} more media file(s) differ")
+    return problems
+
+
 def input_digests(
     *,
     shapes: Sequence[SampleShape] | None,
@@ -93,12 +183,15 @@ def input_digests(
     plan_source: str | None,
     data_path: str | None,
     shapes_source: str,
+    media: Mapping[str, int] | None = None,
+    media_source: str = "",
 ) -> list[InputDigest]:
     """The digests of the inputs one rank holds: a ``None`` source means the rank does not hold
     that input itself (a rank other than 0 takes the cost model and shape table from rank 0);
     ``shapes`` None likewise. The data file is hashed as bytes, since every rank loads its
-    records (``"missing"`` where this rank cannot see it); no plan or no cost model (the proxy)
-    digests as JSON ``null``."""
+    records (``"missing"`` where this rank cannot see it); ``media`` (:func:`media_listing`,
+    None: not held) as JSON, since every rank loads its files; no plan or no cost model (the
+    proxy) digests as JSON ``null``."""
     digests = []
     if shapes is not None:
         digests.append(InputDigest(SHAPE_TABLE, dataset_fingerprint(shapes), shapes_source))
@@ -110,6 +203,8 @@ def input_digests(
         digests.append(InputDigest(DATA_FILE, "missing", data_path))
     elif data_path is not None and Path(data_path).is_file():
         digests.append(InputDigest(DATA_FILE, file_digest(data_path), data_path))
+    if media is not None:
+        digests.append(InputDigest(MEDIA, json_digest(media), media_source))
     return digests
 
 
@@ -220,22 +315,45 @@ def agree_on_inputs(
 def check_against_rank_zero(
     cfg: DFLOPConfig, shared: dict[str, Any], plan_state: dict[str, Any] | None, plan_source: str, rank: int
 ) -> list[str]:
-    """This rank's disagreements with rank 0: the received copies (a broadcast check), its own
-    data file, plan and named cost model; an input it cannot read is a disagreement too."""
+    """This rank's disagreements with rank 0 on what it reads itself: its data file, the media
+    files the records name (each differing file named), plan and named cost model (the shape
+    table, and a cost model not named, it takes from rank 0); an input it cannot read is a
+    disagreement too."""
     named = cfg.cost_model if cfg.cost_model != PROXY else None  # a named cost model: this rank reads its own copy
     try:
+        media = _own_media(cfg)
         mine = input_digests(
-            shapes=shared["shapes"],
-            cost_state=cost_model_state(load_cost_model(named)) if named else shared["cost_state"],
-            cost_source=named or f"received from rank 0 ({shared['cost_source']})",
+            shapes=None,
+            cost_state=cost_model_state(load_cost_model(named)) if named else None,
+            cost_source=named,
             plan_state=plan_state,
             plan_source=plan_source,
             data_path=cfg.data,
-            shapes_source="received from rank 0",
+            shapes_source="",
+            media=media,
+            media_source=_media_source(cfg),
         )
     except (OSError, ValueError) as error:
         return [f"rank {rank}: cannot read its own inputs: {error}"]
-    return disagreements(shared["reference"], mine, rank)
+    problems = disagreements(shared["reference"], mine, rank)
+    if media is not None and shared.get("media") is not None and media != shared["media"]:
+        problems += media_differences(shared["media"], media, rank)
+    return problems
+
+
+def _own_media(cfg: DFLOPConfig) -> dict[str, int] | None:
+    """This process's :func:`media_listing` of the run's data file (None without a readable one)."""
+    if cfg.data is None or not Path(cfg.data).is_file():
+        return None
+    return media_listing(cfg.data, cfg.image_folder, cfg.video_folder)
+
+
+def _media_source(cfg: DFLOPConfig) -> str:
+    data = cfg.data or ""
+    return (
+        f"the images under {media_folder(data, cfg.image_folder)} and videos under"
+        f" {media_folder(data, cfg.video_folder)} that {data} names"
+    )
 
 
 def _resolve_on_rank_zero(
@@ -245,11 +363,13 @@ def _resolve_on_rank_zero(
     plan_source: str,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
-    """What rank 0 broadcasts: the shape table, the cost model's state and source, and the
-    digests of every input it holds."""
+    """What rank 0 broadcasts: the shape table, the cost model's state and source, the media
+    listing (so that another rank's differing files can be named) and the digests of every input
+    it holds."""
     shapes = read_shapes()
     cost_model, cost_source = resolve_cost_model(cfg, log)
     cost_state = cost_model_state(cost_model)
+    media = _own_media(cfg)
     reference = input_digests(
         shapes=shapes,
         cost_state=cost_state,
@@ -258,8 +378,16 @@ def _resolve_on_rank_zero(
         plan_source=plan_source,
         data_path=cfg.data,
         shapes_source=f"the records and media headers of {cfg.data}, read on rank 0",
+        media=media,
+        media_source=_media_source(cfg),
     )
-    return {"shapes": shapes, "cost_state": cost_state, "cost_source": cost_source, "reference": reference}
+    return {
+        "shapes": shapes,
+        "cost_state": cost_state,
+        "cost_source": cost_source,
+        "media": media,
+        "reference": reference,
+    }
 
 
 def _set_object_device() -> None:
@@ -278,7 +406,9 @@ __all__ = [
     "InputDigest",
     "InputMismatchError",
     "LaunchInputs",
+    "SetupStepError",
     "agree_on_inputs",
+    "all_ranks_or_none",
     "check_against_rank_zero",
     "cost_model_from_state",
     "cost_model_state",
@@ -286,6 +416,9 @@ __all__ = [
     "file_digest",
     "input_digests",
     "json_digest",
+    "media_differences",
+    "media_listing",
     "mismatch_report",
     "resolve_cost_model",
+    "step_failures",
 ]

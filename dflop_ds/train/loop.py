@@ -48,7 +48,7 @@ from dflop_ds.train.colocated import (
 )
 from dflop_ds.train.engine import TrainingEngine, build_engine
 from dflop_ds.train.gather import gather_full_state
-from dflop_ds.train.launch_inputs import agree_on_inputs
+from dflop_ds.train.launch_inputs import agree_on_inputs, all_ranks_or_none
 from dflop_ds.train.memory_cap import MemoryCap, device_memory_cap, resolve_memory_cap
 from dflop_ds.train.options import build_parser, load_plan, load_settings
 
@@ -112,6 +112,18 @@ def print_skip_report(report, limit: int = 20) -> None:
         print(f"[dflop-ds]   ... and {len(report.problems) - limit} more problem(s)", flush=True)
 
 
+def print_stand_ins(dataset: Any, rank: int) -> None:
+    """Print, on each rank that made any, how many samples its loader made as stand-ins
+    (``on_bad_sample="skip"``: media that failed to load; each was logged by name when made)."""
+    count = getattr(dataset, "stand_in_count", 0)
+    if count:
+        print(
+            f"[dflop-ds] rank {rank}: {count} sample(s) whose media failed to load trained as stand-ins without"
+            " targets (prefetched ones included; each named in a warning above)",
+            flush=True,
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Train as the config says; 0 on success."""
     import deepspeed
@@ -132,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
 
-    source = model_source(cfg)
+    source = all_ranks_or_none("loading the model", lambda: model_source(cfg))  # every rank told of one's failure
     plan = load_plan(cfg.plan)
     # shape table and cost model from rank 0 (bad records named, or skipped and counted), checked on every rank
     inputs = agree_on_inputs(cfg, lambda: source.read_shapes(cfg.data, cfg.on_bad_sample), plan)
@@ -142,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[dflop-ds] {source.truncated_samples()} sample(s) cut at dflop.data.max_length", flush=True)
     shapes = inputs.shapes[: cfg.max_samples]
     dataset = source.make_dataset(shapes, cfg.data, cfg.on_bad_sample)  # skip: media that fail to load stand in
+    loaded = dataset  # counts its stand-ins (colocation wraps `dataset` below)
     cost_model = inputs.cost_model
     if cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
         check_cost_model_fits(
@@ -296,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.summary:
             Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
             Path(args.summary).write_text(json.dumps({"summary": summary, "steps": records}, indent=1))
+    print_stand_ins(loaded, rank)
     # scheduling thread, loader workers (the live epoch iterator) and process group stopped before exit
     finish_rank(tracker, sampler, data_iter.data_iter)
     return 0

@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from dflop_ds.data.errors import DataError, PathArg
 from dflop_ds.data.images import load_rgb
-from dflop_ds.data.media import record_image_paths
-from dflop_ds.data.records import BAD_SAMPLE_POLICIES, load_records
+from dflop_ds.data.media import image_field, record_image_paths, recorded_size_source, size_mismatch
+from dflop_ds.data.records import check_policy, load_records
 from dflop_ds.data.video import decode_frames, sample_frame_indices
 from dflop_ds.models.data import IGNORE_INDEX, microbatch_denominator
 from dflop_ds.models.hf.folder import check_model_folder
@@ -64,6 +64,9 @@ ASSISTANT_ROLES = frozenset({"gpt", "assistant"})
 TRUNCATION = ("error", "truncate")
 #: tokenizers without a real limit report a huge ``model_max_length``; above this it means none
 NO_LIMIT = 10**8
+#: processes whose stand-ins a dataset counts apart (the loading process and up to this many
+#: minus one DataLoader workers; more workers share slots, and may then miss a count)
+STAND_IN_SLOTS = 257
 
 
 @dataclass(frozen=True)
@@ -430,10 +433,13 @@ class LlavaDataset(Dataset):
     A sample whose media cannot be loaded (a missing, truncated or corrupt file, an image over the
     pixel limit) is a :class:`~dflop_ds.data.errors.DataError` naming the record, the field and the
     file. With ``on_bad_sample="skip"`` it becomes a *stand-in* instead: the same tensor shapes,
-    blank pixels, the same token ids and no targets, logged by name. The schedule was built before
-    any file was decoded, so dropping the sample here would leave this rank a microbatch short of
-    the others and desynchronise every collective; the stand-in keeps all ranks in lockstep, adds
-    nothing to the loss or the gradients, and leaves every other sample trained exactly once.
+    blank pixels, the same token ids and no targets, logged by name and counted
+    (:attr:`stand_in_count`). The schedule was built before any file was decoded, so dropping the
+    sample here would leave this rank a microbatch short of the others and desynchronise every
+    collective; the stand-in keeps all ranks in lockstep and leaves every other sample trained
+    exactly once. It has no loss term of its own, but its ``d`` label tokens stay in the loss
+    denominator ``D`` the schedule fixed for its global batch, so that step's loss and gradient
+    are those of the other samples scaled by ``(D - d) / D``.
 
     Args:
         shapes: one shape per sample, in dataset order (e.g. ``read_dataset(...)[:n]``).
@@ -443,7 +449,7 @@ class LlavaDataset(Dataset):
         source: the data file, for messages.
         video_folder: folder the records' video paths are relative to (families that take videos).
         on_bad_sample: ``"error"`` (default): a sample whose media fail to load raises;
-            ``"skip"``: it is trained as a stand-in (above) and counted in :attr:`stand_ins`.
+            ``"skip"``: it is trained as a stand-in (above) and counted in :attr:`stand_in_count`.
     """
 
     #: whether the family's model takes videos (LLaVA does not: such samples are refused by name)
@@ -463,8 +469,7 @@ class LlavaDataset(Dataset):
         video_folder: PathArg | None = None,
         on_bad_sample: str = "error",
     ) -> None:
-        if on_bad_sample not in BAD_SAMPLE_POLICIES:
-            raise ValueError(f"on_bad_sample must be one of {BAD_SAMPLE_POLICIES}, got {on_bad_sample!r}")
+        check_policy(on_bad_sample)
         self.shapes = list(shapes)
         self.records = records
         self.preprocessor = preprocessor
@@ -472,8 +477,9 @@ class LlavaDataset(Dataset):
         self.video_folder = None if video_folder is None else Path(video_folder)
         self.source = source
         self.on_bad_sample = on_bad_sample
-        #: the load errors of the samples this process trained as stand-ins
-        self.stand_ins: list[DataError] = []
+        # stand-ins made per process, in shared memory so that the training process reads what its
+        # DataLoader workers made: slot 0 for the process itself, slot 1 + k for worker k (one writer each)
+        self._stand_ins = torch.zeros(STAND_IN_SLOTS, dtype=torch.long).share_memory_()
         for shape in self.shapes:
             if shape.sample_id not in records:
                 raise self._error(shape.sample_id, None, "no record with this id in the records given")
@@ -483,6 +489,12 @@ class LlavaDataset(Dataset):
                 raise self._error(shape.sample_id, "image", "the sample has images but no image_folder was given")
             if shape.video_frames and self.video_folder is None:
                 raise self._error(shape.sample_id, "video", "the sample has a video but no video_folder was given")
+
+    @property
+    def stand_in_count(self) -> int:
+        """Stand-ins made so far by this dataset in this process and its DataLoader workers
+        (prefetched ones not yet trained included)."""
+        return int(self._stand_ins.sum())
 
     def _error(self, sample_id: str, field: str | None, reason: str) -> DataError:
         return DataError(reason, path=self.source, sample_id=sample_id, field=field)
@@ -506,13 +518,15 @@ class LlavaDataset(Dataset):
         images = []
         for i, path in enumerate(record_image_paths(record)):
             full = os.path.abspath(os.path.join(self.image_folder, path))  # type: ignore[arg-type]
-            field = "image" if isinstance(record.get("image"), str) else f"image[{i}]"
+            field = image_field(record, i)
             try:
                 image = load_rgb(full)
             except (OSError, ValueError) as exc:
                 raise self._error(shape.sample_id, field, f"cannot load image {full}: {exc}") from exc
             if self.size_sets_tokens and tuple(image.size) != tuple(shape.image_sizes[i]):
-                raise self._size_error(shape, record, i, path, full, image.size)
+                size_field, given_by = recorded_size_source(record, i)  # the error names where the size came from
+                reason = size_mismatch(given_by, shape.image_sizes[i], path, full, image.size)
+                raise self._error(shape.sample_id, size_field, reason)
             images.append(image)
         return images
 
@@ -525,27 +539,6 @@ class LlavaDataset(Dataset):
             return decode_frames(full, sample_frame_indices(shape.video_frames, count))
         except (OSError, ValueError) as exc:
             raise self._error(shape.sample_id, "video", f"cannot load video {full}: {exc}") from exc
-
-    def _size_error(
-        self, shape: SampleShape, record: Mapping[str, Any], i: int, path: str, full: str, real: tuple[int, int]
-    ) -> DataError:
-        """The error of image ``i`` whose file is ``real`` pixels but whose shape says otherwise,
-        naming the field the wrong size came from."""
-        width, height = shape.image_sizes[i]
-        if "image_sizes" in record:
-            field, given_by = f"image_sizes[{i}]", "the record's 'image_sizes'"
-        elif "width" in record or "height" in record:
-            field, given_by = "width/height", "the record's 'width'/'height'"
-        else:
-            field = "image" if isinstance(record.get("image"), str) else f"image[{i}]"
-            given_by = "the image_sizes table (or a stale header cache)"
-        return self._error(
-            shape.sample_id,
-            field,
-            f"{given_by} gives {width}x{height} for image {path!r}, but the file {full} is {real[0]}x{real[1]}: "
-            "its tokens depend on its size, so correct or remove the recorded size (the file's header is read "
-            "when none is given)",
-        )
 
     def _turns(self, shape: SampleShape) -> list[tuple[str, str]]:
         return [(turn["from"], turn["value"]) for turn in self.records[shape.sample_id]["conversations"]]
@@ -574,9 +567,11 @@ class LlavaDataset(Dataset):
         except (DataError, ValueError):
             raise error from None
         item.targets = torch.full_like(item.targets, IGNORE_INDEX)
-        self.stand_ins.append(error)
+        worker = get_worker_info()
+        self._stand_ins[0 if worker is None else 1 + worker.id % (STAND_IN_SLOTS - 1)] += 1
         logger.warning(
-            "%s; on_bad_sample=skip: trained as a stand-in with blank media and no targets (no loss, no gradient)",
+            "%s; on_bad_sample=skip: trained as a stand-in with blank media and no targets (its labels stay in"
+            " the step's loss denominator)",
             error,
         )
         return item
