@@ -30,11 +30,11 @@ from benchmarks.e2e_methods import ONE_ENGINE_METHODS, PACKED_METHODS, SPLITTERS
 from dflop_ds.cost import load_cost_model  # noqa: E402
 from dflop_ds.launch import finish_rank, share_cpu_threads  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
-from dflop_ds.plan.stages import cost_balanced_bounds  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
-from dflop_ds.schedule.sampler import make_sampler  # noqa: E402
+from dflop_ds.schedule.sampler import SamplerSettings, make_sampler  # noqa: E402
 from dflop_ds.telemetry.record import batch_tokens  # noqa: E402
 from dflop_ds.train import build_engine  # noqa: E402
+from dflop_ds.train.loop import stage_bounds  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -69,20 +69,18 @@ def main() -> int:
     dataset = source.make_dataset(shapes, args.data)
     cost_model = load_cost_model(args.cost_model)
     ds_config = worker_ds_config(args.global_batch, args.gas, dp, zero_stage=2 if stages == 1 else None, bf16=args.bf16)
-    bounds = cost_balanced_bounds(cost_model, shapes, stages) if stages > 1 else None
+    bounds = stage_bounds(stages, shapes, cost_model)  # the training loop's split, on the cost model
     trainer = build_engine(*source.layers(), ds_config, pipeline_stages=stages, stage_bounds=bounds, lr=1e-4)
     dp_rank, dp_size = trainer.dp_coords
     samplers = {
         method: make_sampler(
-            SPLITTERS[method],
+            SamplerSettings(SPLITTERS[method], seed=args.seed, prefetch=0),
             shapes,
             global_batch_size=args.global_batch,
             gradient_accumulation_steps=args.gas,
             dp_rank=dp_rank,
             dp_size=dp_size,
             cost_model=method_cost_model(method, cost_model),
-            seed=args.seed,
-            prefetch=0,
             label_tokens_fn=source.label_tokens_fn,
             lockstep=stages == 1,
         )

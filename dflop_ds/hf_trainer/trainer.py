@@ -23,6 +23,7 @@ model, collator, optimizer, logging, checkpointing and evaluation stay. What it 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ from dflop_ds.hf_trainer.version import check_transformers_version
 from dflop_ds.jsonio import read_json_object
 from dflop_ds.schedule import make_sampler
 from dflop_ds.shapes import SampleShape
+from dflop_ds.train.options import sampler_settings
 
 logger = logging.getLogger(__name__)
 
@@ -131,24 +133,17 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         args, settings = trainer.args, self.dflop_settings
         dp_rank, dp_size = data_parallel_coords(args.process_index, max(1, args.world_size), trainer.get_tp_size())
         gas = args.gradient_accumulation_steps
-        cap = memory_cap(settings)
-        options: dict[str, Any] = {"memory_cap": cap, "allow_oversize": settings.allow_oversize} if cap else {}
         sampler = make_sampler(
-            settings.sampler,
+            # epochs are cut by TrainerBatchSampler
+            dataclasses.replace(sampler_settings(settings), seed=self._dflop_seed(), drop_last=False),
             self.sample_shapes,
             global_batch_size=args.per_device_train_batch_size * gas * dp_size,
             gradient_accumulation_steps=gas,
             dp_rank=dp_rank,
             dp_size=dp_size,
             cost_model=None if settings.cost_model is None else load_cost_model(settings.cost_model),
-            seed=self._dflop_seed(),
-            prefetch=settings.prefetch,
-            drop_last=False,  # epochs are cut by TrainerBatchSampler
-            schedule_timeout_s=settings.schedule_timeout_s,
-            time_limit_s=settings.time_limit_s,
-            ilp_nodes=settings.ilp_nodes,
             lockstep=True,  # no pipeline: ZeRO ranks meet in every microbatch's backward
-            **options,
+            memory_cap=memory_cap(settings),
         )
         return TrainerBatchSampler(sampler, drop_last=settings.drop_last or args.dataloader_drop_last)
 

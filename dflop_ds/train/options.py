@@ -22,6 +22,7 @@ from dflop_ds.config import DFLOPConfig, enabled_precisions, fill_from_plan, get
 from dflop_ds.jsonio import read_json_object
 from dflop_ds.plan import Plan
 from dflop_ds.precision import check_precisions
+from dflop_ds.schedule.sampler import SamplerSettings
 from dflop_ds.schedule.splitters import splitter_names
 
 #: command-line options that override settings of the "dflop" block (option dest -> DFLOPConfig attribute)
@@ -120,3 +121,17 @@ def load_plan(path: str | None):
     if path is None:
         return None
     return Plan.load(path)
+
+
+def sampler_settings(cfg: DFLOPConfig) -> SamplerSettings:
+    """The sampler's settings of the ``"dflop"`` block: the one place they are read from it."""
+    return SamplerSettings(
+        method=cfg.sampler,
+        seed=cfg.seed,
+        prefetch=cfg.prefetch,
+        time_limit_s=cfg.time_limit_s,
+        ilp_nodes=cfg.ilp_nodes,
+        drop_last=cfg.drop_last,
+        schedule_timeout_s=cfg.schedule_timeout_s,
+        allow_oversize=cfg.allow_oversize,
+    )
