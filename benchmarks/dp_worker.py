@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import add_worker_options, round_row, timed_train_step, worker_ds_config  # noqa: E402
 from benchmarks.e2e_methods import PACKED_METHODS, split_for  # noqa: E402
-from dflop_ds.cost import PackedCost, load_cost_model  # noqa: E402
+from dflop_ds.cost import load_cost_model, sampler_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import finish_rank, share_cpu_threads  # noqa: E402
 from dflop_ds.models import (  # noqa: E402
@@ -120,7 +120,7 @@ def main() -> int:
     shapes = read_dataset(args.data, TINY_POLICY)
     dataset = TinyMLLMDataset(shapes, seed=args.seed)
     cost_model = load_cost_model(args.cost_model)
-    costs = {False: cost_model.predict_samples(shapes), True: PackedCost(cost_model).predict_samples(shapes)}
+    costs = {packed: sampler_cost_model(cost_model, packed=packed).predict_samples(shapes) for packed in (False, True)}
     tiles, per_tile = tile_costs(cost_model, shapes)
     labels = np.array([supervised_count(s) for s in shapes])
     engines = {
