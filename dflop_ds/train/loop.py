@@ -145,7 +145,7 @@ class Run:
 def main(argv: Sequence[str] | None = None) -> int:
     """Train as the config says; 0 on success."""
     run = run_settings(argv)
-    start_distributed(run)
+    run.world, run.rank = start_distributed(run.cfg.seed)
     load_inputs(run)
     build_trainer(run)
     build_sampler(run, build_sampler_cost(run))
@@ -166,16 +166,17 @@ def run_settings(argv: Sequence[str] | None) -> Run:
     return Run(args, ds_config, cfg)
 
 
-def start_distributed(run: Run) -> None:
-    """Seed, start DeepSpeed's process group and share the CPU cores among this machine's ranks."""
+def start_distributed(seed: int) -> tuple[int, int]:
+    """Seed torch, start DeepSpeed's process group (its /dev/shm buffer released once mapped) and
+    share the CPU cores among this machine's ranks; ``(world size, rank)``."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    torch.manual_seed(run.cfg.seed)
+    torch.manual_seed(seed)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     release_shm_buffer_once_mapped()  # nothing left in /dev/shm however the run ends
     share_cpu_threads()  # CPU ranks on one machine: a share of the cores each, not all of them
-    run.world, run.rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return torch.distributed.get_world_size(), torch.distributed.get_rank()
 
 
 def load_inputs(run: Run) -> None:
