@@ -46,7 +46,7 @@ from dflop_ds.train.engine import TrainingEngine, build_engine
 from dflop_ds.train.gather import gather_full_state
 from dflop_ds.train.launch_inputs import agree_on_inputs
 from dflop_ds.train.memory_cap import MemoryCap, device_memory_cap, resolve_memory_cap
-from dflop_ds.train.options import build_parser, load_plan, load_settings, sampler_settings
+from dflop_ds.train.options import build_parser, load_run_settings, sampler_settings
 
 
 def run_memory_cap(
@@ -155,15 +155,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_settings(argv: Sequence[str] | None) -> Run:
-    """The command line and the config it names, with the output paths checked before training."""
+    """The command line, the config it names and the plan that names, with the output paths
+    checked before training."""
     args = build_parser().parse_args(argv)
-    ds_config, cfg = load_settings(args)
+    ds_config, cfg, plan = load_run_settings(args)
     for option in ("summary", "trace", "telemetry"):  # fail now, not after training
         if getattr(args, option):
             check_writable(getattr(args, option), f"--{option}")
     if args.output_dir:
         check_writable_folder(args.output_dir, "--output_dir")
-    return Run(args, ds_config, cfg)
+    return Run(args, ds_config, cfg, plan=plan)
 
 
 def start_distributed(seed: int) -> tuple[int, int]:
@@ -180,11 +181,10 @@ def start_distributed(seed: int) -> tuple[int, int]:
 
 
 def load_inputs(run: Run) -> None:
-    """The model source, the plan, the shape table, the dataset and the cost model, agreed on by
+    """The model source, the shape table, the dataset and the cost model, agreed on by
     every rank (read on rank 0, bad records named, or skipped and counted) and checked."""
     cfg = run.cfg
     run.source = source = model_source(cfg)
-    run.plan = load_plan(cfg.plan)
     inputs = agree_on_inputs(cfg, lambda: source.read_shapes(cfg.data, cfg.on_bad_sample), run.plan)
     if run.rank == 0:
         print_skip_report(inputs.shapes.report)
