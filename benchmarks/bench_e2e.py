@@ -31,7 +31,7 @@ from benchmarks.common import (  # noqa: E402
     timed_rows,
 )
 from benchmarks.e2e_methods import split_for  # noqa: E402
-from dflop_ds.cost import PackedCost  # noqa: E402
+from dflop_ds.cost import sampler_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, collate_microbatch, tiny_mllm_layers  # noqa: E402
 from dflop_ds.pipe import split_by_cost  # noqa: E402
@@ -53,7 +53,7 @@ def packed_microbatches(
     """``method``'s collated packed microbatches (one rank) of the first ``n_batches`` global batches
     (seed 0, as the worker draws them)."""
     dataset = TinyMLLMDataset(shapes, TinyMLLMConfig(), seed=0)
-    costs = PackedCost(cost_model).predict_samples(shapes)
+    costs = sampler_cost_model(cost_model, packed=True).predict_samples(shapes)
     microbatches = []
     for batch in global_batches(epoch_permutation(len(shapes), 0, 0), global_batch, gas)[:n_batches]:
         for mb in split_for(method, batch.tolist(), shapes, costs[batch], gas, 1)[0]:

@@ -18,19 +18,17 @@ import sys
 import time
 from pathlib import Path
 
-import deepspeed
 import numpy as np
 import torch
-from deepspeed.accelerator import get_accelerator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import add_worker_options, round_row, timed_train_step, worker_ds_config  # noqa: E402
 from benchmarks.e2e_methods import PACKED_METHODS, split_for  # noqa: E402
-from dflop_ds.cost import PackedCost, load_cost_model  # noqa: E402
+from dflop_ds.cost import load_cost_model, sampler_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
-from dflop_ds.launch import finish_rank, share_cpu_threads  # noqa: E402
+from dflop_ds.launch import finish_rank  # noqa: E402
 from dflop_ds.models import (  # noqa: E402
     TinyMLLMDataset,
     collate_microbatch,
@@ -44,6 +42,7 @@ from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 from dflop_ds.train import TrainingEngine, build_engine  # noqa: E402
 from dflop_ds.train.colocated import DispatchCollate, DispatchDataset, MicrostepRequest, tile_costs  # noqa: E402
+from dflop_ds.train.loop import start_distributed  # noqa: E402
 
 METHODS = ("stock", "llava", "verl", "dflop", "dflop_dispatch")
 #: the split of each method (:func:`benchmarks.e2e_methods.split_for`): dflop_dispatch is dflop
@@ -113,14 +112,11 @@ def zero2_engine(colocated: bool, gas: int, global_batch: int, dp: int, seed: in
 
 def main() -> int:
     args = parse_args()
-    torch.manual_seed(args.seed)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-    share_cpu_threads()
-    dp, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    dp, rank = start_distributed(args.seed)
     shapes = read_dataset(args.data, TINY_POLICY)
     dataset = TinyMLLMDataset(shapes, seed=args.seed)
     cost_model = load_cost_model(args.cost_model)
-    costs = {False: cost_model.predict_samples(shapes), True: PackedCost(cost_model).predict_samples(shapes)}
+    costs = {packed: sampler_cost_model(cost_model, packed=packed).predict_samples(shapes) for packed in (False, True)}
     tiles, per_tile = tile_costs(cost_model, shapes)
     labels = np.array([supervised_count(s) for s in shapes])
     engines = {

@@ -11,10 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from dflop_ds.cost import PackedCost
+from dflop_ds.cost import LLMOnlyCost, sampler_cost_model
 from dflop_ds.schedule.splitters import MicrobatchCost, RankSplit, SplitRequest, make_splitter
 from dflop_ds.shapes import SampleShape
-from dflop_ds.train.colocated import LLMOnlyCost
 
 #: ``dflop_uniform`` is dflop-ds's scheduling alone, on the baselines' layer-count stage split;
 #: ``stock_packed`` is stock's split with packed microbatches (packing's gain without balancing).
@@ -41,12 +40,13 @@ SPLITTERS = {
 
 
 def method_cost_model(method: str, cost_model: Any) -> Any:
-    """The cost model ``method`` schedules with: :class:`~dflop_ds.cost.PackedCost` of ``cost_model``
-    for a method of :data:`PACKED_METHODS` (as the training loop wraps it when packing), else
-    ``cost_model`` itself."""
+    """The cost model ``method`` schedules with, wrapped as the training loop wraps it
+    (:func:`~dflop_ds.cost.sampler_cost_model`): packed for a method of :data:`PACKED_METHODS`,
+    the LLM alone for ``dflop_colocated``, else ``cost_model`` itself (one engine stage's view:
+    the benchmarks balance whole-model columns)."""
     if method not in SPLITTERS:
         raise ValueError(f"unknown method {method!r}: choose from {METHODS}")
-    return PackedCost(cost_model) if method in PACKED_METHODS else cost_model
+    return sampler_cost_model(cost_model, colocated=method == "dflop_colocated", packed=method in PACKED_METHODS)
 
 
 def split_for(

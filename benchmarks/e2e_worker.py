@@ -14,19 +14,17 @@ import sys
 import time
 from pathlib import Path
 
-import deepspeed
 import numpy as np
 import torch
-from deepspeed.accelerator import get_accelerator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import add_worker_options, round_row, timed_train_step, worker_ds_config  # noqa: E402
 from benchmarks.e2e_methods import METHODS, PACKED_METHODS, split_for  # noqa: E402
-from dflop_ds.cost import PackedCost, load_cost_model  # noqa: E402
+from dflop_ds.cost import load_cost_model, sampler_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
-from dflop_ds.launch import finish_rank, share_cpu_threads  # noqa: E402
+from dflop_ds.launch import finish_rank  # noqa: E402
 from dflop_ds.models import (  # noqa: E402
     TinyMLLMConfig,
     TinyMLLMDataset,
@@ -50,6 +48,7 @@ from dflop_ds.train.colocated import (  # noqa: E402
     pipeline_dispatch_ranks,
     tile_costs,
 )
+from dflop_ds.train.loop import start_distributed  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -109,15 +108,12 @@ class ColocatedLoading:
 
 def main() -> int:
     args = parse_args()
-    torch.manual_seed(args.seed)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-    share_cpu_threads()
-    dp = torch.distributed.get_world_size() // 2
+    world, rank = start_distributed(args.seed)
+    dp = world // 2
     shapes = read_dataset(args.data, TINY_POLICY)
     dataset = TinyMLLMDataset(shapes, TinyMLLMConfig(), seed=args.seed)
     cost_model = load_cost_model(args.cost_model)
-    packed_model = PackedCost(cost_model)
-    costs = {False: cost_model.predict_samples(shapes), True: packed_model.predict_samples(shapes)}
+    costs = {packed: sampler_cost_model(cost_model, packed=packed).predict_samples(shapes) for packed in (False, True)}
     labels = np.array([supervised_count(s) for s in shapes])
     methods = args.methods.split(",")
     bounds = [int(b) for b in args.dflop_bounds.split(",")]
@@ -130,7 +126,6 @@ def main() -> int:
     timers = {name: PipelineTimer(trainer.engine, args.gas).install() for name, trainer in engines.items()}
     dp_rank, _ = engines["dflop"].dp_coords
     batches = global_batches(epoch_permutation(len(shapes), args.seed, 0), args.global_batch, args.gas * dp)
-    rank = torch.distributed.get_rank()
     rows = []
     for round_id in range(args.warmup + args.rounds):
         batch = batches[round_id % len(batches)]

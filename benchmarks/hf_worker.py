@@ -18,23 +18,19 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import deepspeed
-import torch
-from deepspeed.accelerator import get_accelerator
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import add_worker_options, round_row, timed_train_step, worker_ds_config  # noqa: E402
 from benchmarks.e2e_methods import ONE_ENGINE_METHODS, PACKED_METHODS, SPLITTERS, method_cost_model  # noqa: E402
 from dflop_ds.cost import load_cost_model  # noqa: E402
-from dflop_ds.launch import finish_rank, share_cpu_threads  # noqa: E402
+from dflop_ds.launch import finish_rank  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
-from dflop_ds.plan.stages import cost_balanced_bounds  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
-from dflop_ds.schedule.sampler import make_sampler  # noqa: E402
+from dflop_ds.schedule.sampler import SamplerSettings, make_sampler  # noqa: E402
 from dflop_ds.telemetry.record import batch_tokens  # noqa: E402
 from dflop_ds.train import build_engine  # noqa: E402
+from dflop_ds.train.loop import stage_bounds, start_distributed  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,10 +54,7 @@ def main() -> int:
     unknown = sorted(set(methods) - set(ONE_ENGINE_METHODS))
     if unknown:
         raise ValueError(f"unknown methods {unknown}: choose from {ONE_ENGINE_METHODS}")
-    torch.manual_seed(args.seed)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-    share_cpu_threads()
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    world, rank = start_distributed(args.seed)
     stages = 2 if args.engine == "pp2" else 1
     dp = world // stages
     source = hf_source(args.model, image_folder=args.images, video_folder=args.videos)
@@ -69,20 +62,18 @@ def main() -> int:
     dataset = source.make_dataset(shapes, args.data)
     cost_model = load_cost_model(args.cost_model)
     ds_config = worker_ds_config(args.global_batch, args.gas, dp, zero_stage=2 if stages == 1 else None, bf16=args.bf16)
-    bounds = cost_balanced_bounds(cost_model, shapes, stages) if stages > 1 else None
+    bounds = stage_bounds(stages, shapes, cost_model)  # the training loop's split, on the cost model
     trainer = build_engine(*source.layers(), ds_config, pipeline_stages=stages, stage_bounds=bounds, lr=1e-4)
     dp_rank, dp_size = trainer.dp_coords
     samplers = {
         method: make_sampler(
-            SPLITTERS[method],
+            SamplerSettings(SPLITTERS[method], seed=args.seed, prefetch=0),
             shapes,
             global_batch_size=args.global_batch,
             gradient_accumulation_steps=args.gas,
             dp_rank=dp_rank,
             dp_size=dp_size,
             cost_model=method_cost_model(method, cost_model),
-            seed=args.seed,
-            prefetch=0,
             label_tokens_fn=source.label_tokens_fn,
             lockstep=stages == 1,
         )

@@ -8,7 +8,7 @@ import torch
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 
 from dflop_ds.config import DFLOPConfig
-from dflop_ds.schedule.sampler import make_sampler
+from dflop_ds.schedule.sampler import SamplerSettings, make_sampler
 from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 from dflop_ds.schedule.splitters.batch_rebalance import batch_rebalance, padded_group_cost
 from dflop_ds.shapes import SampleShape
@@ -89,7 +89,12 @@ def test_the_sampler_trains_it_by_name() -> None:
         SampleShape(f"s{i}", text_tokens=int(t), llm_tokens=int(t)) for i, t in enumerate(rng.integers(5, 900, 40))
     ]
     sampler = make_sampler(
-        "batch_rebalance", shapes, global_batch_size=16, gradient_accumulation_steps=2, dp_size=2, dp_rank=0, prefetch=0
+        SamplerSettings("batch_rebalance", prefetch=0),
+        shapes,
+        global_batch_size=16,
+        gradient_accumulation_steps=2,
+        dp_size=2,
+        dp_rank=0,
     )
     batch = sampler.batches_in_epoch(0)[0]
     split = sampler.schedule(0, 0, batch).split

@@ -126,7 +126,7 @@ def test_syntax_errors_and_repeated_keys_name_file_line_column_and_key(tmp_path,
 
 
 def test_training_config_is_read_strictly(tmp_path):
-    from dflop_ds.train.loop import build_parser, load_settings
+    from dflop_ds.train.options import build_parser, load_settings
 
     config = tmp_path / "ds.json"
     config.write_text('{"train_batch_size": 8, "dflop": {"train": {"steps": 5, "steps": 50}}}')

@@ -13,7 +13,7 @@ from test_sampler import mixed_shapes
 import dflop_ds
 from dflop_ds.schedule.epoch import epoch_batches
 from dflop_ds.schedule.prefetch import ScheduleTimeoutError
-from dflop_ds.schedule.sampler import DFLOPBatchSampler, make_sampler
+from dflop_ds.schedule.sampler import DFLOPBatchSampler, SamplerSettings, make_sampler
 from dflop_ds.testing import StuckSplitSampler
 
 SHAPES = mixed_shapes(101)  # the 101 samples: not a multiple of any batch size used here
@@ -112,14 +112,11 @@ def test_mid_batch_state_needs_the_same_microbatch_layout():
 def test_every_global_batch_has_exactly_the_global_batch_size(n, drop_last):
     shapes = mixed_shapes(n, seed=n)
     sampler = make_sampler(
-        "dflop",
+        SamplerSettings("dflop", seed=1, drop_last=drop_last, prefetch=0),
         shapes,
         global_batch_size=32 if n == 40 else 16,
         gradient_accumulation_steps=4,
         dp_size=2,
-        seed=1,
-        drop_last=drop_last,
-        prefetch=0,
     )
     size = sampler.global_batch_size
     seen = []

@@ -14,7 +14,7 @@ from dflop_ds.models import TinyMLLMConfig, TinyMLLMDataset, build_reference, co
 from dflop_ds.models.packing import join_rows, segment_causal_attention, segment_positions, token_positions
 from dflop_ds.models.source import tiny_source
 from dflop_ds.pipe.loss import token_normalized_loss
-from dflop_ds.schedule.sampler import make_sampler
+from dflop_ds.schedule.sampler import SamplerSettings, make_sampler
 from dflop_ds.shapes import TINY_POLICY
 from dflop_ds.train.loop import build_parser
 from tests.test_costmodel import shape as cost_shape
@@ -147,7 +147,7 @@ def test_the_sampler_balances_packed_costs_additively() -> None:
     ]
     packed = PackedCost(FittedCostModel().fit(synthetic_profile()))
     kwargs = dict(global_batch_size=16, gradient_accumulation_steps=4, cost_model=packed)
-    dflop, stock = make_sampler("dflop", shapes, **kwargs), make_sampler("stock", shapes, **kwargs)
+    dflop, stock = (make_sampler(SamplerSettings(method), shapes, **kwargs) for method in ("dflop", "stock"))
     assert dflop.additive and dflop._microbatch_cost(np.arange(16)) is None
 
     def makespan(sampler) -> float:

@@ -25,7 +25,8 @@ from dflop_ds.plan.families.core import pipeline_grid
 from dflop_ds.plan.layout import Layout, Segment
 from dflop_ds.precision import UnsupportedPrecisionError, check_precisions, precision_supported
 from dflop_ds.shapes import TINY_POLICY
-from dflop_ds.train.loop import build_parser, load_settings
+from dflop_ds.train import options
+from dflop_ds.train.options import build_parser, load_run_settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "data" / "mixture.jsonl"
@@ -145,7 +146,7 @@ def test_a_precision_the_device_lacks_is_refused_before_deepspeed_naming_it_and_
 ) -> None:
     from dflop_ds.models import tiny_mllm_layers
     from dflop_ds.train import build_engine
-    from dflop_ds.train.loop import build_parser, load_settings
+    from dflop_ds.train.options import build_parser, load_settings
 
     deny_precisions(["fp16"], monkeypatch.setattr)
     device = f"the {get_accelerator().device_name()} device"
@@ -334,6 +335,12 @@ def test_a_written_config_finds_its_plan_from_any_working_directory(
     plan = Plan.load(tmp_path / "plan.json")
     assert Path(settings.plan).resolve() == (tmp_path / "plan.json").resolve()
     assert ds_config["gradient_accumulation_steps"] == plan.n_mb and settings.stage_bounds == plan.stage_bounds()
+    reads: list[str] = []
+    monkeypatch.setattr(options, "load_plan", lambda path: reads.append(str(path)) or Plan.load(path))
+    *_, followed = load_run_settings(build_parser().parse_args(["--deepspeed_config", str(ds)]))
+    assert (
+        followed is not None and followed.to_dict() == plan.to_dict() and len(reads) == 1
+    )  # the loop's plan, read once
     (tmp_path / "plan.json").unlink()
     with pytest.raises(ValueError, match="relative to the config's folder") as info:
         load_settings(build_parser().parse_args(["--deepspeed_config", str(ds)]))

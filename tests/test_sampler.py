@@ -10,7 +10,7 @@ import pytest
 from dflop_ds.cost import ProxyCost
 from dflop_ds.schedule.index import ScheduledIndex
 from dflop_ds.schedule.prefetch import BackgroundMap
-from dflop_ds.schedule.sampler import DFLOPBatchSampler, StockBatchSampler, make_sampler
+from dflop_ds.schedule.sampler import DFLOPBatchSampler, SamplerSettings, StockBatchSampler, make_sampler
 from dflop_ds.shapes import TINY_POLICY
 
 
@@ -41,7 +41,12 @@ def test_exact_global_batches_and_every_sample_once_per_pass_across_ranks_and_ep
     dp, gas, size = 2, 4, 40
     samplers = [
         make_sampler(
-            method, shapes, global_batch_size=size, gradient_accumulation_steps=gas, dp_rank=r, dp_size=dp, seed=7
+            SamplerSettings(method, seed=7),
+            shapes,
+            global_batch_size=size,
+            gradient_accumulation_steps=gas,
+            dp_rank=r,
+            dp_size=dp,
         )
         for r in range(dp)
     ]
@@ -130,7 +135,7 @@ def test_bad_sizes_are_refused_clearly():
     with pytest.raises(ValueError, match="dp_rank"):
         DFLOPBatchSampler(shapes, global_batch_size=4, gradient_accumulation_steps=2, dp_rank=2, dp_size=2)
     with pytest.raises(ValueError, match="unknown sampler"):
-        make_sampler("random", shapes, global_batch_size=4, gradient_accumulation_steps=2)
+        make_sampler(SamplerSettings("random"), shapes, global_batch_size=4, gradient_accumulation_steps=2)
 
 
 class ExplodingSampler(DFLOPBatchSampler):

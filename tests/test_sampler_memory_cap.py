@@ -16,7 +16,7 @@ from dflop_ds.schedule.epoch import epoch_batches
 from dflop_ds.schedule.fit_batches import MemoryCapError
 from dflop_ds.schedule.memory import OversizeSampleError, fit_under_cap, microbatch_bytes, sample_bytes
 from dflop_ds.schedule.partition import InfeasibleError, partition_batch
-from dflop_ds.schedule.sampler import DFLOPBatchSampler, make_sampler
+from dflop_ds.schedule.sampler import DFLOPBatchSampler, SamplerSettings, make_sampler
 from dflop_ds.schedule.splitters import DFLOPSplitter
 from dflop_ds.shapes import SampleShape
 
@@ -112,12 +112,11 @@ def test_the_stock_sampler_refuses_a_cap_and_the_config_keys_are_typed():
     for method in ("stock", "verl"):  # the registered splitters other than dflop ignore memory
         with pytest.raises(ValueError, match=f"memory_cap_bytes.*needs the dflop sampler: the '{method}'"):
             make_sampler(
-                method,
+                SamplerSettings(method, allow_oversize=True),
                 planted(32, 1),
                 global_batch_size=16,
                 gradient_accumulation_steps=2,
                 memory_cap=1e9,
-                allow_oversize=True,
             )
     assert DFLOPConfig.from_dict({}).memory_cap_bytes == "auto"
     assert DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": "off"}}).memory_cap_bytes == "off"

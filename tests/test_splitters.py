@@ -4,6 +4,7 @@ benchmarks cut a batch the same way for the same splitter name."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from dflop_ds.plan import Cluster
 from dflop_ds.plan.evaluate import evaluate
 from dflop_ds.plan.layout import Layout, Segment, separate_stages
 from dflop_ds.plan.plan_file import Plan, PlanFileError, layout_from_dict, layout_to_dict
-from dflop_ds.schedule.sampler import GlobalBatchSampler, SplitterSampler, make_sampler
+from dflop_ds.schedule.sampler import GlobalBatchSampler, SamplerSettings, SplitterSampler, make_sampler
 from dflop_ds.schedule.splitters import (
     SplitRequest,
     check_split,
@@ -82,13 +83,12 @@ def test_stock_split_is_what_the_planner_evaluates() -> None:
         batch = np.random.default_rng(size).permutation(len(shapes))[:size]
         planned = evaluate(model, cluster, layout, [shapes[i] for i in batch], costs[batch]).order
         sampler = make_sampler(
-            "stock",
+            SamplerSettings("stock", prefetch=0),
             shapes,
             global_batch_size=size,
             gradient_accumulation_steps=4,
             dp_size=2,
             cost_model=model,
-            prefetch=0,
         )
         trained = sampler.split(batch, costs[batch], batch_seed=0).ranks
         assert [[[int(batch[p]) for p in mb] for mb in rank] for rank in planned] == trained
@@ -101,19 +101,18 @@ def sched_seed(epoch: int, batch_id: int, seed: int = 0) -> int:
     return seed * 1_000_003 + epoch * 10_007 + batch_id
 
 
-def rank0_sampler(name: str, shapes: list[SampleShape], **options) -> GlobalBatchSampler:
+def rank0_sampler(name: str, shapes: list[SampleShape], cost_model: Any = None, **options) -> GlobalBatchSampler:
     """Rank 0's sampler ``name`` of 2 data-parallel ranks, 16 samples in 2 microbatches per rank,
-    scheduled inline, in lockstep; ``options`` go to :func:`make_sampler`."""
+    scheduled inline, in lockstep; ``options`` go to :class:`SamplerSettings`."""
     return make_sampler(
-        name,
+        SamplerSettings(name, prefetch=0, **options),
         shapes,
         global_batch_size=16,
         gradient_accumulation_steps=2,
         dp_size=2,
         dp_rank=0,
-        prefetch=0,
+        cost_model=cost_model,
         lockstep=True,
-        **options,
     )
 
 

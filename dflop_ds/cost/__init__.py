@@ -5,6 +5,9 @@
 * :class:`AnalyticMLLM`: FLOP-count models of real MLLMs on real GPUs (:func:`reference_model`).
 * :class:`ProxyCost`: the unitless fallback when nothing was profiled.
 * :class:`PackedCost`: any of them for packed microbatches (additive plus one overhead).
+* :class:`LLMOnlyCost`: any of them with the encoder column zeroed (a colocated encoder).
+* :class:`StageCost`: any of them per pipeline stage.
+* :func:`sampler_cost_model`: the one chain of these wrappers a sampler balances with.
 * :func:`save_cost_model` / :func:`load_cost_model`: the one versioned JSON format.
 """
 
@@ -17,16 +20,19 @@ from dflop_ds.cost.io import (
     reusable_fitted_model,
     save_cost_model,
 )
+from dflop_ds.cost.llm_only import LLMOnlyCost
 from dflop_ds.cost.measurements import Measurement, ModelProfile
 from dflop_ds.cost.packed import PackedCost
 from dflop_ds.cost.protocol import CostModel
 from dflop_ds.cost.proxy import ProxyCost
 from dflop_ds.cost.stage import StageCost
+from dflop_ds.cost.wrappers import sampler_cost_model
 
 __all__ = [
     "AnalyticMLLM",
     "CostModel",
     "FittedCostModel",
+    "LLMOnlyCost",
     "Measurement",
     "ModelProfile",
     "PackedCost",
@@ -39,5 +45,6 @@ __all__ = [
     "reusable_fitted_model",
     "reference_model",
     "reference_names",
+    "sampler_cost_model",
     "save_cost_model",
 ]

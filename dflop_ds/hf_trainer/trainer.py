@@ -28,6 +28,7 @@ model, collator, optimizer, logging, checkpointing and evaluation stay. What it 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ from dflop_ds.jsonio import read_json_object
 from dflop_ds.schedule import make_sampler
 from dflop_ds.setup_checks import check_cost_model_fits, check_time_limit
 from dflop_ds.shapes import SampleShape
+from dflop_ds.train.options import sampler_settings
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +164,7 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         cost_model = self._dflop_cost_model()
         seed, seed_source = self._dflop_seed()
         drop_last = settings.drop_last or args.dataloader_drop_last
-        sampler_settings = {
+        digested_settings = {
             "kind": settings.sampler,
             "global_batch_size": args.per_device_train_batch_size * gas * dp_size,
             "gradient_accumulation_steps": gas,
@@ -178,26 +180,21 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
                 settings.cost_model or "the unitless proxy",
                 seed,
                 seed_source,
-                sampler_settings,
+                digested_settings,
                 args.process_index,
             )
         )
         sampler = make_sampler(
-            settings.sampler,
+            # epochs are cut by TrainerBatchSampler
+            dataclasses.replace(sampler_settings(settings), seed=seed, drop_last=False),
             self.sample_shapes,
             global_batch_size=args.per_device_train_batch_size * gas * dp_size,
             gradient_accumulation_steps=gas,
             dp_rank=dp_rank,
             dp_size=dp_size,
             cost_model=cost_model,
-            seed=seed,
-            prefetch=settings.prefetch,
-            drop_last=False,  # epochs are cut by TrainerBatchSampler
-            schedule_timeout_s=settings.schedule_timeout_s,
-            time_limit_s=settings.time_limit_s,
-            ilp_nodes=settings.ilp_nodes,
             lockstep=True,  # no pipeline: ZeRO ranks meet in every microbatch's backward
-            **options,
+            memory_cap=cap,
         )
         return TrainerBatchSampler(sampler, drop_last=drop_last)
 

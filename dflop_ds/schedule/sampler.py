@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -680,16 +680,66 @@ class DFLOPBatchSampler(GlobalBatchSampler):
         return dataclasses.replace(result, solver=result.solver + FALLBACK_SUFFIX)
 
 
-def make_sampler(method: str, shapes: Sequence[SampleShape], **kwargs) -> GlobalBatchSampler:
-    """Build the sampler splitting with the registered splitter ``method`` (``"dflop"``,
-    ``"stock"``, ``"llava"``, ``"verl"``, ...); the exact-solver and lockstep options go to
-    ``"dflop"`` alone."""
+@dataclass(frozen=True)
+class SamplerSettings:
+    """The sampler's settings from the config (``dflop.sampler`` and ``dflop.train.seed``;
+    :func:`dflop_ds.train.options.sampler_settings` builds them): ``method`` is a registered
+    splitter; ``time_limit_s``, ``ilp_nodes`` and ``allow_oversize`` are ``"dflop"``'s alone.
+    See :class:`GlobalBatchSampler` and :class:`DFLOPBatchSampler` for the others."""
+
+    method: str = "dflop"
+    seed: int = 0
+    prefetch: int = 1
+    time_limit_s: float = 0.0
+    ilp_nodes: int = 0
+    drop_last: bool = False
+    schedule_timeout_s: float | None = SCHEDULE_TIMEOUT_S
+    allow_oversize: bool = False
+
+
+def make_sampler(
+    settings: SamplerSettings,
+    shapes: Sequence[SampleShape],
+    *,
+    global_batch_size: int,
+    gradient_accumulation_steps: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    cost_model: CostModel | None = None,
+    label_tokens_fn: Callable[[SampleShape], int] | None = None,
+    cost_adjuster: CostAdjuster | None = None,
+    lockstep: bool = False,
+    memory_cap: float | None = None,
+) -> GlobalBatchSampler:
+    """Build the sampler splitting with the registered splitter ``settings.method`` (``"dflop"``,
+    ``"stock"``, ``"llava"``, ``"verl"``, ...) for this run's batch sizes, rank and cost model;
+    the exact-solver, lockstep and oversize options go to ``"dflop"`` alone."""
+    method = settings.method
     if method not in splitter_names():
         raise ValueError(f"unknown sampler {method!r}: choose one of {list(splitter_names())}")
+    common: dict[str, Any] = {
+        "global_batch_size": global_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "dp_rank": dp_rank,
+        "dp_size": dp_size,
+        "cost_model": cost_model,
+        "seed": settings.seed,
+        "prefetch": settings.prefetch,
+        "label_tokens_fn": label_tokens_fn,
+        "cost_adjuster": cost_adjuster,
+        "drop_last": settings.drop_last,
+        "schedule_timeout_s": settings.schedule_timeout_s,
+        "memory_cap": memory_cap,
+    }
     if method == "dflop":
-        return DFLOPBatchSampler(shapes, **kwargs)
-    for key in ("time_limit_s", "ilp_nodes", "lockstep", "allow_oversize"):
-        kwargs.pop(key, None)
+        return DFLOPBatchSampler(
+            shapes,
+            time_limit_s=settings.time_limit_s,
+            ilp_nodes=settings.ilp_nodes,
+            lockstep=lockstep,
+            allow_oversize=settings.allow_oversize,
+            **common,
+        )
     if method == "stock":
-        return StockBatchSampler(shapes, **kwargs)
-    return SplitterSampler(shapes, splitter=method, **kwargs)
+        return StockBatchSampler(shapes, **common)
+    return SplitterSampler(shapes, splitter=method, **common)

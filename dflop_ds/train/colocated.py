@@ -12,7 +12,7 @@ integer routing tensors follow the inputs::
     inputs = (encode_pixels, *other_inputs, send_counts [world], recv_counts [world], recv_index [T_own])
 
 With the encoder balanced by dispatch, the sampler balances each micro-step on the LLM alone
-(:class:`LLMOnlyCost`): a micro-step then costs the slowest rank's LLM plus the mean encoder work.
+(:class:`~dflop_ds.cost.LLMOnlyCost`): a micro-step then costs the slowest rank's LLM plus the mean encoder work.
 
 Under DeepSpeed AutoTP (``tensor_parallel.autotp_size = tp > 1``, HF models) the ranks of a
 tensor-parallel group train the same microbatches with the LLM sharded and the vision tower
@@ -45,29 +45,6 @@ from dflop_ds.schedule.index import ScheduledIndex
 from dflop_ds.shapes import SampleShape
 from dflop_ds.train.device import move_to
 from dflop_ds.train.sequential import SequentialMLLM
-
-
-class LLMOnlyCost:
-    """A cost model's predictions with the encoder column zeroed: what the sampler balances when
-    the encoder's work is dispatched separately (the encoder costs the mean over ranks anyway)."""
-
-    def __init__(self, cost_model: Any) -> None:
-        self.cost_model = cost_model
-
-    @staticmethod
-    def drop_encoder(costs: Any) -> np.ndarray:
-        """A copy of ``costs`` (rows ``[encoder, llm]``) with the encoder column zeroed."""
-        costs = np.array(costs, dtype=float)
-        costs[..., 0] = 0.0
-        return costs
-
-    def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray:
-        """Per-sample ``[0, llm]``."""
-        return self.drop_encoder(self.cost_model.predict_samples(shapes))
-
-    def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
-        """A collated (padded) microbatch's ``[0, llm]``."""
-        return self.drop_encoder(self.cost_model.predict_microbatch(shapes))
 
 
 def tile_costs(cost_model: Any, shapes: Sequence[SampleShape]) -> tuple[np.ndarray, np.ndarray]:
@@ -313,7 +290,7 @@ def colocate(
     """The sampler, dataset and collate of a colocated-encoder run, wrapping the rank's plain ones.
 
     ``cost_model`` (with its encoder column) prices the tiles; ``sampler`` schedules on the LLM
-    alone (build it with :class:`LLMOnlyCost`; in lockstep on the plain engine). ``pixels_of``:
+    alone (build it with :class:`~dflop_ds.cost.LLMOnlyCost`; in lockstep on the plain engine). ``pixels_of``:
     a dataset item's tiles, one row each (default: ``item.pixels``, the tiny model's). ``dispatch``:
     ``owners``, ``rank``, ``ranks`` and ``owner`` of :class:`DispatchingSampler` (see
     :func:`pipeline_dispatch_ranks` for a pipeline, :meth:`TensorParallelDispatch.sampler_ranks` for AutoTP).

@@ -12,11 +12,12 @@ MLLM trains on synthetic tensors of the dataset's real shapes.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from dflop_ds.config import DFLOPConfig
-from dflop_ds.cost import PackedCost, ProxyCost, StageCost
+from dflop_ds.cost import ProxyCost, sampler_cost_model
 from dflop_ds.cost.stage import stage_memory_caps
 from dflop_ds.launch import finish_rank, release_shm_buffer_once_mapped, share_cpu_threads
 from dflop_ds.loader import make_loader
@@ -34,23 +35,18 @@ from dflop_ds.paths import check_writable, check_writable_folder
 from dflop_ds.plan import Plan
 from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares
 from dflop_ds.schedule.memory import memory_blind_model
-from dflop_ds.schedule.sampler import GlobalBatchSampler, make_sampler
+from dflop_ds.schedule.sampler import make_sampler
 from dflop_ds.setup_checks import check_cost_model_fits, check_training_setup
 from dflop_ds.telemetry.record import batch_tokens, throughput
 from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
 from dflop_ds.telemetry.setup import inject_fault, make_correction
 from dflop_ds.train.autotp import is_tensor_parallel_layer
-from dflop_ds.train.colocated import (
-    DispatchingSampler,
-    LLMOnlyCost,
-    colocate,
-    colocated_pipeline_bounds,
-)
+from dflop_ds.train.colocated import colocate, colocated_pipeline_bounds
 from dflop_ds.train.engine import TrainingEngine, build_engine
 from dflop_ds.train.gather import gather_full_state
 from dflop_ds.train.launch_inputs import agree_on_inputs, all_ranks_or_none
 from dflop_ds.train.memory_cap import MemoryCap, device_memory_cap, resolve_memory_cap
-from dflop_ds.train.options import build_parser, load_plan, load_settings
+from dflop_ds.train.options import build_parser, load_run_settings, sampler_settings
 
 
 def run_memory_cap(
@@ -112,6 +108,78 @@ def print_skip_report(report, limit: int = 20) -> None:
         print(f"[dflop-ds]   ... and {len(report.problems) - limit} more problem(s)", flush=True)
 
 
+@dataclass
+class Run:
+    """What the builders of :func:`main` hand on: the settings, the inputs, the engine and the data
+    pipeline of one training run (filled in that order)."""
+
+    args: argparse.Namespace
+    ds_config: dict
+    cfg: DFLOPConfig
+    rank: int = 0
+    world: int = 1
+    source: Any = None
+    plan: Any = None  # the Plan the run follows, if any
+    shapes: list[Any] = field(default_factory=list)
+    dataset: Any = None
+    cost_model: Any = None
+    trainer: Any = None
+    correction: Any = None
+    packing: bool = False
+    tile_pixels: Any = None
+    memory_cap: MemoryCap | None = None
+    sampler: Any = None
+    loader: Any = None
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether DeepSpeed's pipeline engine trains (more than one stage)."""
+        return self.cfg.pipeline_stages > 1
+
+    @property
+    def colocated(self) -> bool:
+        """Whether the encoder runs beside the LLM, dispatched by cost over the ranks."""
+        return self.cfg.encoder == "colocated"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Train as the config says; 0 on success."""
+    run = run_settings(argv)
+    run.world, run.rank = start_distributed(run.cfg.seed)
+    load_inputs(run)
+    build_trainer(run)
+    build_sampler(run, build_sampler_cost(run))
+    build_loader(run)
+    train(run)
+    return 0
+
+
+def run_settings(argv: Sequence[str] | None) -> Run:
+    """The command line, the config it names and the plan that names, with the output paths
+    checked before training."""
+    args = build_parser().parse_args(argv)
+    ds_config, cfg, plan = load_run_settings(args)
+    for option in ("summary", "trace", "telemetry"):  # fail now, not after training
+        if getattr(args, option):
+            check_writable(getattr(args, option), f"--{option}")
+    if args.output_dir:
+        check_writable_folder(args.output_dir, "--output_dir")
+    return Run(args, ds_config, cfg, plan=plan)
+
+
+def start_distributed(seed: int) -> tuple[int, int]:
+    """Seed torch, start DeepSpeed's process group (its /dev/shm buffer released once mapped) and
+    share the CPU cores among this machine's ranks; ``(world size, rank)``."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    torch.manual_seed(seed)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    release_shm_buffer_once_mapped()  # nothing left in /dev/shm however the run ends
+    share_cpu_threads()  # CPU ranks on one machine: a share of the cores each, not all of them
+    return torch.distributed.get_world_size(), torch.distributed.get_rank()
+
+
 def print_stand_ins(dataset: Any, rank: int) -> None:
     """Print, on each rank that made any, how many samples its loader made as stand-ins
     (``on_bad_sample="skip"``: media that failed to load; each was logged by name when made)."""
@@ -124,195 +192,225 @@ def print_stand_ins(dataset: Any, rank: int) -> None:
         )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Train as the config says; 0 on success."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.utils import RepeatingLoader
-
-    args = build_parser().parse_args(argv)
-    ds_config, cfg = load_settings(args)
-    for option in ("summary", "trace", "telemetry"):  # fail now, not after training
-        if getattr(args, option):
-            check_writable(getattr(args, option), f"--{option}")
-    if args.output_dir:
-        check_writable_folder(args.output_dir, "--output_dir")
-    torch.manual_seed(cfg.seed)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-    release_shm_buffer_once_mapped()  # nothing left in /dev/shm however the run ends
-    share_cpu_threads()  # CPU ranks on one machine: a share of the cores each, not all of them
-    world = torch.distributed.get_world_size()
-    rank = torch.distributed.get_rank()
-
-    source = all_ranks_or_none("loading the model", lambda: model_source(cfg))  # every rank told of one's failure
-    plan = load_plan(cfg.plan)
-    # shape table and cost model from rank 0 (bad records named, or skipped and counted), checked on every rank
-    inputs = agree_on_inputs(cfg, lambda: source.read_shapes(cfg.data, cfg.on_bad_sample), plan)
-    if rank == 0:
+def load_inputs(run: Run) -> None:
+    """The model source, the shape table, the dataset and the cost model, agreed on by
+    every rank (read on rank 0, bad records named, or skipped and counted) and checked."""
+    cfg = run.cfg
+    # every rank is told of one rank's failure to load the model (no rank left waiting in a collective)
+    run.source = source = all_ranks_or_none("loading the model", lambda: model_source(cfg))
+    inputs = agree_on_inputs(cfg, lambda: source.read_shapes(cfg.data, cfg.on_bad_sample), run.plan)
+    if run.rank == 0:
         print_skip_report(inputs.shapes.report)
         if source.truncated_samples():
             print(f"[dflop-ds] {source.truncated_samples()} sample(s) cut at dflop.data.max_length", flush=True)
-    shapes = inputs.shapes[: cfg.max_samples]
-    dataset = source.make_dataset(shapes, cfg.data, cfg.on_bad_sample)  # skip: media that fail to load stand in
-    loaded = dataset  # counts its stand-ins (colocation wraps `dataset` below)
-    cost_model = inputs.cost_model
-    if cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
+    run.shapes = inputs.shapes[: cfg.max_samples]
+    run.dataset = source.make_dataset(run.shapes, cfg.data, cfg.on_bad_sample)  # bad media stand in under skip
+    run.cost_model = inputs.cost_model
+    if run.cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
         check_cost_model_fits(
-            cost_model,
+            run.cost_model,
             source.policy,
             encoder_layers=len(source.encoder_layers),
             llm_layers=len(source.llm_layers),
             source=str(cfg.cost_model),
         )
 
+
+def stage_bounds(
+    num_stages: int,
+    shapes: Sequence[Any],
+    cost_model: Any = None,
+    *,
+    given: Sequence[int] | None = None,
+    colocated: bool = False,
+    encoder_layers: int = 0,
+) -> Sequence[int] | None:
+    """The pipeline's stage bounds: ``given`` (the config's) or, without them, where the
+    predicted time balances; a colocated encoder leaves the pipeline, whose stages then split the
+    LLM side. None: one stage, or no cost model and no bounds (the engine's own split)."""
+    if num_stages > 1 and colocated:
+        return colocated_pipeline_bounds(given, encoder_layers, cost_model, shapes, num_stages)
+    if num_stages > 1 and given is None and cost_model is not None:
+        return cost_balanced_bounds(cost_model, shapes, num_stages)
+    return given
+
+
+def build_trainer(run: Run) -> None:
+    """The training engine on the source's layers (the encoder's optional testing fault
+    injected), after the setup checks, with the run's correction and packing switch."""
+    cfg, source = run.cfg, run.source
     encoder, projector, llm = source.layers()
-    encoder = inject_fault(encoder, cfg.fault, ds_config)  # testing only: an optional slow shape class
-    check_training_setup(ds_config, cfg, world, plan=plan, n_samples=len(shapes), n_layers=source.n_layers)
-    pipelined, colocated = cfg.pipeline_stages > 1, cfg.encoder == "colocated"
-    tile_pixels = source.colocated_tile_pixels() if colocated else None  # refused now, not after building
-    bounds: Sequence[int] | None = cfg.stage_bounds
-    if pipelined and colocated:  # the encoder leaves the pipeline: its stages split the LLM side
-        bounds = colocated_pipeline_bounds(bounds, len(encoder), cost_model, shapes, cfg.pipeline_stages)
-    elif pipelined and bounds is None and cost_model is not None:  # split where the predicted time balances
-        bounds = cost_balanced_bounds(cost_model, shapes, cfg.pipeline_stages)
-    trainer = build_engine(
+    encoder = inject_fault(encoder, cfg.fault, run.ds_config)  # testing only: an optional slow shape class
+    check_training_setup(
+        run.ds_config, cfg, run.world, plan=run.plan, n_samples=len(run.shapes), n_layers=source.n_layers
+    )
+    if run.colocated:  # refused now, not after building
+        run.tile_pixels = source.colocated_tile_pixels()
+    bounds = stage_bounds(
+        cfg.pipeline_stages,
+        run.shapes,
+        run.cost_model,
+        given=cfg.stage_bounds,
+        colocated=run.colocated,
+        encoder_layers=len(encoder),
+    )
+    run.trainer = build_engine(
         encoder,
         projector,
         llm,
-        ds_config,
+        run.ds_config,
         pipeline_stages=cfg.pipeline_stages,
         stage_bounds=bounds,
         freeze_encoder=cfg.freeze_encoder,
         lr=cfg.lr,
-        colocated=colocated,
+        colocated=run.colocated,
         hf_model=source.hf_model,
         activation_checkpoint_interval=int(cfg.activation_checkpointing),
     )
-    engine = trainer.engine
-    dp_rank, dp_size = trainer.dp_coords
-    correction = make_correction(cfg.correction, trainer.num_stages) if pipelined else None
-    costs = cost_model if cost_model is not None else ProxyCost()  # what the sampler predicts with
-    sampler_cost: Any = costs  # wrapped below for colocation and packing
-    if colocated:  # the encoder is balanced by dispatch: the sampler balances the LLM alone
-        sampler_cost = LLMOnlyCost(costs)
-    packing = source.uses_packing(cfg.packing)
-    if packing:  # a packed microbatch costs the sum of its samples (plus one constant)
-        sampler_cost = PackedCost(sampler_cost)
-    gas = engine.gradient_accumulation_steps()
-    if (
-        pipelined and cost_model is not None and correction is None and not colocated
-    ):  # balance what each stage computes; its memory per stage, times the microbatches it holds
-        sampler_cost = StageCost(sampler_cost, stage_shares(trainer.stage_bounds, cost_model), microbatches=gas)
-    memory_cap = run_memory_cap(cfg, plan, trainer, ds_config, get_accelerator(), sampler_cost)
-    microbatch_cap = sampler_memory_cap(memory_cap, sampler_cost, trainer.num_stages, gas)
-    if rank == 0:
-        print(f"[dflop-ds] {memory_cap.describe()}", flush=True)
-        if microbatch_cap != memory_cap.bytes:
+    run.correction = make_correction(cfg.correction, run.trainer.num_stages) if run.pipelined else None
+    run.packing = source.uses_packing(cfg.packing)
+
+
+def build_sampler_cost(run: Run) -> Any:
+    """The cost model the sampler balances with (:func:`~dflop_ds.cost.sampler_cost_model`)."""
+    trainer, cost_model = run.trainer, run.cost_model
+    return sampler_cost_model(
+        cost_model,
+        colocated=run.colocated,
+        packed=run.packing,
+        stage_shares=(lambda: stage_shares(trainer.stage_bounds, cost_model)) if run.pipelined else None,
+        corrected=run.correction is not None,
+        microbatches=trainer.engine.gradient_accumulation_steps(),
+    )
+
+
+def build_sampler(run: Run, sampler_cost: Any) -> None:
+    """The run's memory cap and the sampler of this rank's microbatches."""
+    from deepspeed.accelerator import get_accelerator
+
+    trainer, gas = run.trainer, run.trainer.engine.gradient_accumulation_steps()
+    run.memory_cap = run_memory_cap(run.cfg, run.plan, trainer, run.ds_config, get_accelerator(), sampler_cost)
+    microbatch_cap = sampler_memory_cap(run.memory_cap, sampler_cost, trainer.num_stages, gas)
+    if run.rank == 0:
+        print(f"[dflop-ds] {run.memory_cap.describe()}", flush=True)
+        if microbatch_cap != run.memory_cap.bytes:
             print(
                 f"[dflop-ds] no per-stage memory predictions: a microbatch's whole-model bytes are held under"
                 f" {microbatch_cap:.4g} bytes, the cap over the microbatches stage 0 keeps in flight",
                 flush=True,
             )
-    sampler: GlobalBatchSampler | DispatchingSampler = make_sampler(
-        cfg.sampler,
-        shapes,
+    dp_rank, dp_size = trainer.dp_coords
+    run.sampler = make_sampler(
+        sampler_settings(run.cfg),
+        run.shapes,
         global_batch_size=trainer.global_batch_size,
         gradient_accumulation_steps=gas,
         dp_rank=dp_rank,
         dp_size=dp_size,
         cost_model=sampler_cost,
-        seed=cfg.seed,
-        prefetch=cfg.prefetch,
-        time_limit_s=cfg.time_limit_s,
-        ilp_nodes=cfg.ilp_nodes,
-        label_tokens_fn=source.label_tokens_fn,
-        cost_adjuster=correction,
-        lockstep=not pipelined,
-        drop_last=cfg.drop_last,
-        schedule_timeout_s=cfg.schedule_timeout_s,
+        label_tokens_fn=run.source.label_tokens_fn,
+        cost_adjuster=run.correction,
+        lockstep=not run.pipelined,
         memory_cap=microbatch_cap,
-        allow_oversize=cfg.allow_oversize,
     )
-    sampler.check_steps(cfg.steps)  # a global batch the memory cap cannot split is refused before step 0
+    run.sampler.check_steps(run.cfg.steps)  # a global batch the memory cap cannot split is refused before step 0
+
+
+def build_loader(run: Run) -> None:
+    """The data loader over the sampler: the source's (packed) collate, and under a colocated
+    encoder the dispatching sampler, dataset and collate."""
+    source = run.source
     collate = source.collate
-    if packing and source.packed_collate is not None:  # source.uses_packing found one
+    if run.packing and source.packed_collate is not None:  # source.uses_packing found one
         collate = source.packed_collate
-    if colocated:  # under a pipeline or AutoTP every rank encodes (see TrainingEngine.dispatch_ranks)
-        sampler, dataset, collate = colocate(
-            sampler, dataset, collate, shapes, costs, pixels_of=tile_pixels, **trainer.dispatch_ranks()
+    dataset = run.dataset
+    if run.colocated:  # under a pipeline or AutoTP every rank encodes (see TrainingEngine.dispatch_ranks)
+        costs = run.cost_model if run.cost_model is not None else ProxyCost()  # the encoder's dispatch costs
+        run.sampler, dataset, collate = colocate(
+            run.sampler, dataset, collate, run.shapes, costs, pixels_of=run.tile_pixels, **run.trainer.dispatch_ranks()
         )
     # the loader's state is what training consumed, not what its workers prefetched
-    loader = make_loader(dataset, sampler, collate_fn=collate, num_workers=cfg.num_workers)
-    first_step = resume(trainer, loader, cfg, correction) if cfg.resume else 0
-    data_iter = iter(RepeatingLoader(loader))
+    run.loader = make_loader(dataset, run.sampler, collate_fn=collate, num_workers=run.cfg.num_workers)
 
+
+def train(run: Run) -> None:
+    """The training steps (from the checkpoint when resuming), the trained model and the summary."""
+    from deepspeed.utils import RepeatingLoader
+
+    cfg, args, trainer = run.cfg, run.args, run.trainer
+    first_step = resume(trainer, run.loader, cfg, run.correction) if cfg.resume else 0
+    data_iter = iter(RepeatingLoader(run.loader))
     tracker = None
-    if cfg.telemetry and pipelined:  # per-instruction timers exist only in the pipeline engine
-        tracker = RuntimeTracker(
-            engine, sampler, correction, jsonl_path=args.telemetry or default_jsonl_path(ds_config)
-        )
-    records = []
-    for step in range(first_step, cfg.steps):
-        if tracker:
-            tracker.start_step()
-        start = time.perf_counter()
-        loss = trainer.train_step(data_iter)
-        elapsed = time.perf_counter() - start
-        record = step_record(step, loss, elapsed, sampler, shapes, trainer.reads_data, packed=packing)
-        if tracker:  # a collective: every rank, every step
-            record["telemetry"] = tracker.end_step(step, elapsed, loss)
-        records.append(record)
-        if (
-            args.trace
-            and trainer.reads_data
-            and (not pipelined or engine.is_first_stage())
-            and trainer.tp_coords[0] == 0
-        ):  # one line per data-parallel rank, not per tensor-parallel peer
-            write_trace(args.trace, step, sampler)
-        if rank == 0:
-            print(
-                f"[dflop-ds] step {step:3d} loss {record['loss']:.4f} time {elapsed:.3f}s "
-                f"samples/s {record.get('samples', 0) / elapsed:.1f} "
-                f"imbalance {record.get('imbalance')} sampler={cfg.sampler}",
-                flush=True,
-            )
-        done = step + 1
-        if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
-            trainer.save_checkpoint(
-                cfg.checkpoint_dir,
-                f"step{done}",
-                {
-                    "dflop_sampler": loader.state_dict(),
-                    "dflop_step": done,
-                    "dflop_correction": correction.state_dict() if correction else None,
-                },
-            )
-        if args.exit_after_step is not None and step == args.exit_after_step:
-            os._exit(17)
-
+    if cfg.telemetry and run.pipelined:  # per-instruction timers exist only in the pipeline engine
+        jsonl_path = args.telemetry or default_jsonl_path(run.ds_config)
+        tracker = RuntimeTracker(trainer.engine, run.sampler, run.correction, jsonl_path=jsonl_path)
+    records = [train_one_step(run, step, data_iter, tracker) for step in range(first_step, cfg.steps)]
     if args.output_dir:
-        save_model(trainer, source, args.output_dir)
-    if rank == 0 and records:
-        summary = {**summarize(records, cfg, dp_size), "packing": packing, "memory_cap": asdict(memory_cap)}
-        summary.update(
-            stage_bounds=trainer.stage_bounds,
-            engine="pipeline" if pipelined else "plain",
-            zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
-            gradient_accumulation_steps=engine.gradient_accumulation_steps(),
-            train_batch_size=engine.train_batch_size(),
-            model=source.name,
-            tensor_parallel=trainer.tp_coords[1],
-            tensor_parallel_layers=sharded_layers(trainer.module),
-            truncated_samples=source.truncated_samples(),
-        )
-        print("[dflop-ds] summary " + json.dumps(summary), flush=True)
-        if args.summary:
-            Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.summary).write_text(json.dumps({"summary": summary, "steps": records}, indent=1))
-    print_stand_ins(loaded, rank)
+        save_model(trainer, run.source, args.output_dir)
+    if run.rank == 0 and records:
+        write_summary(run, records)
+    print_stand_ins(run.dataset, run.rank)
     # scheduling thread, loader workers (the live epoch iterator) and process group stopped before exit
-    finish_rank(tracker, sampler, data_iter.data_iter)
-    return 0
+    finish_rank(tracker, run.sampler, data_iter.data_iter)
+
+
+def train_one_step(run: Run, step: int, data_iter: Any, tracker: RuntimeTracker | None) -> dict:
+    """Train step ``step``: its record, its trace line, its log line and its checkpoint."""
+    cfg, args, trainer, sampler = run.cfg, run.args, run.trainer, run.sampler
+    if tracker:
+        tracker.start_step()
+    start = time.perf_counter()
+    loss = trainer.train_step(data_iter)
+    elapsed = time.perf_counter() - start
+    record = step_record(step, loss, elapsed, sampler, run.shapes, trainer.reads_data, packed=run.packing)
+    if tracker:  # a collective: every rank, every step
+        record["telemetry"] = tracker.end_step(step, elapsed, loss)
+    first_stage = not run.pipelined or trainer.engine.is_first_stage()
+    if args.trace and trainer.reads_data and first_stage and trainer.tp_coords[0] == 0:
+        write_trace(args.trace, step, sampler)  # one line per data-parallel rank, not per tensor-parallel peer
+    if run.rank == 0:
+        print(
+            f"[dflop-ds] step {step:3d} loss {record['loss']:.4f} time {elapsed:.3f}s "
+            f"samples/s {record.get('samples', 0) / elapsed:.1f} "
+            f"imbalance {record.get('imbalance')} sampler={cfg.sampler}",
+            flush=True,
+        )
+    done = step + 1
+    if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
+        client_state = {
+            "dflop_sampler": run.loader.state_dict(),
+            "dflop_step": done,
+            "dflop_correction": run.correction.state_dict() if run.correction else None,
+        }
+        trainer.save_checkpoint(cfg.checkpoint_dir, f"step{done}", client_state)
+    if args.exit_after_step is not None and step == args.exit_after_step:
+        os._exit(17)
+    return record
+
+
+def write_summary(run: Run, records: list[dict]) -> None:
+    """Print the run's summary line and write ``--summary`` (rank 0)."""
+    cfg, trainer, engine = run.cfg, run.trainer, run.trainer.engine
+    summary = {
+        **summarize(records, cfg, trainer.dp_coords[1]),
+        "packing": run.packing,
+        "memory_cap": asdict(run.memory_cap) if run.memory_cap is not None else None,
+    }
+    summary.update(
+        stage_bounds=trainer.stage_bounds,
+        engine="pipeline" if run.pipelined else "plain",
+        zero_stage=int(run.ds_config.get("zero_optimization", {}).get("stage", 0)),
+        gradient_accumulation_steps=engine.gradient_accumulation_steps(),
+        train_batch_size=engine.train_batch_size(),
+        model=run.source.name,
+        tensor_parallel=trainer.tp_coords[1],
+        tensor_parallel_layers=sharded_layers(trainer.module),
+        truncated_samples=run.source.truncated_samples(),
+    )
+    print("[dflop-ds] summary " + json.dumps(summary), flush=True)
+    if run.args.summary:
+        Path(run.args.summary).parent.mkdir(parents=True, exist_ok=True)
+        Path(run.args.summary).write_text(json.dumps({"summary": summary, "steps": records}, indent=1))
 
 
 def save_model(trainer: TrainingEngine, source: ModelSource, directory: str) -> None:

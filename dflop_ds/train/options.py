@@ -22,6 +22,7 @@ from dflop_ds.config import DFLOPConfig, enabled_precisions, fill_from_plan, get
 from dflop_ds.jsonio import read_json_object
 from dflop_ds.plan import Plan
 from dflop_ds.precision import check_precisions
+from dflop_ds.schedule.sampler import SamplerSettings
 from dflop_ds.schedule.splitters import splitter_names
 
 #: command-line options that override settings of the "dflop" block (option dest -> DFLOPConfig attribute)
@@ -91,6 +92,13 @@ def load_settings(args: argparse.Namespace, *, check_device: bool = True) -> tup
     """The DeepSpeed config without its "dflop" block, and the validated "dflop" block; a precision
     this machine's device cannot train in is refused unless ``check_device`` is false (a dry run
     on another machine than the launch's)."""
+    ds_config, cfg, _ = load_run_settings(args, check_device=check_device)
+    return ds_config, cfg
+
+
+def load_run_settings(args: argparse.Namespace, *, check_device: bool = True) -> tuple[dict, DFLOPConfig, Plan | None]:
+    """:func:`load_settings` and the plan the run follows (None: none), its file read once."""
+    loaded: Plan | None = None
     ds_config = read_json_object(args.deepspeed_config)
     block = ds_config.pop("dflop", {})
     for option, key in BLOCK_OVERRIDES.items():
@@ -108,11 +116,13 @@ def load_settings(args: argparse.Namespace, *, check_device: bool = True) -> tup
                 f" no plan file at {resolved}"
             )
         set_settings(block, plan=resolved)
-        ds_config, block = fill_from_plan(ds_config, block, load_plan(resolved))
+        loaded = load_plan(resolved)
+        ds_config, block = fill_from_plan(ds_config, block, loaded)
     where = f"plan {get_setting(block, 'plan')}" if plan else f"DeepSpeed config {args.deepspeed_config}"
     if check_device:
         check_precisions(enabled_precisions(ds_config), where)  # refused here, before DeepSpeed does
-    return ds_config, DFLOPConfig.from_dict(block, source=args.deepspeed_config)
+    cfg = DFLOPConfig.from_dict(block, source=args.deepspeed_config)
+    return ds_config, cfg, loaded if loaded is not None else load_plan(cfg.plan)
 
 
 def load_plan(path: str | None):
@@ -120,3 +130,17 @@ def load_plan(path: str | None):
     if path is None:
         return None
     return Plan.load(path)
+
+
+def sampler_settings(cfg: DFLOPConfig) -> SamplerSettings:
+    """The sampler's settings of the ``"dflop"`` block: the one place they are read from it."""
+    return SamplerSettings(
+        method=cfg.sampler,
+        seed=cfg.seed,
+        prefetch=cfg.prefetch,
+        time_limit_s=cfg.time_limit_s,
+        ilp_nodes=cfg.ilp_nodes,
+        drop_last=cfg.drop_last,
+        schedule_timeout_s=cfg.schedule_timeout_s,
+        allow_oversize=cfg.allow_oversize,
+    )

@@ -28,12 +28,12 @@ from tiny_colocated_check import foreign_tiles, train_steps  # the plain engine'
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from dflop_ds.cost import ProxyCost  # noqa: E402
+from dflop_ds.cost import LLMOnlyCost, ProxyCost  # noqa: E402
 from dflop_ds.launch import finish_rank, share_cpu_threads  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
-from dflop_ds.schedule.sampler import make_sampler  # noqa: E402
+from dflop_ds.schedule.sampler import SamplerSettings, make_sampler  # noqa: E402
 from dflop_ds.train import build_engine  # noqa: E402
-from dflop_ds.train.colocated import LLMOnlyCost, colocate  # noqa: E402
+from dflop_ds.train.colocated import colocate  # noqa: E402
 
 SAMPLES, BATCH, GAS, LR = 24, 8, 2, 0.5
 ZERO2 = {
@@ -74,14 +74,13 @@ def run(name: str, model: str, data: str, images: str, steps: int):
     )
     dp_rank, dp_size = trainer.dp_coords
     sampler = make_sampler(
-        "dflop",
+        SamplerSettings("dflop", prefetch=0),
         shapes,
         global_batch_size=trainer.global_batch_size,
         gradient_accumulation_steps=GAS,
         dp_rank=dp_rank,
         dp_size=dp_size,
         cost_model=LLMOnlyCost(ProxyCost()),
-        prefetch=0,
         label_tokens_fn=source.label_tokens_fn,
         lockstep=True,
     )

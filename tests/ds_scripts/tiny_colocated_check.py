@@ -25,14 +25,14 @@ from deepspeed.utils import RepeatingLoader
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from dflop_ds.cost import ProxyCost  # noqa: E402
+from dflop_ds.cost import LLMOnlyCost, ProxyCost  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.launch import finish_rank, share_cpu_threads  # noqa: E402
 from dflop_ds.models import TinyMLLMDataset, build_reference, collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
-from dflop_ds.schedule.sampler import make_sampler  # noqa: E402
+from dflop_ds.schedule.sampler import SamplerSettings, make_sampler  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 from dflop_ds.train import build_engine  # noqa: E402
-from dflop_ds.train.colocated import LLMOnlyCost, colocate, dispatch_microstep, pipeline_dispatch_ranks, tile_costs  # noqa: E402
+from dflop_ds.train.colocated import colocate, dispatch_microstep, pipeline_dispatch_ranks, tile_costs  # noqa: E402
 from dflop_ds.train.gather import gather_full_state  # noqa: E402
 
 SAMPLES, BATCH, GAS, LR = 64, 16, 2, 0.05
@@ -65,14 +65,13 @@ def run_engine(mode: str, colocated: bool, shapes, dataset, steps: int, ds_confi
     )
     dp_rank, dp_size = trainer.dp_coords
     sampler = make_sampler(
-        "dflop",
+        SamplerSettings("dflop", prefetch=0),
         shapes,
         global_batch_size=ds_config["train_batch_size"],
         gradient_accumulation_steps=ds_config["gradient_accumulation_steps"],
         dp_rank=dp_rank,
         dp_size=dp_size,
         cost_model=LLMOnlyCost(ProxyCost()),
-        prefetch=0,
         label_tokens_fn=supervised_count,
         lockstep=not pipelined,
     )

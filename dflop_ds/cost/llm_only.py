@@ -1,0 +1,35 @@
+"""The LLM side of a cost model: what the sampler balances when a colocated encoder's work is
+dispatched over the ranks separately (:mod:`dflop_ds.train.colocated`), so that the encoder costs
+the mean over ranks whatever the split."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dflop_ds.shapes import SampleShape
+
+
+class LLMOnlyCost:
+    """A cost model's predictions with the encoder column zeroed: what the sampler balances when
+    the encoder's work is dispatched separately (the encoder costs the mean over ranks anyway)."""
+
+    def __init__(self, cost_model: Any) -> None:
+        self.cost_model = cost_model
+
+    @staticmethod
+    def drop_encoder(costs: Any) -> np.ndarray:
+        """A copy of ``costs`` (rows ``[encoder, llm]``) with the encoder column zeroed."""
+        costs = np.array(costs, dtype=float)
+        costs[..., 0] = 0.0
+        return costs
+
+    def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """Per-sample ``[0, llm]``."""
+        return self.drop_encoder(self.cost_model.predict_samples(shapes))
+
+    def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """A collated (padded) microbatch's ``[0, llm]``."""
+        return self.drop_encoder(self.cost_model.predict_microbatch(shapes))

@@ -1,0 +1,52 @@
+"""Which wrappers a cost model gets before a sampler balances with it, and in what order: the one
+place that decides it (the training loop and the benchmarks call :func:`sampler_cost_model`).
+
+The chain, innermost first:
+
+1. the profiled model, or :class:`~dflop_ds.cost.ProxyCost` when nothing was profiled;
+2. :class:`~dflop_ds.cost.LLMOnlyCost` under a colocated encoder (its work is dispatched apart);
+3. :class:`~dflop_ds.cost.PackedCost` when microbatches are packed (a sample costs its marginal);
+4. :class:`~dflop_ds.cost.StageCost` on a pipeline with a profiled model, no runtime correction
+   (which replaces the columns with its own per-stage seconds) and the encoder in the pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from dflop_ds.cost.llm_only import LLMOnlyCost
+from dflop_ds.cost.packed import PackedCost
+from dflop_ds.cost.proxy import ProxyCost
+from dflop_ds.cost.stage import StageCost
+
+
+def sampler_cost_model(
+    profiled: Any | None,
+    *,
+    colocated: bool = False,
+    packed: bool = False,
+    stage_shares: Callable[[], np.ndarray] | None = None,
+    corrected: bool = False,
+    microbatches: int = 1,
+) -> Any:
+    """The cost model a sampler balances with, built on ``profiled`` (None: the unitless
+    :class:`~dflop_ds.cost.ProxyCost`).
+
+    ``colocated``: the encoder runs beside the pipeline, dispatched by cost; ``packed``: the
+    microbatches are packed; ``stage_shares``: None without a pipeline, else a function giving
+    ``(num_stages, 2)``, each stage's share of the encoder and LLM cost
+    (:func:`dflop_ds.plan.stages.stage_shares`), called only when the chain predicts per stage;
+    ``corrected``: a runtime correction adjusts the costs; ``microbatches``: how many a pipeline
+    stage holds in flight (the gradient accumulation steps)."""
+    model = ProxyCost() if profiled is None else profiled
+    if colocated:
+        model = LLMOnlyCost(model)
+    if packed:
+        model = PackedCost(model)
+    # per stage: a profiled model (the proxy has no layer shares) on a pipeline holding the encoder
+    if stage_shares is not None and profiled is not None and not colocated and not corrected:
+        model = StageCost(model, stage_shares(), microbatches=microbatches)
+    return model
