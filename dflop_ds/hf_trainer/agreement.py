@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dflop_ds.models.hf.llava import llava_layers
-from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES, qwen2_vl_layers
+from dflop_ds.models.hf.registry import family_for
 from dflop_ds.shapes import SampleShape
 from dflop_ds.train.launch_inputs import (
     InputDigest,
@@ -77,17 +76,13 @@ def check_ranks_agree(digests: Sequence[InputDigest]) -> None:
 
 
 def model_depths(model: Any) -> tuple[int, int] | None:
-    """``(encoder_layers, llm_layers)`` of a LLaVA or Qwen2-VL model as dflop-ds cuts it (what a
-    cost model profiled on it records); None for another model (or a PEFT wrapper of none)."""
+    """``(encoder_layers, llm_layers)`` of a model of a registered family as dflop-ds cuts it (what
+    a cost model profiled on it records); None for another model (or a PEFT wrapper of none)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(base, "config", None)
-    kind = getattr(config, "model_type", None)
-    cut = qwen2_vl_layers if kind in MODEL_CLASSES else llava_layers if kind == "llava" else None
-    if cut is None:
-        return None
+    kind = getattr(getattr(base, "config", None), "model_type", None)
     try:
-        encoder, _, llm = cut(base)
-    except (AttributeError, ValueError):  # a model dflop-ds cannot cut: no profile of it exists either
+        encoder, _, llm = family_for(kind).training().layers(base)
+    except (AttributeError, ValueError):  # no registered family, or one dflop-ds cannot cut: no profile exists
         return None
     return len(encoder), len(llm)
 
