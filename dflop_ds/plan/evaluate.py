@@ -22,8 +22,6 @@ from dflop_ds.plan.layout import Layout, flat_bounds
 from dflop_ds.plan.simulator import SimResult, simulate_1f1b
 from dflop_ds.plan.stages import stage_shares
 from dflop_ds.schedule.padded import padded_lpt
-from dflop_ds.schedule.partition import partition_batch
-from dflop_ds.schedule.ranks import assign_to_ranks
 from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 from dflop_ds.shapes import SampleShape
 
@@ -67,7 +65,7 @@ def forward_fraction(model: Any) -> float:
     return 0.25 if getattr(model, "activation_checkpointing", False) else 1.0 / 3.0
 
 
-def _local_assign(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
+def _greedy_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
     """Greedy rank assignment (the search's inner loop): heaviest buckets first, each to the least-loaded
     rank with room."""
     heap = [(0.0, r) for r in range(dp)]
@@ -80,42 +78,27 @@ def _local_assign(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int
     return ranks
 
 
-def assign_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
-    """:func:`dflop_ds.schedule.ranks.assign_to_ranks` as plain lists of bucket indices."""
-    return [list(map(int, r)) for r in assign_to_ranks(bucket_costs, dp, n_mb)]
-
-
-def balanced_split(
+def fast_balanced_split(
     costs: np.ndarray,
     dp: int,
     n_mb: int,
     *,
     lengths: np.ndarray,
     microbatch_cost: Callable[[Sequence[int]], np.ndarray] | None = None,
-    fast: bool = True,
-    seed: int = 0,
 ) -> list[Buckets]:
-    """Our scheduler: ``dp * n_mb`` balanced microbatches, ordered onto ranks.
-
-    ``fast`` uses :func:`padded_lpt` and a greedy rank assignment (the search's inner loop);
-    otherwise our scheduler's ``partition_batch`` (heuristic with improving moves measured by
-    ``microbatch_cost``, no ILP) and ``assign_to_ranks``, as the sampler runs them.
-    """
+    """The search's estimate of our scheduler, cheap enough for its inner loop: ``dp * n_mb``
+    padding-aware LPT microbatches (:func:`padded_lpt`), the heaviest (by ``microbatch_cost``, else
+    summed ``costs``) first onto the least-loaded rank. The chosen plans are re-scored with the
+    ``dflop`` splitter itself (:func:`split_batch` with ``fast=False``)."""
     n_buckets = dp * n_mb
     if costs.shape[0] < n_buckets:
         raise ValueError(f"a batch of {costs.shape[0]} samples cannot fill {n_mb} microbatches on {dp} ranks")
-    if fast:
-        buckets = padded_lpt(costs, lengths, n_buckets)
-    else:
-        buckets = partition_batch(
-            costs, n_buckets, time_limit_s=0.0, seed=seed, microbatch_cost=microbatch_cost
-        ).buckets
+    buckets = padded_lpt(costs, lengths, n_buckets)
     if microbatch_cost is not None:
         bucket_costs = np.array([microbatch_cost(list(b)) for b in buckets], dtype=float)
     else:
         bucket_costs = np.array([costs[b].sum(axis=0) for b in buckets])
-    ranks = _local_assign(bucket_costs, dp, n_mb) if fast else assign_ranks(bucket_costs, dp, n_mb)
-    return [[list(buckets[b]) for b in rank] for rank in ranks]
+    return [[list(buckets[b]) for b in rank] for rank in _greedy_ranks(bucket_costs, dp, n_mb)]
 
 
 @dataclass
@@ -160,7 +143,8 @@ def split_batch(
     ``order[r][j]`` = positions in the batch of rank ``r``'s ``j``-th microbatch.
 
     A layout whose splitter is not ``"dflop"`` is split by that registered splitter, as the
-    sampler would. For DFLOP's balancing (the search's own fast variant, or the sampler's), the
+    sampler would; so is a ``"dflop"`` one unless ``fast`` (then :func:`fast_balanced_split`, the
+    search's inner loop). For DFLOP's balancing, the
     two cost columns are scaled to the seconds they add to the heaviest encoder and LLM stage,
     so that the larger column is the one that paces the pipeline.
     """
@@ -177,16 +161,15 @@ def split_batch(
     def microbatch_cost(items: Sequence[int]) -> np.ndarray:
         return np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float) * scale
 
-    lengths = np.array([s.llm_tokens for s in shapes])
-    return balanced_split(
-        costs * scale,
-        layout.llm.dp,
-        layout.n_mb,
-        lengths=lengths,
-        microbatch_cost=microbatch_cost,
-        fast=fast,
-        seed=seed,
+    if fast:
+        lengths = np.array([s.llm_tokens for s in shapes])
+        return fast_balanced_split(
+            costs * scale, layout.llm.dp, layout.n_mb, lengths=lengths, microbatch_cost=microbatch_cost
+        )
+    request = SplitRequest.of_positions(
+        costs * scale, shapes, layout.n_mb, layout.llm.dp, microbatch_cost=microbatch_cost, seed=seed
     )
+    return make_splitter("dflop").split(request).ranks
 
 
 def evaluate(
