@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,12 @@ class Evaluation:
         states: feasible when every stage fits the cluster's usable memory."""
         feasible = bool(memory.max() <= cluster.usable_memory)
         return cls(sim=sim, memory=memory, feasible=feasible, order=order, states=np.asarray(states, dtype=float))
+
+    def compact(self) -> Evaluation:
+        """This evaluation without the simulated timelines and the microbatches (``order`` empty):
+        the step time, bubble, memory and feasibility the search ranks candidates by, in a
+        fraction of the memory at thousands of GPUs."""
+        return replace(self, sim=self.sim.without_timelines(), order=[])
 
 
 def forward_fraction(model: Any) -> float:
@@ -112,20 +118,23 @@ class _MicrobatchStats:
 
 def _stats(model: Any, shapes: Sequence[SampleShape], order: list[Buckets]) -> _MicrobatchStats:
     R, m = len(order), len(order[0])
-    time, act, work = (np.zeros((R, m, 2)) for _ in range(3))
-    enc_bytes, llm_bytes = np.zeros((R, m)), np.zeros((R, m))
-    has_work = hasattr(model, "predict_working_bytes")
+    flat = [idx for rank in order for idx in rank]
+    groups = [[shapes[i] for i in idx] for idx in flat]
+    time = np.array([model.predict_microbatch(g) for g in groups], dtype=float).reshape(R, m, 2)
+    act = np.array([model.predict_activation_bytes(g) for g in groups], dtype=float).reshape(R, m, 2)
+    if hasattr(model, "predict_working_bytes"):
+        work = np.array([model.predict_working_bytes(g) for g in groups], dtype=float).reshape(R, m, 2)
+    else:
+        work = np.zeros((R, m, 2))
     enc_hbpt = float(getattr(model, "encoder_hidden_bytes_per_token", model.hidden_bytes_per_token))
     llm_hbpt = float(model.hidden_bytes_per_token)
-    for r, rank in enumerate(order):
-        for j, idx in enumerate(rank):
-            mb = [shapes[i] for i in idx]
-            time[r, j] = model.predict_microbatch(mb)
-            act[r, j] = model.predict_activation_bytes(mb)
-            if has_work:
-                work[r, j] = model.predict_working_bytes(mb)
-            enc_bytes[r, j] = enc_hbpt * sum(s.visual_tokens for s in mb)
-            llm_bytes[r, j] = llm_hbpt * len(mb) * max((s.llm_tokens for s in mb), default=0)
+    sizes = np.array([len(idx) for idx in flat], dtype=np.int64)
+    items = np.concatenate([np.asarray(idx, dtype=np.int64) for idx in flat])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    visual = np.array([s.visual_tokens for s in shapes], dtype=np.int64)[items]
+    longest = np.array([s.llm_tokens for s in shapes], dtype=np.int64)[items]
+    enc_bytes = enc_hbpt * np.add.reduceat(visual, starts).reshape(R, m)
+    llm_bytes = llm_hbpt * (sizes * np.maximum.reduceat(longest, starts)).reshape(R, m)
     return _MicrobatchStats(time, act, work, enc_bytes, llm_bytes)
 
 
@@ -158,8 +167,15 @@ def split_batch(
         [e_frac / cluster.tp_speedup(layout.encoder.tp) * enc_share, l_frac / cluster.tp_speedup(layout.llm.tp)]
     )
 
+    known: dict[tuple[int, ...], np.ndarray] = {}  # the partitioner re-times the same microbatches often
+
     def microbatch_cost(items: Sequence[int]) -> np.ndarray:
-        return np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float) * scale
+        key = tuple(items)
+        if key not in known:
+            cost = np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float) * scale
+            cost.flags.writeable = False  # shared by every caller
+            known[key] = cost
+        return known[key]
 
     if fast:
         lengths = np.array([s.llm_tokens for s in shapes])
