@@ -26,6 +26,9 @@ from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 from dflop_ds.shapes import SampleShape
 
 Buckets = list[list[int]]
+#: Predicted seconds ``(2,)`` of microbatches already timed for one batch, by their positions in it:
+#: the split and the statistics of one evaluation share them (the partitioner re-times often).
+MicrobatchTimes = dict[tuple[int, ...], np.ndarray]
 
 
 @dataclass
@@ -116,11 +119,24 @@ class _MicrobatchStats:
     llm_bytes: np.ndarray  # (R, m) hidden bytes crossing an LLM cut
 
 
-def _stats(model: Any, shapes: Sequence[SampleShape], order: list[Buckets]) -> _MicrobatchStats:
+def microbatch_seconds(
+    model: Any, shapes: Sequence[SampleShape], items: Sequence[int], known: MicrobatchTimes
+) -> np.ndarray:
+    """``model.predict_microbatch`` of the samples at positions ``items`` of ``shapes``, remembered in ``known``."""
+    key = tuple(items)
+    if key not in known:
+        known[key] = np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float)
+    return known[key]
+
+
+def _stats(
+    model: Any, shapes: Sequence[SampleShape], order: list[Buckets], known: MicrobatchTimes | None = None
+) -> _MicrobatchStats:
     R, m = len(order), len(order[0])
     flat = [idx for rank in order for idx in rank]
     groups = [[shapes[i] for i in idx] for idx in flat]
-    time = np.array([model.predict_microbatch(g) for g in groups], dtype=float).reshape(R, m, 2)
+    known = {} if known is None else known
+    time = np.array([microbatch_seconds(model, shapes, idx, known) for idx in flat]).reshape(R, m, 2)
     act = np.array([model.predict_activation_bytes(g) for g in groups], dtype=float).reshape(R, m, 2)
     if hasattr(model, "predict_working_bytes"):
         work = np.array([model.predict_working_bytes(g) for g in groups], dtype=float).reshape(R, m, 2)
@@ -147,9 +163,11 @@ def split_batch(
     seed: int,
     cluster: Cluster,
     model: Any,
+    known: MicrobatchTimes | None = None,
 ) -> list[Buckets]:
     """The microbatches of ``layout`` for one batch (``shapes`` with per-sample ``costs`` ``(n, 2)``):
-    ``order[r][j]`` = positions in the batch of rank ``r``'s ``j``-th microbatch.
+    ``order[r][j]`` = positions in the batch of rank ``r``'s ``j``-th microbatch (the microbatches
+    timed on the way are added to ``known``).
 
     A layout whose splitter is not ``"dflop"`` is split by that registered splitter, as the
     sampler would; so is a ``"dflop"`` one unless ``fast`` (then :func:`fast_balanced_split`, the
@@ -167,15 +185,10 @@ def split_batch(
         [e_frac / cluster.tp_speedup(layout.encoder.tp) * enc_share, l_frac / cluster.tp_speedup(layout.llm.tp)]
     )
 
-    known: dict[tuple[int, ...], np.ndarray] = {}  # the partitioner re-times the same microbatches often
+    known = {} if known is None else known
 
     def microbatch_cost(items: Sequence[int]) -> np.ndarray:
-        key = tuple(items)
-        if key not in known:
-            cost = np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float) * scale
-            cost.flags.writeable = False  # shared by every caller
-            known[key] = cost
-        return known[key]
+        return microbatch_seconds(model, shapes, items, known) * scale
 
     if fast:
         lengths = np.array([s.llm_tokens for s in shapes])
@@ -199,8 +212,9 @@ def evaluate(
     seed: int = 0,
 ) -> Evaluation:
     """Split ``shapes`` (one global batch, per-sample ``costs``) for ``layout`` and simulate the step."""
-    order = split_batch(layout, shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model)
-    st = _stats(model, shapes, order)
+    known: MicrobatchTimes = {}
+    order = split_batch(layout, shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model, known=known)
+    st = _stats(model, shapes, order, known)
     stages = layout.stages
     p = len(stages)
     enc_frac = np.array([s[0] for s in stages], float) / model.encoder_layers  # of the layers (memory)
