@@ -6,7 +6,9 @@ as a rank runs, so other processes' load barely counts) on the method's packed m
 a few global batches, then simulates DeepSpeed's 1F1B step (:mod:`dflop_ds.plan.simulator`, no
 transfer or optimizer time) for each layer boundary and for an ideal split that cuts one layer
 in two fractions (what finer pipeline layers would allow). Prints compute per step, simulated
-step, idle and stage max/mean. Usage: ``python benchmarks/bench_stage_split.py [--cost-model F]``.
+step, idle and stage max/mean; ``*`` marks the cut of the ``measured`` stage split
+(:func:`~dflop_ds.pipe.stage_bounds.split_stages`) on those costs.
+Usage: ``python benchmarks/bench_stage_split.py [--cost-model F]``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from benchmarks.bench_e2e import flat_tiny_layers, packed_microbatches  # noqa: 
 from benchmarks.common import profiled_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
+from dflop_ds.pipe.stage_bounds import split_stages  # noqa: E402
 from dflop_ds.plan.simulator import simulate_stage_times  # noqa: E402
 from dflop_ds.profile.layer_split import measure_layer_times  # noqa: E402
 from dflop_ds.profile.model import torch_threads  # noqa: E402
@@ -81,9 +84,10 @@ def main() -> int:
                     per_batch.append(measure_layer_times(layers, mbs, token_normalized_loss, warmup=1))
             compute = float(np.mean([t.sum() for t in per_batch]))
             costs = np.mean([t.sum(axis=(0, 1)) for t in per_batch], axis=0)
+            measured = split_stages("measured", costs.tolist(), 2)  # the split training would take
             for cut in [*range(1, len(layers)), balanced_cut(costs)]:
                 step, idle, ratio = simulate(per_batch, cut)
-                name = f"{cut:.2f}" if cut != int(cut) else str(cut)
+                name = f"{cut:.2f}" if cut != int(cut) else str(cut) + ("*" if measured and cut == measured[1] else "")
                 print(f"{method:13s} {gas:4d} {name:>8s} {compute:10.3f} {step:11.3f} {idle:6.1%} {ratio:9.3f}")
     return 0
 

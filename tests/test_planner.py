@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from dflop_ds.cost import AnalyticMLLM, reference_model, reference_names
+from dflop_ds.pipe.stage_bounds import min_max_bounds, split_stages, uniform_bounds
 from dflop_ds.plan import Cluster, PlanError, make_plans, search
-from dflop_ds.plan.layout import balanced_bounds, flat_bounds, stages_from_bounds, uniform_bounds
+from dflop_ds.plan.layout import flat_bounds, stages_from_bounds
 from dflop_ds.shapes import ShapePolicy
 
 
@@ -95,7 +96,8 @@ def test_balanced_bounds_split_is_optimal_for_small_cases() -> None:
     for _ in range(30):
         w = rng.uniform(0.1, 3.0, size=int(rng.integers(3, 9))).tolist()
         k = int(rng.integers(1, len(w) + 1))
-        b = balanced_bounds(w, k)
+        b = min_max_bounds(w, k)
+        assert b is not None
         got = max(sum(w[lo:hi]) for lo, hi in zip(b, b[1:]))
         best = _brute_force(w, k)
         assert got == pytest.approx(best, rel=1e-6)
@@ -113,11 +115,53 @@ def _brute_force(w: list[float], k: int) -> float:
 
 
 def test_balanced_bounds_respects_memory() -> None:
-    b = balanced_bounds([1.0] * 10, 3, lambda stage, lo, hi: (hi - lo) * (3 - stage), 9.0)
+    b = min_max_bounds([1.0] * 10, 3, stage_memory=lambda stage, lo, hi: (hi - lo) * (3 - stage), memory_cap=9.0)
     assert b is not None
     for stage, (lo, hi) in enumerate(zip(b, b[1:])):
         assert (hi - lo) * (3 - stage) <= 9.0
-    assert balanced_bounds([1.0] * 10, 2, lambda stage, lo, hi: hi - lo, 4.0) is None
+    assert min_max_bounds([1.0] * 10, 2, stage_memory=lambda stage, lo, hi: hi - lo, memory_cap=4.0) is None
+
+
+def test_min_max_bounds_under_a_memory_cap_is_exact() -> None:
+    """The best split among those whose every stage fits, against brute force; a cap that
+    binds moves the cut away from the unconstrained optimum."""
+    from itertools import combinations
+
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        n = int(rng.integers(3, 9))
+        w, mem = rng.uniform(0.1, 3.0, size=n), rng.uniform(0.5, 2.0, size=n)
+        k = int(rng.integers(1, n + 1))
+        pm = np.r_[0.0, np.cumsum(mem)]
+        cap = float(rng.uniform(mem.max(), mem.sum()))
+
+        def stage_memory(stage, lo, hi, pm=pm):
+            return (pm[hi] - pm[lo]) * (1.0 + 0.1 * stage)
+
+        splits = [[0, *cuts, n] for cuts in combinations(range(1, n), k - 1)]
+        fits = [b for b in splits if all(stage_memory(s, lo, hi) <= cap for s, (lo, hi) in enumerate(zip(b, b[1:])))]
+        got = min_max_bounds(w, k, stage_memory=stage_memory, memory_cap=cap)
+        if not fits:
+            assert got is None
+            continue
+        assert got is not None
+        assert all(stage_memory(s, lo, hi) <= cap for s, (lo, hi) in enumerate(zip(got, got[1:])))
+        best = min(max(w[lo:hi].sum() for lo, hi in zip(b, b[1:])) for b in fits)
+        assert max(w[lo:hi].sum() for lo, hi in zip(got, got[1:])) == pytest.approx(best, rel=1e-9)
+
+
+def test_uniform_split_is_deepspeeds() -> None:
+    from deepspeed.runtime.utils import partition_uniform
+
+    for n in range(1, 40):
+        for k in range(1, n + 1):
+            assert uniform_bounds(n, k) == partition_uniform(n, k)
+    assert split_stages("uniform", [5.0, 1.0, 1.0], 2) == [0, 2, 3]  # the costs are not read
+    assert split_stages("min_max", [5.0, 1.0, 1.0], 2) == [0, 1, 3]
+    assert split_stages("measured", [5.0, 1.0, 1.0], 2) == [0, 1, 3]
+    assert split_stages("uniform", [1.0] * 4, 2, stage_memory=lambda s, lo, hi: hi - lo, memory_cap=1.0) is None
+    with pytest.raises(ValueError, match="unknown stage split 'even'"):
+        split_stages("even", [1.0], 1)
 
 
 def test_stage_bounds_split_segments() -> None:

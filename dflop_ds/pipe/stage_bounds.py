@@ -1,13 +1,17 @@
-"""Stage splits of a flat layer list: the :class:`StageBounds` value type and cost-balanced splits.
+"""Stage splits of a flat layer list: the :class:`StageBounds` value type and the one module that splits.
 
 A split is ``num_stages + 1`` layer-index boundaries (DeepSpeed's ``parts``): stage ``s`` holds
-layers ``bounds[s]:bounds[s + 1]``. :class:`StageBounds` checks that once, when it is built;
-every function here and in :mod:`dflop_ds.plan.layout` that computes a split returns one.
+layers ``bounds[s]:bounds[s + 1]``. :class:`StageBounds` checks that once, when it is built.
+The splits are registered by name in :data:`STAGE_SPLITS` (:func:`split_stages`): ``min_max``
+(exact, over layer costs, optionally under a per-stage memory cap: :func:`min_max_bounds`, the
+only min-max splitter of the package), ``measured`` (the same over measured layer seconds) and
+``uniform`` (DeepSpeed's own, the stock baseline). Training, the planner, the colocated path and
+the benchmarks all split here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate
 from typing import Any
 
@@ -94,30 +98,107 @@ def check_stage_count(n_layers: int, num_stages: int) -> None:
         raise ValueError(f"cannot split {n_layers} layers into {num_stages} non-empty stages")
 
 
-def _min_max_split(costs: Sequence[float], num_stages: int) -> list[int]:
-    """Contiguous split of ``costs`` into ``num_stages`` non-empty parts minimizing the largest sum.
+#: ``stage_memory(stage, lo, hi)``: bytes per GPU of stage ``stage`` holding layers ``lo:hi``,
+#: elementwise over numpy arrays of ``lo`` and ``hi`` (broadcast against each other).
+StageMemory = Callable[[int, np.ndarray, np.ndarray], Any]
 
-    Dynamic programming over (stages, prefix length), O(stages * n^2); ties go to the split
-    whose earlier stages are shortest, so results are deterministic.
+
+def min_max_bounds(
+    layer_costs: Sequence[float],
+    num_stages: int,
+    *,
+    stage_memory: StageMemory | None = None,
+    memory_cap: float = float("inf"),
+) -> StageBounds | None:
+    """The contiguous split of ``layer_costs`` into ``num_stages`` non-empty stages minimising the
+    most expensive stage, exactly; with ``stage_memory``, among the splits whose every stage needs at
+    most ``memory_cap`` (None when there is none).
+
+    Dynamic programming over (stages, prefix length), O(stages * n^2) vectorised over the prefixes;
+    ties go to the split whose later cuts come first (earlier stages shorter), so results are
+    deterministic. The one min-max splitter of the package: every cost-balanced split calls it.
     """
-    n = len(costs)
+    costs = np.asarray([float(c) for c in layer_costs], dtype=float)
+    n = costs.size
     check_stage_count(n, num_stages)
-    prefix = [0.0, *accumulate(float(c) for c in costs)]
-    inf = float("inf")
-    # best[k][i]: minimal max-stage cost of the first i layers in k stages; cut[k][i]: last boundary
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    lo, hi = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
+    span = np.where(hi > lo, prefix[hi] - prefix[lo], np.inf)  # span[j, i]: cost of layers j:i
+    best = np.full(n + 1, np.inf)  # best[i]: minimal max-stage cost of the first i layers in k stages
+    best[0] = 0.0
+    cuts = np.zeros((num_stages + 1, n + 1), dtype=np.int64)  # cuts[k, i]: the last cut of that split
     for k in range(1, num_stages + 1):
-        for i in range(k, n - (num_stages - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i] - 1e-12 * max(1.0, abs(value)):
-                    best[k][i], cut[k][i] = value, j
+        value = np.maximum(best[:, None], span)
+        if stage_memory is not None:
+            value[np.broadcast_to(stage_memory(k - 1, lo, hi), value.shape) > memory_cap] = np.inf
+        value[:, :k] = np.inf  # k stages need k layers
+        value[:, n - (num_stages - k) + 1 :] = np.inf  # and leave one per later stage
+        low = value.min(axis=0)
+        cuts[k] = np.argmax(value <= low + 1e-12 * np.maximum(1.0, np.abs(low)), axis=0)
+        best = low
+    if not np.isfinite(best[n]):
+        return None
     bounds = [n]
     for k in range(num_stages, 0, -1):
-        bounds.append(cut[k][bounds[-1]])
-    return bounds[::-1]
+        bounds.append(int(cuts[k, bounds[-1]]))
+    return StageBounds(bounds[::-1])
+
+
+def uniform_bounds(n_layers: int, num_stages: int) -> StageBounds:
+    """DeepSpeed's ``partition_method="uniform"`` (``deepspeed.runtime.utils.partition_uniform``):
+    equal layer counts, the remainder one each to the first stages. The stock baseline's split."""
+    check_stage_count(n_layers, num_stages)
+    size, extra = divmod(n_layers, num_stages)
+    return StageBounds.from_sizes(size + (1 if i < extra else 0) for i in range(num_stages))
+
+
+def _uniform_split(
+    layer_costs: Sequence[float],
+    num_stages: int,
+    *,
+    stage_memory: StageMemory | None = None,
+    memory_cap: float = float("inf"),
+) -> StageBounds | None:
+    """:func:`uniform_bounds` of ``len(layer_costs)`` layers (the costs are not read); None when a
+    stage needs more than ``memory_cap``."""
+    bounds = uniform_bounds(len(layer_costs), num_stages)
+    if stage_memory is not None:
+        for stage, (lo, hi) in enumerate(bounds.ranges()):
+            if float(stage_memory(stage, np.asarray(lo), np.asarray(hi))) > memory_cap:
+                return None
+    return bounds
+
+
+#: The stage splits by name (``split_stages``): ``min_max`` over layer costs a cost model predicts,
+#: ``measured``: the same exact min-max over layer seconds measured on real microbatches
+#: (:func:`dflop_ds.profile.layer_split.measure_layer_costs`), ``uniform``: DeepSpeed's stock split.
+STAGE_SPLITS: dict[str, Callable[..., StageBounds | None]] = {
+    "min_max": min_max_bounds,
+    "measured": min_max_bounds,
+    "uniform": _uniform_split,
+}
+
+
+def split_stages(
+    method: str,
+    layer_costs: Sequence[float],
+    num_stages: int,
+    *,
+    stage_memory: StageMemory | None = None,
+    memory_cap: float = float("inf"),
+) -> StageBounds | None:
+    """The stage bounds ``method`` (a name of :data:`STAGE_SPLITS`) gives for ``layer_costs`` (one per
+    layer of the flat list) over ``num_stages`` stages, each within ``memory_cap`` by
+    ``stage_memory`` when given (None when no split of that method fits)."""
+    if method not in STAGE_SPLITS:
+        raise ValueError(f"unknown stage split {method!r}: choose one of {sorted(STAGE_SPLITS)}")
+    return STAGE_SPLITS[method](layer_costs, num_stages, stage_memory=stage_memory, memory_cap=memory_cap)
+
+
+def _cost_split(costs: Sequence[float], num_stages: int) -> list[int]:
+    bounds = min_max_bounds(costs, num_stages)
+    assert bounds is not None  # no memory cap: every split fits
+    return bounds.to_list()
 
 
 def split_by_cost(
@@ -138,7 +219,7 @@ def split_by_cost(
     if any(c < 0 for c in costs):
         raise ValueError(f"layer costs must be >= 0, got {costs}")
     if encoder_stages is None:
-        return StageBounds(_min_max_split(costs, num_stages))
+        return StageBounds(_cost_split(costs, num_stages))
     if n_encoder is None:
         raise ValueError("split_by_cost: encoder_stages needs n_encoder (encoder layers + projector)")
     if not 1 <= encoder_stages < num_stages:
@@ -148,8 +229,8 @@ def split_by_cost(
             f"cannot put {n_encoder} encoder layers on {encoder_stages} stages and "
             f"{len(costs) - n_encoder} LLM layers on {num_stages - encoder_stages} stages"
         )
-    head = _min_max_split(costs[:n_encoder], encoder_stages)
-    tail = _min_max_split(costs[n_encoder:], num_stages - encoder_stages)
+    head = _cost_split(costs[:n_encoder], encoder_stages)
+    tail = _cost_split(costs[n_encoder:], num_stages - encoder_stages)
     return StageBounds(head + [n_encoder + b for b in tail[1:]])
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -22,12 +22,13 @@ from dflop_ds.plan.layout import Layout, flat_bounds
 from dflop_ds.plan.simulator import SimResult, simulate_1f1b
 from dflop_ds.plan.stages import stage_shares
 from dflop_ds.schedule.padded import padded_lpt
-from dflop_ds.schedule.partition import partition_batch
-from dflop_ds.schedule.ranks import assign_to_ranks
 from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 from dflop_ds.shapes import SampleShape
 
 Buckets = list[list[int]]
+#: Predicted seconds ``(2,)`` of microbatches already timed for one batch, by their positions in it:
+#: the split and the statistics of one evaluation share them (the partitioner re-times often).
+MicrobatchTimes = dict[tuple[int, ...], np.ndarray]
 
 
 @dataclass
@@ -58,6 +59,12 @@ class Evaluation:
         feasible = bool(memory.max() <= cluster.usable_memory)
         return cls(sim=sim, memory=memory, feasible=feasible, order=order, states=np.asarray(states, dtype=float))
 
+    def compact(self) -> Evaluation:
+        """This evaluation without the simulated timelines and the microbatches (``order`` empty):
+        the step time, bubble, memory and feasibility the search ranks candidates by, in a
+        fraction of the memory at thousands of GPUs."""
+        return replace(self, sim=self.sim.without_timelines(), order=[])
+
 
 def forward_fraction(model: Any) -> float:
     """Share of forward+backward time spent in the forward: 1/3, or 1/4 with recompute."""
@@ -67,7 +74,7 @@ def forward_fraction(model: Any) -> float:
     return 0.25 if getattr(model, "activation_checkpointing", False) else 1.0 / 3.0
 
 
-def _local_assign(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
+def _greedy_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
     """Greedy rank assignment (the search's inner loop): heaviest buckets first, each to the least-loaded
     rank with room."""
     heap = [(0.0, r) for r in range(dp)]
@@ -80,42 +87,27 @@ def _local_assign(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int
     return ranks
 
 
-def assign_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
-    """:func:`dflop_ds.schedule.ranks.assign_to_ranks` as plain lists of bucket indices."""
-    return [list(map(int, r)) for r in assign_to_ranks(bucket_costs, dp, n_mb)]
-
-
-def balanced_split(
+def fast_balanced_split(
     costs: np.ndarray,
     dp: int,
     n_mb: int,
     *,
     lengths: np.ndarray,
     microbatch_cost: Callable[[Sequence[int]], np.ndarray] | None = None,
-    fast: bool = True,
-    seed: int = 0,
 ) -> list[Buckets]:
-    """Our scheduler: ``dp * n_mb`` balanced microbatches, ordered onto ranks.
-
-    ``fast`` uses :func:`padded_lpt` and a greedy rank assignment (the search's inner loop);
-    otherwise our scheduler's ``partition_batch`` (heuristic with improving moves measured by
-    ``microbatch_cost``, no ILP) and ``assign_to_ranks``, as the sampler runs them.
-    """
+    """The search's estimate of our scheduler, cheap enough for its inner loop: ``dp * n_mb``
+    padding-aware LPT microbatches (:func:`padded_lpt`), the heaviest (by ``microbatch_cost``, else
+    summed ``costs``) first onto the least-loaded rank. The chosen plans are re-scored with the
+    ``dflop`` splitter itself (:func:`split_batch` with ``fast=False``)."""
     n_buckets = dp * n_mb
     if costs.shape[0] < n_buckets:
         raise ValueError(f"a batch of {costs.shape[0]} samples cannot fill {n_mb} microbatches on {dp} ranks")
-    if fast:
-        buckets = padded_lpt(costs, lengths, n_buckets)
-    else:
-        buckets = partition_batch(
-            costs, n_buckets, time_limit_s=0.0, seed=seed, microbatch_cost=microbatch_cost
-        ).buckets
+    buckets = padded_lpt(costs, lengths, n_buckets)
     if microbatch_cost is not None:
         bucket_costs = np.array([microbatch_cost(list(b)) for b in buckets], dtype=float)
     else:
         bucket_costs = np.array([costs[b].sum(axis=0) for b in buckets])
-    ranks = _local_assign(bucket_costs, dp, n_mb) if fast else assign_ranks(bucket_costs, dp, n_mb)
-    return [[list(buckets[b]) for b in rank] for rank in ranks]
+    return [[list(buckets[b]) for b in rank] for rank in _greedy_ranks(bucket_costs, dp, n_mb)]
 
 
 @dataclass
@@ -127,22 +119,38 @@ class _MicrobatchStats:
     llm_bytes: np.ndarray  # (R, m) hidden bytes crossing an LLM cut
 
 
-def _stats(model: Any, shapes: Sequence[SampleShape], order: list[Buckets]) -> _MicrobatchStats:
+def microbatch_seconds(
+    model: Any, shapes: Sequence[SampleShape], items: Sequence[int], known: MicrobatchTimes
+) -> np.ndarray:
+    """``model.predict_microbatch`` of the samples at positions ``items`` of ``shapes``, remembered in ``known``."""
+    key = tuple(items)
+    if key not in known:
+        known[key] = np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float)
+    return known[key]
+
+
+def _stats(
+    model: Any, shapes: Sequence[SampleShape], order: list[Buckets], known: MicrobatchTimes | None = None
+) -> _MicrobatchStats:
     R, m = len(order), len(order[0])
-    time, act, work = (np.zeros((R, m, 2)) for _ in range(3))
-    enc_bytes, llm_bytes = np.zeros((R, m)), np.zeros((R, m))
-    has_work = hasattr(model, "predict_working_bytes")
+    flat = [idx for rank in order for idx in rank]
+    groups = [[shapes[i] for i in idx] for idx in flat]
+    known = {} if known is None else known
+    time = np.array([microbatch_seconds(model, shapes, idx, known) for idx in flat]).reshape(R, m, 2)
+    act = np.array([model.predict_activation_bytes(g) for g in groups], dtype=float).reshape(R, m, 2)
+    if hasattr(model, "predict_working_bytes"):
+        work = np.array([model.predict_working_bytes(g) for g in groups], dtype=float).reshape(R, m, 2)
+    else:
+        work = np.zeros((R, m, 2))
     enc_hbpt = float(getattr(model, "encoder_hidden_bytes_per_token", model.hidden_bytes_per_token))
     llm_hbpt = float(model.hidden_bytes_per_token)
-    for r, rank in enumerate(order):
-        for j, idx in enumerate(rank):
-            mb = [shapes[i] for i in idx]
-            time[r, j] = model.predict_microbatch(mb)
-            act[r, j] = model.predict_activation_bytes(mb)
-            if has_work:
-                work[r, j] = model.predict_working_bytes(mb)
-            enc_bytes[r, j] = enc_hbpt * sum(s.visual_tokens for s in mb)
-            llm_bytes[r, j] = llm_hbpt * len(mb) * max((s.llm_tokens for s in mb), default=0)
+    sizes = np.array([len(idx) for idx in flat], dtype=np.int64)
+    items = np.concatenate([np.asarray(idx, dtype=np.int64) for idx in flat])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    visual = np.array([s.visual_tokens for s in shapes], dtype=np.int64)[items]
+    longest = np.array([s.llm_tokens for s in shapes], dtype=np.int64)[items]
+    enc_bytes = enc_hbpt * np.add.reduceat(visual, starts).reshape(R, m)
+    llm_bytes = llm_hbpt * (sizes * np.maximum.reduceat(longest, starts)).reshape(R, m)
     return _MicrobatchStats(time, act, work, enc_bytes, llm_bytes)
 
 
@@ -155,12 +163,15 @@ def split_batch(
     seed: int,
     cluster: Cluster,
     model: Any,
+    known: MicrobatchTimes | None = None,
 ) -> list[Buckets]:
     """The microbatches of ``layout`` for one batch (``shapes`` with per-sample ``costs`` ``(n, 2)``):
-    ``order[r][j]`` = positions in the batch of rank ``r``'s ``j``-th microbatch.
+    ``order[r][j]`` = positions in the batch of rank ``r``'s ``j``-th microbatch (the microbatches
+    timed on the way are added to ``known``).
 
     A layout whose splitter is not ``"dflop"`` is split by that registered splitter, as the
-    sampler would. For DFLOP's balancing (the search's own fast variant, or the sampler's), the
+    sampler would; so is a ``"dflop"`` one unless ``fast`` (then :func:`fast_balanced_split`, the
+    search's inner loop). For DFLOP's balancing, the
     two cost columns are scaled to the seconds they add to the heaviest encoder and LLM stage,
     so that the larger column is the one that paces the pipeline.
     """
@@ -174,19 +185,20 @@ def split_batch(
         [e_frac / cluster.tp_speedup(layout.encoder.tp) * enc_share, l_frac / cluster.tp_speedup(layout.llm.tp)]
     )
 
-    def microbatch_cost(items: Sequence[int]) -> np.ndarray:
-        return np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float) * scale
+    known = {} if known is None else known
 
-    lengths = np.array([s.llm_tokens for s in shapes])
-    return balanced_split(
-        costs * scale,
-        layout.llm.dp,
-        layout.n_mb,
-        lengths=lengths,
-        microbatch_cost=microbatch_cost,
-        fast=fast,
-        seed=seed,
+    def microbatch_cost(items: Sequence[int]) -> np.ndarray:
+        return microbatch_seconds(model, shapes, items, known) * scale
+
+    if fast:
+        lengths = np.array([s.llm_tokens for s in shapes])
+        return fast_balanced_split(
+            costs * scale, layout.llm.dp, layout.n_mb, lengths=lengths, microbatch_cost=microbatch_cost
+        )
+    request = SplitRequest.of_positions(
+        costs * scale, shapes, layout.n_mb, layout.llm.dp, microbatch_cost=microbatch_cost, seed=seed
     )
+    return make_splitter("dflop").split(request).ranks
 
 
 def evaluate(
@@ -200,8 +212,9 @@ def evaluate(
     seed: int = 0,
 ) -> Evaluation:
     """Split ``shapes`` (one global batch, per-sample ``costs``) for ``layout`` and simulate the step."""
-    order = split_batch(layout, shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model)
-    st = _stats(model, shapes, order)
+    known: MicrobatchTimes = {}
+    order = split_batch(layout, shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model, known=known)
+    st = _stats(model, shapes, order, known)
     stages = layout.stages
     p = len(stages)
     enc_frac = np.array([s[0] for s in stages], float) / model.encoder_layers  # of the layers (memory)

@@ -14,11 +14,11 @@ layer list puts them) but no stage runs them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dflop_ds.pipe.stage_bounds import StageBounds, check_stage_count
+from dflop_ds.pipe.stage_bounds import StageBounds, uniform_bounds
 
 StageLayers = tuple[int, int, int]  # (encoder layers, projector layers, LLM layers) of one stage
 
@@ -125,77 +125,9 @@ def stages_from_bounds(
     return tuple(out)
 
 
-def uniform_bounds(n_layers: int, n_parts: int) -> StageBounds:
-    """DeepSpeed's ``partition_method="uniform"``: equal counts, the remainder to the first parts."""
-    check_stage_count(n_layers, n_parts)
-    size, extra = divmod(n_layers, n_parts)
-    return StageBounds.from_sizes(size + (1 if i < extra else 0) for i in range(n_parts))
-
-
-def segment_counts(n_layers: int, n_parts: int) -> list[int]:
-    """Equal layer counts for identical layers; the remainder goes to the last parts (fewer in flight)."""
-    check_stage_count(n_layers, n_parts)
-    size, extra = divmod(n_layers, n_parts)
-    return [size + (1 if i >= n_parts - extra else 0) for i in range(n_parts)]
-
-
 def separate_stages(encoder_layers: int, llm_layers: int, e_pp: int, l_pp: int) -> tuple[StageLayers, ...]:
-    """Encoder stages then LLM stages; the projector joins the first LLM stage."""
-    enc = [(k, 0, 0) for k in segment_counts(encoder_layers, e_pp)]
-    llm = [(0, 1 if i == 0 else 0, k) for i, k in enumerate(segment_counts(llm_layers, l_pp))]
+    """Encoder stages then LLM stages, each segment split uniformly (DeepSpeed's rule); the
+    projector joins the first LLM stage."""
+    enc = [(k, 0, 0) for k in uniform_bounds(encoder_layers, e_pp).sizes()]
+    llm = [(0, 1 if i == 0 else 0, k) for i, k in enumerate(uniform_bounds(llm_layers, l_pp).sizes())]
     return tuple(enc + llm)
-
-
-def balanced_bounds(
-    weights: Sequence[float],
-    n_parts: int,
-    stage_memory: Callable[[int, int, int], float] | None = None,
-    memory_cap: float = float("inf"),
-) -> StageBounds | None:
-    """Contiguous split of ``weights`` into ``n_parts`` non-empty stages minimising the heaviest.
-
-    ``stage_memory(stage, lo, hi)`` (optional) gives the memory of layers ``lo:hi`` on ``stage``
-    (it must grow with ``hi``); no stage may exceed ``memory_cap``. Binary search on the
-    bottleneck with a greedy fill; returns None when no split fits the memory cap.
-    """
-    n = len(weights)
-    check_stage_count(n, n_parts)
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + float(w))
-
-    def fill(limit: float) -> list[int] | None:
-        bounds = [0]
-        for stage in range(n_parts):
-            lo = bounds[-1]
-            left_after = n_parts - stage - 1
-            hi = lo + 1
-            if prefix[hi] - prefix[lo] > limit or (stage_memory and stage_memory(stage, lo, hi) > memory_cap):
-                return None
-            while (
-                hi < n - left_after
-                and prefix[hi + 1] - prefix[lo] <= limit
-                and (stage_memory is None or stage_memory(stage, lo, hi + 1) <= memory_cap)
-            ):
-                hi += 1
-            if stage == n_parts - 1 and hi < n:
-                return None
-            bounds.append(hi)
-        return bounds
-
-    lo_t, hi_t = max(weights, default=0.0), prefix[-1]
-    best = fill(hi_t) if stage_memory is None else None
-    if best is None:
-        best = fill(float("inf"))
-        if best is None:
-            return None
-    for _ in range(40):
-        if hi_t - lo_t <= 1e-9 * max(hi_t, 1e-30):
-            break
-        mid = 0.5 * (lo_t + hi_t)
-        found = fill(mid)
-        if found is None:
-            lo_t = mid
-        else:
-            best, hi_t = found, mid
-    return StageBounds(best)

@@ -17,8 +17,8 @@ are simulated, on the first sampled global batch, with a padding-aware vector LP
 layout whose exact memory check fails is replaced by the next; those within ``refine_margin``
 of their family's best are scored on the other sampled batches too
 (:func:`~dflop_ds.plan.families.core.explore`); (3) the best few of the balanced families are
-re-scored with our scheduler's ``partition_batch`` (heuristic with improving moves measured by
-the cost model's padded microbatch cost, no ILP), as the sampler would split the batches.
+re-scored with the registered ``dflop`` splitter (``partition_batch``, heuristic with improving moves measured by
+the cost model's padded microbatch cost, no ILP, then ``assign_to_ranks``), as the sampler would split the batches.
 
 DFLOP's ``separate`` family (encoder and LLM on disjoint GPU sets) is not searched: see
 docs/architecture.md, "Separately parallelized segments".
@@ -117,7 +117,7 @@ def search(
         nmb_choices: microbatch counts per rank considered.
         families: which of ``FAMILIES`` to search (``"deepspeed"`` is required).
         final_partition: re-score the ``final_k`` best layouts of the balanced families with our
-            scheduler's ``partition_batch`` and pick the winners by those scores.
+            ``dflop`` splitter and pick the winners by those scores.
         seed: batch sampling and tie-breaking.
 
     Raises:
@@ -154,7 +154,7 @@ def search(
                 score(family, inputs, s.layout, batches, s.estimate, fast=False, seed=seed) for s in done[:final_k]
             ]
             finals = [s for s in finals if s.feasible]
-            if finals:  # report what the sampler's partition_batch gives
+            if finals:  # report what the sampler's dflop splitter gives
                 scored[name].extend(finals)
                 winners[name] = min(finals, key=lambda s: s.step_time)
     best_ds = winners["deepspeed"]

@@ -78,6 +78,13 @@ class SimResult:
         """Microbatches per rank."""
         return int(self.f_start.shape[1])
 
+    def without_timelines(self) -> SimResult:
+        """The same step without its per-operation times (``f_start`` .. ``b_end`` become empty
+        ``(R, 0, p)`` arrays, so ``n_mb`` reads 0): what the search keeps of its many candidates.
+        Simulate the layout again to draw it."""
+        empty = np.empty((self.busy.shape[0], 0, self.busy.shape[1]))
+        return replace(self, f_start=empty, f_end=empty, b_start=empty, b_end=empty)
+
     def summary(self) -> dict:
         """Plain numbers of the slowest rank (for printing and JSON)."""
         r = self.critical_rank

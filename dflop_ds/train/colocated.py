@@ -39,7 +39,7 @@ from torch import nn
 from dflop_ds.pipe.exchange import StepExchange, exchange_features
 from dflop_ds.pipe.module import FeatureReceiver
 from dflop_ds.pipe.stage_bounds import split_by_cost
-from dflop_ds.plan.stages import layer_costs
+from dflop_ds.plan.stages import mean_layer_costs
 from dflop_ds.schedule.dispatch import EncoderDispatch, plan_dispatch
 from dflop_ds.schedule.index import ScheduledIndex
 from dflop_ds.shapes import SampleShape
@@ -420,9 +420,7 @@ def colocated_pipeline_bounds(
         return colocated_stage_bounds(bounds, n_encoder)
     if cost_model is None:
         return None
-    mean = np.asarray(cost_model.predict_samples(shapes), dtype=float).mean(axis=0)
-    costs = layer_costs(mean, cost_model)
-    return split_by_cost([0.0, *costs[n_encoder:]], num_stages)
+    return split_by_cost([0.0, *mean_layer_costs(cost_model, shapes)[n_encoder:]], num_stages)
 
 
 #: DeepSpeed config keys the encoder's own engine copies from the pipeline engine's config

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from dflop_ds.plan.cluster import Cluster
-from dflop_ds.plan.evaluate import Buckets, Evaluation, _stats, forward_fraction, split_batch
+from dflop_ds.plan.evaluate import Buckets, Evaluation, MicrobatchTimes, _stats, forward_fraction, split_batch
 from dflop_ds.plan.families.core import BatchStats, Family, Key, SearchInputs, pipeline_grid, rank_estimates
 from dflop_ds.plan.families.pipeline import memory_aware_bounds
 from dflop_ds.plan.layout import Layout, Segment, flat_bounds, stages_from_bounds
@@ -151,20 +151,26 @@ def evaluate_colocated(
         raise ValueError(f"layout {layout.describe()} is not colocated")
     stages = tuple((0, projector, llm) for _, projector, llm in layout.stages)
     llm_only = replace(layout, encoder=layout.llm, stages=stages, colocated=False)
-    order = split_batch(llm_only, shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model)
-    return colocated_step(model, cluster, layout, shapes, order)
+    known: MicrobatchTimes = {}
+    order = split_batch(llm_only, shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model, known=known)
+    return colocated_step(model, cluster, layout, shapes, order, known)
 
 
 def colocated_step(
-    model: Any, cluster: Cluster, layout: Layout, shapes: Sequence[SampleShape], order: list[Buckets]
+    model: Any,
+    cluster: Cluster,
+    layout: Layout,
+    shapes: Sequence[SampleShape],
+    order: list[Buckets],
+    known: MicrobatchTimes | None = None,
 ) -> Evaluation:
     """Simulate one step of a colocated ``layout`` whose LLM microbatches are ``order[r][j]``
-    (indices into ``shapes``) and predict its memory per stage."""
+    (indices into ``shapes``; ``known``: microbatches already timed) and predict its memory per stage."""
     tp, dp, G, p = layout.llm.tp, layout.llm.dp, cluster.gpus, layout.n_stages
     speed = cluster.tp_speedup(tp)
     llm_frac = np.array([s[2] for s in layout.stages], float) / model.llm_layers
     on_projector = np.array([s[1] for s in layout.stages], float)
-    st = _stats(model, shapes, order)
+    st = _stats(model, shapes, order, known)
     proj = projector_share(model)
     llm_share = stage_shares(flat_bounds(layout.stages), model)[:, 1]
     total = (st.time[..., 0][..., None] * proj * on_projector + st.time[..., 1][..., None] * llm_share) / speed

@@ -43,7 +43,8 @@ class Scored:
         bubble_fraction: mean pipeline idle share (slowest rank).
         memory: ``(n_stages,)`` peak bytes per GPU of each stage over the batches.
         estimate: the analytic estimate that ranked it.
-        evaluations: the per-batch evaluations (simulations, microbatches).
+        evaluations: the per-batch evaluations, compacted (:meth:`Evaluation.compact`: no timelines
+            or microbatches; :func:`~dflop_ds.plan.planner.simulate_layout` redraws them).
     """
 
     layout: Layout
@@ -208,17 +209,10 @@ def score(
         if evals and not evals[-1].feasible:
             break
         b = batches[i]
-        evals.append(
-            family.evaluate(
-                inputs.model,
-                inputs.cluster,
-                layout,
-                [inputs.pool[j] for j in b],
-                inputs.costs[b],
-                fast=fast,
-                seed=seed + i,
-            )
+        evaluation = family.evaluate(
+            inputs.model, inputs.cluster, layout, [inputs.pool[j] for j in b], inputs.costs[b], fast=fast, seed=seed + i
         )
+        evals.append(evaluation.compact())  # candidates are many: keep no timelines
     times = [e.sim.step_time for e in evals]
     return Scored(
         layout=layout,

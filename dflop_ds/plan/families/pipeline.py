@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from dflop_ds.pipe.stage_bounds import StageBounds
+from dflop_ds.pipe.stage_bounds import StageBounds, split_stages, uniform_bounds
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.evaluate import evaluate
 from dflop_ds.plan.families.core import BatchStats, Family, Key, SearchInputs, pipeline_grid, rank_estimates
-from dflop_ds.plan.layout import Layout, Segment, balanced_bounds, stages_from_bounds, uniform_bounds
+from dflop_ds.plan.layout import Layout, Segment, stages_from_bounds
 from dflop_ds.plan.stages import layer_costs
 
 
@@ -84,16 +84,16 @@ def memory_aware_bounds(
     fixed_bytes: float,
     cap: float,
 ) -> StageBounds | None:
-    """:func:`balanced_bounds` of ``weights`` over ``pp`` stages, stage ``s`` holding its layers'
-    ``layer_memory`` plus ``min(pp - s, n_mb)`` microbatches of their ``layer_activation`` plus
-    ``fixed_bytes``, under ``cap``."""
+    """The exact ``min_max`` split (:func:`~dflop_ds.pipe.stage_bounds.split_stages`) of ``weights`` over
+    ``pp`` stages, stage ``s`` holding its layers' ``layer_memory`` plus ``min(pp - s, n_mb)``
+    microbatches of their ``layer_activation`` plus ``fixed_bytes``, under ``cap``."""
     pm = np.concatenate([[0.0], np.cumsum(layer_memory)])
     pa = np.concatenate([[0.0], np.cumsum(layer_activation)])
 
-    def stage_memory(stage: int, lo: int, hi: int) -> float:
+    def stage_memory(stage: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         return pm[hi] - pm[lo] + min(pp - stage, n_mb) * (pa[hi] - pa[lo]) + fixed_bytes
 
-    return balanced_bounds(weights, pp, stage_memory, cap)
+    return split_stages("min_max", weights, pp, stage_memory=stage_memory, memory_cap=cap)
 
 
 class PipelineFamily(Family):
@@ -121,7 +121,7 @@ class PipelineFamily(Family):
         tp, pp, dp, m = key
         model, cluster, data = inputs.model, inputs.cluster, inputs.data
         E, L = model.encoder_layers, model.llm_layers
-        if self.uniform:
+        if self.uniform:  # DeepSpeed's stock split; the evaluation checks its memory
             stages = stages_from_bounds(uniform_bounds(E + 1 + L, pp), E, 1, L)
         else:
             pb = model.param_bytes
