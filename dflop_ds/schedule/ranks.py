@@ -34,7 +34,12 @@ def pipeline_order(bucket_costs: np.ndarray, buckets: list[int]) -> list[int]:
     others rise then fall in total cost, larger ones in the middle, where they overlap with
     their neighbours (verl places small microbatches at both ends for the same reason).
     """
-    matrix = as_cost_matrix(bucket_costs)
+    return _pipeline_order(as_cost_matrix(bucket_costs), buckets)
+
+
+def _pipeline_order(matrix: np.ndarray, buckets: list[int]) -> list[int]:
+    """:func:`pipeline_order` on an already checked cost matrix (checking it once per rank made
+    :func:`assign_to_ranks` grow with the square of the rank count)."""
     rest = sorted(buckets, key=lambda j: (matrix[j].sum(), j))
     if len(rest) <= 1:
         return list(rest)
@@ -53,7 +58,9 @@ def assign_to_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[i
     time is taken as the largest of its column sums (each column is a group of pipeline stages
     working through all of the rank's microbatches); the slowest rank gates the step. Ranks are
     balanced by equal-count vector differencing (Karmarkar-Karp), then swaps between the slowest
-    rank and the others; each rank's buckets are then ordered by :func:`pipeline_order`.
+    rank and the others, and never end worse than dealing the buckets round robin from the
+    largest (the heuristic has no such guarantee of its own); each rank's buckets are then
+    ordered by :func:`pipeline_order`.
     """
     matrix = as_cost_matrix(bucket_costs)
     if dp < 1 or n_mb < 1:
@@ -67,7 +74,11 @@ def assign_to_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[i
     if (counts != n_mb).any():  # guaranteed by equal-size differencing and swaps; checked anyway
         raise AssertionError(f"rank sizes {counts.tolist()} differ from n_mb={n_mb}")
     ranks = [np.flatnonzero(labels == r).tolist() for r in range(dp)]
-    return [pipeline_order(matrix, rank) for rank in ranks]
+    by_size = np.argsort(-matrix.max(axis=1), kind="stable")
+    dealt = [sorted(by_size[r::dp].tolist()) for r in range(dp)]
+    if rank_totals(matrix, dealt).max() < rank_totals(matrix, ranks).max():
+        ranks = dealt
+    return [_pipeline_order(matrix, rank) for rank in ranks]
 
 
 def lockstep_order(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
