@@ -16,6 +16,7 @@ tokens.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,31 @@ def random_frames(rng: random.Random, count: int) -> list:
         Image.frombytes("RGB", (width, height), bytes(rng.getrandbits(8) for _ in range(width * height * 3)))
         for _ in range(count)
     ]
+
+
+def tower_hidden_states(model: Any, inputs: tuple) -> Any:
+    """The HF vision tower's hidden states of a microbatch's pixels (``inputs[0]``), for families
+    whose tower takes the pixels as they are; ``None`` for a microbatch without images."""
+    pixel_values = inputs[0]
+    if not pixel_values.shape[0]:
+        return None
+    return model.model.vision_tower(pixel_values, output_hidden_states=True).hidden_states
+
+
+def video_image_text_batches(image_mark: str, video_mark: str) -> Callable[[int, Any], list[tuple[str, list]]]:
+    """``extra_batches`` for a family that reads videos: one microbatch of a video row, an image
+    row and a text-only row, written with the family's image and video marks."""
+
+    def batches(seed: int, config: Any) -> list[tuple[str, list]]:
+        rng = random.Random(seed + 1)
+        rows = [
+            (f"USER: {video_mark} what happens? ASSISTANT:", "a car drives", [], random_frames(rng, 3)),
+            (f"USER: {image_mark} and this? ASSISTANT:", "a tree", [random_image(rng)]),
+            ("USER: hello ASSISTANT:", "hi there", []),
+        ]
+        return [("video + image row + text-only row", rows)]
+
+    return batches
 
 
 def synthetic_batches(seed: int, image_mark: str = "<image>") -> list[tuple[str, list]]:
@@ -255,4 +281,6 @@ __all__ = [
     "random_image",
     "run_stages",
     "synthetic_batches",
+    "tower_hidden_states",
+    "video_image_text_batches",
 ]

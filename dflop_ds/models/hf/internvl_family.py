@@ -7,12 +7,11 @@ tiling rule (:mod:`~dflop_ds.models.hf.internvl_shapes`), data pipeline
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 from dflop_ds.data.video import DEFAULT_VIDEO_MAX_FRAMES
-from dflop_ds.models.hf.check import random_frames, random_image
+from dflop_ds.models.hf.check import tower_hidden_states, video_image_text_batches
 from dflop_ds.models.hf.check_parts import CheckParts, MicrobatchBuilder
 from dflop_ds.models.hf.internvl import MODEL_TYPE, internvl_layers, load_internvl, side
 from dflop_ds.models.hf.internvl_data import InternVLDataset, InternVLPreprocessor
@@ -94,33 +93,14 @@ def internvl_check() -> CheckParts:
     def microbatches(path: Path, config: Any) -> MicrobatchBuilder:
         return InternVLInputs.from_dir(path, config).microbatch
 
-    def vision_states(model: Any, inputs: tuple) -> Any:
-        pixel_values = inputs[0]
-        if not pixel_values.shape[0]:
-            return None
-        return model.model.vision_tower(pixel_values, output_hidden_states=True).hidden_states
-
-    def video_batches(seed: int, config: Any) -> list[tuple[str, list]]:
-        rng = random.Random(seed + 1)
-        return [
-            (
-                "video + image row + text-only row",
-                [
-                    (f"USER: {VIDEO_MARK} what happens? ASSISTANT:", "a car drives", [], random_frames(rng, 3)),
-                    (f"USER: {IMAGE_MARK} and this? ASSISTANT:", "a tree", [random_image(rng)]),
-                    ("USER: hello ASSISTANT:", "hi there", []),
-                ],
-            )
-        ]
-
     return CheckParts(
         load_internvl,
         internvl_layers,
         microbatches,
         IMAGE_MARK,
         lambda model, inputs: hf_model_kwargs(inputs),
-        vision_states,
-        video_batches,
+        tower_hidden_states,
+        video_image_text_batches(IMAGE_MARK, VIDEO_MARK),
     )
 
 

@@ -6,12 +6,11 @@ data pipeline (:mod:`~dflop_ds.models.hf.llava_onevision_data`) and synthetic mi
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 from dflop_ds.data.video import DEFAULT_VIDEO_MAX_FRAMES
-from dflop_ds.models.hf.check import random_frames, random_image
+from dflop_ds.models.hf.check import tower_hidden_states, video_image_text_batches
 from dflop_ds.models.hf.check_parts import CheckParts, MicrobatchBuilder
 from dflop_ds.models.hf.llava_onevision import (
     MODEL_TYPE,
@@ -89,33 +88,14 @@ def llava_onevision_check() -> CheckParts:
     def microbatches(path: Path, config: Any) -> MicrobatchBuilder:
         return OnevisionInputs.from_dir(path, config).microbatch
 
-    def vision_states(model: Any, inputs: tuple) -> Any:
-        pixel_values = inputs[0]
-        if not pixel_values.shape[0]:
-            return None
-        return model.model.vision_tower(pixel_values, output_hidden_states=True).hidden_states
-
-    def video_batches(seed: int, config: Any) -> list[tuple[str, list]]:
-        rng = random.Random(seed + 1)
-        return [
-            (
-                "video + image row + text-only row",
-                [
-                    (f"USER: {VIDEO_MARK} what happens? ASSISTANT:", "a car drives", [], random_frames(rng, 3)),
-                    (f"USER: {IMAGE_MARK} and this? ASSISTANT:", "a tree", [random_image(rng)]),
-                    ("USER: hello ASSISTANT:", "hi there", []),
-                ],
-            )
-        ]
-
     return CheckParts(
         load_llava_onevision,
         llava_onevision_layers,
         microbatches,
         IMAGE_MARK,
         lambda model, inputs: onevision_hf_kwargs(inputs),
-        vision_states,
-        video_batches,
+        tower_hidden_states,
+        video_image_text_batches(IMAGE_MARK, VIDEO_MARK),
     )
 
 
