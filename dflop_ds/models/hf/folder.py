@@ -8,6 +8,7 @@ missing, naming the folder and the files looked for.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from dflop_ds.data.errors import PathArg
 
@@ -46,4 +47,18 @@ def check_model_folder(model_dir: PathArg, *, weights: bool = True, tokenizer: b
         )
 
 
-__all__ = ["TOKENIZER_FILES", "WEIGHT_PATTERNS", "check_model_folder", "missing_parts"]
+def load_text_and_image_parts(model_dir: PathArg) -> tuple[Any, Any, Any]:
+    """``(tokenizer, image_processor, config)`` of a ``save_pretrained`` directory, offline, after
+    :func:`check_model_folder` (weights not needed): what a family's preprocessor is built from."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+    path = str(model_dir)
+    check_model_folder(path, weights=False)
+    return (
+        AutoTokenizer.from_pretrained(path, local_files_only=True),
+        AutoImageProcessor.from_pretrained(path, local_files_only=True),
+        AutoConfig.from_pretrained(path, local_files_only=True),
+    )
+
+
+__all__ = ["TOKENIZER_FILES", "WEIGHT_PATTERNS", "check_model_folder", "load_text_and_image_parts", "missing_parts"]

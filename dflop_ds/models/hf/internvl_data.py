@@ -17,7 +17,7 @@ import torch
 
 from dflop_ds.data.errors import PathArg
 from dflop_ds.data.video import DEFAULT_VIDEO_MAX_FRAMES
-from dflop_ds.models.hf.folder import check_model_folder
+from dflop_ds.models.hf.folder import load_text_and_image_parts
 from dflop_ds.models.hf.internvl_synthetic import InternVLMedia
 from dflop_ds.models.hf.llava_data import (
     DEFAULT_SYSTEM,
@@ -60,17 +60,8 @@ class InternVLPreprocessor(LlavaPreprocessor):
     @classmethod
     def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> InternVLPreprocessor:
         """Load the tokenizer, image processor and config of a ``save_pretrained`` directory (offline)."""
-        from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
-
-        path = str(model_dir)
-        check_model_folder(path, weights=False)
         kwargs.setdefault("name", f"internvl:{Path(model_dir).name}")
-        return cls(
-            AutoTokenizer.from_pretrained(path, local_files_only=True),
-            AutoImageProcessor.from_pretrained(path, local_files_only=True),
-            AutoConfig.from_pretrained(path, local_files_only=True),
-            **kwargs,
-        )
+        return cls(*load_text_and_image_parts(model_dir), **kwargs)
 
     def _image_block(self, tokens: int) -> list[int]:
         return self.media.image_ids(tokens)

@@ -54,7 +54,7 @@ from dflop_ds.data.video import (
     sample_frame_indices,
     sampled_frame_count,
 )
-from dflop_ds.models.hf.folder import check_model_folder
+from dflop_ds.models.hf.folder import load_text_and_image_parts
 from dflop_ds.models.hf.llava_data import (
     NO_LIMIT,
     TRUNCATION,
@@ -212,17 +212,8 @@ class Qwen2VLPreprocessor:
     @classmethod
     def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> Qwen2VLPreprocessor:
         """Load the tokenizer, image processor and config of a ``save_pretrained`` directory (offline)."""
-        from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
-
-        path = str(model_dir)
-        check_model_folder(path, weights=False)
         kwargs.setdefault("name", f"qwen2_vl:{Path(model_dir).name}")
-        return cls(
-            AutoTokenizer.from_pretrained(path, local_files_only=True),
-            AutoImageProcessor.from_pretrained(path, local_files_only=True),
-            AutoConfig.from_pretrained(path, local_files_only=True),
-            **kwargs,
-        )
+        return cls(*load_text_and_image_parts(model_dir), **kwargs)
 
     def _ids(self, text: str) -> list[int]:
         return text_ids(self.tokenizer, text)
