@@ -61,4 +61,24 @@ def load_text_and_image_parts(model_dir: PathArg) -> tuple[Any, Any, Any]:
     )
 
 
-__all__ = ["TOKENIZER_FILES", "WEIGHT_PATTERNS", "check_model_folder", "load_text_and_image_parts", "missing_parts"]
+def load_tokenizer_and_image_processor(model_dir: PathArg) -> tuple[Any, Any]:
+    """``(tokenizer, image_processor)`` of a ``save_pretrained`` directory, offline (check-model's
+    synthetic microbatches); ``ValueError`` naming the directory when either is missing."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{model_dir}: no tokenizer + image processor ({exc})") from exc
+    return tokenizer, image_processor
+
+
+__all__ = [
+    "TOKENIZER_FILES",
+    "WEIGHT_PATTERNS",
+    "check_model_folder",
+    "load_text_and_image_parts",
+    "load_tokenizer_and_image_processor",
+    "missing_parts",
+]

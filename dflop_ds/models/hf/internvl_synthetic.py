@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dflop_ds.models.hf.folder import load_tokenizer_and_image_processor
 from dflop_ds.models.hf.internvl import side
 from dflop_ds.models.hf.internvl_shapes import InternVLTileRule
 from dflop_ds.models.hf.llava_synthetic import append_answer, pad_token_id, stack_rows
@@ -101,14 +102,7 @@ class InternVLInputs(InternVLMedia):
     @classmethod
     def from_dir(cls, model_dir: str | Path, config: Any) -> InternVLInputs:
         """Load the directory's tokenizer and image processor (offline)."""
-        from transformers import AutoImageProcessor, AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-            image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{model_dir}: no tokenizer + image processor ({exc})") from exc
-        return cls(tokenizer, image_processor, config, str(model_dir))
+        return cls(*load_tokenizer_and_image_processor(model_dir), config, str(model_dir))
 
     def encode_sample(self, prompt: str, answer: str, images: Sequence[Any], video: Sequence[Any] = ()):
         """``(tiles, input_ids [L], targets [L])`` of one sample (images' tiles, then the video's)."""

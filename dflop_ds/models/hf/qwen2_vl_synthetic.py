@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from dflop_ds.models.hf.common import padding_mask
+from dflop_ds.models.hf.folder import load_tokenizer_and_image_processor
 from dflop_ds.models.hf.llava_synthetic import Sample, append_answer, hf_labels, pad_token_id, stack_rows
 
 #: how a prompt marks an image (Qwen2-VL's chat template)
@@ -56,14 +57,7 @@ class Qwen2VLInputs:
     @classmethod
     def from_dir(cls, model_dir: str | Path, config: Any) -> Qwen2VLInputs:
         """Load the directory's tokenizer and image processor (offline)."""
-        from transformers import AutoImageProcessor, AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-            image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{model_dir}: no tokenizer + image processor ({exc})") from exc
-        return cls(tokenizer, image_processor, config, str(model_dir))
+        return cls(*load_tokenizer_and_image_processor(model_dir), config, str(model_dir))
 
     def video_pixel_values(self, frames: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(pixel_values_videos [P, C*T*p*p], video_grid_thw [1, 3])`` of one video's frames (a
