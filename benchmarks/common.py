@@ -22,7 +22,17 @@ ROOT = Path(__file__).resolve().parent.parent
 def profile_model_into(path: str | Path, options: Sequence[str] = ()) -> None:
     """Run ``dflop-ds profile model --no-progress <options> -o path`` (1 thread, as training ranks run)."""
     subprocess.run(
-        [sys.executable, "-m", "dflop_ds.cli", "profile", "model", "--no-progress", *options, "-o", str(path)],
+        [
+            sys.executable,
+            "-m",
+            "dflop_ds.commands.main",
+            "profile",
+            "model",
+            "--no-progress",
+            *options,
+            "-o",
+            str(path),
+        ],
         check=True,
         cwd=ROOT,
         env=launch_env(),

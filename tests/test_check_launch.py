@@ -10,7 +10,7 @@ from conftest import write_ds_config
 from ds_runs import REPO
 from tiny_plans import two_stage_plan
 
-from dflop_ds.cli import main as cli_main
+from dflop_ds.commands.main import main as cli_main
 from dflop_ds.config import plan_deepspeed_config, set_settings
 
 DATA = REPO / "examples" / "data" / "mixture.jsonl"

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from dflop_ds.cli import main  # noqa: E402
+from dflop_ds.commands.main import main  # noqa: E402
 from dflop_ds.models.hf import common, llava  # noqa: E402
 from dflop_ds.testing.hf_tiny import build_tiny_llava  # noqa: E402
 
@@ -31,7 +31,7 @@ def summary(capsys: pytest.CaptureFixture) -> str:
 def test_console_script_passes_on_a_good_dir(tmp_path: Path) -> None:
     folder = build_tiny_llava(tmp_path / "m", vision="siglip", text="qwen2", tie_word_embeddings=True)
     out = subprocess.run(
-        [sys.executable, "-m", "dflop_ds.cli", "check-model", str(folder), "--stages", "3"],
+        [sys.executable, "-m", "dflop_ds.commands.main", "check-model", str(folder), "--stages", "3"],
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflop_ds.cli import main as cli_main
+from dflop_ds.commands.main import main as cli_main
 from dflop_ds.cost import (
     FittedCostModel,
     Measurement,

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 from test_costmodel import synthetic_profile  # noqa: E402
 
-from dflop_ds.cli import main as cli_main  # noqa: E402
+from dflop_ds.commands.main import main as cli_main  # noqa: E402
 from dflop_ds.cost import (  # noqa: E402
     FittedCostModel,
     check_policy,  # noqa: E402

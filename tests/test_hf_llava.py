@@ -281,7 +281,7 @@ def test_tiny_builder_round_trips_offline(tmp_path: Path) -> None:
 
 def test_import_dflop_ds_does_not_import_transformers() -> None:
     code = (
-        "import sys, dflop_ds, dflop_ds.cli, dflop_ds.models.hf; dflop_ds.cli.build_parser(); "
+        "import sys, dflop_ds, dflop_ds.commands.main, dflop_ds.models.hf; dflop_ds.commands.main.build_parser(); "
         "print('transformers' in sys.modules)"
     )
     out = subprocess.run(

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from hf_stage_checks import assert_qwen2_vl_packs, assert_stages_match_hf  # noqa: E402
 
-from dflop_ds.cli import main  # noqa: E402
+from dflop_ds.commands.main import main  # noqa: E402
 from dflop_ds.models.hf import qwen2_vl  # noqa: E402
 from dflop_ds.models.hf.check import random_image  # noqa: E402
 from dflop_ds.models.hf.common import run_layers  # noqa: E402

@@ -127,7 +127,7 @@ def test_hf_source_dispatches_on_the_model_type(setup, tmp_path: Path) -> None:
 
 
 def test_cli_reads_with_the_qwen2_vl_policy(setup, capsys) -> None:
-    from dflop_ds.cli import main
+    from dflop_ds.commands.main import main
 
     model_dir, data, images, _, shapes = setup
     assert main(["validate", str(data), "--model_name_or_path", str(model_dir), "--image_folder", str(images)]) == 0
@@ -189,8 +189,8 @@ def test_validate_reads_the_data_as_the_training_config_does(setup, tmp_path: Pa
     import argparse
     import json
 
-    from dflop_ds.cli import main
-    from dflop_ds.data.cli import add_read_arguments, policy_from_args
+    from dflop_ds.commands.data import add_read_arguments, policy_from_args
+    from dflop_ds.commands.main import main
 
     model_dir, data, images, _, shapes = setup
     limit = max(shape.llm_tokens for shape in shapes) - 1

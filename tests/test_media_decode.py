@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dflop_ds.cli import main as cli_main
+from dflop_ds.commands.main import main as cli_main
 from dflop_ds.data import DataError, read_dataset, validate_dataset
 from dflop_ds.data.decode import SAMPLED_DECODES
 from dflop_ds.data.headers import cache_path_for

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from dflop_ds.cli import main as cli_main
+from dflop_ds.commands.main import main as cli_main
 from dflop_ds.data import DataError, read_dataset, validate_dataset
 from dflop_ds.data import headers as headers_module
 from dflop_ds.data.headers import cache_path_for

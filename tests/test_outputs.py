@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflop_ds.cli import main as cli_main
+from dflop_ds.commands.main import main as cli_main
 from dflop_ds.paths import OutputPathError, check_writable, check_writable_folder
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ from test_costmodel import synthetic_profile
 from test_planner import POOL
 from tiny_plans import one_stage_plan, tiny_plan, two_stage_plan
 
-from dflop_ds.cli import main as cli_main
+from dflop_ds.commands.main import main as cli_main
 from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, plan_deepspeed_config, set_settings
 from dflop_ds.cost import FittedCostModel, reference_model, save_cost_model
 from dflop_ds.plan import Cluster, Plan, PlanError, PlanFileError, make_plans, search

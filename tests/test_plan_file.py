@@ -148,7 +148,7 @@ def test_bad_plan_files_name_the_problem(tmp_path) -> None:
 def test_cli_plan_then_simulate(tmp_path, capsys) -> None:
     import argparse
 
-    from dflop_ds.plan.cli import register
+    from dflop_ds.commands.plan import register
 
     manifest = tmp_path / "data.jsonl"
     lines = []

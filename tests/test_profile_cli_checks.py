@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflop_ds.cli import main as cli_main
+from dflop_ds.commands.main import main as cli_main
 
 FAST = ["--vision-layers", "1", "--llm-layers", "1", "--tiles", "1", "--seq-lens", "16", "--batch-sizes", "1"]
 FAST += ["--warmup", "0", "--repeats", "1", "--no-progress"]

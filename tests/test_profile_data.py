@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflop_ds.cli import main as cli_main
+from dflop_ds.commands.main import main as cli_main
 from dflop_ds.profile import DataProfile, profile_data
 from dflop_ds.profile.data import histogram, sample_indices, summarize
 from dflop_ds.shapes import TINY_POLICY, ShapePolicy

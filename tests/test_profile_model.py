@@ -317,7 +317,7 @@ def test_a_profile_without_projector_gives_it_no_time() -> None:
 
 def test_model_cli_writes_a_loadable_cost_model(tmp_path, capsys) -> None:
     pytest.importorskip("dflop_ds.models")
-    from dflop_ds.cli import main as cli_main
+    from dflop_ds.commands.main import main as cli_main
     from dflop_ds.cost import load_cost_model
 
     out = tmp_path / "cm.json"
@@ -357,8 +357,8 @@ def test_model_cli_writes_a_loadable_cost_model(tmp_path, capsys) -> None:
 
 def test_cli_target_spec_loads_a_user_factory() -> None:
     pytest.importorskip("dflop_ds.models")
+    from dflop_ds.commands.profile import load_target, positive_int_list
     from dflop_ds.profile import ProfileTarget
-    from dflop_ds.profile.cli import load_target, positive_int_list
 
     assert isinstance(load_target("dflop_ds.models.tiny_profile:tiny_target"), ProfileTarget)
     with pytest.raises(ValueError, match="module:function"):

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflop_ds.cli import main
+from dflop_ds.commands.main import main
 from dflop_ds.cost import FittedCostModel, reference_model, save_cost_model
 from dflop_ds.data import read_dataset
 from dflop_ds.plan import Cluster

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from deepspeed.runtime.pipe import schedule
 
-from dflop_ds.cli import main as cli_main
+from dflop_ds.commands.main import main as cli_main
 from dflop_ds.telemetry import PipelineTimer, bubble_fraction, imbalance, log_line, monitor_events, observed_imbalance
 from dflop_ds.telemetry.report import read_log, scatter_points, split_runs, summarize
 from dflop_ds.telemetry.timers import compute_cpu_clock

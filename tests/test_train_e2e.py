@@ -88,7 +88,7 @@ def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_pat
         [
             sys.executable,
             "-m",
-            "dflop_ds.cli",
+            "dflop_ds.commands.main",
             "profile",
             "model",
             "--no-progress",
@@ -118,7 +118,7 @@ def test_an_engine_profile_fitted_from_a_two_rank_run_predicts_its_steps(tmp_pat
         [
             sys.executable,
             "-m",
-            "dflop_ds.cli",
+            "dflop_ds.commands.main",
             "profile",
             "engine",
             str(telemetry),

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from dflop_ds.commands.data import register
 from dflop_ds.data import Problem, format_problems, validate_dataset
-from dflop_ds.data.cli import register
 from dflop_ds.shapes import TINY_POLICY
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"

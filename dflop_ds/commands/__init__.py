@@ -1,2 +1,3 @@
-"""Sub-commands of ``dflop-ds`` that use the training loop's pieces (the top layer); each module
-adds its command through ``register(subparsers)``, listed in :data:`dflop_ds.cli.COMMAND_MODULES`."""
+"""The ``dflop-ds`` command line, the package's top layer: :mod:`~dflop_ds.commands.main` is the
+entry point, and each other module adds its sub-commands through ``register(subparsers)``
+(listed in :data:`dflop_ds.commands.main.COMMAND_MODULES`). Nothing below this layer imports it."""

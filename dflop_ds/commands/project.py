@@ -15,10 +15,10 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from dflop_ds.commands.plan import _common, _read_shapes, tensor_parallel_layers, training_precision
 from dflop_ds.cost import load_cost_model
 from dflop_ds.paths import check_writable
 from dflop_ds.plan.calibration import load_calibration
-from dflop_ds.plan.cli import _common, _read_shapes, tensor_parallel_layers, training_precision
 from dflop_ds.plan.cluster import PRECISIONS, ZERO_SHARDED, Cluster
 from dflop_ds.plan.planner import describe_cost_model
 from dflop_ds.plan.projection import SizeProjection, encoder_share, project, table_lines

@@ -64,7 +64,7 @@ def read_dataset(
     """Read a shape manifest or a LLaVA file into sample shapes: the one way every command reads data.
 
     ``validate``, ``profile data``, ``plan`` and training all come here with the same options
-    (``dflop_ds.data.cli.read_options`` turns the command-line flags into them).
+    (``dflop_ds.commands.data.read_options`` turns the command-line flags into them).
 
     Args:
         path: the dataset file (JSON array or JSONL).

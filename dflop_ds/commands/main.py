@@ -7,16 +7,10 @@ import sys
 from collections.abc import Sequence
 
 from dflop_ds import __version__
-from dflop_ds.commands import check_launch, project
-from dflop_ds.data import cli as data_cli
-from dflop_ds.models.hf import cli as hf_cli
-from dflop_ds.plan import cli as plan_cli
-from dflop_ds.profile import cli as profile_cli
-from dflop_ds.telemetry import cli as telemetry_cli
+from dflop_ds.commands import check_launch, check_model, data, plan, profile, project, report
 
-# Modules that add sub-commands through ``register(subparsers)``, imported here so that the
-# layering test (tests/test_layers.py) sees them.
-COMMAND_MODULES = (data_cli, profile_cli, plan_cli, telemetry_cli, hf_cli, check_launch, project)
+#: the modules that add sub-commands through ``register(subparsers)``, in help order
+COMMAND_MODULES = (data, profile, plan, report, check_model, check_launch, project)
 
 
 def build_parser() -> argparse.ArgumentParser:

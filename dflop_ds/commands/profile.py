@@ -8,9 +8,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dflop_ds.commands.data import add_read_arguments, policy_from_args, read_options
 from dflop_ds.cost import FittedCostModel, check_policy, load_cost_model, save_cost_model
 from dflop_ds.data import read_dataset
-from dflop_ds.data.cli import add_read_arguments, policy_from_args, read_options
 from dflop_ds.models.hf.profile import hf_target
 from dflop_ds.models.tiny import TinyMLLMConfig
 from dflop_ds.models.tiny_profile import tiny_target

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dflop_ds.commands.data import add_read_arguments, policy_from_args, read_options
 from dflop_ds.config import plan_deepspeed_config, plan_reference, set_settings
 from dflop_ds.cost import check_policy, load_cost_model, reference_names
 from dflop_ds.data import read_dataset
-from dflop_ds.data.cli import add_read_arguments, policy_from_args, read_options
 from dflop_ds.jsonio import write_json
 from dflop_ds.paths import check_writable
 from dflop_ds.plan.cluster import PRECISIONS, ZERO_SHARDED, Cluster
