@@ -6,13 +6,13 @@ Manifest records carry ``text_tokens`` or ``text`` and no ``conversations``; LLa
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dflop_ds.data.errors import DataError, PathArg
 from dflop_ds.data.llava import parse_llava_record
 from dflop_ds.data.manifest import is_manifest_record, parse_manifest_record
-from dflop_ds.data.media import MediaLookup, MediaOptions, media_lookup
+from dflop_ds.data.media import MediaLookup, MediaOptions, media_folder, media_lookup
 from dflop_ds.data.records import RawRecord, ReadResult, RecordParser, load_records, read_records
 from dflop_ds.shapes import DEFAULT_POLICY, ShapePolicy
 
@@ -140,4 +140,23 @@ def read_loaded(
             lookup.save_cache()
 
 
-__all__ = ["MANIFEST", "LLAVA", "detect_format", "record_parser", "read_dataset", "read_loaded"]
+def shape_reader(
+    policy: ShapePolicy, image_folder: PathArg | None = None, video_folder: PathArg | None = None
+) -> Callable[[PathArg, str], ReadResult]:
+    """``read_shapes(path, on_bad_sample)``: :func:`read_dataset` under ``policy`` with media paths
+    relative to ``image_folder`` / ``video_folder``, by default the data file's own folder
+    (:func:`~dflop_ds.data.media.media_folder`): how a model source reads its training data."""
+
+    def read_shapes(path: PathArg, on_bad_sample: str) -> ReadResult:
+        return read_dataset(
+            path,
+            policy,
+            on_bad_sample=on_bad_sample,
+            image_folder=media_folder(path, image_folder),
+            video_folder=media_folder(path, video_folder),
+        )
+
+    return read_shapes
+
+
+__all__ = ["MANIFEST", "LLAVA", "detect_format", "record_parser", "read_dataset", "read_loaded", "shape_reader"]

@@ -6,9 +6,9 @@ import io
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from dflop_ds.data import DataError, read_dataset
+from dflop_ds.data import DataError
+from dflop_ds.data.dispatch import shape_reader
 from dflop_ds.data.errors import PathArg
-from dflop_ds.data.media import media_folder
 from dflop_ds.models.hf.llava_data import LlavaPreprocessor
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
 from dflop_ds.shapes import SampleShape, ShapePolicy
@@ -44,13 +44,7 @@ def llava_json_shapes(
     field: the shapes must cover every index of the dataset the Trainer samples from.
     """
     policy = hf_preprocessor(model_name_or_path, max_length=max_length).policy()
-    shapes = read_dataset(
-        data_path,
-        policy,
-        image_folder=media_folder(data_path, image_folder),
-        video_folder=media_folder(data_path, video_folder),
-    )
-    return ShapeTable(shapes, policy)
+    return ShapeTable(shape_reader(policy, image_folder, video_folder)(data_path, "error"), policy)
 
 
 def image_size(image: Any) -> tuple[int, int]:

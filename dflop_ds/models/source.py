@@ -13,8 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflop_ds.data import read_dataset
-from dflop_ds.data.media import media_folder
+from dflop_ds.data.dispatch import shape_reader
 from dflop_ds.models.data import TinyMLLMDataset, collate_microbatch, collate_packed_microbatch, supervised_count
 from dflop_ds.models.tiny import TinyMLLMConfig, tiny_mllm_layers
 from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY, SampleShape, ShapePolicy
@@ -109,14 +108,7 @@ def tiny_source(
     policy = TINY_POLICY if policy_name == "tiny" else DEFAULT_POLICY
     encoder, projector, llm = tiny_mllm_layers(config, seed=seed, as_specs=as_specs)
 
-    def read_shapes(path: str, on_bad_sample: str):
-        return read_dataset(
-            path,
-            policy,
-            on_bad_sample=on_bad_sample,
-            image_folder=media_folder(path, image_folder),
-            video_folder=media_folder(path, video_folder),
-        )
+    read_shapes = shape_reader(policy, image_folder, video_folder)
 
     def make_dataset(shapes: Sequence[SampleShape], data_path: str, on_bad_sample: str = "error"):
         # synthetic tensors of the shapes: no file is loaded, so no sample can fail at load time

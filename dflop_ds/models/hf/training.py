@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dflop_ds.data import read_dataset
+from dflop_ds.data.dispatch import shape_reader
 from dflop_ds.data.media import media_folder
 from dflop_ds.models.hf.llava_data import load_llava_records, supervised_targets
 from dflop_ds.models.hf.lora import apply_lora
@@ -87,14 +87,7 @@ def training_source(
     policy = preprocessor.policy()
     encoder, projector, llm = parts.layers(model)
 
-    def read_shapes(path: str, on_bad_sample: str):
-        return read_dataset(
-            path,
-            policy,
-            on_bad_sample=on_bad_sample,
-            image_folder=media_folder(path, image_folder),
-            video_folder=media_folder(path, video_folder),
-        )
+    read_shapes = shape_reader(policy, image_folder, video_folder)
 
     def make_dataset(shapes, path: str, on_bad_sample: str = "error"):
         return parts.dataset(
