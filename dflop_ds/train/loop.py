@@ -1,13 +1,7 @@
 """The training loop: one for every model source and both DeepSpeed engine kinds.
 
-    deepspeed --num_gpus 2 examples/train.py --deepspeed_config ds_configs/tiny_mllm_pp2.json
-    deepspeed --num_gpus 2 examples/train.py --deepspeed_config ds_configs/hf_zero2.json \\
-        --model_name_or_path MODEL_DIR --data_path data.json --image_folder images/
-
-The config's ``"dflop"`` block (:class:`dflop_ds.config.DFLOPConfig`) chooses the sampler, the
-data, the pipeline stages (``> 1``: DeepSpeed's pipeline engine; ``1``: the plain engine with
-the config's ZeRO stage) and the stage split. Without ``--model_name_or_path`` the bundled tiny
-MLLM trains on synthetic tensors of the dataset's real shapes.
+How it is launched and what the config's ``"dflop"`` block chooses: :mod:`dflop_ds.train.options`
+(whose docstring is also the training script's ``--help``).
 """
 
 from __future__ import annotations
