@@ -16,7 +16,7 @@ TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 # DeepSpeed's launcher and its JIT build (ninja) must be found on PATH.
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="$(TORCH_EXTENSIONS_DIR)"
 
-.PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-scale bench-e2e bench-dp validate-simulator bench-hf bench-trainer gpu-wheels gpu-check clean
+.PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-scale bench-e2e bench-dp validate-simulator bench-hf bench-trainer readme-figure gpu-wheels gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -51,6 +51,9 @@ bench-plan: setup
 
 bench-scale: setup
 	$(RUN) $(PY) benchmarks/bench_scale.py
+
+readme-figure: setup
+	$(RUN) $(PY) benchmarks/readme_figure.py
 
 bench-e2e: setup
 	$(RUN) $(PY) benchmarks/bench_e2e.py
