@@ -17,8 +17,8 @@ class LLMOnlyCost:
     """A cost model's predictions with the encoder column zeroed: what the sampler balances when
     the encoder's work is dispatched separately (the encoder costs the mean over ranks anyway)."""
 
-    #: the encoder's activations are on other ranks' devices than the balanced LLM's: no byte
-    #: count of this model is what a rank holds
+    #: a colocated encoder's activations live on the ranks its work is dispatched to, not with the
+    #: LLM work balanced here: no byte count of this model is what one device holds
     predicts_memory = False
 
     def __init__(self, cost_model: CostModel) -> None:

@@ -259,7 +259,8 @@ class GlobalBatchSampler:
         return np.asarray(self.cost_adjuster.adjust(version, costs, [self.shapes[i] for i in batch]), dtype=float)
 
     def _microbatch_cost(self, batch: np.ndarray, costs: np.ndarray | None = None):
-        """The cost model's collated-microbatch predictor over positions in ``batch``, if any.
+        """The cost model's collated-microbatch predictor over positions in ``batch`` (None when the
+        model is ``additive``: a microbatch costs the sum of its samples).
 
         With adjusted ``costs`` (from the cost adjuster) of the same columns, each column is
         scaled by the microbatch's adjusted / unadjusted cost ratio; if the adjuster changed the
