@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import profiled_cost_model  # noqa: E402
 from dflop_ds.config import DFLOPConfig, get_setting, set_settings  # noqa: E402
+from dflop_ds.cost import EngineScaled  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.jsonio import read_json_object  # noqa: E402
 from dflop_ds.launch import run_deepspeed  # noqa: E402
@@ -67,27 +68,6 @@ def train(config: dict, block: dict, out: Path, name: str, outputs: dict[str, Pa
         file.unlink(missing_ok=True)
         args += [option, file]
     run_deepspeed(ROOT / "examples" / "train.py", args, cwd=ROOT, check=True)
-
-
-class EngineScaled:
-    """A cost model seen through an engine profile: predictions times the in-engine multipliers,
-    the measured forward share; everything else the cost model's own."""
-
-    def __init__(self, cost_model: Any, engine: EngineProfile) -> None:
-        self.cost_model = cost_model
-        self.scale = np.asarray(engine.compute_scale, dtype=float)
-        self.forward_fraction = engine.forward_fraction
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.cost_model, name)
-
-    def predict_samples(self, shapes) -> np.ndarray:
-        """Per-sample ``[encoder, llm]`` in-engine seconds."""
-        return np.asarray(self.cost_model.predict_samples(shapes), dtype=float) * self.scale
-
-    def predict_microbatch(self, shapes) -> np.ndarray:
-        """A microbatch's ``[encoder, llm]`` in-engine seconds."""
-        return np.asarray(self.cost_model.predict_microbatch(shapes), dtype=float) * self.scale
 
 
 def read_traced_steps(trace: Path, summary: Path, skip: int) -> list[tuple[float, list]]:
@@ -141,7 +121,7 @@ def validate_colocated(
     config = read_json_object(args.colocated_config)
     block = config.pop("dflop")
     shapes = read_dataset(ROOT / (get_setting(block, "data") or "examples/data/mixture.jsonl"), TINY_POLICY)
-    scaled = EngineScaled(cost_model, engine)
+    scaled = EngineScaled(cost_model, engine.compute_scale, engine.forward_fraction)
     print("\nprofiling the plain engine: ZeRO-2, 2 ranks, stock sampler, local encoder ...", flush=True)
     profile = plain_run(
         config,

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from dflop_ds.config import DFLOPConfig, autotp_size
-from dflop_ds.cost import check_policy
+from dflop_ds.cost import LayeredCostModel, check_policy
 from dflop_ds.pipe.stage_bounds import StageBounds
 from dflop_ds.schedule.correction import CorrectionSettings
 from dflop_ds.shapes import ShapePolicy
@@ -276,11 +276,11 @@ def check_tensor_parallel(dflop: DFLOPConfig, tp: int, world_size: int, zero_sta
 def check_cost_model(cost_model: Any, *, encoder_layers: int, llm_layers: int, source: str = "cost model") -> None:
     """A cost model predicts the whole depth it was profiled on: refuse one whose recorded
     ``encoder_layers`` / ``llm_layers`` differ from the model being trained (naming both). A
-    cost model that records no depths (e.g. the proxy) passes."""
-    profiled_encoder = getattr(cost_model, "encoder_layers", None)
-    profiled_llm = getattr(cost_model, "llm_layers", None)
-    if profiled_encoder is None or profiled_llm is None:
+    cost model that records no depths (not a :class:`~dflop_ds.cost.LayeredCostModel`, e.g. the
+    proxy) passes."""
+    if not isinstance(cost_model, LayeredCostModel):
         return
+    profiled_encoder, profiled_llm = cost_model.encoder_layers, cost_model.llm_layers
     if (int(profiled_encoder), int(profiled_llm)) != (int(encoder_layers), int(llm_layers)):
         raise SetupError(
             f"{source} was profiled for {profiled_encoder} encoder and {profiled_llm} LLM layers, but the model has"

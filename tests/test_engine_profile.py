@@ -108,7 +108,7 @@ def test_file_round_trip_and_errors_name_the_file(tmp_path) -> None:
 
 
 class _FlatCost:
-    encoder_layers, llm_layers = 5, 5
+    encoder_layers, llm_layers, layer_shares = 5, 5, None
 
     def predict_microbatch(self, shapes):
         return np.array([0.001 * sum(s.encoder_tiles for s in shapes), 0.0001 * max(s.llm_tokens for s in shapes)])

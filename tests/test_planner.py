@@ -202,14 +202,20 @@ def test_reference_models_are_analytic_flop_counts() -> None:
 class _ContractOnly:
     """A cost model exposing only what docs/architecture.md requires of the planner's input."""
 
-    is_analytic = False
+    additive = per_stage = memory_per_device = is_analytic = False
+    predicts_memory = True
+    name = "_ContractOnly"
+    layer_shares = None
+    activation_checkpointing = tensor_parallel_layers = False
+    forward_fraction = 1.0 / 3.0
+    gpu_memory_bytes = None
 
     def __init__(self) -> None:
         inner = reference_model("llava-ov-7b-a100")
         self._inner = inner
         self.encoder_layers, self.llm_layers = inner.encoder_layers, inner.llm_layers
         self.param_bytes = inner.param_bytes
-        self.hidden_bytes_per_token = inner.hidden_bytes_per_token
+        self.hidden_bytes_per_token = self.encoder_hidden_bytes_per_token = inner.hidden_bytes_per_token
 
     def predict_samples(self, shapes):
         return self._inner.predict_samples(shapes)
@@ -217,11 +223,20 @@ class _ContractOnly:
     def predict_microbatch(self, shapes):
         return self._inner.predict_microbatch(shapes)
 
+    def predict_memory(self, shapes):
+        return self._inner.predict_memory(shapes)
+
     def predict_activation_bytes(self, shapes):
         return self._inner.predict_activation_bytes(shapes)
 
+    def predict_working_bytes(self, shapes):
+        return np.zeros(2)
+
 
 def test_search_needs_only_the_documented_cost_model_interface() -> None:
+    from dflop_ds.cost import PlannerCostModel
+
+    assert isinstance(_ContractOnly(), PlannerCostModel)
     plans = make_plans(_ContractOnly(), Cluster(gpus=8), POOL, 32, n_batches=1, top_k=2)
     assert plans.best_deepspeed.cost_model == {"name": "_ContractOnly", "is_analytic": False, "note": "measured"}
     assert plans.best_deepspeed.predicted["step_time_s"] > 0
@@ -240,7 +255,7 @@ def test_stage_shares_follow_the_models_layer_shares() -> None:
     np.testing.assert_allclose(stage_shares([0, 2, 4, 6], measured), [[0.8, 0.0], [0.2, 0.45], [0.0, 0.55]])
     assert layer_costs([10.0, 20.0], measured) == pytest.approx([4, 4, 2, 9, 9, 2])
     # without measured shares: encoder layers share equally, the projector is free
-    plain = SimpleNamespace(encoder_layers=2, llm_layers=2)
+    plain = SimpleNamespace(encoder_layers=2, llm_layers=2, layer_shares=None)
     np.testing.assert_allclose(np.concatenate(segment_layer_shares(plain)), [0.5, 0.5, 0.0, 0.5, 0.5])
     with pytest.raises(ValueError, match="layer_shares"):
         segment_layer_shares(SimpleNamespace(encoder_layers=3, llm_layers=3, layer_shares=measured.layer_shares))

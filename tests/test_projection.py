@@ -10,13 +10,12 @@ import numpy as np
 import pytest
 
 from dflop_ds.commands.main import main
-from dflop_ds.cost import FittedCostModel, reference_model, save_cost_model
+from dflop_ds.cost import FittedCostModel, PackedView, reference_model, save_cost_model
 from dflop_ds.data import read_dataset
 from dflop_ds.plan import Cluster
 from dflop_ds.plan.calibration import DOCUMENTED, load_calibration, save_calibration
 from dflop_ds.plan.projection import (
     METHODS,
-    PackedView,
     encoder_share,
     project_size,
     table_lines,

@@ -7,7 +7,7 @@ from typing import Any
 
 from dflop_ds.commands.data import add_read_arguments, policy_from_args, read_options
 from dflop_ds.config import plan_deepspeed_config, plan_reference, set_settings
-from dflop_ds.cost import check_policy, load_cost_model, reference_names
+from dflop_ds.cost import PlannerCostModel, check_policy, load_cost_model, reference_names
 from dflop_ds.data import read_dataset
 from dflop_ds.jsonio import write_json
 from dflop_ds.paths import check_writable
@@ -18,10 +18,22 @@ from dflop_ds.plan.planner import cluster_of, has_tensor_parallel_layers, make_p
 from dflop_ds.plan.search import PlanError
 
 
-def _read_shapes(args: argparse.Namespace, model: Any) -> list:
+def load_planner_model(spec: str) -> PlannerCostModel:
+    """The cost model ``spec`` names (a file or a reference name), refused unless the planner can
+    search with it (a :class:`~dflop_ds.cost.PlannerCostModel`: a profiled or reference model)."""
+    model = load_cost_model(spec)
+    if not isinstance(model, PlannerCostModel):
+        raise ValueError(
+            f"{spec}: a {type(model).__name__} cannot be planned with (it records no layer depths or"
+            " parameter bytes); give a profiled model (dflop-ds profile model) or a reference name"
+        )
+    return model
+
+
+def _read_shapes(args: argparse.Namespace, model: PlannerCostModel) -> list:
     """The shapes of ``args.data`` under the flags' policy, after checking ``model`` was made for it."""
     policy = policy_from_args(args)
-    if not getattr(model, "is_analytic", False):
+    if not model.is_analytic:
         check_policy(model, policy, source=args.cost_model)
     shapes = list(read_dataset(args.data, policy, **read_options(args)))
     if not shapes:
@@ -70,7 +82,7 @@ def hf_model_has_tp_plan(model_name_or_path: str) -> bool:
     return any(bool(plan) for plan in plans)
 
 
-def tensor_parallel_layers(args: argparse.Namespace, model: Any) -> bool:
+def tensor_parallel_layers(args: argparse.Namespace, model: PlannerCostModel) -> bool:
     """Whether the model to train has tensor-parallel layers: a HuggingFace model's config says
     (``--model_name_or_path``), else the cost model does (the bundled tiny model has none)."""
     if args.model_name_or_path is not None:
@@ -78,14 +90,14 @@ def tensor_parallel_layers(args: argparse.Namespace, model: Any) -> bool:
     return has_tensor_parallel_layers(model)
 
 
-def training_precision(args: argparse.Namespace, model: Any) -> str:
+def training_precision(args: argparse.Namespace, model: PlannerCostModel) -> str:
     """``--precision``, by default ``bf16`` for an analytic cost model (it counts bf16 bytes) and
     ``fp32`` for a measured one (profiled in fp32 here).
 
     Raises:
         PlanError: a 16-bit precision for the bundled tiny model, which trains in fp32 only.
     """
-    analytic = bool(getattr(model, "is_analytic", False))
+    analytic = bool(model.is_analytic)
     precision = args.precision or ("bf16" if analytic else "fp32")
     if precision != "fp32" and not analytic and args.model_name_or_path is None:
         raise PlanError(
@@ -100,10 +112,8 @@ def run_plan(args: argparse.Namespace) -> int:
     check_writable(args.output, "plan -o")
     if args.deepspeed_config is not None:
         check_writable(args.deepspeed_config, "plan --deepspeed-config")
-    model = load_cost_model(args.cost_model)
-    memory = (
-        args.gpu_memory_gb * 1e9 if args.gpu_memory_gb else getattr(getattr(model, "gpu", None), "memory_bytes", 80e9)
-    )
+    model = load_planner_model(args.cost_model)
+    memory = args.gpu_memory_gb * 1e9 if args.gpu_memory_gb else model.gpu_memory_bytes or 80e9
     cluster = Cluster(
         gpus=args.gpus,
         gpus_per_node=args.gpus_per_node,
@@ -125,7 +135,7 @@ def run_plan(args: argparse.Namespace) -> int:
         tensor_parallel_layers=tensor_parallel_layers(args, model),
     )
     r = plans.result
-    if getattr(model, "is_analytic", False):
+    if model.is_analytic:
         print(
             f"cost model {plans.best.cost_model['name']}: "
             "ANALYTIC (FLOP counts and an assumed throughput), not measured"
@@ -160,7 +170,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     """``dflop-ds simulate``: Gantt chart of a plan and of its monolithic baseline on sampled batches."""
     check_writable(args.png, "simulate --png")
     plan = Plan.load(args.plan)
-    model = load_cost_model(args.cost_model)
+    model = load_planner_model(args.cost_model)
     cluster = cluster_of(plan)
     shapes = _read_shapes(args, model)
     panels: list[tuple[str, Any]] = []
@@ -178,7 +188,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             f"bubble {worst.sim.bubble_fraction:.1%}, peak memory {worst.memory.max() / 1e9:.1f} GB"
         )
         panels.append((f"{title} {layout.describe()}", worst.sim))
-    if getattr(model, "is_analytic", False):
+    if model.is_analytic:
         print("times come from an ANALYTIC cost model (not measured)")
     plot_gantt(panels, args.png)
     print(f"wrote {args.png}")

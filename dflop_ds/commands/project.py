@@ -15,8 +15,13 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from dflop_ds.commands.plan import _common, _read_shapes, tensor_parallel_layers, training_precision
-from dflop_ds.cost import load_cost_model
+from dflop_ds.commands.plan import (
+    _common,
+    _read_shapes,
+    load_planner_model,
+    tensor_parallel_layers,
+    training_precision,
+)
 from dflop_ds.paths import check_writable
 from dflop_ds.plan.calibration import load_calibration
 from dflop_ds.plan.cluster import PRECISIONS, ZERO_SHARDED, Cluster
@@ -58,11 +63,9 @@ def run_project(args: argparse.Namespace) -> int:
     if min(args.gpus) < 1 or args.batch_per_gpu < 1 or args.batches < 1:
         raise ValueError("--gpus, --batch-per-gpu and --batches must be positive")
     calibration = load_calibration(args.calibration)
-    model = load_cost_model(args.cost_model)
+    model = load_planner_model(args.cost_model)
     shapes = _read_shapes(args, model)
-    memory = (
-        args.gpu_memory_gb * 1e9 if args.gpu_memory_gb else getattr(getattr(model, "gpu", None), "memory_bytes", 80e9)
-    )
+    memory = args.gpu_memory_gb * 1e9 if args.gpu_memory_gb else model.gpu_memory_bytes or 80e9
     cluster = Cluster(
         gpus=1,
         gpus_per_node=args.gpus_per_node,

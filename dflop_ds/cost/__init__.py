@@ -1,13 +1,17 @@
 """dflop_ds.cost: cost models: one protocol, its implementations and one file format.
 
-* :class:`CostModel`: the protocol (per-sample and microbatch ``[encoder, llm]`` cost, memory).
+* :class:`CostModel`: the protocol (per-sample and microbatch ``[encoder, llm]`` cost, memory,
+  and the declared capabilities); :class:`LayeredCostModel` (depths, layer shares) and
+  :class:`PlannerCostModel` (what the planner reads) extend it, :class:`CostWrapper` wraps one.
 * :class:`FittedCostModel`: monotone regressors fitted on a profiler's :class:`ModelProfile`.
 * :class:`AnalyticMLLM`: FLOP-count models of real MLLMs on real GPUs (:func:`reference_model`).
 * :class:`ProxyCost`: the unitless fallback when nothing was profiled.
 * :class:`PackedCost`: any of them for packed microbatches (additive plus one overhead).
 * :class:`LLMOnlyCost`: any of them with the encoder column zeroed (a colocated encoder).
 * :class:`StageCost`: any of them per pipeline stage.
-* :func:`sampler_cost_model`: the one chain of these wrappers a sampler balances with.
+* :func:`sampler_cost_model`: the one chain of these wrappers a sampler balances with;
+  :func:`memory_blind_model`: the model of a chain that predicts no memory.
+* :class:`PackedView`, :class:`EncoderScaled`, :class:`EngineScaled`: the planner's views of a model.
 * :func:`save_cost_model` / :func:`load_cost_model`: the one versioned JSON format.
 """
 
@@ -23,25 +27,34 @@ from dflop_ds.cost.io import (
 from dflop_ds.cost.llm_only import LLMOnlyCost
 from dflop_ds.cost.measurements import Measurement, ModelProfile
 from dflop_ds.cost.packed import PackedCost
-from dflop_ds.cost.protocol import CostModel
+from dflop_ds.cost.protocol import CostModel, CostWrapper, LayeredCostModel, PlannerCostModel
 from dflop_ds.cost.proxy import ProxyCost
 from dflop_ds.cost.stage import StageCost
-from dflop_ds.cost.wrappers import sampler_cost_model
+from dflop_ds.cost.views import EncoderScaled, EngineScaled, PackedView, PlannerView
+from dflop_ds.cost.wrappers import memory_blind_model, sampler_cost_model
 
 __all__ = [
     "AnalyticMLLM",
     "CostModel",
+    "CostWrapper",
+    "EncoderScaled",
+    "EngineScaled",
     "FittedCostModel",
+    "LayeredCostModel",
     "LLMOnlyCost",
     "Measurement",
     "ModelProfile",
     "PackedCost",
+    "PackedView",
+    "PlannerCostModel",
+    "PlannerView",
     "ProxyCost",
     "StageCost",
     "check_policy",
     "cost_model_from_dict",
     "cost_model_to_dict",
     "load_cost_model",
+    "memory_blind_model",
     "reusable_fitted_model",
     "reference_model",
     "reference_names",

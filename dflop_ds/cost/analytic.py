@@ -106,6 +106,11 @@ class AnalyticMLLM:
     """
 
     kind: ClassVar[str] = "analytic"
+    # capabilities (:class:`~dflop_ds.cost.CostModel`): padded whole-model seconds and bytes from formulas
+    additive = False
+    per_stage = False
+    memory_per_device = False
+    predicts_memory = True
     encoder: TransformerSpec
     llm: TransformerSpec
     gpu: GPUSpec
@@ -144,6 +149,16 @@ class AnalyticMLLM:
     def encoder_layers(self) -> int:
         """Encoder depth the predictions refer to."""
         return self.encoder.layers
+
+    @property
+    def forward_fraction(self) -> float:
+        """The forward's share of forward+backward FLOPs: 1/3, or 1/4 with recompute."""
+        return 0.25 if self.activation_checkpointing else 1.0 / 3.0
+
+    @property
+    def gpu_memory_bytes(self) -> float:
+        """The modelled GPU's memory."""
+        return self.gpu.memory_bytes
 
     @property
     def llm_layers(self) -> int:

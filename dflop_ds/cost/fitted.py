@@ -59,15 +59,36 @@ class FittedCostModel:
 
     Fitted attributes: ``encoder_time_``, ``llm_time_`` (list of fits summed),
     ``encoder_bytes_``, ``llm_bytes_``, ``encoder_peak_``, ``llm_peak_`` (``None`` when peak
-    memory was not measured), ``profile_``. Planner attributes: ``encoder_layers``,
-    ``llm_layers``, ``param_bytes``, ``hidden_bytes_per_token``, ``layer_shares`` (measured
-    share of each layer in its segment's time, or ``None``), ``is_analytic`` (False).
+    memory was not measured), ``profile_``. Planner attributes (a
+    :class:`~dflop_ds.cost.PlannerCostModel` once fitted): ``encoder_layers``, ``llm_layers``,
+    ``param_bytes``, ``hidden_bytes_per_token``, ``layer_shares`` (measured share of each layer
+    in its segment's time, or ``None``), and the capabilities declared below.
     ``shape_policy``: :meth:`ShapePolicy.describe` of the policy the shapes it predicts for
     must be made under (``None`` when unknown); see :func:`check_policy`.
     """
 
     kind = "fitted"
+    # capabilities (:class:`~dflop_ds.cost.CostModel`): a padded, measured, whole-model prediction
+    additive = False
+    per_stage = False
+    memory_per_device = False
+    predicts_memory = True
     is_analytic = False
+    # what the planner reads of a profiled model beyond its profile (:class:`~dflop_ds.cost.PlannerCostModel`)
+    #: the profiler measures layers without recompute
+    activation_checkpointing = False
+    #: the profiled model is not known to have layers AutoTP shards
+    tensor_parallel_layers = False
+    #: forward FLOPs are a third of forward+backward without recompute
+    forward_fraction = 1.0 / 3.0
+    #: the profile does not record the GPU's memory
+    gpu_memory_bytes: float | None = None
+    # set by fit / from_dict (:meth:`_set_planner_attributes`)
+    encoder_layers: int
+    llm_layers: int
+    param_bytes: dict[str, int]
+    hidden_bytes_per_token: float
+    layer_shares: dict[str, list[float]] | None
 
     def __init__(
         self,
@@ -131,6 +152,17 @@ class FittedCostModel:
         self.param_bytes = dict(profile.param_bytes)
         self.hidden_bytes_per_token = profile.hidden_bytes_per_token
         self.layer_shares = profile.layer_shares
+
+    @property
+    def name(self) -> str:
+        """Label in plans and printouts: the class name."""
+        return type(self).__name__
+
+    @property
+    def encoder_hidden_bytes_per_token(self) -> float:
+        """Bytes sent between encoder stages per encoder token: the profile records one hidden size,
+        the LLM's (:attr:`hidden_bytes_per_token`)."""
+        return self.hidden_bytes_per_token
 
     def _check_fitted(self) -> None:
         if not hasattr(self, "encoder_time_"):
@@ -206,6 +238,11 @@ class FittedCostModel:
                 self.llm_bytes_.predict({"B": [batch], "S": [longest]})[0],
             ]
         )
+
+    def predict_working_bytes(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """``(2,)`` zeros: a profiled model's transient bytes are not apart from its kept ones (the
+        measured peak of :meth:`predict_memory` holds them)."""
+        return np.zeros(2)
 
     def predict_memory(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """``(2,)`` peak bytes above the parameters while one microbatch runs forward+backward.

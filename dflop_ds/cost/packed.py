@@ -19,20 +19,18 @@ from typing import Any
 
 import numpy as np
 
+from dflop_ds.cost.protocol import CostModel
 from dflop_ds.shapes import SampleShape
 
 #: one tile and one token: the smallest sample whose doubling isolates the per-microbatch constant
 _PROBE = SampleShape("packing-overhead-probe", encoder_tiles=1, llm_tokens=1, text_tokens=1)
 
 
-def microbatch_overhead(cost_model: Any) -> np.ndarray:
+def microbatch_overhead(cost_model: CostModel) -> np.ndarray:
     """``(k,)`` per-microbatch constant of ``cost_model``: two one-sample microbatches minus one of
-    both samples (no padding between equal samples), clamped at 0; zero without ``predict_microbatch``."""
+    both samples (no padding between equal samples), clamped at 0."""
     single = np.asarray(cost_model.predict_samples([_PROBE]), dtype=float).reshape(-1)
-    predict = getattr(cost_model, "predict_microbatch", None)
-    if predict is None:
-        return np.zeros_like(single)
-    return _constant(single, predict)
+    return _constant(single, cost_model.predict_microbatch)
 
 
 def _constant(single: np.ndarray, predict: Any) -> np.ndarray:
@@ -48,10 +46,16 @@ class PackedCost:
     """
 
     kind = "packed"
+    #: every microbatch carries the same overhead: the partitioner's objective is the sum
     additive = True
 
-    def __init__(self, cost_model: Any) -> None:
+    def __init__(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model
+        # the wrapped model's columns and memory, packed
+        self.per_stage = cost_model.per_stage
+        self.memory_per_device = cost_model.memory_per_device
+        self.predicts_memory = cost_model.predicts_memory
+        self.is_analytic = cost_model.is_analytic
 
     @cached_property
     def overhead_(self) -> np.ndarray:

@@ -31,8 +31,8 @@ class ProxyCost:
     """Per-sample costs ``[tile_cost * encoder_tiles, llm_tokens + llm_tokens**2 / attention_span]``.
 
     Both columns are in the same unit (the linear cost of one LLM token), so that balancing the
-    worse of the two, as the partitioner does, is meaningful. It has the prediction interface of
-    :class:`dflop_ds.profile.CostModel`, so the sampler runs before any profiling; profile the
+    worse of the two, as the partitioner does, is meaningful. It is a
+    :class:`~dflop_ds.cost.CostModel`, so the sampler runs before any profiling; profile the
     model for real predictions.
 
     Args:
@@ -46,6 +46,13 @@ class ProxyCost:
     """
 
     kind = "proxy"
+    # capabilities (:class:`~dflop_ds.cost.CostModel`): padded whole-model costs and analytic bytes;
+    # unitless, neither measured nor analytic seconds, so nothing a plan reports as analytic
+    additive = False
+    per_stage = False
+    memory_per_device = False
+    predicts_memory = True
+    is_analytic = False
 
     def __init__(
         self,

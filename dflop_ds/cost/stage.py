@@ -14,10 +14,10 @@ of its share (:func:`stage_memory_caps`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
+from dflop_ds.cost.protocol import CostModel
 from dflop_ds.shapes import SampleShape
 
 
@@ -56,12 +56,15 @@ class StageCost:
     #: each of them, not their sum (:func:`dflop_ds.schedule.memory.microbatch_bytes`)
     memory_per_device = True
 
-    def __init__(self, cost_model: Any, shares: np.ndarray, microbatches: int | None = None) -> None:
+    def __init__(self, cost_model: CostModel, shares: np.ndarray, microbatches: int | None = None) -> None:
         self.cost_model = cost_model
         self.shares = np.asarray(shares, dtype=float)
         if self.shares.ndim != 2:
             raise ValueError(f"stage shares must be (num_stages, columns), got shape {self.shares.shape}")
-        self.additive = bool(getattr(cost_model, "additive", False))
+        # a linear map of the wrapped model's columns: its additivity and memory carry over
+        self.additive = cost_model.additive
+        self.predicts_memory = cost_model.predicts_memory
+        self.is_analytic = cost_model.is_analytic
         self.in_flight = in_flight_microbatches(len(self.shares), microbatches)
 
     def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray:

@@ -1,5 +1,6 @@
 """Which wrappers a cost model gets before a sampler balances with it, and in what order: the one
-place that decides it (the training loop and the benchmarks call :func:`sampler_cost_model`).
+place that decides it (the training loop and the benchmarks call :func:`sampler_cost_model`), and which model of a chain
+predicts no memory (:func:`memory_blind_model`).
 
 The chain, innermost first:
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from dflop_ds.cost.llm_only import LLMOnlyCost
 from dflop_ds.cost.packed import PackedCost
+from dflop_ds.cost.protocol import CostModel, CostWrapper
 from dflop_ds.cost.proxy import ProxyCost
 from dflop_ds.cost.stage import StageCost
 
@@ -50,3 +52,16 @@ def sampler_cost_model(
     if stage_shares is not None and profiled is not None and not colocated and not corrected:
         model = StageCost(model, stage_shares(), microbatches=microbatches)
     return model
+
+
+def memory_blind_model(cost_model: CostModel) -> CostModel | None:
+    """The model of ``cost_model``'s chain (itself and the models it wraps, ``.cost_model``) that
+    makes it predict no memory: the innermost one without ``predicts_memory`` whose inner model has
+    it (e.g. the :class:`~dflop_ds.cost.LLMOnlyCost` in a :class:`~dflop_ds.cost.PackedCost`);
+    None when the chain predicts memory."""
+    blind = None
+    model: CostModel | None = cost_model
+    while model is not None and not model.predicts_memory:
+        blind = model
+        model = model.cost_model if isinstance(model, CostWrapper) else None
+    return blind

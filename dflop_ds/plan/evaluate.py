@@ -67,11 +67,9 @@ class Evaluation:
 
 
 def forward_fraction(model: Any) -> float:
-    """Share of forward+backward time spent in the forward: 1/3, or 1/4 with recompute."""
-    explicit = getattr(model, "forward_fraction", None)
-    if explicit is not None:
-        return float(explicit)
-    return 0.25 if getattr(model, "activation_checkpointing", False) else 1.0 / 3.0
+    """Share of forward+backward time spent in the forward: the model's ``forward_fraction``
+    (1/3, or 1/4 with recompute; an engine profile's measured share)."""
+    return float(model.forward_fraction)
 
 
 def _greedy_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
@@ -138,11 +136,8 @@ def _stats(
     known = {} if known is None else known
     time = np.array([microbatch_seconds(model, shapes, idx, known) for idx in flat]).reshape(R, m, 2)
     act = np.array([model.predict_activation_bytes(g) for g in groups], dtype=float).reshape(R, m, 2)
-    if hasattr(model, "predict_working_bytes"):
-        work = np.array([model.predict_working_bytes(g) for g in groups], dtype=float).reshape(R, m, 2)
-    else:
-        work = np.zeros((R, m, 2))
-    enc_hbpt = float(getattr(model, "encoder_hidden_bytes_per_token", model.hidden_bytes_per_token))
+    work = np.array([model.predict_working_bytes(g) for g in groups], dtype=float).reshape(R, m, 2)
+    enc_hbpt = float(model.encoder_hidden_bytes_per_token)
     llm_hbpt = float(model.hidden_bytes_per_token)
     sizes = np.array([len(idx) for idx in flat], dtype=np.int64)
     items = np.concatenate([np.asarray(idx, dtype=np.int64) for idx in flat])

@@ -39,9 +39,9 @@ class PlanSet:
 
 def describe_cost_model(model: Any) -> dict[str, Any]:
     """Name and provenance of a cost model for plan files and printouts."""
-    analytic = bool(getattr(model, "is_analytic", False))
+    analytic = bool(model.is_analytic)
     return {
-        "name": str(getattr(model, "name", type(model).__name__)),
+        "name": str(model.name),
         "is_analytic": analytic,
         "note": "analytic: FLOP counts and stated throughput, not measured" if analytic else "measured",
     }
@@ -67,7 +67,7 @@ def _plan(model: Any, cluster: Cluster, global_batch: int, scored: Scored, resul
         "best_step_time_s": result.best.step_time,
         "sampled_batches": len(scored.step_times),
         "search_s": result.seconds,
-        "is_analytic": bool(getattr(model, "is_analytic", False)),
+        "is_analytic": bool(model.is_analytic),
     }
     return Plan.from_layout(
         scored.layout,
@@ -81,15 +81,15 @@ def _plan(model: Any, cluster: Cluster, global_batch: int, scored: Scored, resul
         cost_model=describe_cost_model(model),
         zero_stage=cluster.zero_stage,
         precision=cluster.precision,
-        activation_checkpointing=bool(getattr(model, "activation_checkpointing", False)),
+        activation_checkpointing=bool(model.activation_checkpointing),
         memory_cap_bytes=activation_budget(scored, cluster) or None,
     )
 
 
 def has_tensor_parallel_layers(model: Any) -> bool:
     """Whether the cost model's model has layers DeepSpeed AutoTP can shard (its
-    ``tensor_parallel_layers``; False when it does not say, e.g. the bundled tiny model's)."""
-    return bool(getattr(model, "tensor_parallel_layers", False))
+    ``tensor_parallel_layers``; False for a profiled model, e.g. the bundled tiny model's)."""
+    return bool(model.tensor_parallel_layers)
 
 
 def cluster_for_model(cluster: Cluster, tensor_parallel_layers: bool) -> Cluster:

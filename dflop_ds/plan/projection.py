@@ -4,7 +4,7 @@ For every cluster size, each method runs on the best plan the planner finds for 
 is simulated (1F1B, :func:`~dflop_ds.plan.planner.simulate_layout`) on the same sampled global
 batches of ``batch_per_gpu * GPUs`` samples:
 
-- ``dflop``: dflop-ds as it trains by default: packed microbatches (:class:`PackedView`), the
+- ``dflop``: dflop-ds as it trains by default: packed microbatches (:class:`~dflop_ds.cost.PackedView`), the
   planner's best plan of any family (cost-balanced stage split, or the colocated encoder);
 - the baselines (:data:`METHODS`), each with its registered splitter and padded or packed as its
   users run it (stock DeepSpeed / the HF Trainer, LLaVA's and transformers' ``batch_rebalance``
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from dflop_ds.cost import PackedCost
+from dflop_ds.cost import EncoderScaled, PackedView
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.layout import Layout
 from dflop_ds.plan.planner import cluster_for_model, has_tensor_parallel_layers, simulate_layout
@@ -55,71 +55,6 @@ METHODS = (
 BASELINES = tuple(m for m in METHODS if m.name != "dflop")
 #: the families whose layouts a baseline may run: one pipeline, the encoder in it
 SHARED_FAMILIES = ("monolithic", "deepspeed")
-
-
-class CostModelView:
-    """A cost model seen differently: what a subclass does not override is the wrapped model's."""
-
-    def __init__(self, base: Any) -> None:
-        self.base = base
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "base":  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.base, name)
-
-
-class PackedView(CostModelView):
-    """``base`` for packed microbatches: time from :class:`~dflop_ds.cost.PackedCost`, kept and
-    working bytes (where the base predicts them) the sum of the samples' (no padding)."""
-
-    def __init__(self, base: Any) -> None:
-        super().__init__(base)
-        self.packed = PackedCost(base)
-
-    def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray:
-        """Marginal ``[encoder, llm]`` seconds of each sample in a packed microbatch."""
-        return self.packed.predict_samples(shapes)
-
-    def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
-        """Seconds of one packed microbatch."""
-        return self.packed.predict_microbatch(shapes)
-
-    def predict_activation_bytes(self, shapes: Sequence[SampleShape]) -> np.ndarray:
-        """Kept bytes of a packed microbatch: its samples' own."""
-        return _summed(self.base.predict_activation_bytes, shapes)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "predict_working_bytes":  # only where the base predicts them (the planner asks hasattr)
-            predict = getattr(self.base, name)
-            return lambda shapes: _summed(predict, shapes)  # a packed microbatch's: its samples' own
-        return super().__getattr__(name)
-
-
-def _summed(predict: Any, shapes: Sequence[SampleShape]) -> np.ndarray:
-    return np.sum([np.asarray(predict([s]), dtype=float) for s in shapes], axis=0) if shapes else np.zeros(2)
-
-
-class EncoderScaled(CostModelView):
-    """``base`` with its encoder seconds multiplied by ``factor`` (memory unchanged)."""
-
-    def __init__(self, base: Any, factor: float) -> None:
-        super().__init__(base)
-        self.factor = float(factor)
-        self.name = f"{getattr(base, 'name', type(base).__name__)} (encoder time x{self.factor:.3g})"
-
-    def _scale(self, costs: Any) -> np.ndarray:
-        out = np.array(costs, dtype=float)
-        out[..., 0] *= self.factor
-        return out
-
-    def predict_samples(self, shapes: Sequence[SampleShape]) -> np.ndarray:
-        """The base's ``[encoder, llm]`` seconds, the encoder's scaled."""
-        return self._scale(self.base.predict_samples(shapes))
-
-    def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
-        """The base's microbatch seconds, the encoder's scaled."""
-        return self._scale(self.base.predict_microbatch(shapes))
 
 
 def encoder_share(model: Any, shapes: Sequence[SampleShape]) -> float:
@@ -301,7 +236,7 @@ def project(
 ) -> list[SizeProjection]:
     """:func:`project_size` at every count of ``gpu_counts``, global batch ``batch_per_gpu * GPUs``;
     ``cluster`` gives the other cluster settings (GPUs per node, memory, ZeRO stage, precision)."""
-    base = cluster or Cluster(gpus=1, gpu_memory_bytes=getattr(getattr(model, "gpu", None), "memory_bytes", 80e9))
+    base = cluster or Cluster(gpus=1, gpu_memory_bytes=model.gpu_memory_bytes or 80e9)
     return [
         project_size(model, replace(base, gpus=gpus), shapes, batch_per_gpu * gpus, **options) for gpus in gpu_counts
     ]

@@ -26,7 +26,7 @@ def segment_layer_shares(model: Any) -> tuple[np.ndarray, np.ndarray]:
     equally and the projector counts as free.
     """
     n_enc, n_llm = int(model.encoder_layers), int(model.llm_layers)
-    shares = getattr(model, "layer_shares", None)
+    shares = model.layer_shares
     if shares:
         encoder, llm = np.asarray(shares["encoder"], dtype=float), np.asarray(shares["llm"], dtype=float)
         if encoder.shape != (n_enc + 1,) or llm.shape != (n_llm,):

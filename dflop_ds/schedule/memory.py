@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from dflop_ds.cost import memory_blind_model
 from dflop_ds.shapes import SampleShape
 
 logger = logging.getLogger(__name__)
@@ -32,16 +33,6 @@ NAMED = 5
 
 class OversizeSampleError(ValueError):
     """A sample needs more memory alone than the cap allows any microbatch."""
-
-
-def memory_blind_model(cost_model: Any) -> Any:
-    """The first of ``cost_model`` and the models it wraps (``.cost_model``, e.g. a
-    :class:`~dflop_ds.cost.PackedCost`'s) without ``predict_memory``, or None when all predict memory."""
-    while cost_model is not None:
-        if not hasattr(cost_model, "predict_memory"):
-            return cost_model
-        cost_model = getattr(cost_model, "cost_model", None)
-    return None
 
 
 def memory_predictor(cost_model: Any) -> Any:
@@ -58,7 +49,7 @@ def microbatch_bytes(cost_model: Any, shapes: Sequence[SampleShape]) -> float:
     """Predicted bytes of one microbatch of ``shapes`` against the cap: the sum of its memory
     columns, or their largest when ``cost_model.memory_per_device`` (columns on different devices)."""
     columns = np.asarray(memory_predictor(cost_model)(list(shapes)), dtype=float)
-    return float(columns.max(initial=0.0) if getattr(cost_model, "memory_per_device", False) else columns.sum())
+    return float(columns.max(initial=0.0) if cost_model.memory_per_device else columns.sum())
 
 
 def sample_bytes(cost_model: Any, shapes: Sequence[SampleShape]) -> np.ndarray:

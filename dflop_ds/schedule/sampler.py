@@ -172,7 +172,7 @@ class GlobalBatchSampler:
         self.label_tokens = np.array([count(s) for s in self.shapes], dtype=np.int64)
         self.lengths = np.array([s.llm_tokens for s in self.shapes], dtype=float)
         #: packed microbatches cost the sum of their samples: no padding-aware microbatch cost
-        self.additive = bool(getattr(cost_model, "additive", False))
+        self.additive = bool(cost_model.additive)
         self.cost_adjuster = cost_adjuster
         self.drop_last = bool(drop_last)
         self.schedule_timeout_s = None if schedule_timeout_s is None else float(schedule_timeout_s)
@@ -259,15 +259,16 @@ class GlobalBatchSampler:
         return np.asarray(self.cost_adjuster.adjust(version, costs, [self.shapes[i] for i in batch]), dtype=float)
 
     def _microbatch_cost(self, batch: np.ndarray, costs: np.ndarray | None = None):
-        """The cost model's collated-microbatch predictor over positions in ``batch``, if any.
+        """The cost model's collated-microbatch predictor over positions in ``batch`` (None when the
+        model is ``additive``: a microbatch costs the sum of its samples).
 
         With adjusted ``costs`` (from the cost adjuster) of the same columns, each column is
         scaled by the microbatch's adjusted / unadjusted cost ratio; if the adjuster changed the
         cost columns (``replaces_columns``), a microbatch costs the sum of its samples' adjusted
         costs (None).
         """
-        predict = getattr(self.cost_model, "predict_microbatch", None)
-        if predict is None or self.additive:
+        predict = self.cost_model.predict_microbatch
+        if self.additive:
             return None
         shapes = [self.shapes[i] for i in batch]
         if costs is None or self.cost_adjuster is None:

@@ -263,7 +263,7 @@ class RuntimeTracker:
     def _stage_space(self, step: int) -> bool:
         """Whether the step's batch was scheduled on per-stage costs: corrected seconds, or a cost
         model predicting per stage (``per_stage``)."""
-        if getattr(getattr(self.sampler, "cost_model", None), "per_stage", False):
+        if self.sampler is not None and self.sampler.cost_model.per_stage:
             return True
         if self.correction is None:
             return False

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dflop_ds.config import DFLOPConfig
-from dflop_ds.cost import ProxyCost, sampler_cost_model
+from dflop_ds.cost import ProxyCost, memory_blind_model, sampler_cost_model
 from dflop_ds.cost.stage import stage_memory_caps
 from dflop_ds.launch import finish_rank, release_shm_buffer_once_mapped, share_cpu_threads
 from dflop_ds.loader import make_loader
@@ -28,7 +28,6 @@ from dflop_ds.models.source import ModelSource, tiny_source
 from dflop_ds.paths import check_writable, check_writable_folder
 from dflop_ds.plan import Plan
 from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares
-from dflop_ds.schedule.memory import memory_blind_model
 from dflop_ds.schedule.sampler import make_sampler
 from dflop_ds.setup_checks import check_cost_model_fits, check_training_setup
 from dflop_ds.telemetry.record import batch_tokens, throughput
@@ -64,7 +63,7 @@ def sampler_memory_cap(cap: MemoryCap, sampler_cost: Any, num_stages: int, micro
     that predicts per stage (:class:`StageCost`: each stage's share times its microbatches in
     flight) or for one stage; otherwise whole-model bytes against the smallest per-stage cap
     (:func:`~dflop_ds.cost.stage.stage_memory_caps`), which bounds every stage's share."""
-    if cap.bytes is None or num_stages == 1 or getattr(sampler_cost, "memory_per_device", False):
+    if cap.bytes is None or num_stages == 1 or sampler_cost.memory_per_device:
         return cap.bytes
     return float(stage_memory_caps(cap.bytes, num_stages, microbatches).min())
 

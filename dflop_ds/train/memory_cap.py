@@ -144,7 +144,7 @@ def resolve_memory_cap(
     put it there) or the config's, ``"off"`` none, ``"auto"`` ``device_default()`` for the DFLOP
     sampler and none for the others (they cut microbatches whatever their memory) or when the
     sampler's cost model includes ``memory_blind``, a model that predicts no memory
-    (:func:`~dflop_ds.schedule.memory.memory_blind_model`; a number is refused for it, by the sampler)."""
+    (:func:`~dflop_ds.cost.memory_blind_model`; a number is refused for it, by the sampler)."""
     if setting == OFF:
         return MemoryCap(None, "off")
     if setting == AUTO and sampler != "dflop":

@@ -98,7 +98,7 @@ class BatchStats:
 
 def encoder_feature_bytes(model: Any, shapes: Sequence[SampleShape]) -> float:
     """Bytes of the encoder features of ``shapes``: visual tokens x the encoder's hidden bytes per token."""
-    per_token = float(getattr(model, "encoder_hidden_bytes_per_token", model.hidden_bytes_per_token))
+    per_token = float(model.encoder_hidden_bytes_per_token)
     return per_token * sum(s.visual_tokens for s in shapes)
 
 
@@ -106,10 +106,7 @@ def batch_stats(model: Any, pool: Sequence[SampleShape], costs: np.ndarray, batc
     """The :class:`BatchStats` of ``batches`` (indices into ``pool``, per-sample ``costs``)."""
     used = np.unique(np.concatenate(batches))
     act = np.array([model.predict_activation_bytes([pool[i]]) for i in used])
-    if hasattr(model, "predict_working_bytes"):
-        work = np.array([model.predict_working_bytes([pool[i]]) for i in used]).max(axis=0)
-    else:
-        work = np.zeros(2)
+    work = np.array([model.predict_working_bytes([pool[i]]) for i in used]).max(axis=0)
     return BatchStats(
         batch=len(batches[0]),
         work=np.mean([costs[b].sum(axis=0) for b in batches], axis=0),
