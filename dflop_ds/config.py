@@ -11,8 +11,8 @@ or where keys of two sections would clash, the name :func:`setting` gives (``sam
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -495,7 +495,7 @@ def fill_from_plan(
             **(config.get(key) or {}),
             **{k: planned[key][k] for k in ("stage", "enabled") if k in planned[key]},
         }
-    filled = json.loads(json.dumps(block))
+    filled = copy.deepcopy(block)
     unset = {key: value for key, value in settings.items() if get_setting(block, key) is None}
     cap = settings.get("memory_cap_bytes")
     if cap is not None and get_setting(block, "memory_cap_bytes") in (None, AUTO):
