@@ -257,7 +257,7 @@ class DFLOPConfig:
         too, naming its new path) and a bad value name the key at fault by its full path; a
         ``ValueError`` starts with ``source``."""
         values = _flatten(block, source)
-        raw = {name: values.get(name, default) for name, default in _DEFAULTS.items()}
+        raw = {name: values[name] if name in values else copy.deepcopy(default) for name, default in _DEFAULTS.items()}
         _check_values(raw, source)
         path = cls.path
         correction = CorrectionSettings.from_dict(raw["correction"], f"{source}: {path('correction')}")

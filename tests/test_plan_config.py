@@ -261,8 +261,8 @@ for path in [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]:
     config = json.loads(open(path).read())
     settings = DFLOPConfig.from_dict(config.pop("dflop"))
     try:
-        trainer = build_engine(*tiny_mllm_layers(seed=0), config, pipeline_stages=settings.pipeline_stages,
-                               activation_checkpoint_interval=int(settings.activation_checkpointing))
+        trainer = build_engine(*tiny_mllm_layers(seed=0), config, pipeline_stages=settings.plan.pipeline_stages,
+                               activation_checkpoint_interval=int(settings.model.activation_checkpointing))
     except UnsupportedPrecisionError as error:
         print("REFUSED", path, json.dumps(str(error)))
         continue
