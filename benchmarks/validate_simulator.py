@@ -200,7 +200,7 @@ def main() -> int:
     config = read_json_object(args.config)
     block = config.pop("dflop")
     settings = DFLOPConfig.from_dict(block, source=args.config)
-    shapes = read_dataset(ROOT / settings.data, TINY_POLICY)
+    shapes = read_dataset(ROOT / settings.data.path, TINY_POLICY)
 
     print("profiling the engine: a stock-sampler run with DeepSpeed's default split ...", flush=True)
     engine_run = out / "engine_profile_run.jsonl"
@@ -214,7 +214,7 @@ def main() -> int:
     engine = engine_profile_from_run(engine_run, shapes, cost_model, skip_steps=WARMUP)
     engine.save(out / "engine_tiny.json")
 
-    bounds = cost_balanced_bounds(cost_model, shapes, settings.pipeline_stages)
+    bounds = cost_balanced_bounds(cost_model, shapes, settings.plan.pipeline_stages)
     validated = out / "validate_telemetry.jsonl"
     train(
         config,

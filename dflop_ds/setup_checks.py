@@ -11,13 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from dflop_ds.config import DFLOPConfig, autotp_size
+from dflop_ds.config import DFLOPConfig
 from dflop_ds.cost import LayeredCostModel, check_policy
+from dflop_ds.deepspeed_keys import BATCH_KEYS, DeepSpeedKeys, deepspeed_keys
 from dflop_ds.pipe.stage_bounds import StageBounds
-from dflop_ds.schedule.correction import CorrectionSettings
 from dflop_ds.shapes import ShapePolicy
-
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 class SetupError(ValueError):
@@ -47,14 +45,12 @@ class PlanLike(Protocol):
     def stage_bounds(self) -> list[int]: ...
 
 
-def _positive_int(ds_config: Mapping[str, Any], key: str) -> int | None:
-    """``ds_config[key]`` as a positive int, ``None`` when absent (``"auto"`` is not resolved here)."""
-    value = ds_config.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SetupError(f"DeepSpeed config: {key} must be a positive integer, got {value!r}")
-    return value
+def _positive_int(keys: DeepSpeedKeys, key: str) -> int | None:
+    """Batch key ``key`` as a positive int, ``None`` when absent (``"auto"`` is not resolved here)."""
+    try:
+        return keys.batch_key(key)
+    except ValueError as error:
+        raise SetupError(str(error)) from None
 
 
 def resolve_batch_keys(ds_config: Mapping[str, Any], dp: int) -> tuple[int, int, int]:
@@ -64,7 +60,8 @@ def resolve_batch_keys(ds_config: Mapping[str, Any], dp: int) -> tuple[int, int,
     derives the third, given one it takes ``GAS = 1``. Raises :class:`SetupError` naming the
     keys when they cannot agree.
     """
-    total, micro, gas = (_positive_int(ds_config, key) for key in BATCH_KEYS)
+    keys = deepspeed_keys(ds_config)
+    total, micro, gas = (_positive_int(keys, key) for key in BATCH_KEYS)
     if micro is None:
         if total is None:
             raise SetupError("DeepSpeed config: give train_batch_size or train_micro_batch_size_per_gpu")
@@ -181,7 +178,7 @@ def check_training_setup(
     ``ilp_nodes`` is one); a plan agrees with all of these; the dataset (``n_samples``) holds at
     least one global batch.
     """
-    stages = dflop.pipeline_stages
+    stages = dflop.plan.pipeline_stages
     if world_size < 1:
         raise SetupError(f"world size must be >= 1, got {world_size}")
     if plan is not None:
@@ -189,13 +186,14 @@ def check_training_setup(
     if world_size % stages:
         raise SetupError(f"dflop.plan.pipeline_stages={stages} does not divide the world size {world_size}")
     check_engine_features(dflop)
-    tp = autotp_size(dict(ds_config))
+    keys = deepspeed_keys(ds_config)
+    tp = keys.autotp_size
     if tp > 1:
-        check_tensor_parallel(dflop, tp, world_size, int((ds_config.get("zero_optimization") or {}).get("stage", 0)))
+        check_tensor_parallel(dflop, tp, world_size, keys.stage)
     dp = world_size // stages
     total, micro, gas = resolve_batch_keys(ds_config, dp)  # micro >= 1, so total >= gas * dp
-    if dflop.stage_bounds is not None:
-        check_stage_bounds(dflop.stage_bounds, stages, n_layers)
+    if dflop.plan.stage_bounds is not None:
+        check_stage_bounds(dflop.plan.stage_bounds, stages, n_layers)
     check_time_limit(dflop, world_size)
     if plan is not None:
         check_plan(
@@ -206,14 +204,14 @@ def check_training_setup(
             total=total,
             micro=micro,
             gas=gas,
-            stage_bounds=dflop.stage_bounds,
+            stage_bounds=dflop.plan.stage_bounds,
             n_layers=n_layers,
             tp=tp,
         )
     if n_samples is not None and n_samples < total // tp:  # tensor-parallel peers share their samples
         raise SetupError(
-            f"dflop.data.path ({dflop.data}) has {n_samples} usable samples"
-            f"{'' if dflop.max_samples is None else f' (max_samples={dflop.max_samples})'},"
+            f"dflop.data.path ({dflop.data.path}) has {n_samples} usable samples"
+            f"{'' if dflop.data.max_samples is None else f' (max_samples={dflop.data.max_samples})'},"
             f" fewer than one global batch (train_batch_size={total}{f' / autotp_size {tp}' if tp > 1 else ''})"
         )
 
@@ -221,10 +219,10 @@ def check_training_setup(
 def check_time_limit(dflop: DFLOPConfig, world_size: int) -> None:
     """``dflop.sampler.time_limit_s`` must be 0 when more than one of ``world_size`` processes
     computes the schedule: a time-limited solver can answer differently on each."""
-    if dflop.time_limit_s > 0 and world_size > 1:
+    if dflop.sampler.time_limit_s > 0 and world_size > 1:
         raise SetupError(
-            f"dflop.sampler.time_limit_s={dflop.time_limit_s:g}: each of the {world_size} processes computes the"
-            " schedule itself, and a time-limited solver can answer differently on each, so stages and"
+            f"dflop.sampler.time_limit_s={dflop.sampler.time_limit_s:g}: each of the {world_size} processes"
+            " computes the schedule itself, and a time-limited solver can answer differently on each, so stages and"
             " ranks would train mismatched microbatches; with world size > 1 use 0, and dflop.sampler.ilp_nodes for an"
             " exact solver bounded by nodes instead of time (the same answer on every rank)"
         )
@@ -233,17 +231,17 @@ def check_time_limit(dflop: DFLOPConfig, world_size: int) -> None:
 def check_engine_features(dflop: DFLOPConfig) -> None:
     """Features that need one engine kind: adaptive correction reads the pipeline engine's
     per-stage timers; a HuggingFace model's colocated encoder runs on the plain engine only."""
-    pipelined = dflop.pipeline_stages > 1
-    if not pipelined and CorrectionSettings.from_dict(dflop.correction, "dflop.correction").enabled:
+    pipelined = dflop.plan.pipeline_stages > 1
+    if not pipelined and dflop.correction.enabled:
         raise SetupError(
             "dflop.correction needs the pipeline engine's per-stage timers (dflop.plan.pipeline_stages > 1)"
         )
-    if dflop.encoder == "colocated" and CorrectionSettings.from_dict(dflop.correction, "dflop.correction").enabled:
+    if dflop.model.encoder == "colocated" and dflop.correction.enabled:
         raise SetupError(
             "dflop.correction does not model the colocated encoder's phase outside the pipeline"
             " yet: switch one of them off"
         )
-    if dflop.encoder == "colocated" and dflop.model_name_or_path is not None and pipelined:
+    if dflop.model.encoder == "colocated" and dflop.model.name_or_path is not None and pipelined:
         raise SetupError(
             'dflop.model.encoder = "colocated" with a HuggingFace model (dflop.model.name_or_path) runs on the'
             " plain engine only for now (dflop.plan.pipeline_stages = 1)"
@@ -255,17 +253,17 @@ def check_tensor_parallel(dflop: DFLOPConfig, tp: int, world_size: int, zero_sta
     a HuggingFace model (its tp_plan), the plain engine (pp = 1), ZeRO 0-2, no LoRA, and a
     world size that ``tp`` divides (the encoder local or colocated)."""
     where = f"tensor_parallel.autotp_size={tp}"
-    if dflop.pipeline_stages > 1:
+    if dflop.plan.pipeline_stages > 1:
         raise SetupError(
-            f"{where} needs dflop.plan.pipeline_stages = 1 (got {dflop.pipeline_stages}): AutoTP shards"
+            f"{where} needs dflop.plan.pipeline_stages = 1 (got {dflop.plan.pipeline_stages}): AutoTP shards"
             " the plain engine's model, a PipelineModule gives it nothing to shard"
         )
-    if dflop.model_name_or_path is None:
+    if dflop.model.name_or_path is None:
         raise SetupError(
             f"{where}: the bundled tiny model has no layers AutoTP can shard; give a HuggingFace model"
             " (model_name_or_path) or use autotp_size 1"
         )
-    if dflop.lora is not None:
+    if dflop.model.lora is not None:
         raise SetupError(f"{where}: dflop.model.lora is not supported with AutoTP yet")
     if zero_stage > 2:
         raise SetupError(f"{where} runs with ZeRO stages 0-2 here (got stage {zero_stage})")

@@ -305,7 +305,7 @@ def test_autotp_colocated_plan_of_an_hf_model_fills_a_runnable_config():
         {"zero_optimization": {"stage": 2}}, set_settings({}, model_name_or_path="some/hf-model"), plan
     )
     settings = DFLOPConfig.from_dict(block)
-    assert config["tensor_parallel"] == {"autotp_size": 2} and settings.encoder == "colocated"
+    assert config["tensor_parallel"] == {"autotp_size": 2} and settings.model.encoder == "colocated"
     check_training_setup(config, settings, world_size=2, plan=plan, n_samples=40)
     with pytest.raises(SetupError, match="lora"):  # what AutoTP still refuses is named
         check_training_setup(config, DFLOPConfig.from_dict(set_settings(block, lora={"r": 4})), world_size=2)

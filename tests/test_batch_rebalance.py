@@ -80,7 +80,7 @@ def test_too_few_samples_is_refused() -> None:
 
 
 def test_it_is_a_sampler_kind() -> None:
-    assert DFLOPConfig.from_dict({"sampler": {"kind": "batch_rebalance"}}).sampler == "batch_rebalance"
+    assert DFLOPConfig.from_dict({"sampler": {"kind": "batch_rebalance"}}).sampler.kind == "batch_rebalance"
 
 
 def test_the_sampler_trains_it_by_name() -> None:

@@ -45,9 +45,11 @@ def test_bundled_config_passes():
 
 
 def test_consistent_setup_with_plan_passes():
-    block = DFLOPConfig(pipeline_stages=2, stage_bounds=[0, 4, 8])
+    block = DFLOPConfig.from_settings(pipeline_stages=2, stage_bounds=[0, 4, 8])
     check_training_setup(ds(), block, 2, plan=plan(), n_samples=64, n_layers=N_LAYERS)
-    check_training_setup(ds(64, 4, 8), DFLOPConfig(pipeline_stages=2), 4, plan=plan(dp=2, global_batch=64))
+    check_training_setup(
+        ds(64, 4, 8), DFLOPConfig.from_settings(pipeline_stages=2), 4, plan=plan(dp=2, global_batch=64)
+    )
 
 
 def test_plan_deepspeed_config_is_accepted():
@@ -64,7 +66,7 @@ def test_plan_deepspeed_config_is_accepted():
 @pytest.mark.parametrize("world", [3, 5])
 def test_stages_must_divide_world_size(world):
     with pytest.raises(SetupError, match=r"dflop\.plan\.pipeline_stages=2 does not divide the world size"):
-        check_training_setup(ds(), DFLOPConfig(pipeline_stages=2), world)
+        check_training_setup(ds(), DFLOPConfig.from_settings(pipeline_stages=2), world)
 
 
 def test_batch_identity_is_checked_in_our_terms():
@@ -73,9 +75,9 @@ def test_batch_identity_is_checked_in_our_terms():
         match=r"train_batch_size=32 must equal .*=4 x gradient_accumulation_steps=4"
         r" x data-parallel size 1 \(= 16\)",
     ):
-        check_training_setup(ds(32, 4, 4), DFLOPConfig(pipeline_stages=2), 2)
+        check_training_setup(ds(32, 4, 4), DFLOPConfig.from_settings(pipeline_stages=2), 2)
     # the same keys are right on 4 ranks (dp = 2)
-    check_training_setup(ds(32, 4, 4), DFLOPConfig(pipeline_stages=2), 4)
+    check_training_setup(ds(32, 4, 4), DFLOPConfig.from_settings(pipeline_stages=2), 4)
 
 
 @pytest.mark.parametrize(
@@ -119,8 +121,7 @@ def test_bad_batch_keys_name_the_key(config, key):
     ],
 )
 def test_bad_stage_bounds_are_named(bounds, message):
-    block = DFLOPConfig(pipeline_stages=2)
-    block.stage_bounds = bounds
+    block = DFLOPConfig.from_settings(pipeline_stages=2, stage_bounds=bounds)
     with pytest.raises(SetupError, match=r"dflop\.plan\.stage_bounds .*" + message):
         check_training_setup(ds(), block, 2, n_layers=N_LAYERS)
 
@@ -143,14 +144,14 @@ def test_bad_stage_bounds_are_named(bounds, message):
 )
 def test_plan_disagreeing_with_the_config_is_refused(kwargs, world, config, key):
     with pytest.raises(SetupError, match=key):
-        check_training_setup(config, DFLOPConfig(pipeline_stages=2), world, plan=plan(**kwargs))
+        check_training_setup(config, DFLOPConfig.from_settings(pipeline_stages=2), world, plan=plan(**kwargs))
 
 
 def test_plan_stage_count_and_bounds_must_match():
     three = plan(dp=2, stages=((3, 1, 0), (0, 0, 2), (0, 0, 2)))  # 6 ranks as 3 stages x dp 2
     with pytest.raises(SetupError, match=r"dflop\.plan\.pipeline_stages is 2, but the plan says 3"):
-        check_training_setup(ds(48, 2, 8), DFLOPConfig(pipeline_stages=2), 6, plan=three)
-    block = DFLOPConfig(pipeline_stages=2, stage_bounds=[0, 5, 8])
+        check_training_setup(ds(48, 2, 8), DFLOPConfig.from_settings(pipeline_stages=2), 6, plan=three)
+    block = DFLOPConfig.from_settings(pipeline_stages=2, stage_bounds=[0, 5, 8])
     with pytest.raises(SetupError, match=r"dflop\.plan\.stage_bounds is \[0, 5, 8\], but the plan says \[0, 4, 8\]"):
         check_training_setup(ds(), block, 2, plan=plan(), n_layers=N_LAYERS)
 
@@ -158,7 +159,7 @@ def test_plan_stage_count_and_bounds_must_match():
 def test_plan_batch_arithmetic_that_would_shrink_the_batch_is_refused():
     uneven = plan(dp=1, n_mb=8, global_batch=36)  # DeepSpeed would train 32 per step
     with pytest.raises(SetupError, match="global_batch_size=36 is not a multiple of dp=1 x n_mb=8"):
-        check_training_setup(ds(32, 4, 8), DFLOPConfig(pipeline_stages=2), 2, plan=uneven)
+        check_training_setup(ds(32, 4, 8), DFLOPConfig.from_settings(pipeline_stages=2), 2, plan=uneven)
 
 
 def test_config_stages_contradicting_the_plan_are_named_when_filling_from_it():
@@ -187,11 +188,11 @@ def test_plan_global_batch_must_fill_every_microbatch():
     small = plan(dp=2, n_mb=8)
     small.global_batch_size = 8  # fewer samples than 8 microbatches x 2 ranks
     with pytest.raises(SetupError, match="global_batch_size=8 cannot give n_mb=8 non-empty microbatches"):
-        check_training_setup(ds(32, 2, 8), DFLOPConfig(pipeline_stages=2), 4, plan=small)
+        check_training_setup(ds(32, 2, 8), DFLOPConfig.from_settings(pipeline_stages=2), 4, plan=small)
 
 
 def test_dataset_smaller_than_one_global_batch_is_refused():
-    block = DFLOPConfig(pipeline_stages=2, data="some.jsonl", max_samples=20)
+    block = DFLOPConfig.from_settings(pipeline_stages=2, data="some.jsonl", max_samples=20)
     with pytest.raises(
         SetupError,
         match=r"dflop\.data\.path \(some\.jsonl\) has 20 usable samples \(max_samples=20\),"
@@ -207,17 +208,17 @@ def test_setup_error_is_a_value_error():
 
 def test_time_limited_solver_is_refused_when_ranks_schedule_independently():
     with pytest.raises(SetupError, match=r"dflop\.sampler\.time_limit_s=0\.5: each of the 2 processes"):
-        check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, time_limit_s=0.5), 2)
-    check_training_setup(ds(32, 4, 8), DFLOPConfig(pipeline_stages=1, time_limit_s=0.5), 1)
-    check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, time_limit_s=0), 2)
+        check_training_setup(ds(), DFLOPConfig.from_settings(pipeline_stages=2, time_limit_s=0.5), 2)
+    check_training_setup(ds(32, 4, 8), DFLOPConfig.from_settings(pipeline_stages=1, time_limit_s=0.5), 1)
+    check_training_setup(ds(), DFLOPConfig.from_settings(pipeline_stages=2, time_limit_s=0), 2)
 
 
 def test_a_node_limited_solver_is_allowed_on_several_ranks():
-    check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, ilp_nodes=500), 2)
+    check_training_setup(ds(), DFLOPConfig.from_settings(pipeline_stages=2, ilp_nodes=500), 2)
     with pytest.raises(SetupError, match="ilp_nodes"):  # the refusal names the alternative
-        check_training_setup(ds(), DFLOPConfig(pipeline_stages=2, time_limit_s=0.5, ilp_nodes=500), 2)
+        check_training_setup(ds(), DFLOPConfig.from_settings(pipeline_stages=2, time_limit_s=0.5, ilp_nodes=500), 2)
     with pytest.raises(ValueError, match=r"dflop\.sampler\.ilp_nodes"):
-        DFLOPConfig(ilp_nodes=-1).validate()
+        DFLOPConfig.from_settings(ilp_nodes=-1)
 
 
 @pytest.mark.slow

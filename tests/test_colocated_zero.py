@@ -41,8 +41,8 @@ def test_colocated_encoder_key_is_validated():
 
     with pytest.raises(ValueError, match="encoder"):
         DFLOPConfig.from_dict({"model": {"encoder": "elsewhere"}}, source="cfg.json")
-    assert DFLOPConfig.from_dict({"model": {"encoder": "colocated"}}).encoder == "colocated"
-    assert DFLOPConfig().encoder == "local"
+    assert DFLOPConfig.from_dict({"model": {"encoder": "colocated"}}).model.encoder == "colocated"
+    assert DFLOPConfig().model.encoder == "local"
 
 
 def test_colocated_encoder_is_refused_by_name_for_a_model_that_cannot_dispatch_its_tiles():

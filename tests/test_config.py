@@ -6,8 +6,15 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
-from dflop_ds.config import DFLOPConfig, get_setting, set_settings
+from dflop_ds.config import DFLOPConfig, get_setting, set_settings, setting_names
+from dflop_ds.deepspeed_keys import deepspeed_keys
+from dflop_ds.models.faults import FaultSpec, SlowTiles
+from dflop_ds.models.hf.lora import LoraSettings
+from dflop_ds.schedule.correction import CorrectionSettings
+from dflop_ds.setup_checks import check_training_setup
+from dflop_ds.telemetry.setup import inject_fault, make_correction
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,7 +80,7 @@ def test_good_values_pass_and_keep_their_types():
             "correction": {"enabled": False},
         }
     )
-    assert config.drop_last is True and config.schedule_timeout_s is None and config.lr == 1
+    assert config.sampler.drop_last is True and config.sampler.schedule_timeout_s is None and config.train.lr == 1
 
 
 @pytest.mark.parametrize(
@@ -96,7 +103,7 @@ def test_old_flat_keys_and_unknown_keys_are_refused_by_their_full_path(block, na
 
 
 def test_every_setting_has_one_path_and_round_trips_through_the_nested_block():
-    names = [f.name for f in dataclasses.fields(DFLOPConfig)]
+    names = setting_names()
     paths = [DFLOPConfig.path(name) for name in names]
     assert len(set(paths)) == len(paths) and all(p.startswith("dflop.") for p in paths)
     block = set_settings(
@@ -113,7 +120,12 @@ def test_every_setting_has_one_path_and_round_trips_through_the_nested_block():
     assert block["sampler"] == {"kind": "stock"} and block["plan"] == {"pipeline_stages": 3}
     assert block["correction"] == {"enabled": False} and get_setting(block, "steps") == 7
     config = DFLOPConfig.from_dict(block)
-    assert (config.sampler, config.steps, config.telemetry, config.pipeline_stages) == ("stock", 7, False, 3)
+    assert (config.sampler.kind, config.train.steps, config.telemetry.enabled, config.plan.pipeline_stages) == (
+        "stock",
+        7,
+        False,
+        3,
+    )
     with pytest.raises(ValueError, match="a flat dflop.sampler moved to dflop.sampler.kind"):
         set_settings({"sampler": "stock"}, steps=3)
 
@@ -160,3 +172,54 @@ def test_the_configuration_doc_lists_every_key_and_sampler():
         for key in keys:
             assert key == "*" or f"`{key}`" in rows[section], f"dflop.{section}.{key} is not in docs/configuration.md"
     assert all(f'`"{kind}"`' in rows["sampler"] for kind in splitter_names())
+
+
+def test_sections_are_typed_and_frozen():
+    config = DFLOPConfig.from_dict(
+        {
+            "model": {"name_or_path": "models/llava", "lora": {"r": 4, "target_modules": ["q_proj"]}},
+            "sampler": {"kind": "stock"},
+            "correction": {"enabled": True, "decay": 0.5},
+        }
+    )
+    assert config.model.lora == LoraSettings(r=4, target_modules=("q_proj",))
+    assert config.correction == CorrectionSettings(enabled=True, decay=0.5)
+    assert config.sampler.kind == "stock" and config.testing.fault is None
+    tiny = DFLOPConfig.from_dict({"testing": {"fault": {"min_tiles": 3, "seconds_per_tile": 0.1}}})
+    assert tiny.testing.fault == FaultSpec(min_tiles=3, seconds_per_tile=0.1) and tiny.model.lora is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.sampler.kind = "dflop"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.correction.enabled = False  # type: ignore[misc]
+
+
+def test_sub_sections_are_parsed_once_and_readers_take_them_typed(monkeypatch):
+    """Correction, fault and LoRA settings are parsed by DFLOPConfig.from_dict alone: the setup
+    checks and the correction and fault builders take the typed sections, never a dict again."""
+    calls = {"correction": 0, "fault": 0, "lora": 0}
+
+    def counted(name, parse):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return parse(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(CorrectionSettings, "from_dict", counted("correction", CorrectionSettings.from_dict))
+    monkeypatch.setattr(FaultSpec, "from_dict", counted("fault", FaultSpec.from_dict))
+    monkeypatch.setattr(LoraSettings, "from_dict", counted("lora", LoraSettings.from_dict))
+    ds_config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4}
+    config = DFLOPConfig.from_settings(
+        correction={"enabled": True}, fault={"min_tiles": 2, "seconds_per_tile": 0.0, "start_step": 1}
+    )
+    hf = DFLOPConfig.from_settings(model_name_or_path="models/llava", lora={"r": 4}, pipeline_stages=1)
+    parsed = dict(calls)
+    assert parsed == {"correction": 2, "fault": 2, "lora": 1}  # once per block (the tiny model's has no LoRA)
+    check_training_setup(ds_config, config, world_size=4)
+    check_training_setup(ds_config, hf, world_size=2)
+    correction = make_correction(config.correction, n_stages=2)
+    layers = inject_fault([torch.nn.Identity()], config.testing.fault, deepspeed_keys(ds_config))
+    assert calls == parsed  # the readers parse nothing again
+    assert correction is not None and correction.settings is config.correction
+    assert isinstance(layers[0], SlowTiles) and layers[0].spec is config.testing.fault
+    assert layers[0].start_call == 1 * 4  # start_step counts steps of gradient_accumulation_steps microbatches

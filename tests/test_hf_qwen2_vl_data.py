@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 
 from dflop_ds.data import DataError, read_dataset  # noqa: E402
 from dflop_ds.models.hf.llava_data import load_llava_records  # noqa: E402
+from dflop_ds.models.hf.lora import LoraSettings  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl_data import (  # noqa: E402
     Qwen2VLDataset,
@@ -164,7 +165,7 @@ def test_profile_target_runs_the_real_layers_on_patch_counts(setup, tmp_path: Pa
 
 def test_lora_trains_adapters_and_the_merger_only(setup) -> None:
     model_dir, _, images, _, _ = setup
-    source = hf_source(str(model_dir), image_folder=str(images), lora={"r": 4, "alpha": 8})
+    source = hf_source(str(model_dir), image_folder=str(images), lora=LoraSettings(r=4, alpha=8))
     trainable = {name for name, p in source.hf_model.named_parameters() if p.requires_grad}
     assert any("lora_" in name and "language_model" in name for name in trainable)
     assert any("visual.merger" in name for name in trainable)
@@ -182,7 +183,7 @@ def test_lora_trains_adapters_and_the_merger_only(setup) -> None:
 def test_lora_targets_that_are_not_linear_layers_are_named(setup, targets, message) -> None:
     model_dir, _, images, _, _ = setup
     with pytest.raises(ValueError, match=message):
-        hf_source(str(model_dir), image_folder=str(images), lora={"target_modules": targets})
+        hf_source(str(model_dir), image_folder=str(images), lora=LoraSettings.from_dict({"target_modules": targets}))
 
 
 def test_validate_reads_the_data_as_the_training_config_does(setup, tmp_path: Path, capsys) -> None:

@@ -186,9 +186,9 @@ def test_llava_json_shapes_cover_every_record_from_headers(llava_inputs):
 def test_dflop_block_comes_from_the_deepspeed_config_and_bad_keys_are_named(tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"dflop": {"sampler": {"kind": "stock"}}}))
-    assert dflop_settings(None, str(config)).sampler == "stock"
-    assert dflop_settings({"sampler": {"kind": "verl"}}, str(config)).sampler == "verl"
-    assert dflop_settings(None, {"dflop": {"sampler": {"prefetch": 0}}}).prefetch == 0
+    assert dflop_settings(None, str(config)).sampler.kind == "stock"
+    assert dflop_settings({"sampler": {"kind": "verl"}}, str(config)).sampler.kind == "verl"
+    assert dflop_settings(None, {"dflop": {"sampler": {"prefetch": 0}}}).sampler.prefetch == 0
     config.write_text(json.dumps({"dflop": {"sampler": {"kindd": "dflop"}}}))
     with pytest.raises(ValueError, match=r"ds\.json: unknown key dflop\.sampler\.kindd"):
         dflop_settings(None, str(config))

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dflop_ds"
 
 #: Bottom to top; a module may import from its own layer and the layers below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("shapes", "jsonio", "paths", "typecheck", "precision", "data")),
+    ("foundation", ("shapes", "jsonio", "paths", "typecheck", "precision", "deepspeed_keys", "data")),
     ("cost", ("cost",)),
     ("profile", ("profile",)),
     ("schedule", ("schedule", "loader", "testing")),
@@ -220,3 +220,18 @@ def test_the_checks_see_a_loop_and_an_upward_import(tmp_path):
     found = imports_of("dflop_ds.shapes", probe, module_files())
     assert [(f.target, f.on_load) for f in found] == [("dflop_ds.plan", True), ("dflop_ds.train.loop", False)]
     assert all(layer_of(f.target) > layer_of("dflop_ds.shapes") for f in found)
+
+
+def test_no_production_module_imports_the_test_helpers():
+    """``dflop_ds.testing`` holds helpers for tests (tiny models, a stuck scheduler); nothing else in
+    the package imports it, so production code never depends on test code."""
+    helpers = "dflop_ds.testing"
+    found = sorted(
+        {
+            f"{found.source} line {found.line} imports {found.target}"
+            for found in all_imports()
+            if (found.target == helpers or found.target.startswith(helpers + "."))
+            and not (found.source == helpers or found.source.startswith(helpers + "."))
+        }
+    )
+    assert not found, "production modules importing dflop_ds.testing:\n" + "\n".join(found)

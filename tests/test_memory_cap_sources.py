@@ -131,7 +131,7 @@ def test_plan_files_keep_the_cap_and_older_files_without_it_still_load(tmp_path:
 
 def test_the_plans_cap_fills_the_config_unless_the_config_sets_one():
     plan = one_stage_plan(memory_cap_bytes=3e9)
-    assert DFLOPConfig.from_dict(plan_deepspeed_config(plan)["dflop"]).memory_cap_bytes == 3e9
+    assert DFLOPConfig.from_dict(plan_deepspeed_config(plan)["dflop"]).sampler.memory_cap_bytes == 3e9
     for block in ({}, set_settings({}, memory_cap_bytes="auto")):
         _, filled = fill_from_plan({}, block, plan)
         assert get_setting(filled, "memory_cap_bytes") == 3e9
@@ -151,13 +151,13 @@ def test_planted_long_videos_against_a_plan_given_cap():
     video = float(sample_bytes(cost, shapes).max())
     plan = one_stage_plan(memory_cap_bytes=1.4 * video)
     _, block = fill_from_plan({}, {}, plan)
-    cap = resolve_memory_cap(DFLOPConfig.from_dict(block).memory_cap_bytes, "dflop", True, never)
+    cap = resolve_memory_cap(DFLOPConfig.from_dict(block).sampler.memory_cap_bytes, "dflop", True, never)
     assert cap == MemoryCap(1.4 * video, "plan")
     capped = trained(sampler(shapes, cost, memory_cap=cap.bytes))
     assert max(microbatch_bytes(cost, [shapes[i] for i in mb]) for rank in capped for mb in rank) <= cap.bytes
     # the config's own cap wins: below one video alone, the video is refused by name
     _, block = fill_from_plan({}, set_settings({}, memory_cap_bytes=0.5 * video), plan)
-    mine = resolve_memory_cap(DFLOPConfig.from_dict(block).memory_cap_bytes, "dflop", False, never)
+    mine = resolve_memory_cap(DFLOPConfig.from_dict(block).sampler.memory_cap_bytes, "dflop", False, never)
     assert mine == MemoryCap(0.5 * video, "config")
     with pytest.raises(OversizeSampleError, match="'video"):
         sampler(shapes, cost, memory_cap=mine.bytes)
@@ -233,7 +233,7 @@ def test_off_and_other_samplers_have_no_cap_and_the_setting_is_typed():
     with pytest.raises(ValueError, match="predicts memory.*LLMOnlyCost does not"):
         sampler(planted(32, 1), PackedCost(LLMOnlyCost(ProxyCost())), memory_cap=1e9)
     for good in ("auto", "off", 1, 2.5e9):
-        assert DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": good}}).memory_cap_bytes == good
+        assert DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": good}}).sampler.memory_cap_bytes == good
     for bad in ("2GB", None, True, -1):
         with pytest.raises(ValueError, match="dflop.sampler.memory_cap_bytes must be"):
             DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": bad}})

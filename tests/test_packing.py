@@ -167,7 +167,7 @@ def test_the_packing_switch_defaults_to_the_model_and_refuses_what_it_cannot_do(
         unpacked.uses_packing(True)
     with pytest.raises(ValueError, match="packing"):
         DFLOPConfig.from_dict({"model": {"packing": "yes"}})
-    assert DFLOPConfig.from_dict({"model": {"packing": False}}).packing is False
+    assert DFLOPConfig.from_dict({"model": {"packing": False}}).model.packing is False
     parser = build_parser()
     assert parser.parse_args(["--deepspeed_config", "x", "--packing", "False"]).packing is False
     with pytest.raises(SystemExit):

@@ -116,7 +116,11 @@ def test_the_deepspeed_config_carries_zero_stage_precision_and_checkpointing(pre
     assert config["bf16"] == {"enabled": bf16} and config["fp16"] == {"enabled": fp16}
     assert config["dflop"]["model"]["activation_checkpointing"] is True
     settings = DFLOPConfig.from_dict(config["dflop"])
-    assert settings.activation_checkpointing and settings.pipeline_stages == 1 and settings.stage_bounds == [0, 11]
+    assert (
+        settings.model.activation_checkpointing
+        and settings.plan.pipeline_stages == 1
+        and settings.plan.stage_bounds == [0, 11]
+    )
 
 
 def test_a_plan_with_zero_two_and_a_pipeline_is_refused_naming_the_reason(tmp_path: Path) -> None:
@@ -199,12 +203,14 @@ def test_cli_plan_writes_the_deepspeed_config_its_memory_model_assumed(tmp_path:
     assert config["zero_optimization"] == {"stage": 1}
     assert not config["bf16"]["enabled"] and not config["fp16"]["enabled"]
     settings = DFLOPConfig.from_dict(config["dflop"])
-    assert settings.plan == "../plan.json" and settings.activation_checkpointing is False  # the config's folder
-    assert settings.pipeline_stages == plan.pipeline_stages and settings.stage_bounds == plan.stage_bounds()
+    assert (
+        settings.plan.file == "../plan.json" and settings.model.activation_checkpointing is False
+    )  # the config's folder
+    assert settings.plan.pipeline_stages == plan.pipeline_stages and settings.plan.stage_bounds == plan.stage_bounds()
     assert config["gradient_accumulation_steps"] == plan.n_mb
     # the activation bytes per GPU its memory model left: the sampler's cap unless the config sets one
     assert plan.splitter == "dflop" and 0 < plan.memory_cap_bytes < plan.gpu_memory_bytes
-    assert settings.memory_cap_bytes == plan.memory_cap_bytes
+    assert settings.sampler.memory_cap_bytes == plan.memory_cap_bytes
     out = capsys.readouterr().out
     assert "ZeRO 1, fp32" in out and f"activations <= {plan.memory_cap_bytes / 1e9:.1f} GB/GPU" in out
 
@@ -255,8 +261,8 @@ for path in [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]:
     config = json.loads(open(path).read())
     settings = DFLOPConfig.from_dict(config.pop("dflop"))
     try:
-        trainer = build_engine(*tiny_mllm_layers(seed=0), config, pipeline_stages=settings.pipeline_stages,
-                               activation_checkpoint_interval=int(settings.activation_checkpointing))
+        trainer = build_engine(*tiny_mllm_layers(seed=0), config, pipeline_stages=settings.plan.pipeline_stages,
+                               activation_checkpoint_interval=int(settings.model.activation_checkpointing))
     except UnsupportedPrecisionError as error:
         print("REFUSED", path, json.dumps(str(error)))
         continue
@@ -333,8 +339,8 @@ def test_a_written_config_finds_its_plan_from_any_working_directory(
     monkeypatch.chdir(elsewhere)
     ds_config, settings = load_settings(build_parser().parse_args(["--deepspeed_config", str(ds)]))
     plan = Plan.load(tmp_path / "plan.json")
-    assert Path(settings.plan).resolve() == (tmp_path / "plan.json").resolve()
-    assert ds_config["gradient_accumulation_steps"] == plan.n_mb and settings.stage_bounds == plan.stage_bounds()
+    assert Path(settings.plan.file).resolve() == (tmp_path / "plan.json").resolve()
+    assert ds_config["gradient_accumulation_steps"] == plan.n_mb and settings.plan.stage_bounds == plan.stage_bounds()
     reads: list[str] = []
     monkeypatch.setattr(options, "load_plan", lambda path: reads.append(str(path)) or Plan.load(path))
     *_, followed = load_run_settings(build_parser().parse_args(["--deepspeed_config", str(ds)]))

@@ -81,8 +81,8 @@ def test_deepspeed_config_and_stage_bounds_agree(plans) -> None:
     )
     assert cfg.get("tensor_parallel", {}).get("autotp_size", 1) == plan.llm.tp
     settings = DFLOPConfig.from_dict(cfg["dflop"])
-    bounds = settings.stage_bounds
-    assert settings.pipeline_stages == len(bounds) - 1 == plan.pipeline_stages
+    bounds = settings.plan.stage_bounds
+    assert settings.plan.pipeline_stages == len(bounds) - 1 == plan.pipeline_stages
     assert bounds[0] == 0 and bounds[-1] == 27 + 1 + 28
     assert stages_from_bounds(bounds, 27, 1, 28) == plan.stages
     assert plan.world_size() == plan.pipeline_stages * plan.llm.tp * plan.dp == 16

@@ -118,9 +118,12 @@ def test_the_stock_sampler_refuses_a_cap_and_the_config_keys_are_typed():
                 gradient_accumulation_steps=2,
                 memory_cap=1e9,
             )
-    assert DFLOPConfig.from_dict({}).memory_cap_bytes == "auto"
-    assert DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": "off"}}).memory_cap_bytes == "off"
-    assert DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": 2e9, "allow_oversize": True}}).allow_oversize is True
+    assert DFLOPConfig.from_dict({}).sampler.memory_cap_bytes == "auto"
+    assert DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": "off"}}).sampler.memory_cap_bytes == "off"
+    assert (
+        DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": 2e9, "allow_oversize": True}}).sampler.allow_oversize
+        is True
+    )
     with pytest.raises(ValueError, match="memory_cap_bytes"):
         DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": "2GB"}})
     with pytest.raises(ValueError, match="memory_cap_bytes"):

@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dflop_ds.config import AUTO, OFF, DFLOPConfig, autotp_size
+from dflop_ds.config import AUTO, OFF, DFLOPConfig
 from dflop_ds.cost import load_cost_model
+from dflop_ds.deepspeed_keys import deepspeed_keys
 from dflop_ds.setup_checks import SetupError, check_cost_model_fits, check_training_setup, resolve_batch_keys
 from dflop_ds.train.launch_inputs import PROXY
 from dflop_ds.train.memory_cap import MemoryCap
@@ -45,8 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def memory_cap_line(cfg: DFLOPConfig, plan: Any) -> str:
     """The memory cap the launch will take, as far as it is known before the devices are: the
     config's number, the plan's, none, or each device's default (decided at launch)."""
-    cap = cfg.memory_cap_bytes
-    if cfg.sampler != "dflop":
+    cap = cfg.sampler.memory_cap_bytes
+    if cfg.sampler.kind != "dflop":
         return MemoryCap(None, "not the dflop sampler").describe()
     if cap == OFF:
         return MemoryCap(None, "dflop.sampler.memory_cap_bytes = off").describe()
@@ -66,26 +67,26 @@ def check_launch(args: argparse.Namespace) -> list[str]:
     from dflop_ds.train.loop import model_source, print_skip_report  # the model's code: not at parser build
 
     ds_config, cfg = load_settings(args, check_device=False)  # the launch's devices are not this machine's
-    plan = load_plan(cfg.plan)
+    plan = load_plan(cfg.plan.file)
     try:  # the config alone first: a refusal costs no model loading
         check_training_setup(ds_config, cfg, world, plan=plan)
         source = model_source(cfg)
-        data = source.read_shapes(cfg.data, cfg.on_bad_sample)
+        data = source.read_shapes(cfg.data.path, cfg.data.on_bad_sample)
         print_skip_report(data.report)
-        shapes = data[: cfg.max_samples]
+        shapes = data[: cfg.data.max_samples]
         check_training_setup(ds_config, cfg, world, plan=plan, n_samples=len(shapes), n_layers=source.n_layers)
-        if cfg.cost_model not in (None, PROXY):
-            cost_model = load_cost_model(cfg.cost_model)
+        if cfg.sampler.cost_model not in (None, PROXY):
+            cost_model = load_cost_model(cfg.sampler.cost_model)
             check_cost_model_fits(
                 cost_model,
                 source.policy,
                 encoder_layers=len(source.encoder_layers),
                 llm_layers=len(source.llm_layers),
-                source=str(cfg.cost_model),
+                source=str(cfg.sampler.cost_model),
             )
     except SetupError as error:
         raise SetupError(f"for {where}: {error}") from None
-    stages, tp = cfg.pipeline_stages, autotp_size(ds_config)
+    stages, tp = cfg.plan.pipeline_stages, deepspeed_keys(ds_config).autotp_size
     total, micro, gas = resolve_batch_keys(ds_config, world // stages)
     lines = [
         f"launch: {where}",
@@ -93,17 +94,17 @@ def check_launch(args: argparse.Namespace) -> list[str]:
         f" data-parallel {world // stages // tp}",
         f"batch: train_batch_size {total} = micro {micro} x GAS {gas} x dp {world // stages}"
         + (f" (tensor-parallel peers share their samples: {total // tp} distinct per step)" if tp > 1 else ""),
-        f"data: {len(shapes)} samples of {cfg.data}, {len(shapes) // (total // tp)} global batches per epoch",
+        f"data: {len(shapes)} samples of {cfg.data.path}, {len(shapes) // (total // tp)} global batches per epoch",
         "cost model: "
         + (
-            f"{cfg.cost_model} (made for this model)"
-            if cfg.cost_model not in (None, PROXY)
+            f"{cfg.sampler.cost_model} (made for this model)"
+            if cfg.sampler.cost_model not in (None, PROXY)
             else "resolved on rank 0 at launch (profile cache or proxy) and broadcast to every rank"
         ),
         memory_cap_line(cfg, plan),
     ]
     if plan is not None:
-        lines.append(f"plan: {cfg.plan}, made for {plan.world_size()} GPUs, {plan.gpus_per_node} per node")
+        lines.append(f"plan: {cfg.plan.file}, made for {plan.world_size()} GPUs, {plan.gpus_per_node} per node")
         if plan.gpus_per_node != args.gpus_per_node:
             lines.append(
                 f"note: the plan assumed {plan.gpus_per_node} GPUs per node, this launch has {args.gpus_per_node}:"

@@ -157,9 +157,9 @@ def apply_training_config(args: argparse.Namespace) -> None:
 
     config = DFLOPConfig.from_deepspeed_config(args.deepspeed_config)
     if args.data is None:
-        args.data = config.data
-    args.model_name_or_path = args.model_name_or_path or config.model_name_or_path
-    args.policy = args.policy or config.policy
+        args.data = config.data.path
+    args.model_name_or_path = args.model_name_or_path or config.model.name_or_path
+    args.policy = args.policy or config.data.policy
     for name in ("image_folder", "video_folder", *HF_ONLY_OPTIONS):
         if getattr(args, name) is None:
             setattr(args, name, getattr(config, name))

@@ -87,7 +87,7 @@ def block_sets_seed(block: Mapping[str, Any]) -> bool:
 def memory_cap(settings: DFLOPConfig) -> float | None:
     """``dflop.sampler.memory_cap_bytes`` as the sampler takes it: a number, or None for ``"off"``
     and ``"auto"`` (the Trainer runs no plan and measures no device budget)."""
-    cap = settings.memory_cap_bytes
+    cap = settings.sampler.memory_cap_bytes
     return None if cap in (AUTO, OFF) else float(cap)
 
 
@@ -118,7 +118,7 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         block, source = dflop_block(dflop, trainer.args.deepspeed)
         self.dflop_settings = DFLOPConfig.from_dict(block, source=source)
         self._dflop_seed_source = f"{source}: train.seed" if block_sets_seed(block) else None
-        if self.dflop_settings.packing:
+        if self.dflop_settings.model.packing:
             raise ValueError(
                 "dflop.model.packing=true is not supported by DFLOPTrainer: it balances the microbatches your"
                 " collator pads; leave packing out of the block"
@@ -160,24 +160,24 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         check_time_limit(settings, world)  # every rank computes the schedule itself
         gas = args.gradient_accumulation_steps
         cap = memory_cap(settings)
-        options: dict[str, Any] = {"memory_cap": cap, "allow_oversize": settings.allow_oversize} if cap else {}
+        options: dict[str, Any] = {"memory_cap": cap, "allow_oversize": settings.sampler.allow_oversize} if cap else {}
         cost_model = self._dflop_cost_model()
         seed, seed_source = self._dflop_seed()
-        drop_last = settings.drop_last or args.dataloader_drop_last
+        drop_last = settings.sampler.drop_last or args.dataloader_drop_last
         digested_settings = {
-            "kind": settings.sampler,
+            "kind": settings.sampler.kind,
             "global_batch_size": args.per_device_train_batch_size * gas * dp_size,
             "gradient_accumulation_steps": gas,
             "dp_size": dp_size,
             "drop_last": drop_last,
-            "ilp_nodes": settings.ilp_nodes,
+            "ilp_nodes": settings.sampler.ilp_nodes,
             **options,
         }
         check_ranks_agree(
             trainer_input_digests(
                 self.sample_shapes,
                 cost_model,
-                settings.cost_model or "the unitless proxy",
+                settings.sampler.cost_model or "the unitless proxy",
                 seed,
                 seed_source,
                 digested_settings,
@@ -202,7 +202,7 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         """The cost model ``dflop.sampler.cost_model`` names (None: the proxy), checked against the
         shapes' policy (when the shape helpers made them) and the model's depth (LLaVA, Qwen2-VL)."""
         trainer: Any = self
-        path = self.dflop_settings.cost_model
+        path = self.dflop_settings.sampler.cost_model
         if path is None:
             return None
         cost_model = load_cost_model(path)
@@ -221,7 +221,7 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         sets it (0 included), else the Trainer's ``data_seed`` or ``seed``."""
         trainer: Any = self
         if self._dflop_seed_source is not None:
-            return self.dflop_settings.seed, self._dflop_seed_source
+            return self.dflop_settings.train.seed, self._dflop_seed_source
         if trainer.args.data_seed is not None:
             return int(trainer.args.data_seed), "TrainingArguments.data_seed"
         return int(trainer.args.seed), "TrainingArguments.seed"

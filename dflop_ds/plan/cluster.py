@@ -38,7 +38,6 @@ ZERO_SHARDED = {0: (False, False, False), 1: (False, False, True), 2: (False, Tr
 STATE_TERMS = {"bf16": (1.0, 1.0, 6.0), "fp16": (1.0, 1.0, 6.0), "fp32": (1.0, 1.0, 2.0)}
 #: training precisions the memory model covers; the 16-bit ones are DeepSpeed config sections
 PRECISIONS = tuple(STATE_TERMS)
-MIXED_PRECISIONS = ("bf16", "fp16")
 
 
 Number = Any  # a float for scalar arguments, an array for array arguments

@@ -20,9 +20,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflop_ds.deepspeed_keys import MIXED_PRECISIONS
 from dflop_ds.jsonio import read_json_object, write_json
 from dflop_ds.pipe.stage_bounds import StageBounds
-from dflop_ds.plan.cluster import MIXED_PRECISIONS, PRECISIONS, ZERO_SHARDED
+from dflop_ds.plan.cluster import PRECISIONS, ZERO_SHARDED
 from dflop_ds.plan.layout import Layout, Segment, StageLayers, flat_bounds, stage_layers, stages_from_bounds
 from dflop_ds.schedule.splitters import splitter_names
 

@@ -109,7 +109,7 @@ class BucketScheme:
         return f"{modality}:tiles{span(self.tile_edges, tiles)}:tokens{span(self.token_edges, tokens)}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class CorrectionSettings:
     """Settings of the adaptive correction (the ``"correction"`` entry of the ``"dflop"`` block).
 

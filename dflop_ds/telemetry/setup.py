@@ -2,30 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from dflop_ds.deepspeed_keys import DeepSpeedKeys
+from dflop_ds.models.faults import FaultSpec, SlowTiles
 from dflop_ds.schedule.correction import CorrectionSettings, CostCorrection
-from dflop_ds.testing.faults import FaultSpec, SlowTiles
 
 
-def make_correction(block: dict[str, Any] | None, n_stages: int) -> CostCorrection | None:
-    """A :class:`CostCorrection` for the ``"correction"`` block, or None when it is not enabled."""
-    settings = CorrectionSettings.from_dict(block, "dflop.correction")
+def make_correction(settings: CorrectionSettings, n_stages: int) -> CostCorrection | None:
+    """A :class:`CostCorrection` for the ``dflop.correction`` section, or None when it is not enabled."""
     if not settings.enabled:
         return None
     return CostCorrection(settings, n_columns=2, n_stages=n_stages)
 
 
-def inject_fault(encoder_layers: list, block: dict[str, Any] | None, ds_config: dict) -> list:
-    """``encoder_layers`` with the first one wrapped in :class:`~dflop_ds.testing.SlowTiles` when
-    the ``"fault"`` block asks for it (layers may be modules or DeepSpeed ``LayerSpec``)."""
-    spec = FaultSpec.from_dict(block, "dflop.testing.fault")
+def inject_fault(encoder_layers: list, spec: FaultSpec | None, keys: DeepSpeedKeys) -> list:
+    """``encoder_layers`` with the first one wrapped in :class:`~dflop_ds.models.faults.SlowTiles`
+    when ``dflop.testing.fault`` asks for it (layers may be modules or DeepSpeed ``LayerSpec``);
+    ``keys`` (the DeepSpeed config's) give the microbatches per step its ``start_step`` counts in."""
     if spec is None:
         return encoder_layers
-    gas = ds_config.get("gradient_accumulation_steps")
-    if spec.start_step and not isinstance(gas, int):
-        raise ValueError('dflop.testing.fault.start_step needs "gradient_accumulation_steps" in the DeepSpeed config')
-    start_call = spec.start_step * (gas or 1)
+    start_call = 0
+    if spec.start_step:
+        gas = keys.gradient_accumulation_steps
+        if not isinstance(gas, int):
+            raise ValueError(
+                'dflop.testing.fault.start_step needs "gradient_accumulation_steps" in the DeepSpeed config'
+            )
+        start_call = spec.start_step * gas
     first = encoder_layers[0]
     if hasattr(first, "build"):
         from deepspeed.pipe import LayerSpec

@@ -1,6 +1,6 @@
-"""Test helpers that inject faults into real components: slow shapes, stuck schedulers."""
+"""Test helpers: tiny models and data built offline, a stuck scheduler. Production code never
+imports this package (the layer test checks it); fault injection itself is :mod:`dflop_ds.models.faults`."""
 
-from dflop_ds.testing.faults import FaultSpec, SlowTiles
 from dflop_ds.testing.scheduler import StuckSplitSampler
 
-__all__ = ["FaultSpec", "SlowTiles", "StuckSplitSampler"]
+__all__ = ["StuckSplitSampler"]

@@ -30,7 +30,7 @@ from typing import Any
 
 from torch import nn
 
-from dflop_ds.config import autotp_size
+from dflop_ds.deepspeed_keys import deepspeed_keys
 
 #: HF tp_plan styles DeepSpeed would turn into a vocabulary-parallel embedding (kept whole here)
 _EMBEDDING_STYLES = ("embedding_rowwise",)
@@ -116,7 +116,7 @@ def with_autotp_layout(
     Raises ``ValueError`` when tensor parallelism is asked for a model without an HF model
     (the bundled tiny model has no layout AutoTP knows).
     """
-    if autotp_size(ds_config) <= 1:
+    if deepspeed_keys(ds_config).autotp_size <= 1:
         return dict(ds_config)
     if hf_model is None:
         raise ValueError(

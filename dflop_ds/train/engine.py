@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflop_ds.config import autotp_size, enabled_precisions
+from dflop_ds.deepspeed_keys import deepspeed_keys
 from dflop_ds.pipe import MLLMPipelineModule, StageBounds, token_normalized_loss
 from dflop_ds.precision import check_precisions
 from dflop_ds.train.autotp import with_autotp_layout
@@ -222,8 +222,9 @@ def build_engine(
     A 16-bit precision the device cannot train in is refused before DeepSpeed sees the config
     (:func:`~dflop_ds.precision.check_precisions`).
     """
-    check_precisions(enabled_precisions(ds_config), "the DeepSpeed config")
-    if pipeline_stages > 1 and autotp_size(ds_config) > 1:
+    keys = deepspeed_keys(ds_config)
+    check_precisions(keys.precisions, "the DeepSpeed config")
+    if pipeline_stages > 1 and keys.autotp_size > 1:
         raise ValueError(
             "tensor_parallel.autotp_size > 1 needs pipeline_stages == 1: AutoTP shards the plain "
             "engine's model; a PipelineModule gives it nothing to shard"

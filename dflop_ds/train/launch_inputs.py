@@ -242,17 +242,17 @@ def resolve_cost_model(cfg: DFLOPConfig, log: Callable[[str], None] = print) -> 
     ``"proxy"``: None (the unitless proxy); unset: the tiny model's profiled cost model from the
     profile cache (profiled once per model, machine and software, see
     :mod:`dflop_ds.profile.cache`). HuggingFace models without one use the proxy."""
-    if cfg.cost_model == PROXY:
+    if cfg.sampler.cost_model == PROXY:
         return None, "the unitless proxy (dflop.sampler.cost_model = proxy)"
-    if cfg.cost_model is not None:
-        return load_cost_model(cfg.cost_model), cfg.cost_model
-    if cfg.model_name_or_path is not None:
+    if cfg.sampler.cost_model is not None:
+        return load_cost_model(cfg.sampler.cost_model), cfg.sampler.cost_model
+    if cfg.model.name_or_path is not None:
         log(
             "[dflop-ds] no cost model given: balancing on the unitless proxy (profile the model with "
             "`dflop-ds profile model --model_name_or_path ...` and pass --cost-model)"
         )
         return None, "the unitless proxy (no cost model given)"
-    cost_model, path = cached_tiny_cost_model(cfg.model, log=log, repeats=AUTO_PROFILE_REPEATS)
+    cost_model, path = cached_tiny_cost_model(cfg.model.tiny, log=log, repeats=AUTO_PROFILE_REPEATS)
     return cost_model, f"the profile cache {path}"
 
 
@@ -281,7 +281,7 @@ def agree_on_inputs(
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     plan_state = None if plan is None else plan.to_dict()
-    plan_source = cfg.plan or "no plan"
+    plan_source = cfg.plan.file or "no plan"
     payload: list[Any] = [None]
     failure: Exception | None = None
     if rank == 0:
@@ -319,7 +319,9 @@ def check_against_rank_zero(
     files the records name (each differing file named), plan and named cost model (the shape
     table, and a cost model not named, it takes from rank 0); an input it cannot read is a
     disagreement too."""
-    named = cfg.cost_model if cfg.cost_model != PROXY else None  # a named cost model: this rank reads its own copy
+    named = (
+        cfg.sampler.cost_model if cfg.sampler.cost_model != PROXY else None
+    )  # a named cost model: this rank reads its own copy
     try:
         media = _own_media(cfg)
         mine = input_digests(
@@ -328,7 +330,7 @@ def check_against_rank_zero(
             cost_source=named,
             plan_state=plan_state,
             plan_source=plan_source,
-            data_path=cfg.data,
+            data_path=cfg.data.path,
             shapes_source="",
             media=media,
             media_source=_media_source(cfg),
@@ -343,16 +345,16 @@ def check_against_rank_zero(
 
 def _own_media(cfg: DFLOPConfig) -> dict[str, int] | None:
     """This process's :func:`media_listing` of the run's data file (None without a readable one)."""
-    if cfg.data is None or not Path(cfg.data).is_file():
+    if cfg.data.path is None or not Path(cfg.data.path).is_file():
         return None
-    return media_listing(cfg.data, cfg.image_folder, cfg.video_folder)
+    return media_listing(cfg.data.path, cfg.data.image_folder, cfg.data.video_folder)
 
 
 def _media_source(cfg: DFLOPConfig) -> str:
-    data = cfg.data or ""
+    data = cfg.data.path or ""
     return (
-        f"the images under {media_folder(data, cfg.image_folder)} and videos under"
-        f" {media_folder(data, cfg.video_folder)} that {data} names"
+        f"the images under {media_folder(data, cfg.data.image_folder)} and videos under"
+        f" {media_folder(data, cfg.data.video_folder)} that {data} names"
     )
 
 
@@ -376,8 +378,8 @@ def _resolve_on_rank_zero(
         cost_source=cost_source,
         plan_state=plan_state,
         plan_source=plan_source,
-        data_path=cfg.data,
-        shapes_source=f"the records and media headers of {cfg.data}, read on rank 0",
+        data_path=cfg.data.path,
+        shapes_source=f"the records and media headers of {cfg.data.path}, read on rank 0",
         media=media,
         media_source=_media_source(cfg),
     )

@@ -21,6 +21,7 @@ import torch
 from dflop_ds.config import DFLOPConfig
 from dflop_ds.cost import ProxyCost, memory_blind_model, sampler_cost_model
 from dflop_ds.cost.stage import stage_memory_caps
+from dflop_ds.deepspeed_keys import deepspeed_keys
 from dflop_ds.launch import finish_rank, release_shm_buffer_once_mapped, share_cpu_threads
 from dflop_ds.loader import make_loader
 from dflop_ds.models.hf.source import hf_source
@@ -48,10 +49,10 @@ def run_memory_cap(
     """The run's memory cap (:func:`~dflop_ds.train.memory_cap.resolve_memory_cap`): the config's,
     ``plan``'s (the run's plan, if any), or the default from this device's memory (a collective:
     every rank calls this)."""
-    from_plan = plan is not None and plan.memory_cap_bytes == cfg.memory_cap_bytes
+    from_plan = plan is not None and plan.memory_cap_bytes == cfg.sampler.memory_cap_bytes
     return resolve_memory_cap(
-        cfg.memory_cap_bytes,
-        cfg.sampler,
+        cfg.sampler.memory_cap_bytes,
+        cfg.sampler.kind,
         from_plan,
         lambda: device_memory_cap(trainer.module, ds_config, trainer.dp_coords[1], accelerator),
         memory_blind_model(sampler_cost),
@@ -70,23 +71,23 @@ def sampler_memory_cap(cap: MemoryCap, sampler_cost: Any, num_stages: int, micro
 
 def model_source(cfg: DFLOPConfig) -> ModelSource:
     """The tiny model, or the HuggingFace model of ``dflop.model.name_or_path``."""
-    if cfg.model_name_or_path is None:
+    if cfg.model.name_or_path is None:
         return tiny_source(
-            cfg.model,
-            policy_name=cfg.policy,
-            seed=cfg.seed,
-            image_folder=cfg.image_folder,
-            video_folder=cfg.video_folder,
+            cfg.model.tiny,
+            policy_name=cfg.data.policy,
+            seed=cfg.train.seed,
+            image_folder=cfg.data.image_folder,
+            video_folder=cfg.data.video_folder,
         )
     return hf_source(
-        cfg.model_name_or_path,
-        image_folder=cfg.image_folder,
-        lora=cfg.lora,
-        max_length=cfg.max_length,
-        truncation=cfg.truncation,
-        video_folder=cfg.video_folder,
-        video_fps=cfg.video_fps,
-        video_max_frames=cfg.video_max_frames,
+        cfg.model.name_or_path,
+        image_folder=cfg.data.image_folder,
+        lora=cfg.model.lora,
+        max_length=cfg.data.max_length,
+        truncation=cfg.data.truncation,
+        video_folder=cfg.data.video_folder,
+        video_fps=cfg.data.video_fps,
+        video_max_frames=cfg.data.video_max_frames,
     )
 
 
@@ -127,18 +128,18 @@ class Run:
     @property
     def pipelined(self) -> bool:
         """Whether DeepSpeed's pipeline engine trains (more than one stage)."""
-        return self.cfg.pipeline_stages > 1
+        return self.cfg.plan.pipeline_stages > 1
 
     @property
     def colocated(self) -> bool:
         """Whether the encoder runs beside the LLM, dispatched by cost over the ranks."""
-        return self.cfg.encoder == "colocated"
+        return self.cfg.model.encoder == "colocated"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Train as the config says; 0 on success."""
     run = run_settings(argv)
-    run.world, run.rank = start_distributed(run.cfg.seed)
+    run.world, run.rank = start_distributed(run.cfg.train.seed)
     load_inputs(run)
     build_trainer(run)
     build_sampler(run, build_sampler_cost(run))
@@ -191,13 +192,15 @@ def load_inputs(run: Run) -> None:
     cfg = run.cfg
     # every rank is told of one rank's failure to load the model (no rank left waiting in a collective)
     run.source = source = all_ranks_or_none("loading the model", lambda: model_source(cfg))
-    inputs = agree_on_inputs(cfg, lambda: source.read_shapes(cfg.data, cfg.on_bad_sample), run.plan)
+    inputs = agree_on_inputs(cfg, lambda: source.read_shapes(cfg.data.path, cfg.data.on_bad_sample), run.plan)
     if run.rank == 0:
         print_skip_report(inputs.shapes.report)
         if source.truncated_samples():
             print(f"[dflop-ds] {source.truncated_samples()} sample(s) cut at dflop.data.max_length", flush=True)
-    run.shapes = inputs.shapes[: cfg.max_samples]
-    run.dataset = source.make_dataset(run.shapes, cfg.data, cfg.on_bad_sample)  # bad media stand in under skip
+    run.shapes = inputs.shapes[: cfg.data.max_samples]
+    run.dataset = source.make_dataset(
+        run.shapes, cfg.data.path, cfg.data.on_bad_sample
+    )  # bad media stand in under skip
     run.cost_model = inputs.cost_model
     if run.cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
         check_cost_model_fits(
@@ -205,7 +208,7 @@ def load_inputs(run: Run) -> None:
             source.policy,
             encoder_layers=len(source.encoder_layers),
             llm_layers=len(source.llm_layers),
-            source=str(cfg.cost_model),
+            source=str(cfg.sampler.cost_model),
         )
 
 
@@ -233,17 +236,19 @@ def build_trainer(run: Run) -> None:
     injected), after the setup checks, with the run's correction and packing switch."""
     cfg, source = run.cfg, run.source
     encoder, projector, llm = source.layers()
-    encoder = inject_fault(encoder, cfg.fault, run.ds_config)  # testing only: an optional slow shape class
+    encoder = inject_fault(
+        encoder, cfg.testing.fault, deepspeed_keys(run.ds_config)
+    )  # testing only: an optional slow shape class
     check_training_setup(
         run.ds_config, cfg, run.world, plan=run.plan, n_samples=len(run.shapes), n_layers=source.n_layers
     )
     if run.colocated:  # refused now, not after building
         run.tile_pixels = source.colocated_tile_pixels()
     bounds = stage_bounds(
-        cfg.pipeline_stages,
+        cfg.plan.pipeline_stages,
         run.shapes,
         run.cost_model,
-        given=cfg.stage_bounds,
+        given=cfg.plan.stage_bounds,
         colocated=run.colocated,
         encoder_layers=len(encoder),
     )
@@ -252,16 +257,16 @@ def build_trainer(run: Run) -> None:
         projector,
         llm,
         run.ds_config,
-        pipeline_stages=cfg.pipeline_stages,
+        pipeline_stages=cfg.plan.pipeline_stages,
         stage_bounds=bounds,
-        freeze_encoder=cfg.freeze_encoder,
-        lr=cfg.lr,
+        freeze_encoder=cfg.model.freeze_encoder,
+        lr=cfg.train.lr,
         colocated=run.colocated,
         hf_model=source.hf_model,
-        activation_checkpoint_interval=int(cfg.activation_checkpointing),
+        activation_checkpoint_interval=int(cfg.model.activation_checkpointing),
     )
     run.correction = make_correction(cfg.correction, run.trainer.num_stages) if run.pipelined else None
-    run.packing = source.uses_packing(cfg.packing)
+    run.packing = source.uses_packing(cfg.model.packing)
 
 
 def build_sampler_cost(run: Run) -> Any:
@@ -306,7 +311,7 @@ def build_sampler(run: Run, sampler_cost: Any) -> None:
         lockstep=not run.pipelined,
         memory_cap=microbatch_cap,
     )
-    run.sampler.check_steps(run.cfg.steps)  # a global batch the memory cap cannot split is refused before step 0
+    run.sampler.check_steps(run.cfg.train.steps)  # a global batch the memory cap cannot split is refused before step 0
 
 
 def build_loader(run: Run) -> None:
@@ -323,7 +328,7 @@ def build_loader(run: Run) -> None:
             run.sampler, dataset, collate, run.shapes, costs, pixels_of=run.tile_pixels, **run.trainer.dispatch_ranks()
         )
     # the loader's state is what training consumed, not what its workers prefetched
-    run.loader = make_loader(dataset, run.sampler, collate_fn=collate, num_workers=run.cfg.num_workers)
+    run.loader = make_loader(dataset, run.sampler, collate_fn=collate, num_workers=run.cfg.data.num_workers)
 
 
 def train(run: Run) -> None:
@@ -331,13 +336,13 @@ def train(run: Run) -> None:
     from deepspeed.utils import RepeatingLoader
 
     cfg, args, trainer = run.cfg, run.args, run.trainer
-    first_step = resume(trainer, run.loader, cfg, run.correction) if cfg.resume else 0
+    first_step = resume(trainer, run.loader, cfg, run.correction) if cfg.train.resume else 0
     data_iter = iter(RepeatingLoader(run.loader))
     tracker = None
-    if cfg.telemetry and run.pipelined:  # per-instruction timers exist only in the pipeline engine
+    if cfg.telemetry.enabled and run.pipelined:  # per-instruction timers exist only in the pipeline engine
         jsonl_path = args.telemetry or default_jsonl_path(run.ds_config)
         tracker = RuntimeTracker(trainer.engine, run.sampler, run.correction, jsonl_path=jsonl_path)
-    records = [train_one_step(run, step, data_iter, tracker) for step in range(first_step, cfg.steps)]
+    records = [train_one_step(run, step, data_iter, tracker) for step in range(first_step, cfg.train.steps)]
     if args.output_dir:
         save_model(trainer, run.source, args.output_dir)
     if run.rank == 0 and records:
@@ -365,17 +370,19 @@ def train_one_step(run: Run, step: int, data_iter: Any, tracker: RuntimeTracker 
         print(
             f"[dflop-ds] step {step:3d} loss {record['loss']:.4f} time {elapsed:.3f}s "
             f"samples/s {record.get('samples', 0) / elapsed:.1f} "
-            f"imbalance {record.get('imbalance')} sampler={cfg.sampler}",
+            f"imbalance {record.get('imbalance')} sampler={cfg.sampler.kind}",
             flush=True,
         )
     done = step + 1
-    if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
+    if cfg.train.checkpoint_dir and (
+        done == cfg.train.steps or (cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0)
+    ):
         client_state = {
             "dflop_sampler": run.loader.state_dict(),
             "dflop_step": done,
             "dflop_correction": run.correction.state_dict() if run.correction else None,
         }
-        trainer.save_checkpoint(cfg.checkpoint_dir, f"step{done}", client_state)
+        trainer.save_checkpoint(cfg.train.checkpoint_dir, f"step{done}", client_state)
     if args.exit_after_step is not None and step == args.exit_after_step:
         os._exit(17)
     return record
@@ -392,7 +399,7 @@ def write_summary(run: Run, records: list[dict]) -> None:
     summary.update(
         stage_bounds=trainer.stage_bounds,
         engine="pipeline" if run.pipelined else "plain",
-        zero_stage=int(run.ds_config.get("zero_optimization", {}).get("stage", 0)),
+        zero_stage=deepspeed_keys(run.ds_config).stage,
         gradient_accumulation_steps=engine.gradient_accumulation_steps(),
         train_batch_size=engine.train_batch_size(),
         model=run.source.name,
@@ -428,11 +435,11 @@ def sharded_layers(module: torch.nn.Module) -> list[str]:
 def resume(trainer: TrainingEngine, loader: Any, cfg: DFLOPConfig, correction: Any = None) -> int:
     """Load the latest checkpoint, restore the loader's (sampler's) position and the correction's
     state; the step to continue from."""
-    if cfg.checkpoint_dir is None:
+    if cfg.train.checkpoint_dir is None:
         raise ValueError("resuming needs dflop.train.checkpoint_dir")
-    load_path, client_state = trainer.load_checkpoint(cfg.checkpoint_dir)
+    load_path, client_state = trainer.load_checkpoint(cfg.train.checkpoint_dir)
     if load_path is None:
-        print(f"[dflop-ds] no checkpoint in {cfg.checkpoint_dir}: starting from step 0", flush=True)
+        print(f"[dflop-ds] no checkpoint in {cfg.train.checkpoint_dir}: starting from step 0", flush=True)
         return 0
     if "dflop_sampler" not in client_state:
         raise ValueError(f"checkpoint {load_path} has no dflop sampler state: it was not written by dflop-ds")
@@ -477,12 +484,12 @@ def write_trace(path: str, step: int, sampler: Any) -> None:
 
 def summarize(records: list[dict], cfg: DFLOPConfig, dp_size: int) -> dict:
     """Throughput and balance over the steps after warm-up."""
-    timed = records[cfg.warmup_steps :] or records
+    timed = records[cfg.train.warmup_steps :] or records
     return {
-        "sampler": cfg.sampler,
+        "sampler": cfg.sampler.kind,
         "steps": len(timed),
         "dp": dp_size,
-        "pipeline_stages": cfg.pipeline_stages,
+        "pipeline_stages": cfg.plan.pipeline_stages,
         **throughput(timed),
         "imbalance_llm": float(np.mean([r["imbalance"][-1] for r in timed])),
         "imbalance_encoder": float(np.mean([r["imbalance"][0] for r in timed])),

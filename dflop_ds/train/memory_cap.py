@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from dflop_ds.config import AUTO, OFF, enabled_precisions
+from dflop_ds.config import AUTO, OFF
+from dflop_ds.deepspeed_keys import deepspeed_keys
 from dflop_ds.plan.cluster import state_factor
 
 #: share of a device's free memory the default cap leaves unused
@@ -54,12 +55,6 @@ class MemoryCap:
             return f"no memory cap ({self.source})"
         detail = f": {self.detail}" if self.detail else ""
         return f"memory cap {self.bytes / GB:.3g} GB of activations per device (from the {self.source}{detail})"
-
-
-def config_precision(ds_config: Mapping[str, Any]) -> str:
-    """The training precision a DeepSpeed config enables: ``"bf16"``, ``"fp16"`` or ``"fp32"``."""
-    enabled = enabled_precisions(ds_config)
-    return enabled[0] if enabled else "fp32"
 
 
 def rank_state_bytes(module: torch.nn.Module, precision: str, zero_stage: int, dp: int) -> float:
@@ -114,8 +109,8 @@ def device_memory_cap(module: torch.nn.Module, ds_config: Mapping[str, Any], dp:
     device = accelerator.current_device_name()
     free = float(accelerator.available_memory())
     held = float(accelerator.memory_allocated())
-    zero_stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-    precision = config_precision(ds_config)
+    keys = deepspeed_keys(ds_config)
+    zero_stage, precision = keys.stage, keys.precision
     states = rank_state_bytes(module, precision, zero_stage, dp)
     sharing = ranks_sharing_device(device)
     budget = smallest_over_ranks(device_activation_budget(free, held, states, sharing), device)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dflop_ds.config import DFLOPConfig, enabled_precisions, fill_from_plan, get_setting, plan_path, set_settings
+from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, plan_path, set_settings
+from dflop_ds.deepspeed_keys import deepspeed_keys
 from dflop_ds.jsonio import read_json_object
 from dflop_ds.plan import Plan
 from dflop_ds.precision import check_precisions
@@ -120,9 +121,9 @@ def load_run_settings(args: argparse.Namespace, *, check_device: bool = True) ->
         ds_config, block = fill_from_plan(ds_config, block, loaded)
     where = f"plan {get_setting(block, 'plan')}" if plan else f"DeepSpeed config {args.deepspeed_config}"
     if check_device:
-        check_precisions(enabled_precisions(ds_config), where)  # refused here, before DeepSpeed does
+        check_precisions(deepspeed_keys(ds_config).precisions, where)  # refused here, before DeepSpeed does
     cfg = DFLOPConfig.from_dict(block, source=args.deepspeed_config)
-    return ds_config, cfg, loaded if loaded is not None else load_plan(cfg.plan)
+    return ds_config, cfg, loaded if loaded is not None else load_plan(cfg.plan.file)
 
 
 def load_plan(path: str | None):
@@ -135,12 +136,12 @@ def load_plan(path: str | None):
 def sampler_settings(cfg: DFLOPConfig) -> SamplerSettings:
     """The sampler's settings of the ``"dflop"`` block: the one place they are read from it."""
     return SamplerSettings(
-        method=cfg.sampler,
-        seed=cfg.seed,
-        prefetch=cfg.prefetch,
-        time_limit_s=cfg.time_limit_s,
-        ilp_nodes=cfg.ilp_nodes,
-        drop_last=cfg.drop_last,
-        schedule_timeout_s=cfg.schedule_timeout_s,
-        allow_oversize=cfg.allow_oversize,
+        method=cfg.sampler.kind,
+        seed=cfg.train.seed,
+        prefetch=cfg.sampler.prefetch,
+        time_limit_s=cfg.sampler.time_limit_s,
+        ilp_nodes=cfg.sampler.ilp_nodes,
+        drop_last=cfg.sampler.drop_last,
+        schedule_timeout_s=cfg.sampler.schedule_timeout_s,
+        allow_oversize=cfg.sampler.allow_oversize,
     )

@@ -4,10 +4,8 @@ its family's training pieces (:func:`~dflop_ds.models.hf.registry.family_of`,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
+from dflop_ds.models.hf.lora import LoraSettings
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
 from dflop_ds.models.hf.registry import family_of
 from dflop_ds.models.hf.training import training_source
@@ -18,7 +16,7 @@ def hf_source(
     model_dir: str,
     *,
     image_folder: str | None = None,
-    lora: Mapping[str, Any] | None = None,
+    lora: LoraSettings | None = None,
     max_length: int | None = None,
     truncation: str = "error",
     video_folder: str | None = None,
@@ -31,7 +29,7 @@ def hf_source(
         model_dir: a ``save_pretrained`` directory of the model with its processor.
         image_folder: folder the records' image paths are relative to (default: the data
             file's folder).
-        lora: LoRA settings for the language model (see :func:`dflop_ds.models.hf.lora.apply_lora`);
+        lora: LoRA settings for the language model (:class:`~dflop_ds.models.hf.lora.LoraSettings`);
             None trains all weights.
         max_length, truncation: sequence-length rule of the tokenization.
         video_folder: folder the records' video paths are relative to (default: the data file's

@@ -19,7 +19,7 @@ import torch
 from dflop_ds.data.dispatch import shape_reader
 from dflop_ds.data.media import media_folder
 from dflop_ds.models.hf.llava_data import load_llava_records, supervised_targets
-from dflop_ds.models.hf.lora import apply_lora
+from dflop_ds.models.hf.lora import LoraSettings, apply_lora
 from dflop_ds.models.source import ModelSource
 
 
@@ -69,7 +69,7 @@ def training_source(
     preprocessor: Any,
     *,
     image_folder: str | None = None,
-    lora: Mapping[str, Any] | None = None,
+    lora: LoraSettings | None = None,
     video_folder: str | None = None,
 ) -> ModelSource:
     """The training-loop source of ``model_dir`` for a model family's training ``parts`` with its ``preprocessor``

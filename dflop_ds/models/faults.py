@@ -1,4 +1,5 @@
-"""Fault injection: make one shape class slower than the cost model believes, at run time."""
+"""Fault injection (``dflop.testing.fault``): make one shape class of the tiny model slower than the
+cost model believes, at run time, for tests and demos of the adaptive correction."""
 
 from __future__ import annotations
 
