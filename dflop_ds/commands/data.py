@@ -162,7 +162,7 @@ def apply_training_config(args: argparse.Namespace) -> None:
     args.policy = args.policy or config.data.policy
     for name in ("image_folder", "video_folder", *HF_ONLY_OPTIONS):
         if getattr(args, name) is None:
-            setattr(args, name, getattr(config, name))
+            setattr(args, name, getattr(config.data, name))
     if not args.model_name_or_path:  # the tiny model: training applies no length or video rule
         for name in HF_ONLY_OPTIONS:
             setattr(args, name, None)
