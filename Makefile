@@ -18,11 +18,13 @@ RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONUNBUFFERED=1 TORCH_EXTE
 
 .PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-scale bench-e2e bench-dp validate-simulator bench-hf bench-trainer readme-figure gpu-wheels gpu-check clean
 
+# the trl extra (TRL's SFTTrainer for tests/test_hf_trainer_trl.py) pulls no torch of its own: trl,
+# datasets, pandas, pyarrow, dill, multiprocess, xxhash (pip install --dry-run, 2026-11-26)
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(strip $(TORCH_SPEC)),$(PY) -m pip install --quiet $(TORCH_SPEC))
-	$(PY) -m pip install --quiet -e ".[test,hf,video]"
+	$(PY) -m pip install --quiet -e ".[test,hf,video,trl]"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -6,10 +6,16 @@ microbatches switched on by the three lines marked ``# DFLOP``.
         --output_dir trained/ --per_device_train_batch_size 4 --gradient_accumulation_steps 2 \\
         --num_train_epochs 1 --logging_steps 1 --save_steps 100 --bf16
 
-On a machine without a GPU add ``--use_cpu`` (and drop ``--bf16``), else the Trainer counts one
-process. Resume after a kill with ``--resume_from_checkpoint trained/checkpoint-N``. The DeepSpeed
-config's ``"dflop"`` block picks the sampler (``dflop``, ``stock``, ``llava``, ``verl``) and the
-cost model; its batch keys may be ``"auto"`` (filled from these arguments) or numbers.
+or with accelerate's launcher and a DeepSpeed plugin config (its ``deepspeed_config_file`` replaces
+``--deepspeed``)::
+
+    accelerate launch --config_file examples/accelerate_deepspeed.yaml examples/hf_trainer.py \\
+        --model_name_or_path MODEL_DIR --data_path data.json --image_folder images/ --output_dir trained/
+
+On a machine without a GPU add ``--use_cpu``, else the Trainer counts one process. Resume after a
+kill with ``--resume_from_checkpoint trained/checkpoint-N``. The DeepSpeed config's ``"dflop"``
+block picks the sampler (``dflop``, ``stock``, ``llava``, ``verl``) and the cost model; its batch
+keys may be ``"auto"`` (filled from these arguments) or numbers equal to them.
 
 Everything but the marked lines is a plain Trainer script: its own Dataset and padded collator.
 """

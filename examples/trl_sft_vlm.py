@@ -1,6 +1,6 @@
 """TRL's vision-language SFT script, switched to DFLOP's microbatches by the lines marked ``# DFLOP``.
 
-    accelerate launch --config_file deepspeed_zero2.yaml examples/trl_sft_vlm.py \\
+    accelerate launch --config_file examples/accelerate_deepspeed.yaml examples/trl_sft_vlm.py \\
         --dataset_name HuggingFaceH4/llava-instruct-mix-vsft --model_name_or_path MODEL_DIR \\
         --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --output_dir sft-out \\
         --bf16 --max_length None

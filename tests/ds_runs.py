@@ -6,11 +6,12 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dflop_ds.launch import run_deepspeed
+from dflop_ds.launch import clear_stale_build_locks, free_port, launch_env, release_shm_buffers, run_deepspeed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,6 +36,36 @@ def run_on_ranks(
         assert result.returncode != 0, output
     else:
         assert result.returncode == expect, output
+    return result
+
+
+def run_with_accelerate(
+    script: Path,
+    args: Sequence[Any],
+    *,
+    config_file: Path,
+    deepspeed_config_file: Path,
+    ranks: int = 2,
+    timeout: float = 600,
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """``script args`` under ``accelerate launch --config_file config_file`` (a DeepSpeed plugin
+    config) with its ``deepspeed_config_file`` replaced, on ``ranks`` processes, from the repository
+    root; asserts it exits 0 (showing the output's tail otherwise) and returns the finished process."""
+    port = free_port()
+    command = [
+        str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config_file),
+        "--deepspeed_config_file", str(deepspeed_config_file), "--num_processes", str(ranks),
+        "--main_process_port", str(port), str(script), *map(str, args),
+    ]  # fmt: skip
+    clear_stale_build_locks()
+    try:
+        result = subprocess.run(
+            command, cwd=REPO, env=launch_env(**(extra_env or {})), capture_output=True, text=True, timeout=timeout
+        )
+    finally:
+        release_shm_buffers(port)
+    assert result.returncode == 0, f"exit code {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     return result
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ds_runs import REPO, run_on_ranks
+from ds_runs import REPO, run_on_ranks, run_with_accelerate
 
 from dflop_ds.hf_trainer import (
     SAMPLER_STATE,
@@ -27,7 +27,12 @@ from dflop_ds.hf_trainer import (
 )
 from dflop_ds.hf_trainer.agreement import ranks_disagreement, trainer_input_digests
 from dflop_ds.hf_trainer.guard import BlankImage, has_images, with_blank_image
-from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, epoch_batches_with_tail, trainer_data_parallel_coords
+from dflop_ds.hf_trainer.sampler import (
+    TrainerBatchSampler,
+    epoch_batches_with_tail,
+    last_step_microbatches,
+    trainer_data_parallel_coords,
+)
 from dflop_ds.launch import CLEAN_SHUTDOWN
 from dflop_ds.schedule import DFLOPBatchSampler
 from dflop_ds.shapes import SampleShape
@@ -89,6 +94,41 @@ def test_trainer_epochs_train_every_sample_once_in_gas_microbatches_and_restart_
     again = ranks[1]
     again.set_epoch(1)  # a restart at any epoch yields the same microbatches
     assert [[int(i) for i in mb] for mb in again] == per_epoch[1, 1]
+
+
+def test_the_last_step_of_an_epoch_has_one_sample_per_microbatch_or_fewer_microbatches():
+    assert [last_step_microbatches(n, 8, 2, 2) for n in (16, 20, 19, 18, 17)] == [2, 2, 1, 1, 2]
+    assert last_step_microbatches(20, 8, 2, 2, drop_last=True) == 2  # the rest is dropped: a full last step
+    assert [last_step_microbatches(n, 9, 3, 1) for n in (28, 29, 27)] == [1, 2, 3]
+
+
+def test_a_short_rest_is_a_last_step_of_fewer_microbatches_on_every_rank_and_each_sample_trains_once():
+    def ranks(n: int, last_step: bool = True) -> list[TrainerBatchSampler]:
+        def sampler(gbs: int, gas: int, rank: int) -> DFLOPBatchSampler:
+            return DFLOPBatchSampler(
+                shapes(n), global_batch_size=gbs, gradient_accumulation_steps=gas, dp_rank=rank, dp_size=2
+            )
+
+        return [
+            TrainerBatchSampler(
+                sampler(8, 2, r), last_step_sampler=sampler(n % 8, 1, r) if last_step and n % 8 >= 2 else None
+            )
+            for r in range(2)
+        ]
+
+    for n, dropped in ((18, 0), (17, 1)):  # a rest of 2: one microbatch of 1 per rank; of 1: fewer than the ranks
+        both = ranks(n)
+        assert [len(rank) for rank in both] == [2 * 2 + (1 - dropped)] * 2 and both[0].dropped_per_epoch == dropped
+        for epoch in range(2):
+            seen = []
+            for rank in both:
+                rank.set_epoch(epoch)
+                microbatches = [[int(i) for i in mb] for mb in rank]
+                assert len(microbatches) == len(rank) and all(microbatches)
+                seen += [i for mb in microbatches for i in mb]
+            assert len(seen) == len(set(seen)) == n - dropped
+    with pytest.raises(ValueError, match=r"the last 2 samples of an epoch fill 1 microbatches per rank, not 2"):
+        ranks(18, last_step=False)
 
 
 def test_tensor_parallel_peers_share_a_data_parallel_rank():
@@ -249,6 +289,61 @@ def test_single_process_loader_yields_gas_microbatches_of_the_global_batch(tiny_
     assert sorted(torch.cat(batches).tolist()) == list(range(RECORDS))
 
 
+def test_the_loader_trains_a_short_rest_in_a_last_step_of_fewer_microbatches(tiny_trainer_parts):
+    model, args, _, good = tiny_trainer_parts
+    args.per_device_train_batch_size, args.gradient_accumulation_steps = 3, 3  # 28 = 3 x 9 + 1
+    dataset = torch.utils.data.TensorDataset(torch.arange(RECORDS))
+    collate = lambda items: torch.stack([item[0] for item in items])  # noqa: E731
+    trainer = DFLOPTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate, sample_shapes=good)
+    loader = trainer.get_train_dataloader()
+    assert len(loader) == 3 * 3 + 1  # the Trainer's last update step takes len % gas = 1 microbatch
+    batches = list(loader)
+    assert len(batches) == len(loader) and batches[-1].tolist() != []
+    assert sorted(torch.cat(batches).tolist()) == list(range(RECORDS))
+
+
+def test_explicit_batch_keys_must_equal_training_arguments_from_either_launcher(llava_inputs, tmp_path, monkeypatch):
+    from transformers import AutoModelForImageTextToText, TrainingArguments
+
+    model_dir, data, images = llava_inputs
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir))
+    dataset = torch.utils.data.TensorDataset(torch.zeros(RECORDS, 3))
+    good = llava_json_shapes(data, str(model_dir), image_folder=images)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")  # undone after the test, as the Trainer sets it
+    base = json.loads((REPO / "ds_configs" / "hf_trainer_zero2.json").read_text())
+    explicit = {**base, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "train_batch_size": 4}
+    explicit["dflop"] = {"sampler": {"kind": "stock"}}
+
+    def trainer(deepspeed=None, gas=2):
+        args = TrainingArguments(
+            output_dir=str(tmp_path), use_cpu=True, report_to="none", deepspeed=deepspeed,
+            per_device_train_batch_size=2, gradient_accumulation_steps=gas,
+        )  # fmt: skip
+        return DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good)
+
+    assert trainer(explicit).dflop_settings.sampler == "stock"  # numbers that agree, and the block is read
+    assert trainer(base).is_deepspeed_enabled  # "auto" keys
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)DeepSpeed config TrainingArguments\.deepspeed disagrees.*"
+        r"ds gradient_accumulation_steps=2 vs hf gradient_accumulation_steps=4",
+    ):
+        trainer(explicit, gas=4)
+    # accelerate launch --config_file <a DeepSpeed plugin config>: the config comes from the plugin
+    path = tmp_path / "plugin.json"
+    path.write_text(json.dumps({**explicit, "train_micro_batch_size_per_gpu": 4}))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    with pytest.raises(
+        ValueError,
+        match=rf"(?s)ACCELERATE_DEEPSPEED_CONFIG_FILE={path}\) disagrees.*"
+        r"ds train_micro_batch_size_per_gpu=4 vs hf per_device_train_batch_size=2",
+    ):
+        trainer()
+    path.write_text(json.dumps(explicit))
+    assert trainer().dflop_settings.sampler == "stock"  # the plugin config's "dflop" block
+
+
 def test_resume_from_a_checkpoint_of_another_dataset_is_refused(tiny_trainer_parts, tmp_path):
     model, args, _, good = tiny_trainer_parts
     dataset = torch.utils.data.TensorDataset(torch.arange(RECORDS))
@@ -321,16 +416,20 @@ def test_cost_model_of_another_shape_policy_or_depth_is_refused_by_the_trainer(t
 # ---- on two DeepSpeed ranks ----------------------------------------------------------------------
 
 
+def rank_env() -> dict[str, str]:
+    """What the launched ranks need: this checkout's dflop_ds first, one thread each."""
+    return {
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+
+
 @pytest.fixture(scope="module")
 def trainer_reports(llava_inputs, tmp_path_factory):
     model, data, images = llava_inputs
     out = tmp_path_factory.mktemp("hf_trainer_run")
-    env = {
-        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-    }
     args = ["--out", out, "--model", model, "--data", data, "--images", images, "--epochs", 2, "--stop_at", 2]
-    result = run_on_ranks(SCRIPT, [str(a) for a in args], extra_env=env, timeout=900)
+    result = run_on_ranks(SCRIPT, [str(a) for a in args], extra_env=rank_env(), timeout=900)
     assert all(f"{CLEAN_SHUTDOWN} {r}\n" in result.stdout for r in (0, 1)), result.stdout[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -372,3 +471,59 @@ def test_trainer_sgd_step_over_uneven_microbatches_equals_the_whole_batch(traine
 @pytest.mark.slow
 def test_the_example_trains_and_saves(trainer_reports):
     assert trainer_reports[0]["example"]["saved"]
+
+
+# ---- ZeRO-3, LoRA, explicit batch keys and bf16 under accelerate launch ------------------------------
+
+ADAPTER_GAS, ADAPTER_SEED = 3, 7
+
+
+@pytest.fixture(scope="module")
+def adapter_reports(llava_inputs, tmp_path_factory):
+    """One ``accelerate launch`` with the shipped DeepSpeed plugin config pointed at
+    ds_configs/hf_trainer_zero3.json with numeric batch keys (2 x 3 microbatches x 2 ranks) and a
+    ``dflop.train.seed``: a LoRA model for one epoch, in bf16 where DeepSpeed's accelerator has it.
+    Returns ``(bf16, reports)``."""
+    from deepspeed.accelerator import get_accelerator
+
+    model, data, images = llava_inputs
+    out = tmp_path_factory.mktemp("hf_trainer_adapters")
+    config = json.loads((REPO / "ds_configs" / "hf_trainer_zero3.json").read_text())
+    config.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=ADAPTER_GAS, train_batch_size=12)
+    config["dflop"]["train"] = {"seed": ADAPTER_SEED}
+    (out / "ds.json").write_text(json.dumps(config))
+    bf16 = bool(get_accelerator().is_bf16_supported())
+    args = ["--out", out, "--model", model, "--data", data, "--images", images, "--deepspeed", "none"]
+    args += ["--checks", "adapters", *(["--bf16"] if bf16 else [])]
+    result = run_with_accelerate(
+        SCRIPT,
+        args,
+        config_file=REPO / "examples" / "accelerate_deepspeed.yaml",
+        deepspeed_config_file=out / "ds.json",
+        extra_env=rank_env(),
+        timeout=900,
+    )
+    output = result.stdout + result.stderr
+    assert all(f"{CLEAN_SHUTDOWN} {r}\n" in output for r in (0, 1)), output[-3000:]
+    return bf16, [json.loads((out / f"rank{r}.json").read_text())["adapters"] for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_trainer_zero3_lora_under_accelerate_trains_every_sample_once_ending_on_a_shorter_step(adapter_reports):
+    _, runs = adapter_reports
+    fetched = [i for run in runs for i in run["fetched"]]
+    assert np.bincount(fetched, minlength=RECORDS).tolist() == [1] * RECORDS
+    # 28 = 2 global batches of 12, then 4 samples: one microbatch of 1 for each of 2 ranks x 2
+    assert all(run["per_step"] == [ADAPTER_GAS, ADAPTER_GAS, 2] for run in runs) and runs[0]["steps"] == 3
+    assert all(run["zero_stage"] == 3 and run["model"] == "PeftModel" for run in runs)
+    assert runs[0]["seed"] == ADAPTER_SEED  # the "dflop" block of the plugin's deepspeed_config_file
+    assert runs[0]["lora_moved"] > 0  # LoRA's B matrices start at zero
+    assert len(runs[0]["losses"]) == 3 and all(np.isfinite(runs[0]["losses"]))
+
+
+@pytest.mark.slow
+def test_trainer_trains_in_bf16_where_the_accelerator_has_it(adapter_reports):
+    bf16, runs = adapter_reports
+    if not bf16:
+        pytest.skip("DeepSpeed's accelerator reports no bf16 support: the launch ran in fp32")
+    assert all(run["bf16"] for run in runs)

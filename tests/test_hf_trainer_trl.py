@@ -75,6 +75,7 @@ def test_hf_dataset_shapes_reads_image_headers_and_template_tokens(sft_inputs):
     assert [s.visual_tokens for s in shapes] == [16 * len(images) for images in rows["images"]]
 
 
+@pytest.mark.slow  # about 25 s on 2 shared cores: TRL's SFTTrainer set-up and 4 steps
 def test_dflop_sft_trainer_trains_on_gas_microbatches_of_every_row(sft_inputs, tmp_path):
     model, processor, dataset, _ = sft_inputs
     config = trl.SFTConfig(

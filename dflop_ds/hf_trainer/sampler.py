@@ -4,13 +4,17 @@ The Trainer counts epochs of ``len(dataloader)`` microbatches, calls ``set_epoch
 on resume skips the microbatches of the current epoch it already trained. :class:`TrainerBatchSampler`
 follows the Trainer's own epoch rule: epoch ``e`` is the seeded permutation of ``(seed, e)`` cut
 into global batches of ``global_batch_size`` samples, and the last, shorter batch is trained too
-(as the Trainer's loader keeps its last partial batch) when it fills every microbatch of a step
-(``gradient_accumulation_steps x dp`` samples); fewer left-over samples are dropped for that epoch,
-with a warning that counts them. Each global batch is split by the dflop-ds sampler's
-``schedule`` (a pure function of epoch, batch and samples), so every rank computes the same split
-alone, and each data-parallel rank yields exactly ``gradient_accumulation_steps`` microbatches per
-step. Every sample of an epoch is trained exactly once, and a resumed epoch yields the same
-microbatches as the interrupted one.
+(as the Trainer's loader keeps its last partial batch, unless ``dataloader_drop_last``). A short
+batch that fills every microbatch of a step (``gradient_accumulation_steps x dp`` samples) is split
+like the others; a smaller one is the epoch's last, shorter step: ``rest // dp`` microbatches per
+rank, the same count on every rank, so ZeRO's reductions stay in step (the Trainer steps the
+optimizer after an epoch's last microbatch, and its ``num_items_in_batch`` counts that step's
+labels). Only fewer left-over samples than data-parallel ranks cannot give every rank a microbatch:
+they are dropped for that epoch (a different few each epoch), with a warning that counts them.
+Each global batch is split by the dflop-ds sampler's ``schedule`` (a pure function of epoch, batch
+and samples), so every rank computes the same split alone, and each data-parallel rank yields the
+same number of microbatches per step. Every sample of an epoch is trained exactly once, and a
+resumed epoch yields the same microbatches as the interrupted one.
 """
 
 from __future__ import annotations
@@ -50,6 +54,16 @@ def epoch_batch_count(
     if rest and (drop_last or rest < min_batch):
         return full, rest
     return full + (1 if rest else 0), 0
+
+
+def last_step_microbatches(n_samples: int, global_batch_size: int, gas: int, dp: int, drop_last: bool = False) -> int:
+    """Microbatches per data-parallel rank in an epoch's last step: ``gas``, except when the epoch
+    ends on a trained short batch of fewer than ``gas x dp`` samples (at least ``dp``, and
+    ``drop_last`` off): then ``rest // dp``, so every microbatch holds a sample."""
+    rest = n_samples % global_batch_size
+    if drop_last or rest < dp or rest >= gas * dp:
+        return gas
+    return rest // dp
 
 
 def epoch_batches_with_tail(
@@ -99,16 +113,40 @@ class TrainerBatchSampler(Sampler[list[ScheduledIndex]]):
         sampler: the dflop-ds sampler: its ``schedule`` splits each global batch; its
             ``dp_rank``, ``seed``, ``prefetch`` and ``schedule_timeout_s`` apply.
         drop_last: drop every epoch's short last batch (the Trainer's ``dataloader_drop_last``).
+        last_step_sampler: the same sampler built for the epoch's last, shorter step
+            (``gradient_accumulation_steps`` = :func:`last_step_microbatches`); required when
+            that is below ``sampler``'s, ignored otherwise.
     """
 
-    def __init__(self, sampler: GlobalBatchSampler, drop_last: bool = False) -> None:
+    def __init__(
+        self,
+        sampler: GlobalBatchSampler,
+        drop_last: bool = False,
+        last_step_sampler: GlobalBatchSampler | None = None,
+    ) -> None:
         self.sampler = sampler
         self.drop_last = bool(drop_last)
         self.epoch = 0
         self.log = ScheduleLog()
-        n, size = len(sampler.shapes), sampler.global_batch_size
-        min_batch = sampler.n_mb * sampler.dp_size
-        self.batches_per_epoch, self.dropped_per_epoch = epoch_batch_count(n, size, min_batch, self.drop_last)
+        n, size, gas, dp = len(sampler.shapes), sampler.global_batch_size, sampler.n_mb, sampler.dp_size
+        self.batches_per_epoch, self.dropped_per_epoch = epoch_batch_count(n, size, dp, self.drop_last)
+        #: microbatches per rank in the epoch's last step
+        self.last_step_microbatches = last_step_microbatches(n, size, gas, dp, self.drop_last)
+        self.last_step_sampler = sampler
+        if self.last_step_microbatches < gas:
+            if last_step_sampler is None or last_step_sampler.n_mb != self.last_step_microbatches:
+                raise ValueError(
+                    f"the last {n % size} samples of an epoch fill {self.last_step_microbatches} microbatches per"
+                    f" rank, not {gas}: pass last_step_sampler= built with gradient_accumulation_steps="
+                    f"{self.last_step_microbatches}"
+                )
+            self.last_step_sampler = last_step_sampler
+            logger.info(
+                "the last step of every epoch trains the last %d samples in %d microbatches per rank (not %d)",
+                n % size,
+                self.last_step_microbatches,
+                gas,
+            )
         if self.dropped_per_epoch:
             logger.warning(
                 "%d of %d samples of every epoch are not trained (a different %d each epoch): they are left after"
@@ -117,7 +155,7 @@ class TrainerBatchSampler(Sampler[list[ScheduledIndex]]):
                 n,
                 self.dropped_per_epoch,
                 size,
-                "drop_last is set" if self.drop_last else f"fewer than the {min_batch} microbatches of a step",
+                "drop_last is set" if self.drop_last else f"fewer than the {dp} data-parallel ranks",
             )
 
     def set_epoch(self, epoch: int) -> None:
@@ -126,29 +164,32 @@ class TrainerBatchSampler(Sampler[list[ScheduledIndex]]):
 
     def __len__(self) -> int:
         """Microbatches this rank yields per Trainer epoch."""
-        return self.batches_per_epoch * self.sampler.n_mb
+        return (self.batches_per_epoch - 1) * self.sampler.n_mb + self.last_step_microbatches
 
     def batches(self, epoch: int) -> list[np.ndarray]:
         """The global batches of ``epoch`` (dataset indices)."""
         sampler = self.sampler
         return epoch_batches_with_tail(
-            len(sampler.shapes),
-            sampler.seed,
-            epoch,
-            sampler.global_batch_size,
-            sampler.n_mb * sampler.dp_size,
-            self.drop_last,
+            len(sampler.shapes), sampler.seed, epoch, sampler.global_batch_size, sampler.dp_size, self.drop_last
         )[0]
 
     def schedules(self, epoch: int) -> Iterator[BatchSchedule]:
         """The schedules of ``epoch``'s global batches in order, computed as the dflop-ds sampler
-        computes its own (``prefetch`` ahead in a thread, ``schedule_timeout_s`` per batch)."""
-        return self.sampler._schedules(epoch, 0, self.batches(epoch))
+        computes its own (``prefetch`` ahead in a thread, ``schedule_timeout_s`` per batch); the
+        last by :attr:`last_step_sampler`."""
+        batches = self.batches(epoch)
+        if self.last_step_sampler is self.sampler:
+            yield from self.sampler._schedules(epoch, 0, batches)
+            return
+        yield from self.sampler._schedules(epoch, 0, batches[:-1])
+        yield from self.last_step_sampler._schedules(epoch, len(batches) - 1, batches)
 
     def close(self) -> None:
-        """Stop the background scheduling thread (at the end of training, see
+        """Stop the background scheduling threads (at the end of training, see
         :func:`dflop_ds.launch.finish_rank`)."""
         self.sampler.close()
+        if self.last_step_sampler is not self.sampler:
+            self.last_step_sampler.close()
 
     def __iter__(self) -> Iterator[list[ScheduledIndex]]:
         """This rank's microbatches of the current Trainer epoch, in training order."""
@@ -175,5 +216,6 @@ __all__ = [
     "TrainerDataLoader",
     "epoch_batch_count",
     "epoch_batches_with_tail",
+    "last_step_microbatches",
     "trainer_data_parallel_coords",
 ]

@@ -44,7 +44,13 @@ from dflop_ds.config import AUTO, OFF, DFLOPConfig
 from dflop_ds.cost import load_cost_model
 from dflop_ds.hf_trainer.agreement import check_ranks_agree, model_depths, trainer_input_digests
 from dflop_ds.hf_trainer.guard import BlankImageGuardMixin
-from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, TrainerDataLoader, trainer_data_parallel_coords
+from dflop_ds.hf_trainer.launcher import check_batch_keys, trainer_deepspeed_config
+from dflop_ds.hf_trainer.sampler import (
+    TrainerBatchSampler,
+    TrainerDataLoader,
+    last_step_microbatches,
+    trainer_data_parallel_coords,
+)
 from dflop_ds.hf_trainer.version import check_transformers_version
 from dflop_ds.jsonio import read_json_object
 from dflop_ds.schedule import make_sampler
@@ -58,16 +64,18 @@ logger = logging.getLogger(__name__)
 SAMPLER_STATE = "dflop_sampler.json"
 
 
-def dflop_block(dflop: Mapping[str, Any] | None, deepspeed: Any) -> tuple[dict[str, Any], str]:
+def dflop_block(
+    dflop: Mapping[str, Any] | None, deepspeed: Any, deepspeed_source: str = "TrainingArguments.deepspeed"
+) -> tuple[dict[str, Any], str]:
     """``(block, source)``: ``dflop`` (a ``"dflop"`` block) if given, else the ``"dflop"`` block of
-    the DeepSpeed config ``deepspeed`` (``TrainingArguments.deepspeed``: a path or a dict), else an
-    empty block; ``source`` names where it came from."""
+    the DeepSpeed config ``deepspeed`` (``TrainingArguments.deepspeed``, a path, or a dict from
+    ``deepspeed_source``), else an empty block; ``source`` names where it came from."""
     if dflop is not None:
         return dict(dflop), "DFLOPTrainer(dflop=...)"
     if deepspeed is None:
         return {}, "defaults"
     if isinstance(deepspeed, Mapping):
-        return dict(deepspeed.get("dflop", {})), "TrainingArguments.deepspeed"
+        return dict(deepspeed.get("dflop", {})), deepspeed_source
     return dict(read_json_object(deepspeed).get("dflop", {})), str(deepspeed)
 
 
@@ -99,8 +107,11 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
     Args:
         dflop: the settings, a dict in the shape of the DeepSpeed config's ``"dflop"`` block
             (``{"sampler": {"kind": "dflop", "cost_model": "costmodel.json"}}``); default: the
-            ``"dflop"`` block of ``TrainingArguments.deepspeed``. Of it the Trainer uses the
-            ``sampler`` section and ``train.seed`` (default: ``TrainingArguments.seed``).
+            ``"dflop"`` block of the DeepSpeed config (``TrainingArguments.deepspeed``, or the
+            ``deepspeed_config_file`` of ``accelerate launch``'s DeepSpeed plugin). Of it the
+            Trainer uses the ``sampler`` section and ``train.seed`` (default:
+            ``TrainingArguments.seed``). The config's batch keys may be ``"auto"`` or numbers equal
+            to ``TrainingArguments``' (another value is refused here, naming both).
         sample_shapes: one :class:`~dflop_ds.shapes.SampleShape` per index of ``train_dataset``
             (e.g. :func:`~dflop_ds.hf_trainer.llava_json_shapes`); required for training.
     """
@@ -115,7 +126,9 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         check_transformers_version()
         super().__init__(*args, **kwargs)
         trainer: Any = self
-        block, source = dflop_block(dflop, trainer.args.deepspeed)
+        deepspeed, deepspeed_source = trainer_deepspeed_config(trainer)  # from either launcher
+        check_batch_keys(trainer, deepspeed_source)
+        block, source = dflop_block(dflop, deepspeed, deepspeed_source)
         self.dflop_settings = DFLOPConfig.from_dict(block, source=source)
         self._dflop_seed_source = f"{source}: train.seed" if block_sets_seed(block) else None
         if self.dflop_settings.model.packing:
@@ -164,9 +177,10 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         cost_model = self._dflop_cost_model()
         seed, seed_source = self._dflop_seed()
         drop_last = settings.sampler.drop_last or args.dataloader_drop_last
+        global_batch = args.per_device_train_batch_size * gas * dp_size
         digested_settings = {
             "kind": settings.sampler.kind,
-            "global_batch_size": args.per_device_train_batch_size * gas * dp_size,
+            "global_batch_size": global_batch,
             "gradient_accumulation_steps": gas,
             "dp_size": dp_size,
             "drop_last": drop_last,
@@ -184,19 +198,25 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
                 args.process_index,
             )
         )
-        sampler = make_sampler(
+        build = partial(
+            make_sampler,
             # epochs are cut by TrainerBatchSampler
             dataclasses.replace(sampler_settings(settings), seed=seed, drop_last=False),
             self.sample_shapes,
-            global_batch_size=args.per_device_train_batch_size * gas * dp_size,
-            gradient_accumulation_steps=gas,
             dp_rank=dp_rank,
             dp_size=dp_size,
             cost_model=cost_model,
             lockstep=True,  # no pipeline: ZeRO ranks meet in every microbatch's backward
             memory_cap=cap,
         )
-        return TrainerBatchSampler(sampler, drop_last=drop_last)
+        last_gas = last_step_microbatches(len(self.sample_shapes), global_batch, gas, dp_size, drop_last)
+        return TrainerBatchSampler(
+            build(global_batch_size=global_batch, gradient_accumulation_steps=gas),
+            drop_last=drop_last,
+            last_step_sampler=None
+            if last_gas == gas
+            else build(global_batch_size=len(self.sample_shapes) % global_batch, gradient_accumulation_steps=last_gas),
+        )
 
     def _dflop_cost_model(self) -> Any:
         """The cost model ``dflop.sampler.cost_model`` names (None: the proxy), checked against the

@@ -8,9 +8,16 @@ examples/hf_trainer.py), switched to DFLOP by the documented lines, checked on 2
 * ``sgd``: one SGD step; rank 0 then repeats it in one process on the whole global batch (the
   indices both ranks fetched) from the same initial weights and reports the largest weight
   difference;
-* ``example``: examples/hf_trainer.py itself, run for two steps with its command-line options.
+* ``example``: examples/hf_trainer.py itself, run for two steps with its command-line options;
+* ``adapters``: one epoch of a LoRA model (peft's ``get_peft_model`` before the Trainer, as Trainer
+  users wire it) under the ``--deepspeed`` config (ZeRO-3 in the test), ``--bf16`` when given,
+  with 3 microbatches per step, so the 28 records end on a shorter step; the report lists every
+  dataset index fetched, the microbatches of every step, the engine's ZeRO stage and precision,
+  the sampler's seed and how far the LoRA weights moved.
 
-Each rank writes ``--out/rank{r}.json``.
+``--checks`` picks them (default ``resume,sgd,example``). ``--deepspeed none`` leaves
+``TrainingArguments.deepspeed`` unset: the config then comes from ``accelerate launch``'s DeepSpeed
+plugin. Each rank writes ``--out/rank{r}.json``.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch.distributed as dist
 from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback, TrainingArguments
 
 from dflop_ds.hf_trainer import DFLOPTrainer, llava_json_shapes  # DFLOP: the one import
+from dflop_ds.launch import finish_rank
 
 # ---- the user's data code: the example's Dataset and collator, recording what they are asked ----
 
@@ -88,7 +96,7 @@ def training_args(cli, out: Path, **overrides) -> TrainingArguments:
     options = dict(
         output_dir=str(out),
         use_cpu=True,
-        deepspeed=cli.deepspeed,
+        deepspeed=None if cli.deepspeed == "none" else cli.deepspeed,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
         learning_rate=5e-3,
@@ -205,6 +213,40 @@ def check_example(cli, out: Path) -> dict:
     return {"saved": saved}
 
 
+def check_adapters(cli, processor, out: Path) -> dict:
+    """One epoch of LoRA under the launch's DeepSpeed config, ending on a shorter step."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from peft import LoraConfig, get_peft_model
+
+    if not deepspeed.comm.is_initialized():  # use_cpu: accelerate starts torch.distributed, not deepspeed.comm,
+        deepspeed.init_distributed(get_accelerator().communication_backend_name())  # so zero.Init would count 1
+    args = training_args(cli, out, gradient_accumulation_steps=3, num_train_epochs=1, bf16=cli.bf16)
+    model = AutoModelForImageTextToText.from_pretrained(cli.model)  # after the arguments: ZeRO-3 partitions it
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    model = get_peft_model(model, lora)
+    trainer, dataset, _, recorder = trainer_for(cli, args, processor, model=model)
+    trainer.train()
+    engine = trainer.model_wrapped
+    lora_b = [p for name, p in trainer.model.named_parameters() if "lora_B" in name]  # zeros before training
+    with deepspeed.zero.GatheredParameters(lora_b):
+        lora_moved = max(float(p.detach().abs().max()) for p in lora_b)
+    return {
+        "fetched": dataset.fetched,
+        "per_step": recorder.per_step,
+        "losses": losses(trainer),
+        "steps": trainer.state.global_step,
+        "zero_stage": int(engine.zero_optimization_stage()),
+        "bf16": bool(engine.bfloat16_enabled()),
+        "model": type(trainer.model).__name__,
+        "seed": trainer.dflop_batch_sampler.sampler.seed,
+        "lora_moved": lora_moved,
+    }
+
+
+CHECKS = {"resume": check_resume, "sgd": check_sgd, "adapters": check_adapters}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -216,15 +258,20 @@ def main() -> None:
     parser.add_argument("--stop_at", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--local_rank", type=int, default=0)
+    parser.add_argument("--checks", default="resume,sgd,example")
+    parser.add_argument("--bf16", action="store_true")
     cli = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(cli.out)
     processor = AutoProcessor.from_pretrained(cli.model)
-    report = {"resume": check_resume(cli, processor, out / "resume")}
-    report["sgd"] = check_sgd(cli, processor, out / "sgd")
-    report["example"] = check_example(cli, out / "example")  # last: the example ends the rank (finish_rank)
+    names = cli.checks.split(",")
+    report = {name: CHECKS[name](cli, processor, out / name) for name in names if name != "example"}
     rank = int(os.environ.get("RANK", "0"))
+    if "example" in names:  # last: the example ends the rank (finish_rank)
+        report["example"] = check_example(cli, out / "example")
     (out / f"rank{rank}.json").write_text(json.dumps(report))
+    if "example" not in names:
+        finish_rank()
 
 
 if __name__ == "__main__":
