@@ -10,11 +10,10 @@ import torch
 
 from dflop_ds.config import DFLOPConfig, get_setting, set_settings, setting_names
 from dflop_ds.deepspeed_keys import deepspeed_keys
-from dflop_ds.models.faults import FaultSpec, SlowTiles
+from dflop_ds.models.faults import FaultSpec, SlowTiles, inject_fault
 from dflop_ds.models.hf.lora import LoraSettings
-from dflop_ds.schedule.correction import CorrectionSettings
+from dflop_ds.schedule.correction import CorrectionSettings, make_correction
 from dflop_ds.setup_checks import check_training_setup
-from dflop_ds.telemetry.setup import inject_fault, make_correction
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dflop_ds"
 
 #: (module, string) pairs where the same word names something other than a model type.
 OTHER_MEANINGS = {
-    ("data/dispatch.py", "llava"): "the LLaVA JSON data format, read for every family",
+    ("data/formats.py", "llava"): "the LLaVA JSON data format, read for every family",
     ("schedule/splitters/llava.py", "llava"): "the name of the LLaVA data-ordering splitter",
     ("cost/analytic.py", "llava"): "the prefix of the paper's analytic 'llava-ov-...' cost models",
     ("plan/projection.py", "llava"): "the LLaVA modality-grouping baseline method and its splitter",

@@ -4,8 +4,8 @@
 ``text_tokens`` or ``text`` and no ``conversations``; LLaVA records carry ``conversations``.
 """
 
-from dflop_ds.data.dispatch import detect_format, read_dataset, read_llava
 from dflop_ds.data.errors import DataError
+from dflop_ds.data.formats import detect_format, read_dataset, read_llava
 from dflop_ds.data.manifest import read_manifest, write_manifest
 from dflop_ds.data.media import MediaOptions
 from dflop_ds.data.records import ReadReport, ReadResult

@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dflop_ds.data.decode import SAMPLED_DECODES, decode_media, media_files, spread
-from dflop_ds.data.dispatch import LLAVA, detect_format, read_loaded
 from dflop_ds.data.errors import DataError, PathArg, describe_location
+from dflop_ds.data.formats import LLAVA, detect_format, read_loaded
 from dflop_ds.data.media import MediaOptions
 from dflop_ds.data.records import ReadResult, load_records
 from dflop_ds.data.sizes import load_frame_table, load_size_table

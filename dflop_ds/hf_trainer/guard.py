@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from dflop_ds.models.data import IGNORE_INDEX
 from dflop_ds.models.hf.llava import MODEL_TYPE as LLAVA_TYPE
+from dflop_ds.models.tiny_data import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 

@@ -1,15 +1,5 @@
 """dflop_ds.models: the tiny MLLM (ViT over tiles, projector + merge, decoder LM) and its synthetic data."""
 
-from dflop_ds.models.data import (
-    IGNORE_INDEX,
-    TinyItem,
-    TinyMLLMDataset,
-    collate_microbatch,
-    collate_packed_microbatch,
-    label_tokens_in,
-    microbatch_denominator,
-    supervised_count,
-)
 from dflop_ds.models.tiny import (
     DecoderBlock,
     LMHead,
@@ -19,6 +9,16 @@ from dflop_ds.models.tiny import (
     VisionBlock,
     build_reference,
     tiny_mllm_layers,
+)
+from dflop_ds.models.tiny_data import (
+    IGNORE_INDEX,
+    TinyItem,
+    TinyMLLMDataset,
+    collate_microbatch,
+    collate_packed_microbatch,
+    label_tokens_in,
+    microbatch_denominator,
+    supervised_count,
 )
 
 __all__ = [

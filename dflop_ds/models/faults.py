@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflop_ds.deepspeed_keys import DeepSpeedKeys
 from dflop_ds.typecheck import check_setting
 
 
@@ -87,3 +88,27 @@ class SlowTiles(nn.Module):
             time.sleep(delay)
             self.slept_s += delay
         return self.layer(inputs)
+
+
+def inject_fault(encoder_layers: list, spec: FaultSpec | None, keys: DeepSpeedKeys) -> list:
+    """``encoder_layers`` with the first one wrapped in :class:`SlowTiles`
+    when ``dflop.testing.fault`` asks for it (layers may be modules or DeepSpeed ``LayerSpec``);
+    ``keys`` (the DeepSpeed config's) give the microbatches per step its ``start_step`` counts in."""
+    if spec is None:
+        return encoder_layers
+    start_call = 0
+    if spec.start_step:
+        gas = keys.gradient_accumulation_steps
+        if not isinstance(gas, int):
+            raise ValueError(
+                'dflop.testing.fault.start_step needs "gradient_accumulation_steps" in the DeepSpeed config'
+            )
+        start_call = spec.start_step * gas
+    first = encoder_layers[0]
+    if hasattr(first, "build"):
+        from deepspeed.pipe import LayerSpec
+
+        wrapped = LayerSpec(SlowTiles, first, spec, start_call)
+    else:
+        wrapped = SlowTiles(first, spec, start_call)
+    return [wrapped] + list(encoder_layers[1:])

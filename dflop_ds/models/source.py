@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflop_ds.data.dispatch import shape_reader
-from dflop_ds.models.data import TinyMLLMDataset, collate_microbatch, collate_packed_microbatch, supervised_count
+from dflop_ds.data.formats import shape_reader
 from dflop_ds.models.tiny import TinyMLLMConfig, tiny_mllm_layers
+from dflop_ds.models.tiny_data import TinyMLLMDataset, collate_microbatch, collate_packed_microbatch, supervised_count
 from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY, SampleShape, ShapePolicy
 
 

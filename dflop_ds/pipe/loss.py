@@ -34,7 +34,7 @@ def token_normalized_loss(logits: torch.Tensor, labels: Sequence[torch.Tensor]) 
     """``sum of token cross-entropies / loss_denominator`` for ``labels = (targets, loss_denominator)``.
 
     Use it as the pipeline's ``loss_fn``; the collate sets ``loss_denominator``
-    (see :mod:`dflop_ds.models.data` and ``docs/architecture.md``).
+    (see :mod:`dflop_ds.models.tiny_data` and ``docs/architecture.md``).
     """
     if len(labels) != 2:
         raise ValueError(f"token_normalized_loss expects labels=(targets, loss_denominator), got {len(labels)} items")

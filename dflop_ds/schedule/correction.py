@@ -539,3 +539,10 @@ class CostCorrection:
             "fit_error_pooled_s": self.last_fit_error_[0],
             "fit_error_bucketed_s": self.last_fit_error_[1],
         }
+
+
+def make_correction(settings: CorrectionSettings, n_stages: int) -> CostCorrection | None:
+    """A :class:`CostCorrection` for the ``dflop.correction`` section, or None when it is not enabled."""
+    if not settings.enabled:
+        return None
+    return CostCorrection(settings, n_columns=2, n_stages=n_stages)

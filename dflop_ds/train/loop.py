@@ -24,16 +24,17 @@ from dflop_ds.cost.stage import stage_memory_caps
 from dflop_ds.deepspeed_keys import deepspeed_keys
 from dflop_ds.launch import finish_rank, release_shm_buffer_once_mapped, share_cpu_threads
 from dflop_ds.loader import make_loader
+from dflop_ds.models.faults import inject_fault
 from dflop_ds.models.hf.source import hf_source
 from dflop_ds.models.source import ModelSource, tiny_source
 from dflop_ds.paths import check_writable, check_writable_folder
 from dflop_ds.plan import Plan
 from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares
+from dflop_ds.schedule.correction import make_correction
 from dflop_ds.schedule.sampler import make_sampler
 from dflop_ds.setup_checks import check_cost_model_fits, check_training_setup
 from dflop_ds.telemetry.record import batch_tokens, throughput
 from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
-from dflop_ds.telemetry.setup import inject_fault, make_correction
 from dflop_ds.train.autotp import is_tensor_parallel_layer
 from dflop_ds.train.colocated import colocate, colocated_pipeline_bounds
 from dflop_ds.train.engine import TrainingEngine, build_engine

@@ -44,10 +44,10 @@ from dflop_ds.data.images import load_rgb
 from dflop_ds.data.media import image_field, record_image_paths, recorded_size_source, size_mismatch
 from dflop_ds.data.records import check_policy, load_records
 from dflop_ds.data.video import decode_frames, sample_frame_indices
-from dflop_ds.models.data import IGNORE_INDEX, microbatch_denominator
 from dflop_ds.models.hf.folder import check_model_folder
 from dflop_ds.models.hf.llava_processor import load_processor
 from dflop_ds.models.packing import join_rows
+from dflop_ds.models.tiny_data import IGNORE_INDEX, microbatch_denominator
 from dflop_ds.shapes import SampleShape, ShapePolicy, length_rule
 
 logger = logging.getLogger(__name__)
