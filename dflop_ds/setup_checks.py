@@ -27,7 +27,9 @@ class PlanLike(Protocol):
 
     n_mb: int
     global_batch_size: int
-    deepspeed_compatible: bool
+
+    @property
+    def deepspeed_compatible(self) -> bool: ...
 
     @property
     def pipeline_stages(self) -> int: ...
@@ -42,7 +44,7 @@ class PlanLike(Protocol):
 
     def world_size(self) -> int: ...
 
-    def stage_bounds(self) -> list[int]: ...
+    def stage_bounds(self) -> StageBounds: ...
 
 
 def _positive_int(keys: DeepSpeedKeys, key: str) -> int | None:

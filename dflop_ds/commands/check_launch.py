@@ -24,7 +24,7 @@ from dflop_ds.deepspeed_keys import deepspeed_keys
 from dflop_ds.setup_checks import SetupError, check_cost_model_fits, check_training_setup, resolve_batch_keys
 from dflop_ds.train.launch_inputs import PROXY
 from dflop_ds.train.memory_cap import MemoryCap
-from dflop_ds.train.options import build_parser, load_plan, load_settings
+from dflop_ds.train.options import build_parser, load_run_settings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -66,8 +66,8 @@ def check_launch(args: argparse.Namespace) -> list[str]:
     where = f"{args.nodes} node(s) x {args.gpus_per_node} GPU(s) = world size {world}"
     from dflop_ds.train.loop import model_source, print_skip_report  # the model's code: not at parser build
 
-    ds_config, cfg = load_settings(args, check_device=False)  # the launch's devices are not this machine's
-    plan = load_plan(cfg.plan.file)
+    # the launch's devices are not this machine's; the plan file is read once
+    ds_config, cfg, plan = load_run_settings(args, check_device=False)
     try:  # the config alone first: a refusal costs no model loading
         check_training_setup(ds_config, cfg, world, plan=plan)
         source = model_source(cfg)
