@@ -231,3 +231,16 @@ def test_a_template_that_drops_images_is_refused_by_name(tmp_path):
     pre = LlavaPreprocessor.from_pretrained(model, chat_template=text_only)
     with pytest.raises(ValueError, match=r"writes 0 image marker\(s\) \('<image>'\) for 1 image"):
         pre.encode([("human", "<image> hi"), ("gpt", "hello")], 1)
+
+
+def test_a_saved_preprocessor_keeps_a_legacy_template(tmp_path):
+    """Training saves the tokenizer and image processor; a template read from a legacy
+    ``chat_template.json`` is written next to them, so the trained model tokenizes as before."""
+    from dflop_ds.models.hf.folder import save_text_and_image_parts
+
+    model, template = model_with_template("internvl", tmp_path / "m", legacy=True)
+    saved = tmp_path / "saved"
+    save_text_and_image_parts(InternVLPreprocessor.from_pretrained(model), saved)
+    shutil.copy(model / "config.json", saved / "config.json")
+    reloaded = InternVLPreprocessor.from_pretrained(saved)
+    assert reloaded.chat_template is not None and reloaded.chat_template.source == template

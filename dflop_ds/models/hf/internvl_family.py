@@ -13,6 +13,7 @@ from typing import Any
 from dflop_ds.data.video import DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.models.hf.check import tower_hidden_states, video_image_text_batches
 from dflop_ds.models.hf.check_parts import CheckParts, MicrobatchBuilder
+from dflop_ds.models.hf.folder import save_text_and_image_parts
 from dflop_ds.models.hf.internvl import MODEL_TYPE, internvl_layers, load_internvl, side
 from dflop_ds.models.hf.internvl_data import InternVLDataset, InternVLPreprocessor
 from dflop_ds.models.hf.internvl_synthetic import IMAGE_MARK, VIDEO_MARK, InternVLInputs
@@ -40,11 +41,6 @@ def internvl_preprocessor(
     )
 
 
-def _save_processor(preprocessor: Any, directory: str) -> None:
-    preprocessor.tokenizer.save_pretrained(directory)
-    preprocessor.image_processor.save_pretrained(directory)
-
-
 def internvl_training() -> TrainingParts:
     """InternVL's training pieces, on LLaVA's contract and collates: under LoRA the projector trains in
     full; a colocated encoder is not offered (untested for this family)."""
@@ -54,7 +50,7 @@ def internvl_training() -> TrainingParts:
         "multi_modal_projector",
         InternVLDataset,
         collate_llava,
-        _save_processor,
+        save_text_and_image_parts,
         packed_collate=collate_packed_llava,
     )
 

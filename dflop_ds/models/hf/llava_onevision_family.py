@@ -12,6 +12,7 @@ from typing import Any
 from dflop_ds.data.video import DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.models.hf.check import tower_hidden_states, video_image_text_batches
 from dflop_ds.models.hf.check_parts import CheckParts, MicrobatchBuilder
+from dflop_ds.models.hf.folder import save_text_and_image_parts
 from dflop_ds.models.hf.llava_onevision import (
     MODEL_TYPE,
     OnevisionEncoderInputs,
@@ -46,11 +47,6 @@ def llava_onevision_preprocessor(
     )
 
 
-def _save_processor(preprocessor: Any, directory: str) -> None:
-    preprocessor.tokenizer.save_pretrained(directory)
-    preprocessor.image_processor.save_pretrained(directory)
-
-
 def llava_onevision_training() -> TrainingParts:
     """LLaVA-OneVision's training pieces: under LoRA the projector trains in full, as LLaVA's does;
     its tiles cannot be dispatched to a colocated encoder yet (the projector needs each image's tiles)."""
@@ -60,7 +56,7 @@ def llava_onevision_training() -> TrainingParts:
         "multi_modal_projector",
         OnevisionDataset,
         collate_onevision,
-        _save_processor,
+        save_text_and_image_parts,
         packed_collate=collate_packed_onevision,
     )
 

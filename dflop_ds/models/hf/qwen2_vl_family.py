@@ -12,6 +12,7 @@ from typing import Any
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.models.hf.check import random_frames, random_image
 from dflop_ds.models.hf.check_parts import CheckParts, MicrobatchBuilder
+from dflop_ds.models.hf.folder import save_text_and_image_parts
 from dflop_ds.models.hf.qwen2_vl import (
     MODEL_CLASSES,
     MODEL_TYPE,
@@ -47,11 +48,6 @@ def qwen2_vl_preprocessor(
     )
 
 
-def _save_processor(preprocessor: Any, directory: str) -> None:
-    preprocessor.tokenizer.save_pretrained(directory)
-    preprocessor.image_processor.save_pretrained(directory)
-
-
 def qwen2_vl_training() -> TrainingParts:
     """Qwen2-VL's training pieces: under LoRA the patch merger (the projector) trains in full, as
     LLaVA's projector does; its patches cannot be dispatched to a colocated encoder yet."""
@@ -61,7 +57,7 @@ def qwen2_vl_training() -> TrainingParts:
         "visual.merger",
         Qwen2VLDataset,
         collate_qwen2_vl,
-        _save_processor,
+        save_text_and_image_parts,
         packed_collate=collate_packed_qwen2_vl,
     )
 
