@@ -65,3 +65,25 @@ def assert_qwen2_vl_packs(model: Any, inputs_of: Any, samples: Sequence[Any]) ->
     per_sample = [hf[:, b, :n] for b, n in enumerate(padded[0][2].tolist())]
     assert torch.equal(positions, torch.cat(per_sample, dim=1)[:, None])
     assert_packed_matches_padded([*encoder, projector, *llm], len(encoder) + 1, padded, packed)
+
+
+def assert_trains_with_media(
+    train: Any, config: str, media: Sequence[Any], out: Any, family: str, **summary: Any
+) -> None:
+    """Six steps of examples/train.py on 2 ranks with the bundled ``config`` (the ``train`` fixture) on
+    an HF model with images and videos (``media``: model, data, image folder, video folder): the run
+    is ``family``'s with the ``summary`` fields given, the loss falls, and the model saved to ``out``
+    loads back with most of its tensors changed."""
+    from transformers import AutoModelForImageTextToText
+
+    model, data, images, videos = media
+    run = train(
+        config, model, data, images, "--video_folder", str(videos), "--output_dir", str(out), dflop={"steps": 6}
+    )
+    assert run["summary"]["model"].startswith(family), run["summary"]
+    assert {key: run["summary"].get(key) for key in summary} == summary, run["summary"]
+    losses = [s["loss"] for s in run["steps"]]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    old = AutoModelForImageTextToText.from_pretrained(str(model)).state_dict()
+    new = AutoModelForImageTextToText.from_pretrained(str(out)).state_dict()
+    assert old.keys() == new.keys() and sum(not torch.equal(old[k], new[k]) for k in old) > len(old) // 2
