@@ -18,8 +18,9 @@ from dflop_ds.models.hf.internvl_synthetic import IMAGE_MARK, VIDEO_MARK, Intern
 from dflop_ds.models.hf.llava import LlavaEncoderInputs
 from dflop_ds.models.hf.llava_data import collate_llava, collate_packed_llava
 from dflop_ds.models.hf.llava_synthetic import hf_model_kwargs
+from dflop_ds.models.hf.profile import family_profile_target
 from dflop_ds.models.hf.registry import ModelFamily
-from dflop_ds.models.hf.tiled_family import tiled_check_parts, tiled_preprocessor_loader, tiled_profile_target
+from dflop_ds.models.hf.tiled_family import tiled_check_parts, tiled_preprocessor_loader
 from dflop_ds.models.hf.training import TrainingParts
 
 #: The :class:`~dflop_ds.models.hf.internvl_data.InternVLPreprocessor` of a model directory.
@@ -54,7 +55,7 @@ class InternVLEncoderInputs(LlavaEncoderInputs):
 
 #: The layer lists, input factories and shape policy of the InternVL model in a directory.
 internvl_target = partial(
-    tiled_profile_target, load=load_internvl, layers=internvl_layers, encoder_inputs=InternVLEncoderInputs
+    family_profile_target, load=load_internvl, layers=internvl_layers, encoder_inputs=InternVLEncoderInputs
 )
 
 

@@ -23,8 +23,9 @@ from dflop_ds.models.hf.llava_onevision_data import (
     collate_packed_onevision,
 )
 from dflop_ds.models.hf.llava_onevision_synthetic import IMAGE_MARK, VIDEO_MARK, OnevisionInputs, onevision_hf_kwargs
+from dflop_ds.models.hf.profile import family_profile_target
 from dflop_ds.models.hf.registry import ModelFamily
-from dflop_ds.models.hf.tiled_family import tiled_check_parts, tiled_preprocessor_loader, tiled_profile_target
+from dflop_ds.models.hf.tiled_family import tiled_check_parts, tiled_preprocessor_loader
 from dflop_ds.models.hf.training import TrainingParts
 
 #: The :class:`~dflop_ds.models.hf.llava_onevision_data.OnevisionPreprocessor` of a model directory.
@@ -48,7 +49,7 @@ def llava_onevision_training() -> TrainingParts:
 #: The layer lists, input factories and shape policy of the LLaVA-OneVision model in a directory (the
 #: encoder sweep's tiles are base tiles, as the policy counts the encoder by tiles).
 llava_onevision_target = partial(
-    tiled_profile_target,
+    family_profile_target,
     load=load_llava_onevision,
     layers=llava_onevision_layers,
     encoder_inputs=OnevisionEncoderInputs,

@@ -1,6 +1,6 @@
 """What the registrations of the tiling families (LLaVA-OneVision, InternVL) share: their
-preprocessor loader, profiling target and ``check-model`` parts are the same recipe over each
-family's own loader, layer lists, input classes and marks, which the family modules pass in."""
+preprocessor loader and ``check-model`` parts are the same recipe over each family's own loader,
+layer lists, input classes and marks, which the family modules pass in."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from dflop_ds.data.video import DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.models.hf.check import tower_hidden_states, video_image_text_batches
 from dflop_ds.models.hf.check_parts import CheckParts, MicrobatchBuilder
 from dflop_ds.models.hf.tiled_data import TiledPreprocessor
-from dflop_ds.profile.inputs import ContractLLMInputs
-from dflop_ds.profile.target import ProfileTarget, summed_cross_entropy
 
 Tiled = TypeVar("Tiled", bound=TiledPreprocessor)
 
@@ -36,30 +34,6 @@ def tiled_preprocessor_loader(cls: type[Tiled]) -> Callable[..., Tiled]:
         )
 
     return load
-
-
-def tiled_profile_target(
-    model_dir: str,
-    preprocessor: TiledPreprocessor,
-    text_tokens: int,
-    *,
-    load: Callable[[str], Any],
-    layers: Callable[[Any], tuple[list, Any, list]],
-    encoder_inputs: Callable[[Any, int, Any], Any],
-) -> ProfileTarget:
-    """The layer lists, input factories (``encoder_inputs(config, text_tokens, dtype)`` for the first
-    encoder layer, the contract's for the LLM) and shape policy of the model in ``model_dir``."""
-    model = load(model_dir)
-    encoder, projector, llm = layers(model)
-    return ProfileTarget(
-        encoder_layers=encoder,
-        projector=projector,
-        llm_layers=llm,
-        encoder_inputs=encoder_inputs(model.config, text_tokens, model.dtype),
-        llm_inputs=ContractLLMInputs(int(model.config.text_config.hidden_size), model.dtype),
-        output_loss=summed_cross_entropy,
-        policy=preprocessor.policy(),
-    )
 
 
 def tiled_check_parts(
@@ -88,4 +62,4 @@ def tiled_check_parts(
     )
 
 
-__all__ = ["tiled_check_parts", "tiled_preprocessor_loader", "tiled_profile_target"]
+__all__ = ["tiled_check_parts", "tiled_preprocessor_loader"]
