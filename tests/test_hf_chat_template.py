@@ -244,3 +244,32 @@ def test_a_saved_preprocessor_keeps_a_legacy_template(tmp_path):
     shutil.copy(model / "config.json", saved / "config.json")
     reloaded = InternVLPreprocessor.from_pretrained(saved)
     assert reloaded.chat_template is not None and reloaded.chat_template.source == template
+
+
+#: ChatML as the built-in Qwen2-VL template writes it, as a Jinja template
+CHATML = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_tokenizes_as_the_builtin_one_keeps_its_policy_and_cost_models(tmp_path):
+    """The policy identity changes iff the counts do: a checkpoint template that gives the built-in
+    ChatML's tokens keeps the built-in identity (a cost model profiled before is accepted); the same
+    template with another default system message counts otherwise and is refused."""
+    model = build_tiny_qwen2_vl(tmp_path / "m")
+    builtin = Qwen2VLPreprocessor.from_pretrained(model, chat_template=False)
+    alike = Qwen2VLPreprocessor.from_pretrained(model, chat_template=CHATML)
+    turns = [("human", "<image>\nwhat is it?"), ("gpt", "a car."), ("human", "and <image>?"), ("gpt", "a tree")]
+    assert alike.encode(turns, [4, 6]) == builtin.encode(turns, [4, 6])
+    assert alike.builtin_counts and alike.identity() == builtin.identity()
+    profiled = FittedCostModel().fit(synthetic_profile(), builtin.policy())
+    check_policy(profiled, alike.policy())
+    other = Qwen2VLPreprocessor.from_pretrained(model, chat_template=CHATML.replace("helpful", "useful"))
+    assert not other.builtin_counts and other.identity().startswith("chat_template:")
+    with pytest.raises(ValueError, match=r"tokenizer: 'qwen2-vl-chatml .*' vs 'chat_template:"):
+        check_policy(profiled, other.policy())

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,21 @@ from dflop_ds.data.errors import PathArg
 from dflop_ds.data.llava import PLACEHOLDERS
 
 IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = PLACEHOLDERS
+#: Conversations (normalized turns) on which a checkpoint's template is compared with the built-in
+#: one: images before, inside and after text, answers that start with a space, a digit or
+#: punctuation and hold newlines, several rounds, and a video.
+PROBES: tuple[tuple[tuple[str, str], ...], ...] = (
+    (("user", "<image>\nWhat is shown in the picture?"), ("assistant", "A red car, parked near the sea.")),
+    (
+        ("user", "hi"),
+        ("assistant", " 42 times\nsure!"),
+        ("user", "compare <image> and <image>\n"),
+        ("assistant", "...the first one."),
+    ),
+    (("user", "<video>\ndescribe it"), ("assistant", "a dog runs (fast)")),
+)
+#: one encoding: ``(turns, image blocks, video block) -> (input_ids, supervised)``
+Encoder = Callable[[Sequence[tuple[str, str]], Sequence[list[int]], "list[int] | None"], tuple[list[int], list[bool]]]
 #: the processor file an older ``save_pretrained`` wrote its chat template to
 LEGACY_TEMPLATE_FILE = "chat_template.json"
 
@@ -127,17 +142,20 @@ class ModelChatTemplate:
     def encode(
         self,
         turns: Sequence[tuple[str, str]],
-        system: str | None,
         image_blocks: Sequence[list[int]],
         video_block: list[int] | None,
+        system: str | None = None,
     ) -> tuple[list[int], list[bool]]:
         """``(input_ids, supervised)`` of ``(user|assistant, value)`` turns, each image's marker
-        replaced by its block of ``image_blocks`` (in order) and the video's by ``video_block``.
+        replaced by its block of ``image_blocks`` (in order) and the video's by ``video_block``, after
+        a ``system`` message when one is given (else the template's own, if any).
 
         Raises:
             ValueError: the template writes another number of markers than there are images or
                 videos, or renders earlier turns differently once later ones follow.
         """
+        if video_block is not None and self.video_marker is None:
+            raise ValueError(f"{self.name}: no video marker token for the checkpoint's chat template")
         text, spans = self.rendered(self.messages(turns, system))
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         markers = {
@@ -166,4 +184,35 @@ class ModelChatTemplate:
         return ids, supervised
 
 
-__all__ = ["ModelChatTemplate", "checkpoint_chat_template", "template_identity", "turn_content"]
+def encode_alike(
+    template: Encoder,
+    builtin: Encoder,
+    image_block: Callable[[int], list[int]],
+    video_block: Callable[[int], list[int]] | None,
+) -> bool:
+    """Whether ``template`` and ``builtin`` give the same ids and labels on every conversation of
+    :data:`PROBES` (the video one only when ``video_block``): a checkpoint template that does
+    tokenizes as the built-in template, so its shape policy keeps the built-in one's identity.
+    An encoding that fails counts as different."""
+    for turns in PROBES:
+        has_video = any(VIDEO_PLACEHOLDER in value for _, value in turns)
+        if has_video and video_block is None:
+            continue
+        images = [image_block(3 + i) for i in range(sum(value.count(IMAGE_PLACEHOLDER) for _, value in turns))]
+        video = video_block(4) if has_video and video_block is not None else None
+        try:
+            if template(turns, images, video) != builtin(turns, images, video):
+                return False
+        except (ValueError, TypeError):
+            return False
+    return True
+
+
+__all__ = [
+    "PROBES",
+    "ModelChatTemplate",
+    "encode_alike",
+    "checkpoint_chat_template",
+    "template_identity",
+    "turn_content",
+]

@@ -36,6 +36,7 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from dflop_ds.data.media import image_field, record_image_paths, recorded_size_s
 from dflop_ds.data.records import check_policy, load_records
 from dflop_ds.data.video import decode_frames, sample_frame_indices
 from dflop_ds.models.data import IGNORE_INDEX, microbatch_denominator
-from dflop_ds.models.hf.chat_template import ModelChatTemplate, checkpoint_chat_template
+from dflop_ds.models.hf.chat_template import ModelChatTemplate, checkpoint_chat_template, encode_alike
 from dflop_ds.models.hf.folder import check_model_folder
 from dflop_ds.models.hf.llava_processor import load_processor
 from dflop_ds.models.packing import join_rows
@@ -209,10 +210,23 @@ class LlavaPreprocessor:
             if template is None
             else ModelChatTemplate(template, self.tokenizer, self.image_token_id, video_marker, self.name)
         )
+        builtin_system = DEFAULT_SYSTEM if self.system is None else self.system
         if self.chat_template is None:
             if self.eos_token_id is None:
                 raise ValueError(f"{self.name}: the tokenizer has no eos token to end assistant turns with")
-            self.system = DEFAULT_SYSTEM if self.system is None else self.system
+            self.system = builtin_system
+        video_id = self.video_token_id
+        #: whether the tokens are the built-in template's: none shipped, or one that tokenizes alike
+        self.builtin_counts = self.chat_template is None or (
+            self.eos_token_id is not None
+            and encode_alike(
+                partial(self.chat_template.encode, system=self.system),
+                partial(self._llava_v1, system=builtin_system),
+                self._image_block,
+                None if video_id is None else partial(self._video_block, int(video_id)),
+            )
+        )
+        self.counting_system = builtin_system if self.builtin_counts else self.system or ""
 
     @classmethod
     def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> LlavaPreprocessor:
@@ -312,16 +326,16 @@ class LlavaPreprocessor:
         images = [self._image_block(tokens) for tokens in image_tokens]
         video = None if video_tokens is None else self._video_block(int(video_id or 0), int(video_tokens))
         if self.chat_template is None:
-            ids, supervised = self._llava_v1(normalized, images, video)
+            ids, supervised = self._llava_v1(normalized, images, video, system=self.system or "")
         else:
-            ids, supervised = self.chat_template.encode(normalized, self.system, images, video)
+            ids, supervised = self.chat_template.encode(normalized, images, video, system=self.system)
         return self._fit(Encoded(ids, supervised, sum(image_tokens) + int(video_tokens or 0)))
 
     def _llava_v1(
-        self, turns: Sequence[tuple[str, str]], images: Sequence[list[int]], video: list[int] | None
+        self, turns: Sequence[tuple[str, str]], images: Sequence[list[int]], video: list[int] | None, system: str
     ) -> tuple[list[int], list[bool]]:
-        """``(input_ids, supervised)`` of normalized turns under the built-in LLaVA-v1 template, each
-        placeholder replaced by its image's (in order) or the video's block of ids."""
+        """``(input_ids, supervised)`` of normalized turns under the built-in LLaVA-v1 template with
+        ``system``, each placeholder replaced by its image's (in order) or the video's block of ids."""
         ids: list[int] = []
         supervised: list[bool] = []
 
@@ -332,8 +346,8 @@ class LlavaPreprocessor:
         blocks = iter(images)
         if self.bos_token_id is not None:
             add([int(self.bos_token_id)], False)
-        if self.system:
-            add(self._ids(self.system + " "), False)
+        if system:
+            add(self._ids(system + " "), False)
         for kind, value in turns:
             if kind == "user":
                 for part in re.split(f"({IMAGE_PLACEHOLDER}|{VIDEO_PLACEHOLDER})", f"USER: {value} "):
@@ -414,11 +428,12 @@ class LlavaPreprocessor:
 
     # -- identity -----------------------------------------------------------------------
     def identity(self) -> str:
-        """What fixes the token counts: template (the built-in one's name, or the checkpoint's by
-        digest), system message, tokenizer contents, image token, length rule."""
-        template = self.template_name if self.chat_template is None else self.chat_template.identity
+        """What fixes the token counts: template (the built-in one's name, also for a checkpoint's
+        template that tokenizes alike; else the checkpoint's by digest), system message, tokenizer
+        contents, image token, length rule."""
+        template = self.template_name if self.builtin_counts else self.chat_template.identity  # type: ignore[union-attr]
         return counting_identity(
-            template, self.system or "", self.tokenizer, self.image_token_id, self.max_length, self.truncation
+            template, self.counting_system, self.tokenizer, self.image_token_id, self.max_length, self.truncation
         )
 
     def policy(self) -> ShapePolicy:

@@ -43,6 +43,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -56,7 +57,7 @@ from dflop_ds.data.video import (
     sample_frame_indices,
     sampled_frame_count,
 )
-from dflop_ds.models.hf.chat_template import ModelChatTemplate
+from dflop_ds.models.hf.chat_template import ModelChatTemplate, encode_alike
 from dflop_ds.models.hf.folder import from_model_dir
 from dflop_ds.models.hf.llava_data import (
     NO_LIMIT,
@@ -207,16 +208,32 @@ class Qwen2VLPreprocessor:
             if template is None
             else ModelChatTemplate(template, tokenizer, self.image_token_id, self.video_token_id, name)
         )
-        if self.chat_template is None:  # the built-in ChatML writes these tokens itself
-            self.system = DEFAULT_SYSTEM if system is None else system
-            self.start_of_turn, self.end_of_turn = self._special("<|im_start|>"), self._special("<|im_end|>")
-            self.vision_start, self.vision_end = self._special("<|vision_start|>"), self._special("<|vision_end|>")
+        builtin_system = DEFAULT_SYSTEM if system is None else system
+        if self.chat_template is None:
+            self.system = builtin_system
+            self._chatml_tokens()  # the built-in ChatML writes them: refused here, naming the one missing
+        #: the token that closes a visual block (None: a checkpoint template's tokenizer has none)
+        self.vision_end = next(iter(self._vision_ends()), None)
+        #: whether the tokens are the built-in ChatML's: no template shipped, or one that tokenizes alike
+        self.builtin_counts = self.chat_template is None or encode_alike(
+            partial(self.chat_template.encode, system=self.system),
+            partial(self._chatml, system=builtin_system),
+            lambda tokens: [self.image_token_id] * tokens,
+            lambda tokens: [self.video_token_id] * tokens,
+        )
+        self.counting_system = builtin_system if self.builtin_counts else self.system or ""
         self.pad_token_id = pad_token_id(tokenizer, name)
         if truncation not in TRUNCATION:
             raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
         self.truncation, self.truncated_samples = truncation, 0
         limit = max_length if max_length is not None else tokenizer.model_max_length
         self.max_length = None if limit is None or limit > NO_LIMIT else int(limit)
+
+    def _chatml_tokens(self) -> tuple[int, int, int, int]:
+        """``(<|im_start|>, <|im_end|>, <|vision_start|>, <|vision_end|>)``, which the built-in ChatML writes."""
+        names = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>")
+        start, end, vision_start, vision_end = (self._special(name) for name in names)
+        return start, end, vision_start, vision_end
 
     def _special(self, token: str) -> int:
         token_id = self.tokenizer.convert_tokens_to_ids(token)
@@ -255,17 +272,18 @@ class Qwen2VLPreprocessor:
         images = [[self.image_token_id] * tokens for tokens in image_tokens]
         video = None if video_tokens is None else [self.video_token_id] * int(video_tokens)
         if self.chat_template is None:
-            ids, supervised = self._chatml(normalized, images, video)
+            ids, supervised = self._chatml(normalized, images, video, system=self.system or "")
         else:
-            ids, supervised = self.chat_template.encode(normalized, self.system, images, video)
+            ids, supervised = self.chat_template.encode(normalized, images, video, system=self.system)
         encoded = Encoded(ids, supervised, sum(image_tokens) + int(video_tokens or 0))
         return LlavaPreprocessor._fit(self, encoded)  # type: ignore[arg-type]
 
     def _chatml(
-        self, turns: Sequence[tuple[str, str]], images: Sequence[list[int]], video: list[int] | None
+        self, turns: Sequence[tuple[str, str]], images: Sequence[list[int]], video: list[int] | None, system: str
     ) -> tuple[list[int], list[bool]]:
-        """``(input_ids, supervised)`` of normalized turns under the built-in ChatML, each placeholder
-        replaced by ``<|vision_start|>``, its image's (in order) or the video's tokens and ``<|vision_end|>``."""
+        """``(input_ids, supervised)`` of normalized turns under the built-in ChatML with ``system``, each
+        placeholder replaced by ``<|vision_start|>``, its image's (in order) or the video's tokens and
+        ``<|vision_end|>``."""
         ids: list[int] = []
         supervised: list[bool] = []
 
@@ -273,18 +291,18 @@ class Qwen2VLPreprocessor:
             ids.extend(tokens)
             supervised.extend([label] * len(tokens))
 
-        start, end = self.start_of_turn, self.end_of_turn
-        if self.system:
-            add([start] + self._ids(f"system\n{self.system}") + [end] + self._ids("\n"))
+        start, end, vision_start, vision_end = self._chatml_tokens()
+        if system:
+            add([start] + self._ids(f"system\n{system}") + [end] + self._ids("\n"))
         blocks = iter(images)
         for kind, value in turns:
             if kind == "user":
                 add([start] + self._ids("user\n"))
                 for part in re.split(f"({IMAGE_PLACEHOLDER}|{VIDEO_PLACEHOLDER})", value):
                     if part == IMAGE_PLACEHOLDER:
-                        add([self.vision_start] + next(blocks) + [self.vision_end])
+                        add([vision_start] + next(blocks) + [vision_end])
                     elif part == VIDEO_PLACEHOLDER:
-                        add([self.vision_start] + (video or []) + [self.vision_end])
+                        add([vision_start] + (video or []) + [vision_end])
                     else:
                         add(self._ids(part))
                 add([end] + self._ids("\n"))
@@ -325,9 +343,9 @@ class Qwen2VLPreprocessor:
 
     def identity(self) -> str:
         """What fixes the token counts: template, system message, tokenizer contents, image token."""
-        template = TEMPLATE_NAME if self.chat_template is None else self.chat_template.identity
+        template = TEMPLATE_NAME if self.builtin_counts else self.chat_template.identity  # type: ignore[union-attr]
         return counting_identity(
-            template, self.system or "", self.tokenizer, self.image_token_id, self.max_length, self.truncation
+            template, self.counting_system, self.tokenizer, self.image_token_id, self.max_length, self.truncation
         )
 
     def policy(self) -> ShapePolicy:
