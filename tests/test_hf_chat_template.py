@@ -273,3 +273,11 @@ def test_a_template_that_tokenizes_as_the_builtin_one_keeps_its_policy_and_cost_
     assert not other.builtin_counts and other.identity().startswith("chat_template:")
     with pytest.raises(ValueError, match=r"tokenizer: 'qwen2-vl-chatml .*' vs 'chat_template:"):
         check_policy(profiled, other.policy())
+
+
+def test_a_malformed_legacy_template_file_is_named(tmp_path):
+    from dflop_ds.models.hf.chat_template import checkpoint_chat_template
+
+    (tmp_path / "chat_template.json").write_text('{"chat_template": ')
+    with pytest.raises(ValueError, match=r"chat_template.json: not a JSON chat template file"):
+        checkpoint_chat_template(model_dir=tmp_path)

@@ -60,7 +60,11 @@ def checkpoint_chat_template(*holders: Any, model_dir: PathArg | None = None) ->
             return template
     legacy = None if model_dir is None else Path(model_dir) / LEGACY_TEMPLATE_FILE
     if legacy is not None and legacy.is_file():
-        template = json.loads(legacy.read_text(encoding="utf-8")).get("chat_template")
+        try:
+            saved = json.loads(legacy.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise ValueError(f"{legacy}: not a JSON chat template file ({exc})") from exc
+        template = saved.get("chat_template") if isinstance(saved, dict) else None
         if isinstance(template, str) and template.strip():
             return template
     return None
