@@ -281,3 +281,16 @@ def test_a_malformed_legacy_template_file_is_named(tmp_path):
     (tmp_path / "chat_template.json").write_text('{"chat_template": ')
     with pytest.raises(ValueError, match=r"chat_template.json: not a JSON chat template file"):
         checkpoint_chat_template(model_dir=tmp_path)
+
+
+def test_a_template_that_raises_makes_a_bad_record_not_a_crash(tmp_path):
+    model, _ = model_with_template("llava", tmp_path / "m")
+    strict = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+        "{{ m['role'] }}: {{ m['content'][0]['text'] }}\n{% endfor %}"
+    )
+    pre = LlavaPreprocessor.from_pretrained(model, chat_template=strict)
+    assert pre.count([("human", "hi"), ("gpt", "hello")], [])[1] > 0
+    with pytest.raises(ValueError, match="chat template fails on this conversation: roles must alternate"):
+        pre.count([("gpt", "hello"), ("human", "hi")], [])

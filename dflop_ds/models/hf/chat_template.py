@@ -108,10 +108,19 @@ class ModelChatTemplate:
         self.identity = template_identity(source)
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
-        """The template's text of ``messages`` (with the assistant header after them when ``generation_prompt``)."""
-        text = self.tokenizer.apply_chat_template(
-            messages, chat_template=self.source, tokenize=False, add_generation_prompt=generation_prompt
-        )
+        """The template's text of ``messages`` (with the assistant header after them when ``generation_prompt``).
+
+        Raises:
+            ValueError: the template fails on them (it raised, e.g. on roles that do not alternate).
+        """
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, chat_template=self.source, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except TemplateError as exc:
+            raise ValueError(f"{self.name}: the checkpoint's chat template fails on this conversation: {exc}") from exc
         return str(text)
 
     def messages(self, turns: Sequence[tuple[str, str]], system: str | None) -> list[dict[str, Any]]:
