@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,3 +66,32 @@ def assert_qwen2_vl_packs(model: Any, inputs_of: Any, samples: Sequence[Any]) ->
     per_sample = [hf[:, b, :n] for b, n in enumerate(padded[0][2].tolist())]
     assert torch.equal(positions, torch.cat(per_sample, dim=1)[:, None])
     assert_packed_matches_padded([*encoder, projector, *llm], len(encoder) + 1, padded, packed)
+
+
+def assert_trains_with_media(
+    train: Any, config: str, media: Sequence[Any], out: Any, family: str, **summary: Any
+) -> None:
+    """Six steps of examples/train.py on 2 ranks with the bundled ``config`` (the ``train`` fixture) on
+    an HF model with images and videos (``media``: model, data, image folder, video folder): the run
+    is ``family``'s with the ``summary`` fields given, the loss falls, and the model saved to ``out``
+    loads back with most of its tensors changed."""
+    model, data, images, videos = media
+    run = train(
+        config, model, data, images, "--video_folder", str(videos), "--output_dir", str(out), dflop={"steps": 6}
+    )
+    assert run["summary"]["model"].startswith(family), run["summary"]
+    assert {key: run["summary"].get(key) for key in summary} == summary, run["summary"]
+    losses = [s["loss"] for s in run["steps"]]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    changed, total = changed_tensors(model, out)
+    assert changed > total // 2, (changed, total)
+
+
+def changed_tensors(before: Path, after: Path) -> tuple[int, int]:
+    """``(changed, total)`` tensors between two save_pretrained directories (loaded by transformers)."""
+    from transformers import AutoModelForImageTextToText
+
+    old = AutoModelForImageTextToText.from_pretrained(str(before)).state_dict()
+    new = AutoModelForImageTextToText.from_pretrained(str(after)).state_dict()
+    assert old.keys() == new.keys()
+    return sum(not torch.equal(old[k], new[k]) for k in old), len(old)

@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
+from hf_stage_checks import assert_trains_with_media  # noqa: E402
 from PIL import Image  # noqa: E402
 from transformers import InternVLProcessor  # noqa: E402
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil  # noqa: E402
@@ -109,27 +110,7 @@ def test_dataset_microbatches_give_hf_loss_and_packed_equals_padded(internvl_dat
 
 @pytest.mark.slow
 def test_internvl_trains_on_two_ranks_with_zero2(tmp_path, internvl_data, train):
-    from transformers import AutoModelForImageTextToText
-
-    model, data, images, videos = internvl_data
-    out = tmp_path / "trained"
-    run = train(
-        "hf_zero2.json",
-        model,
-        data,
-        images,
-        "--video_folder",
-        str(videos),
-        "--output_dir",
-        str(out),
-        dflop={"steps": 6},
-    )
-    assert run["summary"]["model"].startswith("internvl") and run["summary"]["zero_stage"] == 2
-    losses = [s["loss"] for s in run["steps"]]
-    assert len(losses) == 6 and losses[-1] < losses[0], losses
-    old = AutoModelForImageTextToText.from_pretrained(str(model)).state_dict()
-    new = AutoModelForImageTextToText.from_pretrained(str(out)).state_dict()
-    assert old.keys() == new.keys() and sum(not torch.equal(old[k], new[k]) for k in old) > len(old) // 2
+    assert_trains_with_media(train, "hf_zero2.json", internvl_data, tmp_path / "trained", "internvl", zero_stage=2)
 
 
 def test_profiling_target_sweeps_tiles_and_fits_a_cost_model_with_the_family_policy(internvl_data):

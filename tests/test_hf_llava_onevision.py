@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
+from hf_stage_checks import assert_trains_with_media  # noqa: E402
 from PIL import Image  # noqa: E402
 from transformers import LlavaOnevisionProcessor  # noqa: E402
 
@@ -180,27 +181,9 @@ def test_registry_finds_the_family_and_the_policy_counts_tiles(onevision_data):
 
 @pytest.mark.slow
 def test_llava_onevision_trains_on_two_ranks_with_zero2(tmp_path, onevision_data, train):
-    from transformers import AutoModelForImageTextToText
-
-    model, data, images, videos = onevision_data
-    out = tmp_path / "trained"
-    run = train(
-        "hf_zero2.json",
-        model,
-        data,
-        images,
-        "--video_folder",
-        str(videos),
-        "--output_dir",
-        str(out),
-        dflop={"steps": 6},
+    assert_trains_with_media(
+        train, "hf_zero2.json", onevision_data, tmp_path / "trained", "llava_onevision", zero_stage=2
     )
-    assert run["summary"]["model"].startswith("llava_onevision") and run["summary"]["zero_stage"] == 2
-    losses = [s["loss"] for s in run["steps"]]
-    assert len(losses) == 6 and losses[-1] < losses[0], losses
-    old = AutoModelForImageTextToText.from_pretrained(str(model)).state_dict()
-    new = AutoModelForImageTextToText.from_pretrained(str(out)).state_dict()
-    assert old.keys() == new.keys() and sum(not torch.equal(old[k], new[k]) for k in old) > len(old) // 2
 
 
 def test_profiling_target_sweeps_tiles_and_fits_a_cost_model_with_the_family_policy(onevision_data):

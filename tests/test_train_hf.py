@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_stage_checks import changed_tensors
 
 
 @pytest.fixture(scope="module")
@@ -20,16 +21,6 @@ def llava_run_inputs(tmp_path_factory):
     model = build_tiny_llava(root / "model", vision="siglip", text="qwen2")
     data, images = write_llava_dataset(root / "data", 40, seed=3)
     return model, data, images
-
-
-def changed_tensors(before: Path, after: Path) -> tuple[int, int]:
-    """``(changed, total)`` tensors between two save_pretrained directories (loaded by transformers)."""
-    from transformers import AutoModelForImageTextToText
-
-    old = AutoModelForImageTextToText.from_pretrained(str(before)).state_dict()
-    new = AutoModelForImageTextToText.from_pretrained(str(after)).state_dict()
-    assert old.keys() == new.keys()
-    return sum(not torch.equal(old[k], new[k]) for k in old), len(old)
 
 
 @pytest.mark.slow

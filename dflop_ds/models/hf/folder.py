@@ -7,13 +7,17 @@ missing, naming the folder and the files looked for.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dflop_ds.data.errors import PathArg
+from dflop_ds.models.hf.chat_template import checkpoint_chat_template
 
 #: Files holding a model's weights (one is enough; sharded weights come with an index).
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+#: The file ``save_pretrained`` writes a chat template to (tokenizers and processors read it back).
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 #: Files a tokenizer is loaded from (one is enough): fast, SentencePiece, BPE and WordPiece vocabularies.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
@@ -61,6 +65,31 @@ def load_text_and_image_parts(model_dir: PathArg) -> tuple[Any, Any, Any]:
     )
 
 
+Loaded = TypeVar("Loaded")
+
+
+def from_model_dir(cls: Callable[..., Loaded], model_dir: PathArg, prefix: str, **kwargs: Any) -> Loaded:
+    """``cls(tokenizer, image_processor, config, **kwargs)`` of a ``save_pretrained`` directory
+    (offline), named ``prefix:<directory name>`` unless ``kwargs`` name it; with ``chat_template``
+    unset or ``True`` it gets the checkpoint's own template, its legacy ``chat_template.json`` included."""
+    tokenizer, image_processor, config = load_text_and_image_parts(model_dir)
+    kwargs.setdefault("name", f"{prefix}:{Path(model_dir).name}")
+    if kwargs.get("chat_template", True) is True:
+        kwargs["chat_template"] = checkpoint_chat_template(tokenizer, model_dir=model_dir) or False
+    return cls(tokenizer, image_processor, config, **kwargs)
+
+
+def save_text_and_image_parts(preprocessor: Any, directory: PathArg) -> None:
+    """Save a preprocessor's tokenizer and image processor into ``directory`` (what
+    :func:`from_model_dir` loads back), with the chat template it tokenizes with (``chat_template.jinja``)
+    when the tokenizer does not carry it (one from a legacy ``chat_template.json`` or passed in)."""
+    preprocessor.tokenizer.save_pretrained(directory)
+    preprocessor.image_processor.save_pretrained(directory)
+    template = getattr(preprocessor, "chat_template", None)
+    if template is not None and template.source != preprocessor.tokenizer.chat_template:
+        (Path(directory) / CHAT_TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
+
+
 def load_tokenizer_and_image_processor(model_dir: PathArg) -> tuple[Any, Any]:
     """``(tokenizer, image_processor)`` of a ``save_pretrained`` directory, offline (check-model's
     synthetic microbatches); ``ValueError`` naming the directory when either is missing."""
@@ -78,7 +107,9 @@ __all__ = [
     "TOKENIZER_FILES",
     "WEIGHT_PATTERNS",
     "check_model_folder",
+    "from_model_dir",
     "load_text_and_image_parts",
     "load_tokenizer_and_image_processor",
     "missing_parts",
+    "save_text_and_image_parts",
 ]

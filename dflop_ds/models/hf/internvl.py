@@ -19,7 +19,13 @@ import torch
 from torch import nn
 
 from dflop_ds.models.hf.common import LMHead, decoder_layers, load_checked
-from dflop_ds.models.hf.llava import TEXT_TYPES, TIED_EMBEDDING_KEY, LlavaProjector, VisionEmbeddings, VisTuple
+from dflop_ds.models.hf.llava import (
+    TEXT_TYPES,
+    TIED_EMBEDDING_KEY,
+    LlavaProjector,
+    VisionEmbeddings,
+    VisionLayer,
+)
 
 MODEL_TYPE = "internvl"
 
@@ -47,21 +53,6 @@ def load_internvl(model_dir: str | Path, *, dtype: torch.dtype | None = None) ->
     return load_checked(
         model_dir, check_internvl_config, lambda config: transformers.InternVLForConditionalGeneration, dtype
     )
-
-
-class InternVisionLayer(nn.Module):
-    """One InternViT layer over every tile's patches (no mask)."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, inputs: VisTuple) -> VisTuple:
-        """Refine ``vis``; an empty ``vis`` passes through."""
-        vis, input_ids, seq_lens = inputs
-        if vis.shape[0] == 0:
-            return vis.clone(), input_ids, seq_lens
-        return self.layer(vis), input_ids, seq_lens
 
 
 class ShuffledProjector(nn.Module):
@@ -99,7 +90,7 @@ def internvl_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Mod
     depth = int(config.vision_feature_layer) % (len(layers) + 1)
     last = config.vision_feature_layer == -1  # HF takes the normed last_hidden_state then
     encoder: list[nn.Module] = [VisionEmbeddings(tower.embeddings, None)]
-    encoder += [InternVisionLayer(layer) for layer in layers[: len(layers) if last else depth]]
+    encoder += [VisionLayer(layer, takes_mask=False) for layer in layers[: len(layers) if last else depth]]
     tied = model.lm_head.weight is language_model.embed_tokens.weight
     key = TIED_EMBEDDING_KEY if tied else None
     shuffled = ShuffledProjector(body, tower.layernorm if last else None, config)
@@ -110,7 +101,6 @@ def internvl_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Mod
 
 __all__ = [
     "MODEL_TYPE",
-    "InternVisionLayer",
     "ShuffledProjector",
     "check_internvl_config",
     "side",

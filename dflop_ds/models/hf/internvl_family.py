@@ -7,42 +7,24 @@ tiling rule (:mod:`~dflop_ds.models.hf.internvl_shapes`), data pipeline
 
 from __future__ import annotations
 
-from pathlib import Path
+from functools import partial
 from typing import Any
 
-from dflop_ds.data.video import DEFAULT_VIDEO_MAX_FRAMES
-from dflop_ds.models.hf.check import tower_hidden_states, video_image_text_batches
-from dflop_ds.models.hf.check_parts import CheckParts, MicrobatchBuilder
+from dflop_ds.models.hf.check_parts import CheckParts
+from dflop_ds.models.hf.folder import save_text_and_image_parts
 from dflop_ds.models.hf.internvl import MODEL_TYPE, internvl_layers, load_internvl, side
 from dflop_ds.models.hf.internvl_data import InternVLDataset, InternVLPreprocessor
 from dflop_ds.models.hf.internvl_synthetic import IMAGE_MARK, VIDEO_MARK, InternVLInputs
 from dflop_ds.models.hf.llava import LlavaEncoderInputs
 from dflop_ds.models.hf.llava_data import collate_llava, collate_packed_llava
 from dflop_ds.models.hf.llava_synthetic import hf_model_kwargs
+from dflop_ds.models.hf.profile import family_profile_target
 from dflop_ds.models.hf.registry import ModelFamily
+from dflop_ds.models.hf.tiled_family import tiled_check_parts, tiled_preprocessor_loader
 from dflop_ds.models.hf.training import TrainingParts
-from dflop_ds.profile.inputs import ContractLLMInputs
-from dflop_ds.profile.target import ProfileTarget, summed_cross_entropy
 
-
-def internvl_preprocessor(
-    model_dir: str,
-    *,
-    max_length: int | None = None,
-    truncation: str = "error",
-    video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
-    **video: Any,
-) -> InternVLPreprocessor:
-    """The :class:`~dflop_ds.models.hf.internvl_data.InternVLPreprocessor` of ``model_dir`` (frames are
-    sampled uniformly, so the frame rate in ``video`` does not apply)."""
-    return InternVLPreprocessor.from_pretrained(
-        model_dir, max_length=max_length, truncation=truncation, video_max_frames=video_max_frames
-    )
-
-
-def _save_processor(preprocessor: Any, directory: str) -> None:
-    preprocessor.tokenizer.save_pretrained(directory)
-    preprocessor.image_processor.save_pretrained(directory)
+#: The :class:`~dflop_ds.models.hf.internvl_data.InternVLPreprocessor` of a model directory.
+internvl_preprocessor = tiled_preprocessor_loader(InternVLPreprocessor)
 
 
 def internvl_training() -> TrainingParts:
@@ -54,7 +36,7 @@ def internvl_training() -> TrainingParts:
         "multi_modal_projector",
         InternVLDataset,
         collate_llava,
-        _save_processor,
+        save_text_and_image_parts,
         packed_collate=collate_packed_llava,
     )
 
@@ -71,36 +53,17 @@ class InternVLEncoderInputs(LlavaEncoderInputs):
         self.text_tokens, self.dtype = int(text_tokens), dtype
 
 
-def internvl_target(model_dir: str, preprocessor: InternVLPreprocessor, text_tokens: int = 8) -> ProfileTarget:
-    """The layer lists, input factories and shape policy of the InternVL model in ``model_dir``."""
-    model = load_internvl(model_dir)
-    encoder, projector, llm = internvl_layers(model)
-    return ProfileTarget(
-        encoder_layers=encoder,
-        projector=projector,
-        llm_layers=llm,
-        encoder_inputs=InternVLEncoderInputs(model.config, text_tokens, model.dtype),
-        llm_inputs=ContractLLMInputs(int(model.config.text_config.hidden_size), model.dtype),
-        output_loss=summed_cross_entropy,
-        policy=preprocessor.policy(),
-    )
+#: The layer lists, input factories and shape policy of the InternVL model in a directory.
+internvl_target = partial(
+    family_profile_target, load=load_internvl, layers=internvl_layers, encoder_inputs=InternVLEncoderInputs
+)
 
 
 def internvl_check() -> CheckParts:
     """InternVL's check-model parts: tiled images of random sizes, several images in a row, text-only
     rows and a video row."""
-
-    def microbatches(path: Path, config: Any) -> MicrobatchBuilder:
-        return InternVLInputs.from_dir(path, config).microbatch
-
-    return CheckParts(
-        load_internvl,
-        internvl_layers,
-        microbatches,
-        IMAGE_MARK,
-        lambda model, inputs: hf_model_kwargs(inputs),
-        tower_hidden_states,
-        video_image_text_batches(IMAGE_MARK, VIDEO_MARK),
+    return tiled_check_parts(
+        load_internvl, internvl_layers, InternVLInputs.from_dir, hf_model_kwargs, IMAGE_MARK, VIDEO_MARK
     )
 
 

@@ -115,18 +115,21 @@ class VisionEmbeddings(nn.Module):
 
 
 class VisionLayer(nn.Module):
-    """One vision-tower layer over every image's patches (no mask: all patches are real)."""
+    """One vision-tower layer over every image's patches (no mask: all patches are real).
+    ``takes_mask``: whether the HF layer's second argument is an attention mask (CLIP, SigLIP; an
+    InternViT layer takes the hidden states alone)."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, takes_mask: bool = True) -> None:
         super().__init__()
         self.layer = layer
+        self.takes_mask = takes_mask
 
     def forward(self, inputs: VisTuple) -> VisTuple:
         """Refine ``vis``; an empty ``vis`` (no image) passes through (HF layers cannot reshape it)."""
         vis, input_ids, seq_lens = inputs
         if vis.shape[0] == 0:
             return vis.clone(), input_ids, seq_lens
-        out = self.layer(vis, None)
+        out = self.layer(vis, None) if self.takes_mask else self.layer(vis)
         return (out[0] if isinstance(out, tuple) else out), input_ids, seq_lens
 
 

@@ -4,7 +4,10 @@
 and tokenizer) and owns the one conversation format, so that the shapes the sampler sees and
 the tensors the dataset makes come from the same code and agree token for token:
 
-* **Template** (LLaVA-v1 / Vicuna style)::
+* **Template**: the checkpoint's own ``chat_template`` (the processor's, else the tokenizer's)
+  when it ships one (:mod:`~dflop_ds.models.hf.chat_template`: labels are the assistant turns'
+  tokens; the system message is the template's own unless ``system`` is given). Otherwise the
+  built-in LLaVA-v1 / Vicuna template::
 
       <bos>{system} USER: {human turn} ASSISTANT: {gpt turn}<eos>USER: ... ASSISTANT: ...<eos>
 
@@ -33,6 +36,7 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,7 @@ from dflop_ds.data.images import load_rgb
 from dflop_ds.data.media import image_field, record_image_paths, recorded_size_source, size_mismatch
 from dflop_ds.data.records import check_policy, load_records
 from dflop_ds.data.video import decode_frames, sample_frame_indices
+from dflop_ds.models.hf.chat_template import ModelChatTemplate, checkpoint_chat_template, encode_alike
 from dflop_ds.models.hf.folder import check_model_folder
 from dflop_ds.models.hf.llava_processor import load_processor
 from dflop_ds.models.packing import join_rows
@@ -132,11 +137,17 @@ class LlavaPreprocessor:
 
     Args:
         processor: a ``transformers.LlavaProcessor``.
-        system: the system line of the template.
+        system: the system message (default: the checkpoint template's own; the built-in
+            template's :data:`DEFAULT_SYSTEM`).
         max_length: longest sequence, image tokens included (default: ``model_max_length``).
         truncation: ``"error"`` (a longer sample is a bad record) or ``"truncate"``.
         name: the policy's name in messages (e.g. the model directory's name).
+        chat_template: ``True``: the checkpoint's own template when it ships one, else the built-in
+            one; ``False``: the built-in one; a string: that Jinja template.
     """
+
+    #: the built-in template's name in the policy's identity
+    template_name = TEMPLATE_NAME
 
     #: the video token (None: the family takes no videos)
     video_token_id: int | None = None
@@ -145,10 +156,11 @@ class LlavaPreprocessor:
         self,
         processor: Any,
         *,
-        system: str = DEFAULT_SYSTEM,
+        system: str | None = None,
         max_length: int | None = None,
         truncation: str = "error",
         name: str = "llava",
+        chat_template: str | bool = True,
     ) -> None:
         kind = type(processor).__name__
         image_processor = getattr(processor, "image_processor", None)
@@ -159,14 +171,23 @@ class LlavaPreprocessor:
             )
         self.processor = processor
         self.image_processor: Any = image_processor  # the LlavaProcessor's, checked above
+        template = chosen_template(chat_template, processor, processor.tokenizer)
         self._set_text(processor.tokenizer, int(processor.image_token_id), system, max_length, truncation, name)
+        self._set_template(template, None)
         self.pixel_shape = tuple(self._process([_blank_image()]).shape[1:])
         self.image_seq_length = self._tokens_per_image()
 
     def _set_text(
-        self, tokenizer: Any, image_token_id: int, system: str, max_length: int | None, truncation: str, name: str
+        self,
+        tokenizer: Any,
+        image_token_id: int,
+        system: str | None,
+        max_length: int | None,
+        truncation: str,
+        name: str,
     ) -> None:
-        """The template's and length rule's settings (shared with families on the LLaVA-v1 template)."""
+        """The tokenizer's and length rule's settings (shared with the families built on this class);
+        :meth:`_set_template` then picks the template."""
         if truncation not in TRUNCATION:
             raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
         self.tokenizer = tokenizer
@@ -176,13 +197,36 @@ class LlavaPreprocessor:
         self.truncated_samples = 0
         self.image_token_id = image_token_id
         self.eos_token_id = tokenizer.eos_token_id
-        if self.eos_token_id is None:
-            raise ValueError(f"{name}: the tokenizer has no eos token to end assistant turns with")
         self.bos_token_id = tokenizer.bos_token_id
-        pad = tokenizer.pad_token_id
-        self.pad_token_id = int(self.eos_token_id if pad is None else pad)
+        self.pad_token_id = pad_token_id(tokenizer, name)
         limit = max_length if max_length is not None else tokenizer.model_max_length
         self.max_length = None if limit is None or limit > NO_LIMIT else int(limit)
+
+    def _set_template(self, template: str | None, video_marker: int | None) -> None:
+        """Use the Jinja ``template`` (whose video marker token is ``video_marker``), or (None) the
+        built-in LLaVA-v1 template, which ends assistant turns with the eos token."""
+        self.chat_template = (
+            None
+            if template is None
+            else ModelChatTemplate(template, self.tokenizer, self.image_token_id, video_marker, self.name)
+        )
+        builtin_system = DEFAULT_SYSTEM if self.system is None else self.system
+        if self.chat_template is None:
+            if self.eos_token_id is None:
+                raise ValueError(f"{self.name}: the tokenizer has no eos token to end assistant turns with")
+            self.system = builtin_system
+        video_id = self.video_token_id
+        #: whether the tokens are the built-in template's: none shipped, or one that tokenizes alike
+        self.builtin_counts = self.chat_template is None or (
+            self.eos_token_id is not None
+            and encode_alike(
+                partial(self.chat_template.encode, system=self.system),
+                partial(self._llava_v1, system=builtin_system),
+                self._image_block,
+                None if video_id is None else partial(self._video_block, int(video_id)),
+            )
+        )
+        self.counting_system = builtin_system if self.builtin_counts else self.system or ""
 
     @classmethod
     def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> LlavaPreprocessor:
@@ -196,6 +240,10 @@ class LlavaPreprocessor:
         config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
         processor = load_processor(Path(model_dir), config)
         kwargs.setdefault("name", f"llava:{Path(model_dir).name}")
+        if kwargs.get("chat_template", True) is True:  # the checkpoint's, its legacy template file included
+            kwargs["chat_template"] = (
+                checkpoint_chat_template(processor, processor.tokenizer, model_dir=model_dir) or False
+            )
         return cls(processor, **kwargs)
 
     def _tokens_per_image(self) -> int:
@@ -262,13 +310,32 @@ class LlavaPreprocessor:
     def encode_media(
         self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int], video_tokens: int | None = None
     ) -> Encoded:
-        """Token ids and supervision mask of ``(role, value)`` turns under the LLaVA-v1 template, whose
+        """Token ids and supervision mask of ``(role, value)`` turns under the template, whose
         images give ``image_tokens`` tokens each and whose one video (if any, placed by
         :func:`mark_video`) ``video_tokens``.
 
         Raises:
             ValueError: a bad role, placeholder mismatch or over-long sample, naming the field.
         """
+        video_id = self.video_token_id
+        if video_tokens is not None:
+            if video_id is None:
+                raise ValueError(f"{self.name}: the model takes no videos")
+            turns = mark_video(turns, len(image_tokens))
+        normalized = self._normalize(turns, len(image_tokens), videos=video_tokens is not None)
+        images = [self._image_block(tokens) for tokens in image_tokens]
+        video = None if video_tokens is None else self._video_block(int(video_id or 0), int(video_tokens))
+        if self.chat_template is None:
+            ids, supervised = self._llava_v1(normalized, images, video, system=self.system or "")
+        else:
+            ids, supervised = self.chat_template.encode(normalized, images, video, system=self.system)
+        return self._fit(Encoded(ids, supervised, sum(image_tokens) + int(video_tokens or 0)))
+
+    def _llava_v1(
+        self, turns: Sequence[tuple[str, str]], images: Sequence[list[int]], video: list[int] | None, system: str
+    ) -> tuple[list[int], list[bool]]:
+        """``(input_ids, supervised)`` of normalized turns under the built-in LLaVA-v1 template with
+        ``system``, each placeholder replaced by its image's (in order) or the video's block of ids."""
         ids: list[int] = []
         supervised: list[bool] = []
 
@@ -276,29 +343,24 @@ class LlavaPreprocessor:
             ids.extend(tokens)
             supervised.extend([label] * len(tokens))
 
-        video_id = self.video_token_id
-        if video_tokens is not None:
-            if video_id is None:
-                raise ValueError(f"{self.name}: the model takes no videos")
-            turns = mark_video(turns, len(image_tokens))
-        images = iter(image_tokens)
+        blocks = iter(images)
         if self.bos_token_id is not None:
             add([int(self.bos_token_id)], False)
-        if self.system:
-            add(self._ids(self.system + " "), False)
-        for kind, value in self._normalize(turns, len(image_tokens), videos=video_tokens is not None):
+        if system:
+            add(self._ids(system + " "), False)
+        for kind, value in turns:
             if kind == "user":
                 for part in re.split(f"({IMAGE_PLACEHOLDER}|{VIDEO_PLACEHOLDER})", f"USER: {value} "):
                     if part == IMAGE_PLACEHOLDER:
-                        add(self._image_block(next(images)), False)
+                        add(next(blocks), False)
                     elif part == VIDEO_PLACEHOLDER:
-                        add(self._video_block(int(video_id or 0), int(video_tokens or 0)), False)
+                        add(video or [], False)
                     else:
                         add(self._ids(part), False)
             else:
                 add(self._ids("ASSISTANT: "), False)
                 add(self._ids(value) + [int(self.eos_token_id)], True)
-        return self._fit(Encoded(ids, supervised, sum(image_tokens) + int(video_tokens or 0)))
+        return ids, supervised
 
     def _image_block(self, tokens: int) -> list[int]:
         """The ids an image of ``tokens`` visual tokens writes into the prompt."""
@@ -366,9 +428,12 @@ class LlavaPreprocessor:
 
     # -- identity -----------------------------------------------------------------------
     def identity(self) -> str:
-        """What fixes the token counts: template, system line, tokenizer contents, image token, length rule."""
+        """What fixes the token counts: template (the built-in one's name, also for a checkpoint's
+        template that tokenizes alike; else the checkpoint's by digest), system message, tokenizer
+        contents, image token, length rule."""
+        template = self.template_name if self.builtin_counts else self.chat_template.identity  # type: ignore[union-attr]
         return counting_identity(
-            TEMPLATE_NAME, self.system, self.tokenizer, self.image_token_id, self.max_length, self.truncation
+            template, self.counting_system, self.tokenizer, self.image_token_id, self.max_length, self.truncation
         )
 
     def policy(self) -> ShapePolicy:
@@ -387,6 +452,23 @@ class LlavaPreprocessor:
             tokenizer_id=self.identity(),
             conversation=self.count,
         )
+
+
+def chosen_template(choice: str | bool, *holders: Any) -> str | None:
+    """The Jinja template a preprocessor uses: ``choice`` when a string; for ``True`` the first of
+    ``holders`` (processor, tokenizer) that ships one; None (the built-in template) for ``False``
+    or when none does."""
+    if isinstance(choice, str):
+        return choice
+    return checkpoint_chat_template(*holders) if choice else None
+
+
+def pad_token_id(tokenizer: Any, name: str) -> int:
+    """The id padding uses: the tokenizer's pad token, else its eos token."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError(f"{name}: the tokenizer has neither a pad nor an eos token to pad batches with")
+    return int(pad)
 
 
 def _blank_image() -> Any:

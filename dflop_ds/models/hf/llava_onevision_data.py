@@ -1,6 +1,7 @@
 """LLaVA-OneVision's data pipeline: LLaVA JSON records as contract microbatches.
 
-The conversation template is LLaVA-v1's (:class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor`);
+The conversation template is the checkpoint's own, else LLaVA-v1's
+(:class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor`);
 images and videos give the tokens :class:`~dflop_ds.models.hf.llava_onevision_shapes.OnevisionTokenRule`
 counts (AnyRes for a lone image, one tile each for several, pooled frames plus a newline for a video).
 A video's frames are ``min(frames, video_max_frames)`` frames sampled uniformly by the project's
@@ -12,80 +13,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflop_ds.data.errors import PathArg
-from dflop_ds.data.video import DEFAULT_VIDEO_MAX_FRAMES
-from dflop_ds.models.hf.folder import load_text_and_image_parts
-from dflop_ds.models.hf.llava_data import (
-    DEFAULT_SYSTEM,
-    LlavaDataset,
-    LlavaItem,
-    LlavaPreprocessor,
-    collate_llava,
-    counting_identity,
-)
+from dflop_ds.models.hf.llava_data import LlavaDataset, LlavaItem, collate_llava
 from dflop_ds.models.hf.llava_onevision_synthetic import OnevisionMedia, stack_media
+from dflop_ds.models.hf.tiled_data import TiledPreprocessor
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
-TEMPLATE_NAME = "llava-v1"
 
+class OnevisionPreprocessor(TiledPreprocessor):
+    """A LLaVA-OneVision directory's tokenizer and image processor, the conversation template and the
+    checkpoint's counting rule (arguments as for :class:`~dflop_ds.models.hf.tiled_data.TiledPreprocessor`)."""
 
-class OnevisionPreprocessor(LlavaPreprocessor):
-    """A LLaVA-OneVision directory's tokenizer and image processor, the LLaVA-v1 template and the
-    checkpoint's counting rule.
+    family_name = "llava_onevision"
+    media: OnevisionMedia
 
-    Args:
-        tokenizer, image_processor, config: the directory's (``AutoTokenizer``, ``AutoImageProcessor``, config).
-        video_max_frames: frames sampled uniformly from a video (at most).
-        system, max_length, truncation, name: as for :class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor`.
-    """
+    def _media(self, tokenizer: Any, image_processor: Any, config: Any, name: str) -> OnevisionMedia:
+        return OnevisionMedia(image_processor, config, name)
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        image_processor: Any,
-        config: Any,
-        *,
-        system: str = DEFAULT_SYSTEM,
-        max_length: int | None = None,
-        truncation: str = "error",
-        name: str = "llava_onevision",
-        video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
-    ) -> None:
-        if video_max_frames < 1:
-            raise ValueError(f"{name}: video_max_frames must be >= 1, got {video_max_frames}")
-        self.media = OnevisionMedia(image_processor, config, name)
-        self.image_processor = image_processor
-        self.video_token_id = self.media.video_token_id
-        self.video_max_frames = int(video_max_frames)
-        self._set_text(tokenizer, self.media.image_token_id, system, max_length, truncation, name)
-        self.pixel_shape = self.media.tile_shape
-
-    @classmethod
-    def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> OnevisionPreprocessor:
-        """Load the tokenizer, image processor and config of a ``save_pretrained`` directory (offline)."""
-        kwargs.setdefault("name", f"llava_onevision:{Path(model_dir).name}")
-        return cls(*load_text_and_image_parts(model_dir), **kwargs)
+    def _media_tokens(self, tokenizer: Any) -> tuple[int, int, int | None]:
+        return self.media.image_token_id, self.media.video_token_id, self.media.video_token_id
 
     def _uncut_tokens(self) -> set[int]:
         """Tokens a truncation must keep whole: every image and video token."""
         return {self.image_token_id, self.media.video_token_id}
-
-    def count(
-        self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int], video_tokens: int | None = None
-    ) -> tuple[int, int]:
-        """``(text_tokens, label_tokens)`` exactly as :meth:`encode_media` produces them (visual tokens excluded)."""
-        return self._counted(self.encode_media(turns, image_tokens, video_tokens))
-
-    def identity(self) -> str:
-        """What fixes the token counts: template, system line, tokenizer contents, media tokens, length rule."""
-        return counting_identity(
-            TEMPLATE_NAME, self.system, self.tokenizer, self.image_token_id, self.max_length, self.truncation
-        )
 
     def policy(self) -> ShapePolicy:
         """The :class:`ShapePolicy` of this model's data: each sample's images by the counting rule,

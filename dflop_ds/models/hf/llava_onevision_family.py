@@ -6,12 +6,10 @@ data pipeline (:mod:`~dflop_ds.models.hf.llava_onevision_data`) and synthetic mi
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from functools import partial
 
-from dflop_ds.data.video import DEFAULT_VIDEO_MAX_FRAMES
-from dflop_ds.models.hf.check import tower_hidden_states, video_image_text_batches
-from dflop_ds.models.hf.check_parts import CheckParts, MicrobatchBuilder
+from dflop_ds.models.hf.check_parts import CheckParts
+from dflop_ds.models.hf.folder import save_text_and_image_parts
 from dflop_ds.models.hf.llava_onevision import (
     MODEL_TYPE,
     OnevisionEncoderInputs,
@@ -25,30 +23,13 @@ from dflop_ds.models.hf.llava_onevision_data import (
     collate_packed_onevision,
 )
 from dflop_ds.models.hf.llava_onevision_synthetic import IMAGE_MARK, VIDEO_MARK, OnevisionInputs, onevision_hf_kwargs
+from dflop_ds.models.hf.profile import family_profile_target
 from dflop_ds.models.hf.registry import ModelFamily
+from dflop_ds.models.hf.tiled_family import tiled_check_parts, tiled_preprocessor_loader
 from dflop_ds.models.hf.training import TrainingParts
-from dflop_ds.profile.inputs import ContractLLMInputs
-from dflop_ds.profile.target import ProfileTarget, summed_cross_entropy
 
-
-def llava_onevision_preprocessor(
-    model_dir: str,
-    *,
-    max_length: int | None = None,
-    truncation: str = "error",
-    video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
-    **video: Any,
-) -> OnevisionPreprocessor:
-    """The :class:`~dflop_ds.models.hf.llava_onevision_data.OnevisionPreprocessor` of ``model_dir``
-    (frames are sampled uniformly, so the frame rate in ``video`` does not apply)."""
-    return OnevisionPreprocessor.from_pretrained(
-        model_dir, max_length=max_length, truncation=truncation, video_max_frames=video_max_frames
-    )
-
-
-def _save_processor(preprocessor: Any, directory: str) -> None:
-    preprocessor.tokenizer.save_pretrained(directory)
-    preprocessor.image_processor.save_pretrained(directory)
+#: The :class:`~dflop_ds.models.hf.llava_onevision_data.OnevisionPreprocessor` of a model directory.
+llava_onevision_preprocessor = tiled_preprocessor_loader(OnevisionPreprocessor)
 
 
 def llava_onevision_training() -> TrainingParts:
@@ -60,42 +41,31 @@ def llava_onevision_training() -> TrainingParts:
         "multi_modal_projector",
         OnevisionDataset,
         collate_onevision,
-        _save_processor,
+        save_text_and_image_parts,
         packed_collate=collate_packed_onevision,
     )
 
 
-def llava_onevision_target(model_dir: str, preprocessor: OnevisionPreprocessor, text_tokens: int = 8) -> ProfileTarget:
-    """The layer lists, input factories and shape policy of the LLaVA-OneVision model in ``model_dir``
-    (the encoder sweep's tiles are base tiles, as the policy counts the encoder by tiles)."""
-    model = load_llava_onevision(model_dir)
-    encoder, projector, llm = llava_onevision_layers(model)
-    return ProfileTarget(
-        encoder_layers=encoder,
-        projector=projector,
-        llm_layers=llm,
-        encoder_inputs=OnevisionEncoderInputs(model.config, text_tokens, model.dtype),
-        llm_inputs=ContractLLMInputs(int(model.config.text_config.hidden_size), model.dtype),
-        output_loss=summed_cross_entropy,
-        policy=preprocessor.policy(),
-    )
+#: The layer lists, input factories and shape policy of the LLaVA-OneVision model in a directory (the
+#: encoder sweep's tiles are base tiles, as the policy counts the encoder by tiles).
+llava_onevision_target = partial(
+    family_profile_target,
+    load=load_llava_onevision,
+    layers=llava_onevision_layers,
+    encoder_inputs=OnevisionEncoderInputs,
+)
 
 
 def llava_onevision_check() -> CheckParts:
     """LLaVA-OneVision's check-model parts: AnyRes images (random sizes and aspect ratios), several
     images in a row (one tile each), text-only rows, and a video row."""
-
-    def microbatches(path: Path, config: Any) -> MicrobatchBuilder:
-        return OnevisionInputs.from_dir(path, config).microbatch
-
-    return CheckParts(
+    return tiled_check_parts(
         load_llava_onevision,
         llava_onevision_layers,
-        microbatches,
+        OnevisionInputs.from_dir,
+        onevision_hf_kwargs,
         IMAGE_MARK,
-        lambda model, inputs: onevision_hf_kwargs(inputs),
-        tower_hidden_states,
-        video_image_text_batches(IMAGE_MARK, VIDEO_MARK),
+        VIDEO_MARK,
     )
 
 

@@ -4,7 +4,10 @@
 (no processor class needed: Qwen2-VL's wants torchvision for videos) and owns the conversation
 format, so that the shapes the sampler sees and the tensors the dataset makes agree token for token:
 
-* **Template** (Qwen2-VL's ChatML)::
+* **Template**: the checkpoint's own ``chat_template`` when it ships one
+  (:mod:`~dflop_ds.models.hf.chat_template`; its image marker ``<|image_pad|>`` and video marker
+  ``<|video_pad|>`` expanded to the media's tokens, labels the assistant turns' tokens, the
+  system message the template's own unless ``system`` is given); otherwise Qwen2-VL's ChatML::
 
       <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{human turn}<|im_end|>\\n
       <|im_start|>assistant\\n{gpt turn}<|im_end|>\\n ...
@@ -40,7 +43,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 import torch
@@ -54,7 +57,8 @@ from dflop_ds.data.video import (
     sample_frame_indices,
     sampled_frame_count,
 )
-from dflop_ds.models.hf.folder import load_text_and_image_parts
+from dflop_ds.models.hf.chat_template import ModelChatTemplate, encode_alike
+from dflop_ds.models.hf.folder import from_model_dir
 from dflop_ds.models.hf.llava_data import (
     NO_LIMIT,
     TRUNCATION,
@@ -62,9 +66,11 @@ from dflop_ds.models.hf.llava_data import (
     LlavaDataset,
     LlavaItem,
     LlavaPreprocessor,
+    chosen_template,
     collate_llava,
     counting_identity,
     mark_video,
+    pad_token_id,
     text_ids,
 )
 from dflop_ds.models.hf.qwen2_vl_synthetic import Qwen2VLInputs
@@ -161,7 +167,9 @@ class Qwen2VLPreprocessor:
         tokenizer, image_processor: the model directory's (``AutoTokenizer``, ``AutoImageProcessor``).
         config: the model config (image token, vision patch and merge sizes, checked against the
             image processor).
-        system: the system message; name: the policy's name in messages.
+        system: the system message (default: the checkpoint template's own; the built-in
+            ChatML's :data:`DEFAULT_SYSTEM`); name: the policy's name in messages.
+        chat_template: as for :class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor`.
         video_fps, video_max_frames: how videos are sampled (:class:`VideoFrames`).
         max_length, truncation: the length rule, as for
             :class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor` (visual tokens included).
@@ -173,12 +181,13 @@ class Qwen2VLPreprocessor:
         image_processor: Any,
         config: Any,
         *,
-        system: str = DEFAULT_SYSTEM,
+        system: str | None = None,
         name: str = "qwen2_vl",
         video_fps: float = DEFAULT_VIDEO_FPS,
         video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
         max_length: int | None = None,
         truncation: str = "error",
+        chat_template: str | bool = True,
     ) -> None:
         self.inputs = Qwen2VLInputs(tokenizer, image_processor, config, name)  # checks the processor vs config
         self.tokenizer, self.image_processor, self.system, self.name = tokenizer, image_processor, system, name
@@ -193,15 +202,38 @@ class Qwen2VLPreprocessor:
                 f"size), got {video_fps} and {video_max_frames}"
             )
         self.video_rule = VideoFrames(self.rule, float(video_fps), int(video_max_frames), temporal)
-        self.end_of_turn = self._special("<|im_end|>")
-        self.vision_start, self.vision_end = self._special("<|vision_start|>"), self._special("<|vision_end|>")
-        pad = tokenizer.pad_token_id
-        self.pad_token_id = int(tokenizer.eos_token_id if pad is None else pad)
+        template = chosen_template(chat_template, tokenizer)
+        self.chat_template = (
+            None
+            if template is None
+            else ModelChatTemplate(template, tokenizer, self.image_token_id, self.video_token_id, name)
+        )
+        builtin_system = DEFAULT_SYSTEM if system is None else system
+        if self.chat_template is None:
+            self.system = builtin_system
+            self._chatml_tokens()  # the built-in ChatML writes them: refused here, naming the one missing
+        #: the token that closes a visual block (None: a checkpoint template's tokenizer has none)
+        self.vision_end = next(iter(self._vision_ends()), None)
+        #: whether the tokens are the built-in ChatML's: no template shipped, or one that tokenizes alike
+        self.builtin_counts = self.chat_template is None or encode_alike(
+            partial(self.chat_template.encode, system=self.system),
+            partial(self._chatml, system=builtin_system),
+            lambda tokens: [self.image_token_id] * tokens,
+            lambda tokens: [self.video_token_id] * tokens,
+        )
+        self.counting_system = builtin_system if self.builtin_counts else self.system or ""
+        self.pad_token_id = pad_token_id(tokenizer, name)
         if truncation not in TRUNCATION:
             raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
         self.truncation, self.truncated_samples = truncation, 0
         limit = max_length if max_length is not None else tokenizer.model_max_length
         self.max_length = None if limit is None or limit > NO_LIMIT else int(limit)
+
+    def _chatml_tokens(self) -> tuple[int, int, int, int]:
+        """``(<|im_start|>, <|im_end|>, <|vision_start|>, <|vision_end|>)``, which the built-in ChatML writes."""
+        names = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>")
+        start, end, vision_start, vision_end = (self._special(name) for name in names)
+        return start, end, vision_start, vision_end
 
     def _special(self, token: str) -> int:
         token_id = self.tokenizer.convert_tokens_to_ids(token)
@@ -212,8 +244,7 @@ class Qwen2VLPreprocessor:
     @classmethod
     def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> Qwen2VLPreprocessor:
         """Load the tokenizer, image processor and config of a ``save_pretrained`` directory (offline)."""
-        kwargs.setdefault("name", f"qwen2_vl:{Path(model_dir).name}")
-        return cls(*load_text_and_image_parts(model_dir), **kwargs)
+        return from_model_dir(cls, model_dir, "qwen2_vl", **kwargs)
 
     def _ids(self, text: str) -> list[int]:
         return text_ids(self.tokenizer, text)
@@ -231,17 +262,6 @@ class Qwen2VLPreprocessor:
         Raises:
             ValueError: a bad role or placeholder mismatch, naming the field.
         """
-        ids: list[int] = []
-        supervised: list[bool] = []
-
-        def add(tokens: list[int], label: bool = False) -> None:
-            ids.extend(tokens)
-            supervised.extend([label] * len(tokens))
-
-        start, end = self._special("<|im_start|>"), self.end_of_turn
-        if self.system:
-            add([start] + self._ids(f"system\n{self.system}") + [end] + self._ids("\n"))
-        images = iter(image_tokens)
         if video_tokens is None:
             if any(VIDEO_PLACEHOLDER in value for _, value in turns):
                 raise ValueError(f"conversations: a {VIDEO_PLACEHOLDER} placeholder but the record has no video")
@@ -249,14 +269,40 @@ class Qwen2VLPreprocessor:
             turns = mark_video(turns, len(image_tokens))
         # the roles and placeholders are checked (and missing placeholders added) as for LLaVA
         normalized = LlavaPreprocessor._normalize(self, turns, len(image_tokens), videos=True)  # type: ignore[arg-type]
-        for kind, value in normalized:
+        images = [[self.image_token_id] * tokens for tokens in image_tokens]
+        video = None if video_tokens is None else [self.video_token_id] * int(video_tokens)
+        if self.chat_template is None:
+            ids, supervised = self._chatml(normalized, images, video, system=self.system or "")
+        else:
+            ids, supervised = self.chat_template.encode(normalized, images, video, system=self.system)
+        encoded = Encoded(ids, supervised, sum(image_tokens) + int(video_tokens or 0))
+        return LlavaPreprocessor._fit(self, encoded)  # type: ignore[arg-type]
+
+    def _chatml(
+        self, turns: Sequence[tuple[str, str]], images: Sequence[list[int]], video: list[int] | None, system: str
+    ) -> tuple[list[int], list[bool]]:
+        """``(input_ids, supervised)`` of normalized turns under the built-in ChatML with ``system``, each
+        placeholder replaced by ``<|vision_start|>``, its image's (in order) or the video's tokens and
+        ``<|vision_end|>``."""
+        ids: list[int] = []
+        supervised: list[bool] = []
+
+        def add(tokens: list[int], label: bool = False) -> None:
+            ids.extend(tokens)
+            supervised.extend([label] * len(tokens))
+
+        start, end, vision_start, vision_end = self._chatml_tokens()
+        if system:
+            add([start] + self._ids(f"system\n{system}") + [end] + self._ids("\n"))
+        blocks = iter(images)
+        for kind, value in turns:
             if kind == "user":
                 add([start] + self._ids("user\n"))
                 for part in re.split(f"({IMAGE_PLACEHOLDER}|{VIDEO_PLACEHOLDER})", value):
                     if part == IMAGE_PLACEHOLDER:
-                        add([self.vision_start] + [self.image_token_id] * next(images) + [self.vision_end])
+                        add([vision_start] + next(blocks) + [vision_end])
                     elif part == VIDEO_PLACEHOLDER:
-                        add([self.vision_start] + [self.video_token_id] * int(video_tokens or 0) + [self.vision_end])
+                        add([vision_start] + (video or []) + [vision_end])
                     else:
                         add(self._ids(part))
                 add([end] + self._ids("\n"))
@@ -264,12 +310,17 @@ class Qwen2VLPreprocessor:
                 add([start] + self._ids("assistant\n"))
                 add(self._ids(value) + [end], True)
                 add(self._ids("\n"))
-        encoded = Encoded(ids, supervised, sum(image_tokens) + int(video_tokens or 0))
-        return LlavaPreprocessor._fit(self, encoded)  # type: ignore[arg-type]
+        return ids, supervised
 
     def _uncut_tokens(self) -> set[int]:
         """Tokens a truncation must keep: every image and video token and the ends of their blocks."""
-        return {self.image_token_id, self.video_token_id, self.vision_end}
+        return {self.image_token_id, self.video_token_id} | self._vision_ends()
+
+    def _vision_ends(self) -> set[int]:
+        """The ``<|vision_end|>`` token, which closes a visual block under either template (none when
+        a checkpoint template's tokenizer lacks it)."""
+        token = self.tokenizer.convert_tokens_to_ids("<|vision_end|>")
+        return set() if token is None or token == self.tokenizer.unk_token_id else {int(token)}
 
     def count(
         self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int], video_tokens: int | None = None
@@ -292,8 +343,9 @@ class Qwen2VLPreprocessor:
 
     def identity(self) -> str:
         """What fixes the token counts: template, system message, tokenizer contents, image token."""
+        template = TEMPLATE_NAME if self.builtin_counts else self.chat_template.identity  # type: ignore[union-attr]
         return counting_identity(
-            TEMPLATE_NAME, self.system, self.tokenizer, self.image_token_id, self.max_length, self.truncation
+            template, self.counting_system, self.tokenizer, self.image_token_id, self.max_length, self.truncation
         )
 
     def policy(self) -> ShapePolicy:

@@ -6,12 +6,15 @@ synthetic microbatches (:mod:`~dflop_ds.models.hf.qwen2_vl_synthetic`)."""
 from __future__ import annotations
 
 import random
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.models.hf.check import random_frames, random_image
 from dflop_ds.models.hf.check_parts import CheckParts, MicrobatchBuilder
+from dflop_ds.models.hf.folder import save_text_and_image_parts
+from dflop_ds.models.hf.profile import family_profile_target
 from dflop_ds.models.hf.qwen2_vl import (
     MODEL_CLASSES,
     MODEL_TYPE,
@@ -30,7 +33,6 @@ from dflop_ds.models.hf.qwen2_vl_data import (
 from dflop_ds.models.hf.qwen2_vl_synthetic import IMAGE_MARK, VIDEO_MARK, Qwen2VLInputs, qwen2_vl_hf_kwargs
 from dflop_ds.models.hf.registry import ModelFamily
 from dflop_ds.models.hf.training import TrainingParts
-from dflop_ds.profile.target import ProfileTarget, summed_cross_entropy
 
 
 def qwen2_vl_preprocessor(
@@ -47,11 +49,6 @@ def qwen2_vl_preprocessor(
     )
 
 
-def _save_processor(preprocessor: Any, directory: str) -> None:
-    preprocessor.tokenizer.save_pretrained(directory)
-    preprocessor.image_processor.save_pretrained(directory)
-
-
 def qwen2_vl_training() -> TrainingParts:
     """Qwen2-VL's training pieces: under LoRA the patch merger (the projector) trains in full, as
     LLaVA's projector does; its patches cannot be dispatched to a colocated encoder yet."""
@@ -61,25 +58,20 @@ def qwen2_vl_training() -> TrainingParts:
         "visual.merger",
         Qwen2VLDataset,
         collate_qwen2_vl,
-        _save_processor,
+        save_text_and_image_parts,
         packed_collate=collate_packed_qwen2_vl,
     )
 
 
-def qwen2_vl_target(model_dir: str, preprocessor: Qwen2VLPreprocessor, text_tokens: int = 8) -> ProfileTarget:
-    """The layer lists, input factories and shape policy of the Qwen2-VL model in ``model_dir``
-    (the encoder sweep's "tiles" are patches, the policy's encoder units)."""
-    model = load_qwen2_vl(model_dir)
-    encoder, projector, llm = qwen2_vl_layers(model)
-    return ProfileTarget(
-        encoder_layers=encoder,
-        projector=projector,
-        llm_layers=llm,
-        encoder_inputs=Qwen2VLEncoderInputs(model.config, text_tokens, model.dtype),
-        llm_inputs=MRopeLLMInputs(model.config.text_config.hidden_size, model.dtype),
-        output_loss=summed_cross_entropy,
-        policy=preprocessor.policy(),
-    )
+#: The layer lists, input factories and shape policy of the Qwen2-VL model in a directory (the
+#: encoder sweep's "tiles" are patches, the policy's encoder units).
+qwen2_vl_target = partial(
+    family_profile_target,
+    load=load_qwen2_vl,
+    layers=qwen2_vl_layers,
+    encoder_inputs=Qwen2VLEncoderInputs,
+    llm_inputs=MRopeLLMInputs,
+)
 
 
 def qwen2_vl_check() -> CheckParts:
