@@ -151,7 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(ROOT / "out" / "bench_trainer"))
     parser.add_argument("--records", type=int, default=160, help="records per dataset (a multiple of 16: full steps)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows of {list(ROWS)}")
     parser.add_argument("--no-probe", action="store_true", help="skip the unguarded epochs; guard every baseline")
     parser.add_argument("--timeout", type=float, default=3600)
