@@ -1,17 +1,25 @@
 """`make bench-trainer`: transformers.Trainer's sampling strategies against DFLOPTrainer, 2 ranks, ZeRO-2.
 
-Builds a tiny random LLaVA (CLIP + Llama, offline) and a LLaVA JSON dataset with real image files
-(30% text-only chats, one to three images of varied size, answers of 3 to 45 words), then
-launches `deepspeed --num_gpus 2 benchmarks/trainer_worker.py` once: the same Trainer script
-(examples/hf_trainer.py's Dataset and padded collator) trains with ``random``, ``group_by_length``,
-``batch_rebalance`` and ``dflop``, interleaved round by round from the same initial weights.
-The three transformers strategies run with the blank-image guard: without it a microbatch
-without images on one rank aborts ZeRO-2's gradient reduction (a gloo size mismatch, measured
-with batch_rebalance here and by tests/test_hf_trainer.py for the unguarded DFLOP sampler), so
-every baseline is measured guarded. No padding-free collator runs for LLaVA here, so "best" is
-the fastest measured baseline. Prints a table (samples/s median and min-max over rounds,
-padding efficiency, rank imbalance) and ends with
-`trainer speedup_vs_random=A speedup_vs_batch_rebalance=B speedup_vs_best=C padding_efficiency=D`.
+Two rows, each on its tiny random HF model and dataset (made once, with its profiled cost model,
+by `make bench-hf`'s :func:`benchmarks.bench_hf.prepare`): LLaVA (CLIP + Llama; text-only chats,
+one to three images of varied size) and Qwen2-VL (images of varied size and aspect ratio, each its
+own patch grid, text-only chats and short videos). Every row launches
+`deepspeed --num_gpus 2 benchmarks/trainer_worker.py`: the same Trainer script trains one epoch
+with each strategy, interleaved round by round from the same initial weights: ``random`` (stock),
+``group_by_length``, ``batch_rebalance``, ``padding_free`` (transformers'
+``DataCollatorWithFlattening``, with M-RoPE positions for Qwen2-VL, and sdpa: the padding-free
+path transformers offers on this device), and the project's: ``dflop`` (the padded collator),
+``dflop_packed`` (padding-free with the project's per-sample attention, ``use_segment_attention``,
+balanced on the packed cost) and ``stock_packed`` (the same collator and attention in random
+order: packing's gain without balancing, not counted as a baseline).
+
+Each baseline first runs one epoch as its users run it, without the blank-image guard. One that
+crashes is shown as crashed with its error, and is measured with the project's guard
+(``BlankImageGuardMixin``, which DFLOPTrainer always has) and labelled so. Prints per row a table
+(samples/s median and min-max over rounds, padding efficiency, rank imbalance measured on the
+forward passes and, for DFLOP, as its cost model predicts it) and ends with
+`trainer speedup_vs_random=A speedup_vs_batch_rebalance=B speedup_vs_best=C padding_efficiency=D`
+of the Qwen2-VL row (DFLOP's best variant over each baseline, over the fastest baseline).
 """
 
 from __future__ import annotations
@@ -19,8 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -28,12 +36,68 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_hf import prepare  # noqa: E402
 from dflop_ds.launch import run_deepspeed  # noqa: E402
-from dflop_ds.testing.hf_tiny import build_tiny_llava  # noqa: E402
-from dflop_ds.testing.llava_data import write_llava_dataset  # noqa: E402
 
 WORKER = ROOT / "benchmarks" / "trainer_worker.py"
-BASELINES = ("random", "group_by_length", "batch_rebalance")
+#: per row: its model family and its strategies (transformers' baselines first)
+STRATEGIES = ("random", "group_by_length", "batch_rebalance", "padding_free", "stock_packed", "dflop", "dflop_packed")
+ROWS = {"llava": ("llava", STRATEGIES), "qwen2_vl": ("qwen2_vl", STRATEGIES)}
+#: the project's configurations; every other strategy is a transformers baseline
+PROJECT = ("stock_packed", "dflop", "dflop_packed")
+
+
+def is_dflop(strategy: str) -> bool:
+    return strategy.startswith("dflop")
+
+
+def launch(paths: dict, family: str, options: list, timeout: float) -> tuple[list[dict] | None, str]:
+    """Run the worker on ``paths`` (``prepare``'s); ``(its results, "")`` or ``(None, the error)``."""
+    out = Path(paths["data"]).parent.parent / "results.json"
+    out.unlink(missing_ok=True)
+    media = ["--images", paths["images"]] + (["--videos", paths["videos"]] if family == "qwen2_vl" else [])
+    args = ["--out", out, "--model", paths["model"], "--data", paths["data"], "--family", family, *media]
+    args += ["--cost_model", paths["cost_model"], *options]
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    try:
+        result = run_deepspeed(
+            WORKER, [str(a) for a in args], cwd=ROOT, extra_env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"no result in {timeout:.0f} s"
+    if result.returncode != 0 or not out.exists():
+        return None, first_error(result.stdout + result.stderr) or f"exit code {result.returncode}"
+    return json.loads(out.read_text()), ""
+
+
+def first_error(log: str) -> str:
+    """The error of a failed launch's output: a C++ abort's ``what():`` (gloo's), else the first
+    ``SomethingError: ...`` line."""
+    lines = [line.split("]:", 1)[-1].strip() if line.startswith("[rank") else line.strip() for line in log.splitlines()]
+    for text in lines:
+        if text.startswith("what():"):
+            return text.removeprefix("what():").strip()[:300]
+    for text in lines:
+        head = text.split(":", 1)[0]
+        if head.endswith(("Error", "Exception")) and " " not in head:
+            return text[:300]
+    return ""
+
+
+def unguarded_runs(paths: dict, family: str, baselines: tuple, timeout: float) -> dict[str, str]:
+    """Each baseline's unguarded epoch: ``"crashed: <error>"``, or how it ran (the microbatch slots
+    where one rank had images and another none, which break ZeRO-2's reduction unguarded)."""
+    outcomes = {}
+    for strategy in baselines:
+        print(f"[{family}] {strategy}: one epoch without the blank-image guard ...", flush=True)
+        results, error = launch(paths, family, ["--strategies", strategy, "--rounds", "1"], timeout)
+        if results is None:
+            outcomes[strategy] = f"crashed: {error}"
+        else:
+            mixed = results[0]["mixed_microbatches"]
+            outcomes[strategy] = f"ran ({mixed} microbatch slots with images on one rank only)"
+        print(f"[{family}] {strategy} unguarded: {outcomes[strategy]}", flush=True)
+    return outcomes
 
 
 def summarize(results: list[dict]) -> dict[str, dict]:
@@ -42,62 +106,76 @@ def summarize(results: list[dict]) -> dict[str, dict]:
     for strategy in dict.fromkeys(r["strategy"] for r in results):
         rows = [r for r in results if r["strategy"] == strategy]
         rates = [r["samples_per_s"] for r in rows]
+        predicted = [r["predicted_imbalance"] for r in rows if r.get("predicted_imbalance") is not None]
         table[strategy] = {
             "median": float(np.median(rates)),
             "min": min(rates),
             "max": max(rates),
             "padding_efficiency": float(np.mean([r["padding_efficiency"] for r in rows])),
             "imbalance": float(np.mean([r["imbalance"] for r in rows])),
+            "predicted": float(np.mean(predicted)) if predicted else None,
         }
     return table
 
 
-def report(table: dict[str, dict]) -> str:
-    """The table and the last line."""
-    lines = [f"{'strategy':<27}{'samples/s':>10}{'min-max':>16}{'padding eff':>13}{'imbalance':>11}"]
-    for name, row in table.items():
-        label = name if name == "dflop" else f"{name} (guarded)"
-        lines.append(
-            f"{label:<27}{row['median']:>10.2f}{row['min']:>8.2f}-{row['max']:<7.2f}"
-            f"{row['padding_efficiency']:>13.3f}{row['imbalance']:>11.3f}"
-        )
-    dflop = table["dflop"]["median"]
-    best = max(table[b]["median"] for b in BASELINES)
+def report(row: str, table: dict[str, dict], unguarded: dict[str, str]) -> str:
+    """The row's table: how each baseline ran unguarded, then every measured strategy (a baseline
+    that crashed unguarded is measured guarded, and labelled so)."""
+    lines = [f"[{row}] unguarded epoch of {name}: {outcome}" for name, outcome in unguarded.items()]
     lines.append(
-        f"trainer speedup_vs_random={dflop / table['random']['median']:.2f}"
-        f" speedup_vs_batch_rebalance={dflop / table['batch_rebalance']['median']:.2f}"
-        f" speedup_vs_best={dflop / best:.2f} padding_efficiency={table['dflop']['padding_efficiency']:.3f}"
+        f"[{row}] {'strategy':<28}{'samples/s':>10}{'min-max':>16}{'padding eff':>13}{'imbalance':>11}{'predicted':>11}"
     )
+    for name, entry in table.items():
+        label = f"{name} (guarded)" if not unguarded.get(name, "ran").startswith("ran") else name
+        lines.append(
+            f"[{row}] {label:<28}{entry['median']:>10.2f}{entry['min']:>8.2f}-{entry['max']:<7.2f}"
+            f"{entry['padding_efficiency']:>13.3f}{entry['imbalance']:>11.3f}"
+            + (f"{entry['predicted']:>11.3f}" if entry["predicted"] is not None else f"{'-':>11}")
+        )
     return "\n".join(lines)
+
+
+def last_line(table: dict[str, dict]) -> str:
+    """DFLOP's fastest variant over random, batch_rebalance and the fastest baseline."""
+    dflop = max((name for name in table if is_dflop(name)), key=lambda name: table[name]["median"])
+    rate = table[dflop]["median"]
+    best = max(entry["median"] for name, entry in table.items() if name not in PROJECT)
+    return (
+        f"trainer speedup_vs_random={rate / table['random']['median']:.2f}"
+        f" speedup_vs_batch_rebalance={rate / table['batch_rebalance']['median']:.2f}"
+        f" speedup_vs_best={rate / best:.2f} padding_efficiency={table[dflop]['padding_efficiency']:.3f}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--records", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--out", default=str(ROOT / "out" / "bench_trainer"))
+    parser.add_argument("--records", type=int, default=160, help="records per dataset (a multiple of 16: full steps)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows of {list(ROWS)}")
+    parser.add_argument("--no-probe", action="store_true", help="skip the unguarded epochs; guard every baseline")
+    parser.add_argument("--timeout", type=float, default=3600)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench_trainer_") as tmp:
-        root = Path(tmp)
-        model = build_tiny_llava(root / "model")
-        data, images = write_llava_dataset(root / "data", args.records, seed=5, text_only=0.3, answer_words=(3, 45))
-        out = root / "results.json"
-        env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-        options = ["--out", out, "--model", model, "--data", data, "--images", images]
-        options += ["--rounds", args.rounds, "--steps", args.steps]
-        result = run_deepspeed(
-            WORKER,
-            [str(o) for o in options],
-            cwd=ROOT,
-            extra_env=env,
-            capture_output=True,
-            text=True,
-            timeout=args.timeout,
-        )
-        if result.returncode != 0:
-            sys.exit(f"bench-trainer: the worker failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
-        print(report(summarize(json.loads(out.read_text()))))
+    tables = {}
+    for row in args.rows.split(","):
+        family, strategies = ROWS[row]
+        paths = prepare(Path(args.out) / f"records{args.records}", args.records, family)
+        baselines = tuple(s for s in strategies if s not in PROJECT)
+        if args.no_probe:
+            unguarded = dict.fromkeys(baselines, "not run (--no-probe): measured guarded")
+        else:
+            unguarded = unguarded_runs(paths, family, baselines, args.timeout)
+        guarded = [name for name, outcome in unguarded.items() if not outcome.startswith("ran")]
+        options = ["--strategies", ",".join(strategies), "--guarded", ",".join(guarded), "--rounds", args.rounds]
+        results, error = launch(paths, family, options, args.timeout)
+        if results is None:
+            sys.exit(f"bench-trainer [{row}]: the worker failed: {error}")
+        tables[row] = summarize(results)
+        print(report(row, tables[row], unguarded), flush=True)
+        if "stock_packed" in tables[row]:
+            gain = tables[row]["dflop_packed"]["median"] / tables[row]["stock_packed"]["median"]
+            print(f"[{row}] balancing alone (dflop_packed over stock_packed, both padding-free): x{gain:.2f}")
+    print(last_line(tables["qwen2_vl" if "qwen2_vl" in tables else next(iter(tables))]))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,19 @@
-"""One rank of `make bench-trainer`: the same Trainer script (examples/hf_trainer.py's Dataset and
-padded collator) trained with each sampling strategy in turn, round after round, ZeRO-2.
+"""One rank of `make bench-trainer`: the same Trainer script trained with each sampling strategy in
+turn, round after round, ZeRO-2, for a LLaVA (examples/hf_trainer.py's Dataset and padded collator)
+or a Qwen2-VL model (:mod:`benchmarks.trainer_qwen2_vl`'s Dataset and collators).
 
 Strategies: ``random`` (the Trainer's default), ``group_by_length`` and ``batch_rebalance``
-(transformers' own), each with the blank-image guard (``BlankImageGuardMixin``: unguarded, a
-microbatch without images on one rank aborts ZeRO-2's gradient reduction), and ``dflop``
-(``DFLOPTrainer``). Each run trains ``--steps`` optimizer steps from the same initial weights;
-the first step is left out of the timing. Rank 0 writes ``--out`` (JSON): per round and
-strategy, samples/s, padding efficiency (real tokens / padded tokens) and rank imbalance (per
-step, the slowest rank's forward time over the mean, averaged over the timed steps).
+(transformers' own), ``padding_free`` (random order, transformers' flattening collator, with
+M-RoPE positions for Qwen2-VL, sdpa), ``stock_packed`` (random order, padding-free with the
+project's per-sample attention: packing's gain without balancing), ``dflop`` (``DFLOPTrainer``,
+the padded collator, the profiled cost model) and ``dflop_packed`` (``DFLOPTrainer`` padding-free
+with the project's attention, balancing the packed cost). The baselines named in
+``--guarded`` run with the blank-image guard (``BlankImageGuardMixin``); the project's
+configurations always have it. Each run trains one epoch (or ``--steps``
+optimizer steps) from the same initial weights; the first step is left out of the timing. Rank 0
+writes ``--out`` (JSON): per round and strategy, samples/s, padding efficiency (real tokens /
+padded tokens) and rank imbalance (per step, the slowest rank's forward time over the mean,
+averaged over the timed steps).
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainerCallback, TrainingArguments
 
-from dflop_ds.hf_trainer import BlankImageGuardMixin, DFLOPTrainer, llava_json_shapes
+from benchmarks.trainer_qwen2_vl import FlatCollator, Qwen2VLJsonDataset, Qwen2VLPadCollator
+from dflop_ds.cost import PackedCost, load_cost_model, save_cost_model
+from dflop_ds.hf_trainer import BlankImageGuardMixin, DFLOPTrainer, llava_json_shapes, use_segment_attention
+from dflop_ds.hf_trainer.guard import has_images
 from dflop_ds.launch import finish_rank
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
@@ -33,24 +42,38 @@ example = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
 sys.modules[_spec.name] = example  # type: ignore[union-attr]
 _spec.loader.exec_module(example)  # type: ignore[union-attr]
 
-STRATEGIES = ("random", "group_by_length", "batch_rebalance", "dflop")
+#: each strategy: (the transformers sampling strategy it runs under, its collator: ``padded``,
+#: ``flat`` (transformers' padding-free path, sdpa) or ``segments`` (padding-free with the samples'
+#: bounds and the project's per-sample attention, ``use_segment_attention``))
+STRATEGIES = {
+    "random": ("random", "padded"),
+    "group_by_length": ("group_by_length", "padded"),
+    "batch_rebalance": ("batch_rebalance", "padded"),
+    "padding_free": ("random", "flat"),
+    "stock_packed": ("random", "segments"),
+    "dflop": ("random", "padded"),
+    "dflop_packed": ("random", "segments"),
+}
+#: the project's own configurations (always with the blank-image guard)
+PROJECT = ("stock_packed", "dflop", "dflop_packed")
 
 
 class GuardedTrainer(BlankImageGuardMixin, Trainer):
     """The stock Trainer with only the blank-image guard (a fair baseline under ZeRO-2)."""
 
 
-class CountingCollator(example.PadCollator):
-    """The example's collator, counting real and padded tokens."""
+class CountingCollator:
+    """A collator, counting real and padded tokens (all real without an ``attention_mask``)."""
 
-    def __init__(self, pad_id: int) -> None:
-        super().__init__(pad_id)
+    def __init__(self, collate) -> None:
+        self.collate = collate
         self.real = self.padded = 0
 
     def __call__(self, items: list[dict]) -> dict:
-        batch = super().__call__(items)
-        self.real += int(batch["attention_mask"].sum())
-        self.padded += batch["attention_mask"].numel()
+        batch = self.collate(items)
+        mask = batch.get("attention_mask")
+        self.real += int(batch["input_ids"].numel() if mask is None else mask.sum())
+        self.padded += batch["input_ids"].numel()
         return batch
 
 
@@ -72,26 +95,72 @@ class StepClock(TrainerCallback):
 
 
 class TimedStep:
-    """Adds each microbatch's forward (loss) time to the clock's busy time."""
+    """Adds each microbatch's forward (loss) time to the clock's busy time, and notes whether the
+    microbatch came with visual input (before any guard)."""
 
     clock: StepClock
+    visual: list[bool]
 
-    def compute_loss(self, *args, **kwargs):
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        self.visual.append(has_images(inputs))
         start = time.perf_counter()
-        loss = super().compute_loss(*args, **kwargs)  # type: ignore[misc]
+        loss = super().compute_loss(model, inputs, *args, **kwargs)  # type: ignore[misc]
         self.clock.busy += time.perf_counter() - start
         return loss
 
 
-def trainer_class(strategy: str) -> type:
-    base = DFLOPTrainer if strategy == "dflop" else GuardedTrainer
+def mixed_microbatches(visual: list[bool]) -> int:
+    """Microbatch slots (same index on every rank) where some ranks had visual input and some had
+    none: where ZeRO-2 reduces different gradients without the blank-image guard."""
+    flags = torch.tensor(visual, dtype=torch.int64)
+    everyone = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flags)
+    stacked = torch.stack(everyone)
+    return int((stacked.min(dim=0).values != stacked.max(dim=0).values).sum())
+
+
+def trainer_class(strategy: str, guarded: bool) -> type:
+    base = DFLOPTrainer if strategy.startswith("dflop") else GuardedTrainer if guarded else Trainer
     return type(f"Timed{base.__name__}", (TimedStep, base), {})
 
 
-def run(strategy: str, cli, processor, shapes) -> dict:
+def dataset_and_collate(cli, shapes, model, kind: str) -> tuple:
+    """``(train_dataset, collate)`` of the model family, ``kind`` of collator (see :data:`STRATEGIES`)."""
+    if kind == "segments":
+        use_segment_attention(model)
+    qwen = cli.family == "qwen2_vl"
+    if qwen:
+        dataset = Qwen2VLJsonDataset(shapes, cli.data, cli.model, cli.images, cli.videos)
+        padded = Qwen2VLPadCollator(model.config.text_config.pad_token_id)
+    else:
+        processor = AutoProcessor.from_pretrained(cli.model)
+        dataset = example.LlavaJsonDataset(cli.data, cli.images, processor)
+        padded = example.PadCollator(processor.tokenizer.pad_token_id)
+    if kind == "padded":
+        return dataset, padded
+    return dataset, FlatCollator(model.model.get_rope_index if qwen else None, sample_bounds=kind == "segments")
+
+
+def dflop_settings(strategy: str, cli) -> dict:
+    """The ``"dflop"`` block: the profiled cost model, packed for the padding-free collator."""
+    if cli.cost_model is None:
+        return {"sampler": {"kind": "dflop"}}
+    path = cli.cost_model
+    if strategy == "dflop_packed":
+        path = str(Path(cli.out).parent / "costmodel_packed.json")
+        if dist.get_rank() == 0:
+            save_cost_model(PackedCost(load_cost_model(cli.cost_model)), path)
+        dist.barrier()
+    return {"sampler": {"kind": "dflop", "cost_model": path}}
+
+
+def run(strategy: str, cli, shapes) -> dict:
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_pretrained(cli.model)
-    collator = CountingCollator(processor.tokenizer.pad_token_id)
+    model.config.get_text_config().use_cache = False  # training keeps no cache (and packing needs none)
+    sampling, kind = STRATEGIES[strategy]
+    dataset, collate = dataset_and_collate(cli, shapes, model, kind)
+    collator = CountingCollator(collate)
     clock = StepClock()
     args = TrainingArguments(
         output_dir=str(Path(cli.out).parent / "trainer_runs" / strategy),
@@ -100,24 +169,25 @@ def run(strategy: str, cli, processor, shapes) -> dict:
         per_device_train_batch_size=cli.batch,
         gradient_accumulation_steps=cli.gas,
         max_steps=cli.steps,
+        num_train_epochs=1,
         learning_rate=1e-4,
         report_to="none",
         save_strategy="no",
         logging_steps=1,
         disable_tqdm=True,
         seed=0,
-        train_sampling_strategy="random" if strategy == "dflop" else strategy,
+        train_sampling_strategy=sampling,
     )
-    extra = {"sample_shapes": shapes} if strategy == "dflop" else {}
-    trainer = trainer_class(strategy)(
+    extra = {"sample_shapes": shapes, "dflop": dflop_settings(strategy, cli)} if strategy.startswith("dflop") else {}
+    trainer = trainer_class(strategy, strategy in PROJECT or strategy in cli.guarded.split(","))(
         model=model,
         args=args,
-        train_dataset=example.LlavaJsonDataset(cli.data, cli.images, processor),
+        train_dataset=dataset,
         data_collator=collator,
         callbacks=[clock],
         **extra,
     )
-    trainer.clock = clock
+    trainer.clock, trainer.visual = clock, []
     trainer.train()
     if isinstance(trainer, DFLOPTrainer) and trainer.dflop_batch_sampler is not None:
         trainer.dflop_batch_sampler.close()  # max_steps ends mid-epoch: stop its scheduling thread
@@ -130,30 +200,44 @@ def run(strategy: str, cli, processor, shapes) -> dict:
     imbalance = float(np.mean(per_rank.max(axis=0) / per_rank.mean(axis=0)))
     samples = len(timed) * cli.batch * cli.gas * dist.get_world_size()
     return {
+        "step_s": wall / len(timed),
+        "forward_s": float(busy.mean()),
         "samples_per_s": samples / wall,
         "padding_efficiency": collator.real / max(collator.padded, 1),
         "imbalance": imbalance,
+        "mixed_microbatches": mixed_microbatches(trainer.visual),
+        "predicted_imbalance": predicted_imbalance(trainer.state.log_history),
     }
+
+
+def predicted_imbalance(log_history: list[dict]) -> float | None:
+    """DFLOPTrainer's mean ``dflop_predicted_imbalance`` over the run's logs (None for the others)."""
+    values = [entry["dflop_predicted_imbalance"] for entry in log_history if "dflop_predicted_imbalance" in entry]
+    return float(np.mean(values)) if values else None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     for name in ("--out", "--model", "--data", "--images"):
         parser.add_argument(name, required=True)
+    parser.add_argument("--videos", default=None)
+    parser.add_argument("--family", choices=("llava", "qwen2_vl"), default="llava")
+    parser.add_argument("--cost_model", default=None, help="the profiled cost model (default: the proxy)")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--guarded", default="", help="comma-separated baselines run with the blank-image guard")
     parser.add_argument("--deepspeed", default="ds_configs/hf_trainer_zero2.json")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=-1, help="optimizer steps per run (-1: one epoch)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--gas", type=int, default=2)
     parser.add_argument("--local_rank", type=int, default=0)
     cli = parser.parse_args()
     torch.set_num_threads(1)
-    processor = AutoProcessor.from_pretrained(cli.model)
-    shapes = llava_json_shapes(cli.data, cli.model, image_folder=cli.images)
+    shapes = llava_json_shapes(cli.data, cli.model, image_folder=cli.images, video_folder=cli.videos)
     results = []
     for round_index in range(cli.rounds):
-        for strategy in STRATEGIES:
-            results.append({"round": round_index, "strategy": strategy, **run(strategy, cli, processor, shapes)})
+        for strategy in cli.strategies.split(","):
+            results.append({"round": round_index, "strategy": strategy, **run(strategy, cli, shapes)})
     if dist.get_rank() == 0:
         Path(cli.out).write_text(json.dumps(results, indent=1))
     finish_rank()

@@ -167,7 +167,7 @@ def test_blank_image_leaves_loss_and_gradients_unchanged_and_runs_the_tower(llav
     model_dir, _, _ = llava_inputs
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir))
     blank = BlankImage.for_model(model.config)
-    assert blank is not None and blank.tokens == 16 and blank.pixel_shape == (3, 32, 32)
+    assert blank is not None and blank.tokens == 16 and blank.pixel_shape == (1, 3, 32, 32)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(5, 300, (2, 9), generator=generator)
     batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
@@ -191,7 +191,7 @@ def test_blank_image_leaves_loss_and_gradients_unchanged_and_runs_the_tower(llav
     # control: the same image, visible and predicted from, gives the tower gradients that are not zero
     image = {
         **guarded,
-        "pixel_values": torch.rand((1, *blank.pixel_shape), generator=generator),
+        "pixel_values": torch.rand(blank.pixel_shape, generator=generator),
         "attention_mask": torch.ones_like(guarded["input_ids"]),
         "labels": guarded["input_ids"].clone(),
     }
@@ -204,7 +204,60 @@ def test_blank_image_leaves_loss_and_gradients_unchanged_and_runs_the_tower(llav
             assert torch.allclose(g, guarded_grads[k], atol=1e-6), k
 
 
-def test_blank_image_is_only_for_llava():
+def test_qwen2_vl_blank_image_runs_the_tower_and_leaves_loss_and_gradients_unchanged(tmp_path):
+    """Qwen2-VL: an image-free microbatch skips the visual module (no gradient there, which splits
+    ZeRO-2's reduction across ranks); the guarded one runs it with zero gradients, the same loss and
+    the same gradients elsewhere, padded (M-RoPE from ``mm_token_type_ids``) or padding-free
+    (``position_ids [4, 1, L]``, no mask; then with the samples' bounds and the project's
+    per-sample attention, ``use_segment_attention``)."""
+    from transformers import AutoModelForImageTextToText
+
+    from dflop_ds.hf_trainer import use_segment_attention
+    from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl
+
+    model = AutoModelForImageTextToText.from_pretrained(str(build_tiny_qwen2_vl(tmp_path / "qwen2_vl")))
+    model.config.text_config.use_cache = False  # else no per-sample attention mask for packed position_ids
+    blank = BlankImage.for_model(model.config)
+    assert blank is not None and blank.tokens == 1 and blank.grid_thw == (1, 2, 2)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 200, (2, 9), generator=generator)
+    padded = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    padded["attention_mask"][1, 6:] = 0
+    padded["labels"][1, 6:] = -100
+    flat_ids = ids.reshape(1, -1)
+    text_positions = torch.arange(9).repeat(2).reshape(1, -1)  # two packed sequences of 9
+    flat = {"input_ids": flat_ids, "labels": flat_ids.clone(), "position_ids": text_positions.expand(4, 1, -1)}
+    bounds = torch.tensor([0, 9, 18], dtype=torch.int32)
+    flat_bounds = {**flat, "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": 9, "max_length_k": 9}
+
+    def run(inputs):
+        model.zero_grad()
+        loss = model(**inputs).loss
+        loss.backward()
+        return loss.detach(), {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()}
+
+    for batch in (padded, flat, flat_bounds):
+        if batch is flat_bounds:
+            assert use_segment_attention(model) == "dflop_segments"
+        guarded = with_blank_image(batch, blank)
+        assert has_images(guarded) and int((guarded["input_ids"] == blank.image_token_id).sum()) == 1
+        assert guarded["mm_token_type_ids"][0, -1] == 1 and not guarded["mm_token_type_ids"][:, :-1].any()
+        loss, grads = run(batch)
+        guarded_loss, guarded_grads = run(guarded)
+        assert torch.allclose(loss, guarded_loss, atol=1e-6)
+        visual = [k for k in grads if ".visual." in k]
+        assert visual and all(grads[k] is None for k in visual)  # no image: the visual module takes no part
+        assert all(guarded_grads[k] is not None and not guarded_grads[k].any() for k in visual)
+        for k, g in grads.items():
+            if g is not None:
+                assert torch.allclose(g, guarded_grads[k], atol=1e-6), k
+
+
+def test_a_qwen2_vl_video_needs_no_blank_image():
+    assert has_images({"pixel_values_videos": torch.zeros(8, 96)}) and not has_images({"pixel_values": torch.zeros(0)})
+
+
+def test_blank_image_is_only_for_llava_and_qwen2_vl():
     from transformers import LlamaConfig
 
     assert BlankImage.for_model(LlamaConfig()) is None

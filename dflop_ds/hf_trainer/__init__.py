@@ -14,11 +14,13 @@ TRL's ``SFTTrainer``: ``from dflop_ds.hf_trainer.sft import DFLOPSFTTrainer`` wi
 """
 
 from dflop_ds.hf_trainer.guard import BlankImageGuardMixin
+from dflop_ds.hf_trainer.packing import use_segment_attention
 from dflop_ds.hf_trainer.shapes import ShapeTable, hf_dataset_shapes, llava_json_shapes
 from dflop_ds.hf_trainer.trainer import SAMPLER_STATE, DFLOPTrainer, DFLOPTrainerMixin, dflop_settings
 from dflop_ds.hf_trainer.version import SUPPORTED, check_transformers_version
 
 __all__ = [
+    "use_segment_attention",
     "SAMPLER_STATE",
     "SUPPORTED",
     "BlankImageGuardMixin",

@@ -71,19 +71,26 @@ def packed_kwargs(seq_lens: torch.Tensor) -> dict[str, Any]:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
+def register_segment_attention() -> None:
+    """Register :func:`segment_attention` as :data:`PACKED_ATTENTION` in ``transformers.AttentionInterface``
+    (once); HF then builds no mask for it (it has no mask function)."""
+    from transformers import AttentionInterface
+
+    if PACKED_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(PACKED_ATTENTION, segment_attention)
+
+
 @contextmanager
 def packed_attention(text_config: Any) -> Iterator[None]:
     """Within the block, HF attention modules of ``text_config`` attend within each packed sample:
     a flash-attention implementation is kept (it reads :func:`packed_kwargs`), any other is
     replaced by :data:`PACKED_ATTENTION` and restored on exit."""
-    from transformers import AttentionInterface
     from transformers.utils.generic import is_flash_attention_requested
 
     if is_flash_attention_requested(text_config):
         yield
         return
-    if PACKED_ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(PACKED_ATTENTION, segment_attention)
+    register_segment_attention()
     previous = text_config._attn_implementation_internal
     text_config._attn_implementation_internal = PACKED_ATTENTION
     try:
@@ -92,4 +99,4 @@ def packed_attention(text_config: Any) -> Iterator[None]:
         text_config._attn_implementation_internal = previous
 
 
-__all__ = ["PACKED_ATTENTION", "packed_attention", "packed_kwargs", "segment_attention"]
+__all__ = ["PACKED_ATTENTION", "packed_attention", "packed_kwargs", "register_segment_attention", "segment_attention"]
