@@ -26,10 +26,11 @@ NOT MEASUREMENTS. The last line reads
 ``plan speedup_vs_monolithic@256=<x> search_s@1024=<y> colocated_vs_shared@256=<c> tp_vs_shared@256=<t>
 search_s@16384=<z> peak_mem_GB@16384=<m>``:
 ``x`` is the geometric mean over the six profiles of the chosen shared-pipeline plan's predicted
-speed-up at 256 GPUs, ``y`` the longest search (wall seconds) at 1024 GPUs, ``c`` and ``t`` the
+speed-up at 256 GPUs, ``y`` the longest search at 1024 GPUs (CPU seconds of the process that
+searched: the machine may be shared; the table gives wall seconds too), ``c`` and ``t`` the
 geometric means at 256 GPUs of the colocated (tp = 1) and the tensor-parallel plans' predicted
 speed-ups over the best shared-layout tp = 1 plan (1.0 where the full search picks no tp > 1), ``z``
-the longest search at 16384 GPUs and ``m`` the largest peak memory (GB) of a process searching there.
+the longest search at 16384 GPUs (CPU seconds) and ``m`` the largest peak memory (GB) of a process searching there.
 
 Run: ``.venv/bin/python benchmarks/bench_plan.py`` from the repository root.
 """
@@ -108,7 +109,7 @@ def grid_point(name: str, gpus: int, shapes: list, n_batches: int) -> dict:
     model = reference_model(name)
     batch = GLOBAL_BATCH.get(gpus, 2 * gpus)
     cluster = Cluster(gpus=gpus, gpu_memory_bytes=model.gpu.memory_bytes)
-    out: dict = {"seconds": None, "speedup": None, "family_row": None, "x_colo": None, "x_tp": None}
+    out: dict = {"seconds": None, "cpu": None, "speedup": None, "family_row": None, "x_colo": None, "x_tp": None}
     start, cpu_start = time.perf_counter(), time.process_time()
     try:
         plans = make_plans(model, cluster, shapes, batch, n_batches=n_batches)
@@ -117,7 +118,7 @@ def grid_point(name: str, gpus: int, shapes: list, n_batches: int) -> dict:
         out["peak_gb"] = peak_rss_gb()
         return out
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    out.update(seconds=seconds, speedup=plans.best_deepspeed.predicted["speedup_vs_monolithic"])
+    out.update(seconds=seconds, cpu=cpu, speedup=plans.best_deepspeed.predicted["speedup_vs_monolithic"])
     out["peak_gb"] = peak_rss_gb()
     out["row"] = _row(name, gpus, batch, plans, seconds, cpu) + f"  peak {out['peak_gb']:.2f} GB"
     try:
@@ -169,7 +170,7 @@ def main() -> int:
             if gpus == 256 and point["speedup"] is not None:
                 speedups_256.append(point["speedup"])
             if gpus in search_s:
-                search_s[gpus].append(point["seconds"])
+                search_s[gpus].append(point["cpu"])
             if gpus == 16384:
                 peak_16384.append(point["peak_gb"])
             if point["family_row"] is not None:
@@ -190,7 +191,7 @@ def main() -> int:
     x = geomean(speedups_256)
     print(
         f"(speed-ups: geometric means over {len(speedups_256)} profiles at 256 GPUs; search: slowest of "
-        f"{len(search_s[1024])} searches at 1024 GPUs and of {len(search_s[16384])} at 16384, wall seconds; "
+        f"{len(search_s[1024])} searches at 1024 GPUs and of {len(search_s[16384])} at 16384, CPU seconds; "
         "predictions of analytic models)"
     )
     print(

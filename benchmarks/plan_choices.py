@@ -22,6 +22,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_plan import GLOBAL_BATCH  # noqa: E402  (the bench's grid)
 from dflop_ds.cost import reference_model, reference_names  # noqa: E402
 from dflop_ds.data import read_manifest  # noqa: E402
 from dflop_ds.plan import Cluster, PlanError, make_plans  # noqa: E402
@@ -29,7 +30,6 @@ from dflop_ds.plan.layout import flat_bounds  # noqa: E402
 from dflop_ds.plan.search import Scored  # noqa: E402
 from dflop_ds.shapes import ShapePolicy  # noqa: E402
 
-GLOBAL_BATCH = {8: 64, 64: 256, 256: 512, 1024: 2048}
 ROLES = ("best", "best_deepspeed", "monolithic", "colocated")
 
 

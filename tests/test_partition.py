@@ -217,3 +217,25 @@ def test_microbatch_cost_is_honoured():
 def test_microbatch_cost_with_wrong_shape_is_rejected():
     with pytest.raises(ValueError, match="bucket"):
         partition_batch(np.ones((4, 2)), 2, time_limit_s=0, microbatch_cost=lambda items: np.ones(3))
+
+
+def test_one_item_per_bucket_skips_the_search(monkeypatch):
+    """With as many buckets as items the only split is one item per bucket: partition_batch
+    answers without the local search (the planner's final splits at thousands of GPUs are such),
+    measuring every bucket with the microbatch cost."""
+    import dflop_ds.schedule.partition as partition_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the local search ran for a split with one item per bucket")
+
+    for name in ("pair_sweep", "improve", "improve_with_cost", "padded_lpt"):
+        monkeypatch.setattr(partition_module, name, refuse)
+    costs = np.random.default_rng(0).gamma(0.7, 10.0, size=(300, 2))
+    padded = lambda items: costs[items].max(axis=0) * len(items)  # noqa: E731
+    lengths = np.arange(300, dtype=float)
+    result = partition_batch(costs, 300, time_limit_s=0.0, microbatch_cost=padded, lengths=lengths)
+    assert sorted(len(b) for b in result.buckets) == [1] * 300
+    assert sorted(i for b in result.buckets for i in b) == list(range(300))
+    assert np.allclose(result.bucket_costs, [costs[b[0]] for b in result.buckets])
+    assert result.makespan == pytest.approx(costs.max(axis=1).max())
+    assert result.makespan == pytest.approx(result.lower_bound)

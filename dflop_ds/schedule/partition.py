@@ -357,6 +357,10 @@ def partition_batch(
             )
     cap = _memory_cap(memory, memory_cap, n, n_buckets)
     bound = lower_bound(matrix, n_buckets)
+    if n == n_buckets:
+        # One item per bucket: the only split. The search below would keep its first start
+        # (no move, swap or re-split of single items lowers the makespan), so take that start.
+        return _partition(matrix, differencing_assign(matrix, n_buckets), n_buckets, bound, "lpt", microbatch_cost)
     started = time.perf_counter()
 
     def score(labels: np.ndarray) -> float:
@@ -423,9 +427,21 @@ def partition_batch(
             f"found no split of {n} items into {n_buckets} buckets under memory_cap {memory_cap:g}"
             f" (greedy placement failed{hint})"
         )
-    buckets = labels_to_buckets(best, n_buckets)
+    return _partition(matrix, best, n_buckets, bound, solver, microbatch_cost)
+
+
+def _partition(
+    matrix: np.ndarray,
+    labels: np.ndarray,
+    n_buckets: int,
+    bound: float,
+    solver: str,
+    microbatch_cost: MicrobatchCost | None,
+) -> Partition:
+    """The :class:`Partition` of ``labels``, its bucket costs measured by ``microbatch_cost`` when given."""
+    buckets = labels_to_buckets(labels, n_buckets)
     if any(not bucket for bucket in buckets):  # guarded by construction; never silently wrong
         raise AssertionError("partition produced an empty bucket")
-    loads = bucket_loads(matrix, best, n_buckets)
-    measured = loads if microbatch_cost is None else true_times(buckets, microbatch_cost, k)
+    loads = bucket_loads(matrix, labels, n_buckets)
+    measured = loads if microbatch_cost is None else true_times(buckets, microbatch_cost, matrix.shape[1])
     return Partition(buckets, float(measured.max()), bound, solver, float(loads.max()), measured)
