@@ -558,9 +558,10 @@ def test_packing_trains_the_padded_loss_and_balances_the_packed_cost(family, lla
 
 
 def test_packing_keeps_a_padding_free_collator_and_refuses_a_padded_one_by_name(tiny_trainer_parts, tmp_path):
-    from transformers import DataCollatorWithFlattening
+    from transformers import DataCollatorWithFlattening, Trainer
 
     from dflop_ds.cost import PackedCost, ProxyCost, save_cost_model
+    from dflop_ds.hf_trainer import DFLOPTrainerMixin
 
     model, args, dataset, good = tiny_trainer_parts
     packing = {"model": {"packing": True}}
@@ -589,6 +590,14 @@ def test_packing_keeps_a_padding_free_collator_and_refuses_a_padded_one_by_name(
             sample_shapes=good,
             dflop=packing,
         )
+
+    class PaddingTrainer(Trainer):  # a Trainer subclass that picks its own collator, as TRL's does
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, data_collator=RightPadCollator(), **kwargs)
+
+    subclass = type("DFLOPPaddingTrainer", (DFLOPTrainerMixin, PaddingTrainer), {})
+    with pytest.raises(ValueError, match=r"data_collator is a .*RightPadCollator"):
+        subclass(model=model, args=args, train_dataset=dataset, sample_shapes=good, dflop=packing)
     path = tmp_path / "packed.json"
     save_cost_model(PackedCost(ProxyCost()), path)
     twice = DFLOPTrainer(

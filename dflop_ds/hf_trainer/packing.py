@@ -91,6 +91,17 @@ def padding_free_collator(model: Any, sample_bounds: bool = True) -> PaddingFree
     return PaddingFreeCollator(model.model.get_rope_index if qwen else None, sample_bounds=sample_bounds)
 
 
+def chosen_collator(passed: Any | None, in_use: Any) -> Any | None:
+    """The collator a packed run must respect: the one ``passed`` to the Trainer, else the one a
+    Trainer subclass chose itself (``in_use``, e.g. TRL's ``SFTTrainer``'s), else None when
+    ``in_use`` is only transformers' default (``default_data_collator``, ``DataCollatorWithPadding``)."""
+    from transformers import DataCollatorWithPadding, default_data_collator
+
+    if passed is not None:
+        return passed
+    return None if in_use is default_data_collator or isinstance(in_use, DataCollatorWithPadding) else in_use
+
+
 def packing_collator(model: Any, collator: Any | None) -> Any:
     """The collator of a packed run (``dflop.model.packing=true``): ``collator`` when it is padding
     free with the samples' bounds (a :class:`PaddingFreeCollator` or transformers'
@@ -117,6 +128,7 @@ def packing_collator(model: Any, collator: Any | None) -> Any:
 __all__ = [
     "MEDIA_KEYS",
     "PaddingFreeCollator",
+    "chosen_collator",
     "concatenated_media",
     "packing_collator",
     "padding_free_collator",

@@ -47,7 +47,7 @@ from dflop_ds.cost import PackedCost, load_cost_model, sampler_cost_model
 from dflop_ds.hf_trainer.agreement import check_ranks_agree, model_depths, trainer_input_digests
 from dflop_ds.hf_trainer.guard import BlankImageGuardMixin
 from dflop_ds.hf_trainer.launcher import check_batch_keys, trainer_deepspeed_config
-from dflop_ds.hf_trainer.packing import packing_collator, use_segment_attention
+from dflop_ds.hf_trainer.packing import chosen_collator, packing_collator, use_segment_attention
 from dflop_ds.hf_trainer.sampler import (
     TrainerBatchSampler,
     TrainerDataLoader,
@@ -137,7 +137,9 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         self.dflop_settings = DFLOPConfig.from_dict(block, source=source)
         self._dflop_seed_source = f"{source}: train.seed" if block_sets_seed(block) else None
         if self.dflop_settings.model.packing:
-            trainer.data_collator = packing_collator(trainer.model, user_collator)
+            trainer.data_collator = packing_collator(
+                trainer.model, chosen_collator(user_collator, trainer.data_collator)
+            )
             use_segment_attention(trainer.model)
         if not trainer.args.average_tokens_across_devices:
             raise ValueError(
