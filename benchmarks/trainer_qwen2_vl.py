@@ -1,4 +1,4 @@
-"""The Qwen2-VL side of `make bench-trainer`: a Trainer user's Dataset over LLaVA JSON and two collators.
+"""The Qwen2-VL side of `make bench-trainer`: a Trainer user's Dataset over LLaVA JSON and its padded collator.
 
 * :class:`Qwen2VLJsonDataset`: each record as the HF model takes it (``input_ids``, ``labels``,
   ``mm_token_type_ids``, the images' ``pixel_values``/``image_grid_thw`` and the video's
@@ -6,28 +6,18 @@
   (the tiny model has no processor class: Qwen2-VL's wants torchvision for videos), so its tokens
   are the ones ``llava_json_shapes`` counts.
 * :class:`Qwen2VLPadCollator`: right-padding, as a Trainer script pads.
-* :class:`FlatCollator`: padding-free, the way transformers 5.24 offers it (for LLaVA too):
-  ``DataCollatorWithFlattening`` concatenates the microbatch into one row (``labels`` separated,
-  per-sample text ``position_ids``); for Qwen2-VL the model's own ``get_rope_index`` gives each
-  sample's three M-RoPE rows, prepended with the text row into ``position_ids [4, 1, N]`` (what
-  ``Qwen2VLTextModel.forward`` asks of packed input: it then masks attention per sample, with
-  the cache off).
+The padding-free collator (transformers' ``DataCollatorWithFlattening`` with M-RoPE positions for
+Qwen2-VL) is the project's: :class:`dflop_ds.hf_trainer.PaddingFreeCollator`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
-from transformers import DataCollatorWithFlattening
 
+from dflop_ds.hf_trainer.packing import concatenated_media
 from dflop_ds.models.hf.llava_data import load_llava_records
 from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor
 from dflop_ds.models.tiny_data import IGNORE_INDEX
-
-#: per-sample tensors concatenated along dim 0 by both collators (present when any sample has them)
-MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 
 class Qwen2VLJsonDataset(torch.utils.data.Dataset):
@@ -63,16 +53,6 @@ class Qwen2VLJsonDataset(torch.utils.data.Dataset):
         return out
 
 
-def concatenated_media(items: list[dict]) -> dict:
-    """Every sample's images and video, concatenated in sample order (keys without any left out)."""
-    out = {}
-    for key in MEDIA_KEYS:
-        parts = [item[key] for item in items if key in item]
-        if parts:
-            out[key] = torch.cat(parts)
-    return out
-
-
 class Qwen2VLPadCollator:
     """Right-pads a microbatch (``attention_mask`` 0 and ``labels`` ignored on padding)."""
 
@@ -93,33 +73,3 @@ class Qwen2VLPadCollator:
                 batch[key][row, :n] = item[key]
             batch["attention_mask"][row, :n] = 1
         return {**batch, **concatenated_media(items)}
-
-
-class FlatCollator:
-    """Padding-free: transformers' ``DataCollatorWithFlattening`` (one row, ``labels`` separated,
-    per-sample text ``position_ids``), the samples' media concatenated; with ``rope_index`` (a
-    Qwen2-VL model's ``get_rope_index``) each sample's M-RoPE rows are prepended with the text
-    row into ``position_ids [4, 1, N]``; ``sample_bounds``: also the flattening's
-    ``cu_seq_lens_q/k`` and ``max_length_q/k`` (what a variable-length attention function reads)."""
-
-    def __init__(self, rope_index: Callable[..., Any] | None = None, sample_bounds: bool = False) -> None:
-        self.rope_index = rope_index
-        self.flatten = DataCollatorWithFlattening(return_flash_attn_kwargs=sample_bounds)
-
-    def __call__(self, items: list[dict]) -> dict:
-        flat = self.flatten([{"input_ids": i["input_ids"].tolist(), "labels": i["labels"].tolist()} for i in items])
-        batch = {**flat, **concatenated_media(items)}
-        if self.rope_index is None:
-            return batch
-        rows = []
-        for item in items:
-            positions, _ = self.rope_index(
-                item["input_ids"][None],
-                item["mm_token_type_ids"][None],
-                image_grid_thw=item.get("image_grid_thw"),
-                video_grid_thw=item.get("video_grid_thw"),
-            )
-            rows.append(positions)
-        batch["position_ids"] = torch.cat([flat["position_ids"][None], torch.cat(rows, dim=2)], dim=0)
-        batch["mm_token_type_ids"] = torch.cat([item["mm_token_type_ids"] for item in items])[None]
-        return batch

@@ -6,8 +6,9 @@ Strategies: ``random`` (the Trainer's default), ``group_by_length`` and ``batch_
 (transformers' own), ``padding_free`` (random order, transformers' flattening collator, with
 M-RoPE positions for Qwen2-VL, sdpa), ``stock_packed`` (random order, padding-free with the
 project's per-sample attention: packing's gain without balancing), ``dflop`` (``DFLOPTrainer``,
-the padded collator, the profiled cost model) and ``dflop_packed`` (``DFLOPTrainer`` padding-free
-with the project's attention, balancing the packed cost). The baselines named in
+the padded collator, the profiled cost model) and ``dflop_packed`` (``DFLOPTrainer`` with
+``dflop={"model": {"packing": True}}`` and no collator: it packs with the family's padding-free
+collator and the project's attention, balancing the packed cost). The baselines named in
 ``--guarded`` run with the blank-image guard (``BlankImageGuardMixin``); the project's
 configurations always have it. Each run trains one epoch (or ``--steps``
 optimizer steps) from the same initial weights; the first step is left out of the timing. Rank 0
@@ -30,9 +31,14 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainerCallback, TrainingArguments
 
-from benchmarks.trainer_qwen2_vl import FlatCollator, Qwen2VLJsonDataset, Qwen2VLPadCollator
-from dflop_ds.cost import PackedCost, load_cost_model, save_cost_model
-from dflop_ds.hf_trainer import BlankImageGuardMixin, DFLOPTrainer, llava_json_shapes, use_segment_attention
+from benchmarks.trainer_qwen2_vl import Qwen2VLJsonDataset, Qwen2VLPadCollator
+from dflop_ds.hf_trainer import (
+    BlankImageGuardMixin,
+    DFLOPTrainer,
+    llava_json_shapes,
+    padding_free_collator,
+    use_segment_attention,
+)
 from dflop_ds.hf_trainer.guard import has_images
 from dflop_ds.launch import finish_rank
 
@@ -43,8 +49,9 @@ sys.modules[_spec.name] = example  # type: ignore[union-attr]
 _spec.loader.exec_module(example)  # type: ignore[union-attr]
 
 #: each strategy: (the transformers sampling strategy it runs under, its collator: ``padded``,
-#: ``flat`` (transformers' padding-free path, sdpa) or ``segments`` (padding-free with the samples'
-#: bounds and the project's per-sample attention, ``use_segment_attention``))
+#: ``flat`` (transformers' padding-free path, sdpa), ``segments`` (padding-free with the samples'
+#: bounds and the project's per-sample attention, ``use_segment_attention``) or ``packing``
+#: (DFLOPTrainer's own with ``dflop.model.packing``: the ``segments`` collator and attention))
 STRATEGIES = {
     "random": ("random", "padded"),
     "group_by_length": ("group_by_length", "padded"),
@@ -52,7 +59,7 @@ STRATEGIES = {
     "padding_free": ("random", "flat"),
     "stock_packed": ("random", "segments"),
     "dflop": ("random", "padded"),
-    "dflop_packed": ("random", "segments"),
+    "dflop_packed": ("random", "packing"),
 }
 #: the project's own configurations (always with the blank-image guard)
 PROJECT = ("stock_packed", "dflop", "dflop_packed")
@@ -125,7 +132,8 @@ def trainer_class(strategy: str, guarded: bool) -> type:
 
 
 def dataset_and_collate(cli, shapes, model, kind: str) -> tuple:
-    """``(train_dataset, collate)`` of the model family, ``kind`` of collator (see :data:`STRATEGIES`)."""
+    """``(train_dataset, collate)`` of the model family, ``kind`` of collator (see :data:`STRATEGIES`;
+    None for ``packing``: DFLOPTrainer picks it)."""
     if kind == "segments":
         use_segment_attention(model)
     qwen = cli.family == "qwen2_vl"
@@ -138,20 +146,15 @@ def dataset_and_collate(cli, shapes, model, kind: str) -> tuple:
         padded = example.PadCollator(processor.tokenizer.pad_token_id)
     if kind == "padded":
         return dataset, padded
-    return dataset, FlatCollator(model.model.get_rope_index if qwen else None, sample_bounds=kind == "segments")
+    if kind == "packing":
+        return dataset, None
+    return dataset, padding_free_collator(model, sample_bounds=kind == "segments")
 
 
 def dflop_settings(strategy: str, cli) -> dict:
-    """The ``"dflop"`` block: the profiled cost model, packed for the padding-free collator."""
-    if cli.cost_model is None:
-        return {"sampler": {"kind": "dflop"}}
-    path = cli.cost_model
-    if strategy == "dflop_packed":
-        path = str(Path(cli.out).parent / "costmodel_packed.json")
-        if dist.get_rank() == 0:
-            save_cost_model(PackedCost(load_cost_model(cli.cost_model)), path)
-        dist.barrier()
-    return {"sampler": {"kind": "dflop", "cost_model": path}}
+    """The ``"dflop"`` block: the profiled cost model; packing for ``dflop_packed``."""
+    sampler = {"kind": "dflop"} if cli.cost_model is None else {"kind": "dflop", "cost_model": cli.cost_model}
+    return {"sampler": sampler, "model": {"packing": strategy == "dflop_packed"}}
 
 
 def run(strategy: str, cli, shapes) -> dict:
@@ -160,7 +163,6 @@ def run(strategy: str, cli, shapes) -> dict:
     model.config.get_text_config().use_cache = False  # training keeps no cache (and packing needs none)
     sampling, kind = STRATEGIES[strategy]
     dataset, collate = dataset_and_collate(cli, shapes, model, kind)
-    collator = CountingCollator(collate)
     clock = StepClock()
     args = TrainingArguments(
         output_dir=str(Path(cli.out).parent / "trainer_runs" / strategy),
@@ -183,10 +185,12 @@ def run(strategy: str, cli, shapes) -> dict:
         model=model,
         args=args,
         train_dataset=dataset,
-        data_collator=collator,
+        data_collator=collate,
         callbacks=[clock],
         **extra,
     )
+    # count the tokens of whichever collator the run uses (DFLOPTrainer's own under packing)
+    trainer.data_collator = collator = CountingCollator(trainer.data_collator)
     trainer.clock, trainer.visual = clock, []
     trainer.train()
     if isinstance(trainer, DFLOPTrainer) and trainer.dflop_batch_sampler is not None:

@@ -8,6 +8,7 @@ killed and resumed, one SGD step against the whole global batch in one process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -316,10 +317,6 @@ def test_wrong_shapes_and_bad_settings_are_refused_before_training(tiny_trainer_
         DFLOPTrainer(
             model=model, args=args, train_dataset=dataset, sample_shapes=good, dflop={"sampler": {"prefetch": -1}}
         )
-    with pytest.raises(ValueError, match="packing"):
-        DFLOPTrainer(
-            model=model, args=args, train_dataset=dataset, sample_shapes=good, dflop={"model": {"packing": True}}
-        )
     args.average_tokens_across_devices = False
     with pytest.raises(ValueError, match=r"average_tokens_across_devices=True"):
         DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good)
@@ -464,6 +461,154 @@ def test_cost_model_of_another_shape_policy_or_depth_is_refused_by_the_trainer(t
     fitting = replace(synthetic_profile(), encoder_layers=3, llm_layers=4)
     save_cost_model(FittedCostModel().fit(fitting, good.policy), path)
     assert trainer.get_train_dataloader().batch_sampler.sampler.cost_model is not None
+
+
+# ---- packing: dflop.model.packing=true -------------------------------------------------------------
+
+
+class RightPadCollator:
+    """A Trainer user's padded collator: right-pads every per-token key, concatenates the media."""
+
+    def __call__(self, items: list[dict]) -> dict:
+        from dflop_ds.hf_trainer.packing import concatenated_media
+
+        length = max(len(item["input_ids"]) for item in items)
+        tokens = [key for key in ("input_ids", "labels", "mm_token_type_ids") if key in items[0]]
+        batch = {key: torch.full((len(items), length), -100 if key == "labels" else 0) for key in tokens}
+        batch["attention_mask"] = torch.zeros((len(items), length), dtype=torch.long)
+        for row, item in enumerate(items):
+            n = len(item["input_ids"])
+            for key in tokens:
+                batch[key][row, :n] = item[key]
+            batch["attention_mask"][row, :n] = 1
+        return {**batch, **concatenated_media(items)}
+
+
+def image_chats(config, count: int) -> list[dict]:
+    """``count`` HF model inputs of varied length, every other one with an image of the model's
+    (its image tokens ignored in the labels; Qwen2-VL's also with ``mm_token_type_ids``, the image
+    2 x 2 merged patches, so its M-RoPE positions are not the text's)."""
+    blank = BlankImage.for_model(config)
+    assert blank is not None
+    generator = torch.Generator().manual_seed(3)
+    qwen = blank.grid_thw is not None
+    if qwen:
+        merged, patch_dim = blank.pixel_shape
+        _, height, width = blank.grid_thw
+        blank = dataclasses.replace(
+            blank, pixel_shape=(4 * merged, patch_dim), tokens=4, grid_thw=(1, 2 * height, 2 * width)
+        )
+    items = []
+    for i in range(count):
+        ids = torch.randint(5, 150, (6 + 3 * i,), generator=generator)
+        image = i % 2 == 0
+        if image:
+            ids = torch.cat([ids[:2], torch.full((blank.tokens,), blank.image_token_id), ids[2:]])
+        labels = torch.where(ids == blank.image_token_id, -100, ids)
+        item = {"input_ids": ids, "labels": labels}
+        if qwen:
+            item["mm_token_type_ids"] = (ids == blank.image_token_id).long()
+        if image:
+            item["pixel_values"] = torch.rand(blank.pixel_shape, generator=generator)
+            if qwen:
+                item["image_grid_thw"] = torch.tensor([blank.grid_thw])
+        items.append(item)
+    return items
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_packing_trains_the_padded_loss_and_balances_the_packed_cost(family, llava_inputs, tmp_path):
+    """dflop.model.packing=true with no collator: the loader's microbatches are one padding-free
+    row with the samples' bounds, the model attends per sample, the loss is the padded batch's, and
+    the sampler balances the packed cost (the padded proxy without packing)."""
+    from transformers import AutoModelForImageTextToText, TrainingArguments
+
+    from dflop_ds.cost import PackedCost, ProxyCost
+    from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl
+
+    model_dir = llava_inputs[0] if family == "llava" else build_tiny_qwen2_vl(tmp_path / "qwen2_vl")
+    load = lambda: AutoModelForImageTextToText.from_pretrained(str(model_dir)).eval()  # noqa: E731
+    packed_model, padded_model = load(), load()
+    items = image_chats(packed_model.config, 8)
+    table = [
+        SampleShape(f"s{i}", text_tokens=len(x["input_ids"]), llm_tokens=len(x["input_ids"]))
+        for i, x in enumerate(items)
+    ]
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=4)
+    trainer = DFLOPTrainer(
+        model=packed_model, args=args, train_dataset=items, sample_shapes=table, dflop={"model": {"packing": True}}
+    )
+    assert packed_model.config.get_text_config()._attn_implementation == "dflop_segments"
+    loader = trainer.get_train_dataloader()
+    sampler = loader.batch_sampler.sampler
+    assert isinstance(sampler.cost_model, PackedCost) and isinstance(sampler.cost_model.cost_model, ProxyCost)
+    indices = next(iter(loader.batch_sampler))
+    batch = next(iter(loader))
+    sampler.close()
+    assert batch["input_ids"].shape == (1, sum(len(items[i]["input_ids"]) for i in indices))
+    assert "attention_mask" not in batch and batch["cu_seq_lens_q"].numel() == len(indices) + 1
+    padded = RightPadCollator()([items[i] for i in indices])
+    with torch.no_grad():
+        packed_loss, padded_loss = packed_model(**batch).loss, padded_model(**padded).loss
+    assert abs(float(packed_loss) - float(padded_loss)) < 1e-5
+    plain = DFLOPTrainer(model=padded_model, args=args, train_dataset=items, sample_shapes=table)
+    plain_sampler = plain.get_train_dataloader().batch_sampler.sampler
+    assert not isinstance(plain_sampler.cost_model, PackedCost)
+    plain_sampler.close()
+
+
+def test_packing_keeps_a_padding_free_collator_and_refuses_a_padded_one_by_name(tiny_trainer_parts, tmp_path):
+    from transformers import DataCollatorWithFlattening, Trainer
+
+    from dflop_ds.cost import PackedCost, ProxyCost, save_cost_model
+    from dflop_ds.hf_trainer import DFLOPTrainerMixin
+
+    model, args, dataset, good = tiny_trainer_parts
+    packing = {"model": {"packing": True}}
+    flat = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    kept = DFLOPTrainer(
+        model=model, args=args, train_dataset=dataset, data_collator=flat, sample_shapes=good, dflop=packing
+    )
+    assert kept.data_collator is flat
+    with pytest.raises(
+        ValueError, match=r"data_collator is a .*RightPadCollator.*pass no data_collator.*leave packing out"
+    ):
+        DFLOPTrainer(
+            model=model,
+            args=args,
+            train_dataset=dataset,
+            data_collator=RightPadCollator(),
+            sample_shapes=good,
+            dflop=packing,
+        )
+    with pytest.raises(ValueError, match=r"no sample bounds .*return_flash_attn_kwargs=True"):
+        DFLOPTrainer(
+            model=model,
+            args=args,
+            train_dataset=dataset,
+            data_collator=DataCollatorWithFlattening(),
+            sample_shapes=good,
+            dflop=packing,
+        )
+
+    class PaddingTrainer(Trainer):  # a Trainer subclass that picks its own collator, as TRL's does
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, data_collator=RightPadCollator(), **kwargs)
+
+    subclass = type("DFLOPPaddingTrainer", (DFLOPTrainerMixin, PaddingTrainer), {})
+    with pytest.raises(ValueError, match=r"data_collator is a .*RightPadCollator"):
+        subclass(model=model, args=args, train_dataset=dataset, sample_shapes=good, dflop=packing)
+    path = tmp_path / "packed.json"
+    save_cost_model(PackedCost(ProxyCost()), path)
+    twice = DFLOPTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        sample_shapes=good,
+        dflop={**packing, "sampler": {"cost_model": str(path)}},
+    )
+    with pytest.raises(ValueError, match=rf"{path}: this cost model is already packed"):
+        twice.get_train_dataloader()
 
 
 # ---- on two DeepSpeed ranks ----------------------------------------------------------------------

@@ -10,16 +10,19 @@ Change one import and one class name, and add the shapes::
 
 ``DFLOPTrainer`` needs transformers (:mod:`dflop_ds.hf_trainer.version` names the tested range).
 TRL's ``SFTTrainer``: ``from dflop_ds.hf_trainer.sft import DFLOPSFTTrainer`` with
-:func:`hf_dataset_shapes` (``pip install 'dflop-ds[trl]'``).
+:func:`hf_dataset_shapes` (``pip install 'dflop-ds[trl]'``). Padding-free microbatches:
+``dflop={"model": {"packing": True}}`` (:mod:`dflop_ds.hf_trainer.packing`).
 """
 
 from dflop_ds.hf_trainer.guard import BlankImageGuardMixin
-from dflop_ds.hf_trainer.packing import use_segment_attention
+from dflop_ds.hf_trainer.packing import PaddingFreeCollator, padding_free_collator, use_segment_attention
 from dflop_ds.hf_trainer.shapes import ShapeTable, hf_dataset_shapes, llava_json_shapes
 from dflop_ds.hf_trainer.trainer import SAMPLER_STATE, DFLOPTrainer, DFLOPTrainerMixin, dflop_settings
 from dflop_ds.hf_trainer.version import SUPPORTED, check_transformers_version
 
 __all__ = [
+    "PaddingFreeCollator",
+    "padding_free_collator",
     "use_segment_attention",
     "SAMPLER_STATE",
     "SUPPORTED",

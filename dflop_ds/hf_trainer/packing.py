@@ -1,19 +1,30 @@
 """Padding-free microbatches through a user's HF model on any device: attention inside each sample.
 
 A padding-free collator (``transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)``,
-TRL's ``padding_free=True``) joins a microbatch into one row and names the samples' bounds
-(``cu_seq_lens_q/k``). Flash attention reads them on GPUs that have it; elsewhere HF's ``sdpa``
-masks a full ``N x N`` product (or, with a cache or no per-sample ``position_ids``, attends across
-samples). :func:`use_segment_attention` makes the text model run one causal attention per sample
-instead (:func:`dflop_ds.models.hf.packed.segment_attention`), so attention costs the sum of the
-squared sample lengths and the loss is the padded batch's.
+TRL's ``padding_free=True``, or :class:`PaddingFreeCollator`) joins a microbatch into one row and
+names the samples' bounds (``cu_seq_lens_q/k``). Flash attention reads them on GPUs that have it;
+elsewhere HF's ``sdpa`` masks a full ``N x N`` product (or, with a cache or no per-sample
+``position_ids``, attends across samples). :func:`use_segment_attention` makes the text model run
+one causal attention per sample instead (:func:`dflop_ds.models.hf.packed.segment_attention`), so
+attention costs the sum of the squared sample lengths and the loss is the padded batch's.
+
+``DFLOPTrainer(dflop={"model": {"packing": True}})`` uses all of it: :func:`packing_collator`
+picks (or checks) the collator, :func:`use_segment_attention` switches the attention.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import torch
+from transformers import DataCollatorWithFlattening
+
 from dflop_ds.models.hf.packed import PACKED_ATTENTION, register_segment_attention
+from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES as QWEN2_VL_CLASSES
+
+#: per-sample media tensors, concatenated along dim 0 in sample order (present when any sample has them)
+MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 
 def use_segment_attention(model: Any) -> str:
@@ -31,4 +42,95 @@ def use_segment_attention(model: Any) -> str:
     return str(text_config._attn_implementation)
 
 
-__all__ = ["use_segment_attention"]
+def concatenated_media(items: list[dict]) -> dict:
+    """Every sample's images and videos (:data:`MEDIA_KEYS`), concatenated in sample order (keys
+    no sample has left out)."""
+    out = {}
+    for key in MEDIA_KEYS:
+        parts = [item[key] for item in items if key in item]
+        if parts:
+            out[key] = torch.cat(parts)
+    return out
+
+
+class PaddingFreeCollator:
+    """Padding-free: transformers' ``DataCollatorWithFlattening`` (one row, ``labels`` separated,
+    per-sample text ``position_ids``) over items with ``input_ids`` and ``labels`` tensors, the
+    samples' media concatenated; with ``rope_index`` (a Qwen2-VL model's ``get_rope_index``, which
+    also needs each item's ``mm_token_type_ids``) each sample's M-RoPE rows are prepended with the
+    text row into ``position_ids [4, 1, N]``; ``sample_bounds``: also the flattening's
+    ``cu_seq_lens_q/k`` and ``max_length_q/k`` (what per-sample attention reads)."""
+
+    def __init__(self, rope_index: Callable[..., Any] | None = None, sample_bounds: bool = False) -> None:
+        self.rope_index = rope_index
+        self.flatten = DataCollatorWithFlattening(return_flash_attn_kwargs=sample_bounds)
+
+    def __call__(self, items: list[dict]) -> dict:
+        flat = self.flatten([{"input_ids": i["input_ids"].tolist(), "labels": i["labels"].tolist()} for i in items])
+        batch = {**flat, **concatenated_media(items)}
+        if self.rope_index is None:
+            return batch
+        rows = []
+        for item in items:
+            positions, _ = self.rope_index(
+                item["input_ids"][None],
+                item["mm_token_type_ids"][None],
+                image_grid_thw=item.get("image_grid_thw"),
+                video_grid_thw=item.get("video_grid_thw"),
+            )
+            rows.append(positions)
+        batch["position_ids"] = torch.cat([flat["position_ids"][None], torch.cat(rows, dim=2)], dim=0)
+        batch["mm_token_type_ids"] = torch.cat([item["mm_token_type_ids"] for item in items])[None]
+        return batch
+
+
+def padding_free_collator(model: Any, sample_bounds: bool = True) -> PaddingFreeCollator:
+    """The :class:`PaddingFreeCollator` ``model``'s family needs: M-RoPE positions from the model's
+    own ``get_rope_index`` for Qwen2-VL / Qwen2.5-VL, per-sample text positions otherwise."""
+    qwen = getattr(model.config, "model_type", None) in QWEN2_VL_CLASSES
+    return PaddingFreeCollator(model.model.get_rope_index if qwen else None, sample_bounds=sample_bounds)
+
+
+def chosen_collator(passed: Any | None, in_use: Any) -> Any | None:
+    """The collator a packed run must respect: the one ``passed`` to the Trainer, else the one a
+    Trainer subclass chose itself (``in_use``, e.g. TRL's ``SFTTrainer``'s), else None when
+    ``in_use`` is only transformers' default (``default_data_collator``, ``DataCollatorWithPadding``)."""
+    from transformers import DataCollatorWithPadding, default_data_collator
+
+    if passed is not None:
+        return passed
+    return None if in_use is default_data_collator or isinstance(in_use, DataCollatorWithPadding) else in_use
+
+
+def packing_collator(model: Any, collator: Any | None) -> Any:
+    """The collator of a packed run (``dflop.model.packing=true``): ``collator`` when it is padding
+    free with the samples' bounds (a :class:`PaddingFreeCollator` or transformers'
+    ``DataCollatorWithFlattening``, both with them), :func:`padding_free_collator` when None; any
+    other collator is refused by class (it is never replaced silently)."""
+    if collator is None:
+        return padding_free_collator(model)
+    flattening = collator.flatten if isinstance(collator, PaddingFreeCollator) else collator
+    if not isinstance(flattening, DataCollatorWithFlattening):
+        raise ValueError(
+            f"dflop.model.packing=true, but data_collator is a {type(collator).__qualname__}, which is not padding"
+            " free: pass no data_collator (DFLOPTrainer then packs with dflop_ds.hf_trainer.padding_free_collator),"
+            " or leave packing out of the dflop block to keep your collator (the sampler then balances padded cost)"
+        )
+    if not flattening.return_flash_attn_kwargs:
+        raise ValueError(
+            f"dflop.model.packing=true: the {type(collator).__qualname__} gives no sample bounds (cu_seq_lens_q),"
+            " which the per-sample attention reads: build it with"
+            " DataCollatorWithFlattening(return_flash_attn_kwargs=True)"
+        )
+    return collator
+
+
+__all__ = [
+    "MEDIA_KEYS",
+    "PaddingFreeCollator",
+    "chosen_collator",
+    "concatenated_media",
+    "packing_collator",
+    "padding_free_collator",
+    "use_segment_attention",
+]

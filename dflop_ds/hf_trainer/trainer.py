@@ -6,7 +6,9 @@ model, collator, optimizer, logging, checkpointing and evaluation stay. What it 
 * each data-parallel rank yields exactly ``gradient_accumulation_steps`` microbatches per
   optimizer step, of any sample count, cut from one global batch of ``per_device_train_batch_size
   x gradient_accumulation_steps x dp`` samples by the sampler named in the ``"dflop"`` block
-  (balanced on predicted cost, padded to the longest sample since the user's collator pads);
+  (balanced on predicted cost, padded to the longest sample since the user's collator pads; with
+  ``dflop.model.packing=true``, padding free: balanced on the packed cost, the samples' own
+  attention, :mod:`dflop_ds.hf_trainer.packing`);
   tensor-parallel peers get identical microbatches;
 * Accelerate never re-shards or pads them: the loader is not passed through ``accelerator.prepare``
   (the Trainer moves each batch to its device itself);
@@ -41,10 +43,11 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
 from dflop_ds.config import AUTO, OFF, DFLOPConfig
-from dflop_ds.cost import load_cost_model
+from dflop_ds.cost import PackedCost, load_cost_model, sampler_cost_model
 from dflop_ds.hf_trainer.agreement import check_ranks_agree, model_depths, trainer_input_digests
 from dflop_ds.hf_trainer.guard import BlankImageGuardMixin
 from dflop_ds.hf_trainer.launcher import check_batch_keys, trainer_deepspeed_config
+from dflop_ds.hf_trainer.packing import chosen_collator, packing_collator, use_segment_attention
 from dflop_ds.hf_trainer.sampler import (
     TrainerBatchSampler,
     TrainerDataLoader,
@@ -124,6 +127,8 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         **kwargs: Any,
     ) -> None:
         check_transformers_version()
+        # Trainer(model, args, data_collator, ...): the collator the user passed, if any
+        user_collator = kwargs.get("data_collator", args[2] if len(args) > 2 else None)
         super().__init__(*args, **kwargs)
         trainer: Any = self
         deepspeed, deepspeed_source = trainer_deepspeed_config(trainer)  # from either launcher
@@ -132,10 +137,10 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         self.dflop_settings = DFLOPConfig.from_dict(block, source=source)
         self._dflop_seed_source = f"{source}: train.seed" if block_sets_seed(block) else None
         if self.dflop_settings.model.packing:
-            raise ValueError(
-                "dflop.model.packing=true is not supported by DFLOPTrainer: it balances the microbatches your"
-                " collator pads; leave packing out of the block"
+            trainer.data_collator = packing_collator(
+                trainer.model, chosen_collator(user_collator, trainer.data_collator)
             )
+            use_segment_attention(trainer.model)
         if not trainer.args.average_tokens_across_devices:
             raise ValueError(
                 "DFLOPTrainer needs TrainingArguments(average_tokens_across_devices=True): its microbatches differ"
@@ -220,12 +225,19 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
 
     def _dflop_cost_model(self) -> Any:
         """The cost model ``dflop.sampler.cost_model`` names (None: the proxy), checked against the
-        shapes' policy (when the shape helpers made them) and the model's depth (LLaVA, Qwen2-VL)."""
+        shapes' policy (when the shape helpers made them) and the model's depth (LLaVA, Qwen2-VL);
+        with ``dflop.model.packing=true`` wrapped for packed microbatches."""
         trainer: Any = self
         path = self.dflop_settings.sampler.cost_model
+        packed = bool(self.dflop_settings.model.packing)
         if path is None:
-            return None
+            return sampler_cost_model(None, packed=True) if packed else None
         cost_model = load_cost_model(path)
+        if packed and isinstance(cost_model, PackedCost):
+            raise ValueError(
+                f"{path}: this cost model is already packed and dflop.model.packing=true packs it again:"
+                " name the profiled (unpacked) cost model"
+            )
         depths = model_depths(trainer.model)
         check_cost_model_fits(
             cost_model,
@@ -234,7 +246,7 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
             llm_layers=None if depths is None else depths[1],
             source=str(path),
         )
-        return cost_model
+        return sampler_cost_model(cost_model, packed=packed)
 
     def _dflop_seed(self) -> tuple[int, str]:
         """``(seed, where it came from)`` of the data order: ``dflop.train.seed`` when the block
