@@ -12,7 +12,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,20 +82,28 @@ def run_deepspeed(
     echo: bool = False,
     **run_kwargs,
 ) -> subprocess.CompletedProcess:
-    """Run :func:`deepspeed_command` with :func:`launch_env` (plus ``extra_env``);
-    ``run_kwargs`` go to ``subprocess.run``. ``echo``: the launch's output (stdout and stderr
-    merged) is shown as it comes and also returned as ``stdout`` (for :func:`rank_exits`);
-    ``timeout`` is then the only keyword honoured. Stale extension build locks are cleared first
-    (:func:`clear_stale_build_locks`); afterwards, however the run ended, the CPU all-reduce
-    buffers of its port are removed (:func:`release_shm_buffers`)."""
-    port = free_port() if master_port is None else master_port
-    command = deepspeed_command(script, args, ranks=ranks, master_port=port)
-    env = launch_env(**(extra_env or {}))
-    clear_stale_build_locks()
-    try:
+    """Run :func:`deepspeed_command` with :func:`launch_env` (plus ``extra_env``) on the port of
+    :func:`launch_on_port`; ``run_kwargs`` go to ``subprocess.run``. ``echo``: the launch's output
+    (stdout and stderr merged) is shown as it comes and also returned as ``stdout`` (for
+    :func:`rank_exits`); ``timeout`` is then the only keyword honoured."""
+    with launch_on_port(master_port) as port:
+        command = deepspeed_command(script, args, ranks=ranks, master_port=port)
+        env = launch_env(**(extra_env or {}))
         if echo:
             return _run_echoed(command, cwd=cwd, env=env, timeout=run_kwargs.get("timeout"))
         return subprocess.run(command, cwd=cwd, env=env, **run_kwargs)
+
+
+@contextmanager
+def launch_on_port(master_port: int | None = None) -> Iterator[int]:
+    """The master port of one launch on this host (a free one unless given), with the host's
+    set-up before it and clean-up after it: stale extension build locks are cleared first
+    (:func:`clear_stale_build_locks`); afterwards, however the launch ended, the CPU all-reduce
+    buffers of its port are removed (:func:`release_shm_buffers`)."""
+    port = free_port() if master_port is None else master_port
+    clear_stale_build_locks()
+    try:
+        yield port
     finally:
         release_shm_buffers(port)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from capabilities import DENY_ENV, deny_precisions, parse_denied
-from ds_runs import REPO, run_on_ranks
+from ds_runs import REPO, Launcher, run_on_ranks
 from tiny_plans import tiny_plan
 
 from dflop_ds.config import set_settings
@@ -78,19 +78,23 @@ def ds_config(tmp_path: Path) -> Callable[..., Path]:
 
 
 def run_train_script(
-    config: Path, *args: Any, expect: int | None = 0, timeout: float = 400
+    config: Path, *args: Any, expect: int | None = 0, timeout: float = 400, launcher: Launcher = "direct"
 ) -> subprocess.CompletedProcess:
-    """``examples/train.py`` on the DeepSpeed launcher's 2 ranks with ``--deepspeed_config config``
-    and ``args``; asserts the exit code is ``expect`` (None: any failure) and returns the finished
-    process (output captured as text)."""
+    """``examples/train.py`` on 2 DeepSpeed ranks (started by ``launcher``: see :func:`run_on_ranks`)
+    with ``--deepspeed_config config`` and ``args``; asserts the exit code is ``expect`` (None: any
+    failure) and returns the finished process (output captured as text)."""
     return run_on_ranks(
-        REPO / "examples" / "train.py", ["--deepspeed_config", str(config), *args], expect=expect, timeout=timeout
+        REPO / "examples" / "train.py",
+        ["--deepspeed_config", str(config), *args],
+        expect=expect,
+        timeout=timeout,
+        launcher=launcher,
     )
 
 
 @pytest.fixture
 def run_train() -> Callable[..., subprocess.CompletedProcess]:
-    """``run_train(config, *args, expect=0, timeout=400)``: :func:`run_train_script`."""
+    """``run_train(config, *args, expect=0, timeout=400, launcher="direct")``: :func:`run_train_script`."""
     return run_train_script
 
 

@@ -316,13 +316,15 @@ def test_deepspeed_builds_an_engine_from_a_written_config(built_engines, zero: i
 
 @pytest.mark.slow
 def test_a_config_written_by_cli_plan_trains_on_two_ranks(tmp_path: Path, run_train) -> None:
+    """Through the ``deepspeed`` launcher: the commands a user types, ``dflop-ds plan
+    --deepspeed-config`` then ``deepspeed examples/train.py --deepspeed_config``, end to end."""
     ds = tmp_path / "ds.json"
     assert cli_main(plan_argv(tmp_path, "--deepspeed-config", str(ds), "--zero-stage", "0")) == 0
     config = json.loads(ds.read_text())
     set_settings(config["dflop"], max_samples=64, steps=3, warmup_steps=1)
     ds.write_text(json.dumps(config))
     summary = tmp_path / "summary.json"
-    run_train(ds, "--summary", str(summary), timeout=600)
+    run_train(ds, "--summary", str(summary), timeout=600, launcher="deepspeed")
     run = json.loads(summary.read_text())["summary"]
     plan = Plan.load(tmp_path / "plan.json")
     assert run["zero_stage"] == 0 and run["pipeline_stages"] == plan.pipeline_stages
