@@ -28,7 +28,6 @@ from benchmarks.common import add_worker_options, round_row, timed_train_step, w
 from benchmarks.e2e_methods import PACKED_METHODS, split_for  # noqa: E402
 from dflop_ds.cost import load_cost_model, sampler_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
-from dflop_ds.launch import finish_rank  # noqa: E402
 from dflop_ds.models import (  # noqa: E402
     TinyMLLMDataset,
     collate_microbatch,
@@ -36,6 +35,7 @@ from dflop_ds.models import (  # noqa: E402
     supervised_count,
     tiny_mllm_layers,
 )
+from dflop_ds.rank_lifecycle import finish_rank  # noqa: E402
 from dflop_ds.schedule.dispatch import plan_dispatch  # noqa: E402
 from dflop_ds.schedule.epoch import epoch_permutation, global_batches  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402

@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import add_worker_options, round_row, timed_train_step, worker_ds_config  # noqa: E402
 from benchmarks.e2e_methods import ONE_ENGINE_METHODS, PACKED_METHODS, SPLITTERS, method_cost_model  # noqa: E402
 from dflop_ds.cost import load_cost_model  # noqa: E402
-from dflop_ds.launch import finish_rank  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
+from dflop_ds.rank_lifecycle import finish_rank  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.schedule.sampler import SamplerSettings, make_sampler  # noqa: E402
 from dflop_ds.telemetry.record import batch_tokens  # noqa: E402

@@ -40,7 +40,7 @@ from dflop_ds.hf_trainer import (
     use_segment_attention,
 )
 from dflop_ds.hf_trainer.guard import has_images
-from dflop_ds.launch import finish_rank
+from dflop_ds.rank_lifecycle import finish_rank
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
 _spec = importlib.util.spec_from_file_location("hf_trainer_example", EXAMPLE)

@@ -31,7 +31,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, HfArgumentParser, TrainingArguments
 
 from dflop_ds.hf_trainer import DFLOPTrainer, llava_json_shapes  # DFLOP (was: from transformers import Trainer)
-from dflop_ds.launch import finish_rank  # DFLOP: a clean end of every rank
+from dflop_ds.rank_lifecycle import finish_rank  # DFLOP: a clean end of every rank
 
 IGNORE = -100
 

@@ -18,7 +18,7 @@ from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser, get_peft_con
 
 from dflop_ds.hf_trainer import hf_dataset_shapes  # DFLOP
 from dflop_ds.hf_trainer.sft import DFLOPSFTTrainer  # DFLOP (was: from trl import SFTTrainer)
-from dflop_ds.launch import finish_rank  # DFLOP: a clean end of every rank
+from dflop_ds.rank_lifecycle import finish_rank  # DFLOP: a clean end of every rank
 
 
 def main() -> None:

@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from direct_ranks import run_ranks
 
-from dflop_ds.launch import clear_stale_build_locks, free_port, launch_env, release_shm_buffers, run_deepspeed
+from dflop_ds.host import clear_stale_build_locks, release_shm_buffers
+from dflop_ds.launch import free_port, launch_env, run_deepspeed
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from dflop_ds.config import set_settings
-from dflop_ds.launch import clear_stale_build_locks, deepspeed_command, launch_env, release_shm_buffers
+from dflop_ds.host import clear_stale_build_locks, release_shm_buffers
+from dflop_ds.launch import deepspeed_command, launch_env
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, FAULT_FROM = 18, 5

@@ -34,7 +34,7 @@ from dflop_ds.hf_trainer.sampler import (
     last_step_microbatches,
     trainer_data_parallel_coords,
 )
-from dflop_ds.launch import CLEAN_SHUTDOWN
+from dflop_ds.rank_lifecycle import CLEAN_SHUTDOWN
 from dflop_ds.schedule import DFLOPBatchSampler
 from dflop_ds.shapes import SampleShape
 

@@ -1,4 +1,5 @@
-"""dflop_ds.launch: DeepSpeed's CPU all-reduce buffers do not outlive a run; each virtual environment
+"""dflop_ds.launch, dflop_ds.host and dflop_ds.rank_lifecycle: DeepSpeed's CPU all-reduce buffers do not
+outlive a run; each virtual environment
 builds DeepSpeed's ops in its own folder; every rank of a finished launch exits 0, and a benchmark
 whose rank does not is reported as an exit fault, not a failed benchmark."""
 
@@ -15,20 +16,16 @@ import pytest
 from conftest import DFLOP_PP2
 from ds_runs import REPO
 
-from dflop_ds.launch import (
-    CLEAN_SHUTDOWN,
+from dflop_ds.host import (
     SHM_BUFFER_PREFIX,
     SHM_DIR,
     clear_stale_build_locks,
-    deepspeed_command,
     extensions_root,
-    free_port,
-    launch_env,
-    rank_exits,
-    release_own_shm_buffer,
     release_shm_buffers,
     shm_buffer_name,
 )
+from dflop_ds.launch import deepspeed_command, free_port, launch_env, rank_exits
+from dflop_ds.rank_lifecycle import CLEAN_SHUTDOWN, release_own_shm_buffer
 
 
 def test_release_removes_only_the_jobs_buffers(tmp_path) -> None:
@@ -136,7 +133,7 @@ FAULT_AFTER_FINISH = """
 import json, os, sys, time
 import deepspeed, torch
 from deepspeed.accelerator import get_accelerator
-from dflop_ds.launch import finish_rank
+from dflop_ds.rank_lifecycle import finish_rank
 deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
 if torch.distributed.get_rank() == 0:
     open(sys.argv[sys.argv.index("--out") + 1], "w").write(json.dumps({"rows": ["every round"]}))

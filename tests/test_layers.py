@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dflop_ds"
 
 #: Bottom to top; a module may import from its own layer and the layers below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("shapes", "jsonio", "paths", "typecheck", "precision", "deepspeed_keys", "data")),
+    ("foundation", ("shapes", "jsonio", "paths", "typecheck", "precision", "deepspeed_keys", "host", "data")),
     ("cost", ("cost",)),
     ("profile", ("profile",)),
     ("schedule", ("schedule", "loader", "testing")),
@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("models",)),
     ("plan", ("plan",)),
     ("telemetry", ("telemetry",)),
-    ("train", ("train", "config", "setup_checks", "launch", "hf_trainer")),
+    ("train", ("train", "config", "setup_checks", "launch", "rank_lifecycle", "hf_trainer")),
     ("commands", ("commands",)),  # and dflop_ds/__init__.py: every command-line module, no other layer above
 ]
 

@@ -186,7 +186,7 @@ class TrainerBatchSampler(Sampler[list[ScheduledIndex]]):
 
     def close(self) -> None:
         """Stop the background scheduling threads (at the end of training, see
-        :func:`dflop_ds.launch.finish_rank`)."""
+        :func:`dflop_ds.rank_lifecycle.finish_rank`)."""
         self.sampler.close()
         if self.last_step_sampler is not self.sampler:
             self.last_step_sampler.close()

@@ -22,7 +22,6 @@ from dflop_ds.config import DFLOPConfig
 from dflop_ds.cost import ProxyCost, memory_blind_model, sampler_cost_model
 from dflop_ds.cost.stage import stage_memory_caps
 from dflop_ds.deepspeed_keys import deepspeed_keys
-from dflop_ds.launch import finish_rank, release_shm_buffer_once_mapped, share_cpu_threads
 from dflop_ds.loader import make_loader
 from dflop_ds.models.faults import inject_fault
 from dflop_ds.models.hf.source import hf_source
@@ -30,6 +29,7 @@ from dflop_ds.models.source import ModelSource, tiny_source
 from dflop_ds.paths import check_writable, check_writable_folder
 from dflop_ds.plan import Plan
 from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares
+from dflop_ds.rank_lifecycle import finish_rank, release_shm_buffer_once_mapped, share_cpu_threads
 from dflop_ds.schedule.correction import make_correction
 from dflop_ds.schedule.sampler import make_sampler
 from dflop_ds.setup_checks import check_cost_model_fits, check_training_setup

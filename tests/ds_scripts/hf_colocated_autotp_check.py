@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from dflop_ds.cost import LLMOnlyCost, ProxyCost  # noqa: E402
-from dflop_ds.launch import finish_rank, share_cpu_threads  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
+from dflop_ds.rank_lifecycle import finish_rank, share_cpu_threads  # noqa: E402
 from dflop_ds.schedule.sampler import SamplerSettings, make_sampler  # noqa: E402
 from dflop_ds.train import build_engine  # noqa: E402
 from dflop_ds.train.colocated import colocate  # noqa: E402

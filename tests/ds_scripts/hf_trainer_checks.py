@@ -34,7 +34,7 @@ import torch.distributed as dist
 from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback, TrainingArguments
 
 from dflop_ds.hf_trainer import DFLOPTrainer, llava_json_shapes  # DFLOP: the one import
-from dflop_ds.launch import finish_rank
+from dflop_ds.rank_lifecycle import finish_rank
 
 # ---- the user's data code: the example's Dataset and collator, recording what they are asked ----
 

@@ -15,8 +15,8 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from dflop_ds.launch import finish_rank
 from dflop_ds.pipe.module import ANCHOR
+from dflop_ds.rank_lifecycle import finish_rank
 from dflop_ds.train import build_engine
 
 

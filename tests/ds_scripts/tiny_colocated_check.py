@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from dflop_ds.cost import LLMOnlyCost, ProxyCost  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
-from dflop_ds.launch import finish_rank, share_cpu_threads  # noqa: E402
 from dflop_ds.models import TinyMLLMDataset, build_reference, collate_microbatch, supervised_count, tiny_mllm_layers  # noqa: E402
+from dflop_ds.rank_lifecycle import finish_rank, share_cpu_threads  # noqa: E402
 from dflop_ds.schedule.sampler import SamplerSettings, make_sampler  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 from dflop_ds.train import build_engine  # noqa: E402
