@@ -25,6 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(strip $(TORCH_SPEC)),$(PY) -m pip install --quiet $(TORCH_SPEC))
 	$(PY) -m pip install --quiet -e ".[test,hf,video,trl]"
+	$(RUN) $(PY) -c "from dflop_ds.host import build_deepspeed_ops; print(build_deepspeed_ops())"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -89,3 +89,19 @@ def release_shm_buffers(master_port: int | str, *, shm_dir: Path = SHM_DIR) -> l
         except FileNotFoundError:
             pass
     return removed
+
+
+def build_deepspeed_ops() -> str:
+    """JIT-build (or find built) the DeepSpeed op every CPU launch loads, its shared-memory
+    communication op, in this environment's folder (:func:`extensions_dir_setting`), so that the
+    first launch does not pay for the build (about a minute of two cores). ``make setup`` calls it
+    once per environment. Nothing to build where the accelerator has no such op (GPUs). Returns
+    what was done."""
+    setting = extensions_dir_setting()
+    if setting is not None:
+        os.environ["TORCH_EXTENSIONS_DIR"] = setting
+    from deepspeed.comm.torch import build_shm_op
+
+    if build_shm_op() is None:
+        return "no JIT-built communication op on this accelerator"
+    return f"DeepSpeed's communication op is built in {extensions_root()}"

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 from conftest import DFLOP_PP2
+from deepspeed.accelerator import get_accelerator
 from ds_runs import REPO
 
 from dflop_ds.host import (
     SHM_BUFFER_PREFIX,
     SHM_DIR,
+    build_deepspeed_ops,
     clear_stale_build_locks,
     extensions_root,
     release_shm_buffers,
@@ -108,6 +110,17 @@ def test_the_makefile_gives_its_environment_the_same_folder(tmp_path: Path) -> N
         ["make", "-n", "demo", f"VENV={venv}"], cwd=REPO, env=env, capture_output=True, text=True, check=True
     )
     assert f'TORCH_EXTENSIONS_DIR="{venv}/torch_extensions"' in dry_run.stdout
+
+
+def test_setup_builds_the_communication_op_into_the_environments_folder() -> None:
+    """``make setup`` builds the op before any launch (see the Makefile's install recipe), into the
+    folder every launch of this environment uses."""
+    makefile = (REPO / "Makefile").read_text()
+    assert "build_deepspeed_ops()" in makefile.split("touch $@")[0]
+    if get_accelerator().device_name() != "cpu":
+        pytest.skip("the shared-memory communication op is built for the CPU accelerator only")
+    assert build_deepspeed_ops() == f"DeepSpeed's communication op is built in {extensions_root()}"
+    assert any(extensions_root().glob("*shm_comm*/*.so")), list(extensions_root().iterdir())
 
 
 #: a short DFLOP pipeline run on 2 ranks: background scheduling, 2 loader workers per rank, gloo
