@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
-from sklearn.linear_model import LinearRegression
 
 Feature = Callable[[Mapping[str, np.ndarray]], np.ndarray]
 
@@ -78,6 +77,8 @@ class MonotoneFit:
         base = 1.0 / reference**2
         robust = np.ones_like(target)
         rounds = 1 if self.huber is None else max(1, self.iterations)
+        from sklearn.linear_model import LinearRegression  # a second to import: only fitting needs it
+
         for _ in range(rounds):
             regressor = LinearRegression(positive=True, fit_intercept=False)
             regressor.fit(X, target, sample_weight=base * robust)

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.optimize import nnls
 
 from dflop_ds.jsonio import read_json_object, write_json
 from dflop_ds.plan.simulator import SimResult, simulate_1f1b
@@ -161,6 +160,8 @@ def fit_compute_scale(steps: Sequence[EngineStep], shares: np.ndarray) -> list[f
     used = design.sum(axis=0) > 0
     scale = np.ones(2)
     if used.any():
+        from scipy.optimize import nnls  # a third of a second to import: only fitting needs it
+
         scale[used] = nnls(design[:, used], target)[0]
     return [float(x) for x in scale]
 

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.optimize import nnls
 
 from dflop_ds.shapes import SampleShape
 from dflop_ds.typecheck import check_setting
@@ -243,6 +242,8 @@ def _solve(gram: np.ndarray, rhs: np.ndarray, prior: np.ndarray, strength: np.nd
     n = gram.shape[0]
     system = gram + np.diag(np.broadcast_to(strength, (n,)))
     target = rhs + strength * prior
+    from scipy.optimize import nnls  # a third of a second to import: only a correction's update needs it
+
     # nnls wants a least-squares form: factor the (positive definite) system.
     try:
         root = np.linalg.cholesky(system + 1e-12 * np.eye(n))
