@@ -22,16 +22,23 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import profiled_cost_model  # noqa: E402
 from dflop_ds.data import read_manifest  # noqa: E402
+from dflop_ds.models import TinyMLLMConfig, tiny_mllm_layers  # noqa: E402
+from dflop_ds.pipe.stage_bounds import uniform_bounds  # noqa: E402
 from dflop_ds.plan.cluster import Cluster  # noqa: E402
 from dflop_ds.plan.gantt import plot_gantt  # noqa: E402
-from dflop_ds.plan.layout import Layout, Segment  # noqa: E402
+from dflop_ds.plan.layout import Layout, Segment, stages_from_bounds  # noqa: E402
 from dflop_ds.plan.planner import simulate_layout  # noqa: E402
 from dflop_ds.plan.projection import PackedView  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
 
-#: DeepSpeed's uniform split of the tiny MLLM's 11 pipeline layers over 2 stages: the 5 encoder
-#: layers and the projector, then the 5 LLM layers (``ds_configs/tiny_mllm_pp2.json``)
-DEMO_STAGES = ((5, 1, 0), (0, 0, 5))
+
+def demo_stages() -> tuple:
+    """DeepSpeed's uniform split of the tiny MLLM's pipeline layers over 2 stages
+    (``ds_configs/tiny_mllm_pp2.json``), as ``(encoder, projector, llm)`` layers per stage."""
+    encoder, _, llm = tiny_mllm_layers(TinyMLLMConfig(), as_specs=False)  # one projector layer
+    return stages_from_bounds(uniform_bounds(len(encoder) + 1 + len(llm), 2), len(encoder), 1, len(llm))
+
+
 #: (panel title, registered splitter, packed microbatches)
 METHODS = (("stock sampler (padded)", "stock", False), ("DFLOP (packed, balanced)", "dflop", True))
 
@@ -50,8 +57,9 @@ def main() -> int:
     shapes = list(read_manifest(args.data, TINY_POLICY))
     cluster = Cluster(gpus=2, gpus_per_node=2, gpu_memory_bytes=8e9)
     panels = []
+    stages = demo_stages()
     for title, splitter, packed in METHODS:
-        layout = Layout(Segment(1, 1, 1), Segment(1, 1, 1), args.microbatches, DEMO_STAGES, splitter=splitter)
+        layout = Layout(Segment(1, 1, 1), Segment(1, 1, 1), args.microbatches, stages, splitter=splitter)
         view = PackedView(model) if packed else model
         (evaluation,) = simulate_layout(view, cluster, layout, shapes, args.global_batch, seed=args.seed)
         sim = evaluation.sim
