@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from dflop_ds.setup_checks import BATCH_KEYS
+from dflop_ds.deepspeed_keys import BATCH_KEYS
 
 #: the environment variable ``accelerate launch`` names the plugin's DeepSpeed config file in
 ACCELERATE_CONFIG_FILE = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
