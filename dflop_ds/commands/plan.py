@@ -11,7 +11,7 @@ from dflop_ds.cost import PlannerCostModel, check_policy, load_cost_model, refer
 from dflop_ds.data import read_dataset
 from dflop_ds.jsonio import write_json
 from dflop_ds.paths import check_writable
-from dflop_ds.plan.cluster import PRECISIONS, ZERO_SHARDED, Cluster
+from dflop_ds.plan.cluster import DEFAULT_GPU_MEMORY_BYTES, PRECISIONS, ZERO_SHARDED, Cluster
 from dflop_ds.plan.gantt import plot_gantt
 from dflop_ds.plan.plan_file import Plan
 from dflop_ds.plan.planner import cluster_of, has_tensor_parallel_layers, make_plans, simulate_layout
@@ -90,6 +90,12 @@ def tensor_parallel_layers(args: argparse.Namespace, model: PlannerCostModel) ->
     return has_tensor_parallel_layers(model)
 
 
+def gpu_memory_bytes(args: argparse.Namespace, model: PlannerCostModel) -> float:
+    """``--gpu-memory-gb`` in bytes, else the cost model's GPU memory, else
+    :data:`~dflop_ds.plan.cluster.DEFAULT_GPU_MEMORY_BYTES`."""
+    return args.gpu_memory_gb * 1e9 if args.gpu_memory_gb else model.gpu_memory_bytes or DEFAULT_GPU_MEMORY_BYTES
+
+
 def training_precision(args: argparse.Namespace, model: PlannerCostModel) -> str:
     """``--precision``, by default ``bf16`` for an analytic cost model (it counts bf16 bytes) and
     ``fp32`` for a measured one (profiled in fp32 here).
@@ -113,11 +119,10 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.deepspeed_config is not None:
         check_writable(args.deepspeed_config, "plan --deepspeed-config")
     model = load_planner_model(args.cost_model)
-    memory = args.gpu_memory_gb * 1e9 if args.gpu_memory_gb else model.gpu_memory_bytes or 80e9
     cluster = Cluster(
         gpus=args.gpus,
         gpus_per_node=args.gpus_per_node,
-        gpu_memory_bytes=memory,
+        gpu_memory_bytes=gpu_memory_bytes(args, model),
         max_tp=args.max_tp,
         zero_stage=args.zero_stage,
         precision=training_precision(args, model),

@@ -18,6 +18,7 @@ from typing import Any
 from dflop_ds.commands.plan import (
     _common,
     _read_shapes,
+    gpu_memory_bytes,
     load_planner_model,
     tensor_parallel_layers,
     training_precision,
@@ -65,11 +66,10 @@ def run_project(args: argparse.Namespace) -> int:
     calibration = load_calibration(args.calibration)
     model = load_planner_model(args.cost_model)
     shapes = _read_shapes(args, model)
-    memory = args.gpu_memory_gb * 1e9 if args.gpu_memory_gb else model.gpu_memory_bytes or 80e9
     cluster = Cluster(
         gpus=1,
         gpus_per_node=args.gpus_per_node,
-        gpu_memory_bytes=memory,
+        gpu_memory_bytes=gpu_memory_bytes(args, model),
         zero_stage=args.zero_stage,
         precision=training_precision(args, model),
         autotp=args.model_name_or_path is not None,

@@ -43,6 +43,10 @@ PRECISIONS = tuple(STATE_TERMS)
 Number = Any  # a float for scalar arguments, an array for array arguments
 
 
+#: memory per GPU when neither the user nor the cost model says (an 80 GB A100 or H100)
+DEFAULT_GPU_MEMORY_BYTES = 80e9
+
+
 @dataclass(frozen=True)
 class Cluster:
     """GPUs and links.
@@ -67,7 +71,7 @@ class Cluster:
 
     gpus: int
     gpus_per_node: int = 8
-    gpu_memory_bytes: float = 80e9
+    gpu_memory_bytes: float = DEFAULT_GPU_MEMORY_BYTES
     intra_node_bw: float = 200e9
     inter_node_bw: float = 25e9
     tp_overhead: float = 0.1

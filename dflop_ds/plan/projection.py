@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from dflop_ds.cost import EncoderScaled, PackedView
-from dflop_ds.plan.cluster import Cluster
+from dflop_ds.plan.cluster import DEFAULT_GPU_MEMORY_BYTES, Cluster
 from dflop_ds.plan.layout import Layout
 from dflop_ds.plan.planner import cluster_for_model, has_tensor_parallel_layers, simulate_layout
 from dflop_ds.plan.search import PlanError, Scored, SearchResult, search
@@ -236,7 +236,7 @@ def project(
 ) -> list[SizeProjection]:
     """:func:`project_size` at every count of ``gpu_counts``, global batch ``batch_per_gpu * GPUs``;
     ``cluster`` gives the other cluster settings (GPUs per node, memory, ZeRO stage, precision)."""
-    base = cluster or Cluster(gpus=1, gpu_memory_bytes=model.gpu_memory_bytes or 80e9)
+    base = cluster or Cluster(gpus=1, gpu_memory_bytes=model.gpu_memory_bytes or DEFAULT_GPU_MEMORY_BYTES)
     return [
         project_size(model, replace(base, gpus=gpus), shapes, batch_per_gpu * gpus, **options) for gpus in gpu_counts
     ]
