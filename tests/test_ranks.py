@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflop_ds.schedule.ranks import assign_to_ranks, lockstep_order, pipeline_order, rank_totals
+from dflop_ds.schedule.lpt import differencing_assign, improve
+from dflop_ds.schedule.ranks import RANK_SWAP_PARTNERS, assign_to_ranks, lockstep_order, pipeline_order, rank_totals
 
 
 @st.composite
@@ -121,3 +122,24 @@ def test_a_case_the_heuristic_alone_dealt_worse_than_round_robin():
     by_size = np.argsort(-costs.max(axis=1))
     dealt = rank_totals(costs, [by_size[r::3].tolist() for r in range(3)]).max()
     assert rank_totals(costs, assign_to_ranks(costs, 3, 3)).max() <= dealt + 1e-9
+
+
+def test_thousands_of_ranks_balance_as_well_as_swapping_with_every_rank() -> None:
+    # beyond RANK_SWAP_PARTNERS ranks the swaps look among the lightest ranks only
+    dp, n_mb = 4 * RANK_SWAP_PARTNERS, 4
+    costs = np.random.default_rng(3).lognormal(0.0, 0.7, size=(dp * n_mb, 2))
+    ranks = assign_to_ranks(costs, dp, n_mb)
+    assert sorted(itertools.chain.from_iterable(ranks)) == list(range(dp * n_mb))
+    assert all(len(rank) == n_mb for rank in ranks)
+    every = improve(costs, differencing_assign(costs, dp), dp, allow_moves=False, resplit=0, partners=(dp,))
+    slowest_every = rank_totals(costs, [np.flatnonzero(every == r).tolist() for r in range(dp)]).max()
+    start = differencing_assign(costs, dp)
+    slowest_start = rank_totals(costs, [np.flatnonzero(start == r).tolist() for r in range(dp)]).max()
+    slowest = rank_totals(costs, ranks).max()
+    assert slowest < slowest_start  # the swaps did work
+    assert slowest <= slowest_every * 1.01
+
+
+def test_rank_totals_sum_each_ranks_buckets() -> None:
+    costs = np.arange(12.0).reshape(6, 2)
+    assert rank_totals(costs, [[0, 5], [1], [2, 3, 4]]).tolist() == [[10.0, 12.0], [2.0, 3.0], [18.0, 21.0]]

@@ -14,6 +14,7 @@ column of its load; the makespan is the largest bucket time.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -256,15 +257,16 @@ def improve(
     """
     labels = labels.copy()
     loads = bucket_loads(costs, labels, n_buckets)
+    times = loads.max(axis=1)  # kept in step with ``loads`` for the buckets each change touches
     counts = np.bincount(labels, minlength=n_buckets)
     used = np.bincount(labels, weights=memory.memory, minlength=n_buckets) if memory is not None else None
     everyone = np.arange(costs.shape[0])
+    members = labels_to_buckets(labels, n_buckets)
     for _ in range(max_rounds):
-        times = loads.max(axis=1)
         b = int(times.argmax())
         if times[b] <= target:
             break
-        inside = everyone[labels == b]
+        inside = np.sort(members[b])
         best_value, best_change = times[b] * (1.0 - 1e-12), None
         if allow_moves and counts[b] > 1:
             value = _move_values(loads, b, costs[inside], used, memory, inside)
@@ -274,13 +276,12 @@ def improve(
         # Swaps with the lightest buckets usually win: look there first, then a wider circle.
         # With big buckets the swap matrix grows as (items per bucket)^2: shrink the circles so
         # that the first holds about SWAP_PAIRS candidate pairs.
-        by_time = np.argsort(times)
         shrink = max(1.0, inside.size * costs.shape[0] / n_buckets * partners[0] / SWAP_PAIRS)
         for size in (max(1, int(width / shrink)) if width < n_buckets else width for width in partners):
-            pool = np.zeros(n_buckets, dtype=bool)
-            pool[by_time[:size]] = True
-            pool[b] = False
-            outside = everyone[pool[labels]]
+            if size >= n_buckets:
+                outside = everyone[labels != b]
+            else:
+                outside = _items_of(members, _lightest(times, size, b))
             if outside.size:
                 value = _swap_values(costs, loads, labels, b, inside, outside, used, memory)
                 flat = int(value.argmin())
@@ -290,14 +291,34 @@ def improve(
             if best_change is not None or size >= n_buckets:
                 break
         if best_change is None:
-            if resplit <= 0 or not _resplit_pair(costs, labels, loads, counts, used, memory, b, by_time[:resplit]):
+            partners_of_b = np.argsort(times)[:resplit] if resplit > 0 else None
+            if partners_of_b is None or not _resplit_pair(costs, labels, loads, counts, used, memory, b, partners_of_b):
                 break
+            times, members = loads.max(axis=1), labels_to_buckets(labels, n_buckets)
             continue
         item, other, destination = (int(v) for v in best_change)
         _relabel(item, destination, costs, labels, loads, counts, used, memory)
+        members[b].remove(item)
+        members[destination].append(item)
         if other >= 0:
             _relabel(other, b, costs, labels, loads, counts, used, memory)
+            members[destination].remove(other)
+            members[b].append(other)
+        times[b], times[destination] = loads[b].max(), loads[destination].max()
     return labels
+
+
+def _lightest(times: np.ndarray, size: int, exclude: int) -> list[int]:
+    """The ``size < len(times)`` buckets with the smallest ``times``, ``exclude`` left out (which
+    of equally timed buckets at the boundary is taken is unspecified)."""
+    return [q for q in np.argpartition(times, size - 1)[:size].tolist() if q != exclude]
+
+
+def _items_of(members: list[list[int]], buckets: list[int]) -> np.ndarray:
+    """The items of ``buckets``, ascending (the order ties between equal swaps are broken in)."""
+    items = np.fromiter(itertools.chain.from_iterable(members[q] for q in buckets), dtype=np.int64)
+    items.sort()
+    return items
 
 
 def best_two_way_split(rows: np.ndarray) -> np.ndarray:
