@@ -113,7 +113,7 @@ def fast_balanced_split(
         bucket_costs = np.asarray(microbatch_costs(buckets), dtype=float)
     else:
         bucket_costs = np.array([costs[b].sum(axis=0) for b in buckets])
-    return [[list(buckets[b]) for b in rank] for rank in _greedy_ranks(bucket_costs, dp, n_mb)]
+    return [[buckets[b] for b in rank] for rank in _greedy_ranks(bucket_costs, dp, n_mb)]
 
 
 @dataclass
@@ -136,7 +136,7 @@ def microbatch_seconds(
 
 
 def _stats(model: Any, batch: Sequence[SampleShape] | SampleColumns, order: list[Buckets]) -> _MicrobatchStats:
-    """The predictions of every microbatch ``order[r][j]`` of ``batch`` (shapes or their columns), in one call each."""
+    """The predictions of every microbatch ``order[r][j]`` of ``batch`` (shapes or their columns), one call per kind."""
     R, m = len(order), len(order[0])
     groups = Microbatches.of(batch, [idx for rank in order for idx in rank])
     columns = groups.columns
