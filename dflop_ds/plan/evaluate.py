@@ -84,11 +84,13 @@ def _greedy_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int
     rank with room."""
     heap = [(0.0, r) for r in range(dp)]
     ranks: list[list[int]] = [[] for _ in range(dp)]
-    for b in np.argsort(-bucket_costs.max(axis=1), kind="stable").tolist():
+    heaviest = bucket_costs.max(axis=1)
+    weight = heaviest.tolist()
+    for b in np.argsort(-heaviest, kind="stable").tolist():
         load, r = heapq.heappop(heap)
         ranks[r].append(b)
         if len(ranks[r]) < n_mb:
-            heapq.heappush(heap, (load + float(bucket_costs[b].max()), r))
+            heapq.heappush(heap, (load + weight[b], r))
     return ranks
 
 
