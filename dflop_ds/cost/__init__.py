@@ -13,6 +13,8 @@
   :func:`memory_blind_model`: the model of a chain that predicts no memory.
 * :class:`PackedView`, :class:`EncoderScaled`, :class:`EngineScaled`: the planner's views of a model.
 * :func:`save_cost_model` / :func:`load_cost_model`: the one versioned JSON format.
+* :class:`Microbatches` and :func:`microbatch_costs` (and the bytes): many microbatches of one
+  batch predicted in one call, vectorised where a model declares it (:class:`BatchedCostModel`).
 """
 
 from dflop_ds.cost.analytic import AnalyticMLLM, reference_model, reference_names
@@ -26,8 +28,22 @@ from dflop_ds.cost.io import (
 )
 from dflop_ds.cost.llm_only import LLMOnlyCost
 from dflop_ds.cost.measurements import Measurement, ModelProfile
+from dflop_ds.cost.microbatches import (
+    Microbatches,
+    SampleColumns,
+    microbatch_activation_bytes,
+    microbatch_costs,
+    microbatch_working_bytes,
+)
 from dflop_ds.cost.packed import PackedCost
-from dflop_ds.cost.protocol import CostModel, CostWrapper, LayeredCostModel, PlannerCostModel
+from dflop_ds.cost.protocol import (
+    BatchedCostModel,
+    BatchedPlannerCostModel,
+    CostModel,
+    CostWrapper,
+    LayeredCostModel,
+    PlannerCostModel,
+)
 from dflop_ds.cost.proxy import ProxyCost
 from dflop_ds.cost.stage import StageCost
 from dflop_ds.cost.views import EncoderScaled, EngineScaled, PackedView, PlannerView
@@ -35,6 +51,8 @@ from dflop_ds.cost.wrappers import memory_blind_model, sampler_cost_model
 
 __all__ = [
     "AnalyticMLLM",
+    "BatchedCostModel",
+    "BatchedPlannerCostModel",
     "CostModel",
     "CostWrapper",
     "EncoderScaled",
@@ -43,18 +61,23 @@ __all__ = [
     "LayeredCostModel",
     "LLMOnlyCost",
     "Measurement",
+    "Microbatches",
     "ModelProfile",
     "PackedCost",
     "PackedView",
     "PlannerCostModel",
     "PlannerView",
     "ProxyCost",
+    "SampleColumns",
     "StageCost",
     "check_policy",
     "cost_model_from_dict",
     "cost_model_to_dict",
     "load_cost_model",
     "memory_blind_model",
+    "microbatch_activation_bytes",
+    "microbatch_costs",
+    "microbatch_working_bytes",
     "reusable_fitted_model",
     "reference_model",
     "reference_names",

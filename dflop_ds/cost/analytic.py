@@ -24,11 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from dflop_ds.shapes import SampleShape
+
+if TYPE_CHECKING:
+    from dflop_ds.cost.microbatches import Microbatches
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,27 @@ class AnalyticMLLM:
         tiles = sum(s.encoder_tiles for s in shapes)
         longest = max(s.llm_tokens for s in shapes)
         return np.array([tiles * self._s_per_tile, len(shapes) * longest * (self._s_lin + self._s_quad * longest)])
+
+    def predict_microbatches(self, groups: Microbatches) -> np.ndarray:
+        """Seconds ``(n, 2)`` of each microbatch of ``groups`` (:meth:`predict_microbatch`, vectorised)."""
+        tiles, padded, longest = self._microbatch_sizes(groups)
+        return np.stack([tiles * self._s_per_tile, padded * (self._s_lin + self._s_quad * longest)], axis=1)
+
+    def predict_microbatches_activation_bytes(self, groups: Microbatches) -> np.ndarray:
+        """Kept bytes ``(n, 2)`` of each microbatch of ``groups`` (:meth:`predict_activation_bytes`, vectorised)."""
+        tiles, padded, _ = self._microbatch_sizes(groups)
+        return np.stack([tiles * self._kept[0], padded * self._kept[1]], axis=1)
+
+    def predict_microbatches_working_bytes(self, groups: Microbatches) -> np.ndarray:
+        """Transient bytes ``(n, 2)`` of each microbatch of ``groups`` (:meth:`predict_working_bytes`, vectorised)."""
+        tiles, padded, _ = self._microbatch_sizes(groups)
+        return np.stack([tiles * self._work[0], padded * self._work[1]], axis=1)
+
+    @staticmethod
+    def _microbatch_sizes(groups: Microbatches) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per microbatch: tiles, padded LLM tokens (count x longest) and the longest sequence."""
+        longest = groups.maxima(groups.columns.tokens)
+        return groups.sums(groups.columns.tiles), groups.sizes * longest, longest
 
     def predict_activation_bytes(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """Activation bytes ``(2,)`` kept for backward by one padded microbatch over the whole depth."""

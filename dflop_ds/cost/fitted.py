@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -22,6 +22,9 @@ from numpy.typing import ArrayLike
 from dflop_ds.cost.fit import MonotoneFit
 from dflop_ds.cost.measurements import Measurement, ModelProfile
 from dflop_ds.shapes import SampleShape, ShapePolicy, without_length_rule
+
+if TYPE_CHECKING:
+    from dflop_ds.cost.microbatches import Microbatches
 
 ENCODER_TIME = ("1", "T")
 #: the encoder time of a profile with attention units: linear work plus attention within windows
@@ -225,6 +228,32 @@ class FittedCostModel:
         tiles, batch, longest = self._microbatch_vars(shapes)
         attention = float(sum(s.encoder_attention for s in shapes))
         return np.array([self.encoder_time([tiles], [attention])[0], self.llm_time([batch], [longest])[0]])
+
+    @staticmethod
+    def _microbatches_vars(groups: Microbatches) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_microbatch_vars` of every microbatch of ``groups``."""
+        tiles = groups.sums(groups.columns.tiles).astype(float)
+        return tiles, groups.sizes.astype(float), groups.maxima(groups.columns.tokens).astype(float)
+
+    def predict_microbatches(self, groups: Microbatches) -> np.ndarray:
+        """``(n, 2)`` :meth:`predict_microbatch` of each microbatch of ``groups``, vectorised."""
+        tiles, batch, longest = self._microbatches_vars(groups)
+        attention = groups.sums(groups.columns.attention).astype(float).tolist()
+        costs = np.stack([self.encoder_time(tiles, attention), self.llm_time(batch, longest)], axis=1)
+        return np.where(groups.filled[:, None], costs, 0.0)
+
+    def predict_microbatches_activation_bytes(self, groups: Microbatches) -> np.ndarray:
+        """``(n, 2)`` :meth:`predict_activation_bytes` of each microbatch of ``groups``, vectorised."""
+        self._check_fitted()
+        tiles, batch, longest = self._microbatches_vars(groups)
+        kept = np.stack(
+            [self.encoder_bytes_.predict({"T": tiles}), self.llm_bytes_.predict({"B": batch, "S": longest})], axis=1
+        )
+        return np.where(groups.filled[:, None], kept, 0.0)
+
+    def predict_microbatches_working_bytes(self, groups: Microbatches) -> np.ndarray:
+        """``(n, 2)`` zeros (:meth:`predict_working_bytes`)."""
+        return np.zeros((len(groups), 2))
 
     def predict_activation_bytes(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """``(2,)`` activation bytes kept for backward by one microbatch over the full depth."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from dflop_ds.cost.microbatches import Microbatches, microbatch_costs
 from dflop_ds.cost.protocol import CostModel
 from dflop_ds.shapes import SampleShape
 
@@ -43,6 +44,10 @@ class LLMOnlyCost:
     def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """A collated (padded) microbatch's ``[0, llm]``."""
         return self.drop_encoder(self.cost_model.predict_microbatch(shapes))
+
+    def predict_microbatches(self, groups: Microbatches) -> np.ndarray:
+        """Each microbatch's ``[0, llm]`` (:meth:`predict_microbatch` of each of ``groups``)."""
+        return self.drop_encoder(microbatch_costs(self.cost_model, groups))
 
     def predict_memory(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """Refused: this model predicts no memory (``predicts_memory`` is False)."""

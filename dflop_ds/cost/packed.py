@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from dflop_ds.cost.microbatches import Microbatches
 from dflop_ds.cost.protocol import CostModel
 from dflop_ds.shapes import SampleShape
 
@@ -75,6 +76,15 @@ class PackedCost:
         if not shapes:
             return np.zeros_like(self.overhead_)
         return self.predict_samples(shapes).sum(axis=0) + self.overhead_
+
+    def predict_microbatches(self, groups: Microbatches) -> np.ndarray:
+        """``(n, k)`` :meth:`predict_microbatch` of each microbatch of ``groups``: the overhead plus
+        the sum of its samples' marginal costs (zeros for an empty one)."""
+        costs = np.zeros((len(groups), len(self.overhead_)))
+        if groups.filled.any():
+            summed = groups.sums(self.predict_samples(groups.columns.shapes)) + self.overhead_
+            costs[groups.filled] = summed[groups.filled]
+        return costs
 
     def predict_memory(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """``(k,)`` bytes of one packed microbatch: the wrapped model's per-microbatch constant plus

@@ -4,17 +4,22 @@ stage split and the planner read.
 A cost model's capabilities are declared, never probed: every cost model has the flags of
 :class:`CostModel` (a wrapper forwards its inner model's, changing only what it changes); a model
 that knows its architecture is a :class:`LayeredCostModel`, one the planner can search with a
-:class:`PlannerCostModel`. Check them with ``isinstance`` (the protocols are runtime-checkable).
+:class:`PlannerCostModel`; one that predicts many microbatches in one call is a
+:class:`BatchedCostModel` (:class:`BatchedPlannerCostModel` with its bytes too). Check them with
+``isinstance`` (the protocols are runtime-checkable).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
 from dflop_ds.shapes import SampleShape
+
+if TYPE_CHECKING:
+    from dflop_ds.cost.microbatches import Microbatches
 
 
 @runtime_checkable
@@ -76,6 +81,16 @@ class CostWrapper(CostModel, Protocol):
     """A cost model built on another one, ``cost_model``, whose predictions it transforms."""
 
     cost_model: CostModel
+
+
+@runtime_checkable
+class BatchedCostModel(CostModel, Protocol):
+    """A cost model that predicts many microbatches of one batch in one call
+    (:func:`dflop_ds.cost.microbatches.microbatch_costs` asks it; any other model is asked once per microbatch)."""
+
+    def predict_microbatches(self, groups: Microbatches) -> np.ndarray:
+        """``(n, k)``: row ``j`` is :meth:`predict_microbatch` of microbatch ``j`` of ``groups``."""
+        ...
 
 
 @runtime_checkable
@@ -151,4 +166,17 @@ class PlannerCostModel(LayeredCostModel, Protocol):
 
     def predict_working_bytes(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """``(2,)``: transient bytes of one layer's work for a microbatch, beyond the kept activations."""
+        ...
+
+
+@runtime_checkable
+class BatchedPlannerCostModel(PlannerCostModel, BatchedCostModel, Protocol):
+    """A planner model that also predicts the bytes of many microbatches in one call."""
+
+    def predict_microbatches_activation_bytes(self, groups: Microbatches) -> np.ndarray:
+        """``(n, 2)``: row ``j`` is :meth:`predict_activation_bytes` of microbatch ``j`` of ``groups``."""
+        ...
+
+    def predict_microbatches_working_bytes(self, groups: Microbatches) -> np.ndarray:
+        """``(n, 2)``: row ``j`` is :meth:`predict_working_bytes` of microbatch ``j`` of ``groups``."""
         ...

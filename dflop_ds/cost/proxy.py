@@ -9,11 +9,14 @@ tile costs that per patch times the patches of a tile.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dflop_ds.shapes import SampleShape
+
+if TYPE_CHECKING:
+    from dflop_ds.cost.microbatches import Microbatches
 
 
 def activation_bytes_per_token(hidden: int, mlp: int, layers: int, value_bytes: int = 2) -> float:
@@ -90,6 +93,12 @@ class ProxyCost:
         longest = float(max(s.llm_tokens for s in shapes))
         tiles = float(sum(s.encoder_tiles for s in shapes))
         return np.array([self.tile_cost * tiles, len(shapes) * self._llm(np.array(longest))])
+
+    def predict_microbatches(self, groups: Microbatches) -> np.ndarray:
+        """Costs ``(n, 2)`` of each microbatch of ``groups`` (:meth:`predict_microbatch`, vectorised)."""
+        tiles = groups.sums(groups.columns.tiles).astype(float)
+        longest = groups.maxima(groups.columns.tokens).astype(float)
+        return np.stack([self.tile_cost * tiles, groups.sizes * self._llm(longest)], axis=1)
 
     def predict_memory(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """Activation bytes ``(2,)`` ``[encoder, llm]`` of one microbatch padded to its longest sequence."""

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dflop_ds.cost.microbatches import Microbatches, microbatch_costs
 from dflop_ds.cost.protocol import CostModel
 from dflop_ds.shapes import SampleShape
 
@@ -75,6 +76,10 @@ class StageCost:
     def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """``(num_stages,)`` predicted cost of one microbatch on each stage."""
         return self.shares @ np.asarray(self.cost_model.predict_microbatch(shapes), dtype=float).reshape(-1)
+
+    def predict_microbatches(self, groups: Microbatches) -> np.ndarray:
+        """``(n, num_stages)`` predicted cost of each microbatch of ``groups`` on each stage."""
+        return np.asarray(microbatch_costs(self.cost_model, groups), dtype=float) @ self.shares.T
 
     def predict_memory(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """``(num_stages,)`` activation bytes stage ``s``'s device holds if all its microbatches in

@@ -12,6 +12,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from dflop_ds.cost.microbatches import (
+    Microbatches,
+    microbatch_activation_bytes,
+    microbatch_costs,
+    microbatch_working_bytes,
+)
 from dflop_ds.cost.packed import PackedCost
 from dflop_ds.cost.protocol import PlannerCostModel
 from dflop_ds.shapes import SampleShape
@@ -60,6 +66,18 @@ class PlannerView:
         """The wrapped model's transient bytes."""
         return self.cost_model.predict_working_bytes(shapes)
 
+    def predict_microbatches(self, groups: Microbatches) -> np.ndarray:
+        """The wrapped model's ``[encoder, llm]`` of each microbatch of ``groups``."""
+        return microbatch_costs(self.cost_model, groups)
+
+    def predict_microbatches_activation_bytes(self, groups: Microbatches) -> np.ndarray:
+        """The wrapped model's kept bytes of each microbatch of ``groups``."""
+        return microbatch_activation_bytes(self.cost_model, groups)
+
+    def predict_microbatches_working_bytes(self, groups: Microbatches) -> np.ndarray:
+        """The wrapped model's transient bytes of each microbatch of ``groups``."""
+        return microbatch_working_bytes(self.cost_model, groups)
+
 
 class PackedView(PlannerView):
     """``cost_model`` for packed microbatches: time and memory from :class:`~dflop_ds.cost.PackedCost`,
@@ -90,6 +108,18 @@ class PackedView(PlannerView):
         """Transient bytes of a packed microbatch: its samples' own."""
         return _summed(self.cost_model.predict_working_bytes, shapes)
 
+    def predict_microbatches(self, groups: Microbatches) -> np.ndarray:
+        """Seconds of each packed microbatch of ``groups``."""
+        return self.packed.predict_microbatches(groups)
+
+    def predict_microbatches_activation_bytes(self, groups: Microbatches) -> np.ndarray:
+        """Kept bytes of each packed microbatch of ``groups``: its samples' own."""
+        return groups.sums(microbatch_activation_bytes(self.cost_model, Microbatches.singletons(groups.columns)))
+
+    def predict_microbatches_working_bytes(self, groups: Microbatches) -> np.ndarray:
+        """Transient bytes of each packed microbatch of ``groups``: its samples' own."""
+        return groups.sums(microbatch_working_bytes(self.cost_model, Microbatches.singletons(groups.columns)))
+
 
 def _summed(predict: Callable[[Sequence[SampleShape]], np.ndarray], shapes: Sequence[SampleShape]) -> np.ndarray:
     return np.sum([np.asarray(predict([s]), dtype=float) for s in shapes], axis=0) if shapes else np.zeros(2)
@@ -109,6 +139,10 @@ class ColumnScaled(PlannerView):
     def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """The wrapped model's microbatch seconds, scaled."""
         return np.asarray(self.cost_model.predict_microbatch(shapes), dtype=float) * self.scale
+
+    def predict_microbatches(self, groups: Microbatches) -> np.ndarray:
+        """The wrapped model's seconds of each microbatch of ``groups``, scaled."""
+        return np.asarray(microbatch_costs(self.cost_model, groups), dtype=float) * self.scale
 
 
 class EncoderScaled(ColumnScaled):

@@ -17,6 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from dflop_ds.cost import (
+    Microbatches,
+    SampleColumns,
+    microbatch_activation_bytes,
+    microbatch_costs,
+    microbatch_working_bytes,
+)
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.layout import Layout, flat_bounds
 from dflop_ds.plan.simulator import SimResult, simulate_1f1b
@@ -26,8 +33,8 @@ from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 from dflop_ds.shapes import SampleShape
 
 Buckets = list[list[int]]
-#: Predicted seconds ``(2,)`` of microbatches already timed for one batch, by their positions in it:
-#: the split and the statistics of one evaluation share them (the partitioner re-times often).
+#: Predicted seconds ``(2,)`` of microbatches already timed for one batch, by their positions in it
+#: (the ``dflop`` splitter re-times the same microbatches often).
 MicrobatchTimes = dict[tuple[int, ...], np.ndarray]
 
 
@@ -77,11 +84,13 @@ def _greedy_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int
     rank with room."""
     heap = [(0.0, r) for r in range(dp)]
     ranks: list[list[int]] = [[] for _ in range(dp)]
-    for b in np.argsort(-bucket_costs.max(axis=1), kind="stable").tolist():
+    heaviest = bucket_costs.max(axis=1)
+    weight = heaviest.tolist()
+    for b in np.argsort(-heaviest, kind="stable").tolist():
         load, r = heapq.heappop(heap)
         ranks[r].append(b)
         if len(ranks[r]) < n_mb:
-            heapq.heappush(heap, (load + float(bucket_costs[b].max()), r))
+            heapq.heappush(heap, (load + weight[b], r))
     return ranks
 
 
@@ -91,21 +100,22 @@ def fast_balanced_split(
     n_mb: int,
     *,
     lengths: np.ndarray,
-    microbatch_cost: Callable[[Sequence[int]], np.ndarray] | None = None,
+    microbatch_costs: Callable[[Buckets], np.ndarray] | None = None,
 ) -> list[Buckets]:
     """The search's estimate of our scheduler, cheap enough for its inner loop: ``dp * n_mb``
-    padding-aware LPT microbatches (:func:`padded_lpt`), the heaviest (by ``microbatch_cost``, else
-    summed ``costs``) first onto the least-loaded rank. The chosen plans are re-scored with the
-    ``dflop`` splitter itself (:func:`split_batch` with ``fast=False``)."""
+    padding-aware LPT microbatches (:func:`padded_lpt`), the heaviest (by ``microbatch_costs``,
+    the ``(n, 2)`` costs of a list of microbatches, else summed ``costs``) first onto the
+    least-loaded rank. The chosen plans are re-scored with the ``dflop`` splitter itself
+    (:func:`split_batch` with ``fast=False``)."""
     n_buckets = dp * n_mb
     if costs.shape[0] < n_buckets:
         raise ValueError(f"a batch of {costs.shape[0]} samples cannot fill {n_mb} microbatches on {dp} ranks")
     buckets = padded_lpt(costs, lengths, n_buckets)
-    if microbatch_cost is not None:
-        bucket_costs = np.array([microbatch_cost(list(b)) for b in buckets], dtype=float)
+    if microbatch_costs is not None:
+        bucket_costs = np.asarray(microbatch_costs(buckets), dtype=float)
     else:
         bucket_costs = np.array([costs[b].sum(axis=0) for b in buckets])
-    return [[list(buckets[b]) for b in rank] for rank in _greedy_ranks(bucket_costs, dp, n_mb)]
+    return [[buckets[b] for b in rank] for rank in _greedy_ranks(bucket_costs, dp, n_mb)]
 
 
 @dataclass
@@ -127,25 +137,18 @@ def microbatch_seconds(
     return known[key]
 
 
-def _stats(
-    model: Any, shapes: Sequence[SampleShape], order: list[Buckets], known: MicrobatchTimes | None = None
-) -> _MicrobatchStats:
+def _stats(model: Any, batch: Sequence[SampleShape] | SampleColumns, order: list[Buckets]) -> _MicrobatchStats:
+    """The predictions of every microbatch ``order[r][j]`` of ``batch`` (shapes or their columns), one call per kind."""
     R, m = len(order), len(order[0])
-    flat = [idx for rank in order for idx in rank]
-    groups = [[shapes[i] for i in idx] for idx in flat]
-    known = {} if known is None else known
-    time = np.array([microbatch_seconds(model, shapes, idx, known) for idx in flat]).reshape(R, m, 2)
-    act = np.array([model.predict_activation_bytes(g) for g in groups], dtype=float).reshape(R, m, 2)
-    work = np.array([model.predict_working_bytes(g) for g in groups], dtype=float).reshape(R, m, 2)
+    groups = Microbatches.of(batch, [idx for rank in order for idx in rank])
+    columns = groups.columns
+    time = microbatch_costs(model, groups).reshape(R, m, 2)
+    act = microbatch_activation_bytes(model, groups).reshape(R, m, 2)
+    work = microbatch_working_bytes(model, groups).reshape(R, m, 2)
     enc_hbpt = float(model.encoder_hidden_bytes_per_token)
     llm_hbpt = float(model.hidden_bytes_per_token)
-    sizes = np.array([len(idx) for idx in flat], dtype=np.int64)
-    items = np.concatenate([np.asarray(idx, dtype=np.int64) for idx in flat])
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    visual = np.array([s.visual_tokens for s in shapes], dtype=np.int64)[items]
-    longest = np.array([s.llm_tokens for s in shapes], dtype=np.int64)[items]
-    enc_bytes = enc_hbpt * np.add.reduceat(visual, starts).reshape(R, m)
-    llm_bytes = llm_hbpt * (sizes * np.maximum.reduceat(longest, starts)).reshape(R, m)
+    enc_bytes = enc_hbpt * groups.sums(columns.visual).reshape(R, m)
+    llm_bytes = llm_hbpt * (groups.sizes * groups.maxima(columns.tokens)).reshape(R, m)
     return _MicrobatchStats(time, act, work, enc_bytes, llm_bytes)
 
 
@@ -158,11 +161,11 @@ def split_batch(
     seed: int,
     cluster: Cluster,
     model: Any,
-    known: MicrobatchTimes | None = None,
+    columns: SampleColumns | None = None,
 ) -> list[Buckets]:
-    """The microbatches of ``layout`` for one batch (``shapes`` with per-sample ``costs`` ``(n, 2)``):
-    ``order[r][j]`` = positions in the batch of rank ``r``'s ``j``-th microbatch (the microbatches
-    timed on the way are added to ``known``).
+    """The microbatches of ``layout`` for one batch (``shapes`` with per-sample ``costs`` ``(n, 2)``;
+    ``columns``: the shapes' :class:`~dflop_ds.cost.SampleColumns` when already made):
+    ``order[r][j]`` = positions in the batch of rank ``r``'s ``j``-th microbatch.
 
     A layout whose splitter is not ``"dflop"`` is split by that registered splitter, as the
     sampler would; so is a ``"dflop"`` one unless ``fast`` (then :func:`fast_balanced_split`, the
@@ -180,16 +183,20 @@ def split_batch(
         [e_frac / cluster.tp_speedup(layout.encoder.tp) * enc_share, l_frac / cluster.tp_speedup(layout.llm.tp)]
     )
 
-    known = {} if known is None else known
+    if fast:
+        columns = SampleColumns.of(shapes) if columns is None else columns
+
+        def bucket_costs(buckets: Buckets) -> np.ndarray:
+            return microbatch_costs(model, Microbatches.of(columns, buckets)) * scale
+
+        return fast_balanced_split(
+            costs * scale, layout.llm.dp, layout.n_mb, lengths=columns.tokens, microbatch_costs=bucket_costs
+        )
+    known: MicrobatchTimes = {}
 
     def microbatch_cost(items: Sequence[int]) -> np.ndarray:
         return microbatch_seconds(model, shapes, items, known) * scale
 
-    if fast:
-        lengths = np.array([s.llm_tokens for s in shapes])
-        return fast_balanced_split(
-            costs * scale, layout.llm.dp, layout.n_mb, lengths=lengths, microbatch_cost=microbatch_cost
-        )
     request = SplitRequest.of_positions(
         costs * scale, shapes, layout.n_mb, layout.llm.dp, microbatch_cost=microbatch_cost, seed=seed
     )
@@ -207,9 +214,9 @@ def evaluate(
     seed: int = 0,
 ) -> Evaluation:
     """Split ``shapes`` (one global batch, per-sample ``costs``) for ``layout`` and simulate the step."""
-    known: MicrobatchTimes = {}
-    order = split_batch(layout, shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model, known=known)
-    st = _stats(model, shapes, order, known)
+    columns = SampleColumns.of(shapes)
+    order = split_batch(layout, shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model, columns=columns)
+    st = _stats(model, columns, order)
     stages = layout.stages
     p = len(stages)
     enc_frac = np.array([s[0] for s in stages], float) / model.encoder_layers  # of the layers (memory)

@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from dflop_ds.cost import SampleColumns
 from dflop_ds.plan.cluster import Cluster
-from dflop_ds.plan.evaluate import Buckets, Evaluation, MicrobatchTimes, _stats, forward_fraction, split_batch
+from dflop_ds.plan.evaluate import Buckets, Evaluation, _stats, forward_fraction, split_batch
 from dflop_ds.plan.families.core import BatchStats, Family, Key, SearchInputs, pipeline_grid, rank_estimates
 from dflop_ds.plan.families.pipeline import memory_aware_bounds
 from dflop_ds.plan.layout import Layout, Segment, flat_bounds, stages_from_bounds
@@ -151,26 +152,26 @@ def evaluate_colocated(
         raise ValueError(f"layout {layout.describe()} is not colocated")
     stages = tuple((0, projector, llm) for _, projector, llm in layout.stages)
     llm_only = replace(layout, encoder=layout.llm, stages=stages, colocated=False)
-    known: MicrobatchTimes = {}
-    order = split_batch(llm_only, shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model, known=known)
-    return colocated_step(model, cluster, layout, shapes, order, known)
+    columns = SampleColumns.of(shapes)
+    order = split_batch(llm_only, shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model, columns=columns)
+    return colocated_step(model, cluster, layout, columns, order)
 
 
 def colocated_step(
     model: Any,
     cluster: Cluster,
     layout: Layout,
-    shapes: Sequence[SampleShape],
+    batch: Sequence[SampleShape] | SampleColumns,
     order: list[Buckets],
-    known: MicrobatchTimes | None = None,
 ) -> Evaluation:
     """Simulate one step of a colocated ``layout`` whose LLM microbatches are ``order[r][j]``
-    (indices into ``shapes``; ``known``: microbatches already timed) and predict its memory per stage."""
+    (indices into ``batch``: shapes, or their columns) and predict its memory per stage."""
     tp, dp, G, p = layout.llm.tp, layout.llm.dp, cluster.gpus, layout.n_stages
     speed = cluster.tp_speedup(tp)
     llm_frac = np.array([s[2] for s in layout.stages], float) / model.llm_layers
     on_projector = np.array([s[1] for s in layout.stages], float)
-    st = _stats(model, shapes, order, known)
+    columns = SampleColumns.of(batch)
+    st = _stats(model, columns, order)
     proj = projector_share(model)
     llm_share = stage_shares(flat_bounds(layout.stages), model)[:, 1]
     total = (st.time[..., 0][..., None] * proj * on_projector + st.time[..., 1][..., None] * llm_share) / speed
@@ -178,7 +179,7 @@ def colocated_step(
     comm = np.repeat(cluster.p2p_seconds(st.llm_bytes / tp, tp * dp)[..., None], max(p - 1, 0), axis=2)
     params = model.param_bytes
     weights = params["projector"] * on_projector + params["llm"] * llm_frac
-    encoder = encoder_phase_seconds(model, shapes, order, G)
+    encoder = encoder_phase_seconds(model, columns, order, G)
     sim = simulate_colocated(
         total * ff,
         total * (1.0 - ff),
@@ -198,18 +199,20 @@ def colocated_step(
     return Evaluation.of_step(sim, memory, cluster, order, static)
 
 
-def encoder_phase_seconds(model: Any, shapes: Sequence[SampleShape], order: list[Buckets], gpus: int) -> float:
+def encoder_phase_seconds(
+    model: Any, batch: Sequence[SampleShape] | SampleColumns, order: list[Buckets], gpus: int
+) -> float:
     """Forward+backward encoder seconds of the step on the busiest GPU: every micro-step's encoder
-    work (projector excluded) over ``gpus``, or its heaviest tile when that is longer."""
-    n_mb = len(order[0])
+    work (projector excluded) over ``gpus``, or its heaviest tile when that is longer (``order``:
+    indices into ``batch``, shapes or their columns)."""
+    columns = SampleColumns.of(batch)
     proj = projector_share(model)
-    step = [[i for rank in order for i in rank[j]] for j in range(n_mb)]
+    encoder = np.asarray(model.predict_samples(columns.shapes), dtype=float)[:, 0] * (1.0 - proj)
+    per_tile = encoder / np.maximum(columns.tiles, 1)
     seconds = 0.0
-    for items in step:
-        sample = [shapes[i] for i in items]
-        encoder = np.asarray(model.predict_samples(sample), dtype=float)[:, 0] * (1.0 - proj) if sample else np.zeros(0)
-        tiles = np.array([max(s.encoder_tiles, 1) for s in sample], float)
-        seconds += max(float(encoder.sum()) / gpus, float((encoder / tiles).max(initial=0.0)))
+    for j in range(len(order[0])):
+        items = [i for rank in order for i in rank[j]]
+        seconds += max(float(encoder[items].sum()) / gpus, float(per_tile[items].max(initial=0.0)))
     return seconds
 
 

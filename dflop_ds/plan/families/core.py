@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from dflop_ds.cost import Microbatches, SampleColumns, microbatch_activation_bytes, microbatch_working_bytes
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.evaluate import Evaluation
 from dflop_ds.plan.layout import Layout
@@ -96,17 +97,14 @@ class BatchStats:
         return self.batch * expected_max[inverse]
 
 
-def encoder_feature_bytes(model: Any, shapes: Sequence[SampleShape]) -> float:
-    """Bytes of the encoder features of ``shapes``: visual tokens x the encoder's hidden bytes per token."""
-    per_token = float(model.encoder_hidden_bytes_per_token)
-    return per_token * sum(s.visual_tokens for s in shapes)
-
-
 def batch_stats(model: Any, pool: Sequence[SampleShape], costs: np.ndarray, batches: list[np.ndarray]) -> BatchStats:
     """The :class:`BatchStats` of ``batches`` (indices into ``pool``, per-sample ``costs``)."""
+    columns = SampleColumns.of(pool)
     used = np.unique(np.concatenate(batches))
-    act = np.array([model.predict_activation_bytes([pool[i]]) for i in used])
-    work = np.array([model.predict_working_bytes([pool[i]]) for i in used]).max(axis=0)
+    alone = Microbatches.of(columns, [[i] for i in used.tolist()])  # each used sample a microbatch of its own
+    act = microbatch_activation_bytes(model, alone)
+    work = microbatch_working_bytes(model, alone).max(axis=0)
+    feature_bytes_per_token = float(model.encoder_hidden_bytes_per_token)  # the encoder's output features
     return BatchStats(
         batch=len(batches[0]),
         work=np.mean([costs[b].sum(axis=0) for b in batches], axis=0),
@@ -115,7 +113,7 @@ def batch_stats(model: Any, pool: Sequence[SampleShape], costs: np.ndarray, batc
         act_heavy=act.max(axis=0),
         work_bytes=work,
         llm_sorted=np.sort(np.concatenate([costs[b, 1] for b in batches])),
-        feature_bytes=float(np.mean([encoder_feature_bytes(model, [pool[i] for i in b]) for b in batches])),
+        feature_bytes=float(np.mean([feature_bytes_per_token * columns.visual[b].sum() for b in batches])),
     )
 
 
