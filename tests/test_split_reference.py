@@ -126,6 +126,8 @@ def test_labels_to_buckets_keeps_the_items_order():
     expected = [[int(items[i]) for i in range(200) if labels[i] == b] for b in range(9)]
     assert labels_to_buckets(labels, 9, items) == expected
     assert labels_to_buckets(labels, 9) == [[i for i in range(200) if labels[i] == b] for b in range(9)]
+    with pytest.raises(ValueError, match="bucket labels"):
+        labels_to_buckets(labels, 5)
 
 
 def test_stock_positions_are_numpy_array_splits():

@@ -429,6 +429,8 @@ def labels_to_buckets(labels: np.ndarray, n_buckets: int, items: np.ndarray | No
     With ``items``, entry ``i`` of a bucket list is ``items[i]`` instead of ``i`` (in the order of
     ``i``): e.g. labels per position of an ordering, ``items`` the ordering."""
     labels = np.asarray(labels, dtype=np.int64)
+    if labels.size and not 0 <= labels.min() <= labels.max() < n_buckets:
+        raise ValueError(f"bucket labels must lie in 0..{n_buckets - 1}, got {labels.min()}..{labels.max()}")
     grouped = np.argsort(labels, kind="stable")
     flat = (grouped if items is None else np.asarray(items)[grouped]).tolist()
     ends = np.cumsum(np.bincount(labels, minlength=n_buckets)).tolist()
