@@ -48,13 +48,22 @@ def padded_lpt(costs: np.ndarray, lengths: np.ndarray, n_buckets: int) -> Bucket
     labels = np.empty(n, dtype=np.int64)  # bucket of each item, by position in ``order``
     used = _leading_opens(enc_cost, llm_cost, n_buckets)
     labels[:used] = np.arange(used)
+    if used < n:
+        _place_the_rest(labels, used, enc_cost, llm_cost, n_buckets)
+    return labels_to_buckets(labels, n_buckets, order)
+
+
+def _place_the_rest(labels: np.ndarray, used: int, enc_cost: np.ndarray, llm_cost: np.ndarray, n_buckets: int) -> None:
+    """:func:`padded_lpt`'s buckets (in ``labels``, in place) of the items after the first ``used``,
+    which opened buckets ``0..used-1``; costs by position in length order."""
+    n = labels.size
     state = _PaddedBuckets(n_buckets, enc_cost[:used], llm_cost[:used])
     encs, llms = enc_cost.tolist(), llm_cost.tolist()
     position = used
     while position < n and used < n_buckets:
         if n - position <= n_buckets - used:  # the rest must open the still-empty buckets
             labels[position:] = np.arange(used, used + n - position)
-            return labels_to_buckets(labels, n_buckets, order)
+            return
         c_enc, c_llm = encs[position], llms[position]
         grown = np.maximum(state.enc[:used] + c_enc, state.end[:used])
         b = int(grown.argmin())
@@ -82,7 +91,6 @@ def padded_lpt(costs: np.ndarray, lengths: np.ndarray, n_buckets: int) -> Bucket
         else:
             heapq.heappush(heap, (state.ends[b], b))
         labels[later] = b
-    return labels_to_buckets(labels, n_buckets, order)
 
 
 def _leading_opens(enc_cost: np.ndarray, llm_cost: np.ndarray, n_buckets: int) -> int:
