@@ -98,6 +98,10 @@ def differencing_assign(costs: np.ndarray, n_buckets: int, equal_size: bool = Tr
     one remains. With ``equal_size`` the start is items in ascending order, ``n_buckets`` at a
     time, one per group (zero-cost padding fills the last ones), so every group ends with the
     same count and none is empty when ``n >= n_buckets``; otherwise each item starts alone.
+
+    Groups are numbered, not listed: the start's slots are groups ``0..``, each merge numbers its
+    ``n_buckets`` new groups and records which two groups each one joins; the final groups'
+    labels are then handed down to the slots, one merge at a time.
     """
     n, k = costs.shape
     order = np.argsort(costs.max(axis=1), kind="stable")
@@ -109,24 +113,35 @@ def differencing_assign(costs: np.ndarray, n_buckets: int, equal_size: bool = Tr
         starts = np.full((n, n_buckets), -1)
         starts[:, 0] = order
     padded_costs = np.vstack([costs, np.zeros((1, k))])  # index -1 is the zero padding
-    heap: list[tuple[float, int, np.ndarray, list[list[int]]]] = []
-    for tie, row in enumerate(starts):
-        sums = padded_costs[row]
-        groups = [[int(i)] if i >= 0 else [] for i in row]
-        heap.append(_kk_entry(sums, groups, tie))
+    sums = padded_costs[starts]
+    times = sums.max(axis=2)
+    rank = np.argsort(-times, axis=1, kind="stable")  # each start's groups, slowest first
+    spread = np.take_along_axis(times, rank[:, :1], axis=1) - np.take_along_axis(times, rank[:, -1:], axis=1)
+    group_ids = np.arange(starts.size).reshape(starts.shape)
+    heap: list[tuple[float, int, np.ndarray, np.ndarray]] = [
+        (-spread[tie, 0], tie, sums[tie][rank[tie]], group_ids[tie][rank[tie]]) for tie in range(starts.shape[0])
+    ]
     heapq.heapify(heap)
     tie = len(heap)
+    merges: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (new groups, one half, other half)
+    next_id = starts.size
     while len(heap) > 1:
         _, _, sums_a, groups_a = heapq.heappop(heap)
         _, _, sums_b, groups_b = heapq.heappop(heap)
         # entries keep groups slowest first: pair slowest of a with fastest of b
-        sums = sums_a + sums_b[::-1]
-        groups = [ga + gb for ga, gb in zip(groups_a, groups_b[::-1])]
-        heapq.heappush(heap, _kk_entry(sums, groups, tie))
+        merged = np.arange(next_id, next_id + n_buckets)
+        next_id += n_buckets
+        merges.append((merged, groups_a, groups_b[::-1]))
+        heapq.heappush(heap, _kk_entry(sums_a + sums_b[::-1], merged, tie))
         tie += 1
+    label_of = np.empty(next_id, dtype=np.int64)
+    label_of[heap[0][3]] = np.arange(n_buckets)
+    for merged, half_a, half_b in reversed(merges):
+        label_of[half_a] = label_of[merged]
+        label_of[half_b] = label_of[merged]
     labels = np.empty(n, dtype=np.int64)
-    for bucket, group in enumerate(heap[0][3]):
-        labels[group] = bucket
+    real = starts.reshape(-1) >= 0
+    labels[starts.reshape(-1)[real]] = label_of[: starts.size][real]
     return labels
 
 
@@ -182,11 +197,11 @@ def subset_split(values: Sequence[float], resolution: int = 1 << 17) -> list[int
     return sides
 
 
-def _kk_entry(sums: np.ndarray, groups: list[list[int]], tie: int):
-    """Heap entry of a partial solution: groups sorted slowest first, keyed by largest spread."""
+def _kk_entry(sums: np.ndarray, groups: np.ndarray, tie: int):
+    """Heap entry of a partial solution: groups (numbers) sorted slowest first, keyed by largest spread."""
     times = sums.max(axis=1)
     rank = np.argsort(-times, kind="stable")
-    return (-(times[rank[0]] - times[rank[-1]]), tie, sums[rank], [groups[r] for r in rank])
+    return (-(times[rank[0]] - times[rank[-1]]), tie, sums[rank], groups[rank])
 
 
 def bucket_loads(costs: np.ndarray, labels: np.ndarray, n_buckets: int) -> np.ndarray:
@@ -408,19 +423,32 @@ def _relabel(item, bucket, costs, labels, loads, counts, used, memory) -> None:
     labels[item] = bucket
 
 
-def labels_to_buckets(labels: np.ndarray, n_buckets: int) -> list[list[int]]:
-    """Bucket label per item -> list of item-index lists (items ascending within a bucket)."""
-    buckets: list[list[int]] = [[] for _ in range(n_buckets)]
-    for item, bucket in enumerate(labels.tolist()):
-        buckets[bucket].append(item)
-    return buckets
+def labels_to_buckets(labels: np.ndarray, n_buckets: int, items: np.ndarray | None = None) -> list[list[int]]:
+    """Bucket label per item -> list of item-index lists (items ascending within a bucket).
+
+    With ``items``, entry ``i`` of a bucket list is ``items[i]`` instead of ``i`` (in the order of
+    ``i``): e.g. labels per position of an ordering, ``items`` the ordering."""
+    labels = np.asarray(labels, dtype=np.int64)
+    if labels.size and not 0 <= labels.min() <= labels.max() < n_buckets:
+        raise ValueError(f"bucket labels must lie in 0..{n_buckets - 1}, got {labels.min()}..{labels.max()}")
+    grouped = np.argsort(labels, kind="stable")
+    flat = (grouped if items is None else np.asarray(items)[grouped]).tolist()
+    ends = np.cumsum(np.bincount(labels, minlength=n_buckets)).tolist()
+    return [flat[start:end] for start, end in zip([0, *ends[:-1]], ends)]
 
 
 def true_times(buckets: Sequence[Sequence[int]], microbatch_cost: MicrobatchCost, k: int) -> np.ndarray:
     """``(n_buckets, k)`` costs of each bucket by ``microbatch_cost``, shape-checked."""
+    answers = [microbatch_cost(list(bucket)) for bucket in buckets]
+    try:
+        times = np.array(answers, dtype=float)
+    except (TypeError, ValueError):  # ragged or not numbers: the check below names the bucket
+        times = np.empty(0)
+    if times.shape == (len(buckets), k) and np.isfinite(times).all():
+        return times
     rows = []
-    for index, bucket in enumerate(buckets):
-        row = np.asarray(microbatch_cost(list(bucket)), dtype=float).reshape(-1)
+    for index, answer in enumerate(answers):
+        row = np.asarray(answer, dtype=float).reshape(-1)
         if row.shape != (k,) or not np.isfinite(row).all():
             raise ValueError(f"microbatch_cost of bucket {index} returned {row.tolist()}, expected {k} finite numbers")
         rows.append(row)

@@ -9,6 +9,7 @@ evaluation and the benchmarks all look splitters up by name here.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -93,13 +94,13 @@ class SplitRequest:
 
     def predict(self, local: RankSplit) -> np.ndarray:
         """``(dp, n_mb, k)`` cost of every microbatch of a split over positions."""
-
-        def one(positions: list[int]) -> np.ndarray:
-            if self.microbatch_cost is not None:
-                return np.asarray(self.microbatch_cost(positions), dtype=float)
-            return self.costs[positions].sum(axis=0)
-
-        return np.array([[one(mb) for mb in rank] for rank in local], dtype=float)
+        if self.microbatch_cost is not None:
+            cost = self.microbatch_cost
+            return np.array([[np.asarray(cost(mb), dtype=float) for mb in rank] for rank in local], dtype=float)
+        positions, ends = _flatten(local)
+        rows = self.costs[positions]  # each microbatch's rows, one block after another
+        sums = [rows[start:end].sum(axis=0) for start, end in zip([0, *ends[:-1]], ends)]
+        return np.array(sums, dtype=float).reshape(len(local), -1, self.costs.shape[1])
 
     def result(
         self, local: RankSplit, solver: str, predicted: np.ndarray | None = None, lower_bound: float = 0.0
@@ -109,9 +110,19 @@ class SplitRequest:
         rank; ``predicted`` defaults to :meth:`predict`."""
         check_split(local, len(self.batch), self.n_mb, self.dp, solver)
         predicted = self.predict(local) if predicted is None else predicted
-        items = np.asarray(self.batch)
-        ranks = [[[int(items[p]) for p in mb] for mb in rank] for rank in local]
+        positions, ends = _flatten(local)
+        items = np.asarray(self.batch)[positions].astype(np.int64, copy=False).tolist()
+        microbatches = [items[start:end] for start, end in zip([0, *ends[:-1]], ends)]
+        ranks = [microbatches[r * self.n_mb : (r + 1) * self.n_mb] for r in range(self.dp)]
         return SplitResult(ranks, predicted, float(predicted.max()), float(lower_bound), solver)
+
+
+def _flatten(local: RankSplit) -> tuple[np.ndarray, list[int]]:
+    """Every position of ``local``, microbatch after microbatch, and where each microbatch ends."""
+    microbatches = [mb for rank in local for mb in rank]
+    ends = list(itertools.accumulate(len(mb) for mb in microbatches))
+    count = ends[-1] if ends else 0
+    return np.fromiter(itertools.chain.from_iterable(microbatches), dtype=np.int64, count=count), ends
 
 
 def check_split(local: RankSplit, n_items: int, n_mb: int, dp: int, name: str) -> None:
@@ -124,8 +135,12 @@ def check_split(local: RankSplit, n_items: int, n_mb: int, dp: int, name: str) -
         )
     if any(not mb for rank in local for mb in rank):
         raise ValueError(f"splitter {name!r} returned an empty microbatch")
-    flat = sorted(int(p) for rank in local for mb in rank for p in mb)
-    if flat != list(range(n_items)):
+    positions, _ = _flatten(local)
+    if not (
+        positions.size == n_items
+        and (n_items == 0 or (positions.min() >= 0 and positions.max() < n_items))
+        and np.bincount(positions, minlength=n_items).max(initial=0) <= 1
+    ):
         raise ValueError(f"splitter {name!r} did not place each of the {n_items} samples exactly once")
 
 

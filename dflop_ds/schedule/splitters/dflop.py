@@ -101,7 +101,7 @@ class DFLOPSplitter:
         """Assign ``partition``'s microbatches to ranks and order them (costs as the partitioner measured them)."""
         assign = lockstep_order if self.lockstep else assign_to_ranks
         order = assign(partition.bucket_costs, request.dp, request.n_mb)
-        local = [[list(partition.buckets[b]) for b in rank] for rank in order]
+        local = [[partition.buckets[b] for b in rank] for rank in order]  # result() copies them
         predicted = partition.bucket_costs[np.asarray(order)]
         return request.result(local, solver, predicted, float(partition.lower_bound))
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from dflop_ds.schedule.splitters.base import RankSplit, SplitRequest, SplitResult, register_splitter
 
 
@@ -11,8 +9,21 @@ def stock_positions(n_items: int, n_mb: int, dp: int) -> RankSplit:
     """Each rank takes a contiguous slice of the batch's positions and cuts it into ``n_mb``
     consecutive microbatches of equal sample count (sizes differ by at most one when the count
     does not divide; the larger ones first)."""
-    positions = np.arange(n_items)
-    return [[chunk.tolist() for chunk in np.array_split(part, n_mb)] for part in np.array_split(positions, dp)]
+    split: RankSplit = []
+    start = 0
+    for rank_size in _even_sizes(n_items, dp):
+        rank = []
+        for size in _even_sizes(rank_size, n_mb):
+            rank.append(list(range(start, start + size)))
+            start += size
+        split.append(rank)
+    return split
+
+
+def _even_sizes(total: int, parts: int) -> list[int]:
+    """``parts`` sizes adding up to ``total`` that differ by at most one, the larger ones first."""
+    size, larger = divmod(total, parts)
+    return [size + 1] * larger + [size] * (parts - larger)
 
 
 @register_splitter("stock")
