@@ -270,3 +270,24 @@ def test_reference_models_give_the_projector_its_flop_share() -> None:
     encoder = model.layer_shares["encoder"]
     assert len(encoder) == model.encoder_layers + 1 and sum(encoder) == pytest.approx(1.0)
     assert len(set(encoder[:-1])) == 1 and 0 < encoder[-1] < 2 * encoder[0]  # a projector costs about a layer
+
+
+def test_search_freezes_the_existing_objects_only_while_it_runs() -> None:
+    import gc
+
+    frozen_during: list[int] = []
+    model = reference_model("llava-ov-0.5b-a100")
+
+    class Watching(AnalyticMLLM):
+        def predict_samples(self, shapes):  # called inside the search
+            frozen_during.append(gc.get_freeze_count())
+            return super().predict_samples(shapes)
+
+    watching = Watching(model.encoder, model.llm, model.gpu, name="watching")
+    before = gc.get_freeze_count()
+    search(watching, Cluster(gpus=8), POOL, 32, n_batches=1, top_k=1, families=("deepspeed",))
+    assert frozen_during and frozen_during[0] > before  # the caller's objects were left out of the scans
+    assert gc.get_freeze_count() == before
+    with pytest.raises(PlanError):
+        search(watching, Cluster(gpus=8), POOL, 0)
+    assert gc.get_freeze_count() == before

@@ -26,10 +26,12 @@ docs/architecture.md, "Separately parallelized segments".
 
 from __future__ import annotations
 
+import functools
+import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -41,6 +43,28 @@ from dflop_ds.shapes import SampleShape
 __all__ = ["DEFAULT_NMB", "FAMILIES", "PlanError", "Scored", "SearchResult", "sample_batches", "search"]
 
 RUNNABLE = ("deepspeed", "colocated")  # the families a plan is chosen from
+_Result = TypeVar("_Result")
+
+
+def existing_objects_frozen(function: Callable[..., _Result]) -> Callable[..., _Result]:
+    """Run ``function`` with the objects that exist when it starts left out of the garbage
+    collector's scans (:func:`gc.freeze`, undone at the end).
+
+    A search at thousands of GPUs allocates millions of small lists and tuples, and every full
+    collection they trigger would walk every object of the process, the imported torch and
+    DeepSpeed included: a third of a 16384-GPU search's CPU time here (10.2 s -> 6.8 s). Objects
+    the search creates are collected as usual.
+    """
+
+    @functools.wraps(function)
+    def frozen(*args: Any, **kwargs: Any) -> _Result:
+        gc.freeze()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            gc.unfreeze()
+
+    return frozen
 
 
 @dataclass
@@ -81,6 +105,7 @@ class SearchResult:
         return None if self.monolithic is None else self.monolithic.step_time / scored.step_time
 
 
+@existing_objects_frozen
 def search(
     model: Any,
     cluster: Cluster,
