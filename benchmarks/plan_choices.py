@@ -102,6 +102,23 @@ def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return lines
 
 
+def summary(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """One line: how many chosen plans changed family, layout or stage bounds, and how far the
+    predicted steps of the unchanged ones moved (relative, new over old)."""
+    changed, moved = 0, []
+    for key in sorted(set(old) & set(new)):
+        for role in ROLES:
+            a, b = old[key].get(role), new[key].get(role)
+            if a is None or b is None:
+                changed += a != b
+            elif all(a[f] == b[f] for f in ("family", "layout", "splitter", "stage_bounds")):
+                moved.append(b["step_time_s"] / a["step_time_s"] - 1.0)
+            else:
+                changed += 1
+    spread = f"{min(moved):+.2%} to {max(moved):+.2%}" if moved else "none"
+    return f"plans: {changed} changed layout, {len(moved)} the same (their predicted steps moved {spread})"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(ROOT / "examples/data/mixture.jsonl"))
@@ -116,6 +133,7 @@ def main() -> int:
     if args.compare:
         lines = differences(json.loads(Path(args.compare).read_text()), choices)
         print("\n".join(lines) if lines else "same choices at every grid point")
+        print(summary(json.loads(Path(args.compare).read_text()), choices))
     return 0
 
 

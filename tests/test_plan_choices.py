@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.plan_choices import differences, grid_point
+from benchmarks.plan_choices import differences, grid_point, summary
 from dflop_ds.cost import reference_model
 from dflop_ds.data import read_manifest
 from dflop_ds.shapes import ShapePolicy
@@ -55,3 +55,5 @@ def test_a_changed_choice_is_reported() -> None:
     changed["best_deepspeed"]["step_time_s"] *= 1.01
     lines = differences({key: BEFORE[key]}, {key: changed})
     assert [line.split(":")[0] for line in lines] == [f"{key} best", f"{key} best_deepspeed"]
+    assert summary({key: BEFORE[key]}, {key: changed}).startswith("plans: 1 changed layout, ")
+    assert summary({key: BEFORE[key]}, {key: changed}).endswith("+0.00% to +1.00%)")
