@@ -18,6 +18,7 @@
 """
 
 from dflop_ds.cost.analytic import AnalyticMLLM, reference_model, reference_names
+from dflop_ds.cost.columns import Microbatches, SampleColumns
 from dflop_ds.cost.fitted import FittedCostModel, check_policy
 from dflop_ds.cost.io import (
     cost_model_from_dict,
@@ -29,8 +30,6 @@ from dflop_ds.cost.io import (
 from dflop_ds.cost.llm_only import LLMOnlyCost
 from dflop_ds.cost.measurements import Measurement, ModelProfile
 from dflop_ds.cost.microbatches import (
-    Microbatches,
-    SampleColumns,
     microbatch_activation_bytes,
     microbatch_costs,
     microbatch_working_bytes,

@@ -31,7 +31,7 @@ import numpy as np
 from dflop_ds.shapes import SampleShape
 
 if TYPE_CHECKING:
-    from dflop_ds.cost.microbatches import Microbatches
+    from dflop_ds.cost.columns import Microbatches
 
 
 @dataclass(frozen=True)

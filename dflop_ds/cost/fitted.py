@@ -24,7 +24,7 @@ from dflop_ds.cost.measurements import Measurement, ModelProfile
 from dflop_ds.shapes import SampleShape, ShapePolicy, without_length_rule
 
 if TYPE_CHECKING:
-    from dflop_ds.cost.microbatches import Microbatches
+    from dflop_ds.cost.columns import Microbatches
 
 ENCODER_TIME = ("1", "T")
 #: the encoder time of a profile with attention units: linear work plus attention within windows

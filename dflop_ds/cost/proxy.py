@@ -16,7 +16,7 @@ import numpy as np
 from dflop_ds.shapes import SampleShape
 
 if TYPE_CHECKING:
-    from dflop_ds.cost.microbatches import Microbatches
+    from dflop_ds.cost.columns import Microbatches
 
 
 def activation_bytes_per_token(hidden: int, mlp: int, layers: int, value_bytes: int = 2) -> float:
