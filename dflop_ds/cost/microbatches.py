@@ -2,15 +2,15 @@
 
 The planner times thousands of microbatches for every layout it scores; a Python call of
 ``predict_microbatch`` each costs far more than the prediction. :class:`Microbatches`
-(:mod:`dflop_ds.cost.columns`) holds them flat: the positions of their samples in the batch, microbatch after microbatch, their sizes, and
-the batch's per-sample columns (:class:`SampleColumns`). A cost model whose microbatch cost is a
-function of sums, maxima and counts over its samples predicts them all with a few array
-operations, and declares so (:class:`~dflop_ds.cost.BatchedCostModel`,
-:class:`~dflop_ds.cost.BatchedPlannerCostModel`). :func:`microbatch_costs`,
-:func:`microbatch_activation_bytes` and :func:`microbatch_working_bytes` are the one way to ask:
-they use the declared batched form, and ask any other model microbatch by microbatch.
-Row ``j`` of each equals the per-microbatch prediction of microbatch ``j`` (to rounding where a
-sum of float per-sample costs is added in another order).
+(:mod:`dflop_ds.cost.columns`) holds them flat: the positions of their samples in the batch,
+microbatch after microbatch, their sizes, and the batch's per-sample columns
+(:class:`SampleColumns`). A cost model whose microbatch cost is a function of sums, maxima and
+counts over its samples predicts them all with a few array operations, and declares so
+(:class:`~dflop_ds.cost.BatchedCostModel`, :class:`~dflop_ds.cost.BatchedPlannerCostModel`).
+:func:`microbatch_costs`, :func:`microbatch_activation_bytes` and :func:`microbatch_working_bytes`
+are the one way to ask: they use the declared batched form, and ask any other model microbatch by
+microbatch. Row ``j`` of each equals the per-microbatch prediction of microbatch ``j`` (to
+rounding where a sum of float per-sample costs is added in another order).
 """
 
 from __future__ import annotations
