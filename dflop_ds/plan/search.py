@@ -31,7 +31,7 @@ import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -43,10 +43,11 @@ from dflop_ds.shapes import SampleShape
 __all__ = ["DEFAULT_NMB", "FAMILIES", "PlanError", "Scored", "SearchResult", "sample_batches", "search"]
 
 RUNNABLE = ("deepspeed", "colocated")  # the families a plan is chosen from
+_Params = ParamSpec("_Params")
 _Result = TypeVar("_Result")
 
 
-def existing_objects_frozen(function: Callable[..., _Result]) -> Callable[..., _Result]:
+def existing_objects_frozen(function: Callable[_Params, _Result]) -> Callable[_Params, _Result]:
     """Run ``function`` with the objects that exist when it starts left out of the garbage
     collector's scans (:func:`gc.freeze`, undone at the end).
 
@@ -58,7 +59,7 @@ def existing_objects_frozen(function: Callable[..., _Result]) -> Callable[..., _
     """
 
     @functools.wraps(function)
-    def frozen(*args: Any, **kwargs: Any) -> _Result:
+    def frozen(*args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
         if gc.get_freeze_count():
             return function(*args, **kwargs)
         gc.freeze()
