@@ -165,3 +165,34 @@ def test_microbatch_sums_and_maxima_skip_empty_microbatches():
     assert len(nothing) == 0 and microbatch_costs(ProxyCost(), nothing).size == 0
     singles = Microbatches.singletons(shapes)
     np.testing.assert_array_equal(singles.sums(tiles), tiles)
+
+
+def test_every_cost_class_that_changes_a_prediction_changes_its_batched_form():
+    """A class of dflop_ds.cost that defines a per-microbatch prediction defines its batched form
+    beside it: a view inheriting only the batched form would forward its inner model's rows."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import dflop_ds.cost as cost
+
+    pairs = (
+        ("predict_microbatch", "predict_microbatches"),
+        ("predict_activation_bytes", "predict_microbatches_activation_bytes"),
+        ("predict_working_bytes", "predict_microbatches_working_bytes"),
+    )
+    modules = [importlib.import_module(f"dflop_ds.cost.{m.name}") for m in pkgutil.iter_modules(cost.__path__)]
+    classes = [
+        klass
+        for module in modules
+        if module is not cost.protocol
+        for _, klass in inspect.getmembers(module, inspect.isclass)
+        if klass.__module__ == module.__name__
+    ]
+    checked = 0
+    for klass in classes:
+        for single, batched in pairs:
+            if single in vars(klass):
+                checked += 1
+                assert batched in vars(klass), f"{klass.__name__} defines {single} but not {batched}"
+    assert checked >= 13 and "ColumnScaled" in {k.__name__ for k in classes}  # unexported ones too
