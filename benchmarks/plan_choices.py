@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -81,24 +82,33 @@ def grid_choices(profiles: list[str], gpus: list[int], data: str, n_batches: int
     return out
 
 
+def paired_choices(old: dict[str, Any], new: dict[str, Any]) -> Iterator[tuple[str, str, Any, Any]]:
+    """``(grid point, role, old choice, new choice)`` of every role at the grid points both hold."""
+    for key in sorted(set(old) & set(new)):
+        for role in ROLES:
+            yield key, role, old[key].get(role), new[key].get(role)
+
+
+def same_layout(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two chosen plans have the same family, layout, splitter and stage bounds."""
+    return all(a[f] == b[f] for f in ("family", "layout", "splitter", "stage_bounds"))
+
+
 def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """One line per grid point and role whose family, layout or stage bounds differ, or whose
     predicted step differs by more than 1e-9 relative."""
     lines = []
-    for key in sorted(set(old) & set(new)):
-        for role in ROLES:
-            a, b = old[key].get(role), new[key].get(role)
-            if a is None or b is None:
-                if a != b:
-                    lines.append(f"{key} {role}: {a} -> {b}")
-                continue
-            same = all(a[f] == b[f] for f in ("family", "layout", "splitter", "stage_bounds"))
-            close = abs(a["step_time_s"] - b["step_time_s"]) <= 1e-9 * abs(a["step_time_s"])
-            if not (same and close):
-                lines.append(
-                    f"{key} {role}: {a['layout']} {a['stage_bounds']} {a['step_time_s']:.6f} s -> "
-                    f"{b['layout']} {b['stage_bounds']} {b['step_time_s']:.6f} s"
-                )
+    for key, role, a, b in paired_choices(old, new):
+        if a is None or b is None:
+            if a != b:
+                lines.append(f"{key} {role}: {a} -> {b}")
+            continue
+        close = abs(a["step_time_s"] - b["step_time_s"]) <= 1e-9 * abs(a["step_time_s"])
+        if not (same_layout(a, b) and close):
+            lines.append(
+                f"{key} {role}: {a['layout']} {a['stage_bounds']} {a['step_time_s']:.6f} s -> "
+                f"{b['layout']} {b['stage_bounds']} {b['step_time_s']:.6f} s"
+            )
     return lines
 
 
@@ -106,15 +116,13 @@ def summary(old: dict[str, Any], new: dict[str, Any]) -> str:
     """One line: how many chosen plans changed family, layout or stage bounds, and how far the
     predicted steps of the unchanged ones moved (relative, new over old)."""
     changed, moved = 0, []
-    for key in sorted(set(old) & set(new)):
-        for role in ROLES:
-            a, b = old[key].get(role), new[key].get(role)
-            if a is None or b is None:
-                changed += a != b
-            elif all(a[f] == b[f] for f in ("family", "layout", "splitter", "stage_bounds")):
-                moved.append(b["step_time_s"] / a["step_time_s"] - 1.0)
-            else:
-                changed += 1
+    for _, _, a, b in paired_choices(old, new):
+        if a is None or b is None:
+            changed += a != b
+        elif same_layout(a, b):
+            moved.append(b["step_time_s"] / a["step_time_s"] - 1.0)
+        else:
+            changed += 1
     spread = f"{min(moved):+.2%} to {max(moved):+.2%}" if moved else "none"
     return f"plans: {changed} changed layout, {len(moved)} the same (their predicted steps moved {spread})"
 
@@ -131,9 +139,10 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(choices, indent=1, sort_keys=True) + "\n")
     if args.compare:
-        lines = differences(json.loads(Path(args.compare).read_text()), choices)
+        before = json.loads(Path(args.compare).read_text())
+        lines = differences(before, choices)
         print("\n".join(lines) if lines else "same choices at every grid point")
-        print(summary(json.loads(Path(args.compare).read_text()), choices))
+        print(summary(before, choices))
     return 0
 
 

@@ -19,6 +19,7 @@ from dflop_ds.cost import (
     Microbatches,
     PackedCost,
     PackedView,
+    PlannerCostModel,
     PlannerView,
     ProxyCost,
     StageCost,
@@ -124,14 +125,14 @@ def test_batched_predictions_equal_the_per_microbatch_ones(fitted, seed):
     batch = Microbatches.of(shapes, groups)
     assert batch.sizes[3] == 0 and len(batch) == len(groups)
     for name, model in models(fitted).items():
-        expected = per_microbatch(model.predict_microbatch, shapes, groups)  # type: ignore[attr-defined]
+        expected = per_microbatch(model.predict_microbatch, shapes, groups)
         assert expected[:, -1].max() > 0, name
         np.testing.assert_allclose(microbatch_costs(model, batch), expected, rtol=1e-12, atol=0, err_msg=name)
-        if not hasattr(model, "predict_activation_bytes"):
+        if not isinstance(model, PlannerCostModel):  # the bytes are a planner model's
             continue
         for batched, single in (
-            (microbatch_activation_bytes, model.predict_activation_bytes),  # type: ignore[attr-defined]
-            (microbatch_working_bytes, model.predict_working_bytes),  # type: ignore[attr-defined]
+            (microbatch_activation_bytes, model.predict_activation_bytes),
+            (microbatch_working_bytes, model.predict_working_bytes),
         ):
             expected = per_microbatch(single, shapes, groups)
             np.testing.assert_allclose(batched(model, batch), expected, rtol=1e-12, atol=0, err_msg=name)
@@ -164,3 +165,34 @@ def test_microbatch_sums_and_maxima_skip_empty_microbatches():
     assert len(nothing) == 0 and microbatch_costs(ProxyCost(), nothing).size == 0
     singles = Microbatches.singletons(shapes)
     np.testing.assert_array_equal(singles.sums(tiles), tiles)
+
+
+def test_every_cost_class_that_changes_a_prediction_changes_its_batched_form():
+    """A class of dflop_ds.cost that defines a per-microbatch prediction defines its batched form
+    beside it: a view inheriting only the batched form would forward its inner model's rows."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import dflop_ds.cost as cost
+
+    pairs = (
+        ("predict_microbatch", "predict_microbatches"),
+        ("predict_activation_bytes", "predict_microbatches_activation_bytes"),
+        ("predict_working_bytes", "predict_microbatches_working_bytes"),
+    )
+    modules = [importlib.import_module(f"dflop_ds.cost.{m.name}") for m in pkgutil.iter_modules(cost.__path__)]
+    classes = [
+        klass
+        for module in modules
+        if module is not cost.protocol
+        for _, klass in inspect.getmembers(module, inspect.isclass)
+        if klass.__module__ == module.__name__
+    ]
+    checked = 0
+    for klass in classes:
+        for single, batched in pairs:
+            if single in vars(klass):
+                checked += 1
+                assert batched in vars(klass), f"{klass.__name__} defines {single} but not {batched}"
+    assert checked >= 13 and "ColumnScaled" in {k.__name__ for k in classes}  # unexported ones too

@@ -291,3 +291,16 @@ def test_search_freezes_the_existing_objects_only_while_it_runs() -> None:
     with pytest.raises(PlanError):
         search(watching, Cluster(gpus=8), POOL, 0)
     assert gc.get_freeze_count() == before
+
+
+def test_search_leaves_a_callers_own_freeze_in_place() -> None:
+    import gc
+
+    gc.freeze()  # e.g. a server that froze its imports before forking workers
+    try:
+        frozen = gc.get_freeze_count()
+        with pytest.raises(PlanError):
+            search(reference_model("llava-ov-0.5b-a100"), Cluster(gpus=8), POOL, 0)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

@@ -143,3 +143,15 @@ def test_thousands_of_ranks_balance_as_well_as_swapping_with_every_rank() -> Non
 def test_rank_totals_sum_each_ranks_buckets() -> None:
     costs = np.arange(12.0).reshape(6, 2)
     assert rank_totals(costs, [[0, 5], [1], [2, 3, 4]]).tolist() == [[10.0, 12.0], [2.0, 3.0], [18.0, 21.0]]
+
+
+def test_rank_totals_round_as_each_ranks_own_sum() -> None:
+    # assign_to_ranks keeps the balanced ranks unless dealing beats them: with one cost column and
+    # 8+ buckets a rank, a sum in another order (np.add.at's, one bucket after another) rounds
+    # differently from numpy's sum of the rank's rows and could flip a near tie
+    rng = np.random.default_rng(5)
+    costs = rng.exponential(1.0, size=(4 * 24, 1))
+    ranks = [rng.permutation(4 * 24)[:24].tolist() for _ in range(4)]
+    own = np.array([costs[rank].sum(axis=0) for rank in ranks])
+    assert rank_totals(costs, ranks).tobytes() == own.tobytes()
+    assert rank_totals(costs[:, 0], ranks).tobytes() == own.tobytes()

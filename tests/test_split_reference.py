@@ -12,7 +12,8 @@ import heapq
 import numpy as np
 import pytest
 
-from dflop_ds.schedule.lpt import differencing_assign, labels_to_buckets
+from dflop_ds.schedule import lpt
+from dflop_ds.schedule.lpt import MemoryCap, differencing_assign, improve, labels_to_buckets
 from dflop_ds.schedule.padded import length_order, padded_lpt
 from dflop_ds.schedule.splitters import SplitRequest, check_split
 from dflop_ds.schedule.splitters.stock import stock_positions
@@ -74,6 +75,53 @@ def reference_differencing(costs, n_buckets, equal_size):
     return labels
 
 
+def reference_improve(costs, labels, n_buckets, memory=None, partners=(12, 48), resplit=8, allow_moves=True):
+    """:func:`improve` re-reading every bucket's time and items each round (the same moves,
+    swaps and re-splits, from the module's own helpers)."""
+    labels = labels.copy()
+    loads = lpt.bucket_loads(costs, labels, n_buckets)
+    counts = np.bincount(labels, minlength=n_buckets)
+    used = np.bincount(labels, weights=memory.memory, minlength=n_buckets) if memory is not None else None
+    everyone = np.arange(costs.shape[0])
+    state = (costs, labels, loads, counts, used, memory)
+    for _ in range(20_000):
+        times = loads.max(axis=1)
+        b = int(times.argmax())
+        if times[b] <= 0.0:
+            break
+        inside = everyone[labels == b]
+        best_value, best_change = times[b] * (1.0 - 1e-12), None
+        if allow_moves and counts[b] > 1:
+            value = lpt._move_values(loads, b, costs[inside], used, memory, inside)
+            flat = int(value.argmin())
+            if value.flat[flat] < best_value:
+                best_value, best_change = value.flat[flat], (inside[flat // n_buckets], -1, flat % n_buckets)
+        by_time = np.argsort(times)
+        shrink = max(1.0, inside.size * costs.shape[0] / n_buckets * partners[0] / lpt.SWAP_PAIRS)
+        for size in (max(1, int(width / shrink)) if width < n_buckets else width for width in partners):
+            pool = np.zeros(n_buckets, dtype=bool)
+            pool[by_time[:size]] = True
+            pool[b] = False
+            outside = everyone[pool[labels]]
+            if outside.size:
+                value = lpt._swap_values(costs, loads, labels, b, inside, outside, used, memory)
+                flat = int(value.argmin())
+                if value.flat[flat] < best_value:
+                    other = int(outside[flat % outside.size])
+                    best_value, best_change = value.flat[flat], (inside[flat // outside.size], other, labels[other])
+            if best_change is not None or size >= n_buckets:
+                break
+        if best_change is None:
+            if resplit <= 0 or not lpt._resplit_pair(*state[:5], memory, b, by_time[:resplit]):
+                break
+            continue
+        item, other, destination = (int(v) for v in best_change)
+        lpt._relabel(item, destination, *state)
+        if other >= 0:
+            lpt._relabel(other, b, *state)
+    return labels
+
+
 def random_costs(rng, n, k, kind):
     """Costs with ties (small integers), wide ranges, a heavy encoder column, or padded LLM costs."""
     if kind == "ties":
@@ -117,6 +165,25 @@ def test_differencing_is_the_plain_list_version(kind):
         for equal_size in (True, False):
             expected = reference_differencing(costs, n_buckets, equal_size)
             np.testing.assert_array_equal(differencing_assign(costs, n_buckets, equal_size), expected)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_improve_is_the_plain_rescanning_loop(kind):
+    """The partitioner's local search keeps bucket times and members in step instead of
+    rescanning: the same labels, with moves, swaps, re-splits and a memory cap."""
+    rng = np.random.default_rng(20 + len(kind))
+    for case in range(16):
+        n_buckets = int(rng.integers(2, 70))
+        n = n_buckets * int(rng.integers(2, 5)) + int(rng.integers(0, n_buckets))
+        costs = random_costs(rng, n, int(rng.integers(1, 4)), kind)
+        start = rng.permutation(np.arange(n) % n_buckets)  # every bucket used, loads uneven
+        memory = None
+        if case % 2:
+            need = rng.integers(1, 4, n).astype(float)
+            memory = MemoryCap(need, float(np.bincount(start, weights=need).max()) + 1.0)
+        for options in ({}, {"allow_moves": False, "resplit": 0}, {"partners": (n_buckets,), "resplit": 0}):
+            expected = reference_improve(costs, start, n_buckets, memory, **options)
+            np.testing.assert_array_equal(improve(costs, start, n_buckets, memory, **options), expected)
 
 
 def test_labels_to_buckets_keeps_the_items_order():

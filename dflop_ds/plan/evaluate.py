@@ -100,10 +100,10 @@ def fast_balanced_split(
     n_mb: int,
     *,
     lengths: np.ndarray,
-    microbatch_costs: Callable[[Buckets], np.ndarray] | None = None,
+    predict_buckets: Callable[[Buckets], np.ndarray] | None = None,
 ) -> list[Buckets]:
     """The search's estimate of our scheduler, cheap enough for its inner loop: ``dp * n_mb``
-    padding-aware LPT microbatches (:func:`padded_lpt`), the heaviest (by ``microbatch_costs``,
+    padding-aware LPT microbatches (:func:`padded_lpt`), the heaviest (by ``predict_buckets``,
     the ``(n, 2)`` costs of a list of microbatches, else summed ``costs``) first onto the
     least-loaded rank. The chosen plans are re-scored with the ``dflop`` splitter itself
     (:func:`split_batch` with ``fast=False``)."""
@@ -111,8 +111,8 @@ def fast_balanced_split(
     if costs.shape[0] < n_buckets:
         raise ValueError(f"a batch of {costs.shape[0]} samples cannot fill {n_mb} microbatches on {dp} ranks")
     buckets = padded_lpt(costs, lengths, n_buckets)
-    if microbatch_costs is not None:
-        bucket_costs = np.asarray(microbatch_costs(buckets), dtype=float)
+    if predict_buckets is not None:
+        bucket_costs = np.asarray(predict_buckets(buckets), dtype=float)
     else:
         bucket_costs = np.array([costs[b].sum(axis=0) for b in buckets])
     return [[buckets[b] for b in rank] for rank in _greedy_ranks(bucket_costs, dp, n_mb)]
@@ -190,7 +190,7 @@ def split_batch(
             return microbatch_costs(model, Microbatches.of(columns, buckets)) * scale
 
         return fast_balanced_split(
-            costs * scale, layout.llm.dp, layout.n_mb, lengths=columns.tokens, microbatch_costs=bucket_costs
+            costs * scale, layout.llm.dp, layout.n_mb, lengths=columns.tokens, predict_buckets=bucket_costs
         )
     known: MicrobatchTimes = {}
 

@@ -7,8 +7,6 @@ balanced; and within a rank the order decides how long the pipeline fills and dr
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from dflop_ds.schedule.lower_bounds import as_cost_matrix
@@ -25,12 +23,13 @@ RANK_SWAP_PARTNERS = 256
 
 
 def rank_totals(bucket_costs: np.ndarray, ranks: list[list[int]]) -> np.ndarray:
-    """``(dp, k)`` summed bucket costs of each rank."""
+    """``(dp, k)`` summed bucket costs of each rank.
+
+    Each rank's rows are summed by numpy on their own: :func:`assign_to_ranks` compares these
+    totals, and a sum in another order (e.g. ``np.add.at``'s, with one cost column) rounds
+    differently and could resolve a near tie between two splits otherwise than before."""
     matrix = as_cost_matrix(bucket_costs)
-    labels = np.repeat(np.arange(len(ranks)), [len(rank) for rank in ranks])
-    totals = np.zeros((len(ranks), matrix.shape[1]))
-    np.add.at(totals, labels, matrix[np.fromiter(itertools.chain.from_iterable(ranks), dtype=np.int64)])
-    return totals
+    return np.array([matrix[rank].sum(axis=0) for rank in ranks]).reshape(len(ranks), matrix.shape[1])
 
 
 def pipeline_order(bucket_costs: np.ndarray, buckets: list[int]) -> list[int]:
