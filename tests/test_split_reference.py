@@ -96,7 +96,7 @@ def reference_improve(costs, labels, n_buckets, memory=None, partners=(12, 48), 
             flat = int(value.argmin())
             if value.flat[flat] < best_value:
                 best_value, best_change = value.flat[flat], (inside[flat // n_buckets], -1, flat % n_buckets)
-        by_time = np.argsort(times)
+        by_time = np.argsort(times, kind="stable")  # ties: the lower-numbered bucket, on any CPU
         shrink = max(1.0, inside.size * costs.shape[0] / n_buckets * partners[0] / lpt.SWAP_PAIRS)
         for size in (max(1, int(width / shrink)) if width < n_buckets else width for width in partners):
             pool = np.zeros(n_buckets, dtype=bool)

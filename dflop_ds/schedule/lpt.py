@@ -306,7 +306,7 @@ def improve(
             if best_change is not None or size >= n_buckets:
                 break
         if best_change is None:
-            partners_of_b = np.argsort(times)[:resplit] if resplit > 0 else None
+            partners_of_b = np.argsort(times, kind="stable")[:resplit] if resplit > 0 else None
             if partners_of_b is None or not _resplit_pair(costs, labels, loads, counts, used, memory, b, partners_of_b):
                 break
             times, members = loads.max(axis=1), labels_to_buckets(labels, n_buckets)
@@ -324,9 +324,13 @@ def improve(
 
 
 def _lightest(times: np.ndarray, size: int, exclude: int) -> list[int]:
-    """The ``size < len(times)`` buckets with the smallest ``times``, ``exclude`` left out (which
-    of equally timed buckets at the boundary is taken is unspecified)."""
-    return [q for q in np.argpartition(times, size - 1)[:size].tolist() if q != exclude]
+    """The ``size < len(times)`` buckets with the smallest ``times``, ``exclude`` left out; of
+    equally timed buckets at the boundary the lowest-numbered, so that ranks on any CPU (numpy's
+    partition and sort break ties by the instruction set they run on) pick the same ones."""
+    boundary = np.partition(times, size - 1)[size - 1]
+    below = np.flatnonzero(times < boundary)
+    tied = np.flatnonzero(times == boundary)[: size - below.size]
+    return [q for q in np.concatenate([below, tied]).tolist() if q != exclude]
 
 
 def _items_of(members: list[list[int]], buckets: list[int]) -> np.ndarray:
