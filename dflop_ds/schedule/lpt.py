@@ -490,13 +490,13 @@ def improve_with_cost(
         changes: list[tuple[float, int, int, int]] = []  # (estimate, item, other or -1, target)
         if inside.size > 1:
             value = _move_values(loads, b, costs[inside], used, memory, inside)
-            for flat in np.argsort(value, axis=None)[:candidates]:
+            for flat in np.argsort(value, axis=None, kind="stable")[:candidates]:
                 a, q = divmod(int(flat), n_buckets)
                 if np.isfinite(value[a, q]):
                     changes.append((float(value[a, q]), int(inside[a]), -1, q))
         if outside.size:
             value = _swap_values(costs, loads, labels, b, inside, outside, used, memory)
-            for flat in np.argsort(value, axis=None)[:candidates]:
+            for flat in np.argsort(value, axis=None, kind="stable")[:candidates]:
                 a, z = divmod(int(flat), outside.size)
                 if np.isfinite(value[a, z]):
                     changes.append((float(value[a, z]), int(inside[a]), int(outside[z]), int(labels[outside[z]])))
