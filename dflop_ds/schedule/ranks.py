@@ -45,8 +45,12 @@ def pipeline_order(bucket_costs: np.ndarray, buckets: list[int]) -> list[int]:
     others rise then fall in total cost, larger ones in the middle, where they overlap with
     their neighbours (verl places small microbatches at both ends for the same reason).
     """
-    matrix = as_cost_matrix(bucket_costs)
-    return _ordered(matrix.sum(axis=1).tolist(), matrix[:, 0].tolist(), matrix[:, -1].tolist(), buckets)
+    return _ordered(*_order_keys(as_cost_matrix(bucket_costs)), buckets)
+
+
+def _order_keys(matrix: np.ndarray) -> tuple[list[float], list[float], list[float]]:
+    """What :func:`_ordered` reads of every bucket: its summed, first-column and last-column cost."""
+    return matrix.sum(axis=1).tolist(), matrix[:, 0].tolist(), matrix[:, -1].tolist()
 
 
 def _ordered(total: list[float], first_column: list[float], last_column: list[float], buckets: list[int]) -> list[int]:
@@ -92,8 +96,8 @@ def assign_to_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[i
     dealt = [sorted(by_size[r::dp].tolist()) for r in range(dp)]
     if rank_totals(matrix, dealt).max() < rank_totals(matrix, ranks).max():
         ranks = dealt
-    columns = (matrix.sum(axis=1).tolist(), matrix[:, 0].tolist(), matrix[:, -1].tolist())
-    return [_ordered(*columns, rank) for rank in ranks]
+    keys = _order_keys(matrix)
+    return [_ordered(*keys, rank) for rank in ranks]
 
 
 def lockstep_order(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
