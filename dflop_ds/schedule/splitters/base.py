@@ -98,8 +98,7 @@ class SplitRequest:
             cost = self.microbatch_cost
             return np.array([[np.asarray(cost(mb), dtype=float) for mb in rank] for rank in local], dtype=float)
         positions, ends = _flatten(local)
-        rows = self.costs[positions]  # each microbatch's rows, one block after another
-        sums = [rows[start:end].sum(axis=0) for start, end in zip([0, *ends[:-1]], ends)]
+        sums = [rows.sum(axis=0) for rows in _pieces(self.costs[positions], ends)]
         return np.array(sums, dtype=float).reshape(len(local), -1, self.costs.shape[1])
 
     def result(
@@ -111,8 +110,7 @@ class SplitRequest:
         check_split(local, len(self.batch), self.n_mb, self.dp, solver)
         predicted = self.predict(local) if predicted is None else predicted
         positions, ends = _flatten(local)
-        items = np.asarray(self.batch)[positions].astype(np.int64, copy=False).tolist()
-        microbatches = [items[start:end] for start, end in zip([0, *ends[:-1]], ends)]
+        microbatches = _pieces(np.asarray(self.batch)[positions].astype(np.int64, copy=False).tolist(), ends)
         ranks = [microbatches[r * self.n_mb : (r + 1) * self.n_mb] for r in range(self.dp)]
         return SplitResult(ranks, predicted, float(predicted.max()), float(lower_bound), solver)
 
@@ -123,6 +121,11 @@ def _flatten(local: RankSplit) -> tuple[np.ndarray, list[int]]:
     ends = list(itertools.accumulate(len(mb) for mb in microbatches))
     count = ends[-1] if ends else 0
     return np.fromiter(itertools.chain.from_iterable(microbatches), dtype=np.int64, count=count), ends
+
+
+def _pieces(flat: Any, ends: list[int]) -> list[Any]:
+    """``flat`` (a list or an array) cut back into its microbatches, the ``i``-th ending at ``ends[i]``."""
+    return [flat[start:end] for start, end in zip([0, *ends[:-1]], ends)]
 
 
 def check_split(local: RankSplit, n_items: int, n_mb: int, dp: int, name: str) -> None:
