@@ -47,6 +47,14 @@ def without_length_rule(tokenizer_id: str) -> str:
     return _LENGTH_RULE.sub("", tokenizer_id)
 
 
+def split_evenly(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` non-negative ints differing by at most one, the larger ones first."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
 def default_token_count(text: str) -> int:
     """Estimate the token count of ``text`` without a tokenizer.
 

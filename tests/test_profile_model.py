@@ -11,9 +11,9 @@ from torch import nn
 
 from dflop_ds.profile import ContractEncoderInputs, ContractLLMInputs, ModelProfile, profile_model
 from dflop_ds.profile.attention import AttentionOff
-from dflop_ds.profile.inputs import split_evenly
 from dflop_ds.profile.layers import describe_selection, parameter_bytes, select_layers
 from dflop_ds.profile.timing import robust_statistic, saved_activation_bytes
+from dflop_ds.shapes import split_evenly
 
 FAST = dict(warmup=0, repeats=1, progress=False)
 DIM = 16

@@ -13,16 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from dflop_ds.shapes import split_evenly
+
 EncoderInputFactory = Callable[[int, int], tuple[torch.Tensor, ...]]
 LLMInputFactory = Callable[[int, int], tuple[torch.Tensor, ...]]
-
-
-def split_evenly(total: int, parts: int) -> list[int]:
-    """``total`` split into ``parts`` non-negative ints differing by at most one."""
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts}")
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from dflop_ds.models.hf.common import LMHead, decoder_layers, load_checked
-from dflop_ds.profile.inputs import ContractLLMInputs, split_evenly
+from dflop_ds.profile.inputs import ContractLLMInputs
+from dflop_ds.shapes import split_evenly
 
 MODEL_TYPE = "llava"
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")

@@ -29,7 +29,7 @@ from dflop_ds.models.hf.llava import (
     VisionLayer,
     feature_depth,
 )
-from dflop_ds.profile.inputs import split_evenly
+from dflop_ds.shapes import split_evenly
 
 MODEL_TYPE = "llava_onevision"
 VISION_TYPES = ("siglip_vision_model", "clip_vision_model")

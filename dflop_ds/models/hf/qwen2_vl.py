@@ -45,7 +45,7 @@ from torch import nn
 from dflop_ds.models.hf.common import DecoderLayer, LMHead, layer_mask_kinds, load_checked
 from dflop_ds.models.hf.llava import TIED_EMBEDDING_KEY
 from dflop_ds.models.packing import check_packed, is_packed, token_positions
-from dflop_ds.profile.inputs import split_evenly
+from dflop_ds.shapes import split_evenly
 
 MODEL_TYPE = "qwen2_vl"
 #: model types this adapter runs -> their HF model class

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dflop_ds.schedule.splitters.base import RankSplit, SplitRequest, SplitResult, register_splitter
+from dflop_ds.shapes import split_evenly
 
 
 def stock_positions(n_items: int, n_mb: int, dp: int) -> RankSplit:
@@ -11,19 +12,13 @@ def stock_positions(n_items: int, n_mb: int, dp: int) -> RankSplit:
     does not divide; the larger ones first)."""
     split: RankSplit = []
     start = 0
-    for rank_size in _even_sizes(n_items, dp):
+    for rank_size in split_evenly(n_items, dp):
         rank = []
-        for size in _even_sizes(rank_size, n_mb):
+        for size in split_evenly(rank_size, n_mb):
             rank.append(list(range(start, start + size)))
             start += size
         split.append(rank)
     return split
-
-
-def _even_sizes(total: int, parts: int) -> list[int]:
-    """``parts`` sizes adding up to ``total`` that differ by at most one, the larger ones first."""
-    size, larger = divmod(total, parts)
-    return [size + 1] * larger + [size] * (parts - larger)
 
 
 @register_splitter("stock")
