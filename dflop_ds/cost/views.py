@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from dflop_ds.cost.columns import Microbatches
 from dflop_ds.cost.microbatches import (
-    Microbatches,
     microbatch_activation_bytes,
     microbatch_costs,
     microbatch_working_bytes,
