@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from dflop_ds.schedule import partition as partitioner
-from dflop_ds.schedule.aligned import GROUP_KEYS, aligned_split
+from dflop_ds.schedule.aligned import aligned_split
 from dflop_ds.schedule.lpt import InfeasibleError, MicrobatchCost
 from dflop_ds.schedule.ranks import assign_to_ranks, lockstep_order
 from dflop_ds.schedule.splitters.base import SplitRequest, SplitResult, register_splitter
@@ -40,8 +40,8 @@ class DFLOPSplitter:
       rank totals, in any order; ``microstep`` and ``module`` give microbatch ``k`` of every rank
       a similar summed cost (:func:`~dflop_ds.schedule.ranks.lockstep_order`);
     - under ``microstep`` (on the summed column) and ``module`` (on each column), the
-      microstep-aligned splits of :func:`~dflop_ds.schedule.aligned.aligned_split`, one per
-      grouping key; under a memory budget only those within its cap.
+      microstep-aligned split of :func:`~dflop_ds.schedule.aligned.aligned_split`; under a
+      memory budget only when within its cap.
 
     The request's ``microbatch_cost`` gives a microbatch's true (e.g. padded) cost; its
     ``lengths`` enable the padding-aware starts when that cost pads to the longest sample; its
@@ -98,13 +98,11 @@ class DFLOPSplitter:
         best = self._partitioned(request, usage, checked)
         if request.sync in (SyncModel.MICROSTEP, SyncModel.MODULE):
             columns = request.costs.sum(axis=1, keepdims=True) if request.sync is SyncModel.MICROSTEP else request.costs
-            for key in GROUP_KEYS:
-                local = aligned_split(columns, request.dp, request.n_mb, key)
-                if request.memory is not None and request.memory.over(local):
-                    continue
+            local = aligned_split(columns, request.dp, request.n_mb)
+            if request.memory is None or not request.memory.over(local):
                 predicted = request.predict(local)
                 if request.step(predicted) < best.step:
-                    best = request.result(local, f"aligned-{key}", predicted)
+                    best = request.result(local, "aligned", predicted)
         return best
 
     def _partitioned(self, request: SplitRequest, usage: np.ndarray | None, checked: bool) -> SplitResult:
