@@ -65,13 +65,22 @@ class DFLOPSplitter:
         predicted above it: the bytes charged to its rows are then raised by its overshoot
         (predicted / cap) and the batch is split again, at most :data:`MEMORY_ROUNDS` times (a
         multiplicative re-weighting: rows that keep landing in over-cap microbatches get pushed
-        apart). The last try has the partitioner check every microbatch's predicted bytes itself
-        and fall back to a length-ordered first fit; an :class:`~dflop_ds.schedule.partition.InfeasibleError`
-        when that fails too.
+        apart; a row charged above the cap alone gets a microbatch of its own). The last try has
+        the partitioner check every microbatch's predicted bytes itself and fall back to a
+        length-ordered first fit; an :class:`~dflop_ds.schedule.partition.InfeasibleError` when
+        that fails too. A row above the cap alone is a ``ValueError`` naming it unless the
+        budget's ``allow_oversize``.
         """
         budget = request.memory
         if budget is None:
             return self._best(request, None, checked=False)
+        oversize = np.flatnonzero(budget.rows > budget.cap)
+        if oversize.size and not budget.allow_oversize:
+            row = int(oversize[0])
+            raise ValueError(
+                f"sample {request.batch[row]} (row {row} of the batch) needs {budget.rows[row]:.4g} bytes alone,"
+                f" over the memory cap of {budget.cap:.4g} bytes; allow_oversize trains it alone"
+            )
         usage = budget.rows.copy()
         for _ in range(MEMORY_ROUNDS - 1):
             try:
@@ -120,7 +129,7 @@ class DFLOPSplitter:
             lengths=lengths,
             memory=usage,
             memory_cap=None if budget is None else budget.cap,
-            allow_oversize=budget is not None and budget.allow_oversize,
+            allow_oversize=True,  # a row charged over the cap gets a microbatch of its own (checked in split)
             microbatch_memory=budget.microbatch if budget is not None and checked else None,
         )
         return self._onto_ranks(request, partition, solver)
