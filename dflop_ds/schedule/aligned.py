@@ -32,8 +32,10 @@ __all__ = ["GROUP_KEYS", "aligned_split", "improve_grid", "microstep_groups"]
 #: How :func:`microstep_groups` may order samples before cutting them into microsteps.
 GROUP_KEYS = ("first", "total")
 #: Moves or swaps of :func:`improve_grid` (each round costs ``O(n)`` numpy work, so the budget
-#: is fixed rather than grown with the ranks: the planner calls this at 1024 ranks).
+#: is fixed rather than grown with the ranks: the planner calls this at 1024 ranks) ...
 ROUNDS = 48
+#: ... and at most this many samples times rounds (fewer rounds for large batches).
+ROUND_WORK = 32_768
 #: Rounds without a lower score after which the search stops.
 PATIENCE = 8
 #: A change must lower the score by more than this (relative) to count as a gain.
@@ -188,7 +190,7 @@ def aligned_split(costs: np.ndarray, dp: int, n_mb: int, rounds: int = ROUNDS) -
         if best is None or score < best[0]:
             best = (score, cells)
     assert best is not None
-    cells = improve_grid(matrix, best[1], dp, n_mb, rounds)
+    cells = improve_grid(matrix, best[1], dp, n_mb, min(rounds, max(ROUND_WORK // matrix.shape[0], 1)))
     rows = np.argsort(cells, kind="stable")
     ends = np.cumsum(np.bincount(cells, minlength=n_mb * dp))
     pieces = np.split(rows, ends[:-1])
@@ -205,23 +207,30 @@ def _grouped(costs: np.ndarray, dp: int, n_mb: int, key: str) -> np.ndarray:
 
 
 def ranked_cells(costs: np.ndarray, dp: int, n_mb: int) -> np.ndarray:
-    """Cells of the rank-first start: rows balanced across ranks on their summed cost, each
-    rank's rows into ``n_mb`` microbatches (both by equal-count vector differencing), and each
-    rank's microbatches in decreasing encoder (first column) cost, so that microstep ``k`` holds
+    """Cells of the rank-first start: rows balanced across ranks on their summed cost
+    (equal-count vector differencing); each rank's rows, by decreasing summed cost, dealt to its
+    ``n_mb`` microbatches in snake order (the largest with the smallest); each rank's
+    microbatches then in decreasing encoder (first column) cost, so that microstep ``k`` holds
     every rank's ``k``-th heaviest. Many small samples even out across ranks this way better than
-    in alike groups."""
-    ranks = differencing_assign(costs.sum(axis=1, keepdims=True), dp, equal_size=True)
-    cells = np.empty(costs.shape[0], dtype=np.int64)
-    for r in range(dp):
-        rows = np.flatnonzero(ranks == r)
-        labels = differencing_assign(costs[rows], n_mb, equal_size=True)
-        loads = np.zeros((n_mb, costs.shape[1]))
-        np.add.at(loads, labels, costs[rows])
-        order = np.lexsort((np.arange(n_mb), -loads.sum(axis=1), -loads[:, 0]))
-        step = np.empty(n_mb, dtype=np.int64)
-        step[order] = np.arange(n_mb)
-        cells[rows] = step[labels] * dp + r
-    return cells
+    in alike groups. Vectorised over ranks."""
+    n = costs.shape[0]
+    total = costs.sum(axis=1)
+    ranks = differencing_assign(total[:, None], dp, equal_size=True)
+    order = np.lexsort((np.arange(n), -total, ranks))  # by rank, then decreasing cost
+    sorted_ranks = ranks[order]
+    first_of_rank = np.searchsorted(sorted_ranks, np.arange(dp))
+    seat = np.arange(n) - first_of_rank[sorted_ranks]  # position within its rank
+    lap, slot = np.divmod(seat, n_mb)
+    microbatch = np.empty(n, dtype=np.int64)
+    microbatch[order] = np.where(lap % 2 == 0, slot, n_mb - 1 - slot)
+    cells = ranks * n_mb + microbatch  # rank-major, for now
+    loads = np.zeros((dp * n_mb, costs.shape[1]))
+    np.add.at(loads, cells, costs)
+    cell_ids = np.arange(dp * n_mb)
+    heaviest = np.lexsort((cell_ids, -loads.sum(axis=1), -loads[:, 0], cell_ids // n_mb))
+    step = np.empty(dp * n_mb, dtype=np.int64)
+    step[heaviest] = np.tile(np.arange(n_mb), dp)  # within each rank, 0 = the heaviest
+    return step[cells] * dp + ranks
 
 
 def _grid_score(costs: np.ndarray, cells: np.ndarray, dp: int, n_mb: int) -> float:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from dflop_ds.schedule import partition as partitioner
-from dflop_ds.schedule.aligned import aligned_split
+from dflop_ds.schedule.aligned import ROUNDS, aligned_split
 from dflop_ds.schedule.lpt import InfeasibleError, MicrobatchCost
 from dflop_ds.schedule.ranks import assign_to_ranks, lockstep_order
 from dflop_ds.schedule.splitters.base import SplitRequest, SplitResult, register_splitter
@@ -46,16 +46,19 @@ class DFLOPSplitter:
     The request's ``microbatch_cost`` gives a microbatch's true (e.g. padded) cost; its
     ``lengths`` enable the padding-aware starts when that cost pads to the longest sample; its
     ``memory`` budget caps every microbatch (see :meth:`split`). ``time_limit_s`` and
-    ``node_limit`` bound the exact solver (both 0: heuristic only). Ranks computing the split
+    ``node_limit`` bound the exact solver (both 0: heuristic only); ``search_rounds`` bounds the
+    aligned split's local search (:data:`~dflop_ds.schedule.aligned.ROUNDS`; 0: its best start
+    alone, a few times faster, for a planner's inner loop). Ranks computing the split
     independently need a deterministic answer: no time limit (the heuristic, or the ILP within
     ``node_limit`` nodes).
     """
 
     name = "dflop"
 
-    def __init__(self, time_limit_s: float = 0.0, node_limit: int = 0) -> None:
+    def __init__(self, time_limit_s: float = 0.0, node_limit: int = 0, search_rounds: int = ROUNDS) -> None:
         self.time_limit_s = float(time_limit_s)
         self.node_limit = int(node_limit)
+        self.search_rounds = int(search_rounds)
 
     def split(self, request: SplitRequest) -> SplitResult:
         """The split of ``request``'s batch with the smallest predicted step.
@@ -107,7 +110,7 @@ class DFLOPSplitter:
         best = self._partitioned(request, usage, checked)
         if request.sync in (SyncModel.MICROSTEP, SyncModel.MODULE):
             columns = request.costs.sum(axis=1, keepdims=True) if request.sync is SyncModel.MICROSTEP else request.costs
-            local = aligned_split(columns, request.dp, request.n_mb)
+            local = aligned_split(columns, request.dp, request.n_mb, self.search_rounds)
             if request.memory is None or not request.memory.over(local):
                 predicted = request.predict(local)
                 if request.step(predicted) < best.step:
