@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dflop_ds.schedule.splitters.base import SplitRequest, SplitResult
 from dflop_ds.shapes import SampleShape, split_evenly
 
 Pack = list[int]
@@ -75,9 +76,14 @@ def deal_packs(packs: Sequence[Pack], dp: int, n_mb: int, seed: int) -> DealtPac
     return dealt
 
 
-def flatten(dealt: DealtPacks) -> list[list[list[int]]]:
-    """``ranks[r][j]``: the batch positions of each dealt microbatch, pack after pack."""
-    return [[[p for pack in mb for p in pack] for mb in rank] for rank in dealt]
+def packed_result(
+    request: SplitRequest, packs: Sequence[Pack], lengths: Sequence[int], padded_to: int | None, solver: str
+) -> SplitResult:
+    """``packs`` of ``request``'s batch dealt by :func:`deal_packs` (the request's seed), each
+    microbatch's samples pack after pack, costed by :func:`packed_costs`."""
+    dealt = deal_packs(packs, request.dp, request.n_mb, request.seed)
+    local = [[[p for pack in mb for p in pack] for mb in rank] for rank in dealt]
+    return request.result(local, solver, predicted=packed_costs(request.costs, dealt, lengths, padded_to))
 
 
 def packed_costs(costs: np.ndarray, dealt: DealtPacks, lengths: Sequence[int], padded_to: int | None) -> np.ndarray:
