@@ -18,9 +18,9 @@ from PIL import Image  # noqa: E402
 from transformers import InternVLProcessor  # noqa: E402
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil  # noqa: E402
 
+from dflop_ds.models.hf.base.synthetic import hf_labels, hf_model_kwargs  # noqa: E402
 from dflop_ds.models.hf.check import check_model, run_stages  # noqa: E402
-from dflop_ds.models.hf.internvl_shapes import InternVLTileRule  # noqa: E402
-from dflop_ds.models.hf.llava_synthetic import hf_labels, hf_model_kwargs  # noqa: E402
+from dflop_ds.models.hf.internvl.shapes import InternVLTileRule  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
 from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
 from dflop_ds.testing.internvl_tiny import build_internvl_tokenizer, build_tiny_internvl  # noqa: E402

@@ -19,10 +19,10 @@ from hf_stage_checks import assert_trains_with_media  # noqa: E402
 from PIL import Image  # noqa: E402
 from transformers import LlavaOnevisionProcessor  # noqa: E402
 
+from dflop_ds.models.hf.base.synthetic import hf_labels  # noqa: E402
 from dflop_ds.models.hf.check import check_model, run_stages  # noqa: E402
-from dflop_ds.models.hf.llava_onevision_shapes import OnevisionTokenRule  # noqa: E402
-from dflop_ds.models.hf.llava_onevision_synthetic import onevision_hf_kwargs  # noqa: E402
-from dflop_ds.models.hf.llava_synthetic import hf_labels  # noqa: E402
+from dflop_ds.models.hf.llava_onevision.shapes import OnevisionTokenRule  # noqa: E402
+from dflop_ds.models.hf.llava_onevision.synthetic import onevision_hf_kwargs  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
 from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
 from dflop_ds.shapes import DEFAULT_POLICY  # noqa: E402

@@ -94,8 +94,8 @@ def _tiny_model(family: str, folder: Path) -> Path:
 
 
 def _hf_forward(family: str):
-    from dflop_ds.models.hf.llava_synthetic import hf_forward
-    from dflop_ds.models.hf.qwen2_vl_synthetic import qwen2_vl_hf_forward
+    from dflop_ds.models.hf.base.synthetic import hf_forward
+    from dflop_ds.models.hf.qwen2_vl.synthetic import qwen2_vl_hf_forward
 
     return hf_forward if family == "llava" else qwen2_vl_hf_forward
 

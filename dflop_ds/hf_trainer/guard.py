@@ -4,7 +4,7 @@ Under ZeRO-2/3 every data-parallel rank reduces its gradients in buckets filled 
 backward pass produces them. A microbatch without images skips the vision tower, so on that rank
 the tower's parameters get no gradient and the ranks' reductions no longer match (a size mismatch
 or, worse, gradients summed out of place). The project's own layers send a blank placeholder image
-through the tower (``dflop_ds.models.hf.llava.VisionEmbeddings``, ``dflop_ds.models.hf.qwen2_vl.
+through the tower (``dflop_ds.models.hf.llava.model.VisionEmbeddings``, ``dflop_ds.models.hf.qwen2_vl.model.
 PatchEmbedding``); for a user's HF model and collator, :func:`with_blank_image` does the same on the
 batch: one blank image is appended after the last token of row 0 with its image tokens, masked out
 of attention and of the loss. Causal attention keeps every real token from seeing it, so the loss
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from dflop_ds.models.hf.llava import MODEL_TYPE as LLAVA_TYPE
-from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES as QWEN2_VL_CLASSES
-from dflop_ds.models.hf.qwen2_vl import placeholder_grid
+from dflop_ds.models.hf.llava.model import MODEL_TYPE as LLAVA_TYPE
+from dflop_ds.models.hf.qwen2_vl.model import MODEL_CLASSES as QWEN2_VL_CLASSES
+from dflop_ds.models.hf.qwen2_vl.model import placeholder_grid
 from dflop_ds.models.tiny_data import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)

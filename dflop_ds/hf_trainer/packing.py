@@ -5,7 +5,7 @@ TRL's ``padding_free=True``, or :class:`PaddingFreeCollator`) joins a microbatch
 names the samples' bounds (``cu_seq_lens_q/k``). Flash attention reads them on GPUs that have it;
 elsewhere HF's ``sdpa`` masks a full ``N x N`` product (or, with a cache or no per-sample
 ``position_ids``, attends across samples). :func:`use_segment_attention` makes the text model run
-one causal attention per sample instead (:func:`dflop_ds.models.hf.packed.segment_attention`), so
+one causal attention per sample instead (:func:`dflop_ds.models.hf.base.packed.segment_attention`), so
 attention costs the sum of the squared sample lengths and the loss is the padded batch's.
 
 ``DFLOPTrainer(dflop={"model": {"packing": True}})`` uses all of it: :func:`packing_collator`
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from transformers import DataCollatorWithFlattening
 
-from dflop_ds.models.hf.packed import PACKED_ATTENTION, register_segment_attention
-from dflop_ds.models.hf.qwen2_vl import MODEL_CLASSES as QWEN2_VL_CLASSES
+from dflop_ds.models.hf.base.packed import PACKED_ATTENTION, register_segment_attention
+from dflop_ds.models.hf.qwen2_vl.model import MODEL_CLASSES as QWEN2_VL_CLASSES
 
 #: per-sample media tensors, concatenated along dim 0 in sample order (present when any sample has them)
 MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")

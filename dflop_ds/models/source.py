@@ -31,7 +31,7 @@ class ModelSource:
             (:func:`dflop_ds.data.read_dataset` with the source's policy and media options).
         make_dataset: ``make_dataset(shapes, data_path, on_bad_sample="error") -> Dataset`` indexed
             like the shapes; ``on_bad_sample`` says what a sample whose media fail to load does
-            (see :class:`~dflop_ds.models.hf.llava_data.LlavaDataset`).
+            (see :class:`~dflop_ds.models.hf.base.template.MediaDataset`).
         collate: microbatch collate producing ``(inputs, labels)``, padded.
         packed_collate: the collate of packed microbatches (one row per microbatch), or None
             when the model cannot run them.

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
-from dflop_ds.models.hf.folder import check_model_folder
+from dflop_ds.models.hf.base.folder import check_model_folder
 from dflop_ds.models.hf.registry import family_of
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dflop_ds.models.hf.folder import check_model_folder
+from dflop_ds.models.hf.base.folder import check_model_folder
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
 from dflop_ds.models.hf.registry import family_of
 from dflop_ds.profile.inputs import ContractLLMInputs

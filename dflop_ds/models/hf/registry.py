@@ -14,6 +14,7 @@ The family modules are imported on the first lookup, so ``import dflop_ds`` stay
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -21,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflop_ds.data.errors import PathArg
-from dflop_ds.models.hf.common import model_type
 
 if TYPE_CHECKING:
     from dflop_ds.models.hf.check_parts import CheckParts
@@ -30,10 +30,10 @@ if TYPE_CHECKING:
 
 #: The modules that define a family, each as a module-level ``FAMILY``.
 FAMILY_MODULES = (
-    "dflop_ds.models.hf.llava_family",
-    "dflop_ds.models.hf.qwen2_vl_family",
-    "dflop_ds.models.hf.llava_onevision_family",
-    "dflop_ds.models.hf.internvl_family",
+    "dflop_ds.models.hf.llava.family",
+    "dflop_ds.models.hf.qwen2_vl.family",
+    "dflop_ds.models.hf.llava_onevision.family",
+    "dflop_ds.models.hf.internvl.family",
 )
 
 
@@ -44,7 +44,7 @@ class ModelFamily:
     Attributes:
         name: the family's name in messages (e.g. ``"LLaVA"``).
         model_types: the ``config.model_type`` values it runs.
-        files: its own modules, relative to the package root (``models/hf/llava.py``, its tiny
+        files: its own modules, relative to the package root (``models/hf/llava/model.py``, its tiny
             test builders in ``testing/``): the only modules that may name its ``model_types``.
         preprocessor: ``(model_dir, *, max_length, truncation, video_fps, video_max_frames)`` ->
             the data preprocessor (tokenization template, media processing, ``policy()``).
@@ -96,6 +96,13 @@ def family_for(kind: str | None, where: str = "model") -> ModelFamily:
     )
 
 
+def model_type(model_dir: PathArg) -> str | None:
+    """``model_type`` of a ``save_pretrained`` directory's ``config.json`` (None when it has none):
+    what picks the model family."""
+    path = Path(model_dir) / "config.json"
+    return json.loads(path.read_text()).get("model_type") if path.is_file() else None
+
+
 def family_of(model_dir: PathArg) -> ModelFamily:
     """The family of a ``save_pretrained`` directory, by its ``config.json``'s ``model_type``
     (``FileNotFoundError`` naming the directory when it has no ``config.json``)."""
@@ -109,6 +116,7 @@ __all__ = [
     "ModelFamily",
     "family_for",
     "family_of",
+    "model_type",
     "registered_families",
     "registered_model_types",
 ]

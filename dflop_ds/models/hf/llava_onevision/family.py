@@ -1,34 +1,34 @@
 """The LLaVA-OneVision family (``LlavaOnevisionForConditionalGeneration``: AnyRes tiles, multi-image
 and video samples) as a registered :class:`~dflop_ds.models.hf.registry.ModelFamily`: its adapter
-(:mod:`~dflop_ds.models.hf.llava_onevision`), counting rule (:mod:`~dflop_ds.models.hf.llava_onevision_shapes`),
-data pipeline (:mod:`~dflop_ds.models.hf.llava_onevision_data`) and synthetic microbatches
-(:mod:`~dflop_ds.models.hf.llava_onevision_synthetic`)."""
+(:mod:`~dflop_ds.models.hf.llava_onevision.model`), counting rule (:mod:`~dflop_ds.models.hf.llava_onevision.shapes`),
+data pipeline (:mod:`~dflop_ds.models.hf.llava_onevision.data`) and synthetic microbatches
+(:mod:`~dflop_ds.models.hf.llava_onevision.synthetic`)."""
 
 from __future__ import annotations
 
 from functools import partial
 
+from dflop_ds.models.hf.base.folder import save_text_and_image_parts
+from dflop_ds.models.hf.base.tiled_family import tiled_check_parts, tiled_preprocessor_loader
 from dflop_ds.models.hf.check_parts import CheckParts
-from dflop_ds.models.hf.folder import save_text_and_image_parts
-from dflop_ds.models.hf.llava_onevision import (
-    MODEL_TYPE,
-    OnevisionEncoderInputs,
-    llava_onevision_layers,
-    load_llava_onevision,
-)
-from dflop_ds.models.hf.llava_onevision_data import (
+from dflop_ds.models.hf.llava_onevision.data import (
     OnevisionDataset,
     OnevisionPreprocessor,
     collate_onevision,
     collate_packed_onevision,
 )
-from dflop_ds.models.hf.llava_onevision_synthetic import IMAGE_MARK, VIDEO_MARK, OnevisionInputs, onevision_hf_kwargs
+from dflop_ds.models.hf.llava_onevision.model import (
+    MODEL_TYPE,
+    OnevisionEncoderInputs,
+    llava_onevision_layers,
+    load_llava_onevision,
+)
+from dflop_ds.models.hf.llava_onevision.synthetic import IMAGE_MARK, VIDEO_MARK, OnevisionInputs, onevision_hf_kwargs
 from dflop_ds.models.hf.profile import family_profile_target
 from dflop_ds.models.hf.registry import ModelFamily
-from dflop_ds.models.hf.tiled_family import tiled_check_parts, tiled_preprocessor_loader
 from dflop_ds.models.hf.training import TrainingParts
 
-#: The :class:`~dflop_ds.models.hf.llava_onevision_data.OnevisionPreprocessor` of a model directory.
+#: The :class:`~dflop_ds.models.hf.llava_onevision.data.OnevisionPreprocessor` of a model directory.
 llava_onevision_preprocessor = tiled_preprocessor_loader(OnevisionPreprocessor)
 
 
@@ -72,14 +72,7 @@ def llava_onevision_check() -> CheckParts:
 FAMILY = ModelFamily(
     name="LLaVA-OneVision",
     model_types=(MODEL_TYPE,),
-    files=(
-        "models/hf/llava_onevision.py",
-        "models/hf/llava_onevision_data.py",
-        "models/hf/llava_onevision_family.py",
-        "models/hf/llava_onevision_shapes.py",
-        "models/hf/llava_onevision_synthetic.py",
-        "testing/llava_onevision_tiny.py",
-    ),
+    files=("models/hf/llava_onevision/", "testing/llava_onevision_tiny.py"),
     preprocessor=llava_onevision_preprocessor,
     training=llava_onevision_training,
     profile_target=llava_onevision_target,

@@ -1,29 +1,29 @@
 """The InternVL family (``InternVLForConditionalGeneration``: dynamic tiles with a thumbnail, pixel
 shuffle, multi-image and video samples) as a registered
-:class:`~dflop_ds.models.hf.registry.ModelFamily`: its adapter (:mod:`~dflop_ds.models.hf.internvl`),
-tiling rule (:mod:`~dflop_ds.models.hf.internvl_shapes`), data pipeline
-(:mod:`~dflop_ds.models.hf.internvl_data`) and synthetic microbatches
-(:mod:`~dflop_ds.models.hf.internvl_synthetic`)."""
+:class:`~dflop_ds.models.hf.registry.ModelFamily`: its adapter (:mod:`~dflop_ds.models.hf.internvl.model`),
+tiling rule (:mod:`~dflop_ds.models.hf.internvl.shapes`), data pipeline
+(:mod:`~dflop_ds.models.hf.internvl.data`) and synthetic microbatches
+(:mod:`~dflop_ds.models.hf.internvl.synthetic`)."""
 
 from __future__ import annotations
 
 from functools import partial
 from typing import Any
 
+from dflop_ds.models.hf.base.collate import collate_packed, collate_padded
+from dflop_ds.models.hf.base.folder import save_text_and_image_parts
+from dflop_ds.models.hf.base.synthetic import hf_model_kwargs
+from dflop_ds.models.hf.base.tiled_family import tiled_check_parts, tiled_preprocessor_loader
+from dflop_ds.models.hf.base.vision import TileEncoderInputs
 from dflop_ds.models.hf.check_parts import CheckParts
-from dflop_ds.models.hf.folder import save_text_and_image_parts
-from dflop_ds.models.hf.internvl import MODEL_TYPE, internvl_layers, load_internvl, side
-from dflop_ds.models.hf.internvl_data import InternVLDataset, InternVLPreprocessor
-from dflop_ds.models.hf.internvl_synthetic import IMAGE_MARK, VIDEO_MARK, InternVLInputs
-from dflop_ds.models.hf.llava import LlavaEncoderInputs
-from dflop_ds.models.hf.llava_data import collate_llava, collate_packed_llava
-from dflop_ds.models.hf.llava_synthetic import hf_model_kwargs
+from dflop_ds.models.hf.internvl.data import InternVLDataset, InternVLPreprocessor
+from dflop_ds.models.hf.internvl.model import MODEL_TYPE, internvl_layers, load_internvl, side
+from dflop_ds.models.hf.internvl.synthetic import IMAGE_MARK, VIDEO_MARK, InternVLInputs
 from dflop_ds.models.hf.profile import family_profile_target
 from dflop_ds.models.hf.registry import ModelFamily
-from dflop_ds.models.hf.tiled_family import tiled_check_parts, tiled_preprocessor_loader
 from dflop_ds.models.hf.training import TrainingParts
 
-#: The :class:`~dflop_ds.models.hf.internvl_data.InternVLPreprocessor` of a model directory.
+#: The :class:`~dflop_ds.models.hf.internvl.data.InternVLPreprocessor` of a model directory.
 internvl_preprocessor = tiled_preprocessor_loader(InternVLPreprocessor)
 
 
@@ -35,13 +35,13 @@ def internvl_training() -> TrainingParts:
         internvl_layers,
         "multi_modal_projector",
         InternVLDataset,
-        collate_llava,
+        collate_padded,
         save_text_and_image_parts,
-        packed_collate=collate_packed_llava,
+        packed_collate=collate_packed,
     )
 
 
-class InternVLEncoderInputs(LlavaEncoderInputs):
+class InternVLEncoderInputs(TileEncoderInputs):
     """Profiler input factory of the first encoder layer: LLaVA's, ``image_seq_length`` tokens a tile."""
 
     def __init__(self, config: Any, text_tokens: int = 8, dtype: Any = None) -> None:
@@ -70,14 +70,7 @@ def internvl_check() -> CheckParts:
 FAMILY = ModelFamily(
     name="InternVL",
     model_types=(MODEL_TYPE,),
-    files=(
-        "models/hf/internvl.py",
-        "models/hf/internvl_data.py",
-        "models/hf/internvl_family.py",
-        "models/hf/internvl_shapes.py",
-        "models/hf/internvl_synthetic.py",
-        "testing/internvl_tiny.py",
-    ),
+    files=("models/hf/internvl/", "testing/internvl_tiny.py"),
     preprocessor=internvl_preprocessor,
     training=internvl_training,
     profile_target=internvl_target,

@@ -4,8 +4,8 @@
 Images go through the directory's ``LlavaOnevisionImageProcessor`` (AnyRes tiles for a sample's
 lone image, one square-padded tile for each of several); video frames, which its video processor
 would take (it needs torchvision), are resized to one tile and normalized with the image
-processor's mean and std. Token counts come from :class:`~dflop_ds.models.hf.llava_onevision_shapes.OnevisionTokenRule`,
-which counts as the processor does. See :mod:`~dflop_ds.models.hf.llava_onevision` for the contract.
+processor's mean and std. Token counts come from :class:`~dflop_ds.models.hf.llava_onevision.shapes.OnevisionTokenRule`,
+which counts as the processor does. See :mod:`~dflop_ds.models.hf.llava_onevision.model` for the contract.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflop_ds.models.hf.common import padding_mask
-from dflop_ds.models.hf.folder import load_tokenizer_and_image_processor
-from dflop_ds.models.hf.llava_onevision import HEIGHT, IS_VIDEO, SAMPLE, TILES, WIDTH
-from dflop_ds.models.hf.llava_onevision_shapes import OnevisionTokenRule
-from dflop_ds.models.hf.llava_synthetic import append_answer, pad_token_id, stack_rows
+from dflop_ds.models.hf.base.folder import load_tokenizer_and_image_processor
+from dflop_ds.models.hf.base.layers import padding_mask
+from dflop_ds.models.hf.base.synthetic import append_answer, pad_token_id, stack_rows
+from dflop_ds.models.hf.llava_onevision.model import HEIGHT, IS_VIDEO, SAMPLE, TILES, WIDTH
+from dflop_ds.models.hf.llava_onevision.shapes import OnevisionTokenRule
 
 IMAGE_MARK = "<image>"
 VIDEO_MARK = "<video>"
