@@ -87,7 +87,7 @@ class ModelSource:
         if setting and self.packed_collate is None:
             raise ValueError(
                 f"dflop.model.packing = true: model {self.name!r} has no packed microbatches yet "
-                "(the bundled tiny model and the HF LLaVA and Qwen2-VL families do); set it to false"
+                "(the bundled tiny model and every registered HF family do); set it to false"
             )
         return self.packed_collate is not None if setting is None else bool(setting)
 

@@ -3,10 +3,11 @@
 Each family is one :class:`ModelFamily` object in a module of its own (:data:`FAMILY_MODULES`),
 which provides everything the package asks of a family: its data preprocessor (tokenization
 template and shape policy), its training pieces (loading, layer lists, dataset and collates),
-its profiling target, its ``check-model`` parts and its capabilities. Training, profiling, the
+its profiling target, its ``check-model`` parts, its Trainer-path parts (image-free guard,
+padding-free collation) and its capabilities. Training, profiling, the
 data commands and ``check-model`` all find a directory's family here (:func:`family_of`), and a
 ``model_type`` no family registers is refused naming the registered ones. Adding a family is a
-new family module plus one line in :data:`FAMILY_MODULES`.
+new family folder plus one line in :data:`FAMILY_MODULES`.
 
 The family modules are imported on the first lookup, so ``import dflop_ds`` stays light.
 """
@@ -25,6 +26,7 @@ from dflop_ds.data.errors import PathArg
 
 if TYPE_CHECKING:
     from dflop_ds.models.hf.check_parts import CheckParts
+    from dflop_ds.models.hf.trainer_parts import TrainerParts
     from dflop_ds.models.hf.training import TrainingParts
     from dflop_ds.profile.target import ProfileTarget
 
@@ -52,6 +54,8 @@ class ModelFamily:
             ``tile_pixels`` says whether its encoder tiles can go to a colocated encoder).
         profile_target: ``(model_dir, preprocessor, text_tokens) ->`` its profiling target.
         check_parts: ``() ->`` its :class:`~dflop_ds.models.hf.check.CheckParts`.
+        trainer: ``() ->`` its :class:`~dflop_ds.models.hf.trainer_parts.TrainerParts` (the
+            image-free guard's blank image and the padding-free collation of ``DFLOPTrainer``).
         tensor_parallel: whether DeepSpeed AutoTP may shard its language model (where its
             config declares a tensor-parallel plan).
     """
@@ -63,6 +67,7 @@ class ModelFamily:
     training: Callable[[], TrainingParts]
     profile_target: Callable[[str, Any, int], ProfileTarget]
     check_parts: Callable[[], CheckParts]
+    trainer: Callable[[], TrainerParts]
     tensor_parallel: bool
 
 
@@ -96,6 +101,15 @@ def family_for(kind: str | None, where: str = "model") -> ModelFamily:
     )
 
 
+def trainer_parts_of(config: Any) -> TrainerParts | None:
+    """The Trainer-path parts of the family of a loaded model's ``config.model_type``; None when no
+    family registers it (a model the Trainer then runs without the family's guard and collation)."""
+    kind = getattr(config, "model_type", None)
+    if kind not in registered_model_types():
+        return None
+    return family_for(kind).trainer()
+
+
 def model_type(model_dir: PathArg) -> str | None:
     """``model_type`` of a ``save_pretrained`` directory's ``config.json`` (None when it has none):
     what picks the model family."""
@@ -119,4 +133,5 @@ __all__ = [
     "model_type",
     "registered_families",
     "registered_model_types",
+    "trainer_parts_of",
 ]

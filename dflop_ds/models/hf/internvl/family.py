@@ -21,6 +21,7 @@ from dflop_ds.models.hf.internvl.model import MODEL_TYPE, internvl_layers, load_
 from dflop_ds.models.hf.internvl.synthetic import IMAGE_MARK, VIDEO_MARK, InternVLInputs
 from dflop_ds.models.hf.profile import family_profile_target
 from dflop_ds.models.hf.registry import ModelFamily
+from dflop_ds.models.hf.trainer_parts import BlankImage, TrainerParts, text_pad_token
 from dflop_ds.models.hf.training import TrainingParts
 
 #: The :class:`~dflop_ds.models.hf.internvl.data.InternVLPreprocessor` of a model directory.
@@ -53,6 +54,21 @@ class InternVLEncoderInputs(TileEncoderInputs):
         self.text_tokens, self.dtype = int(text_tokens), dtype
 
 
+def internvl_blank_image(config: Any) -> BlankImage:
+    """One blank tile ``[1, C, T, T]``: ``image_seq_length`` context tokens (HF's model writes a
+    tile's features at its context tokens; the ``<img>``/``</img>`` marks are text)."""
+    vision = config.vision_config
+    tile = side(vision.image_size)
+    image_token_id = int(config.image_token_id)
+    pixels = (1, int(vision.num_channels), tile, tile)
+    return BlankImage(pixels, image_token_id, int(config.image_seq_length), text_pad_token(config, image_token_id))
+
+
+def internvl_trainer() -> TrainerParts:
+    """InternVL on the Trainer path: its blank tile; padding-free batches concatenate the samples' tiles."""
+    return TrainerParts(internvl_blank_image)
+
+
 #: The layer lists, input factories and shape policy of the InternVL model in a directory.
 internvl_target = partial(
     family_profile_target, load=load_internvl, layers=internvl_layers, encoder_inputs=InternVLEncoderInputs
@@ -75,6 +91,7 @@ FAMILY = ModelFamily(
     training=internvl_training,
     profile_target=internvl_target,
     check_parts=internvl_check,
+    trainer=internvl_trainer,
     tensor_parallel=False,  # AutoTP of its language model is untested
 )
 

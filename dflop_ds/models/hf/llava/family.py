@@ -15,8 +15,9 @@ from dflop_ds.models.hf.base.synthetic import contract_microbatch, hf_model_kwar
 from dflop_ds.models.hf.check_parts import CheckParts, MicrobatchBuilder
 from dflop_ds.models.hf.llava.data import LlavaPreprocessor
 from dflop_ds.models.hf.llava.model import llava_input_factories, llava_layers, load_llava
-from dflop_ds.models.hf.llava.processor import load_processor
+from dflop_ds.models.hf.llava.processor import image_features_per_image, load_processor
 from dflop_ds.models.hf.registry import ModelFamily
+from dflop_ds.models.hf.trainer_parts import BlankImage, TrainerParts, text_pad_token
 from dflop_ds.models.hf.training import TrainingParts
 from dflop_ds.profile.target import ProfileTarget, summed_cross_entropy
 
@@ -79,6 +80,22 @@ def llava_check() -> CheckParts:
     )
 
 
+def llava_blank_image(config: Any) -> BlankImage | None:
+    """One blank image ``[1, C, S, S]`` and the features it becomes (patches, CLIP's CLS unless the
+    "default" strategy drops it); None for several feature layers (not run by this package)."""
+    if not isinstance(config.vision_feature_layer, int):
+        return None
+    image_token_id = int(config.image_token_id)
+    vision = config.vision_config
+    pixels = (1, int(vision.num_channels), int(vision.image_size), int(vision.image_size))
+    return BlankImage(pixels, image_token_id, image_features_per_image(config), text_pad_token(config, image_token_id))
+
+
+def llava_trainer() -> TrainerParts:
+    """LLaVA on the Trainer path: its blank image; padding-free batches concatenate the samples' images."""
+    return TrainerParts(llava_blank_image)
+
+
 FAMILY = ModelFamily(
     name="LLaVA",
     model_types=("llava",),
@@ -87,6 +104,7 @@ FAMILY = ModelFamily(
     training=llava_training,
     profile_target=llava_target,
     check_parts=llava_check,
+    trainer=llava_trainer,
     tensor_parallel=True,
 )
 
