@@ -8,7 +8,6 @@ killed and resumed, one SGD step against the whole global batch in one process.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from ds_runs import REPO, run_on_ranks, run_with_accelerate
-from family_builders import FAMILY_BUILDERS
+from family_inputs import FAMILY_BUILDERS, RightPadCollator, image_chats
 
 from dflop_ds.hf_trainer import (
     SAMPLER_STATE,
@@ -29,7 +28,7 @@ from dflop_ds.hf_trainer import (
 )
 from dflop_ds.hf_trainer.agreement import ranks_disagreement, trainer_input_digests
 from dflop_ds.hf_trainer.guard import blank_image_for, has_images, with_blank_image
-from dflop_ds.hf_trainer.packing import MEDIA_KEYS, concatenated_media
+from dflop_ds.hf_trainer.packing import concatenated_media
 from dflop_ds.hf_trainer.sampler import (
     TrainerBatchSampler,
     epoch_batches_with_tail,
@@ -466,64 +465,6 @@ def test_cost_model_of_another_shape_policy_or_depth_is_refused_by_the_trainer(t
 
 
 # ---- packing: dflop.model.packing=true -------------------------------------------------------------
-
-
-class RightPadCollator:
-    """A Trainer user's padded collator: right-pads every per-token key, concatenates the media
-    (``keys``, ``padded``: as the model's family joins them)."""
-
-    def __init__(self, keys: tuple[str, ...] = MEDIA_KEYS, padded: tuple[str, ...] = ()) -> None:
-        self.keys, self.padded = keys, padded
-
-    def __call__(self, items: list[dict]) -> dict:
-
-        length = max(len(item["input_ids"]) for item in items)
-        tokens = [key for key in ("input_ids", "labels", "mm_token_type_ids") if key in items[0]]
-        batch = {key: torch.full((len(items), length), -100 if key == "labels" else 0) for key in tokens}
-        batch["attention_mask"] = torch.zeros((len(items), length), dtype=torch.long)
-        for row, item in enumerate(items):
-            n = len(item["input_ids"])
-            for key in tokens:
-                batch[key][row, :n] = item[key]
-            batch["attention_mask"][row, :n] = 1
-        return {**batch, **concatenated_media(items, self.keys, self.padded)}
-
-
-def image_chats(config, count: int) -> list[dict]:
-    """``count`` HF model inputs of varied length, every other one with an image of the model's
-    (its image tokens ignored in the labels; Qwen2-VL's also with ``mm_token_type_ids``, the image
-    2 x 2 merged patches, so its M-RoPE positions are not the text's; LLaVA-OneVision's with its
-    ``image_sizes``); the others say ``pixel_values=None``, as a user's text-only items may."""
-    blank = blank_image_for(config)
-    assert blank is not None
-    generator = torch.Generator().manual_seed(3)
-    qwen = blank.grid_thw is not None
-    if qwen:
-        merged, patch_dim = blank.pixel_shape
-        _, height, width = blank.grid_thw
-        blank = dataclasses.replace(
-            blank, pixel_shape=(4 * merged, patch_dim), tokens=4, grid_thw=(1, 2 * height, 2 * width)
-        )
-    items = []
-    for i in range(count):
-        ids = torch.randint(5, 150, (6 + 3 * i,), generator=generator)
-        image = i % 2 == 0
-        if image:
-            ids = torch.cat([ids[:2], torch.full((blank.tokens,), blank.image_token_id), ids[2:]])
-        labels = torch.where(ids == blank.image_token_id, -100, ids)
-        item = {"input_ids": ids, "labels": labels}
-        if qwen:
-            item["mm_token_type_ids"] = (ids == blank.image_token_id).long()
-        if image:
-            item["pixel_values"] = torch.rand(blank.pixel_shape, generator=generator)
-            if qwen:
-                item["image_grid_thw"] = torch.tensor([blank.grid_thw])
-            if blank.image_sizes is not None:
-                item["image_sizes"] = torch.tensor([blank.image_sizes])
-        else:
-            item["pixel_values"] = None
-        items.append(item)
-    return items
 
 
 def test_padding_free_media_take_none_and_name_what_they_cannot_join():
