@@ -95,6 +95,13 @@ def test_every_family_has_a_folder_and_none_imports_another():
     assert cross_family_imports(PACKAGE, folders) == []
 
 
+def test_the_family_neutral_base_imports_no_family():
+    """``models/hf/base/`` is what families build on: it imports none of them (checked as if it
+    were one more family)."""
+    found = cross_family_imports(PACKAGE, {**family_folders(), "base": "models/hf/base/"})
+    assert [line for line in found if line.startswith("models/hf/base/")] == []
+
+
 def test_the_check_sees_a_cross_family_import(tmp_path):
     for name in ("a", "b"):
         (tmp_path / "models" / name).mkdir(parents=True)
