@@ -1,8 +1,8 @@
 """HF models padded against packed: forward+backward of the tiny HF LLaVA and Qwen2-VL layer lists.
 
 The same mixed microbatch (images and text-only samples of very different lengths) runs through
-the layer lists of :func:`dflop_ds.models.hf.llava.llava_layers` (Llama and Qwen2 text models) and
-:func:`dflop_ds.models.hf.qwen2_vl.qwen2_vl_layers`, collated padded and packed; both run in
+the layer lists of :func:`dflop_ds.models.hf.llava.model.llava_layers` (Llama and Qwen2 text models) and
+:func:`dflop_ds.models.hf.qwen2_vl.model.qwen2_vl_layers`, collated padded and packed; both run in
 interleaved rounds and the median is reported (``benchmarks/bench_packed_attention.py``'s timer).
 What ``dflop.model.packing``'s default for HF models rests on (``docs/configuration.md``).
 Run: ``python benchmarks/bench_hf_packing.py`` (about a minute; figures depend on load).
@@ -23,11 +23,11 @@ from transformers import AutoProcessor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_packed_attention import median_ms  # noqa: E402
+from dflop_ds.models.hf.base.synthetic import contract_microbatch  # noqa: E402
 from dflop_ds.models.hf.check import random_image  # noqa: E402
-from dflop_ds.models.hf.llava import llava_layers, load_llava  # noqa: E402
-from dflop_ds.models.hf.llava_synthetic import contract_microbatch  # noqa: E402
-from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers  # noqa: E402
-from dflop_ds.models.hf.qwen2_vl_synthetic import IMAGE_MARK, Qwen2VLInputs  # noqa: E402
+from dflop_ds.models.hf.llava.model import llava_layers, load_llava  # noqa: E402
+from dflop_ds.models.hf.qwen2_vl.model import load_qwen2_vl, qwen2_vl_layers  # noqa: E402
+from dflop_ds.models.hf.qwen2_vl.synthetic import IMAGE_MARK, Qwen2VLInputs  # noqa: E402
 from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
 from dflop_ds.testing.hf_tiny import build_tiny_llava  # noqa: E402
 from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl  # noqa: E402

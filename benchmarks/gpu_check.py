@@ -427,8 +427,8 @@ def padded_path_fails(model: Any, family: Any, path: Path, device: Any) -> str |
     """Why the HF model's own forward+backward (padded, one microbatch) fails with its attention
     implementation here, or None when it trains: an implementation HF cannot train with here is
     skipped; one that HF trains with and the layer lists do not is a failure."""
+    from dflop_ds.models.hf.base.synthetic import hf_labels
     from dflop_ds.models.hf.check import synthetic_batches
-    from dflop_ds.models.hf.llava_synthetic import hf_labels
     from dflop_ds.train.device import move_to
 
     samples = synthetic_batches(0, family.image_mark)[0][1]
@@ -518,7 +518,7 @@ def compare_attention_paths(ctx: Context, entry: dict) -> bool:
     entry["tolerance"] = {"loss_logits": LOSS_TOLERANCE, "grads": GRAD_TOLERANCE}
     entry["packed_path"] = (
         "padded microbatches use the named implementation; packed ones transformers' varlen path under "
-        "flash_attention_2, else dflop_segments (one causal SDPA per sample, dflop_ds.models.hf.packed)"
+        "flash_attention_2, else dflop_segments (one causal SDPA per sample, dflop_ds.models.hf.base.packed)"
     )
     tried = [impl for family in ("llava", "qwen2_vl") for impl in entry.get(family, {})]
     return ok and bool(tried)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from dflop_ds.hf_trainer.packing import concatenated_media
-from dflop_ds.models.hf.llava_data import load_llava_records
-from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor
+from dflop_ds.models.hf.base.dataset import load_llava_records
+from dflop_ds.models.hf.qwen2_vl.data import Qwen2VLDataset, Qwen2VLPreprocessor
 from dflop_ds.models.tiny_data import IGNORE_INDEX
 
 

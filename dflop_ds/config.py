@@ -101,9 +101,9 @@ class ModelSection:
         packing: pack each microbatch's samples into one sequence (attention kept inside each
             sample; :mod:`dflop_ds.models.packing`) instead of padding them to the longest, and
             balance on the additive packed cost (:class:`dflop_ds.cost.PackedCost`).
-            None (default): on where the model supports it (the tiny model and the HF LLaVA and
-            Qwen2-VL families; measured faster on each, see docs/configuration.md), off
-            otherwise; true for a model without packing is refused.
+            None (default): on where the model supports it (the tiny model and every registered
+            HF family; measured faster on the tiny model, HF LLaVA and Qwen2-VL, see
+            docs/configuration.md), off otherwise; true for a model without packing is refused.
         lora: LoRA fine-tuning of a HuggingFace model's language model
             (:class:`~dflop_ds.models.hf.lora.LoraSettings`, written e.g. ``{"r": 8, "alpha": 16}``);
             None trains every weight.

@@ -129,7 +129,7 @@ class ShapePolicy:
     LLaVA-OneVision's for over 99 % of the sizes, its tokens for none (the processor un-pads the
     grid, adds a newline per feature row, pools large grids and gives each image of a multi-image
     sample one tile). A HuggingFace LLaVA-OneVision directory's own policy counts exactly
-    (:mod:`dflop_ds.models.hf.llava_onevision_data`).
+    (:mod:`dflop_ds.models.hf.llava_onevision.data`).
 
     ``name`` labels the policy in messages; ``tokenizer_id`` names the tokenizer (and chat
     template) that counts the text, for :meth:`describe` (default: the ``tokenizer``

@@ -55,9 +55,9 @@ def assert_qwen2_vl_packs(model: Any, inputs_of: Any, samples: Sequence[Any]) ->
     """``samples`` packed through the Qwen2-VL layer lists: every sample's M-RoPE positions are
     HF's ``get_rope_index`` of that sample (restarting at 0), and the packed microbatch gives the
     padded one's logits, loss and gradients (:func:`assert_packed_matches_padded`)."""
-    from dflop_ds.models.hf.common import run_layers
-    from dflop_ds.models.hf.qwen2_vl import qwen2_vl_layers
-    from dflop_ds.models.hf.qwen2_vl_synthetic import qwen2_vl_hf_positions
+    from dflop_ds.models.hf.base.layers import run_layers
+    from dflop_ds.models.hf.qwen2_vl.model import qwen2_vl_layers
+    from dflop_ds.models.hf.qwen2_vl.synthetic import qwen2_vl_hf_positions
 
     encoder, projector, llm = qwen2_vl_layers(model)
     padded, packed = inputs_of.microbatch(samples), inputs_of.microbatch(samples, packed=True)

@@ -40,7 +40,7 @@ def tp_config(**dflop) -> tuple[dict, DFLOPConfig]:
 def expected_sharded(model_dir: Path) -> tuple[set[str], set[str]]:
     """``(column, row)`` names (flat layer index) AutoTP should shard in the LLaVA of ``model_dir``:
     every decoder linear and an untied lm_head; nothing of the vision tower or the projector."""
-    from dflop_ds.models.hf.llava import llava_layers, load_llava
+    from dflop_ds.models.hf.llava.model import llava_layers, load_llava
 
     model = load_llava(model_dir)
     encoder, _, llm = llava_layers(model)
@@ -58,7 +58,7 @@ def expected_sharded(model_dir: Path) -> tuple[set[str], set[str]]:
 def test_autotp_partition_config_shards_the_llm_linears_and_leaves_the_vision_tower_whole(tmp_path, vision, text, tied):
     import re
 
-    from dflop_ds.models.hf.llava import llava_layers, load_llava
+    from dflop_ds.models.hf.llava.model import llava_layers, load_llava
     from dflop_ds.testing.hf_tiny import build_tiny_llava
     from dflop_ds.train.autotp import autotp_partition_config
     from dflop_ds.train.sequential import SequentialMLLM
@@ -276,7 +276,7 @@ def test_autotp_tp2_colocated_trains_like_the_unsharded_run_and_saves_the_full_m
 
 
 def test_autotp_partition_config_sums_the_colocated_encoders_gradients_over_the_group(tmp_path):
-    from dflop_ds.models.hf.llava import llava_layers, load_llava
+    from dflop_ds.models.hf.llava.model import llava_layers, load_llava
     from dflop_ds.testing.hf_tiny import build_tiny_llava
     from dflop_ds.train.autotp import autotp_partition_config, with_autotp_layout
     from dflop_ds.train.colocated import ColocatedMLLM

@@ -11,7 +11,8 @@ import pytest
 pytest.importorskip("transformers")
 
 from dflop_ds.commands.main import main  # noqa: E402
-from dflop_ds.models.hf import common, llava  # noqa: E402
+from dflop_ds.models.hf.base import layers as common  # noqa: E402
+from dflop_ds.models.hf.llava import model as llava  # noqa: E402
 from dflop_ds.testing.hf_tiny import build_tiny_llava  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

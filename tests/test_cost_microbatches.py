@@ -1,4 +1,4 @@
-"""Many microbatches predicted in one call (:mod:`dflop_ds.cost.microbatches`) equal the
+"""Many microbatches predicted in one call (:mod:`dflop_ds.cost.batched`) equal the
 per-microbatch predictions, for every cost model and wrapper, and for a model that declares no
 batched form."""
 

@@ -19,10 +19,11 @@ from test_costmodel import synthetic_profile  # noqa: E402
 
 from dflop_ds.cost import FittedCostModel, check_policy  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
-from dflop_ds.models.hf.internvl_data import InternVLDataset, InternVLPreprocessor  # noqa: E402
-from dflop_ds.models.hf.llava_data import LlavaDataset, LlavaPreprocessor, load_llava_records  # noqa: E402
-from dflop_ds.models.hf.llava_onevision_data import OnevisionDataset, OnevisionPreprocessor  # noqa: E402
-from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor  # noqa: E402
+from dflop_ds.models.hf.base.dataset import MediaDataset, load_llava_records
+from dflop_ds.models.hf.internvl.data import InternVLDataset, InternVLPreprocessor  # noqa: E402
+from dflop_ds.models.hf.llava.data import LlavaPreprocessor
+from dflop_ds.models.hf.llava_onevision.data import OnevisionDataset, OnevisionPreprocessor  # noqa: E402
+from dflop_ds.models.hf.qwen2_vl.data import Qwen2VLDataset, Qwen2VLPreprocessor  # noqa: E402
 from dflop_ds.testing.hf_tiny import build_tiny_llava  # noqa: E402
 from dflop_ds.testing.internvl_tiny import build_tiny_internvl  # noqa: E402
 from dflop_ds.testing.llava_data import write_llava_dataset  # noqa: E402
@@ -55,7 +56,7 @@ def chat_template(image: str, video: str, *, images_first: bool = False) -> str:
 
 #: family -> (builder, preprocessor, dataset, image marker, image block text of n tokens, takes videos)
 FAMILIES = {
-    "llava": (build_tiny_llava, LlavaPreprocessor, LlavaDataset, "<image>", lambda n: "<image>" * n, False),
+    "llava": (build_tiny_llava, LlavaPreprocessor, MediaDataset, "<image>", lambda n: "<image>" * n, False),
     "qwen2_vl": (
         lambda d: build_tiny_qwen2_vl(d, max_pixels=48 * 48),
         Qwen2VLPreprocessor,
@@ -196,7 +197,7 @@ def test_a_cost_model_profiled_under_the_builtin_template_is_refused_naming_both
 
 
 def test_a_qwen2_vl_tokenizer_without_chatml_tokens_is_accepted_with_its_own_template(tmp_path):
-    from dflop_ds.models.hf.folder import load_text_and_image_parts
+    from dflop_ds.models.hf.base.folder import load_text_and_image_parts
     from dflop_ds.testing.hf_tiny import SPECIAL_TOKENS, build_tokenizer
 
     _, image_processor, config = load_text_and_image_parts(build_tiny_qwen2_vl(tmp_path / "m"))
@@ -236,7 +237,7 @@ def test_a_template_that_drops_images_is_refused_by_name(tmp_path):
 def test_a_saved_preprocessor_keeps_a_legacy_template(tmp_path):
     """Training saves the tokenizer and image processor; a template read from a legacy
     ``chat_template.json`` is written next to them, so the trained model tokenizes as before."""
-    from dflop_ds.models.hf.folder import save_text_and_image_parts
+    from dflop_ds.models.hf.base.folder import save_text_and_image_parts
 
     model, template = model_with_template("internvl", tmp_path / "m", legacy=True)
     saved = tmp_path / "saved"
@@ -276,7 +277,7 @@ def test_a_template_that_tokenizes_as_the_builtin_one_keeps_its_policy_and_cost_
 
 
 def test_a_malformed_legacy_template_file_is_named(tmp_path):
-    from dflop_ds.models.hf.chat_template import checkpoint_chat_template
+    from dflop_ds.models.hf.base.chat_template import checkpoint_chat_template
 
     (tmp_path / "chat_template.json").write_text('{"chat_template": ')
     with pytest.raises(ValueError, match=r"chat_template.json: not a JSON chat template file"):

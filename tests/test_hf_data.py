@@ -21,15 +21,9 @@ from dflop_ds.cost import (  # noqa: E402
     save_cost_model,
 )
 from dflop_ds.data import DataError, read_dataset  # noqa: E402
-from dflop_ds.models.hf.llava_data import (  # noqa: E402
-    LlavaDataset,
-    LlavaPreprocessor,
-    collate_llava,
-    collate_packed_llava,
-    llava_policy,
-    load_llava_records,
-    supervised_targets,
-)
+from dflop_ds.models.hf.base.collate import collate_packed, collate_padded
+from dflop_ds.models.hf.base.dataset import MediaDataset, load_llava_records, supervised_targets
+from dflop_ds.models.hf.llava.data import LlavaPreprocessor, llava_policy
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY  # noqa: E402
 from dflop_ds.testing import hf_tiny  # noqa: E402
@@ -172,8 +166,8 @@ def test_bad_records_are_named_by_the_shape_reader(pre: LlavaPreprocessor, tmp_p
 def test_label_counts_of_shapes_equal_the_collated_targets(pre: LlavaPreprocessor, dataset) -> None:
     data, folder = dataset
     shapes = read(data, pre, folder)
-    ds = LlavaDataset(shapes, load_llava_records(data), pre, folder, source=data)
-    inputs, (targets, denominator) = collate_llava([ds[i] for i in range(len(ds))])
+    ds = MediaDataset(shapes, load_llava_records(data), pre, folder, source=data)
+    inputs, (targets, denominator) = collate_padded([ds[i] for i in range(len(ds))])
     pixel_values, input_ids, seq_lens = inputs
     assert int((targets != -100).sum()) == sum(supervised_targets(s) for s in shapes) > 0
     assert seq_lens.tolist() == [s.llm_tokens for s in shapes]
@@ -194,8 +188,8 @@ def test_label_counts_of_shapes_equal_the_collated_targets(pre: LlavaPreprocesso
 def test_collate_contract_shapes_and_dtypes(pre: LlavaPreprocessor, dataset) -> None:
     data, folder = dataset
     shapes = read(data, pre, folder)
-    ds = LlavaDataset(shapes, load_llava_records(data), pre, folder)
-    (pixels, input_ids, seq_lens), (targets, denominator) = collate_llava(
+    ds = MediaDataset(shapes, load_llava_records(data), pre, folder)
+    (pixels, input_ids, seq_lens), (targets, denominator) = collate_padded(
         [ds[ScheduledIndex(i, 7.5)] for i in (3, 2, 0)]
     )
     assert pixels.dtype == torch.float32 and pixels.shape == (3, 3, hf_tiny.IMAGE_SIZE, hf_tiny.IMAGE_SIZE)
@@ -208,10 +202,10 @@ def test_collate_contract_shapes_and_dtypes(pre: LlavaPreprocessor, dataset) -> 
     # the images' pixels are the processor's own, in sample order
     expected = pre.image_processor(images=[Image.open(folder / "a.png").convert("RGB")], return_tensors="pt")
     assert torch.allclose(pixels[0], expected["pixel_values"][0].float())
-    (text_pixels, *_), _ = collate_llava([ds[2]])
+    (text_pixels, *_), _ = collate_padded([ds[2]])
     assert text_pixels.shape == (0, 3, hf_tiny.IMAGE_SIZE, hf_tiny.IMAGE_SIZE)
     # packed: the same samples one after another in one row, the rest unchanged
-    (packed_pixels, packed_ids, packed_lens), (packed_targets, packed_denominator) = collate_packed_llava(
+    (packed_pixels, packed_ids, packed_lens), (packed_targets, packed_denominator) = collate_packed(
         [ds[ScheduledIndex(i, 7.5)] for i in (3, 2, 0)]
     )
     real = torch.arange(input_ids.shape[1])[None, :] < seq_lens[:, None]
@@ -223,7 +217,7 @@ def test_collate_contract_shapes_and_dtypes(pre: LlavaPreprocessor, dataset) -> 
 def test_missing_image_at_load_time_is_named(pre: LlavaPreprocessor, dataset) -> None:
     data, folder = dataset
     shapes = read(data, pre, folder)
-    ds = LlavaDataset(shapes, load_llava_records(data), pre, folder, source=data)
+    ds = MediaDataset(shapes, load_llava_records(data), pre, folder, source=data)
     (folder / "c.png").unlink()
     with pytest.raises(DataError, match=f"cannot load image {folder / 'c.png'}") as info:
         ds[3]
@@ -233,7 +227,7 @@ def test_missing_image_at_load_time_is_named(pre: LlavaPreprocessor, dataset) ->
 def test_shapes_of_another_policy_are_refused(pre: LlavaPreprocessor, dataset) -> None:
     data, folder = dataset
     shapes = read_dataset(data, TINY_POLICY, image_folder=folder)
-    ds = LlavaDataset(shapes, load_llava_records(data), pre, folder)
+    ds = MediaDataset(shapes, load_llava_records(data), pre, folder)
     with pytest.raises(DataError, match="made under another policy"):
         ds[0]
 
@@ -325,11 +319,11 @@ def test_scheduled_denominators_match_the_collated_targets(pre: LlavaPreprocesso
 
     data, folder = dataset
     shapes = read(data, pre, folder)
-    ds = LlavaDataset(shapes, load_llava_records(data), pre, folder)
+    ds = MediaDataset(shapes, load_llava_records(data), pre, folder)
     sampler = DFLOPBatchSampler(
         shapes, global_batch_size=4, gradient_accumulation_steps=2, prefetch=0, label_tokens_fn=supervised_targets
     )
-    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate_llava)
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate_padded)
     batches = list(loader)
     assert len(batches) == 2
     targets_seen = sum(int((targets != -100).sum()) for _, (targets, _) in batches)

@@ -15,12 +15,15 @@ pytest.importorskip("transformers")
 from ds_runs import run_pipeline_variants  # noqa: E402
 from hf_stage_checks import assert_packed_matches_padded, assert_stages_match_hf  # noqa: E402
 
+from dflop_ds.models.hf.base.layers import (
+    TIED_EMBEDDING_KEY,
+    run_layers,  # noqa: E402
+)
+from dflop_ds.models.hf.base.packed import PACKED_ATTENTION, packed_attention, segment_attention  # noqa: E402
+from dflop_ds.models.hf.base.synthetic import contract_microbatch, hf_forward  # noqa: E402
 from dflop_ds.models.hf.check import random_image, run_stages  # noqa: E402
-from dflop_ds.models.hf.common import run_layers  # noqa: E402
-from dflop_ds.models.hf.llava import TIED_EMBEDDING_KEY, check_llava_config, llava_layers, load_llava  # noqa: E402
-from dflop_ds.models.hf.llava_processor import processor_image_tokens  # noqa: E402
-from dflop_ds.models.hf.llava_synthetic import contract_microbatch, hf_forward  # noqa: E402
-from dflop_ds.models.hf.packed import PACKED_ATTENTION, packed_attention, segment_attention  # noqa: E402
+from dflop_ds.models.hf.llava.model import check_llava_config, llava_layers, load_llava
+from dflop_ds.models.hf.llava.processor import processor_image_tokens  # noqa: E402
 from dflop_ds.pipe import plan_stage_bounds, token_loss_sum, token_normalized_loss  # noqa: E402
 from dflop_ds.testing.hf_tiny import TOKENS_PER_IMAGE, build_tiny_llava  # noqa: E402
 
@@ -342,7 +345,7 @@ def test_stage_bounds_from_a_profile_of_the_real_layers(tmp_path_factory) -> Non
     """The profiler times the HF layers through the input factories; the cost model's split is a
     valid split of the flat list that still matches HF."""
     from dflop_ds.cost import FittedCostModel
-    from dflop_ds.models.hf.llava import llava_input_factories
+    from dflop_ds.models.hf.llava.model import llava_input_factories
     from dflop_ds.plan.stages import cost_balanced_bounds
     from dflop_ds.profile.model import profile_model
     from dflop_ds.shapes import SampleShape

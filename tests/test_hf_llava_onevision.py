@@ -1,7 +1,7 @@
 """LLaVA-OneVision: the counting rule against the real ``LlavaOnevisionProcessor`` (built offline
-in-process), the layer lists against HF's forward at 1-3 stages (check-model), the data pipeline's
-microbatches (AnyRes images, several images, videos through PyAV, text-only) against HF's loss,
-packed against padded, and two ranks of ZeRO-2 training."""
+in-process), check-model on another checkpoint, the registry and the profiling target. The contract
+every family passes (check-model at 1-3 stages, the data pipeline against HF's loss, packed against
+padded, the image-free guard, 2-rank ZeRO-2 training) is in test_family_contract.py."""
 
 from __future__ import annotations
 
@@ -10,23 +10,16 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from hf_stage_checks import assert_trains_with_media  # noqa: E402
 from PIL import Image  # noqa: E402
 from transformers import LlavaOnevisionProcessor  # noqa: E402
 
-from dflop_ds.models.hf.check import check_model, run_stages  # noqa: E402
-from dflop_ds.models.hf.llava_onevision_shapes import OnevisionTokenRule  # noqa: E402
-from dflop_ds.models.hf.llava_onevision_synthetic import onevision_hf_kwargs  # noqa: E402
-from dflop_ds.models.hf.llava_synthetic import hf_labels  # noqa: E402
-from dflop_ds.models.hf.source import hf_source  # noqa: E402
-from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
+from dflop_ds.models.hf.check import check_model  # noqa: E402
+from dflop_ds.models.hf.llava_onevision.shapes import OnevisionTokenRule  # noqa: E402
 from dflop_ds.shapes import DEFAULT_POLICY  # noqa: E402
-from dflop_ds.testing.llava_data import write_llava_dataset  # noqa: E402
 from dflop_ds.testing.llava_onevision_tiny import build_onevision_tokenizer, build_tiny_llava_onevision  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
@@ -112,7 +105,7 @@ def test_the_demo_anyres_policy_tiles_as_the_processor_but_counts_tokens_its_own
     assert same_tiles / total > 0.99 and same_tokens == 0, (same_tiles, same_tokens, total)
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("stages", [3])  # 1-3 stages on the default checkpoint: test_family_contract.py
 def test_check_model_matches_hf_on_another_checkpoint(tmp_path, stages):
     model = build_tiny_llava_onevision(tmp_path / "m", pinpoints=OTHER_PINPOINTS, max_tiles=1, tile=12, patch=3, seed=2)
     report = check_model(model, stages=stages)
@@ -121,55 +114,16 @@ def test_check_model_matches_hf_on_another_checkpoint(tmp_path, stages):
 
 
 @pytest.fixture(scope="module")
-def onevision_data(tmp_path_factory):
-    """A tiny model, 16 LLaVA records (1-3 images of 24-400 px, text-only ones) and 4 short videos."""
-    from dflop_ds.testing.video import add_video_records
-
-    root = tmp_path_factory.mktemp("onevision")
-    model = build_tiny_llava_onevision(root / "m", tie_word_embeddings=True)
-    data, images = write_llava_dataset(root / "data", 16, seed=5, text_only=0.2)
-    add_video_records(data, root / "videos", 4, seed=5)
-    return model, data, images, root / "videos"
+def onevision_model(tmp_path_factory):
+    """A tiny model with tied embeddings (its data pipeline and 2-rank training: test_family_contract.py)."""
+    return build_tiny_llava_onevision(tmp_path_factory.mktemp("onevision") / "m", tie_word_embeddings=True)
 
 
-def test_dataset_microbatches_give_hf_loss_and_packed_equals_padded(onevision_data):
-    model, data, images, videos = onevision_data
-    source = hf_source(str(model), image_folder=str(images), video_folder=str(videos))
-    shapes = source.read_shapes(str(data), "error")
-    kinds = {shape.modality for shape in shapes}
-    assert kinds == {"text", "image", "multi_image", "video"}, kinds
-    dataset = source.make_dataset(shapes, str(data))
-    layers = [*source.encoder_layers, source.projector, *source.llm_layers]
-    hf_model = source.hf_model.eval()
-    by_kind = {kind: [i for i, s in enumerate(shapes) if s.modality == kind] for kind in kinds}
-    batches = [
-        [by_kind["image"][0], by_kind["multi_image"][0], by_kind["text"][0]],
-        [by_kind["text"][0]],
-        [by_kind["video"][0], by_kind["image"][-1]],
-        [by_kind["video"][1]],
-    ]
-    for batch in batches:
-        items = [dataset[i] for i in batch]
-        for i, item in zip(batch, items):
-            assert (
-                item.pixel_values.shape[0] == shapes[i].encoder_tiles and item.input_ids.numel() == shapes[i].llm_tokens
-            )
-        inputs, labels = source.collate(items)
-        logits, _ = run_stages(layers, [0, len(layers)], inputs)
-        loss = token_normalized_loss(logits, labels)
-        with torch.no_grad():
-            reference = hf_model(**onevision_hf_kwargs(inputs), labels=hf_labels(labels[0])).loss
-        assert torch.allclose(loss, reference, rtol=1e-5), (batch, float(loss), float(reference))
-        packed_inputs, packed_labels = source.packed_collate(items)
-        packed_logits, _ = run_stages(layers, [0, len(layers)], packed_inputs)
-        assert torch.allclose(token_normalized_loss(packed_logits, packed_labels), loss, rtol=1e-5)
-
-
-def test_registry_finds_the_family_and_the_policy_counts_tiles(onevision_data):
+def test_registry_finds_the_family_and_the_policy_counts_tiles(onevision_model):
     from dflop_ds.models.hf.preprocessor import hf_preprocessor
     from dflop_ds.models.hf.registry import family_of
 
-    model, *_ = onevision_data
+    model = onevision_model
     assert family_of(model).name == "LLaVA-OneVision"
     policy = hf_preprocessor(str(model), video_max_frames=3).policy()
     shape = policy.shape("s", image_sizes=[(40, 17)], video_frames=10, text_tokens=5)
@@ -179,19 +133,12 @@ def test_registry_finds_the_family_and_the_policy_counts_tiles(onevision_data):
     assert policy.describe()["sample_images"].startswith("OnevisionTokenRule(")
 
 
-@pytest.mark.slow
-def test_llava_onevision_trains_on_two_ranks_with_zero2(tmp_path, onevision_data, train):
-    assert_trains_with_media(
-        train, "hf_zero2.json", onevision_data, tmp_path / "trained", "llava_onevision", zero_stage=2
-    )
-
-
-def test_profiling_target_sweeps_tiles_and_fits_a_cost_model_with_the_family_policy(onevision_data):
+def test_profiling_target_sweeps_tiles_and_fits_a_cost_model_with_the_family_policy(onevision_model):
     from dflop_ds.cost import FittedCostModel
     from dflop_ds.models.hf.profile import hf_target
     from dflop_ds.profile.model import profile_model
 
-    model, *_ = onevision_data
+    model = onevision_model
     target = hf_target(str(model))
     x = target.encoder_inputs(5, 2)  # 3 + 2 one-tile images (16 features and a newline each)
     image_id = target.encoder_inputs.image_token_id  # type: ignore[attr-defined]

@@ -13,11 +13,11 @@ pytest.importorskip("transformers")
 from hf_stage_checks import assert_qwen2_vl_packs, assert_stages_match_hf  # noqa: E402
 
 from dflop_ds.commands.main import main  # noqa: E402
-from dflop_ds.models.hf import qwen2_vl  # noqa: E402
+from dflop_ds.models.hf.base.layers import run_layers  # noqa: E402
 from dflop_ds.models.hf.check import random_image  # noqa: E402
-from dflop_ds.models.hf.common import run_layers  # noqa: E402
-from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, mrope_position_ids, qwen2_vl_layers  # noqa: E402
-from dflop_ds.models.hf.qwen2_vl_synthetic import IMAGE_MARK, Qwen2VLInputs, qwen2_vl_hf_forward, qwen2_vl_hf_positions  # noqa: E402
+from dflop_ds.models.hf.qwen2_vl import model as qwen2_vl  # noqa: E402
+from dflop_ds.models.hf.qwen2_vl.model import load_qwen2_vl, mrope_position_ids, qwen2_vl_layers  # noqa: E402
+from dflop_ds.models.hf.qwen2_vl.synthetic import IMAGE_MARK, Qwen2VLInputs, qwen2_vl_hf_forward, qwen2_vl_hf_positions  # noqa: E402
 from dflop_ds.pipe import token_normalized_loss  # noqa: E402
 from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl  # noqa: E402
 

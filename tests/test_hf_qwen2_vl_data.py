@@ -11,17 +11,17 @@ import torch
 pytest.importorskip("transformers")
 
 from dflop_ds.data import DataError, read_dataset  # noqa: E402
-from dflop_ds.models.hf.llava_data import load_llava_records  # noqa: E402
+from dflop_ds.models.hf.base.dataset import load_llava_records
 from dflop_ds.models.hf.lora import LoraSettings  # noqa: E402
-from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers  # noqa: E402
-from dflop_ds.models.hf.qwen2_vl_data import (  # noqa: E402
+from dflop_ds.models.hf.qwen2_vl.data import (  # noqa: E402
     Qwen2VLDataset,
     Qwen2VLPreprocessor,
     SmartResize,
     collate_packed_qwen2_vl,
     collate_qwen2_vl,
 )
-from dflop_ds.models.hf.qwen2_vl_synthetic import qwen2_vl_hf_forward  # noqa: E402
+from dflop_ds.models.hf.qwen2_vl.model import load_qwen2_vl, qwen2_vl_layers  # noqa: E402
+from dflop_ds.models.hf.qwen2_vl.synthetic import qwen2_vl_hf_forward  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
 from dflop_ds.pipe import token_normalized_loss  # noqa: E402
 from dflop_ds.testing.llava_data import write_llava_dataset  # noqa: E402
@@ -140,7 +140,7 @@ def test_profile_target_runs_the_real_layers_on_patch_counts(setup, tmp_path: Pa
     merge blocks, rows without images allowed); the fitted cost model keeps the Qwen2-VL policy."""
     from dflop_ds.cost import FittedCostModel
     from dflop_ds.models.hf.profile import hf_target
-    from dflop_ds.models.hf.qwen2_vl import Qwen2VLEncoderInputs
+    from dflop_ds.models.hf.qwen2_vl.model import Qwen2VLEncoderInputs
     from dflop_ds.profile.model import profile_model
 
     model_dir, _, _, pre, _ = setup

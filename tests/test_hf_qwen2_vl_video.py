@@ -23,12 +23,12 @@ from dflop_ds.data.video import (  # noqa: E402
     sample_frame_indices,
     sampled_frame_count,
 )
+from dflop_ds.models.hf.base.dataset import load_llava_records
+from dflop_ds.models.hf.base.layers import run_layers  # noqa: E402
 from dflop_ds.models.hf.check import random_frames, random_image  # noqa: E402
-from dflop_ds.models.hf.common import run_layers  # noqa: E402
-from dflop_ds.models.hf.llava_data import load_llava_records  # noqa: E402
-from dflop_ds.models.hf.qwen2_vl import load_qwen2_vl, qwen2_vl_layers  # noqa: E402
-from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor, collate_qwen2_vl  # noqa: E402
-from dflop_ds.models.hf.qwen2_vl_synthetic import (  # noqa: E402
+from dflop_ds.models.hf.qwen2_vl.data import Qwen2VLDataset, Qwen2VLPreprocessor, collate_qwen2_vl  # noqa: E402
+from dflop_ds.models.hf.qwen2_vl.model import load_qwen2_vl, qwen2_vl_layers  # noqa: E402
+from dflop_ds.models.hf.qwen2_vl.synthetic import (  # noqa: E402
     IMAGE_MARK,
     VIDEO_MARK,
     Qwen2VLInputs,

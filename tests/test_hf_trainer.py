@@ -8,7 +8,6 @@ killed and resumed, one SGD step against the whole global batch in one process.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from ds_runs import REPO, run_on_ranks, run_with_accelerate
+from family_inputs import FAMILY_BUILDERS, RightPadCollator, image_chats
 
 from dflop_ds.hf_trainer import (
     SAMPLER_STATE,
@@ -27,7 +27,8 @@ from dflop_ds.hf_trainer import (
     llava_json_shapes,
 )
 from dflop_ds.hf_trainer.agreement import ranks_disagreement, trainer_input_digests
-from dflop_ds.hf_trainer.guard import BlankImage, has_images, with_blank_image
+from dflop_ds.hf_trainer.guard import blank_image_for, has_images, with_blank_image
+from dflop_ds.hf_trainer.packing import concatenated_media
 from dflop_ds.hf_trainer.sampler import (
     TrainerBatchSampler,
     epoch_batches_with_tail,
@@ -167,7 +168,7 @@ def test_blank_image_leaves_loss_and_gradients_unchanged_and_runs_the_tower(llav
 
     model_dir, _, _ = llava_inputs
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir))
-    blank = BlankImage.for_model(model.config)
+    blank = blank_image_for(model.config)
     assert blank is not None and blank.tokens == 16 and blank.pixel_shape == (1, 3, 32, 32)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(5, 300, (2, 9), generator=generator)
@@ -218,7 +219,7 @@ def test_qwen2_vl_blank_image_runs_the_tower_and_leaves_loss_and_gradients_uncha
 
     model = AutoModelForImageTextToText.from_pretrained(str(build_tiny_qwen2_vl(tmp_path / "qwen2_vl")))
     model.config.text_config.use_cache = False  # else no per-sample attention mask for packed position_ids
-    blank = BlankImage.for_model(model.config)
+    blank = blank_image_for(model.config)
     assert blank is not None and blank.tokens == 1 and blank.grid_thw == (1, 2, 2)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(5, 200, (2, 9), generator=generator)
@@ -258,10 +259,10 @@ def test_a_qwen2_vl_video_needs_no_blank_image():
     assert has_images({"pixel_values_videos": torch.zeros(8, 96)}) and not has_images({"pixel_values": torch.zeros(0)})
 
 
-def test_blank_image_is_only_for_llava_and_qwen2_vl():
+def test_no_blank_image_for_a_model_no_family_registers():
     from transformers import LlamaConfig
 
-    assert BlankImage.for_model(LlamaConfig()) is None
+    assert blank_image_for(LlamaConfig()) is None
 
 
 # ---- shapes and bad input ------------------------------------------------------------------------
@@ -466,69 +467,37 @@ def test_cost_model_of_another_shape_policy_or_depth_is_refused_by_the_trainer(t
 # ---- packing: dflop.model.packing=true -------------------------------------------------------------
 
 
-class RightPadCollator:
-    """A Trainer user's padded collator: right-pads every per-token key, concatenates the media."""
-
-    def __call__(self, items: list[dict]) -> dict:
-        from dflop_ds.hf_trainer.packing import concatenated_media
-
-        length = max(len(item["input_ids"]) for item in items)
-        tokens = [key for key in ("input_ids", "labels", "mm_token_type_ids") if key in items[0]]
-        batch = {key: torch.full((len(items), length), -100 if key == "labels" else 0) for key in tokens}
-        batch["attention_mask"] = torch.zeros((len(items), length), dtype=torch.long)
-        for row, item in enumerate(items):
-            n = len(item["input_ids"])
-            for key in tokens:
-                batch[key][row, :n] = item[key]
-            batch["attention_mask"][row, :n] = 1
-        return {**batch, **concatenated_media(items)}
+def test_padding_free_media_take_none_and_name_what_they_cannot_join():
+    items = [{"pixel_values": torch.zeros(1, 3, 4, 4)}, {"pixel_values": None}, {}]
+    assert concatenated_media(items)["pixel_values"].shape == (1, 3, 4, 4)
+    assert concatenated_media([{"pixel_values": None}]) == {}
+    with pytest.raises(ValueError, match="'pixel_values' of a sample is a list, not a tensor"):
+        concatenated_media([{"pixel_values": [[0.0]]}])
+    with pytest.raises(ValueError, match=r"samples' 'pixel_values' cannot be joined \(shapes \[\(1, 2\), \(1, 3\)\]"):
+        concatenated_media([{"pixel_values": torch.zeros(1, 2)}, {"pixel_values": torch.zeros(1, 3)}])
+    tiles = concatenated_media(
+        [{"pixel_values": torch.ones(1, 2, 3)}, {"pixel_values": torch.ones(1, 1, 3)}], padded=("pixel_values",)
+    )["pixel_values"]
+    assert tiles.shape == (2, 2, 3) and tiles[1, 1].abs().sum() == 0 and tiles[1, 0].sum() == 3
 
 
-def image_chats(config, count: int) -> list[dict]:
-    """``count`` HF model inputs of varied length, every other one with an image of the model's
-    (its image tokens ignored in the labels; Qwen2-VL's also with ``mm_token_type_ids``, the image
-    2 x 2 merged patches, so its M-RoPE positions are not the text's)."""
-    blank = BlankImage.for_model(config)
-    assert blank is not None
-    generator = torch.Generator().manual_seed(3)
-    qwen = blank.grid_thw is not None
-    if qwen:
-        merged, patch_dim = blank.pixel_shape
-        _, height, width = blank.grid_thw
-        blank = dataclasses.replace(
-            blank, pixel_shape=(4 * merged, patch_dim), tokens=4, grid_thw=(1, 2 * height, 2 * width)
-        )
-    items = []
-    for i in range(count):
-        ids = torch.randint(5, 150, (6 + 3 * i,), generator=generator)
-        image = i % 2 == 0
-        if image:
-            ids = torch.cat([ids[:2], torch.full((blank.tokens,), blank.image_token_id), ids[2:]])
-        labels = torch.where(ids == blank.image_token_id, -100, ids)
-        item = {"input_ids": ids, "labels": labels}
-        if qwen:
-            item["mm_token_type_ids"] = (ids == blank.image_token_id).long()
-        if image:
-            item["pixel_values"] = torch.rand(blank.pixel_shape, generator=generator)
-            if qwen:
-                item["image_grid_thw"] = torch.tensor([blank.grid_thw])
-        items.append(item)
-    return items
-
-
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
-def test_packing_trains_the_padded_loss_and_balances_the_packed_cost(family, llava_inputs, tmp_path):
-    """dflop.model.packing=true with no collator: the loader's microbatches are one padding-free
-    row with the samples' bounds, the model attends per sample, the loss is the padded batch's, and
-    the sampler balances the packed cost (the padded proxy without packing)."""
-    from transformers import AutoModelForImageTextToText, TrainingArguments
+@pytest.mark.parametrize("family", sorted(FAMILY_BUILDERS))
+def test_packing_trains_the_padded_loss_and_balances_the_packed_cost(family, tmp_path):
+    """dflop.model.packing=true with no collator, for every registered family: the loader's
+    microbatches are one padding-free row with the samples' bounds (the family's collator, text-only
+    items with ``pixel_values=None``), the model attends per sample, the loss is the padded batch's,
+    the sampler balances the packed cost (the padded proxy without packing), and the model saves
+    the config it was given (no ``use_cache: false`` written into it)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, TrainingArguments
 
     from dflop_ds.cost import PackedCost, ProxyCost
-    from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl
+    from dflop_ds.models.hf.registry import trainer_parts_of
 
-    model_dir = llava_inputs[0] if family == "llava" else build_tiny_qwen2_vl(tmp_path / "qwen2_vl")
+    model_dir = FAMILY_BUILDERS[family](tmp_path / "model")
     load = lambda: AutoModelForImageTextToText.from_pretrained(str(model_dir)).eval()  # noqa: E731
     packed_model, padded_model = load(), load()
+    parts = trainer_parts_of(packed_model.config)
+    assert parts is not None
     items = image_chats(packed_model.config, 8)
     table = [
         SampleShape(f"s{i}", text_tokens=len(x["input_ids"]), llm_tokens=len(x["input_ids"]))
@@ -547,10 +516,15 @@ def test_packing_trains_the_padded_loss_and_balances_the_packed_cost(family, lla
     sampler.close()
     assert batch["input_ids"].shape == (1, sum(len(items[i]["input_ids"]) for i in indices))
     assert "attention_mask" not in batch and batch["cu_seq_lens_q"].numel() == len(indices) + 1
-    padded = RightPadCollator()([items[i] for i in indices])
+    assert any(items[i]["pixel_values"] is not None for i in indices)
+    padded = RightPadCollator(parts.media_keys, parts.padded_keys)([items[i] for i in indices])
     with torch.no_grad():
-        packed_loss, padded_loss = packed_model(**batch).loss, padded_model(**padded).loss
-    assert abs(float(packed_loss) - float(padded_loss)) < 1e-5
+        packed_out, padded_loss = packed_model(**batch), padded_model(**padded).loss
+    assert abs(float(packed_out.loss) - float(padded_loss)) < 1e-5
+    assert packed_out.past_key_values is None  # the forward ran without a cache
+    packed_model.save_pretrained(tmp_path / "saved")
+    saved, given = (AutoConfig.from_pretrained(d).get_text_config() for d in (tmp_path / "saved", model_dir))
+    assert saved.use_cache == given.use_cache
     plain = DFLOPTrainer(model=padded_model, args=args, train_dataset=items, sample_shapes=table)
     plain_sampler = plain.get_train_dataloader().batch_sampler.sampler
     assert not isinstance(plain_sampler.cost_model, PackedCost)

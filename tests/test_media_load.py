@@ -17,8 +17,10 @@ pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
 from dflop_ds.data import DataError, read_dataset, validate_dataset  # noqa: E402
-from dflop_ds.models.hf.llava_data import LlavaDataset, LlavaPreprocessor, collate_llava, load_llava_records  # noqa: E402
-from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLDataset, Qwen2VLPreprocessor, collate_qwen2_vl  # noqa: E402
+from dflop_ds.models.hf.base.collate import collate_padded
+from dflop_ds.models.hf.base.dataset import MediaDataset, load_llava_records
+from dflop_ds.models.hf.llava.data import LlavaPreprocessor
+from dflop_ds.models.hf.qwen2_vl.data import Qwen2VLDataset, Qwen2VLPreprocessor, collate_qwen2_vl  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.testing import hf_tiny, qwen2_vl_tiny  # noqa: E402
 from dflop_ds.testing.video import write_video  # noqa: E402
@@ -72,7 +74,7 @@ def test_a_truncated_image_is_a_named_bad_record_at_load_time(llava, tmp_path: P
     data, images = llava_data(tmp_path)
     shapes = read_dataset(data, llava.policy(), image_folder=images)
     cut(images / "bad.png")  # after the header check, as when a file is damaged on disk
-    dataset = LlavaDataset(shapes, load_llava_records(data), llava, images, source=data)
+    dataset = MediaDataset(shapes, load_llava_records(data), llava, images, source=data)
     with pytest.raises(DataError) as info:
         dataset[1]
     assert (info.value.path, info.value.sample_id, info.value.field) == (str(data), "bad", "image[1]")
@@ -85,9 +87,9 @@ def test_under_skip_a_sample_that_fails_to_load_stands_in_with_the_same_shapes_a
     data, images = llava_data(tmp_path)
     shapes = read_dataset(data, llava.policy(), image_folder=images)
     records = load_llava_records(data)
-    good = LlavaDataset(shapes, records, llava, images, source=data)[ScheduledIndex(1, 9.0)]
+    good = MediaDataset(shapes, records, llava, images, source=data)[ScheduledIndex(1, 9.0)]
     cut(images / "bad.png")
-    dataset = LlavaDataset(shapes, records, llava, images, source=data, on_bad_sample="skip")
+    dataset = MediaDataset(shapes, records, llava, images, source=data, on_bad_sample="skip")
     stand_in = dataset[ScheduledIndex(1, 9.0)]
     assert stand_in.pixel_values.shape == good.pixel_values.shape and not stand_in.pixel_values.any()
     assert torch.equal(stand_in.input_ids, good.input_ids) and (good.targets != IGNORE).any()
@@ -97,11 +99,11 @@ def test_under_skip_a_sample_that_fails_to_load_stands_in_with_the_same_shapes_a
     assert "(id 'bad')" in logged and "image[1]" in logged and "loss denominator" in logged
     # it collates with good samples into the microbatch the schedule planned
     first = dataset[ScheduledIndex(0, 9.0)]
-    inputs, (targets, denominator) = collate_llava([first, stand_in])
-    assert [t.shape for t in inputs] == [t.shape for t in collate_llava([first, good])[0]]
+    inputs, (targets, denominator) = collate_padded([first, stand_in])
+    assert [t.shape for t in inputs] == [t.shape for t in collate_padded([first, good])[0]]
     assert float(denominator) == 9.0 and int((targets[1] != IGNORE).sum()) == 0
     with pytest.raises(ValueError, match="on_bad_sample must be one of"):
-        LlavaDataset(shapes, records, llava, images, on_bad_sample="ignore")
+        MediaDataset(shapes, records, llava, images, on_bad_sample="ignore")
 
 
 def test_stand_ins_made_in_dataloader_workers_are_counted_in_the_training_process(llava, tmp_path: Path) -> None:
@@ -109,7 +111,7 @@ def test_stand_ins_made_in_dataloader_workers_are_counted_in_the_training_proces
     data, images = llava_data(tmp_path)
     shapes = read_dataset(data, llava.policy(), image_folder=images)
     cut(images / "bad.png")
-    dataset = LlavaDataset(shapes, load_llava_records(data), llava, images, source=data, on_bad_sample="skip")
+    dataset = MediaDataset(shapes, load_llava_records(data), llava, images, source=data, on_bad_sample="skip")
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=[1, 0, 1, 1], num_workers=2)
     assert [item.sample_id for item in loader] == ["bad", "good", "bad", "bad"]
     assert dataset.stand_in_count == 3
@@ -124,7 +126,7 @@ def test_a_decompression_bomb_at_load_time_names_the_record_and_the_limit(llava,
     data = tmp_path / "data.json"
     data.write_text(json.dumps([record]))
     shapes = read_dataset(data, llava.policy(), image_folder=images)
-    dataset = LlavaDataset(shapes, load_llava_records(data), llava, images, source=data)
+    dataset = MediaDataset(shapes, load_llava_records(data), llava, images, source=data)
     with pytest.raises(DataError) as info:
         dataset[0]
     assert (info.value.sample_id, info.value.field) == ("big", "image")

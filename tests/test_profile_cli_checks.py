@@ -74,9 +74,9 @@ def test_a_model_folder_missing_a_part_is_named_before_transformers_reads_it(
 
 
 def test_preprocessors_and_loaders_name_the_missing_tokenizer_or_weights(llava_dir: Path, tmp_path: Path) -> None:
-    from dflop_ds.models.hf.llava import load_llava
-    from dflop_ds.models.hf.llava_data import LlavaPreprocessor
-    from dflop_ds.models.hf.qwen2_vl_data import Qwen2VLPreprocessor
+    from dflop_ds.models.hf.llava.data import LlavaPreprocessor
+    from dflop_ds.models.hf.llava.model import load_llava
+    from dflop_ds.models.hf.qwen2_vl.data import Qwen2VLPreprocessor
 
     folder = Path(shutil.copytree(llava_dir, tmp_path / "model"))
     (folder / "tokenizer.json").unlink()

@@ -11,7 +11,7 @@ from dflop_ds.data.decode import SAMPLED_DECODES
 from dflop_ds.data.media import MediaOptions, default_media_folders
 from dflop_ds.data.validate import check_dataset, format_problems
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
-from dflop_ds.models.hf.llava_data import TRUNCATION
+from dflop_ds.models.hf.base.template import TRUNCATION
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
 from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY, ShapePolicy
 

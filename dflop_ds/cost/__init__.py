@@ -18,6 +18,12 @@
 """
 
 from dflop_ds.cost.analytic import AnalyticMLLM, reference_model, reference_names
+from dflop_ds.cost.batched import (
+    microbatch_activation_bytes,
+    microbatch_costs,
+    microbatch_working_bytes,
+)
+from dflop_ds.cost.chain import memory_blind_model, sampler_cost_model
 from dflop_ds.cost.columns import Microbatches, SampleColumns
 from dflop_ds.cost.fitted import FittedCostModel, check_policy
 from dflop_ds.cost.io import (
@@ -29,11 +35,6 @@ from dflop_ds.cost.io import (
 )
 from dflop_ds.cost.llm_only import LLMOnlyCost
 from dflop_ds.cost.measurements import Measurement, ModelProfile
-from dflop_ds.cost.microbatches import (
-    microbatch_activation_bytes,
-    microbatch_costs,
-    microbatch_working_bytes,
-)
 from dflop_ds.cost.packed import PackedCost
 from dflop_ds.cost.protocol import (
     BatchedCostModel,
@@ -46,7 +47,6 @@ from dflop_ds.cost.protocol import (
 from dflop_ds.cost.proxy import ProxyCost
 from dflop_ds.cost.stage import StageCost
 from dflop_ds.cost.views import EncoderScaled, EngineScaled, PackedView, PlannerView
-from dflop_ds.cost.wrappers import memory_blind_model, sampler_cost_model
 
 __all__ = [
     "AnalyticMLLM",

@@ -3,7 +3,7 @@
 :class:`SampleColumns` holds a batch's per-sample tiles, LLM tokens, attention units and visual
 tokens as arrays; :class:`Microbatches` holds its microbatches as one flat array of positions with
 their sizes, and gives each microbatch's sums and maxima of a per-sample column in one call. The
-batched cost predictions (:mod:`dflop_ds.cost.microbatches`) take them.
+batched cost predictions (:mod:`dflop_ds.cost.batched`) take them.
 """
 
 from __future__ import annotations

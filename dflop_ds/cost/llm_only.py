@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from dflop_ds.cost.batched import microbatch_costs
 from dflop_ds.cost.columns import Microbatches
-from dflop_ds.cost.microbatches import microbatch_costs
 from dflop_ds.cost.protocol import CostModel
 from dflop_ds.shapes import SampleShape
 

@@ -86,7 +86,7 @@ class CostWrapper(CostModel, Protocol):
 @runtime_checkable
 class BatchedCostModel(CostModel, Protocol):
     """A cost model that predicts many microbatches of one batch in one call
-    (:func:`dflop_ds.cost.microbatches.microbatch_costs` asks it; any other model is asked once per microbatch)."""
+    (:func:`dflop_ds.cost.batched.microbatch_costs` asks it; any other model is asked once per microbatch)."""
 
     def predict_microbatches(self, groups: Microbatches) -> np.ndarray:
         """``(n, k)``: row ``j`` is :meth:`predict_microbatch` of microbatch ``j`` of ``groups``."""

@@ -12,12 +12,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from dflop_ds.cost.columns import Microbatches
-from dflop_ds.cost.microbatches import (
+from dflop_ds.cost.batched import (
     microbatch_activation_bytes,
     microbatch_costs,
     microbatch_working_bytes,
 )
+from dflop_ds.cost.columns import Microbatches
 from dflop_ds.cost.packed import PackedCost
 from dflop_ds.cost.protocol import PlannerCostModel
 from dflop_ds.shapes import SampleShape

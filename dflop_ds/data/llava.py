@@ -24,7 +24,7 @@ an error). See :mod:`dflop_ds.data.media`. As in LLaVA-Video's data, a record wi
 images may mark the video with one ``<image>`` placeholder instead of ``<video>``.
 
 A policy with a ``conversation`` counter (a real model's chat template, see
-:mod:`dflop_ds.models.hf.llava_data`) counts the tokens of the templated conversation itself.
+:mod:`dflop_ds.models.hf.base.template`) counts the tokens of the templated conversation itself.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from typing import Any
 from dflop_ds.data import DataError
 from dflop_ds.data.errors import PathArg
 from dflop_ds.data.formats import shape_reader
-from dflop_ds.models.hf.llava_data import LlavaPreprocessor
+from dflop_ds.models.hf.llava.data import LlavaPreprocessor
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
 from dflop_ds.shapes import SampleShape, ShapePolicy
 

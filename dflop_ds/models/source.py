@@ -31,7 +31,7 @@ class ModelSource:
             (:func:`dflop_ds.data.read_dataset` with the source's policy and media options).
         make_dataset: ``make_dataset(shapes, data_path, on_bad_sample="error") -> Dataset`` indexed
             like the shapes; ``on_bad_sample`` says what a sample whose media fail to load does
-            (see :class:`~dflop_ds.models.hf.llava_data.LlavaDataset`).
+            (see :class:`~dflop_ds.models.hf.base.template.MediaDataset`).
         collate: microbatch collate producing ``(inputs, labels)``, padded.
         packed_collate: the collate of packed microbatches (one row per microbatch), or None
             when the model cannot run them.
@@ -87,7 +87,7 @@ class ModelSource:
         if setting and self.packed_collate is None:
             raise ValueError(
                 f"dflop.model.packing = true: model {self.name!r} has no packed microbatches yet "
-                "(the bundled tiny model and the HF LLaVA and Qwen2-VL families do); set it to false"
+                "(the bundled tiny model and every registered HF family do); set it to false"
             )
         return self.packed_collate is not None if setting is None else bool(setting)
 

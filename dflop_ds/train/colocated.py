@@ -221,7 +221,7 @@ class DispatchCollate:
 
 def encoded_tiles(vis: torch.Tensor, tiles: int) -> torch.Tensor:
     """The encoder output's rows of the ``tiles`` dispatched tiles. An encoder given no tile may
-    encode one placeholder (LLaVA's :class:`~dflop_ds.models.hf.llava.VisionEmbeddings`, so that
+    encode one placeholder (LLaVA's :class:`~dflop_ds.models.hf.llava.model.VisionEmbeddings`, so that
     every rank's backward runs the same layers); it is sliced away here, keeping the graph."""
     if tiles == 0 and vis.shape[0] == 1:
         return vis[:0]

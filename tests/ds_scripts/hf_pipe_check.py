@@ -19,8 +19,8 @@ import random
 import pipe_checks as check
 import torch
 
-from dflop_ds.models.hf.llava import llava_layers, load_llava
-from dflop_ds.models.hf.llava_synthetic import contract_microbatch, hf_forward
+from dflop_ds.models.hf.base.synthetic import contract_microbatch, hf_forward
+from dflop_ds.models.hf.llava.model import llava_layers, load_llava
 from dflop_ds.pipe import token_loss_sum
 
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from dflop_ds.models.hf.base.folder import check_model_folder
+from dflop_ds.models.hf.base.layers import check_boundary
+from dflop_ds.models.hf.base.synthetic import hf_labels
 from dflop_ds.models.hf.check_parts import CheckParts
-from dflop_ds.models.hf.common import check_boundary
-from dflop_ds.models.hf.folder import check_model_folder
-from dflop_ds.models.hf.llava_synthetic import hf_labels
 from dflop_ds.models.hf.registry import family_of
 from dflop_ds.pipe.loss import token_normalized_loss
 from dflop_ds.pipe.stage_bounds import plan_stage_bounds

@@ -1,7 +1,7 @@
 """A HuggingFace model directory as a profiling target: its real vision tower and decoder layers.
 
 ``dflop-ds profile model --model_name_or_path DIR`` times the layer lists of the directory's
-family (:func:`~dflop_ds.models.hf.registry.family_of`) on inputs of the HF microbatch contract,
+family (:func:`~dflop_ds.models.hf.preprocessor.family_preprocessor`) on inputs of the HF microbatch contract,
 so the fitted cost model, and the stage split drawn from it, describe the real model. The cost
 model records the directory's shape policy (tokens per image, tokenizer), and training refuses it
 with data shaped under another one.
@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dflop_ds.models.hf.folder import check_model_folder
-from dflop_ds.models.hf.preprocessor import hf_preprocessor
-from dflop_ds.models.hf.registry import family_of
+from dflop_ds.models.hf.base.folder import check_model_folder
+from dflop_ds.models.hf.preprocessor import family_preprocessor
 from dflop_ds.profile.inputs import ContractLLMInputs
 from dflop_ds.profile.target import ProfileTarget, summed_cross_entropy
 
@@ -23,7 +22,8 @@ def hf_target(model_dir: str, *, text_tokens: int = 8) -> ProfileTarget:
     """The profiling target of a HuggingFace directory, by its family; a folder without config,
     weights or tokenizer is refused first, naming what it lacks."""
     check_model_folder(model_dir)
-    return family_of(model_dir).profile_target(model_dir, hf_preprocessor(model_dir), text_tokens)
+    family, preprocessor = family_preprocessor(model_dir)
+    return family.profile_target(model_dir, preprocessor, text_tokens)
 
 
 def family_profile_target(

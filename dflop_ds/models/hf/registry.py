@@ -3,10 +3,11 @@
 Each family is one :class:`ModelFamily` object in a module of its own (:data:`FAMILY_MODULES`),
 which provides everything the package asks of a family: its data preprocessor (tokenization
 template and shape policy), its training pieces (loading, layer lists, dataset and collates),
-its profiling target, its ``check-model`` parts and its capabilities. Training, profiling, the
+its profiling target, its ``check-model`` parts, its Trainer-path parts (image-free guard,
+padding-free collation) and its capabilities. Training, profiling, the
 data commands and ``check-model`` all find a directory's family here (:func:`family_of`), and a
 ``model_type`` no family registers is refused naming the registered ones. Adding a family is a
-new family module plus one line in :data:`FAMILY_MODULES`.
+new family folder plus one line in :data:`FAMILY_MODULES`.
 
 The family modules are imported on the first lookup, so ``import dflop_ds`` stays light.
 """
@@ -14,6 +15,7 @@ The family modules are imported on the first lookup, so ``import dflop_ds`` stay
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -21,19 +23,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflop_ds.data.errors import PathArg
-from dflop_ds.models.hf.common import model_type
 
 if TYPE_CHECKING:
     from dflop_ds.models.hf.check_parts import CheckParts
+    from dflop_ds.models.hf.trainer_parts import TrainerParts
     from dflop_ds.models.hf.training import TrainingParts
     from dflop_ds.profile.target import ProfileTarget
 
 #: The modules that define a family, each as a module-level ``FAMILY``.
 FAMILY_MODULES = (
-    "dflop_ds.models.hf.llava_family",
-    "dflop_ds.models.hf.qwen2_vl_family",
-    "dflop_ds.models.hf.llava_onevision_family",
-    "dflop_ds.models.hf.internvl_family",
+    "dflop_ds.models.hf.llava.family",
+    "dflop_ds.models.hf.qwen2_vl.family",
+    "dflop_ds.models.hf.llava_onevision.family",
+    "dflop_ds.models.hf.internvl.family",
 )
 
 
@@ -44,7 +46,7 @@ class ModelFamily:
     Attributes:
         name: the family's name in messages (e.g. ``"LLaVA"``).
         model_types: the ``config.model_type`` values it runs.
-        files: its own modules, relative to the package root (``models/hf/llava.py``, its tiny
+        files: its own modules, relative to the package root (``models/hf/llava/model.py``, its tiny
             test builders in ``testing/``): the only modules that may name its ``model_types``.
         preprocessor: ``(model_dir, *, max_length, truncation, video_fps, video_max_frames)`` ->
             the data preprocessor (tokenization template, media processing, ``policy()``).
@@ -52,6 +54,8 @@ class ModelFamily:
             ``tile_pixels`` says whether its encoder tiles can go to a colocated encoder).
         profile_target: ``(model_dir, preprocessor, text_tokens) ->`` its profiling target.
         check_parts: ``() ->`` its :class:`~dflop_ds.models.hf.check.CheckParts`.
+        trainer: ``() ->`` its :class:`~dflop_ds.models.hf.trainer_parts.TrainerParts` (the
+            image-free guard's blank image and the padding-free collation of ``DFLOPTrainer``).
         tensor_parallel: whether DeepSpeed AutoTP may shard its language model (where its
             config declares a tensor-parallel plan).
     """
@@ -63,6 +67,7 @@ class ModelFamily:
     training: Callable[[], TrainingParts]
     profile_target: Callable[[str, Any, int], ProfileTarget]
     check_parts: Callable[[], CheckParts]
+    trainer: Callable[[], TrainerParts]
     tensor_parallel: bool
 
 
@@ -96,6 +101,22 @@ def family_for(kind: str | None, where: str = "model") -> ModelFamily:
     )
 
 
+def trainer_parts_of(config: Any) -> TrainerParts | None:
+    """The Trainer-path parts of the family of a loaded model's ``config.model_type``; None when no
+    family registers it (a model the Trainer then runs without the family's guard and collation)."""
+    kind = getattr(config, "model_type", None)
+    if kind not in registered_model_types():
+        return None
+    return family_for(kind).trainer()
+
+
+def model_type(model_dir: PathArg) -> str | None:
+    """``model_type`` of a ``save_pretrained`` directory's ``config.json`` (None when it has none):
+    what picks the model family."""
+    path = Path(model_dir) / "config.json"
+    return json.loads(path.read_text()).get("model_type") if path.is_file() else None
+
+
 def family_of(model_dir: PathArg) -> ModelFamily:
     """The family of a ``save_pretrained`` directory, by its ``config.json``'s ``model_type``
     (``FileNotFoundError`` naming the directory when it has no ``config.json``)."""
@@ -109,6 +130,8 @@ __all__ = [
     "ModelFamily",
     "family_for",
     "family_of",
+    "model_type",
     "registered_families",
     "registered_model_types",
+    "trainer_parts_of",
 ]

@@ -1,13 +1,12 @@
 """A HuggingFace ``save_pretrained`` directory as a training-loop :class:`ModelSource`, built from
-its family's training pieces (:func:`~dflop_ds.models.hf.registry.family_of`,
+its family's training pieces (:func:`~dflop_ds.models.hf.preprocessor.family_preprocessor`,
 :func:`~dflop_ds.models.hf.training.training_source`)."""
 
 from __future__ import annotations
 
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.models.hf.lora import LoraSettings
-from dflop_ds.models.hf.preprocessor import hf_preprocessor
-from dflop_ds.models.hf.registry import family_of
+from dflop_ds.models.hf.preprocessor import family_preprocessor
 from dflop_ds.models.hf.training import training_source
 from dflop_ds.models.source import ModelSource
 
@@ -36,12 +35,12 @@ def hf_source(
             folder); families without videos refuse them.
         video_fps, video_max_frames: how a family that takes videos samples their frames.
     """
-    preprocessor = hf_preprocessor(
+    family, preprocessor = family_preprocessor(
         model_dir, max_length=max_length, truncation=truncation, video_fps=video_fps, video_max_frames=video_max_frames
     )
     return training_source(
         model_dir,
-        family_of(model_dir).training(),
+        family.training(),
         preprocessor,
         image_folder=image_folder,
         lora=lora,

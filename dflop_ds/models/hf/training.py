@@ -18,7 +18,7 @@ import torch
 
 from dflop_ds.data.formats import shape_reader
 from dflop_ds.data.media import media_folder
-from dflop_ds.models.hf.llava_data import load_llava_records, supervised_targets
+from dflop_ds.models.hf.base.dataset import load_llava_records, supervised_targets
 from dflop_ds.models.hf.lora import LoraSettings, apply_lora
 from dflop_ds.models.source import ModelSource
 

@@ -1,11 +1,11 @@
-"""LLaVA JSON records -> the Qwen2-VL microbatch contract (``dflop_ds.models.hf.qwen2_vl``).
+"""LLaVA JSON records -> the Qwen2-VL microbatch contract (``dflop_ds.models.hf.qwen2_vl.model``).
 
 :class:`Qwen2VLPreprocessor` holds a model directory's tokenizer and ``Qwen2VLImageProcessor``
 (no processor class needed: Qwen2-VL's wants torchvision for videos) and owns the conversation
 format, so that the shapes the sampler sees and the tensors the dataset makes agree token for token:
 
 * **Template**: the checkpoint's own ``chat_template`` when it ships one
-  (:mod:`~dflop_ds.models.hf.chat_template`; its image marker ``<|image_pad|>`` and video marker
+  (:mod:`~dflop_ds.models.hf.base.chat_template`; its image marker ``<|image_pad|>`` and video marker
   ``<|video_pad|>`` expanded to the media's tokens, labels the assistant turns' tokens, the
   system message the template's own unless ``system`` is given); otherwise Qwen2-VL's ChatML::
 
@@ -18,7 +18,7 @@ format, so that the shapes the sampler sees and the tensors the dataset makes ag
   ``<|vision_start|>`` + the image's ``<|image_pad|>`` tokens + ``<|vision_end|>``; an image gives
   as many tokens as its own size allows (:class:`SmartResize`, the image processor's rule
   under ``min_pixels``/``max_pixels``). Placeholders are matched to images as for LLaVA
-  (:class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor`: missing ones are prepended).
+  (:class:`~dflop_ds.models.hf.base.template.TemplatePreprocessor`: missing ones are prepended).
 * **Videos** (LLaVA-Video records: ``"video"``: a path under the video folder): frames are
   sampled at ``video_fps`` frames per second of video, at least 4 and at most
   ``video_max_frames``, their count rounded down to the temporal patch size (2), as Qwen2-VL's
@@ -57,23 +57,22 @@ from dflop_ds.data.video import (
     sample_frame_indices,
     sampled_frame_count,
 )
-from dflop_ds.models.hf.chat_template import ModelChatTemplate, encode_alike
-from dflop_ds.models.hf.folder import from_model_dir
-from dflop_ds.models.hf.llava_data import (
+from dflop_ds.models.hf.base.chat_template import ModelChatTemplate, encode_alike
+from dflop_ds.models.hf.base.collate import collate_padded
+from dflop_ds.models.hf.base.dataset import MediaDataset, MediaItem
+from dflop_ds.models.hf.base.folder import from_model_dir
+from dflop_ds.models.hf.base.template import (
     NO_LIMIT,
     TRUNCATION,
     Encoded,
-    LlavaDataset,
-    LlavaItem,
-    LlavaPreprocessor,
+    TemplatePreprocessor,
     chosen_template,
-    collate_llava,
     counting_identity,
     mark_video,
     pad_token_id,
     text_ids,
 )
-from dflop_ds.models.hf.qwen2_vl_synthetic import Qwen2VLInputs
+from dflop_ds.models.hf.qwen2_vl.synthetic import Qwen2VLInputs
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
 TEMPLATE_NAME = "qwen2-vl-chatml"
@@ -169,10 +168,10 @@ class Qwen2VLPreprocessor:
             image processor).
         system: the system message (default: the checkpoint template's own; the built-in
             ChatML's :data:`DEFAULT_SYSTEM`); name: the policy's name in messages.
-        chat_template: as for :class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor`.
+        chat_template: as for :class:`~dflop_ds.models.hf.base.template.TemplatePreprocessor`.
         video_fps, video_max_frames: how videos are sampled (:class:`VideoFrames`).
         max_length, truncation: the length rule, as for
-            :class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor` (visual tokens included).
+            :class:`~dflop_ds.models.hf.base.template.TemplatePreprocessor` (visual tokens included).
     """
 
     def __init__(
@@ -268,7 +267,7 @@ class Qwen2VLPreprocessor:
         else:
             turns = mark_video(turns, len(image_tokens))
         # the roles and placeholders are checked (and missing placeholders added) as for LLaVA
-        normalized = LlavaPreprocessor._normalize(self, turns, len(image_tokens), videos=True)  # type: ignore[arg-type]
+        normalized = TemplatePreprocessor._normalize(self, turns, len(image_tokens), videos=True)  # type: ignore[arg-type]
         images = [[self.image_token_id] * tokens for tokens in image_tokens]
         video = None if video_tokens is None else [self.video_token_id] * int(video_tokens)
         if self.chat_template is None:
@@ -276,7 +275,7 @@ class Qwen2VLPreprocessor:
         else:
             ids, supervised = self.chat_template.encode(normalized, images, video, system=self.system)
         encoded = Encoded(ids, supervised, sum(image_tokens) + int(video_tokens or 0))
-        return LlavaPreprocessor._fit(self, encoded)  # type: ignore[arg-type]
+        return TemplatePreprocessor._fit(self, encoded)  # type: ignore[arg-type]
 
     def _chatml(
         self, turns: Sequence[tuple[str, str]], images: Sequence[list[int]], video: list[int] | None, system: str
@@ -327,7 +326,7 @@ class Qwen2VLPreprocessor:
     ) -> tuple[int, int]:
         """``(text_tokens, label_tokens)`` exactly as :meth:`encode` produces them (the length rule
         applied; image and video tokens excluded); a record has at most one video."""
-        return LlavaPreprocessor._counted(self, self.encode(turns, image_tokens, video_tokens))  # type: ignore[arg-type]
+        return TemplatePreprocessor._counted(self, self.encode(turns, image_tokens, video_tokens))  # type: ignore[arg-type]
 
     def pixel_values(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
         """``(pixel_values [P, C*T*p*p], image_grid_thw [n, 3])`` (empty for no images)."""
@@ -338,7 +337,7 @@ class Qwen2VLPreprocessor:
 
     def video_pixel_values(self, frames: list) -> tuple[torch.Tensor, torch.Tensor]:
         """``(pixel_values_videos [P, C*T*p*p], video_grid_thw [1, 3])`` of one video's sampled frames
-        (:meth:`~dflop_ds.models.hf.qwen2_vl_synthetic.Qwen2VLInputs.video_pixel_values`)."""
+        (:meth:`~dflop_ds.models.hf.qwen2_vl.synthetic.Qwen2VLInputs.video_pixel_values`)."""
         return self.inputs.video_pixel_values(frames)
 
     def identity(self) -> str:
@@ -373,7 +372,7 @@ def _no_grid() -> torch.Tensor:
 
 
 @dataclass
-class Qwen2VLItem(LlavaItem):
+class Qwen2VLItem(MediaItem):
     """One sample: ``pixel_values [P, C*T*p*p]``, its images' ``image_grid_thw [n, 3]``, ids and shifted
     targets, and its video's ``pixel_values_videos [Pv, C*T*p*p]`` and ``video_grid_thw [0 or 1, 3]``."""
 
@@ -382,9 +381,9 @@ class Qwen2VLItem(LlavaItem):
     video_grid_thw: torch.Tensor = field(default_factory=_no_grid)
 
 
-class Qwen2VLDataset(LlavaDataset):
+class Qwen2VLDataset(MediaDataset):
     """The samples of ``shapes`` (made under ``preprocessor.policy()``) as Qwen2-VL contract tensors
-    (arguments as :class:`~dflop_ds.models.hf.llava_data.LlavaDataset`)."""
+    (arguments as :class:`~dflop_ds.models.hf.base.template.MediaDataset`)."""
 
     preprocessor: Qwen2VLPreprocessor  # type: ignore[assignment]
     supports_video = True
@@ -465,9 +464,9 @@ class Qwen2VLDataset(LlavaDataset):
 def collate_qwen2_vl(items: Sequence[Qwen2VLItem], packed: bool = False):
     """One microbatch ``((pixel_values, input_ids, seq_lens, image_grid_thw, video_grid_thw), (targets,
     loss_denominator))``: ``pixel_values`` holds every image's patches, then every video's, samples in
-    order (padding or packing, ``packed``, and denominator as :func:`~dflop_ds.models.hf.llava_data.collate_llava`;
+    order (padding or packing, ``packed``, and denominator as :func:`~dflop_ds.models.hf.base.template.collate_padded`;
     the projector computes each sample's M-RoPE positions)."""
-    (pixel_values, input_ids, seq_lens), labels = collate_llava(items, packed)
+    (pixel_values, input_ids, seq_lens), labels = collate_padded(items, packed)
     videos = [item.pixel_values_videos for item in items if item.pixel_values_videos is not None]
     grid = torch.cat([item.image_grid_thw for item in items])
     video_grid = torch.cat([item.video_grid_thw for item in items])

@@ -1,7 +1,7 @@
 """The LLaVA family (``LlavaForConditionalGeneration``, one tile per image) as a registered
-:class:`~dflop_ds.models.hf.registry.ModelFamily`: its adapter (:mod:`~dflop_ds.models.hf.llava`),
-data pipeline (:mod:`~dflop_ds.models.hf.llava_data`), synthetic microbatches
-(:mod:`~dflop_ds.models.hf.llava_synthetic`) and processor (:mod:`~dflop_ds.models.hf.llava_processor`)."""
+:class:`~dflop_ds.models.hf.registry.ModelFamily`: its adapter (:mod:`~dflop_ds.models.hf.llava.model`),
+data pipeline (:mod:`~dflop_ds.models.hf.base.template`), synthetic microbatches
+(:mod:`~dflop_ds.models.hf.base.synthetic`) and processor (:mod:`~dflop_ds.models.hf.llava.processor`)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dflop_ds.models.hf.base.collate import collate_packed, collate_padded
+from dflop_ds.models.hf.base.dataset import MediaDataset
+from dflop_ds.models.hf.base.synthetic import contract_microbatch, hf_model_kwargs
 from dflop_ds.models.hf.check_parts import CheckParts, MicrobatchBuilder
-from dflop_ds.models.hf.llava import llava_input_factories, llava_layers, load_llava
-from dflop_ds.models.hf.llava_data import LlavaDataset, LlavaPreprocessor, collate_llava, collate_packed_llava
-from dflop_ds.models.hf.llava_processor import load_processor
-from dflop_ds.models.hf.llava_synthetic import contract_microbatch, hf_model_kwargs
+from dflop_ds.models.hf.llava.data import LlavaPreprocessor
+from dflop_ds.models.hf.llava.model import llava_input_factories, llava_layers, load_llava
+from dflop_ds.models.hf.llava.processor import image_features_per_image, load_processor
 from dflop_ds.models.hf.registry import ModelFamily
+from dflop_ds.models.hf.trainer_parts import BlankImage, TrainerParts, text_pad_token
 from dflop_ds.models.hf.training import TrainingParts
 from dflop_ds.profile.target import ProfileTarget, summed_cross_entropy
 
 
 def llava_preprocessor(model_dir: str, *, max_length: int | None = None, truncation: str = "error", **video: Any):
-    """The :class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor` of ``model_dir`` (LLaVA takes
+    """The :class:`~dflop_ds.models.hf.base.template.LlavaPreprocessor` of ``model_dir`` (LLaVA takes
     no videos, so the video rule in ``video`` does not apply)."""
     return LlavaPreprocessor.from_pretrained(model_dir, max_length=max_length, truncation=truncation)
 
@@ -31,11 +34,11 @@ def llava_training() -> TrainingParts:
         load_llava,
         llava_layers,
         "multi_modal_projector",
-        LlavaDataset,
-        collate_llava,
+        MediaDataset,
+        collate_padded,
         lambda pre, directory: pre.processor.save_pretrained(directory),
         tile_pixels=lambda item: item.pixel_values,  # one tile per image
-        packed_collate=collate_packed_llava,
+        packed_collate=collate_packed,
     )
 
 
@@ -77,21 +80,31 @@ def llava_check() -> CheckParts:
     )
 
 
+def llava_blank_image(config: Any) -> BlankImage | None:
+    """One blank image ``[1, C, S, S]`` and the features it becomes (patches, CLIP's CLS unless the
+    "default" strategy drops it); None for several feature layers (not run by this package)."""
+    if not isinstance(config.vision_feature_layer, int):
+        return None
+    image_token_id = int(config.image_token_id)
+    vision = config.vision_config
+    pixels = (1, int(vision.num_channels), int(vision.image_size), int(vision.image_size))
+    return BlankImage(pixels, image_token_id, image_features_per_image(config), text_pad_token(config, image_token_id))
+
+
+def llava_trainer() -> TrainerParts:
+    """LLaVA on the Trainer path: its blank image; padding-free batches concatenate the samples' images."""
+    return TrainerParts(llava_blank_image)
+
+
 FAMILY = ModelFamily(
     name="LLaVA",
     model_types=("llava",),
-    files=(
-        "models/hf/llava.py",
-        "models/hf/llava_data.py",
-        "models/hf/llava_family.py",
-        "models/hf/llava_processor.py",
-        "models/hf/llava_synthetic.py",
-        "testing/hf_tiny.py",
-    ),
+    files=("models/hf/llava/", "testing/hf_tiny.py"),
     preprocessor=llava_preprocessor,
     training=llava_training,
     profile_target=llava_target,
     check_parts=llava_check,
+    trainer=llava_trainer,
     tensor_parallel=True,
 )
 

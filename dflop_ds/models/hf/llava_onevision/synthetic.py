@@ -4,8 +4,8 @@
 Images go through the directory's ``LlavaOnevisionImageProcessor`` (AnyRes tiles for a sample's
 lone image, one square-padded tile for each of several); video frames, which its video processor
 would take (it needs torchvision), are resized to one tile and normalized with the image
-processor's mean and std. Token counts come from :class:`~dflop_ds.models.hf.llava_onevision_shapes.OnevisionTokenRule`,
-which counts as the processor does. See :mod:`~dflop_ds.models.hf.llava_onevision` for the contract.
+processor's mean and std. Token counts come from :class:`~dflop_ds.models.hf.llava_onevision.shapes.OnevisionTokenRule`,
+which counts as the processor does. See :mod:`~dflop_ds.models.hf.llava_onevision.model` for the contract.
 """
 
 from __future__ import annotations
@@ -18,19 +18,32 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflop_ds.models.hf.common import padding_mask
-from dflop_ds.models.hf.folder import load_tokenizer_and_image_processor
-from dflop_ds.models.hf.llava_onevision import HEIGHT, IS_VIDEO, SAMPLE, TILES, WIDTH
-from dflop_ds.models.hf.llava_onevision_shapes import OnevisionTokenRule
-from dflop_ds.models.hf.llava_synthetic import append_answer, pad_token_id, stack_rows
+from dflop_ds.models.hf.base.folder import load_tokenizer_and_image_processor
+from dflop_ds.models.hf.base.layers import padding_mask
+from dflop_ds.models.hf.base.synthetic import append_answer, pad_token_id, stack_rows
+from dflop_ds.models.hf.llava_onevision.model import HEIGHT, IS_VIDEO, SAMPLE, TILES, WIDTH
+from dflop_ds.models.hf.llava_onevision.shapes import OnevisionTokenRule
 
 IMAGE_MARK = "<image>"
 VIDEO_MARK = "<video>"
 
 
+def config_rule(config: Any) -> OnevisionTokenRule:
+    """The counting rule of a model config alone: its tower's tile and patch, ``image_grid_pinpoints``
+    and ``vision_aspect_ratio`` (what HF's model tiles and unpads by)."""
+    vision = config.vision_config
+    return OnevisionTokenRule(
+        tile_size=int(vision.image_size),
+        patch_size=int(vision.patch_size),
+        pinpoints=tuple((int(p[0]), int(p[1])) for p in config.image_grid_pinpoints),
+        max_tiles=int(str(config.vision_aspect_ratio).removeprefix("anyres_max_")),
+        drops_first_feature=config.vision_feature_select_strategy == "default",
+    )
+
+
 def onevision_rule(config: Any, image_processor: Any, where: str = "model") -> OnevisionTokenRule:
-    """The counting rule of a checkpoint: its config's tower and ``vision_aspect_ratio``, checked
-    against the image processor's tile size and grid pinpoints (which must agree)."""
+    """The counting rule of a checkpoint (:func:`config_rule`), checked against the image
+    processor's tile size and grid pinpoints (which must agree with the config's)."""
     vision = config.vision_config
     size = dict(image_processor.size)
     tile = int(size.get("height") or size["shortest_edge"])
@@ -41,13 +54,7 @@ def onevision_rule(config: Any, image_processor: Any, where: str = "model") -> O
     pinpoints = [list(p) for p in image_processor.image_grid_pinpoints]
     if pinpoints != [list(p) for p in config.image_grid_pinpoints]:
         raise ValueError(f"{where}: the image processor's image_grid_pinpoints differ from the model config's")
-    return OnevisionTokenRule(
-        tile_size=tile,
-        patch_size=int(vision.patch_size),
-        pinpoints=tuple((int(p[0]), int(p[1])) for p in pinpoints),
-        max_tiles=int(str(config.vision_aspect_ratio).removeprefix("anyres_max_")),
-        drops_first_feature=config.vision_feature_select_strategy == "default",
-    )
+    return config_rule(config)
 
 
 class OnevisionMedia:

@@ -21,14 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflop_ds.models.hf.common import LMHead, decoder_layers, load_checked
-from dflop_ds.models.hf.llava import (
-    TIED_EMBEDDING_KEY,
-    LlavaEncoderInputs,
-    VisionEmbeddings,
-    VisionLayer,
-    feature_depth,
-)
+from dflop_ds.models.hf.base.layers import TIED_EMBEDDING_KEY, LMHead, decoder_layers, load_checked
+from dflop_ds.models.hf.base.vision import TileEncoderInputs, VisionEmbeddings, VisionLayer, feature_depth
 from dflop_ds.shapes import split_evenly
 
 MODEL_TYPE = "llava_onevision"
@@ -149,7 +143,7 @@ class OnevisionProjector(nn.Module):
         return embeds, seq_lens
 
 
-class OnevisionEncoderInputs(LlavaEncoderInputs):
+class OnevisionEncoderInputs(TileEncoderInputs):
     """Profiler input factory of the first encoder layer: ``(tiles, batch) -> (pixel_values,
     input_ids, seq_lens, media)``: ``tiles`` one-tile images (a base tile and its newline each)
     spread evenly over ``batch`` rows, each row holding its images' tokens then the text tokens."""
@@ -171,7 +165,7 @@ class OnevisionEncoderInputs(LlavaEncoderInputs):
 
 def llava_onevision_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Module]]:
     """``(encoder_layers, projector, llm_layers)`` of a ``LlavaOnevisionForConditionalGeneration``,
-    sharing its weights (tied embeddings declare :data:`~dflop_ds.models.hf.llava.TIED_EMBEDDING_KEY`)."""
+    sharing its weights (tied embeddings declare :data:`~dflop_ds.models.hf.llava.model.TIED_EMBEDDING_KEY`)."""
     config = model.config
     check_onevision_config(config, type(model).__name__)
     body = model.model

@@ -18,14 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflop_ds.models.hf.common import LMHead, decoder_layers, load_checked
-from dflop_ds.models.hf.llava import (
-    TEXT_TYPES,
-    TIED_EMBEDDING_KEY,
-    LlavaProjector,
-    VisionEmbeddings,
-    VisionLayer,
-)
+from dflop_ds.models.hf.base.layers import TEXT_TYPES, TIED_EMBEDDING_KEY, LMHead, decoder_layers, load_checked
+from dflop_ds.models.hf.base.vision import FeatureProjector, VisionEmbeddings, VisionLayer
 
 MODEL_TYPE = "internvl"
 
@@ -94,7 +88,7 @@ def internvl_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Mod
     tied = model.lm_head.weight is language_model.embed_tokens.weight
     key = TIED_EMBEDDING_KEY if tied else None
     shuffled = ShuffledProjector(body, tower.layernorm if last else None, config)
-    projector = LlavaProjector(shuffled, language_model.embed_tokens, config.image_token_id, "full", tied_key=key)
+    projector = FeatureProjector(shuffled, language_model.embed_tokens, config.image_token_id, "full", tied_key=key)
     llm: list[nn.Module] = [*decoder_layers(language_model), LMHead(language_model.norm, model.lm_head, tied_key=key)]
     return encoder, projector, llm
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dflop_ds.models.hf.common import padding_mask
+from dflop_ds.models.hf.base.layers import padding_mask
 from dflop_ds.models.packing import join_rows
 from dflop_ds.pipe.loss import IGNORE_INDEX
 

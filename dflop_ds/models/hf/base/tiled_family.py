@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dflop_ds.data.video import DEFAULT_VIDEO_MAX_FRAMES
+from dflop_ds.models.hf.base.tiled_data import TiledPreprocessor
 from dflop_ds.models.hf.check import tower_hidden_states, video_image_text_batches
 from dflop_ds.models.hf.check_parts import CheckParts, MicrobatchBuilder
-from dflop_ds.models.hf.tiled_data import TiledPreprocessor
 
 Tiled = TypeVar("Tiled", bound=TiledPreprocessor)
 

@@ -1,29 +1,30 @@
 """The InternVL family (``InternVLForConditionalGeneration``: dynamic tiles with a thumbnail, pixel
 shuffle, multi-image and video samples) as a registered
-:class:`~dflop_ds.models.hf.registry.ModelFamily`: its adapter (:mod:`~dflop_ds.models.hf.internvl`),
-tiling rule (:mod:`~dflop_ds.models.hf.internvl_shapes`), data pipeline
-(:mod:`~dflop_ds.models.hf.internvl_data`) and synthetic microbatches
-(:mod:`~dflop_ds.models.hf.internvl_synthetic`)."""
+:class:`~dflop_ds.models.hf.registry.ModelFamily`: its adapter (:mod:`~dflop_ds.models.hf.internvl.model`),
+tiling rule (:mod:`~dflop_ds.models.hf.internvl.shapes`), data pipeline
+(:mod:`~dflop_ds.models.hf.internvl.data`) and synthetic microbatches
+(:mod:`~dflop_ds.models.hf.internvl.synthetic`)."""
 
 from __future__ import annotations
 
 from functools import partial
 from typing import Any
 
+from dflop_ds.models.hf.base.collate import collate_packed, collate_padded
+from dflop_ds.models.hf.base.folder import save_text_and_image_parts
+from dflop_ds.models.hf.base.synthetic import hf_model_kwargs
+from dflop_ds.models.hf.base.tiled_family import tiled_check_parts, tiled_preprocessor_loader
+from dflop_ds.models.hf.base.vision import TileEncoderInputs
 from dflop_ds.models.hf.check_parts import CheckParts
-from dflop_ds.models.hf.folder import save_text_and_image_parts
-from dflop_ds.models.hf.internvl import MODEL_TYPE, internvl_layers, load_internvl, side
-from dflop_ds.models.hf.internvl_data import InternVLDataset, InternVLPreprocessor
-from dflop_ds.models.hf.internvl_synthetic import IMAGE_MARK, VIDEO_MARK, InternVLInputs
-from dflop_ds.models.hf.llava import LlavaEncoderInputs
-from dflop_ds.models.hf.llava_data import collate_llava, collate_packed_llava
-from dflop_ds.models.hf.llava_synthetic import hf_model_kwargs
+from dflop_ds.models.hf.internvl.data import InternVLDataset, InternVLPreprocessor
+from dflop_ds.models.hf.internvl.model import MODEL_TYPE, internvl_layers, load_internvl, side
+from dflop_ds.models.hf.internvl.synthetic import IMAGE_MARK, VIDEO_MARK, InternVLInputs
 from dflop_ds.models.hf.profile import family_profile_target
 from dflop_ds.models.hf.registry import ModelFamily
-from dflop_ds.models.hf.tiled_family import tiled_check_parts, tiled_preprocessor_loader
+from dflop_ds.models.hf.trainer_parts import BlankImage, TrainerParts, text_pad_token
 from dflop_ds.models.hf.training import TrainingParts
 
-#: The :class:`~dflop_ds.models.hf.internvl_data.InternVLPreprocessor` of a model directory.
+#: The :class:`~dflop_ds.models.hf.internvl.data.InternVLPreprocessor` of a model directory.
 internvl_preprocessor = tiled_preprocessor_loader(InternVLPreprocessor)
 
 
@@ -35,13 +36,13 @@ def internvl_training() -> TrainingParts:
         internvl_layers,
         "multi_modal_projector",
         InternVLDataset,
-        collate_llava,
+        collate_padded,
         save_text_and_image_parts,
-        packed_collate=collate_packed_llava,
+        packed_collate=collate_packed,
     )
 
 
-class InternVLEncoderInputs(LlavaEncoderInputs):
+class InternVLEncoderInputs(TileEncoderInputs):
     """Profiler input factory of the first encoder layer: LLaVA's, ``image_seq_length`` tokens a tile."""
 
     def __init__(self, config: Any, text_tokens: int = 8, dtype: Any = None) -> None:
@@ -51,6 +52,21 @@ class InternVLEncoderInputs(LlavaEncoderInputs):
         self.image_token_id, self.vocab_size = int(config.image_token_id), int(config.text_config.vocab_size)
         self.tokens_per_image = int(config.image_seq_length)
         self.text_tokens, self.dtype = int(text_tokens), dtype
+
+
+def internvl_blank_image(config: Any) -> BlankImage:
+    """One blank tile ``[1, C, T, T]``: ``image_seq_length`` context tokens (HF's model writes a
+    tile's features at its context tokens; the ``<img>``/``</img>`` marks are text)."""
+    vision = config.vision_config
+    tile = side(vision.image_size)
+    image_token_id = int(config.image_token_id)
+    pixels = (1, int(vision.num_channels), tile, tile)
+    return BlankImage(pixels, image_token_id, int(config.image_seq_length), text_pad_token(config, image_token_id))
+
+
+def internvl_trainer() -> TrainerParts:
+    """InternVL on the Trainer path: its blank tile; padding-free batches concatenate the samples' tiles."""
+    return TrainerParts(internvl_blank_image)
 
 
 #: The layer lists, input factories and shape policy of the InternVL model in a directory.
@@ -70,18 +86,12 @@ def internvl_check() -> CheckParts:
 FAMILY = ModelFamily(
     name="InternVL",
     model_types=(MODEL_TYPE,),
-    files=(
-        "models/hf/internvl.py",
-        "models/hf/internvl_data.py",
-        "models/hf/internvl_family.py",
-        "models/hf/internvl_shapes.py",
-        "models/hf/internvl_synthetic.py",
-        "testing/internvl_tiny.py",
-    ),
+    files=("models/hf/internvl/", "testing/internvl_tiny.py"),
     preprocessor=internvl_preprocessor,
     training=internvl_training,
     profile_target=internvl_target,
     check_parts=internvl_check,
+    trainer=internvl_trainer,
     tensor_parallel=False,  # AutoTP of its language model is untested
 )
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dflop_ds.data.errors import PathArg
-from dflop_ds.models.hf.chat_template import checkpoint_chat_template
+from dflop_ds.models.hf.base.chat_template import checkpoint_chat_template
 
 #: Files holding a model's weights (one is enough; sharded weights come with an index).
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")

@@ -7,7 +7,7 @@ floating-point tensors first, as the pipeline contract asks (``docs/architecture
 every layer from ``seq_lens``, with the same transformers functions the HF model calls, so they
 have the dtype and format the configured attention implementation expects. A packed microbatch
 (one row ``[1, sum(seq_lens), D]``, :mod:`dflop_ds.models.packing`) gets positions restarting at
-every sample and attention within each sample (:mod:`dflop_ds.models.hf.packed`).
+every sample and attention within each sample (:mod:`dflop_ds.models.hf.base.packed`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflop_ds.models.hf.folder import check_model_folder
-from dflop_ds.models.hf.packed import packed_attention, packed_kwargs
+from dflop_ds.models.hf.base.folder import check_model_folder
+from dflop_ds.models.hf.base.packed import packed_attention, packed_kwargs
 from dflop_ds.models.packing import is_packed, token_positions
 
+#: text models whose decoder layers :func:`decoder_layers` runs as the HF model does
+TEXT_TYPES = ("llama", "qwen2", "mistral")
+#: key under which a tied embedding / lm_head weight is kept equal across pipeline stages
+TIED_EMBEDDING_KEY = "word_embeddings"
 #: how a decoder layer's attention is masked: HF ``layer_types`` values
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -160,21 +164,11 @@ def check_boundary(outputs: Any, where: str) -> None:
         seen_int = seen_int or not item.is_floating_point()
 
 
-def model_type(model_dir: Any) -> str | None:
-    """``model_type`` of a ``save_pretrained`` directory's ``config.json`` (None when it has none):
-    what picks the model family's adapter, data pipeline and profiling target."""
-    import json
-    from pathlib import Path
-
-    path = Path(model_dir) / "config.json"
-    return json.loads(path.read_text()).get("model_type") if path.is_file() else None
-
-
 def load_checked(
     model_dir: Any, check: Callable[[Any, str], None], model_class: Callable[[Any], Any], dtype: Any = None
 ) -> Any:
     """Load a ``save_pretrained`` directory offline: a missing config or weights file is named
-    first (:func:`~dflop_ds.models.hf.folder.check_model_folder`), then its config is checked (``check(config,
+    first (:func:`~dflop_ds.models.hf.base.folder.check_model_folder`), then its config is checked (``check(config,
     where)`` names an unsupported model before any weight is read), then ``model_class(config)``
     (the ``...ForConditionalGeneration`` class to use) loads the weights."""
     from pathlib import Path
@@ -202,11 +196,12 @@ __all__ = [
     "FULL",
     "LMHead",
     "SLIDING",
+    "TEXT_TYPES",
+    "TIED_EMBEDDING_KEY",
     "attention_mask_for",
     "check_boundary",
     "decoder_layers",
     "layer_mask_kinds",
-    "model_type",
     "padding_mask",
     "run_layers",
 ]

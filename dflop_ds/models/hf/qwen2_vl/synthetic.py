@@ -7,7 +7,7 @@ times as the image gives LLM tokens (its patch grid ``t*h*w / merge**2``), and t
 ``<|video_pad|>`` of a sample with video frames as many times as the video gives; the answer and
 eos are appended and supervised. The result follows the Qwen2-VL microbatch contract
 (``((pixel_values, input_ids, seq_lens, image_grid_thw, video_grid_thw), (targets,
-loss_denominator))``, ``dflop_ds.models.hf.qwen2_vl``).
+loss_denominator))``, ``dflop_ds.models.hf.qwen2_vl.model``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from dflop_ds.models.hf.common import padding_mask
-from dflop_ds.models.hf.folder import load_tokenizer_and_image_processor
-from dflop_ds.models.hf.llava_synthetic import Sample, append_answer, hf_labels, pad_token_id, stack_rows
+from dflop_ds.models.hf.base.folder import load_tokenizer_and_image_processor
+from dflop_ds.models.hf.base.layers import padding_mask
+from dflop_ds.models.hf.base.synthetic import Sample, append_answer, hf_labels, pad_token_id, stack_rows
 
 #: how a prompt marks an image (Qwen2-VL's chat template)
 IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -1,7 +1,7 @@
 """What the families that cut images into tiles share in their preprocessors: a ``media`` helper
 (tiles and token counts) built from the directory's tokenizer, image processor and config,
 videos of at most ``video_max_frames`` uniformly sampled frames, and the template of
-:class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor` (the checkpoint's own, else LLaVA-v1).
+:class:`~dflop_ds.models.hf.base.template.TemplatePreprocessor` (the checkpoint's own, else LLaVA-v1).
 A family subclass says how its media helper is built and which token ids it writes."""
 
 from __future__ import annotations
@@ -11,20 +11,20 @@ from typing import Any, TypeVar
 
 from dflop_ds.data.errors import PathArg
 from dflop_ds.data.video import DEFAULT_VIDEO_MAX_FRAMES
-from dflop_ds.models.hf.folder import from_model_dir
-from dflop_ds.models.hf.llava_data import LlavaPreprocessor, chosen_template
+from dflop_ds.models.hf.base.folder import from_model_dir
+from dflop_ds.models.hf.base.template import TemplatePreprocessor, chosen_template
 
 Tiled = TypeVar("Tiled", bound="TiledPreprocessor")
 
 
-class TiledPreprocessor(LlavaPreprocessor):
+class TiledPreprocessor(TemplatePreprocessor):
     """A tiling family's tokenizer, image processor and media helper plus the conversation template.
 
     Args:
         tokenizer, image_processor, config: the directory's (``AutoTokenizer``, ``AutoImageProcessor``, config).
         video_max_frames: frames sampled uniformly from a video (at most).
         system, max_length, truncation, name, chat_template: as for
-            :class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor` (``name`` defaults to
+            :class:`~dflop_ds.models.hf.base.template.TemplatePreprocessor` (``name`` defaults to
             :attr:`family_name`).
     """
 

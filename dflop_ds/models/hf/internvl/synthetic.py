@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from dflop_ds.models.hf.folder import load_tokenizer_and_image_processor
-from dflop_ds.models.hf.internvl import side
-from dflop_ds.models.hf.internvl_shapes import InternVLTileRule
-from dflop_ds.models.hf.llava_synthetic import append_answer, pad_token_id, stack_rows
+from dflop_ds.models.hf.base.folder import load_tokenizer_and_image_processor
+from dflop_ds.models.hf.base.synthetic import append_answer, pad_token_id, stack_rows
+from dflop_ds.models.hf.internvl.model import side
+from dflop_ds.models.hf.internvl.shapes import InternVLTileRule
 
 IMAGE_MARK = "<image>"
 VIDEO_MARK = "<video>"

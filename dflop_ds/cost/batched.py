@@ -1,4 +1,4 @@
-"""Many microbatches of one batch predicted at once.
+"""Batched predictions: many microbatches of one batch predicted at once.
 
 The planner times thousands of microbatches for every layout it scores; a Python call of
 ``predict_microbatch`` each costs far more than the prediction. :class:`Microbatches`

@@ -1,4 +1,4 @@
-"""Which wrappers a cost model gets before a sampler balances with it, and in what order: the one
+"""The wrapper chain: which wrappers a cost model gets before a sampler balances with it, and in what order: the one
 place that decides it (the training loop and the benchmarks call :func:`sampler_cost_model`), and which model of a chain
 predicts no memory (:func:`memory_blind_model`).
 

@@ -1,9 +1,9 @@
 """InternVL's data pipeline: LLaVA JSON records as LLaVA-contract microbatches of tiles.
 
 The conversation template is the checkpoint's own, else LLaVA-v1's
-(:class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor`);
+(:class:`~dflop_ds.models.hf.base.template.TemplatePreprocessor`);
 each image writes ``<img>``, its tiles' ``<IMG_CONTEXT>`` tokens and ``</img>`` (tiles by
-:class:`~dflop_ds.models.hf.internvl_shapes.InternVLTileRule`), a video one ``Frame<i>: <img>...</img>``
+:class:`~dflop_ds.models.hf.internvl.shapes.InternVLTileRule`), a video one ``Frame<i>: <img>...</img>``
 line per frame, ``min(frames, video_max_frames)`` frames sampled uniformly by the project's PyAV
 path, one tile each. The shape policy counts the encoder by tiles.
 """
@@ -14,16 +14,16 @@ from typing import Any
 
 import torch
 
-from dflop_ds.models.hf.internvl_synthetic import VIDEO_MARK, InternVLMedia
-from dflop_ds.models.hf.llava_data import LlavaDataset, LlavaItem
-from dflop_ds.models.hf.tiled_data import TiledPreprocessor
+from dflop_ds.models.hf.base.dataset import MediaDataset, MediaItem
+from dflop_ds.models.hf.base.tiled_data import TiledPreprocessor
+from dflop_ds.models.hf.internvl.synthetic import VIDEO_MARK, InternVLMedia
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
 
 class InternVLPreprocessor(TiledPreprocessor):
     """An InternVL directory's tokenizer and image processor, the conversation template with InternVL's
     image blocks, and the checkpoint's tiling rule (arguments as for
-    :class:`~dflop_ds.models.hf.tiled_data.TiledPreprocessor`)."""
+    :class:`~dflop_ds.models.hf.base.tiled_data.TiledPreprocessor`)."""
 
     family_name = "internvl"
     template_name = "llava-v1+internvl-img"
@@ -67,16 +67,16 @@ class InternVLPreprocessor(TiledPreprocessor):
         )
 
 
-class InternVLDataset(LlavaDataset):
+class InternVLDataset(MediaDataset):
     """The samples of ``shapes`` (made under ``preprocessor.policy()``) as InternVL contract tensors:
-    :class:`~dflop_ds.models.hf.llava_data.LlavaItem` with every tile (arguments as for
-    :class:`~dflop_ds.models.hf.llava_data.LlavaDataset`)."""
+    :class:`~dflop_ds.models.hf.base.template.MediaItem` with every tile (arguments as for
+    :class:`~dflop_ds.models.hf.base.template.MediaDataset`)."""
 
     preprocessor: InternVLPreprocessor
     supports_video = True
     size_sets_tokens = True
 
-    def _item(self, shape: SampleShape, blank: bool) -> LlavaItem:
+    def _item(self, shape: SampleShape, blank: bool) -> MediaItem:
         """The sample of ``shape`` with its tiles loaded, or (``blank``) zero tiles of the same count."""
         media, rule = self.preprocessor.media, self.preprocessor.media.rule
         frames = min(shape.video_frames, self.preprocessor.video_max_frames)
@@ -91,7 +91,7 @@ class InternVLDataset(LlavaDataset):
         turns = self._turns(shape)
         image_tokens = [tokens for _, tokens in counts]
         ids, targets = self._tensors(shape, lambda: self.preprocessor.encode_media(turns, image_tokens, video_tokens))
-        return LlavaItem(shape.sample_id, tiles, ids, targets, self.preprocessor.pad_token_id)
+        return MediaItem(shape.sample_id, tiles, ids, targets, self.preprocessor.pad_token_id)
 
 
 __all__ = ["InternVLDataset", "InternVLPreprocessor"]

@@ -1,87 +1,19 @@
-"""HF ``LlavaForConditionalGeneration`` as the pipeline's flat layer lists (docs: hf_contract.md).
-
-:func:`llava_layers` turns a loaded model into ``(encoder_layers, projector, llm_layers)``:
-
-* encoder: :class:`VisionEmbeddings` (patch + position embeddings, and CLIP's ``pre_layrnorm``)
-  then one :class:`VisionLayer` per tower layer up to ``vision_feature_layer`` (layers after it
-  do not change the features LLaVA uses and are left out). ``(pixel_values|vis, input_ids,
-  seq_lens) -> (vis, input_ids, seq_lens)``; zero images give an empty ``vis``.
-* projector: :class:`LlavaProjector`: feature select strategy, ``multi_modal_projector``, token
-  embedding, and the features written where the ``<image>`` tokens are:
-  ``-> (hidden [B, S, D], seq_lens)``.
-* LLM: one :class:`~dflop_ds.models.hf.common.DecoderLayer` per decoder layer, then the
-  :class:`~dflop_ds.models.hf.common.LMHead` (final norm + ``lm_head``).
-
-A packed microbatch (``input_ids [1, sum(seq_lens)]``, :mod:`dflop_ds.models.packing`) runs through
-the same layers: the projector's merge is row-major either way, and the decoder layers restart
-positions and attention at every sample, giving ``hidden``/``logits [1, sum(seq_lens), ...]``.
-
-Every entry holds the HF submodules themselves, so the layers and the HF model share weights.
-Supported: vision towers :data:`VISION_TYPES`, text models :data:`TEXT_TYPES`, an integer
-``vision_feature_layer``, strategies ``default`` and ``full``. transformers is imported only
-by the functions that need it.
+"""Vision and projector layers the HF families with a ViT tower share, each wrapping the HF
+submodule itself and mapping ``(vis or pixel_values, input_ids, seq_lens)`` tuples (the pipeline
+contract, ``docs/architecture.md``): the tower's embeddings and layers, the projector that merges
+image features into the token embeddings, and the profiler's input factory for the first layer.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from dflop_ds.models.hf.common import LMHead, decoder_layers, load_checked
-from dflop_ds.profile.inputs import ContractLLMInputs
 from dflop_ds.shapes import split_evenly
 
-MODEL_TYPE = "llava"
-VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
-TEXT_TYPES = ("llama", "qwen2", "mistral")
-STRATEGIES = ("default", "full")
-#: key under which a tied embedding / lm_head weight is kept equal across pipeline stages
-TIED_EMBEDDING_KEY = "word_embeddings"
-
 VisTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def check_llava_config(config: Any, where: str = "model") -> None:
-    """Refuse a config this adapter cannot run exactly, naming ``where`` and what is supported."""
-    if getattr(config, "model_type", None) != MODEL_TYPE:
-        raise ValueError(
-            f"{where}: model type {getattr(config, 'model_type', None)!r} is not supported by the "
-            f"LLaVA adapter (supported: 'llava' with vision towers {list(VISION_TYPES)} and text models "
-            f"{list(TEXT_TYPES)})"
-        )
-    vision_type = config.vision_config.model_type
-    if vision_type not in VISION_TYPES:
-        raise ValueError(f"{where}: vision tower {vision_type!r} is not supported (supported: {list(VISION_TYPES)})")
-    text_type = config.text_config.model_type
-    if text_type not in TEXT_TYPES:
-        raise ValueError(f"{where}: text model {text_type!r} is not supported (supported: {list(TEXT_TYPES)})")
-    layer = config.vision_feature_layer
-    if not isinstance(layer, int):
-        raise ValueError(
-            f"{where}: vision_feature_layer={layer!r} (several layers) is not supported; use a single integer layer"
-        )
-    n = int(config.vision_config.num_hidden_layers)
-    if not -(n + 1) <= layer <= n:
-        raise ValueError(f"{where}: vision_feature_layer={layer} is outside the tower's {n} layers")
-    strategy = config.vision_feature_select_strategy
-    if strategy not in STRATEGIES:
-        raise ValueError(
-            f"{where}: vision_feature_select_strategy={strategy!r} is not supported (supported: {list(STRATEGIES)})"
-        )
-
-
-def load_llava(model_dir: str | Path, *, dtype: torch.dtype | None = None) -> Any:
-    """Load a ``save_pretrained`` LLaVA directory as ``LlavaForConditionalGeneration`` (offline).
-
-    The config is checked first (:func:`check_llava_config`), so an unsupported model is named
-    before its weights are read.
-    """
-    from transformers import LlavaForConditionalGeneration
-
-    return load_checked(model_dir, check_llava_config, lambda config: LlavaForConditionalGeneration, dtype)
 
 
 def feature_depth(config: Any) -> int:
@@ -101,7 +33,7 @@ class VisionEmbeddings(nn.Module):
 
     def forward(self, inputs: VisTuple) -> VisTuple:
         """Embed every image. A microbatch without images embeds one blank placeholder image
-        instead, which the projector drops (see :class:`LlavaProjector`): the tower then runs
+        instead, which the projector drops (see :class:`FeatureProjector`): the tower then runs
         the same operations with or without images, so every rank's backward produces the same
         gradients in the same order (ZeRO reduces them in buckets filled in that order, and an
         unused layer on one rank only mismatches the ranks' collectives)."""
@@ -134,7 +66,7 @@ class VisionLayer(nn.Module):
         return (out[0] if isinstance(out, tuple) else out), input_ids, seq_lens
 
 
-class LlavaProjector(nn.Module):
+class FeatureProjector(nn.Module):
     """Feature selection, ``multi_modal_projector``, token embedding and the merge:
     ``(vis, input_ids, seq_lens) -> (hidden [B, S, D], seq_lens)``.
 
@@ -174,7 +106,7 @@ class LlavaProjector(nn.Module):
         n_features = features.shape[0] * features.shape[1]
         if n_tokens != n_features:
             raise ValueError(
-                f"LlavaProjector: the microbatch has {n_tokens} image tokens but its {features.shape[0]} "
+                f"FeatureProjector: the microbatch has {n_tokens} image tokens but its {features.shape[0]} "
                 f"image(s) give {n_features} features ({features.shape[1]} per image)"
             )
         mask = image_positions.unsqueeze(-1).expand_as(embeds)
@@ -182,7 +114,7 @@ class LlavaProjector(nn.Module):
         return hidden, seq_lens
 
 
-class LlavaEncoderInputs:
+class TileEncoderInputs:
     """Profiler input factory of the first encoder layer: ``(tiles, batch) -> (pixel_values,
     input_ids, seq_lens)`` with ``tiles`` random images spread evenly over ``batch`` rows, each
     row holding its images' tokens then ``text_tokens`` text tokens (see ``dflop_ds.profile``)."""
@@ -212,55 +144,4 @@ class LlavaEncoderInputs:
         return pixel_values, input_ids, torch.tensor(lengths, dtype=torch.long)
 
 
-def llava_input_factories(model: Any, text_tokens: int = 8) -> tuple[LlavaEncoderInputs, Any]:
-    """``(encoder_inputs, llm_inputs)`` factories for :func:`dflop_ds.profile.model.profile_model`
-    over :func:`llava_layers`, so that a cost model (and from it the stage split) measures the real layers."""
-    dtype = model.dtype
-    return (
-        LlavaEncoderInputs(model.config, text_tokens, dtype),
-        ContractLLMInputs(int(model.config.text_config.hidden_size), dtype),
-    )
-
-
-def llava_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Module]]:
-    """``(encoder_layers, projector, llm_layers)`` of a ``LlavaForConditionalGeneration``, sharing its weights.
-
-    With tied word embeddings the projector's ``embed_tokens`` and the head's ``lm_head`` declare
-    the same :data:`TIED_EMBEDDING_KEY`, which ``MLLMPipelineModule`` keeps equal across stages.
-    """
-    config = model.config
-    check_llava_config(config, type(model).__name__)
-    body = model.model
-    tower, language_model = body.vision_tower, body.language_model
-    vision = getattr(tower, "vision_model", tower)  # older transformers wrap the transformer once more
-    encoder: list[nn.Module] = [VisionEmbeddings(vision.embeddings, getattr(vision, "pre_layrnorm", None))]
-    encoder += [VisionLayer(layer) for layer in list(vision.encoder.layers)[: feature_depth(config)]]
-    tied = model.lm_head.weight is language_model.embed_tokens.weight
-    key = TIED_EMBEDDING_KEY if tied else None
-    projector = LlavaProjector(
-        body.multi_modal_projector,
-        language_model.embed_tokens,
-        config.image_token_id,
-        config.vision_feature_select_strategy,
-        tied_key=key,
-    )
-    llm: list[nn.Module] = [*decoder_layers(language_model), LMHead(language_model.norm, model.lm_head, tied_key=key)]
-    return encoder, projector, llm
-
-
-__all__ = [
-    "MODEL_TYPE",
-    "STRATEGIES",
-    "TEXT_TYPES",
-    "TIED_EMBEDDING_KEY",
-    "VISION_TYPES",
-    "LlavaEncoderInputs",
-    "LlavaProjector",
-    "VisionEmbeddings",
-    "VisionLayer",
-    "check_llava_config",
-    "feature_depth",
-    "llava_input_factories",
-    "llava_layers",
-    "load_llava",
-]
+__all__ = ["FeatureProjector", "TileEncoderInputs", "VisTuple", "VisionEmbeddings", "VisionLayer", "feature_depth"]

@@ -22,11 +22,11 @@ attending within itself, exactly as it treats images, so one pass embeds both.
   (:func:`mrope_position_ids`):
   ``-> (hidden [B, S, D], position_ids [3, B, S], seq_lens)``.
 * LLM: one :class:`MRopeDecoderLayer` per decoder layer, then the shared
-  :class:`~dflop_ds.models.hf.common.LMHead`.
+  :class:`~dflop_ds.models.hf.base.layers.LMHead`.
 
 Packed microbatches (:mod:`dflop_ds.models.packing`): ``input_ids [1, sum(seq_lens)]`` holds every
 sample in one row; the projector gives each sample its own M-RoPE positions (restarting at 0) and
-the decoder layers attend within each sample (:mod:`dflop_ds.models.hf.packed`).
+the decoder layers attend within each sample (:mod:`dflop_ds.models.hf.base.packed`).
 
 Qwen2.5-VL (``model_type`` ``qwen2_5_vl``) differs in its tower only: patches are reordered
 into attention windows after the embedding (:func:`window_index`), every block but the
@@ -42,8 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflop_ds.models.hf.common import DecoderLayer, LMHead, layer_mask_kinds, load_checked
-from dflop_ds.models.hf.llava import TIED_EMBEDDING_KEY
+from dflop_ds.models.hf.base.layers import TIED_EMBEDDING_KEY, DecoderLayer, LMHead, layer_mask_kinds, load_checked
 from dflop_ds.models.packing import check_packed, is_packed, token_positions
 from dflop_ds.shapes import split_evenly
 
@@ -194,7 +193,7 @@ class PatchEmbedding(nn.Module):
     A microbatch without images embeds one blank placeholder image of grid ``[1, m, m]`` (its
     grid replaces the empty one), which the projector drops: the tower then runs the same
     operations with or without images, so every rank's backward produces the same gradients
-    in the same order (as for LLaVA, see ``dflop_ds.models.hf.llava.VisionEmbeddings``).
+    in the same order (as for LLaVA, see ``dflop_ds.models.hf.llava.model.VisionEmbeddings``).
     """
 
     def __init__(self, patch_embed: nn.Module, vision_config: Any) -> None:
@@ -318,7 +317,7 @@ class Qwen2VLProjector(nn.Module):
 
 class MRopeDecoderLayer(DecoderLayer):
     """One decoder layer at the M-RoPE positions: ``(hidden, position_ids [3, B, S], seq_lens) -> same``
-    (padded rows or one packed row, as :class:`~dflop_ds.models.hf.common.DecoderLayer`)."""
+    (padded rows or one packed row, as :class:`~dflop_ds.models.hf.base.layers.DecoderLayer`)."""
 
     def forward(self, inputs):
         """Apply the layer: attention masked by ``seq_lens``, rotary from ``position_ids``."""

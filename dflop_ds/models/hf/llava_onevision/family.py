@@ -1,34 +1,42 @@
 """The LLaVA-OneVision family (``LlavaOnevisionForConditionalGeneration``: AnyRes tiles, multi-image
 and video samples) as a registered :class:`~dflop_ds.models.hf.registry.ModelFamily`: its adapter
-(:mod:`~dflop_ds.models.hf.llava_onevision`), counting rule (:mod:`~dflop_ds.models.hf.llava_onevision_shapes`),
-data pipeline (:mod:`~dflop_ds.models.hf.llava_onevision_data`) and synthetic microbatches
-(:mod:`~dflop_ds.models.hf.llava_onevision_synthetic`)."""
+(:mod:`~dflop_ds.models.hf.llava_onevision.model`), counting rule (:mod:`~dflop_ds.models.hf.llava_onevision.shapes`),
+data pipeline (:mod:`~dflop_ds.models.hf.llava_onevision.data`) and synthetic microbatches
+(:mod:`~dflop_ds.models.hf.llava_onevision.synthetic`)."""
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
+from dflop_ds.models.hf.base.folder import save_text_and_image_parts
+from dflop_ds.models.hf.base.tiled_family import tiled_check_parts, tiled_preprocessor_loader
 from dflop_ds.models.hf.check_parts import CheckParts
-from dflop_ds.models.hf.folder import save_text_and_image_parts
-from dflop_ds.models.hf.llava_onevision import (
-    MODEL_TYPE,
-    OnevisionEncoderInputs,
-    llava_onevision_layers,
-    load_llava_onevision,
-)
-from dflop_ds.models.hf.llava_onevision_data import (
+from dflop_ds.models.hf.llava_onevision.data import (
     OnevisionDataset,
     OnevisionPreprocessor,
     collate_onevision,
     collate_packed_onevision,
 )
-from dflop_ds.models.hf.llava_onevision_synthetic import IMAGE_MARK, VIDEO_MARK, OnevisionInputs, onevision_hf_kwargs
+from dflop_ds.models.hf.llava_onevision.model import (
+    MODEL_TYPE,
+    OnevisionEncoderInputs,
+    llava_onevision_layers,
+    load_llava_onevision,
+)
+from dflop_ds.models.hf.llava_onevision.synthetic import (
+    IMAGE_MARK,
+    VIDEO_MARK,
+    OnevisionInputs,
+    config_rule,
+    onevision_hf_kwargs,
+)
 from dflop_ds.models.hf.profile import family_profile_target
 from dflop_ds.models.hf.registry import ModelFamily
-from dflop_ds.models.hf.tiled_family import tiled_check_parts, tiled_preprocessor_loader
+from dflop_ds.models.hf.trainer_parts import BlankImage, TrainerParts, text_pad_token
 from dflop_ds.models.hf.training import TrainingParts
 
-#: The :class:`~dflop_ds.models.hf.llava_onevision_data.OnevisionPreprocessor` of a model directory.
+#: The :class:`~dflop_ds.models.hf.llava_onevision.data.OnevisionPreprocessor` of a model directory.
 llava_onevision_preprocessor = tiled_preprocessor_loader(OnevisionPreprocessor)
 
 
@@ -43,6 +51,28 @@ def llava_onevision_training() -> TrainingParts:
         collate_onevision,
         save_text_and_image_parts,
         packed_collate=collate_packed_onevision,
+    )
+
+
+def llava_onevision_blank_image(config: Any) -> BlankImage:
+    """One blank tile-sized image as HF's model takes it: its AnyRes tiles ``[1, tiles, C, T, T]``,
+    its ``image_sizes`` row and the tokens it becomes (the counting rule of the config)."""
+    rule = config_rule(config)
+    tile = rule.tile_size
+    tiles, tokens = rule.image(tile, tile)
+    image_token_id = int(config.image_token_id)
+    pixels = (1, tiles, int(getattr(config.vision_config, "num_channels", 3)), tile, tile)
+    return BlankImage(pixels, image_token_id, tokens, text_pad_token(config, image_token_id), image_sizes=(tile, tile))
+
+
+def llava_onevision_trainer() -> TrainerParts:
+    """LLaVA-OneVision on the Trainer path: its blank image; padding-free batches concatenate the
+    samples' images (tiles padded to the largest image's count: HF takes each image's by its size),
+    sizes, videos and images-per-sample counts."""
+    return TrainerParts(
+        llava_onevision_blank_image,
+        media_keys=("pixel_values", "image_sizes", "pixel_values_videos", "batch_num_images"),
+        padded_keys=("pixel_values",),
     )
 
 
@@ -72,18 +102,12 @@ def llava_onevision_check() -> CheckParts:
 FAMILY = ModelFamily(
     name="LLaVA-OneVision",
     model_types=(MODEL_TYPE,),
-    files=(
-        "models/hf/llava_onevision.py",
-        "models/hf/llava_onevision_data.py",
-        "models/hf/llava_onevision_family.py",
-        "models/hf/llava_onevision_shapes.py",
-        "models/hf/llava_onevision_synthetic.py",
-        "testing/llava_onevision_tiny.py",
-    ),
+    files=("models/hf/llava_onevision/", "testing/llava_onevision_tiny.py"),
     preprocessor=llava_onevision_preprocessor,
     training=llava_onevision_training,
     profile_target=llava_onevision_target,
     check_parts=llava_onevision_check,
+    trainer=llava_onevision_trainer,
     tensor_parallel=False,  # AutoTP of its language model is untested
 )
 

@@ -1,8 +1,8 @@
 """LLaVA-OneVision's data pipeline: LLaVA JSON records as contract microbatches.
 
 The conversation template is the checkpoint's own, else LLaVA-v1's
-(:class:`~dflop_ds.models.hf.llava_data.LlavaPreprocessor`);
-images and videos give the tokens :class:`~dflop_ds.models.hf.llava_onevision_shapes.OnevisionTokenRule`
+(:class:`~dflop_ds.models.hf.base.template.TemplatePreprocessor`);
+images and videos give the tokens :class:`~dflop_ds.models.hf.llava_onevision.shapes.OnevisionTokenRule`
 counts (AnyRes for a lone image, one tile each for several, pooled frames plus a newline for a video).
 A video's frames are ``min(frames, video_max_frames)`` frames sampled uniformly by the project's
 PyAV path (:func:`~dflop_ds.data.video.decode_frames`), one tile each. The shape policy's encoder
@@ -17,15 +17,16 @@ from typing import Any
 
 import torch
 
-from dflop_ds.models.hf.llava_data import LlavaDataset, LlavaItem, collate_llava
-from dflop_ds.models.hf.llava_onevision_synthetic import OnevisionMedia, stack_media
-from dflop_ds.models.hf.tiled_data import TiledPreprocessor
+from dflop_ds.models.hf.base.collate import collate_padded
+from dflop_ds.models.hf.base.dataset import MediaDataset, MediaItem
+from dflop_ds.models.hf.base.tiled_data import TiledPreprocessor
+from dflop_ds.models.hf.llava_onevision.synthetic import OnevisionMedia, stack_media
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
 
 class OnevisionPreprocessor(TiledPreprocessor):
     """A LLaVA-OneVision directory's tokenizer and image processor, the conversation template and the
-    checkpoint's counting rule (arguments as for :class:`~dflop_ds.models.hf.tiled_data.TiledPreprocessor`)."""
+    checkpoint's counting rule (arguments as for :class:`~dflop_ds.models.hf.base.tiled_data.TiledPreprocessor`)."""
 
     family_name = "llava_onevision"
     media: OnevisionMedia
@@ -67,16 +68,16 @@ def _no_media() -> torch.Tensor:
 
 
 @dataclass
-class OnevisionItem(LlavaItem):
+class OnevisionItem(MediaItem):
     """One sample: its tiles ``pixel_values [T, C, H, W]`` (images, then the video's frames), ids,
     shifted targets and ``media [M, 5]`` rows (sample column 0)."""
 
     media: torch.Tensor = field(default_factory=_no_media)
 
 
-class OnevisionDataset(LlavaDataset):
+class OnevisionDataset(MediaDataset):
     """The samples of ``shapes`` (made under ``preprocessor.policy()``) as LLaVA-OneVision contract
-    tensors (arguments as :class:`~dflop_ds.models.hf.llava_data.LlavaDataset`)."""
+    tensors (arguments as :class:`~dflop_ds.models.hf.base.template.MediaDataset`)."""
 
     preprocessor: OnevisionPreprocessor
     supports_video = True
@@ -118,8 +119,8 @@ class OnevisionDataset(LlavaDataset):
 def collate_onevision(items: Sequence[OnevisionItem], packed: bool = False):
     """One microbatch ``((pixel_values, input_ids, seq_lens, media), (targets, loss_denominator))``:
     every sample's tiles in order and their media rows with the sample's index (padding, packing and
-    denominator as :func:`~dflop_ds.models.hf.llava_data.collate_llava`)."""
-    (_, input_ids, seq_lens), labels = collate_llava(items, packed)
+    denominator as :func:`~dflop_ds.models.hf.base.template.collate_padded`)."""
+    (_, input_ids, seq_lens), labels = collate_padded(items, packed)
     pixel_values, media = stack_media(
         [(item.pixel_values, item.media.tolist()) for item in items], tuple(items[0].pixel_values.shape[1:])
     )

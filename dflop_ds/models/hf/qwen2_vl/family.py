@@ -1,7 +1,7 @@
 """The Qwen2-VL family (``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``)
 as a registered :class:`~dflop_ds.models.hf.registry.ModelFamily`: its adapter
-(:mod:`~dflop_ds.models.hf.qwen2_vl`), data pipeline (:mod:`~dflop_ds.models.hf.qwen2_vl_data`) and
-synthetic microbatches (:mod:`~dflop_ds.models.hf.qwen2_vl_synthetic`)."""
+(:mod:`~dflop_ds.models.hf.qwen2_vl.model`), data pipeline (:mod:`~dflop_ds.models.hf.qwen2_vl.data`) and
+synthetic microbatches (:mod:`~dflop_ds.models.hf.qwen2_vl.synthetic`)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
+from dflop_ds.models.hf.base.folder import save_text_and_image_parts
 from dflop_ds.models.hf.check import random_frames, random_image
 from dflop_ds.models.hf.check_parts import CheckParts, MicrobatchBuilder
-from dflop_ds.models.hf.folder import save_text_and_image_parts
 from dflop_ds.models.hf.profile import family_profile_target
-from dflop_ds.models.hf.qwen2_vl import (
+from dflop_ds.models.hf.qwen2_vl.data import (
+    Qwen2VLDataset,
+    Qwen2VLPreprocessor,
+    collate_packed_qwen2_vl,
+    collate_qwen2_vl,
+)
+from dflop_ds.models.hf.qwen2_vl.model import (
     MODEL_CLASSES,
     MODEL_TYPE,
     MRopeLLMInputs,
@@ -24,14 +30,9 @@ from dflop_ds.models.hf.qwen2_vl import (
     qwen2_vl_layers,
     tower_grid,
 )
-from dflop_ds.models.hf.qwen2_vl_data import (
-    Qwen2VLDataset,
-    Qwen2VLPreprocessor,
-    collate_packed_qwen2_vl,
-    collate_qwen2_vl,
-)
-from dflop_ds.models.hf.qwen2_vl_synthetic import IMAGE_MARK, VIDEO_MARK, Qwen2VLInputs, qwen2_vl_hf_kwargs
+from dflop_ds.models.hf.qwen2_vl.synthetic import IMAGE_MARK, VIDEO_MARK, Qwen2VLInputs, qwen2_vl_hf_kwargs
 from dflop_ds.models.hf.registry import ModelFamily
+from dflop_ds.models.hf.trainer_parts import DEFAULT_MEDIA_KEYS, BlankImage, TrainerParts, text_pad_token
 from dflop_ds.models.hf.training import TrainingParts
 
 
@@ -43,7 +44,7 @@ def qwen2_vl_preprocessor(
     video_fps: float = DEFAULT_VIDEO_FPS,
     video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
 ) -> Qwen2VLPreprocessor:
-    """The :class:`~dflop_ds.models.hf.qwen2_vl_data.Qwen2VLPreprocessor` of ``model_dir``."""
+    """The :class:`~dflop_ds.models.hf.qwen2_vl.data.Qwen2VLPreprocessor` of ``model_dir``."""
     return Qwen2VLPreprocessor.from_pretrained(
         model_dir, video_fps=video_fps, video_max_frames=video_max_frames, max_length=max_length, truncation=truncation
     )
@@ -114,20 +115,34 @@ def qwen2_vl_check() -> CheckParts:
     )
 
 
+def qwen2_vl_blank_image(config: Any) -> BlankImage:
+    """The placeholder image ``[1, m, m]`` (one LLM token) as HF's model takes it: its flattened
+    patches ``[m * m, C * T * p * p]`` and its ``image_grid_thw`` row."""
+    vision = config.vision_config
+    merge = int(vision.spatial_merge_size)
+    patch_dim = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+    image_token_id = int(config.image_token_id)
+    pad = text_pad_token(config, image_token_id)
+    return BlankImage((merge**2, patch_dim), image_token_id, 1, pad, grid_thw=(1, merge, merge))
+
+
+def qwen2_vl_trainer() -> TrainerParts:
+    """Qwen2-VL on the Trainer path: its placeholder image; padding-free batches concatenate the
+    samples' images, videos and grids, with M-RoPE positions from the model's ``get_rope_index``."""
+    return TrainerParts(
+        qwen2_vl_blank_image, media_keys=DEFAULT_MEDIA_KEYS, rope_index=lambda model: model.model.get_rope_index
+    )
+
+
 FAMILY = ModelFamily(
     name="Qwen2-VL",
     model_types=tuple(MODEL_CLASSES),
-    files=(
-        "models/hf/qwen2_vl.py",
-        "models/hf/qwen2_vl_data.py",
-        "models/hf/qwen2_vl_family.py",
-        "models/hf/qwen2_vl_synthetic.py",
-        "testing/qwen2_vl_tiny.py",
-    ),
+    files=("models/hf/qwen2_vl/", "testing/qwen2_vl_tiny.py"),
     preprocessor=qwen2_vl_preprocessor,
     training=qwen2_vl_training,
     profile_target=qwen2_vl_target,
     check_parts=qwen2_vl_check,
+    trainer=qwen2_vl_trainer,
     tensor_parallel=False,  # AutoTP with M-RoPE decoder layers is untested
 )
 

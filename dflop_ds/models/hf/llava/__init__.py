@@ -1,0 +1,1 @@
+"""The LLaVA family (``LlavaForConditionalGeneration``, one tile per image)."""

@@ -1,0 +1,1 @@
+"""The LLaVA-OneVision family (AnyRes tiles, pooled video frames)."""

@@ -1,0 +1,102 @@
+"""A user's ``DFLOPTrainer`` script on one tiny checkpoint of any registered family, 2 ZeRO-2 ranks,
+one launch, two runs on the same items (one in four with an image of the model's, the others
+text-only with ``pixel_values=None``, so most microbatches hold no image):
+
+* ``padded``: the user's right-padding collator (the image-free guard on padded microbatches);
+* ``packed``: ``dflop={"model": {"packing": True}}`` and no collator: the family's padding-free
+  collator, attention within each sample (the guard on padding-free microbatches).
+
+Each run trains ``--steps`` optimizer steps of 2 microbatches of 2 items per rank and reports its
+logged losses and whether each microbatch the rank collated held an image; rank ``r`` writes
+``--out/rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from transformers import AutoModelForImageTextToText, TrainingArguments
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the family inputs
+from family_inputs import RightPadCollator, image_chats  # noqa: E402
+
+from dflop_ds.hf_trainer import DFLOPTrainer  # noqa: E402
+from dflop_ds.models.hf.registry import trainer_parts_of  # noqa: E402
+from dflop_ds.rank_lifecycle import finish_rank  # noqa: E402
+from dflop_ds.shapes import SampleShape  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parents[2] / "ds_configs" / "hf_trainer_zero2.json"
+
+
+class Recording:
+    """A collator that notes whether each microbatch it made held an image."""
+
+    def __init__(self, collate) -> None:
+        self.collate = collate
+        self.had_images: list[bool] = []
+
+    def __call__(self, items: list[dict]) -> dict:
+        self.had_images.append(any(item.get("pixel_values") is not None for item in items))
+        return self.collate(items)
+
+
+def run(model_dir: str, out: Path, steps: int, packing: bool) -> tuple[dict, DFLOPTrainer]:
+    """One training run: its losses and the image flags of the microbatches this rank collated,
+    and the trainer (whose sampler the caller closes)."""
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    items = image_chats(model.config, 16, every=4)
+    table = [
+        SampleShape(f"s{i}", text_tokens=len(x["input_ids"]), llm_tokens=len(x["input_ids"]))
+        for i, x in enumerate(items)
+    ]
+    args = TrainingArguments(
+        output_dir=str(out),
+        use_cpu=True,
+        deepspeed=str(CONFIG),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=5e-3,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=7,
+    )
+    parts = trainer_parts_of(model.config)
+    assert parts is not None
+    collator = None if packing else RightPadCollator(parts.media_keys, parts.padded_keys)
+    trainer = DFLOPTrainer(
+        model=model,
+        args=args,
+        train_dataset=items,
+        data_collator=collator,
+        sample_shapes=table,
+        dflop={"model": {"packing": True}} if packing else None,
+    )
+    recording = Recording(trainer.data_collator)
+    trainer.data_collator = recording
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {"losses": losses, "had_images": recording.had_images}, trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--local_rank", type=int, default=0)  # the DeepSpeed launcher passes it
+    cli = parser.parse_args()
+    padded, first = run(cli.model, cli.out / "padded", cli.steps, packing=False)
+    packed, second = run(cli.model, cli.out / "packed", cli.steps, packing=True)
+    rank = dist.get_rank()
+    (cli.out / f"rank{rank}.json").write_text(json.dumps({"padded": padded, "packed": packed}))
+    finish_rank(first.dflop_batch_sampler, second.dflop_batch_sampler)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The contract every registered HF model family passes, one parametrised test per check (a family
+registers only when it passes them all; tests/family_inputs.py gives each one's tiny checkpoint):
+
+* ``check-model`` at 1-3 stages: the layer lists equal HF's forward, packed microbatches equal padded;
+* the family's dataset over LLaVA records (images, several images, text-only, videos where the family
+  takes them): each item's tokens and tiles are its shape's, the collated microbatch gives HF's own
+  loss, packed equals padded;
+* the Trainer's image-free guard: the family's blank image runs the tower and leaves HF's loss as it was;
+* slow, on 2 ZeRO-2 ranks: examples/train.py through the DeepSpeed loop (six steps, falling loss,
+  the saved model changed), and a user's ``DFLOPTrainer`` script with image-free microbatches beside
+  ones with images, padded and with the family's padding-free collator (one launch).
+
+The shape policy's counts against each family's real processor are in the family's own test file
+(each builds its processor by hand: the tiny checkpoints save none).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+from ds_runs import REPO, run_on_ranks  # noqa: E402
+from family_inputs import FAMILY_BUILDERS, RightPadCollator, image_chats  # noqa: E402
+from hf_stage_checks import assert_trains_with_media  # noqa: E402
+
+from dflop_ds.hf_trainer.guard import blank_image_for, with_blank_image  # noqa: E402
+from dflop_ds.models.hf.base.synthetic import hf_labels  # noqa: E402
+from dflop_ds.models.hf.check import check_model, run_stages  # noqa: E402
+from dflop_ds.models.hf.registry import family_of, registered_families, trainer_parts_of  # noqa: E402
+from dflop_ds.models.hf.source import hf_source  # noqa: E402
+from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
+from dflop_ds.rank_lifecycle import CLEAN_SHUTDOWN  # noqa: E402
+from dflop_ds.testing.llava_data import write_llava_dataset  # noqa: E402
+
+FAMILIES = [family.name for family in registered_families()]
+SCRIPT = REPO / "tests" / "ds_scripts" / "family_trainer_check.py"
+
+
+def test_every_registered_family_has_a_tiny_builder():
+    assert sorted(FAMILY_BUILDERS) == sorted(FAMILIES)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_data(request, tmp_path_factory):
+    """``(name, model, data, images, videos)``: the family's tiny checkpoint, 16 LLaVA records (1-3
+    images, text-only ones) and, where its dataset takes videos, 4 short videos."""
+    from dflop_ds.testing.video import add_video_records
+
+    name = request.param
+    root = tmp_path_factory.mktemp(name.lower().replace("-", "_"))
+    model = FAMILY_BUILDERS[name](root / "m")
+    data, images = write_llava_dataset(root / "data", 16, seed=6, text_only=0.2)
+    videos = root / "videos"
+    videos.mkdir()
+    if family_of(model).training().dataset.supports_video:
+        add_video_records(data, videos, 4, seed=6)
+    return name, model, data, images, videos
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_check_model_matches_hf_and_packed_equals_padded(name, stages, tmp_path):
+    model = FAMILY_BUILDERS[name](tmp_path / "m")
+    report = check_model(model, stages=stages)
+    assert report.ok and report.max_rel_err <= 1e-4 and report.packed_max_rel_err <= 1e-4, report.line()
+    assert len(report.bounds) == stages + 1
+
+
+def test_dataset_microbatches_give_hf_loss_and_packed_equals_padded(family_data):
+    name, model, data, images, videos = family_data
+    family = family_of(model)
+    source = hf_source(str(model), image_folder=str(images), video_folder=str(videos))
+    shapes = source.read_shapes(str(data), "error")
+    kinds = {shape.modality for shape in shapes}
+    videos_too = family.training().dataset.supports_video
+    assert kinds == {"text", "image", "multi_image"} | ({"video"} if videos_too else set()), kinds
+    dataset = source.make_dataset(shapes, str(data))
+    layers = [*source.encoder_layers, source.projector, *source.llm_layers]
+    hf_model = source.hf_model.eval()
+    hf_kwargs = family.check_parts().hf_kwargs
+    by_kind = {kind: [i for i, s in enumerate(shapes) if s.modality == kind] for kind in kinds}
+    batches = [[by_kind["image"][0], by_kind["multi_image"][0], by_kind["text"][0]], [by_kind["text"][0]]]
+    if videos_too:
+        batches.append([by_kind["video"][0], by_kind["image"][-1]])
+    for batch in batches:
+        items = [dataset[i] for i in batch]
+        for i, item in zip(batch, items):
+            assert item.input_ids.numel() == shapes[i].llm_tokens, (name, i)
+        inputs, labels = source.collate(items)
+        logits, _ = run_stages(layers, [0, len(layers)], inputs)
+        loss = token_normalized_loss(logits, labels)
+        with torch.no_grad():
+            reference = hf_model(**hf_kwargs(hf_model, inputs), labels=hf_labels(labels[0])).loss
+        assert torch.allclose(loss, reference, rtol=1e-5), (name, batch, float(loss), float(reference))
+        packed_inputs, packed_labels = source.packed_collate(items)
+        packed_logits, _ = run_stages(layers, [0, len(layers)], packed_inputs)
+        assert torch.allclose(token_normalized_loss(packed_logits, packed_labels), loss, rtol=1e-5), (name, batch)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_blank_image_leaves_the_loss_and_gets_the_gradients_an_image_gets(name, tmp_path):
+    """The guard's blank image leaves HF's loss as it was and gives gradients to the same
+    parameters a real image does (so every rank's ZeRO reduction holds the same tensors)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(FAMILY_BUILDERS[name](tmp_path / "m"))).train()
+    parts = trainer_parts_of(model.config)
+    blank = blank_image_for(model.config)
+    assert parts is not None and blank is not None, name
+
+    def graded(batch: dict) -> tuple[torch.Tensor, set[str]]:
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), {n for n, p in model.named_parameters() if p.grad is not None}
+
+    with_image = RightPadCollator(parts.media_keys, parts.padded_keys)(image_chats(model.config, 1))
+    _, image_grads = graded(with_image)
+    ids = torch.randint(5, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    ids[ids == blank.image_token_id] = blank.image_token_id + 1  # text only
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    plain, text_grads = graded(inputs)
+    guarded, blank_grads = graded(with_blank_image(inputs, blank))
+    assert torch.allclose(guarded, plain, rtol=1e-6), (name, float(guarded), float(plain))
+    assert blank_grads == image_grads and text_grads < image_grads, (name, sorted(image_grads ^ blank_grads)[:5])
+
+
+@pytest.mark.slow
+def test_trains_through_the_deepspeed_loop_on_two_zero2_ranks(family_data, tmp_path, train):
+    name, model, data, images, videos = family_data
+    prefix = family_of(model).model_types[0]
+    assert_trains_with_media(
+        train, "hf_zero2.json", (model, data, images, videos), tmp_path / "out", prefix, zero_stage=2
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_trainer_script_trains_image_free_microbatches_padded_and_padding_free_on_two_zero2_ranks(name, tmp_path):
+    model = FAMILY_BUILDERS[name](tmp_path / "m")
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = run_on_ranks(SCRIPT, ["--model", str(model), "--out", str(tmp_path)], extra_env=env, timeout=900)
+    assert all(f"{CLEAN_SHUTDOWN} {r}\n" in result.stdout for r in (0, 1)), result.stdout[-3000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for run in ("padded", "packed"):
+        losses = reports[0][run]["losses"]
+        assert len(losses) == 4 and all(loss == loss for loss in losses), (name, run, losses)
+        assert losses[-1] < losses[0], (name, run, losses)
+        flags = [report[run]["had_images"] for report in reports]
+        assert len(flags[0]) == len(flags[1])
+        assert any(a != b for a, b in zip(*flags)), (name, run, "no image-free microbatch beside one with images")
