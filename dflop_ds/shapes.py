@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 Tokenizer = Callable[[str], int]
 #: An image's own encoder units and LLM tokens from its size, for native-resolution models
 #: (Qwen2-VL): ``(width, height) -> (encoder_units, visual_tokens)``. Its ``repr`` names it.
@@ -339,3 +341,41 @@ TINY_POLICY = ShapePolicy(
 #: The default policy, by name: AnyRes-like tiling with LLaVA-OneVision's sizes (an approximation,
 #: see :class:`ShapePolicy`).
 DEFAULT_POLICY = ShapePolicy(name="default")
+
+
+#: the counts of a :class:`SampleShape` that must be finite and >= 0
+SHAPE_COUNTS = (
+    "text_tokens",
+    "label_tokens",
+    "encoder_tiles",
+    "visual_tokens",
+    "llm_tokens",
+    "video_frames",
+    "encoder_attention",
+)
+
+
+def check_shape_values(shapes: Sequence[Any], source: str = "sample_shapes") -> None:
+    """Refuse, naming the entry of ``source`` and the sample, a table that is not one
+    :class:`SampleShape` per entry (a dict, a tuple) or whose counts (:data:`SHAPE_COUNTS`) are
+    not numbers, or are negative, NaN or infinite: a sampler would otherwise fail mid-epoch on a
+    cost it cannot order, or train on it in silence."""
+    for index, shape in enumerate(shapes):
+        if not isinstance(shape, SampleShape):
+            raise TypeError(
+                f"{source}[{index}] is a {type(shape).__name__}, not a SampleShape: build shapes with a"
+                " ShapePolicy (policy.shape(sample_id, image_sizes=..., text_tokens=...)) or SampleShape(...)"
+            )
+    for name in SHAPE_COUNTS:
+        values = [getattr(shape, name) for shape in shapes]
+        numeric = [isinstance(v, (int, float)) and not isinstance(v, bool) for v in values]
+        bad = [i for i, ok in enumerate(numeric) if not ok]
+        if not bad:
+            counts = np.asarray(values, dtype=float)
+            bad = np.flatnonzero(~np.isfinite(counts) | (counts < 0)).tolist()
+        if bad:
+            index = bad[0]
+            raise ValueError(
+                f"{source}[{index}] (sample {shapes[index].sample_id!r}): {name}={values[index]!r} is not a"
+                f" finite count >= 0" + (f" ({len(bad) - 1} more such samples)" if len(bad) > 1 else "")
+            )

@@ -16,13 +16,24 @@ from dflop_ds.shapes import SampleShape, ShapePolicy
 
 class ShapeTable(list):
     """A ``list[SampleShape]`` that also names the :class:`ShapePolicy` that shaped it, so the
-    Trainer can check a cost model against it."""
+    Trainer can check a cost model against it, and the data file and media folders it was read
+    from (None: not from a file), so the Trainer's ranks can check they read the same ones."""
 
     policy: ShapePolicy
 
-    def __init__(self, shapes: Iterable[SampleShape], policy: ShapePolicy) -> None:
+    def __init__(
+        self,
+        shapes: Iterable[SampleShape],
+        policy: ShapePolicy,
+        data_path: PathArg | None = None,
+        image_folder: PathArg | None = None,
+        video_folder: PathArg | None = None,
+    ) -> None:
         super().__init__(shapes)
         self.policy = policy
+        self.data_path = None if data_path is None else str(data_path)
+        self.image_folder = None if image_folder is None else str(image_folder)
+        self.video_folder = None if video_folder is None else str(video_folder)
 
 
 def llava_json_shapes(
@@ -44,7 +55,8 @@ def llava_json_shapes(
     field: the shapes must cover every index of the dataset the Trainer samples from.
     """
     policy = hf_preprocessor(model_name_or_path, max_length=max_length).policy()
-    return ShapeTable(shape_reader(policy, image_folder, video_folder)(data_path, "error"), policy)
+    shapes = shape_reader(policy, image_folder, video_folder)(data_path, "error")
+    return ShapeTable(shapes, policy, data_path, image_folder, video_folder)
 
 
 def image_size(image: Any) -> tuple[int, int]:
