@@ -62,9 +62,7 @@ def trainer_block_problems(block: Mapping[str, Any]) -> list[str]:
         if name in TRAINER_INSTEAD:
             problems.append(f"{path}: {TRAINER_INSTEAD[name]}")
         elif name == "memory_cap_bytes" and value == AUTO:
-            problems.append(
-                f'{path}="auto": the Trainer measures no device budget; give the cap in bytes, or "off"'
-            )
+            problems.append(f'{path}="auto": the Trainer measures no device budget; give the cap in bytes, or "off"')
     return problems
 
 
@@ -73,7 +71,7 @@ def check_trainer_block(block: Any, source: str) -> None:
     Trainer does not honour (every such key named, with what to use instead)."""
     if not isinstance(block, Mapping):
         raise TypeError(
-            f"{source}: the dflop settings must be a dict in the shape of the DeepSpeed config's \"dflop\" block"
+            f'{source}: the dflop settings must be a dict in the shape of the DeepSpeed config\'s "dflop" block'
             f' (e.g. {{"sampler": {{"kind": "dflop"}}}}), got {type(block).__name__} {block!r}'
         )
     problems = trainer_block_problems(block)

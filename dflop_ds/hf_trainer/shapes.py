@@ -132,7 +132,8 @@ def image_markers(messages: Any) -> int | None:
     parts = [part for content in contents if isinstance(content, list) for part in content]
     if not parts:
         return None
-    return sum(1 for part in parts if isinstance(part, Mapping) and part.get("type") == "image" and part.get("image") is None)
+    placeholders = [part for part in parts if isinstance(part, Mapping) and part.get("type") == "image"]
+    return sum(1 for part in placeholders if part.get("image") is None)
 
 
 def _undecoded(dataset: Any) -> Any:

@@ -77,6 +77,7 @@ from dflop_ds.train.options import sampler_settings
 
 logger = logging.getLogger(__name__)
 
+
 def dflop_block(
     dflop: Mapping[str, Any] | None, deepspeed: Any, deepspeed_source: str = "TrainingArguments.deepspeed"
 ) -> tuple[dict[str, Any], str]:
