@@ -1,4 +1,4 @@
-"""LLaVA JSON records -> the HF LLaVA microbatch contract (docs: /work/notes/hf_contract.md).
+"""LLaVA JSON records -> the HF LLaVA microbatch contract (docs/architecture.md, "Microbatch tensor contract").
 
 :class:`LlavaPreprocessor` wraps a model directory's ``LlavaProcessor`` (its image processor
 and tokenizer) and owns the one conversation format, so that the shapes the sampler sees and
