@@ -117,3 +117,12 @@ def test_validate_flags_answers_that_only_train_the_end_of_turn_token(tmp_path, 
     assert main(["validate", str(path), "--policy", "tiny"]) == 1
     out = capsys.readouterr()
     assert re.search(message, out.out + out.err), out
+
+
+def test_an_internvl_tile_limit_beyond_any_checkpoint_is_refused_not_searched_for_minutes():
+    from dflop_ds.models.hf.internvl_shapes import MAX_TILES, InternVLTileRule
+
+    with pytest.raises(ValueError, match=rf"min_patches 1 and max_patches 100000: need .* <= {MAX_TILES}"):
+        InternVLTileRule(tile_size=448, min_tiles=1, max_tiles=100000, tokens_per_tile=256)
+    with pytest.raises(ValueError, match="min_patches 0"):
+        InternVLTileRule(tile_size=448, min_tiles=0, max_tiles=12, tokens_per_tile=256)
