@@ -311,3 +311,26 @@ def test_a_scheduled_index_prints_as_its_number():
     index = ScheduledIndex(51, loss_denominator=142.25, batch_id=0)
     assert (str(index), f"{index}", f"{index:03d}", json.dumps(index)) == ("51", "51", "051", "51")
     assert index.loss_denominator == 142.25 and "loss_denominator" in repr(index)
+
+
+def test_ranks_reading_different_data_files_are_named(llava_inputs, tmp_path):
+    from dflop_ds.hf_trainer.agreement import ranks_disagreement, trainer_input_digests
+    from dflop_ds.hf_trainer.shapes import ShapeTable
+
+    _, data, images = llava_inputs
+    other = tmp_path / "data.json"
+    other.write_text(data.read_text() + "\n")  # the same records, other bytes
+    shutil.copytree(images, tmp_path / "images")
+
+    def digests(path, folder, rank):
+        table = ShapeTable(shapes(4), None, path, folder)  # type: ignore[arg-type]
+        return trainer_input_digests(table, None, "proxy", 0, "seed", {}, rank)
+
+    same = ranks_disagreement([digests(data, images, 0), digests(data, images, 1)])
+    assert same is None
+    report = ranks_disagreement([digests(data, images, 0), digests(other, tmp_path / "images", 1)])
+    assert report is not None and "data file" in report and str(other) in report
+
+
+def shapes(n: int) -> list[SampleShape]:
+    return [SampleShape(f"s{i}", text_tokens=10 + i, label_tokens=3, llm_tokens=10 + i) for i in range(n)]
