@@ -9,6 +9,7 @@ video frames.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -360,22 +361,35 @@ def check_shape_values(shapes: Sequence[Any], source: str = "sample_shapes") -> 
     :class:`SampleShape` per entry (a dict, a tuple) or whose counts (:data:`SHAPE_COUNTS`) are
     not numbers, or are negative, NaN or infinite: a sampler would otherwise fail mid-epoch on a
     cost it cannot order, or train on it in silence."""
-    for index, shape in enumerate(shapes):
-        if not isinstance(shape, SampleShape):
-            raise TypeError(
-                f"{source}[{index}] is a {type(shape).__name__}, not a SampleShape: build shapes with a"
-                " ShapePolicy (policy.shape(sample_id, image_sizes=..., text_tokens=...)) or SampleShape(...)"
-            )
-    for name in SHAPE_COUNTS:
+    if not all(isinstance(shape, SampleShape) for shape in shapes):
+        index, shape = next((i, s) for i, s in enumerate(shapes) if not isinstance(s, SampleShape))
+        raise TypeError(
+            f"{source}[{index}] is a {type(shape).__name__}, not a SampleShape: build shapes with a"
+            " ShapePolicy (policy.shape(sample_id, image_sizes=..., text_tokens=...)) or SampleShape(...)"
+        )
+    if not shapes:
+        return
+    bad: list[tuple[int, int]] = []
+    for column, name in enumerate(SHAPE_COUNTS):
         values = [getattr(shape, name) for shape in shapes]
-        numeric = [isinstance(v, (int, float)) and not isinstance(v, bool) for v in values]
-        bad = [i for i, ok in enumerate(numeric) if not ok]
-        if not bad:
-            counts = np.asarray(values, dtype=float)
-            bad = np.flatnonzero(~np.isfinite(counts) | (counts < 0)).tolist()
-        if bad:
-            index = bad[0]
-            raise ValueError(
-                f"{source}[{index}] (sample {shapes[index].sample_id!r}): {name}={values[index]!r} is not a"
-                f" finite count >= 0" + (f" ({len(bad) - 1} more such samples)" if len(bad) > 1 else "")
-            )
+        counts = np.asarray(values)
+        if counts.dtype.kind in "iuf":  # every value a number: one vectorized check
+            bad += [(int(row), column) for row in np.flatnonzero(~np.isfinite(counts) | (counts < 0))]
+        else:  # some value is not a number: find it among the values as given
+            bad += [(row, column) for row, value in enumerate(values) if not _is_count(value)]
+    if bad:
+        index, column = min(bad)
+        name = SHAPE_COUNTS[column]
+        more = len({r for r, _ in bad}) - 1
+        raise ValueError(
+            f"{source}[{index}] (sample {shapes[index].sample_id!r}): {name}={getattr(shapes[index], name)!r} is not"
+            " a finite count >= 0" + (f" ({more} more such samples)" if more else "")
+        )
+
+
+def _is_count(value: Any) -> bool:
+    """Whether ``value`` is a finite real number >= 0 (not a bool, not a string)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    number = float(value)
+    return math.isfinite(number) and number >= 0
