@@ -106,6 +106,13 @@ def test_checkpoint_weights_saved_under_legacy_names_are_restored_without_deepsp
     trainer._load_from_checkpoint(str(checkpoint))
     restored = dict(fresh.named_parameters())
     assert all(torch.equal(restored[name], value) for name, value in trained.named_parameters())
+    sharded = tmp_path / "checkpoint-2"
+    trained.save_pretrained(sharded, max_shard_size="20KB")  # a large model's layout: an index and shards
+    assert (sharded / "model.safetensors.index.json").is_file()
+    other = AutoModelForImageTextToText.from_pretrained(str(model_dir))
+    DFLOPTrainer(model=other, args=args)._load_from_checkpoint(str(sharded))
+    restored = dict(other.named_parameters())
+    assert all(torch.equal(restored[name], value) for name, value in trained.named_parameters())
     from safetensors.torch import load_file, save_file
 
     partial = dict(list(load_file(str(checkpoint / "model.safetensors")).items())[5:])

@@ -82,24 +82,43 @@ def check_saved_schedule(path: Path, saved: Mapping[str, Any], mine: Mapping[str
             )
 
 
+def checkpoint_weight_files(checkpoint: str | os.PathLike) -> list[Path]:
+    """The safetensors files of ``checkpoint``'s weights: its ``model.safetensors``, or the shards
+    its ``model.safetensors.index.json`` lists; empty for another format."""
+    folder = Path(checkpoint)
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return []
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, Mapping):
+        raise ValueError(f"{index}: no weight_map of parameter names to shard files")
+    return [folder / name for name in sorted(set(map(str, weight_map.values())))]
+
+
 def load_checkpoint_weights(model: Any, checkpoint: str | os.PathLike) -> bool:
-    """Load ``checkpoint``'s single ``model.safetensors`` into ``model``, its keys renamed by the
-    model's own conversion mapping (legacy names back to the module's). Returns False when the
-    checkpoint holds no such file (another format: the Trainer's own loader applies); raises a
-    ``ValueError`` naming the file and keys when a parameter of the model would stay unrestored."""
-    path = Path(checkpoint) / "model.safetensors"
-    if not path.is_file():
+    """Load ``checkpoint``'s safetensors weights (one file or its shards, one shard in memory at a
+    time) into ``model``, their keys renamed by the model's own conversion mapping (legacy names
+    back to the module's). Returns False when the checkpoint holds none (another format: the
+    Trainer's own loader applies); raises a ``ValueError`` naming the checkpoint and keys when a
+    parameter of the model would stay unrestored."""
+    files = checkpoint_weight_files(checkpoint)
+    if not files:
         return False
     import safetensors.torch
 
-    state = safetensors.torch.load_file(str(path), device="cpu")
-    mapped = model_keys(model, state)
-    result = model.load_state_dict(mapped, strict=False)
+    parameters = {name for name, _ in model.named_parameters()}
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    missing = [key for key in result.missing_keys if key not in tied and key in dict(model.named_parameters())]
+    loaded: set[str] = set()
+    for path in files:
+        mapped = model_keys(model, safetensors.torch.load_file(str(path), device="cpu"))
+        model.load_state_dict(mapped, strict=False)
+        loaded |= set(mapped)
+    missing = sorted(parameters - loaded - tied)
     if missing:
         raise ValueError(
-            f"{path}: {len(missing)} parameters of {type(model).__name__} are not in it under any name this"
+            f"{files[0]}: {len(missing)} parameters of {type(model).__name__} are not in it under any name this"
             f" transformers maps (e.g. {', '.join(missing[:3])}); resuming would train fresh weights with the saved"
             " optimizer state. Resume with the transformers version and model class that saved it"
         )
@@ -126,6 +145,7 @@ def model_keys(model: Any, state: Mapping[str, Any]) -> dict[str, Any]:
 __all__ = [
     "SAMPLER_STATE",
     "check_saved_schedule",
+    "checkpoint_weight_files",
     "load_checkpoint_weights",
     "model_keys",
     "read_sampler_state",
