@@ -380,7 +380,7 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         super()._save_checkpoint(model, trial)  # type: ignore[misc]
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        """The checkpoint's weights into the model (no DeepSpeed): a single ``model.safetensors``
+        """The checkpoint's weights into the model (no DeepSpeed): safetensors weights (one file or shards)
         with its legacy key names mapped back (:func:`~dflop_ds.hf_trainer.resume.load_checkpoint_weights`,
         which refuses one that leaves a parameter unrestored); any other format by the Trainer."""
         trainer: Any = self
