@@ -105,7 +105,10 @@ def test_a_template_without_a_generation_prompt_is_warned_about(llava_checkpoint
 @pytest.mark.parametrize(
     ("turns", "message"),
     [
-        ([("human", "hi"), ("gpt", "   ")], r"conversations\[1\]\.value.*is an answer of whitespace only"),
+        (
+            [("human", "hi"), ("gpt", "   "), ("human", "and?"), ("gpt", "yes")],
+            r"conversations\[1\]\.value.*is an answer of whitespace only",
+        ),
         ([("human", "hi"), ("gpt", "hello"), ("human", "and?")], r"conversations\[2\].*ends with a human turn"),
     ],
     ids=["whitespace-answer", "unanswered"],

@@ -109,10 +109,12 @@ def _parse_conversations(record: Mapping[str, Any], problems: FieldProblems) -> 
 
 
 def _check_answers(turns: Sequence[tuple[str, str]], problems: FieldProblems) -> None:
-    """Flag an assistant turn of whitespace only (a chat template would supervise its end-of-turn
-    token alone) and a conversation whose last turn is a question no answer follows."""
+    """Flag an assistant turn of whitespace only beside answers that have text (a chat template
+    would supervise its end-of-turn token alone; a conversation whose every answer is empty is
+    :func:`no_labels_reason`'s) and a conversation whose last turn is a question no answer follows."""
+    answered = any(value.strip() for role, value in turns if role.lower() in ASSISTANT_ROLES)
     for i, (role, value) in enumerate(turns):
-        if role.lower() in ASSISTANT_ROLES and value and not value.strip():
+        if answered and role.lower() in ASSISTANT_ROLES and value and not value.strip():
             problems.add(
                 f"conversations[{i}].value",
                 "is an answer of whitespace only: its end-of-turn token would be its only label;"
