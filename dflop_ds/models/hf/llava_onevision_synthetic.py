@@ -41,16 +41,13 @@ def onevision_rule(config: Any, image_processor: Any, where: str = "model") -> O
     pinpoints = [list(p) for p in image_processor.image_grid_pinpoints]
     if pinpoints != [list(p) for p in config.image_grid_pinpoints]:
         raise ValueError(f"{where}: the image processor's image_grid_pinpoints differ from the model config's")
-    try:
-        return OnevisionTokenRule(
-            tile_size=tile,
-            patch_size=int(vision.patch_size),
-            pinpoints=tuple((int(p[0]), int(p[1])) for p in pinpoints),
-            max_tiles=int(str(config.vision_aspect_ratio).removeprefix("anyres_max_")),
-            drops_first_feature=config.vision_feature_select_strategy == "default",
-        )
-    except (ValueError, TypeError, IndexError) as error:  # a setting the counting cannot use, by its key
-        raise ValueError(f"{where}: {error}") from error
+    return OnevisionTokenRule(
+        tile_size=tile,
+        patch_size=int(vision.patch_size),
+        pinpoints=tuple((int(p[0]), int(p[1])) for p in pinpoints),
+        max_tiles=int(str(config.vision_aspect_ratio).removeprefix("anyres_max_")),
+        drops_first_feature=config.vision_feature_select_strategy == "default",
+    )
 
 
 class OnevisionMedia:
