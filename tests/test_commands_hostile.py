@@ -44,7 +44,11 @@ def test_project_refuses_a_one_sample_data_set_and_shows_progress(tmp_path: Path
     assert "one.jsonl has 1 sample(s)" in capsys.readouterr().err
     mixed = write_jsonl(tmp_path / "mixed.jsonl", records(24))
     assert main(["project", "--cost-model", MODEL, "--data", str(mixed), "--gpus", "8", "--batches", "1"]) == 0
-    assert "[1/1] planning 8 GPUs" in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "[1/1] planning 8 GPUs" in printed.err
+    assert "note: a global batch of up to 16 samples is drawn from 24" not in printed.out  # 2 x 8 < 24: no note
+    assert main(["project", "--cost-model", MODEL, "--data", str(mixed), "--gpus", "16", "--batches", "1"]) == 0
+    assert "note: a global batch of up to 32 samples is drawn from 24: samples repeat" in capsys.readouterr().out
 
 
 def test_validate_of_a_config_that_names_no_data_says_so(tmp_path: Path, capsys):

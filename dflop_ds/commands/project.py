@@ -106,6 +106,12 @@ def run_project(args: argparse.Namespace) -> int:
         )
     for line in header_lines(model, args.cost_model, args.data, shapes, args.batch_per_gpu, args.batches, cluster):
         print(line)
+    largest = args.batch_per_gpu * max(args.gpus)
+    if largest > len(shapes):
+        print(
+            f"note: a global batch of up to {largest} samples is drawn from {len(shapes)}: samples repeat within it,"
+            " so the projection reflects this data set's mix, not its size"
+        )
     print(calibration.describe())
     for line in table_lines(sizes):
         print(line)
