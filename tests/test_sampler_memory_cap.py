@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 
 import numpy as np
@@ -17,7 +18,7 @@ from dflop_ds.schedule.fit_batches import MemoryCapError
 from dflop_ds.schedule.memory import OversizeSampleError, fit_under_cap, microbatch_bytes, sample_bytes
 from dflop_ds.schedule.partition import InfeasibleError, partition_batch
 from dflop_ds.schedule.sampler import DFLOPBatchSampler, SamplerSettings, make_sampler
-from dflop_ds.schedule.splitters import DFLOPSplitter
+from dflop_ds.schedule.splitters import DFLOPSplitter, OverBudgetError
 from dflop_ds.shapes import SampleShape
 
 TOKENS_PER_FRAME = 1  # a strongly pooling video projector: long videos cost memory (tiles) more than time
@@ -108,16 +109,28 @@ def test_allow_oversize_trains_the_sample_alone_once_with_a_warning(caplog):
     assert set(counts.values()) == {2} and len(counts) == len(shapes)
 
 
-def test_the_stock_sampler_refuses_a_cap_and_the_config_keys_are_typed():
-    for method in ("stock", "verl"):  # the registered splitters other than dflop ignore memory
-        with pytest.raises(ValueError, match=f"memory_cap_bytes.*needs the dflop sampler: the '{method}'"):
-            make_sampler(
-                SamplerSettings(method, allow_oversize=True),
-                planted(32, 1),
+def test_a_baseline_sampler_runs_under_a_cap_through_the_contract_and_the_config_keys_are_typed():
+    shapes = planted(32, 1)
+    cost = ProxyCost(tile_cost=1.0)
+    usage = sample_bytes(cost, shapes)
+    for method in ("stock", "verl"):  # the registered splitters other than dflop cut whatever the memory
+
+        def build(cap, method=method):
+            return make_sampler(
+                SamplerSettings(method, prefetch=0),
+                shapes,
                 global_batch_size=16,
                 gradient_accumulation_steps=2,
-                memory_cap=1e9,
+                cost_model=cost,
+                memory_cap=cap,
             )
+
+        roomy = build(float(usage.sum()))  # any microbatch fits
+        assert sorted(i for mb in roomy for i in mb) == list(range(32))
+        with pytest.raises(OverBudgetError, match=f"splitter '{method}' put samples"):
+            list(build(1.05 * float(usage.max())))  # two samples together exceed it somewhere
+        with pytest.raises(OversizeSampleError):
+            build(0.5 * float(usage.max()))
     assert DFLOPConfig.from_dict({}).sampler.memory_cap_bytes == "auto"
     assert DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": "off"}}).sampler.memory_cap_bytes == "off"
     assert (
@@ -230,10 +243,10 @@ def test_the_fit_found_before_training_is_a_valid_split_for_any_costs():
     assert buckets is not None and len(buckets) == 4 and all(buckets)
     assert sorted(p for b in buckets for p in b) == list(range(16))
     assert all(microbatch_bytes(cost, [shapes[batch[p]] for p in b]) <= cap for b in buckets)
-    for lockstep in (False, True):
+    for sync in ("pipeline", "microstep", "module"):
         costs = np.random.default_rng(1).random((16, 2))  # whatever the step's costs
-        request = capped.split_request(batch, costs, batch_seed=0)
-        split = DFLOPSplitter(lockstep=lockstep).split_buckets(request, buckets, "memory-fit")
+        request = dataclasses.replace(capped.split_request(batch, costs, batch_seed=0), sync=sync)
+        split = DFLOPSplitter().split_buckets(request, buckets, "memory-fit")
         assert split.solver == "memory-fit" and [len(rank) for rank in split.ranks] == [2, 2]
         placed = sorted(sorted(mb) for rank in split.ranks for mb in rank)
         assert placed == sorted(sorted(int(batch[p]) for p in b) for b in buckets)
@@ -265,10 +278,10 @@ def test_partition_gives_oversize_items_a_bucket_of_their_own():
     videos=st.integers(0, 12),
     cap_factor=st.floats(0.5, 4.0),
     packed=st.booleans(),
-    lockstep=st.booleans(),
+    sync=st.sampled_from(["pipeline", "boundary", "microstep", "module"]),
     dp=st.sampled_from([1, 2]),
 )
-def test_capped_partitions_stay_valid(seed, videos, cap_factor, packed, lockstep, dp):
+def test_capped_partitions_stay_valid(seed, videos, cap_factor, packed, sync, dp):
     """Whatever the cap: every sample once per pass, GAS non-empty microbatches per rank, and each
     microbatch of two or more samples within the cap; or a clear error (oversize, infeasible)."""
     shapes = planted(48, long_videos=videos, seed=seed, frames=40)
@@ -281,7 +294,7 @@ def test_capped_partitions_stay_valid(seed, videos, cap_factor, packed, lockstep
             global_batch_size=24,
             gradient_accumulation_steps=3,
             dp_size=dp,
-            lockstep=lockstep,
+            sync=sync,
             memory_cap=cap,
             allow_oversize=cap_factor < 1,
         )

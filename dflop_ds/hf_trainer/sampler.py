@@ -177,8 +177,8 @@ class TrainerBatchSampler(Sampler[list[int]]):
             len(sampler.shapes), sampler.seed, epoch, sampler.global_batch_size, sampler.dp_size, self.drop_last
         )[0]
         cap, memory = getattr(sampler, "memory_cap", None), getattr(sampler, "memory", None)
-        if cap is None or memory is None:
-            return batches
+        if cap is None or memory is None or not hasattr(sampler, "fit_under_cap"):
+            return batches  # no cap, or a baseline splitter that cuts as its users run it, whatever the memory
         fitted, unfit = fit_batches(batches, memory, self._fits_under_cap)
         if unfit:
             b = unfit[0]
@@ -196,7 +196,7 @@ class TrainerBatchSampler(Sampler[list[int]]):
         """Fit the global batches of the first ``epochs`` epochs now, before training, so that a
         batch the memory cap cannot split is an error before step 0, not when training reaches it
         (nothing to check without a cap)."""
-        if getattr(self.sampler, "memory_cap", None) is None:
+        if getattr(self.sampler, "memory_cap", None) is None or not hasattr(self.sampler, "fit_under_cap"):
             return
         for epoch in range(max(1, int(epochs))):
             self.batches(epoch)

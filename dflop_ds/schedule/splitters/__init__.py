@@ -10,7 +10,10 @@ import importlib
 import pkgutil
 
 from dflop_ds.schedule.splitters.base import (
+    MemoryBudget,
     MicrobatchCost,
+    MicrobatchMemory,
+    OverBudgetError,
     RankSplit,
     SplitRequest,
     SplitResult,
@@ -34,7 +37,10 @@ __all__ = [
     "DFLOPSplitter",
     "FALLBACK_SUFFIX",
     "LlavaSplitter",
+    "MemoryBudget",
     "MicrobatchCost",
+    "MicrobatchMemory",
+    "OverBudgetError",
     "RankSplit",
     "SplitRequest",
     "SplitResult",
