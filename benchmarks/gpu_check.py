@@ -135,6 +135,27 @@ CPU_SIZES = Sizes(
 STARTED = time.perf_counter()
 
 
+def shown_path(path: Path) -> str:
+    """``path`` as a report shows it: relative to the working directory (the checkout) when inside
+    it, else its file name alone (a machine's own folders mean nothing in a stored report)."""
+    resolved = path.resolve()
+    try:
+        return str(resolved.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return (
+            f"$OUT/{resolved.name}"
+            if os.environ.get("OUT") and resolved.parent == Path(os.environ["OUT"]).resolve()
+            else resolved.name
+        )
+
+
+def repository_relative(text: str, work: Path) -> str:
+    """``text`` with the checkout's folder dropped (paths relative to the repository), the check's
+    temporary folder written ``$WORK`` and the interpreter by its name, as a stored report keeps them."""
+    text = text.replace(f"{ROOT}{os.sep}", "").replace(str(work), "$WORK")
+    return text.replace(sys.executable, Path(sys.executable).name)
+
+
 def log(message: str) -> None:
     """Print ``message`` with the UTC time and the seconds since the start."""
     print(f"[gpu-check {time.strftime('%H:%M:%S', time.gmtime())} +{time.perf_counter() - STARTED:6.1f}s] {message}")
@@ -179,7 +200,7 @@ def install_wheels(wheels: Path, site: Path) -> str:
     )
     os.environ["PATH"] = f"{site / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
     importlib.invalidate_caches()
-    return f"{len(found)} wheels from {wheels} on sys.path at {site}"
+    return f"{len(found)} wheels from {shown_path(wheels)} on sys.path at {site}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -578,7 +599,7 @@ def part_profile(ctx: Context, entry: dict) -> bool:
     target = hf_target(str(model_dir))
     layers = [*target.encoder_layers, target.projector, *target.llm_layers]
     entry["model"] = {
-        "dir": str(model_dir),
+        "dir": str(model_dir.relative_to(ctx.work)),  # inside the check's temporary folder, gone after it
         "dtype": str(next(target.llm_layers[0].parameters()).dtype),
         "vision": REAL_VISION if sizes.real_layers else "tiny",
         "text": REAL_TEXT if sizes.real_layers else "tiny",
@@ -705,7 +726,7 @@ def part_throughput(ctx: Context, entry: dict) -> bool:
     ]
     rank_env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     env = launch_env(**rank_env, MASTER_PORT=str(free_port()))
-    entry["command"] = " ".join(command)
+    entry["command"] = repository_relative(" ".join(command), ctx.work)
     timeout = ctx.sizes.budgets["throughput"] - 5
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     steps = [line for line in result.stdout.splitlines() if line.startswith("[hf]")]
@@ -810,7 +831,7 @@ def main(argv: list[str] | None = None) -> int:
         report.data["line"] = line
         report.data["seconds"] = round(time.perf_counter() - STARTED, 1)
         report.write()
-    log(f"report: {', '.join(map(str, paths))}; total {report.data['seconds']} s")
+    log(f"report: {', '.join(shown_path(path) for path in paths)}; total {report.data['seconds']} s")
     print(line, flush=True)
     return 0 if all(entry.get("ok") for entry in report.data["parts"].values()) else 1
 

@@ -9,10 +9,13 @@ video frames.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 Tokenizer = Callable[[str], int]
 #: An image's own encoder units and LLM tokens from its size, for native-resolution models
@@ -339,3 +342,54 @@ TINY_POLICY = ShapePolicy(
 #: The default policy, by name: AnyRes-like tiling with LLaVA-OneVision's sizes (an approximation,
 #: see :class:`ShapePolicy`).
 DEFAULT_POLICY = ShapePolicy(name="default")
+
+
+#: the counts of a :class:`SampleShape` that must be finite and >= 0
+SHAPE_COUNTS = (
+    "text_tokens",
+    "label_tokens",
+    "encoder_tiles",
+    "visual_tokens",
+    "llm_tokens",
+    "video_frames",
+    "encoder_attention",
+)
+
+
+def check_shape_values(shapes: Sequence[Any], source: str = "sample_shapes") -> None:
+    """Refuse, naming the entry of ``source`` and the sample, a table that is not one
+    :class:`SampleShape` per entry (a dict, a tuple) or whose counts (:data:`SHAPE_COUNTS`) are
+    not numbers, or are negative, NaN or infinite: a sampler would otherwise fail mid-epoch on a
+    cost it cannot order, or train on it in silence."""
+    if not all(isinstance(shape, SampleShape) for shape in shapes):
+        index, shape = next((i, s) for i, s in enumerate(shapes) if not isinstance(s, SampleShape))
+        raise TypeError(
+            f"{source}[{index}] is a {type(shape).__name__}, not a SampleShape: build shapes with a"
+            " ShapePolicy (policy.shape(sample_id, image_sizes=..., text_tokens=...)) or SampleShape(...)"
+        )
+    if not shapes:
+        return
+    bad: list[tuple[int, int]] = []
+    for column, name in enumerate(SHAPE_COUNTS):
+        values = [getattr(shape, name) for shape in shapes]
+        counts = np.asarray(values)
+        if counts.dtype.kind in "iuf":  # every value a number: one vectorized check
+            bad += [(int(row), column) for row in np.flatnonzero(~np.isfinite(counts) | (counts < 0))]
+        else:  # some value is not a number: find it among the values as given
+            bad += [(row, column) for row, value in enumerate(values) if not _is_count(value)]
+    if bad:
+        index, column = min(bad)
+        name = SHAPE_COUNTS[column]
+        more = len({r for r, _ in bad}) - 1
+        raise ValueError(
+            f"{source}[{index}] (sample {shapes[index].sample_id!r}): {name}={getattr(shapes[index], name)!r} is not"
+            " a finite count >= 0" + (f" ({more} more such samples)" if more else "")
+        )
+
+
+def _is_count(value: Any) -> bool:
+    """Whether ``value`` is a finite real number >= 0 (not a bool, not a string)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    number = float(value)
+    return math.isfinite(number) and number >= 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -155,6 +156,32 @@ def model_overrides(config: str) -> dict[str, Any]:
     return dict(read_json_object(ROOT / config).get("dflop", {}).get("model", {}))
 
 
+#: the README's row of this demo: ``| `make demo` | x1.64 samples/s (3 runs: x1.40-1.69) | against | date, machine |``
+README_ROW = re.compile(r"^\|\s*`make demo`\s*\|\s*x(?P<gain>\d+(?:\.\d+)?)(?P<rest>[^|]*)\|[^|]*\|(?P<when>[^|]*)\|")
+
+
+def readme_figure(readme: str) -> tuple[float, str] | None:
+    """``(speed-up, how it is described)`` of the README's ``make demo`` row (the figure, its runs
+    and its date and machine), or None when the README has no such row."""
+    for line in readme.splitlines():
+        found = README_ROW.match(line.strip())
+        if found:
+            described = (
+                f"x{found['gain']}{found['rest'].strip() and ' ' + found['rest'].strip()}, {found['when'].strip()}"
+            )
+            return float(found["gain"]), described
+    return None
+
+
+def comparison_line(measured: float, readme: str) -> str:
+    """This run's median speed-up beside the README's figure, with the relative difference."""
+    figure = readme_figure(readme)
+    if figure is None:
+        return f"README.md has no `make demo` row to compare x{measured:.3f} with"
+    gain, described = figure
+    return f"README.md says {described}; this run x{measured:.3f} ({(measured / gain - 1) * 100:+.1f}% against it)"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="ds_configs/tiny_mllm_pp2.json")
@@ -175,6 +202,8 @@ def main() -> int:
     print("\n" + table(runs))
     print()
     print("\n".join(correlation_lines(runs)))
+    readme = ROOT / "README.md"
+    print("\n" + comparison_line(float(np.median(ratios)), readme.read_text() if readme.is_file() else ""))
     print(
         f"\ndemo speedup_vs_stock={np.median(ratios):.3f} (samples/s at the median step, median of {len(ratios)} "
         f"interleaved rounds, min-max {min(ratios):.3f}-{max(ratios):.3f}; {args.gpus} ranks, "

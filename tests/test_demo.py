@@ -91,3 +91,15 @@ def test_correlation_lines_add_cpu_time_where_the_runs_measured_it(demo):
     assert len(lines) == 6 and len(cpu) == 3
     assert all("r=1.000" in line for line in cpu) and not any("r=1.000" in line for line in lines if line not in cpu)
     assert demo.variation(np.array([1.0, 3.0])) == pytest.approx(0.5)
+
+
+def test_the_demo_compares_its_figure_with_the_readmes_row(demo):
+    row = "| `make demo` | x1.64 samples/s (3 runs: x1.40-1.69) | stock sampler | 23 Nov, CPU machine |"
+    assert demo.readme_figure(f"# dflop-ds\n\n{row}\n") == (
+        1.64,
+        "x1.64 samples/s (3 runs: x1.40-1.69), 23 Nov, CPU machine",
+    )
+    line = demo.comparison_line(1.5, row)
+    assert line.startswith("README.md says x1.64 samples/s") and "this run x1.500 (-8.5% against it)" in line
+    assert "no `make demo` row" in demo.comparison_line(1.5, "no table")
+    assert demo.readme_figure((ROOT / "README.md").read_text()) is not None  # the repository's own README has it

@@ -617,6 +617,8 @@ def test_trainer_zero2_killed_and_resumed_trains_every_sample_once_in_gas_microb
     losses = runs[0]["losses"]
     assert len(losses) == steps and losses[-1] < losses[0]
     assert runs[0]["state_file"]
+    assert all(run["index_types"] == ["int"] for run in runs)  # the user's Dataset gets plain ints
+    assert not any(run["shm_left"] for run in runs)  # no /dev/shm buffer left, with no extra call
     telemetry = runs[0]["telemetry"]
     assert len(telemetry) == steps and all(t["dflop_predicted_imbalance"] >= 1.0 for t in telemetry)
 

@@ -103,3 +103,19 @@ def test_dflop_sft_trainer_trains_on_gas_microbatches_of_every_row(sft_inputs, t
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert trainer.state.global_step == ROWS // (2 * GAS) and all(torch.isfinite(torch.tensor(losses)))
     assert any("dflop_predicted_imbalance" in entry for entry in trainer.state.log_history)
+
+
+def test_hostile_rows_are_refused_naming_the_row(sft_inputs):
+    from dflop_ds.data import DataError
+
+    _, processor, _, rows = sft_inputs
+    image = rows["images"][1][0]
+    structured = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "two?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "one"}]},
+    ]
+    with pytest.raises(DataError, match=r"row 0: its messages hold 2 image parts .* 1 images"):
+        hf_dataset_shapes([{"messages": structured, "images": [image]}], processor)
+    plain = [{"role": "user", "content": "what?"}, {"role": "assistant", "content": "a car"}]
+    with pytest.raises(DataError, match=r"an image given as a str \('photos/cat\.jpg'\)"):
+        hf_dataset_shapes([{"messages": plain, "images": ["photos/cat.jpg"]}], processor)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from dflop_ds.commands.arg_types import positive_float
 from dflop_ds.models.hf.check import check_model
 
 
@@ -29,6 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("model_dir", help="a save_pretrained directory (config, weights, processor)")
     parser.add_argument("--stages", type=int, default=1, help="pipeline stages to split the layers into (default 1)")
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest relative error allowed (default 1e-4)")
+    parser.add_argument(
+        "--tolerance", type=positive_float, default=1e-4, help="largest relative error allowed (default 1e-4)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic batches (default 0)")
     parser.set_defaults(func=run_check_model)

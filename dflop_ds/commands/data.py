@@ -153,10 +153,17 @@ def apply_training_config(args: argparse.Namespace) -> None:
     """Fill the options not given on the command line from the ``dflop`` block of
     ``args.deepspeed_config`` (:class:`~dflop_ds.config.DFLOPConfig`: the data file, model, policy,
     media folders and length and video rules), so the data is read exactly as training reads it."""
-    from dflop_ds.config import DFLOPConfig  # the config module imports this package
+    from dflop_ds.config import DFLOPConfig, get_setting  # the config module imports this package
+    from dflop_ds.jsonio import read_json_object
 
     config = DFLOPConfig.from_deepspeed_config(args.deepspeed_config)
     if args.data is None:
+        if get_setting(read_json_object(args.deepspeed_config).get("dflop") or {}, "data") is None:
+            raise ValueError(
+                f"{args.deepspeed_config}: its dflop block names no data file (dflop.data.path), so there is"
+                " nothing of it to validate (a Trainer's config: the data is your script's train_dataset);"
+                " give the data file: dflop-ds validate DATA"
+            )
         args.data = config.data.path
     args.model_name_or_path = args.model_name_or_path or config.model.name_or_path
     args.policy = args.policy or config.data.policy

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dflop_ds.commands.arg_types import positive_float
 from dflop_ds.commands.data import add_read_arguments, policy_from_args, read_options
 from dflop_ds.config import plan_deepspeed_config, plan_reference, set_settings
 from dflop_ds.cost import PlannerCostModel, check_policy, load_cost_model, reference_names
@@ -206,7 +207,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (tensor parallelism stays inside)")
     p.add_argument(
-        "--gpu-memory-gb", type=float, default=None, help="memory per GPU in GB (default: the profile's GPU, else 80)"
+        "--gpu-memory-gb",
+        type=positive_float,
+        default=None,
+        help="memory per GPU in GB (default: the profile's GPU, else 80)",
     )
     p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
     p.add_argument(

@@ -13,9 +13,11 @@ simulator's last measured error against real runs (:mod:`dflop_ds.plan.calibrati
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from typing import Any
 
+from dflop_ds.commands.arg_types import int_in_range, positive_float
 from dflop_ds.commands.plan import (
     _common,
     _read_shapes,
@@ -30,6 +32,9 @@ from dflop_ds.plan.cluster import PRECISIONS, ZERO_SHARDED, Cluster
 from dflop_ds.plan.planner import describe_cost_model
 from dflop_ds.plan.projection import SizeProjection, encoder_share, project, table_lines
 
+#: the largest cluster ``project`` takes: the size the planner's search time is measured at (bench-plan)
+MAX_PROJECTED_GPUS = 16384
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``project`` to the ``dflop-ds`` command."""
@@ -39,11 +44,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--gpus", type=int, nargs="+", required=True, help="cluster sizes (GPUs) to project")
+    parser.add_argument(
+        "--gpus",
+        type=int_in_range(1, MAX_PROJECTED_GPUS, "the largest cluster the planner is measured at"),
+        nargs="+",
+        required=True,
+        help=f"cluster sizes (GPUs) to project, at most {MAX_PROJECTED_GPUS}",
+    )
     parser.add_argument("--batch-per-gpu", type=int, default=2, help="global batch = this x GPUs (default 2)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (tensor parallelism stays inside)")
     parser.add_argument(
-        "--gpu-memory-gb", type=float, default=None, help="memory per GPU (default: the profile's, else 80)"
+        "--gpu-memory-gb", type=positive_float, default=None, help="memory per GPU (default: the profile's, else 80)"
     )
     parser.add_argument("--zero-stage", type=int, default=1, choices=sorted(ZERO_SHARDED), help="DeepSpeed ZeRO stage")
     parser.add_argument("--precision", default=None, choices=PRECISIONS, help="training precision (as for `plan`)")
@@ -75,18 +86,32 @@ def run_project(args: argparse.Namespace) -> int:
         precision=training_precision(args, model),
         autotp=args.model_name_or_path is not None,
     )
-    sizes = project(
-        model,
-        shapes,
-        args.gpus,
-        batch_per_gpu=args.batch_per_gpu,
-        cluster=cluster,
-        n_batches=args.batches,
-        seed=args.seed,
-        tensor_parallel_layers=tensor_parallel_layers(args, model),
-    )
+    if len(shapes) < 2:
+        raise ValueError(
+            f"project: {args.data} has {len(shapes)} sample(s): global batches drawn from it would repeat one"
+            " sample, with nothing to balance; give a data set of the mix you train on"
+        )
+    sizes = []
+    for done, gpus in enumerate(args.gpus):  # a large cluster's search takes seconds: say where it is
+        print(f"[{done + 1}/{len(args.gpus)}] planning {gpus} GPUs ...", file=sys.stderr, flush=True)
+        sizes += project(
+            model,
+            shapes,
+            [gpus],
+            batch_per_gpu=args.batch_per_gpu,
+            cluster=cluster,
+            n_batches=args.batches,
+            seed=args.seed,
+            tensor_parallel_layers=tensor_parallel_layers(args, model),
+        )
     for line in header_lines(model, args.cost_model, args.data, shapes, args.batch_per_gpu, args.batches, cluster):
         print(line)
+    largest = args.batch_per_gpu * max(args.gpus)
+    if largest > len(shapes):
+        print(
+            f"note: a global batch of up to {largest} samples is drawn from {len(shapes)}: samples repeat within it,"
+            " so the projection reflects this data set's mix, not its size"
+        )
     print(calibration.describe())
     for line in table_lines(sizes):
         print(line)

@@ -102,7 +102,30 @@ def _parse_conversations(record: Mapping[str, Any], problems: FieldProblems) -> 
             )
         elif isinstance(role, str) and isinstance(value, str):
             turns.append((role, value))
-    return None if len(turns) != len(turns_value) else turns
+    if len(turns) != len(turns_value):
+        return None
+    _check_answers(turns, problems)
+    return turns
+
+
+def _check_answers(turns: Sequence[tuple[str, str]], problems: FieldProblems) -> None:
+    """Flag an assistant turn of whitespace only beside answers that have text (a chat template
+    would supervise its end-of-turn token alone; a conversation whose every answer is empty is
+    :func:`no_labels_reason`'s) and a conversation whose last turn is a question no answer follows."""
+    answered = any(value.strip() for role, value in turns if role.lower() in ASSISTANT_ROLES)
+    for i, (role, value) in enumerate(turns):
+        if answered and role.lower() in ASSISTANT_ROLES and value and not value.strip():
+            problems.add(
+                f"conversations[{i}].value",
+                "is an answer of whitespace only: its end-of-turn token would be its only label;"
+                " give the answer or drop the turn",
+            )
+    last_role = turns[-1][0].lower()
+    if last_role not in ASSISTANT_ROLES and any(role.lower() in ASSISTANT_ROLES for role, _ in turns):
+        problems.add(
+            f"conversations[{len(turns) - 1}]",
+            f"the conversation ends with a {last_role} turn no answer follows: drop it or add the answer",
+        )
 
 
 def _parse_image_paths(record: Mapping[str, Any], problems: FieldProblems) -> list[str] | None:

@@ -10,6 +10,7 @@ the input, the digests and their sources, when one differs from rank 0's.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from dflop_ds.models.hf.registry import family_for
@@ -21,6 +22,7 @@ from dflop_ds.train.launch_inputs import (
     disagreements,
     input_digests,
     json_digest,
+    media_listing,
     mismatch_report,
 )
 
@@ -38,7 +40,13 @@ def trainer_input_digests(
     rank: int,
 ) -> list[InputDigest]:
     """This rank's digests of what its schedule is computed from: the shape table, the cost model
-    (None: the proxy), the data order's seed and the sampler's settings (batch sizes, kind, ...)."""
+    (None: the proxy), the data order's seed and the sampler's settings (batch sizes, kind, ...);
+    where the shapes were read from a data file (:func:`~dflop_ds.hf_trainer.llava_json_shapes`),
+    also that file's bytes and its media files' listing, as the DeepSpeed loop digests them."""
+    data_path = getattr(shapes, "data_path", None)
+    media = None
+    if data_path is not None and Path(data_path).is_file():
+        media = media_listing(data_path, getattr(shapes, "image_folder", None), getattr(shapes, "video_folder", None))
     return [
         *input_digests(
             shapes=shapes,
@@ -46,8 +54,10 @@ def trainer_input_digests(
             cost_source=cost_source,
             plan_state=None,
             plan_source=None,
-            data_path=None,
+            data_path=data_path,
             shapes_source=f"sample_shapes= on rank {rank}",
+            media=media,
+            media_source=f"the media of {data_path} on rank {rank}",
         ),
         InputDigest(SEED, json_digest(seed), seed_source),
         InputDigest(SAMPLER_SETTINGS, json_digest(dict(sampler_settings)), "dflop block and TrainingArguments"),

@@ -28,7 +28,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Sampler
 
 from dflop_ds.schedule.epoch import epoch_permutation, global_batches
-from dflop_ds.schedule.index import ScheduledIndex
+from dflop_ds.schedule.fit_batches import MemoryCapError, fit_batches
 from dflop_ds.schedule.sampler import BatchSchedule, GlobalBatchSampler
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class ScheduleLog:
         return logs
 
 
-class TrainerBatchSampler(Sampler[list[ScheduledIndex]]):
+class TrainerBatchSampler(Sampler[list[int]]):
     """This rank's microbatches of a Trainer epoch, cut and balanced by a dflop-ds sampler.
 
     Args:
@@ -167,11 +167,39 @@ class TrainerBatchSampler(Sampler[list[ScheduledIndex]]):
         return (self.batches_per_epoch - 1) * self.sampler.n_mb + self.last_step_microbatches
 
     def batches(self, epoch: int) -> list[np.ndarray]:
-        """The global batches of ``epoch`` (dataset indices)."""
+        """The global batches of ``epoch`` (dataset indices) as they are trained: under a memory cap,
+        with samples exchanged between them until each has a split under it (the full batches by
+        :attr:`sampler`, the short last one by :attr:`last_step_sampler`), the same on every rank
+        and resume; a batch that still does not fit is a
+        :class:`~dflop_ds.schedule.fit_batches.MemoryCapError` naming it."""
         sampler = self.sampler
-        return epoch_batches_with_tail(
+        batches = epoch_batches_with_tail(
             len(sampler.shapes), sampler.seed, epoch, sampler.global_batch_size, sampler.dp_size, self.drop_last
         )[0]
+        cap, memory = getattr(sampler, "memory_cap", None), getattr(sampler, "memory", None)
+        if cap is None or memory is None or not hasattr(sampler, "fit_under_cap"):
+            return batches  # no cap, or a baseline splitter that cuts as its users run it, whatever the memory
+        fitted, unfit = fit_batches(batches, memory, self._fits_under_cap)
+        if unfit:
+            b = unfit[0]
+            owner: Any = sampler if len(fitted[b]) == sampler.global_batch_size else self.last_step_sampler
+            raise MemoryCapError(owner._describe_unfit(epoch, b, fitted[b], cap, len(unfit)))
+        return fitted
+
+    def _fits_under_cap(self, batch: np.ndarray) -> bool:
+        """Whether ``batch`` has a split under the memory cap by the sampler that splits it (a full
+        global batch: :attr:`sampler`; the epoch's short last one: :attr:`last_step_sampler`)."""
+        owner: Any = self.sampler if len(batch) == self.sampler.global_batch_size else self.last_step_sampler
+        return owner.fit_under_cap(batch, owner.memory_cap) is not None
+
+    def check_epochs(self, epochs: int) -> None:
+        """Fit the global batches of the first ``epochs`` epochs now, before training, so that a
+        batch the memory cap cannot split is an error before step 0, not when training reaches it
+        (nothing to check without a cap)."""
+        if getattr(self.sampler, "memory_cap", None) is None or not hasattr(self.sampler, "fit_under_cap"):
+            return
+        for epoch in range(max(1, int(epochs))):
+            self.batches(epoch)
 
     def schedules(self, epoch: int) -> Iterator[BatchSchedule]:
         """The schedules of ``epoch``'s global batches in order, computed as the dflop-ds sampler
@@ -191,12 +219,14 @@ class TrainerBatchSampler(Sampler[list[ScheduledIndex]]):
         if self.last_step_sampler is not self.sampler:
             self.last_step_sampler.close()
 
-    def __iter__(self) -> Iterator[list[ScheduledIndex]]:
-        """This rank's microbatches of the current Trainer epoch, in training order."""
+    def __iter__(self) -> Iterator[list[int]]:
+        """This rank's microbatches of the current Trainer epoch, in training order, as lists of
+        plain ``int`` dataset indices (the Trainer's loss takes its denominator from the labels it
+        counts, ``num_items_in_batch``, so an index carries nothing else)."""
         for schedule in self.schedules(self.epoch):
             self.log.add(schedule)
             for microbatch in schedule.split.ranks[self.sampler.dp_rank]:
-                yield [ScheduledIndex(i, schedule.loss_denominator, schedule.batch_id) for i in microbatch]
+                yield [int(i) for i in microbatch]
 
 
 class TrainerDataLoader(DataLoader):

@@ -19,7 +19,10 @@ model, collator, optimizer, logging, checkpointing and evaluation stay. What it 
   (:mod:`dflop_ds.hf_trainer.guard`), so ZeRO's gradient reduction matches across ranks;
 * resume: the Trainer's own epoch and skip arithmetic lands on the next untrained microbatch
   (:mod:`dflop_ds.hf_trainer.sampler`); the sampler's state is written into every checkpoint
-  folder and checked on resume, so another dataset, seed or batch size is refused by name;
+  folder before the Trainer's own state and checked on resume, so a checkpoint without it (a
+  plain Trainer's) or of another dataset, order, shape policy, seed or batch size is refused by
+  name; without DeepSpeed the weights are loaded with their legacy names mapped back
+  (:mod:`dflop_ds.hf_trainer.resume`);
 * the ranks agree before the first step: each rank digests its shape table, cost model, seed and
   sampler settings and one ``all_gather_object`` compares them
   (:mod:`dflop_ds.hf_trainer.agreement`), so ranks never train different splits; the cost model is
@@ -33,29 +36,40 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
 from dflop_ds.config import AUTO, OFF, DFLOPConfig
 from dflop_ds.cost import PackedCost, load_cost_model, sampler_cost_model
 from dflop_ds.hf_trainer.agreement import check_ranks_agree, model_depths, trainer_input_digests
+from dflop_ds.hf_trainer.block_rules import check_trainer_block, freeze_vision_encoder
 from dflop_ds.hf_trainer.guard import BlankImageGuardMixin
 from dflop_ds.hf_trainer.launcher import check_batch_keys, trainer_deepspeed_config
 from dflop_ds.hf_trainer.packing import chosen_collator, packing_collator, use_segment_attention
+from dflop_ds.hf_trainer.resume import (
+    SAMPLER_STATE,
+    check_saved_schedule,
+    load_checkpoint_weights,
+    read_sampler_state,
+    write_sampler_state,
+)
 from dflop_ds.hf_trainer.sampler import (
     TrainerBatchSampler,
     TrainerDataLoader,
     last_step_microbatches,
     trainer_data_parallel_coords,
 )
+from dflop_ds.hf_trainer.shape_checks import check_shapes
 from dflop_ds.hf_trainer.version import check_transformers_version
 from dflop_ds.jsonio import read_json_object
+from dflop_ds.rank_lifecycle import release_shm_buffer_once_mapped
 from dflop_ds.schedule import make_sampler
 from dflop_ds.setup_checks import check_cost_model_fits, check_time_limit
 from dflop_ds.shapes import SampleShape
@@ -64,23 +78,25 @@ from dflop_ds.train.options import sampler_settings
 
 logger = logging.getLogger(__name__)
 
-#: the sampler state file in every checkpoint folder
-SAMPLER_STATE = "dflop_sampler.json"
-
 
 def dflop_block(
     dflop: Mapping[str, Any] | None, deepspeed: Any, deepspeed_source: str = "TrainingArguments.deepspeed"
 ) -> tuple[dict[str, Any], str]:
     """``(block, source)``: ``dflop`` (a ``"dflop"`` block) if given, else the ``"dflop"`` block of
     the DeepSpeed config ``deepspeed`` (``TrainingArguments.deepspeed``, a path, or a dict from
-    ``deepspeed_source``), else an empty block; ``source`` names where it came from."""
+    ``deepspeed_source``), else an empty block; ``source`` names where it came from. A block that
+    is not a dict, or sets a key the Trainer does not honour, is refused naming it
+    (:func:`~dflop_ds.hf_trainer.block_rules.check_trainer_block`)."""
     if dflop is not None:
-        return dict(dflop), "DFLOPTrainer(dflop=...)"
-    if deepspeed is None:
-        return {}, "defaults"
-    if isinstance(deepspeed, Mapping):
-        return dict(deepspeed.get("dflop", {})), deepspeed_source
-    return dict(read_json_object(deepspeed).get("dflop", {})), str(deepspeed)
+        block, source = dflop, "DFLOPTrainer(dflop=...)"
+    elif deepspeed is None:
+        block, source = {}, "defaults"
+    elif isinstance(deepspeed, Mapping):
+        block, source = deepspeed.get("dflop", {}), deepspeed_source
+    else:
+        block, source = read_json_object(deepspeed).get("dflop", {}), str(deepspeed)
+    check_trainer_block(block, source)
+    return dict(block), source
 
 
 def dflop_settings(dflop: Mapping[str, Any] | None, deepspeed: Any) -> DFLOPConfig:
@@ -98,9 +114,18 @@ def block_sets_seed(block: Mapping[str, Any]) -> bool:
 
 def memory_cap(settings: DFLOPConfig) -> float | None:
     """``dflop.sampler.memory_cap_bytes`` as the sampler takes it: a number, or None for ``"off"``
-    and ``"auto"`` (the Trainer runs no plan and measures no device budget)."""
+    and the default ``"auto"`` left unset (the Trainer runs no plan and measures no device budget,
+    so a block that sets ``"auto"`` is refused by :func:`dflop_block`)."""
     cap = settings.sampler.memory_cap_bytes
     return None if cap in (AUTO, OFF) else float(cap)
+
+
+def epochs_to_train(args: Any, batches_per_epoch: int) -> int:
+    """The epochs a Trainer run with ``args`` (``TrainingArguments``) reaches: those ``max_steps``
+    optimizer steps span when set (one step per global batch), else ``num_train_epochs`` rounded up."""
+    if args.max_steps is not None and args.max_steps > 0:
+        return max(1, math.ceil(args.max_steps / max(1, batches_per_epoch)))
+    return max(1, math.ceil(args.num_train_epochs))
 
 
 class DFLOPTrainerMixin(BlankImageGuardMixin):
@@ -113,9 +138,11 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
             (``{"sampler": {"kind": "dflop", "cost_model": "costmodel.json"}}``); default: the
             ``"dflop"`` block of the DeepSpeed config (``TrainingArguments.deepspeed``, or the
             ``deepspeed_config_file`` of ``accelerate launch``'s DeepSpeed plugin). Of it the
-            Trainer uses the ``sampler`` section and ``train.seed`` (default:
-            ``TrainingArguments.seed``). The config's batch keys may be ``"auto"`` or numbers equal
-            to ``TrainingArguments``' (another value is refused here, naming both).
+            Trainer honours the ``sampler`` section, ``train.seed`` (default:
+            ``TrainingArguments.seed``), ``model.packing`` and ``model.freeze_encoder``; any other
+            key is refused naming the Trainer's own way to get it
+            (:mod:`dflop_ds.hf_trainer.block_rules`). The config's batch keys may be ``"auto"`` or
+            numbers equal to ``TrainingArguments``' (another value is refused here, naming both).
         sample_shapes: one :class:`~dflop_ds.shapes.SampleShape` per index of ``train_dataset``
             (e.g. :func:`~dflop_ds.hf_trainer.llava_json_shapes`); required for training.
     """
@@ -132,6 +159,9 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         user_collator = kwargs.get("data_collator", args[2] if len(args) > 2 else None)
         super().__init__(*args, **kwargs)
         trainer: Any = self
+        # DeepSpeed's CPU all-reduce buffer in /dev/shm, mapped by every rank by now: unlinked, so
+        # that nothing is left behind however the run ends (as the DeepSpeed loop does)
+        release_shm_buffer_once_mapped()
         deepspeed, deepspeed_source = trainer_deepspeed_config(trainer)  # from either launcher
         check_batch_keys(trainer, deepspeed_source)
         block, source = dflop_block(dflop, deepspeed, deepspeed_source)
@@ -141,6 +171,8 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
             deepspeed if isinstance(deepspeed, Mapping) else read_json_object(deepspeed) if deepspeed else {}
         )
         self._dflop_seed_source = f"{source}: train.seed" if block_sets_seed(block) else None
+        if self.dflop_settings.model.freeze_encoder:
+            freeze_vision_encoder(trainer.model)
         if self.dflop_settings.model.packing:
             trainer.data_collator = packing_collator(
                 trainer.model, chosen_collator(user_collator, trainer.data_collator)
@@ -164,7 +196,6 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
             check_shapes(self.sample_shapes, trainer.train_dataset)
         self.dflop_batch_sampler: TrainerBatchSampler | None = None
         self._dflop_resume: str | None = None
-        trainer.add_callback(SamplerStateCallback(self))
 
     # -- the sampler and loader -------------------------------------------------------------
     def _get_train_sampler(self, train_dataset: Any = None) -> TrainerBatchSampler:
@@ -220,13 +251,16 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
             memory_cap=cap,
         )
         last_gas = last_step_microbatches(len(self.sample_shapes), global_batch, gas, dp_size, drop_last)
-        return TrainerBatchSampler(
+        batch_sampler = TrainerBatchSampler(
             build(global_batch_size=global_batch, gradient_accumulation_steps=gas),
             drop_last=drop_last,
             last_step_sampler=None
             if last_gas == gas
             else build(global_batch_size=len(self.sample_shapes) % global_batch, gradient_accumulation_steps=last_gas),
         )
+        # a memory cap the batches of some epoch cannot meet is an error now, before step 0
+        batch_sampler.check_epochs(epochs_to_train(args, batch_sampler.batches_per_epoch))
+        return batch_sampler
 
     def _dflop_cost_model(self) -> Any:
         """The cost model ``dflop.sampler.cost_model`` names (None: the proxy), checked against the
@@ -310,49 +344,54 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
 
     def _check_resume_state(self, batch_sampler: TrainerBatchSampler) -> None:
-        """Refuse to resume from a checkpoint whose sampler state is of another dataset, seed,
-        batch size or epoch length (naming both); a checkpoint without one (a plain Trainer's) is
-        resumed with a warning. Where to resume is the Trainer's: its epoch and step count."""
+        """Refuse to resume from a checkpoint without a sampler state (a plain Trainer's, or one cut
+        off before it was written) or with one of another dataset, sample order, shape policy, seed,
+        batch size or epoch length (naming the file and both values). Where to resume is the
+        Trainer's: its epoch and step count."""
         if self._dflop_resume is None:
             return
+        saved = read_sampler_state(self._dflop_resume)
         path = Path(self._dflop_resume) / SAMPLER_STATE
-        if not path.is_file():
-            logger.warning("%s: no %s, resuming by the Trainer's step count alone", self._dflop_resume, SAMPLER_STATE)
-            return
-        saved = read_json_object(path)
         try:
             batch_sampler.sampler.load_state_dict(saved["sampler"])
         except (KeyError, ValueError) as error:
             raise ValueError(f"{path}: cannot resume this run from it: {error}") from error
-        if saved.get("batches_per_epoch") != batch_sampler.batches_per_epoch:
-            raise ValueError(
-                f"{path}: saved with {saved.get('batches_per_epoch')} global batches per epoch, this run has"
-                f" {batch_sampler.batches_per_epoch}: the dataset size, batch size or drop_last changed"
-            )
+        check_saved_schedule(path, saved, self._schedule_identity(batch_sampler))
+
+    def _schedule_identity(self, batch_sampler: TrainerBatchSampler) -> dict[str, Any]:
+        """What a checkpoint's sampler state records of the schedule besides the sampler's own
+        state: global batches per epoch and the shapes' policy (None for hand-made shapes)."""
+        policy = None if self.shape_policy is None else json.loads(json.dumps(self.shape_policy.describe()))
+        return {"batches_per_epoch": batch_sampler.batches_per_epoch, "shape_policy": policy}
 
     def _save_sampler_state(self, checkpoint_dir: str) -> None:
-        """Write into ``checkpoint_dir`` what the sampler schedules (seed, batch sizes, dataset
-        fingerprint, global batches per epoch), which a resume checks; where to resume is the
-        Trainer's own state."""
+        """Write into ``checkpoint_dir`` (atomically) what the sampler schedules (seed, batch sizes,
+        dataset fingerprint, shape policy, global batches per epoch), which a resume checks; where
+        to resume is the Trainer's own state."""
         batch_sampler = self.dflop_batch_sampler
         if batch_sampler is None:
             return
-        state = {"batches_per_epoch": batch_sampler.batches_per_epoch, "sampler": batch_sampler.sampler.state_dict()}
-        Path(checkpoint_dir, SAMPLER_STATE).write_text(json.dumps(state, indent=1))
+        state = {**self._schedule_identity(batch_sampler), "sampler": batch_sampler.sampler.state_dict()}
+        write_sampler_state(checkpoint_dir, state)
 
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's checkpoint, its sampler state written first (by the process that saves):
+        the Trainer resumes only a folder with ``trainer_state.json``, written last, so every
+        checkpoint it can resume holds :data:`SAMPLER_STATE`."""
+        trainer: Any = self
+        if trainer.args.should_save:
+            folder = Path(trainer._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+            self._save_sampler_state(str(folder))
+        super()._save_checkpoint(model, trial)  # type: ignore[misc]
 
-class SamplerStateCallback(TrainerCallback):
-    """Writes the sampler state into every checkpoint folder the Trainer saves (by the process
-    that saves it)."""
-
-    def __init__(self, trainer: DFLOPTrainerMixin) -> None:
-        self.trainer = trainer
-
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """After the Trainer wrote ``checkpoint-<step>``, add :data:`SAMPLER_STATE` to it."""
-        folder = Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if args.should_save and folder.is_dir():
-            self.trainer._save_sampler_state(str(folder))
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """The checkpoint's weights into the model (no DeepSpeed): safetensors weights (one file or shards)
+        with its legacy key names mapped back (:func:`~dflop_ds.hf_trainer.resume.load_checkpoint_weights`,
+        which refuses one that leaves a parameter unrestored); any other format by the Trainer."""
+        trainer: Any = self
+        target = trainer.model if model is None else model
+        if hasattr(target, "get_base_model") or not load_checkpoint_weights(target, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
 
 
 def _is_hf_dataset(dataset: Any) -> bool:
@@ -361,17 +400,6 @@ def _is_hf_dataset(dataset: Any) -> bool:
     except ImportError:
         return False
     return isinstance(dataset, datasets.Dataset)
-
-
-def check_shapes(shapes: Sequence[SampleShape], dataset: Any) -> None:
-    """Refuse shapes that do not cover the dataset index for index."""
-    if not hasattr(dataset, "__len__"):
-        raise ValueError("DFLOPTrainer needs a train_dataset with a length (not an IterableDataset)")
-    if len(shapes) != len(dataset):
-        raise ValueError(
-            f"sample_shapes has {len(shapes)} shapes but train_dataset ({type(dataset).__name__}) has"
-            f" {len(dataset)} samples: give one SampleShape per dataset index, in index order"
-        )
 
 
 class DFLOPTrainer(DFLOPTrainerMixin, Trainer):
@@ -383,7 +411,6 @@ __all__ = [
     "SAMPLER_STATE",
     "DFLOPTrainer",
     "DFLOPTrainerMixin",
-    "SamplerStateCallback",
     "block_sets_seed",
     "check_shapes",
     "dflop_block",

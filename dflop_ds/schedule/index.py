@@ -6,9 +6,10 @@ from __future__ import annotations
 class ScheduledIndex(int):
     """An ``int`` dataset index that also carries its global batch's loss denominator.
 
-    A plain dataset indexes with it as with any int; a dataset or collate function that knows
-    about it reads ``loss_denominator`` (label tokens of the whole global batch divided by
-    ``gradient_accumulation_steps * dp_world_size``) and ``batch_id``.
+    A plain dataset indexes with it as with any int (``str()`` and ``f"{i}"`` give the number); a
+    dataset or collate function that knows about it reads ``loss_denominator`` (label tokens of
+    the whole global batch divided by ``gradient_accumulation_steps * dp_world_size``) and
+    ``batch_id``. The Trainer's sampler yields plain ``int`` s instead (its loss counts labels).
     """
 
     loss_denominator: float
@@ -22,6 +23,10 @@ class ScheduledIndex(int):
 
     def __reduce__(self):
         return (ScheduledIndex, (int(self), self.loss_denominator, self.batch_id))
+
+    def __str__(self) -> str:
+        """The number alone, as a plain ``int`` prints (``str(i)``, ``f"{i}"``, file names, keys)."""
+        return str(int(self))
 
     def __repr__(self) -> str:
         return f"ScheduledIndex({int(self)}, loss_denominator={self.loss_denominator:g}, batch_id={self.batch_id})"

@@ -422,7 +422,12 @@ def partition_batch(
     if cap is not None and microbatch_memory is not None:
         best, solver = _within_true_memory(best, solver, matrix, n_buckets, cap, microbatch_memory, lengths)
     if best is None:
-        hint = "" if ilp_helps else "; the exact solver was not run: raise time_limit_s or node_limit"
+        hint = (
+            ""
+            if ilp_helps
+            else "; the exact solver was not run: raise dflop.sampler.ilp_nodes"
+            " (dflop.sampler.time_limit_s also works, on a single process only)"
+        )
         raise InfeasibleError(
             f"found no split of {n} items into {n_buckets} buckets under memory_cap {memory_cap:g}"
             f" (greedy placement failed{hint})"

@@ -51,7 +51,7 @@ from dflop_ds.schedule.splitters import (
     splitter_names,
 )
 from dflop_ds.schedule.state import Position, dataset_fingerprint, describe_dataset
-from dflop_ds.shapes import SampleShape
+from dflop_ds.shapes import SampleShape, check_shape_values
 from dflop_ds.sync import SyncModel, as_sync_model
 
 logger = logging.getLogger(__name__)
@@ -169,6 +169,7 @@ class GlobalBatchSampler:
         if cost_model is None:
             cost_model = ProxyCost()
         self.shapes = list(shapes)
+        check_shape_values(self.shapes)
         self.global_batch_size = int(global_batch_size)
         self.n_mb = int(gradient_accumulation_steps)
         self.dp_rank = int(dp_rank)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback, TrainingArguments
 
 from dflop_ds.hf_trainer import DFLOPTrainer, llava_json_shapes  # DFLOP: the one import
+from dflop_ds.host import SHM_DIR, shm_buffer_name
 from dflop_ds.rank_lifecycle import finish_rank
 
 # ---- the user's data code: the example's Dataset and collator, recording what they are asked ----
@@ -51,9 +52,11 @@ class LlavaJsonDataset(example.LlavaJsonDataset):
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.fetched: list[int] = []
+        self.index_types: set[str] = set()
 
     def __getitem__(self, index: int) -> dict:
         self.fetched.append(int(index))
+        self.index_types.add(type(index).__name__)
         return super().__getitem__(index)
 
 
@@ -156,7 +159,15 @@ def check_resume(cli, processor, out: Path) -> dict:
         "telemetry": telemetry(second),
         "state_file": (checkpoint / "dflop_sampler.json").is_file(),
         "steps": second.state.global_step,
+        "index_types": sorted(data_a.index_types | data_b.index_types),
+        "shm_left": own_shm_buffer().exists(),  # unlinked once every rank mapped it, by the Trainer
     }
+
+
+def own_shm_buffer() -> Path:
+    """This rank's DeepSpeed CPU all-reduce buffer in /dev/shm (present only while not unlinked)."""
+    env = os.environ
+    return SHM_DIR / shm_buffer_name(env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", ""), env.get("RANK", "0"))
 
 
 def check_sgd(cli, processor, out: Path) -> dict:

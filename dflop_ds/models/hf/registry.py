@@ -122,6 +122,9 @@ def family_of(model_dir: PathArg) -> ModelFamily:
     (``FileNotFoundError`` naming the directory when it has no ``config.json``)."""
     if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json (expected a save_pretrained model directory)")
+    from dflop_ds.jsonio import read_json_object
+
+    read_json_object(Path(model_dir) / "config.json")  # a corrupt one is named, with its line and column
     return family_for(model_type(model_dir), str(model_dir))
 
 

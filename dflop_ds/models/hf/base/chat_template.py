@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,6 +28,8 @@ from typing import Any
 
 from dflop_ds.data.errors import PathArg
 from dflop_ds.data.llava import PLACEHOLDERS
+
+logger = logging.getLogger(__name__)
 
 IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER = PLACEHOLDERS
 #: Conversations (normalized turns) on which a checkpoint's template is compared with the built-in
@@ -106,6 +109,7 @@ class ModelChatTemplate:
         self.source, self.tokenizer, self.name = source, tokenizer, name
         self.image_marker, self.video_marker = int(image_marker), video_marker
         self.identity = template_identity(source)
+        warn_without_generation_prompt(self)
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
         """The template's text of ``messages`` (with the assistant header after them when ``generation_prompt``).
@@ -119,8 +123,11 @@ class ModelChatTemplate:
             text = self.tokenizer.apply_chat_template(
                 messages, chat_template=self.source, tokenize=False, add_generation_prompt=generation_prompt
             )
-        except TemplateError as exc:
-            raise ValueError(f"{self.name}: the checkpoint's chat template fails on this conversation: {exc}") from exc
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
+            detail = str(exc) if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
+            raise ValueError(
+                f"{self.name}: the checkpoint's chat template fails on this conversation: {detail}"
+            ) from exc
         return str(text)
 
     def messages(self, turns: Sequence[tuple[str, str]], system: str | None) -> list[dict[str, Any]]:
@@ -197,6 +204,24 @@ class ModelChatTemplate:
         return ids, supervised
 
 
+def warn_without_generation_prompt(template: ModelChatTemplate) -> bool:
+    """Warn (and return True) when ``template`` writes nothing for ``add_generation_prompt``: each
+    assistant turn's header is then found inside the turn and supervised with the answer."""
+    question = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    try:
+        silent = template.render(question, generation_prompt=True) == template.render(question)
+    except ValueError:
+        return False  # a template that fails here is named when it renders a record
+    if silent:
+        logger.warning(
+            "%s: the checkpoint's chat template writes no generation prompt (add_generation_prompt adds nothing),"
+            " so each assistant turn's header is supervised as part of its answer; give the template a"
+            " generation prompt to train on the answers alone",
+            template.name,
+        )
+    return silent
+
+
 def encode_alike(
     template: Encoder,
     builtin: Encoder,
@@ -228,4 +253,5 @@ __all__ = [
     "checkpoint_chat_template",
     "template_identity",
     "turn_content",
+    "warn_without_generation_prompt",
 ]

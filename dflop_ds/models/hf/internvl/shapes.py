@@ -13,6 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+#: the most tiles per image :class:`InternVLTileRule` takes (its grid search is quadratic in them)
+MAX_TILES = 256
+
 
 @dataclass(frozen=True)
 class InternVLTileRule:
@@ -23,6 +26,15 @@ class InternVLTileRule:
     min_tiles: int
     max_tiles: int
     tokens_per_tile: int
+
+    def __post_init__(self) -> None:
+        if self.tile_size < 1 or self.tokens_per_tile < 1:
+            raise ValueError(f"tile size {self.tile_size} and tokens per tile {self.tokens_per_tile} must be positive")
+        if not 1 <= self.min_tiles <= self.max_tiles <= MAX_TILES:
+            raise ValueError(
+                f"min_patches {self.min_tiles} and max_patches {self.max_tiles}: need 1 <= min_patches <= max_patches"
+                f" <= {MAX_TILES} (a grid search over max_patches^2 layouts per image; InternVL uses up to 40)"
+            )
 
     def grid(self, width: int, height: int) -> tuple[int, int]:
         """The ``(cols, rows)`` grid an image of ``width x height`` is cut into."""

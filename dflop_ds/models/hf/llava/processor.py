@@ -7,12 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dflop_ds.jsonio import read_json_object
+from dflop_ds.models.hf.base.chat_template import LEGACY_TEMPLATE_FILE
+
 
 def load_processor(model_dir: Path, config: Any) -> Any:
     """The directory's ``AutoProcessor``; failing that, a ``LlavaProcessor`` from its tokenizer and
     image processor. Checks that an image expands to as many tokens as the model makes features."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, LlavaProcessor
 
+    legacy = Path(model_dir) / LEGACY_TEMPLATE_FILE
+    if legacy.is_file():  # AutoProcessor fails on a corrupt one, and the fallback below would hide why
+        read_json_object(legacy)
     try:
         processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
         if not hasattr(processor, "image_processor"):

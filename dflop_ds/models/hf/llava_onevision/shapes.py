@@ -45,6 +45,29 @@ def unpadded_grid(height: int, width: int, rows: int, cols: int) -> tuple[int, i
     return rows, cols
 
 
+def check_onevision_settings(
+    tile_size: int, patch_size: int, pinpoints: Sequence[Sequence[int]], max_tiles: int
+) -> None:
+    """Refuse, naming the checkpoint's key, settings the AnyRes counting cannot use: a tile smaller
+    than a patch (``vision_config.image_size`` / ``patch_size``), no
+    ``image_grid_pinpoints`` or a canvas that is not a positive multiple of the tile in both sides,
+    and ``vision_aspect_ratio = "anyres_max_N"`` with ``N < 1``."""
+    if patch_size < 1 or tile_size < patch_size:
+        raise ValueError(
+            f"vision_config.image_size {tile_size} and patch_size {patch_size}: a tile must hold at least one patch"
+        )
+    if not pinpoints:
+        raise ValueError("image_grid_pinpoints is empty: give the (height, width) canvases images are fitted onto")
+    for canvas in pinpoints:
+        if len(canvas) != 2 or any(side < tile_size or side % tile_size for side in canvas):
+            raise ValueError(
+                f"image_grid_pinpoints holds {list(canvas)}: every canvas must be [height, width], each a positive"
+                f" multiple of the tile size {tile_size}"
+            )
+    if max_tiles < 1:
+        raise ValueError(f'vision_aspect_ratio "anyres_max_{max_tiles}": N must be at least 1')
+
+
 @dataclass(frozen=True)
 class OnevisionTokenRule:
     """A LLaVA-OneVision checkpoint's counting numbers.
@@ -63,6 +86,9 @@ class OnevisionTokenRule:
     pinpoints: tuple[tuple[int, int], ...]
     max_tiles: int = 9
     drops_first_feature: bool = False
+
+    def __post_init__(self) -> None:
+        check_onevision_settings(self.tile_size, self.patch_size, self.pinpoints, self.max_tiles)
 
     @property
     def side(self) -> int:

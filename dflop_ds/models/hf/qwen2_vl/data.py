@@ -92,6 +92,17 @@ class SmartResize:
     min_pixels: int
     max_pixels: int
 
+    def __post_init__(self) -> None:
+        if self.patch_size < 1 or self.merge_size < 1:
+            raise ValueError(f"patch_size {self.patch_size} and merge_size {self.merge_size} must be at least 1")
+        factor = self.patch_size * self.merge_size
+        if not factor**2 <= self.min_pixels <= self.max_pixels:
+            raise ValueError(
+                f"size {{'shortest_edge': {self.min_pixels}, 'longest_edge': {self.max_pixels}}} (min_pixels,"
+                f" max_pixels): need {factor**2} (one merged patch, (patch_size x merge_size)^2) <= shortest_edge"
+                " <= longest_edge"
+            )
+
     @classmethod
     def from_image_processor(cls, image_processor: Any) -> SmartResize:
         """The rule of a ``Qwen2VLImageProcessor`` (its ``size`` edges are the pixel bounds)."""

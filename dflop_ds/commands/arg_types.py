@@ -1,0 +1,37 @@
+"""Argparse types that refuse a value outside its meaning when the command is parsed, naming it."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0 (``0``, ``nan``, ``inf`` and negatives refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
+    return value
+
+
+def int_in_range(low: int, high: int, why: str) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[low, high]``; ``why`` says what the upper bound is."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{low}, {high}] ({why}), got {value}")
+        return value
+
+    parse.__name__ = f"integer in [{low}, {high}]"
+    return parse
+
+
+__all__ = ["int_in_range", "positive_float"]
