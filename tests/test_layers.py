@@ -252,7 +252,7 @@ def test_trainer_entry_points_use_the_composition_root_and_nothing_from_train():
     users = {f.source for f in imports if f.target == "dflop_ds.compose"}
     assert "dflop_ds.hf_trainer.trainer" in users
     plugins = {m for m in module_files() if m.startswith("dflop_ds.integrations.") and m.rsplit(".", 1)[1] in PLUGINS}
-    assert plugins and plugins <= users, f"plugins not calling dflop_ds.compose: {sorted(plugins - users)}"
+    assert len(plugins) == len(PLUGINS) and plugins <= users, f"plugins not using dflop_ds.compose: {plugins - users}"
 
 
 #: the modules of dflop_ds.integrations that are a framework's plugin
