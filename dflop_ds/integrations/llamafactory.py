@@ -104,7 +104,7 @@ def dflop_trainer_class(base: type) -> type:
     loss is the step's label-token mean over every rank (the Trainer's ``num_items_in_batch``)."""
 
     def token_weighted_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        base.__init__(self, *args, **kwargs)
+        base.__init__(self, *args, **kwargs)  # type: ignore[misc]
         if forward_takes_loss_kwargs(self.model):
             self.model_accepts_loss_kwargs = True
 
