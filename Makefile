@@ -16,7 +16,7 @@ TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 # DeepSpeed's launcher and its JIT build (ninja) must be found on PATH.
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="$(TORCH_EXTENSIONS_DIR)"
 
-.PHONY: test-frameworks setup lint demo test bench bench-partition bench-costmodel bench-plan bench-scale bench-e2e bench-dp validate-simulator bench-hf bench-trainer readme-figure gpu-wheels gpu-check clean
+.PHONY: test-frameworks framework-envs setup lint demo test bench bench-partition bench-costmodel bench-plan bench-scale bench-e2e bench-dp validate-simulator bench-hf bench-trainer readme-figure gpu-wheels gpu-check clean
 
 # the trl extra (TRL's SFTTrainer for tests/test_hf_trainer_trl.py) pulls no torch of its own: trl,
 # datasets, pandas, pyarrow, dill, multiprocess, xxhash (pip install --dry-run, 2026-11-26)
@@ -99,5 +99,5 @@ clean:
 
 framework-envs: .venv-swift/.installed .venv-llamafactory/.installed
 
-test-frameworks: .venv-swift/.installed
-	PYTHONUNBUFFERED=1 $(PYTHON) tests/frameworks/run_frameworks.py --frameworks swift
+test-frameworks: framework-envs
+	PYTHONUNBUFFERED=1 $(PYTHON) tests/frameworks/run_frameworks.py

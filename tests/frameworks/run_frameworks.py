@@ -118,6 +118,60 @@ def swift_command(
     return command
 
 
+def llamafactory_command(
+    venv: Path, model: str, family: str, ds: Path, out: Path, epochs: int, resume: Path | None, stop_at: int = 0
+) -> list[str]:
+    """``dflop-ds llamafactory train`` on a config written beside the run (``stop_at``: ``max_steps``,
+    the first half of a stopped-and-resumed run)."""
+    config = {
+        "model_name_or_path": model,
+        "template": "llava" if family == "llava" else "qwen2_vl",
+        "stage": "sft",
+        "do_train": True,
+        "finetuning_type": "full",
+        "dataset": "dflop_chat",
+        "dataset_dir": INPUTS["dataset_dir"],
+        "cutoff_len": 4096,
+        "output_dir": str(out),
+        "overwrite_output_dir": resume is None,
+        "per_device_train_batch_size": BATCH,
+        "gradient_accumulation_steps": GAS,
+        "learning_rate": 5e-3,
+        "num_train_epochs": epochs,
+        "logging_steps": 1,
+        "save_strategy": "steps",
+        "save_steps": STOP_AT,
+        "report_to": "none",
+        "deepspeed": str(ds),
+        "use_cpu": True,
+        "bf16": False,
+        "fp16": False,
+        "dataloader_num_workers": 0,
+        "preprocessing_num_workers": 1,
+        "data_seed": 7,
+        "image_max_pixels": int(QWEN_PIXELS["MAX_PIXELS"]),
+        "image_min_pixels": int(QWEN_PIXELS["MIN_PIXELS"]),
+    }
+    if stop_at:
+        config["max_steps"] = stop_at
+    if resume is not None:
+        config["resume_from_checkpoint"] = str(resume)
+    path = out.with_suffix(".yaml")
+    path.write_text(json.dumps(config, indent=1))  # JSON is YAML
+    return [str(venv / "bin" / "dflop-ds"), "llamafactory", "train", str(path)]
+
+
+def llamafactory_losses(run: Run) -> None:
+    """The run's logged losses and telemetry count, from the Trainer's saved ``trainer_state.json``."""
+    path = run.out / "trainer_state.json"
+    if not path.is_file():
+        return
+    for entry in json.loads(path.read_text())["log_history"]:
+        if "loss" in entry:
+            run.losses.append(float(entry["loss"]))
+        run.telemetry += int("dflop_predicted_imbalance" in entry)
+
+
 def swift_losses(run: Run) -> None:
     """The run's logged losses and telemetry count, from ms-swift's ``logging.jsonl``."""
     path = run.out / "logging.jsonl"
@@ -131,6 +185,7 @@ def swift_losses(run: Run) -> None:
 
 
 INPUTS: dict[str, str] = {}
+FRAMEWORKS = ["swift", "llamafactory"]
 
 
 def launch(framework: str, venv: Path, name: str, work: Path, family: str, stage: int, **kw) -> Run:
@@ -138,14 +193,19 @@ def launch(framework: str, venv: Path, name: str, work: Path, family: str, stage
     run = Run(name, work / name, work / f"{name}.fetch")
     ds = deepspeed_config(stage, work / f"ds_zero{stage}.json")
     env = venv_env(venv, DFLOP_FETCH_LOG=str(run.fetch_log), DFLOP_STOP_AT=str(kw.get("stop_at", 0)), **QWEN_PIXELS)
-    command = swift_command(venv, INPUTS[family], family, ds, run.out, kw.get("epochs", 1), kw.get("resume"))
+    epochs, resume = kw.get("epochs", 1), kw.get("resume")
+    if framework == "swift":
+        command = swift_command(venv, INPUTS[family], family, ds, run.out, epochs, resume)
+    else:
+        env.update(FORCE_TORCHRUN="1", PYTHONPATH=str(HERE / "lf_hooks"), MASTER_PORT=str(29500 + os.getpid() % 1000))
+        command = llamafactory_command(venv, INPUTS[family], family, ds, run.out, epochs, resume, kw.get("stop_at", 0))
     start = time.perf_counter()
     result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=work, timeout=1800)
     run.seconds = time.perf_counter() - start
     run.ok = result.returncode == 0
     run.tail = (result.stdout + result.stderr)[-3000:]
     (work / f"{name}.log").write_text(result.stdout + result.stderr)
-    swift_losses(run)
+    (swift_losses if framework == "swift" else llamafactory_losses)(run)
     return run
 
 
@@ -170,7 +230,7 @@ def check_epoch(run: Run) -> str | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--frameworks", nargs="+", default=["swift"], choices=["swift"])
+    parser.add_argument("--frameworks", nargs="+", default=FRAMEWORKS, choices=FRAMEWORKS)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "frameworks")
     parser.add_argument("--only", default=None, help="run the checks whose name contains this")
     cli = parser.parse_args()
