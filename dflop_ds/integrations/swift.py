@@ -41,6 +41,7 @@ from dflop_ds.compose import (
     run_settings,
     train_loader,
 )
+from dflop_ds.hf_trainer.guard import BlankImage, guarded_batch
 from dflop_ds.integrations.chat import chat_shapes
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
 
@@ -75,6 +76,25 @@ def refuse_unsupported(args: Any, trainer: Any) -> None:
         raise ValueError("--callbacks dflop: sequence parallelism has its own sampler; drop --sequence_parallel_size")
 
 
+def guard_image_free_microbatches(trainer: Any) -> None:
+    """Give a LLaVA microbatch without images a blank image, masked out of attention and loss
+    (:mod:`dflop_ds.hf_trainer.guard`), before ms-swift prepares the batch (it derives the positions
+    whose logits it keeps from the labels there): under ZeRO-3 a rank that skips the
+    vision tower while another runs it waits forever in the tower's parameter gathers (seen here:
+    a 2-rank run hung at its third step). ms-swift's Qwen2-VL template already runs a dummy image
+    through the tower for a text-only microbatch, so only LLaVA is guarded."""
+    config = getattr(trainer.model, "config", None)
+    if getattr(config, "model_type", None) != "llava":
+        return
+    blank = BlankImage.for_model(config)
+    prepare = trainer._prepare_inputs
+
+    def prepare_inputs(inputs: Any) -> Any:
+        return prepare(guarded_batch(trainer.model, inputs, blank))
+
+    trainer._prepare_inputs = prepare_inputs
+
+
 def training_rows(dataset: Any) -> Any:
     """The rows behind ms-swift's training dataset (its ``LazyLLMDataset``'s Hugging Face dataset),
     with one fetch per index; a packed or streamed dataset is refused by its option."""
@@ -103,6 +123,7 @@ class DFLOPSwiftCallback(TrainerCallback):
         self.trainer = trainer
         self.settings = run_settings(None, args.deepspeed, "--deepspeed")
         self.batch_sampler: Any = None
+        self._guarded = False
         trainer.get_train_dataloader = self.train_dataloader
         self._log = trainer.log
         trainer.log = self.log
@@ -133,6 +154,9 @@ class DFLOPSwiftCallback(TrainerCallback):
             drop_last=args.dataloader_drop_last,
         )
         self.batch_sampler = build_trainer_sampler(RunInputs(config, shapes, cost_model, seed, seed_source), topology)
+        if not self._guarded:
+            guard_image_free_microbatches(trainer)
+            self._guarded = True
         return train_loader(dataset, self.batch_sampler, trainer.data_collator, args)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
