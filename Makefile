@@ -16,7 +16,7 @@ TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 # DeepSpeed's launcher and its JIT build (ninja) must be found on PATH.
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="$(TORCH_EXTENSIONS_DIR)"
 
-.PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-scale bench-sync bench-e2e bench-dp validate-simulator bench-hf bench-trainer readme-figure gpu-wheels gpu-check clean
+.PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-scale bench-sync bench-e2e bench-dp validate-simulator bench-hf bench-trainer readme-figure gpu-wheels gpu-check test-frameworks framework-envs clean
 
 # the trl extra (TRL's SFTTrainer for tests/test_hf_trainer_trl.py) pulls no torch of its own: trl,
 # datasets, pandas, pyarrow, dill, multiprocess, xxhash (pip install --dry-run, 2026-11-26)
@@ -90,3 +90,17 @@ bench: bench-partition bench-costmodel bench-plan bench-e2e bench-dp
 
 clean:
 	rm -rf $(VENV) out runs .pytest_cache *.egg-info
+
+# Training frameworks (issue 37): one environment each, with the versions the framework installs and
+# a torch / torchvision / torchaudio set that loads together (benchmarks/framework_envs.sh, ~5 GB each).
+# Not part of `make test`: every check launches the framework's own command on 2 ranks (minutes).
+.venv-swift/.installed: benchmarks/framework_envs.sh pyproject.toml
+	PYTHON=$(PYTHON) bash benchmarks/framework_envs.sh swift .venv-swift
+
+.venv-llamafactory/.installed: benchmarks/framework_envs.sh pyproject.toml
+	PYTHON=$(PYTHON) bash benchmarks/framework_envs.sh llamafactory .venv-llamafactory
+
+framework-envs: .venv-swift/.installed .venv-llamafactory/.installed
+
+test-frameworks: framework-envs
+	PYTHONUNBUFFERED=1 $(PYTHON) tests/frameworks/run_frameworks.py

@@ -289,12 +289,29 @@ def test_dflop_block_comes_from_the_deepspeed_config_and_bad_keys_are_named(tmp_
         dflop_settings(None, str(config))
 
 
-def test_transformers_outside_the_tested_range_is_refused():
-    low, high = SUPPORTED
-    assert check_transformers_version(str(low)) == str(low)
-    for bad in ("4.57.0", str(high)):
-        with pytest.raises(RuntimeError, match=rf"supports transformers >={low},<{high}.*{bad} is installed"):
+def test_transformers_outside_the_tested_ranges_is_refused_naming_them():
+    for low, _ in SUPPORTED:
+        assert check_transformers_version(str(low)) == str(low)
+    named = ".*".join(rf"'transformers>={low},<{high}'" for low, high in SUPPORTED)
+    for bad in ("4.57.0", "5.7.0", "5.18.2", "5.20.0", "5.25.0"):
+        with pytest.raises(RuntimeError, match=rf"supports transformers {named}.*{bad} is installed"):
             check_transformers_version(bad)
+
+
+def test_a_release_whose_resumed_epoch_misses_the_sampler_gets_the_epoch_from_the_trainer_state():
+    from types import SimpleNamespace
+
+    from dflop_ds.hf_trainer.version import ResumedEpochCallback, epoch_adapters
+
+    split = DFLOPBatchSampler(shapes(RECORDS), global_batch_size=8, gradient_accumulation_steps=2, dp_size=2)
+    sampler = TrainerBatchSampler(split)
+    assert epoch_adapters(lambda: sampler, "5.19.0") == [] and epoch_adapters(lambda: sampler, "5.24.0") == []
+    (adapter,) = epoch_adapters(lambda: sampler, "5.6.0")
+    assert isinstance(adapter, ResumedEpochCallback)
+    # resumed mid epoch 1 (the checkpoint's state.epoch is 1.5), then epoch 2 starts at exactly 2.0
+    for progress, epoch in ((1.5, 1), (2.0, 2), (0.0, 0)):
+        adapter.on_epoch_begin(None, SimpleNamespace(epoch=progress), None)
+        assert sampler.epoch == epoch
 
 
 @pytest.fixture

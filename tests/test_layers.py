@@ -27,7 +27,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("models",)),
     ("plan", ("plan",)),
     ("telemetry", ("telemetry",)),
-    ("train", ("train", "config", "setup_checks", "launch", "rank_lifecycle", "hf_trainer")),
+    ("train", ("train", "config", "setup_checks", "launch", "rank_lifecycle", "hf_trainer", "compose")),
+    ("integrations", ("integrations",)),  # the frameworks' plugins: thin, over dflop_ds.compose
     ("commands", ("commands",)),  # and dflop_ds/__init__.py: every command-line module, no other layer above
 ]
 
@@ -235,3 +236,24 @@ def test_no_production_module_imports_the_test_helpers():
         }
     )
     assert not found, "production modules importing dflop_ds.testing:\n" + "\n".join(found)
+
+
+TRAIN = "dflop_ds.train"
+#: the Trainer-shaped entry points, which reach the training machinery through dflop_ds.compose only
+ENTRY_POINTS = ("dflop_ds.hf_trainer.trainer", "dflop_ds.integrations")
+
+
+def test_trainer_entry_points_use_the_composition_root_and_nothing_from_train():
+    """The Trainer mixin and the frameworks' plugins resolve a run through ``dflop_ds.compose``
+    (one composition root), never through the DeepSpeed loop's modules in ``dflop_ds.train``."""
+    imports = [f for f in all_imports() if any(f.source == e or f.source.startswith(e + ".") for e in ENTRY_POINTS)]
+    from_train = sorted({f"{f.source} line {f.line} imports {f.target}" for f in imports if f.target.startswith(TRAIN)})
+    assert not from_train, "entry points importing dflop_ds.train:\n" + "\n".join(from_train)
+    users = {f.source for f in imports if f.target == "dflop_ds.compose"}
+    assert "dflop_ds.hf_trainer.trainer" in users
+    plugins = {m for m in module_files() if m.startswith("dflop_ds.integrations.") and m.rsplit(".", 1)[1] in PLUGINS}
+    assert len(plugins) == len(PLUGINS) and plugins <= users, f"plugins not using dflop_ds.compose: {plugins - users}"
+
+
+#: the modules of dflop_ds.integrations that are a framework's plugin
+PLUGINS = ("swift", "llamafactory")

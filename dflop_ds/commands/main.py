@@ -7,10 +7,10 @@ import sys
 from collections.abc import Sequence
 
 from dflop_ds import __version__
-from dflop_ds.commands import check_launch, check_model, data, plan, profile, project, report
+from dflop_ds.commands import check_launch, check_model, data, frameworks, plan, profile, project, report
 
 #: the modules that add sub-commands through ``register(subparsers)``, in help order
-COMMAND_MODULES = (data, profile, plan, report, check_model, check_launch, project)
+COMMAND_MODULES = (data, profile, plan, report, check_model, check_launch, project, frameworks)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,24 +14,32 @@ TRL's ``SFTTrainer``: ``from dflop_ds.hf_trainer.sft import DFLOPSFTTrainer`` wi
 ``dflop={"model": {"packing": True}}`` (:mod:`dflop_ds.hf_trainer.packing`).
 """
 
-from dflop_ds.hf_trainer.guard import BlankImageGuardMixin
-from dflop_ds.hf_trainer.packing import PaddingFreeCollator, padding_free_collator, use_segment_attention
-from dflop_ds.hf_trainer.shapes import ShapeTable, hf_dataset_shapes, llava_json_shapes
-from dflop_ds.hf_trainer.trainer import SAMPLER_STATE, DFLOPTrainer, DFLOPTrainerMixin, dflop_settings
-from dflop_ds.hf_trainer.version import SUPPORTED, check_transformers_version
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "PaddingFreeCollator",
-    "padding_free_collator",
-    "use_segment_attention",
-    "SAMPLER_STATE",
-    "SUPPORTED",
-    "BlankImageGuardMixin",
-    "ShapeTable",
-    "DFLOPTrainer",
-    "DFLOPTrainerMixin",
-    "check_transformers_version",
-    "dflop_settings",
-    "hf_dataset_shapes",
-    "llava_json_shapes",
-]
+#: public name -> the module that defines it; imported on first use, so that the composition root
+#: (dflop_ds.compose) can use this package's light modules (the sampler, the agreement) while the
+#: Trainer mixin here uses the composition root
+_HOMES = {
+    "BlankImageGuardMixin": "dflop_ds.hf_trainer.guard",
+    "PaddingFreeCollator": "dflop_ds.hf_trainer.packing",
+    "padding_free_collator": "dflop_ds.hf_trainer.packing",
+    "use_segment_attention": "dflop_ds.hf_trainer.packing",
+    "ShapeTable": "dflop_ds.hf_trainer.shapes",
+    "hf_dataset_shapes": "dflop_ds.hf_trainer.shapes",
+    "llava_json_shapes": "dflop_ds.hf_trainer.shapes",
+    "SAMPLER_STATE": "dflop_ds.hf_trainer.trainer",
+    "DFLOPTrainer": "dflop_ds.hf_trainer.trainer",
+    "DFLOPTrainerMixin": "dflop_ds.hf_trainer.trainer",
+    "dflop_settings": "dflop_ds.hf_trainer.trainer",
+    "SUPPORTED": "dflop_ds.hf_trainer.version",
+    "check_transformers_version": "dflop_ds.hf_trainer.version",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'dflop_ds.hf_trainer' has no attribute {name!r}")

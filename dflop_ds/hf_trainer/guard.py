@@ -98,6 +98,14 @@ def with_blank_image(inputs: Mapping[str, Any], blank: BlankImage) -> dict[str, 
     return out
 
 
+def guarded_batch(model: Any, inputs: Any, blank: BlankImage | None) -> Any:
+    """``inputs`` with :func:`with_blank_image` when ``model`` trains on a microbatch without visual
+    input and ``blank`` is its blank image; else ``inputs`` unchanged."""
+    if blank is not None and model.training and "input_ids" in inputs and not has_images(inputs):
+        return with_blank_image(inputs, blank)
+    return inputs
+
+
 class BlankImageGuardMixin:
     """Put before ``transformers.Trainer`` in the bases: a training microbatch without images (or
     videos) of a model whose family gives a blank image gets one (:func:`with_blank_image`) before
@@ -119,9 +127,7 @@ class BlankImageGuardMixin:
 
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's loss, after the blank image where a training microbatch has no visual input."""
-        if self._blank_image is not None and model.training and "input_ids" in inputs and not has_images(inputs):
-            inputs = with_blank_image(inputs, self._blank_image)
-        return super().compute_loss(model, inputs, *args, **kwargs)  # type: ignore[misc]
+        return super().compute_loss(model, guarded_batch(model, inputs, self._blank_image), *args, **kwargs)  # type: ignore[misc]
 
 
-__all__ = ["BlankImage", "BlankImageGuardMixin", "blank_image_for", "has_images", "with_blank_image"]
+__all__ = ["BlankImage", "BlankImageGuardMixin", "blank_image_for", "guarded_batch", "has_images", "with_blank_image"]

@@ -33,23 +33,30 @@ model, collator, optimizer, logging, checkpointing and evaluation stay. What it 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import math
 import os
 from collections.abc import Mapping, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from dflop_ds.config import AUTO, OFF, DFLOPConfig
-from dflop_ds.cost import PackedCost, load_cost_model, sampler_cost_model
-from dflop_ds.hf_trainer.agreement import check_ranks_agree, model_depths, trainer_input_digests
-from dflop_ds.hf_trainer.block_rules import check_trainer_block, freeze_vision_encoder
+from dflop_ds.compose import (
+    RunInputs,
+    TrainerTopology,
+    block_sets_seed,
+    build_trainer_sampler,
+    dflop_block,
+    dflop_settings,
+    epochs_to_train,
+    memory_cap,
+    resolve_cost_model,
+    run_settings,
+    train_loader,
+)
+from dflop_ds.hf_trainer.block_rules import freeze_vision_encoder
 from dflop_ds.hf_trainer.guard import BlankImageGuardMixin
 from dflop_ds.hf_trainer.launcher import check_batch_keys, trainer_deepspeed_config
 from dflop_ds.hf_trainer.packing import chosen_collator, packing_collator, use_segment_attention
@@ -60,72 +67,13 @@ from dflop_ds.hf_trainer.resume import (
     read_sampler_state,
     write_sampler_state,
 )
-from dflop_ds.hf_trainer.sampler import (
-    TrainerBatchSampler,
-    TrainerDataLoader,
-    last_step_microbatches,
-    trainer_data_parallel_coords,
-)
+from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, TrainerDataLoader
 from dflop_ds.hf_trainer.shape_checks import check_shapes
-from dflop_ds.hf_trainer.version import check_transformers_version
-from dflop_ds.jsonio import read_json_object
+from dflop_ds.hf_trainer.version import check_transformers_version, epoch_adapters
 from dflop_ds.rank_lifecycle import release_shm_buffer_once_mapped
-from dflop_ds.schedule import make_sampler
-from dflop_ds.setup_checks import check_cost_model_fits, check_time_limit
 from dflop_ds.shapes import SampleShape
-from dflop_ds.sync import sync_model_of
-from dflop_ds.train.options import sampler_settings
 
 logger = logging.getLogger(__name__)
-
-
-def dflop_block(
-    dflop: Mapping[str, Any] | None, deepspeed: Any, deepspeed_source: str = "TrainingArguments.deepspeed"
-) -> tuple[dict[str, Any], str]:
-    """``(block, source)``: ``dflop`` (a ``"dflop"`` block) if given, else the ``"dflop"`` block of
-    the DeepSpeed config ``deepspeed`` (``TrainingArguments.deepspeed``, a path, or a dict from
-    ``deepspeed_source``), else an empty block; ``source`` names where it came from. A block that
-    is not a dict, or sets a key the Trainer does not honour, is refused naming it
-    (:func:`~dflop_ds.hf_trainer.block_rules.check_trainer_block`)."""
-    if dflop is not None:
-        block, source = dflop, "DFLOPTrainer(dflop=...)"
-    elif deepspeed is None:
-        block, source = {}, "defaults"
-    elif isinstance(deepspeed, Mapping):
-        block, source = deepspeed.get("dflop", {}), deepspeed_source
-    else:
-        block, source = read_json_object(deepspeed).get("dflop", {}), str(deepspeed)
-    check_trainer_block(block, source)
-    return dict(block), source
-
-
-def dflop_settings(dflop: Mapping[str, Any] | None, deepspeed: Any) -> DFLOPConfig:
-    """The typed settings of :func:`dflop_block`'s block (the defaults where it sets nothing). A bad
-    block is a ``ValueError`` naming the key and where it came from."""
-    block, source = dflop_block(dflop, deepspeed)
-    return DFLOPConfig.from_dict(block, source=source)
-
-
-def block_sets_seed(block: Mapping[str, Any]) -> bool:
-    """Whether a ``"dflop"`` block sets ``train.seed`` itself (0 included)."""
-    train = block.get("train")
-    return isinstance(train, Mapping) and "seed" in train
-
-
-def memory_cap(settings: DFLOPConfig) -> float | None:
-    """``dflop.sampler.memory_cap_bytes`` as the sampler takes it: a number, or None for ``"off"``
-    and the default ``"auto"`` left unset (the Trainer runs no plan and measures no device budget,
-    so a block that sets ``"auto"`` is refused by :func:`dflop_block`)."""
-    cap = settings.sampler.memory_cap_bytes
-    return None if cap in (AUTO, OFF) else float(cap)
-
-
-def epochs_to_train(args: Any, batches_per_epoch: int) -> int:
-    """The epochs a Trainer run with ``args`` (``TrainingArguments``) reaches: those ``max_steps``
-    optimizer steps span when set (one step per global batch), else ``num_train_epochs`` rounded up."""
-    if args.max_steps is not None and args.max_steps > 0:
-        return max(1, math.ceil(args.max_steps / max(1, batches_per_epoch)))
-    return max(1, math.ceil(args.num_train_epochs))
 
 
 class DFLOPTrainerMixin(BlankImageGuardMixin):
@@ -164,13 +112,10 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         release_shm_buffer_once_mapped()
         deepspeed, deepspeed_source = trainer_deepspeed_config(trainer)  # from either launcher
         check_batch_keys(trainer, deepspeed_source)
-        block, source = dflop_block(dflop, deepspeed, deepspeed_source)
-        self.dflop_settings = DFLOPConfig.from_dict(block, source=source)
+        self._dflop_run = run_settings(dflop, deepspeed, deepspeed_source)
+        self.dflop_settings = self._dflop_run.config
         #: how the ranks meet (no pipeline under the Trainer), from the DeepSpeed config
-        self.dflop_sync = sync_model_of(
-            deepspeed if isinstance(deepspeed, Mapping) else read_json_object(deepspeed) if deepspeed else {}
-        )
-        self._dflop_seed_source = f"{source}: train.seed" if block_sets_seed(block) else None
+        self.dflop_sync = self._dflop_run.sync
         if self.dflop_settings.model.freeze_encoder:
             freeze_vision_encoder(trainer.model)
         if self.dflop_settings.model.packing:
@@ -196,6 +141,8 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
             check_shapes(self.sample_shapes, trainer.train_dataset)
         self.dflop_batch_sampler: TrainerBatchSampler | None = None
         self._dflop_resume: str | None = None
+        for adapter in epoch_adapters(lambda: self.dflop_batch_sampler):
+            trainer.add_callback(adapter)
 
     # -- the sampler and loader -------------------------------------------------------------
     def _get_train_sampler(self, train_dataset: Any = None) -> TrainerBatchSampler:
@@ -208,56 +155,20 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
                 " (dflop_ds.hf_trainer.llava_json_shapes(data_path, model_name_or_path, image_folder=...))"
             )
         check_shapes(self.sample_shapes, dataset)
-        args, settings = trainer.args, self.dflop_settings
-        world = max(1, args.world_size)
-        dp_rank, dp_size = trainer_data_parallel_coords(args.process_index, world, trainer.get_tp_size())
-        check_time_limit(settings, world)  # every rank computes the schedule itself
-        gas = args.gradient_accumulation_steps
-        cap = memory_cap(settings)
-        options: dict[str, Any] = {"memory_cap": cap, "allow_oversize": settings.sampler.allow_oversize} if cap else {}
-        cost_model = self._dflop_cost_model()
+        args = trainer.args
         seed, seed_source = self._dflop_seed()
-        drop_last = settings.sampler.drop_last or args.dataloader_drop_last
-        global_batch = args.per_device_train_batch_size * gas * dp_size
-        digested_settings = {
-            "kind": settings.sampler.kind,
-            "global_batch_size": global_batch,
-            "gradient_accumulation_steps": gas,
-            "dp_size": dp_size,
-            "drop_last": drop_last,
-            "ilp_nodes": settings.sampler.ilp_nodes,
-            **options,
-        }
-        check_ranks_agree(
-            trainer_input_digests(
-                self.sample_shapes,
-                cost_model,
-                settings.sampler.cost_model or "the unitless proxy",
-                seed,
-                seed_source,
-                digested_settings,
-                args.process_index,
-            )
+        inputs = RunInputs(
+            self.dflop_settings, self.sample_shapes, self._dflop_cost_model(), seed, seed_source, self.dflop_sync
         )
-        build = partial(
-            make_sampler,
-            # epochs are cut by TrainerBatchSampler
-            dataclasses.replace(sampler_settings(settings), seed=seed, drop_last=False),
-            self.sample_shapes,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            cost_model=cost_model,
-            sync=self.dflop_sync,
-            memory_cap=cap,
+        topology = TrainerTopology(
+            process_index=args.process_index,
+            world_size=max(1, args.world_size),
+            tp_size=trainer.get_tp_size(),
+            per_device_batch=args.per_device_train_batch_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            drop_last=args.dataloader_drop_last,
         )
-        last_gas = last_step_microbatches(len(self.sample_shapes), global_batch, gas, dp_size, drop_last)
-        batch_sampler = TrainerBatchSampler(
-            build(global_batch_size=global_batch, gradient_accumulation_steps=gas),
-            drop_last=drop_last,
-            last_step_sampler=None
-            if last_gas == gas
-            else build(global_batch_size=len(self.sample_shapes) % global_batch, gradient_accumulation_steps=last_gas),
-        )
+        batch_sampler = build_trainer_sampler(inputs, topology)
         # a memory cap the batches of some epoch cannot meet is an error now, before step 0
         batch_sampler.check_epochs(epochs_to_train(args, batch_sampler.batches_per_epoch))
         return batch_sampler
@@ -267,35 +178,13 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         shapes' policy (when the shape helpers made them) and the model's depth (LLaVA, Qwen2-VL);
         with ``dflop.model.packing=true`` wrapped for packed microbatches."""
         trainer: Any = self
-        path = self.dflop_settings.sampler.cost_model
-        packed = bool(self.dflop_settings.model.packing)
-        if path is None:
-            return sampler_cost_model(None, packed=True) if packed else None
-        cost_model = load_cost_model(path)
-        if packed and isinstance(cost_model, PackedCost):
-            raise ValueError(
-                f"{path}: this cost model is already packed and dflop.model.packing=true packs it again:"
-                " name the profiled (unpacked) cost model"
-            )
-        depths = model_depths(trainer.model)
-        check_cost_model_fits(
-            cost_model,
-            self.shape_policy,
-            encoder_layers=None if depths is None else depths[0],
-            llm_layers=None if depths is None else depths[1],
-            source=str(path),
-        )
-        return sampler_cost_model(cost_model, packed=packed)
+        return resolve_cost_model(self.dflop_settings, self.shape_policy, trainer.model)
 
     def _dflop_seed(self) -> tuple[int, str]:
         """``(seed, where it came from)`` of the data order: ``dflop.train.seed`` when the block
         sets it (0 included), else the Trainer's ``data_seed`` or ``seed``."""
         trainer: Any = self
-        if self._dflop_seed_source is not None:
-            return self.dflop_settings.train.seed, self._dflop_seed_source
-        if trainer.args.data_seed is not None:
-            return int(trainer.args.data_seed), "TrainingArguments.data_seed"
-        return int(trainer.args.seed), "TrainingArguments.seed"
+        return self._dflop_run.seed(trainer.args.data_seed, trainer.args.seed)
 
     def get_train_dataloader(self) -> TrainerDataLoader:
         """The training loader: the user's collator over :meth:`_get_train_sampler`'s microbatches,
@@ -311,18 +200,7 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         batch_sampler = self._get_train_sampler(dataset)
         self._check_resume_state(batch_sampler)
         self.dflop_batch_sampler = batch_sampler
-        args = trainer.args
-        workers = args.dataloader_num_workers
-        return TrainerDataLoader(
-            dataset,
-            batch_sampler=batch_sampler,
-            collate_fn=collator,
-            num_workers=workers,
-            pin_memory=args.dataloader_pin_memory,
-            persistent_workers=args.dataloader_persistent_workers and workers > 0,
-            prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
-            worker_init_fn=partial(seed_worker, num_workers=workers, rank=args.process_index),
-        )
+        return train_loader(dataset, batch_sampler, collator, trainer.args)
 
     # -- telemetry ---------------------------------------------------------------------------
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

@@ -49,7 +49,9 @@ def _qwen2_vl_classes(family: str, vision: dict):
 
 
 @cache
-def _built_qwen2_vl(family: str, tie_word_embeddings: bool, seed: int, min_pixels: int, max_pixels: int) -> Path:
+def _built_qwen2_vl(
+    family: str, tie_word_embeddings: bool, seed: int, min_pixels: int, max_pixels: int, patch_size: int
+) -> Path:
     """Build and save one tiny Qwen2-VL directory in a process-wide temporary folder (cached)."""
     import torch
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -65,7 +67,7 @@ def _built_qwen2_vl(family: str, tie_word_embeddings: bool, seed: int, min_pixel
         hidden_size=64,
         mlp_ratio=2,
         num_heads=2,
-        patch_size=QWEN2_VL_PATCH,
+        patch_size=patch_size,
         spatial_merge_size=QWEN2_VL_MERGE,
         temporal_patch_size=2,
     )
@@ -93,7 +95,7 @@ def _built_qwen2_vl(family: str, tie_word_embeddings: bool, seed: int, min_pixel
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=min_pixels,
         max_pixels=max_pixels,
-        patch_size=QWEN2_VL_PATCH,
+        patch_size=patch_size,
         temporal_patch_size=2,
         merge_size=QWEN2_VL_MERGE,
     )
@@ -108,6 +110,7 @@ def build_tiny_qwen2_vl(
     seed: int = 0,
     min_pixels: int = QWEN2_VL_MIN_PIXELS,
     max_pixels: int = QWEN2_VL_MAX_PIXELS,
+    patch_size: int = QWEN2_VL_PATCH,
 ) -> Path:
     """Write a tiny random Qwen2-VL model, its tokenizer and its image processor to ``dir``
     (``save_pretrained`` layout, no processor class: Qwen2-VL's wants torchvision for videos);
@@ -115,9 +118,13 @@ def build_tiny_qwen2_vl(
 
     ``family``: ``"qwen2_vl"`` or ``"qwen2_5_vl"`` (windowed vision attention). Images keep their
     own size within ``min_pixels``..``max_pixels`` (the processor's resize rule, in multiples of
-    ``patch x merge`` = 8 px): every image gives its own patch grid.
+    ``patch x merge`` = 8 px): every image gives its own patch grid. ``patch_size`` 14 gives the
+    real models' 28 px unit (ms-swift's Qwen2-VL template resizes images to multiples of 28 itself).
     """
-    return copied(_built_qwen2_vl(family, bool(tie_word_embeddings), int(seed), int(min_pixels), int(max_pixels)), dir)
+    built = _built_qwen2_vl(
+        family, bool(tie_word_embeddings), int(seed), int(min_pixels), int(max_pixels), int(patch_size)
+    )
+    return copied(built, dir)
 
 
 __all__ = [

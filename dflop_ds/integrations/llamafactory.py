@@ -1,0 +1,153 @@
+"""DFLOP in LLaMA-Factory: ``dflop-ds llamafactory train config.yaml``.
+
+The command runs LLaMA-Factory's own entry point, ``llamafactory.train.tuner.run_exp``, on the
+config, with one change: the supervised fine-tuning workflow builds :class:`DFLOP's
+<dflop_ds.hf_trainer.DFLOPTrainerMixin>` subclass of its ``CustomSeq2SeqTrainer``, whose sampler is
+DFLOP's (through :mod:`dflop_ds.compose`). Everything else (model loading, template, tokenization,
+its multimodal collator, callbacks, saving) is LLaMA-Factory's. What it reads:
+
+* settings: the ``"dflop"`` block of the config's ``deepspeed:`` file;
+* shapes: the tokenized training rows (``input_ids`` less the image tokens LLaMA-Factory expanded,
+  ``labels``) and their images' headers; nothing is decoded;
+* ``packing`` / ``neat_packing`` are refused: their rows are packs made offline (greedy knapsack),
+  fixed before DFLOP sees them; drop them and DFLOP balances each microbatch's padded cost.
+
+With ``NPROC_PER_NODE`` > 1 or ``FORCE_TORCHRUN=1`` (as ``llamafactory-cli train``) the command
+starts ``torchrun`` over this module, one process per rank; each starts DeepSpeed's communication
+before the model is loaded (ZeRO-3's ``zero.Init`` would otherwise count one process on CPU).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dflop_ds.compose import run_settings
+from dflop_ds.data import DataError
+from dflop_ds.hf_trainer.shapes import ShapeTable
+from dflop_ds.hf_trainer.trainer import DFLOPTrainerMixin
+from dflop_ds.integrations.chat import media_size
+from dflop_ds.models.hf.preprocessor import hf_preprocessor
+from dflop_ds.models.tiny_data import IGNORE_INDEX
+
+#: LLaMA-Factory options that pack rows offline, refused with the reason
+PACKING_OPTIONS = ("packing", "neat_packing")
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The training config (YAML or JSON), as ``llamafactory-cli train`` reads it."""
+    import yaml
+
+    text = Path(path).read_text()
+    config = yaml.safe_load(text)
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{path}: not a mapping of LLaMA-Factory options")
+    return dict(config)
+
+
+def check_config(config: Mapping[str, Any], source: str) -> None:
+    """Refuse, by option, what DFLOP cannot balance; read the ``"dflop"`` block once so that a bad
+    one is named before the model loads."""
+    for option in PACKING_OPTIONS:
+        if config.get(option):
+            raise ValueError(
+                f"{source}: {option}: true packs rows offline, before DFLOP sees them (each row several samples,"
+                " fixed): remove it; DFLOP then balances every microbatch by its predicted encoder and LLM cost"
+            )
+    if config.get("stage", "sft") != "sft":
+        raise ValueError(f"{source}: stage: {config['stage']}: dflop-ds llamafactory runs stage: sft only")
+    if not config.get("deepspeed"):
+        raise ValueError(f'{source}: no deepspeed: config; its "dflop" block holds DFLOP\'s settings')
+    run_settings(None, str(config["deepspeed"]))
+
+
+def tokenized_shapes(dataset: Any, model: Any) -> ShapeTable:
+    """One shape per row of LLaMA-Factory's tokenized training dataset (``input_ids``, ``labels``,
+    ``images``): text tokens are the row's tokens less the image tokens its template expanded,
+    image sizes come from the images' headers, under the shape policy of the model's folder."""
+    policy = hf_preprocessor(model.name_or_path).policy()
+    image_token = int(model.config.image_token_id)
+    shapes = []
+    columns = [c for c in ("input_ids", "labels", "images", "videos", "audios") if c in dataset.column_names]
+    for index, row in enumerate(dataset.select_columns(columns)):
+        if row.get("videos") or row.get("audios"):
+            raise DataError("has videos or audio, which the framework plugins do not shape yet", sample_id=str(index))
+        try:
+            sizes = [media_size(image) for image in row.get("images") or []]
+        except (OSError, ValueError) as error:
+            raise DataError(f"cannot read an image header: {error}", sample_id=str(index), field="images") from error
+        ids = row["input_ids"]
+        text = sum(1 for token in ids if token != image_token)
+        labels = sum(1 for token in row["labels"] if token != IGNORE_INDEX)
+        shapes.append(policy.shape(str(index), image_sizes=sizes, text_tokens=text, label_tokens=min(labels, text)))
+    return ShapeTable(shapes, policy)
+
+
+def forward_takes_loss_kwargs(model: Any) -> bool:
+    """Whether ``model``'s forward passes extra keywords (``num_items_in_batch``) to its loss."""
+    parameters = inspect.signature(model.forward).parameters.values()
+    return any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters)
+
+
+def dflop_trainer_class(base: type) -> type:
+    """``base`` (LLaMA-Factory's ``CustomSeq2SeqTrainer``) with DFLOP's sampler, its shapes read
+    from the training dataset it is given.
+
+    LLaMA-Factory sets ``model_accepts_loss_kwargs = False`` (a workaround for old transformers
+    releases), which makes every microbatch's loss its own mean: uneven microbatches would weigh
+    their tokens unevenly. Where the model's forward takes the loss keywords, it is set back, so the
+    loss is the step's label-token mean over every rank (the Trainer's ``num_items_in_batch``)."""
+
+    def token_weighted_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)  # type: ignore[misc]
+        if forward_takes_loss_kwargs(self.model):
+            self.model_accepts_loss_kwargs = True
+
+    token_weighted = type(f"TokenWeighted{base.__name__}", (base,), {"__init__": token_weighted_init})
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        dataset = kwargs.get("train_dataset")
+        shapes = None if dataset is None else tokenized_shapes(dataset, kwargs["model"])
+        DFLOPTrainerMixin.__init__(self, *args, sample_shapes=shapes, **kwargs)
+
+    return type(f"DFLOP{base.__name__}", (DFLOPTrainerMixin, token_weighted), {"__init__": __init__})
+
+
+def train(config_path: str | Path) -> None:
+    """Run LLaMA-Factory's ``run_exp`` on ``config_path`` with DFLOP's sampler (in this process)."""
+    config = read_config(config_path)
+    check_config(config, str(config_path))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import deepspeed
+
+        deepspeed.init_distributed()
+    from llamafactory.train.sft import workflow
+    from llamafactory.train.tuner import run_exp
+
+    workflow.CustomSeq2SeqTrainer = dflop_trainer_class(workflow.CustomSeq2SeqTrainer)
+    run_exp(config)
+
+
+def launch(config_path: str | Path) -> int:
+    """``dflop-ds llamafactory train``: :func:`train` here, or under ``torchrun`` on
+    ``NPROC_PER_NODE`` processes when that is above 1 or ``FORCE_TORCHRUN=1`` (as
+    ``llamafactory-cli train``); returns the exit status."""
+    procs = int(os.environ.get("NPROC_PER_NODE", "1"))
+    if procs <= 1 and os.environ.get("FORCE_TORCHRUN", "0").lower() not in ("1", "true"):
+        train(config_path)
+        return 0
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}"]
+    command += [f"--nnodes={os.environ.get('NNODES', '1')}", f"--node_rank={os.environ.get('NODE_RANK', '0')}"]
+    command += [f"--master_addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}"]
+    command += [f"--master_port={os.environ.get('MASTER_PORT', '29517')}"]
+    command += ["-m", __name__, str(config_path)]
+    return subprocess.run(command).returncode
+
+
+if __name__ == "__main__":  # one rank under torchrun
+    train(sys.argv[1])

@@ -1,0 +1,121 @@
+"""dflop_ds.integrations without the frameworks installed: the shapes each plugin reads, the
+refusals it makes before training, and ``dflop-ds plugin-path``. The plugins' training runs
+through ms-swift and LLaMA-Factory themselves are ``make test-frameworks`` (tests/frameworks/)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from dflop_ds.commands.main import main
+from dflop_ds.data import DataError
+from dflop_ds.integrations.chat import chat_shapes
+from dflop_ds.integrations.llamafactory import check_config, tokenized_shapes
+from dflop_ds.integrations.swift import refuse_unsupported
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    """A tiny HF LLaVA folder and LLaVA records with real images, as chat rows too."""
+    from dflop_ds.hf_trainer import llava_json_shapes
+    from dflop_ds.testing.hf_tiny import build_tiny_llava
+    from dflop_ds.testing.llava_data import write_llava_dataset
+
+    root = tmp_path_factory.mktemp("integrations")
+    model = build_tiny_llava(root / "model")
+    data, images = write_llava_dataset(root / "data", 12, seed=5, text_only=0.3)
+    records = json.loads(data.read_text())
+    rows = []
+    for record in records:
+        names = record.get("image") or []
+        names = [names] if isinstance(names, str) else names
+        messages = [{"role": t["from"], "content": t["value"]} for t in record["conversations"]]
+        rows.append({"messages": messages, "images": [str(images / n) for n in names]})
+    return model, rows, llava_json_shapes(data, str(model), image_folder=images)
+
+
+def test_chat_rows_shape_like_the_llava_records_they_hold(llava):
+    from dflop_ds.models.hf.preprocessor import hf_preprocessor
+
+    model, rows, expected = llava
+    shapes = chat_shapes(rows, hf_preprocessor(str(model)).policy(), "rows")
+    assert len(shapes) == len(rows) and shapes.policy == expected.policy
+    for got, want in zip(shapes, expected):
+        assert (got.image_sizes, got.text_tokens, got.label_tokens, got.llm_tokens) == (
+            want.image_sizes,
+            want.text_tokens,
+            want.label_tokens,
+            want.llm_tokens,
+        )
+    assert any(s.image_sizes for s in shapes) and any(not s.image_sizes for s in shapes)
+
+
+def test_a_bad_chat_row_is_named_by_its_index(llava, tmp_path):
+    from dflop_ds.models.hf.preprocessor import hf_preprocessor
+
+    model, rows, _ = llava
+    policy = hf_preprocessor(str(model)).policy()
+    missing = [*rows[:3], {**rows[3], "images": [str(tmp_path / "gone.png")]}]
+    with pytest.raises(DataError, match=r"3.*images.*cannot read an image header"):
+        chat_shapes(missing, policy, "rows")
+    with pytest.raises(DataError, match=r"1.*videos"):
+        chat_shapes([rows[0], {**rows[1], "videos": ["clip.mp4"]}], policy, "rows")
+
+
+def test_llamafactory_tokenized_rows_count_text_without_the_expanded_image_tokens(llava):
+    import datasets
+    from transformers import AutoConfig
+
+    model_dir, rows, _ = llava
+    config = AutoConfig.from_pretrained(str(model_dir))
+    image = int(config.image_token_id)
+    with_image = next(row for row in rows if row["images"])
+    table = datasets.Dataset.from_list(
+        [
+            {
+                "input_ids": [5, image, image, image, 6, 7],
+                "labels": [-100] * 4 + [6, 7],
+                "images": with_image["images"],
+            },
+            {"input_ids": [5, 6, 7, 8], "labels": [-100, 6, 7, 8], "images": []},
+        ]
+    )
+    model = SimpleNamespace(name_or_path=str(model_dir), config=config)
+    first, second = tokenized_shapes(table, model)
+    assert (first.text_tokens, first.label_tokens, len(first.image_sizes)) == (3, 2, len(with_image["images"]))
+    assert first.llm_tokens > first.text_tokens  # the policy's image tokens
+    assert (second.text_tokens, second.label_tokens, second.image_sizes) == (4, 3, ())
+
+
+def test_llamafactory_packing_and_a_config_without_deepspeed_are_refused_by_name(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"dflop": {"sampler": {"kind": "dflop"}}}))
+    check_config({"stage": "sft", "deepspeed": str(ds)}, "cfg.yaml")
+    for option in ("packing", "neat_packing"):
+        with pytest.raises(ValueError, match=rf"cfg.yaml: {option}: true packs rows offline.*remove it"):
+            check_config({"deepspeed": str(ds), option: True}, "cfg.yaml")
+    with pytest.raises(ValueError, match="cfg.yaml: no deepspeed"):
+        check_config({"stage": "sft"}, "cfg.yaml")
+    ds.write_text(json.dumps({"dflop": {"sampler": {"kindd": "dflop"}}}))
+    with pytest.raises(ValueError, match="kindd"):
+        check_config({"deepspeed": str(ds)}, "cfg.yaml")
+
+
+def test_swift_options_with_a_sampler_of_their_own_are_refused_naming_the_option():
+    trainer = SimpleNamespace(template=SimpleNamespace(sequence_parallel_size=1))
+    refuse_unsupported(SimpleNamespace(group_by_length=False), trainer)
+    with pytest.raises(ValueError, match="--group_by_length"):
+        refuse_unsupported(SimpleNamespace(group_by_length=True), trainer)
+    with pytest.raises(ValueError, match="--sequence_parallel_size"):
+        refuse_unsupported(
+            SimpleNamespace(group_by_length=False), SimpleNamespace(template=SimpleNamespace(sequence_parallel_size=2))
+        )
+
+
+def test_plugin_path_prints_the_file_that_registers_the_swift_callback(capsys):
+    assert main(["plugin-path", "swift"]) == 0
+    path = capsys.readouterr().out.strip()
+    text = open(path).read()
+    assert "from dflop_ds.integrations.swift import register" in text and "register()" in text
