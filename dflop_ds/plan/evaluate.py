@@ -6,6 +6,11 @@ LLM seconds x (stage's LLM layers / LLM depth), divided by the tensor-parallel s
 dp than the LLM (separate GPU sets), the encoder replicas share the encoding of every slot's
 microbatches across all LLM pipelines, so an encoder stage's time per slot is the encoder
 seconds of that slot summed over LLM ranks, divided by the encoder dp.
+
+A single-stage layout (``pp = 1``, no pipeline) is scored under the cluster's synchronisation
+model (:meth:`~dflop_ds.plan.cluster.Cluster.sync_model`: ranks meet at the accumulation
+boundary under ZeRO-0/1, per module under ZeRO-2/3) on its microbatches' ``(encoder, llm)``
+seconds, plus the gradient communication; DFLOP's microbatches for it are split for that model.
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ from dflop_ds.cost import (
 )
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.layout import Layout, flat_bounds
-from dflop_ds.plan.simulator import SimResult, simulate_1f1b
+from dflop_ds.plan.simulator import SimResult, simulate_1f1b, simulate_synchronised
 from dflop_ds.plan.stages import stage_shares
 from dflop_ds.schedule.padded import padded_lpt
+from dflop_ds.schedule.ranks import lockstep_order
 from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 from dflop_ds.shapes import SampleShape
+from dflop_ds.sync import SyncModel
 
 Buckets = list[list[int]]
 #: Predicted seconds ``(2,)`` of microbatches already timed for one batch, by their positions in it
@@ -101,12 +108,16 @@ def fast_balanced_split(
     *,
     lengths: np.ndarray,
     predict_buckets: Callable[[Buckets], np.ndarray] | None = None,
+    sync: SyncModel = SyncModel.PIPELINE,
 ) -> list[Buckets]:
     """The search's estimate of our scheduler, cheap enough for its inner loop: ``dp * n_mb``
-    padding-aware LPT microbatches (:func:`padded_lpt`), the heaviest (by ``predict_buckets``,
-    the ``(n, 2)`` costs of a list of microbatches, else summed ``costs``) first onto the
-    least-loaded rank. The chosen plans are re-scored with the ``dflop`` splitter itself
-    (:func:`split_batch` with ``fast=False``)."""
+    padding-aware LPT microbatches (:func:`padded_lpt`) with their costs (``predict_buckets``,
+    the ``(n, 2)`` costs of a list of microbatches, else summed ``costs``), onto ranks as ``sync``
+    needs: for a pipeline the heaviest column first onto the least-loaded rank; at the
+    accumulation boundary the same by the summed columns; for ranks that meet every microbatch
+    (``microstep``, ``module``) in lockstep (:func:`~dflop_ds.schedule.ranks.lockstep_order`).
+    The chosen plans are re-scored with the ``dflop`` splitter itself (:func:`split_batch` with
+    ``fast=False``)."""
     n_buckets = dp * n_mb
     if costs.shape[0] < n_buckets:
         raise ValueError(f"a batch of {costs.shape[0]} samples cannot fill {n_mb} microbatches on {dp} ranks")
@@ -115,7 +126,13 @@ def fast_balanced_split(
         bucket_costs = np.asarray(predict_buckets(buckets), dtype=float)
     else:
         bucket_costs = np.array([costs[b].sum(axis=0) for b in buckets])
-    return [[buckets[b] for b in rank] for rank in _greedy_ranks(bucket_costs, dp, n_mb)]
+    if sync is SyncModel.PIPELINE:
+        order = _greedy_ranks(bucket_costs, dp, n_mb)
+    elif sync is SyncModel.BOUNDARY:
+        order = _greedy_ranks(bucket_costs.sum(axis=1, keepdims=True), dp, n_mb)
+    else:
+        order = lockstep_order(bucket_costs, dp, n_mb)
+    return [[buckets[b] for b in rank] for rank in order]
 
 
 @dataclass
@@ -171,7 +188,8 @@ def split_batch(
     sampler would; so is a ``"dflop"`` one unless ``fast`` (then :func:`fast_balanced_split`, the
     search's inner loop). For DFLOP's balancing, the
     two cost columns are scaled to the seconds they add to the heaviest encoder and LLM stage,
-    so that the larger column is the one that paces the pipeline.
+    so that the larger column is the one that paces the pipeline; a single stage is split for the
+    cluster's synchronisation model (:meth:`~dflop_ds.plan.cluster.Cluster.sync_model`).
     """
     if layout.splitter != "dflop":  # a baseline: exactly the split the sampler and the benchmarks make
         request = SplitRequest.of_positions(costs, shapes, layout.n_mb, layout.llm.dp, seed=seed)
@@ -183,6 +201,7 @@ def split_batch(
         [e_frac / cluster.tp_speedup(layout.encoder.tp) * enc_share, l_frac / cluster.tp_speedup(layout.llm.tp)]
     )
 
+    sync = cluster.sync_model(layout.n_stages)
     if fast:
         columns = SampleColumns.of(shapes) if columns is None else columns
 
@@ -190,17 +209,20 @@ def split_batch(
             return microbatch_costs(model, Microbatches.of(columns, buckets)) * scale
 
         return fast_balanced_split(
-            costs * scale, layout.llm.dp, layout.n_mb, lengths=columns.tokens, predict_buckets=bucket_costs
+            costs * scale, layout.llm.dp, layout.n_mb, lengths=columns.tokens, predict_buckets=bucket_costs, sync=sync
         )
     known: MicrobatchTimes = {}
+    # at the accumulation boundary a rank's total is what counts: the columns' sum, balanced
+    columns_of = (lambda x: x.sum(axis=-1, keepdims=True)) if sync is SyncModel.BOUNDARY else (lambda x: x)
 
     def microbatch_cost(items: Sequence[int]) -> np.ndarray:
-        return microbatch_seconds(model, shapes, items, known) * scale
+        return columns_of(microbatch_seconds(model, shapes, items, known) * scale)
 
     request = SplitRequest.of_positions(
-        costs * scale, shapes, layout.n_mb, layout.llm.dp, microbatch_cost=microbatch_cost, seed=seed
+        columns_of(costs * scale), shapes, layout.n_mb, layout.llm.dp, microbatch_cost=microbatch_cost, seed=seed
     )
-    return make_splitter("dflop").split(request).ranks
+    lockstep = sync in (SyncModel.MICROSTEP, SyncModel.MODULE)
+    return make_splitter("dflop", lockstep=lockstep).split(request).ranks
 
 
 def evaluate(
@@ -256,7 +278,12 @@ def evaluate(
         ]
     )
     allreduce = np.array([cluster.allreduce_seconds(weights[s] / tp[s], int(dp[s]), int(tp[s])) for s in range(p)])
-    sim = simulate_1f1b(total * ff, total * (1.0 - ff), act_comm=comm, allreduce=allreduce)
+    sync = cluster.sync_model(p)
+    if sync.pipelined:
+        sim = simulate_1f1b(total * ff, total * (1.0 - ff), act_comm=comm, allreduce=allreduce)
+    else:  # one stage: the (encoder, llm) seconds of each microbatch, met as the engine meets them
+        columns = np.stack([enc_time * time_share[0, 0], st.time[..., 1] * time_share[0, 1]], axis=-1) / speed[0]
+        sim = simulate_synchronised(columns, sync, forward_fraction=ff, allreduce=allreduce)
 
     act = (enc_act[..., None] * enc_frac + st.act[..., 1][..., None] * llm_frac).reshape(-1, p).max(axis=0) / tp
     work = (
