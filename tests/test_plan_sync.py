@@ -118,3 +118,19 @@ def test_the_dflop_split_of_a_single_stage_is_made_for_the_sync_model() -> None:
         for_zero1 = evaluate(MODEL, replace(zero3, zero_stage=1), layout, shapes, costs, fast=fast)
         scored_under_zero3 = step_cost(_stats(MODEL, shapes, for_zero1.order).time, SyncModel.MODULE)
         assert for_zero3.sim.step_time - float(for_zero3.sim.allreduce.max()) <= scored_under_zero3 + 1e-12
+
+
+def test_a_colocated_single_llm_stage_meets_as_the_sync_model_says() -> None:
+    from dflop_ds.plan.simulator import simulate_colocated
+
+    total = np.random.default_rng(4).uniform(0.1, 1.0, size=(3, 4, 1))
+    phases = {"encoder_fwd": 0.5, "encoder_bwd": 1.0, "exchange": 0.1, "allreduce": 0.2, "encoder_allreduce": 0.3}
+    steps = {
+        sync: simulate_colocated(total * 0.25, total * 0.75, **phases, sync=sync).step_time
+        for sync in (SyncModel.PIPELINE, SyncModel.BOUNDARY, SyncModel.MODULE)
+    }
+    outside = 0.5 + 1.0 + 2 * 0.1 + 0.2 + 0.3
+    assert steps[SyncModel.PIPELINE] == pytest.approx(steps[SyncModel.BOUNDARY])
+    assert steps[SyncModel.BOUNDARY] == pytest.approx(outside + step_cost(total, SyncModel.BOUNDARY))
+    assert steps[SyncModel.MODULE] == pytest.approx(outside + step_cost(total, SyncModel.MODULE))
+    assert steps[SyncModel.MODULE] > steps[SyncModel.BOUNDARY]
