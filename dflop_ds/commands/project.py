@@ -51,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         choices=sorted(ZERO_SHARDED),
-        help="DeepSpeed ZeRO stage: what is sharded, and how ranks meet (1: at the accumulation boundary; 2, 3: per module)",
+        help="DeepSpeed ZeRO stage: what is sharded and how ranks meet (0, 1: at the boundary; 2, 3: per module)",
     )
     parser.add_argument("--precision", default=None, choices=PRECISIONS, help="training precision (as for `plan`)")
     parser.add_argument("--batches", type=int, default=3, help="sampled global batches per plan (the spread)")
