@@ -80,11 +80,14 @@ def sync_model_of(
     ZeRO-2 meets per module when ``zero_optimization.reduce_bucket_size`` (DeepSpeed's default
     5e8 elements when unset) is below ``largest_layer_elements``, the parameter count of the
     model's largest layer; unknown (None) counts as a real model's layer, which exceeds no default
-    bucket only for tiny models, so ZeRO-2 then meets per module.
+    bucket only for tiny models, so ZeRO-2 then meets per module. The HF Trainer's ``"auto"``
+    bucket (hidden size squared, below a layer's size) also meets per module.
     """
     keys = deepspeed_keys(ds_config)
     bucket = (ds_config.get("zero_optimization") or {}).get("reduce_bucket_size", ZERO2_DEFAULT_REDUCE_BUCKET)
-    module_buckets = largest_layer_elements is None or float(bucket) < float(largest_layer_elements)
+    # "auto" (the HF Trainer's) becomes hidden_size squared: below any layer of the model
+    numeric = isinstance(bucket, (int, float)) and not isinstance(bucket, bool)
+    module_buckets = largest_layer_elements is None or not numeric or float(bucket) < float(largest_layer_elements)
     return sync_model_for(keys.stage, pipeline_stages, module_buckets)
 
 
