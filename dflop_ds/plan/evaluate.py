@@ -212,17 +212,14 @@ def split_batch(
             costs * scale, layout.llm.dp, layout.n_mb, lengths=columns.tokens, predict_buckets=bucket_costs, sync=sync
         )
     known: MicrobatchTimes = {}
-    # at the accumulation boundary a rank's total is what counts: the columns' sum, balanced
-    columns_of = (lambda x: x.sum(axis=-1, keepdims=True)) if sync is SyncModel.BOUNDARY else (lambda x: x)
 
     def microbatch_cost(items: Sequence[int]) -> np.ndarray:
-        return columns_of(microbatch_seconds(model, shapes, items, known) * scale)
+        return microbatch_seconds(model, shapes, items, known) * scale
 
     request = SplitRequest.of_positions(
-        columns_of(costs * scale), shapes, layout.n_mb, layout.llm.dp, microbatch_cost=microbatch_cost, seed=seed
+        costs * scale, shapes, layout.n_mb, layout.llm.dp, microbatch_cost=microbatch_cost, seed=seed, sync=sync
     )
-    lockstep = sync in (SyncModel.MICROSTEP, SyncModel.MODULE)
-    return make_splitter("dflop", lockstep=lockstep).split(request).ranks
+    return make_splitter("dflop").split(request).ranks
 
 
 def evaluate(
