@@ -33,11 +33,12 @@ from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.layout import Layout, flat_bounds
 from dflop_ds.plan.simulator import SimResult, simulate_1f1b, simulate_synchronised
 from dflop_ds.plan.stages import stage_shares
+from dflop_ds.schedule.aligned import GROUP_KEYS, aligned_split
 from dflop_ds.schedule.padded import padded_lpt
 from dflop_ds.schedule.ranks import lockstep_order
 from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 from dflop_ds.shapes import SampleShape
-from dflop_ds.sync import SyncModel
+from dflop_ds.sync import SyncModel, step_cost
 
 Buckets = list[list[int]]
 #: Predicted seconds ``(2,)`` of microbatches already timed for one batch, by their positions in it
@@ -115,7 +116,8 @@ def fast_balanced_split(
     the ``(n, 2)`` costs of a list of microbatches, else summed ``costs``), onto ranks as ``sync``
     needs: for a pipeline the heaviest column first onto the least-loaded rank; at the
     accumulation boundary the same by the summed columns; for ranks that meet every microbatch
-    (``microstep``, ``module``) in lockstep (:func:`~dflop_ds.schedule.ranks.lockstep_order`).
+    (``microstep``, ``module``) in lockstep (:func:`~dflop_ds.schedule.ranks.lockstep_order`),
+    or the microstep-aligned split the ``dflop`` splitter also tries when that is cheaper.
     The chosen plans are re-scored with the ``dflop`` splitter itself (:func:`split_batch` with
     ``fast=False``)."""
     n_buckets = dp * n_mb
@@ -132,7 +134,37 @@ def fast_balanced_split(
         order = _greedy_ranks(bucket_costs.sum(axis=1, keepdims=True), dp, n_mb)
     else:
         order = lockstep_order(bucket_costs, dp, n_mb)
-    return [[buckets[b] for b in rank] for rank in order]
+    split = [[buckets[b] for b in rank] for rank in order]
+    if sync in (SyncModel.MICROSTEP, SyncModel.MODULE):
+        split = _best_aligned(split, bucket_costs[np.asarray(order)], costs, dp, n_mb, predict_buckets, sync)
+    return split
+
+
+def _best_aligned(
+    split: list[Buckets],
+    times: np.ndarray,
+    costs: np.ndarray,
+    dp: int,
+    n_mb: int,
+    predict_buckets: Callable[[Buckets], np.ndarray] | None,
+    sync: SyncModel,
+) -> list[Buckets]:
+    """The cheapest under ``sync`` of ``split`` (its microbatches' ``times``, ``(dp, n_mb, c)``) and
+    the microstep-aligned splits the ``dflop`` splitter also tries (:func:`aligned_split`, one per
+    grouping key), each timed by ``predict_buckets`` (else summed ``costs``)."""
+    columns = costs.sum(axis=1, keepdims=True) if sync is SyncModel.MICROSTEP else costs
+    best, best_step = split, step_cost(times, sync)
+    for key in GROUP_KEYS:
+        local = aligned_split(columns, dp, n_mb, key)
+        flat = [mb for rank in local for mb in rank]
+        if predict_buckets is not None:
+            mb_times = np.asarray(predict_buckets(flat), dtype=float)
+        else:
+            mb_times = np.array([costs[mb].sum(axis=0) for mb in flat])
+        step = step_cost(mb_times.reshape(dp, n_mb, -1), sync)
+        if step < best_step:
+            best, best_step = local, step
+    return best
 
 
 @dataclass
