@@ -33,7 +33,7 @@ from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.layout import Layout, flat_bounds
 from dflop_ds.plan.simulator import SimResult, simulate_1f1b, simulate_synchronised
 from dflop_ds.plan.stages import stage_shares
-from dflop_ds.schedule.aligned import GROUP_KEYS, aligned_split
+from dflop_ds.schedule.aligned import aligned_split
 from dflop_ds.schedule.padded import padded_lpt
 from dflop_ds.schedule.ranks import lockstep_order
 from dflop_ds.schedule.splitters import SplitRequest, make_splitter
@@ -149,22 +149,18 @@ def _best_aligned(
     predict_buckets: Callable[[Buckets], np.ndarray] | None,
     sync: SyncModel,
 ) -> list[Buckets]:
-    """The cheapest under ``sync`` of ``split`` (its microbatches' ``times``, ``(dp, n_mb, c)``) and
-    the microstep-aligned splits the ``dflop`` splitter also tries (:func:`aligned_split`, one per
-    grouping key), each timed by ``predict_buckets`` (else summed ``costs``)."""
+    """The cheaper under ``sync`` of ``split`` (its microbatches' ``times``, ``(dp, n_mb, c)``) and
+    the best start of the microstep-aligned split the ``dflop`` splitter also tries
+    (:func:`aligned_split` without its improving rounds, as cheap as the search's inner loop
+    needs), timed by ``predict_buckets`` (else summed ``costs``)."""
     columns = costs.sum(axis=1, keepdims=True) if sync is SyncModel.MICROSTEP else costs
-    best, best_step = split, step_cost(times, sync)
-    for key in GROUP_KEYS:
-        local = aligned_split(columns, dp, n_mb, key)
-        flat = [mb for rank in local for mb in rank]
-        if predict_buckets is not None:
-            mb_times = np.asarray(predict_buckets(flat), dtype=float)
-        else:
-            mb_times = np.array([costs[mb].sum(axis=0) for mb in flat])
-        step = step_cost(mb_times.reshape(dp, n_mb, -1), sync)
-        if step < best_step:
-            best, best_step = local, step
-    return best
+    local = aligned_split(columns, dp, n_mb, rounds=0)
+    flat = [mb for rank in local for mb in rank]
+    if predict_buckets is not None:
+        mb_times = np.asarray(predict_buckets(flat), dtype=float)
+    else:
+        mb_times = np.array([costs[mb].sum(axis=0) for mb in flat])
+    return local if step_cost(mb_times.reshape(dp, n_mb, -1), sync) < step_cost(times, sync) else split
 
 
 @dataclass
