@@ -1,10 +1,11 @@
-"""`make bench-scale`: the projection (``dflop-ds project``) of every sampler from 8 to 4096 GPUs under
+"""`make bench-scale`: the projection (``dflop-ds project``) of every sampler from 8 to 512 GPUs under
 ZeRO-1, ZeRO-2 and ZeRO-3, and DFLOP's gain as the encoder's share of the work grows.
 
 1. The bundled mixture (``examples/data/mixture.jsonl``, each reference model's shape policy:
    :func:`~dflop_ds.cost.reference_policy`) with the analytic H100 reference cost models whose
    encoder carries a large share of the work (LLaVA-OneVision 0.5B, Qwen2-VL 2B, InternVL2.5 26B)
-   and LLaVA-OneVision 7B and 72B, at 8, 64, 512 and 4096 GPUs (global batch 2 x GPUs), under each
+   and LLaVA-OneVision 7B and 72B, at 8, 64 and 512 GPUs (global batch 2 x GPUs; ``--gpus`` adds
+   sizes, e.g. 4096, at several minutes more), under each
    ZeRO stage: every method on its best plan (:mod:`dflop_ds.plan.projection`), single-stage plans
    scored under the stage's sync model (ZeRO-1: ranks meet at the accumulation boundary; ZeRO-2
    and 3: per module, :meth:`~dflop_ds.plan.cluster.Cluster.sync_model`), DFLOP's gain over the
@@ -16,8 +17,8 @@ ZeRO-1, ZeRO-2 and ZeRO-3, and DFLOP's gain as the encoder's share of the work g
 
 ALL FIGURES ARE PREDICTIONS OF ANALYTIC COST MODELS AND THE SIMULATOR, NOT MEASUREMENTS; the
 simulator's last measured error against real runs is printed with them. Last line:
-``scale gain@8=A gain@64=B gain@512=C gain@4096=D gain_at_enc10=E gain_at_enc50=F z3_gain@64=G
-z3_gain@512=H min_gain=I z3_gap_to_bound=J``: A-D the geometric mean over the models with a plan
+``scale gain@8=A gain@64=B gain@512=C gain_at_enc10=E gain_at_enc50=F z3_gain@64=G z3_gain@512=H
+min_gain=I z3_gap_to_bound=J``: A-C (one per ``--gpus`` size) the geometric mean over the models with a plan
 at that size under ZeRO-1 of DFLOP's gain over the best baseline; E and F the gain at 10% and 50%
 encoder share; G and H the smallest ZeRO-3 gain at 64 and 512 GPUs over the reference models whose
 encoder does at least 25% of the mixture's work; I the smallest gain of any row (model, size,
@@ -114,7 +115,7 @@ def main() -> int:
     parser.add_argument("--data", default=str(ROOT / "examples/data/mixture.jsonl"))
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--zero-stages", type=int, nargs="+", default=list(ZERO_STAGES))
-    parser.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 512, 4096])
+    parser.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 512])
     parser.add_argument("--batch-per-gpu", type=int, default=2)
     parser.add_argument("--batches", type=int, default=2, help="sampled global batches per plan")
     parser.add_argument("--sweep-gpus", type=int, default=64, help="cluster size of the encoder-share sweep")
