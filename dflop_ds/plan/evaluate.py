@@ -41,7 +41,7 @@ from dflop_ds.shapes import SampleShape
 from dflop_ds.sync import SyncModel, step_cost
 
 Buckets = list[list[int]]
-#: Predicted seconds ``(2,)`` of microbatches already timed for one batch, by their positions in it
+#: Predicted (scaled) seconds ``(2,)`` of microbatches already timed for one batch, by their positions in it
 #: (the ``dflop`` splitter re-times the same microbatches often).
 MicrobatchTimes = dict[tuple[int, ...], np.ndarray]
 
@@ -173,13 +173,15 @@ class _MicrobatchStats:
 
 
 def microbatch_seconds(
-    model: Any, shapes: Sequence[SampleShape], items: Sequence[int], known: MicrobatchTimes
+    model: Any, shapes: Sequence[SampleShape], items: Sequence[int], known: MicrobatchTimes, scale: Any = 1.0
 ) -> np.ndarray:
-    """``model.predict_microbatch`` of the samples at positions ``items`` of ``shapes``, remembered in ``known``."""
+    """``model.predict_microbatch`` of the samples at positions ``items`` of ``shapes`` times
+    ``scale``, remembered in ``known`` (the splitter asks for the same microbatches again)."""
     key = tuple(items)
-    if key not in known:
-        known[key] = np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float)
-    return known[key]
+    seconds = known.get(key)
+    if seconds is None:
+        seconds = known[key] = np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float) * scale
+    return seconds
 
 
 def _stats(model: Any, batch: Sequence[SampleShape] | SampleColumns, order: list[Buckets]) -> _MicrobatchStats:
@@ -242,7 +244,7 @@ def split_batch(
     known: MicrobatchTimes = {}
 
     def microbatch_cost(items: Sequence[int]) -> np.ndarray:
-        return microbatch_seconds(model, shapes, items, known) * scale
+        return microbatch_seconds(model, shapes, items, known, scale)
 
     request = SplitRequest.of_positions(
         costs * scale, shapes, layout.n_mb, layout.llm.dp, microbatch_cost=microbatch_cost, seed=seed, sync=sync
