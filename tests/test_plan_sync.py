@@ -134,3 +134,14 @@ def test_a_colocated_single_llm_stage_meets_as_the_sync_model_says() -> None:
     assert steps[SyncModel.BOUNDARY] == pytest.approx(outside + step_cost(total, SyncModel.BOUNDARY))
     assert steps[SyncModel.MODULE] == pytest.approx(outside + step_cost(total, SyncModel.MODULE))
     assert steps[SyncModel.MODULE] > steps[SyncModel.BOUNDARY]
+
+
+@pytest.mark.parametrize(("zero_stage", "expected"), [(1, "boundary"), (3, "module")])
+def test_a_plan_records_the_sync_model_it_was_scored_under(zero_stage, expected) -> None:
+    from dflop_ds.plan import make_plans
+
+    shapes = _batch(64, seed=5)
+    plans = make_plans(MODEL, Cluster(gpus=4, zero_stage=zero_stage, max_tp=1), shapes, 16, n_batches=1)
+    for plan in (plans.best, plans.best_deepspeed):
+        pipelined = plan.layout.n_stages > 1
+        assert plan.predicted["sync_model"] == ("pipeline" if pipelined else expected)
