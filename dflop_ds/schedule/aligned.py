@@ -33,11 +33,11 @@ __all__ = ["GROUP_KEYS", "aligned_split", "improve_grid", "microstep_groups"]
 GROUP_KEYS = ("first", "total")
 #: Moves or swaps of :func:`improve_grid` (each round costs ``O(n)`` numpy work, so the budget
 #: is fixed rather than grown with the ranks: the planner calls this at 1024 ranks) ...
-ROUNDS = 48
+ROUNDS = 96
 #: ... and at most this many samples times rounds (fewer rounds for large batches).
-ROUND_WORK = 32_768
+ROUND_WORK = 65_536
 #: Rounds without a lower score after which the search stops.
-PATIENCE = 8
+PATIENCE = 24
 #: A change must lower the score by more than this (relative) to count as a gain.
 _EPS = 1e-12
 

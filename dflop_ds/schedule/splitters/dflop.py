@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -14,7 +15,7 @@ from dflop_ds.schedule import partition as partitioner
 from dflop_ds.schedule.aligned import ROUNDS, aligned_split
 from dflop_ds.schedule.lpt import InfeasibleError, MicrobatchCost
 from dflop_ds.schedule.ranks import assign_to_ranks, lockstep_order
-from dflop_ds.schedule.splitters.base import SplitRequest, SplitResult, register_splitter
+from dflop_ds.schedule.splitters.base import MemoryBudget, SplitRequest, SplitResult, register_splitter
 from dflop_ds.sync import SyncModel
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class DFLOPSplitter:
         """
         budget = request.memory
         if budget is None:
-            return self._best(request, None, checked=False)
+            return self._best(request, None, None, checked=False)
         oversize = np.flatnonzero(budget.rows > budget.cap)
         if oversize.size and not budget.allow_oversize:
             row = int(oversize[0])
@@ -84,18 +85,19 @@ class DFLOPSplitter:
                 f"sample {request.batch[row]} (row {row} of the batch) needs {budget.rows[row]:.4g} bytes alone,"
                 f" over the memory cap of {budget.cap:.4g} bytes; allow_oversize trains it alone"
             )
+        free = dataclasses.replace(request, memory=None)  # the candidates are checked here
         usage = budget.rows.copy()
         for _ in range(MEMORY_ROUNDS - 1):
             try:
-                result = self._best(request, usage, checked=False)
+                result = self._best(free, budget, usage, checked=False)
             except InfeasibleError:
                 break  # the charges outgrew the microbatches: let the last try decide
             over = budget.over(_positions(request, result))
             if not over:
-                return result
+                return _under_budget(request, result)
             for microbatch, size in over:
                 usage[microbatch] *= size / budget.cap * (1 + 1e-9)
-        return self._best(request, budget.rows, checked=True)
+        return _under_budget(request, self._best(free, budget, budget.rows, checked=True))
 
     def split_buckets(self, request: SplitRequest, buckets: list[list[int]], solver: str) -> SplitResult:
         """``request``'s batch split into the given ``n_mb * dp`` microbatches (lists of batch rows),
@@ -104,23 +106,26 @@ class DFLOPSplitter:
         partition = partitioner.partition_from_buckets(matrix, buckets, solver, microbatch_cost)
         return self._onto_ranks(request, partition, solver)
 
-    def _best(self, request: SplitRequest, usage: np.ndarray | None, checked: bool) -> SplitResult:
-        """The best candidate (see the class docstring); ``usage``: the bytes charged to each row
-        under the memory budget; ``checked``: the partitioner checks true microbatch bytes."""
-        best = self._partitioned(request, usage, checked)
+    def _best(
+        self, request: SplitRequest, budget: MemoryBudget | None, usage: np.ndarray | None, checked: bool
+    ) -> SplitResult:
+        """The best candidate (see the class docstring) under ``budget``; ``usage``: the bytes
+        charged to each row; ``checked``: the partitioner checks true microbatch bytes."""
+        best = self._partitioned(request, budget, usage, checked)
         if request.sync in (SyncModel.MICROSTEP, SyncModel.MODULE):
             columns = request.costs.sum(axis=1, keepdims=True) if request.sync is SyncModel.MICROSTEP else request.costs
             local = aligned_split(columns, request.dp, request.n_mb, self.search_rounds)
-            if request.memory is None or not request.memory.over(local):
+            if budget is None or not budget.over(local):
                 predicted = request.predict(local)
                 if request.step(predicted) < best.step:
                     best = request.result(local, "aligned", predicted)
         return best
 
-    def _partitioned(self, request: SplitRequest, usage: np.ndarray | None, checked: bool) -> SplitResult:
-        """The partitioner's microbatches, put onto ranks for the request's sync model."""
+    def _partitioned(
+        self, request: SplitRequest, budget: MemoryBudget | None, usage: np.ndarray | None, checked: bool
+    ) -> SplitResult:
+        """The partitioner's microbatches under ``budget``, put onto ranks for the request's sync model."""
         matrix, microbatch_cost = _balanced_costs(request)
-        budget = request.memory
         lengths = None if request.lengths is None else np.asarray(request.lengths, float)
         partition, solver = _partition_or_fallback(
             matrix,
@@ -163,6 +168,11 @@ def _balanced_costs(request: SplitRequest) -> tuple[np.ndarray, MicrobatchCost |
     if columns is not None:
         summed = lambda positions: np.atleast_1d(np.asarray(columns(positions), dtype=float).sum())  # noqa: E731
     return request.costs.sum(axis=1, keepdims=True), summed
+
+
+def _under_budget(request: SplitRequest, result: SplitResult) -> SplitResult:
+    """``result`` (of the request without its budget) as ``request``'s, checked against its budget."""
+    return request.result(_positions(request, result), result.solver, result.predicted, result.lower_bound)
 
 
 def _positions(request: SplitRequest, result: SplitResult) -> list[list[list[int]]]:
