@@ -145,3 +145,22 @@ def test_a_plan_records_the_sync_model_it_was_scored_under(zero_stage, expected)
     for plan in (plans.best, plans.best_deepspeed):
         pipelined = plan.layout.n_stages > 1
         assert plan.predicted["sync_model"] == ("pipeline" if pipelined else expected)
+
+
+def test_the_planners_boundary_split_is_the_dflop_splitters_boundary_split() -> None:
+    """split_batch hands the splitter the summed column at the boundary (cheaper): the same split
+    as asking it for ``sync=boundary`` on both columns with their true microbatch costs."""
+    from dflop_ds.plan.evaluate import split_batch
+    from dflop_ds.schedule.splitters import SplitRequest, make_splitter
+
+    shapes = _batch(96, seed=6)
+    costs = MODEL.predict_samples(shapes)
+    layout = _single_stage(8, 3, "dflop")
+    cluster = Cluster(gpus=8, zero_stage=1)
+    planned = split_batch(layout, shapes, costs, fast=False, seed=0, cluster=cluster, model=MODEL)
+
+    def true_cost(items):
+        return np.asarray(MODEL.predict_microbatch([shapes[i] for i in items]), dtype=float)
+
+    request = SplitRequest.of_positions(costs, shapes, 3, 8, microbatch_cost=true_cost, seed=0, sync="boundary")
+    assert planned == make_splitter("dflop").split(request).ranks
