@@ -187,7 +187,7 @@ def microbatch_seconds(
     seconds = known.get(key)
     if seconds is None:
         seconds = np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float) * scale
-        known[key] = seconds = seconds.sum(keepdims=True) if summed else seconds
+        known[key] = seconds = np.array([sum(seconds.tolist())]) if summed else seconds
     return seconds
 
 
