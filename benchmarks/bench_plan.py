@@ -134,7 +134,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(ROOT / "examples/data/mixture.jsonl"))
     parser.add_argument("--gpus", type=int, nargs="+", default=sorted(GLOBAL_BATCH))
-    parser.add_argument("--profiles", nargs="+", default=reference_names())
+    parser.add_argument("--profiles", nargs="+", default=reference_names("llava-ov"))
     parser.add_argument("--batches", type=int, default=3, help="sampled global batches per layout")
     args = parser.parse_args()
 

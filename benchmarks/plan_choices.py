@@ -131,7 +131,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(ROOT / "examples/data/mixture.jsonl"))
     parser.add_argument("--gpus", type=int, nargs="+", default=sorted(GLOBAL_BATCH))
-    parser.add_argument("--profiles", nargs="+", default=reference_names())
+    parser.add_argument("--profiles", nargs="+", default=reference_names("llava-ov"))
     parser.add_argument("--out", help="write the choices here (JSON)")
     parser.add_argument("--compare", help="a JSON file of earlier choices: print what differs")
     args = parser.parse_args()

@@ -123,8 +123,8 @@ class ShapePolicy:
     ``max_tiles``) that keeps the most of its resolution while wasting the least canvas, as
     LLaVA-NeXT's best-resolution rule does; a grid of more than one tile also gets a
     downscaled thumbnail tile when ``add_thumbnail`` is set. A video contributes
-    ``min(frames, max_frames)`` uniformly sampled frames, each one tile of
-    ``tokens_per_frame`` tokens.
+    ``min(frames, max_frames)`` uniformly sampled frames, each ``units_per_frame`` encoder units
+    (one tile by default) giving ``tokens_per_frame`` tokens.
 
     The defaults take LLaVA-OneVision-SI's sizes at 384 px with SigLIP (729 tokens per tile,
     196 per pooled video frame, 32 frames), but this tiling is an AnyRes-like approximation, not
@@ -161,9 +161,10 @@ class ShapePolicy:
     video_rule: VideoRule | None = field(default=None, compare=False, repr=False)
     sample_images: SampleImagesRule | None = field(default=None, compare=False, repr=False)
     tokens_per_video: int = 0
+    units_per_frame: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tile_size", "max_tiles", "tokens_per_tile", "max_frames", "tokens_per_frame"):
+        for name in ("tile_size", "max_tiles", "tokens_per_tile", "max_frames", "tokens_per_frame", "units_per_frame"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ShapePolicy.{name} must be >= 1, got {getattr(self, name)}")
         if self.tokens_per_video < 0:
@@ -196,6 +197,8 @@ class ShapePolicy:
             described["sample_images"] = repr(self.sample_images)
         if self.tokens_per_video:
             described["tokens_per_video"] = self.tokens_per_video
+        if self.units_per_frame != 1:
+            described["units_per_frame"] = self.units_per_frame
         return described
 
     def image_units(self, width: int, height: int) -> tuple[int, int]:
@@ -255,7 +258,7 @@ class ShapePolicy:
             return 0, 0, 0
         if self.video_rule is None:
             sampled = self.sampled_frames(frames)
-            return sampled, sampled * self.tokens_per_frame + self.tokens_per_video, 0
+            return sampled * self.units_per_frame, sampled * self.tokens_per_frame + self.tokens_per_video, 0
         if size is None or fps is None:
             raise ValueError(
                 f"sample {sample_id!r}: policy {self.name!r} needs the video's frame size and rate "

@@ -5,6 +5,10 @@
 faster; its search times removed). The 16384-GPU points of ``llava-ov-0.5b-a100`` and
 ``llava-ov-7b-a100`` were added from main at ed205f0, before the one-item-per-microbatch shortcut of
 ``partition_batch`` (minutes per search on a shared machine: the other profiles were not recorded).
+The points up to 64 GPUs were written again by ``benchmarks/plan_choices.py --gpus 8 64 --out`` when
+single-stage plans came to be scored under the cluster's sync model (issue 35: DFLOP's ``pp = 1``
+split balances the summed columns at ZeRO-1's accumulation boundary; predicted steps 3-8% lower,
+5 of 80 chosen plans changed layout).
 The grid points up to 64 GPUs are searched again here (the larger ones: ``benchmarks/plan_choices.py
 --gpus 256 1024 16384 --compare tests/plan_choices_before.json``).
 """

@@ -171,7 +171,7 @@ def test_stage_bounds_split_segments() -> None:
 
 
 def test_reference_models_are_analytic_flop_counts() -> None:
-    assert len(reference_names()) == 6
+    assert len(reference_names("llava-ov")) == 6 and len(reference_names()) == 10
     m = reference_model("llava-ov-7b-a100")
     assert m.is_analytic is True
     assert m.encoder_layers == 27 and m.llm_layers == 28

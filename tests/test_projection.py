@@ -138,3 +138,38 @@ def test_project_runs_on_a_profiled_cost_model_file(tmp_path: Path, write_jsonl,
     out = capsys.readouterr().out
     assert f"cost model {path} (FittedCostModel) (measured)" in out
     assert re.search(r"DFLOP over the best baseline \(.+\): x\d+\.\d+", out), out
+
+
+@pytest.mark.parametrize(("zero_stage", "sync"), [(1, "boundary"), (3, "module")])
+def test_project_zero_stage_picks_the_sync_model_and_prints_it(data: Path, capsys, zero_stage, sync) -> None:
+    argv = ["project", "--cost-model", MODEL, "--data", str(data), "--gpus", "8", "--batches", "1"]
+    assert main([*argv, "--zero-stage", str(zero_stage)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(
+        rf"^sync model \(ZeRO-{zero_stage}, one stage; every method scored under it.*\): {sync}: ", out, re.M
+    )
+
+
+def test_under_zero3_every_method_is_scored_per_module(data: Path) -> None:
+    """ZeRO-3 runs no pipeline: every method's single-stage step is its microbatches' step under
+    the ``module`` sync model plus the gradient communication, recomputed here from its split
+    (DFLOP's colocated layout, when it wins, adds its encoder phase apart)."""
+    from dflop_ds.plan.evaluate import _stats
+    from dflop_ds.plan.planner import simulate_layout
+    from dflop_ds.plan.search import sample_batches
+    from dflop_ds.sync import SyncModel, step_cost
+
+    shapes = list(read_dataset(data, ShapePolicy()))
+    model = reference_model(MODEL)
+    cluster = Cluster(gpus=8, gpu_memory_bytes=80e9, zero_stage=3, max_tp=1)
+    size = project_size(model, cluster, shapes, 32, n_batches=1)
+    batch = [shapes[j] for j in sample_batches(len(shapes), 32, 1, seed=0)[0]]  # the projection's batch
+    for m in size.methods:
+        assert m.layout is not None and m.layout.n_stages == 1, m.method.name
+        if m.layout.colocated:  # its encoder phase runs apart (tests/test_plan_sync.py)
+            continue
+        view = PackedView(model) if m.method.packed else model
+        [evaluation] = simulate_layout(view, cluster, m.layout, shapes, 32)
+        times = _stats(view, batch, evaluation.order).time
+        reduction = float(evaluation.sim.allreduce.max())
+        assert m.step_times[0] == pytest.approx(step_cost(times, SyncModel.MODULE) + reduction), m.method.name

@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import fields
 from typing import Any
 
+from dflop_ds.cost.reference_policies import INTERNVL2_5_POLICY, QWEN2_VL_POLICY
 from dflop_ds.data.decode import SAMPLED_DECODES
 from dflop_ds.data.media import MediaOptions, default_media_folders
 from dflop_ds.data.validate import check_dataset, format_problems
@@ -15,7 +16,14 @@ from dflop_ds.models.hf.base.template import TRUNCATION
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
 from dflop_ds.shapes import DEFAULT_POLICY, TINY_POLICY, ShapePolicy
 
-POLICIES = {"tiny": TINY_POLICY, "default": DEFAULT_POLICY}
+#: the named shape policies: the bundled tiny model's, LLaVA-OneVision's, and the reference models'
+#: (:mod:`dflop_ds.cost.reference_policies`) for planning with those cost models
+POLICIES = {
+    "tiny": TINY_POLICY,
+    "default": DEFAULT_POLICY,
+    "qwen2-vl-2b": QWEN2_VL_POLICY,
+    "internvl2.5-26b": INTERNVL2_5_POLICY,
+}
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -36,8 +44,8 @@ def add_read_arguments(parser: argparse.ArgumentParser, *, default_policy: str =
         "--policy",
         choices=sorted(POLICIES),
         default=None,
-        help="shape policy: 'tiny' (bundled tiny model) or 'default' (LLaVA-OneVision-like); "
-        f"default {default_policy!r}; --model-name-or-path overrides it",
+        help="shape policy: 'tiny' (bundled tiny model), 'default' (LLaVA-OneVision-like), or a reference"
+        f" model's ('qwen2-vl-2b', 'internvl2.5-26b'); default {default_policy!r}; --model-name-or-path overrides it",
     )
     parser.set_defaults(default_policy=default_policy)
     parser.add_argument(

@@ -8,6 +8,8 @@ packing and DFLOP (dflop-ds), each on
 the best plan the planner finds for it (:mod:`dflop_ds.plan.projection`), DFLOP's gain over the
 best of them with its range over the sampled global batches, the cost model used and the
 simulator's last measured error against real runs (:mod:`dflop_ds.plan.calibration`).
+``--zero-stage`` sets the memory model and how ranks meet in a single-stage step (the sync
+model, :meth:`~dflop_ds.plan.cluster.Cluster.sync_model`), under which every method is scored.
 """
 
 from __future__ import annotations
@@ -56,7 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--gpu-memory-gb", type=positive_float, default=None, help="memory per GPU (default: the profile's, else 80)"
     )
-    parser.add_argument("--zero-stage", type=int, default=1, choices=sorted(ZERO_SHARDED), help="DeepSpeed ZeRO stage")
+    parser.add_argument(
+        "--zero-stage",
+        type=int,
+        default=1,
+        choices=sorted(ZERO_SHARDED),
+        help="DeepSpeed ZeRO stage: what is sharded and how ranks meet (0, 1: at the boundary; 2, 3: per module)",
+    )
     parser.add_argument("--precision", default=None, choices=PRECISIONS, help="training precision (as for `plan`)")
     parser.add_argument("--batches", type=int, default=3, help="sampled global batches per plan (the spread)")
     parser.add_argument(
@@ -133,6 +141,8 @@ def header_lines(
         f"data: {data}: {len(shapes)} samples, encoder {encoder_share(model, shapes):.1%} of the work; global batch"
         f" {batch_per_gpu} x GPUs, {batches} sampled global batches per plan; {cluster.gpus_per_node} GPUs per node,"
         f" {cluster.gpu_memory_bytes / 1e9:.0f} GB each, ZeRO-{cluster.zero_stage}, {cluster.precision}",
+        f"sync model (ZeRO-{cluster.zero_stage}, one stage; every method scored under it; pipelines 1F1B):"
+        f" {cluster.sync_model().describe()}",
     ]
 
 

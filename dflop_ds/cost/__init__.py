@@ -45,6 +45,7 @@ from dflop_ds.cost.protocol import (
     PlannerCostModel,
 )
 from dflop_ds.cost.proxy import ProxyCost
+from dflop_ds.cost.reference_policies import reference_policy
 from dflop_ds.cost.stage import StageCost
 from dflop_ds.cost.views import EncoderScaled, EngineScaled, PackedView, PlannerView
 
@@ -80,6 +81,7 @@ __all__ = [
     "reusable_fitted_model",
     "reference_model",
     "reference_names",
+    "reference_policy",
     "sampler_cost_model",
     "save_cost_model",
 ]

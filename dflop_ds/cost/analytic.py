@@ -11,8 +11,10 @@ Formulas (``n`` tokens of one sample, ``h`` hidden size, ``f`` MLP size, ``P`` p
   + attention ``3 * c * n**2 * h`` per layer (``c = 4`` bidirectional encoder, ``2`` causal LLM)
   + the LM head ``6 * vocab * h * n``; activation checkpointing multiplies the forward share
   (one third) by two, i.e. all FLOPs by 4/3.
-- the encoder column also holds the projector (a 2-layer MLP over every visual token) and
-  runs ``tokens_per_tile`` tokens for every tile or sampled video frame;
+- the encoder column also holds the projector (a 2-layer MLP, ``merge * h_enc -> h -> h``, over
+  every ``merge`` encoder tokens: Qwen2-VL's 2x2 patch merger and InternVL's pixel shuffle merge
+  4, LLaVA's projector 1) and runs ``tokens_per_tile`` tokens for every tile, sampled video frame
+  or other encoder unit of the shape policy;
 - kept activations (bf16) per token and layer: ``2 * h`` bytes with checkpointing (the layer
   input), ``17 * h + 6 * f`` without (after Korthikanti et al. 2022 with flash attention and a
   gated MLP); the transient working set of one layer's recompute is reported by
@@ -89,11 +91,53 @@ QWEN2_72B = TransformerSpec(
     "qwen2-72b", layers=80, hidden=8192, mlp=29568, heads=64, kv_heads=8, gated_mlp=True, vocab=152064
 )
 
+# Qwen2-VL-2B (Qwen/Qwen2-VL-2B-Instruct config.json): vision tower depth 32, embed_dim 1280,
+# mlp_ratio 4 (5120, QuickGELU: not gated), 16 heads, patch 14, spatial merge 2, temporal patch 2
+# (~0.63 B in its blocks, 675 M with the merger and patch embedding); LLM Qwen2-1.5B: 28 layers,
+# hidden 1536, intermediate 8960, 12 heads, 2 KV heads, vocabulary 151936
+QWEN2_VL_VIT = TransformerSpec(
+    "qwen2-vl-vit-675m", layers=32, hidden=1280, mlp=5120, heads=16, kv_heads=16, gated_mlp=False
+)
+QWEN2_1_5B = TransformerSpec(
+    "qwen2-1.5b", layers=28, hidden=1536, mlp=8960, heads=12, kv_heads=2, gated_mlp=True, vocab=151936
+)
+# InternVL2.5-26B (OpenGVLab/InternVL2_5-26B config.json): InternViT-6B-448px-V2.5, 45 layers, hidden
+# 3200, intermediate 12800 (GELU), 25 heads, patch 14 at 448 px (1024 patches + a class token per
+# tile), pixel shuffle 0.5 (256 LLM tokens per tile); LLM InternLM2.5-20B-chat: 48 layers, hidden
+# 6144, intermediate 16384, 48 heads, 8 KV heads, vocabulary 92553
+INTERNVIT_6B = TransformerSpec(
+    "internvit-6b-448px-v2.5", layers=45, hidden=3200, mlp=12800, heads=25, kv_heads=25, gated_mlp=False
+)
+INTERNLM2_5_20B = TransformerSpec(
+    "internlm2.5-20b", layers=48, hidden=6144, mlp=16384, heads=48, kv_heads=8, gated_mlp=True, vocab=92553
+)
+
 A100_80GB = GPUSpec("A100-80GB", peak_flops=312e12, mfu=0.45, memory_bytes=80e9)
 H100_80GB = GPUSpec("H100-80GB", peak_flops=989e12, mfu=0.40, memory_bytes=80e9)
 
-LLMS = {"0.5b": QWEN2_0_5B, "7b": QWEN2_7B, "72b": QWEN2_72B}
 GPUS = {"a100": A100_80GB, "h100": H100_80GB}
+
+
+@dataclass(frozen=True)
+class ReferenceMLLM:
+    """A reference model's sizes (its published config): encoder and LLM stacks, encoder tokens per
+    unit of its shape policy (:func:`dflop_ds.cost.reference_policy`) and the projector's merge."""
+
+    encoder: TransformerSpec
+    llm: TransformerSpec
+    tokens_per_tile: int
+    merge: int = 1
+
+
+#: the reference models by name (``<name>-<gpu>`` with a GPU of :data:`GPUS` is a cost model)
+REFERENCE_MLLMS = {
+    "llava-ov-0.5b": ReferenceMLLM(SIGLIP_400M, QWEN2_0_5B, 729),
+    "llava-ov-7b": ReferenceMLLM(SIGLIP_400M, QWEN2_7B, 729),
+    "llava-ov-72b": ReferenceMLLM(SIGLIP_400M, QWEN2_72B, 729),
+    # one unit = one LLM token's 2x2 patches (Qwen2-VL's native resolution, no tiles)
+    "qwen2-vl-2b": ReferenceMLLM(QWEN2_VL_VIT, QWEN2_1_5B, 4, merge=4),
+    "internvl2.5-26b": ReferenceMLLM(INTERNVIT_6B, INTERNLM2_5_20B, 1025, merge=4),
+}
 
 
 @dataclass
@@ -104,6 +148,7 @@ class AnalyticMLLM:
         encoder, llm: transformer sizes.
         gpu: the GPU and its assumed achieved throughput.
         tokens_per_tile: encoder tokens per tile or video frame (729 for SigLIP at 384 px).
+        merge: encoder tokens the projector merges into one LLM token (1: none).
         activation_checkpointing: recompute each layer in backward (LLaVA-OneVision trains so).
         name: label used in plans and printouts.
     """
@@ -120,6 +165,7 @@ class AnalyticMLLM:
     tokens_per_tile: int = 729
     activation_checkpointing: bool = True
     name: str = "analytic"
+    merge: int = 1
     is_analytic: bool = field(default=True, init=False)
     #: the LLMs modelled (HuggingFace Qwen2 / Llama) declare a tp_plan DeepSpeed AutoTP shards
     tensor_parallel_layers: bool = field(default=True, init=False)
@@ -174,7 +220,7 @@ class AnalyticMLLM:
         each LLM layer in the LLM time (the head's FLOPs spread over the layers)."""
         n, e = float(self.tokens_per_tile), self.encoder
         layer = 6.0 * e.layer_params * n + 3.0 * 4.0 * n * n * e.hidden
-        projector = 6.0 * self._projector_params * n
+        projector = 6.0 * self._projector_params * self._projector_tokens
         total = layer * e.layers + projector
         return {
             "encoder": [layer / total] * e.layers + [projector / total],
@@ -259,7 +305,12 @@ class AnalyticMLLM:
     # -- formulas ------------------------------------------------------------------------------
     @property
     def _projector_params(self) -> int:
-        return self.encoder.hidden * self.llm.hidden + self.llm.hidden * self.llm.hidden
+        return self.merge * self.encoder.hidden * self.llm.hidden + self.llm.hidden * self.llm.hidden
+
+    @property
+    def _projector_tokens(self) -> float:
+        """Tokens the projector runs per unit: the encoder's, merged ``merge`` to one."""
+        return float(self.tokens_per_tile // self.merge)
 
     @property
     def _recompute_factor(self) -> float:
@@ -269,7 +320,7 @@ class AnalyticMLLM:
         """Forward+backward FLOPs of the encoder and projector for one tile (no recompute)."""
         n = float(self.tokens_per_tile)
         e = self.encoder
-        matmul = 6.0 * (e.layer_params * e.layers + self._projector_params) * n
+        matmul = 6.0 * (e.layer_params * e.layers * n + self._projector_params * self._projector_tokens)
         attention = 3.0 * 4.0 * n * n * e.hidden * e.layers
         return matmul + attention
 
@@ -307,6 +358,7 @@ class AnalyticMLLM:
             "gpu": asdict(self.gpu),
             "tokens_per_tile": self.tokens_per_tile,
             "activation_checkpointing": self.activation_checkpointing,
+            "merge": self.merge,
         }
 
     @classmethod
@@ -326,17 +378,26 @@ class AnalyticMLLM:
             tokens_per_tile=int(data["tokens_per_tile"]),
             activation_checkpointing=bool(data["activation_checkpointing"]),
             name=str(data["name"]),
+            merge=int(data.get("merge", 1)),
         )
 
 
-def reference_names() -> list[str]:
-    """Names of the shipped reference models, ``llava-ov-<llm>-<gpu>``."""
-    return [f"llava-ov-{llm}-{gpu}" for llm in LLMS for gpu in GPUS]
+def reference_names(prefix: str = "") -> list[str]:
+    """Names of the shipped reference models, ``<model>-<gpu>`` (those starting with ``prefix``)."""
+    return [f"{model}-{gpu}" for model in REFERENCE_MLLMS for gpu in GPUS if model.startswith(prefix)]
 
 
 def reference_model(name: str) -> AnalyticMLLM:
     """The analytic reference model called ``name`` (see :func:`reference_names`)."""
-    parts = name.lower().split("-")
-    if len(parts) != 4 or parts[:2] != ["llava", "ov"] or parts[2] not in LLMS or parts[3] not in GPUS:
+    model, _, gpu = name.lower().rpartition("-")
+    if model not in REFERENCE_MLLMS or gpu not in GPUS:
         raise KeyError(f"unknown reference profile {name!r}; known: {', '.join(reference_names())}")
-    return AnalyticMLLM(encoder=SIGLIP_400M, llm=LLMS[parts[2]], gpu=GPUS[parts[3]], name=name.lower())
+    sizes = REFERENCE_MLLMS[model]
+    return AnalyticMLLM(
+        encoder=sizes.encoder,
+        llm=sizes.llm,
+        gpu=GPUS[gpu],
+        tokens_per_tile=sizes.tokens_per_tile,
+        merge=sizes.merge,
+        name=name.lower(),
+    )

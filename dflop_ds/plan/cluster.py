@@ -14,7 +14,11 @@ cost model only predicts tp=1 compute), so their formulas live here, each one st
   Adam moments 2x; ZeRO stage 1 divides the optimizer term by dp, stage 2 the gradients too,
   stage 3 the weights too (:data:`ZERO_SHARDED`);
 - gradient synchronisation under ZeRO stage 3 also gathers the weights in forward and backward:
-  three ring collectives of ``(dp - 1) / dp * b`` instead of the all-reduce's two (x1.5).
+  three ring collectives of ``(dp - 1) / dp * b`` instead of the all-reduce's two (x1.5);
+- how data-parallel ranks meet in a single-stage (``pp = 1``) step (:meth:`Cluster.sync_model`,
+  :mod:`dflop_ds.sync`): at the accumulation boundary under ZeRO-0/1, per module (encoder and LLM
+  apart, every microbatch) under ZeRO-3 and under ZeRO-2 with reduce buckets smaller than a layer
+  (``module_buckets``, true of every real model), per micro-step under ZeRO-2 otherwise.
 
 DeepSpeed's pipeline engine runs ZeRO stages 0 and 1 only, so a pipeline (``pp > 1``) needs
 ``zero_stage <= 1``; DeepSpeed AutoTP (how HuggingFace models get tensor parallelism here) shards
@@ -30,6 +34,8 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
+
+from dflop_ds.sync import SyncModel, sync_model_for
 
 #: the training-state terms (per weight byte) each ZeRO stage shards over data-parallel ranks:
 #: ``(weights, gradients, optimizer)``, sharded when True
@@ -67,6 +73,10 @@ class Cluster:
             with ``pp > 1``); False for engines with their own tensor-parallel layers.
         max_tp: largest tensor-parallel degree considered (None: ``gpus_per_node``;
             :func:`dflop_ds.plan.planner.make_plans` sets it from the model).
+        module_buckets: ZeRO-2's reduce buckets are smaller than one layer (DeepSpeed's default
+            5e8 elements against ~2e8 in a 7B decoder layer with its bucketed backward: true of
+            real models), so the encoder and the LLM meet apart; False: ranks meet once per
+            micro-step (a model small enough for one bucket).
     """
 
     gpus: int
@@ -80,6 +90,7 @@ class Cluster:
     autotp: bool = False
     memory_reserve_bytes: float = 6e9
     max_tp: int | None = None
+    module_buckets: bool = True
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -120,6 +131,12 @@ class Cluster:
     def sync_factor(self) -> float:
         """Gradient synchronisation bytes moved relative to a ring all-reduce (1.5 under ZeRO-3)."""
         return 1.5 if self.zero_stage == 3 else 1.0
+
+    def sync_model(self, pipeline_stages: int = 1) -> SyncModel:
+        """How data-parallel ranks meet in a step of ``pipeline_stages`` stages under this
+        cluster's ZeRO stage (:func:`dflop_ds.sync.sync_model_for`): a pipeline, or for one stage
+        ``boundary`` (ZeRO-0/1), ``module`` (ZeRO-3, and ZeRO-2 with ``module_buckets``) or ``microstep``."""
+        return sync_model_for(self.zero_stage, pipeline_stages, self.module_buckets)
 
     def runs_shared(self, tp: int, pp: int) -> bool:
         """Whether one DeepSpeed engine runs ``tp``-way tensor parallelism with ``pp`` pipeline

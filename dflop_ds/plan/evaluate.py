@@ -6,6 +6,11 @@ LLM seconds x (stage's LLM layers / LLM depth), divided by the tensor-parallel s
 dp than the LLM (separate GPU sets), the encoder replicas share the encoding of every slot's
 microbatches across all LLM pipelines, so an encoder stage's time per slot is the encoder
 seconds of that slot summed over LLM ranks, divided by the encoder dp.
+
+A single-stage layout (``pp = 1``, no pipeline) is scored under the cluster's synchronisation
+model (:meth:`~dflop_ds.plan.cluster.Cluster.sync_model`: ranks meet at the accumulation
+boundary under ZeRO-0/1, per module under ZeRO-2/3) on its microbatches' ``(encoder, llm)``
+seconds, plus the gradient communication; DFLOP's microbatches for it are split for that model.
 """
 
 from __future__ import annotations
@@ -26,14 +31,17 @@ from dflop_ds.cost import (
 )
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.layout import Layout, flat_bounds
-from dflop_ds.plan.simulator import SimResult, simulate_1f1b
+from dflop_ds.plan.simulator import SimResult, simulate_1f1b, simulate_synchronised
 from dflop_ds.plan.stages import stage_shares
+from dflop_ds.schedule.aligned import aligned_split
 from dflop_ds.schedule.padded import padded_lpt
+from dflop_ds.schedule.ranks import lockstep_order
 from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 from dflop_ds.shapes import SampleShape
+from dflop_ds.sync import SyncModel, step_cost
 
 Buckets = list[list[int]]
-#: Predicted seconds ``(2,)`` of microbatches already timed for one batch, by their positions in it
+#: Predicted (scaled) seconds ``(2,)`` of microbatches already timed for one batch, by their positions in it
 #: (the ``dflop`` splitter re-times the same microbatches often).
 MicrobatchTimes = dict[tuple[int, ...], np.ndarray]
 
@@ -101,12 +109,17 @@ def fast_balanced_split(
     *,
     lengths: np.ndarray,
     predict_buckets: Callable[[Buckets], np.ndarray] | None = None,
+    sync: SyncModel = SyncModel.PIPELINE,
 ) -> list[Buckets]:
     """The search's estimate of our scheduler, cheap enough for its inner loop: ``dp * n_mb``
-    padding-aware LPT microbatches (:func:`padded_lpt`), the heaviest (by ``predict_buckets``,
-    the ``(n, 2)`` costs of a list of microbatches, else summed ``costs``) first onto the
-    least-loaded rank. The chosen plans are re-scored with the ``dflop`` splitter itself
-    (:func:`split_batch` with ``fast=False``)."""
+    padding-aware LPT microbatches (:func:`padded_lpt`) with their costs (``predict_buckets``,
+    the ``(n, 2)`` costs of a list of microbatches, else summed ``costs``), onto ranks as ``sync``
+    needs: for a pipeline the heaviest column first onto the least-loaded rank; at the
+    accumulation boundary the same by the summed columns; for ranks that meet every microbatch
+    (``microstep``, ``module``) in lockstep (:func:`~dflop_ds.schedule.ranks.lockstep_order`),
+    or the microstep-aligned split the ``dflop`` splitter also tries when that is cheaper.
+    The chosen plans are re-scored with the ``dflop`` splitter itself (:func:`split_batch` with
+    ``fast=False``)."""
     n_buckets = dp * n_mb
     if costs.shape[0] < n_buckets:
         raise ValueError(f"a batch of {costs.shape[0]} samples cannot fill {n_mb} microbatches on {dp} ranks")
@@ -115,7 +128,39 @@ def fast_balanced_split(
         bucket_costs = np.asarray(predict_buckets(buckets), dtype=float)
     else:
         bucket_costs = np.array([costs[b].sum(axis=0) for b in buckets])
-    return [[buckets[b] for b in rank] for rank in _greedy_ranks(bucket_costs, dp, n_mb)]
+    if sync is SyncModel.PIPELINE:
+        order = _greedy_ranks(bucket_costs, dp, n_mb)
+    elif sync is SyncModel.BOUNDARY:
+        order = _greedy_ranks(bucket_costs.sum(axis=1, keepdims=True), dp, n_mb)
+    else:
+        order = lockstep_order(bucket_costs, dp, n_mb)
+    split = [[buckets[b] for b in rank] for rank in order]
+    if sync in (SyncModel.MICROSTEP, SyncModel.MODULE):
+        split = _best_aligned(split, bucket_costs[np.asarray(order)], costs, dp, n_mb, predict_buckets, sync)
+    return split
+
+
+def _best_aligned(
+    split: list[Buckets],
+    times: np.ndarray,
+    costs: np.ndarray,
+    dp: int,
+    n_mb: int,
+    predict_buckets: Callable[[Buckets], np.ndarray] | None,
+    sync: SyncModel,
+) -> list[Buckets]:
+    """The cheaper under ``sync`` of ``split`` (its microbatches' ``times``, ``(dp, n_mb, c)``) and
+    the best start of the microstep-aligned split the ``dflop`` splitter also tries
+    (:func:`aligned_split` without its improving rounds, as cheap as the search's inner loop
+    needs), timed by ``predict_buckets`` (else summed ``costs``)."""
+    columns = costs.sum(axis=1, keepdims=True) if sync is SyncModel.MICROSTEP else costs
+    local = aligned_split(columns, dp, n_mb, rounds=0)
+    flat = [mb for rank in local for mb in rank]
+    if predict_buckets is not None:
+        mb_times = np.asarray(predict_buckets(flat), dtype=float)
+    else:
+        mb_times = np.array([costs[mb].sum(axis=0) for mb in flat])
+    return local if step_cost(mb_times.reshape(dp, n_mb, -1), sync) < step_cost(times, sync) else split
 
 
 @dataclass
@@ -128,13 +173,22 @@ class _MicrobatchStats:
 
 
 def microbatch_seconds(
-    model: Any, shapes: Sequence[SampleShape], items: Sequence[int], known: MicrobatchTimes
+    model: Any,
+    shapes: Sequence[SampleShape],
+    items: Sequence[int],
+    known: MicrobatchTimes,
+    scale: Any = 1.0,
+    summed: bool = False,
 ) -> np.ndarray:
-    """``model.predict_microbatch`` of the samples at positions ``items`` of ``shapes``, remembered in ``known``."""
+    """``model.predict_microbatch`` of the samples at positions ``items`` of ``shapes`` times
+    ``scale`` (``summed``: the columns' sum, shape ``(1,)``), remembered in ``known`` (the
+    splitter asks for the same microbatches again)."""
     key = tuple(items)
-    if key not in known:
-        known[key] = np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float)
-    return known[key]
+    seconds = known.get(key)
+    if seconds is None:
+        seconds = np.asarray(model.predict_microbatch([shapes[i] for i in items]), dtype=float) * scale
+        known[key] = seconds = np.array([sum(seconds.tolist())]) if summed else seconds
+    return seconds
 
 
 def _stats(model: Any, batch: Sequence[SampleShape] | SampleColumns, order: list[Buckets]) -> _MicrobatchStats:
@@ -171,7 +225,8 @@ def split_batch(
     sampler would; so is a ``"dflop"`` one unless ``fast`` (then :func:`fast_balanced_split`, the
     search's inner loop). For DFLOP's balancing, the
     two cost columns are scaled to the seconds they add to the heaviest encoder and LLM stage,
-    so that the larger column is the one that paces the pipeline.
+    so that the larger column is the one that paces the pipeline; a single stage is split for the
+    cluster's synchronisation model (:meth:`~dflop_ds.plan.cluster.Cluster.sync_model`).
     """
     if layout.splitter != "dflop":  # a baseline: exactly the split the sampler and the benchmarks make
         request = SplitRequest.of_positions(costs, shapes, layout.n_mb, layout.llm.dp, seed=seed)
@@ -183,6 +238,7 @@ def split_batch(
         [e_frac / cluster.tp_speedup(layout.encoder.tp) * enc_share, l_frac / cluster.tp_speedup(layout.llm.tp)]
     )
 
+    sync = cluster.sync_model(layout.n_stages)
     if fast:
         columns = SampleColumns.of(shapes) if columns is None else columns
 
@@ -190,15 +246,28 @@ def split_batch(
             return microbatch_costs(model, Microbatches.of(columns, buckets)) * scale
 
         return fast_balanced_split(
-            costs * scale, layout.llm.dp, layout.n_mb, lengths=columns.tokens, predict_buckets=bucket_costs
+            costs * scale, layout.llm.dp, layout.n_mb, lengths=columns.tokens, predict_buckets=bucket_costs, sync=sync
         )
     known: MicrobatchTimes = {}
+    # At the boundary only rank totals count: the dflop splitter balances the summed columns and
+    # places its microbatches by rank totals (assign_to_ranks), which is exactly its pipeline
+    # placement of that one summed column. Handing it the summed column gives the same split
+    # (tests/test_plan_sync.py) without re-timing every microbatch for both columns, a third of
+    # a 16384-GPU search.
+    summed = sync is SyncModel.BOUNDARY
 
     def microbatch_cost(items: Sequence[int]) -> np.ndarray:
-        return microbatch_seconds(model, shapes, items, known) * scale
+        return microbatch_seconds(model, shapes, items, known, scale, summed)
 
+    scaled = costs * scale
     request = SplitRequest.of_positions(
-        costs * scale, shapes, layout.n_mb, layout.llm.dp, microbatch_cost=microbatch_cost, seed=seed
+        scaled.sum(axis=1, keepdims=True) if summed else scaled,
+        shapes,
+        layout.n_mb,
+        layout.llm.dp,
+        microbatch_cost=microbatch_cost,
+        seed=seed,
+        sync=SyncModel.PIPELINE if summed else sync,
     )
     return make_splitter("dflop").split(request).ranks
 
@@ -256,7 +325,12 @@ def evaluate(
         ]
     )
     allreduce = np.array([cluster.allreduce_seconds(weights[s] / tp[s], int(dp[s]), int(tp[s])) for s in range(p)])
-    sim = simulate_1f1b(total * ff, total * (1.0 - ff), act_comm=comm, allreduce=allreduce)
+    sync = cluster.sync_model(p)
+    if sync.pipelined:
+        sim = simulate_1f1b(total * ff, total * (1.0 - ff), act_comm=comm, allreduce=allreduce)
+    else:  # one stage: the (encoder, llm) seconds of each microbatch, met as the engine meets them
+        columns = np.stack([enc_time * time_share[0, 0], st.time[..., 1] * time_share[0, 1]], axis=-1) / speed[0]
+        sim = simulate_synchronised(columns, sync, forward_fraction=ff, allreduce=allreduce)
 
     act = (enc_act[..., None] * enc_frac + st.act[..., 1][..., None] * llm_frac).reshape(-1, p).max(axis=0) / tp
     work = (

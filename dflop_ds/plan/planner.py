@@ -68,6 +68,7 @@ def _plan(model: Any, cluster: Cluster, global_batch: int, scored: Scored, resul
         "sampled_batches": len(scored.step_times),
         "search_s": result.seconds,
         "is_analytic": bool(model.is_analytic),
+        "sync_model": str(cluster.sync_model(scored.layout.n_stages)),
     }
     return Plan.from_layout(
         scored.layout,

@@ -16,6 +16,10 @@ batches of ``batch_per_gpu * GPUs`` samples:
   with their microbatch counts) searched on its padded or packed costs; layouts whose
   microbatches overflow memory under the baseline's split are skipped.
 
+Single-stage plans (``pp = 1``, the only ones ZeRO-2 and ZeRO-3 run) are scored under the
+cluster's sync model (:meth:`~dflop_ds.plan.cluster.Cluster.sync_model`), the same for every
+method: each method's microbatches are timed as they are, and ranks meet where the engine makes them.
+
 DFLOP's gain at a size is the best baseline's mean step time over DFLOP's; its spread is the
 range of the same ratio batch by batch. Everything here is a prediction of the cost model.
 """

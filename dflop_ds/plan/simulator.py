@@ -17,6 +17,10 @@ Two transfer models:
   block, so both stages wait for each other and then spend the transfer time together.
 - ``"overlapped"``: each link transfers in the background, as with asynchronous sends.
 
+A single stage without a pipeline is scored under the engine's synchronisation model instead
+(:func:`simulate_synchronised`, :mod:`dflop_ds.sync`): ranks meet at the accumulation boundary,
+every micro-step, or per module (encoder and LLM apart).
+
 After its last backward each stage all-reduces its gradients across data-parallel replicas;
 the step ends when every stage of every data-parallel rank is done. All ranks run the same
 schedule, so the simulation is vectorised over ranks (and over the stages active in one
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from dflop_ds.plan.instructions import compute_of, stage_instructions
+from dflop_ds.sync import SyncModel, as_sync_model
 
 
 @dataclass
@@ -243,6 +248,65 @@ def simulate_1f1b(
     )
 
 
+def simulate_synchronised(
+    times: np.ndarray,
+    sync: SyncModel | str,
+    *,
+    forward_fraction: float,
+    allreduce: np.ndarray | float = 0.0,
+) -> SimResult:
+    """Simulate one single-stage step (no pipeline) whose data-parallel ranks meet as ``sync`` says.
+
+    ``times[r, k, c]`` are the forward+backward seconds of rank ``r``'s ``k``-th microbatch in
+    column ``c`` (encoder, LLM; any number of columns run one after the other), ``forward_fraction``
+    their forward's share. Each microbatch opens a slot: under ``boundary`` a rank runs its own
+    microbatches back to back (it waits only for the gradient reduction at the end); under
+    ``microstep`` slot ``k`` lasts the slowest rank's ``k``-th microbatch; under ``module`` it lasts
+    the slowest rank's column ``c`` summed over the columns (each module meets on its own). The
+    compute part of the step equals :func:`dflop_ds.sync.step_cost`; ``allreduce`` (scalar,
+    ``(1,)`` or ``(R, 1)``) follows the last slot. Raises ``ValueError`` for a pipeline.
+    """
+    sync = as_sync_model(sync)
+    if sync.pipelined:
+        raise ValueError("a pipeline is simulated by simulate_1f1b, not simulate_synchronised")
+    t = np.asarray(times, dtype=float)
+    if t.ndim != 3 or t.shape[0] < 1 or t.shape[1] < 1:
+        raise ValueError(f"times must be (ranks, microbatches, columns) with at least one of each, got {t.shape}")
+    own = t.sum(axis=2)
+    if sync is SyncModel.BOUNDARY:
+        slot = own
+    elif sync is SyncModel.MICROSTEP:
+        slot = np.broadcast_to(own.max(axis=0), own.shape)
+    else:
+        slot = np.broadcast_to(t.max(axis=0).sum(axis=1), own.shape)
+    start = np.cumsum(slot, axis=1) - slot
+    f_start = start[..., None]
+    f_end = (start + forward_fraction * own)[..., None]
+    b_end = (start + own)[..., None]
+    n_ranks = t.shape[0]
+    ar = np.broadcast_to(np.asarray(allreduce, dtype=float), (n_ranks, 1)).astype(float)
+    pipeline_time = slot.sum(axis=1)
+    rank_step = pipeline_time + ar[:, 0]
+    busy = own.sum(axis=1)[:, None]
+    idle = pipeline_time[:, None] - busy
+    critical = int(np.argmax(rank_step))
+    bubble = float(idle[critical, 0] / pipeline_time[critical]) if pipeline_time[critical] > 0 else 0.0
+    return SimResult(
+        step_time=float(rank_step[critical]),
+        rank_step_times=rank_step,
+        pipeline_time=pipeline_time,
+        busy=busy,
+        idle=idle,
+        bubble_fraction=max(0.0, bubble),
+        critical_rank=critical,
+        f_start=f_start,
+        f_end=f_end,
+        b_start=f_end.copy(),
+        b_end=b_end,
+        allreduce=ar,
+    )
+
+
 def simulate_stage_times(
     fwd: np.ndarray,
     bwd: np.ndarray,
@@ -274,6 +338,7 @@ def simulate_colocated(
     allreduce: np.ndarray | float = 0.0,
     encoder_allreduce: float = 0.0,
     transfers: str = "blocking",
+    sync: SyncModel | str = SyncModel.PIPELINE,
 ) -> SimResult:
     """One step with a colocated encoder: the encoder forward, data-parallel over every GPU; the
     feature exchange (an all-to-all, a collective: every rank waits for the slowest); the LLM
@@ -283,9 +348,20 @@ def simulate_colocated(
 
     ``encoder_fwd``/``encoder_bwd`` are the phases' seconds on the slowest GPU, ``exchange`` one
     direction of the exchange. Operation times are shifted by the encoder phase before the
-    pipeline; ``busy`` counts the encoder phases on every stage.
+    pipeline; ``busy`` counts the encoder phases on every stage. A single LLM stage whose ranks
+    meet as ``sync`` says (not ``pipeline``) is simulated by :func:`simulate_synchronised`.
     """
-    pipe = simulate_1f1b(fwd, bwd, act_comm=act_comm, allreduce=allreduce, transfers=transfers)
+    if as_sync_model(sync).pipelined:
+        pipe = simulate_1f1b(fwd, bwd, act_comm=act_comm, allreduce=allreduce, transfers=transfers)
+    else:
+        fwd, bwd = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
+        if fwd.shape[-1] != 1:
+            raise ValueError(f"sync {sync}: a synchronised step has one stage, got {fwd.shape[-1]}")
+        total = fwd + bwd
+        share = float(fwd.sum() / total.sum()) if total.sum() > 0 else 0.0
+        pipe = simulate_synchronised(
+            total.reshape(-1, *total.shape[-2:]), sync, forward_fraction=share, allreduce=allreduce
+        )
     before = float(encoder_fwd) + float(exchange)
     after = float(exchange) + float(encoder_bwd)
     step = before + pipe.step_time + after + float(encoder_allreduce)

@@ -9,7 +9,8 @@ only. One step (``dflop.model.encoder = "colocated"``, :mod:`dflop_ds.train.colo
 2. the feature exchange (a variable all-to-all): each first-stage rank receives the features of
    its own samples (visual tokens x the encoder's hidden bytes per token) from the other GPUs;
 3. the LLM pipeline (1F1B; microbatches balanced on the LLM alone, as the sampler does with
-   ``LLMOnlyCost``), the projector on the first stage;
+   ``LLMOnlyCost``), the projector on the first stage; a single LLM stage meets as the cluster's
+   ZeRO stage makes it (:meth:`~dflop_ds.plan.cluster.Cluster.sync_model`);
 4. the gradients back over the same exchange, the encoder backward, and the encoder's gradient
    all-reduce over every GPU.
 
@@ -189,6 +190,7 @@ def colocated_step(
         act_comm=comm,
         allreduce=cluster.allreduce_seconds(weights / tp, dp, tp),
         encoder_allreduce=cluster.allreduce_seconds(params["encoder"], G, 1),
+        sync=cluster.sync_model(p),
     )
     act = (st.act[..., 1][..., None] * llm_frac).reshape(-1, p).max(axis=0) / tp
     held = st.act[..., 0].sum(axis=0) / G  # encoder activations per GPU of each micro-step
