@@ -167,7 +167,9 @@ def _microstep_bound(items: np.ndarray, dp: int, n_mb: int) -> float:
     ``j * dp``-th smallest item, the largest maximum is the largest item, and the ``n_mb - t``
     microsteps paid at their average hold at least the ``(n_mb - t) * dp`` smallest items.
     ``t = 1`` is the largest item plus the others' average; with ``t = 0`` every microstep
-    pays its average: the average rank's total."""
+    pays its average: the average rank's total. With more items than cells, two of the
+    ``n_mb * dp + 1`` largest share a cell, whose microstep pays both (and the others their
+    average)."""
     x = np.sort(items)  # ascending
     n = x.size
     smallest = np.concatenate([[0.0], np.cumsum(x)])  # smallest[m]: the m smallest summed
@@ -180,4 +182,7 @@ def _microstep_bound(items: np.ndarray, dp: int, n_mb: int) -> float:
         paid = float(x[-1] + maxima[n_mb - t :].sum()) if t > 1 else float(x[-1])
         rest = smallest[min((n_mb - t) * dp, n - t)] / dp
         bound = max(bound, paid + rest)
+    cells = n_mb * dp
+    if n > cells:  # two of the cells + 1 largest share a cell: its microstep pays both
+        bound = max(bound, float(x[-cells] + x[-cells - 1]) + smallest[min((n_mb - 1) * dp, n - 2)] / dp)
     return bound

@@ -95,3 +95,10 @@ def test_microstep_bound_is_exact_for_one_sample_per_microbatch():
         costs = rng.exponential(size=(dp * n_mb, 1))
         for sync in ("microstep", "module"):
             assert step_lower_bound(costs, dp, n_mb, sync) == pytest.approx(_optimum(costs, dp, n_mb, sync))
+
+
+def test_microstep_bound_knows_two_large_samples_share_a_microbatch():
+    # three equal samples on two ranks, one microbatch each: one rank runs two of them
+    costs = np.ones((3, 1))
+    for sync in ("microstep", "module"):
+        assert step_lower_bound(costs, 2, 1, sync) == pytest.approx(_optimum(costs, 2, 1, sync)) == pytest.approx(2.0)
