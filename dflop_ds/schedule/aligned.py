@@ -12,9 +12,10 @@ that microstep ``k`` holds work that every rank can share evenly, i.e. alike sam
 2. balances each group's columns across the ``dp`` ranks with equal-count vector differencing,
    and keeps the key whose groups score lowest;
 3. improves the whole grid by moves and swaps of samples, within a microstep or across two, out
-   of the :data:`SOURCES` slowest ranks of each microstep and column, guided by a soft maximum
-   over ranks (``tau * log sum_r exp(load / tau)``), which sees the ranks tied at a maximum that
-   ``sum_k sum_c max_r`` alone cannot lower one change at a time; it keeps the grid with the
+   of the :data:`SOURCES` slowest ranks of each microstep and column into the :data:`LIGHT`
+   least loaded, guided by a soft maximum over ranks (``tau * log sum_r exp(load / tau)``),
+   which sees the ranks tied at a maximum that ``sum_k sum_c max_r`` alone cannot lower one
+   change at a time; it keeps the grid with the
    lowest ``sum_k sum_c max_r``, after at most :data:`ROUNDS` rounds, stopping after
    :data:`PATIENCE` rounds without a lower step.
 
@@ -42,6 +43,8 @@ ROUND_WORK = 65_536
 PATIENCE = 4
 #: The most loaded ranks of each microstep and column whose rows :func:`improve_grid` moves.
 SOURCES = 4
+#: The least loaded ranks of each microstep and column that :func:`improve_grid` moves rows to.
+LIGHT = 16
 #: The soft maximum's temperature, relative to the mean microstep maximum.
 TEMPERATURE = 0.02
 #: A change must lower the score by more than this (relative) to count as a gain.
@@ -71,10 +74,12 @@ def _soft_maxima(grid: np.ndarray, tau: float) -> np.ndarray:
     return top + tau * np.log(np.exp((grid - top[:, None, :]) / tau).sum(axis=1))
 
 
-def _proposals(costs: np.ndarray, cells: np.ndarray, loads: np.ndarray, dp: int, tau: float, sources: np.ndarray):
+def _proposals(
+    costs: np.ndarray, cells: np.ndarray, loads: np.ndarray, dp: int, tau: float, sources: np.ndarray, room: np.ndarray
+):
     """Each row of the ``sources`` cells' best move or swap by the soft score (the sum of
-    :func:`_soft_maxima`), vectorised over those rows, every other row (swaps) and every other
-    cell (moves): ``(delta, row, partner)`` arrays, ``partner`` the row swapped with or
+    :func:`_soft_maxima`), vectorised over those rows, the rows of the ``room`` cells (swaps)
+    and those cells (moves; ``room``: a mask over cells): ``(delta, row, partner)`` arrays, ``partner`` the row swapped with or
     ``-1 - cell`` for a move (only out of a cell holding two rows or more)."""
     n_cells, c = loads.shape
     grid = loads.reshape(-1, dp, c)
@@ -93,8 +98,9 @@ def _proposals(costs: np.ndarray, cells: np.ndarray, loads: np.ndarray, dp: int,
     counts = np.bincount(cells, minlength=n_cells)
     best_delta = np.full(rows.size, np.inf)
     best_partner = np.zeros(rows.size, dtype=np.int64)
-    swaps = (cells, costs[None, :, :], np.arange(cells.size))
-    moves = (np.arange(n_cells), np.zeros((1, 1, c)), -1 - np.arange(n_cells))
+    partners = np.flatnonzero(room[cells])
+    swaps = (cells[partners], costs[partners][None], partners)
+    moves = (np.flatnonzero(room), np.zeros((1, 1, c)), -1 - np.flatnonzero(room))
     for targets, y, partners in (swaps, moves):
         moving = y.shape[1] == 1
         kb = targets // dp
@@ -132,13 +138,14 @@ def _without(weight: np.ndarray, source: np.ndarray, dp: int) -> np.ndarray:
 def improve_grid(costs: np.ndarray, cells: np.ndarray, dp: int, n_mb: int, rounds: int) -> np.ndarray:
     """``cells`` (``microstep * dp + rank`` of each row of ``costs``) improved by moves and swaps
     of rows, within and across microsteps, out of the :data:`SOURCES` most loaded ranks of each
-    microstep and column. Ties between ranks at a microstep's maximum stall any search by
-    ``sum_k sum_c max_r``, so the changes follow a soft score: ``max_r`` replaced by
-    ``tau * log sum_r exp(load / tau)`` (:data:`TEMPERATURE`), which also counts the ranks at or
-    near the maximum. Every round finds each source row's best change at once and applies them,
-    best first, each while it still lowers the soft score exactly; the grid with the lowest
-    ``sum_k sum_c max_r`` seen is returned. No cell is left empty; at most ``rounds`` rounds,
-    fewer when no change lowers the soft score."""
+    microstep and column into the :data:`LIGHT` least loaded (or another source). Ranks tied at
+    a microstep's maximum stall any search by ``sum_k sum_c max_r``, so the changes follow a soft
+    score: ``max_r`` replaced by ``tau * log sum_r exp(load / tau)`` (:data:`TEMPERATURE`), which
+    also counts the ranks at or near the maximum. Each round takes the sources one at a time, each
+    source's best change against the grid its predecessors left, applied if it lowers the soft
+    score exactly; the grid with the lowest ``sum_k sum_c max_r`` seen is returned. No cell is
+    left empty; at most ``rounds`` rounds, fewer when no change lowers the soft score or after
+    :data:`PATIENCE` rounds without a lower step."""
     cells = cells.copy()
     c = costs.shape[1]
     loads = np.zeros((n_mb * dp, c))
@@ -151,10 +158,16 @@ def improve_grid(costs: np.ndarray, cells: np.ndarray, dp: int, n_mb: int, round
             break
         order = np.argsort(-grid, axis=1, kind="stable")[:, : min(SOURCES, dp), :]
         sources = np.arange(n_mb)[:, None, None] * dp + order  # (n_mb, SOURCES, c)
+        # the cells rows may go to: the sources and the LIGHT least loaded ranks of each
+        # microstep and column (the rest rarely take a row from a slow rank)
+        light = np.argsort(grid, axis=1, kind="stable")[:, : min(LIGHT, dp), :]
+        room = np.zeros(n_mb * dp, dtype=bool)
+        room[(np.arange(n_mb)[:, None, None] * dp + light).ravel()] = True
+        room[sources.ravel()] = True
         applied = 0
         for source in dict.fromkeys(sources.transpose(0, 2, 1).ravel().tolist()):
             # one source at a time, each against the grid its predecessors left
-            deltas, rows, partners = _proposals(costs, cells, loads, dp, tau, np.array([source]))
+            deltas, rows, partners = _proposals(costs, cells, loads, dp, tau, np.array([source]), room)
             i = int(np.argmin(deltas)) if deltas.size else 0
             if deltas.size and deltas[i] < 0:
                 applied += _apply(costs, cells, loads, dp, tau, int(rows[i]), int(partners[i]))
