@@ -79,8 +79,8 @@ def _proposals(
 ):
     """Each row of the ``sources`` cells' best move or swap by the soft score (the sum of
     :func:`_soft_maxima`), vectorised over those rows, the rows of the ``room`` cells (swaps)
-    and those cells (moves; ``room``: a mask over cells): ``(delta, row, partner)`` arrays, ``partner`` the row swapped with or
-    ``-1 - cell`` for a move (only out of a cell holding two rows or more)."""
+    and those cells (moves; ``room``: a mask over cells): ``(delta, row, partner)`` arrays,
+    ``partner`` the row swapped with or ``-1 - cell`` for a move (only out of a cell holding two rows or more)."""
     n_cells, c = loads.shape
     grid = loads.reshape(-1, dp, c)
     top = grid.max(axis=1)  # (n_mb, c): the reference of each microstep's exponentials
