@@ -136,7 +136,10 @@ def step_lower_bound(costs: np.ndarray, dp: int, n_mb: int, sync: SyncModel | st
     if c.size == 0:
         return 0.0
     if sync is SyncModel.MODULE:
-        return float(sum(_microstep_bound(c[:, j], dp, n_mb) for j in range(c.shape[1])))
+        # each column meets on its own; and a microstep's slowest encoder plus slowest LLM is
+        # never below its slowest rank's summed work (the microstep bound of the summed column)
+        columns = sum(_microstep_bound(c[:, j], dp, n_mb) for j in range(c.shape[1]))
+        return float(max(columns, _microstep_bound(c.sum(axis=1), dp, n_mb)))
     if sync is SyncModel.MICROSTEP:
         return _microstep_bound(c.sum(axis=1), dp, n_mb)
     return _rank_bound(c.sum(axis=1), dp, n_mb)
@@ -156,10 +159,30 @@ def _rank_bound(items: np.ndarray, dp: int, n_mb: int) -> float:
 
 
 def _microstep_bound(items: np.ndarray, dp: int, n_mb: int) -> float:
-    """``sum_k max_r t[r, k]`` of one column is at least the average rank's total, and at least
-    the largest item plus the other microsteps' average: a microstep is never faster than its
-    average rank, and the ``n_mb - 1`` microsteps without the largest item hold at least ``dp``
-    items each, so at least the ``(n_mb - 1) * dp`` smallest."""
-    x = np.sort(items)
-    others = float(x[: min((n_mb - 1) * dp, x.size - 1)].sum())
-    return float(max(x.sum() / dp, x[-1] + others / dp))
+    """``sum_k max_r t[r, k]`` of one column is at least, for any ``t`` in ``1..n_mb``, the
+    maxima of the ``t`` microsteps whose largest items are largest plus the average rank of the
+    others: a microstep is never faster than its largest item nor than its average rank. The
+    ``j`` microsteps with the smallest maxima hold at least ``j * dp`` items (every cell is
+    non-empty), all at most the ``j``-th smallest maximum, so that maximum is at least the
+    ``j * dp``-th smallest item, the largest maximum is the largest item, and the ``n_mb - t``
+    microsteps paid at their average hold at least the ``(n_mb - t) * dp`` smallest items.
+    ``t = 1`` is the largest item plus the others' average; with ``t = 0`` every microstep
+    pays its average: the average rank's total. With more items than cells, two of the
+    ``n_mb * dp + 1`` largest share a cell, whose microstep pays both (and the others their
+    average)."""
+    x = np.sort(items)  # ascending
+    n = x.size
+    smallest = np.concatenate([[0.0], np.cumsum(x)])  # smallest[m]: the m smallest summed
+    bound = float(x.sum() / dp)
+    # maxima[j - 1]: a lower bound on the j-th smallest microstep maximum (j < n_mb), capped at
+    # the second largest item (one microstep holds the largest)
+    j = np.arange(1, n_mb)
+    maxima = x[np.minimum(j * dp, n - 1) - 1] if n > 1 else np.zeros(0)
+    for t in range(1, n_mb + 1):  # t microsteps pay their maximum: the largest and the top t - 1
+        paid = float(x[-1] + maxima[n_mb - t :].sum()) if t > 1 else float(x[-1])
+        rest = smallest[min((n_mb - t) * dp, n - t)] / dp
+        bound = max(bound, paid + rest)
+    cells = n_mb * dp
+    if n > cells:  # two of the cells + 1 largest share a cell: its microstep pays both
+        bound = max(bound, float(x[-cells] + x[-cells - 1]) + smallest[min((n_mb - 1) * dp, n - 2)] / dp)
+    return bound

@@ -75,8 +75,9 @@ def _optimum(costs: np.ndarray, dp: int, n_mb: int, sync: str) -> float:
 def test_granularity_bound_never_exceeds_the_brute_force_optimum():
     rng = np.random.default_rng(7)
     tighter = 0
-    for _ in range(60):
-        dp, n_mb = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    shapes = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 3), (3, 1), (1, 4), (4, 1)]
+    for trial in range(96):
+        dp, n_mb = shapes[trial % len(shapes)]
         n = dp * n_mb + int(rng.integers(0, 3))
         costs = rng.exponential(size=(n, 2)) * (rng.random((n, 2)) < 0.7)  # zeros, as text has no encoder
         for sync in ("boundary", "microstep", "module"):
@@ -84,3 +85,20 @@ def test_granularity_bound_never_exceeds_the_brute_force_optimum():
             assert bound <= best + 1e-9, (sync, costs, dp, n_mb)
             tighter += bound > costs.sum() / dp + 1e-9
     assert tighter > 0  # the granularity terms do bind above the average
+
+
+def test_microstep_bound_is_exact_for_one_sample_per_microbatch():
+    # one column, one sample per microbatch: the sorted cut into microsteps of dp samples is
+    # optimal, and the bound's "every microstep pays its maximum" term reaches it
+    rng = np.random.default_rng(3)
+    for dp, n_mb in [(2, 2), (1, 3), (3, 1), (2, 3)]:
+        costs = rng.exponential(size=(dp * n_mb, 1))
+        for sync in ("microstep", "module"):
+            assert step_lower_bound(costs, dp, n_mb, sync) == pytest.approx(_optimum(costs, dp, n_mb, sync))
+
+
+def test_microstep_bound_knows_two_large_samples_share_a_microbatch():
+    # three equal samples on two ranks, one microbatch each: one rank runs two of them
+    costs = np.ones((3, 1))
+    for sync in ("microstep", "module"):
+        assert step_lower_bound(costs, 2, 1, sync) == pytest.approx(_optimum(costs, 2, 1, sync)) == pytest.approx(2.0)

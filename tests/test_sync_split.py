@@ -11,6 +11,7 @@ from dflop_ds.schedule.aligned import aligned_split, improve_grid, microstep_gro
 from dflop_ds.schedule.splitters import MemoryBudget, SplitRequest, make_splitter, splitter_names
 from dflop_ds.sync import SyncModel, step_cost, step_lower_bound
 from tests.test_splitters import shapes_of
+from tests.test_sync import _optimum
 
 SYNCS = ("boundary", "microstep", "module")
 
@@ -66,6 +67,17 @@ def test_improve_grid_never_raises_the_module_step():
             step_cost(after.reshape(n_mb, dp, 2).transpose(1, 0, 2), "module")
             <= step_cost(before.reshape(n_mb, dp, 2).transpose(1, 0, 2), "module") + 1e-9
         )
+
+
+def test_improve_grid_moves_past_ranks_tied_at_the_maximum():
+    # both ranks of microstep 0 tied at 1.25: no single change out of one of them lowers the
+    # step, yet the search reaches the brute-force optimum
+    costs = np.array([[1.0], [0.25], [1.0], [0.25], [0.6], [0.1], [0.05]])
+    cells = np.array([0, 0, 1, 1, 2, 3, 3])  # microstep * 2 + rank
+    improved = improve_grid(costs, cells, 2, 2, rounds=8)
+    loads = np.zeros((4, 1))
+    np.add.at(loads, improved, costs)
+    assert loads.reshape(2, 2).max(axis=1).sum() == pytest.approx(_optimum(costs, 2, 2, "module"))
 
 
 @pytest.mark.parametrize("sync", SYNCS)

@@ -12,9 +12,12 @@ that microstep ``k`` holds work that every rank can share evenly, i.e. alike sam
 2. balances each group's columns across the ``dp`` ranks with equal-count vector differencing,
    and keeps the key whose groups score lowest;
 3. improves the whole grid by moves and swaps of samples, within a microstep or across two, out
-   of the slowest rank of each microstep and column, scored by ``sum_k sum_c max_r`` (ties: a
-   lower sum of squared cell loads, which keeps the search moving across equal maxima), at most
-   :data:`ROUNDS` changes, stopping after :data:`PATIENCE` rounds without a lower score.
+   of the :data:`SOURCES` slowest ranks of each microstep and column into the :data:`LIGHT`
+   least loaded, guided by a soft maximum over ranks (``tau * log sum_r exp(load / tau)``),
+   which sees the ranks tied at a maximum that ``sum_k sum_c max_r`` alone cannot lower one
+   change at a time; it keeps the grid with the
+   lowest ``sum_k sum_c max_r``, after at most :data:`ROUNDS` rounds, stopping after
+   :data:`PATIENCE` rounds without a lower step.
 
 Pure and deterministic: stable sorts, ties by index, a fixed round budget, no clock. The DFLOP
 splitter scores the result against its other candidates with :func:`dflop_ds.sync.step_cost`.
@@ -31,13 +34,19 @@ __all__ = ["GROUP_KEYS", "aligned_split", "improve_grid", "microstep_groups"]
 
 #: How :func:`microstep_groups` may order samples before cutting them into microsteps.
 GROUP_KEYS = ("first", "total")
-#: Moves or swaps of :func:`improve_grid` (each round costs ``O(n)`` numpy work, so the budget
-#: is fixed rather than grown with the ranks: the planner calls this at 1024 ranks) ...
-ROUNDS = 96
+#: Rounds of :func:`improve_grid` (each costs ``O(n)`` numpy work per source cell, so the
+#: budget is fixed rather than grown with the ranks) ...
+ROUNDS = 32
 #: ... and at most this many samples times rounds (fewer rounds for large batches).
 ROUND_WORK = 65_536
-#: Rounds without a lower score after which the search stops.
-PATIENCE = 24
+#: Rounds without a lower step after which :func:`improve_grid` stops.
+PATIENCE = 4
+#: The most loaded ranks of each microstep and column whose rows :func:`improve_grid` moves.
+SOURCES = 4
+#: The least loaded ranks of each microstep and column that :func:`improve_grid` moves rows to.
+LIGHT = 16
+#: The soft maximum's temperature, relative to the mean microstep maximum.
+TEMPERATURE = 0.02
 #: A change must lower the score by more than this (relative) to count as a gain.
 _EPS = 1e-12
 
@@ -58,127 +67,155 @@ def microstep_groups(costs: np.ndarray, n_mb: int, key: str) -> list[np.ndarray]
     return np.split(order, ends[:-1])
 
 
-def _max_without(top_values: np.ndarray, top_ranks: np.ndarray, steps: np.ndarray, *excluded: np.ndarray) -> np.ndarray:
-    """``(N, c)``: per column, the largest rank load of microstep ``steps[j]`` among its ranks
-    other than ``excluded[..][j]`` (-1: none), from each microstep's top three ranks per column
-    (``top_values``, ``top_ranks``: ``(n_mb, <=3, c)``, highest first; two exclusions at most)."""
-    values, ranks = top_values[steps], top_ranks[steps]  # (N, t, c)
-    result = np.zeros((steps.size, values.shape[2]))
-    for t in range(values.shape[1] - 1, -1, -1):  # the highest written last
-        ok = np.ones(ranks[:, t, :].shape, dtype=bool)
-        for rank in excluded:
-            ok &= ranks[:, t, :] != rank[:, None]
-        result = np.where(ok, values[:, t, :], result)
-    return result
+def _soft_maxima(grid: np.ndarray, tau: float) -> np.ndarray:
+    """``(n_mb, c)``: each microstep's soft maximum over ranks of ``grid`` (``(n_mb, dp, c)``),
+    ``tau * log sum_r exp(load / tau)``: the maximum plus up to ``tau * log(ranks at it)``."""
+    top = grid.max(axis=1)
+    return top + tau * np.log(np.exp((grid - top[:, None, :]) / tau).sum(axis=1))
 
 
-def _best_change(costs: np.ndarray, cells: np.ndarray, loads: np.ndarray, tops: tuple, source: int, dp: int):
-    """The best move or swap of a row out of cell ``source`` (``cell = microstep * dp + rank``):
-    ``(gain, potential change, row, partner)``, ``partner`` the row swapped with or ``-1 - cell``
-    for a move to ``cell``; a move needs two rows in ``source`` (no microbatch is left empty).
-    ``tops``: each microstep's top three ranks and loads per column (:func:`_tops`)."""
-    top_ranks, top_values = tops
-    c = loads.shape[1]
-    first, first_rank = top_values[:, 0, :], top_ranks[:, 0, :]
-    second = top_values[:, 1, :] if top_values.shape[1] > 1 else np.zeros_like(first)
-    maxima = first.sum(axis=1)  # (n_mb,) each microstep's score
-    k, a = divmod(source, dp)
-    mine = np.flatnonzero(cells == source)
-    x = costs[mine][:, None, :]
-    options = []
-    other = np.flatnonzero(cells != source)
-    if other.size:
-        y, targets = costs[other][None, :, :], cells[other]
-        options.append((loads[source] - x + y, loads[targets][None] - y + x, targets, other))
-    if mine.size > 1 and loads.shape[0] > 1:
-        targets = np.delete(np.arange(loads.shape[0]), source)
-        new_source = np.broadcast_to(loads[source] - x, (mine.size, targets.size, c))
-        options.append((new_source, loads[targets][None] + x, targets, -1 - targets))
-    best = None
-    for new_source, new_target, targets, partners in options:
-        kb, b = np.divmod(targets, dp)
-        same = kb == k
-        # the slowest other rank of each column: of microstep kb without b, of microstep k without
-        # a (and without b for a partner in microstep k)
-        rest_kb = np.where(b[:, None] == first_rank[kb], second[kb], first[kb])
-        rest_k = np.tile(np.where(first_rank[k] == a, second[k], first[k]), (targets.size, 1))
-        inside = np.flatnonzero(same)
-        if inside.size:
-            steps = np.full(inside.size, k)
-            rest_k[inside] = _max_without(top_values, top_ranks, steps, np.full(inside.size, a), b[inside])
-        in_k = np.maximum(new_source, rest_k[None])
-        in_k = np.where(same[None, :, None], np.maximum(in_k, new_target), in_k).sum(axis=2)
-        in_kb = np.where(same[None, :], 0.0, np.maximum(new_target, rest_kb[None]).sum(axis=2))
-        gain = in_k + in_kb - maxima[k] - np.where(same, 0.0, maxima[kb])[None]
-        potential = (new_source**2).sum(axis=2) + (new_target**2).sum(axis=2)
-        potential = potential - float((loads[source] ** 2).sum()) - (loads[targets] ** 2).sum(axis=1)[None]
-        flat_gain, flat_potential = gain.ravel(), potential.ravel()
-        ties = np.flatnonzero(flat_gain == flat_gain.min())  # the first lowest potential among them
-        flat = int(ties[np.argmin(flat_potential[ties])])
-        i, j = divmod(flat, gain.shape[1])
-        candidate = (float(flat_gain[flat]), float(flat_potential[flat]), int(mine[i]), int(partners[j]))
-        if best is None or candidate[:2] < best[:2]:
-            best = candidate
-    return best
+def _proposals(
+    costs: np.ndarray, cells: np.ndarray, loads: np.ndarray, dp: int, tau: float, sources: np.ndarray, room: np.ndarray
+):
+    """Each row of the ``sources`` cells' best move or swap by the soft score (the sum of
+    :func:`_soft_maxima`), vectorised over those rows, the rows of the ``room`` cells (swaps)
+    and those cells (moves; ``room``: a mask over cells): ``(delta, row, partner)`` arrays,
+    ``partner`` the row swapped with or ``-1 - cell`` for a move (only out of a cell holding two rows or more)."""
+    n_cells, c = loads.shape
+    grid = loads.reshape(-1, dp, c)
+    top = grid.max(axis=1)  # (n_mb, c): the reference of each microstep's exponentials
+    weight = np.exp((grid - top[:, None, :]) / tau).reshape(n_cells, c)
+    total = weight.reshape(-1, dp, c).sum(axis=1)
+
+    def e(load: np.ndarray, reference: np.ndarray) -> np.ndarray:
+        return np.exp(np.minimum((load - reference) / tau, 700.0))
+
+    rows = np.flatnonzero(cells == sources[0]) if sources.size == 1 else np.flatnonzero(np.isin(cells, sources))
+    source = cells[rows]
+    k = source // dp
+    x = costs[rows][:, None, :]
+    rest = _without(weight, source, dp)  # summed apart: no cancellation against a large term
+    counts = np.bincount(cells, minlength=n_cells)
+    best_delta = np.full(rows.size, np.inf)
+    best_partner = np.zeros(rows.size, dtype=np.int64)
+    partners = np.flatnonzero(room[cells])
+    swaps = (cells[partners], costs[partners][None], partners)
+    moves = (np.flatnonzero(room), np.zeros((1, 1, c)), -1 - np.flatnonzero(room))
+    for targets, y, partners in (swaps, moves):
+        moving = y.shape[1] == 1
+        kb = targets // dp
+        same = kb[None, :] == k[:, None]
+        new_source = loads[source][:, None, :] - x + y
+        new_target = loads[targets][None] - y + x
+        old_t = weight[targets][None]
+        new_t = e(new_target, top[kb][None])
+        sum_k = rest[:, None, :] + e(new_source, top[k][:, None, :])
+        sum_k = sum_k + np.where(same[..., None], new_t - old_t, 0.0)
+        sum_kb = total[kb][None] - old_t + new_t
+        delta = tau * (np.log(np.maximum(sum_k, 1e-300)) - np.log(total[k])[:, None, :]).sum(axis=2)
+        other = tau * (np.log(np.maximum(sum_kb, 1e-300)) - np.log(total[kb])[None]).sum(axis=2)
+        delta = delta + np.where(same, 0.0, other)
+        forbidden = targets[None, :] == source[:, None]
+        if moving:
+            forbidden = forbidden | (counts[source] < 2)[:, None]
+        delta = np.where(forbidden, np.inf, delta)
+        pick = np.argmin(delta, axis=1)  # ties: the first partner
+        found = delta[np.arange(rows.size), pick]
+        better = found < best_delta
+        best_delta = np.where(better, found, best_delta)
+        best_partner = np.where(better, partners[pick], best_partner)
+    return best_delta, rows, best_partner
 
 
-def _tops(loads: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each microstep's three most loaded ranks per column and their loads, ``(n_mb, <=3, c)`` each."""
-    grid = loads.reshape(-1, dp, loads.shape[1])
-    top_ranks = np.argsort(-grid, axis=1, kind="stable")[:, :3, :]
-    return top_ranks, np.take_along_axis(grid, top_ranks, axis=1)
+def _without(weight: np.ndarray, source: np.ndarray, dp: int) -> np.ndarray:
+    """``(len(source), c)``: each source cell's microstep's summed ``weight`` without that cell."""
+    k, r = np.divmod(source, dp)
+    w = weight.reshape(-1, dp, weight.shape[1])[k]  # (A, dp, c), a copy
+    w[np.arange(source.size), r] = 0.0
+    return w.sum(axis=1)
 
 
 def improve_grid(costs: np.ndarray, cells: np.ndarray, dp: int, n_mb: int, rounds: int) -> np.ndarray:
-    """``cells`` (``microstep * dp + rank`` of each row of ``costs``) improved by moves and swaps,
-    within and across microsteps, out of the slowest rank of each microstep and column while they
-    lower ``sum_k sum_c max_r`` (or keep it and lower the sum of squared cell loads); no cell is
-    left empty. At most ``rounds`` changes, and none after :data:`PATIENCE` rounds without a
-    lower score."""
+    """``cells`` (``microstep * dp + rank`` of each row of ``costs``) improved by moves and swaps
+    of rows, within and across microsteps, out of the :data:`SOURCES` most loaded ranks of each
+    microstep and column into the :data:`LIGHT` least loaded (or another source). Ranks tied at
+    a microstep's maximum stall any search by ``sum_k sum_c max_r``, so the changes follow a soft
+    score: ``max_r`` replaced by ``tau * log sum_r exp(load / tau)`` (:data:`TEMPERATURE`), which
+    also counts the ranks at or near the maximum. Each round takes the sources one at a time, each
+    source's best change against the grid its predecessors left, applied if it lowers the soft
+    score exactly; the grid with the lowest ``sum_k sum_c max_r`` seen is returned. No cell is
+    left empty; at most ``rounds`` rounds, fewer when no change lowers the soft score or after
+    :data:`PATIENCE` rounds without a lower step."""
     cells = cells.copy()
-    loads = np.zeros((n_mb * dp, costs.shape[1]))
+    c = costs.shape[1]
+    loads = np.zeros((n_mb * dp, c))
     np.add.at(loads, cells, costs)
-    best_score, idle = np.inf, 0
+    best_score, best_cells, idle = _loads_score(loads, dp), cells.copy(), 0
     for _ in range(rounds):
-        tops = _tops(loads, dp)
-        score = float(tops[1][:, 0, :].sum())
-        best_score, idle = (score, 0) if score < best_score * (1 - _EPS) else (best_score, idle + 1)
-        if idle > PATIENCE:  # ties only: equal loads on many ranks need more than one change to gain
+        grid = loads.reshape(n_mb, dp, c)
+        tau = TEMPERATURE * float(grid.max(axis=1).mean())
+        if tau <= 0:
             break
-        tolerance = _EPS * max(score, 1.0)
-        least = _EPS * float((loads * loads).sum())
-        change = None
-        for source in _sources(tops, dp):  # the best change out of any of them
-            found = _best_change(costs, cells, loads, tops, source, dp)
-            if found is not None and (change is None or found[:2] < change[:2]):
-                change = found
-        if change is None or not (change[0] < -tolerance or (change[0] <= tolerance and change[1] < -least)):
+        order = np.argsort(-grid, axis=1, kind="stable")[:, : min(SOURCES, dp), :]
+        sources = np.arange(n_mb)[:, None, None] * dp + order  # (n_mb, SOURCES, c)
+        # the cells rows may go to: the sources and the LIGHT least loaded ranks of each
+        # microstep and column (the rest rarely take a row from a slow rank)
+        light = np.argsort(grid, axis=1, kind="stable")[:, : min(LIGHT, dp), :]
+        room = np.zeros(n_mb * dp, dtype=bool)
+        room[(np.arange(n_mb)[:, None, None] * dp + light).ravel()] = True
+        room[sources.ravel()] = True
+        applied = 0
+        for source in dict.fromkeys(sources.transpose(0, 2, 1).ravel().tolist()):
+            # one source at a time, each against the grid its predecessors left
+            deltas, rows, partners = _proposals(costs, cells, loads, dp, tau, np.array([source]), room)
+            i = int(np.argmin(deltas)) if deltas.size else 0
+            if deltas.size and deltas[i] < 0:
+                applied += _apply(costs, cells, loads, dp, tau, int(rows[i]), int(partners[i]))
+        if not applied:
             break
-        _, _, row, partner = change
-        source = int(cells[row])
-        target = int(cells[partner]) if partner >= 0 else -1 - partner
-        loads[source] -= costs[row]
-        loads[target] += costs[row]
-        cells[row] = target
-        if partner >= 0:
-            loads[target] -= costs[partner]
-            loads[source] += costs[partner]
-            cells[partner] = source
-    return cells
+        score = _loads_score(loads, dp)
+        if score < best_score * (1 - _EPS):
+            best_score, best_cells, idle = score, cells.copy(), 0
+        else:
+            idle += 1
+            if idle >= PATIENCE:
+                break
+    return best_cells
 
 
-def _sources(tops: tuple[np.ndarray, np.ndarray], dp: int) -> list[int]:
-    """The cells holding a microstep's slowest rank of some column, in microstep then column order."""
-    top_ranks = tops[0]
-    cells = (np.arange(top_ranks.shape[0])[:, None] * dp + top_ranks[:, 0, :]).ravel()
-    return list(dict.fromkeys(int(cell) for cell in cells))
+def _apply(costs: np.ndarray, cells: np.ndarray, loads: np.ndarray, dp: int, tau: float, row: int, partner: int) -> int:
+    """Move ``row`` (``partner < 0``: to cell ``-1 - partner``) or swap it with ``partner``, in
+    place, if that still leaves its cell non-empty and lowers the soft score; 1 if done, else 0."""
+    source = int(cells[row])
+    target = int(cells[partner]) if partner >= 0 else -1 - partner
+    if source == target or (partner < 0 and np.count_nonzero(cells == source) < 2):
+        return 0
+    change = costs[row] - (costs[partner] if partner >= 0 else 0.0)
+    steps = sorted({source // dp, target // dp})
+    before = sum(float(_soft_maxima(loads[k * dp : (k + 1) * dp][None], tau).sum()) for k in steps)
+    loads[source] -= change
+    loads[target] += change
+    after = sum(float(_soft_maxima(loads[k * dp : (k + 1) * dp][None], tau).sum()) for k in steps)
+    if not after < before - _EPS * abs(before):
+        loads[source] += change
+        loads[target] -= change
+        return 0
+    cells[row] = target
+    if partner >= 0:
+        cells[partner] = source
+    return 1
+
+
+def _loads_score(loads: np.ndarray, dp: int) -> float:
+    """``sum_k sum_c max_r`` of the cell loads."""
+    return float(loads.reshape(-1, dp, loads.shape[1]).max(axis=1).sum())
 
 
 def aligned_split(costs: np.ndarray, dp: int, n_mb: int, rounds: int = ROUNDS) -> list[list[list[int]]]:
     """``local[r][k]``: the rows of ``costs`` (``(n, c)``, ``n >= dp * n_mb``) in rank ``r``'s
     ``k``-th microbatch: grouped into microsteps by each key of :data:`GROUP_KEYS`
     (:func:`microstep_groups`) and balanced across ranks by differencing, the key whose start
-    scores lowest (``sum_k sum_c max_r``; ties: the earlier key) then improved (:func:`improve_group`)."""
+    scores lowest (``sum_k sum_c max_r``; ties: the earlier key) then improved (:func:`improve_grid`)."""
     matrix = np.asarray(costs, dtype=float)
     if matrix.ndim == 1:
         matrix = matrix[:, None]
@@ -237,4 +274,4 @@ def _grid_score(costs: np.ndarray, cells: np.ndarray, dp: int, n_mb: int) -> flo
     """``sum_k sum_c max_r`` of the cell loads."""
     loads = np.zeros((n_mb * dp, costs.shape[1]))
     np.add.at(loads, cells, costs)
-    return float(loads.reshape(n_mb, dp, -1).max(axis=1).sum())
+    return _loads_score(loads, dp)
