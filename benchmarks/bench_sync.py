@@ -4,7 +4,8 @@ The analytic ``llava-ov-7b-h100`` model on the bundled mixture (``examples/data/
 ``ShapePolicy()``), its encoder scaled to 10% and 40% of the work (``with_encoder_share``),
 4 microbatches of 2 samples per rank (and, under ``module``, the 2 samples per rank that
 ``make bench-scale`` gives each GPU: 2 microbatches of 1, 1 microbatch of 2), packed (a
-microbatch costs the sum of its samples), mean over 3 sampled global batches. Methods: ``stock``, ``verl``, the old lockstep DFLOP (the
+microbatch costs the sum of its samples), mean over 3 sampled global batches. Methods: ``stock``,
+``verl``, the old lockstep DFLOP (the
 partitioner's microbatches on the summed columns, placed by ``lockstep_order``) and ``dflop``
 under the row's sync model; ``bound`` is :func:`dflop_ds.sync.step_lower_bound`; ``gap`` is
 dflop / bound, ``vs verl`` verl / dflop, ``cpu ms`` the CPU time of one dflop split. The last line
