@@ -19,6 +19,7 @@ from dflop_ds.testing.hf_tiny import build_tiny_llava
 from dflop_ds.testing.internvl_tiny import build_tiny_internvl
 from dflop_ds.testing.llava_onevision_tiny import build_tiny_llava_onevision
 from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl
+from dflop_ds.testing.qwen3_vl_tiny import build_tiny_qwen3_vl
 
 #: family name -> ``(dir) -> dir`` writing a tiny random checkpoint of it (model, tokenizer, image processor)
 FAMILY_BUILDERS: dict[str, Callable[[Path], Path]] = {
@@ -26,7 +27,24 @@ FAMILY_BUILDERS: dict[str, Callable[[Path], Path]] = {
     "Qwen2-VL": build_tiny_qwen2_vl,
     "LLaVA-OneVision": build_tiny_llava_onevision,
     "InternVL": build_tiny_internvl,
+    "Qwen3-VL": build_tiny_qwen3_vl,
 }
+
+
+def user_loss_func(model):
+    """The ``compute_loss_func`` a user passes ``DFLOPTrainer`` for a model whose HF class takes no
+    ``num_items_in_batch`` (Qwen3-VL: ``accepts_loss_kwargs = False``): the summed token loss over the
+    step's label tokens, as the Trainer's message asks; None for the others (their own loss does it)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    if getattr(model, "accepts_loss_kwargs", True):
+        return None
+    vocab = model.config.get_text_config().vocab_size
+
+    def loss(outputs, labels, num_items_in_batch=None):
+        return ForCausalLMLoss(outputs.logits, labels, vocab, num_items_in_batch=num_items_in_batch)
+
+    return loss
 
 
 class RightPadCollator:

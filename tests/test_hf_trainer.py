@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from ds_runs import REPO, run_on_ranks, run_with_accelerate
-from family_inputs import FAMILY_BUILDERS, RightPadCollator, image_chats
+from family_inputs import FAMILY_BUILDERS, RightPadCollator, image_chats, user_loss_func
 
 from dflop_ds.hf_trainer import (
     SAMPLER_STATE,
@@ -522,7 +522,12 @@ def test_packing_trains_the_padded_loss_and_balances_the_packed_cost(family, tmp
     ]
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=4)
     trainer = DFLOPTrainer(
-        model=packed_model, args=args, train_dataset=items, sample_shapes=table, dflop={"model": {"packing": True}}
+        model=packed_model,
+        args=args,
+        train_dataset=items,
+        sample_shapes=table,
+        dflop={"model": {"packing": True}},
+        compute_loss_func=user_loss_func(packed_model),
     )
     assert packed_model.config.get_text_config()._attn_implementation == "dflop_segments"
     loader = trainer.get_train_dataloader()
@@ -542,7 +547,13 @@ def test_packing_trains_the_padded_loss_and_balances_the_packed_cost(family, tmp
     packed_model.save_pretrained(tmp_path / "saved")
     saved, given = (AutoConfig.from_pretrained(d).get_text_config() for d in (tmp_path / "saved", model_dir))
     assert saved.use_cache == given.use_cache
-    plain = DFLOPTrainer(model=padded_model, args=args, train_dataset=items, sample_shapes=table)
+    plain = DFLOPTrainer(
+        model=padded_model,
+        args=args,
+        train_dataset=items,
+        sample_shapes=table,
+        compute_loss_func=user_loss_func(padded_model),
+    )
     plain_sampler = plain.get_train_dataloader().batch_sampler.sampler
     assert not isinstance(plain_sampler.cost_model, PackedCost)
     plain_sampler.close()

@@ -36,6 +36,7 @@ FAMILY_MODULES = (
     "dflop_ds.models.hf.qwen2_vl.family",
     "dflop_ds.models.hf.llava_onevision.family",
     "dflop_ds.models.hf.internvl.family",
+    "dflop_ds.models.hf.qwen3_vl.family",
 )
 
 

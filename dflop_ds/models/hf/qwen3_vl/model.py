@@ -1,0 +1,376 @@
+"""HF ``Qwen3VLForConditionalGeneration`` as the pipeline's flat layer lists (docs/architecture.md).
+
+Microbatch inputs: ``(pixel_values [P, C*T*p*p], input_ids [B, S], seq_lens [B], image_grid_thw [N, 3])``:
+every image's patches, flattened as Qwen3-VL's image processor writes them (patch 16, temporal patch
+2, merge 2 on the released checkpoints), images in microbatch order; every image's ``<|image_pad|>``
+token already repeated ``t*h*w / merge**2`` times. A microbatch without images has ``N = 0``.
+Videos are refused by name (their processor needs torchvision).
+
+:func:`qwen3_vl_layers` turns a loaded model into ``(encoder_layers, projector, llm_layers)``:
+
+* encoder: :class:`PatchEmbedding` (the 3-D patch convolution plus the learned position table
+  resampled to each image's grid; a microbatch without images embeds one placeholder image), then
+  one :class:`VisionBlock` per vision block. ``(vis [P, Dv], deep [k*P/m**2, D], input_ids,
+  seq_lens, image_grid)``. A block listed in ``deepstack_visual_indexes`` also runs its deepstack
+  merger on its output and appends the result to ``deep`` (flat, one ``[P/m**2, D]`` chunk per
+  deepstack block, in block order), so the features travel as one floating-point tensor with its
+  grad history across any stage boundary.
+* projector: :class:`Qwen3VLProjector`: the patch merger, token embedding, the features written at
+  the ``<|image_pad|>`` tokens and the interleaved M-RoPE position ids (:func:`mrope_position_ids`):
+  ``-> (hidden [B, S, D], deep [K*n, D], position_ids [3, B, S], seq_lens, visual_index [n])``
+  (``visual_index``: the flat row-major positions of the ``n`` image tokens).
+* LLM: one :class:`DeepstackDecoderLayer` per decoder layer (decoder layer ``j < K`` adds chunk ``j``
+  of ``deep`` at ``visual_index`` after the layer, as HF does, and passes the rest on; the layer
+  that adds the last chunk drops ``deep`` and ``visual_index``), then the shared
+  :class:`~dflop_ds.models.hf.base.layers.LMHead`.
+
+Packed microbatches: ``input_ids [1, sum(seq_lens)]``; the projector gives each sample its own M-RoPE
+positions (restarting at 0), the decoder layers attend within each sample, and ``visual_index`` is
+row-major either way, so packed equals padded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflop_ds.models.hf.base.layers import TIED_EMBEDDING_KEY, DecoderLayer, LMHead, layer_mask_kinds, load_checked
+from dflop_ds.models.packing import check_packed, is_packed, token_positions
+from dflop_ds.shapes import split_evenly
+
+MODEL_TYPE = "qwen3_vl"
+MODEL_CLASS = "Qwen3VLForConditionalGeneration"
+
+VisTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def check_qwen3_vl_config(config: Any, where: str = "model") -> None:
+    """Refuse a config this adapter cannot run, naming ``where``."""
+    if getattr(config, "model_type", None) != MODEL_TYPE:
+        raise ValueError(
+            f"{where}: model type {getattr(config, 'model_type', None)!r} is not supported by the "
+            f"Qwen3-VL adapter (supported: {MODEL_TYPE!r})"
+        )
+    layer_mask_kinds(config.text_config)  # refuses unknown attention kinds by name
+    deepstack = len(config.vision_config.deepstack_visual_indexes)
+    if deepstack > int(config.text_config.num_hidden_layers):
+        raise ValueError(
+            f"{where}: {deepstack} deepstack features but only {config.text_config.num_hidden_layers} decoder layers"
+        )
+
+
+def load_qwen3_vl(model_dir: str | Path, *, dtype: torch.dtype | None = None) -> Any:
+    """Load a ``save_pretrained`` Qwen3-VL directory as its ``Qwen3VLForConditionalGeneration`` (offline)."""
+    import transformers
+
+    return load_checked(model_dir, check_qwen3_vl_config, lambda config: getattr(transformers, MODEL_CLASS), dtype)
+
+
+def placeholder_grid(merge_size: int, like: torch.Tensor) -> torch.Tensor:
+    """``[[1, m, m]]``: the smallest image grid the merger accepts (one LLM token)."""
+    return torch.tensor([[1, merge_size, merge_size]], dtype=torch.long, device=like.device)
+
+
+def mrope_position_ids(
+    input_ids: torch.Tensor,
+    seq_lens: torch.Tensor,
+    image_grid_thw: torch.Tensor,
+    *,
+    image_token_id: int,
+    merge_size: int,
+) -> torch.Tensor:
+    """Qwen3-VL's multimodal rotary position ids ``[3, B, S]`` (temporal, height, width), as HF's
+    ``get_rope_index`` computes them for images.
+
+    Without images every sample counts ``0..len-1`` on all three axes. Otherwise a text token takes
+    the next position on all three axes; an image of grid ``(1, h, w)`` starting at position ``p``
+    takes ``(p, p + y, p + x)`` for its merged patch ``(y, x)`` and the text after it continues at
+    ``p + max(h, w) / merge``; padding gets 0. A run of image tokens whose length is not the next
+    grid's token count is refused. A packed row gives every sample its positions as if alone.
+    """
+    batch, length = input_ids.shape
+    if image_grid_thw.shape[0] == 0:
+        return token_positions(seq_lens, batch, length).expand(3, batch, length).clone()
+    grids = iter(image_grid_thw.tolist())
+    if is_packed(batch, seq_lens):
+        check_packed(batch, length, seq_lens, "mrope_position_ids: packed input_ids")
+        rows = input_ids[0].split(seq_lens.tolist())
+        positions = torch.cat(
+            [_sample_positions(ids, i, grids, image_token_id, merge_size) for i, ids in enumerate(rows)], 1
+        )
+        positions = positions[:, None, :]
+    else:
+        positions = torch.zeros(3, batch, length, dtype=torch.long, device=input_ids.device)
+        for row in range(batch):
+            ids = input_ids[row, : int(seq_lens[row])]
+            positions[:, row, : ids.numel()] = _sample_positions(ids, row, grids, image_token_id, merge_size)
+    leftover = sum(1 for _ in grids)
+    if leftover:
+        raise ValueError(f"{leftover} image grid(s) have no image tokens in the microbatch")
+    return positions
+
+
+def _sample_positions(ids: torch.Tensor, sample: int, grids: Any, image_token_id: int, merge: int) -> torch.Tensor:
+    """``[3, len(ids)]`` M-RoPE positions of one sample, taking its images' grids from ``grids``."""
+    device = ids.device
+    is_image = (ids == image_token_id).tolist()
+    pieces, start, current = [], 0, 0
+    while start < len(is_image):
+        stop = start
+        while stop < len(is_image) and is_image[stop] == is_image[start]:
+            stop += 1
+        if not is_image[start]:
+            pieces.append(torch.arange(current, current + stop - start, device=device).expand(3, -1))
+            current += stop - start
+        else:
+            t, h, w = next(grids, (0, 0, 0))
+            gh, gw = h // merge, w // merge
+            if t != 1 or gh * gw != stop - start:
+                raise ValueError(
+                    f"sample {sample}: a run of {stop - start} image tokens at position {start} does not "
+                    f"match the next image grid {(t, h, w)} ({t * gh * gw} tokens)"
+                )
+            ys, xs = torch.meshgrid(torch.arange(gh, device=device), torch.arange(gw, device=device), indexing="ij")
+            pieces.append(torch.stack([torch.zeros_like(ys).flatten(), ys.flatten(), xs.flatten()]) + current)
+            current += max(gh, gw)
+        start = stop
+    return torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long, device=device)
+
+
+class PatchEmbedding(nn.Module):
+    """First encoder layer: ``(pixel_values, input_ids, seq_lens, grid) -> (vis [P, Dv], deep [0, D],
+    input_ids, seq_lens, grid)``: the patch convolution plus the learned position table resampled
+    to each image's grid (as HF's tower resamples it, in merge-block order).
+
+    A microbatch without images embeds one blank placeholder image of grid ``[1, m, m]``, which the
+    projector drops: the tower and the deepstack mergers then run the same operations with or
+    without images, so every rank's backward produces the same gradients in the same order.
+    """
+
+    def __init__(self, visual: Any, out_hidden_size: int) -> None:
+        super().__init__()
+        self.patch_embed, self.pos_embed = visual.patch_embed, visual.pos_embed
+        self.num_grid_per_side = int(visual.num_grid_per_side)
+        self.mode, self.align_corners = str(visual.interpolation_mode), bool(visual.interpolation_align_corners)
+        self.merge_size = int(visual.spatial_merge_size)
+        self.out_hidden_size = int(out_hidden_size)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> VisTuple:
+        """Embed every patch of the microbatch's images; ``deep`` starts empty (a view of ``vis``,
+        so it has a grad history at any stage boundary)."""
+        from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+        pixel_values, input_ids, seq_lens, grid = inputs
+        if grid.shape[0] == 0:
+            grid = placeholder_grid(self.merge_size, grid)
+            pixel_values = pixel_values.new_zeros((self.merge_size**2, pixel_values.shape[1]))
+        indices, weights = get_vision_interpolation_indices_and_weights(
+            grid,
+            num_grid_per_side=self.num_grid_per_side,
+            mode=self.mode,
+            align_corners=self.align_corners,
+            spatial_merge_size=self.merge_size,
+        )
+        vis = self.patch_embed(pixel_values)
+        vis = vis + (self.pos_embed(indices) * weights[:, :, None]).sum(1).to(vis.dtype)
+        deep = vis[:0, :1].expand(0, self.out_hidden_size)
+        return vis, deep, input_ids, seq_lens, grid
+
+
+class VisionBlock(nn.Module):
+    """One vision block: attention within each image with its 2-D rotary positions (both rebuilt
+    from the integer grid); a deepstack block appends its merger's output to ``deep``."""
+
+    def __init__(self, block: nn.Module, rotary: nn.Module, vision_config: Any, deepstack: nn.Module | None) -> None:
+        super().__init__()
+        self.block, self.rotary, self.vision_config, self.deepstack = block, rotary, vision_config, deepstack
+
+    def forward(self, inputs: VisTuple) -> VisTuple:
+        """Refine ``vis`` (and grow ``deep`` at a deepstack block)."""
+        from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids
+
+        vis, deep, input_ids, seq_lens, grid = inputs
+        config = self.vision_config
+        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, config)
+        cos, sin = self.rotary(vis, get_vision_position_ids(grid, int(config.spatial_merge_size)))
+        out = self.block(vis, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, position_embeddings=(cos, sin))
+        if self.deepstack is not None:
+            deep = torch.cat([deep, self.deepstack(out).to(deep.dtype)])
+        return out, deep, input_ids, seq_lens, grid
+
+
+class Qwen3VLProjector(nn.Module):
+    """Patch merger, token embedding, the merge at ``<|image_pad|>`` and the M-RoPE positions:
+    ``(vis, deep, input_ids, seq_lens, grid) -> (hidden [B, S, D], deep [K*n, D], position_ids
+    [3, B, S], seq_lens, visual_index [n])``, or ``(hidden, position_ids, seq_lens)`` for a tower
+    without deepstack blocks.
+
+    The merged features of the microbatch's images, in order, replace the embeddings of the image
+    tokens in row-major order; each deepstack chunk keeps the same order. The placeholder image of
+    a microbatch without images is sliced off (so the graph stays the same).
+    """
+
+    def __init__(self, merger: nn.Module, embed_tokens: nn.Module, config: Any, tied_key: str | None = None) -> None:
+        super().__init__()
+        self.merger = merger
+        self.embed_tokens = embed_tokens
+        self.image_token_id = int(config.image_token_id)
+        self.merge_size = int(config.vision_config.spatial_merge_size)
+        self.deepstack = len(config.vision_config.deepstack_visual_indexes)
+        self.tied_weights = {} if tied_key is None else {tied_key: "embed_tokens.weight"}
+
+    def forward(self, inputs: VisTuple) -> tuple[torch.Tensor, ...]:
+        """Merge image features into the token embeddings, order the deepstack chunks, compute the positions."""
+        vis, deep, input_ids, seq_lens, grid = inputs
+        features = self.merger(vis)
+        embeds = self.embed_tokens(input_ids)
+        image_positions = input_ids == self.image_token_id
+        n_image = int(image_positions.sum())
+        tower_tokens = features.shape[0]
+        if n_image == 0 and grid.tolist() == [[1, self.merge_size, self.merge_size]]:
+            features, grid = features[:0], grid[:0]
+        expected = int(grid.prod(-1).sum()) // self.merge_size**2
+        if n_image != expected or features.shape[0] != expected:
+            raise ValueError(
+                f"Qwen3VLProjector: the microbatch has {n_image} image tokens but its {grid.shape[0]} "
+                f"image(s) of grids {grid.tolist()} give {features.shape[0]} features"
+            )
+        mask = image_positions.unsqueeze(-1).expand_as(embeds)
+        hidden = embeds.masked_scatter(mask, features.to(embeds.dtype))
+        position_ids = mrope_position_ids(
+            input_ids, seq_lens, grid, image_token_id=self.image_token_id, merge_size=self.merge_size
+        )
+        if not self.deepstack:
+            return hidden, position_ids, seq_lens
+        width = deep.shape[-1]
+        deep = deep.reshape(self.deepstack, tower_tokens, width)[:, :n_image].reshape(self.deepstack * n_image, width)
+        visual_index = image_positions.flatten().nonzero().flatten()
+        return hidden, deep.to(hidden.dtype), position_ids, seq_lens, visual_index
+
+
+class DeepstackDecoderLayer(DecoderLayer):
+    """One decoder layer at the M-RoPE positions. Layer ``j`` of the ``K`` deepstack layers takes
+    ``(hidden, deep, position_ids, seq_lens, visual_index)``, adds the first ``n`` rows of ``deep`` at
+    ``visual_index`` after the layer and passes the other rows on (the last one passes
+    ``(hidden, position_ids, seq_lens)``); the others map ``(hidden, position_ids, seq_lens)`` to the same."""
+
+    def __init__(
+        self, layer: nn.Module, rotary_emb: nn.Module, text_config: Any, kind: str, index: int, deepstack: int
+    ) -> None:
+        super().__init__(layer, rotary_emb, text_config, kind)
+        self.adds_deepstack = index < deepstack
+        self.last_deepstack = index == deepstack - 1
+
+    def forward(self, inputs):
+        """Apply the layer (attention masked by ``seq_lens``, rotary from ``position_ids``) and its deepstack chunk."""
+        if not self.adds_deepstack:
+            hidden, position_ids, seq_lens = inputs
+            return self.attend(hidden, seq_lens, position_ids, None), position_ids, seq_lens
+        hidden, deep, position_ids, seq_lens, visual_index = inputs
+        out = self.attend(hidden, seq_lens, position_ids, None)
+        n = visual_index.numel()
+        flat = out.reshape(-1, out.shape[-1]).index_add(0, visual_index, deep[:n].to(out.dtype))
+        out = flat.view_as(out)
+        if self.last_deepstack:
+            return out, position_ids, seq_lens
+        return out, deep[n:], position_ids, seq_lens, visual_index
+
+
+def qwen3_vl_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Module]]:
+    """``(encoder_layers, projector, llm_layers)`` of a ``Qwen3VLForConditionalGeneration``, sharing its weights.
+
+    With tied word embeddings the projector's ``embed_tokens`` and the head's ``lm_head`` declare
+    the same :data:`TIED_EMBEDDING_KEY`, which ``MLLMPipelineModule`` keeps equal across stages.
+    """
+    config = model.config
+    check_qwen3_vl_config(config, type(model).__name__)
+    visual, language_model = model.model.visual, model.model.language_model
+    vision_config = config.vision_config
+    indexes = list(vision_config.deepstack_visual_indexes)
+    mergers = dict(zip(indexes, visual.deepstack_merger_list))
+    encoder: list[nn.Module] = [PatchEmbedding(visual, int(vision_config.out_hidden_size))]
+    encoder += [
+        VisionBlock(block, visual.rotary_pos_emb, vision_config, mergers.get(i))
+        for i, block in enumerate(visual.blocks)
+    ]
+    tied = model.lm_head.weight is language_model.embed_tokens.weight
+    key = TIED_EMBEDDING_KEY if tied else None
+    projector = Qwen3VLProjector(visual.merger, language_model.embed_tokens, config, tied_key=key)
+    text_config = language_model.config
+    kinds = layer_mask_kinds(text_config)
+    llm: list[nn.Module] = [
+        DeepstackDecoderLayer(layer, language_model.rotary_emb, text_config, kind, i, len(indexes))
+        for i, (layer, kind) in enumerate(zip(language_model.layers, kinds))
+    ]
+    llm.append(LMHead(language_model.norm, model.lm_head, tied_key=key))
+    return encoder, projector, llm
+
+
+class Qwen3VLEncoderInputs:
+    """Profiler input factory of the first encoder layer: ``(patches, batch) -> (pixel_values,
+    input_ids, seq_lens, image_grid_thw)``: one random image per row, ``patches`` spread over the
+    ``batch`` rows (each rounded up to whole ``merge x merge`` blocks, as a ``m x k`` strip), each row
+    holding its image's tokens then ``text_tokens`` text tokens."""
+
+    def __init__(self, config: Any, text_tokens: int = 8, dtype: torch.dtype = torch.float32) -> None:
+        vision = config.vision_config
+        self.merge = int(vision.spatial_merge_size)
+        self.patch_dim = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+        self.image_token_id, self.vocab_size = int(config.image_token_id), int(config.text_config.vocab_size)
+        self.special = {self.image_token_id, int(config.video_token_id)}
+        self.text_tokens, self.dtype = int(text_tokens), dtype
+
+    def grids(self, patches: int, batch: int = 1) -> list[list[int]]:
+        """The ``(t, h, w)`` grid of each row's image (rows without patches have none)."""
+        block = self.merge**2
+        return [[1, self.merge, self.merge * -(-n // block)] for n in split_evenly(patches, batch) if n > 0]
+
+    def attention_units(self, patches: int, batch: int = 1) -> int:
+        """The inputs' encoder attention units: each image attends within itself (its patches squared)."""
+        return sum((t * h * w) ** 2 for t, h, w in self.grids(patches, batch))
+
+    def __call__(self, patches: int, batch: int = 1) -> tuple[torch.Tensor, ...]:
+        grids = self.grids(patches, batch)
+        tokens = [t * h * w // self.merge**2 for t, h, w in grids] + [0] * (batch - len(grids))
+        lengths = [n + self.text_tokens for n in tokens]
+        input_ids = torch.randint(0, self.vocab_size, (batch, max(lengths)))
+        for token in self.special:
+            input_ids[input_ids == token] = min(set(range(self.vocab_size)) - self.special)
+        for row, n in enumerate(tokens):
+            input_ids[row, :n] = self.image_token_id
+        grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+        pixel_values = torch.randn(int(grid.prod(-1).sum()), self.patch_dim, dtype=self.dtype)
+        return pixel_values, input_ids, torch.tensor(lengths, dtype=torch.long), grid
+
+
+class DeepstackLLMInputs:
+    """Profiler input factory of the first decoder layer: ``(batch, seq_len) -> (hidden, deep [0, D],
+    position_ids [3, B, S] (text positions), seq_lens, visual_index [0])`` (a text-only microbatch)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
+        self.hidden_size, self.dtype = int(hidden_size), dtype
+
+    def __call__(self, batch: int, seq_len: int) -> tuple[torch.Tensor, ...]:
+        seq_lens = torch.full((batch,), seq_len, dtype=torch.long)
+        hidden = torch.randn(batch, seq_len, self.hidden_size, dtype=self.dtype)
+        positions = torch.arange(seq_len).expand(3, batch, seq_len).clone()
+        return hidden, hidden.new_zeros(0, self.hidden_size), positions, seq_lens, torch.zeros(0, dtype=torch.long)
+
+
+__all__ = [
+    "MODEL_CLASS",
+    "MODEL_TYPE",
+    "DeepstackDecoderLayer",
+    "DeepstackLLMInputs",
+    "PatchEmbedding",
+    "Qwen3VLEncoderInputs",
+    "Qwen3VLProjector",
+    "VisionBlock",
+    "check_qwen3_vl_config",
+    "load_qwen3_vl",
+    "mrope_position_ids",
+    "qwen3_vl_layers",
+]

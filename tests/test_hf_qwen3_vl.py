@@ -1,0 +1,143 @@
+"""Qwen3-VL's own checks beside the family contract (tests/test_family_contract.py): the shape policy
+counts as its processor does (Qwen3VLProcessor itself needs torchvision for its video processor, so
+the counts are checked against the image processor it wraps, as the processor's
+``replace_image_token`` uses them), the M-RoPE positions equal HF's ``get_rope_index``, the deepstack
+features reach the decoder and cross any stage boundary with their gradients, and videos are refused
+by name."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+from dflop_ds.data.errors import DataError  # noqa: E402
+from dflop_ds.models.hf.base.synthetic import hf_labels  # noqa: E402
+from dflop_ds.models.hf.check import random_image, run_stages, synthetic_batches  # noqa: E402
+from dflop_ds.models.hf.qwen3_vl.data import Qwen3VLPreprocessor, SmartResize  # noqa: E402
+from dflop_ds.models.hf.qwen3_vl.model import load_qwen3_vl, mrope_position_ids, qwen3_vl_layers  # noqa: E402
+from dflop_ds.models.hf.qwen3_vl.synthetic import IMAGE_MARK, Qwen3VLInputs, qwen3_vl_hf_kwargs  # noqa: E402
+from dflop_ds.models.hf.source import hf_source  # noqa: E402
+from dflop_ds.pipe.loss import token_normalized_loss  # noqa: E402
+from dflop_ds.testing.llava_data import write_llava_dataset  # noqa: E402
+from dflop_ds.testing.qwen3_vl_tiny import build_tiny_qwen3_vl  # noqa: E402
+from dflop_ds.testing.video import add_video_records  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """``(dir, model, layers, microbatch builder)`` of the tiny Qwen3-VL."""
+    path = build_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl") / "m")
+    model = load_qwen3_vl(path).eval()
+    encoder, projector, llm = qwen3_vl_layers(model)
+    return path, model, [*encoder, projector, *llm], Qwen3VLInputs.from_dir(path, model.config).microbatch
+
+
+def test_the_shape_rule_counts_patches_and_tokens_as_the_released_image_processor_does():
+    """Qwen3-VL's released processor: patch 16, merge 2, temporal patch 2 (its image processor)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2)
+    rule = SmartResize.from_image_processor(processor)
+    rng = random.Random(0)
+    for _ in range(6):
+        image = random_image(rng).resize((rng.randint(20, 900), rng.randint(20, 700)))
+        grid = processor(images=[image], return_tensors="pt")["image_grid_thw"][0]
+        assert rule(*image.size) == (int(grid.prod()), int(grid.prod()) // 4), image.size
+
+
+def test_the_policy_counts_the_dataset_s_tokens_and_videos_are_refused_by_name(tiny, tmp_path):
+    path = tiny[0]
+    data, images = write_llava_dataset(tmp_path / "data", 6, seed=2, text_only=0.2)
+    source = hf_source(str(path), image_folder=str(images))
+    shapes = source.read_shapes(str(data), "error")
+    dataset = source.make_dataset(shapes, str(data))
+    for i, shape in enumerate(shapes):
+        item = dataset[i]
+        assert item.input_ids.numel() == shape.llm_tokens
+        assert int(item.image_grid_thw.prod(-1).sum()) == shape.encoder_tiles == item.pixel_values.shape[0]
+    videos = tmp_path / "videos"
+    videos.mkdir()
+    add_video_records(data, videos, 1, seed=2)
+    source = hf_source(str(path), image_folder=str(images), video_folder=str(videos))
+    with pytest.raises(DataError, match="videos are not supported for Qwen3-VL"):
+        source.read_shapes(str(data), "error")
+    preprocessor = Qwen3VLPreprocessor.from_pretrained(path)
+    with pytest.raises(ValueError, match="<video>"):
+        preprocessor.encode_images([("human", "<video> what happens?"), ("gpt", "a car")], [])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_mrope_positions_equal_hf_get_rope_index(tiny, packed):
+    _, model, _, microbatch = tiny
+    _, samples = synthetic_batches(1, IMAGE_MARK)[2]  # two images in one row + one image
+    inputs, _ = microbatch(samples)
+    kwargs = qwen3_vl_hf_kwargs(inputs, model.config)
+    reference, _ = model.model.get_rope_index(
+        kwargs["input_ids"], kwargs["mm_token_type_ids"], kwargs["image_grid_thw"], None, kwargs["attention_mask"]
+    )
+    config = model.config
+    if packed:
+        packed_inputs, _ = microbatch(samples, packed=True)
+        ours = mrope_position_ids(
+            packed_inputs[1], packed_inputs[2], packed_inputs[3], image_token_id=config.image_token_id, merge_size=2
+        )
+        lengths = inputs[2].tolist()
+        assert torch.equal(ours[:, 0], torch.cat([reference[:, row, :n] for row, n in enumerate(lengths)], dim=1))
+    else:
+        ours = mrope_position_ids(inputs[1], inputs[2], inputs[3], image_token_id=config.image_token_id, merge_size=2)
+        assert torch.equal(ours, reference)
+
+
+def test_deepstack_features_reach_the_decoder_and_cross_every_stage_boundary_with_gradients(tiny):
+    """Cut anywhere (inside the tower, between decoder layers that add deepstack chunks) the loss is
+    the uncut one and every float crossing the cut is used (``run_stages`` checks it under grad);
+    the deepstack mergers get gradients; zeroing them changes the loss, which still equals HF's."""
+    _, model, layers, microbatch = tiny
+    _, samples = synthetic_batches(0, IMAGE_MARK)[0]  # an image row and a text-only row
+    inputs, labels = microbatch(samples)
+    whole = token_normalized_loss(run_stages(layers, [0, len(layers)], inputs)[0], labels)
+    model.zero_grad(set_to_none=True)
+    whole.backward()
+    mergers = list(model.model.visual.deepstack_merger_list.parameters())
+    assert mergers and all(p.grad is not None and p.grad.abs().sum() > 0 for p in mergers)
+    carried = 0
+    for cut in range(1, len(layers)):
+        received = run_stages(layers, [0, cut], inputs)[0]
+        carried += len(received) == 5
+        loss = token_normalized_loss(run_stages(layers, [0, cut, len(layers)], inputs)[0], labels)
+        loss.backward()
+        assert torch.allclose(loss, whole, rtol=1e-6), cut
+    assert carried >= 4  # the tower's blocks, the projector and the first decoder layer pass deep on
+    with torch.no_grad():
+        for merger in model.model.visual.deepstack_merger_list:
+            merger.linear_fc2.weight.zero_()
+            merger.linear_fc2.bias.zero_()
+        without = token_normalized_loss(run_stages(layers, [0, len(layers)], inputs)[0], labels)
+        reference = model(**qwen3_vl_hf_kwargs(inputs, model.config), labels=hf_labels(labels[0])).loss
+    assert not torch.allclose(without, whole), "the deepstack features changed nothing"
+    assert torch.allclose(without, reference, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_trains_on_a_two_stage_pipeline_with_deepstack_features_crossing_the_stage_boundary(tmp_path, train):
+    """examples/train.py with hf_pp2.json: the deepstack features cross the stage boundary (a
+    2-stage split of the tiny model cuts inside the tower or the first decoder layers), 6 steps,
+    falling loss, the saved model changed."""
+    from transformers import AutoModelForImageTextToText
+
+    model = build_tiny_qwen3_vl(tmp_path / "model")
+    data, images = write_llava_dataset(tmp_path / "data", 40, seed=4)
+    out = tmp_path / "trained"
+    run = train("hf_pp2.json", model, data, images, "--output_dir", str(out), dflop={"steps": 6})
+    assert run["summary"]["model"].startswith("qwen3_vl")
+    losses = [s["loss"] for s in run["steps"]]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    old = AutoModelForImageTextToText.from_pretrained(str(model)).state_dict()
+    new = AutoModelForImageTextToText.from_pretrained(str(out)).state_dict()
+    assert old.keys() == new.keys()
+    assert sum(not torch.equal(old[k], new[k]) for k in old) > len(old) // 2
