@@ -31,22 +31,6 @@ FAMILY_BUILDERS: dict[str, Callable[[Path], Path]] = {
 }
 
 
-def user_loss_func(model):
-    """The ``compute_loss_func`` a user passes ``DFLOPTrainer`` for a model whose HF class takes no
-    ``num_items_in_batch`` (Qwen3-VL: ``accepts_loss_kwargs = False``): the summed token loss over the
-    step's label tokens, as the Trainer's message asks; None for the others (their own loss does it)."""
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
-    if getattr(model, "accepts_loss_kwargs", True):
-        return None
-    vocab = model.config.get_text_config().vocab_size
-
-    def loss(outputs, labels, num_items_in_batch=None):
-        return ForCausalLMLoss(outputs.logits, labels, vocab, num_items_in_batch=num_items_in_batch)
-
-    return loss
-
-
 class RightPadCollator:
     """A Trainer user's padded collator: right-pads every per-token key, concatenates the media
     (``keys``, ``padded``: as the model's family joins them)."""

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from ds_runs import REPO, run_on_ranks, run_with_accelerate
-from family_inputs import FAMILY_BUILDERS, RightPadCollator, image_chats, user_loss_func
+from family_inputs import FAMILY_BUILDERS, RightPadCollator, image_chats
 
 from dflop_ds.hf_trainer import (
     SAMPLER_STATE,
@@ -527,7 +527,6 @@ def test_packing_trains_the_padded_loss_and_balances_the_packed_cost(family, tmp
         train_dataset=items,
         sample_shapes=table,
         dflop={"model": {"packing": True}},
-        compute_loss_func=user_loss_func(packed_model),
     )
     assert packed_model.config.get_text_config()._attn_implementation == "dflop_segments"
     loader = trainer.get_train_dataloader()
@@ -552,7 +551,6 @@ def test_packing_trains_the_padded_loss_and_balances_the_packed_cost(family, tmp
         args=args,
         train_dataset=items,
         sample_shapes=table,
-        compute_loss_func=user_loss_func(padded_model),
     )
     plain_sampler = plain.get_train_dataloader().batch_sampler.sampler
     assert not isinstance(plain_sampler.cost_model, PackedCost)
@@ -729,3 +727,25 @@ def test_trainer_trains_in_bf16_where_the_accelerator_has_it(adapter_reports):
     if not bf16:
         pytest.skip("DeepSpeed's accelerator reports no bf16 support: the launch ran in fp32")
     assert all(run["bf16"] for run in runs)
+
+
+def test_a_model_without_loss_kwargs_trains_on_the_steps_token_mean(tiny_trainer_parts):
+    """A model class that takes no num_items_in_batch (Qwen3-VL's) would return a per-microbatch mean:
+    DFLOPTrainer then divides the summed token loss by the step's label tokens itself."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    model, args, dataset, good = tiny_trainer_parts
+    model.accepts_loss_kwargs = False
+    trainer = DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good)
+    assert trainer.compute_loss_func is not None
+    vocab = model.config.get_text_config().vocab_size
+    logits = torch.randn(2, 5, vocab)
+    labels = torch.tensor([[-100, 3, 4, 5, -100], [-100, -100, 7, 8, 9]])
+    summed = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    loss = trainer.compute_loss_func(CausalLMOutput(logits=logits), labels, num_items_in_batch=torch.tensor(10))
+    assert torch.allclose(loss, summed / 10)
+    mine = lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum()  # noqa: E731
+    kept = DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=good, compute_loss_func=mine)
+    assert kept.compute_loss_func is mine

@@ -59,6 +59,7 @@ from dflop_ds.compose import (
 from dflop_ds.hf_trainer.block_rules import freeze_vision_encoder
 from dflop_ds.hf_trainer.guard import BlankImageGuardMixin
 from dflop_ds.hf_trainer.launcher import check_batch_keys, trainer_deepspeed_config
+from dflop_ds.hf_trainer.loss import step_token_loss
 from dflop_ds.hf_trainer.packing import chosen_collator, packing_collator, use_segment_attention
 from dflop_ds.hf_trainer.resume import (
     SAMPLER_STATE,
@@ -129,11 +130,13 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
                 " in size, so the loss must be divided by the label tokens of the whole step over all ranks"
             )
         if not (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None):
-            raise ValueError(
-                f"DFLOPTrainer: the model {type(trainer.model).__name__} does not take num_items_in_batch in"
-                " forward, so its loss would be a per-microbatch mean, which uneven microbatches distort; pass"
-                " compute_loss_func= that divides by num_items_in_batch"
+            # its forward would return a per-microbatch mean, which uneven microbatches distort
+            logger.info(
+                "DFLOPTrainer: %s takes no num_items_in_batch; training with the step's token-mean loss"
+                " (dflop_ds.hf_trainer.loss.step_token_loss)",
+                type(trainer.model).__name__,
             )
+            trainer.compute_loss_func = step_token_loss(trainer.model)
         #: the shape policy of the shape helpers' tables (checked against the cost model's)
         self.shape_policy = getattr(sample_shapes, "policy", None)
         self.sample_shapes = None if sample_shapes is None else list(sample_shapes)

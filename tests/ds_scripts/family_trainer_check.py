@@ -22,7 +22,7 @@ import torch.distributed as dist
 from transformers import AutoModelForImageTextToText, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the family inputs
-from family_inputs import RightPadCollator, image_chats, user_loss_func  # noqa: E402
+from family_inputs import RightPadCollator, image_chats  # noqa: E402
 
 from dflop_ds.hf_trainer import DFLOPTrainer  # noqa: E402
 from dflop_ds.models.hf.registry import trainer_parts_of  # noqa: E402
@@ -71,7 +71,6 @@ def run(model_dir: str, out: Path, steps: int, packing: bool) -> tuple[dict, DFL
     collator = None if packing else RightPadCollator(parts.media_keys, parts.padded_keys)
     trainer = DFLOPTrainer(
         model=model,
-        compute_loss_func=user_loss_func(model),
         args=args,
         train_dataset=items,
         data_collator=collator,
