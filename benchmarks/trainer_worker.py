@@ -1,6 +1,7 @@
 """One rank of `make bench-trainer`: the same Trainer script trained with each sampling strategy in
-turn, round after round, ZeRO-2, for a LLaVA (examples/hf_trainer.py's Dataset and padded collator)
-or a Qwen2-VL model (:mod:`benchmarks.trainer_qwen2_vl`'s Dataset and collators).
+turn, round after round, under ``--deepspeed`` (ZeRO-2 by default), for a LLaVA
+(examples/hf_trainer.py's Dataset and padded collator) or a Qwen2-VL model
+(:mod:`benchmarks.trainer_qwen2_vl`'s Dataset and collators).
 
 Strategies: ``random`` (the Trainer's default), ``group_by_length`` and ``batch_rebalance``
 (transformers' own), ``padding_free`` (random order, transformers' flattening collator, with
@@ -69,21 +70,6 @@ class GuardedTrainer(BlankImageGuardMixin, Trainer):
     """The stock Trainer with only the blank-image guard (a fair baseline under ZeRO-2)."""
 
 
-class CountingCollator:
-    """A collator, counting real and padded tokens (all real without an ``attention_mask``)."""
-
-    def __init__(self, collate) -> None:
-        self.collate = collate
-        self.real = self.padded = 0
-
-    def __call__(self, items: list[dict]) -> dict:
-        batch = self.collate(items)
-        mask = batch.get("attention_mask")
-        self.real += int(batch["input_ids"].numel() if mask is None else mask.sum())
-        self.padded += batch["input_ids"].numel()
-        return batch
-
-
 class StepClock(TrainerCallback):
     """Wall time of each optimizer step and this rank's forward time in it (ZeRO-2's backward
     waits for the other ranks' gradients, so only the forward measures a rank's own work)."""
@@ -102,14 +88,21 @@ class StepClock(TrainerCallback):
 
 
 class TimedStep:
-    """Adds each microbatch's forward (loss) time to the clock's busy time, and notes whether the
-    microbatch came with visual input (before any guard)."""
+    """Adds each microbatch's forward (loss) time to the clock's busy time, notes whether the
+    microbatch came with visual input (before any guard) and counts its real and padded tokens
+    (all real without an ``attention_mask``), here in the training process, whichever process
+    collated it (``dataloader_num_workers``)."""
 
     clock: StepClock
     visual: list[bool]
+    real: int
+    padded: int
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         self.visual.append(has_images(inputs))
+        mask = inputs.get("attention_mask")
+        self.real += int(inputs["input_ids"].numel() if mask is None else mask.sum())
+        self.padded += inputs["input_ids"].numel()
         start = time.perf_counter()
         loss = super().compute_loss(model, inputs, *args, **kwargs)  # type: ignore[misc]
         self.clock.busy += time.perf_counter() - start
@@ -178,6 +171,7 @@ def run(strategy: str, cli, shapes) -> dict:
         logging_steps=1,
         disable_tqdm=True,
         seed=0,
+        dataloader_num_workers=cli.workers,
         train_sampling_strategy=sampling,
     )
     extra = {"sample_shapes": shapes, "dflop": dflop_settings(strategy, cli)} if strategy.startswith("dflop") else {}
@@ -189,9 +183,7 @@ def run(strategy: str, cli, shapes) -> dict:
         callbacks=[clock],
         **extra,
     )
-    # count the tokens of whichever collator the run uses (DFLOPTrainer's own under packing)
-    trainer.data_collator = collator = CountingCollator(trainer.data_collator)
-    trainer.clock, trainer.visual = clock, []
+    trainer.clock, trainer.visual, trainer.real, trainer.padded = clock, [], 0, 0
     trainer.train()
     if isinstance(trainer, DFLOPTrainer) and trainer.dflop_batch_sampler is not None:
         trainer.dflop_batch_sampler.close()  # max_steps ends mid-epoch: stop its scheduling thread
@@ -207,7 +199,7 @@ def run(strategy: str, cli, shapes) -> dict:
         "step_s": wall / len(timed),
         "forward_s": float(busy.mean()),
         "samples_per_s": samples / wall,
-        "padding_efficiency": collator.real / max(collator.padded, 1),
+        "padding_efficiency": trainer.real / max(trainer.padded, 1),
         "imbalance": imbalance,
         "mixed_microbatches": mixed_microbatches(trainer.visual),
         "predicted_imbalance": predicted_imbalance(trainer.state.log_history),
@@ -230,6 +222,7 @@ def main() -> None:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--guarded", default="", help="comma-separated baselines run with the blank-image guard")
     parser.add_argument("--deepspeed", default="ds_configs/hf_trainer_zero2.json")
+    parser.add_argument("--workers", type=int, default=0, help="the Trainer's dataloader_num_workers")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=-1, help="optimizer steps per run (-1: one epoch)")
     parser.add_argument("--batch", type=int, default=4)
