@@ -16,7 +16,7 @@ TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 # DeepSpeed's launcher and its JIT build (ninja) must be found on PATH.
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="$(TORCH_EXTENSIONS_DIR)"
 
-.PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-scale bench-e2e bench-dp validate-simulator bench-hf bench-trainer readme-figure gpu-wheels gpu-check clean
+.PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-scale bench-sync bench-e2e bench-dp validate-simulator bench-hf bench-trainer readme-figure gpu-wheels gpu-check clean
 
 # the trl extra (TRL's SFTTrainer for tests/test_hf_trainer_trl.py) pulls no torch of its own: trl,
 # datasets, pandas, pyarrow, dill, multiprocess, xxhash (pip install --dry-run, 2026-11-26)
@@ -54,6 +54,9 @@ bench-plan: setup
 
 bench-scale: setup
 	$(RUN) $(PY) benchmarks/bench_scale.py
+
+bench-sync: setup
+	$(RUN) $(PY) benchmarks/bench_sync.py
 
 readme-figure: setup
 	$(RUN) $(PY) benchmarks/readme_figure.py

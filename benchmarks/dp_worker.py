@@ -43,6 +43,7 @@ from dflop_ds.schedule.dispatch import plan_dispatch  # noqa: E402
 from dflop_ds.schedule.epoch import epoch_permutation, global_batches  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
+from dflop_ds.sync import sync_model_of  # noqa: E402
 from dflop_ds.train import TrainingEngine, build_engine  # noqa: E402
 from dflop_ds.train.colocated import DispatchCollate, DispatchDataset, MicrostepRequest, tile_costs  # noqa: E402
 from dflop_ds.train.loop import start_distributed  # noqa: E402
@@ -160,7 +161,7 @@ def main() -> int:
                 dp,
                 microbatch_cost=lambda pos, g=group: cost_model.predict_microbatch([g[p] for p in pos]),
                 seed=args.seed + round_id,
-                lockstep=True,
+                sync=sync_model_of(worker_ds_config(args.global_batch, args.gas, dp, zero_stage=2)),
             )
             own = [[ScheduledIndex(i, denominator) for i in mb] for mb in split[rank]]
             if method == "dflop_dispatch":

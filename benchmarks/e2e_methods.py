@@ -14,6 +14,7 @@ import numpy as np
 from dflop_ds.cost import LLMOnlyCost, sampler_cost_model
 from dflop_ds.schedule.splitters import MicrobatchCost, RankSplit, SplitRequest, make_splitter
 from dflop_ds.shapes import SampleShape
+from dflop_ds.sync import SyncModel
 
 #: ``dflop_uniform`` is dflop-ds's scheduling alone, on the baselines' layer-count stage split;
 #: ``stock_packed`` is stock's split with packed microbatches (packing's gain without balancing).
@@ -60,13 +61,13 @@ def split_for(
     microbatch_cost: MicrobatchCost | None = None,
     time_limit_s: float = 0.0,
     seed: int = 0,
-    lockstep: bool = False,
+    sync: SyncModel | str = SyncModel.PIPELINE,
 ) -> RankSplit:
     """The split of ``batch`` by ``method`` (one of :data:`METHODS`) with its registered splitter
     (:data:`SPLITTERS`); ``costs`` are the rows of ``batch`` under the dflop cost model,
     ``microbatch_cost`` maps batch positions to a collated microbatch's cost, which only dflop
     reads (for a method of :data:`PACKED_METHODS`, packed costs: additive, so dflop then
-    balances ``costs`` alone). ``lockstep`` is dflop's option for the plain (ZeRO) engine."""
+    balances ``costs`` alone). ``sync`` is the engine's sync model (:mod:`dflop_ds.sync`)."""
     if method not in SPLITTERS:
         raise ValueError(f"unknown method {method!r}: choose from {METHODS}")
     if method == "dflop_colocated":  # the encoder's work is dispatched separately: balance the LLM alone
@@ -79,12 +80,13 @@ def split_for(
             dp,
             time_limit_s=time_limit_s,
             seed=seed,
-            lockstep=lockstep,
+            sync=sync,
         )
     name = SPLITTERS[method]
     rows = [shapes[i] for i in batch]
     if name != "dflop":
-        return make_splitter(name).split(SplitRequest(list(batch), costs, n_mb, dp, shapes=rows, seed=seed)).ranks
+        request = SplitRequest(list(batch), costs, n_mb, dp, shapes=rows, seed=seed, sync=sync)
+        return make_splitter(name).split(request).ranks
     packed = method in PACKED_METHODS
     request = SplitRequest(
         list(batch),
@@ -95,5 +97,6 @@ def split_for(
         seed=seed,
         microbatch_cost=None if packed else microbatch_cost,
         lengths=None if packed else [s.llm_tokens for s in rows],
+        sync=sync,
     )
-    return make_splitter(name, time_limit_s=time_limit_s, lockstep=lockstep).split(request).ranks
+    return make_splitter(name, time_limit_s=time_limit_s).split(request).ranks

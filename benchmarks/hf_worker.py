@@ -28,6 +28,7 @@ from dflop_ds.models.hf.source import hf_source  # noqa: E402
 from dflop_ds.rank_lifecycle import finish_rank  # noqa: E402
 from dflop_ds.schedule.index import ScheduledIndex  # noqa: E402
 from dflop_ds.schedule.sampler import SamplerSettings, make_sampler  # noqa: E402
+from dflop_ds.sync import sync_model_of  # noqa: E402
 from dflop_ds.telemetry.record import batch_tokens  # noqa: E402
 from dflop_ds.train import build_engine  # noqa: E402
 from dflop_ds.train.loop import stage_bounds, start_distributed  # noqa: E402
@@ -75,7 +76,7 @@ def main() -> int:
             dp_size=dp_size,
             cost_model=method_cost_model(method, cost_model),
             label_tokens_fn=source.label_tokens_fn,
-            lockstep=stages == 1,
+            sync=sync_model_of(ds_config, stages),
         )
         for method in methods
     }

@@ -80,11 +80,14 @@ def sync_model_of(
     ZeRO-2 meets per module when ``zero_optimization.reduce_bucket_size`` (DeepSpeed's default
     5e8 elements when unset) is below ``largest_layer_elements``, the parameter count of the
     model's largest layer; unknown (None) counts as a real model's layer, which exceeds no default
-    bucket only for tiny models, so ZeRO-2 then meets per module.
+    bucket only for tiny models, so ZeRO-2 then meets per module. The HF Trainer's ``"auto"``
+    bucket (hidden size squared, below a layer's size) also meets per module.
     """
     keys = deepspeed_keys(ds_config)
     bucket = (ds_config.get("zero_optimization") or {}).get("reduce_bucket_size", ZERO2_DEFAULT_REDUCE_BUCKET)
-    module_buckets = largest_layer_elements is None or float(bucket) < float(largest_layer_elements)
+    # "auto" (the HF Trainer's) becomes hidden_size squared: below any layer of the model
+    numeric = isinstance(bucket, (int, float)) and not isinstance(bucket, bool)
+    module_buckets = largest_layer_elements is None or not numeric or float(bucket) < float(largest_layer_elements)
     return sync_model_for(keys.stage, pipeline_stages, module_buckets)
 
 
@@ -120,10 +123,11 @@ def step_cost(times: np.ndarray, sync: SyncModel | str) -> float:
 
 def step_lower_bound(costs: np.ndarray, dp: int, n_mb: int, sync: SyncModel | str) -> float:
     """A lower bound on :func:`step_cost` of any split of the items ``costs`` (``(n, c)`` seconds,
-    a microbatch costing the sum of its items) into ``n_mb`` microbatches on each of ``dp`` ranks.
-
-    Every model is bounded by the average rank's work and by the largest item (a sample cannot be
-    split); ``module`` adds the two columns' bounds (each column meets on its own).
+    a microbatch costing the sum of its items) into ``n_mb`` non-empty microbatches on each of
+    ``dp`` ranks. It knows that a sample cannot be split (:func:`_rank_bound`,
+    :func:`_microstep_bound`); ``module`` adds the columns' bounds (each column meets on its own),
+    ``microstep`` and ``boundary`` bound the summed column (a microbatch runs its columns one
+    after the other). Pipelines: the ``boundary`` bound (a rank's work is a floor there too).
     """
     sync = as_sync_model(sync)
     c = np.asarray(costs, dtype=float)
@@ -132,6 +136,30 @@ def step_lower_bound(costs: np.ndarray, dp: int, n_mb: int, sync: SyncModel | st
     if c.size == 0:
         return 0.0
     if sync is SyncModel.MODULE:
-        return float(sum(max(c[:, j].sum() / dp, c[:, j].max()) for j in range(c.shape[1])))
-    totals = c.sum(axis=1)
-    return float(max(totals.sum() / dp, totals.max()))
+        return float(sum(_microstep_bound(c[:, j], dp, n_mb) for j in range(c.shape[1])))
+    if sync is SyncModel.MICROSTEP:
+        return _microstep_bound(c.sum(axis=1), dp, n_mb)
+    return _rank_bound(c.sum(axis=1), dp, n_mb)
+
+
+def _rank_bound(items: np.ndarray, dp: int, n_mb: int) -> float:
+    """The slowest rank's total is at least: the average rank's; the largest item's plus the
+    ``n_mb - 1`` smallest (its rank fills ``n_mb`` non-empty microbatches); and, with more items
+    than ranks, the ``dp``-th and ``dp+1``-th largest (two of the ``dp + 1`` largest share a rank)
+    plus the ``n_mb - 2`` smallest."""
+    x = np.sort(items)  # ascending
+    smallest = np.concatenate([[0.0], np.cumsum(x)])  # smallest[k]: the k smallest summed
+    bound = max(x.sum() / dp, x[-1] + smallest[min(n_mb - 1, x.size - 1)])
+    if x.size > dp:
+        bound = max(bound, x[-dp] + x[-dp - 1] + smallest[min(max(n_mb - 2, 0), x.size - 2)])
+    return float(bound)
+
+
+def _microstep_bound(items: np.ndarray, dp: int, n_mb: int) -> float:
+    """``sum_k max_r t[r, k]`` of one column is at least the average rank's total, and at least
+    the largest item plus the other microsteps' average: a microstep is never faster than its
+    average rank, and the ``n_mb - 1`` microsteps without the largest item hold at least ``dp``
+    items each, so at least the ``(n_mb - 1) * dp`` smallest."""
+    x = np.sort(items)
+    others = float(x[: min((n_mb - 1) * dp, x.size - 1)].sum())
+    return float(max(x.sum() / dp, x[-1] + others / dp))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 
 import numpy as np
@@ -230,10 +231,10 @@ def test_the_fit_found_before_training_is_a_valid_split_for_any_costs():
     assert buckets is not None and len(buckets) == 4 and all(buckets)
     assert sorted(p for b in buckets for p in b) == list(range(16))
     assert all(microbatch_bytes(cost, [shapes[batch[p]] for p in b]) <= cap for b in buckets)
-    for lockstep in (False, True):
+    for sync in ("pipeline", "microstep", "module"):
         costs = np.random.default_rng(1).random((16, 2))  # whatever the step's costs
-        request = capped.split_request(batch, costs, batch_seed=0)
-        split = DFLOPSplitter(lockstep=lockstep).split_buckets(request, buckets, "memory-fit")
+        request = dataclasses.replace(capped.split_request(batch, costs, batch_seed=0), sync=sync)
+        split = DFLOPSplitter().split_buckets(request, buckets, "memory-fit")
         assert split.solver == "memory-fit" and [len(rank) for rank in split.ranks] == [2, 2]
         placed = sorted(sorted(mb) for rank in split.ranks for mb in rank)
         assert placed == sorted(sorted(int(batch[p]) for p in b) for b in buckets)
@@ -265,10 +266,10 @@ def test_partition_gives_oversize_items_a_bucket_of_their_own():
     videos=st.integers(0, 12),
     cap_factor=st.floats(0.5, 4.0),
     packed=st.booleans(),
-    lockstep=st.booleans(),
+    sync=st.sampled_from(["pipeline", "boundary", "microstep", "module"]),
     dp=st.sampled_from([1, 2]),
 )
-def test_capped_partitions_stay_valid(seed, videos, cap_factor, packed, lockstep, dp):
+def test_capped_partitions_stay_valid(seed, videos, cap_factor, packed, sync, dp):
     """Whatever the cap: every sample once per pass, GAS non-empty microbatches per rank, and each
     microbatch of two or more samples within the cap; or a clear error (oversize, infeasible)."""
     shapes = planted(48, long_videos=videos, seed=seed, frames=40)
@@ -281,7 +282,7 @@ def test_capped_partitions_stay_valid(seed, videos, cap_factor, packed, lockstep
             global_batch_size=24,
             gradient_accumulation_steps=3,
             dp_size=dp,
-            lockstep=lockstep,
+            sync=sync,
             memory_cap=cap,
             allow_oversize=cap_factor < 1,
         )

@@ -103,7 +103,7 @@ def sched_seed(epoch: int, batch_id: int, seed: int = 0) -> int:
 
 def rank0_sampler(name: str, shapes: list[SampleShape], cost_model: Any = None, **options) -> GlobalBatchSampler:
     """Rank 0's sampler ``name`` of 2 data-parallel ranks, 16 samples in 2 microbatches per rank,
-    scheduled inline, in lockstep; ``options`` go to :class:`SamplerSettings`."""
+    scheduled inline, for ranks that meet every microbatch; ``options`` go to :class:`SamplerSettings`."""
     return make_sampler(
         SamplerSettings(name, prefetch=0, **options),
         shapes,
@@ -112,7 +112,7 @@ def rank0_sampler(name: str, shapes: list[SampleShape], cost_model: Any = None, 
         dp_size=2,
         dp_rank=0,
         cost_model=cost_model,
-        lockstep=True,
+        sync="microstep",
     )
 
 
@@ -200,7 +200,7 @@ def test_a_benchmark_method_schedules_as_its_sampler(method: str) -> None:
         2,
         microbatch_cost=lambda pos: cost.predict_microbatch([group[p] for p in pos]),
         seed=sched_seed(0, 0),
-        lockstep=True,
+        sync="microstep",
     )
     assert sampler.schedule(0, 0, batch).split.ranks == split
     with pytest.raises(ValueError, match="unknown method 'fancy'"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -55,3 +57,30 @@ def test_lower_bound_holds_for_random_splits():
 def test_unknown_name_lists_the_models():
     with pytest.raises(ValueError, match="boundary"):
         as_sync_model("zero9")
+
+
+def _optimum(costs: np.ndarray, dp: int, n_mb: int, sync: str) -> float:
+    """The smallest step of any split, by enumerating every labelling (tiny instances only)."""
+    n, m = costs.shape[0], dp * n_mb
+    best = np.inf
+    for labels in itertools.product(range(m), repeat=n):
+        if len(set(labels)) < m:
+            continue
+        times = np.zeros((m, costs.shape[1]))
+        np.add.at(times, list(labels), costs)
+        best = min(best, step_cost(times.reshape(dp, n_mb, -1), sync))
+    return best
+
+
+def test_granularity_bound_never_exceeds_the_brute_force_optimum():
+    rng = np.random.default_rng(7)
+    tighter = 0
+    for _ in range(60):
+        dp, n_mb = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+        n = dp * n_mb + int(rng.integers(0, 3))
+        costs = rng.exponential(size=(n, 2)) * (rng.random((n, 2)) < 0.7)  # zeros, as text has no encoder
+        for sync in ("boundary", "microstep", "module"):
+            bound, best = step_lower_bound(costs, dp, n_mb, sync), _optimum(costs, dp, n_mb, sync)
+            assert bound <= best + 1e-9, (sync, costs, dp, n_mb)
+            tighter += bound > costs.sum() / dp + 1e-9
+    assert tighter > 0  # the granularity terms do bind above the average

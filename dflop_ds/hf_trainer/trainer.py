@@ -59,6 +59,7 @@ from dflop_ds.jsonio import read_json_object
 from dflop_ds.schedule import make_sampler
 from dflop_ds.setup_checks import check_cost_model_fits, check_time_limit
 from dflop_ds.shapes import SampleShape
+from dflop_ds.sync import sync_model_of
 from dflop_ds.train.options import sampler_settings
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,10 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         check_batch_keys(trainer, deepspeed_source)
         block, source = dflop_block(dflop, deepspeed, deepspeed_source)
         self.dflop_settings = DFLOPConfig.from_dict(block, source=source)
+        #: how the ranks meet (no pipeline under the Trainer), from the DeepSpeed config
+        self.dflop_sync = sync_model_of(
+            deepspeed if isinstance(deepspeed, Mapping) else read_json_object(deepspeed) if deepspeed else {}
+        )
         self._dflop_seed_source = f"{source}: train.seed" if block_sets_seed(block) else None
         if self.dflop_settings.model.packing:
             trainer.data_collator = packing_collator(
@@ -211,7 +216,7 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
             dp_rank=dp_rank,
             dp_size=dp_size,
             cost_model=cost_model,
-            lockstep=True,  # no pipeline: ZeRO ranks meet in every microbatch's backward
+            sync=self.dflop_sync,
             memory_cap=cap,
         )
         last_gas = last_step_microbatches(len(self.sample_shapes), global_batch, gas, dp_size, drop_last)

@@ -44,6 +44,7 @@ from dflop_ds.schedule.prefetch import BackgroundMap, ScheduleTimeoutError, run_
 from dflop_ds.schedule.splitters import (
     FALLBACK_SUFFIX,
     DFLOPSplitter,
+    MemoryBudget,
     SplitRequest,
     SplitResult,
     make_splitter,
@@ -51,13 +52,12 @@ from dflop_ds.schedule.splitters import (
 )
 from dflop_ds.schedule.state import Position, dataset_fingerprint, describe_dataset
 from dflop_ds.shapes import SampleShape
+from dflop_ds.sync import SyncModel, as_sync_model
 
 logger = logging.getLogger(__name__)
 
 #: Default ``schedule_timeout_s``: how long the training loop waits for one batch's schedule.
 SCHEDULE_TIMEOUT_S = 300.0
-#: Re-splits that raise the bytes charged to the samples of padded microbatches over the memory cap.
-MEMORY_ROUNDS = 16
 
 
 class CostAdjuster(Protocol):
@@ -128,6 +128,10 @@ class GlobalBatchSampler:
         schedule_timeout_s: the longest the training loop waits for one global batch's
             schedule before :class:`ScheduleTimeoutError` naming the epoch and batch (None:
             forever). An exact solve that takes over half of it is abandoned for the heuristic.
+        sync: how the engine's data-parallel ranks meet (:mod:`dflop_ds.sync`, derived once by
+            the caller with :func:`~dflop_ds.sync.sync_model_of`); every split request carries
+            it, so DFLOP balances for it and every split reports its step under it. The
+            default, ``pipeline``, is DeepSpeed's pipeline engine.
     """
 
     method = "base"
@@ -147,6 +151,7 @@ class GlobalBatchSampler:
         cost_adjuster: CostAdjuster | None = None,
         drop_last: bool = False,
         schedule_timeout_s: float | None = SCHEDULE_TIMEOUT_S,
+        sync: SyncModel | str = SyncModel.PIPELINE,
     ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
@@ -176,6 +181,7 @@ class GlobalBatchSampler:
         self.cost_adjuster = cost_adjuster
         self.drop_last = bool(drop_last)
         self.schedule_timeout_s = None if schedule_timeout_s is None else float(schedule_timeout_s)
+        self.sync = as_sync_model(sync)
         check_batch_sizes(len(self.shapes), self.global_batch_size, self.n_mb * self.dp_size)
         self.dropped_per_epoch = dropped_per_epoch(len(self.shapes), self.global_batch_size, self.drop_last)
         if self.dropped_per_epoch:
@@ -245,6 +251,7 @@ class GlobalBatchSampler:
             microbatch_cost=self._microbatch_cost(batch, costs),
             lengths=None if self.additive else self.lengths[batch],
             seed=batch_seed,
+            sync=self.sync,
         )
 
     def batch_costs(self, epoch: int, batch_id: int, batch: np.ndarray) -> np.ndarray:
@@ -455,9 +462,8 @@ class DFLOPBatchSampler(GlobalBatchSampler):
     default) the fast deterministic heuristic runs alone. Several ranks need identical schedules:
     use ``ilp_nodes`` (no clock involved) rather than ``time_limit_s`` there. An exact solve
     still running after half of ``schedule_timeout_s`` is abandoned for the heuristic (its
-    ``solver`` ends in ``+fallback``). ``lockstep=True`` is for engines without a pipeline
-    (ZeRO data parallel), whose ranks synchronise in every microbatch: microbatch ``k`` of
-    every rank is balanced on its own (see :class:`~dflop_ds.schedule.splitters.DFLOPSplitter`).
+    ``solver`` ends in ``+fallback``). The split minimises the step under the sampler's
+    ``sync`` model (see :class:`~dflop_ds.schedule.splitters.DFLOPSplitter`).
 
     ``memory_cap`` (bytes, None: no cap) bounds every microbatch's predicted memory (the cost
     model's ``predict_memory`` summed over its columns, :mod:`dflop_ds.schedule.memory`). A sample
@@ -479,14 +485,12 @@ class DFLOPBatchSampler(GlobalBatchSampler):
         *,
         time_limit_s: float = 0.0,
         ilp_nodes: int = 0,
-        lockstep: bool = False,
         memory_cap: float | None = None,
         allow_oversize: bool = False,
         **kwargs,
     ) -> None:
         self.time_limit_s = float(time_limit_s)
         self.ilp_nodes = int(ilp_nodes)
-        self.lockstep = bool(lockstep)
         if memory_cap is not None and not memory_cap > 0:
             raise ValueError(f"memory_cap must be > 0 bytes (or None: no cap), got {memory_cap!r}")
         self.memory_cap = None if memory_cap is None else float(memory_cap)
@@ -563,30 +567,6 @@ class DFLOPBatchSampler(GlobalBatchSampler):
             " Raise the cap, raise gradient_accumulation_steps, or lower the global batch size (train_batch_size)"
         )
 
-    def _split_once(
-        self,
-        batch: np.ndarray,
-        costs: np.ndarray,
-        batch_seed: int,
-        exact: bool,
-        memory: np.ndarray | None,
-        checked: bool = False,
-    ) -> SplitResult:
-        """One :class:`DFLOPSplitter` split; ``checked``: the partitioner also checks each
-        microbatch's predicted (padded) bytes and falls back to its memory-first fit."""
-        microbatch_memory = None
-        if checked:
-            shapes = [self.shapes[i] for i in batch]
-            microbatch_memory = lambda rows: microbatch_bytes(self.cost_model, [shapes[r] for r in rows])  # noqa: E731
-        splitter = DFLOPSplitter(self.time_limit_s if exact else 0.0, self.ilp_nodes if exact else 0, self.lockstep)
-        return splitter.split(
-            self.split_request(batch, costs, batch_seed),
-            memory=memory,
-            memory_cap=self.memory_cap,
-            allow_oversize=memory is not None,
-            microbatch_memory=microbatch_memory,
-        )
-
     def state_dict(self) -> dict:
         """The base state and the memory cap (the batches of an epoch depend on it)."""
         return {**super().state_dict(), "memory_cap": self.memory_cap}
@@ -615,54 +595,33 @@ class DFLOPBatchSampler(GlobalBatchSampler):
                 f" (set dflop.sampler.memory_cap_bytes to {theirs!r})"
             )
 
-    def over_cap(self, split: SplitResult) -> list[tuple[list[int], float]]:
-        """The microbatches of two or more samples of ``split`` predicted above ``memory_cap``, with
-        their predicted bytes (a sample alone is within the cap or an allowed oversize sample)."""
-        assert self.memory_cap is not None
-        sized = (
-            (mb, microbatch_bytes(self.cost_model, [self.shapes[i] for i in mb]))
-            for rank in split.ranks
-            for mb in rank
-            if len(mb) > 1
+    def memory_budget(self, batch: np.ndarray) -> MemoryBudget | None:
+        """The :class:`~dflop_ds.schedule.splitters.MemoryBudget` of ``batch`` under the memory
+        cap: the predicted bytes of each sample and of a collated microbatch (None: no cap)."""
+        if self.memory is None or self.memory_cap is None:
+            return None
+        shapes = [self.shapes[i] for i in batch]
+        return MemoryBudget(
+            self.memory_cap,
+            self.memory[batch],
+            lambda rows: microbatch_bytes(self.cost_model, [shapes[r] for r in rows]),
+            allow_oversize=True,  # an oversize sample was refused at construction unless allowed
         )
-        return [(mb, size) for mb, size in sized if size > self.memory_cap]
 
     def balanced_split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int, exact: bool) -> SplitResult:
-        """:class:`DFLOPSplitter`'s split of ``batch``, with the exact solver's limits when ``exact``.
-
-        Under a memory cap the partitioner keeps each microbatch's summed per-sample bytes under
-        it. A padded microbatch (whose rows all pay for its longest sample) may still be predicted
-        above it: the bytes charged to its samples are then raised by its overshoot (predicted /
-        cap) and the batch is split again, at most :data:`MEMORY_ROUNDS` times (a multiplicative
-        re-weighting: samples that keep landing in over-cap microbatches get pushed apart). The
-        last try has the partitioner check every microbatch's predicted bytes itself and fall
-        back to a length-ordered first fit; should that fail too, the cost-blind split
-        :meth:`fit_under_cap` found for the batch before training is used.
-        """
-        if self.memory is None or self.memory_cap is None:
-            return self._split_once(batch, costs, batch_seed, exact, None)
-        cap = self.memory_cap
-        usage = self.memory[batch].copy()
-        position = {int(index): p for p, index in enumerate(batch)}
-        for _ in range(MEMORY_ROUNDS - 1):
-            try:
-                result = self._split_once(batch, costs, batch_seed, exact, usage)
-            except InfeasibleError:
-                break  # the charges outgrew the microbatches: let the last try decide
-            over = self.over_cap(result)
-            if not over:
-                return result
-            for microbatch, size in over:
-                rows = [position[i] for i in microbatch]
-                usage[rows] *= size / cap * (1 + 1e-9)
+        """:class:`DFLOPSplitter`'s split of ``batch``, with the exact solver's limits when ``exact``,
+        under the memory budget (:meth:`memory_budget`; the splitter re-weights over-cap
+        microbatches). Should no split be found under the cap, the cost-blind split
+        :meth:`fit_under_cap` found for the batch before training is used."""
+        splitter = DFLOPSplitter(self.time_limit_s if exact else 0.0, self.ilp_nodes if exact else 0)
+        request = dataclasses.replace(self.split_request(batch, costs, batch_seed), memory=self.memory_budget(batch))
         try:
-            return self._split_once(batch, costs, batch_seed, exact, self.memory[batch], checked=True)
+            return splitter.split(request)
         except InfeasibleError:
-            fitted = self.fit_under_cap(batch, cap)  # found for every batch of the epoch before training
+            fitted = self.fit_under_cap(batch, self.memory_cap) if self.memory_cap is not None else None
             if fitted is None:
                 raise
-            splitter = DFLOPSplitter(lockstep=self.lockstep)
-            return splitter.split_buckets(self.split_request(batch, costs, batch_seed), fitted, "memory-fit")
+            return DFLOPSplitter().split_buckets(request, fitted, "memory-fit")
 
     def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
         """Balanced split; an exact solve past half of ``schedule_timeout_s`` falls back to the heuristic."""
@@ -709,12 +668,13 @@ def make_sampler(
     cost_model: CostModel | None = None,
     label_tokens_fn: Callable[[SampleShape], int] | None = None,
     cost_adjuster: CostAdjuster | None = None,
-    lockstep: bool = False,
+    sync: SyncModel | str = SyncModel.PIPELINE,
     memory_cap: float | None = None,
 ) -> GlobalBatchSampler:
     """Build the sampler splitting with the registered splitter ``settings.method`` (``"dflop"``,
-    ``"stock"``, ``"llava"``, ``"verl"``, ...) for this run's batch sizes, rank and cost model;
-    the exact-solver, lockstep and oversize options go to ``"dflop"`` alone."""
+    ``"stock"``, ``"llava"``, ``"verl"``, ...) for this run's batch sizes, rank, cost model and
+    sync model (:func:`~dflop_ds.sync.sync_model_of` of the engine's config); the exact-solver
+    and oversize options go to ``"dflop"`` alone."""
     method = settings.method
     if method not in splitter_names():
         raise ValueError(f"unknown sampler {method!r}: choose one of {list(splitter_names())}")
@@ -731,13 +691,13 @@ def make_sampler(
         "drop_last": settings.drop_last,
         "schedule_timeout_s": settings.schedule_timeout_s,
         "memory_cap": memory_cap,
+        "sync": sync,
     }
     if method == "dflop":
         return DFLOPBatchSampler(
             shapes,
             time_limit_s=settings.time_limit_s,
             ilp_nodes=settings.ilp_nodes,
-            lockstep=lockstep,
             allow_oversize=settings.allow_oversize,
             **common,
         )

@@ -33,6 +33,7 @@ from dflop_ds.rank_lifecycle import finish_rank, release_shm_buffer_once_mapped,
 from dflop_ds.schedule.correction import make_correction
 from dflop_ds.schedule.sampler import make_sampler
 from dflop_ds.setup_checks import check_cost_model_fits, check_training_setup
+from dflop_ds.sync import SyncModel, sync_model_of
 from dflop_ds.telemetry.record import batch_tokens, throughput
 from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
 from dflop_ds.train.autotp import is_tensor_parallel_layer
@@ -123,6 +124,7 @@ class Run:
     packing: bool = False
     tile_pixels: Any = None
     memory_cap: MemoryCap | None = None
+    sync: SyncModel = SyncModel.PIPELINE  # how the engine's ranks meet, from ds_config (build_sampler)
     sampler: Any = None
     loader: Any = None
 
@@ -288,6 +290,7 @@ def build_sampler(run: Run, sampler_cost: Any) -> None:
     from deepspeed.accelerator import get_accelerator
 
     trainer, gas = run.trainer, run.trainer.engine.gradient_accumulation_steps()
+    run.sync = sync_model_of(run.ds_config, trainer.num_stages)
     run.memory_cap = run_memory_cap(run.cfg, run.plan, trainer, run.ds_config, get_accelerator(), sampler_cost)
     microbatch_cap = sampler_memory_cap(run.memory_cap, sampler_cost, trainer.num_stages, gas)
     if run.rank == 0:
@@ -309,7 +312,7 @@ def build_sampler(run: Run, sampler_cost: Any) -> None:
         cost_model=sampler_cost,
         label_tokens_fn=run.source.label_tokens_fn,
         cost_adjuster=run.correction,
-        lockstep=not run.pipelined,
+        sync=run.sync,
         memory_cap=microbatch_cap,
     )
     run.sampler.check_steps(run.cfg.train.steps)  # a global batch the memory cap cannot split is refused before step 0

@@ -32,6 +32,7 @@ from dflop_ds.cost import LLMOnlyCost, ProxyCost  # noqa: E402
 from dflop_ds.models.hf.source import hf_source  # noqa: E402
 from dflop_ds.rank_lifecycle import finish_rank, share_cpu_threads  # noqa: E402
 from dflop_ds.schedule.sampler import SamplerSettings, make_sampler  # noqa: E402
+from dflop_ds.sync import sync_model_of  # noqa: E402
 from dflop_ds.train import build_engine  # noqa: E402
 from dflop_ds.train.colocated import colocate  # noqa: E402
 
@@ -82,7 +83,7 @@ def run(name: str, model: str, data: str, images: str, steps: int):
         dp_size=dp_size,
         cost_model=LLMOnlyCost(ProxyCost()),
         label_tokens_fn=source.label_tokens_fn,
-        lockstep=True,
+        sync=sync_model_of(ZERO2),
     )
     parts = (sampler, dataset, source.collate)
     dispatch = trainer.dispatch_ranks() if colocated else {}

@@ -31,6 +31,7 @@ from dflop_ds.models import TinyMLLMDataset, build_reference, collate_microbatch
 from dflop_ds.rank_lifecycle import finish_rank, share_cpu_threads  # noqa: E402
 from dflop_ds.schedule.sampler import SamplerSettings, make_sampler  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
+from dflop_ds.sync import sync_model_of  # noqa: E402
 from dflop_ds.train import build_engine  # noqa: E402
 from dflop_ds.train.colocated import colocate, dispatch_microstep, pipeline_dispatch_ranks, tile_costs  # noqa: E402
 from dflop_ds.train.gather import gather_full_state  # noqa: E402
@@ -73,7 +74,7 @@ def run_engine(mode: str, colocated: bool, shapes, dataset, steps: int, ds_confi
         dp_size=dp_size,
         cost_model=LLMOnlyCost(ProxyCost()),
         label_tokens_fn=supervised_count,
-        lockstep=not pipelined,
+        sync=sync_model_of(ds_config, pipeline_stages),
     )
     dispatch = pipeline_dispatch_ranks(trainer.engine) if pipelined else {}
     loader_parts = (sampler, dataset, collate_microbatch)

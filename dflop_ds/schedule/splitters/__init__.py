@@ -10,7 +10,9 @@ import importlib
 import pkgutil
 
 from dflop_ds.schedule.splitters.base import (
+    MemoryBudget,
     MicrobatchCost,
+    MicrobatchMemory,
     RankSplit,
     SplitRequest,
     SplitResult,
@@ -34,7 +36,9 @@ __all__ = [
     "DFLOPSplitter",
     "FALLBACK_SUFFIX",
     "LlavaSplitter",
+    "MemoryBudget",
     "MicrobatchCost",
+    "MicrobatchMemory",
     "RankSplit",
     "SplitRequest",
     "SplitResult",

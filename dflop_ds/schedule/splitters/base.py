@@ -17,10 +17,48 @@ from typing import Any, Protocol
 import numpy as np
 
 from dflop_ds.shapes import SampleShape
+from dflop_ds.sync import SyncModel, as_sync_model, step_cost, step_lower_bound
 
 RankSplit = list[list[list[int]]]
 #: A collated microbatch's cost, given the positions (rows of the request) of its samples.
 MicrobatchCost = Callable[[Sequence[int]], np.ndarray]
+#: A collated microbatch's memory (bytes), given the positions of its samples.
+MicrobatchMemory = Callable[[Sequence[int]], float]
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """How much memory a microbatch may take.
+
+    Attributes:
+        cap: bytes no microbatch of two or more samples may exceed.
+        rows: ``(n,)`` predicted bytes of each row of the request; a microbatch takes at least
+            their sum.
+        microbatch: a microbatch's true (e.g. padded) bytes from row positions; None: the sum
+            of its rows.
+        allow_oversize: a row over ``cap`` alone gets a microbatch of its own instead of an error.
+    """
+
+    cap: float
+    rows: np.ndarray
+    microbatch: MicrobatchMemory | None = None
+    allow_oversize: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.cap > 0:
+            raise ValueError(f"a memory cap must be > 0 bytes, got {self.cap!r}")
+        object.__setattr__(self, "rows", np.asarray(self.rows, dtype=float).reshape(-1))
+
+    def bytes_of(self, positions: Sequence[int]) -> float:
+        """Predicted bytes of the microbatch of rows ``positions``."""
+        if self.microbatch is not None:
+            return float(self.microbatch(positions))
+        return float(self.rows[list(positions)].sum())
+
+    def over(self, local: RankSplit) -> list[tuple[list[int], float]]:
+        """The microbatches of two or more rows of ``local`` above the cap, with their bytes."""
+        sized = ((mb, self.bytes_of(mb)) for rank in local for mb in rank if len(mb) > 1)
+        return [(mb, size) for mb, size in sized if size > self.cap]
 
 
 @dataclass(frozen=True)
@@ -31,8 +69,13 @@ class SplitResult:
         ranks: ``ranks[r][j]`` is the sample indices of rank ``r``'s ``j``-th microbatch.
         predicted: ``(dp, n_mb, k)`` predicted cost of each microbatch.
         makespan: the largest predicted microbatch cost over all columns.
-        lower_bound: a lower bound on any split's makespan (0 when not computed).
+        lower_bound: a lower bound on any split's ``step`` (0 when not computed): under a
+            pipeline, on the makespan; otherwise :func:`~dflop_ds.sync.step_lower_bound`, which
+            knows that a sample cannot be split.
         solver: the method that produced the split.
+        step: the predicted step under ``sync`` (:func:`~dflop_ds.sync.step_cost` of
+            ``predicted``); under a pipeline, the makespan (the simulator scores pipelines).
+        sync: the sync model the request asked for.
     """
 
     ranks: RankSplit
@@ -40,6 +83,8 @@ class SplitResult:
     makespan: float
     lower_bound: float
     solver: str
+    step: float = 0.0
+    sync: SyncModel = SyncModel.PIPELINE
 
 
 @dataclass(frozen=True)
@@ -58,6 +103,11 @@ class SplitRequest:
         lengths: per-row lengths (e.g. LLM tokens) for padding-aware balancing; None when
             microbatches are packed (no padding).
         seed: seeds the splitters that draw random numbers.
+        sync: how the engine's data-parallel ranks meet (:mod:`dflop_ds.sync`; derive it with
+            :func:`~dflop_ds.sync.sync_model_of`). The default, ``pipeline``, keeps the
+            pre-sync semantics (balance the slowest microbatch, order each rank for 1F1B) for
+            callers that do not know the engine; training and planning pass the engine's model.
+        memory: the :class:`MemoryBudget` every microbatch must respect (None: no cap).
     """
 
     batch: Sequence[int]
@@ -68,6 +118,8 @@ class SplitRequest:
     microbatch_cost: MicrobatchCost | None = None
     lengths: Sequence[float] | None = None
     seed: int = 0
+    sync: SyncModel = SyncModel.PIPELINE
+    memory: MemoryBudget | None = None
 
     def __post_init__(self) -> None:
         n = len(self.batch)
@@ -78,6 +130,11 @@ class SplitRequest:
         if self.shapes is not None and len(self.shapes) != n:
             raise ValueError(f"a batch of {n} samples needs {n} shapes, got {len(self.shapes)}")
         object.__setattr__(self, "costs", np.asarray(self.costs, dtype=float).reshape(n, -1))
+        object.__setattr__(self, "sync", as_sync_model(self.sync))
+        if self.memory is not None and self.memory.rows.shape != (n,):
+            raise ValueError(
+                f"a batch of {n} samples needs {n} per-row bytes in its memory budget, got {self.memory.rows.shape}"
+            )
 
     @classmethod
     def of_positions(
@@ -101,18 +158,30 @@ class SplitRequest:
         sums = [rows.sum(axis=0) for rows in _pieces(self.costs[positions], ends)]
         return np.array(sums, dtype=float).reshape(len(local), -1, self.costs.shape[1])
 
+    def step(self, predicted: np.ndarray) -> float:
+        """The step of a split with microbatch costs ``predicted`` under the request's sync model
+        (the makespan under a pipeline)."""
+        if self.sync.pipelined:
+            return float(predicted.max())
+        return step_cost(predicted, self.sync)
+
     def result(
         self, local: RankSplit, solver: str, predicted: np.ndarray | None = None, lower_bound: float = 0.0
     ) -> SplitResult:
         """The :class:`SplitResult` of a split over positions (``local[r][j]`` = rows of the
         batch), checked to hold every row exactly once in ``n_mb`` non-empty microbatches per
-        rank; ``predicted`` defaults to :meth:`predict`."""
+        rank; ``predicted`` defaults to :meth:`predict`. ``lower_bound`` is the makespan bound
+        under a pipeline; otherwise the request's own step bound is reported."""
         check_split(local, len(self.batch), self.n_mb, self.dp, solver)
         predicted = self.predict(local) if predicted is None else predicted
         positions, ends = _flatten(local)
         microbatches = _pieces(np.asarray(self.batch)[positions].astype(np.int64, copy=False).tolist(), ends)
         ranks = [microbatches[r * self.n_mb : (r + 1) * self.n_mb] for r in range(self.dp)]
-        return SplitResult(ranks, predicted, float(predicted.max()), float(lower_bound), solver)
+        if not self.sync.pipelined:
+            lower_bound = step_lower_bound(self.costs, self.dp, self.n_mb, self.sync)
+        return SplitResult(
+            ranks, predicted, float(predicted.max()), float(lower_bound), solver, self.step(predicted), self.sync
+        )
 
 
 def _flatten(local: RankSplit) -> tuple[np.ndarray, list[int]]:
@@ -178,7 +247,7 @@ def splitter_names() -> tuple[str, ...]:
 
 
 def make_splitter(name: str, **options: Any) -> Splitter:
-    """The splitter registered as ``name``, built with ``options`` (e.g. ``lockstep=True`` for dflop)."""
+    """The splitter registered as ``name``, built with ``options`` (e.g. ``time_limit_s=1.0`` for dflop)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown splitter {name!r}: choose one of {list(splitter_names())}")
     return _REGISTRY[name](**options)

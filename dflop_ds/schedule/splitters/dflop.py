@@ -1,4 +1,4 @@
-"""DFLOP's split: balanced microbatches from the partitioner, assigned and ordered onto ranks.
+"""DFLOP's split: the candidate with the smallest step under the request's sync model.
 
 :class:`DFLOPSplitter` is registered as ``"dflop"``.
 """
@@ -6,104 +6,159 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from dflop_ds.schedule import partition as partitioner
-from dflop_ds.schedule.lpt import MicrobatchCost
+from dflop_ds.schedule.aligned import GROUP_KEYS, aligned_split
+from dflop_ds.schedule.lpt import InfeasibleError, MicrobatchCost
 from dflop_ds.schedule.ranks import assign_to_ranks, lockstep_order
 from dflop_ds.schedule.splitters.base import SplitRequest, SplitResult, register_splitter
+from dflop_ds.sync import SyncModel
 
 logger = logging.getLogger(__name__)
 #: Suffix of ``SplitResult.solver`` when the exact solver failed and the heuristic answered.
 FALLBACK_SUFFIX = "+fallback"
+#: Splits under a memory budget, re-weighting the bytes charged to rows of over-cap microbatches.
+MEMORY_ROUNDS = 16
 _warned_fallback: set[str] = set()
 
 
 @register_splitter("dflop")
 class DFLOPSplitter:
-    """Partition the batch into ``n_mb * dp`` microbatches minimising the slowest one on every
-    cost column (encoder and LLM), assign them to ranks evenly, order each rank's microbatches
-    to shorten pipeline fill and drain.
+    """DFLOP's split, minimising the step under the request's sync model (:mod:`dflop_ds.sync`).
 
-    ``lockstep`` is for engines without a pipeline whose data-parallel ranks synchronise in every
-    microbatch (ZeRO): a microbatch then costs the sum of its columns (encoder and LLM run one
-    after the other), and microbatch ``k`` of every rank gets a similar cost
-    (:func:`~dflop_ds.schedule.ranks.lockstep_order`); ``predicted`` has one column.
+    Candidates, each scored by the request's step (:meth:`SplitRequest.step`), the best kept
+    (ties: the earlier one):
+
+    - the partitioner's ``n_mb * dp`` balanced microbatches
+      (:func:`~dflop_ds.schedule.partition.partition_batch`) put onto ranks as the sync model
+      needs: ``pipeline`` balances the slowest microbatch on every column and orders each rank
+      for 1F1B (:func:`~dflop_ds.schedule.ranks.assign_to_ranks`, the only candidate there);
+      ``boundary`` balances the summed columns (encoder and LLM run one after the other) and the
+      rank totals, in any order; ``microstep`` and ``module`` give microbatch ``k`` of every rank
+      a similar summed cost (:func:`~dflop_ds.schedule.ranks.lockstep_order`);
+    - under ``microstep`` (on the summed column) and ``module`` (on each column), the
+      microstep-aligned splits of :func:`~dflop_ds.schedule.aligned.aligned_split`, one per
+      grouping key; under a memory budget only those within its cap.
 
     The request's ``microbatch_cost`` gives a microbatch's true (e.g. padded) cost; its
-    ``lengths`` enable the padding-aware starts when that cost pads to the longest sample.
-    ``time_limit_s`` and ``node_limit`` bound the exact solver (both 0: heuristic only). Ranks
-    computing the split independently need a deterministic answer: no time limit (the
-    heuristic, or the ILP within ``node_limit`` nodes).
+    ``lengths`` enable the padding-aware starts when that cost pads to the longest sample; its
+    ``memory`` budget caps every microbatch (see :meth:`split`). ``time_limit_s`` and
+    ``node_limit`` bound the exact solver (both 0: heuristic only). Ranks computing the split
+    independently need a deterministic answer: no time limit (the heuristic, or the ILP within
+    ``node_limit`` nodes).
     """
 
     name = "dflop"
 
-    def __init__(self, time_limit_s: float = 0.0, node_limit: int = 0, lockstep: bool = False) -> None:
+    def __init__(self, time_limit_s: float = 0.0, node_limit: int = 0) -> None:
         self.time_limit_s = float(time_limit_s)
         self.node_limit = int(node_limit)
-        self.lockstep = bool(lockstep)
 
-    def split(
-        self,
-        request: SplitRequest,
-        *,
-        memory: np.ndarray | None = None,
-        memory_cap: float | None = None,
-        allow_oversize: bool = False,
-        microbatch_memory: Callable[[list[int]], float] | None = None,
-    ) -> SplitResult:
-        """The balanced split of ``request``'s batch.
+    def split(self, request: SplitRequest) -> SplitResult:
+        """The split of ``request``'s batch with the smallest predicted step.
 
-        ``memory`` (bytes per batch row), ``memory_cap``, ``allow_oversize`` and
-        ``microbatch_memory`` go to :func:`~dflop_ds.schedule.partition.partition_batch`: no
-        microbatch's summed memory above the cap.
+        Under a memory budget the partitioner keeps each microbatch's summed per-row bytes under
+        the cap. A padded microbatch (whose rows all pay for its longest sample) may still be
+        predicted above it: the bytes charged to its rows are then raised by its overshoot
+        (predicted / cap) and the batch is split again, at most :data:`MEMORY_ROUNDS` times (a
+        multiplicative re-weighting: rows that keep landing in over-cap microbatches get pushed
+        apart). The last try has the partitioner check every microbatch's predicted bytes itself
+        and fall back to a length-ordered first fit; an :class:`~dflop_ds.schedule.partition.InfeasibleError`
+        when that fails too.
         """
-        cost_matrix, microbatch_cost = self._costs(request)
+        budget = request.memory
+        if budget is None:
+            return self._best(request, None, checked=False)
+        usage = budget.rows.copy()
+        for _ in range(MEMORY_ROUNDS - 1):
+            try:
+                result = self._best(request, usage, checked=False)
+            except InfeasibleError:
+                break  # the charges outgrew the microbatches: let the last try decide
+            over = budget.over(_positions(request, result))
+            if not over:
+                return result
+            for microbatch, size in over:
+                usage[microbatch] *= size / budget.cap * (1 + 1e-9)
+        return self._best(request, budget.rows, checked=True)
+
+    def split_buckets(self, request: SplitRequest, buckets: list[list[int]], solver: str) -> SplitResult:
+        """``request``'s batch split into the given ``n_mb * dp`` microbatches (lists of batch rows),
+        put onto ranks as :meth:`split` puts the partitioner's."""
+        matrix, microbatch_cost = _balanced_costs(request)
+        partition = partitioner.partition_from_buckets(matrix, buckets, solver, microbatch_cost)
+        return self._onto_ranks(request, partition, solver)
+
+    def _best(self, request: SplitRequest, usage: np.ndarray | None, checked: bool) -> SplitResult:
+        """The best candidate (see the class docstring); ``usage``: the bytes charged to each row
+        under the memory budget; ``checked``: the partitioner checks true microbatch bytes."""
+        best = self._partitioned(request, usage, checked)
+        if request.sync in (SyncModel.MICROSTEP, SyncModel.MODULE):
+            columns = request.costs.sum(axis=1, keepdims=True) if request.sync is SyncModel.MICROSTEP else request.costs
+            for key in GROUP_KEYS:
+                local = aligned_split(columns, request.dp, request.n_mb, key)
+                if request.memory is not None and request.memory.over(local):
+                    continue
+                predicted = request.predict(local)
+                if request.step(predicted) < best.step:
+                    best = request.result(local, f"aligned-{key}", predicted)
+        return best
+
+    def _partitioned(self, request: SplitRequest, usage: np.ndarray | None, checked: bool) -> SplitResult:
+        """The partitioner's microbatches, put onto ranks for the request's sync model."""
+        matrix, microbatch_cost = _balanced_costs(request)
+        budget = request.memory
         lengths = None if request.lengths is None else np.asarray(request.lengths, float)
         partition, solver = _partition_or_fallback(
-            cost_matrix,
+            matrix,
             request.n_mb * request.dp,
             self.time_limit_s,
             self.node_limit,
             seed=request.seed,
             microbatch_cost=microbatch_cost,
             lengths=lengths,
-            memory=None if memory is None else np.asarray(memory, float),
-            memory_cap=memory_cap,
-            allow_oversize=allow_oversize,
-            microbatch_memory=microbatch_memory,
+            memory=usage,
+            memory_cap=None if budget is None else budget.cap,
+            allow_oversize=budget is not None and budget.allow_oversize,
+            microbatch_memory=budget.microbatch if budget is not None and checked else None,
         )
         return self._onto_ranks(request, partition, solver)
 
-    def split_buckets(self, request: SplitRequest, buckets: list[list[int]], solver: str) -> SplitResult:
-        """``request``'s batch split into the given ``n_mb * dp`` microbatches (lists of batch rows),
-        assigned and ordered onto ranks as :meth:`split` does."""
-        cost_matrix, microbatch_cost = self._costs(request)
-        partition = partitioner.partition_from_buckets(cost_matrix, buckets, solver, microbatch_cost)
-        return self._onto_ranks(request, partition, solver)
-
-    def _costs(self, request: SplitRequest) -> tuple[np.ndarray, MicrobatchCost | None]:
-        """The cost matrix and microbatch cost the partitioner balances (summed columns in lockstep)."""
-        cost_matrix = request.costs
-        microbatch_cost = request.microbatch_cost
-        if self.lockstep:
-            cost_matrix = cost_matrix.sum(axis=1, keepdims=True)
-            if microbatch_cost is not None:
-                columns = microbatch_cost
-                microbatch_cost = lambda positions: np.atleast_1d(np.asarray(columns(positions), dtype=float).sum())  # noqa: E731
-        return cost_matrix, microbatch_cost
-
     def _onto_ranks(self, request: SplitRequest, partition: Any, solver: str) -> SplitResult:
-        """Assign ``partition``'s microbatches to ranks and order them (costs as the partitioner measured them)."""
-        assign = lockstep_order if self.lockstep else assign_to_ranks
-        order = assign(partition.bucket_costs, request.dp, request.n_mb)
+        """Assign ``partition``'s microbatches to ranks and order them for the request's sync model."""
+        if request.sync is SyncModel.PIPELINE:
+            order = assign_to_ranks(partition.bucket_costs, request.dp, request.n_mb)
+        elif request.sync is SyncModel.BOUNDARY:
+            order = assign_to_ranks(partition.bucket_costs.sum(axis=1), request.dp, request.n_mb)
+        else:
+            order = lockstep_order(partition.bucket_costs, request.dp, request.n_mb)
         local = [[partition.buckets[b] for b in rank] for rank in order]  # result() copies them
-        predicted = partition.bucket_costs[np.asarray(order)]
-        return request.result(local, solver, predicted, float(partition.lower_bound))
+        if request.sync is SyncModel.PIPELINE:
+            predicted = partition.bucket_costs[np.asarray(order)]
+            return request.result(local, solver, predicted, float(partition.lower_bound))
+        return request.result(local, solver)
+
+
+def _balanced_costs(request: SplitRequest) -> tuple[np.ndarray, MicrobatchCost | None]:
+    """The cost matrix and microbatch cost the partitioner balances: every column under a
+    pipeline (each paces its own stages), their sum otherwise (encoder and LLM run one after the
+    other on every rank)."""
+    if request.sync is SyncModel.PIPELINE:
+        return request.costs, request.microbatch_cost
+    columns = request.microbatch_cost
+    summed = None
+    if columns is not None:
+        summed = lambda positions: np.atleast_1d(np.asarray(columns(positions), dtype=float).sum())  # noqa: E731
+    return request.costs.sum(axis=1, keepdims=True), summed
+
+
+def _positions(request: SplitRequest, result: SplitResult) -> list[list[list[int]]]:
+    """``result``'s microbatches as rows of ``request`` (its ranks hold dataset indices)."""
+    row = {int(index): p for p, index in enumerate(request.batch)}
+    return [[[row[i] for i in mb] for mb in rank] for rank in result.ranks]
 
 
 def _partition_or_fallback(
