@@ -125,7 +125,9 @@ def run(batches: int, dflop_batches: int, dflop_limits: dict[int, float], seed: 
                 baselines.llava_modality_grouped, lengths, multimodal, m, seed=b
             )
             seqlens = np.array([s.llm_tokens for s in batch_shapes])
-            results["verl karmarkar-karp"] = baselines.timed(baselines.verl_karmarkar_karp, seqlens, m)
+            results["verl karmarkar-karp"] = baselines.timed(
+                baselines.verl_karmarkar_karp, baselines.verl_workload(seqlens), m
+            )
             results["scalar lpt"] = baselines.timed(baselines.scalar_lpt, costs.sum(axis=1), m)
             if b < dflop_batches:
                 results[f"dflop ilp ({backend})"] = baselines.timed(

@@ -24,14 +24,39 @@ def transformers_split(lengths: list[int], batch_size: int, dp: int, gas: int, s
     return ranks
 
 
-def our_split(lengths: list[int], batch_size: int, dp: int, gas: int, seed: int) -> list[list[list[int]]]:
-    """The registered splitter on the same global batch: the rows transformers' shuffle draws first."""
+def processor_shape(i: int, length: int) -> SampleShape:
+    """A sample whose ``input_ids`` from an HF processor hold ``length`` tokens, its image expanded."""
+    text = max(length // 3, 1)
+    return SampleShape(
+        f"s{i}", image_sizes=((336, 336),), text_tokens=text, visual_tokens=length - text, llm_tokens=length
+    )
+
+
+def placeholder_shape(i: int, length: int) -> SampleShape:
+    """A sample whose ``input_ids`` from LLaVA-1.5's code hold ``length`` tokens: its text, one
+    ``<image>`` per image (two here) and one for its video, its visual tokens not among them."""
+    return SampleShape(
+        f"s{i}",
+        image_sizes=((336, 336), (672, 336)),
+        video_frames=8,
+        text_tokens=length - 3,
+        visual_tokens=2000,
+        llm_tokens=length - 3 + 2000,
+    )
+
+
+def our_split(
+    lengths: list[int], batch_size: int, dp: int, gas: int, seed: int, name: str = "batch_rebalance"
+) -> list[list[list[int]]]:
+    """The registered splitter on the same global batch: the rows transformers' shuffle draws first,
+    as samples whose Trainer-read length is ``lengths[i]``."""
     generator = torch.Generator()
     generator.manual_seed(seed)  # epoch 0
     batch = torch.randperm(len(lengths), generator=generator).tolist()[:batch_size]
-    shapes = [SampleShape(f"s{i}", text_tokens=lengths[i], llm_tokens=lengths[i]) for i in batch]
+    make_shape = processor_shape if name == "batch_rebalance" else placeholder_shape
+    shapes = [make_shape(i, lengths[i]) for i in batch]
     request = SplitRequest(batch, np.zeros((batch_size, 2)), gas, dp, shapes=shapes, seed=seed)
-    return make_splitter("batch_rebalance").split(request).ranks
+    return make_splitter(name).split(request).ranks
 
 
 CASES = [
@@ -64,6 +89,15 @@ def test_grouping_matches_transformers(n: int, batch_size: int, dp: int, gas: in
     assert our_split(lengths, batch_size, dp, gas, seed) == transformers_split(lengths, batch_size, dp, gas, seed)
 
 
+@pytest.mark.parametrize(("n", "batch_size", "dp", "gas", "kind"), CASES[:3])
+def test_the_text_variant_matches_transformers_on_placeholder_lengths(
+    n: int, batch_size: int, dp: int, gas: int, kind: str
+) -> None:
+    lengths = [length + 3 for length in draw_lengths(n, kind, 1)]  # room for the three placeholders
+    expected = transformers_split(lengths, batch_size, dp, gas, 1)
+    assert our_split(lengths, batch_size, dp, gas, 1, name="batch_rebalance_text") == expected
+
+
 def test_slots_hold_the_costliest_groups_first() -> None:
     lengths = np.array([900, 30, 30, 30, 800, 30, 30, 25, 20, 10, 700, 15])
     ranks = batch_rebalance(lengths, dp=2, n_mb=3)
@@ -85,9 +119,7 @@ def test_it_is_a_sampler_kind() -> None:
 
 def test_the_sampler_trains_it_by_name() -> None:
     rng = np.random.default_rng(3)
-    shapes = [
-        SampleShape(f"s{i}", text_tokens=int(t), llm_tokens=int(t)) for i, t in enumerate(rng.integers(5, 900, 40))
-    ]
+    shapes = [processor_shape(i, int(t)) for i, t in enumerate(rng.integers(5, 900, 40))]
     sampler = make_sampler(
         SamplerSettings("batch_rebalance", prefetch=0),
         shapes,
@@ -98,6 +130,6 @@ def test_the_sampler_trains_it_by_name() -> None:
     )
     batch = sampler.batches_in_epoch(0)[0]
     split = sampler.schedule(0, 0, batch).split
-    lengths = np.array([shapes[i].text_tokens for i in batch])
+    lengths = np.array([shapes[i].llm_tokens for i in batch])
     expected = [[[int(batch[p]) for p in mb] for mb in rank] for rank in batch_rebalance(lengths, dp=2, n_mb=2)]
     assert split.solver == "batch_rebalance" and split.ranks == expected

@@ -45,7 +45,8 @@ def shapes_of(n: int, seed: int = 0) -> list[SampleShape]:
 
 
 def test_the_named_splitters_are_registered() -> None:
-    assert {"stock", "dflop", "llava", "verl"} <= set(splitter_names())
+    assert {"stock", "dflop", "llava", "verl", "batch_rebalance", "batch_rebalance_text"} <= set(splitter_names())
+    assert {"llamafactory_packing", "swift_packing"} <= set(splitter_names())
     assert set(SPLITTERS.values()) <= set(splitter_names())
 
 

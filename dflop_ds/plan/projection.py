@@ -8,7 +8,9 @@ batches of ``batch_per_gpu * GPUs`` samples:
   planner's best plan of any family (cost-balanced stage split, or the colocated encoder);
 - the baselines (:data:`METHODS`), each with its registered splitter and padded or packed as its
   users run it (stock DeepSpeed / the HF Trainer, LLaVA's and transformers' ``batch_rebalance``
-  pad; verl removes padding; ``stock_packed`` is stock's split packed). A baseline's plan is the
+  pad; verl and ms-swift's packing remove padding; ``stock_packed`` is stock's split packed;
+  LLaMA-Factory's packs are scored packed, without the padding of each row to its cutoff, so
+  its projected step is a lower bound on the one its users run). A baseline's plan is the
   fastest, in its own simulation, of the best shared-pipeline layouts the planner simulated (the
   ``monolithic`` family's uniform layer split and the ``deepspeed`` family's cost-balanced one,
   with their microbatch counts) searched on its padded or packed costs; layouts whose
@@ -50,6 +52,8 @@ METHODS = (
     Method("verl", "verl (packed)", "verl", packed=True),
     Method("batch_rebalance", "transformers batch_rebalance", "batch_rebalance", packed=False),
     Method("stock_packed", "stock + packing", "stock", packed=True),
+    Method("llamafactory_packing", "LLaMA-Factory packing", "llamafactory_packing", packed=True),
+    Method("swift_packing", "ms-swift packing", "swift_packing", packed=True),
     Method("dflop", "DFLOP (dflop-ds, packed)", "dflop", packed=True),
 )
 BASELINES = tuple(m for m in METHODS if m.name != "dflop")

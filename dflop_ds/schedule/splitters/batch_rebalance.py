@@ -6,8 +6,13 @@ first, and cut into ``K = dp * GAS`` contiguous groups whose sizes a hill climb 
 at a time from the costliest group to the cheapest) until the padded costs
 ``bs * max_len + 0.001 * bs * max_len**2`` stop improving; the groups, costliest first, fill
 microbatch slot 0 of every rank, then slot 1, and so on. The cost is fixed (no cost model) and the
-length is the sample's token count as the Trainer reads it; here the text tokens (visual tokens are
-not counted), as for LLaVA's sampler.
+length is the sample's token count as the Trainer reads it: ``len(input_ids)`` (its
+``_get_train_sampler``, unless the dataset has a length column). The HF processors of
+LLaVA-OneVision, Qwen2-VL, InternVL and HF LLaVA expand every image and video into its tokens in
+``input_ids``, so the registered ``batch_rebalance`` reads :attr:`SampleShape.llm_tokens`.
+``batch_rebalance_text`` reads what LLaVA-1.5's own data code puts there instead: the text and one
+``<image>`` placeholder token per image (and per video), the visual tokens being inserted later
+inside the model.
 
 What differs from the Trainer: the order of the batch's rows is dflop-ds's epoch shuffle, not
 ``torch.randperm(seed + epoch)``; given the same rows in the same order, the grouping is the same
@@ -18,11 +23,13 @@ are the plan's ``n_mb`` (the Trainer's gradient accumulation steps).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from dflop_ds.schedule.splitters.base import RankSplit, SplitRequest, SplitResult, register_splitter
+from dflop_ds.shapes import SampleShape
 
 #: weight of the attention's quadratic term in transformers' fixed cost
 QUADRATIC_COST_COEF = 0.001
@@ -136,14 +143,36 @@ def batch_rebalance(lengths: np.ndarray, dp: int, n_mb: int) -> RankSplit:
     return [[members[ranked[slot * dp + r]] for slot in range(n_mb)] for r in range(dp)]
 
 
+def processor_length(shape: SampleShape) -> int:
+    """``len(input_ids)`` of a sample from an HF processor: text plus expanded image and video tokens."""
+    return shape.llm_tokens
+
+
+def placeholder_length(shape: SampleShape) -> int:
+    """``len(input_ids)`` of a sample from LLaVA-1.5's data code: text plus one ``<image>`` token
+    per image and per video."""
+    return shape.text_tokens + len(shape.image_sizes) + (1 if shape.video_frames > 0 else 0)
+
+
 @register_splitter("batch_rebalance")
 class BatchRebalanceSplitter:
     """transformers' ``batch_rebalance`` sampler over the batch, lengths as the Trainer reads them
-    for these samples (text tokens); microbatches padded-cost balanced per slot across ranks."""
+    from an HF processor's ``input_ids`` (expanded media tokens); microbatches padded-cost
+    balanced per slot across ranks."""
 
     name = "batch_rebalance"
+    length: Callable[[SampleShape], int] = staticmethod(processor_length)
 
     def split(self, request: SplitRequest) -> SplitResult:
         """See :func:`batch_rebalance`."""
-        lengths = np.array([s.text_tokens for s in request.row_shapes(self.name)], dtype=np.int64)
+        lengths = np.array([self.length(s) for s in request.row_shapes(self.name)], dtype=np.int64)
         return request.result(batch_rebalance(lengths, request.dp, request.n_mb), self.name)
+
+
+@register_splitter("batch_rebalance_text")
+class BatchRebalanceTextSplitter(BatchRebalanceSplitter):
+    """``batch_rebalance`` on LLaVA-1.5's placeholder code's ``input_ids`` (text and one
+    ``<image>`` token per image or video, visual tokens not counted)."""
+
+    name = "batch_rebalance_text"
+    length = staticmethod(placeholder_length)
