@@ -27,7 +27,9 @@ work; :func:`dflop_ds.testing.hf_tiny.build_encoder_heavy_llava`) on LLaVA's dat
 ds_configs/zero3_small_buckets.json (buckets below a layer's size, as real models have them: the
 vision tower and the LLM meet apart), with the Trainer loading data in 2 worker processes
 (``dataloader_num_workers``) as its users configure it, against transformers' ``random`` and
-``batch_rebalance`` samplers and stock + packing (``padding_free``), every baseline with the
+``batch_rebalance`` samplers, stock + packing (``padding_free``) and the packers of LLaMA-Factory
+(``llamafactory_packing``, its greedy knapsack) and ms-swift (``swift_packing``, best-fit
+decreasing), run by DFLOPTrainer's packing path with those splitters; every baseline with the
 blank-image guard.
 """
 
@@ -52,8 +54,17 @@ from dflop_ds.launch import run_deepspeed  # noqa: E402
 WORKER = ROOT / "benchmarks" / "trainer_worker.py"
 #: the strategies of the ZeRO-2 rows (transformers' baselines first)
 STRATEGIES = ("random", "group_by_length", "batch_rebalance", "padding_free", "stock_packed", "dflop", "dflop_packed")
-#: the ZeRO-3 row's: transformers' random and batch_rebalance samplers, stock + packing, the project's
-Z3_STRATEGIES = ("random", "batch_rebalance", "padding_free", "stock_packed", "dflop", "dflop_packed")
+#: the ZeRO-3 row's: transformers' random and batch_rebalance samplers, stock + packing (transformers'
+#: padding-free collator), LLaMA-Factory's and ms-swift's packers, and the project's
+Z3_STRATEGIES = (
+    "random",
+    "batch_rebalance",
+    "padding_free",
+    "llamafactory_packing",
+    "swift_packing",
+    "dflop",
+    "dflop_packed",
+)
 
 
 @dataclass(frozen=True)

@@ -106,20 +106,17 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def zero_engine(
-    colocated: bool, gas: int, global_batch: int, dp: int, seed: int, zero: dict | None = None
-) -> TrainingEngine:
-    """The tiny MLLM on the plain engine, under ZeRO-2 or under the ZeRO block ``zero``."""
+def engine_config(gas: int, global_batch: int, dp: int, zero: dict | None = None) -> dict:
+    """The DeepSpeed config of an engine: ZeRO-2, or the ZeRO block ``zero``."""
     config = worker_ds_config(global_batch, gas, dp, zero_stage=2)
     if zero is not None:
         config["zero_optimization"] = zero
-    return build_engine(
-        *tiny_mllm_layers(seed=seed),
-        config,
-        pipeline_stages=1,
-        colocated=colocated,
-        lr=1e-3,
-    )
+    return config
+
+
+def zero_engine(colocated: bool, config: dict, seed: int) -> TrainingEngine:
+    """The tiny MLLM on the plain engine under ``config``."""
+    return build_engine(*tiny_mllm_layers(seed=seed), config, pipeline_stages=1, colocated=colocated, lr=1e-3)
 
 
 def main() -> int:
@@ -132,13 +129,12 @@ def main() -> int:
     tiles, per_tile = tile_costs(cost_model, shapes)
     labels = np.array([supervised_count(s) for s in shapes])
     methods = args.methods.split(",")
-    engines = {
-        "local": zero_engine(False, args.gas, args.global_batch, dp, args.seed),
-        "colocated": zero_engine(True, args.gas, args.global_batch, dp, args.seed),
-    }
+    configs = {name: engine_config(args.gas, args.global_batch, dp) for name in ("local", "colocated")}
     if any(method.endswith("_z3") for method in methods):
         zero3 = read_json_object(args.zero3_config)["zero_optimization"]
-        engines["zero3"] = zero_engine(False, args.gas, args.global_batch, dp, args.seed, zero3)
+        configs["zero3"] = engine_config(args.gas, args.global_batch, dp, zero3)
+    engines = {name: zero_engine(name == "colocated", config, args.seed) for name, config in configs.items()}
+    syncs = {name: sync_model_of(config) for name, config in configs.items()}  # how each engine's ranks meet
     n_encoder = engines["local"].module.n_encoder_layers
     clocks = {name: EncoderClock(trainer.module, n_encoder) for name, trainer in engines.items()}
     dispatch_data, dispatch_collate = DispatchDataset(dataset), DispatchCollate(collate_packed_microbatch, tiles)
@@ -150,6 +146,7 @@ def main() -> int:
         denominator = max(int(labels[batch].sum()), 1) / (args.gas * dp)
         order = methods[round_id % len(methods) :] + methods[: round_id % len(methods)]
         for method in order:
+            name = "colocated" if method == "dflop_dispatch" else "zero3" if method.endswith("_z3") else "local"
             start = time.perf_counter()
             packed = SPLITS[method] in PACKED_METHODS
             split = split_for(
@@ -161,7 +158,7 @@ def main() -> int:
                 dp,
                 microbatch_cost=lambda pos, g=group: cost_model.predict_microbatch([g[p] for p in pos]),
                 seed=args.seed + round_id,
-                sync=sync_model_of(worker_ds_config(args.global_batch, args.gas, dp, zero_stage=2)),
+                sync=syncs[name],
             )
             own = [[ScheduledIndex(i, denominator) for i in mb] for mb in split[rank]]
             if method == "dflop_dispatch":
@@ -174,7 +171,6 @@ def main() -> int:
                 microbatches = [collate_microbatch([dataset[i] for i in mb], packed=packed) for mb in own]
                 predicted = np.array([sum(tiles[i] * per_tile[i] for mb in r for i in mb) for r in split])
             schedule_s = time.perf_counter() - start
-            name = "colocated" if method == "dflop_dispatch" else "zero3" if method.endswith("_z3") else "local"
             clocks[name].take()
             loss, step_s = timed_train_step(engines[name].train_step, microbatches)
             encoder = [0.0] * dp

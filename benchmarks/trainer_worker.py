@@ -9,9 +9,11 @@ M-RoPE positions for Qwen2-VL, sdpa), ``stock_packed`` (random order, padding-fr
 project's per-sample attention: packing's gain without balancing), ``dflop`` (``DFLOPTrainer``,
 the padded collator, the profiled cost model) and ``dflop_packed`` (``DFLOPTrainer`` with
 ``dflop={"model": {"packing": True}}`` and no collator: it packs with the family's padding-free
-collator and the project's attention, balancing the packed cost). The baselines named in
+collator and the project's attention, balancing the packed cost); ``llamafactory_packing`` and
+``swift_packing`` are those frameworks' packers (registered splitters) in ``DFLOPTrainer``'s
+packing path, their packs dealt to ranks as the Trainer deals rows. The baselines named in
 ``--guarded`` run with the blank-image guard (``BlankImageGuardMixin``); the project's
-configurations always have it. Each run trains one epoch (or ``--steps``
+configurations and the packers (in DFLOPTrainer) always have it. Each run trains one epoch (or ``--steps``
 optimizer steps) from the same initial weights; the first step is left out of the timing. Rank 0
 writes ``--out`` (JSON): per round and strategy, samples/s, padding efficiency (real tokens /
 padded tokens) and rank imbalance (per step, the slowest rank's forward time over the mean,
@@ -61,6 +63,17 @@ STRATEGIES = {
     "stock_packed": ("random", "segments"),
     "dflop": ("random", "padded"),
     "dflop_packed": ("random", "packing"),
+    "llamafactory_packing": ("random", "packing"),
+    "swift_packing": ("random", "packing"),
+}
+#: the strategies DFLOPTrainer runs, each with its registered splitter (``dflop.sampler.kind``): the
+#: project's, and the frameworks' packers (LLaMA-Factory's greedy knapsack, ms-swift's
+#: best-fit-decreasing), whose packs its sampler deals to the ranks as the Trainer deals rows
+SPLITTER_OF = {
+    "dflop": "dflop",
+    "dflop_packed": "dflop",
+    "llamafactory_packing": "llamafactory_packing",
+    "swift_packing": "swift_packing",
 }
 #: the project's own configurations (always with the blank-image guard)
 PROJECT = ("stock_packed", "dflop", "dflop_packed")
@@ -120,7 +133,7 @@ def mixed_microbatches(visual: list[bool]) -> int:
 
 
 def trainer_class(strategy: str, guarded: bool) -> type:
-    base = DFLOPTrainer if strategy.startswith("dflop") else GuardedTrainer if guarded else Trainer
+    base = DFLOPTrainer if strategy in SPLITTER_OF else GuardedTrainer if guarded else Trainer
     return type(f"Timed{base.__name__}", (TimedStep, base), {})
 
 
@@ -145,9 +158,12 @@ def dataset_and_collate(cli, shapes, model, kind: str) -> tuple:
 
 
 def dflop_settings(strategy: str, cli) -> dict:
-    """The ``"dflop"`` block: the profiled cost model; packing for ``dflop_packed``."""
-    sampler = {"kind": "dflop"} if cli.cost_model is None else {"kind": "dflop", "cost_model": cli.cost_model}
-    return {"sampler": sampler, "model": {"packing": strategy == "dflop_packed"}}
+    """The ``"dflop"`` block: the strategy's splitter, the profiled cost model; packing for the
+    strategies of the ``packing`` collator."""
+    sampler = {"kind": SPLITTER_OF[strategy]}
+    if cli.cost_model is not None:
+        sampler["cost_model"] = cli.cost_model
+    return {"sampler": sampler, "model": {"packing": STRATEGIES[strategy][1] == "packing"}}
 
 
 def run(strategy: str, cli, shapes) -> dict:
@@ -174,7 +190,7 @@ def run(strategy: str, cli, shapes) -> dict:
         dataloader_num_workers=cli.workers,
         train_sampling_strategy=sampling,
     )
-    extra = {"sample_shapes": shapes, "dflop": dflop_settings(strategy, cli)} if strategy.startswith("dflop") else {}
+    extra = {"sample_shapes": shapes, "dflop": dflop_settings(strategy, cli)} if strategy in SPLITTER_OF else {}
     trainer = trainer_class(strategy, strategy in PROJECT or strategy in cli.guarded.split(","))(
         model=model,
         args=args,
