@@ -125,7 +125,9 @@ class SamplerSection:
     Attributes:
         kind: a registered splitter (:mod:`dflop_ds.schedule.splitters`): ``"dflop"``
             (balanced microbatches), ``"stock"`` (fixed sample count), ``"llava"``, ``"verl"``,
-            ``"batch_rebalance"`` (transformers'); setting name ``sampler``.
+            ``"batch_rebalance"`` (transformers'; ``"batch_rebalance_text"`` on LLaVA-1.5's
+            placeholder lengths), ``"llamafactory_packing"``, ``"swift_packing"``; setting
+            name ``sampler``.
         cost_model: a cost-model JSON (:func:`dflop_ds.cost.load_cost_model`; None: the unitless proxy).
         time_limit_s: exact-solver time per global batch (0: no time-limited solve). Time limits
             make splits differ between processes, so they are for single-process runs.

@@ -46,6 +46,7 @@ def test_accepts_a_consistent_launch_and_prints_its_arithmetic(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "train_batch_size 32 = micro 4 x GAS 8 x dp 1" in out
     assert "320 samples" in out and "10 global batches per epoch" in out
+    assert "sync: pipeline: 1F1B pipeline" in out  # two stages: the pipeline paces the ranks
     assert "check-launch: OK for 1 node(s) x 2 GPU(s)" in out
 
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from dflop_ds.config import DFLOPConfig
-from dflop_ds.schedule.sampler import SamplerSettings, make_sampler
 from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 from dflop_ds.schedule.splitters.llamafactory import greedy_knapsack, knapsack_packs
 from dflop_ds.schedule.splitters.packs import deal_packs, default_capacity, halve_fullest
-from dflop_ds.schedule.splitters.swift import best_fit_decreasing, least_loaded_fit_decreasing
+from dflop_ds.schedule.splitters.swift import decreasing_fit, emptiest, fullest
 from dflop_ds.shapes import SampleShape
+from tests.test_splitters import rank0_sampler
 
 PACKERS = ("llamafactory_packing", "swift_packing")
 
@@ -40,11 +40,11 @@ def test_knapsack_equal_lengths_fill_latest_read_first() -> None:
 def test_least_loaded_and_best_fit_differ_as_the_two_binpacking_releases() -> None:
     # [6, 5, 4, 1] at 10: 6 opens row 0, 5 row 1; 4 goes to the emptiest row that fits (row 1,
     # binpacking 2.0) or to the fullest (row 0, 1.x); then 1 likewise
-    assert least_loaded_fit_decreasing([6, 5, 4, 1], 10) == [[0, 3], [1, 2]]
-    assert best_fit_decreasing([6, 5, 4, 1], 10) == [[0, 2], [1, 3]]
+    assert decreasing_fit([6, 5, 4, 1], 10, emptiest) == [[0, 3], [1, 2]]
+    assert decreasing_fit([6, 5, 4, 1], 10, fullest) == [[0, 2], [1, 3]]
     # equal loads: the first row; equal lengths: position order
-    assert least_loaded_fit_decreasing([3, 3, 3, 3], 6) == [[0, 1], [2, 3]]
-    assert best_fit_decreasing([2, 4, 4, 2], 6) == [[1, 0], [2, 3]]
+    assert decreasing_fit([3, 3, 3, 3], 6, emptiest) == [[0, 1], [2, 3]]
+    assert decreasing_fit([2, 4, 4, 2], 6, fullest) == [[1, 0], [2, 3]]
 
 
 def test_the_fullest_packs_are_halved_until_every_microbatch_has_one() -> None:
@@ -70,9 +70,7 @@ def test_default_packing_length_is_a_power_of_two_holding_the_longest() -> None:
 def test_a_packer_keeps_its_packs_whole_on_one_microbatch(name: str) -> None:
     lengths = [700, 300, 650, 350, 100, 900, 120, 80, 500, 500, 60, 40]
     shapes = shapes_of(lengths)
-    packs = (
-        knapsack_packs(lengths, 1023) if name == "llamafactory_packing" else least_loaded_fit_decreasing(lengths, 1024)
-    )
+    packs = knapsack_packs(lengths, 1023) if name == "llamafactory_packing" else decreasing_fit(lengths, 1024, emptiest)
     request = SplitRequest(list(range(100, 112)), np.ones((12, 2)), 2, 2, shapes=shapes, seed=3)
     result = make_splitter(name).split(request)
     microbatches = [set(mb) for rank in result.ranks for mb in rank]
@@ -116,14 +114,7 @@ def test_a_packer_is_a_sampler_kind_and_trains_by_name(name: str) -> None:
     assert DFLOPConfig.from_dict({"sampler": {"kind": name}}).sampler.kind == name
     rng = np.random.default_rng(4)
     shapes = shapes_of([int(t) for t in rng.integers(20, 900, 40)])
-    sampler = make_sampler(
-        SamplerSettings(name, prefetch=0),
-        shapes,
-        global_batch_size=16,
-        gradient_accumulation_steps=2,
-        dp_size=2,
-        dp_rank=0,
-    )
+    sampler = rank0_sampler(name, shapes)
     batch = sampler.batches_in_epoch(0)[0]
     split = sampler.schedule(0, 0, batch).split
     assert split.solver == name

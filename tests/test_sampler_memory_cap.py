@@ -18,7 +18,7 @@ from dflop_ds.schedule.fit_batches import MemoryCapError
 from dflop_ds.schedule.memory import OversizeSampleError, fit_under_cap, microbatch_bytes, sample_bytes
 from dflop_ds.schedule.partition import InfeasibleError, partition_batch
 from dflop_ds.schedule.sampler import DFLOPBatchSampler, SamplerSettings, make_sampler
-from dflop_ds.schedule.splitters import DFLOPSplitter
+from dflop_ds.schedule.splitters import DFLOPSplitter, OverBudgetError
 from dflop_ds.shapes import SampleShape
 
 TOKENS_PER_FRAME = 1  # a strongly pooling video projector: long videos cost memory (tiles) more than time
@@ -109,16 +109,28 @@ def test_allow_oversize_trains_the_sample_alone_once_with_a_warning(caplog):
     assert set(counts.values()) == {2} and len(counts) == len(shapes)
 
 
-def test_the_stock_sampler_refuses_a_cap_and_the_config_keys_are_typed():
-    for method in ("stock", "verl"):  # the registered splitters other than dflop ignore memory
-        with pytest.raises(ValueError, match=f"memory_cap_bytes.*needs the dflop sampler: the '{method}'"):
-            make_sampler(
-                SamplerSettings(method, allow_oversize=True),
-                planted(32, 1),
+def test_a_baseline_sampler_runs_under_a_cap_through_the_contract_and_the_config_keys_are_typed():
+    shapes = planted(32, 1)
+    cost = ProxyCost(tile_cost=1.0)
+    usage = sample_bytes(cost, shapes)
+    for method in ("stock", "verl"):  # the registered splitters other than dflop cut whatever the memory
+
+        def build(cap, method=method):
+            return make_sampler(
+                SamplerSettings(method, prefetch=0),
+                shapes,
                 global_batch_size=16,
                 gradient_accumulation_steps=2,
-                memory_cap=1e9,
+                cost_model=cost,
+                memory_cap=cap,
             )
+
+        roomy = build(float(usage.sum()))  # any microbatch fits
+        assert sorted(i for mb in roomy for i in mb) == list(range(32))
+        with pytest.raises(OverBudgetError, match=f"splitter '{method}' put samples"):
+            list(build(1.05 * float(usage.max())))  # two samples together exceed it somewhere
+        with pytest.raises(OversizeSampleError):
+            build(0.5 * float(usage.max()))
     assert DFLOPConfig.from_dict({}).sampler.memory_cap_bytes == "auto"
     assert DFLOPConfig.from_dict({"sampler": {"memory_cap_bytes": "off"}}).sampler.memory_cap_bytes == "off"
     assert (

@@ -22,6 +22,7 @@ from dflop_ds.config import AUTO, OFF, DFLOPConfig
 from dflop_ds.cost import load_cost_model
 from dflop_ds.deepspeed_keys import deepspeed_keys
 from dflop_ds.setup_checks import SetupError, check_cost_model_fits, check_training_setup, resolve_batch_keys
+from dflop_ds.sync import sync_model_of
 from dflop_ds.train.launch_inputs import PROXY
 from dflop_ds.train.memory_cap import MemoryCap
 from dflop_ds.train.options import build_parser, load_run_settings
@@ -102,6 +103,7 @@ def check_launch(args: argparse.Namespace) -> list[str]:
             else "resolved on rank 0 at launch (profile cache or proxy) and broadcast to every rank"
         ),
         memory_cap_line(cfg, plan),
+        f"sync: {sync_model_of(ds_config, stages).describe()}",
     ]
     if plan is not None:
         lines.append(f"plan: {cfg.plan.file}, made for {plan.world_size()} GPUs, {plan.gpus_per_node} per node")

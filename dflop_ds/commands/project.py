@@ -3,7 +3,8 @@
     dflop-ds project --cost-model llava-ov-7b-h100 --data data.jsonl --gpus 8 64 512 --png gain.png
 
 For every cluster size it prints the predicted step time and samples/s of stock, LLaVA's modality
-grouping, verl, transformers' ``batch_rebalance``, stock + packing and DFLOP (dflop-ds), each on
+grouping, verl, transformers' ``batch_rebalance``, stock + packing, LLaMA-Factory's and ms-swift's
+packing and DFLOP (dflop-ds), each on
 the best plan the planner finds for it (:mod:`dflop_ds.plan.projection`), DFLOP's gain over the
 best of them with its range over the sampled global batches, the cost model used and the
 simulator's last measured error against real runs (:mod:`dflop_ds.plan.calibration`).

@@ -9,13 +9,15 @@ that microstep ``k`` holds work that every rank can share evenly, i.e. alike sam
 1. orders the samples by a key (:data:`GROUP_KEYS`: the first column, the encoder, then the
    others; or the summed cost) and cuts the order into ``n_mb`` consecutive groups of near-equal
    count, one per microstep (alike samples meet in the same microstep);
-2. balances each group's columns across the ``dp`` ranks with equal-count vector differencing;
-3. improves each group by moves and swaps out of the slowest rank of each column, scored by the
-   group's ``sum_c max_r`` (ties: a lower sum of squared rank loads, which keeps the search
-   moving across equal maxima), at most :data:`ROUNDS` accepted changes per group.
+2. balances each group's columns across the ``dp`` ranks with equal-count vector differencing,
+   and keeps the key whose groups score lowest;
+3. improves the whole grid by moves and swaps of samples, within a microstep or across two, out
+   of the slowest rank of each microstep and column, scored by ``sum_k sum_c max_r`` (ties: a
+   lower sum of squared cell loads, which keeps the search moving across equal maxima), at most
+   :data:`ROUNDS` changes, stopping after :data:`PATIENCE` rounds without a lower score.
 
-Pure and deterministic: stable sorts, ties by index, a fixed round budget, no clock. Each key is
-one candidate; the DFLOP splitter scores candidates with :func:`dflop_ds.sync.step_cost`.
+Pure and deterministic: stable sorts, ties by index, a fixed round budget, no clock. The DFLOP
+splitter scores the result against its other candidates with :func:`dflop_ds.sync.step_cost`.
 """
 
 from __future__ import annotations
@@ -25,14 +27,18 @@ import numpy as np
 from dflop_ds.schedule.lpt import differencing_assign
 from dflop_ds.shapes import split_evenly
 
-__all__ = ["GROUP_KEYS", "aligned_split", "improve_group", "microstep_groups"]
+__all__ = ["GROUP_KEYS", "aligned_split", "improve_grid", "microstep_groups"]
 
 #: How :func:`microstep_groups` may order samples before cutting them into microsteps.
 GROUP_KEYS = ("first", "total")
-#: Accepted moves or swaps per microstep group (each round costs ``O(dp)`` numpy work, so the
-#: budget is fixed rather than grown with the ranks: the planner calls this at 1024 ranks).
-ROUNDS = 48
-#: A change must lower a group's score by more than this (relative) to count as a gain.
+#: Moves or swaps of :func:`improve_grid` (each round costs ``O(n)`` numpy work, so the budget
+#: is fixed rather than grown with the ranks: the planner calls this at 1024 ranks) ...
+ROUNDS = 96
+#: ... and at most this many samples times rounds (fewer rounds for large batches).
+ROUND_WORK = 65_536
+#: Rounds without a lower score after which the search stops.
+PATIENCE = 24
+#: A change must lower the score by more than this (relative) to count as a gain.
 _EPS = 1e-12
 
 
@@ -52,107 +58,183 @@ def microstep_groups(costs: np.ndarray, n_mb: int, key: str) -> list[np.ndarray]
     return np.split(order, ends[:-1])
 
 
-def _max_without(loads: np.ndarray, a: int, others: np.ndarray) -> np.ndarray:
-    """``(len(others), c)``: per column, the largest load of the ranks other than ``a`` and each
-    ``others[i]`` (the top three ranks of each column suffice)."""
-    dp, c = loads.shape
-    result = np.zeros((others.size, c))
-    if dp <= 2:
-        return result
-    top = np.argsort(-loads, axis=0, kind="stable")[:3]  # (3, c)
-    for col in range(c):
-        best = np.zeros(others.size)
-        for rank in top[::-1, col]:  # the highest written last
-            if rank != a:
-                best = np.where(others != rank, loads[rank, col], best)
-        result[:, col] = best
+def _max_without(top_values: np.ndarray, top_ranks: np.ndarray, steps: np.ndarray, *excluded: np.ndarray) -> np.ndarray:
+    """``(N, c)``: per column, the largest rank load of microstep ``steps[j]`` among its ranks
+    other than ``excluded[..][j]`` (-1: none), from each microstep's top three ranks per column
+    (``top_values``, ``top_ranks``: ``(n_mb, <=3, c)``, highest first; two exclusions at most)."""
+    values, ranks = top_values[steps], top_ranks[steps]  # (N, t, c)
+    result = np.zeros((steps.size, values.shape[2]))
+    for t in range(values.shape[1] - 1, -1, -1):  # the highest written last
+        ok = np.ones(ranks[:, t, :].shape, dtype=bool)
+        for rank in excluded:
+            ok &= ranks[:, t, :] != rank[:, None]
+        result = np.where(ok, values[:, t, :], result)
     return result
 
 
-def _scored(loads: np.ndarray, a: int, ranks: np.ndarray, new_a: np.ndarray, new_b: np.ndarray):
-    """Score and potential of changes that leave rank ``a`` at ``new_a`` and rank ``ranks[j]`` at
-    ``new_b[:, j]`` (both ``(m, len(ranks), c)``)."""
-    rest = _max_without(loads, a, ranks)[None]
-    score = np.maximum(np.maximum(new_a, new_b), rest).sum(axis=2)
-    unchanged = float((loads * loads).sum()) - float((loads[a] ** 2).sum()) - (loads[ranks] ** 2).sum(axis=1)[None]
-    return score, unchanged + (new_a**2).sum(axis=2) + (new_b**2).sum(axis=2)
-
-
-def _best_change(costs: np.ndarray, labels: np.ndarray, loads: np.ndarray, a: int):
-    """The best move or swap of a row of rank ``a``: ``(score, potential, row, partner)``, where
-    ``partner`` is the row swapped with, or ``-1 - rank`` for a move to ``rank``; None when rank
-    ``a`` has nothing to give (a move needs two rows: no rank is left empty)."""
-    mine = np.flatnonzero(labels == a)
-    other = np.flatnonzero(labels != a)
-    x = costs[mine][:, None, :]  # (m, 1, c)
+def _best_change(costs: np.ndarray, cells: np.ndarray, loads: np.ndarray, tops: tuple, source: int, dp: int):
+    """The best move or swap of a row out of cell ``source`` (``cell = microstep * dp + rank``):
+    ``(gain, potential change, row, partner)``, ``partner`` the row swapped with or ``-1 - cell``
+    for a move to ``cell``; a move needs two rows in ``source`` (no microbatch is left empty).
+    ``tops``: each microstep's top three ranks and loads per column (:func:`_tops`)."""
+    top_ranks, top_values = tops
+    c = loads.shape[1]
+    first, first_rank = top_values[:, 0, :], top_ranks[:, 0, :]
+    second = top_values[:, 1, :] if top_values.shape[1] > 1 else np.zeros_like(first)
+    maxima = first.sum(axis=1)  # (n_mb,) each microstep's score
+    k, a = divmod(source, dp)
+    mine = np.flatnonzero(cells == source)
+    x = costs[mine][:, None, :]
     options = []
+    other = np.flatnonzero(cells != source)
     if other.size:
-        y, b = costs[other][None, :, :], labels[other]
-        options.append((*_scored(loads, a, b, loads[a] - x + y, loads[b][None] - y + x), other))
-    if mine.size > 1:
-        targets = np.array([r for r in range(loads.shape[0]) if r != a], dtype=np.int64)
-        new_a = np.broadcast_to(loads[a] - x, (mine.size, targets.size, loads.shape[1]))
-        options.append((*_scored(loads, a, targets, new_a, loads[targets][None] + x), -1 - targets))
+        y, targets = costs[other][None, :, :], cells[other]
+        options.append((loads[source] - x + y, loads[targets][None] - y + x, targets, other))
+    if mine.size > 1 and loads.shape[0] > 1:
+        targets = np.delete(np.arange(loads.shape[0]), source)
+        new_source = np.broadcast_to(loads[source] - x, (mine.size, targets.size, c))
+        options.append((new_source, loads[targets][None] + x, targets, -1 - targets))
     best = None
-    for score, potential, partners in options:
-        flat = int(np.lexsort((np.arange(score.size), potential.ravel(), score.ravel()))[0])
-        i, j = divmod(flat, score.shape[1])
-        candidate = (float(score.ravel()[flat]), float(potential.ravel()[flat]), int(mine[i]), int(partners[j]))
+    for new_source, new_target, targets, partners in options:
+        kb, b = np.divmod(targets, dp)
+        same = kb == k
+        # the slowest other rank of each column: of microstep kb without b, of microstep k without
+        # a (and without b for a partner in microstep k)
+        rest_kb = np.where(b[:, None] == first_rank[kb], second[kb], first[kb])
+        rest_k = np.tile(np.where(first_rank[k] == a, second[k], first[k]), (targets.size, 1))
+        inside = np.flatnonzero(same)
+        if inside.size:
+            steps = np.full(inside.size, k)
+            rest_k[inside] = _max_without(top_values, top_ranks, steps, np.full(inside.size, a), b[inside])
+        in_k = np.maximum(new_source, rest_k[None])
+        in_k = np.where(same[None, :, None], np.maximum(in_k, new_target), in_k).sum(axis=2)
+        in_kb = np.where(same[None, :], 0.0, np.maximum(new_target, rest_kb[None]).sum(axis=2))
+        gain = in_k + in_kb - maxima[k] - np.where(same, 0.0, maxima[kb])[None]
+        potential = (new_source**2).sum(axis=2) + (new_target**2).sum(axis=2)
+        potential = potential - float((loads[source] ** 2).sum()) - (loads[targets] ** 2).sum(axis=1)[None]
+        flat_gain, flat_potential = gain.ravel(), potential.ravel()
+        ties = np.flatnonzero(flat_gain == flat_gain.min())  # the first lowest potential among them
+        flat = int(ties[np.argmin(flat_potential[ties])])
+        i, j = divmod(flat, gain.shape[1])
+        candidate = (float(flat_gain[flat]), float(flat_potential[flat]), int(mine[i]), int(partners[j]))
         if best is None or candidate[:2] < best[:2]:
             best = candidate
     return best
 
 
-def improve_group(costs: np.ndarray, labels: np.ndarray, dp: int, rounds: int) -> np.ndarray:
-    """``labels`` (rank of each row of ``costs``) improved by moves and swaps out of the slowest
-    rank of each column while they lower ``sum_c max_r`` of the rank loads (or keep it and lower
-    their sum of squares); every rank keeps at least one row. At most ``rounds`` changes."""
-    labels = labels.copy()
-    loads = np.zeros((dp, costs.shape[1]))
-    np.add.at(loads, labels, costs)
+def _tops(loads: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each microstep's three most loaded ranks per column and their loads, ``(n_mb, <=3, c)`` each."""
+    grid = loads.reshape(-1, dp, loads.shape[1])
+    top_ranks = np.argsort(-grid, axis=1, kind="stable")[:, :3, :]
+    return top_ranks, np.take_along_axis(grid, top_ranks, axis=1)
+
+
+def improve_grid(costs: np.ndarray, cells: np.ndarray, dp: int, n_mb: int, rounds: int) -> np.ndarray:
+    """``cells`` (``microstep * dp + rank`` of each row of ``costs``) improved by moves and swaps,
+    within and across microsteps, out of the slowest rank of each microstep and column while they
+    lower ``sum_k sum_c max_r`` (or keep it and lower the sum of squared cell loads); no cell is
+    left empty. At most ``rounds`` changes, and none after :data:`PATIENCE` rounds without a
+    lower score."""
+    cells = cells.copy()
+    loads = np.zeros((n_mb * dp, costs.shape[1]))
+    np.add.at(loads, cells, costs)
+    best_score, idle = np.inf, 0
     for _ in range(rounds):
-        score = float(loads.max(axis=0).sum())
-        potential = float((loads * loads).sum())
-        best = None
-        for a in dict.fromkeys(int(r) for r in np.argmax(loads, axis=0)):
-            change = _best_change(costs, labels, loads, a)
-            if change is not None and (best is None or change[:2] < best[:2]):
-                best = change
-        if best is None:
+        tops = _tops(loads, dp)
+        score = float(tops[1][:, 0, :].sum())
+        best_score, idle = (score, 0) if score < best_score * (1 - _EPS) else (best_score, idle + 1)
+        if idle > PATIENCE:  # ties only: equal loads on many ranks need more than one change to gain
             break
-        new_score, new_potential, item, partner = best
         tolerance = _EPS * max(score, 1.0)
-        gains = new_score < score - tolerance
-        if not (gains or (new_score <= score + tolerance and new_potential < potential * (1 - _EPS))):
+        least = _EPS * float((loads * loads).sum())
+        change = None
+        for source in _sources(tops, dp):  # the best change out of any of them
+            found = _best_change(costs, cells, loads, tops, source, dp)
+            if found is not None and (change is None or found[:2] < change[:2]):
+                change = found
+        if change is None or not (change[0] < -tolerance or (change[0] <= tolerance and change[1] < -least)):
             break
-        a = int(labels[item])
-        if partner >= 0:  # a swap with row ``partner``
-            b = int(labels[partner])
-            loads[a] += costs[partner] - costs[item]
-            loads[b] += costs[item] - costs[partner]
-            labels[item], labels[partner] = b, a
-        else:
-            b = -1 - partner
-            loads[a] -= costs[item]
-            loads[b] += costs[item]
-            labels[item] = b
-    return labels
+        _, _, row, partner = change
+        source = int(cells[row])
+        target = int(cells[partner]) if partner >= 0 else -1 - partner
+        loads[source] -= costs[row]
+        loads[target] += costs[row]
+        cells[row] = target
+        if partner >= 0:
+            loads[target] -= costs[partner]
+            loads[source] += costs[partner]
+            cells[partner] = source
+    return cells
 
 
-def aligned_split(costs: np.ndarray, dp: int, n_mb: int, key: str, rounds: int = ROUNDS) -> list[list[list[int]]]:
+def _sources(tops: tuple[np.ndarray, np.ndarray], dp: int) -> list[int]:
+    """The cells holding a microstep's slowest rank of some column, in microstep then column order."""
+    top_ranks = tops[0]
+    cells = (np.arange(top_ranks.shape[0])[:, None] * dp + top_ranks[:, 0, :]).ravel()
+    return list(dict.fromkeys(int(cell) for cell in cells))
+
+
+def aligned_split(costs: np.ndarray, dp: int, n_mb: int, rounds: int = ROUNDS) -> list[list[list[int]]]:
     """``local[r][k]``: the rows of ``costs`` (``(n, c)``, ``n >= dp * n_mb``) in rank ``r``'s
-    ``k``-th microbatch, grouped into microsteps by ``key`` (:func:`microstep_groups`) and
-    balanced across ranks within each (see the module docstring)."""
+    ``k``-th microbatch: grouped into microsteps by each key of :data:`GROUP_KEYS`
+    (:func:`microstep_groups`) and balanced across ranks by differencing, the key whose start
+    scores lowest (``sum_k sum_c max_r``; ties: the earlier key) then improved (:func:`improve_group`)."""
     matrix = np.asarray(costs, dtype=float)
     if matrix.ndim == 1:
         matrix = matrix[:, None]
     if matrix.shape[0] < dp * n_mb:
         raise ValueError(f"{matrix.shape[0]} samples cannot fill {n_mb} microbatches on each of {dp} ranks")
-    local: list[list[list[int]]] = [[] for _ in range(dp)]
-    for group in microstep_groups(matrix, n_mb, key):
-        labels = differencing_assign(matrix[group], dp, equal_size=True)
-        if dp > 1:
-            labels = improve_group(matrix[group], labels, dp, rounds)
-        for r in range(dp):
-            local[r].append(sorted(group[labels == r].tolist()))
-    return local
+    best: tuple[float, np.ndarray] | None = None
+    for cells in (*(_grouped(matrix, dp, n_mb, key) for key in GROUP_KEYS), ranked_cells(matrix, dp, n_mb)):
+        score = _grid_score(matrix, cells, dp, n_mb)
+        if best is None or score < best[0]:
+            best = (score, cells)
+    assert best is not None
+    cells = improve_grid(matrix, best[1], dp, n_mb, min(rounds, max(ROUND_WORK // matrix.shape[0], 1)))
+    rows = np.argsort(cells, kind="stable")
+    ends = np.cumsum(np.bincount(cells, minlength=n_mb * dp))
+    pieces = np.split(rows, ends[:-1])
+    return [[pieces[k * dp + r].tolist() for k in range(n_mb)] for r in range(dp)]
+
+
+def _grouped(costs: np.ndarray, dp: int, n_mb: int, key: str) -> np.ndarray:
+    """Cells (``microstep * dp + rank``) of :func:`microstep_groups` by ``key``, each group
+    balanced across ranks by equal-count vector differencing."""
+    cells = np.empty(costs.shape[0], dtype=np.int64)
+    for k, group in enumerate(microstep_groups(costs, n_mb, key)):
+        cells[group] = k * dp + differencing_assign(costs[group], dp, equal_size=True)
+    return cells
+
+
+def ranked_cells(costs: np.ndarray, dp: int, n_mb: int) -> np.ndarray:
+    """Cells of the rank-first start: rows balanced across ranks on their summed cost
+    (equal-count vector differencing); each rank's rows, by decreasing summed cost, dealt to its
+    ``n_mb`` microbatches in snake order (the largest with the smallest); each rank's
+    microbatches then in decreasing encoder (first column) cost, so that microstep ``k`` holds
+    every rank's ``k``-th heaviest. Many small samples even out across ranks this way better than
+    in alike groups. Vectorised over ranks."""
+    n = costs.shape[0]
+    total = costs.sum(axis=1)
+    ranks = differencing_assign(total[:, None], dp, equal_size=True)
+    order = np.lexsort((np.arange(n), -total, ranks))  # by rank, then decreasing cost
+    sorted_ranks = ranks[order]
+    first_of_rank = np.searchsorted(sorted_ranks, np.arange(dp))
+    seat = np.arange(n) - first_of_rank[sorted_ranks]  # position within its rank
+    lap, slot = np.divmod(seat, n_mb)
+    microbatch = np.empty(n, dtype=np.int64)
+    microbatch[order] = np.where(lap % 2 == 0, slot, n_mb - 1 - slot)
+    cells = ranks * n_mb + microbatch  # rank-major, for now
+    loads = np.zeros((dp * n_mb, costs.shape[1]))
+    np.add.at(loads, cells, costs)
+    cell_ids = np.arange(dp * n_mb)
+    heaviest = np.lexsort((cell_ids, -loads.sum(axis=1), -loads[:, 0], cell_ids // n_mb))
+    step = np.empty(dp * n_mb, dtype=np.int64)
+    step[heaviest] = np.tile(np.arange(n_mb), dp)  # within each rank, 0 = the heaviest
+    return step[cells] * dp + ranks
+
+
+def _grid_score(costs: np.ndarray, cells: np.ndarray, dp: int, n_mb: int) -> float:
+    """``sum_k sum_c max_r`` of the cell loads."""
+    loads = np.zeros((n_mb * dp, costs.shape[1]))
+    np.add.at(loads, cells, costs)
+    return float(loads.reshape(n_mb, dp, -1).max(axis=1).sum())

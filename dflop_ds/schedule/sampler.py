@@ -132,6 +132,10 @@ class GlobalBatchSampler:
             the caller with :func:`~dflop_ds.sync.sync_model_of`); every split request carries
             it, so DFLOP balances for it and every split reports its step under it. The
             default, ``pipeline``, is DeepSpeed's pipeline engine.
+        memory_cap: bytes no microbatch of two or more samples may take (the cost model's
+            ``predict_memory``, :mod:`dflop_ds.schedule.memory`; None: no cap); every split
+            request carries it (:meth:`memory_budget`) and a split over it is an error naming
+            it (:class:`~dflop_ds.schedule.splitters.OverBudgetError`).
     """
 
     method = "base"
@@ -152,6 +156,7 @@ class GlobalBatchSampler:
         drop_last: bool = False,
         schedule_timeout_s: float | None = SCHEDULE_TIMEOUT_S,
         sync: SyncModel | str = SyncModel.PIPELINE,
+        memory_cap: float | None = None,
     ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
@@ -182,6 +187,10 @@ class GlobalBatchSampler:
         self.drop_last = bool(drop_last)
         self.schedule_timeout_s = None if schedule_timeout_s is None else float(schedule_timeout_s)
         self.sync = as_sync_model(sync)
+        if memory_cap is not None and not memory_cap > 0:
+            raise ValueError(f"memory_cap must be > 0 bytes (or None: no cap), got {memory_cap!r}")
+        self.memory_cap = None if memory_cap is None else float(memory_cap)
+        self.memory = None if self.memory_cap is None else sample_bytes(cost_model, self.shapes)
         check_batch_sizes(len(self.shapes), self.global_batch_size, self.n_mb * self.dp_size)
         self.dropped_per_epoch = dropped_per_epoch(len(self.shapes), self.global_batch_size, self.drop_last)
         if self.dropped_per_epoch:
@@ -252,6 +261,20 @@ class GlobalBatchSampler:
             lengths=None if self.additive else self.lengths[batch],
             seed=batch_seed,
             sync=self.sync,
+            memory=self.memory_budget(batch),
+        )
+
+    def memory_budget(self, batch: np.ndarray) -> MemoryBudget | None:
+        """The :class:`~dflop_ds.schedule.splitters.MemoryBudget` of ``batch`` under the memory
+        cap: the predicted bytes of each sample and of a collated microbatch (None: no cap)."""
+        if self.memory is None or self.memory_cap is None:
+            return None
+        shapes = [self.shapes[i] for i in batch]
+        return MemoryBudget(
+            self.memory_cap,
+            self.memory[batch],
+            lambda rows: microbatch_bytes(self.cost_model, [shapes[r] for r in rows]),
+            allow_oversize=True,  # an oversize sample was refused at construction unless allowed
         )
 
     def batch_costs(self, epoch: int, batch_id: int, batch: np.ndarray) -> np.ndarray:
@@ -426,20 +449,17 @@ class GlobalBatchSampler:
 
 class SplitterSampler(GlobalBatchSampler):
     """A sampler whose global batches are cut by the registered splitter named ``splitter``
-    (:func:`~dflop_ds.schedule.splitters.make_splitter`), e.g. ``"llava"`` or ``"verl"``. These
-    splitters cut microbatches without regard to their memory, so a ``memory_cap`` is refused."""
+    (:func:`~dflop_ds.schedule.splitters.make_splitter`), e.g. ``"llava"`` or ``"verl"``. Under a
+    ``memory_cap`` these splitters cut as their users run them, whatever the memory: a sample
+    over the cap alone is refused here, and a split with a microbatch over it is an
+    :class:`~dflop_ds.schedule.splitters.OverBudgetError` naming it when its batch is scheduled."""
 
-    def __init__(
-        self, shapes: Sequence[SampleShape], *, splitter: str, memory_cap: float | None = None, **kwargs
-    ) -> None:
-        if memory_cap is not None:
-            raise ValueError(
-                f"a memory cap (dflop.sampler.memory_cap_bytes) needs the dflop sampler: the {splitter!r}"
-                " splitter cuts microbatches whatever their memory"
-            )
+    def __init__(self, shapes: Sequence[SampleShape], *, splitter: str, **kwargs) -> None:
         self.splitter = make_splitter(splitter)
         self.method = splitter
         super().__init__(shapes, **kwargs)
+        if self.memory is not None and self.memory_cap is not None:
+            oversize_samples(self.shapes, self.memory, self.memory_cap, allow_oversize=False)
 
     def split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int) -> SplitResult:
         """The splitter's split of ``batch``."""
@@ -485,20 +505,14 @@ class DFLOPBatchSampler(GlobalBatchSampler):
         *,
         time_limit_s: float = 0.0,
         ilp_nodes: int = 0,
-        memory_cap: float | None = None,
         allow_oversize: bool = False,
         **kwargs,
     ) -> None:
         self.time_limit_s = float(time_limit_s)
         self.ilp_nodes = int(ilp_nodes)
-        if memory_cap is not None and not memory_cap > 0:
-            raise ValueError(f"memory_cap must be > 0 bytes (or None: no cap), got {memory_cap!r}")
-        self.memory_cap = None if memory_cap is None else float(memory_cap)
         self.allow_oversize = bool(allow_oversize)
         super().__init__(shapes, **kwargs)
-        self.memory: np.ndarray | None = None
-        if self.memory_cap is not None:
-            self.memory = sample_bytes(self.cost_model, self.shapes)
+        if self.memory is not None and self.memory_cap is not None:
             oversize_samples(self.shapes, self.memory, self.memory_cap, self.allow_oversize)
             self.batches_in_epoch(self.epoch)  # a batch that cannot fit is refused now, not in training
 
@@ -595,26 +609,13 @@ class DFLOPBatchSampler(GlobalBatchSampler):
                 f" (set dflop.sampler.memory_cap_bytes to {theirs!r})"
             )
 
-    def memory_budget(self, batch: np.ndarray) -> MemoryBudget | None:
-        """The :class:`~dflop_ds.schedule.splitters.MemoryBudget` of ``batch`` under the memory
-        cap: the predicted bytes of each sample and of a collated microbatch (None: no cap)."""
-        if self.memory is None or self.memory_cap is None:
-            return None
-        shapes = [self.shapes[i] for i in batch]
-        return MemoryBudget(
-            self.memory_cap,
-            self.memory[batch],
-            lambda rows: microbatch_bytes(self.cost_model, [shapes[r] for r in rows]),
-            allow_oversize=True,  # an oversize sample was refused at construction unless allowed
-        )
-
     def balanced_split(self, batch: np.ndarray, costs: np.ndarray, batch_seed: int, exact: bool) -> SplitResult:
         """:class:`DFLOPSplitter`'s split of ``batch``, with the exact solver's limits when ``exact``,
         under the memory budget (:meth:`memory_budget`; the splitter re-weights over-cap
         microbatches). Should no split be found under the cap, the cost-blind split
         :meth:`fit_under_cap` found for the batch before training is used."""
         splitter = DFLOPSplitter(self.time_limit_s if exact else 0.0, self.ilp_nodes if exact else 0)
-        request = dataclasses.replace(self.split_request(batch, costs, batch_seed), memory=self.memory_budget(batch))
+        request = self.split_request(batch, costs, batch_seed)
         try:
             return splitter.split(request)
         except InfeasibleError:

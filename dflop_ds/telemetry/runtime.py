@@ -234,6 +234,9 @@ class RuntimeTracker:
                 schedule_ms=1e3 * sched.schedule_s,
                 solver=sched.split.solver,
                 solver_exact=float(sched.split.solver.startswith("ilp")),
+                sync=str(sched.split.sync),
+                step_predicted=sched.split.step,
+                step_bound=sched.split.lower_bound,
                 mb_predicted=predicted.tolist(),
                 microbatches=[[[int(i) for i in mb] for mb in rank] for rank in sched.split.ranks],
             )

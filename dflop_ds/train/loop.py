@@ -404,6 +404,7 @@ def write_summary(run: Run, records: list[dict]) -> None:
         stage_bounds=trainer.stage_bounds,
         engine="pipeline" if run.pipelined else "plain",
         zero_stage=deepspeed_keys(run.ds_config).stage,
+        sync=str(run.sync),
         gradient_accumulation_steps=engine.gradient_accumulation_steps(),
         train_batch_size=engine.train_batch_size(),
         model=run.source.name,

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from dflop_ds.schedule.lpt import InfeasibleError
 from dflop_ds.shapes import SampleShape
 from dflop_ds.sync import SyncModel, as_sync_model, step_cost, step_lower_bound
 
@@ -24,6 +25,10 @@ RankSplit = list[list[list[int]]]
 MicrobatchCost = Callable[[Sequence[int]], np.ndarray]
 #: A collated microbatch's memory (bytes), given the positions of its samples.
 MicrobatchMemory = Callable[[Sequence[int]], float]
+
+
+class OverBudgetError(InfeasibleError):
+    """A split put two or more samples into a microbatch above the request's memory cap."""
 
 
 @dataclass(frozen=True)
@@ -170,9 +175,19 @@ class SplitRequest:
     ) -> SplitResult:
         """The :class:`SplitResult` of a split over positions (``local[r][j]`` = rows of the
         batch), checked to hold every row exactly once in ``n_mb`` non-empty microbatches per
-        rank; ``predicted`` defaults to :meth:`predict`. ``lower_bound`` is the makespan bound
-        under a pipeline; otherwise the request's own step bound is reported."""
+        rank, and within the request's memory budget (an :class:`OverBudgetError` otherwise);
+        ``predicted`` defaults to :meth:`predict`. ``lower_bound`` is the makespan bound under a
+        pipeline; otherwise the request's own step bound is reported."""
         check_split(local, len(self.batch), self.n_mb, self.dp, solver)
+        if self.memory is not None:
+            over = self.memory.over(local)
+            if over:
+                rows, size = over[0]
+                raise OverBudgetError(
+                    f"splitter {solver!r} put samples {[self.batch[p] for p in rows]} into one microbatch of"
+                    f" {size:.4g} bytes, over the memory cap of {self.memory.cap:.4g} bytes"
+                    f" ({len(over)} microbatch(es) over it); the dflop splitter keeps to the cap"
+                )
         predicted = self.predict(local) if predicted is None else predicted
         positions, ends = _flatten(local)
         microbatches = _pieces(np.asarray(self.batch)[positions].astype(np.int64, copy=False).tolist(), ends)

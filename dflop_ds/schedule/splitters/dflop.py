@@ -5,16 +5,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import numpy as np
 
 from dflop_ds.schedule import partition as partitioner
-from dflop_ds.schedule.aligned import GROUP_KEYS, aligned_split
+from dflop_ds.schedule.aligned import ROUNDS, aligned_split
 from dflop_ds.schedule.lpt import InfeasibleError, MicrobatchCost
 from dflop_ds.schedule.ranks import assign_to_ranks, lockstep_order
-from dflop_ds.schedule.splitters.base import SplitRequest, SplitResult, register_splitter
+from dflop_ds.schedule.splitters.base import MemoryBudget, SplitRequest, SplitResult, register_splitter
 from dflop_ds.sync import SyncModel
 
 logger = logging.getLogger(__name__)
@@ -40,22 +41,25 @@ class DFLOPSplitter:
       rank totals, in any order; ``microstep`` and ``module`` give microbatch ``k`` of every rank
       a similar summed cost (:func:`~dflop_ds.schedule.ranks.lockstep_order`);
     - under ``microstep`` (on the summed column) and ``module`` (on each column), the
-      microstep-aligned splits of :func:`~dflop_ds.schedule.aligned.aligned_split`, one per
-      grouping key; under a memory budget only those within its cap.
+      microstep-aligned split of :func:`~dflop_ds.schedule.aligned.aligned_split`; under a
+      memory budget only when within its cap.
 
     The request's ``microbatch_cost`` gives a microbatch's true (e.g. padded) cost; its
     ``lengths`` enable the padding-aware starts when that cost pads to the longest sample; its
     ``memory`` budget caps every microbatch (see :meth:`split`). ``time_limit_s`` and
-    ``node_limit`` bound the exact solver (both 0: heuristic only). Ranks computing the split
+    ``node_limit`` bound the exact solver (both 0: heuristic only); ``search_rounds`` bounds the
+    aligned split's local search (:data:`~dflop_ds.schedule.aligned.ROUNDS`; 0: its best start
+    alone, a few times faster, for a planner's inner loop). Ranks computing the split
     independently need a deterministic answer: no time limit (the heuristic, or the ILP within
     ``node_limit`` nodes).
     """
 
     name = "dflop"
 
-    def __init__(self, time_limit_s: float = 0.0, node_limit: int = 0) -> None:
+    def __init__(self, time_limit_s: float = 0.0, node_limit: int = 0, search_rounds: int = ROUNDS) -> None:
         self.time_limit_s = float(time_limit_s)
         self.node_limit = int(node_limit)
+        self.search_rounds = int(search_rounds)
 
     def split(self, request: SplitRequest) -> SplitResult:
         """The split of ``request``'s batch with the smallest predicted step.
@@ -65,25 +69,35 @@ class DFLOPSplitter:
         predicted above it: the bytes charged to its rows are then raised by its overshoot
         (predicted / cap) and the batch is split again, at most :data:`MEMORY_ROUNDS` times (a
         multiplicative re-weighting: rows that keep landing in over-cap microbatches get pushed
-        apart). The last try has the partitioner check every microbatch's predicted bytes itself
-        and fall back to a length-ordered first fit; an :class:`~dflop_ds.schedule.partition.InfeasibleError`
-        when that fails too.
+        apart; a row charged above the cap alone gets a microbatch of its own). The last try has
+        the partitioner check every microbatch's predicted bytes itself and fall back to a
+        length-ordered first fit; an :class:`~dflop_ds.schedule.partition.InfeasibleError` when
+        that fails too. A row above the cap alone is a ``ValueError`` naming it unless the
+        budget's ``allow_oversize``.
         """
         budget = request.memory
         if budget is None:
-            return self._best(request, None, checked=False)
+            return self._best(request, None, None, checked=False)
+        oversize = np.flatnonzero(budget.rows > budget.cap)
+        if oversize.size and not budget.allow_oversize:
+            row = int(oversize[0])
+            raise ValueError(
+                f"sample {request.batch[row]} (row {row} of the batch) needs {budget.rows[row]:.4g} bytes alone,"
+                f" over the memory cap of {budget.cap:.4g} bytes; allow_oversize trains it alone"
+            )
+        free = dataclasses.replace(request, memory=None)  # the candidates are checked here
         usage = budget.rows.copy()
         for _ in range(MEMORY_ROUNDS - 1):
             try:
-                result = self._best(request, usage, checked=False)
+                result = self._best(free, budget, usage, checked=False)
             except InfeasibleError:
                 break  # the charges outgrew the microbatches: let the last try decide
             over = budget.over(_positions(request, result))
             if not over:
-                return result
+                return _under_budget(request, result)
             for microbatch, size in over:
                 usage[microbatch] *= size / budget.cap * (1 + 1e-9)
-        return self._best(request, budget.rows, checked=True)
+        return _under_budget(request, self._best(free, budget, budget.rows, checked=True))
 
     def split_buckets(self, request: SplitRequest, buckets: list[list[int]], solver: str) -> SplitResult:
         """``request``'s batch split into the given ``n_mb * dp`` microbatches (lists of batch rows),
@@ -92,25 +106,26 @@ class DFLOPSplitter:
         partition = partitioner.partition_from_buckets(matrix, buckets, solver, microbatch_cost)
         return self._onto_ranks(request, partition, solver)
 
-    def _best(self, request: SplitRequest, usage: np.ndarray | None, checked: bool) -> SplitResult:
-        """The best candidate (see the class docstring); ``usage``: the bytes charged to each row
-        under the memory budget; ``checked``: the partitioner checks true microbatch bytes."""
-        best = self._partitioned(request, usage, checked)
+    def _best(
+        self, request: SplitRequest, budget: MemoryBudget | None, usage: np.ndarray | None, checked: bool
+    ) -> SplitResult:
+        """The best candidate (see the class docstring) under ``budget``; ``usage``: the bytes
+        charged to each row; ``checked``: the partitioner checks true microbatch bytes."""
+        best = self._partitioned(request, budget, usage, checked)
         if request.sync in (SyncModel.MICROSTEP, SyncModel.MODULE):
             columns = request.costs.sum(axis=1, keepdims=True) if request.sync is SyncModel.MICROSTEP else request.costs
-            for key in GROUP_KEYS:
-                local = aligned_split(columns, request.dp, request.n_mb, key)
-                if request.memory is not None and request.memory.over(local):
-                    continue
+            local = aligned_split(columns, request.dp, request.n_mb, self.search_rounds)
+            if budget is None or not budget.over(local):
                 predicted = request.predict(local)
                 if request.step(predicted) < best.step:
-                    best = request.result(local, f"aligned-{key}", predicted)
+                    best = request.result(local, "aligned", predicted)
         return best
 
-    def _partitioned(self, request: SplitRequest, usage: np.ndarray | None, checked: bool) -> SplitResult:
-        """The partitioner's microbatches, put onto ranks for the request's sync model."""
+    def _partitioned(
+        self, request: SplitRequest, budget: MemoryBudget | None, usage: np.ndarray | None, checked: bool
+    ) -> SplitResult:
+        """The partitioner's microbatches under ``budget``, put onto ranks for the request's sync model."""
         matrix, microbatch_cost = _balanced_costs(request)
-        budget = request.memory
         lengths = None if request.lengths is None else np.asarray(request.lengths, float)
         partition, solver = _partition_or_fallback(
             matrix,
@@ -122,7 +137,7 @@ class DFLOPSplitter:
             lengths=lengths,
             memory=usage,
             memory_cap=None if budget is None else budget.cap,
-            allow_oversize=budget is not None and budget.allow_oversize,
+            allow_oversize=True,  # a row charged over the cap gets a microbatch of its own (checked in split)
             microbatch_memory=budget.microbatch if budget is not None and checked else None,
         )
         return self._onto_ranks(request, partition, solver)
@@ -153,6 +168,11 @@ def _balanced_costs(request: SplitRequest) -> tuple[np.ndarray, MicrobatchCost |
     if columns is not None:
         summed = lambda positions: np.atleast_1d(np.asarray(columns(positions), dtype=float).sum())  # noqa: E731
     return request.costs.sum(axis=1, keepdims=True), summed
+
+
+def _under_budget(request: SplitRequest, result: SplitResult) -> SplitResult:
+    """``result`` (of the request without its budget) as ``request``'s, checked against its budget."""
+    return request.result(_positions(request, result), result.solver, result.predicted, result.lower_bound)
 
 
 def _positions(request: SplitRequest, result: SplitResult) -> list[list[list[int]]]:

@@ -25,14 +25,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from dflop_ds.schedule.splitters.base import SplitRequest, SplitResult, register_splitter
-from dflop_ds.schedule.splitters.packs import (
-    Pack,
-    check_fits,
-    deal_packs,
-    default_capacity,
-    flatten,
-    packed_costs,
-)
+from dflop_ds.schedule.splitters.packs import Pack, check_fits, default_capacity, packed_result
 
 
 def greedy_knapsack(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -75,11 +68,10 @@ class LlamaFactoryPackingSplitter:
         self.cutoff_len = cutoff_len
 
     def split(self, request: SplitRequest) -> SplitResult:
-        """Pack the batch, deal the packs (:func:`~.packs.deal_packs`), cost them padded to the cutoff."""
+        """Pack the batch, deal the packs (:func:`~.packs.packed_result`), cost them padded to the cutoff."""
         shapes = request.row_shapes(self.name)
         lengths = [s.llm_tokens for s in shapes]
         cutoff = self.cutoff_len or default_capacity([max(lengths) + 1])
         check_fits(shapes, lengths, cutoff - 1, "LLaMA-Factory")
-        dealt = deal_packs(knapsack_packs(lengths, cutoff - 1), request.dp, request.n_mb, request.seed)
-        predicted = packed_costs(request.costs, dealt, lengths, padded_to=cutoff)
-        return request.result(flatten(dealt), self.name, predicted=predicted)
+        packs = knapsack_packs(lengths, cutoff - 1)
+        return packed_result(request, packs, lengths, padded_to=cutoff, solver=self.name)

@@ -17,10 +17,12 @@ rest in another, until every microbatch holds a row.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 import numpy as np
 
+from dflop_ds.schedule.splitters.base import SplitRequest, SplitResult
 from dflop_ds.shapes import SampleShape, split_evenly
 
 Pack = list[int]
@@ -48,15 +50,17 @@ def check_fits(shapes: Sequence[SampleShape], lengths: Sequence[int], capacity: 
 def halve_fullest(packs: list[Pack], count: int) -> list[Pack]:
     """``packs`` with the pack of the most samples (the first of equals) cut in two, repeatedly,
     until there are ``count``; raises ``ValueError`` when there are fewer samples than ``count``."""
-    packs = [list(p) for p in packs]
     if sum(len(p) for p in packs) < count:
         raise ValueError(f"{sum(len(p) for p in packs)} samples cannot fill {count} microbatches")
-    while len(packs) < count:
-        fullest = max(range(len(packs)), key=lambda i: len(packs[i]))
-        pack = packs[fullest]
+    # each pack keyed by its place in the list: a half extends its parent's key, so keys keep list order
+    heap: list[tuple[int, tuple[int, ...], Pack]] = [(-len(pack), (i,), list(pack)) for i, pack in enumerate(packs)]
+    heapq.heapify(heap)
+    while len(heap) < count:
+        _, key, pack = heapq.heappop(heap)
         half = (len(pack) + 1) // 2
-        packs[fullest : fullest + 1] = [pack[:half], pack[half:]]
-    return packs
+        heapq.heappush(heap, (-half, (*key, 0), pack[:half]))
+        heapq.heappush(heap, (half - len(pack), (*key, 1), pack[half:]))
+    return [pack for _, _, pack in sorted(heap, key=lambda entry: entry[1])]
 
 
 def deal_packs(packs: Sequence[Pack], dp: int, n_mb: int, seed: int) -> DealtPacks:
@@ -72,9 +76,14 @@ def deal_packs(packs: Sequence[Pack], dp: int, n_mb: int, seed: int) -> DealtPac
     return dealt
 
 
-def flatten(dealt: DealtPacks) -> list[list[list[int]]]:
-    """``ranks[r][j]``: the batch positions of each dealt microbatch, pack after pack."""
-    return [[[p for pack in mb for p in pack] for mb in rank] for rank in dealt]
+def packed_result(
+    request: SplitRequest, packs: Sequence[Pack], lengths: Sequence[int], padded_to: int | None, solver: str
+) -> SplitResult:
+    """``packs`` of ``request``'s batch dealt by :func:`deal_packs` (the request's seed), each
+    microbatch's samples pack after pack, costed by :func:`packed_costs`."""
+    dealt = deal_packs(packs, request.dp, request.n_mb, request.seed)
+    local = [[[p for pack in mb for p in pack] for mb in rank] for rank in dealt]
+    return request.result(local, solver, predicted=packed_costs(request.costs, dealt, lengths, padded_to))
 
 
 def packed_costs(costs: np.ndarray, dealt: DealtPacks, lengths: Sequence[int], padded_to: int | None) -> np.ndarray:

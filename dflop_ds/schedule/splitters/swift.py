@@ -26,18 +26,11 @@ longest sample.
 from __future__ import annotations
 
 import bisect
-import heapq
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 
 from dflop_ds.schedule.splitters.base import SplitRequest, SplitResult, register_splitter
-from dflop_ds.schedule.splitters.packs import (
-    Pack,
-    check_fits,
-    deal_packs,
-    default_capacity,
-    flatten,
-    packed_costs,
-)
+from dflop_ds.schedule.splitters.packs import Pack, check_fits, default_capacity, packed_result
 
 
 def longest_first(lengths: Sequence[int]) -> list[int]:
@@ -45,33 +38,32 @@ def longest_first(lengths: Sequence[int]) -> list[int]:
     return sorted(range(len(lengths)), key=lambda p: -int(lengths[p]))
 
 
-def least_loaded_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[Pack]:
-    """``to_constant_volume`` of ``binpacking`` 2.0: positions per row, in the order they went in.
-    The emptiest row is the only candidate (if it is too full, every row is)."""
-    rows: list[Pack] = []
-    loads: list[tuple[int, int]] = []  # heap of (load, row)
-    for position in longest_first(lengths):
-        length = int(lengths[position])
-        if loads and loads[0][0] + length <= capacity:
-            load, target = heapq.heappop(loads)
-        else:
-            load, target = 0, len(rows)
-            rows.append([])
-        rows[target].append(position)
-        heapq.heappush(loads, (load + length, target))
-    return rows
+#: picks, from the rows' ``(load, row)`` ascending and the room an item needs, the entry it goes
+#: into (-1: none fits)
+RowPick = Callable[[list[tuple[int, int]], int], int]
 
 
-def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[Pack]:
-    """``to_constant_volume`` of ``binpacking`` 1.x: positions per row, in the order they went in."""
+def emptiest(loads: list[tuple[int, int]], room: int) -> int:
+    """``binpacking`` 2.0: the emptiest row (the first among equals) when it fits; if it does not, none does."""
+    return 0 if loads and loads[0][0] <= room else -1
+
+
+def fullest(loads: list[tuple[int, int]], room: int) -> int:
+    """``binpacking`` 1.x (best fit): the fullest row that fits, the first among equals."""
+    fit = bisect.bisect_right(loads, (room, sys.maxsize))
+    return bisect.bisect_left(loads, (loads[fit - 1][0], -1)) if fit else -1
+
+
+def decreasing_fit(lengths: Sequence[int], capacity: int, pick: RowPick) -> list[Pack]:
+    """``to_constant_volume``: positions per row, in the order they went in; every length, longest
+    first, into the row ``pick`` chooses, else into a new row."""
     rows: list[Pack] = []
     loads: list[tuple[int, int]] = []  # (load, row) of every row, ascending
     for position in longest_first(lengths):
         length = int(lengths[position])
-        fit = bisect.bisect_right(loads, (capacity - length, len(rows)))
-        if fit > 0:
-            load = loads[fit - 1][0]
-            _, target = loads.pop(bisect.bisect_left(loads, (load, -1)))  # the first row of that load
+        slot = pick(loads, capacity - length)
+        if slot >= 0:
+            load, target = loads.pop(slot)
         else:
             load, target = 0, len(rows)
             rows.append([])
@@ -81,7 +73,7 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[Pack]:
 
 
 #: ``to_constant_volume``'s rule by ``binpacking`` release
-FIT_RULES = {"least_loaded": least_loaded_fit_decreasing, "fullest": best_fit_decreasing}
+FIT_RULES: dict[str, RowPick] = {"least_loaded": emptiest, "fullest": fullest}
 
 
 @register_splitter("swift_packing")
@@ -98,14 +90,13 @@ class SwiftPackingSplitter:
         if fit not in FIT_RULES:
             raise ValueError(f"{self.name}: fit must be one of {sorted(FIT_RULES)}, got {fit!r}")
         self.max_length = max_length
-        self.pack = FIT_RULES[fit]
+        self.pick = FIT_RULES[fit]
 
     def split(self, request: SplitRequest) -> SplitResult:
-        """Pack the batch, deal the rows (:func:`~.packs.deal_packs`), cost them packed."""
+        """Pack the batch, deal the rows (:func:`~.packs.packed_result`), cost them packed."""
         shapes = request.row_shapes(self.name)
         lengths = [s.llm_tokens for s in shapes]
         capacity = self.max_length or default_capacity(lengths)
         check_fits(shapes, lengths, capacity, "ms-swift")
-        dealt = deal_packs(self.pack(lengths, capacity), request.dp, request.n_mb, request.seed)
-        predicted = packed_costs(request.costs, dealt, lengths, padded_to=None)
-        return request.result(flatten(dealt), self.name, predicted=predicted)
+        rows = decreasing_fit(lengths, capacity, self.pick)
+        return packed_result(request, rows, lengths, padded_to=None, solver=self.name)
