@@ -43,6 +43,7 @@ RUNS = (
 #: the profile's encoder sweep per family: LLaVA, LLaVA-OneVision and InternVL tiles, Qwen2-VL patches
 TILE_SWEEPS = {
     "llava": "1,2,4,8,16",
+    "llava_encoder_heavy": "1,2,4,8,16",
     "qwen2_vl": "4,16,64,128,256,512",
     "llava_onevision": "1,2,4,8,16,32",
     "internvl": "1,2,4,8,16,32",
@@ -50,11 +51,14 @@ TILE_SWEEPS = {
 #: the Qwen2-VL dataset: images up to 64x64 px after resizing (256 patches); a third of the records of
 #: every family but LLaVA are videos
 QWEN_MAX_PIXELS, VIDEO_SHARE = 64 * 64, 3
+#: the families whose datasets hold images only (LLaVA's)
+IMAGE_ONLY = ("llava", "llava_encoder_heavy")
 
 
 def prepare(out: Path, records: int, family: str) -> dict[str, Path]:
-    """The model directory, data file, media folders and cost model of ``family`` (made once, then reused)."""
-    from dflop_ds.testing.hf_tiny import build_tiny_llava
+    """The model directory, data file, media folders and cost model of ``family`` (made once, then
+    reused); ``llava_encoder_heavy`` is LLaVA's data on the encoder-heavy tiny LLaVA."""
+    from dflop_ds.testing.hf_tiny import build_encoder_heavy_llava, build_tiny_llava
     from dflop_ds.testing.internvl_tiny import build_tiny_internvl
     from dflop_ds.testing.llava_data import write_llava_dataset
     from dflop_ds.testing.llava_onevision_tiny import build_tiny_llava_onevision
@@ -66,6 +70,8 @@ def prepare(out: Path, records: int, family: str) -> dict[str, Path]:
     if not (model / "config.json").exists():
         if family == "llava":
             build_tiny_llava(model, vision="clip", text="llama")
+        elif family == "llava_encoder_heavy":
+            build_encoder_heavy_llava(model)  # a 6-layer, 256-wide CLIP tower: about half the work
         elif family == "llava_onevision":
             build_tiny_llava_onevision(model)  # 16 px tiles, grids up to 3 x 3, pooled over 2 tiles' worth
         elif family == "internvl":
@@ -74,7 +80,7 @@ def prepare(out: Path, records: int, family: str) -> dict[str, Path]:
             build_tiny_qwen2_vl(model, max_pixels=QWEN_MAX_PIXELS)
     data, images, videos = root / "data" / "data.json", root / "data" / "images", root / "data" / "videos"
     if not data.exists():
-        n_videos = 0 if family == "llava" else records // VIDEO_SHARE
+        n_videos = 0 if family in IMAGE_ONLY else records // VIDEO_SHARE
         write_llava_dataset(root / "data", records - n_videos, seed=1, answer_words=(2, 45))
         if n_videos:
             add_video_records(data, videos, n_videos, seed=1)

@@ -1,4 +1,4 @@
-"""`make bench-trainer`: transformers.Trainer's sampling strategies against DFLOPTrainer, 2 ranks, ZeRO-2.
+"""`make bench-trainer`: transformers.Trainer's sampling strategies against DFLOPTrainer, 2 ranks, ZeRO-2 and ZeRO-3.
 
 Two rows, each on its tiny random HF model and dataset (made once, with its profiled cost model,
 by `make bench-hf`'s :func:`benchmarks.bench_hf.prepare`): LLaVA (CLIP + Llama; text-only chats,
@@ -18,8 +18,19 @@ crashes is shown as crashed with its error, and is measured with the project's g
 (``BlankImageGuardMixin``, which DFLOPTrainer always has) and labelled so. Prints per row a table
 (samples/s median and min-max over rounds, padding efficiency, rank imbalance measured on the
 forward passes and, for DFLOP, as its cost model predicts it) and ends with
-`trainer speedup_vs_random=A speedup_vs_batch_rebalance=B speedup_vs_best=C padding_efficiency=D`
-of the Qwen2-VL row (DFLOP's best variant over each baseline, over the fastest baseline).
+`trainer speedup_vs_random=A speedup_vs_batch_rebalance=B speedup_vs_best=C padding_efficiency=D
+z3_speedup_vs_best=E`: A-D of the Qwen2-VL row (DFLOP's best variant over each baseline, over the
+fastest baseline), E the same over the fastest baseline of the ZeRO-3 row.
+
+The ZeRO-3 row (``llava_z3``) trains the encoder-heavy tiny LLaVA (its vision tower about half the
+work; :func:`dflop_ds.testing.hf_tiny.build_encoder_heavy_llava`) on LLaVA's data under
+ds_configs/zero3_small_buckets.json (buckets below a layer's size, as real models have them: the
+vision tower and the LLM meet apart), with the Trainer loading data in 2 worker processes
+(``dataloader_num_workers``) as its users configure it, against transformers' ``random`` and
+``batch_rebalance`` samplers, stock + packing (``padding_free``) and the packers of LLaMA-Factory
+(``llamafactory_packing``, its greedy knapsack) and ms-swift (``swift_packing``, best-fit
+decreasing), run by DFLOPTrainer's packing path with those splitters; every baseline with the
+blank-image guard.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,9 +52,43 @@ from benchmarks.bench_hf import prepare  # noqa: E402
 from dflop_ds.launch import run_deepspeed  # noqa: E402
 
 WORKER = ROOT / "benchmarks" / "trainer_worker.py"
-#: per row: its model family and its strategies (transformers' baselines first)
+#: the strategies of the ZeRO-2 rows (transformers' baselines first)
 STRATEGIES = ("random", "group_by_length", "batch_rebalance", "padding_free", "stock_packed", "dflop", "dflop_packed")
-ROWS = {"llava": ("llava", STRATEGIES), "qwen2_vl": ("qwen2_vl", STRATEGIES)}
+#: the ZeRO-3 row's: transformers' random and batch_rebalance samplers, stock + packing (transformers'
+#: padding-free collator), LLaMA-Factory's and ms-swift's packers, and the project's
+Z3_STRATEGIES = (
+    "random",
+    "batch_rebalance",
+    "padding_free",
+    "llamafactory_packing",
+    "swift_packing",
+    "dflop",
+    "dflop_packed",
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row: the data and model :func:`prepare` makes, the worker's model family, the
+    strategies, the DeepSpeed config, the Trainer's ``dataloader_num_workers`` and whether the
+    baselines first run unguarded (under ZeRO-3 a rank skipping the vision tower while another
+    gathers it blocks both, so that row measures every baseline guarded)."""
+
+    data: str
+    family: str
+    strategies: tuple[str, ...]
+    deepspeed: str = "ds_configs/hf_trainer_zero2.json"
+    workers: int = 0
+    probe: bool = True
+
+
+ROWS = {
+    "llava": Row("llava", "llava", STRATEGIES),
+    "qwen2_vl": Row("qwen2_vl", "qwen2_vl", STRATEGIES),
+    "llava_z3": Row(
+        "llava_encoder_heavy", "llava", Z3_STRATEGIES, "ds_configs/zero3_small_buckets.json", workers=2, probe=False
+    ),
+}
 #: the project's configurations; every other strategy is a transformers baseline
 PROJECT = ("stock_packed", "dflop", "dflop_packed")
 
@@ -51,13 +97,14 @@ def is_dflop(strategy: str) -> bool:
     return strategy.startswith("dflop")
 
 
-def launch(paths: dict, family: str, options: list, timeout: float) -> tuple[list[dict] | None, str]:
-    """Run the worker on ``paths`` (``prepare``'s); ``(its results, "")`` or ``(None, the error)``."""
+def launch(paths: dict, row: Row, options: list, timeout: float) -> tuple[list[dict] | None, str]:
+    """Run the worker on ``paths`` (``prepare``'s) as ``row`` asks; ``(its results, "")`` or ``(None, the error)``."""
     out = Path(paths["data"]).parent.parent / "results.json"
     out.unlink(missing_ok=True)
-    media = ["--images", paths["images"]] + (["--videos", paths["videos"]] if family == "qwen2_vl" else [])
-    args = ["--out", out, "--model", paths["model"], "--data", paths["data"], "--family", family, *media]
-    args += ["--cost_model", paths["cost_model"], *options]
+    media = ["--images", paths["images"]] + (["--videos", paths["videos"]] if row.family == "qwen2_vl" else [])
+    args = ["--out", out, "--model", paths["model"], "--data", paths["data"], "--family", row.family, *media]
+    args += ["--cost_model", paths["cost_model"], "--deepspeed", ROOT / row.deepspeed, "--workers", row.workers]
+    args += options
     env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     try:
         result = run_deepspeed(
@@ -84,19 +131,19 @@ def first_error(log: str) -> str:
     return ""
 
 
-def unguarded_runs(paths: dict, family: str, baselines: tuple, timeout: float) -> dict[str, str]:
+def unguarded_runs(paths: dict, row: Row, baselines: tuple, timeout: float) -> dict[str, str]:
     """Each baseline's unguarded epoch: ``"crashed: <error>"``, or how it ran (the microbatch slots
     where one rank had images and another none, which break ZeRO-2's reduction unguarded)."""
     outcomes = {}
     for strategy in baselines:
-        print(f"[{family}] {strategy}: one epoch without the blank-image guard ...", flush=True)
-        results, error = launch(paths, family, ["--strategies", strategy, "--rounds", "1"], timeout)
+        print(f"[{row.data}] {strategy}: one epoch without the blank-image guard ...", flush=True)
+        results, error = launch(paths, row, ["--strategies", strategy, "--rounds", "1"], timeout)
         if results is None:
             outcomes[strategy] = f"crashed: {error}"
         else:
             mixed = results[0]["mixed_microbatches"]
             outcomes[strategy] = f"ran ({mixed} microbatch slots with images on one rank only)"
-        print(f"[{family}] {strategy} unguarded: {outcomes[strategy]}", flush=True)
+        print(f"[{row.data}] {strategy} unguarded: {outcomes[strategy]}", flush=True)
     return outcomes
 
 
@@ -135,16 +182,34 @@ def report(row: str, table: dict[str, dict], unguarded: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def last_line(table: dict[str, dict]) -> str:
-    """DFLOP's fastest variant over random, batch_rebalance and the fastest baseline."""
-    dflop = max((name for name in table if is_dflop(name)), key=lambda name: table[name]["median"])
-    rate = table[dflop]["median"]
+def fastest_dflop(table: dict[str, dict]) -> str:
+    """The name of DFLOP's fastest variant in a row's table."""
+    return max((name for name in table if is_dflop(name)), key=lambda name: table[name]["median"])
+
+
+def speedup_vs_best(table: dict[str, dict]) -> float:
+    """DFLOP's fastest variant over the fastest baseline of a row's table (median samples/s)."""
     best = max(entry["median"] for name, entry in table.items() if name not in PROJECT)
-    return (
-        f"trainer speedup_vs_random={rate / table['random']['median']:.2f}"
-        f" speedup_vs_batch_rebalance={rate / table['batch_rebalance']['median']:.2f}"
-        f" speedup_vs_best={rate / best:.2f} padding_efficiency={table[dflop]['padding_efficiency']:.3f}"
-    )
+    return table[fastest_dflop(table)]["median"] / best
+
+
+def last_line(tables: dict[str, dict[str, dict]]) -> str:
+    """DFLOP's fastest variant over random, batch_rebalance and the fastest baseline of the Qwen2-VL
+    row (else the first ZeRO-2 row that ran), and ``z3_speedup_vs_best`` of the ZeRO-3 row if it ran."""
+    fields = []
+    main_rows = [row for row in ("qwen2_vl", *tables) if row in tables and row != "llava_z3"]
+    if main_rows:
+        table = tables[main_rows[0]]
+        rate = table[fastest_dflop(table)]["median"]
+        fields += [
+            f"speedup_vs_random={rate / table['random']['median']:.2f}",
+            f"speedup_vs_batch_rebalance={rate / table['batch_rebalance']['median']:.2f}",
+            f"speedup_vs_best={speedup_vs_best(table):.2f}",
+            f"padding_efficiency={table[fastest_dflop(table)]['padding_efficiency']:.3f}",
+        ]
+    if "llava_z3" in tables:
+        fields.append(f"z3_speedup_vs_best={speedup_vs_best(tables['llava_z3']):.2f}")
+    return "trainer " + " ".join(fields)
 
 
 def main() -> None:
@@ -158,16 +223,17 @@ def main() -> None:
     args = parser.parse_args()
     tables = {}
     for row in args.rows.split(","):
-        family, strategies = ROWS[row]
-        paths = prepare(Path(args.out) / f"records{args.records}", args.records, family)
-        baselines = tuple(s for s in strategies if s not in PROJECT)
-        if args.no_probe:
-            unguarded = dict.fromkeys(baselines, "not run (--no-probe): measured guarded")
+        spec = ROWS[row]
+        paths = prepare(Path(args.out) / f"records{args.records}", args.records, spec.data)
+        baselines = tuple(s for s in spec.strategies if s not in PROJECT)
+        if args.no_probe or not spec.probe:
+            why = "--no-probe" if args.no_probe else "ZeRO-3: a rank skipping the vision tower blocks the others"
+            unguarded = dict.fromkeys(baselines, f"not run ({why}): measured guarded")
         else:
-            unguarded = unguarded_runs(paths, family, baselines, args.timeout)
+            unguarded = unguarded_runs(paths, spec, baselines, args.timeout)
         guarded = [name for name, outcome in unguarded.items() if not outcome.startswith("ran")]
-        options = ["--strategies", ",".join(strategies), "--guarded", ",".join(guarded), "--rounds", args.rounds]
-        results, error = launch(paths, family, options, args.timeout)
+        options = ["--strategies", ",".join(spec.strategies), "--guarded", ",".join(guarded), "--rounds", args.rounds]
+        results, error = launch(paths, spec, options, args.timeout)
         if results is None:
             sys.exit(f"bench-trainer [{row}]: the worker failed: {error}")
         tables[row] = summarize(results)
@@ -175,7 +241,7 @@ def main() -> None:
         if "stock_packed" in tables[row]:
             gain = tables[row]["dflop_packed"]["median"] / tables[row]["stock_packed"]["median"]
             print(f"[{row}] balancing alone (dflop_packed over stock_packed, both padding-free): x{gain:.2f}")
-    print(last_line(tables["qwen2_vl" if "qwen2_vl" in tables else next(iter(tables))]))
+    print(last_line(tables))
 
 
 if __name__ == "__main__":

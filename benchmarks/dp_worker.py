@@ -1,7 +1,9 @@
 """One rank of the data-parallel benchmark (launched by bench_dp.py under `deepspeed`).
 
-Two ZeRO-2 engines of the tiny MLLM on the plain engine: one encodes each sample on its own
-rank, the other dispatches the encoder's tiles by cost (:mod:`dflop_ds.train.colocated`). Every
+Three engines of the tiny MLLM on the plain engine: two under ZeRO-2, one encoding each sample on
+its own rank, the other dispatching the encoder's tiles by cost (:mod:`dflop_ds.train.colocated`),
+and one under ZeRO-3 with the ZeRO block of ``--zero3-config`` (buckets below a layer's size,
+so the encoder and the LLM meet apart), the encoder local. Every
 method trains the same global batches, interleaved round by round (the order rotates every
 round). Stock and LLaVA pad their microbatches; verl and dflop-ds pack them, as their users
 run them (packed microbatches: :mod:`dflop_ds.models.packing`). Per step it records the wall
@@ -28,6 +30,7 @@ from benchmarks.common import add_worker_options, round_row, timed_train_step, w
 from benchmarks.e2e_methods import PACKED_METHODS, split_for  # noqa: E402
 from dflop_ds.cost import load_cost_model, sampler_cost_model  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
+from dflop_ds.jsonio import read_json_object  # noqa: E402
 from dflop_ds.models import (  # noqa: E402
     TinyMLLMDataset,
     collate_microbatch,
@@ -45,11 +48,13 @@ from dflop_ds.train import TrainingEngine, build_engine  # noqa: E402
 from dflop_ds.train.colocated import DispatchCollate, DispatchDataset, MicrostepRequest, tile_costs  # noqa: E402
 from dflop_ds.train.loop import start_distributed  # noqa: E402
 
-METHODS = ("stock", "llava", "verl", "dflop", "dflop_dispatch")
+METHODS = ("stock", "llava", "verl", "dflop", "dflop_dispatch", "stock_z3", "llava_z3", "verl_z3", "dflop_z3")
 #: the split of each method (:func:`benchmarks.e2e_methods.split_for`): dflop_dispatch is dflop
 #: balancing the LLM alone, its encoder's tiles dispatched over the ranks; verl and dflop-ds pack
-#: their microbatches as their users run them (:data:`benchmarks.e2e_methods.PACKED_METHODS`)
+#: their microbatches as their users run them (:data:`benchmarks.e2e_methods.PACKED_METHODS`); a
+#: ``_z3`` method is its ZeRO-2 namesake's split trained under ZeRO-3
 SPLITS = {"stock": "stock", "llava": "llava", "verl": "verl", "dflop": "dflop", "dflop_dispatch": "dflop_colocated"}
+SPLITS |= {f"{method}_z3": SPLITS[method] for method in ("stock", "llava", "verl", "dflop")}
 
 
 class EncoderClock:
@@ -96,19 +101,22 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--data", required=True)
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--zero3-config", default=str(ROOT / "ds_configs" / "zero3_small_buckets.json"))
     add_worker_options(parser, global_batch=32, gas=4, rounds=8)
     return parser.parse_args()
 
 
-def zero2_engine(colocated: bool, gas: int, global_batch: int, dp: int, seed: int) -> TrainingEngine:
-    """The tiny MLLM under ZeRO-2 on the plain engine."""
-    return build_engine(
-        *tiny_mllm_layers(seed=seed),
-        worker_ds_config(global_batch, gas, dp, zero_stage=2),
-        pipeline_stages=1,
-        colocated=colocated,
-        lr=1e-3,
-    )
+def engine_config(gas: int, global_batch: int, dp: int, zero: dict | None = None) -> dict:
+    """The DeepSpeed config of an engine: ZeRO-2, or the ZeRO block ``zero``."""
+    config = worker_ds_config(global_batch, gas, dp, zero_stage=2)
+    if zero is not None:
+        config["zero_optimization"] = zero
+    return config
+
+
+def zero_engine(colocated: bool, config: dict, seed: int) -> TrainingEngine:
+    """The tiny MLLM on the plain engine under ``config``."""
+    return build_engine(*tiny_mllm_layers(seed=seed), config, pipeline_stages=1, colocated=colocated, lr=1e-3)
 
 
 def main() -> int:
@@ -120,14 +128,16 @@ def main() -> int:
     costs = {packed: sampler_cost_model(cost_model, packed=packed).predict_samples(shapes) for packed in (False, True)}
     tiles, per_tile = tile_costs(cost_model, shapes)
     labels = np.array([supervised_count(s) for s in shapes])
-    engines = {
-        "local": zero2_engine(False, args.gas, args.global_batch, dp, args.seed),
-        "colocated": zero2_engine(True, args.gas, args.global_batch, dp, args.seed),
-    }
+    methods = args.methods.split(",")
+    configs = {name: engine_config(args.gas, args.global_batch, dp) for name in ("local", "colocated")}
+    if any(method.endswith("_z3") for method in methods):
+        zero3 = read_json_object(args.zero3_config)["zero_optimization"]
+        configs["zero3"] = engine_config(args.gas, args.global_batch, dp, zero3)
+    engines = {name: zero_engine(name == "colocated", config, args.seed) for name, config in configs.items()}
+    syncs = {name: sync_model_of(config) for name, config in configs.items()}  # how each engine's ranks meet
     n_encoder = engines["local"].module.n_encoder_layers
     clocks = {name: EncoderClock(trainer.module, n_encoder) for name, trainer in engines.items()}
     dispatch_data, dispatch_collate = DispatchDataset(dataset), DispatchCollate(collate_packed_microbatch, tiles)
-    methods = args.methods.split(",")
     batches = global_batches(epoch_permutation(len(shapes), args.seed, 0), args.global_batch, args.gas * dp)
     rows = []
     for round_id in range(args.warmup + args.rounds):
@@ -136,6 +146,7 @@ def main() -> int:
         denominator = max(int(labels[batch].sum()), 1) / (args.gas * dp)
         order = methods[round_id % len(methods) :] + methods[: round_id % len(methods)]
         for method in order:
+            name = "colocated" if method == "dflop_dispatch" else "zero3" if method.endswith("_z3") else "local"
             start = time.perf_counter()
             packed = SPLITS[method] in PACKED_METHODS
             split = split_for(
@@ -147,7 +158,7 @@ def main() -> int:
                 dp,
                 microbatch_cost=lambda pos, g=group: cost_model.predict_microbatch([g[p] for p in pos]),
                 seed=args.seed + round_id,
-                sync=sync_model_of(worker_ds_config(args.global_batch, args.gas, dp, zero_stage=2)),
+                sync=syncs[name],
             )
             own = [[ScheduledIndex(i, denominator) for i in mb] for mb in split[rank]]
             if method == "dflop_dispatch":
@@ -160,7 +171,6 @@ def main() -> int:
                 microbatches = [collate_microbatch([dataset[i] for i in mb], packed=packed) for mb in own]
                 predicted = np.array([sum(tiles[i] * per_tile[i] for mb in r for i in mb) for r in split])
             schedule_s = time.perf_counter() - start
-            name = "colocated" if method == "dflop_dispatch" else "local"
             clocks[name].take()
             loss, step_s = timed_train_step(engines[name].train_step, microbatches)
             encoder = [0.0] * dp

@@ -1,6 +1,7 @@
 """One rank of `make bench-trainer`: the same Trainer script trained with each sampling strategy in
-turn, round after round, ZeRO-2, for a LLaVA (examples/hf_trainer.py's Dataset and padded collator)
-or a Qwen2-VL model (:mod:`benchmarks.trainer_qwen2_vl`'s Dataset and collators).
+turn, round after round, under ``--deepspeed`` (ZeRO-2 by default), for a LLaVA
+(examples/hf_trainer.py's Dataset and padded collator) or a Qwen2-VL model
+(:mod:`benchmarks.trainer_qwen2_vl`'s Dataset and collators).
 
 Strategies: ``random`` (the Trainer's default), ``group_by_length`` and ``batch_rebalance``
 (transformers' own), ``padding_free`` (random order, transformers' flattening collator, with
@@ -8,9 +9,11 @@ M-RoPE positions for Qwen2-VL, sdpa), ``stock_packed`` (random order, padding-fr
 project's per-sample attention: packing's gain without balancing), ``dflop`` (``DFLOPTrainer``,
 the padded collator, the profiled cost model) and ``dflop_packed`` (``DFLOPTrainer`` with
 ``dflop={"model": {"packing": True}}`` and no collator: it packs with the family's padding-free
-collator and the project's attention, balancing the packed cost). The baselines named in
+collator and the project's attention, balancing the packed cost); ``llamafactory_packing`` and
+``swift_packing`` are those frameworks' packers (registered splitters) in ``DFLOPTrainer``'s
+packing path, their packs dealt to ranks as the Trainer deals rows. The baselines named in
 ``--guarded`` run with the blank-image guard (``BlankImageGuardMixin``); the project's
-configurations always have it. Each run trains one epoch (or ``--steps``
+configurations and the packers (in DFLOPTrainer) always have it. Each run trains one epoch (or ``--steps``
 optimizer steps) from the same initial weights; the first step is left out of the timing. Rank 0
 writes ``--out`` (JSON): per round and strategy, samples/s, padding efficiency (real tokens /
 padded tokens) and rank imbalance (per step, the slowest rank's forward time over the mean,
@@ -60,6 +63,17 @@ STRATEGIES = {
     "stock_packed": ("random", "segments"),
     "dflop": ("random", "padded"),
     "dflop_packed": ("random", "packing"),
+    "llamafactory_packing": ("random", "packing"),
+    "swift_packing": ("random", "packing"),
+}
+#: the strategies DFLOPTrainer runs, each with its registered splitter (``dflop.sampler.kind``): the
+#: project's, and the frameworks' packers (LLaMA-Factory's greedy knapsack, ms-swift's
+#: best-fit-decreasing), whose packs its sampler deals to the ranks as the Trainer deals rows
+SPLITTER_OF = {
+    "dflop": "dflop",
+    "dflop_packed": "dflop",
+    "llamafactory_packing": "llamafactory_packing",
+    "swift_packing": "swift_packing",
 }
 #: the project's own configurations (always with the blank-image guard)
 PROJECT = ("stock_packed", "dflop", "dflop_packed")
@@ -67,21 +81,6 @@ PROJECT = ("stock_packed", "dflop", "dflop_packed")
 
 class GuardedTrainer(BlankImageGuardMixin, Trainer):
     """The stock Trainer with only the blank-image guard (a fair baseline under ZeRO-2)."""
-
-
-class CountingCollator:
-    """A collator, counting real and padded tokens (all real without an ``attention_mask``)."""
-
-    def __init__(self, collate) -> None:
-        self.collate = collate
-        self.real = self.padded = 0
-
-    def __call__(self, items: list[dict]) -> dict:
-        batch = self.collate(items)
-        mask = batch.get("attention_mask")
-        self.real += int(batch["input_ids"].numel() if mask is None else mask.sum())
-        self.padded += batch["input_ids"].numel()
-        return batch
 
 
 class StepClock(TrainerCallback):
@@ -102,14 +101,21 @@ class StepClock(TrainerCallback):
 
 
 class TimedStep:
-    """Adds each microbatch's forward (loss) time to the clock's busy time, and notes whether the
-    microbatch came with visual input (before any guard)."""
+    """Adds each microbatch's forward (loss) time to the clock's busy time, notes whether the
+    microbatch came with visual input (before any guard) and counts its real and padded tokens
+    (all real without an ``attention_mask``), here in the training process, whichever process
+    collated it (``dataloader_num_workers``)."""
 
     clock: StepClock
     visual: list[bool]
+    real: int
+    padded: int
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         self.visual.append(has_images(inputs))
+        mask = inputs.get("attention_mask")
+        self.real += int(inputs["input_ids"].numel() if mask is None else mask.sum())
+        self.padded += inputs["input_ids"].numel()
         start = time.perf_counter()
         loss = super().compute_loss(model, inputs, *args, **kwargs)  # type: ignore[misc]
         self.clock.busy += time.perf_counter() - start
@@ -127,7 +133,7 @@ def mixed_microbatches(visual: list[bool]) -> int:
 
 
 def trainer_class(strategy: str, guarded: bool) -> type:
-    base = DFLOPTrainer if strategy.startswith("dflop") else GuardedTrainer if guarded else Trainer
+    base = DFLOPTrainer if strategy in SPLITTER_OF else GuardedTrainer if guarded else Trainer
     return type(f"Timed{base.__name__}", (TimedStep, base), {})
 
 
@@ -152,9 +158,12 @@ def dataset_and_collate(cli, shapes, model, kind: str) -> tuple:
 
 
 def dflop_settings(strategy: str, cli) -> dict:
-    """The ``"dflop"`` block: the profiled cost model; packing for ``dflop_packed``."""
-    sampler = {"kind": "dflop"} if cli.cost_model is None else {"kind": "dflop", "cost_model": cli.cost_model}
-    return {"sampler": sampler, "model": {"packing": strategy == "dflop_packed"}}
+    """The ``"dflop"`` block: the strategy's splitter, the profiled cost model; packing for the
+    strategies of the ``packing`` collator."""
+    sampler = {"kind": SPLITTER_OF[strategy]}
+    if cli.cost_model is not None:
+        sampler["cost_model"] = cli.cost_model
+    return {"sampler": sampler, "model": {"packing": STRATEGIES[strategy][1] == "packing"}}
 
 
 def run(strategy: str, cli, shapes) -> dict:
@@ -178,9 +187,10 @@ def run(strategy: str, cli, shapes) -> dict:
         logging_steps=1,
         disable_tqdm=True,
         seed=0,
+        dataloader_num_workers=cli.workers,
         train_sampling_strategy=sampling,
     )
-    extra = {"sample_shapes": shapes, "dflop": dflop_settings(strategy, cli)} if strategy.startswith("dflop") else {}
+    extra = {"sample_shapes": shapes, "dflop": dflop_settings(strategy, cli)} if strategy in SPLITTER_OF else {}
     trainer = trainer_class(strategy, strategy in PROJECT or strategy in cli.guarded.split(","))(
         model=model,
         args=args,
@@ -189,9 +199,7 @@ def run(strategy: str, cli, shapes) -> dict:
         callbacks=[clock],
         **extra,
     )
-    # count the tokens of whichever collator the run uses (DFLOPTrainer's own under packing)
-    trainer.data_collator = collator = CountingCollator(trainer.data_collator)
-    trainer.clock, trainer.visual = clock, []
+    trainer.clock, trainer.visual, trainer.real, trainer.padded = clock, [], 0, 0
     trainer.train()
     if isinstance(trainer, DFLOPTrainer) and trainer.dflop_batch_sampler is not None:
         trainer.dflop_batch_sampler.close()  # max_steps ends mid-epoch: stop its scheduling thread
@@ -207,7 +215,7 @@ def run(strategy: str, cli, shapes) -> dict:
         "step_s": wall / len(timed),
         "forward_s": float(busy.mean()),
         "samples_per_s": samples / wall,
-        "padding_efficiency": collator.real / max(collator.padded, 1),
+        "padding_efficiency": trainer.real / max(trainer.padded, 1),
         "imbalance": imbalance,
         "mixed_microbatches": mixed_microbatches(trainer.visual),
         "predicted_imbalance": predicted_imbalance(trainer.state.log_history),
@@ -230,6 +238,7 @@ def main() -> None:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--guarded", default="", help="comma-separated baselines run with the blank-image guard")
     parser.add_argument("--deepspeed", default="ds_configs/hf_trainer_zero2.json")
+    parser.add_argument("--workers", type=int, default=0, help="the Trainer's dataloader_num_workers")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=-1, help="optimizer steps per run (-1: one epoch)")
     parser.add_argument("--batch", type=int, default=4)

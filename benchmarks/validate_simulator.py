@@ -18,9 +18,20 @@
    trained, with the engine terms (step 2's compute multipliers, forward share and exchange
    cost, one exchange per micro-step and direction; the plain engine's overhead) and without.
 
+6. The ZeRO table (:func:`validate_zero`): the encoder-heavy tiny HF LLaVA on 2 ranks under
+   ZeRO-1, ZeRO-2 and ZeRO-3 with buckets below a layer's size and under ZeRO-2 with DeepSpeed's
+   default buckets (one bucket swallows the tiny model), every split of
+   :data:`benchmarks.zero_worker.SPLITS` in interleaved rounds. Each config's ``twin`` splits
+   (the same microbatches on both ranks, where every sync model predicts the same step) give the
+   measured per-microbatch (encoder, LLM) seconds and the engine's time beyond them; the other
+   splits (heavy/light microbatches in opposite orders, encoder- and LLM-heavy microbatches
+   crossed between ranks) are predicted by :func:`dflop_ds.sync.step_cost` under every sync model
+   and compared with their measured median step.
+
 Nothing of steps 3 and 5 feeds the predictions. Last line: `simulator step_time error=<x>
-cost_model_only=<y> colocated_error=<a> colocated_cost_model_only=<b>` (mean relative errors
-over the timed steps of the pipelined and the colocated runs).
+cost_model_only=<y> colocated_error=<a> colocated_cost_model_only=<b> zero_error_median=<f>`
+(mean relative errors over the timed steps of the pipelined and the colocated runs; f: the median
+over the sync models of the median step-time error of the splits their configs ran).
 """
 
 from __future__ import annotations
@@ -39,7 +50,8 @@ from deepspeed.accelerator import get_accelerator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import profiled_cost_model  # noqa: E402
+from benchmarks.common import profiled_cost_model, run_worker  # noqa: E402
+from benchmarks.zero_worker import SPLITS  # noqa: E402
 from dflop_ds.config import DFLOPConfig, get_setting, set_settings  # noqa: E402
 from dflop_ds.cost import EngineScaled  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
@@ -54,8 +66,18 @@ from dflop_ds.plan.layout import Layout, Segment  # noqa: E402
 from dflop_ds.plan.simulator import simulate_1f1b  # noqa: E402
 from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares  # noqa: E402
 from dflop_ds.shapes import TINY_POLICY  # noqa: E402
+from dflop_ds.sync import SyncModel, step_cost, sync_model_of  # noqa: E402
 
 WARMUP = 3
+#: the ZeRO table's engines: label -> DeepSpeed config (its zero_optimization block is used)
+ZERO_CONFIGS = {
+    "zero1": "ds_configs/zero1_small_buckets.json",
+    "zero2_default": "ds_configs/hf_trainer_zero2.json",
+    "zero2": "ds_configs/zero2_small_buckets.json",
+    "zero3": "ds_configs/zero3_small_buckets.json",
+}
+#: the sync models the ZeRO table scores (pipelines are the simulator's, validated above)
+ZERO_SYNC_MODELS = (SyncModel.BOUNDARY, SyncModel.MICROSTEP, SyncModel.MODULE)
 
 
 def train(config: dict, block: dict, out: Path, name: str, outputs: dict[str, Path]) -> None:
@@ -160,6 +182,75 @@ def validate_colocated(
     return compare("colocated run: DFLOP sampler, encoder dispatched over 2 ranks, ZeRO-2", measured, profiled, alone)
 
 
+def kind_times(rows: list[dict]) -> tuple[dict[str, np.ndarray], float]:
+    """From one config's timed ``twin`` rows: each microbatch kind's median (encoder, LLM) seconds
+    over every rank and round, and the median engine time beyond the slowest rank's microbatches."""
+    samples: dict[str, list] = {}
+    beyond = []
+    for row in rows:
+        for kinds, times in zip(row["kinds"], row["times"]):
+            for kind, (encoder, total) in zip(kinds, times):
+                samples.setdefault(kind, []).append((encoder, total - encoder))
+        beyond.append(row["step_s"] - max(sum(total for _, total in times) for times in row["times"]))
+    return {kind: np.median(np.array(values), axis=0) for kind, values in samples.items()}, float(np.median(beyond))
+
+
+def zero_predictions(rows: list[dict], dp: int) -> dict[str, dict[str, float]]:
+    """Per split of one config: its measured median step and the step every sync model predicts
+    (:func:`step_cost` of the twins' per-kind times, plus the engine time beyond them)."""
+    timed = [row for row in rows if not row["warmup"]]
+    times, beyond = kind_times([row for row in timed if row["split"].startswith("twin")])
+    table = {}
+    for split, ranks in SPLITS.items():
+        grid = np.array([[times[kind] for kind in ranks[r % 2]] for r in range(dp)])
+        measured = float(np.median([row["step_s"] for row in timed if row["split"] == split]))
+        table[split] = {"measured": measured, **{str(m): step_cost(grid, m) + beyond for m in ZERO_SYNC_MODELS}}
+    return table
+
+
+def validate_zero(args: argparse.Namespace, out: Path) -> float:
+    """Step 6 of the module docstring: prints the ZeRO table; returns the median over the sync
+    models of the median error of the non-twin splits their configs ran."""
+    from dflop_ds.testing.hf_tiny import build_encoder_heavy_llava
+
+    model = out / "zero_model"
+    if not (model / "config.json").exists():
+        build_encoder_heavy_llava(model)
+    raw = out / "zero_rows.json"
+    configs = ",".join(f"{label}={ROOT / path}" for label, path in ZERO_CONFIGS.items())
+    print("\nthe ZeRO table: encoder-heavy tiny HF LLaVA, 2 ranks, 2 microbatches a step ...", flush=True)
+    written = run_worker(
+        "zero_worker.py",
+        ["--model", str(model), "--configs", configs, "--rounds", str(args.zero_rounds), "--out", str(raw)],
+        raw,
+    )
+    errors: dict[SyncModel, list[float]] = {}
+    print(f"\nZeRO table ({args.zero_rounds} timed rounds; step seconds, medians; predicted = step_cost of the twins'")
+    print("per-microbatch (encoder, LLM) seconds + the engine time beyond them; * marks the config's sync model)")
+    header = "".join(f"{str(m):>11s}" for m in ZERO_SYNC_MODELS)
+    print(
+        f"{'config':14s} {'sync model':11s} {'split':17s} {'measured':>9s}{header} "
+        f"{'error':>8s} {'effect':>7s} {'pred.':>7s}"
+    )
+    for label, path in ZERO_CONFIGS.items():
+        sync = sync_model_of(read_json_object(ROOT / path), largest_layer_elements=written["largest_layer"])
+        table = zero_predictions([row for row in written["rows"] if row["config"] == label], written["dp"])
+        for split, entry in table.items():
+            twin = table["twin_order" if split.endswith("order") else "twin_halves"]
+            error = abs(entry[str(sync)] / entry["measured"] - 1)
+            if not split.startswith("twin"):
+                errors.setdefault(sync, []).append(error)
+            predicted = "".join(f"{entry[str(m)]:>10.3f}{'*' if m is sync else ' '}" for m in ZERO_SYNC_MODELS)
+            print(
+                f"{label:14s} {str(sync):11s} {split:17s} {entry['measured']:9.3f}{predicted} {error:8.1%} "
+                f"{entry['measured'] / twin['measured']:7.3f} {entry[str(sync)] / twin[str(sync)]:7.3f}"
+            )
+    medians = {sync: float(np.median(values)) for sync, values in errors.items()}
+    print("effect: the split's measured step over its twin's; pred.: the same ratio as its sync model predicts")
+    print("median step-time error of the non-twin splits: " + ", ".join(f"{m} {e:.1%}" for m, e in medians.items()))
+    return float(np.median(list(medians.values())))
+
+
 def compare(title: str, measured: np.ndarray, profiled: np.ndarray, alone: np.ndarray) -> tuple[float, float]:
     """Print the per-step table of a run; the mean relative errors (with the engine profile, cost model only)."""
     print(f"{title}, {len(measured)} timed steps")
@@ -192,10 +283,15 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=27, help="steps of the validated run (3 warm-up)")
     parser.add_argument("--colocated-config", default=str(ROOT / "ds_configs" / "tiny_zero2.json"))
     parser.add_argument("--colocated-steps", type=int, default=20, help="steps of the colocated run (3 warm-up)")
+    parser.add_argument("--zero-rounds", type=int, default=10, help="timed rounds of the ZeRO table")
+    parser.add_argument("--zero-only", action="store_true", help="run only the ZeRO table")
     parser.add_argument("--out", default=str(ROOT / "out"))
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.zero_only:
+        print(f"zero_error_median={validate_zero(args, out):.3f}")
+        return 0
     cost_model = profiled_cost_model(args.cost_model, reuse=True)
     config = read_json_object(args.config)
     block = config.pop("dflop")
@@ -234,6 +330,7 @@ def main() -> int:
     shares = stage_shares(run_bounds, cost_model)
     error, alone_error = report(engine, steps, shares, forward_fraction(cost_model), run_bounds)
     colocated_error, colocated_alone = validate_colocated(args, cost_model, engine, out)
+    zero_error = validate_zero(args, out)
     figures = {
         "error": error,
         "cost_model_only": alone_error,
@@ -249,7 +346,8 @@ def main() -> int:
     )
     print(
         f"simulator step_time error={error:.3f} cost_model_only={alone_error:.3f} "
-        f"colocated_error={colocated_error:.3f} colocated_cost_model_only={colocated_alone:.3f}"
+        f"colocated_error={colocated_error:.3f} colocated_cost_model_only={colocated_alone:.3f} "
+        f"zero_error_median={zero_error:.3f}"
     )
     return 0
 

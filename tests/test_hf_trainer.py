@@ -721,6 +721,35 @@ def test_trainer_zero3_lora_under_accelerate_trains_every_sample_once_ending_on_
     assert len(runs[0]["losses"]) == 3 and all(np.isfinite(runs[0]["losses"]))
 
 
+@pytest.fixture(scope="module")
+def zero3_reports(llava_inputs, tmp_path_factory):
+    """One epoch of the encoder-heavy tiny LLaVA under ds_configs/zero3_small_buckets.json (buckets
+    below a layer's size: the vision tower and the LLM meet apart) on 2 ranks, the DFLOP sampler
+    splitting each global batch of 8 into 2 microbatches per rank; each rank's report."""
+    from dflop_ds.testing.hf_tiny import build_encoder_heavy_llava
+
+    _, data, images = llava_inputs
+    out = tmp_path_factory.mktemp("hf_trainer_zero3")
+    model = build_encoder_heavy_llava(out / "model")
+    args = ["--out", out, "--model", model, "--data", data, "--images", images, "--checks", "zero3_buckets"]
+    args += ["--deepspeed", REPO / "ds_configs" / "zero3_small_buckets.json"]
+    result = run_on_ranks(SCRIPT, [str(a) for a in args], extra_env=rank_env(), timeout=900)
+    assert all(f"{CLEAN_SHUTDOWN} {r}\n" in result.stdout for r in (0, 1)), result.stdout[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text())["zero3_buckets"] for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_zero3_with_buckets_below_a_layer_trains_every_sample_once_in_gas_microbatches(zero3_reports):
+    runs = zero3_reports
+    assert all(run["zero_stage"] == 3 for run in runs)
+    assert all(run["buckets"] == {"prefetch": 50_000, "reduce": 50_000, "persistence": 0} for run in runs)
+    fetched = [i for run in runs for i in run["fetched"]]
+    assert np.bincount(fetched, minlength=RECORDS).tolist() == [1] * RECORDS
+    steps = 4  # 3 global batches of 8, then the last 4 samples
+    assert all(run["per_step"] == [GAS] * steps for run in runs) and runs[0]["steps"] == steps
+    assert len(runs[0]["losses"]) == steps and all(np.isfinite(runs[0]["losses"]))
+
+
 @pytest.mark.slow
 def test_trainer_trains_in_bf16_where_the_accelerator_has_it(adapter_reports):
     bf16, runs = adapter_reports

@@ -34,6 +34,12 @@ TEXT_SIZES = dict(
     max_position_embeddings=512,
 )
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH_SIZE) ** 2
+#: the encoder-heavy model's vision tower (6 layers of 256, ~0.8M parameters each) and text model
+#: (4 layers of 128, ~0.15M each, long enough for 1024 tokens): its encoder does about half the
+#: work of an image chat, and every layer is larger than the 5e4-element buckets of
+#: ds_configs/zero*_small_buckets.json
+ENCODER_HEAVY_VISION = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4)
+ENCODER_HEAVY_TEXT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, max_position_embeddings=1024)
 #: size overrides of a config, as sorted ``(key, value)`` pairs (hashable, for the build cache)
 Sizes = tuple[tuple[str, Any], ...]
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<image>")
@@ -230,13 +236,26 @@ def build_tiny_llava(
     return copied(built, dir)
 
 
+def build_encoder_heavy_llava(dir: str | Path, *, seed: int = 0) -> Path:
+    """Write the encoder-heavy tiny LLaVA (CLIP + Llama, :data:`ENCODER_HEAVY_VISION` and
+    :data:`ENCODER_HEAVY_TEXT`) to ``dir``: the vision tower carries about half the work, as in
+    the models whose ZeRO-3 runs meet per module. Every tower layer feeds the projector
+    (``vision_feature_layer=-1``), so every parameter gets a gradient in every step."""
+    return build_tiny_llava(
+        dir, seed=seed, vision_feature_layer=-1, vision_sizes=ENCODER_HEAVY_VISION, text_sizes=ENCODER_HEAVY_TEXT
+    )
+
+
 __all__ = [
+    "ENCODER_HEAVY_TEXT",
+    "ENCODER_HEAVY_VISION",
     "IMAGE_SIZE",
     "PATCH_SIZE",
     "SPECIAL_TOKENS",
     "TEXT_SIZES",
     "TOKENS_PER_IMAGE",
     "VISION_LAYERS",
+    "build_encoder_heavy_llava",
     "build_tiny_llava",
     "build_tokenizer",
     "copied",

@@ -13,7 +13,11 @@ examples/hf_trainer.py), switched to DFLOP by the documented lines, checked on 2
   users wire it) under the ``--deepspeed`` config (ZeRO-3 in the test), ``--bf16`` when given,
   with 3 microbatches per step, so the 28 records end on a shorter step; the report lists every
   dataset index fetched, the microbatches of every step, the engine's ZeRO stage and precision,
-  the sampler's seed and how far the LoRA weights moved.
+  the sampler's seed and how far the LoRA weights moved;
+* ``zero3_buckets``: one epoch of full training under the ``--deepspeed`` config (ZeRO-3 with
+  buckets below a layer's size in the test, so the vision tower and the LLM meet apart); the
+  report lists every dataset index fetched, the microbatches of every step, the engine's ZeRO
+  stage and buckets, and the losses.
 
 ``--checks`` picks them (default ``resume,sgd,example``). ``--deepspeed none`` leaves
 ``TrainingArguments.deepspeed`` unset: the config then comes from ``accelerate launch``'s DeepSpeed
@@ -224,14 +228,22 @@ def check_example(cli, out: Path) -> dict:
     return {"saved": saved}
 
 
+def start_deepspeed_comm() -> None:
+    """Start deepspeed.comm before a ZeRO-3 model is made: under ``use_cpu`` the Trainer starts
+    torch.distributed, not deepspeed.comm, so zero.Init would count one rank."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed(get_accelerator().communication_backend_name())
+
+
 def check_adapters(cli, processor, out: Path) -> dict:
     """One epoch of LoRA under the launch's DeepSpeed config, ending on a shorter step."""
     import deepspeed
-    from deepspeed.accelerator import get_accelerator
     from peft import LoraConfig, get_peft_model
 
-    if not deepspeed.comm.is_initialized():  # use_cpu: accelerate starts torch.distributed, not deepspeed.comm,
-        deepspeed.init_distributed(get_accelerator().communication_backend_name())  # so zero.Init would count 1
+    start_deepspeed_comm()
     args = training_args(cli, out, gradient_accumulation_steps=3, num_train_epochs=1, bf16=cli.bf16)
     model = AutoModelForImageTextToText.from_pretrained(cli.model)  # after the arguments: ZeRO-3 partitions it
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
@@ -255,7 +267,29 @@ def check_adapters(cli, processor, out: Path) -> dict:
     }
 
 
-CHECKS = {"resume": check_resume, "sgd": check_sgd, "adapters": check_adapters}
+def check_zero3_buckets(cli, processor, out: Path) -> dict:
+    """One epoch under the launch's ZeRO config, as its users train: full parameters, 2 microbatches a step."""
+    start_deepspeed_comm()
+    args = training_args(cli, out, num_train_epochs=1)
+    trainer, dataset, collator, recorder = trainer_for(cli, args, processor)
+    trainer.train()
+    zero = trainer.model_wrapped._config.zero_config
+    return {
+        "fetched": dataset.fetched,
+        "per_step": recorder.per_step,
+        "had_images": collator.had_images,
+        "losses": losses(trainer),
+        "steps": trainer.state.global_step,
+        "zero_stage": int(trainer.model_wrapped.zero_optimization_stage()),
+        "buckets": {
+            "prefetch": int(zero.prefetch_bucket_size),
+            "reduce": int(zero.reduce_bucket_size),
+            "persistence": int(zero.param_persistence_threshold),
+        },
+    }
+
+
+CHECKS = {"resume": check_resume, "sgd": check_sgd, "adapters": check_adapters, "zero3_buckets": check_zero3_buckets}
 
 
 def main() -> None:
