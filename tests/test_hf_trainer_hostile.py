@@ -410,3 +410,21 @@ def test_an_empty_dataset_is_refused_by_name(tiny_trainer_parts):
     model, args, _, _ = tiny_trainer_parts
     with pytest.raises(ValueError, match=r"train_dataset \(IndexRecorder\) has no samples"):
         DFLOPTrainer(model=model, args=args, train_dataset=IndexRecorder(0), sample_shapes=[])
+
+
+def test_the_padding_free_collator_names_an_item_it_cannot_pack(tiny_trainer_parts):
+    """Labels shorter than the tokens were packed misaligned; a list or a [1, n] tensor gave an AttributeError."""
+    from dflop_ds.hf_trainer import padding_free_collator
+
+    collate = padding_free_collator(tiny_trainer_parts[0])
+    good = {"input_ids": torch.tensor([1, 2, 3]), "labels": torch.tensor([-100, 2, 3])}
+    assert collate([good, good])["labels"].shape == (1, 6)
+    short = {"input_ids": torch.tensor([1, 2, 3]), "labels": torch.tensor([2, 3])}
+    with pytest.raises(ValueError, match=r"batch item 1 has 3 input_ids but 2 labels"):
+        collate([good, short])
+    for bad in (
+        {"input_ids": [1, 2], "labels": [1, 2]},
+        {"input_ids": torch.tensor([[1, 2]]), "labels": good["labels"]},
+    ):
+        with pytest.raises(ValueError, match=r"batch item 1 needs 'input_ids' as a 1-D tensor"):
+            collate([good, bad])
