@@ -57,3 +57,37 @@ def test_validate_of_a_config_that_names_no_data_says_so(tmp_path: Path, capsys)
     assert main(["validate", "--deepspeed-config", str(config)]) == 1
     err = capsys.readouterr().err
     assert f"{config}: its dflop block names no data file (dflop.data.path)" in err and "no problems" not in err
+
+
+@pytest.mark.parametrize(
+    "option, value, expected",
+    [
+        ("--global-batch", "0", "--global-batch: expected an integer of at least 1, got 0"),
+        ("--batches", "0", "--batches: expected an integer of at least 1, got 0"),
+        ("--top-k", "0", "--top-k: expected an integer of at least 1, got 0"),
+        ("--max-tp", "0", "--max-tp: expected an integer of at least 1, got 0"),
+        ("--gpus-per-node", "0", "--gpus-per-node: expected an integer of at least 1, got 0"),
+        ("--seed", "-1", "--seed: expected an integer of at least 0, got -1"),
+        ("--gpus", "1048576", "--gpus: expected an integer in [1, 16384]"),
+    ],
+)
+def test_plan_refuses_counts_outside_their_meaning_naming_the_option(option, value, expected, capsys):
+    argv = ["plan", "--cost-model", MODEL, "--data", "x.jsonl", "--gpus", "8", "--global-batch", "16", "-o", "p.json"]
+    assert expected in refused(argv + [option, value], capsys)
+
+
+def test_project_refuses_a_negative_seed_and_no_gpus_per_node(capsys):
+    argv = ["project", "--cost-model", MODEL, "--data", "x.jsonl", "--gpus", "8"]
+    assert "--seed: expected an integer of at least 0, got -1" in refused(argv + ["--seed", "-1"], capsys)
+    no_node = refused(argv + ["--gpus-per-node", "0"], capsys)
+    assert "--gpus-per-node: expected an integer of at least 1, got 0" in no_node
+
+
+def test_plan_notes_global_batches_larger_than_the_data_set(tmp_path: Path, write_jsonl, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = write_jsonl(tmp_path / "mixed.jsonl", records(24))
+    argv = ["plan", "--cost-model", MODEL, "--data", str(data), "--gpus", "8", "--batches", "1", "-o", "p.json"]
+    assert main(argv + ["--global-batch", "16"]) == 0
+    assert "samples repeat" not in capsys.readouterr().out
+    assert main(argv + ["--global-batch", "64"]) == 0
+    assert "note: a global batch of up to 64 samples is drawn from 24: samples repeat" in capsys.readouterr().out

@@ -74,3 +74,27 @@ def test_packed_memory_is_additive_beyond_one_constant():
     constant = alone.sum(axis=0) - packed.predict_memory(SHAPES)
     assert (constant >= 0).all()
     np.testing.assert_allclose(packed.predict_memory(SHAPES[:2]), alone[:2].sum(axis=0) - constant / 2)
+
+
+@pytest.mark.parametrize(
+    "part, key, value, message",
+    [
+        ("gpu", "mfu", float("nan"), r"gpu A100-80GB\.mfu must be a finite number above 0 and at most 1, got nan"),
+        ("gpu", "peak_flops", -1.0, r"peak_flops must be a finite number above 0, got -1\.0"),
+        ("gpu", "memory_bytes", 0, r"memory_bytes must be a finite number above 0, got 0"),
+        ("llm", "layers", 0, r"qwen2-0\.5b\.layers must be a whole count >= 1, got 0"),
+        ("llm", "hidden", "896", r"hidden must be a whole count >= 1, got '896'"),
+        (None, "tokens_per_tile", float("nan"), r"tokens_per_tile must be a whole count >= 1, got nan"),
+    ],
+)
+def test_an_analytic_cost_model_with_a_size_outside_its_meaning_is_refused_naming_file_and_key(
+    tmp_path, part, key, value, message
+):
+    """NaN, zero or negative sizes gave "no plan fits" (exit 0), a ZeroDivisionError or a cost error naming nothing."""
+    path = tmp_path / "model.json"
+    save_cost_model(load_cost_model("llava-ov-0.5b-a100"), path)
+    data = json.loads(path.read_text())
+    (data["state"] if part is None else data["state"][part])[key] = value
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=rf"{path}: malformed analytic cost model, ValueError: .*{message}"):
+        load_cost_model(str(path))

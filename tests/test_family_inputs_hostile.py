@@ -129,3 +129,13 @@ def test_an_internvl_tile_limit_beyond_any_checkpoint_is_refused_not_searched_fo
         InternVLTileRule(tile_size=448, min_tiles=1, max_tiles=100000, tokens_per_tile=256)
     with pytest.raises(ValueError, match="min_patches 0"):
         InternVLTileRule(tile_size=448, min_tiles=0, max_tiles=12, tokens_per_tile=256)
+
+
+def test_settings_that_are_not_whole_numbers_are_refused_by_key():
+    """Strings in the pinpoints or a fractional max_patches gave a bare TypeError later."""
+    from dflop_ds.models.hf.internvl.shapes import InternVLTileRule
+
+    with pytest.raises(ValueError, match=r"image_grid_pinpoints holds \['384', '768'\]"):
+        OnevisionTokenRule(tile_size=384, patch_size=14, pinpoints=(("384", "768"),), max_tiles=4)
+    with pytest.raises(ValueError, match=r"max_patches must be a whole number, got 12\.5"):
+        InternVLTileRule(tile_size=448, min_tiles=1, max_tiles=12.5, tokens_per_tile=256)  # type: ignore[arg-type]

@@ -341,3 +341,90 @@ def test_ranks_reading_different_data_files_are_named(llava_inputs, tmp_path):
 
 def shapes(n: int) -> list[SampleShape]:
     return [SampleShape(f"s{i}", text_tokens=10 + i, label_tokens=3, llm_tokens=10 + i) for i in range(n)]
+
+
+# ---- second hostile pass -------------------------------------------------------------------------
+
+
+def test_a_resume_under_another_memory_cap_or_sampler_kind_is_refused(tiny_trainer_parts, tmp_path):
+    """The Trainer resumes by its step count; a cap or kind that moves samples between the epoch's
+    batches would train the rest of the epoch from other batches (samples twice or never)."""
+    video = [clip(f"v{i}", 40, 20) if i < 6 else clip(f"t{i}", 0, 30) for i in range(28)]
+    cap = 1.01 * microbatch_bytes(ProxyCost(tile_cost=1.0), [video[0], video[6]])
+
+    def differ(seed: int) -> bool:
+        fitted, plain = (capped_trainer_sampler(c, seed, video).batches(0) for c in (cap, None))
+        return not all(np.array_equal(a, b) for a, b in zip(fitted, plain, strict=True))
+
+    moved = [seed for seed in range(50) if differ(seed)]
+    assert moved, "no seed where the cap moves samples: the check is void"
+    seed = moved[0]
+    fitted, plain = (
+        capped_trainer_sampler(cap, seed, video).batches(0),
+        capped_trainer_sampler(None, seed, video).batches(0),
+    )
+    step = next(k for k in range(len(fitted)) if not np.array_equal(fitted[k], plain[k])) + 1
+    mixed = collections.Counter(np.concatenate(fitted[:step] + plain[step:]).tolist())
+    assert set(mixed.values()) != {1}  # resuming under the other cap would repeat and miss samples
+    model, args, _, good = tiny_trainer_parts
+    first = DFLOPTrainer(model=model, args=args, train_dataset=IndexRecorder(RECORDS), sample_shapes=good)
+    first.get_train_dataloader()
+    first._save_sampler_state(str(tmp_path / "checkpoint-1"))
+    for block, key in [
+        ({"sampler": {"memory_cap_bytes": 1e12}}, "memory_cap"),
+        ({"sampler": {"kind": "stock"}}, "method"),
+    ]:
+        again = DFLOPTrainer(
+            model=model, args=args, train_dataset=IndexRecorder(RECORDS), sample_shapes=good, dflop=block
+        )
+        again._dflop_resume = str(tmp_path / "checkpoint-1")
+        with pytest.raises(ValueError, match=rf"{SAMPLER_STATE}: saved with {key}=.*changed"):
+            again.get_train_dataloader()
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: {**s, "sampler": []}, r"'sampler' must be the sampler's state object, got list"),
+        (lambda s: {**s, "sampler": {**s["sampler"], "epoch": None}}, r"cannot resume this run from it: int\(\)"),
+        (lambda s: {k: v for k, v in s.items() if k != "shape_policy"}, r"no shape_policy in it"),
+        (lambda s: {**s, "sampler": {k: v for k, v in s["sampler"].items() if k != "dataset_fingerprint"}},
+         r"no dataset_fingerprint in it"),
+    ],
+)  # fmt: skip
+def test_a_sampler_state_that_cannot_be_compared_whole_is_refused_naming_the_file(
+    tiny_trainer_parts, tmp_path, edit, message
+):
+    model, args, _, good = tiny_trainer_parts
+    first = DFLOPTrainer(model=model, args=args, train_dataset=IndexRecorder(RECORDS), sample_shapes=good)
+    first.get_train_dataloader()
+    first._save_sampler_state(str(tmp_path))
+    write_sampler_state(tmp_path, edit(read_sampler_state(tmp_path)))
+    again = DFLOPTrainer(model=model, args=args, train_dataset=IndexRecorder(RECORDS), sample_shapes=good)
+    again._dflop_resume = str(tmp_path)
+    with pytest.raises(ValueError, match=rf"{tmp_path / SAMPLER_STATE}: .*{message}"):
+        again.get_train_dataloader()
+
+
+def test_an_empty_dataset_is_refused_by_name(tiny_trainer_parts):
+    model, args, _, _ = tiny_trainer_parts
+    with pytest.raises(ValueError, match=r"train_dataset \(IndexRecorder\) has no samples"):
+        DFLOPTrainer(model=model, args=args, train_dataset=IndexRecorder(0), sample_shapes=[])
+
+
+def test_the_padding_free_collator_names_an_item_it_cannot_pack(tiny_trainer_parts):
+    """Labels shorter than the tokens were packed misaligned; a list or a [1, n] tensor gave an AttributeError."""
+    from dflop_ds.hf_trainer import padding_free_collator
+
+    collate = padding_free_collator(tiny_trainer_parts[0])
+    good = {"input_ids": torch.tensor([1, 2, 3]), "labels": torch.tensor([-100, 2, 3])}
+    assert collate([good, good])["labels"].shape == (1, 6)
+    short = {"input_ids": torch.tensor([1, 2, 3]), "labels": torch.tensor([2, 3])}
+    with pytest.raises(ValueError, match=r"batch item 1 has 3 input_ids but 2 labels"):
+        collate([good, short])
+    for bad in (
+        {"input_ids": [1, 2], "labels": [1, 2]},
+        {"input_ids": torch.tensor([[1, 2]]), "labels": good["labels"]},
+    ):
+        with pytest.raises(ValueError, match=r"batch item 1 needs 'input_ids' as a 1-D tensor"):
+            collate([good, bad])

@@ -34,4 +34,23 @@ def int_in_range(low: int, high: int, why: str) -> Callable[[str], int]:
     return parse
 
 
-__all__ = ["int_in_range", "positive_float"]
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``low`` (e.g. 1 for a count, 0 for a seed)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer of at least {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+#: the largest cluster ``plan`` and ``project`` take: the size the planner's search time is measured at (bench-plan)
+MAX_PLANNED_GPUS = 16384
+
+__all__ = ["MAX_PLANNED_GPUS", "int_at_least", "int_in_range", "positive_float"]

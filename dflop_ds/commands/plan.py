@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dflop_ds.commands.arg_types import positive_float
+from dflop_ds.commands.arg_types import MAX_PLANNED_GPUS, int_at_least, int_in_range, positive_float
 from dflop_ds.commands.data import add_read_arguments, policy_from_args, read_options
 from dflop_ds.config import plan_deepspeed_config, plan_reference, set_settings
 from dflop_ds.cost import PlannerCostModel, check_policy, load_cost_model, reference_names
@@ -17,6 +17,7 @@ from dflop_ds.plan.gantt import plot_gantt
 from dflop_ds.plan.plan_file import Plan
 from dflop_ds.plan.planner import cluster_of, has_tensor_parallel_layers, make_plans, simulate_layout
 from dflop_ds.plan.search import PlanError
+from dflop_ds.shapes import SampleShape
 
 
 def load_planner_model(spec: str) -> PlannerCostModel:
@@ -42,6 +43,17 @@ def _read_shapes(args: argparse.Namespace, model: PlannerCostModel) -> list:
     return shapes
 
 
+def repeat_note(global_batch: int, shapes: list[SampleShape]) -> str | None:
+    """A note when global batches of ``global_batch`` samples are drawn from fewer ``shapes``
+    (samples repeat within a batch); None when the data set is large enough."""
+    if global_batch <= len(shapes):
+        return None
+    return (
+        f"note: a global batch of up to {global_batch} samples is drawn from {len(shapes)}: samples repeat within it,"
+        " so the figures reflect this data set's mix, not its size"
+    )
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cost-model",
@@ -52,7 +64,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--data", required=True, help="dataset to draw global batches from (shape manifest or LLaVA JSON/JSONL)"
     )
     add_read_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled global batches")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the sampled global batches")
 
 
 def _summary(tag: str, plan: Plan) -> str:
@@ -130,6 +142,9 @@ def run_plan(args: argparse.Namespace) -> int:
         autotp=args.model_name_or_path is not None,
     )
     shapes = _read_shapes(args, model)
+    note = repeat_note(args.global_batch, shapes)
+    if note is not None:
+        print(note)
     plans = make_plans(
         model,
         cluster,
@@ -204,18 +219,25 @@ def run_simulate(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``plan`` and ``simulate`` to the ``dflop-ds`` command."""
     p = subparsers.add_parser("plan", help="search encoder/LLM parallelism and microbatching for a cluster and data")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (tensor parallelism stays inside)")
+    p.add_argument(
+        "--gpus",
+        type=int_in_range(1, MAX_PLANNED_GPUS, "the largest cluster the planner is measured at"),
+        required=True,
+        help=f"GPUs in the job, at most {MAX_PLANNED_GPUS}",
+    )
+    p.add_argument(
+        "--gpus-per-node", type=int_at_least(1), default=8, help="GPUs per node (tensor parallelism stays inside)"
+    )
     p.add_argument(
         "--gpu-memory-gb",
         type=positive_float,
         default=None,
         help="memory per GPU in GB (default: the profile's GPU, else 80)",
     )
-    p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    p.add_argument("--global-batch", type=int_at_least(1), required=True, help="samples per optimizer step")
     p.add_argument(
         "--max-tp",
-        type=int,
+        type=int_at_least(1),
         default=None,
         help="largest tensor-parallel degree (default: --gpus-per-node for a model with tensor-parallel"
         " layers, else 1; more than 1 for a model without them is refused)",
@@ -239,15 +261,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help='also write the DeepSpeed config the plan assumed (its "dflop" block points at the plan)',
     )
-    p.add_argument("--batches", type=int, default=3, help="sampled global batches per simulated layout")
-    p.add_argument("--top-k", type=int, default=6, help="layouts simulated per family")
+    p.add_argument("--batches", type=int_at_least(1), default=3, help="sampled global batches per simulated layout")
+    p.add_argument("--top-k", type=int_at_least(1), default=6, help="layouts simulated per family")
     p.add_argument("-o", "--output", required=True, help="plan JSON to write")
     _common(p)
     p.set_defaults(func=run_plan)
 
     s = subparsers.add_parser("simulate", help="draw the Gantt chart of a plan and its monolithic baseline")
     s.add_argument("--plan", required=True, help="plan JSON written by `dflop-ds plan`")
-    s.add_argument("--batches", type=int, default=1, help="sampled global batches (the slowest is drawn)")
+    s.add_argument("--batches", type=int_at_least(1), default=1, help="sampled global batches (the slowest is drawn)")
     s.add_argument("--png", default="plan_gantt.png", help="output PNG")
     _common(s)
     s.set_defaults(func=run_simulate)

@@ -19,12 +19,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dflop_ds.commands.arg_types import int_in_range, positive_float
+from dflop_ds.commands.arg_types import MAX_PLANNED_GPUS, int_at_least, int_in_range, positive_float
 from dflop_ds.commands.plan import (
     _common,
     _read_shapes,
     gpu_memory_bytes,
     load_planner_model,
+    repeat_note,
     tensor_parallel_layers,
     training_precision,
 )
@@ -33,9 +34,6 @@ from dflop_ds.plan.calibration import load_calibration
 from dflop_ds.plan.cluster import PRECISIONS, ZERO_SHARDED, Cluster
 from dflop_ds.plan.planner import describe_cost_model
 from dflop_ds.plan.projection import SizeProjection, encoder_share, project, table_lines
-
-#: the largest cluster ``project`` takes: the size the planner's search time is measured at (bench-plan)
-MAX_PROJECTED_GPUS = 16384
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -48,13 +46,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--gpus",
-        type=int_in_range(1, MAX_PROJECTED_GPUS, "the largest cluster the planner is measured at"),
+        type=int_in_range(1, MAX_PLANNED_GPUS, "the largest cluster the planner is measured at"),
         nargs="+",
         required=True,
-        help=f"cluster sizes (GPUs) to project, at most {MAX_PROJECTED_GPUS}",
+        help=f"cluster sizes (GPUs) to project, at most {MAX_PLANNED_GPUS}",
     )
     parser.add_argument("--batch-per-gpu", type=int, default=2, help="global batch = this x GPUs (default 2)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (tensor parallelism stays inside)")
+    parser.add_argument(
+        "--gpus-per-node", type=int_at_least(1), default=8, help="GPUs per node (tensor parallelism stays inside)"
+    )
     parser.add_argument(
         "--gpu-memory-gb", type=positive_float, default=None, help="memory per GPU (default: the profile's, else 80)"
     )
@@ -114,12 +114,9 @@ def run_project(args: argparse.Namespace) -> int:
         )
     for line in header_lines(model, args.cost_model, args.data, shapes, args.batch_per_gpu, args.batches, cluster):
         print(line)
-    largest = args.batch_per_gpu * max(args.gpus)
-    if largest > len(shapes):
-        print(
-            f"note: a global batch of up to {largest} samples is drawn from {len(shapes)}: samples repeat within it,"
-            " so the projection reflects this data set's mix, not its size"
-        )
+    note = repeat_note(args.batch_per_gpu * max(args.gpus), shapes)
+    if note is not None:
+        print(note)
     print(calibration.describe())
     for line in table_lines(sizes):
         print(line)

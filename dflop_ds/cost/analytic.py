@@ -24,6 +24,7 @@ Formulas (``n`` tokens of one sample, ``h`` hidden size, ``f`` MLP size, ``P`` p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -49,6 +50,15 @@ class TransformerSpec:
     gated_mlp: bool
     vocab: int = 0
 
+    def __post_init__(self) -> None:
+        """Refuse sizes that are not whole counts (at least 1; ``vocab`` at least 0), naming the field."""
+        for key in ("layers", "hidden", "mlp", "heads", "kv_heads", "vocab"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "vocab" else 1):
+                raise ValueError(
+                    f"{self.name}.{key} must be a whole count >= {0 if key == 'vocab' else 1}, got {value!r}"
+                )
+
     @property
     def layer_params(self) -> int:
         """Parameters of one block: attention projections plus the MLP (norms ignored)."""
@@ -71,6 +81,16 @@ class GPUSpec:
     peak_flops: float
     mfu: float
     memory_bytes: float
+
+    def __post_init__(self) -> None:
+        """Refuse a peak, memory or achieved fraction that is not a finite number above 0 (``mfu`` at
+        most 1), naming the field."""
+        for key in ("peak_flops", "mfu", "memory_bytes"):
+            value = getattr(self, key)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not math.isfinite(value) or value <= 0 or (key == "mfu" and value > 1):
+                bound = " and at most 1" if key == "mfu" else ""
+                raise ValueError(f"gpu {self.name}.{key} must be a finite number above 0{bound}, got {value!r}")
 
     @property
     def achieved_flops(self) -> float:
@@ -375,11 +395,24 @@ class AnalyticMLLM:
             encoder=TransformerSpec(**data["encoder"]),
             llm=TransformerSpec(**data["llm"]),
             gpu=GPUSpec(**data["gpu"]),
-            tokens_per_tile=int(data["tokens_per_tile"]),
+            tokens_per_tile=whole_count(data["tokens_per_tile"], "tokens_per_tile"),
             activation_checkpointing=bool(data["activation_checkpointing"]),
             name=str(data["name"]),
-            merge=int(data.get("merge", 1)),
+            merge=whole_count(data.get("merge", 1), "merge"),
         )
+
+
+def whole_count(value: Any, key: str) -> int:
+    """``value`` as a count of at least 1 (a float only when whole), else a ``ValueError`` naming ``key``."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value != value
+        or value < 1
+        or value != int(value)
+    ):
+        raise ValueError(f"{key} must be a whole count >= 1, got {value!r}")
+    return int(value)
 
 
 def reference_names(prefix: str = "") -> list[str]:

@@ -94,6 +94,28 @@ def concatenated_media(items: list[dict], keys: tuple[str, ...] = MEDIA_KEYS, pa
     return out
 
 
+def token_lists(item: Any, position: int) -> dict[str, list[int]]:
+    """``item``'s ``input_ids`` and ``labels`` as lists for the flattening, refusing an item that
+    lacks one, holds one that is not a 1-D tensor, or whose labels do not match its tokens one for
+    one (packed, they would supervise the wrong tokens), naming its position in the batch."""
+    lists = {}
+    for key in ("input_ids", "labels"):
+        value = item.get(key) if isinstance(item, dict) else None
+        if not isinstance(value, torch.Tensor) or value.dim() != 1:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ""
+            raise ValueError(
+                f"padding-free collator: batch item {position} needs {key!r} as a 1-D tensor (one sample, no batch"
+                f" dimension), got {type(value).__name__}{shape}"
+            )
+        lists[key] = value.tolist()
+    if len(lists["labels"]) != len(lists["input_ids"]):
+        raise ValueError(
+            f"padding-free collator: batch item {position} has {len(lists['input_ids'])} input_ids but"
+            f" {len(lists['labels'])} labels: give one label per token (-100 where none is learned)"
+        )
+    return lists
+
+
 class PaddingFreeCollator:
     """Padding-free: transformers' ``DataCollatorWithFlattening`` (one row, ``labels`` separated,
     per-sample text ``position_ids``) over items with ``input_ids`` and ``labels`` tensors, the
@@ -115,7 +137,7 @@ class PaddingFreeCollator:
         self.flatten = DataCollatorWithFlattening(return_flash_attn_kwargs=sample_bounds)
 
     def __call__(self, items: list[dict]) -> dict:
-        flat = self.flatten([{"input_ids": i["input_ids"].tolist(), "labels": i["labels"].tolist()} for i in items])
+        flat = self.flatten([token_lists(item, n) for n, item in enumerate(items)])
         batch = {**flat, **concatenated_media(items, self.media_keys, self.padded_keys)}
         if self.rope_index is None:
             return batch

@@ -66,18 +66,44 @@ def read_sampler_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path}: unreadable sampler state ({error}); resume from another checkpoint") from error
 
 
+#: what a saved schedule must match, with why a change trains some samples twice and others never
+SCHEDULE_KEYS = {
+    "shape_policy": "the sample shapes were made under another shape policy (another model or processor)",
+    "batches_per_epoch": "the dataset size, batch size or drop_last changed",
+    "method": "the sampler kind (dflop.sampler.kind) changed, and with it which samples the epoch's batches hold",
+    "memory_cap": "the memory cap (dflop.sampler.memory_cap_bytes) changed, and with it the samples it moves"
+    " between the epoch's batches",
+    "dataset_fingerprint": "the dataset's ids or shapes changed",
+}
+
+
+def saved_schedule(path: Path, saved: Mapping[str, Any]) -> dict[str, Any]:
+    """The schedule inputs of a saved sampler state (:data:`SCHEDULE_KEYS`, ``memory_cap`` None
+    when unset), refusing a state that lacks one or whose ``sampler`` is not an object, naming the
+    file: a state that cannot be compared whole cannot be resumed exactly once."""
+    sampler = saved.get("sampler")
+    if not isinstance(sampler, Mapping):
+        raise ValueError(f"{path}: 'sampler' must be the sampler's state object, got {type(sampler).__name__}")
+    flat = {**sampler, **{k: saved[k] for k in ("shape_policy", "batches_per_epoch") if k in saved}}
+    flat.setdefault("memory_cap", None)
+    missing = sorted(set(SCHEDULE_KEYS) - set(flat))
+    if missing:
+        raise ValueError(
+            f"{path}: no {', '.join(missing)} in it, so whether this run schedules the same epoch cannot be checked;"
+            " resume from a checkpoint DFLOPTrainer wrote, or start training anew"
+        )
+    return {key: flat[key] for key in SCHEDULE_KEYS}
+
+
 def check_saved_schedule(path: Path, saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
-    """Refuse a saved sampler state whose schedule inputs (``shape_policy``, ``batches_per_epoch``)
-    differ from this run's ``mine``, naming the file, the key and both values. A key the saved
-    state lacks (an older dflop-ds) is not compared."""
-    reasons = {
-        "shape_policy": "the sample shapes were made under another shape policy (another model or processor)",
-        "batches_per_epoch": "the dataset size, batch size or drop_last changed",
-    }
-    for key, why in reasons.items():
-        if key in saved and saved[key] != mine.get(key):
+    """Refuse a saved sampler state (the file's whole content) whose schedule inputs
+    (:data:`SCHEDULE_KEYS`) differ from this run's ``mine`` or cannot be read, naming the file, the
+    key and both values: the Trainer resumes by its step count, exact only for the same epoch."""
+    theirs = saved_schedule(path, saved)
+    for key, why in SCHEDULE_KEYS.items():
+        if theirs[key] != mine.get(key):
             raise ValueError(
-                f"{path}: saved with {key}={saved[key]!r}, this run has {mine.get(key)!r}: {why}; resume with the"
+                f"{path}: saved with {key}={theirs[key]!r}, this run has {mine.get(key)!r}: {why}; resume with the"
                 " run's own settings or start training anew"
             )
 
@@ -144,6 +170,8 @@ def model_keys(model: Any, state: Mapping[str, Any]) -> dict[str, Any]:
 
 __all__ = [
     "SAMPLER_STATE",
+    "SCHEDULE_KEYS",
+    "saved_schedule",
     "check_saved_schedule",
     "checkpoint_weight_files",
     "load_checkpoint_weights",

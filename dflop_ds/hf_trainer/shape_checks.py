@@ -49,6 +49,8 @@ def check_shapes(shapes: Sequence[SampleShape], dataset: Any) -> None:
     check_shape_values(shapes)
     if not hasattr(dataset, "__len__"):
         raise ValueError("DFLOPTrainer needs a train_dataset with a length (not an IterableDataset)")
+    if len(dataset) == 0:
+        raise ValueError(f"train_dataset ({type(dataset).__name__}) has no samples: there is nothing to train")
     if len(shapes) != len(dataset):
         raise ValueError(
             f"sample_shapes has {len(shapes)} shapes but train_dataset ({type(dataset).__name__}) has"

@@ -66,6 +66,7 @@ from dflop_ds.hf_trainer.resume import (
     check_saved_schedule,
     load_checkpoint_weights,
     read_sampler_state,
+    saved_schedule,
     write_sampler_state,
 )
 from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, TrainerDataLoader
@@ -227,15 +228,16 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
     def _check_resume_state(self, batch_sampler: TrainerBatchSampler) -> None:
         """Refuse to resume from a checkpoint without a sampler state (a plain Trainer's, or one cut
         off before it was written) or with one of another dataset, sample order, shape policy, seed,
-        batch size or epoch length (naming the file and both values). Where to resume is the
+        batch size, epoch length, sampler kind or memory cap (naming the file and both values). Where to resume is the
         Trainer's: its epoch and step count."""
         if self._dflop_resume is None:
             return
         saved = read_sampler_state(self._dflop_resume)
         path = Path(self._dflop_resume) / SAMPLER_STATE
+        saved_schedule(path, saved)  # a state that cannot be compared whole is refused first
         try:
-            batch_sampler.sampler.load_state_dict(saved["sampler"])
-        except (KeyError, ValueError) as error:
+            batch_sampler.sampler.load_state_dict(dict(saved["sampler"]))
+        except (KeyError, ValueError, TypeError) as error:
             raise ValueError(f"{path}: cannot resume this run from it: {error}") from error
         check_saved_schedule(path, saved, self._schedule_identity(batch_sampler))
 
@@ -243,7 +245,14 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         """What a checkpoint's sampler state records of the schedule besides the sampler's own
         state: global batches per epoch and the shapes' policy (None for hand-made shapes)."""
         policy = None if self.shape_policy is None else json.loads(json.dumps(self.shape_policy.describe()))
-        return {"batches_per_epoch": batch_sampler.batches_per_epoch, "shape_policy": policy}
+        sampler = batch_sampler.sampler.state_dict()
+        return {
+            "batches_per_epoch": batch_sampler.batches_per_epoch,
+            "shape_policy": policy,
+            "method": sampler["method"],
+            "memory_cap": sampler.get("memory_cap"),
+            "dataset_fingerprint": sampler["dataset_fingerprint"],
+        }
 
     def _save_sampler_state(self, checkpoint_dir: str) -> None:
         """Write into ``checkpoint_dir`` (atomically) what the sampler schedules (seed, batch sizes,
@@ -252,8 +261,9 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         batch_sampler = self.dflop_batch_sampler
         if batch_sampler is None:
             return
-        state = {**self._schedule_identity(batch_sampler), "sampler": batch_sampler.sampler.state_dict()}
-        write_sampler_state(checkpoint_dir, state)
+        identity = self._schedule_identity(batch_sampler)
+        state = {k: identity[k] for k in ("batches_per_epoch", "shape_policy")}
+        write_sampler_state(checkpoint_dir, {**state, "sampler": batch_sampler.sampler.state_dict()})
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's checkpoint, its sampler state written first (by the process that saves):

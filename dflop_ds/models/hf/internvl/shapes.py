@@ -28,6 +28,12 @@ class InternVLTileRule:
     tokens_per_tile: int
 
     def __post_init__(self) -> None:
+        """Refuse sizes the tiling cannot use, naming the checkpoint's keys."""
+        counts = {"image_size": self.tile_size, "min_patches": self.min_tiles, "max_patches": self.max_tiles}
+        counts["tokens per tile"] = self.tokens_per_tile
+        for key, value in counts.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{key} must be a whole number, got {value!r}")
         if self.tile_size < 1 or self.tokens_per_tile < 1:
             raise ValueError(f"tile size {self.tile_size} and tokens per tile {self.tokens_per_tile} must be positive")
         if not 1 <= self.min_tiles <= self.max_tiles <= MAX_TILES:

@@ -59,10 +59,12 @@ def check_onevision_settings(
     if not pinpoints:
         raise ValueError("image_grid_pinpoints is empty: give the (height, width) canvases images are fitted onto")
     for canvas in pinpoints:
-        if len(canvas) != 2 or any(side < tile_size or side % tile_size for side in canvas):
+        sides = canvas if isinstance(canvas, (list, tuple)) else ()
+        whole = all(isinstance(side, int) and not isinstance(side, bool) for side in sides)
+        if len(sides) != 2 or not whole or any(side < tile_size or side % tile_size for side in sides):
             raise ValueError(
-                f"image_grid_pinpoints holds {list(canvas)}: every canvas must be [height, width], each a positive"
-                f" multiple of the tile size {tile_size}"
+                f"image_grid_pinpoints holds {list(sides) or canvas!r}: every canvas must be [height, width], each"
+                f" a positive multiple of the tile size {tile_size}"
             )
     if max_tiles < 1:
         raise ValueError(f'vision_aspect_ratio "anyres_max_{max_tiles}": N must be at least 1')
