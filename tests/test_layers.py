@@ -257,3 +257,15 @@ def test_trainer_entry_points_use_the_composition_root_and_nothing_from_train():
 
 #: the modules of dflop_ds.integrations that are a framework's plugin
 PLUGINS = ("swift", "llamafactory")
+
+
+#: the most lines a module of dflop_ds may have: one over it holds more than one idea
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_is_over_the_line_limit():
+    """Small modules, one idea each: every module of the package has at most :data:`MAX_MODULE_LINES` lines."""
+    lengths = {name: len(path.read_text().splitlines()) for name, path in module_files().items()}
+    assert lengths, "no modules found under " + str(PACKAGE)
+    over = sorted(f"{name}: {n} lines" for name, n in lengths.items() if n > MAX_MODULE_LINES)
+    assert not over, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(over)

@@ -10,7 +10,7 @@ largest. The partitioner sums per-sample bytes (each sample predicted alone), wh
 conservative for packed microbatches (one per-microbatch constant counted per sample; the sum of
 per-sample largest columns bounds the largest column of the sum); padded microbatches, which pay
 for their longest sample on every row, are checked afterwards with the microbatch prediction (see
-:meth:`dflop_ds.schedule.sampler.DFLOPBatchSampler.balanced_split`).
+:meth:`dflop_ds.schedule.dflop_sampler.DFLOPBatchSampler.balanced_split`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,60 @@
+"""What one global batch's schedule is, and how observed costs may adjust it before the split."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from dflop_ds.schedule.splitters import SplitResult
+from dflop_ds.shapes import SampleShape
+
+#: Default ``schedule_timeout_s``: how long the training loop waits for one batch's schedule.
+SCHEDULE_TIMEOUT_S = 300.0
+
+
+class CostAdjuster(Protocol):
+    """Adjusts predicted costs from what training observed (e.g. adaptive correction).
+
+    ``adjust(version, costs, shapes)`` returns the costs to schedule with, using the adjuster's
+    state as of ``version`` (the number of completed training steps it reflects); it may block
+    until that version exists. Every rank must hold the same state per version, so schedules
+    stay identical. An adjuster whose costs are in other columns than the cost model's (e.g.
+    seconds per pipeline stage) sets ``replaces_columns = True``; a microbatch then costs the
+    sum of its samples' adjusted costs.
+    """
+
+    def adjust(self, version: int, costs: np.ndarray, shapes: Sequence[SampleShape]) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class BatchSchedule:
+    """The schedule of one global batch, identical on every rank.
+
+    Attributes:
+        epoch, batch_id: which batch of which epoch.
+        split: the per-rank microbatches with their predicted costs.
+        loss_denominator: label tokens of the batch / (gradient_accumulation_steps * dp).
+        label_tokens: label tokens of the whole batch.
+        schedule_s: wall time spent computing the split.
+    """
+
+    epoch: int
+    batch_id: int
+    split: SplitResult
+    loss_denominator: float
+    label_tokens: int
+    schedule_s: float
+
+    @property
+    def n_samples(self) -> int:
+        """Samples in the global batch."""
+        return sum(len(mb) for rank in self.split.ranks for mb in rank)
+
+    def imbalance(self) -> np.ndarray:
+        """Predicted max / mean microbatch cost, per cost column (1.0 is perfect balance)."""
+        costs = self.split.predicted.reshape(-1, self.split.predicted.shape[-1])
+        mean = costs.mean(axis=0)
+        return np.divide(costs.max(axis=0), mean, out=np.ones_like(mean), where=mean > 0)
