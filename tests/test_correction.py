@@ -221,6 +221,8 @@ def test_closed_loop_recovers_from_a_slow_shape_class_only_with_correction():
 class _KeepColumns:
     """An adjuster that doubles every cost (same columns)."""
 
+    replaces_columns = False
+
     def adjust(self, version, costs, shapes):
         return np.asarray(costs) * 2.0
 

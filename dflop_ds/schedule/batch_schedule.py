@@ -21,10 +21,13 @@ class CostAdjuster(Protocol):
     ``adjust(version, costs, shapes)`` returns the costs to schedule with, using the adjuster's
     state as of ``version`` (the number of completed training steps it reflects); it may block
     until that version exists. Every rank must hold the same state per version, so schedules
-    stay identical. An adjuster whose costs are in other columns than the cost model's (e.g.
-    seconds per pipeline stage) sets ``replaces_columns = True``; a microbatch then costs the
-    sum of its samples' adjusted costs.
+    stay identical.
     """
+
+    #: True when the adjusted costs are in other columns than the cost model's (e.g. seconds per
+    #: pipeline stage): a microbatch then costs the sum of its samples' adjusted costs. False: the
+    #: same columns, and a collated microbatch's predicted cost is scaled by its samples' adjustment.
+    replaces_columns: bool
 
     def adjust(self, version: int, costs: np.ndarray, shapes: Sequence[SampleShape]) -> np.ndarray: ...
 

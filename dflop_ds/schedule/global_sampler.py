@@ -226,7 +226,7 @@ class GlobalBatchSampler:
         if costs is None or self.cost_adjuster is None:
             return lambda positions: predict([shapes[p] for p in positions])
         base, adjusted = self.costs[batch], np.asarray(costs, dtype=float)
-        if adjusted.shape != base.shape or getattr(self.cost_adjuster, "replaces_columns", False):
+        if adjusted.shape != base.shape or self.cost_adjuster.replaces_columns:
             return None
         if np.array_equal(adjusted, base):
             return lambda positions: predict([shapes[p] for p in positions])
