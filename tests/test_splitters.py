@@ -3,7 +3,9 @@ benchmarks cut a batch the same way for the same splitter name."""
 
 from __future__ import annotations
 
+import ast
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,7 @@ from dflop_ds.plan import Cluster
 from dflop_ds.plan.evaluate import evaluate
 from dflop_ds.plan.layout import Layout, Segment, separate_stages
 from dflop_ds.plan.plan_file import Plan, PlanFileError, layout_from_dict, layout_to_dict
+from dflop_ds.schedule import splitters
 from dflop_ds.schedule.sampler import GlobalBatchSampler, SamplerSettings, SplitterSampler, make_sampler
 from dflop_ds.schedule.splitters import (
     SplitRequest,
@@ -48,6 +51,22 @@ def test_the_named_splitters_are_registered() -> None:
     assert {"stock", "dflop", "llava", "verl", "batch_rebalance", "batch_rebalance_text"} <= set(splitter_names())
     assert {"llamafactory_packing", "swift_packing"} <= set(splitter_names())
     assert set(SPLITTERS.values()) <= set(splitter_names())
+
+
+def test_the_package_imports_every_module_that_registers_a_splitter() -> None:
+    """Splitters register by being imported, and the package imports each by name: a module that
+    registers one and is not imported in ``splitters/__init__.py`` would never be registered."""
+    package = Path(splitters.__file__).parent
+    imported = {
+        node.module.rsplit(".", 1)[1]
+        for node in ast.walk(ast.parse((package / "__init__.py").read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(splitters.__name__ + ".")
+    }
+    registering = {
+        path.stem for path in package.glob("*.py") if path.stem != "base" and "@register_splitter(" in path.read_text()
+    }
+    assert registering, f"no splitter modules found in {package}"
+    assert registering <= imported, f"splitter modules not imported by the package: {sorted(registering - imported)}"
 
 
 @settings(max_examples=25, deadline=None)

@@ -3,11 +3,8 @@
 ``make_splitter(name, **options).split(SplitRequest(...)) -> SplitResult``. The sampler, the
 planner's evaluation and the benchmarks share these, so a baseline is measured and planned the
 same way. A new splitter is one module in this package whose class is decorated with
-:func:`register_splitter`: every module here is imported (and so registered) with the package.
+:func:`register_splitter`, imported below: importing it registers it, with the package.
 """
-
-import importlib
-import pkgutil
 
 from dflop_ds.schedule.splitters.base import (
     MemoryBudget,
@@ -25,17 +22,17 @@ from dflop_ds.schedule.splitters.base import (
 )
 from dflop_ds.schedule.splitters.batch_rebalance import BatchRebalanceSplitter
 from dflop_ds.schedule.splitters.dflop import FALLBACK_SUFFIX, DFLOPSplitter
+from dflop_ds.schedule.splitters.llamafactory import LlamaFactoryPackingSplitter
 from dflop_ds.schedule.splitters.llava import LlavaSplitter
 from dflop_ds.schedule.splitters.stock import StockSplitter
+from dflop_ds.schedule.splitters.swift import SwiftPackingSplitter
 from dflop_ds.schedule.splitters.verl import VerlSplitter
-
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
     "BatchRebalanceSplitter",
     "DFLOPSplitter",
     "FALLBACK_SUFFIX",
+    "LlamaFactoryPackingSplitter",
     "LlavaSplitter",
     "MemoryBudget",
     "MicrobatchCost",
@@ -46,6 +43,7 @@ __all__ = [
     "SplitResult",
     "Splitter",
     "StockSplitter",
+    "SwiftPackingSplitter",
     "VerlSplitter",
     "check_split",
     "make_splitter",
