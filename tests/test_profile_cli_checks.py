@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dflop_ds.commands.main import main as cli_main
+from dflop_ds.cost import ProxyCost, save_cost_model
 
 FAST = ["--vision-layers", "1", "--llm-layers", "1", "--tiles", "1", "--seq-lens", "16", "--batch-sizes", "1"]
 FAST += ["--warmup", "0", "--repeats", "1", "--no-progress"]
@@ -87,3 +88,14 @@ def test_preprocessors_and_loaders_name_the_missing_tokenizer_or_weights(llava_d
     (folder / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no weights"):
         load_llava(folder)
+
+
+def test_profile_engine_refuses_a_cost_model_without_layer_depths(tmp_path: Path, capsys) -> None:
+    """The engine profile reads the run's stage split as shares of the cost model's layers: a model
+    that records none (the proxy) is refused naming its file, before the telemetry is read."""
+    proxy = tmp_path / "proxy.json"
+    save_cost_model(ProxyCost(), proxy)
+    args = ["profile", "engine", str(tmp_path / "absent.jsonl"), "--cost-model", str(proxy)]
+    assert cli_main([*args, "--data", str(tmp_path / "absent.jsonl"), "-o", str(tmp_path / "ep.json")]) == 1
+    err = capsys.readouterr().err
+    assert str(proxy) in err and "ProxyCost records no layer depths" in err

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dflop_ds.commands.data import add_read_arguments, policy_from_args, read_options
-from dflop_ds.cost import FittedCostModel, check_policy, load_cost_model, save_cost_model
+from dflop_ds.cost import FittedCostModel, LayeredCostModel, check_policy, load_cost_model, save_cost_model
 from dflop_ds.data import read_dataset
 from dflop_ds.models.hf.profile import hf_target
 from dflop_ds.models.tiny import TinyMLLMConfig
@@ -125,6 +125,11 @@ def run_engine(args: argparse.Namespace) -> int:
     check_writable(args.output, "--output")
     policy = policy_from_args(args)
     cost_model = load_cost_model(args.cost_model)
+    if not isinstance(cost_model, LayeredCostModel):
+        raise ValueError(
+            f"{args.cost_model}: a {type(cost_model).__name__} records no layer depths, so the run's stage"
+            " split cannot be read as shares of its predictions; give a profiled model (dflop-ds profile model)"
+        )
     check_policy(cost_model, policy, source=args.cost_model)
     shapes = read_dataset(args.data, policy, **read_options(args))
     profile = engine_profile_from_run(args.telemetry, shapes, cost_model, skip_steps=args.skip_steps)

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from dflop_ds.cost import CostModel, LayeredCostModel
 from dflop_ds.jsonio import read_json_object, write_json
 from dflop_ds.plan.simulator import SimResult, simulate_1f1b
 from dflop_ds.plan.stages import stage_shares
@@ -228,7 +229,7 @@ def fit_engine_profile(
 
 # -- reading a run's telemetry ------------------------------------------------------------------
 def read_engine_steps(
-    telemetry: str | Path, shapes: Sequence[SampleShape], cost_model: Any, *, skip_steps: int = 3
+    telemetry: str | Path, shapes: Sequence[SampleShape], cost_model: CostModel, *, skip_steps: int = 3
 ) -> tuple[list[EngineStep], list[int]]:
     """The measured steps (data-parallel rank 0) of a telemetry JSONL written by
     :class:`~dflop_ds.telemetry.RuntimeTracker`, and the run's stage bounds.
@@ -273,7 +274,7 @@ def read_engine_steps(
 
 
 def engine_profile_from_run(
-    telemetry: str | Path, shapes: Sequence[SampleShape], cost_model: Any, *, skip_steps: int = 3
+    telemetry: str | Path, shapes: Sequence[SampleShape], cost_model: LayeredCostModel, *, skip_steps: int = 3
 ) -> EngineProfile:
     """Fit an :class:`EngineProfile` from a profiling run's telemetry JSONL (see :func:`read_engine_steps`)."""
     steps, bounds = read_engine_steps(telemetry, shapes, cost_model, skip_steps=skip_steps)

@@ -24,6 +24,7 @@ import numpy as np
 
 from dflop_ds.cost import (
     Microbatches,
+    PlannerCostModel,
     SampleColumns,
     microbatch_activation_bytes,
     microbatch_costs,
@@ -81,7 +82,7 @@ class Evaluation:
         return replace(self, sim=self.sim.without_timelines(), order=[])
 
 
-def forward_fraction(model: Any) -> float:
+def forward_fraction(model: PlannerCostModel) -> float:
     """Share of forward+backward time spent in the forward: the model's ``forward_fraction``
     (1/3, or 1/4 with recompute; an engine profile's measured share)."""
     return float(model.forward_fraction)
@@ -173,7 +174,7 @@ class _MicrobatchStats:
 
 
 def microbatch_seconds(
-    model: Any,
+    model: PlannerCostModel,
     shapes: Sequence[SampleShape],
     items: Sequence[int],
     known: MicrobatchTimes,
@@ -191,7 +192,9 @@ def microbatch_seconds(
     return seconds
 
 
-def _stats(model: Any, batch: Sequence[SampleShape] | SampleColumns, order: list[Buckets]) -> _MicrobatchStats:
+def _stats(
+    model: PlannerCostModel, batch: Sequence[SampleShape] | SampleColumns, order: list[Buckets]
+) -> _MicrobatchStats:
     """The predictions of every microbatch ``order[r][j]`` of ``batch`` (shapes or their columns), one call per kind."""
     R, m = len(order), len(order[0])
     groups = Microbatches.of(batch, [idx for rank in order for idx in rank])
@@ -214,7 +217,7 @@ def split_batch(
     fast: bool,
     seed: int,
     cluster: Cluster,
-    model: Any,
+    model: PlannerCostModel,
     columns: SampleColumns | None = None,
 ) -> list[Buckets]:
     """The microbatches of ``layout`` for one batch (``shapes`` with per-sample ``costs`` ``(n, 2)``;
@@ -273,7 +276,7 @@ def split_batch(
 
 
 def evaluate(
-    model: Any,
+    model: PlannerCostModel,
     cluster: Cluster,
     layout: Layout,
     shapes: Sequence[SampleShape],

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from dflop_ds.cost import PlannerCostModel
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.evaluate import Evaluation
 from dflop_ds.plan.families import family_of
@@ -37,7 +38,7 @@ class PlanSet:
     colocated: Plan | None = None
 
 
-def describe_cost_model(model: Any) -> dict[str, Any]:
+def describe_cost_model(model: PlannerCostModel) -> dict[str, Any]:
     """Name and provenance of a cost model for plan files and printouts."""
     analytic = bool(model.is_analytic)
     return {
@@ -56,7 +57,7 @@ def activation_budget(scored: Scored, cluster: Cluster) -> float:
     return max(cluster.usable_memory - states, 0.0) * scored.layout.llm.tp
 
 
-def _plan(model: Any, cluster: Cluster, global_batch: int, scored: Scored, result: SearchResult) -> Plan:
+def _plan(model: PlannerCostModel, cluster: Cluster, global_batch: int, scored: Scored, result: SearchResult) -> Plan:
     predicted = {
         "step_time_s": scored.step_time,
         "step_times_s": list(scored.step_times),
@@ -87,7 +88,7 @@ def _plan(model: Any, cluster: Cluster, global_batch: int, scored: Scored, resul
     )
 
 
-def has_tensor_parallel_layers(model: Any) -> bool:
+def has_tensor_parallel_layers(model: PlannerCostModel) -> bool:
     """Whether the cost model's model has layers DeepSpeed AutoTP can shard (its
     ``tensor_parallel_layers``; False for a profiled model, e.g. the bundled tiny model's)."""
     return bool(model.tensor_parallel_layers)
@@ -112,7 +113,7 @@ def cluster_for_model(cluster: Cluster, tensor_parallel_layers: bool) -> Cluster
 
 
 def make_plans(
-    model: Any,
+    model: PlannerCostModel,
     cluster: Cluster,
     shapes: Sequence[SampleShape],
     global_batch: int,
@@ -157,7 +158,7 @@ def cluster_of(plan: Plan, **overrides: Any) -> Cluster:
 
 
 def simulate_layout(
-    model: Any,
+    model: PlannerCostModel,
     cluster: Cluster,
     layout: Layout,
     shapes: Sequence[SampleShape],

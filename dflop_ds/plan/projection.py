@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from dflop_ds.cost import EncoderScaled, PackedView
+from dflop_ds.cost import EncoderScaled, PackedView, PlannerCostModel
 from dflop_ds.plan.cluster import DEFAULT_GPU_MEMORY_BYTES, Cluster
 from dflop_ds.plan.layout import Layout
 from dflop_ds.plan.planner import cluster_for_model, has_tensor_parallel_layers, simulate_layout
@@ -65,13 +65,13 @@ BASELINES = tuple(m for m in METHODS if m.name != "dflop")
 SHARED_FAMILIES = ("monolithic", "deepspeed")
 
 
-def encoder_share(model: Any, shapes: Sequence[SampleShape]) -> float:
+def encoder_share(model: PlannerCostModel, shapes: Sequence[SampleShape]) -> float:
     """The encoder's share of the data's work: summed encoder seconds over summed total seconds."""
     costs = np.asarray(model.predict_samples(list(shapes)), dtype=float)
     return float(costs[:, 0].sum() / costs.sum())
 
 
-def with_encoder_share(model: Any, shapes: Sequence[SampleShape], share: float) -> EncoderScaled:
+def with_encoder_share(model: PlannerCostModel, shapes: Sequence[SampleShape], share: float) -> EncoderScaled:
     """``model`` with its encoder time scaled so that the encoder does ``share`` of the data's work."""
     if not 0.0 < share < 1.0:
         raise ValueError(f"an encoder share must lie strictly between 0 and 1, got {share}")
@@ -141,7 +141,13 @@ class SizeProjection:
 
 
 def _simulate(
-    model: Any, cluster: Cluster, layout: Layout, shapes: Sequence[SampleShape], batch: int, n_batches: int, seed: int
+    model: PlannerCostModel,
+    cluster: Cluster,
+    layout: Layout,
+    shapes: Sequence[SampleShape],
+    batch: int,
+    n_batches: int,
+    seed: int,
 ) -> tuple[float, ...]:
     """Step seconds of ``layout`` on each sampled batch; empty when a batch does not fit in memory."""
     evals = simulate_layout(model, cluster, layout, shapes, batch, n_batches=n_batches, seed=seed)
@@ -165,7 +171,7 @@ def shared_layouts(candidates: Sequence[Scored], per_family: int) -> list[Layout
 
 def best_baseline_plan(
     method: Method,
-    model: Any,
+    model: PlannerCostModel,
     cluster: Cluster,
     shapes: Sequence[SampleShape],
     layouts: Sequence[Layout],
@@ -183,7 +189,7 @@ def best_baseline_plan(
 
 
 def project_size(
-    model: Any,
+    model: PlannerCostModel,
     cluster: Cluster,
     shapes: Sequence[SampleShape],
     global_batch: int,
@@ -234,7 +240,7 @@ def project_size(
 
 
 def project(
-    model: Any,
+    model: PlannerCostModel,
     shapes: Sequence[SampleShape],
     gpu_counts: Sequence[int],
     *,

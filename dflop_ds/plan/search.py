@@ -31,10 +31,11 @@ import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 import numpy as np
 
+from dflop_ds.cost import PlannerCostModel
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.families import DEFAULT_NMB, FAMILIES, PlanError, Scored, sample_batches
 from dflop_ds.plan.families.core import SearchInputs, batch_stats, explore, score
@@ -111,7 +112,7 @@ class SearchResult:
 
 @existing_objects_frozen
 def search(
-    model: Any,
+    model: PlannerCostModel,
     cluster: Cluster,
     shapes: Sequence[SampleShape],
     global_batch: int,

@@ -10,15 +10,15 @@ simulator's per-stage times and the planner.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
+from dflop_ds.cost import LayeredCostModel
 from dflop_ds.pipe.stage_bounds import StageBounds, split_by_cost
 from dflop_ds.shapes import SampleShape
 
 
-def segment_layer_shares(model: Any) -> tuple[np.ndarray, np.ndarray]:
+def segment_layer_shares(model: LayeredCostModel) -> tuple[np.ndarray, np.ndarray]:
     """``(encoder_layers + 1,)`` shares of the encoder time (projector last) and
     ``(llm_layers,)`` shares of the LLM time.
 
@@ -38,18 +38,18 @@ def segment_layer_shares(model: Any) -> tuple[np.ndarray, np.ndarray]:
     return np.r_[np.full(n_enc, 1.0 / n_enc), 0.0], np.full(n_llm, 1.0 / n_llm)
 
 
-def layer_costs(mean_costs: Sequence[float] | np.ndarray, model: Any) -> list[float]:
+def layer_costs(mean_costs: Sequence[float] | np.ndarray, model: LayeredCostModel) -> list[float]:
     """Per-layer costs of the flat list from ``mean_costs = [encoder, llm]`` of the whole segments."""
     encoder, llm = segment_layer_shares(model)
     return [float(x) for x in np.r_[float(mean_costs[0]) * encoder, float(mean_costs[1]) * llm]]
 
 
-def mean_layer_costs(cost_model: Any, shapes: Sequence[SampleShape]) -> list[float]:
+def mean_layer_costs(cost_model: LayeredCostModel, shapes: Sequence[SampleShape]) -> list[float]:
     """Per-layer costs of the flat list for the data's mean predicted per-sample cost."""
     return layer_costs(np.asarray(cost_model.predict_samples(shapes), dtype=float).mean(axis=0), cost_model)
 
 
-def cost_balanced_bounds(cost_model: Any, shapes: Sequence[SampleShape], num_stages: int) -> StageBounds:
+def cost_balanced_bounds(cost_model: LayeredCostModel, shapes: Sequence[SampleShape], num_stages: int) -> StageBounds:
     """Stage bounds balancing the data's mean predicted per-sample cost across ``num_stages``
     (the exact ``min_max`` split of :func:`mean_layer_costs`).
 
@@ -60,7 +60,7 @@ def cost_balanced_bounds(cost_model: Any, shapes: Sequence[SampleShape], num_sta
     return split_by_cost(mean_layer_costs(cost_model, shapes), num_stages)
 
 
-def stage_shares(bounds: Sequence[int], model: Any) -> np.ndarray:
+def stage_shares(bounds: Sequence[int], model: LayeredCostModel) -> np.ndarray:
     """``(num_stages, 2)``: the share of the encoder and of the LLM time each stage holds,
     for stage ``bounds`` over the flat layer list."""
     encoder, llm = segment_layer_shares(model)

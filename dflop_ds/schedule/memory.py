@@ -18,11 +18,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
-from dflop_ds.cost import memory_blind_model
+from dflop_ds.cost import CostModel, memory_blind_model
 from dflop_ds.shapes import SampleShape
 
 logger = logging.getLogger(__name__)
@@ -35,7 +34,7 @@ class OversizeSampleError(ValueError):
     """A sample needs more memory alone than the cap allows any microbatch."""
 
 
-def memory_predictor(cost_model: Any) -> Any:
+def memory_predictor(cost_model: CostModel) -> Callable[[Sequence[SampleShape]], np.ndarray]:
     """``cost_model.predict_memory``; a clear error when the model (or one it wraps) predicts no memory."""
     blind = memory_blind_model(cost_model)
     if blind is not None:
@@ -45,14 +44,14 @@ def memory_predictor(cost_model: Any) -> Any:
     return cost_model.predict_memory
 
 
-def microbatch_bytes(cost_model: Any, shapes: Sequence[SampleShape]) -> float:
+def microbatch_bytes(cost_model: CostModel, shapes: Sequence[SampleShape]) -> float:
     """Predicted bytes of one microbatch of ``shapes`` against the cap: the sum of its memory
     columns, or their largest when ``cost_model.memory_per_device`` (columns on different devices)."""
     columns = np.asarray(memory_predictor(cost_model)(list(shapes)), dtype=float)
     return float(columns.max(initial=0.0) if cost_model.memory_per_device else columns.sum())
 
 
-def sample_bytes(cost_model: Any, shapes: Sequence[SampleShape]) -> np.ndarray:
+def sample_bytes(cost_model: CostModel, shapes: Sequence[SampleShape]) -> np.ndarray:
     """``(n,)`` predicted bytes of each sample as a microbatch of its own (equal shapes predicted once)."""
     memo: dict[SampleShape, float] = {}
     out = np.empty(len(shapes))

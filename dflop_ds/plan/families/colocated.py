@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from dflop_ds.cost import SampleColumns
+from dflop_ds.cost import PlannerCostModel, SampleColumns
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.evaluate import Buckets, Evaluation, _stats, forward_fraction, split_batch
 from dflop_ds.plan.families.core import BatchStats, Family, Key, SearchInputs, pipeline_grid, rank_estimates
@@ -46,18 +46,18 @@ def exchange_seconds(cluster: Cluster, received_bytes: Any) -> Any:
     return cluster.p2p_seconds(np.asarray(received_bytes, dtype=float) * (1.0 - 1.0 / g), max(g - 1, 0))
 
 
-def projector_share(model: Any) -> float:
+def projector_share(model: PlannerCostModel) -> float:
     """Share of the encoder time the projector takes (it runs on the first LLM stage)."""
     return float(segment_layer_shares(model)[0][-1])
 
 
-def encoder_state_bytes(model: Any, cluster: Cluster) -> float:
+def encoder_state_bytes(model: PlannerCostModel, cluster: Cluster) -> float:
     """Training-state bytes of an encoder replica on every GPU (data parallel over all of them)."""
     return float(model.param_bytes["encoder"] * cluster.state_factor(cluster.gpus))
 
 
 def colocated_estimates(
-    model: Any, cluster: Cluster, data: BatchStats, grid: np.ndarray
+    model: PlannerCostModel, cluster: Cluster, data: BatchStats, grid: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Step-time and first-stage memory estimates of colocated layouts (rows ``(tp, pp, dp, n_mb)`` of ``grid``)."""
     L, G = model.llm_layers, cluster.gpus
@@ -134,7 +134,7 @@ class ColocatedFamily(Family):
 
 
 def evaluate_colocated(
-    model: Any,
+    model: PlannerCostModel,
     cluster: Cluster,
     layout: Layout,
     shapes: Sequence[SampleShape],
@@ -159,7 +159,7 @@ def evaluate_colocated(
 
 
 def colocated_step(
-    model: Any,
+    model: PlannerCostModel,
     cluster: Cluster,
     layout: Layout,
     batch: Sequence[SampleShape] | SampleColumns,
@@ -202,7 +202,7 @@ def colocated_step(
 
 
 def encoder_phase_seconds(
-    model: Any, batch: Sequence[SampleShape] | SampleColumns, order: list[Buckets], gpus: int
+    model: PlannerCostModel, batch: Sequence[SampleShape] | SampleColumns, order: list[Buckets], gpus: int
 ) -> float:
     """Forward+backward encoder seconds of the step on the busiest GPU: every micro-step's encoder
     work (projector excluded) over ``gpus``, or its heaviest tile when that is longer (``order``:

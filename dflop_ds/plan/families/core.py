@@ -14,11 +14,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from dflop_ds.cost import Microbatches, SampleColumns, microbatch_activation_bytes, microbatch_working_bytes
+from dflop_ds.cost import (
+    Microbatches,
+    PlannerCostModel,
+    SampleColumns,
+    microbatch_activation_bytes,
+    microbatch_working_bytes,
+)
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.evaluate import Evaluation
 from dflop_ds.plan.layout import Layout
@@ -97,7 +102,9 @@ class BatchStats:
         return self.batch * expected_max[inverse]
 
 
-def batch_stats(model: Any, pool: Sequence[SampleShape], costs: np.ndarray, batches: list[np.ndarray]) -> BatchStats:
+def batch_stats(
+    model: PlannerCostModel, pool: Sequence[SampleShape], costs: np.ndarray, batches: list[np.ndarray]
+) -> BatchStats:
     """The :class:`BatchStats` of ``batches`` (indices into ``pool``, per-sample ``costs``)."""
     columns = SampleColumns.of(pool)
     used = np.unique(np.concatenate(batches))
@@ -121,7 +128,7 @@ def batch_stats(model: Any, pool: Sequence[SampleShape], costs: np.ndarray, batc
 class SearchInputs:
     """Everything a family reads: the model, the cluster, the data and the search's settings."""
 
-    model: Any
+    model: PlannerCostModel
     cluster: Cluster
     pool: list[SampleShape]
     costs: np.ndarray  # (len(pool), 2) per-sample seconds

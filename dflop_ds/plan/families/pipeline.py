@@ -14,10 +14,10 @@ statistics), with a stage-0 memory estimate.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
+from dflop_ds.cost import PlannerCostModel
 from dflop_ds.pipe.stage_bounds import StageBounds, split_stages, uniform_bounds
 from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.evaluate import evaluate
@@ -27,7 +27,7 @@ from dflop_ds.plan.stages import layer_costs
 
 
 def pipeline_estimates(
-    model: Any, cluster: Cluster, data: BatchStats, grid: np.ndarray, uniform: bool
+    model: PlannerCostModel, cluster: Cluster, data: BatchStats, grid: np.ndarray, uniform: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """Step-time and stage-0 memory estimates of shared layouts (rows ``(tp, pp, dp, n_mb)`` of ``grid``)."""
     E, L = model.encoder_layers, model.llm_layers
