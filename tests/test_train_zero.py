@@ -134,19 +134,22 @@ def test_zero2_data_parallel_trains_every_sample_once_with_the_global_token_mean
 
 
 def assert_each_micro_step_balanced_across_ranks(lines: list[dict]) -> None:
-    """Micro-step k of both ranks costs about the same (the ranks meet in every backward)."""
+    """The ranks meet in every micro-step, so what a step costs is, over the micro-steps, the slower
+    rank's microbatch (column by column under ZeRO-2's ``module`` sync model): DFLOP keeps that within
+    10% of the average rank's, on the encoder and the LLM column alike."""
     from dflop_ds.cost import ProxyCost
     from dflop_ds.data import read_dataset
     from dflop_ds.shapes import TINY_POLICY
 
     shapes = read_dataset(ROOT / "examples" / "data" / "mixture.jsonl", TINY_POLICY)[:SAMPLES]
-    cost = ProxyCost().predict_samples(shapes).sum(axis=1)
-    by_step: dict[int, dict[int, list[float]]] = collections.defaultdict(dict)
+    cost = ProxyCost().predict_samples(shapes)
+    by_step: dict[int, dict[int, list[np.ndarray]]] = collections.defaultdict(dict)
     for line in lines:
-        by_step[line["step"]][line["dp_rank"]] = [cost[mb].sum() for mb in line["microbatches"]]
+        by_step[line["step"]][line["dp_rank"]] = [cost[mb].sum(axis=0) for mb in line["microbatches"]]
     for step, ranks in by_step.items():
-        per_k = np.array([ranks[0], ranks[1]])  # (dp, GAS)
-        assert (per_k.max(axis=0) / per_k.mean(axis=0)).max() < 1.35, (step, per_k)
+        per_k = np.array([ranks[0], ranks[1]])  # (dp, GAS, columns)
+        waited = per_k.max(axis=0).sum(axis=0) / per_k.mean(axis=0).sum(axis=0)
+        assert waited.max() < 1.1, (step, per_k)
 
 
 @pytest.mark.slow
