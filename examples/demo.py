@@ -1,7 +1,7 @@
 """`make demo`: short 2-rank DeepSpeed pipeline trainings of the tiny MLLM with the stock and the
 DFLOP sampler, interleaved in rounds on the same global batches, then their figures side by side.
 
-    python examples/demo.py [--config ds_configs/tiny_mllm_pp2.json] [--rounds 3] [--steps 12] [--gpus 2]
+    python examples/demo.py [--config ds_configs/tiny_mllm_pp2.json] [--rounds 5] [--steps 12] [--gpus 2]
 
 The tiny model is profiled once (cached per model, machine and software versions; see
 ``dflop_ds.profile.cache``) and both samplers run on the fitted cost model. Every round launches
@@ -185,7 +185,7 @@ def comparison_line(measured: float, readme: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="ds_configs/tiny_mllm_pp2.json")
-    parser.add_argument("--rounds", type=int, default=3, help="launches of each sampler, interleaved")
+    parser.add_argument("--rounds", type=int, default=5, help="launches of each sampler, interleaved")
     parser.add_argument("--steps", type=int, default=12, help="steps per launch (the config's warm-up ones untimed)")
     parser.add_argument("--gpus", type=int, default=2, help="ranks to launch (CPU processes here)")
     parser.add_argument("--out", default="out", help="folder for the run summaries")
