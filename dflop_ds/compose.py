@@ -165,6 +165,19 @@ class TrainerTopology:
     gradient_accumulation_steps: int
     drop_last: bool
 
+    @classmethod
+    def of_trainer(cls, trainer: Any) -> TrainerTopology:
+        """The topology of a ``transformers.Trainer`` (its ``TrainingArguments`` and tensor-parallel size)."""
+        args = trainer.args
+        return cls(
+            process_index=args.process_index,
+            world_size=max(1, args.world_size),
+            tp_size=trainer.get_tp_size(),
+            per_device_batch=args.per_device_train_batch_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            drop_last=args.dataloader_drop_last,
+        )
+
     @property
     def data_parallel(self) -> tuple[int, int]:
         """``(dp_rank, dp_size)``: tensor-parallel peers share a data-parallel rank."""

@@ -164,14 +164,7 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         inputs = RunInputs(
             self.dflop_settings, self.sample_shapes, self._dflop_cost_model(), seed, seed_source, self.dflop_sync
         )
-        topology = TrainerTopology(
-            process_index=args.process_index,
-            world_size=max(1, args.world_size),
-            tp_size=trainer.get_tp_size(),
-            per_device_batch=args.per_device_train_batch_size,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            drop_last=args.dataloader_drop_last,
-        )
+        topology = TrainerTopology.of_trainer(trainer)
         batch_sampler = build_trainer_sampler(inputs, topology)
         # a memory cap the batches of some epoch cannot meet is an error now, before step 0
         batch_sampler.check_epochs(epochs_to_train(args, batch_sampler.batches_per_epoch))

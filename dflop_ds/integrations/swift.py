@@ -145,14 +145,7 @@ class DFLOPSwiftCallback(TrainerCallback):
         seed, seed_source = self.settings.seed(args.data_seed, args.seed)
         padding_free = bool(getattr(trainer.template, "padding_free", False))
         cost_model = resolve_cost_model(config, policy, trainer.model, padding_free=padding_free)
-        topology = TrainerTopology(
-            process_index=args.process_index,
-            world_size=max(1, args.world_size),
-            tp_size=trainer.get_tp_size(),
-            per_device_batch=args.per_device_train_batch_size,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            drop_last=args.dataloader_drop_last,
-        )
+        topology = TrainerTopology.of_trainer(trainer)
         self.batch_sampler = build_trainer_sampler(
             RunInputs(config, shapes, cost_model, seed, seed_source, self.settings.sync), topology
         )
