@@ -18,8 +18,8 @@ REPORT = """
 import json, os, sys
 with open(f"{sys.argv[-1]}.{os.environ['RANK']}.json", "w") as out:
     json.dump({"env": dict(os.environ), "argv": sys.orig_argv, "path": sys.path[0], "cwd": os.getcwd()}, out)
-print("out of rank", os.environ["RANK"])
-print("err of rank", os.environ["RANK"], file=sys.stderr)
+os.write(1, f"out of rank {os.environ['RANK']}\\n".encode())  # one write each: lines of the
+os.write(2, f"err of rank {os.environ['RANK']}\\n".encode())  # two ranks may not interleave
 """
 
 
