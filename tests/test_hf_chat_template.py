@@ -136,7 +136,7 @@ def test_the_checkpoint_template_gives_the_processors_tokens_and_assistant_only_
     pre = preprocessor_class.from_pretrained(model)
     assert pre.chat_template is not None and pre.chat_template.source == template
     image_tokens = [5, 9]
-    encoded = (pre.encode if family == "qwen2_vl" else pre.encode_media)(CONVERSATION, image_tokens)
+    encoded = pre.encode_media(CONVERSATION, image_tokens)
     # the reference: render, expand each marker in the text as the processor does, tokenize
     messages = pre.chat_template.messages([("user" if r == "human" else "assistant", v) for r, v in CONVERSATION], None)
     rendered = pre.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)

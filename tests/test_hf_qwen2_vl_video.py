@@ -287,7 +287,7 @@ def test_max_length_refuses_or_truncates_never_through_a_vision_block(video_data
     cutting = Qwen2VLPreprocessor.from_pretrained(model_dir, max_length=limit, truncation="truncate")
     assert cutting.count(conversation, [3]) == (limit - 3, sum(full.supervised[1:limit]))
     assert cutting.truncated_samples == 1
-    end_of_image = full.input_ids.index(pre.vision_end)
+    end_of_image = full.input_ids.index(pre.tokenizer.convert_tokens_to_ids("<|vision_end|>"))
     short = Qwen2VLPreprocessor.from_pretrained(model_dir, max_length=end_of_image, truncation="truncate")
     with pytest.raises(ValueError, match="cut through an image's or video's tokens"):
         short.encode(conversation, [3])  # keeps every image token but not the block's end

@@ -68,7 +68,7 @@ def test_the_policy_counts_the_dataset_s_tokens_and_videos_are_refused_by_name(t
         source.read_shapes(str(data), "error")
     preprocessor = Qwen3VLPreprocessor.from_pretrained(path)
     with pytest.raises(ValueError, match="<video>"):
-        preprocessor.encode_images([("human", "<video> what happens?"), ("gpt", "a car")], [])
+        preprocessor.encode([("human", "<video> what happens?"), ("gpt", "a car")], [])
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -126,6 +126,9 @@ class TemplatePreprocessor:
     #: the built-in template's name in the policy's identity
     template_name = TEMPLATE_NAME
 
+    #: the built-in template's system message when ``system`` is not given
+    default_system = DEFAULT_SYSTEM
+
     #: the video token (None: the family takes no videos)
     video_token_id: int | None = None
 
@@ -171,23 +174,28 @@ class TemplatePreprocessor:
             if template is None
             else ModelChatTemplate(template, self.tokenizer, self.image_token_id, video_marker, self.name)
         )
-        builtin_system = DEFAULT_SYSTEM if self.system is None else self.system
+        builtin_system = self.default_system if self.system is None else self.system
+        refusal = self._builtin_refusal()
         if self.chat_template is None:
-            if self.eos_token_id is None:
-                raise ValueError(f"{self.name}: the tokenizer has no eos token to end assistant turns with")
+            if refusal is not None:
+                raise ValueError(f"{self.name}: {refusal}")
             self.system = builtin_system
         video_id = self.video_token_id
         #: whether the tokens are the built-in template's: none shipped, or one that tokenizes alike
         self.builtin_counts = self.chat_template is None or (
-            self.eos_token_id is not None
+            refusal is None
             and encode_alike(
                 partial(self.chat_template.encode, system=self.system),
-                partial(self._llava_v1, system=builtin_system),
+                partial(self._builtin, system=builtin_system),
                 self._image_block,
                 None if video_id is None else partial(self._video_block, int(video_id)),
             )
         )
         self.counting_system = builtin_system if self.builtin_counts else self.system or ""
+
+    def _builtin_refusal(self) -> str | None:
+        """Why the built-in template cannot write this tokenizer's conversations (None: it can)."""
+        return None if self.eos_token_id is not None else "the tokenizer has no eos token to end assistant turns with"
 
     # -- text ---------------------------------------------------------------------------
     def _ids(self, text: str) -> list[int]:
@@ -246,6 +254,8 @@ class TemplatePreprocessor:
             ValueError: a bad role, placeholder mismatch or over-long sample, naming the field.
         """
         video_id = self.video_token_id
+        if video_tokens is None and video_id is not None and any(VIDEO_PLACEHOLDER in value for _, value in turns):
+            raise ValueError(f"conversations: a {VIDEO_PLACEHOLDER} placeholder but the record has no video")
         if video_tokens is not None:
             if video_id is None:
                 raise ValueError(f"{self.name}: the model takes no videos")
@@ -254,16 +264,17 @@ class TemplatePreprocessor:
         images = [self._image_block(tokens) for tokens in image_tokens]
         video = None if video_tokens is None else self._video_block(int(video_id or 0), int(video_tokens))
         if self.chat_template is None:
-            ids, supervised = self._llava_v1(normalized, images, video, system=self.system or "")
+            ids, supervised = self._builtin(normalized, images, video, system=self.system or "")
         else:
             ids, supervised = self.chat_template.encode(normalized, images, video, system=self.system)
         return self._fit(Encoded(ids, supervised, sum(image_tokens) + int(video_tokens or 0)))
 
-    def _llava_v1(
+    def _builtin(
         self, turns: Sequence[tuple[str, str]], images: Sequence[list[int]], video: list[int] | None, system: str
     ) -> tuple[list[int], list[bool]]:
-        """``(input_ids, supervised)`` of normalized turns under the built-in LLaVA-v1 template with
-        ``system``, each placeholder replaced by its image's (in order) or the video's block of ids."""
+        """``(input_ids, supervised)`` of normalized turns under the built-in template (here LLaVA-v1;
+        a family may give its own) with ``system``, each placeholder replaced by its image's (in
+        order) or the video's block of ids."""
         ids: list[int] = []
         supervised: list[bool] = []
 

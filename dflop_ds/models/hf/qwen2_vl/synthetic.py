@@ -13,121 +13,23 @@ loss_denominator))``, ``dflop_ds.models.hf.qwen2_vl.model``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflop_ds.models.hf.base.folder import load_tokenizer_and_image_processor
 from dflop_ds.models.hf.base.layers import padding_mask
-from dflop_ds.models.hf.base.synthetic import Sample, append_answer, hf_labels, pad_token_id, stack_rows
+from dflop_ds.models.hf.base.patch_inputs import PatchGridInputs, VideoSample
+from dflop_ds.models.hf.base.synthetic import hf_labels
 
 #: how a prompt marks an image (Qwen2-VL's chat template)
 IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
 #: how a prompt marks a video (Qwen2-VL's chat template)
 VIDEO_MARK = "<|vision_start|><|video_pad|><|vision_end|>"
-#: ``(prompt, answer, images)`` or ``(prompt, answer, images, video frames)`` (PIL images; an even
-#: number of frames of one size)
-VideoSample = tuple[str, str, Sequence[Any], Sequence[Any]]
 
 
-class Qwen2VLInputs:
-    """Tokenizer + image processor of a Qwen2-VL model directory, checked against the model config."""
-
-    def __init__(self, tokenizer: Any, image_processor: Any, config: Any, where: str = "model") -> None:
-        vision = config.vision_config
-        expected = {
-            "patch_size": vision.patch_size,
-            "merge_size": vision.spatial_merge_size,
-            "temporal_patch_size": vision.temporal_patch_size,
-        }
-        for key, value in expected.items():
-            if int(getattr(image_processor, key)) != int(value):
-                raise ValueError(
-                    f"{where}: the image processor's {key}={getattr(image_processor, key)} but the "
-                    f"model's vision config has {value}"
-                )
-        self.tokenizer, self.image_processor = tokenizer, image_processor
-        self.image_token_id = int(config.image_token_id)
-        self.video_token_id = int(config.video_token_id)
-        self.merge_size = int(vision.spatial_merge_size)
-        self.patch_size, self.temporal_patch_size = int(vision.patch_size), int(vision.temporal_patch_size)
-        self.patch_dim = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path, config: Any) -> Qwen2VLInputs:
-        """Load the directory's tokenizer and image processor (offline)."""
-        return cls(*load_tokenizer_and_image_processor(model_dir), config, str(model_dir))
-
-    def video_pixel_values(self, frames: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(pixel_values_videos [P, C*T*p*p], video_grid_thw [1, 3])`` of one video's frames (a
-        positive multiple of the temporal patch size of RGB images of one size): each frame resized
-        and normalized by the image processor, consecutive frames stacked on the temporal axis of
-        every patch (the layout of Qwen2-VL's video processor, which needs torchvision)."""
-        temporal, patch = self.temporal_patch_size, self.patch_size
-        if not frames or len(frames) % temporal:
-            raise ValueError(f"{len(frames)} video frame(s): not a positive multiple of {temporal}")
-        out = self.image_processor(images=list(frames), return_tensors="pt")
-        grids = out["image_grid_thw"].long()
-        if len({tuple(g) for g in grids.tolist()}) != 1:
-            raise ValueError(f"video frames of different sizes give different grids {grids.unique(dim=0).tolist()}")
-        _, grid_h, grid_w = grids[0].tolist()
-        # each frame's patches repeat the frame over the temporal axis: keep one copy
-        single = out["pixel_values"].float().view(len(frames), grid_h * grid_w, -1, temporal, patch, patch)[:, :, :, 0]
-        groups = single.view(len(frames) // temporal, temporal, *single.shape[1:]).permute(0, 2, 3, 1, 4, 5)
-        grid = torch.tensor([[len(frames) // temporal, grid_h, grid_w]], dtype=torch.long)
-        return groups.reshape(int(grid.prod()), -1), grid
-
-    def _no_pixels(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.zeros(0, self.patch_dim), torch.zeros(0, 3, dtype=torch.long)
-
-    def encode_sample(self, prompt: str, answer: str, images: Sequence[Any], video: Sequence[Any] = ()):
-        """``(pixel_values [P, C*T*p*p], image_grid_thw [n, 3], pixel_values_videos [Pv, C*T*p*p],
-        video_grid_thw [0 or 1, 3], input_ids [L], targets [L])`` of one sample (``video``: its frames)."""
-        prompt_ids = torch.tensor(self.tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
-        for token, count, what in (
-            (self.image_token_id, len(images), "image"),
-            (self.video_token_id, int(bool(video)), "video"),
-        ):
-            marks = int((prompt_ids == token).sum())
-            if marks != count:
-                raise ValueError(
-                    f"prompt {prompt[:60]!r} has {marks} {what} token(s) but {count} {what}(s) come with it"
-                )
-        if images:
-            encoded = self.image_processor(images=list(images), return_tensors="pt")
-            pixel_values, grid = encoded["pixel_values"], encoded["image_grid_thw"].long()
-        else:
-            pixel_values, grid = self._no_pixels()
-        video_pixels, video_grid = self.video_pixel_values(video) if video else self._no_pixels()
-        unit = self.merge_size**2
-        counts = {
-            self.image_token_id: iter((grid.prod(-1) // unit).tolist()),
-            self.video_token_id: iter((video_grid.prod(-1) // unit).tolist()),
-        }
-        pieces = [
-            torch.full((next(counts[token]),), token) if token in counts else torch.tensor([token])
-            for token in prompt_ids.tolist()
-        ]
-        ids = torch.cat(pieces) if pieces else prompt_ids
-        return (pixel_values, grid, video_pixels, video_grid, *append_answer(self.tokenizer, ids, answer))
-
-    def microbatch(
-        self, samples: Sequence[Sample | VideoSample], *, denominator: float | None = None, packed: bool = False
-    ):
-        """``((pixel_values, input_ids, seq_lens, image_grid_thw, video_grid_thw), (targets,
-        loss_denominator))`` of ``samples`` (image patches, then video patches); ``packed``: the
-        samples in one row (:mod:`dflop_ds.models.packing`) instead of right-padded rows."""
-        if not samples:
-            raise ValueError("Qwen2VLInputs.microbatch: no samples")
-        encoded = [self.encode_sample(*sample) for sample in samples]
-        input_ids, seq_lens, targets, count = stack_rows(
-            [(row[4], row[5]) for row in encoded], pad_token_id(self.tokenizer), denominator, packed
-        )
-        pixel_values = torch.cat([row[0] for row in encoded] + [row[2] for row in encoded])
-        grid = torch.cat([row[1] for row in encoded])
-        video_grid = torch.cat([row[3] for row in encoded])
-        return (pixel_values, input_ids, seq_lens, grid, video_grid), (targets, count)
+class Qwen2VLInputs(PatchGridInputs):
+    """Tokenizer + image processor of a Qwen2-VL model directory, checked against the model config:
+    microbatches with images and videos (:class:`~dflop_ds.models.hf.base.patch_inputs.PatchGridInputs`)."""
 
 
 def qwen2_vl_hf_kwargs(inputs: Sequence[torch.Tensor], config: Any) -> dict[str, Any]:
