@@ -126,20 +126,8 @@ class PatchGridPreprocessor(ChatMLPreprocessor):
     def policy(self) -> ShapePolicy:
         """The :class:`ShapePolicy` of this model's data: per-image patches and tokens from
         :class:`SmartResize`, per-video ones from :class:`VideoFrames`, exact conversation token counts."""
-        return ShapePolicy(
-            tile_size=self.rule.patch_size * self.rule.merge_size,
-            max_tiles=1,
-            add_thumbnail=False,
-            tokens_per_tile=1,
-            max_frames=1,
-            tokens_per_frame=1,
-            tokenizer=self.count_text,
-            name=self.name,
-            tokenizer_id=self.identity(),
-            conversation=self.count,
-            image_rule=self.rule,
-            video_rule=self.video_rule,
-        )
+        factor = self.rule.patch_size * self.rule.merge_size
+        return self._policy(factor, 1, image_rule=self.rule, video_rule=self.video_rule)
 
 
 @dataclass

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from dflop_ds.models.hf.base.chat_template import ModelChatTemplate, checkpoint_chat_template, encode_alike
-from dflop_ds.shapes import length_rule
+from dflop_ds.shapes import ShapePolicy, length_rule
 
 logger = logging.getLogger(__name__)
 
@@ -364,6 +364,21 @@ class TemplatePreprocessor:
         if not images:
             return torch.zeros((0, *self.pixel_shape), dtype=torch.float32)
         return self._process(images).float()
+
+    def _policy(self, tile_size: int, tokens_per_tile: int, **rule: Any) -> ShapePolicy:
+        """The :class:`ShapePolicy` counting this preprocessor's conversations exactly, one tile of
+        ``tile_size`` and ``tokens_per_tile`` per image unless ``rule`` (the family's image, video
+        or sample rules and frame numbers, as :class:`ShapePolicy` takes them) says otherwise."""
+        fields: dict[str, Any] = {"max_tiles": 1, "add_thumbnail": False, "max_frames": 1, "tokens_per_frame": 1}
+        return ShapePolicy(
+            tile_size=tile_size,
+            tokens_per_tile=tokens_per_tile,
+            tokenizer=self.count_text,
+            name=self.name,
+            tokenizer_id=self.identity(),
+            conversation=self.count,
+            **{**fields, **rule},
+        )
 
     # -- identity -----------------------------------------------------------------------
     def identity(self) -> str:

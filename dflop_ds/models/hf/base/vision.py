@@ -144,4 +144,55 @@ class TileEncoderInputs:
         return pixel_values, input_ids, torch.tensor(lengths, dtype=torch.long)
 
 
-__all__ = ["FeatureProjector", "TileEncoderInputs", "VisTuple", "VisionEmbeddings", "VisionLayer", "feature_depth"]
+class GridEncoderInputs:
+    """Profiler input factory of a patch-grid family's first encoder layer: ``(patches, batch) ->
+    (pixel_values, input_ids, seq_lens, image_grid_thw[, video_grid_thw])`` (no videos; the empty
+    video grids where :attr:`video_grid`): one random image per row, ``patches`` (the shape
+    policy's encoder units) spread over the ``batch`` rows (each image rounded up to whole
+    ``merge x merge`` blocks, as a ``m x k`` strip), each row holding its image's tokens then
+    ``text_tokens`` text tokens."""
+
+    #: whether the family's microbatch carries video grids
+    video_grid = False
+
+    def __init__(self, config: Any, text_tokens: int = 8, dtype: torch.dtype = torch.float32) -> None:
+        vision = config.vision_config
+        self.merge = int(vision.spatial_merge_size)
+        self.patch_dim = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+        self.image_token_id, self.vocab_size = int(config.image_token_id), int(config.text_config.vocab_size)
+        self.special = {self.image_token_id, int(config.video_token_id)}
+        self.text_tokens, self.dtype = int(text_tokens), dtype
+
+    def grids(self, patches: int, batch: int = 1) -> list[list[int]]:
+        """The ``(t, h, w)`` grid of each row's image (rows without patches have none)."""
+        block = self.merge**2
+        return [[1, self.merge, self.merge * -(-n // block)] for n in split_evenly(patches, batch) if n > 0]
+
+    def attention_units(self, patches: int, batch: int = 1) -> int:
+        """The inputs' encoder attention units: each image attends within itself (its patches squared)."""
+        return sum((t * h * w) ** 2 for t, h, w in self.grids(patches, batch))
+
+    def __call__(self, patches: int, batch: int = 1) -> tuple[torch.Tensor, ...]:
+        grids = self.grids(patches, batch)
+        tokens = [t * h * w // self.merge**2 for t, h, w in grids] + [0] * (batch - len(grids))
+        lengths = [n + self.text_tokens for n in tokens]
+        input_ids = torch.randint(0, self.vocab_size, (batch, max(lengths)))
+        for token in self.special:
+            input_ids[input_ids == token] = min(set(range(self.vocab_size)) - self.special)
+        for row, n in enumerate(tokens):
+            input_ids[row, :n] = self.image_token_id
+        grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+        pixel_values = torch.randn(int(grid.prod(-1).sum()), self.patch_dim, dtype=self.dtype)
+        inputs = pixel_values, input_ids, torch.tensor(lengths, dtype=torch.long), grid
+        return (*inputs, grid[:0]) if self.video_grid else inputs
+
+
+__all__ = [
+    "FeatureProjector",
+    "GridEncoderInputs",
+    "TileEncoderInputs",
+    "VisTuple",
+    "VisionEmbeddings",
+    "VisionLayer",
+    "feature_depth",
+]

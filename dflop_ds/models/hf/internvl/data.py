@@ -52,17 +52,11 @@ class InternVLPreprocessor(TiledPreprocessor):
         """The :class:`ShapePolicy` of this model's data: each image's tiles by the tiling rule,
         ``min(frames, video_max_frames)`` one-tile frames per video, exact conversation token counts."""
         rule = self.media.rule
-        return ShapePolicy(
-            tile_size=rule.tile_size,
-            max_tiles=1,
-            add_thumbnail=False,
-            tokens_per_tile=rule.tokens_per_tile,
+        return self._policy(
+            rule.tile_size,
+            rule.tokens_per_tile,
             max_frames=self.video_max_frames,
             tokens_per_frame=rule.tokens_per_tile,
-            tokenizer=self.count_text,
-            name=self.name,
-            tokenizer_id=self.identity(),
-            conversation=self.count,
             sample_images=rule,
         )
 

@@ -96,18 +96,7 @@ class LlavaPreprocessor(TemplatePreprocessor):
         """The :class:`ShapePolicy` of this model's data: one tile per image of ``image_seq_length``
         tokens and exact conversation token counts (videos are not supported)."""
         _, height, width = self.pixel_shape
-        return ShapePolicy(
-            tile_size=max(height, width),
-            max_tiles=1,
-            add_thumbnail=False,
-            tokens_per_tile=self.image_seq_length,
-            max_frames=1,
-            tokens_per_frame=1,
-            tokenizer=self.count_text,
-            name=self.name,
-            tokenizer_id=self.identity(),
-            conversation=self.count,
-        )
+        return self._policy(max(height, width), self.image_seq_length)
 
 
 def _blank_image() -> Any:

@@ -47,17 +47,11 @@ class OnevisionPreprocessor(TiledPreprocessor):
         token counts; the encoder's cost is counted by tiles."""
         rule = self.media.rule
         pooled = rule.video(1)[1] - 1
-        return ShapePolicy(
-            tile_size=rule.tile_size,
-            max_tiles=1,
-            add_thumbnail=False,
-            tokens_per_tile=rule.side**2,
+        return self._policy(
+            rule.tile_size,
+            rule.side**2,
             max_frames=self.video_max_frames,
             tokens_per_frame=pooled,
-            tokenizer=self.count_text,
-            name=self.name,
-            tokenizer_id=self.identity(),
-            conversation=self.count,
             sample_images=rule,
             tokens_per_video=1,
         )

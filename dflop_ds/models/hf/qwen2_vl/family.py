@@ -12,6 +12,7 @@ from typing import Any
 
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
 from dflop_ds.models.hf.base.folder import save_text_and_image_parts
+from dflop_ds.models.hf.base.patch_grid_family import patch_grid_trainer, patch_grid_vision_states
 from dflop_ds.models.hf.check import random_frames, random_image
 from dflop_ds.models.hf.check_parts import CheckParts, MicrobatchBuilder
 from dflop_ds.models.hf.profile import family_profile_target
@@ -32,7 +33,6 @@ from dflop_ds.models.hf.qwen2_vl.model import (
 )
 from dflop_ds.models.hf.qwen2_vl.synthetic import IMAGE_MARK, VIDEO_MARK, Qwen2VLInputs, qwen2_vl_hf_kwargs
 from dflop_ds.models.hf.registry import ModelFamily
-from dflop_ds.models.hf.trainer_parts import DEFAULT_MEDIA_KEYS, BlankImage, TrainerParts, text_pad_token
 from dflop_ds.models.hf.training import TrainingParts
 
 
@@ -84,10 +84,7 @@ def qwen2_vl_check() -> CheckParts:
 
     def vision_states(model: Any, inputs: tuple) -> Any:
         pixel_values, _, _, image_grid, video_grid = inputs
-        grid = tower_grid(image_grid, video_grid)
-        if not grid.shape[0]:
-            return None
-        return model.model.visual(pixel_values, grid_thw=grid, output_hidden_states=True).hidden_states
+        return patch_grid_vision_states(model, pixel_values, tower_grid(image_grid, video_grid))
 
     def video_batches(seed: int, config: Any) -> list[tuple[str, list]]:
         if config.model_type != MODEL_TYPE:
@@ -115,25 +112,6 @@ def qwen2_vl_check() -> CheckParts:
     )
 
 
-def qwen2_vl_blank_image(config: Any) -> BlankImage:
-    """The placeholder image ``[1, m, m]`` (one LLM token) as HF's model takes it: its flattened
-    patches ``[m * m, C * T * p * p]`` and its ``image_grid_thw`` row."""
-    vision = config.vision_config
-    merge = int(vision.spatial_merge_size)
-    patch_dim = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
-    image_token_id = int(config.image_token_id)
-    pad = text_pad_token(config, image_token_id)
-    return BlankImage((merge**2, patch_dim), image_token_id, 1, pad, grid_thw=(1, merge, merge))
-
-
-def qwen2_vl_trainer() -> TrainerParts:
-    """Qwen2-VL on the Trainer path: its placeholder image; padding-free batches concatenate the
-    samples' images, videos and grids, with M-RoPE positions from the model's ``get_rope_index``."""
-    return TrainerParts(
-        qwen2_vl_blank_image, media_keys=DEFAULT_MEDIA_KEYS, rope_index=lambda model: model.model.get_rope_index
-    )
-
-
 FAMILY = ModelFamily(
     name="Qwen2-VL",
     model_types=tuple(MODEL_CLASSES),
@@ -142,7 +120,7 @@ FAMILY = ModelFamily(
     training=qwen2_vl_training,
     profile_target=qwen2_vl_target,
     check_parts=qwen2_vl_check,
-    trainer=qwen2_vl_trainer,
+    trainer=patch_grid_trainer,
     tensor_parallel=False,  # AutoTP with M-RoPE decoder layers is untested
 )
 

@@ -43,8 +43,8 @@ import torch
 from torch import nn
 
 from dflop_ds.models.hf.base.layers import TIED_EMBEDDING_KEY, DecoderLayer, LMHead, layer_mask_kinds, load_checked
-from dflop_ds.models.packing import check_packed, is_packed, token_positions
-from dflop_ds.shapes import split_evenly
+from dflop_ds.models.hf.base.mrope import is_placeholder, mrope_position_ids, placeholder_grid
+from dflop_ds.models.hf.base.vision import GridEncoderInputs
 
 MODEL_TYPE = "qwen2_vl"
 #: model types this adapter runs -> their HF model class
@@ -93,98 +93,6 @@ def permute_units(x: torch.Tensor, order: torch.Tensor, merge_size: int) -> torc
     """Rows of ``x [P, ...]`` reordered by merge unit (``merge**2`` consecutive patches) as ``order`` says."""
     unit = merge_size**2
     return x.reshape(x.shape[0] // unit, unit, *x.shape[1:])[order].reshape(x.shape)
-
-
-def placeholder_grid(merge_size: int, like: torch.Tensor) -> torch.Tensor:
-    """``[[1, m, m]]``: the smallest image grid the merger accepts (one LLM token)."""
-    return torch.tensor([[1, merge_size, merge_size]], dtype=torch.long, device=like.device)
-
-
-def is_placeholder(grid: torch.Tensor, merge_size: int) -> bool:
-    """True when ``grid`` is the one placeholder image of a microbatch without images."""
-    return grid.shape[0] == 1 and grid[0].tolist() == [1, merge_size, merge_size]
-
-
-def mrope_position_ids(
-    input_ids: torch.Tensor,
-    seq_lens: torch.Tensor,
-    image_grid_thw: torch.Tensor,
-    *,
-    image_token_id: int,
-    merge_size: int,
-    video_grid_thw: torch.Tensor | None = None,
-    video_token_id: int | None = None,
-) -> torch.Tensor:
-    """Qwen2-VL's multimodal rotary position ids ``[3, B, S]`` (temporal, height, width), as HF computes them.
-
-    Without images and videos every sample counts ``0..len-1`` on all three axes (padding
-    continues counting). Otherwise each sample's tokens count on: a text token takes the next
-    position on all three axes; an image or video of grid ``(t, h, w)`` (``t*h*w / merge**2``
-    consecutive image or video tokens) starting at position ``p`` takes ``(p + i, p + y, p + x)``
-    for its merged patch ``(i, y, x)`` (``i``: the frame pair of a video), and the text after it
-    continues at ``p + max(h, w) / merge``. Padding gets 0. Images are consumed from
-    ``image_grid_thw``, videos from ``video_grid_thw``, in sample order; a run of tokens whose
-    length is not the next grid's token count is refused. A packed ``input_ids [1, sum(seq_lens)]``
-    gives ``[3, 1, sum(seq_lens)]``: every sample's positions as if it were alone (what HF's
-    ``get_rope_index`` gives it), restarting at 0.
-    """
-    batch, length = input_ids.shape
-    device = input_ids.device
-    video_grid_thw = image_grid_thw[:0] if video_grid_thw is None else video_grid_thw
-    if image_grid_thw.shape[0] == 0 and video_grid_thw.shape[0] == 0:
-        return token_positions(seq_lens, batch, length).expand(3, batch, length).clone()
-    grids = {image_token_id: iter(image_grid_thw.tolist()), video_token_id: iter(video_grid_thw.tolist())}
-    names = {image_token_id: "image", video_token_id: "video"}
-    if is_packed(batch, seq_lens):
-        check_packed(batch, length, seq_lens, "mrope_position_ids: packed input_ids")
-        samples = input_ids[0].split(seq_lens.tolist())
-        pieces = [_sample_positions(ids.tolist(), i, grids, names, merge_size, device) for i, ids in enumerate(samples)]
-        positions = torch.cat(pieces, dim=1)[:, None, :]
-    else:
-        positions = torch.zeros(3, batch, length, dtype=torch.long, device=device)
-        for row in range(batch):
-            ids = input_ids[row, : int(seq_lens[row])].tolist()
-            positions[:, row, : len(ids)] = _sample_positions(ids, row, grids, names, merge_size, device)
-    for token, rest in grids.items():
-        leftover = sum(1 for _ in rest)
-        if leftover:
-            raise ValueError(f"{leftover} {names[token]} grid(s) have no {names[token]} tokens in the microbatch")
-    return positions
-
-
-def _sample_positions(
-    ids: list[int], sample: int, grids: dict, names: dict, merge_size: int, device: torch.device
-) -> torch.Tensor:
-    """``[3, len(ids)]`` M-RoPE positions of one sample's tokens, taking its images' and videos'
-    grids from the ``grids`` iterators (see :func:`mrope_position_ids`)."""
-    kinds = [token if token in grids else None for token in ids]
-    pieces, start, current = [], 0, 0
-    while start < len(kinds):
-        stop = start
-        while stop < len(kinds) and kinds[stop] == kinds[start]:
-            stop += 1
-        if kinds[start] is None:
-            pieces.append(torch.arange(current, current + stop - start, device=device).expand(3, -1))
-            current += stop - start
-        else:
-            t, h, w = next(grids[kinds[start]], (0, 0, 0))
-            gh, gw = h // merge_size, w // merge_size
-            if t * gh * gw != stop - start:
-                name = names[kinds[start]]
-                raise ValueError(
-                    f"sample {sample}: a run of {stop - start} {name} tokens at position {start} does not "
-                    f"match the next {name} grid {(t, h, w)} ({t * gh * gw} tokens)"
-                )
-            axes = torch.meshgrid(
-                torch.arange(t, device=device),
-                torch.arange(gh, device=device),
-                torch.arange(gw, device=device),
-                indexing="ij",
-            )
-            pieces.append(torch.stack([axis.flatten() for axis in axes]) + current)
-            current += max(gh, gw)
-        start = stop
-    return torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long, device=device)
 
 
 class PatchEmbedding(nn.Module):
@@ -350,44 +258,11 @@ def qwen2_vl_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Mod
     return encoder, projector, llm
 
 
-class Qwen2VLEncoderInputs:
-    """Profiler input factory of the first encoder layer: ``(patches, batch) -> (pixel_values,
-    input_ids, seq_lens, image_grid_thw, video_grid_thw)`` (no videos): one random image per row,
-    ``patches`` spread over the ``batch`` rows (each image rounded up to whole ``merge x merge``
-    blocks, as a ``m x k`` strip),
-    each row holding its image's tokens then ``text_tokens`` text tokens. ``patches`` are the
-    encoder units of the Qwen2-VL shape policy (``encoder_tiles``)."""
+class Qwen2VLEncoderInputs(GridEncoderInputs):
+    """Profiler input factory of the first encoder layer (:class:`~dflop_ds.models.hf.base.vision.GridEncoderInputs`):
+    ``(patches, batch) -> (pixel_values, input_ids, seq_lens, image_grid_thw, video_grid_thw)`` (no videos)."""
 
-    def __init__(self, config: Any, text_tokens: int = 8, dtype: torch.dtype = torch.float32) -> None:
-        vision = config.vision_config
-        self.merge = int(vision.spatial_merge_size)
-        self.patch_dim = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
-        self.image_token_id, self.vocab_size = int(config.image_token_id), int(config.text_config.vocab_size)
-        self.special = {self.image_token_id, int(config.video_token_id)}
-        self.text_tokens, self.dtype = int(text_tokens), dtype
-
-    def grids(self, patches: int, batch: int = 1) -> list[list[int]]:
-        """The ``(t, h, w)`` grid of each row's image (rows without patches have none)."""
-        block = self.merge**2
-        return [[1, self.merge, self.merge * -(-n // block)] for n in split_evenly(patches, batch) if n > 0]
-
-    def attention_units(self, patches: int, batch: int = 1) -> int:
-        """The inputs' encoder attention units: each image attends within itself (its patches squared)."""
-        return sum((t * h * w) ** 2 for t, h, w in self.grids(patches, batch))
-
-    def __call__(self, patches: int, batch: int = 1) -> VisTuple:
-        block = self.merge**2
-        grids = self.grids(patches, batch)
-        tokens = [t * h * w // block for t, h, w in grids] + [0] * (batch - len(grids))
-        lengths = [n + self.text_tokens for n in tokens]
-        input_ids = torch.randint(0, self.vocab_size, (batch, max(lengths)))
-        for token in self.special:
-            input_ids[input_ids == token] = min(set(range(self.vocab_size)) - self.special)
-        for row, n in enumerate(tokens):
-            input_ids[row, :n] = self.image_token_id
-        grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
-        pixel_values = torch.randn(int(grid.prod(-1).sum()), self.patch_dim, dtype=self.dtype)
-        return pixel_values, input_ids, torch.tensor(lengths, dtype=torch.long), grid, grid[:0]
+    video_grid = True
 
 
 class MRopeLLMInputs:

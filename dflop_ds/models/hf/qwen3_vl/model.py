@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from dflop_ds.models.hf.base.layers import TIED_EMBEDDING_KEY, DecoderLayer, LMHead, layer_mask_kinds, load_checked
-from dflop_ds.models.packing import check_packed, is_packed, token_positions
-from dflop_ds.shapes import split_evenly
+from dflop_ds.models.hf.base.mrope import is_placeholder, mrope_position_ids, placeholder_grid
+from dflop_ds.models.hf.base.vision import GridEncoderInputs
 
 MODEL_TYPE = "qwen3_vl"
 MODEL_CLASS = "Qwen3VLForConditionalGeneration"
@@ -67,77 +67,6 @@ def load_qwen3_vl(model_dir: str | Path, *, dtype: torch.dtype | None = None) ->
     import transformers
 
     return load_checked(model_dir, check_qwen3_vl_config, lambda config: getattr(transformers, MODEL_CLASS), dtype)
-
-
-def placeholder_grid(merge_size: int, like: torch.Tensor) -> torch.Tensor:
-    """``[[1, m, m]]``: the smallest image grid the merger accepts (one LLM token)."""
-    return torch.tensor([[1, merge_size, merge_size]], dtype=torch.long, device=like.device)
-
-
-def mrope_position_ids(
-    input_ids: torch.Tensor,
-    seq_lens: torch.Tensor,
-    image_grid_thw: torch.Tensor,
-    *,
-    image_token_id: int,
-    merge_size: int,
-) -> torch.Tensor:
-    """Qwen3-VL's multimodal rotary position ids ``[3, B, S]`` (temporal, height, width), as HF's
-    ``get_rope_index`` computes them for images.
-
-    Without images every sample counts ``0..len-1`` on all three axes. Otherwise a text token takes
-    the next position on all three axes; an image of grid ``(1, h, w)`` starting at position ``p``
-    takes ``(p, p + y, p + x)`` for its merged patch ``(y, x)`` and the text after it continues at
-    ``p + max(h, w) / merge``; padding gets 0. A run of image tokens whose length is not the next
-    grid's token count is refused. A packed row gives every sample its positions as if alone.
-    """
-    batch, length = input_ids.shape
-    if image_grid_thw.shape[0] == 0:
-        return token_positions(seq_lens, batch, length).expand(3, batch, length).clone()
-    grids = iter(image_grid_thw.tolist())
-    if is_packed(batch, seq_lens):
-        check_packed(batch, length, seq_lens, "mrope_position_ids: packed input_ids")
-        rows = input_ids[0].split(seq_lens.tolist())
-        positions = torch.cat(
-            [_sample_positions(ids, i, grids, image_token_id, merge_size) for i, ids in enumerate(rows)], 1
-        )
-        positions = positions[:, None, :]
-    else:
-        positions = torch.zeros(3, batch, length, dtype=torch.long, device=input_ids.device)
-        for row in range(batch):
-            ids = input_ids[row, : int(seq_lens[row])]
-            positions[:, row, : ids.numel()] = _sample_positions(ids, row, grids, image_token_id, merge_size)
-    leftover = sum(1 for _ in grids)
-    if leftover:
-        raise ValueError(f"{leftover} image grid(s) have no image tokens in the microbatch")
-    return positions
-
-
-def _sample_positions(ids: torch.Tensor, sample: int, grids: Any, image_token_id: int, merge: int) -> torch.Tensor:
-    """``[3, len(ids)]`` M-RoPE positions of one sample, taking its images' grids from ``grids``."""
-    device = ids.device
-    is_image = (ids == image_token_id).tolist()
-    pieces, start, current = [], 0, 0
-    while start < len(is_image):
-        stop = start
-        while stop < len(is_image) and is_image[stop] == is_image[start]:
-            stop += 1
-        if not is_image[start]:
-            pieces.append(torch.arange(current, current + stop - start, device=device).expand(3, -1))
-            current += stop - start
-        else:
-            t, h, w = next(grids, (0, 0, 0))
-            gh, gw = h // merge, w // merge
-            if t != 1 or gh * gw != stop - start:
-                raise ValueError(
-                    f"sample {sample}: a run of {stop - start} image tokens at position {start} does not "
-                    f"match the next image grid {(t, h, w)} ({t * gh * gw} tokens)"
-                )
-            ys, xs = torch.meshgrid(torch.arange(gh, device=device), torch.arange(gw, device=device), indexing="ij")
-            pieces.append(torch.stack([torch.zeros_like(ys).flatten(), ys.flatten(), xs.flatten()]) + current)
-            current += max(gh, gw)
-        start = stop
-    return torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long, device=device)
 
 
 class PatchEmbedding(nn.Module):
@@ -230,7 +159,7 @@ class Qwen3VLProjector(nn.Module):
         image_positions = input_ids == self.image_token_id
         n_image = int(image_positions.sum())
         tower_tokens = features.shape[0]
-        if n_image == 0 and grid.tolist() == [[1, self.merge_size, self.merge_size]]:
+        if n_image == 0 and is_placeholder(grid, self.merge_size):
             features, grid = features[:0], grid[:0]
         expected = int(grid.prod(-1).sum()) // self.merge_size**2
         if n_image != expected or features.shape[0] != expected:
@@ -309,41 +238,9 @@ def qwen3_vl_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Mod
     return encoder, projector, llm
 
 
-class Qwen3VLEncoderInputs:
-    """Profiler input factory of the first encoder layer: ``(patches, batch) -> (pixel_values,
-    input_ids, seq_lens, image_grid_thw)``: one random image per row, ``patches`` spread over the
-    ``batch`` rows (each rounded up to whole ``merge x merge`` blocks, as a ``m x k`` strip), each row
-    holding its image's tokens then ``text_tokens`` text tokens."""
-
-    def __init__(self, config: Any, text_tokens: int = 8, dtype: torch.dtype = torch.float32) -> None:
-        vision = config.vision_config
-        self.merge = int(vision.spatial_merge_size)
-        self.patch_dim = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
-        self.image_token_id, self.vocab_size = int(config.image_token_id), int(config.text_config.vocab_size)
-        self.special = {self.image_token_id, int(config.video_token_id)}
-        self.text_tokens, self.dtype = int(text_tokens), dtype
-
-    def grids(self, patches: int, batch: int = 1) -> list[list[int]]:
-        """The ``(t, h, w)`` grid of each row's image (rows without patches have none)."""
-        block = self.merge**2
-        return [[1, self.merge, self.merge * -(-n // block)] for n in split_evenly(patches, batch) if n > 0]
-
-    def attention_units(self, patches: int, batch: int = 1) -> int:
-        """The inputs' encoder attention units: each image attends within itself (its patches squared)."""
-        return sum((t * h * w) ** 2 for t, h, w in self.grids(patches, batch))
-
-    def __call__(self, patches: int, batch: int = 1) -> tuple[torch.Tensor, ...]:
-        grids = self.grids(patches, batch)
-        tokens = [t * h * w // self.merge**2 for t, h, w in grids] + [0] * (batch - len(grids))
-        lengths = [n + self.text_tokens for n in tokens]
-        input_ids = torch.randint(0, self.vocab_size, (batch, max(lengths)))
-        for token in self.special:
-            input_ids[input_ids == token] = min(set(range(self.vocab_size)) - self.special)
-        for row, n in enumerate(tokens):
-            input_ids[row, :n] = self.image_token_id
-        grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
-        pixel_values = torch.randn(int(grid.prod(-1).sum()), self.patch_dim, dtype=self.dtype)
-        return pixel_values, input_ids, torch.tensor(lengths, dtype=torch.long), grid
+class Qwen3VLEncoderInputs(GridEncoderInputs):
+    """Profiler input factory of the first encoder layer (:class:`~dflop_ds.models.hf.base.vision.GridEncoderInputs`):
+    ``(patches, batch) -> (pixel_values, input_ids, seq_lens, image_grid_thw)``."""
 
 
 class DeepstackLLMInputs:
