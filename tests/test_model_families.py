@@ -139,3 +139,23 @@ def test_an_unknown_model_type_is_refused_naming_the_registered_ones(tmp_path):
         hf_preprocessor(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         family_of(tmp_path / "absent")
+
+
+def test_a_processor_finds_its_family_by_its_transformers_model_folder():
+    """``hf_dataset_shapes`` dispatches a loaded processor through the registry: its class's model
+    folder is the family's ``model_type``; a family without a processor policy, or a class from no
+    transformers model, is refused by name before any row is read."""
+    from transformers import Idefics3Processor, LlavaProcessor, Qwen2VLProcessor
+
+    from dflop_ds.hf_trainer.shapes import hf_dataset_shapes
+    from dflop_ds.models.hf.registry import processor_family
+
+    assert processor_family(LlavaProcessor.__new__(LlavaProcessor)).name == "LLaVA"
+    qwen = Qwen2VLProcessor.__new__(Qwen2VLProcessor)  # the class is what is read: no files needed
+    assert processor_family(qwen).name == "Qwen2-VL"
+    with pytest.raises(ValueError, match="the Qwen2-VL family gives no shape policy from a processor yet"):
+        hf_dataset_shapes([], qwen)
+    with pytest.raises(ValueError, match="processor Idefics3Processor: model type 'idefics3' is not supported"):
+        processor_family(Idefics3Processor.__new__(Idefics3Processor))
+    with pytest.raises(ValueError, match="processor dict .* is not a transformers model's processor"):
+        processor_family({})

@@ -9,8 +9,8 @@ from typing import Any
 from dflop_ds.data import DataError
 from dflop_ds.data.errors import PathArg
 from dflop_ds.data.formats import shape_reader
-from dflop_ds.models.hf.llava.data import LlavaPreprocessor
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
+from dflop_ds.models.hf.registry import processor_family
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
 
@@ -82,7 +82,9 @@ def image_size(image: Any) -> tuple[int, int]:
 def hf_dataset_shapes(dataset: Any, processor: Any) -> ShapeTable:
     """One :class:`SampleShape` per row of a ``datasets.Dataset`` in TRL's vision format (a
     ``messages`` column of chat turns whose contents list ``{"type": "image"}`` and ``{"type":
-    "text"}`` parts, and an ``images`` column), for a LLaVA ``processor`` with a chat template.
+    "text"}`` parts, and an ``images`` column), for a ``processor`` with a chat template whose
+    family (:func:`~dflop_ds.models.hf.registry.processor_family`) gives a policy from a processor
+    (LLaVA; another family is refused by name).
 
     Text tokens are those of the processor's chat template (image placeholders excluded), every
     one supervised, as TRL's vision collator trains them; image sizes come from the images'
@@ -91,7 +93,13 @@ def hf_dataset_shapes(dataset: Any, processor: Any) -> ShapeTable:
     its index and field. A row's ``id`` column, when the dataset has one, is its sample id (the
     Trainer compares it with the dataset's); else its index.
     """
-    policy = LlavaPreprocessor(processor).policy()
+    family = processor_family(processor)
+    if family.processor_policy is None:
+        raise ValueError(
+            f"hf_dataset_shapes: the {family.name} family gives no shape policy from a processor yet"
+            " (read the data from a LLaVA JSON file with llava_json_shapes, which takes the model directory)"
+        )
+    policy = family.processor_policy(processor)
     tokenizer = processor.tokenizer
     if getattr(processor, "chat_template", None) is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"{type(processor).__name__} has no chat template: TRL renders messages with it")

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from dflop_ds.models.hf.trainer_parts import TrainerParts
     from dflop_ds.models.hf.training import TrainingParts
     from dflop_ds.profile.target import ProfileTarget
+    from dflop_ds.shapes import ShapePolicy
 
 #: The modules that define a family, each as a module-level ``FAMILY``.
 FAMILY_MODULES = (
@@ -59,6 +60,8 @@ class ModelFamily:
             image-free guard's blank image and the padding-free collation of ``DFLOPTrainer``).
         tensor_parallel: whether DeepSpeed AutoTP may shard its language model (where its
             config declares a tensor-parallel plan).
+        processor_policy: ``(processor) ->`` the shape policy of a loaded HF processor of the family
+            (the Trainer path's :func:`~dflop_ds.hf_trainer.hf_dataset_shapes`); None: not offered yet.
     """
 
     name: str
@@ -70,6 +73,7 @@ class ModelFamily:
     check_parts: Callable[[], CheckParts]
     trainer: Callable[[], TrainerParts]
     tensor_parallel: bool
+    processor_policy: Callable[[Any], ShapePolicy] | None = None
 
 
 @cache
@@ -111,6 +115,20 @@ def trainer_parts_of(config: Any) -> TrainerParts | None:
     return family_for(kind).trainer()
 
 
+def processor_family(processor: Any) -> ModelFamily:
+    """The family of a loaded HF processor, by the transformers model folder its class comes from
+    (``transformers.models.<model_type>.processing_...``); ``ValueError`` naming the class when it
+    comes from none or from one no family registers."""
+    parts = type(processor).__module__.split(".")
+    kind = parts[2] if len(parts) > 3 and parts[:2] == ["transformers", "models"] else None
+    if kind is None:
+        raise ValueError(
+            f"processor {type(processor).__name__} (module {type(processor).__module__}) is not a transformers"
+            " model's processor, so its model family is unknown"
+        )
+    return family_for(kind, f"processor {type(processor).__name__}")
+
+
 def model_type(model_dir: PathArg) -> str | None:
     """``model_type`` of a ``save_pretrained`` directory's ``config.json`` (None when it has none):
     what picks the model family."""
@@ -135,6 +153,7 @@ __all__ = [
     "family_for",
     "family_of",
     "model_type",
+    "processor_family",
     "registered_families",
     "registered_model_types",
     "trainer_parts_of",

@@ -106,6 +106,7 @@ FAMILY = ModelFamily(
     check_parts=llava_check,
     trainer=llava_trainer,
     tensor_parallel=True,
+    processor_policy=lambda processor: LlavaPreprocessor(processor).policy(),
 )
 
 __all__ = ["FAMILY", "llava_check", "llava_preprocessor", "llava_target", "llava_training"]
