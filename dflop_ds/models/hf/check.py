@@ -85,14 +85,19 @@ def tower_hidden_states(model: Any, inputs: tuple) -> Any:
     return model.model.vision_tower(pixel_values, output_hidden_states=True).hidden_states
 
 
-def video_image_text_batches(image_mark: str, video_mark: str) -> Callable[[int, Any], list[tuple[str, list]]]:
-    """``extra_batches`` for a family that reads videos: one microbatch of a video row, an image
-    row and a text-only row, written with the family's image and video marks."""
+def video_image_text_batches(
+    image_mark: str, video_mark: str, frames: int = 3, model_types: tuple[str, ...] | None = None
+) -> Callable[[int, Any], list[tuple[str, list]]]:
+    """``extra_batches`` for a family that reads videos: one microbatch of a video row (``frames``
+    frames), an image row and a text-only row, written with the family's image and video marks;
+    none for a config whose ``model_type`` is not in ``model_types`` (None: any)."""
 
     def batches(seed: int, config: Any) -> list[tuple[str, list]]:
+        if model_types is not None and config.model_type not in model_types:
+            return []
         rng = random.Random(seed + 1)
         rows = [
-            (f"USER: {video_mark} what happens? ASSISTANT:", "a car drives", [], random_frames(rng, 3)),
+            (f"USER: {video_mark} what happens? ASSISTANT:", "a car drives", [], random_frames(rng, frames)),
             (f"USER: {image_mark} and this? ASSISTANT:", "a tree", [random_image(rng)]),
             ("USER: hello ASSISTANT:", "hi there", []),
         ]

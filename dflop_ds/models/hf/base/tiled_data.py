@@ -6,7 +6,7 @@ A family subclass says how its media helper is built and which token ids it writ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from dflop_ds.data.errors import PathArg
@@ -77,4 +77,24 @@ class TiledPreprocessor(TemplatePreprocessor):
         return self._counted(self.encode_media(turns, image_tokens, video_tokens))
 
 
-__all__ = ["TiledPreprocessor"]
+def tiled_preprocessor_loader(cls: type[Tiled]) -> Callable[..., Tiled]:
+    """The family's ``preprocessor`` entry: ``(model_dir, *, max_length, truncation, video_max_frames,
+    **video) ->`` ``cls.from_pretrained(...)`` (frames are sampled uniformly, so the frame rate in
+    ``video`` does not apply)."""
+
+    def load(
+        model_dir: str,
+        *,
+        max_length: int | None = None,
+        truncation: str = "error",
+        video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
+        **video: Any,
+    ) -> Tiled:
+        return cls.from_pretrained(
+            model_dir, max_length=max_length, truncation=truncation, video_max_frames=video_max_frames
+        )
+
+    return load
+
+
+__all__ = ["TiledPreprocessor", "tiled_preprocessor_loader"]

@@ -7,39 +7,21 @@ tiling rule (:mod:`~dflop_ds.models.hf.internvl.shapes`), data pipeline
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from dflop_ds.models.hf.base.collate import collate_packed, collate_padded
-from dflop_ds.models.hf.base.folder import save_text_and_image_parts
+from dflop_ds.models.hf.base.family import hf_family
 from dflop_ds.models.hf.base.synthetic import hf_model_kwargs
-from dflop_ds.models.hf.base.tiled_family import tiled_check_parts, tiled_preprocessor_loader
+from dflop_ds.models.hf.base.tiled_data import tiled_preprocessor_loader
 from dflop_ds.models.hf.base.vision import TileEncoderInputs
-from dflop_ds.models.hf.check_parts import CheckParts
+from dflop_ds.models.hf.check import tower_hidden_states, video_image_text_batches
 from dflop_ds.models.hf.internvl.data import InternVLDataset, InternVLPreprocessor
 from dflop_ds.models.hf.internvl.model import MODEL_TYPE, internvl_layers, load_internvl, side
 from dflop_ds.models.hf.internvl.synthetic import IMAGE_MARK, VIDEO_MARK, InternVLInputs
-from dflop_ds.models.hf.profile import family_profile_target
-from dflop_ds.models.hf.registry import ModelFamily
 from dflop_ds.models.hf.trainer_parts import BlankImage, TrainerParts, text_pad_token
-from dflop_ds.models.hf.training import TrainingParts
 
 #: The :class:`~dflop_ds.models.hf.internvl.data.InternVLPreprocessor` of a model directory.
 internvl_preprocessor = tiled_preprocessor_loader(InternVLPreprocessor)
-
-
-def internvl_training() -> TrainingParts:
-    """InternVL's training pieces, on LLaVA's contract and collates: under LoRA the projector trains in
-    full; a colocated encoder is not offered (untested for this family)."""
-    return TrainingParts(
-        load_internvl,
-        internvl_layers,
-        "multi_modal_projector",
-        InternVLDataset,
-        collate_padded,
-        save_text_and_image_parts,
-        packed_collate=collate_packed,
-    )
 
 
 class InternVLEncoderInputs(TileEncoderInputs):
@@ -69,30 +51,28 @@ def internvl_trainer() -> TrainerParts:
     return TrainerParts(internvl_blank_image)
 
 
-#: The layer lists, input factories and shape policy of the InternVL model in a directory.
-internvl_target = partial(
-    family_profile_target, load=load_internvl, layers=internvl_layers, encoder_inputs=InternVLEncoderInputs
-)
-
-
-def internvl_check() -> CheckParts:
-    """InternVL's check-model parts: tiled images of random sizes, several images in a row, text-only
-    rows and a video row."""
-    return tiled_check_parts(
-        load_internvl, internvl_layers, InternVLInputs.from_dir, hf_model_kwargs, IMAGE_MARK, VIDEO_MARK
-    )
-
-
-FAMILY = ModelFamily(
-    name="InternVL",
-    model_types=(MODEL_TYPE,),
-    files=("models/hf/internvl/", "testing/internvl_tiny.py"),
+#: On LLaVA's contract and collates: under LoRA the projector trains in full; a colocated encoder is
+#: not offered (untested for this family). Check-model: tiled images of random sizes, several images
+#: in a row, text-only rows and a video row.
+FAMILY = hf_family(
+    "InternVL",
+    (MODEL_TYPE,),
+    ("models/hf/internvl/", "testing/internvl_tiny.py"),
+    load=load_internvl,
+    layers=internvl_layers,
+    projector_name="multi_modal_projector",
+    dataset=InternVLDataset,
+    collate=collate_padded,
+    packed_collate=collate_packed,
+    encoder_inputs=InternVLEncoderInputs,
+    microbatches=lambda path, config: InternVLInputs.from_dir(path, config).microbatch,
+    image_mark=IMAGE_MARK,
+    hf_kwargs=lambda model, inputs: hf_model_kwargs(inputs),
+    vision_states=tower_hidden_states,
+    extra_batches=video_image_text_batches(IMAGE_MARK, VIDEO_MARK),
     preprocessor=internvl_preprocessor,
-    training=internvl_training,
-    profile_target=internvl_target,
-    check_parts=internvl_check,
     trainer=internvl_trainer,
     tensor_parallel=False,  # AutoTP of its language model is untested
 )
 
-__all__ = ["FAMILY", "internvl_check", "internvl_preprocessor", "internvl_target", "internvl_training"]
+__all__ = ["FAMILY", "internvl_preprocessor"]

@@ -6,12 +6,11 @@ data pipeline (:mod:`~dflop_ds.models.hf.llava_onevision.data`) and synthetic mi
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
-from dflop_ds.models.hf.base.folder import save_text_and_image_parts
-from dflop_ds.models.hf.base.tiled_family import tiled_check_parts, tiled_preprocessor_loader
-from dflop_ds.models.hf.check_parts import CheckParts
+from dflop_ds.models.hf.base.family import hf_family
+from dflop_ds.models.hf.base.tiled_data import tiled_preprocessor_loader
+from dflop_ds.models.hf.check import tower_hidden_states, video_image_text_batches
 from dflop_ds.models.hf.llava_onevision.data import (
     OnevisionDataset,
     OnevisionPreprocessor,
@@ -31,27 +30,10 @@ from dflop_ds.models.hf.llava_onevision.synthetic import (
     config_rule,
     onevision_hf_kwargs,
 )
-from dflop_ds.models.hf.profile import family_profile_target
-from dflop_ds.models.hf.registry import ModelFamily
 from dflop_ds.models.hf.trainer_parts import BlankImage, TrainerParts, text_pad_token
-from dflop_ds.models.hf.training import TrainingParts
 
 #: The :class:`~dflop_ds.models.hf.llava_onevision.data.OnevisionPreprocessor` of a model directory.
 llava_onevision_preprocessor = tiled_preprocessor_loader(OnevisionPreprocessor)
-
-
-def llava_onevision_training() -> TrainingParts:
-    """LLaVA-OneVision's training pieces: under LoRA the projector trains in full, as LLaVA's does;
-    its tiles cannot be dispatched to a colocated encoder yet (the projector needs each image's tiles)."""
-    return TrainingParts(
-        load_llava_onevision,
-        llava_onevision_layers,
-        "multi_modal_projector",
-        OnevisionDataset,
-        collate_onevision,
-        save_text_and_image_parts,
-        packed_collate=collate_packed_onevision,
-    )
 
 
 def llava_onevision_blank_image(config: Any) -> BlankImage:
@@ -76,45 +58,29 @@ def llava_onevision_trainer() -> TrainerParts:
     )
 
 
-#: The layer lists, input factories and shape policy of the LLaVA-OneVision model in a directory (the
-#: encoder sweep's tiles are base tiles, as the policy counts the encoder by tiles).
-llava_onevision_target = partial(
-    family_profile_target,
+#: Under LoRA the projector trains in full, as LLaVA's does; its tiles cannot be dispatched to a
+#: colocated encoder yet (the projector needs each image's tiles). The encoder sweep's tiles are base
+#: tiles, as the policy counts the encoder by tiles. Check-model: AnyRes images (random sizes and
+#: aspect ratios), several images in a row (one tile each), text-only rows, and a video row.
+FAMILY = hf_family(
+    "LLaVA-OneVision",
+    (MODEL_TYPE,),
+    ("models/hf/llava_onevision/", "testing/llava_onevision_tiny.py"),
     load=load_llava_onevision,
     layers=llava_onevision_layers,
+    projector_name="multi_modal_projector",
+    dataset=OnevisionDataset,
+    collate=collate_onevision,
+    packed_collate=collate_packed_onevision,
     encoder_inputs=OnevisionEncoderInputs,
-)
-
-
-def llava_onevision_check() -> CheckParts:
-    """LLaVA-OneVision's check-model parts: AnyRes images (random sizes and aspect ratios), several
-    images in a row (one tile each), text-only rows, and a video row."""
-    return tiled_check_parts(
-        load_llava_onevision,
-        llava_onevision_layers,
-        OnevisionInputs.from_dir,
-        onevision_hf_kwargs,
-        IMAGE_MARK,
-        VIDEO_MARK,
-    )
-
-
-FAMILY = ModelFamily(
-    name="LLaVA-OneVision",
-    model_types=(MODEL_TYPE,),
-    files=("models/hf/llava_onevision/", "testing/llava_onevision_tiny.py"),
+    microbatches=lambda path, config: OnevisionInputs.from_dir(path, config).microbatch,
+    image_mark=IMAGE_MARK,
+    hf_kwargs=lambda model, inputs: onevision_hf_kwargs(inputs),
+    vision_states=tower_hidden_states,
+    extra_batches=video_image_text_batches(IMAGE_MARK, VIDEO_MARK),
     preprocessor=llava_onevision_preprocessor,
-    training=llava_onevision_training,
-    profile_target=llava_onevision_target,
-    check_parts=llava_onevision_check,
     trainer=llava_onevision_trainer,
     tensor_parallel=False,  # AutoTP of its language model is untested
 )
 
-__all__ = [
-    "FAMILY",
-    "llava_onevision_check",
-    "llava_onevision_preprocessor",
-    "llava_onevision_target",
-    "llava_onevision_training",
-]
+__all__ = ["FAMILY", "llava_onevision_preprocessor"]
