@@ -77,6 +77,7 @@ class Qwen3VLDataset(PatchGridDataset):
     refused by name)."""
 
     preprocessor: Qwen3VLPreprocessor
+    supports_video = False
 
 
 def collate_qwen3_vl(items: Sequence[PatchGridItem], packed: bool = False):
