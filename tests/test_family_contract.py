@@ -8,7 +8,9 @@ registers only when it passes them all; tests/family_inputs.py gives each one's 
 * the Trainer's image-free guard: the family's blank image runs the tower and leaves HF's loss as it was;
 * slow, on 2 ZeRO-2 ranks: examples/train.py through the DeepSpeed loop (six steps, falling loss,
   the saved model changed), and a user's ``DFLOPTrainer`` script with image-free microbatches beside
-  ones with images, padded and with the family's padding-free collator (one launch).
+  ones with images, padded and with the family's padding-free collator (one launch);
+* slow, on 2 pipeline stages: examples/train.py, for the families whose own test files do not
+  already run it (:data:`PIPELINE_ELSEWHERE`).
 
 The shape policy's counts against each family's real processor are in the family's own test file
 (each builds its processor by hand: the tiny checkpoints save none).
@@ -137,6 +139,24 @@ def test_trains_through_the_deepspeed_loop_on_two_zero2_ranks(family_data, tmp_p
     assert_trains_with_media(
         train, "hf_zero2.json", (model, data, images, videos), tmp_path / "out", prefix, zero_stage=2
     )
+
+
+#: families whose 2-stage pipeline run through examples/train.py is in their own test files
+PIPELINE_ELSEWHERE = {
+    "LLaVA": "test_train_hf.py",
+    "Qwen2-VL": "test_hf_qwen2_vl_video.py (videos), test_train_hf.py (Qwen2.5-VL)",
+    "Qwen3-VL": "test_hf_qwen3_vl.py (deepstack features across the boundary)",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family_data", [name for name in FAMILIES if name not in PIPELINE_ELSEWHERE], indirect=True)
+def test_trains_on_two_pipeline_stages_through_the_deepspeed_loop(family_data, tmp_path, train):
+    """examples/train.py with hf_pp2.json on the family's images, several-image, text-only and video
+    records: six steps, falling loss, the saved model changed (pipeline stages take no ZeRO-2)."""
+    name, model, data, images, videos = family_data
+    prefix = family_of(model).model_types[0]
+    assert_trains_with_media(train, "hf_pp2.json", (model, data, images, videos), tmp_path / "out", prefix)
 
 
 @pytest.mark.slow
