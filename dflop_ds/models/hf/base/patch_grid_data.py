@@ -26,18 +26,22 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from dflop_ds.data.errors import PathArg
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES, decode_frames, sample_frame_indices
 from dflop_ds.models.hf.base.chatml import ChatMLPreprocessor
 from dflop_ds.models.hf.base.collate import collate_padded
 from dflop_ds.models.hf.base.dataset import MediaDataset, MediaItem
+from dflop_ds.models.hf.base.folder import from_model_dir
 from dflop_ds.models.hf.base.patch_grid import SmartResize, VideoFrames, no_grid
 from dflop_ds.models.hf.base.patch_inputs import PatchGridInputs
 from dflop_ds.models.hf.base.template import Encoded, chosen_template
 from dflop_ds.shapes import SampleShape, ShapePolicy
+
+PatchGrid = TypeVar("PatchGrid", bound="PatchGridPreprocessor")
 
 
 class PatchGridPreprocessor(ChatMLPreprocessor):
@@ -47,11 +51,14 @@ class PatchGridPreprocessor(ChatMLPreprocessor):
         tokenizer, image_processor, config: the model directory's (checked against each other by
             the family's :attr:`inputs_class`).
         system: the system message (default: the checkpoint template's own; the built-in ChatML's
-            ``default_system``); name: the policy's name in messages.
+            ``default_system``); name: the policy's name in messages (default :attr:`family_name`).
         chat_template, max_length, truncation: as for
             :class:`~dflop_ds.models.hf.base.template.TemplatePreprocessor` (visual tokens included).
         video_fps, video_max_frames: how videos are sampled (where the family takes them).
     """
+
+    #: the family's name in messages and the default policy name
+    family_name = "patch-grid"
 
     #: the family's synthetic inputs (its pixel layout; whether it takes videos)
     inputs_class: type[PatchGridInputs] = PatchGridInputs
@@ -66,13 +73,14 @@ class PatchGridPreprocessor(ChatMLPreprocessor):
         config: Any,
         *,
         system: str | None = None,
-        name: str = "patch-grid",
+        name: str | None = None,
         video_fps: float = DEFAULT_VIDEO_FPS,
         video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
         max_length: int | None = None,
         truncation: str = "error",
         chat_template: str | bool = True,
     ) -> None:
+        name = name or self.family_name
         self.inputs = self.inputs_class(tokenizer, image_processor, config, name)  # checks the processor vs config
         self.image_processor = image_processor
         self.model_type = str(config.model_type)
@@ -90,6 +98,11 @@ class PatchGridPreprocessor(ChatMLPreprocessor):
         template = chosen_template(chat_template, tokenizer)
         self._set_text(tokenizer, int(config.image_token_id), system, max_length, truncation, name)
         self._set_template(template, self.video_token_id)
+
+    @classmethod
+    def from_pretrained(cls: type[PatchGrid], model_dir: PathArg, **kwargs: Any) -> PatchGrid:
+        """Load the tokenizer, image processor and config of a ``save_pretrained`` directory (offline)."""
+        return from_model_dir(cls, model_dir, cls.family_name, **kwargs)
 
     @property
     def trains_videos(self) -> bool:

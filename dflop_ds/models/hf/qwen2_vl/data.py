@@ -23,11 +23,8 @@ for videos):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-from dflop_ds.data.errors import PathArg
 from dflop_ds.data.video import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES
-from dflop_ds.models.hf.base.folder import from_model_dir
 from dflop_ds.models.hf.base.patch_grid import SmartResize, VideoFrames
 from dflop_ds.models.hf.base.patch_grid_data import (
     PatchGridDataset,
@@ -48,17 +45,10 @@ class Qwen2VLPreprocessor(PatchGridPreprocessor):
     """A Qwen2-VL directory's tokenizer and image processor plus its conversation template
     (arguments as :class:`~dflop_ds.models.hf.base.patch_grid_data.PatchGridPreprocessor`)."""
 
+    family_name = "qwen2_vl"
     template_name = "qwen2-vl-chatml"
     inputs_class = Qwen2VLInputs
     video_model_types = ("qwen2_vl",)
-
-    def __init__(self, tokenizer: Any, image_processor: Any, config: Any, *, name: str = "qwen2_vl", **kwargs: Any):
-        super().__init__(tokenizer, image_processor, config, name=name, **kwargs)
-
-    @classmethod
-    def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> Qwen2VLPreprocessor:
-        """Load the tokenizer, image processor and config of a ``save_pretrained`` directory (offline)."""
-        return from_model_dir(cls, model_dir, "qwen2_vl", **kwargs)
 
 
 class Qwen2VLDataset(PatchGridDataset):

@@ -20,10 +20,7 @@ needed: its video processor wants torchvision):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-from dflop_ds.data.errors import PathArg
-from dflop_ds.models.hf.base.folder import from_model_dir
 from dflop_ds.models.hf.base.patch_grid import SmartResize
 from dflop_ds.models.hf.base.patch_grid_data import (
     PatchGridDataset,
@@ -44,16 +41,9 @@ class Qwen3VLPreprocessor(PatchGridPreprocessor):
     (arguments as :class:`~dflop_ds.models.hf.base.patch_grid_data.PatchGridPreprocessor`; the
     video settings are accepted for the family interface, videos are refused)."""
 
+    family_name = "qwen3_vl"
     template_name = "qwen3-vl-chatml"
     inputs_class = Qwen3VLInputs
-
-    def __init__(self, tokenizer: Any, image_processor: Any, config: Any, *, name: str = "qwen3_vl", **kwargs: Any):
-        super().__init__(tokenizer, image_processor, config, name=name, **kwargs)
-
-    @classmethod
-    def from_pretrained(cls, model_dir: PathArg, **kwargs: Any) -> Qwen3VLPreprocessor:
-        """Load the tokenizer, image processor and config of a ``save_pretrained`` directory (offline)."""
-        return from_model_dir(cls, model_dir, "qwen3_vl", **kwargs)
 
     def count(
         self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int], video_tokens: int | None = None
