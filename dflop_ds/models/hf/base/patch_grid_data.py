@@ -86,6 +86,8 @@ class PatchGridPreprocessor(ChatMLPreprocessor):
         self.model_type = str(config.model_type)
         self.rule = SmartResize.from_image_processor(image_processor)
         self.video_rule: VideoFrames | None = None
+        template = chosen_template(chat_template, tokenizer)
+        self._set_text(tokenizer, int(config.image_token_id), system, max_length, truncation, name)
         if self.inputs.takes_videos:
             self.video_token_id = int(config.video_token_id)
             temporal = self.inputs.temporal_patch_size
@@ -94,10 +96,23 @@ class PatchGridPreprocessor(ChatMLPreprocessor):
                     f"{name}: video_fps must be > 0 and video_max_frames >= {temporal} (the temporal patch "
                     f"size), got {video_fps} and {video_max_frames}"
                 )
-            self.video_rule = VideoFrames(self.rule, float(video_fps), int(video_max_frames), temporal)
-        template = chosen_template(chat_template, tokenizer)
-        self._set_text(tokenizer, int(config.image_token_id), system, max_length, truncation, name)
+            self.video_rule = self._video_rule(
+                VideoFrames(self.rule, float(video_fps), int(video_max_frames), temporal)
+            )
         self._set_template(template, self.video_token_id)
+
+    def _video_rule(self, frames: VideoFrames) -> VideoFrames:
+        """The video rule of the family (here the frames' own; a family whose processor writes more
+        around each frame group than its tokens gives a rule that counts it)."""
+        return frames
+
+    def video_ids(self, shape: SampleShape, video_grid: torch.Tensor) -> int | list[int] | None:
+        """What :meth:`encode` takes for the video of ``shape`` whose patch grid is ``video_grid``
+        (``[0 or 1, 3]``): its token count (None: no video); a family whose processor writes more
+        around each frame group gives the video's block of ids."""
+        if not video_grid.shape[0]:
+            return None
+        return int(video_grid.prod(-1).sum()) // self.rule.merge_size**2
 
     @classmethod
     def from_pretrained(cls: type[PatchGrid], model_dir: PathArg, **kwargs: Any) -> PatchGrid:
@@ -111,7 +126,10 @@ class PatchGridPreprocessor(ChatMLPreprocessor):
         return self.video_rule is not None and (kinds is None or self.model_type in kinds)
 
     def encode(  # type: ignore[override]
-        self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int], video_tokens: int | None = None
+        self,
+        turns: Sequence[tuple[str, str]],
+        image_tokens: Sequence[int],
+        video_tokens: int | Sequence[int] | None = None,
     ) -> Encoded:
         """Token ids and supervision mask of ``(role, value)`` turns whose images give ``image_tokens``
         tokens each and whose video (if any) ``video_tokens``.
@@ -211,9 +229,8 @@ class PatchGridDataset(MediaDataset):
         else:
             pixel_values, grid = self.preprocessor.pixel_values(self._load_images(shape))
             video_pixels, video_grid = self._video(shape)
-        merge = self.preprocessor.rule.merge_size
-        video_tokens = int(video_grid.prod(-1).sum()) // merge**2 if video_grid.shape[0] else None
-        image_tokens = (grid.prod(-1) // merge**2).tolist()
+        video_tokens = self.preprocessor.video_ids(shape, video_grid)
+        image_tokens = (grid.prod(-1) // self.preprocessor.rule.merge_size**2).tolist()
         turns = self._turns(shape)
         ids, targets = self._tensors(shape, lambda: self.preprocessor.encode(turns, image_tokens, video_tokens))
         pad = self.preprocessor.pad_token_id

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from dflop_ds.models.hf.base.folder import load_tokenizer_and_image_processor
+from dflop_ds.models.hf.base.layers import padding_mask
 from dflop_ds.models.hf.base.patch_grid import no_grid
 from dflop_ds.models.hf.base.synthetic import Sample, append_answer, pad_token_id, stack_rows
 
@@ -90,6 +91,12 @@ class PatchGridInputs:
         grid = torch.tensor([[len(frames) // temporal, grid_h, grid_w]], dtype=torch.long)
         return groups.reshape(int(grid.prod()), -1), grid
 
+    def video_ids(self, grid: torch.Tensor) -> list[int]:
+        """The ids a video of patch grid ``(t, h, w)`` writes in place of the prompt's video token:
+        here its ``t*h*w / merge**2`` video tokens (a family whose processor writes more around each
+        frame group says so)."""
+        return [self.video_token_id] * (int(grid.prod()) // self.merge_size**2)
+
     def encode_sample(self, prompt: str, answer: str, images: Sequence[Any], video: Sequence[Any] = ()):
         """``(pixel_values [P, C*T*p*p], image_grid_thw [n, 3], pixel_values_videos [Pv, C*T*p*p],
         video_grid_thw [0 or 1, 3], input_ids [L], targets [L])`` of one sample (``video``: its frames)."""
@@ -107,13 +114,11 @@ class PatchGridInputs:
                 )
         pixel_values, grid = self.pixel_values(images)
         video_pixels, video_grid = self.video_pixel_values(video) if video else self.no_pixels()
-        unit = self.merge_size**2
-        counts = {
-            self.image_token_id: iter((grid.prod(-1) // unit).tolist()),
-            self.video_token_id: iter((video_grid.prod(-1) // unit).tolist()),
-        }
+        image_counts = iter((grid.prod(-1) // self.merge_size**2).tolist())
         pieces = [
-            torch.full((next(counts[token]),), token) if token in counts else torch.tensor([token])
+            torch.full((next(image_counts),), token)
+            if token == self.image_token_id
+            else torch.tensor(self.video_ids(video_grid[0]) if token == self.video_token_id else [token])
             for token in prompt_ids.tolist()
         ]
         ids = torch.cat(pieces) if pieces else prompt_ids
@@ -140,4 +145,22 @@ class PatchGridInputs:
         return (pixel_values, input_ids, seq_lens, grid, video_grid), (targets, count)
 
 
-__all__ = ["PatchGridInputs", "VideoSample"]
+def patch_grid_hf_kwargs(inputs: Sequence[torch.Tensor], config: Any) -> dict[str, Any]:
+    """The HF model's keyword arguments for a patch-grid contract microbatch: ``pixel_values`` and
+    ``pixel_values_videos`` split at the images' patch count, ``mm_token_type_ids`` marking image
+    tokens 1 and video tokens 2; no pixels nor grids of a kind the microbatch has none of."""
+    pixel_values, input_ids, seq_lens, grid, video_grid = inputs
+    kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": padding_mask(seq_lens, input_ids.shape[1])}
+    if grid.shape[0] or video_grid.shape[0]:
+        kwargs["mm_token_type_ids"] = (input_ids == int(config.image_token_id)).int() + 2 * (
+            input_ids == int(config.video_token_id)
+        ).int()
+    image_patches = int(grid.prod(-1).sum())
+    if grid.shape[0]:
+        kwargs.update(pixel_values=pixel_values[:image_patches], image_grid_thw=grid)
+    if video_grid.shape[0]:
+        kwargs.update(pixel_values_videos=pixel_values[image_patches:], video_grid_thw=video_grid)
+    return kwargs
+
+
+__all__ = ["PatchGridInputs", "VideoSample", "patch_grid_hf_kwargs"]

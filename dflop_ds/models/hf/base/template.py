@@ -244,11 +244,15 @@ class TemplatePreprocessor:
         return self.encode_media(turns, [self.image_seq_length] * n_images)
 
     def encode_media(
-        self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int], video_tokens: int | None = None
+        self,
+        turns: Sequence[tuple[str, str]],
+        image_tokens: Sequence[int],
+        video_tokens: int | Sequence[int] | None = None,
     ) -> Encoded:
         """Token ids and supervision mask of ``(role, value)`` turns under the template, whose
         images give ``image_tokens`` tokens each and whose one video (if any, placed by
-        :func:`mark_video`) ``video_tokens``.
+        :func:`mark_video`) ``video_tokens`` (a count of video tokens, or the video's block of ids
+        as the family writes it: all of it counts as visual).
 
         Raises:
             ValueError: a bad role, placeholder mismatch or over-long sample, naming the field.
@@ -262,12 +266,18 @@ class TemplatePreprocessor:
             turns = mark_video(turns, len(image_tokens))
         normalized = self._normalize(turns, len(image_tokens), videos=video_tokens is not None)
         images = [self._image_block(tokens) for tokens in image_tokens]
-        video = None if video_tokens is None else self._video_block(int(video_id or 0), int(video_tokens))
+        video, video_visual = None, 0
+        if isinstance(video_tokens, (list, tuple)):  # the block itself, all of it visual
+            video = [int(token) for token in video_tokens]
+            video_visual = len(video)
+        elif video_tokens is not None:  # the family's block, of which video_tokens are visual
+            video_visual = int(video_tokens)  # type: ignore[arg-type]  # a count (int or numpy/torch scalar)
+            video = self._video_block(int(video_id or 0), video_visual)
         if self.chat_template is None:
             ids, supervised = self._builtin(normalized, images, video, system=self.system or "")
         else:
             ids, supervised = self.chat_template.encode(normalized, images, video, system=self.system)
-        return self._fit(Encoded(ids, supervised, sum(image_tokens) + int(video_tokens or 0)))
+        return self._fit(Encoded(ids, supervised, sum(image_tokens) + video_visual))
 
     def _builtin(
         self, turns: Sequence[tuple[str, str]], images: Sequence[list[int]], video: list[int] | None, system: str

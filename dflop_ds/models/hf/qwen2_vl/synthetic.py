@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from dflop_ds.models.hf.base.layers import padding_mask
-from dflop_ds.models.hf.base.patch_inputs import PatchGridInputs, VideoSample
+from dflop_ds.models.hf.base.patch_inputs import PatchGridInputs, VideoSample, patch_grid_hf_kwargs
 from dflop_ds.models.hf.base.synthetic import hf_labels
 
 #: how a prompt marks an image (Qwen2-VL's chat template)
@@ -32,22 +31,8 @@ class Qwen2VLInputs(PatchGridInputs):
     microbatches with images and videos (:class:`~dflop_ds.models.hf.base.patch_inputs.PatchGridInputs`)."""
 
 
-def qwen2_vl_hf_kwargs(inputs: Sequence[torch.Tensor], config: Any) -> dict[str, Any]:
-    """The HF Qwen2-VL model's keyword arguments for a contract microbatch: ``pixel_values`` and
-    ``pixel_values_videos`` split at the images' patch count, ``mm_token_type_ids`` marking image
-    tokens 1 and video tokens 2; no pixels nor grids of a kind the microbatch has none of."""
-    pixel_values, input_ids, seq_lens, grid, video_grid = inputs
-    kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": padding_mask(seq_lens, input_ids.shape[1])}
-    if grid.shape[0] or video_grid.shape[0]:
-        kwargs["mm_token_type_ids"] = (input_ids == int(config.image_token_id)).int() + 2 * (
-            input_ids == int(config.video_token_id)
-        ).int()
-    image_patches = int(grid.prod(-1).sum())
-    if grid.shape[0]:
-        kwargs.update(pixel_values=pixel_values[:image_patches], image_grid_thw=grid)
-    if video_grid.shape[0]:
-        kwargs.update(pixel_values_videos=pixel_values[image_patches:], video_grid_thw=video_grid)
-    return kwargs
+#: The HF Qwen2-VL model's keyword arguments for a contract microbatch.
+qwen2_vl_hf_kwargs = patch_grid_hf_kwargs
 
 
 def qwen2_vl_hf_positions(model: Any, inputs: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -12,73 +12,89 @@ needed: its video processor wants torchvision):
   :class:`~dflop_ds.models.hf.base.patch_grid.SmartResize` gives an image's patches (its
   ``encoder_tiles``) and LLM tokens (patches / merge**2, its ``visual_tokens``), exactly as the
   processor counts them.
-* **Videos** are refused by name (Qwen3-VL's video processor, which writes the per-frame
-  timestamps, needs torchvision, which does not load here).
+* **Videos** (LLaVA-Video records) are sampled and gridded as Qwen2-VL's (``video_fps``,
+  ``video_max_frames``, pairs of frames per temporal patch) and written as Qwen3-VL's processor
+  writes them: per temporal patch its time ``<t seconds>``, ``<|vision_start|>``, its video tokens and
+  ``<|vision_end|>`` (:mod:`~dflop_ds.models.hf.qwen3_vl.shapes`), all inside the placeholder's block;
+  the shape counts the whole block as the video's LLM tokens.
 * **Length**: as for every family (``max_length``, ``truncation``); a cut keeps every image block whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
-from dflop_ds.models.hf.base.patch_grid import SmartResize
+import torch
+
+from dflop_ds.models.hf.base.patch_grid import SmartResize, VideoFrames
 from dflop_ds.models.hf.base.patch_grid_data import (
     PatchGridDataset,
     PatchGridItem,
     PatchGridPreprocessor,
     collate_patch_grid,
 )
+from dflop_ds.models.hf.qwen3_vl.shapes import TimestampedFrames
 from dflop_ds.models.hf.qwen3_vl.synthetic import Qwen3VLInputs
+from dflop_ds.shapes import SampleShape
 
 DEFAULT_SYSTEM = PatchGridPreprocessor.default_system
 
-#: a Qwen3-VL sample (the patch-grid item; no video)
+#: a Qwen3-VL sample (the patch-grid item)
 Qwen3VLItem = PatchGridItem
 
 
 class Qwen3VLPreprocessor(PatchGridPreprocessor):
     """A Qwen3-VL directory's tokenizer and image processor plus its conversation template
-    (arguments as :class:`~dflop_ds.models.hf.base.patch_grid_data.PatchGridPreprocessor`; the
-    video settings are accepted for the family interface, videos are refused)."""
+    (arguments as :class:`~dflop_ds.models.hf.base.patch_grid_data.PatchGridPreprocessor`); a video
+    is written as its processor writes it (:class:`~dflop_ds.models.hf.qwen3_vl.shapes.TimestampedFrames`)."""
 
     family_name = "qwen3_vl"
     template_name = "qwen3-vl-chatml"
     inputs_class = Qwen3VLInputs
 
-    def count(
-        self, turns: Sequence[tuple[str, str]], image_tokens: Sequence[int], video_tokens: int | None = None
-    ) -> tuple[int, int]:
-        """``(text_tokens, label_tokens)`` exactly as :meth:`encode` produces them (image tokens excluded).
+    def _video_rule(self, frames: VideoFrames) -> TimestampedFrames:
+        """The timestamped rule over ``frames`` (``ValueError`` naming a vision token the tokenizer lacks)."""
+        start, end = (self._token(token) for token in ("<|vision_start|>", "<|vision_end|>"))
+        if start is None or end is None:
+            raise ValueError(f"{self.name}: the tokenizer has no <|vision_start|>/<|vision_end|> to write videos with")
+        return TimestampedFrames(
+            frames.resize,
+            frames.fps,
+            frames.max_frames,
+            frames.temporal_patch_size,
+            text_ids=self._ids,
+            video_token_id=int(self.video_token_id or 0),
+            vision_start_id=start,
+            vision_end_id=end,
+        )
 
-        Raises:
-            ValueError: the record has a video (named: Qwen3-VL's videos are not supported yet).
-        """
-        if video_tokens is not None:
-            raise ValueError(
-                f"{self.name}: videos are not supported for Qwen3-VL yet (its video processor, which "
-                "writes each frame's timestamp, needs torchvision)"
-            )
-        return super().count(turns, image_tokens)
+    def video_ids(self, shape: SampleShape, video_grid: torch.Tensor) -> list[int] | None:
+        """The timestamped block of the video of ``shape`` (None: no video)."""
+        if not video_grid.shape[0]:
+            return None
+        if shape.video_size is None or shape.video_fps is None:
+            raise ValueError("its shape has no frame size or rate (read the data with a video_folder)")
+        rule = cast(TimestampedFrames, self.video_rule)
+        return rule.block(shape.video_frames, *shape.video_size, shape.video_fps)
 
 
 class Qwen3VLDataset(PatchGridDataset):
     """The samples of ``shapes`` (made under ``preprocessor.policy()``) as Qwen3-VL contract tensors
-    (arguments as :class:`~dflop_ds.models.hf.base.dataset.MediaDataset`; a sample with a video is
-    refused by name)."""
+    (arguments as :class:`~dflop_ds.models.hf.base.dataset.MediaDataset`)."""
 
     preprocessor: Qwen3VLPreprocessor
-    supports_video = False
 
 
 def collate_qwen3_vl(items: Sequence[PatchGridItem], packed: bool = False):
-    """One microbatch ``((pixel_values, input_ids, seq_lens, image_grid_thw), (targets, loss_denominator))``
-    (:func:`~dflop_ds.models.hf.base.patch_grid_data.collate_patch_grid` without videos)."""
-    return collate_patch_grid(items, packed, videos=False)
+    """One microbatch ``((pixel_values, input_ids, seq_lens, image_grid_thw, video_grid_thw), (targets,
+    loss_denominator))`` (:func:`~dflop_ds.models.hf.base.patch_grid_data.collate_patch_grid`)."""
+    return collate_patch_grid(items, packed)
 
 
 def collate_packed_qwen3_vl(items: Sequence[PatchGridItem]):
     """:func:`collate_qwen3_vl` with ``packed=True`` (a picklable collate for DataLoader workers)."""
-    return collate_patch_grid(items, packed=True, videos=False)
+    return collate_patch_grid(items, packed=True)
 
 
 __all__ = [

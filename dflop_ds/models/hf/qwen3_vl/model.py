@@ -1,24 +1,31 @@
 """HF ``Qwen3VLForConditionalGeneration`` as the pipeline's flat layer lists (docs/architecture.md).
 
-Microbatch inputs: ``(pixel_values [P, C*T*p*p], input_ids [B, S], seq_lens [B], image_grid_thw [N, 3])``:
-every image's patches, flattened as Qwen3-VL's image processor writes them (patch 16, temporal patch
-2, merge 2 on the released checkpoints), images in microbatch order; every image's ``<|image_pad|>``
-token already repeated ``t*h*w / merge**2`` times. A microbatch without images has ``N = 0``.
-Videos are refused by name (their processor needs torchvision).
+Microbatch inputs: ``(pixel_values [P, C*T*p*p], input_ids [B, S], seq_lens [B], image_grid_thw [N, 3],
+video_grid_thw [V, 3])``: every image's patches, flattened as Qwen3-VL's image processor writes them
+(patch 16, temporal patch 2, merge 2 on the released checkpoints), images in microbatch order, then
+every video's (Qwen2-VL's layout: pairs of frames on the temporal axis of each patch); every image's
+``<|image_pad|>`` token already repeated ``t*h*w / merge**2`` times, and every video written as its
+processor writes it: per frame group ``<t seconds>``, ``<|vision_start|>``, ``h*w / merge**2``
+``<|video_pad|>`` tokens, ``<|vision_end|>``. A microbatch without images has ``N = 0``, without
+videos ``V = 0``. The tower and the positions take a video as ``t`` one-frame-group images
+(:func:`frame_grids`), as HF does.
 
 :func:`qwen3_vl_layers` turns a loaded model into ``(encoder_layers, projector, llm_layers)``:
 
 * encoder: :class:`PatchEmbedding` (the 3-D patch convolution plus the learned position table
   resampled to each image's grid; a microbatch without images embeds one placeholder image), then
   one :class:`VisionBlock` per vision block. ``(vis [P, Dv], deep [k*P/m**2, D], input_ids,
-  seq_lens, image_grid)``. A block listed in ``deepstack_visual_indexes`` also runs its deepstack
-  merger on its output and appends the result to ``deep`` (flat, one ``[P/m**2, D]`` chunk per
-  deepstack block, in block order), so the features travel as one floating-point tensor with its
-  grad history across any stage boundary.
+  seq_lens, image_grid, frame_grid)`` (``frame_grid``: the videos' frame groups, one row each). A
+  block listed in ``deepstack_visual_indexes`` also runs its deepstack merger on its output and
+  appends the result to ``deep`` (flat, one ``[P/m**2, D]`` chunk per deepstack block, in block
+  order), so the features travel as one floating-point tensor with its grad history across any
+  stage boundary.
 * projector: :class:`Qwen3VLProjector`: the patch merger, token embedding, the features written at
-  the ``<|image_pad|>`` tokens and the interleaved M-RoPE position ids (:func:`mrope_position_ids`):
+  the ``<|image_pad|>`` and ``<|video_pad|>`` tokens and the interleaved M-RoPE position ids
+  (:func:`mrope_position_ids`):
   ``-> (hidden [B, S, D], deep [K*n, D], position_ids [3, B, S], seq_lens, visual_index [n])``
-  (``visual_index``: the flat row-major positions of the ``n`` image tokens).
+  (``visual_index``: the flat row-major positions of the ``n`` image tokens, then of the video
+  tokens: the tower's order).
 * LLM: one :class:`DeepstackDecoderLayer` per decoder layer (decoder layer ``j < K`` adds chunk ``j``
   of ``deep`` at ``visual_index`` after the layer, as HF does, and passes the rest on; the layer
   that adds the last chunk drops ``deep`` and ``visual_index``), then the shared
@@ -44,7 +51,21 @@ from dflop_ds.models.hf.base.vision import GridEncoderInputs
 MODEL_TYPE = "qwen3_vl"
 MODEL_CLASS = "Qwen3VLForConditionalGeneration"
 
-VisTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+VisTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def frame_grids(video_grid: torch.Tensor) -> torch.Tensor:
+    """``[sum t, 3]``: each video's ``(t, h, w)`` grid as ``t`` rows ``(1, h, w)``, one per frame group
+    (how Qwen3-VL's positions take a video, its timestamps written between the groups)."""
+    frames = torch.repeat_interleave(video_grid, video_grid[:, 0], dim=0)
+    frames[:, 0] = 1
+    return frames
+
+
+def tower_grid(image_grid: torch.Tensor, frame_grid: torch.Tensor) -> torch.Tensor:
+    """The grids of everything the tower embeds, in its order: images, then the videos' frame groups
+    (a frame group attends within itself, so it embeds as an image of one group)."""
+    return torch.cat([image_grid, frame_grid]) if frame_grid.shape[0] else image_grid
 
 
 def check_qwen3_vl_config(config: Any, where: str = "model") -> None:
@@ -70,11 +91,12 @@ def load_qwen3_vl(model_dir: str | Path, *, dtype: torch.dtype | None = None) ->
 
 
 class PatchEmbedding(nn.Module):
-    """First encoder layer: ``(pixel_values, input_ids, seq_lens, grid) -> (vis [P, Dv], deep [0, D],
-    input_ids, seq_lens, grid)``: the patch convolution plus the learned position table resampled
-    to each image's grid (as HF's tower resamples it, in merge-block order).
+    """First encoder layer: ``(pixel_values, input_ids, seq_lens, image_grid, video_grid) -> (vis [P, Dv],
+    deep [0, D], input_ids, seq_lens, image_grid, frame_grid)``: the patch convolution plus the learned
+    position table resampled to each image's and frame group's grid (as HF's tower resamples it, in
+    merge-block order).
 
-    A microbatch without images embeds one blank placeholder image of grid ``[1, m, m]``, which the
+    A microbatch without images and videos embeds one blank placeholder image of grid ``[1, m, m]``, which the
     projector drops: the tower and the deepstack mergers then run the same operations with or
     without images, so every rank's backward produces the same gradients in the same order.
     """
@@ -92,12 +114,13 @@ class PatchEmbedding(nn.Module):
         so it has a grad history at any stage boundary)."""
         from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
-        pixel_values, input_ids, seq_lens, grid = inputs
-        if grid.shape[0] == 0:
+        pixel_values, input_ids, seq_lens, grid, video_grid = inputs
+        frames = frame_grids(video_grid)
+        if grid.shape[0] == 0 and frames.shape[0] == 0:
             grid = placeholder_grid(self.merge_size, grid)
             pixel_values = pixel_values.new_zeros((self.merge_size**2, pixel_values.shape[1]))
         indices, weights = get_vision_interpolation_indices_and_weights(
-            grid,
+            tower_grid(grid, frames),
             num_grid_per_side=self.num_grid_per_side,
             mode=self.mode,
             align_corners=self.align_corners,
@@ -106,7 +129,7 @@ class PatchEmbedding(nn.Module):
         vis = self.patch_embed(pixel_values)
         vis = vis + (self.pos_embed(indices) * weights[:, :, None]).sum(1).to(vis.dtype)
         deep = vis[:0, :1].expand(0, self.out_hidden_size)
-        return vis, deep, input_ids, seq_lens, grid
+        return vis, deep, input_ids, seq_lens, grid, frames
 
 
 class VisionBlock(nn.Module):
@@ -121,25 +144,27 @@ class VisionBlock(nn.Module):
         """Refine ``vis`` (and grow ``deep`` at a deepstack block)."""
         from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids
 
-        vis, deep, input_ids, seq_lens, grid = inputs
+        vis, deep, input_ids, seq_lens, grid, frames = inputs
         config = self.vision_config
-        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, config)
-        cos, sin = self.rotary(vis, get_vision_position_ids(grid, int(config.spatial_merge_size)))
+        tower = tower_grid(grid, frames)
+        cu_seqlens, max_seqlen = get_vision_attention_seqlens(tower, config)
+        cos, sin = self.rotary(vis, get_vision_position_ids(tower, int(config.spatial_merge_size)))
         out = self.block(vis, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, position_embeddings=(cos, sin))
         if self.deepstack is not None:
             deep = torch.cat([deep, self.deepstack(out).to(deep.dtype)])
-        return out, deep, input_ids, seq_lens, grid
+        return out, deep, input_ids, seq_lens, grid, frames
 
 
 class Qwen3VLProjector(nn.Module):
-    """Patch merger, token embedding, the merge at ``<|image_pad|>`` and the M-RoPE positions:
-    ``(vis, deep, input_ids, seq_lens, grid) -> (hidden [B, S, D], deep [K*n, D], position_ids
-    [3, B, S], seq_lens, visual_index [n])``, or ``(hidden, position_ids, seq_lens)`` for a tower
-    without deepstack blocks.
+    """Patch merger, token embedding, the merge at ``<|image_pad|>`` and ``<|video_pad|>`` and the
+    M-RoPE positions: ``(vis, deep, input_ids, seq_lens, image_grid, frame_grid) -> (hidden [B, S, D],
+    deep [K*n, D], position_ids [3, B, S], seq_lens, visual_index [n])``, or ``(hidden, position_ids,
+    seq_lens)`` for a tower without deepstack blocks.
 
     The merged features of the microbatch's images, in order, replace the embeddings of the image
-    tokens in row-major order; each deepstack chunk keeps the same order. The placeholder image of
-    a microbatch without images is sliced off (so the graph stays the same).
+    tokens in row-major order, then the videos' those of the video tokens; each deepstack chunk keeps
+    the same order (``visual_index``: the image tokens' positions, then the video tokens'). The
+    placeholder image of a microbatch without images and videos is sliced off (so the graph stays the same).
     """
 
     def __init__(self, merger: nn.Module, embed_tokens: nn.Module, config: Any, tied_key: str | None = None) -> None:
@@ -147,36 +172,48 @@ class Qwen3VLProjector(nn.Module):
         self.merger = merger
         self.embed_tokens = embed_tokens
         self.image_token_id = int(config.image_token_id)
+        self.video_token_id = int(config.video_token_id)
         self.merge_size = int(config.vision_config.spatial_merge_size)
         self.deepstack = len(config.vision_config.deepstack_visual_indexes)
         self.tied_weights = {} if tied_key is None else {tied_key: "embed_tokens.weight"}
 
     def forward(self, inputs: VisTuple) -> tuple[torch.Tensor, ...]:
-        """Merge image features into the token embeddings, order the deepstack chunks, compute the positions."""
-        vis, deep, input_ids, seq_lens, grid = inputs
+        """Merge image and video features into the token embeddings, order the deepstack chunks,
+        compute the positions."""
+        vis, deep, input_ids, seq_lens, grid, frames = inputs
         features = self.merger(vis)
         embeds = self.embed_tokens(input_ids)
-        image_positions = input_ids == self.image_token_id
-        n_image = int(image_positions.sum())
+        image_positions, video_positions = input_ids == self.image_token_id, input_ids == self.video_token_id
+        n_image, n_video = int(image_positions.sum()), int(video_positions.sum())
         tower_tokens = features.shape[0]
-        if n_image == 0 and is_placeholder(grid, self.merge_size):
+        if n_image == n_video == 0 and not frames.shape[0] and is_placeholder(grid, self.merge_size):
             features, grid = features[:0], grid[:0]
-        expected = int(grid.prod(-1).sum()) // self.merge_size**2
-        if n_image != expected or features.shape[0] != expected:
+        unit = self.merge_size**2
+        image_features, video_features = int(grid.prod(-1).sum()) // unit, int(frames.prod(-1).sum()) // unit
+        if not (n_image == image_features and n_video == video_features == features.shape[0] - image_features):
             raise ValueError(
-                f"Qwen3VLProjector: the microbatch has {n_image} image tokens but its {grid.shape[0]} "
-                f"image(s) of grids {grid.tolist()} give {features.shape[0]} features"
+                f"Qwen3VLProjector: the microbatch has {n_image} image and {n_video} video tokens but its "
+                f"{grid.shape[0]} image(s) of grids {grid.tolist()} and {frames.shape[0]} frame group(s) "
+                f"of grids {frames.tolist()} give {features.shape[0]} features"
             )
-        mask = image_positions.unsqueeze(-1).expand_as(embeds)
-        hidden = embeds.masked_scatter(mask, features.to(embeds.dtype))
+        features = features.to(embeds.dtype)
+        hidden = embeds.masked_scatter(image_positions.unsqueeze(-1).expand_as(embeds), features[:image_features])
+        if n_video:
+            hidden = hidden.masked_scatter(video_positions.unsqueeze(-1).expand_as(hidden), features[image_features:])
         position_ids = mrope_position_ids(
-            input_ids, seq_lens, grid, image_token_id=self.image_token_id, merge_size=self.merge_size
+            input_ids,
+            seq_lens,
+            grid,
+            image_token_id=self.image_token_id,
+            merge_size=self.merge_size,
+            video_grid_thw=frames,
+            video_token_id=self.video_token_id,
         )
         if not self.deepstack:
             return hidden, position_ids, seq_lens
-        width = deep.shape[-1]
-        deep = deep.reshape(self.deepstack, tower_tokens, width)[:, :n_image].reshape(self.deepstack * n_image, width)
-        visual_index = image_positions.flatten().nonzero().flatten()
+        width, n = deep.shape[-1], n_image + n_video
+        deep = deep.reshape(self.deepstack, tower_tokens, width)[:, :n].reshape(self.deepstack * n, width)
+        visual_index = torch.cat([image_positions.flatten().nonzero(), video_positions.flatten().nonzero()]).flatten()
         return hidden, deep.to(hidden.dtype), position_ids, seq_lens, visual_index
 
 
@@ -240,7 +277,9 @@ def qwen3_vl_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Mod
 
 class Qwen3VLEncoderInputs(GridEncoderInputs):
     """Profiler input factory of the first encoder layer (:class:`~dflop_ds.models.hf.base.vision.GridEncoderInputs`):
-    ``(patches, batch) -> (pixel_values, input_ids, seq_lens, image_grid_thw)``."""
+    ``(patches, batch) -> (pixel_values, input_ids, seq_lens, image_grid_thw, video_grid_thw)`` (no videos)."""
+
+    video_grid = True
 
 
 class DeepstackLLMInputs:
@@ -267,7 +306,9 @@ __all__ = [
     "Qwen3VLProjector",
     "VisionBlock",
     "check_qwen3_vl_config",
+    "frame_grids",
     "load_qwen3_vl",
     "mrope_position_ids",
     "qwen3_vl_layers",
+    "tower_grid",
 ]
