@@ -153,15 +153,17 @@ def test_deepstack_features_reach_the_decoder_and_cross_every_stage_boundary_wit
 
 @pytest.mark.slow
 def test_trains_on_a_two_stage_pipeline_with_deepstack_features_crossing_the_stage_boundary(tmp_path, train):
-    """examples/train.py with hf_pp2.json: the deepstack features cross the stage boundary (a
-    2-stage split of the tiny model cuts inside the tower or the first decoder layers), 6 steps,
-    falling loss, the saved model changed."""
+    """examples/train.py with hf_pp2.json on images, text and videos: the deepstack features cross
+    the stage boundary (a 2-stage split of the tiny model cuts inside the tower or the first decoder
+    layers), 6 steps, falling loss, the saved model changed."""
     from transformers import AutoModelForImageTextToText
 
     model = build_tiny_qwen3_vl(tmp_path / "model")
-    data, images = write_llava_dataset(tmp_path / "data", 40, seed=4)
+    data, images = write_llava_dataset(tmp_path / "data", 32, seed=4)
+    add_video_records(data, tmp_path / "videos", 8, seed=4)
     out = tmp_path / "trained"
-    run = train("hf_pp2.json", model, data, images, "--output_dir", str(out), dflop={"steps": 6})
+    video_folder = ("--video_folder", str(tmp_path / "videos"))
+    run = train("hf_pp2.json", model, data, images, *video_folder, "--output_dir", str(out), dflop={"steps": 6})
     assert run["summary"]["model"].startswith("qwen3_vl")
     losses = [s["loss"] for s in run["steps"]]
     assert len(losses) == 6 and losses[-1] < losses[0], losses
