@@ -134,18 +134,15 @@ def resolve_launch_inputs(settings: LaunchSettings, rank: int) -> LaunchRunInput
 class EngineTopology:
     """Where a DeepSpeed-loop rank sits and how its engine counts batches: data-parallel rank
     ``dp_rank`` of ``dp_size``, ``global_batch`` samples in ``gradient_accumulation_steps``
-    microbatches per step, over ``stage_bounds`` (the layer bounds of its ``num_stages`` stages)."""
+    microbatches per step, on ``num_stages`` pipeline stages (1: the plain engine) whose layer
+    bounds over the flat layer list are ``stage_bounds``."""
 
     dp_rank: int
     dp_size: int
     global_batch: int
     gradient_accumulation_steps: int
+    num_stages: int
     stage_bounds: Sequence[int]
-
-    @property
-    def num_stages(self) -> int:
-        """Pipeline stages (1: the plain engine)."""
-        return len(self.stage_bounds) - 1
 
     @classmethod
     def of_engine(cls, trainer: TrainingEngine) -> EngineTopology:
@@ -156,6 +153,7 @@ class EngineTopology:
             dp_size=dp_size,
             global_batch=trainer.global_batch_size,
             gradient_accumulation_steps=trainer.engine.gradient_accumulation_steps(),
+            num_stages=trainer.num_stages,
             stage_bounds=tuple(trainer.stage_bounds),
         )
 
