@@ -259,3 +259,20 @@ def build_trainer_sampler(inputs: RunInputs, topology: TrainerTopology) -> Train
         if last_gas == gas
         else build(global_batch_size=len(shapes) % global_batch, gradient_accumulation_steps=last_gas),
     )
+
+
+__all__ = [
+    "PROXY",
+    "RunInputs",
+    "RunSettings",
+    "TrainerTopology",
+    "block_sets_seed",
+    "build_trainer_sampler",
+    "dflop_block",
+    "dflop_settings",
+    "epochs_to_train",
+    "memory_cap",
+    "resolve_cost_model",
+    "run_settings",
+    "train_loader",
+]
