@@ -7,11 +7,10 @@ exactly ``n_mb`` microbatches per rank, so the same engine can run any of them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from dflop_ds.cost import LLMOnlyCost, sampler_cost_model
+from dflop_ds.cost import CostModel, LLMOnlyCost, sampler_cost_model
 from dflop_ds.schedule.splitters import MicrobatchCost, RankSplit, SplitRequest, make_splitter
 from dflop_ds.shapes import SampleShape
 from dflop_ds.sync import SyncModel
@@ -40,7 +39,7 @@ SPLITTERS = {
 }
 
 
-def method_cost_model(method: str, cost_model: Any) -> Any:
+def method_cost_model(method: str, cost_model: CostModel | None) -> CostModel:
     """The cost model ``method`` schedules with, wrapped as the training loop wraps it
     (:func:`~dflop_ds.cost.sampler_cost_model`): packed for a method of :data:`PACKED_METHODS`,
     the LLM alone for ``dflop_colocated``, else ``cost_model`` itself (one engine stage's view:

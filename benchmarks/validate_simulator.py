@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import profiled_cost_model, run_worker  # noqa: E402
 from benchmarks.zero_worker import SPLITS  # noqa: E402
 from dflop_ds.config import DFLOPConfig, get_setting, set_settings  # noqa: E402
-from dflop_ds.cost import EngineScaled  # noqa: E402
+from dflop_ds.cost import EngineScaled, PlannerCostModel  # noqa: E402
 from dflop_ds.data import read_dataset  # noqa: E402
 from dflop_ds.jsonio import read_json_object  # noqa: E402
 from dflop_ds.launch import run_deepspeed  # noqa: E402
@@ -137,7 +137,7 @@ def local_compute_seconds(model: Any, shapes, order: list) -> float:
 
 
 def validate_colocated(
-    args: argparse.Namespace, cost_model: Any, engine: EngineProfile, out: Path
+    args: argparse.Namespace, cost_model: PlannerCostModel, engine: EngineProfile, out: Path
 ) -> tuple[float, float]:
     """Step 5 of the module docstring; returns the mean relative errors (engine terms, cost model only)."""
     config = read_json_object(args.colocated_config)

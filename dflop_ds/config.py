@@ -68,12 +68,12 @@ class DataSection:
         num_workers: DataLoader worker processes per rank (0: load in the training process).
     """
 
-    path: str = setting("examples/data/mixture.jsonl", "data", kind="str")
+    path: str = setting("examples/data/mixture.jsonl", "data", kind="str", nonempty=True)
     max_samples: int | None = setting(None, kind="int", minimum=1, optional=True)
     on_bad_sample: str = setting("error", kind="str", choices=BAD_SAMPLE_POLICIES)
     policy: str = setting("tiny", kind="str", choices=("tiny", "default"))
-    image_folder: str | None = setting(None, kind="str", optional=True)
-    video_folder: str | None = setting(None, kind="str", optional=True)
+    image_folder: str | None = setting(None, kind="str", optional=True, nonempty=True)
+    video_folder: str | None = setting(None, kind="str", optional=True, nonempty=True)
     video_fps: float = setting(DEFAULT_VIDEO_FPS, kind="number", minimum=0.01)
     video_max_frames: int = setting(DEFAULT_VIDEO_MAX_FRAMES, kind="int", minimum=2)
     max_length: int | None = setting(None, kind="int", minimum=1, optional=True)
@@ -109,7 +109,7 @@ class ModelSection:
             None trains every weight.
     """
 
-    name_or_path: str | None = setting(None, "model_name_or_path", kind="str", optional=True)
+    name_or_path: str | None = setting(None, "model_name_or_path", kind="str", optional=True, nonempty=True)
     tiny: dict[str, Any] = setting({}, "model", kind="dict")
     freeze_encoder: bool = setting(False, kind="bool")
     activation_checkpointing: bool = setting(False, kind="bool")
@@ -154,7 +154,7 @@ class SamplerSection:
     """
 
     kind: str = setting("dflop", "sampler", kind="str", choices=splitter_names())
-    cost_model: str | None = setting(None, kind="str", optional=True)
+    cost_model: str | None = setting(None, kind="str", optional=True, nonempty=True)
     time_limit_s: float = setting(0.0, kind="number", minimum=0)
     ilp_nodes: int = setting(0, kind="int", minimum=0)
     prefetch: int = setting(1, kind="int", minimum=0)
@@ -177,7 +177,7 @@ class PlanSection:
             (None: split by predicted layer cost).
     """
 
-    file: str | None = setting(None, "plan", kind="str", optional=True)
+    file: str | None = setting(None, "plan", kind="str", optional=True, nonempty=True)
     pipeline_stages: int = setting(2, kind="int", minimum=1)
     stage_bounds: list[int] | None = setting(None, kind="list", optional=True)
 
@@ -199,7 +199,7 @@ class TrainSection:
     steps: int = setting(20, kind="int", minimum=1)
     warmup_steps: int = setting(2, kind="int", minimum=0)
     lr: float = setting(1e-3, kind="number", above=0)
-    checkpoint_dir: str | None = setting(None, kind="str", optional=True)
+    checkpoint_dir: str | None = setting(None, kind="str", optional=True, nonempty=True)
     checkpoint_every: int = setting(0, kind="int", minimum=0)
     resume: bool = setting(False, kind="bool")
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from dflop_ds.config import DFLOPConfig
-from dflop_ds.cost import LayeredCostModel, check_policy
+from dflop_ds.cost import CostModel, LayeredCostModel, check_policy
 from dflop_ds.deepspeed_keys import BATCH_KEYS, DeepSpeedKeys, deepspeed_keys
 from dflop_ds.pipe.stage_bounds import StageBounds
 from dflop_ds.shapes import ShapePolicy
@@ -273,7 +273,9 @@ def check_tensor_parallel(dflop: DFLOPConfig, tp: int, world_size: int, zero_sta
         raise SetupError(f"{where} does not divide the world size {world_size}")
 
 
-def check_cost_model(cost_model: Any, *, encoder_layers: int, llm_layers: int, source: str = "cost model") -> None:
+def check_cost_model(
+    cost_model: CostModel, *, encoder_layers: int, llm_layers: int, source: str = "cost model"
+) -> None:
     """A cost model predicts the whole depth it was profiled on: refuse one whose recorded
     ``encoder_layers`` / ``llm_layers`` differ from the model being trained (naming both). A
     cost model that records no depths (not a :class:`~dflop_ds.cost.LayeredCostModel`, e.g. the
@@ -290,7 +292,7 @@ def check_cost_model(cost_model: Any, *, encoder_layers: int, llm_layers: int, s
 
 
 def check_cost_model_fits(
-    cost_model: Any,
+    cost_model: CostModel,
     policy: ShapePolicy | None,
     *,
     encoder_layers: int | None,

@@ -41,16 +41,20 @@ def check_setting(
     optional: bool = False,
     choices: Sequence[Any] | None = None,
     words: Sequence[str] = (),
+    nonempty: bool = False,
 ) -> None:
     """Raise ``ValueError`` naming ``key`` and ``value`` unless ``value`` is of ``kind``
     (``"bool"``, ``"int"``, ``"number"``, ``"str"``, ``"dict"``, ``"list"``; ``None`` too when
     ``optional``; one of the strings ``words`` too, e.g. ``"auto"`` beside a number), within
-    ``[minimum, maximum]``, greater than ``above``, and among ``choices``."""
+    ``[minimum, maximum]``, greater than ``above``, among ``choices``, and with ``nonempty`` a
+    string with more than blanks (a path or name: ``""`` would name nothing)."""
     if (value is None and optional) or (isinstance(value, str) and value in words):
         return
     what = _KINDS[kind] + (" or null" if optional else "") + "".join(f" or {word!r}" for word in words)
     if not _has_kind(value, kind):
         raise ValueError(f"{key} must be {what}, got {value!r} ({type(value).__name__})")
+    if nonempty and isinstance(value, str) and not value.strip():
+        raise ValueError(f"{key} must be a non-empty string (a path or name), got {value!r}: leave the key out instead")
     if choices is not None and value not in choices:
         raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}")
     if minimum is not None and value < minimum:

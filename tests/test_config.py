@@ -40,6 +40,13 @@ ROOT = Path(__file__).resolve().parent.parent
         ("sampler", "random", "must be one of"),
         ("lr", float("nan"), "must be a number"),
         ("model", [], "must be an object"),
+        ("cost_model", "", "must be a non-empty string"),
+        ("cost_model", "  ", "must be a non-empty string"),
+        ("data", "", "must be a non-empty string"),
+        ("image_folder", "", "must be a non-empty string"),
+        ("model_name_or_path", "", "must be a non-empty string"),
+        ("plan", "", "must be a non-empty string"),
+        ("checkpoint_dir", "", "must be a non-empty string"),
     ],
 )
 def test_bad_values_are_refused_naming_key_and_value(key, value, message):
@@ -222,3 +229,23 @@ def test_sub_sections_are_parsed_once_and_readers_take_them_typed(monkeypatch):
     assert correction is not None and correction.settings is config.correction
     assert isinstance(layers[0], SlowTiles) and layers[0].spec is config.testing.fault
     assert layers[0].start_call == 1 * 4  # start_step counts steps of gradient_accumulation_steps microbatches
+
+
+@pytest.mark.parametrize("in_config", [True, False])
+def test_an_empty_cost_model_is_refused_by_both_kinds_of_entry_point(tmp_path, in_config):
+    """``"cost_model": ""`` names no file: the DeepSpeed loop's settings (the config's key or
+    ``--cost-model ""``) and a Trainer's block refuse it naming the key and where it came from,
+    instead of running on the proxy as if the key were left out."""
+    import json
+
+    from dflop_ds.compose import dflop_settings, launch_settings
+
+    config = tmp_path / "ds.json"
+    block = {"sampler": {"cost_model": ""}} if in_config else {}
+    config.write_text(json.dumps({"train_batch_size": 4, "dflop": block}))
+    argv = ["--deepspeed_config", str(config)] + ([] if in_config else ["--cost-model", ""])
+    with pytest.raises(ValueError, match="dflop.sampler.cost_model must be a non-empty string") as info:
+        launch_settings(argv)
+    assert str(info.value).startswith(str(config))
+    with pytest.raises(ValueError, match=r"DFLOPTrainer\(dflop=...\): dflop.sampler.cost_model must be a non-empty"):
+        dflop_settings({"sampler": {"cost_model": ""}}, None)

@@ -68,3 +68,34 @@ def test_batch_keys_keep_auto_and_refuse_it_where_a_number_is_needed():
         4,
         2,
     )
+
+
+def test_an_auto_zero_stage_is_kept_as_written_and_refused_where_a_stage_is_needed():
+    """HF-style ``"stage": "auto"`` reads (the Trainer's accelerate fills it in), but what needs
+    the stage itself is told the key instead of a bare ``int("auto")`` error."""
+    keys = deepspeed_keys({"zero_optimization": {"stage": "auto"}})
+    assert keys.zero_stage == "auto"
+    with pytest.raises(ValueError, match=r'zero_optimization\.stage is "auto", which only the HF Trainer'):
+        int(keys.stage)
+    assert deepspeed_keys({"zero_optimization": {"stage": "2"}}).stage == 2
+
+
+@pytest.mark.parametrize("stage", ["two", 4, -1, True, 2.5, [2]])
+def test_a_malformed_zero_stage_is_refused_naming_the_key_and_value(stage):
+    with pytest.raises(ValueError, match=r"zero_optimization\.stage must be one of \[0, 1, 2, 3\] or \"auto\"") as info:
+        deepspeed_keys({"zero_optimization": {"stage": stage}})
+    assert repr(stage) in str(info.value)
+
+
+def test_the_deepspeed_loop_refuses_an_auto_zero_stage_before_deepspeed_naming_the_key_and_config(tmp_path):
+    """``examples/train.py`` hands the config to DeepSpeed as written: nothing fills an ``"auto"``
+    stage, so its settings refuse it, naming the key and the config."""
+    import json
+
+    from dflop_ds.compose import launch_settings
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_batch_size": 4, "zero_optimization": {"stage": "auto"}}))
+    with pytest.raises(ValueError, match=r'zero_optimization\.stage is "auto"') as info:
+        launch_settings(["--deepspeed_config", str(config)])
+    assert str(config) in str(info.value)

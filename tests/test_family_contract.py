@@ -8,7 +8,7 @@ registers only when it passes them all; tests/family_inputs.py gives each one's 
 * the Trainer's image-free guard: the family's blank image runs the tower and leaves HF's loss as it was;
 * slow, on 2 ZeRO-2 ranks: examples/train.py through the DeepSpeed loop (six steps, falling loss,
   the saved model changed), and a user's ``DFLOPTrainer`` script with image-free microbatches beside
-  ones with images, padded and with the family's padding-free collator (one launch);
+  ones with images, padded and with the family's padding-free collator (one launch for all families);
 * slow, on 2 pipeline stages: examples/train.py, for the families whose own test files do not
   already run it (:data:`PIPELINE_ELSEWHERE`).
 
@@ -160,17 +160,19 @@ def test_trains_on_two_pipeline_stages_through_the_deepspeed_loop(family_data, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", FAMILIES)
-def test_a_trainer_script_trains_image_free_microbatches_padded_and_padding_free_on_two_zero2_ranks(name, tmp_path):
-    model = FAMILY_BUILDERS[name](tmp_path / "m")
+def test_a_trainer_script_trains_image_free_microbatches_padded_and_padding_free_on_two_zero2_ranks(tmp_path):
+    """Every family in one launch (one after the other; a launch's start-up costs more than a family's run)."""
+    models = {name: str(FAMILY_BUILDERS[name](tmp_path / f"m{index}")) for index, name in enumerate(FAMILIES)}
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = run_on_ranks(SCRIPT, ["--model", str(model), "--out", str(tmp_path)], extra_env=env, timeout=900)
+    args = [arg for model in models.values() for arg in ("--model", model)] + ["--out", str(tmp_path)]
+    result = run_on_ranks(SCRIPT, args, extra_env=env, timeout=900)
     assert all(f"{CLEAN_SHUTDOWN} {r}\n" in result.stdout for r in (0, 1)), result.stdout[-3000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for run in ("padded", "packed"):
-        losses = reports[0][run]["losses"]
-        assert len(losses) == 4 and all(loss == loss for loss in losses), (name, run, losses)
-        assert losses[-1] < losses[0], (name, run, losses)
-        flags = [report[run]["had_images"] for report in reports]
-        assert len(flags[0]) == len(flags[1])
-        assert any(a != b for a, b in zip(*flags)), (name, run, "no image-free microbatch beside one with images")
+    for name, model in models.items():
+        for run in ("padded", "packed"):
+            losses = reports[0][model][run]["losses"]
+            assert len(losses) == 4 and all(loss == loss for loss in losses), (name, run, losses)
+            assert losses[-1] < losses[0], (name, run, losses)
+            flags = [report[model][run]["had_images"] for report in reports]
+            assert len(flags[0]) == len(flags[1])
+            assert any(a != b for a, b in zip(*flags)), (name, run, "no image-free microbatch beside one with images")

@@ -412,6 +412,33 @@ def test_explicit_batch_keys_must_equal_training_arguments_from_either_launcher(
     assert trainer().dflop_settings.sampler.kind == "stock"  # the plugin config's "dflop" block
 
 
+@pytest.mark.parametrize("accelerate_stage, sync", [(None, "module"), ("1", "boundary")])
+def test_an_auto_zero_stage_is_the_one_accelerate_fills_in(llava_inputs, tmp_path, monkeypatch, accelerate_stage, sync):
+    """A DeepSpeed config with HF-style ``"stage": "auto"`` trains: accelerate's DeepSpeed plugin
+    fills the stage (its default 2, or ``ACCELERATE_DEEPSPEED_ZERO_STAGE``) and the sampler splits
+    for how those ranks meet, read from the filled config."""
+    from transformers import AutoModelForImageTextToText, TrainingArguments
+
+    model_dir, data, images = llava_inputs
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir))
+    dataset = torch.utils.data.TensorDataset(torch.zeros(RECORDS, 3))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")  # undone after the test, as the Trainer sets it
+    if accelerate_stage is not None:
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", accelerate_stage)
+    config = json.loads((REPO / "ds_configs" / "hf_trainer_zero2.json").read_text())
+    config["zero_optimization"] = {"stage": "auto"}
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", deepspeed=config, per_device_train_batch_size=2
+    )
+    trainer = DFLOPTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        sample_shapes=llava_json_shapes(data, str(model_dir), image_folder=images),
+    )
+    assert trainer.dflop_sync.value == sync
+
+
 def test_resume_from_a_checkpoint_of_another_dataset_is_refused(tiny_trainer_parts, tmp_path):
     model, args, _, good = tiny_trainer_parts
     dataset = torch.utils.data.TensorDataset(torch.arange(RECORDS))

@@ -32,8 +32,7 @@ from dflop_ds.train.launch_inputs import (
     SetupStepError,
     agree_on_inputs,
     all_ranks_or_none,
-    cost_model_from_state,
-    cost_model_state,
+    cost_model_digest,
     disagreements,
     file_digest,
     input_digests,
@@ -70,19 +69,22 @@ def test_file_digest_is_of_the_bytes(tmp_path):
     assert file_digest(one) != file_digest(two)
 
 
-def test_a_cost_model_survives_its_state_with_the_same_digest(tmp_path):
+def test_a_broadcast_cost_model_predicts_and_digests_as_rank_zeros_and_its_file(tmp_path):
+    """The cost model travels as an object (pickled, as ``broadcast_object_list`` carries it): the
+    copy predicts as the original, and its digest is that of the original's file content, so a
+    rank reading the file agrees; the proxy (None) digests as JSON null."""
     from test_costmodel import synthetic_profile
 
     model = FittedCostModel().fit(synthetic_profile(), TINY_POLICY)
-    state = cost_model_state(model)
-    rebuilt = cost_model_from_state(json.loads(json.dumps(state)), source="broadcast")
-    assert json_digest(cost_model_state(rebuilt)) == json_digest(state)
+    sent = pickle.loads(pickle.dumps(model))
     shapes = [SampleShape("s", encoder_tiles=3, llm_tokens=90, text_tokens=20)]
-    assert rebuilt.predict_samples(shapes).tolist() == model.predict_samples(shapes).tolist()
-    path = tmp_path / "cm.json"  # the state is the file's content: a rank reading the file agrees
+    assert sent.predict_samples(shapes).tolist() == model.predict_samples(shapes).tolist()
+    path = tmp_path / "cm.json"
     save_cost_model(model, path)
-    assert json_digest(json.loads(path.read_text())) == json_digest(state)
-    assert cost_model_state(None) is None and cost_model_from_state(None, "proxy") is None
+    assert cost_model_digest(sent) == cost_model_digest(model) == json_digest(json.loads(path.read_text()))
+    other = FittedCostModel().fit(synthetic_profile(noise=0.2, seed=3), TINY_POLICY)
+    assert cost_model_digest(other) != cost_model_digest(model)
+    assert cost_model_digest(None) == json_digest(None)
 
 
 def test_input_digests_cover_what_a_rank_holds(tmp_path):
@@ -91,7 +93,7 @@ def test_input_digests_cover_what_a_rank_holds(tmp_path):
     shapes = read_dataset(data, TINY_POLICY)
     held = input_digests(
         shapes=shapes,
-        cost_state=None,
+        cost_model=None,
         cost_source="proxy",
         plan_state=None,
         plan_source="no plan",
@@ -104,7 +106,7 @@ def test_input_digests_cover_what_a_rank_holds(tmp_path):
     assert by_name[DATA_FILE] == InputDigest(DATA_FILE, file_digest(data), str(data))
     taken = input_digests(  # a rank that holds neither shapes nor a cost model of its own
         shapes=None,
-        cost_state=None,
+        cost_model=None,
         cost_source=None,
         plan_state=None,
         plan_source=None,
@@ -251,6 +253,34 @@ def test_two_ranks_with_different_data_files_both_stop_naming_it(tmp_path):
     assert "absent.jsonl" in outcomes[1]["rank 0 fails"]
 
 
+def _agree_on_a_cost_model(rank: int, folder: str) -> dict:
+    """Every rank agrees on the inputs of a config naming a cost-model file: what each trains with."""
+    data = Path(folder) / "data.jsonl"
+    cfg = config(data=str(data), cost_model=str(Path(folder) / "cm.json"))
+    inputs = agree_on_inputs(cfg, lambda: read_dataset(data, TINY_POLICY), log=lambda _: None)
+    probe = [SampleShape("s", encoder_tiles=3, llm_tokens=90, text_tokens=20)]
+    model = inputs.cost_model
+    return {
+        "kind": type(model).__name__,
+        "costs": model.predict_samples(probe).tolist(),
+        "digest": cost_model_digest(model),
+    }
+
+
+def test_every_rank_trains_with_rank_zeros_cost_model_object(tmp_path):
+    """On a real 2-process group rank 1 receives rank 0's cost model as an object: the same kind,
+    the same predictions and the same digest as the file both ranks can read."""
+    from test_costmodel import synthetic_profile
+
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS))
+    model = FittedCostModel().fit(synthetic_profile(), TINY_POLICY)
+    save_cost_model(model, tmp_path / "cm.json")
+    outcomes = on_two_ranks(_agree_on_a_cost_model, str(tmp_path))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[1]["kind"] == "FittedCostModel"
+    assert outcomes[1]["digest"] == json_digest(json.loads((tmp_path / "cm.json").read_text()))
+
+
 @pytest.mark.parametrize("named", [True, False])
 def test_a_named_cost_model_is_checked_a_cached_one_is_taken(tmp_path, named):
     """Pure part of the rank check: with a cost model named in the config, a rank compares its own
@@ -264,13 +294,13 @@ def test_a_named_cost_model_is_checked_a_cached_one_is_taken(tmp_path, named):
     other = FittedCostModel().fit(synthetic_profile(noise=0.2, seed=3), TINY_POLICY)
     path = tmp_path / "cm.json"
     save_cost_model(other, path)
-    state = cost_model_state(model)
+    digest = cost_model_digest(model)
     shared = {
         "shapes": [],
-        "cost_state": state,
+        "cost_model": model,
         "cost_source": "the profile cache /rank0/costmodel.json",
         "reference": [
-            InputDigest(COST_MODEL, json_digest(state), "the profile cache /rank0/costmodel.json"),
+            InputDigest(COST_MODEL, digest, "the profile cache /rank0/costmodel.json"),
             InputDigest(PLAN, json_digest(None), "no plan"),
         ],
     }
@@ -280,7 +310,7 @@ def test_a_named_cost_model_is_checked_a_cached_one_is_taken(tmp_path, named):
     assert "its plan differs" in plan_problem and "/node2/plan.json" in plan_problem
     if named:
         (problem,) = cost_problems
-        assert str(path) in problem and "/rank0/costmodel.json" in problem and json_digest(state) in problem
+        assert str(path) in problem and "/rank0/costmodel.json" in problem and digest in problem
     else:
         assert cost_problems == []
 
@@ -291,7 +321,7 @@ def test_a_rank_with_another_plan_is_told_which_and_why(tmp_path):
     from dflop_ds.train.launch_inputs import check_against_rank_zero
 
     theirs, mine = two_stage_plan().to_dict(), one_stage_plan().to_dict()
-    shared = {"shapes": [], "cost_state": None, "cost_source": "proxy"}
+    shared = {"shapes": [], "cost_model": None, "cost_source": "proxy"}
     shared["reference"] = [InputDigest(PLAN, json_digest(theirs), "/shared/plan.json")]
     (problem,) = check_against_rank_zero(config(cost_model="proxy"), shared, mine, "/node2/plan.json", rank=5)
     for part in ("rank 5", "plan", json_digest(theirs), json_digest(mine), "/shared/plan.json", "/node2/plan.json"):

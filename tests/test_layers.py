@@ -239,20 +239,54 @@ def test_no_production_module_imports_the_test_helpers():
 
 
 TRAIN = "dflop_ds.train"
+COMPOSE = "dflop_ds.compose"
 #: the Trainer-shaped entry points, which reach the training machinery through dflop_ds.compose only
 ENTRY_POINTS = ("dflop_ds.hf_trainer.trainer", "dflop_ds.integrations")
+#: the DeepSpeed loop, whose settings, inputs and sampler come from dflop_ds.compose too
+LOOP = "dflop_ds.train.loop"
+#: what only the composition root calls: building a sampler, agreeing on a launch's inputs
+ROOT_ONLY = {"make_sampler": "dflop_ds.schedule", "agree_on_inputs": "dflop_ds.train.launch_inputs"}
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def test_trainer_entry_points_use_the_composition_root_and_nothing_from_train():
     """The Trainer mixin and the frameworks' plugins resolve a run through ``dflop_ds.compose``
     (one composition root), never through the DeepSpeed loop's modules in ``dflop_ds.train``."""
-    imports = [f for f in all_imports() if any(f.source == e or f.source.startswith(e + ".") for e in ENTRY_POINTS)]
-    from_train = sorted({f"{f.source} line {f.line} imports {f.target}" for f in imports if f.target.startswith(TRAIN)})
+    imports = [f for f in all_imports() if any(_in(f.source, e) for e in ENTRY_POINTS)]
+    from_train = sorted({f"{f.source} line {f.line} imports {f.target}" for f in imports if _in(f.target, TRAIN)})
     assert not from_train, "entry points importing dflop_ds.train:\n" + "\n".join(from_train)
-    users = {f.source for f in imports if f.target == "dflop_ds.compose"}
+    users = {f.source for f in imports if _in(f.target, COMPOSE)}
     assert "dflop_ds.hf_trainer.trainer" in users
     plugins = {m for m in module_files() if m.startswith("dflop_ds.integrations.") and m.rsplit(".", 1)[1] in PLUGINS}
     assert len(plugins) == len(PLUGINS) and plugins <= users, f"plugins not using dflop_ds.compose: {plugins - users}"
+
+
+def imported_names(path: Path) -> set[str]:
+    """The names ``path`` imports with ``from ... import`` (anywhere in it, functions included)."""
+    return {
+        alias.name
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+
+
+def test_every_entry_point_builds_its_sampler_through_the_composition_root():
+    """One way to build a run: the DeepSpeed loop imports ``dflop_ds.compose`` as the Trainer-shaped
+    entry points do, and no module outside the composition root (and the names' own packages)
+    builds a sampler or agrees on a launch's inputs itself (:data:`ROOT_ONLY`)."""
+    assert any(f.source == LOOP and _in(f.target, COMPOSE) for f in all_imports()), f"{LOOP} does not use {COMPOSE}"
+    elsewhere = sorted(
+        f"{module} imports {name}"
+        for module, path in module_files().items()
+        if not _in(module, COMPOSE)
+        for name in imported_names(path) & set(ROOT_ONLY)
+        if not _in(module, ROOT_ONLY[name])
+    )
+    assert not elsewhere, "modules building a run outside dflop_ds.compose:\n" + "\n".join(elsewhere)
 
 
 #: the modules of dflop_ds.integrations that are a framework's plugin

@@ -14,6 +14,7 @@ from test_planner import POOL
 from test_sampler_memory_cap import clip, planted, sampler, trained
 from tiny_plans import one_stage_plan, two_stage_plan
 
+from dflop_ds.compose import sampler_memory_cap
 from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, plan_deepspeed_config, set_settings
 from dflop_ds.cost import LLMOnlyCost, PackedCost, ProxyCost, StageCost, memory_blind_model
 from dflop_ds.cost.stage import in_flight_microbatches, stage_memory_caps
@@ -21,7 +22,6 @@ from dflop_ds.models.source import tiny_source
 from dflop_ds.plan import Cluster, Plan, make_plans
 from dflop_ds.plan.planner import activation_budget
 from dflop_ds.schedule.memory import OversizeSampleError, microbatch_bytes, sample_bytes
-from dflop_ds.train.loop import sampler_memory_cap
 from dflop_ds.train.memory_cap import (
     DEFAULT_MEMORY_MARGIN,
     MemoryCap,

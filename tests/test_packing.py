@@ -16,7 +16,7 @@ from dflop_ds.models.source import tiny_source
 from dflop_ds.pipe.loss import token_normalized_loss
 from dflop_ds.schedule.sampler import SamplerSettings, make_sampler
 from dflop_ds.shapes import TINY_POLICY
-from dflop_ds.train.loop import build_parser
+from dflop_ds.train.options import build_parser
 from tests.test_costmodel import shape as cost_shape
 from tests.test_costmodel import synthetic_profile, true_encoder, true_llm
 

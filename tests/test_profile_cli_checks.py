@@ -24,9 +24,9 @@ FAST += ["--warmup", "0", "--repeats", "1", "--no-progress"]
         ("--tiles", "1,0,4", "argument --tiles: expected positive integers, got '1,0,4'"),
         ("--seq-lens", "0", "argument --seq-lens: expected positive integers"),
         ("--batch-sizes", "0", "argument --batch-sizes: expected positive integers"),
-        ("--repeats", "0", "argument --repeats: must be at least 1, got 0"),
-        ("--warmup", "-1", "argument --warmup: must be at least 0, got -1"),
-        ("--threads", "0", "argument --threads: must be at least 1, got 0"),
+        ("--repeats", "0", "argument --repeats: expected an integer of at least 1, got 0"),
+        ("--warmup", "-1", "argument --warmup: expected an integer of at least 0, got -1"),
+        ("--threads", "0", "argument --threads: expected an integer of at least 1, got 0"),
     ],
 )
 def test_non_positive_sizes_and_repeats_are_refused_naming_the_option(option, value, message, capsys) -> None:

@@ -357,7 +357,8 @@ def test_model_cli_writes_a_loadable_cost_model(tmp_path, capsys) -> None:
 
 def test_cli_target_spec_loads_a_user_factory() -> None:
     pytest.importorskip("dflop_ds.models")
-    from dflop_ds.commands.profile import load_target, positive_int_list
+    from dflop_ds.commands.arg_types import positive_int_list
+    from dflop_ds.commands.profile import load_target
     from dflop_ds.profile import ProfileTarget
 
     assert isinstance(load_target("dflop_ds.models.tiny_profile:tiny_target"), ProfileTarget)

@@ -50,7 +50,18 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def positive_int_list(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``: comma-separated integers, every one at least 1 (a size of 0 has no cost to fit)."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 #: the largest cluster ``plan`` and ``project`` take: the size the planner's search time is measured at (bench-plan)
 MAX_PLANNED_GPUS = 16384
 
-__all__ = ["MAX_PLANNED_GPUS", "int_at_least", "int_in_range", "positive_float"]
+__all__ = ["MAX_PLANNED_GPUS", "int_at_least", "int_in_range", "positive_float", "positive_int_list"]

@@ -65,7 +65,7 @@ def check_launch(args: argparse.Namespace) -> list[str]:
         raise SetupError(f"--nodes and --gpus-per-node must be >= 1, got {args.nodes} and {args.gpus_per_node}")
     world = args.nodes * args.gpus_per_node
     where = f"{args.nodes} node(s) x {args.gpus_per_node} GPU(s) = world size {world}"
-    from dflop_ds.train.loop import model_source, print_skip_report  # the model's code: not at parser build
+    from dflop_ds.compose import model_source, print_skip_report  # the model's code: not at parser build
 
     # the launch's devices are not this machine's; the plan file is read once
     ds_config, cfg, plan = load_run_settings(args, check_device=False)

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dflop_ds.commands.arg_types import int_at_least, positive_int_list
 from dflop_ds.commands.data import add_read_arguments, policy_from_args, read_options
 from dflop_ds.cost import FittedCostModel, LayeredCostModel, check_policy, load_cost_model, save_cost_model
 from dflop_ds.data import read_dataset
@@ -21,35 +22,7 @@ from dflop_ds.profile.model import DEFAULT_BATCH_SIZES, DEFAULT_SEQ_LENS, DEFAUL
 from dflop_ds.profile.report import cost_model_table, data_profile_table, plot_report
 from dflop_ds.profile.timing import CLOCKS, STATISTICS
 
-
-def positive_int_list(text: str) -> list[int]:
-    """``"1,2,4"`` -> ``[1, 2, 4]`` (argparse type; every value >= 1: a size of 0 has no cost to fit)."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def bounded_int(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``minimum``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {minimum}"
-    return parse
-
-
-positive_int, non_negative_int = bounded_int(1), bounded_int(0)
+positive_int, non_negative_int = int_at_least(1), int_at_least(0)
 
 
 def load_target(spec: str) -> Any:

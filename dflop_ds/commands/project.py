@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from dflop_ds.commands.arg_types import MAX_PLANNED_GPUS, int_at_least, int_in_range, positive_float
 from dflop_ds.commands.plan import (
@@ -29,11 +28,13 @@ from dflop_ds.commands.plan import (
     tensor_parallel_layers,
     training_precision,
 )
+from dflop_ds.cost import PlannerCostModel
 from dflop_ds.paths import check_writable
 from dflop_ds.plan.calibration import load_calibration
 from dflop_ds.plan.cluster import PRECISIONS, ZERO_SHARDED, Cluster
 from dflop_ds.plan.planner import describe_cost_model
 from dflop_ds.plan.projection import SizeProjection, encoder_share, project, table_lines
+from dflop_ds.shapes import SampleShape
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -127,7 +128,13 @@ def run_project(args: argparse.Namespace) -> int:
 
 
 def header_lines(
-    model: Any, spec: str, data: str, shapes: Sequence[Any], batch_per_gpu: int, batches: int, cluster: Cluster
+    model: PlannerCostModel,
+    spec: str,
+    data: str,
+    shapes: Sequence[SampleShape],
+    batch_per_gpu: int,
+    batches: int,
+    cluster: Cluster,
 ) -> list[str]:
     """What the projection is (a prediction), the cost model it used (``spec``: its file or
     reference name), and the data and cluster."""

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from dflop_ds.cost.columns import Microbatches
-from dflop_ds.cost.protocol import BatchedCostModel, BatchedPlannerCostModel
+from dflop_ds.cost.protocol import BatchedCostModel, BatchedPlannerCostModel, CostModel, PlannerCostModel
 from dflop_ds.shapes import SampleShape
 
 
@@ -31,21 +31,21 @@ def _each(predict: Callable[[Sequence[SampleShape]], Any], groups: Microbatches)
     return np.array(rows, dtype=float) if rows else np.zeros((0, 2))
 
 
-def microbatch_costs(model: Any, groups: Microbatches) -> np.ndarray:
+def microbatch_costs(model: CostModel, groups: Microbatches) -> np.ndarray:
     """``(n, k)``: ``model.predict_microbatch`` of each microbatch of ``groups``."""
     if isinstance(model, BatchedCostModel):
         return model.predict_microbatches(groups)
     return _each(model.predict_microbatch, groups)
 
 
-def microbatch_activation_bytes(model: Any, groups: Microbatches) -> np.ndarray:
+def microbatch_activation_bytes(model: PlannerCostModel, groups: Microbatches) -> np.ndarray:
     """``(n, 2)``: ``model.predict_activation_bytes`` of each microbatch of ``groups`` (a planner model)."""
     if isinstance(model, BatchedPlannerCostModel):
         return model.predict_microbatches_activation_bytes(groups)
     return _each(model.predict_activation_bytes, groups)
 
 
-def microbatch_working_bytes(model: Any, groups: Microbatches) -> np.ndarray:
+def microbatch_working_bytes(model: PlannerCostModel, groups: Microbatches) -> np.ndarray:
     """``(n, 2)``: ``model.predict_working_bytes`` of each microbatch of ``groups`` (a planner model)."""
     if isinstance(model, BatchedPlannerCostModel):
         return model.predict_microbatches_working_bytes(groups)

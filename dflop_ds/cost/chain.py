@@ -14,7 +14,6 @@ The chain, innermost first:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -26,14 +25,14 @@ from dflop_ds.cost.stage import StageCost
 
 
 def sampler_cost_model(
-    profiled: Any | None,
+    profiled: CostModel | None,
     *,
     colocated: bool = False,
     packed: bool = False,
     stage_shares: Callable[[], np.ndarray] | None = None,
     corrected: bool = False,
     microbatches: int = 1,
-) -> Any:
+) -> CostModel:
     """The cost model a sampler balances with, built on ``profiled`` (None: the unitless
     :class:`~dflop_ds.cost.ProxyCost`).
 

@@ -21,6 +21,7 @@ from numpy.typing import ArrayLike
 
 from dflop_ds.cost.fit import MonotoneFit
 from dflop_ds.cost.measurements import Measurement, ModelProfile
+from dflop_ds.cost.protocol import CostModel
 from dflop_ds.shapes import SampleShape, ShapePolicy, without_length_rule
 
 if TYPE_CHECKING:
@@ -331,7 +332,7 @@ class FittedCostModel:
         return model
 
 
-def check_policy(cost_model: Any, policy: ShapePolicy, *, source: str = "the cost model") -> None:
+def check_policy(cost_model: CostModel, policy: ShapePolicy, *, source: str = "the cost model") -> None:
     """Refuse ``cost_model`` if it was profiled under a shape policy other than ``policy``.
 
     A cost model predicts from encoder tiles and LLM tokens; the same data gives other tiles

@@ -13,12 +13,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dflop_ds.cost import CostModel
 from dflop_ds.models.hf.registry import family_for
 from dflop_ds.shapes import SampleShape
 from dflop_ds.train.launch_inputs import (
     InputDigest,
     InputMismatchError,
-    cost_model_state,
     disagreements,
     input_digests,
     json_digest,
@@ -32,7 +32,7 @@ SEED, SAMPLER_SETTINGS = "data-order seed", "sampler settings"
 
 def trainer_input_digests(
     shapes: Sequence[SampleShape],
-    cost_model: Any,
+    cost_model: CostModel | None,
     cost_source: str,
     seed: int,
     seed_source: str,
@@ -50,7 +50,7 @@ def trainer_input_digests(
     return [
         *input_digests(
             shapes=shapes,
-            cost_state=cost_model_state(cost_model),
+            cost_model=cost_model,
             cost_source=cost_source,
             plan_state=None,
             plan_source=None,

@@ -31,11 +31,14 @@ def deepspeed_plugin(trainer: Any) -> Any:
 def trainer_deepspeed_config(trainer: Any) -> tuple[Mapping[str, Any] | str | None, str]:
     """``(config, source)``: ``TrainingArguments.deepspeed`` (a path or a dict) when given, else
     the config of accelerate's DeepSpeed plugin (``accelerate launch`` with a DeepSpeed plugin
-    config), else ``(None, "defaults")``; ``source`` names where it came from."""
+    config), else ``(None, "defaults")``; ``source`` names where it came from. Where the plugin
+    runs (it does for either launcher), its copy is the config: the same keys, with the ``"auto"``
+    ones filled as the Trainer trains them (``zero_optimization.stage`` from accelerate's ZeRO stage)."""
     deepspeed = trainer.args.deepspeed
-    if deepspeed is not None:
-        return deepspeed, "TrainingArguments.deepspeed" if isinstance(deepspeed, Mapping) else str(deepspeed)
     plugin = deepspeed_plugin(trainer)
+    if deepspeed is not None:
+        source = "TrainingArguments.deepspeed" if isinstance(deepspeed, Mapping) else str(deepspeed)
+        return (deepspeed if plugin is None else plugin.hf_ds_config.config), source
     if plugin is None:
         return None, "defaults"
     path = os.environ.get(ACCELERATE_CONFIG_FILE)

@@ -56,6 +56,7 @@ from dflop_ds.compose import (
     run_settings,
     train_loader,
 )
+from dflop_ds.cost import CostModel
 from dflop_ds.hf_trainer.block_rules import freeze_vision_encoder
 from dflop_ds.hf_trainer.guard import BlankImageGuardMixin
 from dflop_ds.hf_trainer.launcher import check_batch_keys, trainer_deepspeed_config
@@ -170,7 +171,7 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         batch_sampler.check_epochs(epochs_to_train(args, batch_sampler.batches_per_epoch))
         return batch_sampler
 
-    def _dflop_cost_model(self) -> Any:
+    def _dflop_cost_model(self) -> CostModel | None:
         """The cost model ``dflop.sampler.cost_model`` names (None: the proxy), checked against the
         shapes' policy (when the shape helpers made them) and the model's depth (LLaVA, Qwen2-VL);
         with ``dflop.model.packing=true`` wrapped for packed microbatches."""

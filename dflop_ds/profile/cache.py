@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from dflop_ds.cost import FittedCostModel, reusable_fitted_model, save_cost_model
+from dflop_ds.cost import FittedCostModel, load_cost_model, reusable_fitted_model, save_cost_model
 from dflop_ds.cost.io import FORMAT_VERSION as COST_MODEL_FORMAT_VERSION
 from dflop_ds.profile.model import TIMING_PROTOCOL, profile_model
 from dflop_ds.profile.target import ProfileTarget
@@ -142,6 +142,14 @@ def _cached(path: Path, key_path: Path, key: dict[str, Any], log: Callable[[str]
     return loaded
 
 
+def stored_fitted_model(path: Path) -> FittedCostModel:
+    """The fitted cost model just written to ``path``, as read back from it."""
+    model = load_cost_model(path)
+    if not isinstance(model, FittedCostModel):
+        raise TypeError(f"{path}: holds a {type(model).__name__}, not the fitted cost model written there")
+    return model
+
+
 def cached_cost_model(
     model: dict[str, Any],
     make_target: Callable[[], ProfileTarget],
@@ -176,4 +184,5 @@ def cached_cost_model(
             f"[dflop-ds] cost model: profiled {len(profile.encoder)} encoder and {len(profile.llm)} LLM shapes in "
             f"{time.perf_counter() - started:.1f} s"
         )
-        return cost_model, path
+        # what the file holds, as a later launch (a resumed one) reuses it: every launch predicts alike
+        return stored_fitted_model(path), path

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflop_ds.cost import CostModel, LayeredCostModel
 from dflop_ds.pipe.exchange import StepExchange, exchange_features
 from dflop_ds.pipe.module import FeatureReceiver
 from dflop_ds.pipe.stage_bounds import split_by_cost
@@ -47,7 +48,7 @@ from dflop_ds.train.device import move_to
 from dflop_ds.train.sequential import SequentialMLLM
 
 
-def tile_costs(cost_model: Any, shapes: Sequence[SampleShape]) -> tuple[np.ndarray, np.ndarray]:
+def tile_costs(cost_model: CostModel, shapes: Sequence[SampleShape]) -> tuple[np.ndarray, np.ndarray]:
     """``(tiles, cost per tile)`` of every sample: the encoder prediction spread over its tiles."""
     tiles = np.array([s.encoder_tiles for s in shapes], dtype=np.int64)
     encoder = np.asarray(cost_model.predict_samples(shapes), dtype=float).reshape(len(shapes), -1)[:, 0]
@@ -282,7 +283,7 @@ def colocate(
     dataset: Any,
     collate: Callable,
     shapes: Sequence[SampleShape],
-    cost_model: Any,
+    cost_model: CostModel,
     *,
     pixels_of: Callable[[Any], torch.Tensor] | None = None,
     **dispatch: Any,
@@ -411,7 +412,11 @@ def colocated_stage_bounds(bounds: Sequence[int], n_encoder: int) -> list[int]:
 
 
 def colocated_pipeline_bounds(
-    bounds: Sequence[int] | None, n_encoder: int, cost_model: Any, shapes: Sequence[SampleShape], num_stages: int
+    bounds: Sequence[int] | None,
+    n_encoder: int,
+    cost_model: LayeredCostModel | None,
+    shapes: Sequence[SampleShape],
+    num_stages: int,
 ) -> Sequence[int] | None:
     """The colocated pipeline's stage bounds: ``bounds`` (over the flat list, see
     :func:`colocated_stage_bounds`) if given, else the split balancing the cost model's mean

@@ -6,8 +6,8 @@ nodes with their own profile caches, each node would profile its own cost model)
 :func:`agree_on_inputs` makes global rank 0 the one source of truth:
 
 - rank 0 reads the shape table (image and video headers) and resolves the cost model (a file,
-  the profile cache or a fresh profile: profiling runs on rank 0 only), and broadcasts both;
-  every rank, rank 0 included, trains on the broadcast copies;
+  the profile cache or a fresh profile: profiling runs on rank 0 only), and broadcasts both as
+  objects (``broadcast_object_list``); every other rank trains on the copies it receives;
 - every rank checks what it reads itself (the data file its dataset loads, the media files its
   records name, the plan, a cost model named in the config) against rank 0's digests; what it
   received from rank 0 is not checked again (it is rank 0's by construction);
@@ -18,7 +18,7 @@ A set-up step that may fail on one rank only before those collectives (loading t
 node's folder) runs under :func:`all_ranks_or_none`, so that every rank stops naming the rank that
 failed and why, instead of the others waiting in the next collective until its timeout.
 
-Digests and serialization are pure functions (:func:`json_digest`, :func:`file_digest`,
+Digests are pure functions (:func:`json_digest`, :func:`file_digest`, :func:`cost_model_digest`,
 :func:`input_digests`, :func:`disagreements`, :func:`media_differences`, :func:`step_failures`).
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dflop_ds.config import DFLOPConfig
-from dflop_ds.cost import CostModel, cost_model_from_dict, cost_model_to_dict, load_cost_model
+from dflop_ds.cost import CostModel, cost_model_to_dict, load_cost_model
 from dflop_ds.data import ReadResult
 from dflop_ds.data.media import media_folder, record_image_paths
 from dflop_ds.data.records import load_records
@@ -124,17 +124,11 @@ def file_digest(path: str | Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()[:16]
 
 
-def cost_model_state(model: CostModel | None) -> dict[str, Any] | None:
-    """``model`` as the JSON content of its file (None: the unitless proxy), passed through JSON so
-    that the broadcast copy and its digest hold exactly what a file would."""
-    if model is None:
-        return None
-    return json.loads(json.dumps(cost_model_to_dict(model)))
-
-
-def cost_model_from_state(state: dict[str, Any] | None, source: str) -> CostModel | None:
-    """Inverse of :func:`cost_model_state`."""
-    return None if state is None else cost_model_from_dict(state, source=source)
+def cost_model_digest(model: CostModel | None) -> str:
+    """A short hash of ``model``'s file content (:func:`~dflop_ds.cost.cost_model_to_dict`; None,
+    the unitless proxy, digests as JSON ``null``): a rank that reads the same file, or receives
+    the model from rank 0, digests alike."""
+    return json_digest(None if model is None else cost_model_to_dict(model))
 
 
 def media_listing(data_path: str, image_folder: str | None = None, video_folder: str | None = None) -> dict[str, int]:
@@ -177,7 +171,7 @@ def media_differences(reference: Mapping[str, int], mine: Mapping[str, int], ran
 def input_digests(
     *,
     shapes: Sequence[SampleShape] | None,
-    cost_state: dict[str, Any] | None,
+    cost_model: CostModel | None,
     cost_source: str | None,
     plan_state: dict[str, Any] | None,
     plan_source: str | None,
@@ -196,7 +190,7 @@ def input_digests(
     if shapes is not None:
         digests.append(InputDigest(SHAPE_TABLE, dataset_fingerprint(shapes), shapes_source))
     if cost_source is not None:
-        digests.append(InputDigest(COST_MODEL, json_digest(cost_state), cost_source))
+        digests.append(InputDigest(COST_MODEL, cost_model_digest(cost_model), cost_source))
     if plan_source is not None:
         digests.append(InputDigest(PLAN, json_digest(plan_state), plan_source))
     if data_path is not None and not Path(data_path).exists():
@@ -305,11 +299,10 @@ def agree_on_inputs(
         report = mismatch_report(everyone)
         if report is not None:
             raise InputMismatchError(report)
-    cost_model = cost_model_from_state(shared["cost_state"], source=shared["cost_source"])
     reference = list(shared["reference"])
     if rank == 0:
         log("[dflop-ds] inputs agreed on every rank: " + ", ".join(f"{d.name} {d.digest}" for d in reference))
-    return LaunchInputs(shared["shapes"], cost_model, reference)
+    return LaunchInputs(shared["shapes"], shared["cost_model"], reference)
 
 
 def check_against_rank_zero(
@@ -326,7 +319,7 @@ def check_against_rank_zero(
         media = _own_media(cfg)
         mine = input_digests(
             shapes=None,
-            cost_state=cost_model_state(load_cost_model(named)) if named else None,
+            cost_model=load_cost_model(named) if named else None,
             cost_source=named,
             plan_state=plan_state,
             plan_source=plan_source,
@@ -365,16 +358,15 @@ def _resolve_on_rank_zero(
     plan_source: str,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
-    """What rank 0 broadcasts: the shape table, the cost model's state and source, the media
-    listing (so that another rank's differing files can be named) and the digests of every input
-    it holds."""
+    """What rank 0 broadcasts: the shape table, the cost model (the object: pickled by the
+    broadcast, no file format on the way) and its source, the media listing (so that another
+    rank's differing files can be named) and the digests of every input it holds."""
     shapes = read_shapes()
     cost_model, cost_source = resolve_cost_model(cfg, log)
-    cost_state = cost_model_state(cost_model)
     media = _own_media(cfg)
     reference = input_digests(
         shapes=shapes,
-        cost_state=cost_state,
+        cost_model=cost_model,
         cost_source=cost_source,
         plan_state=plan_state,
         plan_source=plan_source,
@@ -385,7 +377,7 @@ def _resolve_on_rank_zero(
     )
     return {
         "shapes": shapes,
-        "cost_state": cost_state,
+        "cost_model": cost_model,
         "cost_source": cost_source,
         "media": media,
         "reference": reference,
@@ -412,8 +404,7 @@ __all__ = [
     "agree_on_inputs",
     "all_ranks_or_none",
     "check_against_rank_zero",
-    "cost_model_from_state",
-    "cost_model_state",
+    "cost_model_digest",
     "disagreements",
     "file_digest",
     "input_digests",

@@ -10,158 +10,103 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from dflop_ds.compose import (
+    EngineSampler,
+    EngineTopology,
+    LaunchRunInputs,
+    LaunchSettings,
+    build_engine_sampler,
+    engine_sampler_cost,
+    launch_settings,
+    resolve_launch_inputs,
+)
 from dflop_ds.config import DFLOPConfig
-from dflop_ds.cost import ProxyCost, memory_blind_model, sampler_cost_model
-from dflop_ds.cost.stage import stage_memory_caps
+from dflop_ds.cost import CostModel, LayeredCostModel, ProxyCost
 from dflop_ds.deepspeed_keys import deepspeed_keys
-from dflop_ds.loader import make_loader
+from dflop_ds.loader import ResumableLoader, make_loader
 from dflop_ds.models.faults import inject_fault
-from dflop_ds.models.hf.source import hf_source
-from dflop_ds.models.source import ModelSource, tiny_source
-from dflop_ds.paths import check_writable, check_writable_folder
-from dflop_ds.plan import Plan
-from dflop_ds.plan.stages import cost_balanced_bounds, stage_shares
+from dflop_ds.models.source import ModelSource
+from dflop_ds.plan.stages import cost_balanced_bounds
 from dflop_ds.rank_lifecycle import finish_rank, release_shm_buffer_once_mapped, share_cpu_threads
-from dflop_ds.schedule.correction import make_correction
-from dflop_ds.schedule.sampler import make_sampler
-from dflop_ds.setup_checks import check_cost_model_fits, check_training_setup
-from dflop_ds.sync import SyncModel, sync_model_of
+from dflop_ds.schedule.correction import CostCorrection, make_correction
+from dflop_ds.schedule.global_sampler import GlobalBatchSampler
+from dflop_ds.setup_checks import check_training_setup
+from dflop_ds.shapes import SampleShape
 from dflop_ds.telemetry.record import batch_tokens, throughput
 from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
 from dflop_ds.train.autotp import is_tensor_parallel_layer
-from dflop_ds.train.colocated import colocate, colocated_pipeline_bounds
+from dflop_ds.train.colocated import DispatchingSampler, colocate, colocated_pipeline_bounds
 from dflop_ds.train.engine import TrainingEngine, build_engine
 from dflop_ds.train.gather import gather_full_state
-from dflop_ds.train.launch_inputs import agree_on_inputs, all_ranks_or_none
-from dflop_ds.train.memory_cap import MemoryCap, device_memory_cap, resolve_memory_cap
-from dflop_ds.train.options import build_parser, load_run_settings, sampler_settings
+from dflop_ds.train.memory_cap import device_memory_cap
 
 
-def run_memory_cap(
-    cfg: DFLOPConfig, plan: Plan | None, trainer: TrainingEngine, ds_config: dict, accelerator: Any, sampler_cost: Any
-) -> MemoryCap:
-    """The run's memory cap (:func:`~dflop_ds.train.memory_cap.resolve_memory_cap`): the config's,
-    ``plan``'s (the run's plan, if any), or the default from this device's memory (a collective:
-    every rank calls this)."""
-    from_plan = plan is not None and plan.memory_cap_bytes == cfg.sampler.memory_cap_bytes
-    return resolve_memory_cap(
-        cfg.sampler.memory_cap_bytes,
-        cfg.sampler.kind,
-        from_plan,
-        lambda: device_memory_cap(trainer.module, ds_config, trainer.dp_coords[1], accelerator),
-        memory_blind_model(sampler_cost),
-    )
+@dataclass(frozen=True)
+class EngineParts:
+    """The engine a run trains and what was decided with it: the runtime ``correction`` of a
+    pipeline (None: none), whether microbatches are ``packing`` and, under a colocated encoder,
+    how a dataset item's tiles are read (``tile_pixels``)."""
+
+    trainer: TrainingEngine
+    correction: CostCorrection | None
+    packing: bool
+    tile_pixels: Callable[[Any], torch.Tensor] | None
 
 
-def sampler_memory_cap(cap: MemoryCap, sampler_cost: Any, num_stages: int, microbatches: int) -> float | None:
-    """The cap the sampler compares microbatches with: the device budget itself for a cost model
-    that predicts per stage (:class:`StageCost`: each stage's share times its microbatches in
-    flight) or for one stage; otherwise whole-model bytes against the smallest per-stage cap
-    (:func:`~dflop_ds.cost.stage.stage_memory_caps`), which bounds every stage's share."""
-    if cap.bytes is None or num_stages == 1 or sampler_cost.memory_per_device:
-        return cap.bytes
-    return float(stage_memory_caps(cap.bytes, num_stages, microbatches).min())
-
-
-def model_source(cfg: DFLOPConfig) -> ModelSource:
-    """The tiny model, or the HuggingFace model of ``dflop.model.name_or_path``."""
-    if cfg.model.name_or_path is None:
-        return tiny_source(
-            cfg.model.tiny,
-            policy_name=cfg.data.policy,
-            seed=cfg.train.seed,
-            image_folder=cfg.data.image_folder,
-            video_folder=cfg.data.video_folder,
-        )
-    return hf_source(
-        cfg.model.name_or_path,
-        image_folder=cfg.data.image_folder,
-        lora=cfg.model.lora,
-        max_length=cfg.data.max_length,
-        truncation=cfg.data.truncation,
-        video_folder=cfg.data.video_folder,
-        video_fps=cfg.data.video_fps,
-        video_max_frames=cfg.data.video_max_frames,
-    )
-
-
-def print_skip_report(report, limit: int = 20) -> None:
-    """Print what ``on_bad_sample="skip"`` dropped: the count and the first ``limit`` problems."""
-    if not report.n_skipped:
-        return
-    print(f"[dflop-ds] {report.summary()}", flush=True)
-    for problem in report.problems[:limit]:
-        print(f"[dflop-ds]   skipped: {problem}", flush=True)
-    if len(report.problems) > limit:
-        print(f"[dflop-ds]   ... and {len(report.problems) - limit} more problem(s)", flush=True)
-
-
-@dataclass
+@dataclass(frozen=True)
 class Run:
-    """What the builders of :func:`main` hand on: the settings, the inputs, the engine and the data
-    pipeline of one training run (filled in that order)."""
+    """What :func:`train` runs: the launch's settings and agreed inputs (:mod:`dflop_ds.compose`),
+    this rank, the engine, the sampler with the memory cap and sync model it splits under, and
+    the loader over it."""
 
-    args: argparse.Namespace
-    ds_config: dict
-    cfg: DFLOPConfig
-    rank: int = 0
-    world: int = 1
-    source: Any = None
-    plan: Any = None  # the Plan the run follows, if any
-    shapes: list[Any] = field(default_factory=list)
-    dataset: Any = None
-    cost_model: Any = None
-    trainer: Any = None
-    correction: Any = None
-    packing: bool = False
-    tile_pixels: Any = None
-    memory_cap: MemoryCap | None = None
-    sync: SyncModel = SyncModel.PIPELINE  # how the engine's ranks meet, from ds_config (build_sampler)
-    sampler: Any = None
-    loader: Any = None
+    settings: LaunchSettings
+    inputs: LaunchRunInputs
+    rank: int
+    parts: EngineParts
+    scheduled: EngineSampler
+    sampler: GlobalBatchSampler | DispatchingSampler  # scheduled.sampler, dispatched under a colocated encoder
+    loader: ResumableLoader
+
+    @property
+    def cfg(self) -> DFLOPConfig:
+        """The typed ``"dflop"`` block."""
+        return self.settings.config
+
+    @property
+    def args(self) -> argparse.Namespace:
+        """The command line."""
+        return self.settings.args
+
+    @property
+    def trainer(self) -> TrainingEngine:
+        """The training engine."""
+        return self.parts.trainer
 
     @property
     def pipelined(self) -> bool:
         """Whether DeepSpeed's pipeline engine trains (more than one stage)."""
         return self.cfg.plan.pipeline_stages > 1
 
-    @property
-    def colocated(self) -> bool:
-        """Whether the encoder runs beside the LLM, dispatched by cost over the ranks."""
-        return self.cfg.model.encoder == "colocated"
-
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Train as the config says; 0 on success."""
-    run = run_settings(argv)
-    run.world, run.rank = start_distributed(run.cfg.train.seed)
-    load_inputs(run)
-    build_trainer(run)
-    build_sampler(run, build_sampler_cost(run))
-    build_loader(run)
-    train(run)
+    """Train as the config says; 0 on success. The launch's settings, inputs and sampler come from
+    the composition root (:mod:`dflop_ds.compose`); the engine, loader and steps are this loop's."""
+    settings = launch_settings(argv)
+    world, rank = start_distributed(settings.config.train.seed)
+    inputs = resolve_launch_inputs(settings, rank)
+    parts = build_trainer(settings, inputs, world)
+    scheduled = build_sampler(settings, inputs, parts, rank)
+    sampler, loader = build_loader(settings.config, inputs, parts, scheduled.sampler)
+    train(Run(settings, inputs, rank, parts, scheduled, sampler, loader))
     return 0
-
-
-def run_settings(argv: Sequence[str] | None) -> Run:
-    """The command line, the config it names and the plan that names, with the output paths
-    checked before training."""
-    args = build_parser().parse_args(argv)
-    ds_config, cfg, plan = load_run_settings(args)
-    for option in ("summary", "trace", "telemetry"):  # fail now, not after training
-        if getattr(args, option):
-            check_writable(getattr(args, option), f"--{option}")
-    if args.output_dir:
-        check_writable_folder(args.output_dir, "--output_dir")
-    return Run(args, ds_config, cfg, plan=plan)
 
 
 def start_distributed(seed: int) -> tuple[int, int]:
@@ -189,36 +134,10 @@ def print_stand_ins(dataset: Any, rank: int) -> None:
         )
 
 
-def load_inputs(run: Run) -> None:
-    """The model source, the shape table, the dataset and the cost model, agreed on by
-    every rank (read on rank 0, bad records named, or skipped and counted) and checked."""
-    cfg = run.cfg
-    # every rank is told of one rank's failure to load the model (no rank left waiting in a collective)
-    run.source = source = all_ranks_or_none("loading the model", lambda: model_source(cfg))
-    inputs = agree_on_inputs(cfg, lambda: source.read_shapes(cfg.data.path, cfg.data.on_bad_sample), run.plan)
-    if run.rank == 0:
-        print_skip_report(inputs.shapes.report)
-        if source.truncated_samples():
-            print(f"[dflop-ds] {source.truncated_samples()} sample(s) cut at dflop.data.max_length", flush=True)
-    run.shapes = inputs.shapes[: cfg.data.max_samples]
-    run.dataset = source.make_dataset(
-        run.shapes, cfg.data.path, cfg.data.on_bad_sample
-    )  # bad media stand in under skip
-    run.cost_model = inputs.cost_model
-    if run.cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on
-        check_cost_model_fits(
-            run.cost_model,
-            source.policy,
-            encoder_layers=len(source.encoder_layers),
-            llm_layers=len(source.llm_layers),
-            source=str(cfg.sampler.cost_model),
-        )
-
-
 def stage_bounds(
     num_stages: int,
-    shapes: Sequence[Any],
-    cost_model: Any = None,
+    shapes: Sequence[SampleShape],
+    cost_model: CostModel | None = None,
     *,
     given: Sequence[int] | None = None,
     colocated: bool = False,
@@ -226,113 +145,99 @@ def stage_bounds(
 ) -> Sequence[int] | None:
     """The pipeline's stage bounds: ``given`` (the config's) or, without them, where the
     predicted time balances; a colocated encoder leaves the pipeline, whose stages then split the
-    LLM side. None: one stage, or no cost model and no bounds (the engine's own split)."""
+    LLM side. None: one stage, or no cost model that knows its layers and no bounds (the engine's own split)."""
+    layered = cost_model if isinstance(cost_model, LayeredCostModel) else None
     if num_stages > 1 and colocated:
-        return colocated_pipeline_bounds(given, encoder_layers, cost_model, shapes, num_stages)
-    if num_stages > 1 and given is None and cost_model is not None:
-        return cost_balanced_bounds(cost_model, shapes, num_stages)
+        return colocated_pipeline_bounds(given, encoder_layers, layered, shapes, num_stages)
+    if num_stages > 1 and given is None and layered is not None:
+        return cost_balanced_bounds(layered, shapes, num_stages)
     return given
 
 
-def build_trainer(run: Run) -> None:
+def build_trainer(settings: LaunchSettings, inputs: LaunchRunInputs, world: int) -> EngineParts:
     """The training engine on the source's layers (the encoder's optional testing fault
     injected), after the setup checks, with the run's correction and packing switch."""
-    cfg, source = run.cfg, run.source
+    cfg, source, ds_config = settings.config, inputs.source, settings.ds_config
+    colocated = cfg.model.encoder == "colocated"
     encoder, projector, llm = source.layers()
-    encoder = inject_fault(
-        encoder, cfg.testing.fault, deepspeed_keys(run.ds_config)
-    )  # testing only: an optional slow shape class
+    encoder = inject_fault(encoder, cfg.testing.fault, deepspeed_keys(ds_config))  # testing only: a slow shape class
     check_training_setup(
-        run.ds_config, cfg, run.world, plan=run.plan, n_samples=len(run.shapes), n_layers=source.n_layers
+        ds_config, cfg, world, plan=settings.plan, n_samples=len(inputs.shapes), n_layers=source.n_layers
     )
-    if run.colocated:  # refused now, not after building
-        run.tile_pixels = source.colocated_tile_pixels()
+    tile_pixels = source.colocated_tile_pixels() if colocated else None  # refused now, not after building
     bounds = stage_bounds(
         cfg.plan.pipeline_stages,
-        run.shapes,
-        run.cost_model,
+        inputs.shapes,
+        inputs.cost_model,
         given=cfg.plan.stage_bounds,
-        colocated=run.colocated,
+        colocated=colocated,
         encoder_layers=len(encoder),
     )
-    run.trainer = build_engine(
+    trainer = build_engine(
         encoder,
         projector,
         llm,
-        run.ds_config,
+        ds_config,
         pipeline_stages=cfg.plan.pipeline_stages,
         stage_bounds=bounds,
         freeze_encoder=cfg.model.freeze_encoder,
         lr=cfg.train.lr,
-        colocated=run.colocated,
+        colocated=colocated,
         hf_model=source.hf_model,
         activation_checkpoint_interval=int(cfg.model.activation_checkpointing),
     )
-    run.correction = make_correction(cfg.correction, run.trainer.num_stages) if run.pipelined else None
-    run.packing = source.uses_packing(cfg.model.packing)
+    correction = make_correction(cfg.correction, trainer.num_stages) if cfg.plan.pipeline_stages > 1 else None
+    return EngineParts(trainer, correction, source.uses_packing(cfg.model.packing), tile_pixels)
 
 
-def build_sampler_cost(run: Run) -> Any:
-    """The cost model the sampler balances with (:func:`~dflop_ds.cost.sampler_cost_model`)."""
-    trainer, cost_model = run.trainer, run.cost_model
-    return sampler_cost_model(
-        cost_model,
-        colocated=run.colocated,
-        packed=run.packing,
-        stage_shares=(lambda: stage_shares(trainer.stage_bounds, cost_model)) if run.pipelined else None,
-        corrected=run.correction is not None,
-        microbatches=trainer.engine.gradient_accumulation_steps(),
-    )
-
-
-def build_sampler(run: Run, sampler_cost: Any) -> None:
-    """The run's memory cap and the sampler of this rank's microbatches."""
+def build_sampler(settings: LaunchSettings, inputs: LaunchRunInputs, parts: EngineParts, rank: int) -> EngineSampler:
+    """This rank's sampler (:func:`~dflop_ds.compose.build_engine_sampler`) for the engine's
+    topology, balancing with :func:`~dflop_ds.compose.engine_sampler_cost`, under the memory cap
+    of the config, the plan or this device (a collective: every rank calls this)."""
     from deepspeed.accelerator import get_accelerator
 
-    trainer, gas = run.trainer, run.trainer.engine.gradient_accumulation_steps()
-    run.sync = sync_model_of(run.ds_config, trainer.num_stages)
-    run.memory_cap = run_memory_cap(run.cfg, run.plan, trainer, run.ds_config, get_accelerator(), sampler_cost)
-    microbatch_cap = sampler_memory_cap(run.memory_cap, sampler_cost, trainer.num_stages, gas)
-    if run.rank == 0:
-        print(f"[dflop-ds] {run.memory_cap.describe()}", flush=True)
-        if microbatch_cap != run.memory_cap.bytes:
-            print(
-                f"[dflop-ds] no per-stage memory predictions: a microbatch's whole-model bytes are held under"
-                f" {microbatch_cap:.4g} bytes, the cap over the microbatches stage 0 keeps in flight",
-                flush=True,
-            )
-    dp_rank, dp_size = trainer.dp_coords
-    run.sampler = make_sampler(
-        sampler_settings(run.cfg),
-        run.shapes,
-        global_batch_size=trainer.global_batch_size,
-        gradient_accumulation_steps=gas,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        cost_model=sampler_cost,
-        label_tokens_fn=run.source.label_tokens_fn,
-        cost_adjuster=run.correction,
-        sync=run.sync,
-        memory_cap=microbatch_cap,
+    trainer = parts.trainer
+    topology = EngineTopology.of_engine(trainer)
+    sampler_cost = engine_sampler_cost(
+        settings.config, inputs.cost_model, topology, packing=parts.packing, corrected=parts.correction is not None
     )
-    run.sampler.check_steps(run.cfg.train.steps)  # a global batch the memory cap cannot split is refused before step 0
+    return build_engine_sampler(
+        settings,
+        inputs,
+        topology,
+        sampler_cost,
+        lambda: device_memory_cap(trainer.module, settings.ds_config, topology.dp_size, get_accelerator()),
+        cost_adjuster=parts.correction,
+        rank=rank,
+    )
 
 
-def build_loader(run: Run) -> None:
-    """The data loader over the sampler: the source's (packed) collate, and under a colocated
-    encoder the dispatching sampler, dataset and collate."""
-    source = run.source
+def build_loader(
+    cfg: DFLOPConfig, inputs: LaunchRunInputs, parts: EngineParts, sampler: GlobalBatchSampler
+) -> tuple[GlobalBatchSampler | DispatchingSampler, ResumableLoader]:
+    """The sampler the loader draws from and the data loader over it: the source's (packed)
+    collate, and under a colocated encoder the dispatching sampler, dataset and collate."""
+    source = inputs.source
     collate = source.collate
-    if run.packing and source.packed_collate is not None:  # source.uses_packing found one
+    if parts.packing and source.packed_collate is not None:  # source.uses_packing found one
         collate = source.packed_collate
-    dataset = run.dataset
-    if run.colocated:  # under a pipeline or AutoTP every rank encodes (see TrainingEngine.dispatch_ranks)
-        costs = run.cost_model if run.cost_model is not None else ProxyCost()  # the encoder's dispatch costs
-        run.sampler, dataset, collate = colocate(
-            run.sampler, dataset, collate, run.shapes, costs, pixels_of=run.tile_pixels, **run.trainer.dispatch_ranks()
+    dataset: Any = inputs.dataset
+    drawn: GlobalBatchSampler | DispatchingSampler = sampler
+    if (
+        cfg.model.encoder == "colocated"
+    ):  # under a pipeline or AutoTP every rank encodes (TrainingEngine.dispatch_ranks)
+        costs = inputs.cost_model if inputs.cost_model is not None else ProxyCost()  # the encoder's dispatch costs
+        drawn, dataset, collate = colocate(
+            sampler,
+            dataset,
+            collate,
+            inputs.shapes,
+            costs,
+            pixels_of=parts.tile_pixels,
+            **parts.trainer.dispatch_ranks(),
         )
     # the loader's state is what training consumed, not what its workers prefetched
-    run.loader = make_loader(dataset, run.sampler, collate_fn=collate, num_workers=run.cfg.data.num_workers)
+    return drawn, make_loader(dataset, drawn, collate_fn=collate, num_workers=cfg.data.num_workers)
 
 
 def train(run: Run) -> None:
@@ -340,18 +245,18 @@ def train(run: Run) -> None:
     from deepspeed.utils import RepeatingLoader
 
     cfg, args, trainer = run.cfg, run.args, run.trainer
-    first_step = resume(trainer, run.loader, cfg, run.correction) if cfg.train.resume else 0
+    first_step = resume(trainer, run.loader, cfg, run.parts.correction) if cfg.train.resume else 0
     data_iter = iter(RepeatingLoader(run.loader))
     tracker = None
     if cfg.telemetry.enabled and run.pipelined:  # per-instruction timers exist only in the pipeline engine
-        jsonl_path = args.telemetry or default_jsonl_path(run.ds_config)
-        tracker = RuntimeTracker(trainer.engine, run.sampler, run.correction, jsonl_path=jsonl_path)
+        jsonl_path = args.telemetry or default_jsonl_path(run.settings.ds_config)
+        tracker = RuntimeTracker(trainer.engine, run.sampler, run.parts.correction, jsonl_path=jsonl_path)
     records = [train_one_step(run, step, data_iter, tracker) for step in range(first_step, cfg.train.steps)]
     if args.output_dir:
-        save_model(trainer, run.source, args.output_dir)
+        save_model(trainer, run.inputs.source, args.output_dir)
     if run.rank == 0 and records:
         write_summary(run, records)
-    print_stand_ins(run.dataset, run.rank)
+    print_stand_ins(run.inputs.dataset, run.rank)
     # scheduling thread, loader workers (the live epoch iterator) and process group stopped before exit
     finish_rank(tracker, run.sampler, data_iter.data_iter)
 
@@ -364,7 +269,7 @@ def train_one_step(run: Run, step: int, data_iter: Any, tracker: RuntimeTracker 
     start = time.perf_counter()
     loss = trainer.train_step(data_iter)
     elapsed = time.perf_counter() - start
-    record = step_record(step, loss, elapsed, sampler, run.shapes, trainer.reads_data, packed=run.packing)
+    record = step_record(step, loss, elapsed, sampler, run.inputs.shapes, trainer.reads_data, packed=run.parts.packing)
     if tracker:  # a collective: every rank, every step
         record["telemetry"] = tracker.end_step(step, elapsed, loss)
     first_stage = not run.pipelined or trainer.engine.is_first_stage()
@@ -384,7 +289,7 @@ def train_one_step(run: Run, step: int, data_iter: Any, tracker: RuntimeTracker 
         client_state = {
             "dflop_sampler": run.loader.state_dict(),
             "dflop_step": done,
-            "dflop_correction": run.correction.state_dict() if run.correction else None,
+            "dflop_correction": run.parts.correction.state_dict() if run.parts.correction else None,
         }
         trainer.save_checkpoint(cfg.train.checkpoint_dir, f"step{done}", client_state)
     if args.exit_after_step is not None and step == args.exit_after_step:
@@ -397,20 +302,20 @@ def write_summary(run: Run, records: list[dict]) -> None:
     cfg, trainer, engine = run.cfg, run.trainer, run.trainer.engine
     summary = {
         **summarize(records, cfg, trainer.dp_coords[1]),
-        "packing": run.packing,
-        "memory_cap": asdict(run.memory_cap) if run.memory_cap is not None else None,
+        "packing": run.parts.packing,
+        "memory_cap": asdict(run.scheduled.memory_cap),
     }
     summary.update(
         stage_bounds=trainer.stage_bounds,
         engine="pipeline" if run.pipelined else "plain",
-        zero_stage=deepspeed_keys(run.ds_config).stage,
-        sync=str(run.sync),
+        zero_stage=deepspeed_keys(run.settings.ds_config).stage,
+        sync=str(run.scheduled.sync),
         gradient_accumulation_steps=engine.gradient_accumulation_steps(),
         train_batch_size=engine.train_batch_size(),
-        model=run.source.name,
+        model=run.inputs.source.name,
         tensor_parallel=trainer.tp_coords[1],
         tensor_parallel_layers=sharded_layers(trainer.module),
-        truncated_samples=run.source.truncated_samples(),
+        truncated_samples=run.inputs.source.truncated_samples(),
     )
     print("[dflop-ds] summary " + json.dumps(summary), flush=True)
     if run.args.summary:
@@ -437,7 +342,9 @@ def sharded_layers(module: torch.nn.Module) -> list[str]:
     return [name for name, child in module.named_modules() if is_tensor_parallel_layer(child)]
 
 
-def resume(trainer: TrainingEngine, loader: Any, cfg: DFLOPConfig, correction: Any = None) -> int:
+def resume(
+    trainer: TrainingEngine, loader: ResumableLoader, cfg: DFLOPConfig, correction: CostCorrection | None = None
+) -> int:
     """Load the latest checkpoint, restore the loader's (sampler's) position and the correction's
     state; the step to continue from."""
     if cfg.train.checkpoint_dir is None:

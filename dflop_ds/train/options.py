@@ -120,8 +120,13 @@ def load_run_settings(args: argparse.Namespace, *, check_device: bool = True) ->
         loaded = load_plan(resolved)
         ds_config, block = fill_from_plan(ds_config, block, loaded)
     where = f"plan {get_setting(block, 'plan')}" if plan else f"DeepSpeed config {args.deepspeed_config}"
+    try:  # a malformed ZeRO stage, or "auto" (the HF Trainer's to fill in, not this loop's): refused before DeepSpeed
+        keys = deepspeed_keys(ds_config)
+        keys.check_stage_given()
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
     if check_device:
-        check_precisions(deepspeed_keys(ds_config).precisions, where)  # refused here, before DeepSpeed does
+        check_precisions(keys.precisions, where)  # refused here, before DeepSpeed does
     cfg = DFLOPConfig.from_dict(block, source=args.deepspeed_config)
     return ds_config, cfg, loaded if loaded is not None else load_plan(cfg.plan.file)
 

@@ -1,5 +1,6 @@
-"""A user's ``DFLOPTrainer`` script on one tiny checkpoint of any registered family, 2 ZeRO-2 ranks,
-one launch, two runs on the same items (one in four with an image of the model's, the others
+"""A user's ``DFLOPTrainer`` script on tiny checkpoints of registered families (``--model`` once per
+checkpoint, trained one after the other in the same launch), 2 ZeRO-2 ranks, for each checkpoint two
+runs on the same items (one in four with an image of the model's, the others
 text-only with ``pixel_values=None``, so most microbatches hold no image):
 
 * ``padded``: the user's right-padding collator (the image-free guard on padded microbatches);
@@ -8,7 +9,7 @@ text-only with ``pixel_values=None``, so most microbatches hold no image):
 
 Each run trains ``--steps`` optimizer steps of 2 microbatches of 2 items per rank and reports its
 logged losses and whether each microbatch the rank collated held an image; rank ``r`` writes
-``--out/rank{r}.json``.
+``--out/rank{r}.json``, ``{model directory: {"padded": ..., "packed": ...}}``.
 """
 
 from __future__ import annotations
@@ -86,16 +87,19 @@ def run(model_dir: str, out: Path, steps: int, packing: bool) -> tuple[dict, DFL
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", action="append", required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--local_rank", type=int, default=0)  # the DeepSpeed launcher passes it
     cli = parser.parse_args()
-    padded, first = run(cli.model, cli.out / "padded", cli.steps, packing=False)
-    packed, second = run(cli.model, cli.out / "packed", cli.steps, packing=True)
-    rank = dist.get_rank()
-    (cli.out / f"rank{rank}.json").write_text(json.dumps({"padded": padded, "packed": packed}))
-    finish_rank(first.dflop_batch_sampler, second.dflop_batch_sampler)
+    reports, samplers = {}, []
+    for index, model in enumerate(cli.model):
+        padded, first = run(model, cli.out / f"{index}" / "padded", cli.steps, packing=False)
+        packed, second = run(model, cli.out / f"{index}" / "packed", cli.steps, packing=True)
+        reports[model] = {"padded": padded, "packed": packed}
+        samplers += [first.dflop_batch_sampler, second.dflop_batch_sampler]
+    (cli.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(reports))
+    finish_rank(*samplers)
 
 
 if __name__ == "__main__":

@@ -1,29 +1,16 @@
-"""The composition root of the Trainer-shaped entry points: a run's inputs resolved once, and the
-sampler built for a topology.
-
-``DFLOPTrainer`` (:mod:`dflop_ds.hf_trainer.trainer`), the ms-swift plugin and the LLaMA-Factory
-launcher (:mod:`dflop_ds.integrations`) all train through a ``transformers.Trainer`` that asks for
-one rank's microbatches. Each of them only gathers what its framework knows (the DeepSpeed config,
-the model, the dataset's shapes, the batch sizes and ranks) and comes here for the rest:
-
-* :func:`run_settings`: the typed ``"dflop"`` block (of the DeepSpeed config or given) and where the
-  data order's seed comes from;
-* :func:`resolve_cost_model`: the cost model the block names (None: the unitless proxy), checked
-  against the shapes' policy and the model's depth, wrapped for padding-free microbatches;
-* :func:`build_trainer_sampler`: after one cross-rank comparison of every input (a rank that would
-  cut another split stops all of them, naming the input), this rank's
-  :class:`~dflop_ds.hf_trainer.sampler.TrainerBatchSampler` for the :class:`TrainerTopology`.
-"""
+"""The Trainer-shaped entry points' half of the composition root (:mod:`dflop_ds.compose`): the
+``"dflop"`` block, the cost model, the cross-rank agreement and the
+:class:`~dflop_ds.hf_trainer.sampler.TrainerBatchSampler` for a :class:`TrainerTopology`."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from dflop_ds.compose.sampler import schedule_sampler
 from dflop_ds.config import AUTO, OFF, DFLOPConfig
 from dflop_ds.cost import CostModel, PackedCost, load_cost_model, sampler_cost_model
 from dflop_ds.hf_trainer.agreement import check_ranks_agree, model_depths, trainer_input_digests
@@ -35,11 +22,9 @@ from dflop_ds.hf_trainer.sampler import (
     trainer_data_parallel_coords,
 )
 from dflop_ds.jsonio import read_json_object
-from dflop_ds.schedule import make_sampler
 from dflop_ds.setup_checks import check_cost_model_fits, check_time_limit
 from dflop_ds.shapes import SampleShape, ShapePolicy
 from dflop_ds.sync import SyncModel, sync_model_of
-from dflop_ds.train.options import sampler_settings
 
 #: what the cost source is called in messages when the block names no cost model
 PROXY = "the unitless proxy"
@@ -255,15 +240,16 @@ def build_trainer_sampler(inputs: RunInputs, topology: TrainerTopology) -> Train
         )
     )
     build = partial(
-        make_sampler,
-        # epochs are cut by TrainerBatchSampler
-        dataclasses.replace(sampler_settings(settings), seed=inputs.seed, drop_last=False),
+        schedule_sampler,
+        settings,
         shapes,
         dp_rank=dp_rank,
         dp_size=dp_size,
         cost_model=inputs.cost_model,
         sync=inputs.sync,
         memory_cap=cap,
+        seed=inputs.seed,
+        drop_last=False,  # epochs are cut by TrainerBatchSampler
     )
     last_gas = last_step_microbatches(len(shapes), global_batch, gas, dp_size, drop_last)
     return TrainerBatchSampler(
