@@ -1,6 +1,6 @@
 """Multimodal rotary position ids (M-RoPE) of the patch-grid families: a token's position on the
 temporal, height and width axes, as HF's ``get_rope_index`` of Qwen2-VL and Qwen3-VL computes them,
-and the placeholder image grid of a microbatch without images."""
+the placeholder image grid of a microbatch without images, and the tower's grids."""
 
 from __future__ import annotations
 
@@ -17,6 +17,12 @@ def placeholder_grid(merge_size: int, like: torch.Tensor) -> torch.Tensor:
 def is_placeholder(grid: torch.Tensor, merge_size: int) -> bool:
     """True when ``grid`` is the one placeholder image of a microbatch without images."""
     return grid.shape[0] == 1 and grid[0].tolist() == [1, merge_size, merge_size]
+
+
+def tower_grid(image_grid: torch.Tensor, video_grid: torch.Tensor) -> torch.Tensor:
+    """The grids of everything the tower embeds, in its order: images, then videos (or their frame
+    groups, each attending within itself as an image does)."""
+    return torch.cat([image_grid, video_grid]) if video_grid.shape[0] else image_grid
 
 
 def mrope_position_ids(
@@ -102,4 +108,4 @@ def _sample_positions(
     return torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long, device=device)
 
 
-__all__ = ["is_placeholder", "mrope_position_ids", "placeholder_grid"]
+__all__ = ["is_placeholder", "mrope_position_ids", "placeholder_grid", "tower_grid"]

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from dflop_ds.models.hf.base.layers import TIED_EMBEDDING_KEY, DecoderLayer, LMHead, layer_mask_kinds, load_checked
-from dflop_ds.models.hf.base.mrope import is_placeholder, mrope_position_ids, placeholder_grid
+from dflop_ds.models.hf.base.mrope import is_placeholder, mrope_position_ids, placeholder_grid, tower_grid
 from dflop_ds.models.hf.base.vision import GridEncoderInputs
 
 MODEL_TYPE = "qwen2_vl"
@@ -51,11 +51,6 @@ MODEL_TYPE = "qwen2_vl"
 MODEL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 VisTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def tower_grid(image_grid: torch.Tensor, video_grid: torch.Tensor) -> torch.Tensor:
-    """The grids of everything the tower embeds, in its order: images, then videos."""
-    return torch.cat([image_grid, video_grid]) if video_grid.shape[0] else image_grid
 
 
 def check_qwen2_vl_config(config: Any, where: str = "model") -> None:

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from dflop_ds.models.hf.base.layers import TIED_EMBEDDING_KEY, DecoderLayer, LMHead, layer_mask_kinds, load_checked
-from dflop_ds.models.hf.base.mrope import is_placeholder, mrope_position_ids, placeholder_grid
+from dflop_ds.models.hf.base.mrope import is_placeholder, mrope_position_ids, placeholder_grid, tower_grid
 from dflop_ds.models.hf.base.vision import GridEncoderInputs
 
 MODEL_TYPE = "qwen3_vl"
@@ -60,12 +60,6 @@ def frame_grids(video_grid: torch.Tensor) -> torch.Tensor:
     frames = torch.repeat_interleave(video_grid, video_grid[:, 0], dim=0)
     frames[:, 0] = 1
     return frames
-
-
-def tower_grid(image_grid: torch.Tensor, frame_grid: torch.Tensor) -> torch.Tensor:
-    """The grids of everything the tower embeds, in its order: images, then the videos' frame groups
-    (a frame group attends within itself, so it embeds as an image of one group)."""
-    return torch.cat([image_grid, frame_grid]) if frame_grid.shape[0] else image_grid
 
 
 def check_qwen3_vl_config(config: Any, where: str = "model") -> None:
