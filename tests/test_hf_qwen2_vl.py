@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 from hf_stage_checks import assert_qwen2_vl_packs, assert_stages_match_hf  # noqa: E402
 
 from dflop_ds.commands.main import main  # noqa: E402
+from dflop_ds.models.hf.base import mrope  # noqa: E402
 from dflop_ds.models.hf.base.layers import run_layers  # noqa: E402
 from dflop_ds.models.hf.check import random_image  # noqa: E402
 from dflop_ds.models.hf.qwen2_vl import model as qwen2_vl  # noqa: E402
@@ -163,9 +164,9 @@ def test_check_model_names_wrong_positions(tmp_path: Path, capsys, monkeypatch) 
     """Plain 1-D positions instead of M-RoPE: only the microbatches with images or videos differ, at the first
     decoder stage."""
     folder = build_tiny_qwen2_vl(tmp_path / "m", seed=3)
-    real = qwen2_vl.mrope_position_ids
+    real = mrope.mrope_position_ids
     monkeypatch.setattr(
-        qwen2_vl,
+        mrope,
         "mrope_position_ids",
         lambda ids, lens, grid, **kw: real(ids, lens, grid[:0], **{**kw, "video_grid_thw": None}),
     )

@@ -45,6 +45,7 @@ from torch import nn
 from dflop_ds.models.hf.base.layers import TIED_EMBEDDING_KEY, DecoderLayer, LMHead, layer_mask_kinds, load_checked
 from dflop_ds.models.hf.base.mrope import is_placeholder, mrope_position_ids, placeholder_grid, tower_grid
 from dflop_ds.models.hf.base.vision import GridEncoderInputs
+from dflop_ds.models.hf.base.visual_merge import VisualMerge
 
 MODEL_TYPE = "qwen2_vl"
 #: model types this adapter runs -> their HF model class
@@ -166,9 +167,7 @@ class Qwen2VLProjector(nn.Module):
         super().__init__()
         self.merger = merger
         self.embed_tokens = embed_tokens
-        self.image_token_id = int(config.image_token_id)
-        self.video_token_id = int(config.video_token_id)
-        self.merge_size = int(config.vision_config.spatial_merge_size)
+        self.visual = VisualMerge(config, type(self).__name__)
         self.vision_config = config.vision_config
         self.tied_weights = {} if tied_key is None else {tied_key: "embed_tokens.weight"}
 
@@ -180,41 +179,14 @@ class Qwen2VLProjector(nn.Module):
                 "Qwen2VLProjector: videos are not supported for Qwen2.5-VL yet (its temporal positions "
                 "need the seconds per frame pair)"
             )
-        features = self.merger(vis)
-        embeds = self.embed_tokens(input_ids)
-        image_positions = input_ids == self.image_token_id
-        video_positions = input_ids == self.video_token_id
-        n_image, n_video = int(image_positions.sum()), int(video_positions.sum())
-        if n_image == n_video == 0 and not video_grid.shape[0] and is_placeholder(grid, self.merge_size):
-            features, grid = features[:0], grid[:0]
-        unit = self.merge_size**2
-        image_features, video_features = int(grid.prod(-1).sum()) // unit, int(video_grid.prod(-1).sum()) // unit
-        if not (
-            n_image == image_features
-            and n_video == video_features
-            and features.shape[0] == image_features + video_features
-        ):
-            raise ValueError(
-                f"Qwen2VLProjector: the microbatch has {n_image} image and {n_video} video tokens but "
-                f"its {grid.shape[0]} image(s) of grids {grid.tolist()} and {video_grid.shape[0]} "
-                f"video(s) of grids {video_grid.tolist()} give {features.shape[0]} features"
-            )
+        features, grid, image_positions, video_positions = self.visual.split(
+            input_ids, self.merger(vis), grid, video_grid
+        )
         windows = window_index(grid, self.vision_config) if grid.shape[0] else None
         if windows is not None:  # back from window order to the images' own order
             features = features[torch.argsort(windows[0])]
-        features = features.to(embeds.dtype)
-        hidden = embeds.masked_scatter(image_positions.unsqueeze(-1).expand_as(embeds), features[:image_features])
-        if n_video:
-            hidden = hidden.masked_scatter(video_positions.unsqueeze(-1).expand_as(hidden), features[image_features:])
-        position_ids = mrope_position_ids(
-            input_ids,
-            seq_lens,
-            grid,
-            image_token_id=self.image_token_id,
-            merge_size=self.merge_size,
-            video_grid_thw=video_grid,
-            video_token_id=self.video_token_id,
-        )
+        hidden = self.visual.scatter(self.embed_tokens(input_ids), features, image_positions, video_positions)
+        position_ids = self.visual.positions(input_ids, seq_lens, grid, video_grid)
         return hidden, position_ids, seq_lens
 
 

@@ -45,8 +45,9 @@ import torch
 from torch import nn
 
 from dflop_ds.models.hf.base.layers import TIED_EMBEDDING_KEY, DecoderLayer, LMHead, layer_mask_kinds, load_checked
-from dflop_ds.models.hf.base.mrope import is_placeholder, mrope_position_ids, placeholder_grid, tower_grid
+from dflop_ds.models.hf.base.mrope import mrope_position_ids, placeholder_grid, tower_grid
 from dflop_ds.models.hf.base.vision import GridEncoderInputs
+from dflop_ds.models.hf.base.visual_merge import VisualMerge
 
 MODEL_TYPE = "qwen3_vl"
 MODEL_CLASS = "Qwen3VLForConditionalGeneration"
@@ -165,9 +166,7 @@ class Qwen3VLProjector(nn.Module):
         super().__init__()
         self.merger = merger
         self.embed_tokens = embed_tokens
-        self.image_token_id = int(config.image_token_id)
-        self.video_token_id = int(config.video_token_id)
-        self.merge_size = int(config.vision_config.spatial_merge_size)
+        self.visual = VisualMerge(config, type(self).__name__)
         self.deepstack = len(config.vision_config.deepstack_visual_indexes)
         self.tied_weights = {} if tied_key is None else {tied_key: "embed_tokens.weight"}
 
@@ -175,37 +174,13 @@ class Qwen3VLProjector(nn.Module):
         """Merge image and video features into the token embeddings, order the deepstack chunks,
         compute the positions."""
         vis, deep, input_ids, seq_lens, grid, frames = inputs
-        features = self.merger(vis)
-        embeds = self.embed_tokens(input_ids)
-        image_positions, video_positions = input_ids == self.image_token_id, input_ids == self.video_token_id
-        n_image, n_video = int(image_positions.sum()), int(video_positions.sum())
-        tower_tokens = features.shape[0]
-        if n_image == n_video == 0 and not frames.shape[0] and is_placeholder(grid, self.merge_size):
-            features, grid = features[:0], grid[:0]
-        unit = self.merge_size**2
-        image_features, video_features = int(grid.prod(-1).sum()) // unit, int(frames.prod(-1).sum()) // unit
-        if not (n_image == image_features and n_video == video_features == features.shape[0] - image_features):
-            raise ValueError(
-                f"Qwen3VLProjector: the microbatch has {n_image} image and {n_video} video tokens but its "
-                f"{grid.shape[0]} image(s) of grids {grid.tolist()} and {frames.shape[0]} frame group(s) "
-                f"of grids {frames.tolist()} give {features.shape[0]} features"
-            )
-        features = features.to(embeds.dtype)
-        hidden = embeds.masked_scatter(image_positions.unsqueeze(-1).expand_as(embeds), features[:image_features])
-        if n_video:
-            hidden = hidden.masked_scatter(video_positions.unsqueeze(-1).expand_as(hidden), features[image_features:])
-        position_ids = mrope_position_ids(
-            input_ids,
-            seq_lens,
-            grid,
-            image_token_id=self.image_token_id,
-            merge_size=self.merge_size,
-            video_grid_thw=frames,
-            video_token_id=self.video_token_id,
-        )
+        tower_tokens = vis.shape[0] // self.visual.merge_size**2
+        features, grid, image_positions, video_positions = self.visual.split(input_ids, self.merger(vis), grid, frames)
+        hidden = self.visual.scatter(self.embed_tokens(input_ids), features, image_positions, video_positions)
+        position_ids = self.visual.positions(input_ids, seq_lens, grid, frames)
         if not self.deepstack:
             return hidden, position_ids, seq_lens
-        width, n = deep.shape[-1], n_image + n_video
+        width, n = deep.shape[-1], features.shape[0]
         deep = deep.reshape(self.deepstack, tower_tokens, width)[:, :n].reshape(self.deepstack * n, width)
         visual_index = torch.cat([image_positions.flatten().nonzero(), video_positions.flatten().nonzero()]).flatten()
         return hidden, deep.to(hidden.dtype), position_ids, seq_lens, visual_index
