@@ -146,14 +146,10 @@ class TileEncoderInputs:
 
 class GridEncoderInputs:
     """Profiler input factory of a patch-grid family's first encoder layer: ``(patches, batch) ->
-    (pixel_values, input_ids, seq_lens, image_grid_thw[, video_grid_thw])`` (no videos; the empty
-    video grids where :attr:`video_grid`): one random image per row, ``patches`` (the shape
-    policy's encoder units) spread over the ``batch`` rows (each image rounded up to whole
-    ``merge x merge`` blocks, as a ``m x k`` strip), each row holding its image's tokens then
-    ``text_tokens`` text tokens."""
-
-    #: whether the family's microbatch carries video grids
-    video_grid = False
+    (pixel_values, input_ids, seq_lens, image_grid_thw, video_grid_thw)`` (no videos): one random
+    image per row, ``patches`` (the shape policy's encoder units) spread over the ``batch`` rows
+    (each image rounded up to whole ``merge x merge`` blocks, as a ``m x k`` strip), each row
+    holding its image's tokens then ``text_tokens`` text tokens."""
 
     def __init__(self, config: Any, text_tokens: int = 8, dtype: torch.dtype = torch.float32) -> None:
         vision = config.vision_config
@@ -183,8 +179,7 @@ class GridEncoderInputs:
             input_ids[row, :n] = self.image_token_id
         grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
         pixel_values = torch.randn(int(grid.prod(-1).sum()), self.patch_dim, dtype=self.dtype)
-        inputs = pixel_values, input_ids, torch.tensor(lengths, dtype=torch.long), grid
-        return (*inputs, grid[:0]) if self.video_grid else inputs
+        return pixel_values, input_ids, torch.tensor(lengths, dtype=torch.long), grid, grid[:0]
 
 
 __all__ = [

@@ -244,11 +244,8 @@ def qwen3_vl_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Mod
     return encoder, projector, llm
 
 
-class Qwen3VLEncoderInputs(GridEncoderInputs):
-    """Profiler input factory of the first encoder layer (:class:`~dflop_ds.models.hf.base.vision.GridEncoderInputs`):
-    ``(patches, batch) -> (pixel_values, input_ids, seq_lens, image_grid_thw, video_grid_thw)`` (no videos)."""
-
-    video_grid = True
+#: Profiler input factory of the first encoder layer (:class:`~dflop_ds.models.hf.base.vision.GridEncoderInputs`).
+Qwen3VLEncoderInputs = GridEncoderInputs
 
 
 class DeepstackLLMInputs:
