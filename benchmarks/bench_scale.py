@@ -221,10 +221,11 @@ def main() -> int:
             raise SystemExit(f"no baseline plan fits {args.sweep_gpus} GPUs at encoder share {share:.0%}")
         low, high = size.gain_range
         by_share[share] = size.gain
+        dflop_layout = size.of("dflop").layout
         print(
             f"{share:>13.0%} {scaled.factor:>9.2f} {best.method.label:<30} {best.step_time:>8.3f} "
             f"{size.of('dflop').step_time:>12.3f} {size.gain:>7.3f} (x{low:.3f}-{high:.3f}; "
-            f"DFLOP {size.of('dflop').layout.describe() if size.of('dflop').layout else '-'})",
+            f"DFLOP {dflop_layout.describe() if dflop_layout else '-'})",
             flush=True,
         )
 
