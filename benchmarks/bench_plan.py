@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 from dflop_ds.cost import reference_model, reference_names  # noqa: E402
 from dflop_ds.data import read_manifest  # noqa: E402
 from dflop_ds.plan import Cluster, PlanError, make_plans  # noqa: E402
+from dflop_ds.plan.instructions import stage_instructions  # noqa: E402
 from dflop_ds.shapes import ShapePolicy  # noqa: E402
 
 GLOBAL_BATCH = {8: 64, 64: 256, 256: 512, 1024: 2048, 16384: 32768}
@@ -140,6 +141,10 @@ def main() -> int:
 
     shapes = list(read_manifest(args.data, ShapePolicy()))
     make_plans(reference_model(args.profiles[0]), Cluster(gpus=8), shapes, 64, n_batches=1)  # imports, caches
+    # the pipeline simulator imports DeepSpeed's schedule on its first use (0.3-0.6 s of CPU); a
+    # warm-up search whose plans are all single-stage (scored under the sync model) never gets
+    # there, and the first searching child would pay that import as search time
+    stage_instructions(0, 2, 2)
     if hasattr(os, "getloadavg"):
         print(
             f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start "

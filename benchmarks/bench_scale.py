@@ -4,9 +4,12 @@ ZeRO-1, ZeRO-2 and ZeRO-3, and DFLOP's gain as the encoder's share of the work g
 1. The bundled mixture (``examples/data/mixture.jsonl``, each reference model's shape policy:
    :func:`~dflop_ds.cost.reference_policy`) with the analytic H100 reference cost models whose
    encoder carries a large share of the work (LLaVA-OneVision 0.5B, Qwen2-VL 2B, InternVL2.5 26B)
-   and LLaVA-OneVision 7B and 72B, at 8, 64 and 512 GPUs (global batch 2 x GPUs; ``--gpus`` adds
-   sizes, e.g. 4096, at several minutes more), under each
-   ZeRO stage: every method on its best plan (:mod:`dflop_ds.plan.projection`), single-stage plans
+   and LLaVA-OneVision 7B and 72B, at 8, 64 and 512 GPUs (``--gpus`` adds sizes, e.g. 4096, at
+   several minutes more), under each ZeRO stage. Under ZeRO-1 and ZeRO-2 every method runs on its
+   best plan (:mod:`dflop_ds.plan.projection`; global batch 2 x GPUs). Under ZeRO-3 every method
+   runs on the layout ZeRO-3 users run (:func:`stage_setting`): pure data parallelism over all GPUs
+   (tensor parallelism under ZeRO-3 is rare), 8 samples per GPU in 4 microbatches (gradient
+   accumulation), the same layout and batches for every method; single-stage plans
    scored under the stage's sync model (ZeRO-1: ranks meet at the accumulation boundary; ZeRO-2
    and 3: per module, :meth:`~dflop_ds.plan.cluster.Cluster.sync_model`), DFLOP's gain over the
    best baseline with its range over the sampled global batches, and DFLOP's step over the
@@ -50,6 +53,7 @@ from dflop_ds.plan import Cluster  # noqa: E402
 from dflop_ds.plan.calibration import load_calibration  # noqa: E402
 from dflop_ds.plan.planner import simulate_layout  # noqa: E402
 from dflop_ds.plan.projection import (  # noqa: E402
+    SHARED_FAMILIES,
     SizeProjection,
     encoder_share,
     project,
@@ -65,6 +69,12 @@ ZERO_STAGES = (1, 2, 3)
 MODELS = ("llava-ov-0.5b-h100", "qwen2-vl-2b-h100", "internvl2.5-26b-h100", "llava-ov-7b-h100", "llava-ov-72b-h100")
 #: a reference model is encoder-heavy when its encoder does at least this share of the mixture's work
 ENCODER_HEAVY = 0.25
+#: ZeRO-3 users run pure data parallelism (tensor parallelism under ZeRO-3 is rare) with the
+#: gradient accumulation of their DeepSpeed config: the ZeRO-3 rows give every method this layout
+#: (dp = all GPUs, tp = pp = 1, no colocated encoder), these samples per GPU in this many
+#: microbatches, the same for all
+ZERO3_BATCH_PER_GPU = 8
+ZERO3_MICROBATCHES = 4
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,23 @@ def dflop_step_over_bound(
     return dflop.step_time / float(np.mean(bounds))
 
 
+def stage_setting(model: Any, zero_stage: int, args: argparse.Namespace) -> tuple[Cluster, int, dict[str, Any], str]:
+    """The cluster, samples per GPU, search options and a one-line description of the layout of
+    ``zero_stage``'s rows: ZeRO-1 and ZeRO-2 let every method take its best plan (any tp, pp,
+    family, microbatch count) at ``args.batch_per_gpu``; ZeRO-3 gives every method the layout its
+    users run: pure data parallelism over all GPUs, ``args.z3_batch_per_gpu`` samples per GPU in
+    ``args.z3_microbatches`` microbatches (gradient accumulation), one shared engine."""
+    cluster = Cluster(gpus=1, gpu_memory_bytes=model.gpu_memory_bytes, zero_stage=zero_stage)
+    if zero_stage != 3:
+        return cluster, args.batch_per_gpu, {}, f"each method's best plan, {args.batch_per_gpu} samples per GPU"
+    options = {"nmb_choices": (args.z3_microbatches,), "families": SHARED_FAMILIES}
+    layout = (
+        f"every method on the ZeRO-3 user's layout: dp = all GPUs, tp = pp = 1, {args.z3_batch_per_gpu} samples"
+        f" per GPU in {args.z3_microbatches} microbatches"
+    )
+    return replace(cluster, max_tp=1), args.z3_batch_per_gpu, options, layout
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(ROOT / "examples/data/mixture.jsonl"))
@@ -118,6 +145,12 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 512])
     parser.add_argument("--batch-per-gpu", type=int, default=2)
     parser.add_argument("--batches", type=int, default=2, help="sampled global batches per plan")
+    parser.add_argument(
+        "--z3-batch-per-gpu", type=int, default=ZERO3_BATCH_PER_GPU, help="ZeRO-3 rows: samples per GPU"
+    )
+    parser.add_argument(
+        "--z3-microbatches", type=int, default=ZERO3_MICROBATCHES, help="ZeRO-3 rows: microbatches per GPU and step"
+    )
     parser.add_argument("--sweep-gpus", type=int, default=64, help="cluster size of the encoder-share sweep")
     parser.add_argument("--sweep-model", default="llava-ov-7b-h100", help="the model of the encoder-share sweep")
     args = parser.parse_args()
@@ -128,7 +161,9 @@ def main() -> int:
     print("PREDICTIONS of ANALYTIC cost models (FLOP counts / assumed throughput) and the simulator, not measured")
     print(load_calibration().describe())
     print(
-        f"data: {args.data} under each model's reference shape policy; global batch {args.batch_per_gpu} x GPUs, "
+        f"data: {args.data} under each model's reference shape policy; global batch {args.batch_per_gpu} x GPUs "
+        f"under ZeRO-1 and ZeRO-2 (each method on its best plan), {args.z3_batch_per_gpu} x GPUs under ZeRO-3 "
+        f"(every method on one layout: dp = all GPUs, tp = pp = 1, {args.z3_microbatches} microbatches per GPU); "
         f"{args.batches} sampled global batches per plan; 8 GPUs per node, 80 GB, bf16; ZeRO stages "
         f"{args.zero_stages}: one-stage plans scored under the stage's sync model, pipelines (ZeRO-0/1 only) 1F1B"
     )
@@ -138,15 +173,21 @@ def main() -> int:
         shapes = list(read_manifest(args.data, reference_policy(name)))
         share = encoder_share(model, shapes)
         for zero_stage in args.zero_stages:
-            cluster = Cluster(gpus=1, gpu_memory_bytes=model.gpu_memory_bytes, zero_stage=zero_stage)
+            cluster, batch_per_gpu, options, layout = stage_setting(model, zero_stage, args)
             start = time.perf_counter()
             sizes = project(
-                model, shapes, args.gpus, batch_per_gpu=args.batch_per_gpu, cluster=cluster, n_batches=args.batches
+                model,
+                shapes,
+                args.gpus,
+                batch_per_gpu=batch_per_gpu,
+                cluster=cluster,
+                n_batches=args.batches,
+                **options,
             )
             bounds = [dflop_step_over_bound(model, cluster, s, shapes, args.batches) for s in sizes]
             print(
                 f"\n{name} ({reference_policy(name).name} policy), ZeRO-{zero_stage}, sync "
-                f"{cluster.sync_model().describe()}: encoder {share:.1%} of the work "
+                f"{cluster.sync_model().describe()}: encoder {share:.1%} of the work; {layout} "
                 f"({time.perf_counter() - start:.0f} s to project)"
             )
             print("\n".join(table_lines(sizes)), flush=True)
@@ -180,10 +221,11 @@ def main() -> int:
             raise SystemExit(f"no baseline plan fits {args.sweep_gpus} GPUs at encoder share {share:.0%}")
         low, high = size.gain_range
         by_share[share] = size.gain
+        dflop_layout = size.of("dflop").layout
         print(
             f"{share:>13.0%} {scaled.factor:>9.2f} {best.method.label:<30} {best.step_time:>8.3f} "
             f"{size.of('dflop').step_time:>12.3f} {size.gain:>7.3f} (x{low:.3f}-{high:.3f}; "
-            f"DFLOP {size.of('dflop').layout.describe() if size.of('dflop').layout else '-'})",
+            f"DFLOP {dflop_layout.describe() if dflop_layout else '-'})",
             flush=True,
         )
 

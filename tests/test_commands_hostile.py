@@ -81,6 +81,8 @@ def test_project_refuses_a_negative_seed_and_no_gpus_per_node(capsys):
     assert "--seed: expected an integer of at least 0, got -1" in refused(argv + ["--seed", "-1"], capsys)
     no_node = refused(argv + ["--gpus-per-node", "0"], capsys)
     assert "--gpus-per-node: expected an integer of at least 1, got 0" in no_node
+    for option in ("--max-tp", "--microbatches"):
+        assert f"{option}: expected an integer of at least 1, got 0" in refused(argv + [option, "0"], capsys)
 
 
 def test_plan_notes_global_batches_larger_than_the_data_set(tmp_path: Path, write_jsonl, capsys, monkeypatch):

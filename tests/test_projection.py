@@ -150,6 +150,16 @@ def test_project_zero_stage_picks_the_sync_model_and_prints_it(data: Path, capsy
     )
 
 
+def test_project_restricts_every_methods_tp_and_microbatches_alike(data: Path, capsys) -> None:
+    argv = ["project", "--cost-model", MODEL, "--data", str(data), "--gpus", "8", "--batches", "1"]
+    assert main([*argv, "--zero-stage", "3", "--max-tp", "1", "--microbatches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "every method's plan restricted alike: tensor parallelism at most 1, 2 microbatches per GPU" in out
+    rows = [line for line in out.splitlines() if re.match(r"^\s+8\s+16\s", line)]
+    assert len(rows) == len(METHODS), out
+    assert all("L(tp1,pp1,dp8) mb2" in row for row in rows), rows
+
+
 def test_under_zero3_every_method_is_scored_per_module(data: Path) -> None:
     """ZeRO-3 runs no pipeline: every method's single-stage step is its microbatches' step under
     the ``module`` sync model plus the gradient communication, recomputed here from its split

@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflop_ds.schedule.aligned import aligned_split, improve_grid, microstep_groups
+from dflop_ds.schedule.aligned import (
+    _grid_score,
+    _grouped,
+    aligned_split,
+    improve_grid,
+    layered_groups,
+    microstep_groups,
+)
 from dflop_ds.schedule.splitters import MemoryBudget, SplitRequest, make_splitter, splitter_names
 from dflop_ds.sync import SyncModel, step_cost, step_lower_bound
 from tests.test_splitters import shapes_of
@@ -48,6 +55,21 @@ def test_microstep_groups_hold_alike_samples_together():
     assert all(encoder[k].min() >= encoder[k + 1].max() for k in range(3))  # decreasing encoder cost
     with pytest.raises(ValueError, match="grouping key"):
         microstep_groups(costs, 4, "fancy")
+
+
+@pytest.mark.parametrize("dp,per_rank,n_mb,extra", [(4, 8, 4, 0), (8, 6, 3, 0), (5, 4, 2, 3), (3, 40, 4, 0)])
+def test_layered_groups_cut_whole_layers_and_beat_equal_counts(dp, per_rank, n_mb, extra):
+    costs = typed_costs(dp * per_rank + extra, dp + per_rank)
+    for balanced in (False, True):
+        groups = layered_groups(costs, dp, n_mb, balanced)
+        assert len(groups) == n_mb
+        assert sorted(np.concatenate(groups).tolist()) == list(range(costs.shape[0]))
+        assert all(g.size >= dp and g.size % dp == 0 for g in groups[:-1]) and groups[-1].size >= dp
+    if extra == 0 and per_rank <= 16 and per_rank % n_mb == 0:
+        # the equal-count groups are runs of whole layers: the balanced programme never scores above them
+        layered = _grid_score(costs, _grouped(costs, dp, layered_groups(costs, dp, n_mb, True)), dp, n_mb)
+        equal = _grid_score(costs, _grouped(costs, dp, microstep_groups(costs, n_mb, "first")), dp, n_mb)
+        assert layered <= equal * (1 + 1e-12)
 
 
 def test_improve_grid_never_raises_the_module_step():

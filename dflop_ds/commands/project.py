@@ -10,6 +10,9 @@ best of them with its range over the sampled global batches, the cost model used
 simulator's last measured error against real runs (:mod:`dflop_ds.plan.calibration`).
 ``--zero-stage`` sets the memory model and how ranks meet in a single-stage step (the sync
 model, :meth:`~dflop_ds.plan.cluster.Cluster.sync_model`), under which every method is scored.
+``--max-tp`` and ``--microbatches`` restrict every method's plan alike, e.g. to the layout ZeRO-3
+users run (``--zero-stage 3 --max-tp 1 --microbatches 4``: data parallelism over all GPUs, the
+gradient accumulation of their DeepSpeed config).
 """
 
 from __future__ import annotations
@@ -66,6 +69,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=sorted(ZERO_SHARDED),
         help="DeepSpeed ZeRO stage: what is sharded and how ranks meet (0, 1: at the boundary; 2, 3: per module)",
     )
+    parser.add_argument(
+        "--max-tp",
+        type=int_at_least(1),
+        default=None,
+        help="largest tensor-parallel degree of every method's plan (default: as for `plan`); 1 for the pure"
+        " data parallelism ZeRO-3 users run",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int_at_least(1),
+        default=None,
+        help="microbatches per GPU and step (gradient accumulation) of every method's plan (default: each"
+        " method's best count)",
+    )
     parser.add_argument("--precision", default=None, choices=PRECISIONS, help="training precision (as for `plan`)")
     parser.add_argument("--batches", type=int, default=3, help="sampled global batches per plan (the spread)")
     parser.add_argument(
@@ -94,7 +111,9 @@ def run_project(args: argparse.Namespace) -> int:
         zero_stage=args.zero_stage,
         precision=training_precision(args, model),
         autotp=args.model_name_or_path is not None,
+        max_tp=args.max_tp,
     )
+    fixed = {} if args.microbatches is None else {"nmb_choices": (args.microbatches,)}
     if len(shapes) < 2:
         raise ValueError(
             f"project: {args.data} has {len(shapes)} sample(s): global batches drawn from it would repeat one"
@@ -112,9 +131,16 @@ def run_project(args: argparse.Namespace) -> int:
             n_batches=args.batches,
             seed=args.seed,
             tensor_parallel_layers=tensor_parallel_layers(args, model),
+            **fixed,
         )
     for line in header_lines(model, args.cost_model, args.data, shapes, args.batch_per_gpu, args.batches, cluster):
         print(line)
+    if args.max_tp is not None or args.microbatches is not None:
+        tp = "default" if args.max_tp is None else f"at most {args.max_tp}"
+        print(
+            f"every method's plan restricted alike: tensor parallelism {tp},"
+            f" {args.microbatches or 'any number of'} microbatches per GPU"
+        )
     note = repeat_note(args.batch_per_gpu * max(args.gpus), shapes)
     if note is not None:
         print(note)
