@@ -116,14 +116,6 @@ def memory_cap(settings: DFLOPConfig) -> float | None:
     return None if cap in (AUTO, OFF) else float(cap)
 
 
-def epochs_to_train(args: Any, batches_per_epoch: int) -> int:
-    """The epochs a Trainer run with ``args`` (``TrainingArguments``) reaches: those ``max_steps``
-    optimizer steps span when set (one step per global batch), else ``num_train_epochs`` rounded up."""
-    if args.max_steps is not None and args.max_steps > 0:
-        return max(1, math.ceil(args.max_steps / max(1, batches_per_epoch)))
-    return max(1, math.ceil(args.num_train_epochs))
-
-
 def resolve_cost_model(
     settings: DFLOPConfig, policy: ShapePolicy | None, model: Any, padding_free: bool = False
 ) -> CostModel | None:
@@ -156,7 +148,8 @@ def resolve_cost_model(
 class TrainerTopology:
     """Where a Trainer process sits and how its batches are counted: ``process_index`` of
     ``world_size`` processes in a ``(data, tensor)`` mesh of ``tp_size`` peers,
-    ``per_device_batch`` samples x ``gradient_accumulation_steps`` microbatches per step."""
+    ``per_device_batch`` samples x ``gradient_accumulation_steps`` microbatches per step; and how
+    long it trains: ``max_steps`` optimizer steps when above 0, else ``num_train_epochs``."""
 
     process_index: int
     world_size: int
@@ -164,6 +157,8 @@ class TrainerTopology:
     per_device_batch: int
     gradient_accumulation_steps: int
     drop_last: bool
+    max_steps: int = -1
+    num_train_epochs: float = 1.0
 
     @classmethod
     def of_trainer(cls, trainer: Any) -> TrainerTopology:
@@ -176,7 +171,16 @@ class TrainerTopology:
             per_device_batch=args.per_device_train_batch_size,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             drop_last=args.dataloader_drop_last,
+            max_steps=args.max_steps if args.max_steps is not None else -1,
+            num_train_epochs=args.num_train_epochs,
         )
+
+    def epochs(self, batches_per_epoch: int) -> int:
+        """The epochs the run reaches: those ``max_steps`` optimizer steps span when set (one step
+        per global batch of ``batches_per_epoch``), else ``num_train_epochs`` rounded up."""
+        if self.max_steps > 0:
+            return max(1, math.ceil(self.max_steps / max(1, batches_per_epoch)))
+        return max(1, math.ceil(self.num_train_epochs))
 
     @property
     def data_parallel(self) -> tuple[int, int]:
@@ -225,7 +229,10 @@ class RunInputs:
 def build_trainer_sampler(inputs: RunInputs, topology: TrainerTopology) -> TrainerBatchSampler:
     """This rank's :class:`~dflop_ds.hf_trainer.sampler.TrainerBatchSampler`, once every rank
     agrees on ``inputs`` and the batch settings (a collective: every rank calls it). A
-    time-limited solver is refused with more than one rank (each rank solves alone)."""
+    time-limited solver is refused with more than one rank (each rank solves alone); under a
+    memory cap, every global batch of the epochs the run reaches is fitted now, so a batch the cap
+    cannot split is an error before step 0 (:class:`~dflop_ds.schedule.MemoryCapError`), not when
+    training gets there."""
     settings, shapes = inputs.settings, list(inputs.shapes)
     dp_rank, dp_size = topology.data_parallel
     check_time_limit(settings, topology.world_size)
@@ -266,13 +273,15 @@ def build_trainer_sampler(inputs: RunInputs, topology: TrainerTopology) -> Train
         memory_cap=cap,
     )
     last_gas = last_step_microbatches(len(shapes), global_batch, gas, dp_size, drop_last)
-    return TrainerBatchSampler(
+    batch_sampler = TrainerBatchSampler(
         build(global_batch_size=global_batch, gradient_accumulation_steps=gas),
         drop_last=drop_last,
         last_step_sampler=None
         if last_gas == gas
         else build(global_batch_size=len(shapes) % global_batch, gradient_accumulation_steps=last_gas),
     )
+    batch_sampler.check_epochs(topology.epochs(batch_sampler.batches_per_epoch))
+    return batch_sampler
 
 
 __all__ = [
@@ -284,7 +293,6 @@ __all__ = [
     "build_trainer_sampler",
     "dflop_block",
     "dflop_settings",
-    "epochs_to_train",
     "memory_cap",
     "resolve_cost_model",
     "run_settings",
