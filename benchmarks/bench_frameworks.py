@@ -1,0 +1,225 @@
+"""`make bench-frameworks`: each framework's own training against the same with dflop-ds, ZeRO-3, 2 CPU ranks.
+
+Every run goes through the framework's own command, in its environment (``.venv-swift``,
+``.venv-llamafactory``, `make framework-envs`), on the inputs of `make test-frameworks`
+(tests/frameworks/inputs.py: a chat dataset with a quarter text-only rows and one to three images
+of 24-400 px in the others), with this checkout's dflop_ds first on PYTHONPATH. Per framework, four
+launches per round, interleaved over the rounds, the same data and seed in each:
+
+Both frameworks freeze the vision tower by default; here it trains (ms-swift's ``--freeze_vit
+false``, LLaMA-Factory's ``freeze_vision_tower: false``: full ViT + LLM training, the case of
+ms-swift #6283), in every run alike.
+
+* ``default``: the framework's own sampler, microbatches padded (encoder-heavy tiny LLaVA, its
+  vision tower about half the work), against ``dflop``: the same command with DFLOP's sampler
+  (ms-swift's ``--callbacks dflop``, ``dflop-ds llamafactory train``);
+* ``packing``: the framework's own packing against DFLOP's packing path. ms-swift: ``--packing
+  true`` (offline bin packing into rows of ``--max_length`` tokens, one row per microbatch) against
+  ``--padding_free true --callbacks dflop`` (DFLOP's balanced microbatches, each packed into one row
+  by ms-swift), on tiny Qwen2-VL (ms-swift's LLaVA template allows neither); both need a
+  flash-attention build in ms-swift, which this CPU has none of, so a benchmark plugin
+  (framework_hooks/swift_cpu.py, loaded by every ms-swift run) lifts that rule and both run with
+  sdpa; it also starts DeepSpeed's communication before the model loads, as DFLOP's plugin does
+  (ms-swift's own run stops at DeepSpeed's batch assertion under ZeRO-3 on CPU ranks otherwise). LLaMA-Factory:
+  ``packing: true`` (offline greedy knapsack into rows of ``cutoff_len`` tokens) against the
+  ``"dflop"`` block's ``model.packing: true`` (DFLOP's balanced microbatches packed by its own
+  collator with per-sample attention), on the encoder-heavy LLaVA. A pack row holds about two
+  samples (the row length: :data:`PACK_TOKENS`), so the packed runs take one row per microbatch
+  where the padded ones take ``BATCH`` samples.
+
+The time measured is one epoch of training: rank 0's Trainer callbacks ``on_train_begin`` to
+``on_train_end`` (framework_hooks/sitecustomize.py), so process start-up, model loading and data
+preparation are left out. Prints a table (median and min-max over rounds, loss of the last step)
+and ends with ``frameworks swift_speedup=A swift_packing_speedup=B llamafactory_speedup=C
+llamafactory_packing_speedup=D``: each the framework's median epoch time over dflop-ds's.
+
+Usage: python benchmarks/bench_frameworks.py [--rounds 3] [--rows 48] [--frameworks swift llamafactory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HOOKS = ROOT / "benchmarks" / "framework_hooks"
+sys.path.insert(0, str(ROOT / "tests" / "frameworks"))
+
+import run_frameworks as fw  # noqa: E402
+
+#: tokens per pack row of the frameworks' own packing: about two samples of the data (a LLaVA image
+#: is 16 tokens, a Qwen2-VL image 4-8; a row holds 30-150 tokens)
+PACK_TOKENS = {"swift": 192, "llamafactory": 192}
+#: the model family of each comparison
+FAMILY = {("swift", False): "llava", ("swift", True): "qwen2_vl"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One launch kind: framework, whether dflop-ds is on, whether it packs."""
+
+    framework: str
+    dflop: bool
+    packing: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.framework}_{'packing' if self.packing else 'default'}{'_dflop' if self.dflop else ''}"
+
+    @property
+    def family(self) -> str:
+        return FAMILY.get((self.framework, self.packing), "llava")
+
+
+def deepspeed_file(work: Path, variant: Variant) -> Path:
+    """ZeRO-3 config; the ``"dflop"`` block only for dflop-ds's runs (``model.packing`` for its
+    packing run)."""
+    dflop = {"sampler": {"kind": "dflop"}}
+    if variant.packing and variant.framework == "llamafactory":
+        dflop["model"] = {"packing": True}
+    path = fw.deepspeed_config(3, work / f"ds_{variant.name}.json", dflop)
+    if not variant.dflop:
+        config = json.loads(path.read_text())
+        del config["dflop"]
+        path.write_text(json.dumps(config, indent=1))
+    return path
+
+
+def swift_command(venv: Path, variant: Variant, ds: Path, out: Path, env: dict[str, str]) -> list[str]:
+    """``swift sft`` for ``variant`` (``env``: the launch's environment)."""
+    packs = variant.packing and not variant.dflop
+    command = fw.swift_options(fw.INPUTS[variant.family], variant.family, ds, out, batch=1 if packs else fw.BATCH)
+    command += ["--save_strategy", "no", "--freeze_vit", "false"]
+    plugins = [str(HOOKS / "swift_cpu.py")]
+    if variant.dflop:
+        plugins.insert(0, fw.swift_plugin(venv, env))
+    command += ["--external_plugins", *plugins]
+    if variant.dflop:
+        command += ["--callbacks", "dflop"]
+    if variant.packing:
+        command += ["--padding_free", "true"] if variant.dflop else ["--packing", "true"]
+        command += ["--max_length", str(PACK_TOKENS["swift"])] if packs else []
+    return command
+
+
+def llamafactory_command(venv: Path, variant: Variant, ds: Path, out: Path) -> list[str]:
+    """``llamafactory-cli train`` (or ``dflop-ds llamafactory train``) on a config for ``variant``."""
+    packs = variant.packing and not variant.dflop
+    config = fw.llamafactory_config(fw.INPUTS[variant.family], variant.family, ds, out, batch=1 if packs else fw.BATCH)
+    config["freeze_vision_tower"] = False
+    if packs:
+        config.update(packing=True, cutoff_len=PACK_TOKENS["llamafactory"])
+    path = fw.write_config(config, out.with_suffix(".yaml"))
+    if variant.dflop:
+        return [str(venv / "bin" / "dflop-ds"), "llamafactory", "train", str(path)]
+    return [str(venv / "bin" / "llamafactory-cli"), "train", str(path)]
+
+
+def train_seconds(step_log: Path) -> float:
+    """Rank 0's ``on_train_begin`` to ``on_train_end``, from the hooks' log."""
+    times = {}
+    for line in step_log.read_text().splitlines():
+        entry = json.loads(line)
+        times.setdefault(entry["event"], entry["t"])
+        if entry["event"] == "on_train_end":
+            times["on_train_end"] = entry["t"]
+    return times["on_train_end"] - times["on_train_begin"]
+
+
+def launch(variant: Variant, work: Path, round_: int) -> tuple[float, float]:
+    """One epoch of ``variant``; returns (train seconds, last logged loss). Raises with the log's
+    tail when the launch fails."""
+    venv = ROOT / f".venv-{variant.framework}"
+    name = f"{variant.name}_r{round_}"
+    out, step_log = work / name, work / f"{name}.steps"
+    ds = deepspeed_file(work, variant)
+    env = fw.venv_env(venv, DFLOP_STEP_LOG=str(step_log), **fw.QWEN_PIXELS)
+    env["PYTHONPATH"] = os.pathsep.join([str(HOOKS), str(ROOT)])  # this checkout's dflop_ds
+    if variant.framework == "swift":
+        command = swift_command(venv, variant, ds, out, env)
+    else:
+        env.update(FORCE_TORCHRUN="1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+        command = llamafactory_command(venv, variant, ds, out)
+    result = subprocess.run(["nice", *command], env=env, capture_output=True, text=True, cwd=work, timeout=1800)
+    (work / f"{name}.log").write_text(result.stdout + result.stderr)
+    if result.returncode != 0 or not step_log.is_file():
+        raise RuntimeError(f"{name} failed (exit {result.returncode}):\n{(result.stdout + result.stderr)[-3000:]}")
+    run = fw.Run(name, out, work / name)
+    (fw.swift_losses if variant.framework == "swift" else fw.llamafactory_losses)(run)
+    if variant.dflop and not run.telemetry:
+        raise RuntimeError(f"{name}: no dflop_predicted_imbalance logged, so DFLOP's sampler did not run")
+    return train_seconds(step_log), run.losses[-1] if run.losses else float("nan")
+
+
+def load() -> str:
+    """The 1-minute load average, for the report."""
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=48, help="chat rows of the epoch")
+    parser.add_argument("--frameworks", nargs="+", default=fw.FRAMEWORKS, choices=fw.FRAMEWORKS)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_frameworks")
+    cli = parser.parse_args()
+    work = cli.out.resolve()
+    subprocess.run(["rm", "-rf", str(work)], check=True)
+    work.mkdir(parents=True)
+    built = subprocess.run(
+        [str(ROOT / ".venv-swift" / "bin" / "python"), str(ROOT / "tests" / "frameworks" / "inputs.py")]
+        + [str(work / "inputs"), "--records", str(cli.rows), "--encoder-heavy"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    fw.INPUTS.update(json.loads(built.stdout.strip().splitlines()[-1]))
+    variants = [Variant(f, d, p) for f in cli.frameworks for p in (False, True) for d in (False, True)]
+    seconds: dict[str, list[float]] = {v.name: [] for v in variants}
+    losses: dict[str, float] = {}
+    start = time.time()
+    print(f"bench-frameworks: {cli.rows} rows, {cli.rounds} rounds, ZeRO-3, 2 ranks; load {load()}", flush=True)
+    failed: dict[str, str] = {}
+    for round_ in range(cli.rounds):
+        order = variants if round_ % 2 == 0 else variants[::-1]
+        for variant in order:
+            if variant.name in failed:
+                continue
+            try:
+                took, losses[variant.name] = launch(variant, work, round_)
+            except RuntimeError as error:  # shown, and its comparison reported as failed
+                failed[variant.name] = str(error)
+                print(f"round {round_} {variant.name}: FAILED\n{error}", flush=True)
+                continue
+            seconds[variant.name].append(took)
+            print(f"round {round_} {variant.name}: {took:.1f} s train (load {load()})", flush=True)
+    print(f"\n{'run':<30} {'family':<9} {'epoch s median':>14} {'min-max':>14} {'last loss':>9}")
+    for v in variants:
+        times = seconds[v.name]
+        if v.name in failed:
+            print(f"{v.name:<30} {v.family:<9} {'failed':>14}")
+            continue
+        spread = f"{min(times):.1f}-{max(times):.1f}"
+        print(f"{v.name:<30} {v.family:<9} {statistics.median(times):>14.1f} {spread:>14} {losses[v.name]:>9.3f}")
+    speedups: dict[str, str] = {}
+    for framework in ("swift", "llamafactory"):
+        for packing, key in ((False, f"{framework}_speedup"), (True, f"{framework}_packing_speedup")):
+            base, ours = Variant(framework, False, packing).name, Variant(framework, True, packing).name
+            if base in seconds and ours in seconds:
+                ratio = statistics.median(seconds[base]) / statistics.median(seconds[ours]) if seconds[ours] else 0
+                speedups[key] = "failed" if base in failed or ours in failed else f"{ratio:.3f}"
+    print(f"wall {time.time() - start:.0f} s, load {load()}")
+    print("frameworks " + " ".join(f"{k}={v}" for k, v in speedups.items()))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
