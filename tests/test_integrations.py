@@ -205,3 +205,10 @@ def test_swift_refuses_a_memory_cap_a_later_epoch_cannot_meet_before_step_0(llav
     three, _ = swift_trainer(model, rows, tmp_path, block, data_seed=seed, num_train_epochs=3)
     with pytest.raises(MemoryCapError, match=r"epoch [12] global batch \d+.*memory cap"):
         three.get_train_dataloader()
+
+
+@pytest.mark.parametrize("key, option", [("packing", "--padding_free true"), ("freeze_encoder", "--freeze_vit true")])
+def test_swift_refuses_the_model_options_ms_swift_has_its_own_of(llava, tmp_path, key, option):
+    model, rows, _ = llava
+    with pytest.raises(ValueError, match=rf"dflop\.model\.{key}: .*pass {option}"):
+        swift_trainer(model, rows, tmp_path, {"model": {key: True}})

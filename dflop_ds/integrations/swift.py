@@ -82,6 +82,18 @@ def refuse_unsupported(args: Any, trainer: Any) -> None:
         raise ValueError("--callbacks dflop: sequence parallelism has its own sampler; drop --sequence_parallel_size")
 
 
+#: the ``"dflop"`` block's model options the Trainer honours that ms-swift does itself, with its option
+SWIFT_INSTEAD = {"packing": "--padding_free true", "freeze_encoder": "--freeze_vit true"}
+
+
+def refuse_model_options(settings: Any, source: str) -> None:
+    """Refuse ``dflop.model.packing`` / ``freeze_encoder`` (honoured by ``DFLOPTrainer``, not here:
+    ms-swift builds the collator and freezes modules itself), naming ms-swift's own option."""
+    for key, option in SWIFT_INSTEAD.items():
+        if getattr(settings.model, key):
+            raise ValueError(f"{source}: dflop.model.{key}: ms-swift does this itself: drop it and pass {option}")
+
+
 def guard_image_free_microbatches(trainer: Any) -> None:
     """Give a microbatch without images a blank image, masked out of attention and loss
     (:mod:`dflop_ds.hf_trainer.guard`), before ms-swift prepares the batch (it derives the positions
@@ -128,6 +140,7 @@ class DFLOPSwiftCallback(TrainerCallback):
         self.args = args
         self.trainer = trainer
         self.settings = run_settings(None, args.deepspeed, "--deepspeed")
+        refuse_model_options(self.settings.config, "--deepspeed")
         self.batch_sampler: Any = None
         self.shape_policy: Any = None
         self._guarded = False
@@ -190,4 +203,12 @@ class DFLOPSwiftCallback(TrainerCallback):
             self.batch_sampler.close()
 
 
-__all__ = ["CALLBACK", "DFLOPSwiftCallback", "refuse_unsupported", "register", "training_rows"]
+__all__ = [
+    "CALLBACK",
+    "SWIFT_INSTEAD",
+    "DFLOPSwiftCallback",
+    "refuse_model_options",
+    "refuse_unsupported",
+    "register",
+    "training_rows",
+]
