@@ -23,9 +23,9 @@ ms-swift #6283), in every run alike.
   (ms-swift's own run stops at DeepSpeed's batch assertion under ZeRO-3 on CPU ranks otherwise). LLaMA-Factory:
   ``packing: true`` (offline greedy knapsack into rows of ``cutoff_len`` tokens) against the
   ``"dflop"`` block's ``model.packing: true`` (DFLOP's balanced microbatches packed by its own
-  collator with per-sample attention), on the encoder-heavy LLaVA. A pack row holds about two
-  samples (the row length: :data:`PACK_TOKENS`), so the packed runs take one row per microbatch
-  where the padded ones take ``BATCH`` samples.
+  collator with per-sample attention), on the encoder-heavy LLaVA. A pack row holds 2-4
+  samples (the row length: :data:`PACK_TOKENS`), so the frameworks' packed runs take one row per
+  microbatch where dflop-ds's take ``BATCH`` samples.
 
 The time measured is one epoch of training: rank 0's Trainer callbacks ``on_train_begin`` to
 ``on_train_end`` (framework_hooks/sitecustomize.py), so process start-up, model loading and data
@@ -54,9 +54,10 @@ sys.path.insert(0, str(ROOT / "tests" / "frameworks"))
 
 import run_frameworks as fw  # noqa: E402
 
-#: tokens per pack row of the frameworks' own packing: about two samples of the data (a LLaVA image
-#: is 16 tokens, a Qwen2-VL image 4-8; a row holds 30-150 tokens)
-PACK_TOKENS = {"swift": 192, "llamafactory": 192}
+#: tokens per pack row of the frameworks' own packing (``--max_length``, ``cutoff_len``): the smallest
+#: power of two above the data's longest sample (303 tokens on the LLaVA, 234 on Qwen2-VL, by the
+#: shapes dflop-ds reads), so that no sample is cut or dropped; a row holds 2-4 samples
+PACK_TOKENS = {"swift": 512, "llamafactory": 512}
 #: the model family of each comparison
 FAMILY = {("swift", False): "llava", ("swift", True): "qwen2_vl"}
 
