@@ -3,29 +3,32 @@
 Every run goes through the framework's own command, in its environment (``.venv-swift``,
 ``.venv-llamafactory``, `make framework-envs`), on the inputs of `make test-frameworks`
 (tests/frameworks/inputs.py: a chat dataset with a quarter text-only rows and one to three images
-of 24-400 px in the others), with this checkout's dflop_ds first on PYTHONPATH. Per framework, four
-launches per round, interleaved over the rounds, the same data and seed in each:
-
-Both frameworks freeze the vision tower by default; here it trains (ms-swift's ``--freeze_vit
-false``, LLaMA-Factory's ``freeze_vision_tower: false``: full ViT + LLM training, the case of
-ms-swift #6283), in every run alike.
+of 24-400 px in the others), with this checkout's dflop_ds first on PYTHONPATH. Per round, seven
+launches, interleaved over the rounds (the order reversed every other round), the same data and
+seed in each (both frameworks freeze the vision tower by default; here it trains in every run:
+ms-swift's ``--freeze_vit false``, LLaMA-Factory's ``freeze_vision_tower: false``, full ViT + LLM
+training, the case of ms-swift #6283):
 
 * ``default``: the framework's own sampler, microbatches padded (encoder-heavy tiny LLaVA, its
   vision tower about half the work), against ``dflop``: the same command with DFLOP's sampler
-  (ms-swift's ``--callbacks dflop``, ``dflop-ds llamafactory train``);
-* ``packing``: the framework's own packing against DFLOP's packing path. ms-swift: ``--packing
-  true`` (offline bin packing into rows of ``--max_length`` tokens, one row per microbatch) against
-  ``--padding_free true --callbacks dflop`` (DFLOP's balanced microbatches, each packed into one row
-  by ms-swift), on tiny Qwen2-VL (ms-swift's LLaVA template allows neither); both need a
-  flash-attention build in ms-swift, which this CPU has none of, so a benchmark plugin
-  (framework_hooks/swift_cpu.py, loaded by every ms-swift run) lifts that rule and both run with
-  sdpa; it also starts DeepSpeed's communication before the model loads, as DFLOP's plugin does
-  (ms-swift's own run stops at DeepSpeed's batch assertion under ZeRO-3 on CPU ranks otherwise). LLaMA-Factory:
-  ``packing: true`` (offline greedy knapsack into rows of ``cutoff_len`` tokens) against the
-  ``"dflop"`` block's ``model.packing: true`` (DFLOP's balanced microbatches packed by its own
-  collator with per-sample attention), on the encoder-heavy LLaVA. A pack row holds 2-4
-  samples (the row length: :data:`PACK_TOKENS`), so the frameworks' packed runs take one row per
-  microbatch where dflop-ds's take ``BATCH`` samples.
+  (ms-swift's ``--callbacks dflop``, ``dflop-ds llamafactory train``). LLaMA-Factory's own run is
+  what ``llamafactory-cli train`` runs on each rank (framework_hooks/llamafactory_rank.py), after
+  starting DeepSpeed's communication as ``dflop-ds llamafactory train`` does (without it, ZeRO-3
+  on CPU ranks stops at DeepSpeed's batch assertion);
+* ``packing``: the framework's own packing against what dflop-ds does with it. ms-swift:
+  ``--packing true`` (offline bin packing into rows of ``--max_length`` tokens, one row per
+  microbatch) against ``--padding_free true --callbacks dflop`` (DFLOP's balanced microbatches,
+  each packed into one row by ms-swift, balanced on the packed cost), on tiny Qwen2-VL (ms-swift's
+  LLaVA template allows neither); both need a flash-attention build in ms-swift, which this CPU has
+  none of, so a benchmark plugin (framework_hooks/swift_cpu.py, loaded by every ms-swift run)
+  lifts that rule and both run with sdpa; it also starts DeepSpeed's communication before the
+  model loads, as DFLOP's plugin does (ms-swift's own run stops at DeepSpeed's batch assertion
+  under ZeRO-3 on CPU ranks otherwise). LLaMA-Factory: ``packing: true`` (offline greedy knapsack
+  into rows of ``cutoff_len`` tokens, one row per microbatch) against the padded ``dflop`` run
+  above: the plugin refuses ``packing`` and balances padded microbatches instead (its collator is
+  not padding free, so DFLOP's own packing does not apply). A pack row holds 2-4 samples
+  (:data:`PACK_TOKENS`), so the frameworks' packed runs take one row per microbatch where
+  dflop-ds's take ``BATCH`` samples.
 
 The time measured is one epoch of training: rank 0's Trainer callbacks ``on_train_begin`` to
 ``on_train_end`` (framework_hooks/sitecustomize.py), so process start-up, model loading and data
@@ -79,13 +82,21 @@ class Variant:
         return FAMILY.get((self.framework, self.packing), "llava")
 
 
+#: each summary figure: (the framework's own run, the same with dflop-ds). LLaMA-Factory's plugin has
+#: no packed path (LLaMA-Factory's collator is not padding free, and its ``packing`` is refused):
+#: its answer to ``packing: true`` is to drop it and balance padded microbatches, so that pair
+#: compares LLaMA-Factory's packing with the same dflop-ds run as the default pair
+PAIRS = {
+    "swift_speedup": (Variant("swift", False, False), Variant("swift", True, False)),
+    "swift_packing_speedup": (Variant("swift", False, True), Variant("swift", True, True)),
+    "llamafactory_speedup": (Variant("llamafactory", False, False), Variant("llamafactory", True, False)),
+    "llamafactory_packing_speedup": (Variant("llamafactory", False, True), Variant("llamafactory", True, False)),
+}
+
+
 def deepspeed_file(work: Path, variant: Variant) -> Path:
-    """ZeRO-3 config; the ``"dflop"`` block only for dflop-ds's runs (``model.packing`` for its
-    packing run)."""
-    dflop = {"sampler": {"kind": "dflop"}}
-    if variant.packing and variant.framework == "llamafactory":
-        dflop["model"] = {"packing": True}
-    path = fw.deepspeed_config(3, work / f"ds_{variant.name}.json", dflop)
+    """ZeRO-3 config; the ``"dflop"`` block only for dflop-ds's runs."""
+    path = fw.deepspeed_config(3, work / f"ds_{variant.name}.json", {"sampler": {"kind": "dflop"}})
     if not variant.dflop:
         config = json.loads(path.read_text())
         del config["dflop"]
@@ -110,8 +121,10 @@ def swift_command(venv: Path, variant: Variant, ds: Path, out: Path, env: dict[s
     return command
 
 
-def llamafactory_command(venv: Path, variant: Variant, ds: Path, out: Path) -> list[str]:
-    """``llamafactory-cli train`` (or ``dflop-ds llamafactory train``) on a config for ``variant``."""
+def llamafactory_command(venv: Path, variant: Variant, ds: Path, out: Path, env: dict[str, str]) -> list[str]:
+    """``dflop-ds llamafactory train`` on a config for ``variant``, or without dflop-ds what
+    ``llamafactory-cli train`` runs on each rank, under ``torchrun``
+    (framework_hooks/llamafactory_rank.py: it starts DeepSpeed's communication first)."""
     packs = variant.packing and not variant.dflop
     config = fw.llamafactory_config(fw.INPUTS[variant.family], variant.family, ds, out, batch=1 if packs else fw.BATCH)
     config["freeze_vision_tower"] = False
@@ -120,7 +133,8 @@ def llamafactory_command(venv: Path, variant: Variant, ds: Path, out: Path) -> l
     path = fw.write_config(config, out.with_suffix(".yaml"))
     if variant.dflop:
         return [str(venv / "bin" / "dflop-ds"), "llamafactory", "train", str(path)]
-    return [str(venv / "bin" / "llamafactory-cli"), "train", str(path)]
+    launcher = [str(venv / "bin" / "python"), "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    return [*launcher, f"--master_port={env['MASTER_PORT']}", str(HOOKS / "llamafactory_rank.py"), str(path)]
 
 
 def train_seconds(step_log: Path) -> float:
@@ -147,7 +161,7 @@ def launch(variant: Variant, work: Path, round_: int) -> tuple[float, float]:
         command = swift_command(venv, variant, ds, out, env)
     else:
         env.update(FORCE_TORCHRUN="1", MASTER_PORT=str(29500 + os.getpid() % 1000))
-        command = llamafactory_command(venv, variant, ds, out)
+        command = llamafactory_command(venv, variant, ds, out, env)
     result = subprocess.run(["nice", *command], env=env, capture_output=True, text=True, cwd=work, timeout=1800)
     (work / f"{name}.log").write_text(result.stdout + result.stderr)
     if result.returncode != 0 or not step_log.is_file():
@@ -183,7 +197,8 @@ def main() -> int:
         check=True,
     )
     fw.INPUTS.update(json.loads(built.stdout.strip().splitlines()[-1]))
-    variants = [Variant(f, d, p) for f in cli.frameworks for p in (False, True) for d in (False, True)]
+    pairs = {key: pair for key, pair in PAIRS.items() if pair[0].framework in cli.frameworks}
+    variants = list(dict.fromkeys(v for pair in pairs.values() for v in pair))
     seconds: dict[str, list[float]] = {v.name: [] for v in variants}
     losses: dict[str, float] = {}
     start = time.time()
@@ -211,12 +226,10 @@ def main() -> int:
         spread = f"{min(times):.1f}-{max(times):.1f}"
         print(f"{v.name:<30} {v.family:<9} {statistics.median(times):>14.1f} {spread:>14} {losses[v.name]:>9.3f}")
     speedups: dict[str, str] = {}
-    for framework in ("swift", "llamafactory"):
-        for packing, key in ((False, f"{framework}_speedup"), (True, f"{framework}_packing_speedup")):
-            base, ours = Variant(framework, False, packing).name, Variant(framework, True, packing).name
-            if base in seconds and ours in seconds:
-                ratio = statistics.median(seconds[base]) / statistics.median(seconds[ours]) if seconds[ours] else 0
-                speedups[key] = "failed" if base in failed or ours in failed else f"{ratio:.3f}"
+    for key, (base, ours) in pairs.items():
+        failure = base.name in failed or ours.name in failed
+        ratio = 0.0 if failure else statistics.median(seconds[base.name]) / statistics.median(seconds[ours.name])
+        speedups[key] = "failed" if failure else f"{ratio:.3f}"
     print(f"wall {time.time() - start:.0f} s, load {load()}")
     print("frameworks " + " ".join(f"{k}={v}" for k, v in speedups.items()))
     return 1 if failed else 0
