@@ -3,7 +3,7 @@
 Every run goes through the framework's own command, in its environment (``.venv-swift``,
 ``.venv-llamafactory``, `make framework-envs`), on the inputs of `make test-frameworks`
 (tests/frameworks/inputs.py: a chat dataset with a quarter text-only rows and one to three images
-of 24-400 px in the others), with this checkout's dflop_ds first on PYTHONPATH. Per round, seven
+of 24-400 px in the others), with this checkout's dflop_ds first on PYTHONPATH. Per round, eight
 launches, interleaved over the rounds (the order reversed every other round), the same data and
 seed in each (both frameworks freeze the vision tower by default; here it trains in every run:
 ms-swift's ``--freeze_vit false``, LLaMA-Factory's ``freeze_vision_tower: false``, full ViT + LLM
@@ -24,9 +24,10 @@ training, the case of ms-swift #6283):
   lifts that rule and both run with sdpa; it also starts DeepSpeed's communication before the
   model loads, as DFLOP's plugin does (ms-swift's own run stops at DeepSpeed's batch assertion
   under ZeRO-3 on CPU ranks otherwise). LLaMA-Factory: ``packing: true`` (offline greedy knapsack
-  into rows of ``cutoff_len`` tokens, one row per microbatch) against the padded ``dflop`` run
-  above: the plugin refuses ``packing`` and balances padded microbatches instead (its collator is
-  not padding free, so DFLOP's own packing does not apply). A pack row holds 2-4 samples
+  into rows of ``cutoff_len`` tokens, one row per microbatch) against ``dflop-ds llamafactory
+  train`` without it, on tiny Qwen2-VL (LLaMA-Factory's packing of LLaVA fails, see :data:`PAIRS`):
+  the plugin refuses ``packing`` and balances padded microbatches instead (LLaMA-Factory's
+  collator is not padding free, so DFLOP's own packing does not apply). A pack row holds 2-4 samples
   (:data:`PACK_TOKENS`), so the frameworks' packed runs take one row per microbatch where
   dflop-ds's take ``BATCH`` samples.
 
@@ -57,40 +58,43 @@ sys.path.insert(0, str(ROOT / "tests" / "frameworks"))
 
 import run_frameworks as fw  # noqa: E402
 
-#: tokens per pack row of the frameworks' own packing (``--max_length``, ``cutoff_len``): the smallest
-#: power of two above the data's longest sample (303 tokens on the LLaVA, 234 on Qwen2-VL, by the
-#: shapes dflop-ds reads), so that no sample is cut or dropped; a row holds 2-4 samples
+#: tokens per pack row of the frameworks' own packing (``--max_length``, ``cutoff_len``): above the
+#: data's longest sample (303 tokens on the LLaVA, 234 on Qwen2-VL, by the shapes dflop-ds reads),
+#: so that no sample is cut or dropped; a row holds 2-4 samples
 PACK_TOKENS = {"swift": 512, "llamafactory": 512}
-#: the model family of each comparison
-FAMILY = {("swift", False): "llava", ("swift", True): "qwen2_vl"}
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One launch kind: framework, whether dflop-ds is on, whether it packs."""
+    """One launch kind: framework, whether dflop-ds is on, whether the framework packs, model family."""
 
     framework: str
     dflop: bool
     packing: bool
+    family: str
 
     @property
     def name(self) -> str:
-        return f"{self.framework}_{'packing' if self.packing else 'default'}{'_dflop' if self.dflop else ''}"
-
-    @property
-    def family(self) -> str:
-        return FAMILY.get((self.framework, self.packing), "llava")
+        kind = "packing" if self.packing else "default"
+        return f"{self.framework}_{self.family}_{kind}{'_dflop' if self.dflop else ''}"
 
 
 #: each summary figure: (the framework's own run, the same with dflop-ds). LLaMA-Factory's plugin has
 #: no packed path (LLaMA-Factory's collator is not padding free, and its ``packing`` is refused):
-#: its answer to ``packing: true`` is to drop it and balance padded microbatches, so that pair
-#: compares LLaMA-Factory's packing with the same dflop-ds run as the default pair
+#: its answer to ``packing: true`` is to drop it and balance padded microbatches. LLaMA-Factory's
+#: packing of LLaVA fails here (a packed row of 528 tokens against 512 positions: its LLaVA plugin
+#: expands image tokens the packer did not count), so that pair runs on Qwen2-VL
 PAIRS = {
-    "swift_speedup": (Variant("swift", False, False), Variant("swift", True, False)),
-    "swift_packing_speedup": (Variant("swift", False, True), Variant("swift", True, True)),
-    "llamafactory_speedup": (Variant("llamafactory", False, False), Variant("llamafactory", True, False)),
-    "llamafactory_packing_speedup": (Variant("llamafactory", False, True), Variant("llamafactory", True, False)),
+    "swift_speedup": (Variant("swift", False, False, "llava"), Variant("swift", True, False, "llava")),
+    "swift_packing_speedup": (Variant("swift", False, True, "qwen2_vl"), Variant("swift", True, True, "qwen2_vl")),
+    "llamafactory_speedup": (
+        Variant("llamafactory", False, False, "llava"),
+        Variant("llamafactory", True, False, "llava"),
+    ),
+    "llamafactory_packing_speedup": (
+        Variant("llamafactory", False, True, "qwen2_vl"),
+        Variant("llamafactory", True, False, "qwen2_vl"),
+    ),
 }
 
 
