@@ -82,8 +82,8 @@ class Variant:
 #: each summary figure: (the framework's own run, the same with dflop-ds). LLaMA-Factory's plugin has
 #: no packed path (LLaMA-Factory's collator is not padding free, and its ``packing`` is refused):
 #: its answer to ``packing: true`` is to drop it and balance padded microbatches. LLaMA-Factory's
-#: packing of LLaVA fails here (a packed row of 528 tokens against 512 positions: its LLaVA plugin
-#: expands image tokens the packer did not count), so that pair runs on Qwen2-VL
+#: packing of the tiny LLaVA fails here (a packed row's 528 query tokens against 512 rotary
+#: positions at the first forward), so that pair runs on Qwen2-VL
 PAIRS = {
     "swift_speedup": (Variant("swift", False, False, "llava"), Variant("swift", True, False, "llava")),
     "swift_packing_speedup": (Variant("swift", False, True, "qwen2_vl"), Variant("swift", True, True, "qwen2_vl")),
