@@ -71,7 +71,7 @@ def venv_env(venv: Path, **extra: str) -> dict[str, str]:
         NPROC_PER_NODE="2",
         **extra,
     )
-    env.pop("PYTHONPATH", None)  # the venv has this checkout's dflop_ds installed editable
+    env["PYTHONPATH"] = str(REPO)  # this checkout's dflop_ds, wherever the venv's editable install points
     return env
 
 
@@ -123,12 +123,12 @@ def swift_plugin(venv: Path, env: dict[str, str] | None = None) -> str:
 
 
 def swift_command(
-    venv: Path, model: str, family: str, ds: Path, out: Path, epochs: int, resume: Path | None
+    venv: Path, model: str, family: str, ds: Path, out: Path, epochs: int, resume: Path | None, env: dict[str, str]
 ) -> list[str]:
-    """``swift sft`` with the DFLOP plugin (and the test's recording plugin)."""
+    """``swift sft`` with the DFLOP plugin (and the test's recording plugin); ``env``: the launch's."""
     command = swift_options(model, family, ds, out, epochs)
     command += ["--save_strategy", "steps", "--save_steps", str(STOP_AT), "--save_only_model", "false"]
-    command += ["--external_plugins", swift_plugin(venv), str(HERE / "swift_recorder.py")]
+    command += ["--external_plugins", swift_plugin(venv, env), str(HERE / "swift_recorder.py")]
     command += ["--callbacks", "dflop", "record"]
     if resume is not None:
         command += ["--resume_from_checkpoint", str(resume)]
@@ -225,9 +225,10 @@ def launch(framework: str, venv: Path, name: str, work: Path, family: str, stage
     env = venv_env(venv, DFLOP_FETCH_LOG=str(run.fetch_log), DFLOP_STOP_AT=str(kw.get("stop_at", 0)), **QWEN_PIXELS)
     epochs, resume = kw.get("epochs", 1), kw.get("resume")
     if framework == "swift":
-        command = swift_command(venv, INPUTS[family], family, ds, run.out, epochs, resume)
+        command = swift_command(venv, INPUTS[family], family, ds, run.out, epochs, resume, env)
     else:
-        env.update(FORCE_TORCHRUN="1", PYTHONPATH=str(HERE / "lf_hooks"), MASTER_PORT=str(29500 + os.getpid() % 1000))
+        hooks = os.pathsep.join([str(HERE / "lf_hooks"), env["PYTHONPATH"]])
+        env.update(FORCE_TORCHRUN="1", PYTHONPATH=hooks, MASTER_PORT=str(29500 + os.getpid() % 1000))
         command = llamafactory_command(venv, INPUTS[family], family, ds, run.out, epochs, resume, kw.get("stop_at", 0))
     start = time.perf_counter()
     result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=work, timeout=1800)
@@ -272,6 +273,7 @@ def main() -> int:
         work.mkdir(parents=True)
         built = subprocess.run(
             [str(venv / "bin" / "python"), str(HERE / "inputs.py"), str(work / "inputs"), "--records", str(ROWS)],
+            env={**os.environ, "PYTHONPATH": str(REPO)},
             capture_output=True,
             text=True,
             check=True,
