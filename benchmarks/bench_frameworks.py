@@ -33,9 +33,11 @@ training, the case of ms-swift #6283):
 
 The time measured is one epoch of training: rank 0's Trainer callbacks ``on_train_begin`` to
 ``on_train_end`` (framework_hooks/sitecustomize.py), so process start-up, model loading and data
-preparation are left out. Prints a table (median and min-max over rounds, loss of the last step)
-and ends with ``frameworks swift_speedup=A swift_packing_speedup=B llamafactory_speedup=C
-llamafactory_packing_speedup=D``: each the framework's median epoch time over dflop-ds's.
+preparation are left out. A launch whose logged loss does not fall (a NaN loss is logged as 0)
+is shown and left out of the medians. Prints a table (rounds timed, median and min-max over
+them, loss of the last step) and ends with ``frameworks swift_speedup=A swift_packing_speedup=B
+llamafactory_speedup=C llamafactory_packing_speedup=D``: each the framework's median epoch time
+over dflop-ds's.
 
 Usage: python benchmarks/bench_frameworks.py [--rounds 3] [--rows 48] [--frameworks swift llamafactory]
 """
@@ -143,7 +145,7 @@ def llamafactory_command(venv: Path, variant: Variant, ds: Path, out: Path, env:
 
 def train_seconds(step_log: Path) -> float:
     """Rank 0's ``on_train_begin`` to ``on_train_end``, from the hooks' log."""
-    times = {}
+    times: dict[str, float] = {}
     for line in step_log.read_text().splitlines():
         entry = json.loads(line)
         times.setdefault(entry["event"], entry["t"])
@@ -152,9 +154,15 @@ def train_seconds(step_log: Path) -> float:
     return times["on_train_end"] - times["on_train_begin"]
 
 
+class NotTrained(RuntimeError):
+    """A launch that exited 0 but whose loss did not fall: the Trainer logs a NaN loss as 0 (its
+    ``logging_nan_inf_filter``), and such a run's time is not a training time to compare."""
+
+
 def launch(variant: Variant, work: Path, round_: int) -> tuple[float, float]:
     """One epoch of ``variant``; returns (train seconds, last logged loss). Raises with the log's
-    tail when the launch fails."""
+    tail when the launch fails, and when its logged loss did not fall (a run that trains nothing,
+    such as a loss of 0 at every step, is not a time to compare)."""
     venv = ROOT / f".venv-{variant.framework}"
     name = f"{variant.name}_r{round_}"
     out, step_log = work / name, work / f"{name}.steps"
@@ -174,7 +182,9 @@ def launch(variant: Variant, work: Path, round_: int) -> tuple[float, float]:
     (fw.swift_losses if variant.framework == "swift" else fw.llamafactory_losses)(run)
     if variant.dflop and not run.telemetry:
         raise RuntimeError(f"{name}: no dflop_predicted_imbalance logged, so DFLOP's sampler did not run")
-    return train_seconds(step_log), run.losses[-1] if run.losses else float("nan")
+    if len(run.losses) < 2 or not 0 < run.losses[-1] < run.losses[0]:
+        raise NotTrained(f"{name}: the loss did not fall ({run.losses}): this round of it is not timed")
+    return train_seconds(step_log), run.losses[-1]
 
 
 def load() -> str:
@@ -215,20 +225,27 @@ def main() -> int:
                 continue
             try:
                 took, losses[variant.name] = launch(variant, work, round_)
+            except NotTrained as error:  # shown; the variant's other rounds still count
+                print(f"round {round_} {variant.name}: NOT TRAINED, {error}", flush=True)
+                continue
             except RuntimeError as error:  # shown, and its comparison reported as failed
                 failed[variant.name] = str(error)
                 print(f"round {round_} {variant.name}: FAILED\n{error}", flush=True)
                 continue
             seconds[variant.name].append(took)
             print(f"round {round_} {variant.name}: {took:.1f} s train (load {load()})", flush=True)
-    print(f"\n{'run':<30} {'family':<9} {'epoch s median':>14} {'min-max':>14} {'last loss':>9}")
+    for v in variants:  # a variant that never trained has nothing to compare
+        if not seconds[v.name] and v.name not in failed:
+            failed[v.name] = "no round trained"
+    print(f"\n{'run':<36} {'rounds':>6} {'epoch s median':>14} {'min-max':>11} {'last loss':>9}")
     for v in variants:
         times = seconds[v.name]
         if v.name in failed:
-            print(f"{v.name:<30} {v.family:<9} {'failed':>14}")
+            print(f"{v.name:<36} {len(times):>6} {'failed':>14}")
             continue
         spread = f"{min(times):.1f}-{max(times):.1f}"
-        print(f"{v.name:<30} {v.family:<9} {statistics.median(times):>14.1f} {spread:>14} {losses[v.name]:>9.3f}")
+        median = statistics.median(times)
+        print(f"{v.name:<36} {len(times):>6} {median:>14.1f} {spread:>11} {losses[v.name]:>9.3f}")
     speedups: dict[str, str] = {}
     for key, (base, ours) in pairs.items():
         failure = base.name in failed or ours.name in failed
