@@ -40,6 +40,7 @@ llamafactory_speedup=C llamafactory_packing_speedup=D``: each the framework's me
 over dflop-ds's.
 
 Usage: python benchmarks/bench_frameworks.py [--rounds 3] [--rows 48] [--frameworks swift llamafactory]
+       [--out DIR] [--report]   (--report: the table and summary of the runs already in DIR)
 """
 
 from __future__ import annotations
@@ -178,6 +179,14 @@ def launch(variant: Variant, work: Path, round_: int) -> tuple[float, float]:
     (work / f"{name}.log").write_text(result.stdout + result.stderr)
     if result.returncode != 0 or not step_log.is_file():
         raise RuntimeError(f"{name} failed (exit {result.returncode}):\n{(result.stdout + result.stderr)[-3000:]}")
+    return measured(variant, work, round_)
+
+
+def measured(variant: Variant, work: Path, round_: int) -> tuple[float, float]:
+    """(train seconds, last logged loss) of a finished launch, from its logs under ``work``; raises
+    :class:`NotTrained` when its loss did not fall."""
+    name = f"{variant.name}_r{round_}"
+    out, step_log = work / name, work / f"{name}.steps"
     run = fw.Run(name, out, work / name)
     (fw.swift_losses if variant.framework == "swift" else fw.llamafactory_losses)(run)
     if variant.dflop and not run.telemetry:
@@ -198,19 +207,21 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=48, help="chat rows of the epoch")
     parser.add_argument("--frameworks", nargs="+", default=fw.FRAMEWORKS, choices=fw.FRAMEWORKS)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_frameworks")
+    parser.add_argument("--report", action="store_true", help="launch nothing: report the runs already in --out")
     cli = parser.parse_args()
     work = cli.out.resolve()
-    subprocess.run(["rm", "-rf", str(work)], check=True)
-    work.mkdir(parents=True)
-    built = subprocess.run(
-        [str(ROOT / ".venv-swift" / "bin" / "python"), str(ROOT / "tests" / "frameworks" / "inputs.py")]
-        + [str(work / "inputs"), "--records", str(cli.rows), "--encoder-heavy"],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    fw.INPUTS.update(json.loads(built.stdout.strip().splitlines()[-1]))
+    if not cli.report:
+        subprocess.run(["rm", "-rf", str(work)], check=True)
+        work.mkdir(parents=True)
+        built = subprocess.run(
+            [str(ROOT / ".venv-swift" / "bin" / "python"), str(ROOT / "tests" / "frameworks" / "inputs.py")]
+            + [str(work / "inputs"), "--records", str(cli.rows), "--encoder-heavy"],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        fw.INPUTS.update(json.loads(built.stdout.strip().splitlines()[-1]))
     pairs = {key: pair for key, pair in PAIRS.items() if pair[0].framework in cli.frameworks}
     variants = list(dict.fromkeys(v for pair in pairs.values() for v in pair))
     seconds: dict[str, list[float]] = {v.name: [] for v in variants}
@@ -223,8 +234,11 @@ def main() -> int:
         for variant in order:
             if variant.name in failed:
                 continue
+            if cli.report and not (work / f"{variant.name}_r{round_}.steps").is_file():
+                continue
             try:
-                took, losses[variant.name] = launch(variant, work, round_)
+                run = measured if cli.report else launch
+                took, losses[variant.name] = run(variant, work, round_)
             except NotTrained as error:  # shown; the variant's other rounds still count
                 print(f"round {round_} {variant.name}: NOT TRAINED, {error}", flush=True)
                 continue
@@ -233,7 +247,8 @@ def main() -> int:
                 print(f"round {round_} {variant.name}: FAILED\n{error}", flush=True)
                 continue
             seconds[variant.name].append(took)
-            print(f"round {round_} {variant.name}: {took:.1f} s train (load {load()})", flush=True)
+            now = "" if cli.report else f" (load {load()})"
+            print(f"round {round_} {variant.name}: {took:.1f} s train{now}", flush=True)
     for v in variants:  # a variant that never trained has nothing to compare
         if not seconds[v.name] and v.name not in failed:
             failed[v.name] = "no round trained"
