@@ -116,6 +116,15 @@ def memory_cap(settings: DFLOPConfig) -> float | None:
     return None if cap in (AUTO, OFF) else float(cap)
 
 
+def epochs_to_train(args: Any, batches_per_epoch: int) -> int:
+    """The epochs a Trainer run with ``args`` (``TrainingArguments``, or anything with its
+    ``max_steps`` and ``num_train_epochs``) reaches: those ``max_steps`` optimizer steps span when
+    set (one step per global batch), else ``num_train_epochs`` rounded up."""
+    if args.max_steps is not None and args.max_steps > 0:
+        return max(1, math.ceil(args.max_steps / max(1, batches_per_epoch)))
+    return max(1, math.ceil(args.num_train_epochs))
+
+
 def resolve_cost_model(
     settings: DFLOPConfig, policy: ShapePolicy | None, model: Any, padding_free: bool = False
 ) -> CostModel | None:
@@ -176,11 +185,8 @@ class TrainerTopology:
         )
 
     def epochs(self, batches_per_epoch: int) -> int:
-        """The epochs the run reaches: those ``max_steps`` optimizer steps span when set (one step
-        per global batch of ``batches_per_epoch``), else ``num_train_epochs`` rounded up."""
-        if self.max_steps > 0:
-            return max(1, math.ceil(self.max_steps / max(1, batches_per_epoch)))
-        return max(1, math.ceil(self.num_train_epochs))
+        """The epochs the run reaches (:func:`epochs_to_train` of this topology's run length)."""
+        return epochs_to_train(self, batches_per_epoch)
 
     @property
     def data_parallel(self) -> tuple[int, int]:
@@ -293,6 +299,7 @@ __all__ = [
     "build_trainer_sampler",
     "dflop_block",
     "dflop_settings",
+    "epochs_to_train",
     "memory_cap",
     "resolve_cost_model",
     "run_settings",
