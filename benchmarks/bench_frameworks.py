@@ -5,10 +5,9 @@ Every run goes through the framework's own command, in its environment (``.venv-
 (tests/frameworks/inputs.py: a chat dataset with a quarter text-only rows and one to three images
 of 24-400 px in the others), with this checkout's dflop_ds first on PYTHONPATH. Per round, eight
 launches, interleaved over the rounds (the order reversed every other round), the same data and
-seed in each (ms-swift freezes the vision tower by default; here it trains, ``--freeze_vit
-false``: full ViT + LLM training, the case of ms-swift #6283. LLaMA-Factory's runs keep its default,
-the tower frozen: with ``freeze_vision_tower: false`` 8 of 12 launches here, with dflop-ds and
-without, logged a NaN loss from the first step):
+seed in each (both frameworks freeze the vision tower by default; here it trains in every run:
+ms-swift's ``--freeze_vit false``, LLaMA-Factory's ``freeze_vision_tower: false``, full ViT + LLM
+training, the case of ms-swift #6283):
 
 * ``default``: the framework's own sampler, microbatches padded (encoder-heavy tiny LLaVA, its
   vision tower about half the work), against ``dflop``: the same command with DFLOP's sampler
@@ -135,6 +134,7 @@ def llamafactory_command(venv: Path, variant: Variant, ds: Path, out: Path, env:
     (framework_hooks/llamafactory_rank.py: it starts DeepSpeed's communication first)."""
     packs = variant.packing and not variant.dflop
     config = fw.llamafactory_config(fw.INPUTS[variant.family], variant.family, ds, out, batch=1 if packs else fw.BATCH)
+    config["freeze_vision_tower"] = False
     if packs:
         config.update(packing=True, cutoff_len=PACK_TOKENS["llamafactory"])
     path = fw.write_config(config, out.with_suffix(".yaml"))
