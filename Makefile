@@ -16,7 +16,7 @@ TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 # DeepSpeed's launcher and its JIT build (ninja) must be found on PATH.
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="$(TORCH_EXTENSIONS_DIR)"
 
-.PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-scale bench-sync bench-e2e bench-dp validate-simulator bench-hf bench-trainer readme-figure gpu-wheels gpu-check test-frameworks framework-envs clean
+.PHONY: setup lint demo test bench bench-partition bench-costmodel bench-plan bench-scale bench-sync bench-e2e bench-dp validate-simulator bench-hf bench-trainer readme-figure gpu-wheels gpu-check test-frameworks framework-envs bench-frameworks clean
 
 # the trl extra (TRL's SFTTrainer for tests/test_hf_trainer_trl.py) pulls no torch of its own: trl,
 # datasets, pandas, pyarrow, dill, multiprocess, xxhash (pip install --dry-run, 2026-11-26)
@@ -104,3 +104,8 @@ framework-envs: .venv-swift/.installed .venv-llamafactory/.installed
 
 test-frameworks: framework-envs
 	PYTHONUNBUFFERED=1 $(PYTHON) tests/frameworks/run_frameworks.py
+
+# each framework's own sampler and packing against the same run with dflop-ds, ZeRO-3, 2 ranks,
+# interleaved rounds (benchmarks/bench_frameworks.py; 46 min on the shared 2-core machine, start-up dominating)
+bench-frameworks: framework-envs
+	PYTHONUNBUFFERED=1 nice $(PYTHON) benchmarks/bench_frameworks.py

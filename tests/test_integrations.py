@@ -13,7 +13,7 @@ from dflop_ds.commands.main import main
 from dflop_ds.data import DataError
 from dflop_ds.integrations.chat import chat_shapes
 from dflop_ds.integrations.llamafactory import check_config, tokenized_shapes
-from dflop_ds.integrations.swift import refuse_unsupported
+from dflop_ds.integrations.swift import DFLOPSwiftCallback, refuse_unsupported
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +119,96 @@ def test_plugin_path_prints_the_file_that_registers_the_swift_callback(capsys):
     path = capsys.readouterr().out.strip()
     text = open(path).read()
     assert "from dflop_ds.integrations.swift import register" in text and "register()" in text
+
+
+# ---- the ms-swift callback on a transformers.Trainer dressed as ms-swift's ------------------------
+
+
+def swift_trainer(model_dir, rows, output_dir, dflop: dict, **training):
+    """A ``transformers.Trainer`` over ``rows`` (a datasets.Dataset of chat rows) with the attributes
+    the plugin reads of ms-swift's trainer (``template``, ``model_info``) and ms-swift's dict
+    ``--deepspeed`` config holding ``dflop``; returns ``(trainer, callback)``."""
+    import datasets
+    from transformers import AutoModelForImageTextToText, Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(output_dir), use_cpu=True, report_to="none", per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, **training,
+    )  # fmt: skip
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir))
+    trainer = Trainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows))
+    trainer.template = SimpleNamespace(padding_free=False, sequence_parallel_size=1)
+    trainer.model_info = SimpleNamespace(model_dir=str(model_dir))
+    args.deepspeed = {"dflop": dflop}  # as ms-swift keeps it, set after the Trainer started without DeepSpeed
+    return trainer, DFLOPSwiftCallback(args, trainer)
+
+
+def test_swift_checkpoints_hold_the_sampler_state_and_a_resume_of_another_schedule_is_refused(llava, tmp_path):
+    from dflop_ds.hf_trainer import SAMPLER_STATE
+
+    model, rows, _ = llava
+    trainer, callback = swift_trainer(model, rows, tmp_path / "run", {"sampler": {"kind": "dflop"}}, data_seed=3)
+    trainer.get_train_dataloader()
+    trainer.create_optimizer_and_scheduler(num_training_steps=1)
+    trainer._save_checkpoint(trainer.model, None)  # ms-swift's save, which the plugin wraps
+    checkpoint = tmp_path / "run" / "checkpoint-0"
+    assert (checkpoint / SAMPLER_STATE).is_file() and (checkpoint / "trainer_state.json").is_file()
+    same, callback = swift_trainer(model, rows, tmp_path / "run", {"sampler": {"kind": "dflop"}}, data_seed=3)
+    callback._resume = str(checkpoint)  # what trainer.train(checkpoint) records
+    same.get_train_dataloader()  # the same schedule resumes
+    for changed, training, key in [
+        ({"sampler": {"kind": "dflop"}}, {"data_seed": 4}, "seed"),
+        ({"sampler": {"kind": "stock"}}, {"data_seed": 3}, "method"),
+    ]:
+        other, callback = swift_trainer(model, rows, tmp_path / "run", changed, **training)
+        callback._resume = str(checkpoint)
+        with pytest.raises(ValueError, match=rf"{SAMPLER_STATE}.*{key}"):
+            other.get_train_dataloader()
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    other, callback = swift_trainer(model, rows, tmp_path / "run", {"sampler": {"kind": "dflop"}}, data_seed=3)
+    callback._resume = str(plain)
+    with pytest.raises(ValueError, match=rf"{plain / SAMPLER_STATE}: no such file"):
+        other.get_train_dataloader()
+
+
+def test_swift_refuses_a_memory_cap_a_later_epoch_cannot_meet_before_step_0(llava, tmp_path):
+    """Epoch 0 is fitted when the sampler is built; the run's later epochs must be too (as
+    DFLOPTrainer's): a cap that epoch 0's batches meet and epoch 1's do not is an error before
+    step 0 of a 3-epoch run, and no error for a 1-epoch run."""
+    from dflop_ds.compose import RunInputs, TrainerTopology, build_trainer_sampler, run_settings
+    from dflop_ds.models.hf.preprocessor import hf_preprocessor
+    from dflop_ds.schedule import MemoryCapError
+
+    model, rows, _ = llava
+    shapes = chat_shapes(rows, hf_preprocessor(str(model)).policy(), "rows")
+
+    def fails(seed: int, block: dict, epochs: int) -> bool:
+        settings = run_settings(block, None)
+        inputs = RunInputs(settings.config, shapes, None, seed, "data_seed", settings.sync)
+        try:
+            build_trainer_sampler(inputs, TrainerTopology(0, 1, 1, 2, 2, False, num_train_epochs=epochs))
+        except MemoryCapError:
+            return True
+        return False
+
+    from dflop_ds.cost import ProxyCost
+    from dflop_ds.schedule.memory import sample_bytes
+
+    largest = float(sample_bytes(ProxyCost(), shapes).max())
+    blocks = [{"sampler": {"memory_cap_bytes": f / 20 * largest}} for f in range(24, 60)]
+    found = next(((s, b) for s in range(20) for b in blocks if not fails(s, b, 1) and fails(s, b, 3)), None)
+    assert found, "no seed and cap that only a later epoch misses: the check is void"
+    seed, block = found
+    one, _ = swift_trainer(model, rows, tmp_path, block, data_seed=seed, num_train_epochs=1)
+    assert len(one.get_train_dataloader()) == 6
+    three, _ = swift_trainer(model, rows, tmp_path, block, data_seed=seed, num_train_epochs=3)
+    with pytest.raises(MemoryCapError, match=r"epoch [12] global batch \d+.*memory cap"):
+        three.get_train_dataloader()
+
+
+@pytest.mark.parametrize("key, option", [("packing", "--padding_free true"), ("freeze_encoder", "--freeze_vit true")])
+def test_swift_refuses_the_model_options_ms_swift_has_its_own_of(llava, tmp_path, key, option):
+    model, rows, _ = llava
+    with pytest.raises(ValueError, match=rf"dflop\.model\.{key}: .*pass {option}"):
+        swift_trainer(model, rows, tmp_path, {"model": {key: True}})

@@ -102,8 +102,9 @@ def memory_cap(settings: DFLOPConfig) -> float | None:
 
 
 def epochs_to_train(args: Any, batches_per_epoch: int) -> int:
-    """The epochs a Trainer run with ``args`` (``TrainingArguments``) reaches: those ``max_steps``
-    optimizer steps span when set (one step per global batch), else ``num_train_epochs`` rounded up."""
+    """The epochs a Trainer run with ``args`` (``TrainingArguments``, or anything with its
+    ``max_steps`` and ``num_train_epochs``) reaches: those ``max_steps`` optimizer steps span when
+    set (one step per global batch), else ``num_train_epochs`` rounded up."""
     if args.max_steps is not None and args.max_steps > 0:
         return max(1, math.ceil(args.max_steps / max(1, batches_per_epoch)))
     return max(1, math.ceil(args.num_train_epochs))
@@ -141,7 +142,8 @@ def resolve_cost_model(
 class TrainerTopology:
     """Where a Trainer process sits and how its batches are counted: ``process_index`` of
     ``world_size`` processes in a ``(data, tensor)`` mesh of ``tp_size`` peers,
-    ``per_device_batch`` samples x ``gradient_accumulation_steps`` microbatches per step."""
+    ``per_device_batch`` samples x ``gradient_accumulation_steps`` microbatches per step; and how
+    long it trains: ``max_steps`` optimizer steps when above 0, else ``num_train_epochs``."""
 
     process_index: int
     world_size: int
@@ -149,6 +151,8 @@ class TrainerTopology:
     per_device_batch: int
     gradient_accumulation_steps: int
     drop_last: bool
+    max_steps: int = -1
+    num_train_epochs: float = 1.0
 
     @classmethod
     def of_trainer(cls, trainer: Any) -> TrainerTopology:
@@ -161,7 +165,13 @@ class TrainerTopology:
             per_device_batch=args.per_device_train_batch_size,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             drop_last=args.dataloader_drop_last,
+            max_steps=args.max_steps if args.max_steps is not None else -1,
+            num_train_epochs=args.num_train_epochs,
         )
+
+    def epochs(self, batches_per_epoch: int) -> int:
+        """The epochs the run reaches (:func:`epochs_to_train` of this topology's run length)."""
+        return epochs_to_train(self, batches_per_epoch)
 
     @property
     def data_parallel(self) -> tuple[int, int]:
@@ -210,7 +220,10 @@ class RunInputs:
 def build_trainer_sampler(inputs: RunInputs, topology: TrainerTopology) -> TrainerBatchSampler:
     """This rank's :class:`~dflop_ds.hf_trainer.sampler.TrainerBatchSampler`, once every rank
     agrees on ``inputs`` and the batch settings (a collective: every rank calls it). A
-    time-limited solver is refused with more than one rank (each rank solves alone)."""
+    time-limited solver is refused with more than one rank (each rank solves alone); under a
+    memory cap, every global batch of the epochs the run reaches is fitted now, so a batch the cap
+    cannot split is an error before step 0 (:class:`~dflop_ds.schedule.MemoryCapError`), not when
+    training gets there."""
     settings, shapes = inputs.settings, list(inputs.shapes)
     dp_rank, dp_size = topology.data_parallel
     check_time_limit(settings, topology.world_size)
@@ -252,13 +265,15 @@ def build_trainer_sampler(inputs: RunInputs, topology: TrainerTopology) -> Train
         drop_last=False,  # epochs are cut by TrainerBatchSampler
     )
     last_gas = last_step_microbatches(len(shapes), global_batch, gas, dp_size, drop_last)
-    return TrainerBatchSampler(
+    batch_sampler = TrainerBatchSampler(
         build(global_batch_size=global_batch, gradient_accumulation_steps=gas),
         drop_last=drop_last,
         last_step_sampler=None
         if last_gas == gas
         else build(global_batch_size=len(shapes) % global_batch, gradient_accumulation_steps=last_gas),
     )
+    batch_sampler.check_epochs(topology.epochs(batch_sampler.batches_per_epoch))
+    return batch_sampler
 
 
 __all__ = [

@@ -108,6 +108,71 @@ def check_saved_schedule(path: Path, saved: Mapping[str, Any], mine: Mapping[str
             )
 
 
+def schedule_identity(batch_sampler: Any, shape_policy: Any) -> dict[str, Any]:
+    """What a checkpoint's sampler state records of ``batch_sampler``'s schedule besides the
+    sampler's own state (:data:`SCHEDULE_KEYS`): global batches per epoch, the shapes'
+    ``shape_policy`` (None for hand-made shapes), sampler kind, memory cap and dataset fingerprint."""
+    policy = None if shape_policy is None else json.loads(json.dumps(shape_policy.describe()))
+    sampler = batch_sampler.sampler.state_dict()
+    return {
+        "batches_per_epoch": batch_sampler.batches_per_epoch,
+        "shape_policy": policy,
+        "method": sampler["method"],
+        "memory_cap": sampler.get("memory_cap"),
+        "dataset_fingerprint": sampler["dataset_fingerprint"],
+    }
+
+
+def save_sampler_state(folder: str | os.PathLike, batch_sampler: Any, shape_policy: Any) -> Path:
+    """Write ``batch_sampler``'s :data:`SAMPLER_STATE` into the checkpoint ``folder`` (atomically):
+    what it schedules (seed, batch sizes, dataset fingerprint, shape policy, global batches per
+    epoch), which a resume checks; where to resume is the Trainer's own state."""
+    identity = schedule_identity(batch_sampler, shape_policy)
+    state = {k: identity[k] for k in ("batches_per_epoch", "shape_policy")}
+    return write_sampler_state(folder, {**state, "sampler": batch_sampler.sampler.state_dict()})
+
+
+def save_before_checkpoint(trainer: Any, trial: Any, batch_sampler: Any, shape_policy: Any) -> None:
+    """Write the sampler state into the folder ``trainer._save_checkpoint(model, trial)`` is about
+    to fill (by the process that saves; nothing before the sampler exists): the Trainer resumes
+    only a folder with ``trainer_state.json``, written last, so every checkpoint it can resume
+    holds :data:`SAMPLER_STATE`."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    if batch_sampler is None or not trainer.args.should_save:
+        return
+    folder = Path(trainer._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    save_sampler_state(folder, batch_sampler, shape_policy)
+
+
+def resumed_checkpoint(resume_from_checkpoint: str | os.PathLike | bool | None, output_dir: str) -> str | None:
+    """The checkpoint folder ``Trainer.train(resume_from_checkpoint)`` resumes: the path given, the
+    last one in ``output_dir`` for ``True``, None for a fresh start."""
+    if isinstance(resume_from_checkpoint, bool):
+        if not resume_from_checkpoint:
+            return None
+        from transformers.trainer_utils import get_last_checkpoint
+
+        return get_last_checkpoint(output_dir)
+    return None if resume_from_checkpoint is None else str(resume_from_checkpoint)
+
+
+def check_resume_state(checkpoint: str | os.PathLike, batch_sampler: Any, shape_policy: Any) -> None:
+    """Refuse to resume ``batch_sampler`` from ``checkpoint`` without a sampler state (a plain
+    Trainer's, or one cut off before it was written) or with one of another dataset, sample order,
+    shape policy, seed, batch size, epoch length, sampler kind or memory cap (naming the file and
+    both values); load the saved sampler state otherwise. Where to resume is the Trainer's: its
+    epoch and step count."""
+    saved = read_sampler_state(checkpoint)
+    path = Path(checkpoint) / SAMPLER_STATE
+    saved_schedule(path, saved)  # a state that cannot be compared whole is refused first
+    try:
+        batch_sampler.sampler.load_state_dict(dict(saved["sampler"]))
+    except (KeyError, ValueError, TypeError) as error:
+        raise ValueError(f"{path}: cannot resume this run from it: {error}") from error
+    check_saved_schedule(path, saved, schedule_identity(batch_sampler, shape_policy))
+
+
 def checkpoint_weight_files(checkpoint: str | os.PathLike) -> list[Path]:
     """The safetensors files of ``checkpoint``'s weights: its ``model.safetensors``, or the shards
     its ``model.safetensors.index.json`` lists; empty for another format."""
@@ -172,7 +237,12 @@ __all__ = [
     "SAMPLER_STATE",
     "SCHEDULE_KEYS",
     "saved_schedule",
+    "check_resume_state",
     "check_saved_schedule",
+    "resumed_checkpoint",
+    "save_before_checkpoint",
+    "save_sampler_state",
+    "schedule_identity",
     "checkpoint_weight_files",
     "load_checkpoint_weights",
     "model_keys",

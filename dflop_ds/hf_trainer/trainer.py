@@ -33,15 +33,11 @@ model, collator, optimizer, logging, checkpointing and evaluation stay. What it 
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from dflop_ds.compose import (
     RunInputs,
@@ -50,7 +46,6 @@ from dflop_ds.compose import (
     build_trainer_sampler,
     dflop_block,
     dflop_settings,
-    epochs_to_train,
     memory_cap,
     resolve_cost_model,
     run_settings,
@@ -64,11 +59,11 @@ from dflop_ds.hf_trainer.loss import step_token_loss
 from dflop_ds.hf_trainer.packing import chosen_collator, packing_collator, use_segment_attention
 from dflop_ds.hf_trainer.resume import (
     SAMPLER_STATE,
-    check_saved_schedule,
+    check_resume_state,
     load_checkpoint_weights,
-    read_sampler_state,
-    saved_schedule,
-    write_sampler_state,
+    resumed_checkpoint,
+    save_before_checkpoint,
+    save_sampler_state,
 )
 from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, TrainerDataLoader
 from dflop_ds.hf_trainer.shape_checks import check_shapes
@@ -160,16 +155,12 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
                 " (dflop_ds.hf_trainer.llava_json_shapes(data_path, model_name_or_path, image_folder=...))"
             )
         check_shapes(self.sample_shapes, dataset)
-        args = trainer.args
         seed, seed_source = self._dflop_seed()
         inputs = RunInputs(
             self.dflop_settings, self.sample_shapes, self._dflop_cost_model(), seed, seed_source, self.dflop_sync
         )
         topology = TrainerTopology.of_trainer(trainer)
-        batch_sampler = build_trainer_sampler(inputs, topology)
-        # a memory cap the batches of some epoch cannot meet is an error now, before step 0
-        batch_sampler.check_epochs(epochs_to_train(args, batch_sampler.batches_per_epoch))
-        return batch_sampler
+        return build_trainer_sampler(inputs, topology)
 
     def _dflop_cost_model(self) -> CostModel | None:
         """The cost model ``dflop.sampler.cost_model`` names (None: the proxy), checked against the
@@ -212,61 +203,25 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; a resumed run checks the checkpoint's sampler state first."""
         trainer: Any = self
-        self._dflop_resume = None
-        if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
-            self._dflop_resume = get_last_checkpoint(trainer.args.output_dir)
-        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            self._dflop_resume = str(resume_from_checkpoint)
+        self._dflop_resume = resumed_checkpoint(resume_from_checkpoint, trainer.args.output_dir)
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
 
     def _check_resume_state(self, batch_sampler: TrainerBatchSampler) -> None:
-        """Refuse to resume from a checkpoint without a sampler state (a plain Trainer's, or one cut
-        off before it was written) or with one of another dataset, sample order, shape policy, seed,
-        batch size, epoch length, sampler kind or memory cap (naming the file and both values). Where to resume is the
-        Trainer's: its epoch and step count."""
-        if self._dflop_resume is None:
-            return
-        saved = read_sampler_state(self._dflop_resume)
-        path = Path(self._dflop_resume) / SAMPLER_STATE
-        saved_schedule(path, saved)  # a state that cannot be compared whole is refused first
-        try:
-            batch_sampler.sampler.load_state_dict(dict(saved["sampler"]))
-        except (KeyError, ValueError, TypeError) as error:
-            raise ValueError(f"{path}: cannot resume this run from it: {error}") from error
-        check_saved_schedule(path, saved, self._schedule_identity(batch_sampler))
-
-    def _schedule_identity(self, batch_sampler: TrainerBatchSampler) -> dict[str, Any]:
-        """What a checkpoint's sampler state records of the schedule besides the sampler's own
-        state: global batches per epoch and the shapes' policy (None for hand-made shapes)."""
-        policy = None if self.shape_policy is None else json.loads(json.dumps(self.shape_policy.describe()))
-        sampler = batch_sampler.sampler.state_dict()
-        return {
-            "batches_per_epoch": batch_sampler.batches_per_epoch,
-            "shape_policy": policy,
-            "method": sampler["method"],
-            "memory_cap": sampler.get("memory_cap"),
-            "dataset_fingerprint": sampler["dataset_fingerprint"],
-        }
+        """On resume, the checkpoint's sampler state checked against this run's schedule
+        (:func:`~dflop_ds.hf_trainer.resume.check_resume_state`)."""
+        if self._dflop_resume is not None:
+            check_resume_state(self._dflop_resume, batch_sampler, self.shape_policy)
 
     def _save_sampler_state(self, checkpoint_dir: str) -> None:
-        """Write into ``checkpoint_dir`` (atomically) what the sampler schedules (seed, batch sizes,
-        dataset fingerprint, shape policy, global batches per epoch), which a resume checks; where
-        to resume is the Trainer's own state."""
-        batch_sampler = self.dflop_batch_sampler
-        if batch_sampler is None:
-            return
-        identity = self._schedule_identity(batch_sampler)
-        state = {k: identity[k] for k in ("batches_per_epoch", "shape_policy")}
-        write_sampler_state(checkpoint_dir, {**state, "sampler": batch_sampler.sampler.state_dict()})
+        """Write the sampler state into ``checkpoint_dir``
+        (:func:`~dflop_ds.hf_trainer.resume.save_sampler_state`)."""
+        if self.dflop_batch_sampler is not None:
+            save_sampler_state(checkpoint_dir, self.dflop_batch_sampler, self.shape_policy)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """The Trainer's checkpoint, its sampler state written first (by the process that saves):
-        the Trainer resumes only a folder with ``trainer_state.json``, written last, so every
-        checkpoint it can resume holds :data:`SAMPLER_STATE`."""
-        trainer: Any = self
-        if trainer.args.should_save:
-            folder = Path(trainer._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
-            self._save_sampler_state(str(folder))
+        """The Trainer's checkpoint, its sampler state written first
+        (:func:`~dflop_ds.hf_trainer.resume.save_before_checkpoint`)."""
+        save_before_checkpoint(self, trial, self.dflop_batch_sampler, self.shape_policy)
         super()._save_checkpoint(model, trial)  # type: ignore[misc]
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:

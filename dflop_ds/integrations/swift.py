@@ -20,7 +20,12 @@ own collator. What it reads:
 
 Exactly once: the ranks cut each epoch's seeded permutation into global batches and split them
 (:class:`~dflop_ds.hf_trainer.sampler.TrainerBatchSampler`); the Trainer's ``set_epoch`` and its
-resume arithmetic land on the next untrained microbatch. ms-swift's ``LazyLLMDataset`` would fetch
+resume arithmetic land on the next untrained microbatch. As with ``DFLOPTrainer``, every
+checkpoint holds the sampler state (written before ms-swift's own files) and a resume checks it
+(:mod:`dflop_ds.hf_trainer.resume`): a checkpoint without one, or of another dataset, seed, batch
+size, sampler kind or memory cap, is refused by name, since the step count alone would land
+elsewhere in another schedule. A memory cap that some global batch of the run cannot meet is an
+error before step 0 (:func:`dflop_ds.compose.build_trainer_sampler`). ms-swift's ``LazyLLMDataset`` would fetch
 another, random row in place of one its template refuses (``strict false``, the default): the
 plugin makes such a row an error instead (one fetch per index), so no row trains twice.
 """
@@ -42,6 +47,7 @@ from dflop_ds.compose import (
     train_loader,
 )
 from dflop_ds.hf_trainer.guard import blank_image_for, guarded_batch
+from dflop_ds.hf_trainer.resume import check_resume_state, resumed_checkpoint, save_before_checkpoint
 from dflop_ds.integrations.chat import chat_shapes
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
 
@@ -74,6 +80,18 @@ def refuse_unsupported(args: Any, trainer: Any) -> None:
         )
     if getattr(trainer.template, "sequence_parallel_size", 1) > 1:
         raise ValueError("--callbacks dflop: sequence parallelism has its own sampler; drop --sequence_parallel_size")
+
+
+#: the ``"dflop"`` block's model options the Trainer honours that ms-swift does itself, with its option
+SWIFT_INSTEAD = {"packing": "--padding_free true", "freeze_encoder": "--freeze_vit true"}
+
+
+def refuse_model_options(settings: Any, source: str) -> None:
+    """Refuse ``dflop.model.packing`` / ``freeze_encoder`` (honoured by ``DFLOPTrainer``, not here:
+    ms-swift builds the collator and freezes modules itself), naming ms-swift's own option."""
+    for key, option in SWIFT_INSTEAD.items():
+        if getattr(settings.model, key):
+            raise ValueError(f"{source}: dflop.model.{key}: ms-swift does this itself: drop it and pass {option}")
 
 
 def guard_image_free_microbatches(trainer: Any) -> None:
@@ -122,11 +140,26 @@ class DFLOPSwiftCallback(TrainerCallback):
         self.args = args
         self.trainer = trainer
         self.settings = run_settings(None, args.deepspeed, "--deepspeed")
+        refuse_model_options(self.settings.config, "--deepspeed")
         self.batch_sampler: Any = None
+        self.shape_policy: Any = None
         self._guarded = False
+        self._resume: str | None = None
         trainer.get_train_dataloader = self.train_dataloader
-        self._log = trainer.log
-        trainer.log = self.log
+        self._log, self._train, self._save = trainer.log, trainer.train, trainer._save_checkpoint
+        trainer.log, trainer.train, trainer._save_checkpoint = self.log, self.train, self.save_checkpoint
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """ms-swift's ``trainer.train``; a resumed run checks the checkpoint's sampler state when
+        the loader is built (as ``DFLOPTrainer`` does)."""
+        self._resume = resumed_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        return self._train(resume_from_checkpoint, *args, **kwargs)
+
+    def save_checkpoint(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
+        """ms-swift's checkpoint, the sampler state written into its folder first (as
+        ``DFLOPTrainer`` does): every checkpoint the Trainer can resume holds it."""
+        save_before_checkpoint(self.trainer, trial, self.batch_sampler, self.shape_policy)
+        return self._save(model, trial, *args, **kwargs)
 
     def train_dataloader(self, skip_batches: int = 0) -> Any:
         """This rank's loader of DFLOP microbatches over ms-swift's training dataset and collator."""
@@ -146,9 +179,12 @@ class DFLOPSwiftCallback(TrainerCallback):
         padding_free = bool(getattr(trainer.template, "padding_free", False))
         cost_model = resolve_cost_model(config, policy, trainer.model, padding_free=padding_free)
         topology = TrainerTopology.of_trainer(trainer)
-        self.batch_sampler = build_trainer_sampler(
+        batch_sampler = build_trainer_sampler(
             RunInputs(config, shapes, cost_model, seed, seed_source, self.settings.sync), topology
         )
+        if self._resume is not None:
+            check_resume_state(self._resume, batch_sampler, policy)
+        self.batch_sampler, self.shape_policy = batch_sampler, policy
         if not self._guarded:
             guard_image_free_microbatches(trainer)
             self._guarded = True
@@ -167,4 +203,12 @@ class DFLOPSwiftCallback(TrainerCallback):
             self.batch_sampler.close()
 
 
-__all__ = ["CALLBACK", "DFLOPSwiftCallback", "refuse_unsupported", "register", "training_rows"]
+__all__ = [
+    "CALLBACK",
+    "SWIFT_INSTEAD",
+    "DFLOPSwiftCallback",
+    "refuse_model_options",
+    "refuse_unsupported",
+    "register",
+    "training_rows",
+]

@@ -6,7 +6,7 @@ ms-swift reads ``{"messages": [{"role", "content"}], "images": [paths]}`` JSONL;
 the same records through a ``dataset_info.json`` entry (sharegpt layout, ``messages`` / ``images``
 columns, ``role`` / ``content`` tags). Image placeholders are ``<image>`` in both.
 
-Usage: python tests/frameworks/inputs.py OUT [--records N]
+Usage: python tests/frameworks/inputs.py OUT [--records N] [--encoder-heavy]
 """
 
 from __future__ import annotations
@@ -46,16 +46,18 @@ def enlarge_small_images(folder: Path, side: int) -> None:
                 image.convert("RGB").resize((max(width, side), max(height, side))).save(path)
 
 
-def build(out: Path, records: int) -> dict[str, str]:
-    """Write the models and the dataset under ``out``; returns their paths by name."""
-    from dflop_ds.testing.hf_tiny import build_tiny_llava
+def build(out: Path, records: int, encoder_heavy: bool = False) -> dict[str, str]:
+    """Write the models and the dataset under ``out``; returns their paths by name. ``encoder_heavy``:
+    the LLaVA is the encoder-heavy one (its vision tower about half the work, as the benchmark's)."""
+    from dflop_ds.testing.hf_tiny import build_encoder_heavy_llava, build_tiny_llava
     from dflop_ds.testing.llava_data import write_llava_dataset
     from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl
 
     out.mkdir(parents=True, exist_ok=True)
     pixels = {"min_pixels": QWEN_MIN_PIXELS, "max_pixels": QWEN_MAX_PIXELS}
     qwen = build_tiny_qwen2_vl(out / "qwen2_vl", patch_size=QWEN_PATCH, **pixels)
-    paths = {"llava": str(build_tiny_llava(out / "llava")), "qwen2_vl": str(qwen)}
+    llava = (build_encoder_heavy_llava if encoder_heavy else build_tiny_llava)(out / "llava")
+    paths = {"llava": str(llava), "qwen2_vl": str(qwen)}
     data, images = write_llava_dataset(out / "data", records, seed=3, text_only=0.25, answer_words=(3, 20))
     enlarge_small_images(Path(images), MIN_SIDE)
     chats = chat_records(json.loads(Path(data).read_text()), Path(images).resolve())
@@ -79,8 +81,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--records", type=int, default=28)
+    parser.add_argument("--encoder-heavy", action="store_true", help="the encoder-heavy tiny LLaVA")
     cli = parser.parse_args()
-    print(json.dumps(build(cli.out, cli.records)))
+    print(json.dumps(build(cli.out, cli.records, cli.encoder_heavy)))
 
 
 if __name__ == "__main__":

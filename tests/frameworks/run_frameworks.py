@@ -10,7 +10,8 @@ in the DeepSpeed config; each run must:
 * log DFLOP's telemetry (``dflop_predicted_imbalance``), so DFLOP's sampler made the microbatches.
 
 Then a LLaVA ZeRO-2 run of 2 epochs is stopped after step 6 (a checkpoint, in epoch 1) and resumed
-from it: every row is fetched exactly twice over both runs (once per epoch).
+from it: the checkpoint holds DFLOP's sampler state (``dflop_sampler.json``, which the resume
+checks), and every row is fetched exactly twice over both runs (once per epoch).
 
 Usage: python tests/frameworks/run_frameworks.py [--frameworks swift] [--out DIR] [--only NAME]
 Prints one line per check and ``N passed, M failed``; exits 1 when any failed.
@@ -39,8 +40,9 @@ STOP_AT = 6
 QWEN_PIXELS = {"MIN_PIXELS": str(4 * 28 * 28), "MAX_PIXELS": str(8 * 28 * 28)}
 
 
-def deepspeed_config(stage: int, path: Path) -> Path:
-    """A ZeRO-``stage`` config with "auto" batch keys, fp32, and a ``"dflop"`` block."""
+def deepspeed_config(stage: int, path: Path, dflop: dict | None = None) -> Path:
+    """A ZeRO-``stage`` config with "auto" batch keys, fp32, and a ``"dflop"`` block (``dflop``,
+    default: DFLOP's sampler with the proxy cost)."""
     zero: dict = {"stage": stage}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
@@ -52,7 +54,7 @@ def deepspeed_config(stage: int, path: Path) -> Path:
         "zero_optimization": zero,
         "bf16": {"enabled": False},
         "fp16": {"enabled": False},
-        "dflop": {"sampler": {"kind": "dflop"}},
+        "dflop": dflop if dflop is not None else {"sampler": {"kind": "dflop"}},
     }
     path.write_text(json.dumps(config, indent=1))
     return path
@@ -69,7 +71,7 @@ def venv_env(venv: Path, **extra: str) -> dict[str, str]:
         NPROC_PER_NODE="2",
         **extra,
     )
-    env.pop("PYTHONPATH", None)  # the venv has this checkout's dflop_ds installed editable
+    env["PYTHONPATH"] = str(REPO)  # this checkout's dflop_ds, wherever the venv's editable install points
     return env
 
 
@@ -96,34 +98,49 @@ class Run:
         return indices
 
 
-def swift_command(
-    venv: Path, model: str, family: str, ds: Path, out: Path, epochs: int, resume: Path | None
+def swift_options(
+    model: str, family: str, ds: Path, out: Path, epochs: int = 1, batch: int = BATCH, gas: int = GAS
 ) -> list[str]:
-    """``swift sft`` with the DFLOP plugin (and the test's recording plugin)."""
-    plugin = subprocess.run([str(venv / "bin" / "dflop-ds"), "plugin-path", "swift"], capture_output=True, text=True)
+    """``swift sft`` and its options for a full fp32 CPU training of ``model`` on the chat data, one
+    log line per step, without a plugin."""
     kind = (
         ["--model_type", "llava1_5_hf"] if family == "llava" else ["--model_type", "qwen2_vl", "--template", "qwen2_vl"]
     )
     command = ["swift", "sft", "--model", model, *kind, "--dataset", str(INPUTS["data"]), "--tuner_type", "full"]
     command += ["--deepspeed", str(ds), "--use_cpu", "true", "--torch_dtype", "float32", "--fp16", "false"]
-    command += ["--bf16", "false", "--num_train_epochs", str(epochs), "--per_device_train_batch_size", str(BATCH)]
-    command += ["--gradient_accumulation_steps", str(GAS), "--learning_rate", "5e-3", "--output_dir", str(out)]
+    command += ["--bf16", "false", "--num_train_epochs", str(epochs), "--per_device_train_batch_size", str(batch)]
+    command += ["--gradient_accumulation_steps", str(gas), "--learning_rate", "5e-3", "--output_dir", str(out)]
     command += ["--add_version", "false", "--logging_steps", "1", "--report_to", "none", "--check_model", "false"]
-    command += ["--dataloader_num_workers", "0", "--save_strategy", "steps", "--save_steps", str(STOP_AT)]
-    command += ["--save_only_model", "false", "--data_seed", "7"]
-    command += ["--external_plugins", plugin.stdout.strip(), str(HERE / "swift_recorder.py")]
+    command += ["--dataloader_num_workers", "0", "--data_seed", "7"]
+    return command
+
+
+def swift_plugin(venv: Path, env: dict[str, str] | None = None) -> str:
+    """The DFLOP plugin file, as ``dflop-ds plugin-path swift`` prints it in ``venv`` (``env``: its
+    environment, default this process's)."""
+    command = [str(venv / "bin" / "dflop-ds"), "plugin-path", "swift"]
+    return subprocess.run(command, capture_output=True, text=True, env=env, check=True).stdout.strip()
+
+
+def swift_command(
+    venv: Path, model: str, family: str, ds: Path, out: Path, epochs: int, resume: Path | None, env: dict[str, str]
+) -> list[str]:
+    """``swift sft`` with the DFLOP plugin (and the test's recording plugin); ``env``: the launch's."""
+    command = swift_options(model, family, ds, out, epochs)
+    command += ["--save_strategy", "steps", "--save_steps", str(STOP_AT), "--save_only_model", "false"]
+    command += ["--external_plugins", swift_plugin(venv, env), str(HERE / "swift_recorder.py")]
     command += ["--callbacks", "dflop", "record"]
     if resume is not None:
         command += ["--resume_from_checkpoint", str(resume)]
     return command
 
 
-def llamafactory_command(
-    venv: Path, model: str, family: str, ds: Path, out: Path, epochs: int, resume: Path | None, stop_at: int = 0
-) -> list[str]:
-    """``dflop-ds llamafactory train`` on a config written beside the run (``stop_at``: ``max_steps``,
-    the first half of a stopped-and-resumed run)."""
-    config = {
+def llamafactory_config(
+    model: str, family: str, ds: Path, out: Path, epochs: int = 1, batch: int = BATCH, gas: int = GAS
+) -> dict:
+    """LLaMA-Factory's options for a full fp32 CPU training of ``model`` on the chat data, one log
+    per step, no checkpoints."""
+    return {
         "model_name_or_path": model,
         "template": "llava" if family == "llava" else "qwen2_vl",
         "stage": "sft",
@@ -133,14 +150,13 @@ def llamafactory_command(
         "dataset_dir": INPUTS["dataset_dir"],
         "cutoff_len": 4096,
         "output_dir": str(out),
-        "overwrite_output_dir": resume is None,
-        "per_device_train_batch_size": BATCH,
-        "gradient_accumulation_steps": GAS,
+        "overwrite_output_dir": True,
+        "per_device_train_batch_size": batch,
+        "gradient_accumulation_steps": gas,
         "learning_rate": 5e-3,
         "num_train_epochs": epochs,
         "logging_steps": 1,
-        "save_strategy": "steps",
-        "save_steps": STOP_AT,
+        "save_strategy": "no",
         "report_to": "none",
         "deepspeed": str(ds),
         "use_cpu": True,
@@ -152,12 +168,26 @@ def llamafactory_command(
         "image_max_pixels": int(QWEN_PIXELS["MAX_PIXELS"]),
         "image_min_pixels": int(QWEN_PIXELS["MIN_PIXELS"]),
     }
+
+
+def write_config(config: dict, path: Path) -> Path:
+    """``config`` written to ``path`` as JSON, which is YAML."""
+    path.write_text(json.dumps(config, indent=1))
+    return path
+
+
+def llamafactory_command(
+    venv: Path, model: str, family: str, ds: Path, out: Path, epochs: int, resume: Path | None, stop_at: int = 0
+) -> list[str]:
+    """``dflop-ds llamafactory train`` on a config written beside the run (``stop_at``: ``max_steps``,
+    the first half of a stopped-and-resumed run)."""
+    config = llamafactory_config(model, family, ds, out, epochs)
+    config.update(overwrite_output_dir=resume is None, save_strategy="steps", save_steps=STOP_AT)
     if stop_at:
         config["max_steps"] = stop_at
     if resume is not None:
         config["resume_from_checkpoint"] = str(resume)
-    path = out.with_suffix(".yaml")
-    path.write_text(json.dumps(config, indent=1))  # JSON is YAML
+    path = write_config(config, out.with_suffix(".yaml"))
     return [str(venv / "bin" / "dflop-ds"), "llamafactory", "train", str(path)]
 
 
@@ -195,9 +225,10 @@ def launch(framework: str, venv: Path, name: str, work: Path, family: str, stage
     env = venv_env(venv, DFLOP_FETCH_LOG=str(run.fetch_log), DFLOP_STOP_AT=str(kw.get("stop_at", 0)), **QWEN_PIXELS)
     epochs, resume = kw.get("epochs", 1), kw.get("resume")
     if framework == "swift":
-        command = swift_command(venv, INPUTS[family], family, ds, run.out, epochs, resume)
+        command = swift_command(venv, INPUTS[family], family, ds, run.out, epochs, resume, env)
     else:
-        env.update(FORCE_TORCHRUN="1", PYTHONPATH=str(HERE / "lf_hooks"), MASTER_PORT=str(29500 + os.getpid() % 1000))
+        hooks = os.pathsep.join([str(HERE / "lf_hooks"), env["PYTHONPATH"]])
+        env.update(FORCE_TORCHRUN="1", PYTHONPATH=hooks, MASTER_PORT=str(29500 + os.getpid() % 1000))
         command = llamafactory_command(venv, INPUTS[family], family, ds, run.out, epochs, resume, kw.get("stop_at", 0))
     start = time.perf_counter()
     result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=work, timeout=1800)
@@ -242,6 +273,7 @@ def main() -> int:
         work.mkdir(parents=True)
         built = subprocess.run(
             [str(venv / "bin" / "python"), str(HERE / "inputs.py"), str(work / "inputs"), "--records", str(ROWS)],
+            env={**os.environ, "PYTHONPATH": str(REPO)},
             capture_output=True,
             text=True,
             check=True,
@@ -269,6 +301,8 @@ def main() -> int:
         problem = None
         if not (first.ok and second.ok):
             problem = "exited non-zero:\n" + (first.tail if not first.ok else second.tail)
+        elif not (checkpoint / "dflop_sampler.json").is_file():
+            problem = f"{checkpoint} has no dflop_sampler.json, so the resume could not check the schedule"
         elif len(first.fetched()) != STOP_AT * BATCH * GAS * 2 - 4:  # 6 steps: 5 of 8 rows and the short one of 4
             problem = f"the first run fetched {len(first.fetched())} rows before its stop"
         else:

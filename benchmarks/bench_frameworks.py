@@ -1,0 +1,275 @@
+"""`make bench-frameworks`: each framework's own training against the same with dflop-ds, ZeRO-3, 2 CPU ranks.
+
+Every run goes through the framework's own command, in its environment (``.venv-swift``,
+``.venv-llamafactory``, `make framework-envs`), on the inputs of `make test-frameworks`
+(tests/frameworks/inputs.py: a chat dataset with a quarter text-only rows and one to three images
+of 24-400 px in the others), with this checkout's dflop_ds first on PYTHONPATH. Per round, eight
+launches, interleaved over the rounds (the order reversed every other round), the same data and
+seed in each (both frameworks freeze the vision tower by default; here it trains in every run:
+ms-swift's ``--freeze_vit false``, LLaMA-Factory's ``freeze_vision_tower: false``, full ViT + LLM
+training, the case of ms-swift #6283):
+
+* ``default``: the framework's own sampler, microbatches padded (encoder-heavy tiny LLaVA, its
+  vision tower about half the work), against ``dflop``: the same command with DFLOP's sampler
+  (ms-swift's ``--callbacks dflop``, ``dflop-ds llamafactory train``). LLaMA-Factory's own run is
+  what ``llamafactory-cli train`` runs on each rank (framework_hooks/llamafactory_rank.py), after
+  starting DeepSpeed's communication as ``dflop-ds llamafactory train`` does (without it, ZeRO-3
+  on CPU ranks stops at DeepSpeed's batch assertion);
+* ``packing``: the framework's own packing against what dflop-ds does with it. ms-swift:
+  ``--packing true`` (offline bin packing into rows of ``--max_length`` tokens, one row per
+  microbatch) against ``--padding_free true --callbacks dflop`` (DFLOP's balanced microbatches,
+  each packed into one row by ms-swift, balanced on the packed cost), on tiny Qwen2-VL (ms-swift's
+  LLaVA template allows neither); both need a flash-attention build in ms-swift, which this CPU has
+  none of, so a benchmark plugin (framework_hooks/swift_cpu.py, loaded by every ms-swift run)
+  lifts that rule and both run with sdpa; it also starts DeepSpeed's communication before the
+  model loads, as DFLOP's plugin does (ms-swift's own run stops at DeepSpeed's batch assertion
+  under ZeRO-3 on CPU ranks otherwise). LLaMA-Factory: ``packing: true`` (offline greedy knapsack
+  into rows of ``cutoff_len`` tokens, one row per microbatch) against ``dflop-ds llamafactory
+  train`` without it, on tiny Qwen2-VL (LLaMA-Factory's packing of LLaVA fails, see :data:`PAIRS`):
+  the plugin refuses ``packing`` and balances padded microbatches instead (LLaMA-Factory's
+  collator is not padding free, so DFLOP's own packing does not apply). A pack row holds 2-4 samples
+  (:data:`PACK_TOKENS`), so the frameworks' packed runs take one row per microbatch where
+  dflop-ds's take ``BATCH`` samples.
+
+The time measured is one epoch of training: rank 0's Trainer callbacks ``on_train_begin`` to
+``on_train_end`` (framework_hooks/sitecustomize.py), so process start-up, model loading and data
+preparation are left out. A launch whose logged loss does not fall (a NaN loss is logged as 0)
+is shown and left out of the medians. Prints a table (rounds timed, median and min-max over
+them, loss of the last step) and ends with ``frameworks swift_speedup=A swift_packing_speedup=B
+llamafactory_speedup=C llamafactory_packing_speedup=D``: each the framework's median epoch time
+over dflop-ds's.
+
+Usage: python benchmarks/bench_frameworks.py [--rounds 3] [--rows 48] [--frameworks swift llamafactory]
+       [--out DIR] [--report]   (--report: the table and summary of the runs already in DIR)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HOOKS = ROOT / "benchmarks" / "framework_hooks"
+sys.path.insert(0, str(ROOT / "tests" / "frameworks"))
+
+import run_frameworks as fw  # noqa: E402
+
+#: tokens per pack row of the frameworks' own packing (``--max_length``, ``cutoff_len``): above the
+#: data's longest sample (303 tokens on the LLaVA, 234 on Qwen2-VL, by the shapes dflop-ds reads),
+#: so that no sample is cut or dropped; a row holds 2-4 samples
+PACK_TOKENS = {"swift": 512, "llamafactory": 512}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One launch kind: framework, whether dflop-ds is on, whether the framework packs, model family."""
+
+    framework: str
+    dflop: bool
+    packing: bool
+    family: str
+
+    @property
+    def name(self) -> str:
+        kind = "packing" if self.packing else "default"
+        return f"{self.framework}_{self.family}_{kind}{'_dflop' if self.dflop else ''}"
+
+
+#: each summary figure: (the framework's own run, the same with dflop-ds). LLaMA-Factory's plugin has
+#: no packed path (LLaMA-Factory's collator is not padding free, and its ``packing`` is refused):
+#: its answer to ``packing: true`` is to drop it and balance padded microbatches. LLaMA-Factory's
+#: packing of the tiny LLaVA fails here (a packed row's 528 query tokens against 512 rotary
+#: positions at the first forward), so that pair runs on Qwen2-VL
+PAIRS = {
+    "swift_speedup": (Variant("swift", False, False, "llava"), Variant("swift", True, False, "llava")),
+    "swift_packing_speedup": (Variant("swift", False, True, "qwen2_vl"), Variant("swift", True, True, "qwen2_vl")),
+    "llamafactory_speedup": (
+        Variant("llamafactory", False, False, "llava"),
+        Variant("llamafactory", True, False, "llava"),
+    ),
+    "llamafactory_packing_speedup": (
+        Variant("llamafactory", False, True, "qwen2_vl"),
+        Variant("llamafactory", True, False, "qwen2_vl"),
+    ),
+}
+
+
+def deepspeed_file(work: Path, variant: Variant) -> Path:
+    """ZeRO-3 config; the ``"dflop"`` block only for dflop-ds's runs."""
+    path = fw.deepspeed_config(3, work / f"ds_{variant.name}.json", {"sampler": {"kind": "dflop"}})
+    if not variant.dflop:
+        config = json.loads(path.read_text())
+        del config["dflop"]
+        path.write_text(json.dumps(config, indent=1))
+    return path
+
+
+def swift_command(venv: Path, variant: Variant, ds: Path, out: Path, env: dict[str, str]) -> list[str]:
+    """``swift sft`` for ``variant`` (``env``: the launch's environment)."""
+    packs = variant.packing and not variant.dflop
+    command = fw.swift_options(fw.INPUTS[variant.family], variant.family, ds, out, batch=1 if packs else fw.BATCH)
+    command += ["--save_strategy", "no", "--freeze_vit", "false"]
+    plugins = [str(HOOKS / "swift_cpu.py")]
+    if variant.dflop:
+        plugins.insert(0, fw.swift_plugin(venv, env))
+    command += ["--external_plugins", *plugins]
+    if variant.dflop:
+        command += ["--callbacks", "dflop"]
+    if variant.packing:
+        command += ["--padding_free", "true"] if variant.dflop else ["--packing", "true"]
+        command += ["--max_length", str(PACK_TOKENS["swift"])] if packs else []
+    return command
+
+
+def llamafactory_command(venv: Path, variant: Variant, ds: Path, out: Path, env: dict[str, str]) -> list[str]:
+    """``dflop-ds llamafactory train`` on a config for ``variant``, or without dflop-ds what
+    ``llamafactory-cli train`` runs on each rank, under ``torchrun``
+    (framework_hooks/llamafactory_rank.py: it starts DeepSpeed's communication first)."""
+    packs = variant.packing and not variant.dflop
+    config = fw.llamafactory_config(fw.INPUTS[variant.family], variant.family, ds, out, batch=1 if packs else fw.BATCH)
+    config["freeze_vision_tower"] = False
+    if packs:
+        config.update(packing=True, cutoff_len=PACK_TOKENS["llamafactory"])
+    path = fw.write_config(config, out.with_suffix(".yaml"))
+    if variant.dflop:
+        return [str(venv / "bin" / "dflop-ds"), "llamafactory", "train", str(path)]
+    launcher = [str(venv / "bin" / "python"), "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    return [*launcher, f"--master_port={env['MASTER_PORT']}", str(HOOKS / "llamafactory_rank.py"), str(path)]
+
+
+def train_seconds(step_log: Path) -> float:
+    """Rank 0's ``on_train_begin`` to ``on_train_end``, from the hooks' log."""
+    times: dict[str, float] = {}
+    for line in step_log.read_text().splitlines():
+        entry = json.loads(line)
+        times.setdefault(entry["event"], entry["t"])
+        if entry["event"] == "on_train_end":
+            times["on_train_end"] = entry["t"]
+    return times["on_train_end"] - times["on_train_begin"]
+
+
+class NotTrained(RuntimeError):
+    """A launch that exited 0 but whose loss did not fall: the Trainer logs a NaN loss as 0 (its
+    ``logging_nan_inf_filter``), and such a run's time is not a training time to compare."""
+
+
+def launch(variant: Variant, work: Path, round_: int) -> tuple[float, float]:
+    """One epoch of ``variant``; returns (train seconds, last logged loss). Raises with the log's
+    tail when the launch fails, and when its logged loss did not fall (a run that trains nothing,
+    such as a loss of 0 at every step, is not a time to compare)."""
+    venv = ROOT / f".venv-{variant.framework}"
+    name = f"{variant.name}_r{round_}"
+    out, step_log = work / name, work / f"{name}.steps"
+    ds = deepspeed_file(work, variant)
+    env = fw.venv_env(venv, DFLOP_STEP_LOG=str(step_log), **fw.QWEN_PIXELS)
+    env["PYTHONPATH"] = os.pathsep.join([str(HOOKS), str(ROOT)])  # this checkout's dflop_ds
+    if variant.framework == "swift":
+        command = swift_command(venv, variant, ds, out, env)
+    else:
+        env.update(FORCE_TORCHRUN="1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+        command = llamafactory_command(venv, variant, ds, out, env)
+    result = subprocess.run(["nice", *command], env=env, capture_output=True, text=True, cwd=work, timeout=1800)
+    (work / f"{name}.log").write_text(result.stdout + result.stderr)
+    if result.returncode != 0 or not step_log.is_file():
+        raise RuntimeError(f"{name} failed (exit {result.returncode}):\n{(result.stdout + result.stderr)[-3000:]}")
+    return measured(variant, work, round_)
+
+
+def measured(variant: Variant, work: Path, round_: int) -> tuple[float, float]:
+    """(train seconds, last logged loss) of a finished launch, from its logs under ``work``; raises
+    :class:`NotTrained` when its loss did not fall."""
+    name = f"{variant.name}_r{round_}"
+    out, step_log = work / name, work / f"{name}.steps"
+    run = fw.Run(name, out, work / name)
+    (fw.swift_losses if variant.framework == "swift" else fw.llamafactory_losses)(run)
+    if variant.dflop and not run.telemetry:
+        raise RuntimeError(f"{name}: no dflop_predicted_imbalance logged, so DFLOP's sampler did not run")
+    if len(run.losses) < 2 or not 0 < run.losses[-1] < run.losses[0]:
+        raise NotTrained(f"{name}: the loss did not fall ({run.losses}): this round of it is not timed")
+    return train_seconds(step_log), run.losses[-1]
+
+
+def load() -> str:
+    """The 1-minute load average, for the report."""
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=48, help="chat rows of the epoch")
+    parser.add_argument("--frameworks", nargs="+", default=fw.FRAMEWORKS, choices=fw.FRAMEWORKS)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_frameworks")
+    parser.add_argument("--report", action="store_true", help="launch nothing: report the runs already in --out")
+    cli = parser.parse_args()
+    work = cli.out.resolve()
+    if not cli.report:
+        subprocess.run(["rm", "-rf", str(work)], check=True)
+        work.mkdir(parents=True)
+        built = subprocess.run(
+            [str(ROOT / ".venv-swift" / "bin" / "python"), str(ROOT / "tests" / "frameworks" / "inputs.py")]
+            + [str(work / "inputs"), "--records", str(cli.rows), "--encoder-heavy"],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        fw.INPUTS.update(json.loads(built.stdout.strip().splitlines()[-1]))
+    pairs = {key: pair for key, pair in PAIRS.items() if pair[0].framework in cli.frameworks}
+    variants = list(dict.fromkeys(v for pair in pairs.values() for v in pair))
+    seconds: dict[str, list[float]] = {v.name: [] for v in variants}
+    losses: dict[str, float] = {}
+    start = time.time()
+    print(f"bench-frameworks: {cli.rows} rows, {cli.rounds} rounds, ZeRO-3, 2 ranks; load {load()}", flush=True)
+    failed: dict[str, str] = {}
+    for round_ in range(cli.rounds):
+        order = variants if round_ % 2 == 0 else variants[::-1]
+        for variant in order:
+            if variant.name in failed:
+                continue
+            if cli.report and not (work / f"{variant.name}_r{round_}.steps").is_file():
+                continue
+            try:
+                run = measured if cli.report else launch
+                took, losses[variant.name] = run(variant, work, round_)
+            except NotTrained as error:  # shown; the variant's other rounds still count
+                print(f"round {round_} {variant.name}: NOT TRAINED, {error}", flush=True)
+                continue
+            except RuntimeError as error:  # shown, and its comparison reported as failed
+                failed[variant.name] = str(error)
+                print(f"round {round_} {variant.name}: FAILED\n{error}", flush=True)
+                continue
+            seconds[variant.name].append(took)
+            now = "" if cli.report else f" (load {load()})"
+            print(f"round {round_} {variant.name}: {took:.1f} s train{now}", flush=True)
+    for v in variants:  # a variant that never trained has nothing to compare
+        if not seconds[v.name] and v.name not in failed:
+            failed[v.name] = "no round trained"
+    print(f"\n{'run':<36} {'rounds':>6} {'epoch s median':>14} {'min-max':>11} {'last loss':>9}")
+    for v in variants:
+        times = seconds[v.name]
+        if v.name in failed:
+            print(f"{v.name:<36} {len(times):>6} {'failed':>14}")
+            continue
+        spread = f"{min(times):.1f}-{max(times):.1f}"
+        median = statistics.median(times)
+        print(f"{v.name:<36} {len(times):>6} {median:>14.1f} {spread:>11} {losses[v.name]:>9.3f}")
+    speedups: dict[str, str] = {}
+    for key, (base, ours) in pairs.items():
+        failure = base.name in failed or ours.name in failed
+        ratio = 0.0 if failure else statistics.median(seconds[base.name]) / statistics.median(seconds[ours.name])
+        speedups[key] = "failed" if failure else f"{ratio:.3f}"
+    print(f"wall {time.time() - start:.0f} s, load {load()}")
+    print("frameworks " + " ".join(f"{k}={v}" for k, v in speedups.items()))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
