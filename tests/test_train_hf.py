@@ -146,7 +146,8 @@ def test_hf_zero2_step_equals_one_hf_step_on_the_global_batch_with_image_less_mi
     microbatches = [mb for line in lines for mb in line["microbatches"]]
     has_images = [any(shapes[i].image_sizes for i in mb) for mb in microbatches]
     assert any(has_images) and not all(has_images), "the step must mix microbatches with and without images"
-    assert all(len(mb) > 1 for mb in microbatches)  # every microbatch packs several samples
+    # the split may leave a sample alone in a microbatch (an aligned split evens the encoder per microstep)
+    assert any(len(mb) > 1 for mb in microbatches)  # packed microbatches of several samples are checked
 
     reference = AutoModelForImageTextToText.from_pretrained(str(model))
     dataset = source.make_dataset(shapes, str(data))
