@@ -143,6 +143,12 @@ class LMHead(nn.Module):
         return self.lm_head(self.norm(inputs[0]))
 
 
+def tied_embedding_key(lm_head: nn.Module, language_model: Any) -> str | None:
+    """:data:`TIED_EMBEDDING_KEY` when ``lm_head`` shares the weight of ``language_model.embed_tokens``
+    (tied word embeddings: the projector and the head declare it), else None."""
+    return TIED_EMBEDDING_KEY if lm_head.weight is language_model.embed_tokens.weight else None
+
+
 def decoder_layers(language_model: Any) -> list[DecoderLayer]:
     """Every decoder layer of an HF causal-LM body (``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``)."""
     config = language_model.config
@@ -202,6 +208,7 @@ __all__ = [
     "check_boundary",
     "decoder_layers",
     "layer_mask_kinds",
+    "tied_embedding_key",
     "padding_mask",
     "run_layers",
 ]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflop_ds.models.hf.base.layers import TEXT_TYPES, TIED_EMBEDDING_KEY, LMHead, decoder_layers, load_checked
+from dflop_ds.models.hf.base.layers import TEXT_TYPES, LMHead, decoder_layers, load_checked, tied_embedding_key
 from dflop_ds.models.hf.base.vision import FeatureProjector, VisionEmbeddings, VisionLayer
 
 MODEL_TYPE = "internvl"
@@ -85,8 +85,7 @@ def internvl_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Mod
     last = config.vision_feature_layer == -1  # HF takes the normed last_hidden_state then
     encoder: list[nn.Module] = [VisionEmbeddings(tower.embeddings, None)]
     encoder += [VisionLayer(layer, takes_mask=False) for layer in layers[: len(layers) if last else depth]]
-    tied = model.lm_head.weight is language_model.embed_tokens.weight
-    key = TIED_EMBEDDING_KEY if tied else None
+    key = tied_embedding_key(model.lm_head, language_model)
     shuffled = ShuffledProjector(body, tower.layernorm if last else None, config)
     projector = FeatureProjector(shuffled, language_model.embed_tokens, config.image_token_id, "full", tied_key=key)
     llm: list[nn.Module] = [*decoder_layers(language_model), LMHead(language_model.norm, model.lm_head, tied_key=key)]

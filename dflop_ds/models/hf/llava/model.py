@@ -30,7 +30,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflop_ds.models.hf.base.layers import TEXT_TYPES, TIED_EMBEDDING_KEY, LMHead, decoder_layers, load_checked
+from dflop_ds.models.hf.base.layers import (
+    TEXT_TYPES,
+    LMHead,
+    decoder_layers,
+    load_checked,
+    tied_embedding_key,
+)
 from dflop_ds.models.hf.base.vision import (
     FeatureProjector,
     TileEncoderInputs,
@@ -108,8 +114,7 @@ def llava_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Module
     vision = getattr(tower, "vision_model", tower)  # older transformers wrap the transformer once more
     encoder: list[nn.Module] = [VisionEmbeddings(vision.embeddings, getattr(vision, "pre_layrnorm", None))]
     encoder += [VisionLayer(layer) for layer in list(vision.encoder.layers)[: feature_depth(config)]]
-    tied = model.lm_head.weight is language_model.embed_tokens.weight
-    key = TIED_EMBEDDING_KEY if tied else None
+    key = tied_embedding_key(model.lm_head, language_model)
     projector = FeatureProjector(
         body.multi_modal_projector,
         language_model.embed_tokens,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflop_ds.models.hf.base.layers import TIED_EMBEDDING_KEY, LMHead, decoder_layers, load_checked
+from dflop_ds.models.hf.base.layers import LMHead, decoder_layers, load_checked, tied_embedding_key
 from dflop_ds.models.hf.base.vision import TileEncoderInputs, VisionEmbeddings, VisionLayer, feature_depth
 from dflop_ds.shapes import split_evenly
 
@@ -173,8 +173,7 @@ def llava_onevision_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list
     vision = getattr(tower, "vision_model", tower)
     encoder: list[nn.Module] = [CarryMedia(VisionEmbeddings(vision.embeddings, getattr(vision, "pre_layrnorm", None)))]
     encoder += [CarryMedia(VisionLayer(layer)) for layer in list(vision.encoder.layers)[: feature_depth(config)]]
-    tied = model.lm_head.weight is language_model.embed_tokens.weight
-    key = TIED_EMBEDDING_KEY if tied else None
+    key = tied_embedding_key(model.lm_head, language_model)
     projector = OnevisionProjector(body, config, tied_key=key)
     llm: list[nn.Module] = [*decoder_layers(language_model), LMHead(language_model.norm, model.lm_head, tied_key=key)]
     return encoder, projector, llm

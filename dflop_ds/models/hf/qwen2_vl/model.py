@@ -42,7 +42,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflop_ds.models.hf.base.layers import TIED_EMBEDDING_KEY, DecoderLayer, LMHead, layer_mask_kinds, load_checked
+from dflop_ds.models.hf.base.layers import (
+    TIED_EMBEDDING_KEY,
+    DecoderLayer,
+    LMHead,
+    layer_mask_kinds,
+    load_checked,
+    tied_embedding_key,
+)
 from dflop_ds.models.hf.base.mrope import is_placeholder, mrope_position_ids, placeholder_grid, tower_grid
 from dflop_ds.models.hf.base.vision import GridEncoderInputs
 from dflop_ds.models.hf.base.visual_merge import VisualMerge
@@ -212,8 +219,7 @@ def qwen2_vl_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Mod
     vision_config = config.vision_config
     encoder: list[nn.Module] = [PatchEmbedding(visual.patch_embed, vision_config)]
     encoder += [VisionBlock(block, visual.rotary_pos_emb, vision_config, i) for i, block in enumerate(visual.blocks)]
-    tied = model.lm_head.weight is language_model.embed_tokens.weight
-    key = TIED_EMBEDDING_KEY if tied else None
+    key = tied_embedding_key(model.lm_head, language_model)
     projector = Qwen2VLProjector(visual.merger, language_model.embed_tokens, config, tied_key=key)
     text_config = language_model.config
     kinds = layer_mask_kinds(text_config)

@@ -44,7 +44,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflop_ds.models.hf.base.layers import TIED_EMBEDDING_KEY, DecoderLayer, LMHead, layer_mask_kinds, load_checked
+from dflop_ds.models.hf.base.layers import (
+    DecoderLayer,
+    LMHead,
+    layer_mask_kinds,
+    load_checked,
+    tied_embedding_key,
+)
 from dflop_ds.models.hf.base.mrope import mrope_position_ids, placeholder_grid, tower_grid
 from dflop_ds.models.hf.base.vision import GridEncoderInputs
 from dflop_ds.models.hf.base.visual_merge import VisualMerge
@@ -231,8 +237,7 @@ def qwen3_vl_layers(model: Any) -> tuple[list[nn.Module], nn.Module, list[nn.Mod
         VisionBlock(block, visual.rotary_pos_emb, vision_config, mergers.get(i))
         for i, block in enumerate(visual.blocks)
     ]
-    tied = model.lm_head.weight is language_model.embed_tokens.weight
-    key = TIED_EMBEDDING_KEY if tied else None
+    key = tied_embedding_key(model.lm_head, language_model)
     projector = Qwen3VLProjector(visual.merger, language_model.embed_tokens, config, tied_key=key)
     text_config = language_model.config
     kinds = layer_mask_kinds(text_config)
