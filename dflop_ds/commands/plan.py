@@ -54,6 +54,43 @@ def repeat_note(global_batch: int, shapes: list[SampleShape]) -> str | None:
     )
 
 
+def add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    """The cluster options ``plan`` and ``project`` share: GPUs per node, GPU memory, the largest
+    tensor-parallel degree, the ZeRO stage and the training precision."""
+    parser.add_argument(
+        "--gpus-per-node", type=int_at_least(1), default=8, help="GPUs per node (tensor parallelism stays inside)"
+    )
+    parser.add_argument(
+        "--gpu-memory-gb",
+        type=positive_float,
+        default=None,
+        help="memory per GPU in GB (default: the profile's GPU, else 80)",
+    )
+    parser.add_argument(
+        "--max-tp",
+        type=int_at_least(1),
+        default=None,
+        help="largest tensor-parallel degree (default: --gpus-per-node for a model with tensor-parallel"
+        " layers, else 1; more than 1 for a model without them is refused); 1 for the pure data"
+        " parallelism ZeRO-3 users run",
+    )
+    parser.add_argument(
+        "--zero-stage",
+        type=int,
+        default=1,
+        choices=sorted(ZERO_SHARDED),
+        help="DeepSpeed ZeRO stage: what is sharded and how data-parallel ranks meet (0, 1: once a step;"
+        " 2: every microbatch; 3: every module); 2 and 3 only without pipeline stages",
+    )
+    parser.add_argument(
+        "--precision",
+        default=None,
+        choices=PRECISIONS,
+        help="training precision the memory model assumes (default: bf16 for an analytic cost model,"
+        " fp32 for a measured one)",
+    )
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cost-model",
@@ -225,37 +262,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         required=True,
         help=f"GPUs in the job, at most {MAX_PLANNED_GPUS}",
     )
-    p.add_argument(
-        "--gpus-per-node", type=int_at_least(1), default=8, help="GPUs per node (tensor parallelism stays inside)"
-    )
-    p.add_argument(
-        "--gpu-memory-gb",
-        type=positive_float,
-        default=None,
-        help="memory per GPU in GB (default: the profile's GPU, else 80)",
-    )
     p.add_argument("--global-batch", type=int_at_least(1), required=True, help="samples per optimizer step")
-    p.add_argument(
-        "--max-tp",
-        type=int_at_least(1),
-        default=None,
-        help="largest tensor-parallel degree (default: --gpus-per-node for a model with tensor-parallel"
-        " layers, else 1; more than 1 for a model without them is refused)",
-    )
-    p.add_argument(
-        "--zero-stage",
-        type=int,
-        default=1,
-        choices=sorted(ZERO_SHARDED),
-        help="DeepSpeed ZeRO stage (2 and 3 only without pipeline stages)",
-    )
-    p.add_argument(
-        "--precision",
-        default=None,
-        choices=PRECISIONS,
-        help="training precision the memory model assumes (default: bf16 for an analytic cost model,"
-        " fp32 for a measured one)",
-    )
+    add_cluster_options(p)
     p.add_argument(
         "--deepspeed-config",
         default=None,

@@ -21,10 +21,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dflop_ds.commands.arg_types import MAX_PLANNED_GPUS, int_at_least, int_in_range, positive_float
+from dflop_ds.commands.arg_types import MAX_PLANNED_GPUS, int_at_least, int_in_range
 from dflop_ds.commands.plan import (
     _common,
     _read_shapes,
+    add_cluster_options,
     gpu_memory_bytes,
     load_planner_model,
     repeat_note,
@@ -34,7 +35,7 @@ from dflop_ds.commands.plan import (
 from dflop_ds.cost import PlannerCostModel
 from dflop_ds.paths import check_writable
 from dflop_ds.plan.calibration import load_calibration
-from dflop_ds.plan.cluster import PRECISIONS, ZERO_SHARDED, Cluster
+from dflop_ds.plan.cluster import Cluster
 from dflop_ds.plan.planner import describe_cost_model
 from dflop_ds.plan.projection import SizeProjection, encoder_share, project, table_lines
 from dflop_ds.shapes import SampleShape
@@ -56,26 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"cluster sizes (GPUs) to project, at most {MAX_PLANNED_GPUS}",
     )
     parser.add_argument("--batch-per-gpu", type=int, default=2, help="global batch = this x GPUs (default 2)")
-    parser.add_argument(
-        "--gpus-per-node", type=int_at_least(1), default=8, help="GPUs per node (tensor parallelism stays inside)"
-    )
-    parser.add_argument(
-        "--gpu-memory-gb", type=positive_float, default=None, help="memory per GPU (default: the profile's, else 80)"
-    )
-    parser.add_argument(
-        "--zero-stage",
-        type=int,
-        default=1,
-        choices=sorted(ZERO_SHARDED),
-        help="DeepSpeed ZeRO stage: what is sharded and how ranks meet (0, 1: at the boundary; 2, 3: per module)",
-    )
-    parser.add_argument(
-        "--max-tp",
-        type=int_at_least(1),
-        default=None,
-        help="largest tensor-parallel degree of every method's plan (default: as for `plan`); 1 for the pure"
-        " data parallelism ZeRO-3 users run",
-    )
+    add_cluster_options(parser)
     parser.add_argument(
         "--microbatches",
         type=int_at_least(1),
@@ -83,7 +65,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="microbatches per GPU and step (gradient accumulation) of every method's plan (default: each"
         " method's best count)",
     )
-    parser.add_argument("--precision", default=None, choices=PRECISIONS, help="training precision (as for `plan`)")
     parser.add_argument("--batches", type=int, default=3, help="sampled global batches per plan (the spread)")
     parser.add_argument(
         "--calibration",

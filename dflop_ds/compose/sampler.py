@@ -10,9 +10,23 @@ from dflop_ds.cost import CostModel
 from dflop_ds.schedule import make_sampler
 from dflop_ds.schedule.batch_schedule import CostAdjuster
 from dflop_ds.schedule.global_sampler import GlobalBatchSampler
+from dflop_ds.schedule.sampler import SamplerSettings
 from dflop_ds.shapes import SampleShape
 from dflop_ds.sync import SyncModel
-from dflop_ds.train.options import sampler_settings
+
+
+def sampler_settings(cfg: DFLOPConfig) -> SamplerSettings:
+    """The sampler's settings of the ``"dflop"`` block: the one place they are read from it."""
+    return SamplerSettings(
+        method=cfg.sampler.kind,
+        seed=cfg.train.seed,
+        prefetch=cfg.sampler.prefetch,
+        time_limit_s=cfg.sampler.time_limit_s,
+        ilp_nodes=cfg.sampler.ilp_nodes,
+        drop_last=cfg.sampler.drop_last,
+        schedule_timeout_s=cfg.sampler.schedule_timeout_s,
+        allow_oversize=cfg.sampler.allow_oversize,
+    )
 
 
 def schedule_sampler(

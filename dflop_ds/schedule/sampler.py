@@ -85,7 +85,7 @@ class StockBatchSampler(SplitterSampler):
 @dataclass(frozen=True)
 class SamplerSettings:
     """The sampler's settings from the config (``dflop.sampler`` and ``dflop.train.seed``;
-    :func:`dflop_ds.train.options.sampler_settings` builds them): ``method`` is a registered
+    :func:`dflop_ds.compose.sampler.sampler_settings` builds them): ``method`` is a registered
     splitter; ``time_limit_s``, ``ilp_nodes`` and ``allow_oversize`` are ``"dflop"``'s alone.
     See :class:`GlobalBatchSampler` and :class:`DFLOPBatchSampler` for the others."""
 

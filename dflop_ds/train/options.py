@@ -23,7 +23,6 @@ from dflop_ds.deepspeed_keys import deepspeed_keys
 from dflop_ds.jsonio import read_json_object
 from dflop_ds.plan import Plan
 from dflop_ds.precision import check_precisions
-from dflop_ds.schedule.sampler import SamplerSettings
 from dflop_ds.schedule.splitters import splitter_names
 
 #: command-line options that override settings of the "dflop" block (option dest -> DFLOPConfig attribute)
@@ -136,17 +135,3 @@ def load_plan(path: str | None):
     if path is None:
         return None
     return Plan.load(path)
-
-
-def sampler_settings(cfg: DFLOPConfig) -> SamplerSettings:
-    """The sampler's settings of the ``"dflop"`` block: the one place they are read from it."""
-    return SamplerSettings(
-        method=cfg.sampler.kind,
-        seed=cfg.train.seed,
-        prefetch=cfg.sampler.prefetch,
-        time_limit_s=cfg.sampler.time_limit_s,
-        ilp_nodes=cfg.sampler.ilp_nodes,
-        drop_last=cfg.sampler.drop_last,
-        schedule_timeout_s=cfg.sampler.schedule_timeout_s,
-        allow_oversize=cfg.sampler.allow_oversize,
-    )
