@@ -7,22 +7,18 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
-from dflop_ds.testing.hf_tiny import SPECIAL_TOKENS, TEXT_SIZES, VISION_LAYERS, build_tokenizer, copied, saved
-
-#: Qwen2-VL's chat and vision tokens (``<|image_pad|>`` is the image token the prompt carries)
-QWEN2_VL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-QWEN2_VL_PATCH = 4
-QWEN2_VL_MERGE = 2
-QWEN2_VL_MIN_PIXELS = (QWEN2_VL_PATCH * QWEN2_VL_MERGE) ** 2  # one LLM token
-QWEN2_VL_MAX_PIXELS = 32 * 32  # 64 patches, 16 LLM tokens
-
-
-def build_qwen2_vl_tokenizer():
-    """The tiny BPE tokenizer with Qwen2-VL's special tokens (``image_token``/``video_token`` named)."""
-    return build_tokenizer(
-        SPECIAL_TOKENS[:4] + QWEN2_VL_TOKENS, {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
-    )
-
+from dflop_ds.testing.hf_tiny import TEXT_SIZES, VISION_LAYERS, copied
+from dflop_ds.testing.patch_grid_tiny import (
+    MAX_PIXELS,
+    MERGE,
+    MIN_PIXELS,
+    PATCH,
+    build_patch_grid_tokenizer,
+    patch_grid_image_processor,
+    save_seeded,
+    special_token_ids,
+    vision_token_ids,
+)
 
 QWEN2_VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
@@ -53,14 +49,7 @@ def _built_qwen2_vl(
     family: str, tie_word_embeddings: bool, seed: int, min_pixels: int, max_pixels: int, patch_size: int
 ) -> Path:
     """Build and save one tiny Qwen2-VL directory in a process-wide temporary folder (cached)."""
-    import torch
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    tokenizer = build_qwen2_vl_tokenizer()
-    ids = dict(
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
-    )
-    token = tokenizer.convert_tokens_to_ids
+    tokenizer = build_patch_grid_tokenizer()
     vision = dict(
         depth=VISION_LAYERS,
         embed_dim=32,
@@ -68,7 +57,7 @@ def _built_qwen2_vl(
         mlp_ratio=2,
         num_heads=2,
         patch_size=patch_size,
-        spatial_merge_size=QWEN2_VL_MERGE,
+        spatial_merge_size=MERGE,
         temporal_patch_size=2,
     )
     # head_dim 16: the rotary half (8 frequencies) split over (temporal, height, width)
@@ -77,29 +66,17 @@ def _built_qwen2_vl(
         **TEXT_SIZES,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
         tie_word_embeddings=tie_word_embeddings,
-        **ids,
+        **special_token_ids(tokenizer),
     )
     config_class, model_class, vision = _qwen2_vl_classes(family, vision)
     config = config_class(
         vision_config=vision,
         text_config=text,
-        image_token_id=token("<|image_pad|>"),
-        video_token_id=token("<|video_pad|>"),
-        vision_start_token_id=token("<|vision_start|>"),
-        vision_end_token_id=token("<|vision_end|>"),
+        **vision_token_ids(tokenizer),
         tie_word_embeddings=tie_word_embeddings,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_class(config)
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=min_pixels,
-        max_pixels=max_pixels,
-        patch_size=patch_size,
-        temporal_patch_size=2,
-        merge_size=QWEN2_VL_MERGE,
-    )
-    return saved(f"tiny_{family}_", model, tokenizer, image_processor)
+    image_processor = patch_grid_image_processor(min_pixels, max_pixels, patch_size)
+    return save_seeded(f"tiny_{family}_", model_class, config, seed, tokenizer, image_processor)
 
 
 def build_tiny_qwen2_vl(
@@ -108,9 +85,9 @@ def build_tiny_qwen2_vl(
     family: str = "qwen2_vl",
     tie_word_embeddings: bool = False,
     seed: int = 0,
-    min_pixels: int = QWEN2_VL_MIN_PIXELS,
-    max_pixels: int = QWEN2_VL_MAX_PIXELS,
-    patch_size: int = QWEN2_VL_PATCH,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
+    patch_size: int = PATCH,
 ) -> Path:
     """Write a tiny random Qwen2-VL model, its tokenizer and its image processor to ``dir``
     (``save_pretrained`` layout, no processor class: Qwen2-VL's wants torchvision for videos);
@@ -127,9 +104,4 @@ def build_tiny_qwen2_vl(
     return copied(built, dir)
 
 
-__all__ = [
-    "QWEN2_VL_FAMILIES",
-    "QWEN2_VL_TOKENS",
-    "build_qwen2_vl_tokenizer",
-    "build_tiny_qwen2_vl",
-]
+__all__ = ["QWEN2_VL_FAMILIES", "build_tiny_qwen2_vl"]

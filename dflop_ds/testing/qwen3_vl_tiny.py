@@ -8,38 +8,32 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
-from dflop_ds.testing.hf_tiny import SPECIAL_TOKENS, TEXT_SIZES, VISION_LAYERS, build_tokenizer, copied, saved
-
-#: Qwen3-VL's chat and vision tokens (``<|image_pad|>`` is the image token the prompt carries)
-QWEN3_VL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-QWEN3_VL_PATCH = 4
-QWEN3_VL_MERGE = 2
-QWEN3_VL_MIN_PIXELS = (QWEN3_VL_PATCH * QWEN3_VL_MERGE) ** 2  # one LLM token
-QWEN3_VL_MAX_PIXELS = 32 * 32  # 64 patches, 16 LLM tokens
+from dflop_ds.testing.hf_tiny import TEXT_SIZES, VISION_LAYERS, copied
+from dflop_ds.testing.patch_grid_tiny import (
+    MERGE,
+    PATCH,
+    build_patch_grid_tokenizer,
+    patch_grid_image_processor,
+    save_seeded,
+    special_token_ids,
+    vision_token_ids,
+)
 
 
 @cache
 def _built_qwen3_vl(tie_word_embeddings: bool, seed: int, deepstack: tuple[int, ...]) -> Path:
     """Build and save one tiny Qwen3-VL directory in a process-wide temporary folder (cached)."""
-    import torch
     import transformers
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tokenizer = build_tokenizer(
-        SPECIAL_TOKENS[:4] + QWEN3_VL_TOKENS, {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
-    )
-    ids = dict(
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
-    )
-    token = tokenizer.convert_tokens_to_ids
+    tokenizer = build_patch_grid_tokenizer()
     vision = dict(
         depth=VISION_LAYERS,
         hidden_size=32,
         intermediate_size=64,
         num_heads=2,
         out_hidden_size=TEXT_SIZES["hidden_size"],
-        patch_size=QWEN3_VL_PATCH,
-        spatial_merge_size=QWEN3_VL_MERGE,
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
         temporal_patch_size=2,
         num_position_embeddings=16,  # a 4 x 4 learned table, resampled to every image's grid
         deepstack_visual_indexes=list(deepstack),
@@ -55,30 +49,17 @@ def _built_qwen3_vl(tie_word_embeddings: bool, seed: int, deepstack: tuple[int, 
             "mrope_section": [2, 3, 3],
             "mrope_interleaved": True,
         },
-        **ids,
+        **special_token_ids(tokenizer),
     )
     config = transformers.Qwen3VLConfig(
         vision_config=vision,
         text_config=text,
-        image_token_id=token("<|image_pad|>"),
-        video_token_id=token("<|video_pad|>"),
-        vision_start_token_id=token("<|vision_start|>"),
-        vision_end_token_id=token("<|vision_end|>"),
+        **vision_token_ids(tokenizer),
         tie_word_embeddings=tie_word_embeddings,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.Qwen3VLForConditionalGeneration(config)
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=QWEN3_VL_MIN_PIXELS,
-        max_pixels=QWEN3_VL_MAX_PIXELS,
-        patch_size=QWEN3_VL_PATCH,
-        temporal_patch_size=2,
-        merge_size=QWEN3_VL_MERGE,
-        image_mean=[0.5, 0.5, 0.5],
-        image_std=[0.5, 0.5, 0.5],
-    )
-    return saved("tiny_qwen3_vl_", model, tokenizer, image_processor)
+    image_processor = patch_grid_image_processor(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    model_class = transformers.Qwen3VLForConditionalGeneration
+    return save_seeded("tiny_qwen3_vl_", model_class, config, seed, tokenizer, image_processor)
 
 
 def build_tiny_qwen3_vl(
@@ -91,4 +72,4 @@ def build_tiny_qwen3_vl(
     return copied(_built_qwen3_vl(bool(tie_word_embeddings), int(seed), tuple(int(i) for i in deepstack)), dir)
 
 
-__all__ = ["QWEN3_VL_TOKENS", "build_tiny_qwen3_vl"]
+__all__ = ["build_tiny_qwen3_vl"]
