@@ -241,16 +241,14 @@ class PatchGridDataset(MediaDataset):
         return super().__getitem__(idx)  # type: ignore[return-value]
 
 
-def collate_patch_grid(items: Sequence[PatchGridItem], packed: bool = False, videos: bool = True):
-    """One microbatch ``((pixel_values, input_ids, seq_lens, image_grid_thw[, video_grid_thw]), (targets,
+def collate_patch_grid(items: Sequence[PatchGridItem], packed: bool = False):
+    """One microbatch ``((pixel_values, input_ids, seq_lens, image_grid_thw, video_grid_thw), (targets,
     loss_denominator))``: ``pixel_values`` holds every image's patches, then every video's, samples in
     order (padding or packing, ``packed``, and denominator as
     :func:`~dflop_ds.models.hf.base.collate.collate_padded`; the projector computes each sample's
-    M-RoPE positions); the video grids where ``videos`` (the family's contract carries them)."""
+    M-RoPE positions), the image grids and the video grids (``[0, 3]`` when no sample has a video)."""
     (pixel_values, input_ids, seq_lens), labels = collate_padded(items, packed)
     grid = torch.cat([item.image_grid_thw for item in items])
-    if not videos:
-        return (pixel_values, input_ids, seq_lens, grid), labels
     pixels = [item.pixel_values_videos for item in items if item.pixel_values_videos is not None]
     video_grid = torch.cat([item.video_grid_thw for item in items])
     return (torch.cat([pixel_values, *pixels]), input_ids, seq_lens, grid, video_grid), labels
