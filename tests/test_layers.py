@@ -19,7 +19,21 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dflop_ds"
 
 #: Bottom to top; a module may import from its own layer and the layers below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("shapes", "jsonio", "paths", "typecheck", "precision", "deepspeed_keys", "sync", "host", "data")),
+    (
+        "foundation",
+        (
+            "shapes",
+            "jsonio",
+            "paths",
+            "typecheck",
+            "precision",
+            "deepspeed_keys",
+            "sync",
+            "host",
+            "zero_gather",
+            "data",
+        ),
+    ),
     ("cost", ("cost",)),
     ("profile", ("profile",)),
     ("schedule", ("schedule", "loader", "testing")),

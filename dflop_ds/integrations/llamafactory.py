@@ -14,7 +14,10 @@ its multimodal collator, callbacks, saving) is LLaMA-Factory's. What it reads:
 
 With ``NPROC_PER_NODE`` > 1 or ``FORCE_TORCHRUN=1`` (as ``llamafactory-cli train``) the command
 starts ``torchrun`` over this module, one process per rank; each starts DeepSpeed's communication
-before the model is loaded (ZeRO-3's ``zero.Init`` would otherwise count one process on CPU).
+before the model is loaded (ZeRO-3's ``zero.Init`` would otherwise count one process on CPU) and,
+on DeepSpeed releases before 0.19.8 on CPU ranks (LLaMA-Factory 0.9.5 pins ``deepspeed<=0.18.4``),
+makes ZeRO-3's gathers wait for every parameter (:mod:`dflop_ds.zero_gather`: without it the
+checkpoint loads into partly unwritten memory and the loss is NaN from the first step).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from dflop_ds.hf_trainer.trainer import DFLOPTrainerMixin
 from dflop_ds.integrations.chat import media_size
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
 from dflop_ds.models.tiny_data import IGNORE_INDEX
+from dflop_ds.zero_gather import wait_every_gather
 
 #: LLaMA-Factory options that pack rows offline, refused with the reason
 PACKING_OPTIONS = ("packing", "neat_packing")
@@ -126,6 +130,7 @@ def train(config_path: str | Path) -> None:
         import deepspeed
 
         deepspeed.init_distributed()
+        wait_every_gather()  # DeepSpeed before 0.19.8 on CPU ranks: ZeRO-3 loading would keep unwritten memory
     from llamafactory.train.sft import workflow
     from llamafactory.train.tuner import run_exp
 

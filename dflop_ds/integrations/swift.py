@@ -50,6 +50,7 @@ from dflop_ds.hf_trainer.guard import blank_image_for, guarded_batch
 from dflop_ds.hf_trainer.resume import check_resume_state, resumed_checkpoint, save_before_checkpoint
 from dflop_ds.integrations.chat import chat_shapes
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
+from dflop_ds.zero_gather import wait_every_gather
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ def register() -> None:
         import deepspeed
 
         deepspeed.init_distributed()
+        wait_every_gather()  # DeepSpeed before 0.19.8 on CPU ranks: ZeRO-3 loading would keep unwritten memory
 
 
 def refuse_unsupported(args: Any, trainer: Any) -> None:

@@ -47,6 +47,7 @@ from dflop_ds.train.colocated import DispatchingSampler, colocate, colocated_pip
 from dflop_ds.train.engine import TrainingEngine, build_engine
 from dflop_ds.train.gather import gather_full_state
 from dflop_ds.train.memory_cap import device_memory_cap
+from dflop_ds.zero_gather import wait_every_gather
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ def start_distributed(seed: int) -> tuple[int, int]:
 
     torch.manual_seed(seed)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    wait_every_gather()  # DeepSpeed before 0.19.8 on CPU ranks: ZeRO-3's gathers read before they land
     release_shm_buffer_once_mapped()  # nothing left in /dev/shm however the run ends
     share_cpu_threads()  # CPU ranks on one machine: a share of the cores each, not all of them
     return torch.distributed.get_world_size(), torch.distributed.get_rank()

@@ -9,6 +9,10 @@ in the DeepSpeed config; each run must:
 * fetch every row index exactly once over both ranks (a test plugin lists each fetch);
 * log DFLOP's telemetry (``dflop_predicted_imbalance``), so DFLOP's sampler made the microbatches.
 
+Before them, ``zero3_weights.py`` loads the encoder-heavy tiny LLaVA under ZeRO-3 on 2 ranks as
+the plugins do and checks every gathered weight against the checkpoint (DeepSpeed 0.18.4 on CPU
+ranks otherwise leaves parts of them unwritten: dflop_ds/zero_gather.py).
+
 Then a LLaVA ZeRO-2 run of 2 epochs is stopped after step 6 (a checkpoint, in epoch 1) and resumed
 from it: the checkpoint holds DFLOP's sampler state (``dflop_sampler.json``, which the resume
 checks), and every row is fetched exactly twice over both runs (once per epoch).
@@ -248,6 +252,20 @@ def once_each(indices: list[int], times: int = 1) -> str | None:
     return None if not wrong and not extra else f"fetch counts off: {wrong} unknown: {extra}"
 
 
+def check_zero3_weights(venv: Path, work: Path) -> str | None:
+    """What is wrong with the encoder-heavy tiny LLaVA's weights once loaded under ZeRO-3 on 2 ranks
+    in ``venv`` (tests/frameworks/zero3_weights.py), or None."""
+    model = work / "inputs" / "llava_encoder_heavy"
+    build = f"from dflop_ds.testing.hf_tiny import build_encoder_heavy_llava; build_encoder_heavy_llava({str(model)!r})"
+    env = venv_env(venv, MASTER_PORT=str(29500 + os.getpid() % 1000))
+    subprocess.run([str(venv / "bin" / "python"), "-c", build], env=env, capture_output=True, check=True)
+    command = [str(venv / "bin" / "python"), "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    command += [f"--master_port={env['MASTER_PORT']}", str(HERE / "zero3_weights.py"), str(model)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=work, timeout=900)
+    (work / "zero3_weights.log").write_text(result.stdout + result.stderr)
+    return None if result.returncode == 0 else (result.stdout + result.stderr)[-3000:]
+
+
 def check_epoch(run: Run) -> str | None:
     """What is wrong with a one-epoch run, or None."""
     if not run.ok:
@@ -279,6 +297,12 @@ def main() -> int:
             check=True,
         )
         INPUTS.update(json.loads(built.stdout.strip().splitlines()[-1]))
+        if not cli.only or cli.only in f"{framework}_zero3_weights":
+            problem = check_zero3_weights(venv, work)
+            passed, failed = passed + (problem is None), failed + (problem is not None)
+            print(f"{'PASS' if problem is None else 'FAIL'} {framework}_zero3_weights")
+            if problem:
+                print("   ", problem)
         checks = [
             (f"{framework}_{family}_zero{stage}", family, stage) for family in ("llava", "qwen2_vl") for stage in (2, 3)
         ]
