@@ -186,6 +186,43 @@ def test_improve_is_the_plain_rescanning_loop(kind):
             np.testing.assert_array_equal(improve(costs, start, n_buckets, memory, **options), expected)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_improve_with_its_swap_filter_is_the_plain_rescanning_loop(kind, monkeypatch):
+    """The swap search's lower-bound filter (on from the first pair here) leaves the answer of
+    scoring every pair: the same labels, with moves, swaps, re-splits and a memory cap."""
+    monkeypatch.setattr(lpt, "SWAP_FILTER_WORK", 1)
+    monkeypatch.setattr(lpt, "SWAP_FILTER_PROBES", 2)
+    rng = np.random.default_rng(30 + len(kind))
+    for case in range(12):
+        n_buckets = int(rng.integers(2, 40))
+        n = n_buckets * int(rng.integers(2, 6)) + int(rng.integers(0, n_buckets))
+        costs = random_costs(rng, n, int(rng.integers(1, 4)), kind)
+        start = rng.permutation(np.arange(n) % n_buckets)
+        memory = None
+        if case % 2:
+            need = rng.integers(1, 4, n).astype(float)
+            memory = MemoryCap(need, float(np.bincount(start, weights=need).max()) + 1.0)
+        for options in ({}, {"allow_moves": False, "resplit": 0}, {"partners": (n_buckets,), "resplit": 0}):
+            expected = reference_improve(costs, start, n_buckets, memory, **options)
+            np.testing.assert_array_equal(improve(costs, start, n_buckets, memory, **options), expected)
+
+
+def test_the_swap_floor_bounds_every_swap_from_below():
+    rng = np.random.default_rng(5)
+    for kind in KINDS:
+        for k in (1, 2, 3):
+            costs = random_costs(rng, 120, k, kind)
+            labels = rng.permutation(np.arange(120) % 9)
+            loads = lpt.bucket_loads(costs, labels, 9)
+            b = int(loads.max(axis=1).argmax())
+            inside, outside = np.flatnonzero(labels == b), np.flatnonzero(labels != b)
+            values = lpt._swap_values(costs, loads, labels, b, inside, outside, None, None)
+            floor = lpt._swap_floor(costs, loads, labels, b, inside, outside)
+            assert (values.min(axis=0) >= floor - 1e-12 * costs.sum()).all()
+            if k == 1:  # one column: the bound is the best swap of each item
+                np.testing.assert_allclose(values.min(axis=0), floor, rtol=1e-12, atol=1e-12 * costs.sum())
+
+
 def test_labels_to_buckets_keeps_the_items_order():
     rng = np.random.default_rng(3)
     labels = rng.integers(0, 7, 200)
