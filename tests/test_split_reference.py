@@ -12,7 +12,7 @@ import heapq
 import numpy as np
 import pytest
 
-from dflop_ds.schedule import lpt
+from dflop_ds.schedule import lpt, swaps
 from dflop_ds.schedule.lpt import MemoryCap, differencing_assign, improve, labels_to_buckets
 from dflop_ds.schedule.padded import length_order, padded_lpt
 from dflop_ds.schedule.splitters import SplitRequest, check_split
@@ -104,7 +104,7 @@ def reference_improve(costs, labels, n_buckets, memory=None, partners=(12, 48), 
             pool[b] = False
             outside = everyone[pool[labels]]
             if outside.size:
-                value = lpt._swap_values(costs, loads, labels, b, inside, outside, used, memory)
+                value = swaps.swap_values(costs, loads, labels, b, inside, outside, used, memory)
                 flat = int(value.argmin())
                 if value.flat[flat] < best_value:
                     other = int(outside[flat % outside.size])
@@ -190,8 +190,8 @@ def test_improve_is_the_plain_rescanning_loop(kind):
 def test_improve_with_its_swap_filter_is_the_plain_rescanning_loop(kind, monkeypatch):
     """The swap search's lower-bound filter (on from the first pair here) leaves the answer of
     scoring every pair: the same labels, with moves, swaps, re-splits and a memory cap."""
-    monkeypatch.setattr(lpt, "SWAP_FILTER_WORK", 1)
-    monkeypatch.setattr(lpt, "SWAP_FILTER_PROBES", 2)
+    monkeypatch.setattr(swaps, "SWAP_FILTER_WORK", 1)
+    monkeypatch.setattr(swaps, "SWAP_FILTER_PROBES", 2)
     rng = np.random.default_rng(30 + len(kind))
     for case in range(12):
         n_buckets = int(rng.integers(2, 40))
@@ -216,8 +216,8 @@ def test_the_swap_floor_bounds_every_swap_from_below():
             loads = lpt.bucket_loads(costs, labels, 9)
             b = int(loads.max(axis=1).argmax())
             inside, outside = np.flatnonzero(labels == b), np.flatnonzero(labels != b)
-            values = lpt._swap_values(costs, loads, labels, b, inside, outside, None, None)
-            floor = lpt._swap_floor(costs, loads, labels, b, inside, outside)
+            values = swaps.swap_values(costs, loads, labels, b, inside, outside, None, None)
+            floor = swaps.swap_floor(costs, loads, labels, b, inside, outside)
             assert (values.min(axis=0) >= floor - 1e-12 * costs.sum()).all()
             if k == 1:  # one column: the bound is the best swap of each item
                 np.testing.assert_allclose(values.min(axis=0), floor, rtol=1e-12, atol=1e-12 * costs.sum())

@@ -13,12 +13,12 @@ column of its load; the makespan is the largest bucket time.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
+
+from dflop_ds.schedule.swaps import ByTime, MemoryCap, best_swap, bucket_members, exchange, items_of, swap_values
 
 MicrobatchCost = Callable[[Sequence[int]], np.ndarray]
 
@@ -27,23 +27,10 @@ _INF = np.inf
 SUBSET_MAX_ROWS = 512
 #: Candidate swap pairs :func:`improve` evaluates in its first circle of partner buckets.
 SWAP_PAIRS = 32_768
-#: Swap pairs times cost columns from which :func:`improve` filters the other items by a lower
-#: bound on their swaps before scoring pairs (:func:`_best_swap`; below it the filter's own array
-#: operations cost more than it saves), and how many of the lowest it scores first.
-SWAP_FILTER_WORK = 49_152
-SWAP_FILTER_PROBES = 8
 
 
 class InfeasibleError(ValueError):
     """No split satisfies the memory cap (or the greedy search could not find one)."""
-
-
-@dataclass(frozen=True)
-class MemoryCap:
-    """Per-item memory and the per-bucket cap it must respect."""
-
-    memory: np.ndarray
-    cap: float
 
 
 def item_order(costs: np.ndarray, seed: int) -> np.ndarray:
@@ -229,98 +216,6 @@ def _move_values(loads: np.ndarray, b: int, c_in: np.ndarray, used, memory, insi
     return value
 
 
-def _swap_values(costs, loads, labels, b, inside, outside, used, memory, work: list | None = None) -> np.ndarray:
-    """``(p, q)``: the larger new time of bucket ``b`` and of the other item's bucket when item
-    ``inside[a]`` swaps with ``outside[z]`` (``inf`` where the memory cap forbids it).
-
-    ``work``: a one-array list whose array is reused (and grown) for the matrices, so that a
-    search of many rounds does not allocate and free them every round (large ones make the
-    allocator hand memory back and fault it in again); the answer is then a view of it, valid
-    until the next call with the same ``work``."""
-    p, q = inside.size, outside.size
-    if work is None:
-        work = [np.empty(0)]
-    if work[0].size < 3 * p * q:
-        work[0] = np.empty(3 * p * q)
-    value, delta, column = (work[0][i * p * q : (i + 1) * p * q].reshape(p, q) for i in range(3))
-    other_loads = loads[labels[outside]]
-    for c in range(costs.shape[1]):
-        into = value if c == 0 else column
-        np.subtract(costs[outside, c][None, :], costs[inside, c][:, None], out=delta)
-        np.add(delta, loads[b, c], out=into)  # bucket b's new load
-        np.subtract(other_loads[:, c][None, :], delta, out=delta)  # the other bucket's
-        np.maximum(into, delta, out=into)
-        if c:
-            np.maximum(value, column, out=value)
-    if used is not None:
-        shift = memory.memory[outside][None, :] - memory.memory[inside][:, None]
-        over = (used[b] + shift > memory.cap) | (used[labels[outside]][None, :] - shift > memory.cap)
-        value[over] = _INF
-    return value
-
-
-def _best_swap(
-    costs: np.ndarray,
-    loads: np.ndarray,
-    labels: np.ndarray,
-    b: int,
-    inside: np.ndarray,
-    outside: np.ndarray,
-    used: np.ndarray | None,
-    memory: MemoryCap | None,
-    below: float,
-    slack: float,
-    work: list,
-) -> tuple[float, tuple[int, int, int]] | None:
-    """The best swap of an item of bucket ``b`` (``inside``, ascending) with one of ``outside``
-    (ascending): ``(value, (item, other item, its bucket))`` when its value (the larger new time
-    of the two buckets, :func:`_swap_values`) is below ``below``, else None. Of equal values the
-    lowest item of ``b``, then the lowest other item, as ``argmin`` over every pair picks.
-
-    With many pairs (:data:`SWAP_FILTER_WORK`), the other items are first filtered by
-    :func:`_swap_floor`, a lower bound on every swap of each one: only those whose bound is within
-    ``slack`` (far above the rounding of the bound) of the best value among the few with the
-    lowest bounds are scored pair by pair. An item left out has only swaps of a strictly larger
-    value than that best, so the pair chosen is the one of the whole set: a sound pruning, not a
-    heuristic (the split is the one scoring every pair gives)."""
-    if not outside.size:
-        return None
-    if inside.size * outside.size * costs.shape[1] >= SWAP_FILTER_WORK:
-        floor = _swap_floor(costs, loads, labels, b, inside, outside)
-        probes = min(SWAP_FILTER_PROBES, outside.size)
-        lowest = np.argpartition(floor, probes - 1)[:probes]  # any few: ``reach`` bounds the best
-        reach = float(_swap_values(costs, loads, labels, b, inside, outside[lowest], used, memory, work).min())
-        outside = outside[floor <= reach + slack]
-    value = _swap_values(costs, loads, labels, b, inside, outside, used, memory, work)
-    flat = int(value.argmin())
-    if not value.flat[flat] < below:
-        return None
-    other = int(outside[flat % outside.size])
-    return float(value.flat[flat]), (int(inside[flat // outside.size]), other, int(labels[other]))
-
-
-def _swap_floor(costs: np.ndarray, loads: np.ndarray, labels: np.ndarray, b: int, inside, outside) -> np.ndarray:
-    """``(len(outside),)``: for each item ``z`` of ``outside``, a lower bound (up to rounding) on
-    the value of its swap with any item ``a`` of bucket ``b`` (``inside``).
-
-    In a column, the two new loads are ``x = load_b + d`` and ``y = load_q - d`` with
-    ``d = cost_z - cost_a``, and ``max(x, y) = (x + y) / 2 + |x - y| / 2 = (load_b + load_q) / 2 +
-    |t_z - cost_a|`` with ``t_z = cost_z + (load_b - load_q) / 2``: the nearest item cost of ``b``
-    to ``t_z`` (a binary search in its sorted costs) gives the smallest over ``a``. The value is at
-    least that in every column, so at least their largest."""
-    other_loads = loads[labels[outside]]
-    floor = np.zeros(outside.size)
-    for c in range(costs.shape[1]):
-        own = np.sort(costs[inside, c])
-        target = costs[outside, c] + (loads[b, c] - other_loads[:, c]) * 0.5
-        at = np.searchsorted(own, target)
-        nearest = np.minimum(
-            np.abs(own[np.maximum(at - 1, 0)] - target), np.abs(own[np.minimum(at, own.size - 1)] - target)
-        )
-        np.maximum(floor, (loads[b, c] + other_loads[:, c]) * 0.5 + nearest, out=floor)
-    return floor
-
-
 def improve(
     costs: np.ndarray,
     labels: np.ndarray,
@@ -348,7 +243,7 @@ def improve(
     ``allow_moves=False`` and ``resplit=0`` only swaps are made, so bucket sizes never change.
     A move never empties a bucket or breaks the memory cap. A round's best swap is the one
     scoring every pair of its circle would pick; in large circles a lower bound leaves out, before
-    scoring, the items that cannot be part of it (:func:`_best_swap`).
+    scoring, the items that cannot be part of it (:func:`~dflop_ds.schedule.swaps.best_swap`).
     """
     labels = labels.copy()
     loads = bucket_loads(costs, labels, n_buckets)
@@ -358,8 +253,8 @@ def improve(
     slack = 1e-9 * float(costs.sum())  # above any rounding of loads and costs (each at most the total)
     work = [np.empty(0)]  # the swap matrices' memory, reused round after round
     circles = any(width < n_buckets for width in partners)  # some circle of the lightest buckets
-    members = _bucket_members(labels, n_buckets) if circles else []
-    by_time = _ByTime(times) if circles else None
+    members = bucket_members(labels, n_buckets) if circles else []
+    by_time = ByTime(times) if circles else None
     for _ in range(max_rounds):
         b = int(times.argmax())
         if times[b] <= target:
@@ -380,8 +275,8 @@ def improve(
                 outside = np.flatnonzero(labels != b)
             else:
                 assert by_time is not None
-                outside = _items_of(members, by_time.lightest(size, b), labels)
-            swap = _best_swap(costs, loads, labels, b, inside, outside, used, memory, best_value, slack, work)
+                outside = items_of(members, by_time.lightest(size, b), labels)
+            swap = best_swap(costs, loads, labels, b, inside, outside, used, memory, best_value, slack, work)
             if swap is not None:
                 best_value, best_change = swap
             if best_change is not None or size >= n_buckets:
@@ -392,68 +287,18 @@ def improve(
                 break
             times = loads.max(axis=1)
             if circles:
-                members, by_time = _bucket_members(labels, n_buckets), _ByTime(times)
+                members, by_time = bucket_members(labels, n_buckets), ByTime(times)
             continue
         item, other, destination = (int(v) for v in best_change)
         _relabel(item, destination, costs, labels, loads, counts, used, memory)
         if other >= 0:
             _relabel(other, b, costs, labels, loads, counts, used, memory)
         if by_time is not None:
-            _exchange(members, b, destination, item, other)
+            exchange(members, b, destination, item, other)
             for q in {b, destination}:
                 by_time.update(q, float(times[q]), float(loads[q].max()))
         times[b], times[destination] = loads[b].max(), loads[destination].max()
     return labels
-
-
-class _ByTime:
-    """Buckets in increasing ``(time, number)`` order, kept in step with their times as
-    :func:`improve` changes two of them per round: the lightest buckets are then the head of a
-    list instead of a partition of every bucket's time each round (most of a round's time with
-    thousands of buckets)."""
-
-    def __init__(self, times: np.ndarray) -> None:
-        self.entries = sorted(zip(times.tolist(), range(times.size)))
-
-    def update(self, bucket: int, old: float, new: float) -> None:
-        """Bucket ``bucket``'s time went from ``old`` to ``new``."""
-        del self.entries[bisect.bisect_left(self.entries, (old, bucket))]
-        bisect.insort(self.entries, (new, bucket))
-
-    def lightest(self, size: int, exclude: int) -> list[int]:
-        """The ``size`` buckets with the smallest times, ``exclude`` left out; of equally timed
-        buckets at the boundary the lowest-numbered, so that ranks on any CPU pick the same ones."""
-        return [q for _, q in self.entries[:size] if q != exclude]
-
-
-def _items_of(members: list[np.ndarray], buckets: list[int], labels: np.ndarray) -> np.ndarray:
-    """The items of ``buckets``, ascending (the order ties between equal swaps are broken in):
-    their member arrays joined for a few buckets, the items whose label is one of them for many."""
-    if len(buckets) > 32:
-        chosen = np.zeros(len(members), dtype=bool)
-        chosen[buckets] = True
-        return np.flatnonzero(chosen[labels])
-    items = np.concatenate([members[q] for q in buckets]) if buckets else np.zeros(0, dtype=np.int64)
-    items.sort()
-    return items
-
-
-def _exchange(members: list[np.ndarray], b: int, destination: int, item: int, other: int) -> None:
-    """Keep ``members`` in step with moving ``item`` from bucket ``b`` to ``destination`` and,
-    when ``other >= 0``, ``other`` from ``destination`` to ``b`` (in place)."""
-    if other >= 0:
-        members[b][members[b] == item] = other
-        members[destination][members[destination] == other] = item
-    else:
-        members[b] = members[b][members[b] != item]
-        members[destination] = np.append(members[destination], item)
-
-
-def _bucket_members(labels: np.ndarray, n_buckets: int) -> list[np.ndarray]:
-    """The items of each bucket as an array, ascending (:func:`improve` keeps them in step with
-    ``labels``: gathering arrays costs a fraction of converting lists of Python integers)."""
-    grouped = np.argsort(labels, kind="stable")
-    return np.split(grouped, np.cumsum(np.bincount(labels, minlength=n_buckets))[:-1])
 
 
 def best_two_way_split(rows: np.ndarray) -> np.ndarray:
@@ -611,7 +456,7 @@ def improve_with_cost(
                 if np.isfinite(value[a, q]):
                     changes.append((float(value[a, q]), int(inside[a]), -1, q))
         if outside.size:
-            value = _swap_values(costs, loads, labels, b, inside, outside, used, memory)
+            value = swap_values(costs, loads, labels, b, inside, outside, used, memory)
             for flat in np.argsort(value, axis=None, kind="stable")[:candidates]:
                 a, z = divmod(int(flat), outside.size)
                 if np.isfinite(value[a, z]):
