@@ -164,3 +164,40 @@ def test_the_planners_boundary_split_is_the_dflop_splitters_boundary_split() -> 
 
     request = SplitRequest.of_positions(costs, shapes, 3, 8, microbatch_cost=true_cost, seed=0, sync="boundary")
     assert planned == make_splitter("dflop").split(request).ranks
+
+
+@pytest.mark.parametrize("summed", [False, True])
+def test_one_sample_microbatches_are_the_per_microbatch_predictions(summed) -> None:
+    """The batched times of every sample alone are exactly what microbatch_seconds would
+    remember for it (the splitter then reads them instead of predicting each)."""
+    from dflop_ds.cost import SampleColumns
+    from dflop_ds.plan.evaluate import microbatch_seconds, one_sample_microbatches
+
+    shapes = _batch(64, seed=9)
+    scale = np.array([0.37, 0.011])
+    known = one_sample_microbatches(MODEL, SampleColumns.of(shapes), scale, summed)
+    assert sorted(known) == [(i,) for i in range(len(shapes))]
+    for i in range(len(shapes)):
+        expected = microbatch_seconds(MODEL, shapes, [i], {}, scale, summed)
+        assert known[(i,)].tolist() == expected.tolist()  # bit for bit
+
+
+def test_the_one_sample_per_microbatch_split_is_the_dflop_splitters() -> None:
+    """With one sample per microbatch split_batch hands the splitter batched times: the same split
+    as the splitter timing every microbatch itself."""
+    from dflop_ds.plan.evaluate import split_batch
+    from dflop_ds.schedule.splitters import SplitRequest, make_splitter
+
+    shapes = _batch(48, seed=4)
+    costs = MODEL.predict_samples(shapes)
+    for zero_stage, sync in ((1, "boundary"), (3, "module")):
+        cluster = Cluster(gpus=16, zero_stage=zero_stage)
+        planned = split_batch(
+            _single_stage(16, 3, "dflop"), shapes, costs, fast=False, seed=0, cluster=cluster, model=MODEL
+        )
+
+        def true_cost(items):  # a single stage at tp 1: the costs unscaled
+            return np.asarray(MODEL.predict_microbatch([shapes[i] for i in items]), dtype=float)
+
+        request = SplitRequest.of_positions(costs, shapes, 3, 16, microbatch_cost=true_cost, seed=0, sync=sync)
+        assert planned == make_splitter("dflop").split(request).ranks

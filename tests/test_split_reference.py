@@ -12,7 +12,7 @@ import heapq
 import numpy as np
 import pytest
 
-from dflop_ds.schedule import lpt
+from dflop_ds.schedule import lpt, swaps
 from dflop_ds.schedule.lpt import MemoryCap, differencing_assign, improve, labels_to_buckets
 from dflop_ds.schedule.padded import length_order, padded_lpt
 from dflop_ds.schedule.splitters import SplitRequest, check_split
@@ -104,7 +104,7 @@ def reference_improve(costs, labels, n_buckets, memory=None, partners=(12, 48), 
             pool[b] = False
             outside = everyone[pool[labels]]
             if outside.size:
-                value = lpt._swap_values(costs, loads, labels, b, inside, outside, used, memory)
+                value = swaps.swap_values(costs, loads, labels, b, inside, outside, used, memory)
                 flat = int(value.argmin())
                 if value.flat[flat] < best_value:
                     other = int(outside[flat % outside.size])
@@ -184,6 +184,43 @@ def test_improve_is_the_plain_rescanning_loop(kind):
         for options in ({}, {"allow_moves": False, "resplit": 0}, {"partners": (n_buckets,), "resplit": 0}):
             expected = reference_improve(costs, start, n_buckets, memory, **options)
             np.testing.assert_array_equal(improve(costs, start, n_buckets, memory, **options), expected)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_improve_with_its_swap_filter_is_the_plain_rescanning_loop(kind, monkeypatch):
+    """The swap search's lower-bound filter (on from the first pair here) leaves the answer of
+    scoring every pair: the same labels, with moves, swaps, re-splits and a memory cap."""
+    monkeypatch.setattr(swaps, "SWAP_FILTER_WORK", 1)
+    monkeypatch.setattr(swaps, "SWAP_FILTER_PROBES", 2)
+    rng = np.random.default_rng(30 + len(kind))
+    for case in range(12):
+        n_buckets = int(rng.integers(2, 40))
+        n = n_buckets * int(rng.integers(2, 6)) + int(rng.integers(0, n_buckets))
+        costs = random_costs(rng, n, int(rng.integers(1, 4)), kind)
+        start = rng.permutation(np.arange(n) % n_buckets)
+        memory = None
+        if case % 2:
+            need = rng.integers(1, 4, n).astype(float)
+            memory = MemoryCap(need, float(np.bincount(start, weights=need).max()) + 1.0)
+        for options in ({}, {"allow_moves": False, "resplit": 0}, {"partners": (n_buckets,), "resplit": 0}):
+            expected = reference_improve(costs, start, n_buckets, memory, **options)
+            np.testing.assert_array_equal(improve(costs, start, n_buckets, memory, **options), expected)
+
+
+def test_the_swap_floor_bounds_every_swap_from_below():
+    rng = np.random.default_rng(5)
+    for kind in KINDS:
+        for k in (1, 2, 3):
+            costs = random_costs(rng, 120, k, kind)
+            labels = rng.permutation(np.arange(120) % 9)
+            loads = lpt.bucket_loads(costs, labels, 9)
+            b = int(loads.max(axis=1).argmax())
+            inside, outside = np.flatnonzero(labels == b), np.flatnonzero(labels != b)
+            values = swaps.swap_values(costs, loads, labels, b, inside, outside, None, None)
+            floor = swaps.swap_floor(costs, loads, labels, b, inside, outside)
+            assert (values.min(axis=0) >= floor - 1e-12 * costs.sum()).all()
+            if k == 1:  # one column: the bound is the best swap of each item
+                np.testing.assert_allclose(values.min(axis=0), floor, rtol=1e-12, atol=1e-12 * costs.sum())
 
 
 def test_labels_to_buckets_keeps_the_items_order():

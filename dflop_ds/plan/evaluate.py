@@ -192,6 +192,19 @@ def microbatch_seconds(
     return seconds
 
 
+def one_sample_microbatches(
+    model: PlannerCostModel, columns: SampleColumns, scale: Any = 1.0, summed: bool = False
+) -> MicrobatchTimes:
+    """:func:`microbatch_seconds` of every sample of ``columns`` alone in a microbatch, keyed as it
+    keys them, predicted in one batched call (:func:`~dflop_ds.cost.microbatch_costs`) instead of
+    one ``predict_microbatch`` call each: a batch split one sample per microbatch (the rule at
+    thousands of GPUs) asks for every one, and those calls were a tenth of a 16384-GPU search."""
+    seconds = microbatch_costs(model, Microbatches.singletons(columns)) * scale
+    if summed:
+        return {(i,): np.array([sum(row)]) for i, row in enumerate(seconds.tolist())}
+    return {(i,): row for i, row in enumerate(seconds)}
+
+
 def _stats(
     model: PlannerCostModel, batch: Sequence[SampleShape] | SampleColumns, order: list[Buckets]
 ) -> _MicrobatchStats:
@@ -251,13 +264,15 @@ def split_batch(
         return fast_balanced_split(
             costs * scale, layout.llm.dp, layout.n_mb, lengths=columns.tokens, predict_buckets=bucket_costs, sync=sync
         )
-    known: MicrobatchTimes = {}
     # At the boundary only rank totals count: the dflop splitter balances the summed columns and
     # places its microbatches by rank totals (assign_to_ranks), which is exactly its pipeline
     # placement of that one summed column. Handing it the summed column gives the same split
     # (tests/test_plan_sync.py) without re-timing every microbatch for both columns, a third of
     # a 16384-GPU search.
     summed = sync is SyncModel.BOUNDARY
+    known: MicrobatchTimes = {}
+    if len(shapes) == layout.n_mb * layout.llm.dp:  # one sample per microbatch: the splitter times each alone
+        known = one_sample_microbatches(model, SampleColumns.of(shapes) if columns is None else columns, scale, summed)
 
     def microbatch_cost(items: Sequence[int]) -> np.ndarray:
         return microbatch_seconds(model, shapes, items, known, scale, summed)

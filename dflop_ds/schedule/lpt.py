@@ -14,11 +14,11 @@ column of its load; the makespan is the largest bucket time.
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
+
+from dflop_ds.schedule.swaps import ByTime, MemoryCap, best_swap, bucket_members, exchange, items_of, swap_values
 
 MicrobatchCost = Callable[[Sequence[int]], np.ndarray]
 
@@ -31,14 +31,6 @@ SWAP_PAIRS = 32_768
 
 class InfeasibleError(ValueError):
     """No split satisfies the memory cap (or the greedy search could not find one)."""
-
-
-@dataclass(frozen=True)
-class MemoryCap:
-    """Per-item memory and the per-bucket cap it must respect."""
-
-    memory: np.ndarray
-    cap: float
 
 
 def item_order(costs: np.ndarray, seed: int) -> np.ndarray:
@@ -224,25 +216,6 @@ def _move_values(loads: np.ndarray, b: int, c_in: np.ndarray, used, memory, insi
     return value
 
 
-def _swap_values(costs, loads, labels, b, inside, outside, used, memory) -> np.ndarray:
-    """``(p, q)``: the larger new time of bucket ``b`` and of the other item's bucket when item
-    ``inside[a]`` swaps with ``outside[z]`` (``inf`` where the memory cap forbids it)."""
-    other_labels = labels[outside]
-
-    def column(c: int) -> np.ndarray:
-        delta = costs[outside, c][None, :] - costs[inside, c][:, None]
-        return np.maximum(loads[b, c] + delta, loads[other_labels, c][None, :] - delta)
-
-    value = column(0)
-    for c in range(1, costs.shape[1]):
-        np.maximum(value, column(c), out=value)
-    if used is not None:
-        shift = memory.memory[outside][None, :] - memory.memory[inside][:, None]
-        over = (used[b] + shift > memory.cap) | (used[other_labels][None, :] - shift > memory.cap)
-        value[over] = _INF
-    return value
-
-
 def improve(
     costs: np.ndarray,
     labels: np.ndarray,
@@ -268,20 +241,25 @@ def improve(
     that lowers both below the slowest time is kept, and the search goes on. The search stops
     early once the makespan is at most ``target`` (e.g. a lower bound). With
     ``allow_moves=False`` and ``resplit=0`` only swaps are made, so bucket sizes never change.
-    A move never empties a bucket or breaks the memory cap.
+    A move never empties a bucket or breaks the memory cap. A round's best swap is the one
+    scoring every pair of its circle would pick; in large circles a lower bound leaves out, before
+    scoring, the items that cannot be part of it (:func:`~dflop_ds.schedule.swaps.best_swap`).
     """
     labels = labels.copy()
     loads = bucket_loads(costs, labels, n_buckets)
     times = loads.max(axis=1)  # kept in step with ``loads`` for the buckets each change touches
     counts = np.bincount(labels, minlength=n_buckets)
     used = np.bincount(labels, weights=memory.memory, minlength=n_buckets) if memory is not None else None
-    everyone = np.arange(costs.shape[0])
-    members = labels_to_buckets(labels, n_buckets)
+    slack = 1e-9 * float(costs.sum())  # above any rounding of loads and costs (each at most the total)
+    work = [np.empty(0)]  # the swap matrices' memory, reused round after round
+    circles = any(width < n_buckets for width in partners)  # some circle of the lightest buckets
+    members = bucket_members(labels, n_buckets) if circles else []
+    by_time = ByTime(times) if circles else None
     for _ in range(max_rounds):
         b = int(times.argmax())
         if times[b] <= target:
             break
-        inside = np.sort(members[b])
+        inside = np.sort(members[b]) if circles else np.flatnonzero(labels == b)
         best_value, best_change = times[b] * (1.0 - 1e-12), None
         if allow_moves and counts[b] > 1:
             value = _move_values(loads, b, costs[inside], used, memory, inside)
@@ -294,50 +272,33 @@ def improve(
         shrink = max(1.0, inside.size * costs.shape[0] / n_buckets * partners[0] / SWAP_PAIRS)
         for size in (max(1, int(width / shrink)) if width < n_buckets else width for width in partners):
             if size >= n_buckets:
-                outside = everyone[labels != b]
+                outside = np.flatnonzero(labels != b)
             else:
-                outside = _items_of(members, _lightest(times, size, b))
-            if outside.size:
-                value = _swap_values(costs, loads, labels, b, inside, outside, used, memory)
-                flat = int(value.argmin())
-                if value.flat[flat] < best_value:
-                    other = int(outside[flat % outside.size])
-                    best_value, best_change = value.flat[flat], (inside[flat // outside.size], other, labels[other])
+                assert by_time is not None
+                outside = items_of(members, by_time.lightest(size, b), labels)
+            swap = best_swap(costs, loads, labels, b, inside, outside, used, memory, best_value, slack, work)
+            if swap is not None:
+                best_value, best_change = swap
             if best_change is not None or size >= n_buckets:
                 break
         if best_change is None:
             partners_of_b = np.argsort(times, kind="stable")[:resplit] if resplit > 0 else None
             if partners_of_b is None or not _resplit_pair(costs, labels, loads, counts, used, memory, b, partners_of_b):
                 break
-            times, members = loads.max(axis=1), labels_to_buckets(labels, n_buckets)
+            times = loads.max(axis=1)
+            if circles:
+                members, by_time = bucket_members(labels, n_buckets), ByTime(times)
             continue
         item, other, destination = (int(v) for v in best_change)
         _relabel(item, destination, costs, labels, loads, counts, used, memory)
-        members[b].remove(item)
-        members[destination].append(item)
         if other >= 0:
             _relabel(other, b, costs, labels, loads, counts, used, memory)
-            members[destination].remove(other)
-            members[b].append(other)
+        if by_time is not None:
+            exchange(members, b, destination, item, other)
+            for q in {b, destination}:
+                by_time.update(q, float(times[q]), float(loads[q].max()))
         times[b], times[destination] = loads[b].max(), loads[destination].max()
     return labels
-
-
-def _lightest(times: np.ndarray, size: int, exclude: int) -> list[int]:
-    """The ``size < len(times)`` buckets with the smallest ``times``, ``exclude`` left out; of
-    equally timed buckets at the boundary the lowest-numbered, so that ranks on any CPU (numpy's
-    partition and sort break ties by the instruction set they run on) pick the same ones."""
-    boundary = np.partition(times, size - 1)[size - 1]
-    below = np.flatnonzero(times < boundary)
-    tied = np.flatnonzero(times == boundary)[: size - below.size]
-    return [q for q in np.concatenate([below, tied]).tolist() if q != exclude]
-
-
-def _items_of(members: list[list[int]], buckets: list[int]) -> np.ndarray:
-    """The items of ``buckets``, ascending (the order ties between equal swaps are broken in)."""
-    items = np.fromiter(itertools.chain.from_iterable(members[q] for q in buckets), dtype=np.int64)
-    items.sort()
-    return items
 
 
 def best_two_way_split(rows: np.ndarray) -> np.ndarray:
@@ -495,7 +456,7 @@ def improve_with_cost(
                 if np.isfinite(value[a, q]):
                     changes.append((float(value[a, q]), int(inside[a]), -1, q))
         if outside.size:
-            value = _swap_values(costs, loads, labels, b, inside, outside, used, memory)
+            value = swap_values(costs, loads, labels, b, inside, outside, used, memory)
             for flat in np.argsort(value, axis=None, kind="stable")[:candidates]:
                 a, z = divmod(int(flat), outside.size)
                 if np.isfinite(value[a, z]):

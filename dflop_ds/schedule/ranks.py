@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from dflop_ds.schedule.lower_bounds import as_cost_matrix
-from dflop_ds.schedule.lpt import differencing_assign, improve
+from dflop_ds.schedule.lpt import differencing_assign, improve, labels_to_buckets
 
 __all__ = ["assign_to_ranks", "lockstep_order", "pipeline_order", "rank_totals"]
 
@@ -91,7 +91,7 @@ def assign_to_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[i
     counts = np.bincount(labels, minlength=dp)
     if (counts != n_mb).any():  # guaranteed by equal-size differencing and swaps; checked anyway
         raise AssertionError(f"rank sizes {counts.tolist()} differ from n_mb={n_mb}")
-    ranks = [np.flatnonzero(labels == r).tolist() for r in range(dp)]
+    ranks = labels_to_buckets(labels, dp)
     by_size = np.argsort(-matrix.max(axis=1), kind="stable")
     dealt = [sorted(by_size[r::dp].tolist()) for r in range(dp)]
     if rank_totals(matrix, dealt).max() < rank_totals(matrix, ranks).max():
