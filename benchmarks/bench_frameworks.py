@@ -68,9 +68,13 @@ MIXTURE = ROOT / "examples" / "data" / "mixture.jsonl"
 BATCH, GAS = 4, 2
 #: tokens per pack row of the frameworks' own packing (``--max_length``, ``cutoff_len``): above the
 #: data's longest sample (381 tokens on Qwen2-VL, by the shapes dflop-ds reads), so no sample is cut
-#: or dropped. ms-swift's 640 fills a row with 4 samples on average, as many per microbatch as
-#: dflop-ds's ``BATCH``, so both train the same samples per step
+#: or dropped. ms-swift's binpack fills 20 rows of 640 tokens with the 96 rows (4.8 samples a row,
+#: 5 steps of 4 rows)
 PACK_TOKENS = {"swift": 640, "llamafactory": 512}
+#: per-device batch of dflop-ds's ``--padding_free`` run: what fills a 640-token row on average (96
+#: rows in 20 pack rows), so that both runs train about the same samples per step (20 against 19.2)
+#: and the same steps (5)
+PADDING_FREE_BATCH = 5
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,8 @@ def deepspeed_file(work: Path, variant: Variant) -> Path:
 def swift_command(venv: Path, variant: Variant, ds: Path, out: Path, env: dict[str, str]) -> list[str]:
     """``swift sft`` for ``variant`` (``env``: the launch's environment)."""
     packs = variant.packing and not variant.dflop
-    command = fw.swift_options(fw.INPUTS[variant.family], variant.family, ds, out, batch=1 if packs else BATCH, gas=GAS)
+    batch = 1 if packs else PADDING_FREE_BATCH if variant.packing else BATCH
+    command = fw.swift_options(fw.INPUTS[variant.family], variant.family, ds, out, batch=batch, gas=GAS)
     command += ["--save_strategy", "no", "--freeze_vit", "false"]
     plugins = [str(HOOKS / "swift_cpu.py")]
     if variant.dflop:
