@@ -1,9 +1,14 @@
 """`make bench-frameworks`: each framework's own training against the same with dflop-ds, ZeRO-3, 2 CPU ranks.
 
 Every run goes through the framework's own command, in its environment (``.venv-swift``,
-``.venv-llamafactory``, `make framework-envs`), on the inputs of `make test-frameworks`
-(tests/frameworks/inputs.py: a chat dataset with a quarter text-only rows and one to three images
-of 24-400 px in the others), with this checkout's dflop_ds first on PYTHONPATH. Per round, eight
+``.venv-llamafactory``, `make framework-envs`), on the models of `make test-frameworks` and an
+epoch of 96 chat rows drawn from the bundled users' mixture (tests/frameworks/inputs.py
+``--mixture``, :data:`MIXTURE`: text-only, one-image, 2-4-image and video rows in its proportions,
+a video's 4-16 frames as images, image sizes a quarter of the real ones), ``BATCH`` x ``GAS`` per
+rank a step (16 samples a step, enough for a balancer to matter), with this checkout's dflop_ds
+first on PYTHONPATH. dflop-ds's runs name each model's profiled cost model (``dflop-ds profile
+model``, profiled once before the rounds, as a user would; ``--cost proxy``: the unitless proxy
+cost instead). Per round, eight
 launches, interleaved over the rounds (the order reversed every other round), the same data and
 seed in each (both frameworks freeze the vision tower by default; here it trains in every run:
 ms-swift's ``--freeze_vit false``, LLaMA-Factory's ``freeze_vision_tower: false``, full ViT + LLM
@@ -27,20 +32,20 @@ training, the case of ms-swift #6283):
   into rows of ``cutoff_len`` tokens, one row per microbatch) against ``dflop-ds llamafactory
   train`` without it, on tiny Qwen2-VL (LLaMA-Factory's packing of LLaVA fails, see :data:`PAIRS`):
   the plugin refuses ``packing`` and balances padded microbatches instead (LLaMA-Factory's
-  collator is not padding free, so DFLOP's own packing does not apply). A pack row holds 2-4 samples
-  (:data:`PACK_TOKENS`), so the frameworks' packed runs take one row per microbatch where
-  dflop-ds's take ``BATCH`` samples.
+  collator is not padding free, so DFLOP's own packing does not apply). ms-swift's pack rows
+  (:data:`PACK_TOKENS`) hold 4.8 samples on average, one row per microbatch; dflop-ds's
+  padding-free microbatches hold :data:`PADDING_FREE_BATCH`, so both train 5 steps of about 20.
 
 The time measured is one epoch of training: rank 0's Trainer callbacks ``on_train_begin`` to
 ``on_train_end`` (framework_hooks/sitecustomize.py), so process start-up, model loading and data
 preparation are left out. A launch whose logged loss does not fall (a NaN loss is logged as 0)
 is shown and left out of the medians. Prints a table (rounds timed, median and min-max over
-them, loss of the last step) and ends with ``frameworks swift_speedup=A swift_packing_speedup=B
-llamafactory_speedup=C llamafactory_packing_speedup=D``: each the framework's median epoch time
-over dflop-ds's.
+them, rank 0's median step time over steps 2-N of every round, loss of the last step) and ends
+with ``frameworks swift_speedup=A swift_packing_speedup=B llamafactory_speedup=C
+llamafactory_packing_speedup=D``: each the framework's median epoch time over dflop-ds's.
 
-Usage: python benchmarks/bench_frameworks.py [--rounds 3] [--rows 48] [--frameworks swift llamafactory]
-       [--out DIR] [--report]   (--report: the table and summary of the runs already in DIR)
+Usage: python benchmarks/bench_frameworks.py [--rounds 3] [--rows 96] [--frameworks swift llamafactory]
+       [--cost profiled|proxy] [--out DIR] [--report]   (--report: the table and summary of the runs already in DIR)
 """
 
 from __future__ import annotations
