@@ -1,9 +1,14 @@
 """`make bench-frameworks`: each framework's own training against the same with dflop-ds, ZeRO-3, 2 CPU ranks.
 
 Every run goes through the framework's own command, in its environment (``.venv-swift``,
-``.venv-llamafactory``, `make framework-envs`), on the inputs of `make test-frameworks`
-(tests/frameworks/inputs.py: a chat dataset with a quarter text-only rows and one to three images
-of 24-400 px in the others), with this checkout's dflop_ds first on PYTHONPATH. Per round, eight
+``.venv-llamafactory``, `make framework-envs`), on the models of `make test-frameworks` and an
+epoch of 96 chat rows drawn from the bundled users' mixture (tests/frameworks/inputs.py
+``--mixture``, :data:`MIXTURE`: text-only, one-image, 2-4-image and video rows in its proportions,
+a video's 4-16 frames as images, image sizes a quarter of the real ones), ``BATCH`` x ``GAS`` per
+rank a step (16 samples a step, enough for a balancer to matter), with this checkout's dflop_ds
+first on PYTHONPATH. dflop-ds's runs name each model's profiled cost model (``dflop-ds profile
+model``, profiled once before the rounds, as a user would; ``--cost proxy``: the unitless proxy
+cost instead). Per round, eight
 launches, interleaved over the rounds (the order reversed every other round), the same data and
 seed in each (both frameworks freeze the vision tower by default; here it trains in every run:
 ms-swift's ``--freeze_vit false``, LLaMA-Factory's ``freeze_vision_tower: false``, full ViT + LLM
@@ -27,20 +32,20 @@ training, the case of ms-swift #6283):
   into rows of ``cutoff_len`` tokens, one row per microbatch) against ``dflop-ds llamafactory
   train`` without it, on tiny Qwen2-VL (LLaMA-Factory's packing of LLaVA fails, see :data:`PAIRS`):
   the plugin refuses ``packing`` and balances padded microbatches instead (LLaMA-Factory's
-  collator is not padding free, so DFLOP's own packing does not apply). A pack row holds 2-4 samples
-  (:data:`PACK_TOKENS`), so the frameworks' packed runs take one row per microbatch where
-  dflop-ds's take ``BATCH`` samples.
+  collator is not padding free, so DFLOP's own packing does not apply). ms-swift's pack rows
+  (:data:`PACK_TOKENS`) hold 4.8 samples on average, one row per microbatch; dflop-ds's
+  padding-free microbatches hold :data:`PADDING_FREE_BATCH`, so both train 5 steps of about 20.
 
 The time measured is one epoch of training: rank 0's Trainer callbacks ``on_train_begin`` to
 ``on_train_end`` (framework_hooks/sitecustomize.py), so process start-up, model loading and data
 preparation are left out. A launch whose logged loss does not fall (a NaN loss is logged as 0)
 is shown and left out of the medians. Prints a table (rounds timed, median and min-max over
-them, loss of the last step) and ends with ``frameworks swift_speedup=A swift_packing_speedup=B
-llamafactory_speedup=C llamafactory_packing_speedup=D``: each the framework's median epoch time
-over dflop-ds's.
+them, rank 0's median step time over steps 2-N of every round, loss of the last step) and ends
+with ``frameworks swift_speedup=A swift_packing_speedup=B llamafactory_speedup=C
+llamafactory_packing_speedup=D``: each the framework's median epoch time over dflop-ds's.
 
-Usage: python benchmarks/bench_frameworks.py [--rounds 3] [--rows 48] [--frameworks swift llamafactory]
-       [--out DIR] [--report]   (--report: the table and summary of the runs already in DIR)
+Usage: python benchmarks/bench_frameworks.py [--rounds 3] [--rows 96] [--frameworks swift llamafactory]
+       [--cost profiled|proxy] [--out DIR] [--report]   (--report: the table and summary of the runs already in DIR)
 """
 
 from __future__ import annotations
@@ -61,10 +66,20 @@ sys.path.insert(0, str(ROOT / "tests" / "frameworks"))
 
 import run_frameworks as fw  # noqa: E402
 
+#: the shape manifest the epoch's rows are drawn from: what users train (text-only, one image,
+#: 2-4 images, videos as 4-16 frames), tests/frameworks/inputs.py --mixture
+MIXTURE = ROOT / "examples" / "data" / "mixture.jsonl"
+#: per-device batch x microbatches per step: 2 ranks x 4 x 2 = 16 samples a step (6 steps of 96 rows)
+BATCH, GAS = 4, 2
 #: tokens per pack row of the frameworks' own packing (``--max_length``, ``cutoff_len``): above the
-#: data's longest sample (303 tokens on the LLaVA, 234 on Qwen2-VL, by the shapes dflop-ds reads),
-#: so that no sample is cut or dropped; a row holds 2-4 samples
-PACK_TOKENS = {"swift": 512, "llamafactory": 512}
+#: data's longest sample (381 tokens on Qwen2-VL, by the shapes dflop-ds reads), so no sample is cut
+#: or dropped. ms-swift's binpack fills 20 rows of 640 tokens with the 96 rows (4.8 samples a row,
+#: 5 steps of 4 rows)
+PACK_TOKENS = {"swift": 640, "llamafactory": 512}
+#: per-device batch of dflop-ds's ``--padding_free`` run: what fills a 640-token row on average (96
+#: rows in 20 pack rows), so that both runs train about the same samples per step (20 against 19.2)
+#: and the same steps (5)
+PADDING_FREE_BATCH = 5
 
 
 @dataclass(frozen=True)
@@ -102,8 +117,12 @@ PAIRS = {
 
 
 def deepspeed_file(work: Path, variant: Variant) -> Path:
-    """ZeRO-3 config; the ``"dflop"`` block only for dflop-ds's runs."""
-    path = fw.deepspeed_config(3, work / f"ds_{variant.name}.json", {"sampler": {"kind": "dflop"}})
+    """ZeRO-3 config; the ``"dflop"`` block only for dflop-ds's runs, naming the family's profiled
+    cost model when the run has one (:func:`profile_cost_models`)."""
+    sampler = {"kind": "dflop"}
+    if COST_MODELS.get(variant.family):
+        sampler["cost_model"] = COST_MODELS[variant.family]
+    path = fw.deepspeed_config(3, work / f"ds_{variant.name}.json", {"sampler": sampler})
     if not variant.dflop:
         config = json.loads(path.read_text())
         del config["dflop"]
@@ -114,7 +133,8 @@ def deepspeed_file(work: Path, variant: Variant) -> Path:
 def swift_command(venv: Path, variant: Variant, ds: Path, out: Path, env: dict[str, str]) -> list[str]:
     """``swift sft`` for ``variant`` (``env``: the launch's environment)."""
     packs = variant.packing and not variant.dflop
-    command = fw.swift_options(fw.INPUTS[variant.family], variant.family, ds, out, batch=1 if packs else fw.BATCH)
+    batch = 1 if packs else PADDING_FREE_BATCH if variant.packing else BATCH
+    command = fw.swift_options(fw.INPUTS[variant.family], variant.family, ds, out, batch=batch, gas=GAS)
     command += ["--save_strategy", "no", "--freeze_vit", "false"]
     plugins = [str(HOOKS / "swift_cpu.py")]
     if variant.dflop:
@@ -133,7 +153,9 @@ def llamafactory_command(venv: Path, variant: Variant, ds: Path, out: Path, env:
     ``llamafactory-cli train`` runs on each rank, under ``torchrun``
     (framework_hooks/llamafactory_rank.py: it starts DeepSpeed's communication first)."""
     packs = variant.packing and not variant.dflop
-    config = fw.llamafactory_config(fw.INPUTS[variant.family], variant.family, ds, out, batch=1 if packs else fw.BATCH)
+    config = fw.llamafactory_config(
+        fw.INPUTS[variant.family], variant.family, ds, out, batch=1 if packs else BATCH, gas=GAS
+    )
     config["freeze_vision_tower"] = False
     if packs:
         config.update(packing=True, cutoff_len=PACK_TOKENS["llamafactory"])
@@ -142,6 +164,29 @@ def llamafactory_command(venv: Path, variant: Variant, ds: Path, out: Path, env:
         return [str(venv / "bin" / "dflop-ds"), "llamafactory", "train", str(path)]
     launcher = [str(venv / "bin" / "python"), "-m", "torch.distributed.run", "--nproc_per_node=2"]
     return [*launcher, f"--master_port={env['MASTER_PORT']}", str(HOOKS / "llamafactory_rank.py"), str(path)]
+
+
+#: each family's profiled cost model (``dflop-ds profile model``), by family; empty: the proxy cost
+COST_MODELS: dict[str, str] = {}
+#: the profile's sweeps per family: LLaVA image counts up to the data's 16 frames, Qwen2-VL patches
+#: up to its 384 (16 frames of 24), and sequence lengths past the longest row
+PROFILE_SWEEPS = {
+    "llava": ["--tiles", "1,2,4,8,16", "--seq-lens", "32,64,128,256,512"],
+    "qwen2_vl": ["--tiles", "4,16,64,128,256,512", "--seq-lens", "32,64,128,256,512"],
+}
+
+
+def profile_cost_models(work: Path, families: list[str]) -> None:
+    """Profile each family's model as a dflop-ds user would before training (``dflop-ds profile
+    model``, in ms-swift's environment, one thread) into ``work`` and record it in :data:`COST_MODELS`."""
+    python = ROOT / ".venv-swift" / "bin" / "python"
+    for family in families:
+        path = work / f"costmodel_{family}.json"
+        command = [str(python), "-m", "dflop_ds.commands.main", "profile", "model", "--no-progress"]
+        command += ["--model_name_or_path", fw.INPUTS[family], *PROFILE_SWEEPS[family], "-o", str(path)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        subprocess.run(["nice", *command], env=env, capture_output=True, text=True, check=True)
+        COST_MODELS[family] = str(path)
 
 
 def train_seconds(step_log: Path) -> float:
@@ -153,6 +198,13 @@ def train_seconds(step_log: Path) -> float:
         if entry["event"] == "on_train_end":
             times["on_train_end"] = entry["t"]
     return times["on_train_end"] - times["on_train_begin"]
+
+
+def later_step_seconds(step_log: Path) -> list[float]:
+    """Rank 0's seconds per step after the first (``on_step_end`` to the next; the first also pays
+    ZeRO-3's first gathers and the loader's start), from the hooks' log."""
+    ends = [json.loads(line)["t"] for line in step_log.read_text().splitlines() if '"on_step_end"' in line]
+    return [later - earlier for earlier, later in zip(ends, ends[1:])]
 
 
 class NotTrained(RuntimeError):
@@ -204,7 +256,8 @@ def load() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rows", type=int, default=48, help="chat rows of the epoch")
+    parser.add_argument("--rows", type=int, default=96, help="chat rows of the epoch")
+    parser.add_argument("--cost", choices=("profiled", "proxy"), default="profiled", help="dflop-ds's cost model")
     parser.add_argument("--frameworks", nargs="+", default=fw.FRAMEWORKS, choices=fw.FRAMEWORKS)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_frameworks")
     parser.add_argument("--report", action="store_true", help="launch nothing: report the runs already in --out")
@@ -215,7 +268,7 @@ def main() -> int:
         work.mkdir(parents=True)
         built = subprocess.run(
             [str(ROOT / ".venv-swift" / "bin" / "python"), str(ROOT / "tests" / "frameworks" / "inputs.py")]
-            + [str(work / "inputs"), "--records", str(cli.rows), "--encoder-heavy"],
+            + [str(work / "inputs"), "--records", str(cli.rows), "--encoder-heavy", "--mixture", str(MIXTURE)],
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             capture_output=True,
             text=True,
@@ -223,11 +276,15 @@ def main() -> int:
         )
         fw.INPUTS.update(json.loads(built.stdout.strip().splitlines()[-1]))
     pairs = {key: pair for key, pair in PAIRS.items() if pair[0].framework in cli.frameworks}
+    if cli.cost == "profiled" and not cli.report:
+        profile_cost_models(work, sorted({v.family for pair in pairs.values() for v in pair}))
     variants = list(dict.fromkeys(v for pair in pairs.values() for v in pair))
     seconds: dict[str, list[float]] = {v.name: [] for v in variants}
+    steps: dict[str, list[float]] = {v.name: [] for v in variants}  # steps 2-N, pooled over the rounds
     losses: dict[str, float] = {}
     start = time.time()
-    print(f"bench-frameworks: {cli.rows} rows, {cli.rounds} rounds, ZeRO-3, 2 ranks; load {load()}", flush=True)
+    header = f"{cli.rows} rows of {MIXTURE.name}, {BATCH} x {GAS} per rank a step, {cli.cost} cost, {cli.rounds} rounds"
+    print(f"bench-frameworks: {header}, ZeRO-3, 2 ranks; load {load()}", flush=True)
     failed: dict[str, str] = {}
     for round_ in range(cli.rounds):
         order = variants if round_ % 2 == 0 else variants[::-1]
@@ -247,12 +304,13 @@ def main() -> int:
                 print(f"round {round_} {variant.name}: FAILED\n{error}", flush=True)
                 continue
             seconds[variant.name].append(took)
+            steps[variant.name] += later_step_seconds(work / f"{variant.name}_r{round_}.steps")
             now = "" if cli.report else f" (load {load()})"
             print(f"round {round_} {variant.name}: {took:.1f} s train{now}", flush=True)
     for v in variants:  # a variant that never trained has nothing to compare
         if not seconds[v.name] and v.name not in failed:
             failed[v.name] = "no round trained"
-    print(f"\n{'run':<36} {'rounds':>6} {'epoch s median':>14} {'min-max':>11} {'last loss':>9}")
+    print(f"\n{'run':<36} {'rounds':>6} {'epoch s median':>14} {'min-max':>11} {'step 2-N s':>10} {'last loss':>9}")
     for v in variants:
         times = seconds[v.name]
         if v.name in failed:
@@ -260,7 +318,8 @@ def main() -> int:
             continue
         spread = f"{min(times):.1f}-{max(times):.1f}"
         median = statistics.median(times)
-        print(f"{v.name:<36} {len(times):>6} {median:>14.1f} {spread:>11} {losses[v.name]:>9.3f}")
+        step = f"{statistics.median(steps[v.name]):.2f}" if steps[v.name] else "-"
+        print(f"{v.name:<36} {len(times):>6} {median:>14.1f} {spread:>11} {step:>10} {losses[v.name]:>9.3f}")
     speedups: dict[str, str] = {}
     for key, (base, ours) in pairs.items():
         failure = base.name in failed or ours.name in failed

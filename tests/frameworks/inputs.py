@@ -6,7 +6,11 @@ ms-swift reads ``{"messages": [{"role", "content"}], "images": [paths]}`` JSONL;
 the same records through a ``dataset_info.json`` entry (sharegpt layout, ``messages`` / ``images``
 columns, ``role`` / ``content`` tags). Image placeholders are ``<image>`` in both.
 
-Usage: python tests/frameworks/inputs.py OUT [--records N] [--encoder-heavy]
+``--mixture MANIFEST`` draws the rows from a shape manifest instead (the benchmark's
+examples/data/mixture.jsonl: text-only, image, multi-image and video rows, a video's frames as images;
+:mod:`dflop_ds.testing.mixture_data`).
+
+Usage: python tests/frameworks/inputs.py OUT [--records N] [--encoder-heavy] [--mixture MANIFEST]
 """
 
 from __future__ import annotations
@@ -46,11 +50,13 @@ def enlarge_small_images(folder: Path, side: int) -> None:
                 image.convert("RGB").resize((max(width, side), max(height, side))).save(path)
 
 
-def build(out: Path, records: int, encoder_heavy: bool = False) -> dict[str, str]:
+def build(out: Path, records: int, encoder_heavy: bool = False, mixture: Path | None = None) -> dict[str, str]:
     """Write the models and the dataset under ``out``; returns their paths by name. ``encoder_heavy``:
-    the LLaVA is the encoder-heavy one (its vision tower about half the work, as the benchmark's)."""
+    the LLaVA is the encoder-heavy one (its vision tower about half the work, as the benchmark's);
+    ``mixture``: the rows are drawn from this shape manifest."""
     from dflop_ds.testing.hf_tiny import build_encoder_heavy_llava, build_tiny_llava
     from dflop_ds.testing.llava_data import write_llava_dataset
+    from dflop_ds.testing.mixture_data import write_mixture_dataset
     from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl
 
     out.mkdir(parents=True, exist_ok=True)
@@ -58,7 +64,10 @@ def build(out: Path, records: int, encoder_heavy: bool = False) -> dict[str, str
     qwen = build_tiny_qwen2_vl(out / "qwen2_vl", patch_size=QWEN_PATCH, **pixels)
     llava = (build_encoder_heavy_llava if encoder_heavy else build_tiny_llava)(out / "llava")
     paths = {"llava": str(llava), "qwen2_vl": str(qwen)}
-    data, images = write_llava_dataset(out / "data", records, seed=3, text_only=0.25, answer_words=(3, 20))
+    if mixture is not None:
+        data, images = write_mixture_dataset(out / "data", mixture, records, seed=3, min_side=MIN_SIDE)
+    else:
+        data, images = write_llava_dataset(out / "data", records, seed=3, text_only=0.25, answer_words=(3, 20))
     enlarge_small_images(Path(images), MIN_SIDE)
     chats = chat_records(json.loads(Path(data).read_text()), Path(images).resolve())
     jsonl = out / "data" / "chat.jsonl"
@@ -82,8 +91,9 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--records", type=int, default=28)
     parser.add_argument("--encoder-heavy", action="store_true", help="the encoder-heavy tiny LLaVA")
+    parser.add_argument("--mixture", type=Path, default=None, help="draw the rows from this shape manifest")
     cli = parser.parse_args()
-    print(json.dumps(build(cli.out, cli.records, cli.encoder_heavy)))
+    print(json.dumps(build(cli.out, cli.records, cli.encoder_heavy, cli.mixture)))
 
 
 if __name__ == "__main__":
