@@ -53,7 +53,8 @@ ILP_VARIABLES_PER_SECOND = 3000
 #: Never build an ILP with more binary variables than this (model building itself is slow).
 ILP_MAX_VARIABLES = 20_000
 
-Generator = Callable[[PartitionProblem, "Candidate | None"], Iterator[Candidate]]
+#: A candidate generator: proposals for a problem, given the best candidate so far (None before the first).
+Generator = Callable[[PartitionProblem, Candidate | None], Iterator[Candidate]]
 
 
 def one_per_bucket(problem: PartitionProblem) -> Candidate:

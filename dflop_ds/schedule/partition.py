@@ -12,17 +12,24 @@ everything is deterministic: no step looks at the clock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dflop_ds.schedule.candidates import GENERATORS, exact_enabled, one_per_bucket
 from dflop_ds.schedule.lower_bounds import as_cost_matrix, lower_bound
-from dflop_ds.schedule.lpt import InfeasibleError, MicrobatchCost, bucket_loads, labels_to_buckets, true_times
+from dflop_ds.schedule.lpt import (
+    InfeasibleError,
+    MemoryCap,
+    MicrobatchCost,
+    bucket_loads,
+    labels_to_buckets,
+    true_times,
+)
 from dflop_ds.schedule.memory import memory_first_fit
 from dflop_ds.schedule.partition_problem import (
     Candidate,
+    MicrobatchMemory,
     PartitionProblem,
     bucket_count,
     buckets_to_labels,
@@ -46,8 +53,11 @@ class Partition:
             one was given, else the sum of the items' costs).
         lower_bound: a valid lower bound on the additive makespan of any split; it also bounds
             the true makespan when ``microbatch_cost`` is super-additive.
-        solver: what produced the split: ``"lpt"``, ``"lpt+moves"``, ``"ilp-optimal"`` (proved
-            optimal) or ``"ilp-cbc"`` / ``"ilp-highs"`` (best found within the time limit).
+        solver: the generator that produced the split (:mod:`dflop_ds.schedule.candidates`):
+            ``"lpt"``, ``"lpt+moves"``, ``"padded-lpt+moves"``, ``"padded-contiguous+moves"``,
+            ``"ilp-optimal"`` (proved optimal) or ``"ilp-cbc"`` / ``"ilp-highs"`` (best found
+            within the limits); ``"memory-first-fit"`` when the winner broke the true memory
+            cap; ``"+alone"`` appended when items over the cap alone were set apart.
         additive_makespan: the makespan with summed item costs (equal to ``makespan`` without
             ``microbatch_cost``).
         bucket_costs: ``(n_buckets, k)`` cost of each bucket, as ``makespan`` measures it.
@@ -68,11 +78,11 @@ class Partition:
         return 1.0 if self.makespan == 0 else float("inf")
 
 
-def _within_true_memory(problem: PartitionProblem, best: Candidate | None) -> Candidate | None:
-    """``best`` if every bucket of two or more items is within the cap by the problem's
-    ``microbatch_memory``, else the memory-first fit (None if that fails too)."""
-    cap, microbatch_memory = problem.memory, problem.microbatch_memory
-    assert cap is not None and microbatch_memory is not None
+def _within_true_memory(
+    problem: PartitionProblem, best: Candidate | None, cap: MemoryCap, microbatch_memory: MicrobatchMemory
+) -> Candidate | None:
+    """``best`` if every bucket of two or more items is within ``cap`` by ``microbatch_memory``,
+    else the memory-first fit (None if that fails too)."""
     if best is not None and all(
         len(b) < 2 or microbatch_memory(b) <= cap.cap for b in labels_to_buckets(best.labels, problem.n_buckets)
     ):
@@ -91,7 +101,7 @@ def _isolate(
     microbatch_cost: MicrobatchCost | None,
     lengths: np.ndarray | None,
     options: dict,
-    microbatch_memory: Callable[[list[int]], float] | None = None,
+    microbatch_memory: MicrobatchMemory | None = None,
 ) -> Partition:
     """:func:`partition_batch` with every item of ``alone`` (over ``cap`` by itself) in a bucket of
     its own and the other items split over the remaining buckets under ``cap``."""
@@ -154,7 +164,7 @@ def partition_batch(
     lengths: np.ndarray | None = None,
     node_limit: int = 0,
     allow_oversize: bool = False,
-    microbatch_memory: Callable[[list[int]], float] | None = None,
+    microbatch_memory: MicrobatchMemory | None = None,
 ) -> Partition:
     """Split items into ``n_buckets`` non-empty buckets minimising the makespan.
 
@@ -248,10 +258,11 @@ def solve(problem: PartitionProblem) -> Partition:
             value = problem.score(candidate.labels)
             if best is None or value < best_score * (1 - SCORE_TOLERANCE):
                 best, best_score = candidate, value
-    if problem.memory is not None and problem.microbatch_memory is not None:
-        best = _within_true_memory(problem, best)
+    cap, true_memory = problem.memory, problem.microbatch_memory
+    if cap is not None and true_memory is not None:
+        best = _within_true_memory(problem, best, cap, true_memory)
     if best is None:
-        cap = problem.memory.cap if problem.memory is not None else np.inf
+        limit = np.inf if cap is None else cap.cap
         hint = (
             ""
             if exact_enabled(problem)
@@ -260,7 +271,7 @@ def solve(problem: PartitionProblem) -> Partition:
         )
         raise InfeasibleError(
             f"found no split of {problem.costs.shape[0]} items into {problem.n_buckets} buckets under"
-            f" memory_cap {cap:g} (greedy placement failed{hint})"
+            f" memory_cap {limit:g} (greedy placement failed{hint})"
         )
     return _partition(problem, best)
 
