@@ -12,11 +12,12 @@ everything is deterministic: no step looks at the clock.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from dflop_ds.schedule.candidates import GENERATORS, exact_enabled, one_per_bucket
+from dflop_ds.schedule.candidates import GENERATORS, Generator, exact_enabled, one_per_bucket
 from dflop_ds.schedule.lower_bounds import as_cost_matrix, lower_bound
 from dflop_ds.schedule.lpt import (
     InfeasibleError,
@@ -236,8 +237,9 @@ def partition_batch(
     return solve(problem)
 
 
-def solve(problem: PartitionProblem) -> Partition:
-    """The best candidate of :data:`~dflop_ds.schedule.candidates.GENERATORS` for ``problem``.
+def solve(problem: PartitionProblem, generators: Sequence[Generator] = GENERATORS) -> Partition:
+    """The best candidate of ``generators`` (by default
+    :data:`~dflop_ds.schedule.candidates.GENERATORS`) for ``problem``.
 
     Each generator is run in turn with the best candidate so far; a candidate within the memory
     cap replaces it when its makespan (:meth:`PartitionProblem.score`) is lower by more than
@@ -251,7 +253,7 @@ def solve(problem: PartitionProblem) -> Partition:
     if problem.costs.shape[0] == problem.n_buckets:
         return _partition(problem, one_per_bucket(problem))
     best, best_score = None, np.inf
-    for generate in GENERATORS:
+    for generate in generators:
         for candidate in generate(problem, best):
             if not problem.fits(candidate.labels):
                 continue
