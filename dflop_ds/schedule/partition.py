@@ -12,8 +12,8 @@ everything is deterministic: no step looks at the clock.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -44,7 +44,7 @@ SCORE_TOLERANCE = 1e-12
 __all__ = ["Partition", "InfeasibleError", "partition_batch", "partition_from_buckets", "solve"]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Partition:
     """A split of ``n`` items into buckets.
 
@@ -69,7 +69,7 @@ class Partition:
     lower_bound: float
     solver: str
     additive_makespan: float = 0.0
-    bucket_costs: np.ndarray = field(default_factory=lambda: np.zeros((0, 1)), repr=False, compare=False)
+    bucket_costs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 1)), repr=False, compare=False)
 
     @property
     def ratio(self) -> float:
@@ -93,50 +93,39 @@ def _within_true_memory(
     return None if labels is None else Candidate(labels, "memory-first-fit")
 
 
-def _isolate(
-    matrix: np.ndarray,
-    n_buckets: int,
-    alone: np.ndarray,
-    memory: np.ndarray,
-    cap: float,
-    microbatch_cost: MicrobatchCost | None,
-    lengths: np.ndarray | None,
-    options: dict,
-    microbatch_memory: MicrobatchMemory | None = None,
-) -> Partition:
-    """:func:`partition_batch` with every item of ``alone`` (over ``cap`` by itself) in a bucket of
-    its own and the other items split over the remaining buckets under ``cap``."""
-    n = matrix.shape[0]
+def _isolate(problem: PartitionProblem, cap: MemoryCap, alone: np.ndarray) -> Partition:
+    """The split of ``problem`` with every item of ``alone`` (over ``cap`` by itself) in a bucket
+    of its own and the other items split over the remaining buckets under ``cap``."""
+    n, n_buckets = problem.costs.shape[0], problem.n_buckets
     rest = np.setdiff1d(np.arange(n), alone)
     free = n_buckets - alone.size
     if free < 0 or (free == 0 and rest.size):
         raise InfeasibleError(
-            f"{alone.size} items (first: item {int(alone[0])}) each exceed memory_cap {cap:g} alone"
+            f"{alone.size} items (first: item {int(alone[0])}) each exceed memory_cap {cap.cap:g} alone"
             f" and need a bucket of their own, but the {n} items must fill exactly {n_buckets}"
             " buckets: the other items have none left"
         )
     buckets: list[list[int]] = []
     solver = "alone"
     if rest.size:
-        sub_cost, sub_memory = None, None
-        if microbatch_cost is not None:
-            sub_cost = lambda positions: microbatch_cost(rest[list(positions)].tolist())  # noqa: E731
-        if microbatch_memory is not None:
-            sub_memory = lambda positions: microbatch_memory(rest[list(positions)].tolist())  # noqa: E731
-        sub = partition_batch(
-            matrix[rest],
-            free,
-            memory=memory[rest],
-            memory_cap=cap,
-            microbatch_cost=sub_cost,
-            lengths=None if lengths is None else lengths[rest],
-            microbatch_memory=sub_memory,
-            **options,
+        cost, true_memory = problem.microbatch_cost, problem.microbatch_memory
+        sub = solve(
+            dataclasses.replace(
+                problem,
+                costs=problem.costs[rest],
+                n_buckets=free,
+                memory=checked_cap(cap.memory[rest], cap.cap, rest.size, free),
+                microbatch_cost=None if cost is None else lambda positions: cost(rest[list(positions)].tolist()),
+                lengths=None if problem.lengths is None else problem.lengths[rest],
+                microbatch_memory=(
+                    None if true_memory is None else lambda positions: true_memory(rest[list(positions)].tolist())
+                ),
+            )
         )
         buckets = [rest[b].tolist() for b in sub.buckets]
         solver = f"{sub.solver}+alone"
     buckets += [[int(i)] for i in alone]
-    return partition_from_buckets(matrix, buckets, solver, microbatch_cost)
+    return partition_from_buckets(problem.costs, buckets, solver, problem.microbatch_cost)
 
 
 def partition_from_buckets(
@@ -207,26 +196,14 @@ def partition_batch(
     n = matrix.shape[0]
     n_buckets = bucket_count(n_buckets, n)
     check_limits(time_limit_s, node_limit)
+    alone = np.zeros(0, dtype=np.int64)
     if allow_oversize and memory is not None and memory_cap is not None and np.shape(memory) == (n,):
-        usage = np.asarray(memory, dtype=float)
-        alone = np.flatnonzero(usage > float(memory_cap))
-        if alone.size:
-            options = dict(time_limit_s=time_limit_s, seed=seed, node_limit=node_limit)
-            return _isolate(
-                matrix,
-                n_buckets,
-                alone,
-                usage,
-                float(memory_cap),
-                microbatch_cost,
-                None if lengths is None else np.asarray(lengths, dtype=float),
-                options,
-                microbatch_memory,
-            )
+        usage = MemoryCap(np.asarray(memory, dtype=float), float(memory_cap))
+        alone = np.flatnonzero(usage.memory > usage.cap)
     problem = PartitionProblem(
         matrix,
         n_buckets,
-        memory=checked_cap(memory, memory_cap, n, n_buckets),
+        memory=usage if alone.size else checked_cap(memory, memory_cap, n, n_buckets),
         microbatch_cost=microbatch_cost,
         lengths=lengths,
         microbatch_memory=microbatch_memory,
@@ -234,6 +211,8 @@ def partition_batch(
         node_limit=node_limit,
         seed=seed,
     )
+    if alone.size:
+        return _isolate(problem, usage, alone)
     return solve(problem)
 
 
