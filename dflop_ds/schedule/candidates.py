@@ -54,7 +54,7 @@ ILP_VARIABLES_PER_SECOND = 3000
 ILP_MAX_VARIABLES = 20_000
 
 #: A candidate generator: proposals for a problem, given the best candidate so far (None before the first).
-Generator = Callable[[PartitionProblem, Candidate | None], Iterator[Candidate]]
+CandidateGenerator = Callable[[PartitionProblem, Candidate | None], Iterator[Candidate]]
 
 
 def one_per_bucket(problem: PartitionProblem) -> Candidate:
@@ -134,7 +134,7 @@ def exact(problem: PartitionProblem, best: Candidate | None) -> Iterator[Candida
 
 
 #: The generators :func:`dflop_ds.schedule.partition.solve` runs, in order.
-GENERATORS: tuple[Generator, ...] = (local_search, padded_starts, exact)
+GENERATORS: tuple[CandidateGenerator, ...] = (local_search, padded_starts, exact)
 
 
 def exact_enabled(problem: PartitionProblem) -> bool:

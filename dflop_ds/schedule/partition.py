@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dflop_ds.schedule.candidates import GENERATORS, Generator, exact_enabled, one_per_bucket
+from dflop_ds.schedule.candidates import GENERATORS, CandidateGenerator, exact_enabled, one_per_bucket
 from dflop_ds.schedule.lower_bounds import as_cost_matrix, lower_bound
 from dflop_ds.schedule.lpt import (
     InfeasibleError,
@@ -216,7 +216,7 @@ def partition_batch(
     return solve(problem)
 
 
-def solve(problem: PartitionProblem, generators: Sequence[Generator] = GENERATORS) -> Partition:
+def solve(problem: PartitionProblem, generators: Sequence[CandidateGenerator] = GENERATORS) -> Partition:
     """The best candidate of ``generators`` (by default
     :data:`~dflop_ds.schedule.candidates.GENERATORS`) for ``problem``.
 
