@@ -2,9 +2,10 @@
 
 Every generator has one signature, ``generate(problem, best) -> Iterator[Candidate]``: ``best``
 is the best candidate scored so far (None before the first), which a generator may start from
-(the exact solver is warm-started with it) or use to decide it cannot help. Generators never
-compare candidates by the problem's score; :func:`dflop_ds.schedule.partition.solve` does, in
-the order of :data:`GENERATORS`:
+(the exact solver is warm-started with it) or use to decide it cannot help. A generator does
+not choose among its proposals by the problem's score (the local search keeps its best start by
+the additive makespan its moves lower); :func:`dflop_ds.schedule.partition.solve` scores every
+proposal, running the generators in the order of :data:`GENERATORS`:
 
 - :func:`local_search`: starting splits (vector Karmarkar-Karp differencing, then vector LPT),
   pairwise re-splits, then moves, swaps and pair re-splits out of the slowest bucket, all on the
@@ -14,7 +15,8 @@ the order of :data:`GENERATORS`:
 - :func:`exact`: the ILP (:mod:`dflop_ds.schedule.ilp`, through PuLP) warm-started with the best
   split, when it can help within the time or node limit.
 
-Without a time limit every generator is deterministic: none looks at the clock.
+Each generator is a function of its arguments alone; without a time limit none looks at the
+clock, so every process computing the same batch gets the same proposals.
 """
 
 from __future__ import annotations
