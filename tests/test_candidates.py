@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from dflop_ds.schedule.candidates import GENERATORS, exact_enabled
 from dflop_ds.schedule.lpt import MemoryCap
 from dflop_ds.schedule.partition import solve
-from dflop_ds.schedule.partition_problem import Candidate, PartitionProblem, buckets_to_labels, checked_cap
+from dflop_ds.schedule.partition_problem import Candidate, PartitionProblem, buckets_to_labels
 
 
 @st.composite
@@ -25,7 +25,7 @@ def problems(draw):
     memory = None
     if draw(st.booleans()):
         usage = rng.gamma(1.0, 5.0, size=n)
-        memory = checked_cap(usage, max(usage.max(), usage.sum() / n_buckets * 1.3), n, n_buckets)
+        memory = MemoryCap(usage, max(usage.max(), usage.sum() / n_buckets * 1.3))
     cost = None
     if draw(st.booleans()):
         cost = lambda items: costs[list(items)].max(axis=0) * len(items)  # noqa: E731
@@ -103,4 +103,6 @@ def test_the_problem_names_bad_input():
     with pytest.raises(ValueError, match="cannot fill 5 buckets with 4 items"):
         PartitionProblem(np.ones(4), 5)
     with pytest.raises(ValueError, match="item 2 needs memory 9 > memory_cap 5"):
-        checked_cap(np.array([1.0, 1.0, 9.0]), 5.0, 3, 2)
+        PartitionProblem(np.ones(3), 2, memory=MemoryCap(np.array([1.0, 1.0, 9.0]), 5.0))
+    with pytest.raises(ValueError, match="item 1 has invalid memory nan"):
+        PartitionProblem(np.ones(3), 2, memory=MemoryCap(np.array([1.0, np.nan, 9.0]), 5.0), allow_oversize=True)

@@ -32,10 +32,7 @@ from dflop_ds.schedule.partition_problem import (
     Candidate,
     MicrobatchMemory,
     PartitionProblem,
-    bucket_count,
     buckets_to_labels,
-    check_limits,
-    checked_cap,
 )
 
 #: A candidate replaces the best so far only when its makespan is lower by this relative margin.
@@ -114,7 +111,7 @@ def _isolate(problem: PartitionProblem, cap: MemoryCap, alone: np.ndarray) -> Pa
                 problem,
                 costs=problem.costs[rest],
                 n_buckets=free,
-                memory=checked_cap(cap.memory[rest], cap.cap, rest.size, free),
+                memory=MemoryCap(cap.memory[rest], cap.cap),
                 microbatch_cost=None if cost is None else lambda positions: cost(rest[list(positions)].tolist()),
                 lengths=None if problem.lengths is None else problem.lengths[rest],
                 microbatch_memory=(
@@ -192,18 +189,16 @@ def partition_batch(
         InfeasibleError: (a ``ValueError``) no split respects the memory cap, or more items
             exceed the cap alone than there are buckets.
     """
-    matrix = as_cost_matrix(costs)
-    n = matrix.shape[0]
-    n_buckets = bucket_count(n_buckets, n)
-    check_limits(time_limit_s, node_limit)
-    alone = np.zeros(0, dtype=np.int64)
-    if allow_oversize and memory is not None and memory_cap is not None and np.shape(memory) == (n,):
-        usage = MemoryCap(np.asarray(memory, dtype=float), float(memory_cap))
-        alone = np.flatnonzero(usage.memory > usage.cap)
+    cap = None
+    if memory is not None or memory_cap is not None:
+        if memory is None or memory_cap is None:
+            raise ValueError("memory and memory_cap must be given together")
+        cap = MemoryCap(np.asarray(memory), float(memory_cap))
     problem = PartitionProblem(
-        matrix,
+        costs,
         n_buckets,
-        memory=usage if alone.size else checked_cap(memory, memory_cap, n, n_buckets),
+        memory=cap,
+        allow_oversize=allow_oversize,
         microbatch_cost=microbatch_cost,
         lengths=lengths,
         microbatch_memory=microbatch_memory,
@@ -211,8 +206,6 @@ def partition_batch(
         node_limit=node_limit,
         seed=seed,
     )
-    if alone.size:
-        return _isolate(problem, usage, alone)
     return solve(problem)
 
 
@@ -223,12 +216,19 @@ def solve(problem: PartitionProblem, generators: Sequence[CandidateGenerator] = 
     Each generator is run in turn with the best candidate so far; a candidate within the memory
     cap replaces it when its makespan (:meth:`PartitionProblem.score`) is lower by more than
     :data:`SCORE_TOLERANCE` (ties keep the earlier). With ``n`` items into ``n`` buckets the one
-    possible split is taken without a search. The winner is then checked against the true
-    microbatch memory, when the problem has one (see :func:`partition_batch`).
+    possible split is taken without a search. Under ``allow_oversize`` the items over the cap
+    alone first get a bucket each and the others are solved as a problem of their own. The
+    winner is then checked against the true microbatch memory, when the problem has one (see
+    :func:`partition_batch`).
 
     Raises:
         InfeasibleError: no candidate keeps every bucket under the memory cap.
     """
+    cap = problem.memory
+    if cap is not None and problem.allow_oversize:
+        alone = np.flatnonzero(cap.memory > cap.cap)
+        if alone.size:
+            return _isolate(problem, cap, alone)
     if problem.costs.shape[0] == problem.n_buckets:
         return _partition(problem, one_per_bucket(problem))
     best, best_score = None, np.inf

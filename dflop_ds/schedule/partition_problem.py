@@ -44,7 +44,10 @@ class PartitionProblem:
     Attributes:
         costs: ``(n, k)`` per-item costs.
         n_buckets: number of buckets, ``1 <= n_buckets <= n``.
-        memory: per-item memory and the per-bucket cap (None: no cap).
+        memory: per-item memory and the per-bucket cap (None: no cap); checked: finite,
+            non-negative, one entry per item, every item under the cap unless ``allow_oversize``.
+        allow_oversize: an item whose memory alone exceeds the cap gets a bucket of its own
+            (the other items are split over the remaining buckets under the cap).
         microbatch_cost: a bucket's true ``(k,)`` cost from its item indices (None: summed costs).
         lengths: ``(n,)`` padded dimension of each item, enabling the padding-aware starts.
         microbatch_memory: a bucket's true memory, checked against the cap on the chosen split.
@@ -59,6 +62,7 @@ class PartitionProblem:
     costs: np.ndarray
     n_buckets: int
     memory: MemoryCap | None = None
+    allow_oversize: bool = False
     microbatch_cost: MicrobatchCost | None = None
     lengths: np.ndarray | None = None
     microbatch_memory: MicrobatchMemory | None = None
@@ -74,6 +78,8 @@ class PartitionProblem:
         object.__setattr__(self, "costs", matrix)
         object.__setattr__(self, "n_buckets", bucket_count(self.n_buckets, n))
         check_limits(self.time_limit_s, self.node_limit)
+        if self.memory is not None:
+            object.__setattr__(self, "memory", checked_cap(self.memory, n, self.n_buckets, self.allow_oversize))
         if self.lengths is not None:
             lengths = np.asarray(self.lengths, dtype=float)
             if lengths.shape != (n,):
@@ -123,25 +129,22 @@ def check_limits(time_limit_s: float, node_limit: int) -> None:
         raise ValueError(f"node_limit must be a non-negative integer, got {node_limit}")
 
 
-def checked_cap(memory: np.ndarray | None, cap: float | None, n: int, n_buckets: int) -> MemoryCap | None:
-    """The :class:`MemoryCap` of per-item ``memory`` under ``cap`` (None when neither is given);
-    raise naming the first item that is invalid or cannot fit anywhere."""
-    if memory is None and cap is None:
-        return None
-    if memory is None or cap is None:
-        raise ValueError("memory and memory_cap must be given together")
-    usage = np.asarray(memory, dtype=float).reshape(-1)
+def checked_cap(memory: MemoryCap, n: int, n_buckets: int, allow_oversize: bool = False) -> MemoryCap:
+    """``memory`` with its per-item usage as a float vector, checked: one finite, non-negative
+    entry per item, every item under the cap (unless ``allow_oversize``) and, when every item is,
+    the total within ``n_buckets`` caps. Raises naming the first item at fault."""
+    usage = np.asarray(memory.memory, dtype=float).reshape(-1)
     if usage.shape != (n,):
-        raise ValueError(f"memory must have one entry per item ({n}), got shape {np.shape(memory)}")
-    limit = float(cap)
+        raise ValueError(f"memory must have one entry per item ({n}), got shape {np.shape(memory.memory)}")
+    limit = float(memory.cap)
     bad = np.flatnonzero(~np.isfinite(usage) | (usage < 0))
     if bad.size:
         raise ValueError(f"item {int(bad[0])} has invalid memory {usage[bad[0]]}")
     too_big = np.flatnonzero(usage > limit)
-    if too_big.size:
+    if too_big.size and not allow_oversize:
         i = int(too_big[0])
         raise ValueError(f"item {i} needs memory {usage[i]:g} > memory_cap {limit:g}: it fits in no bucket")
-    if usage.sum() > n_buckets * limit:
+    if not too_big.size and usage.sum() > n_buckets * limit:
         raise InfeasibleError(
             f"items need {usage.sum():g} memory in total, more than {n_buckets} buckets x memory_cap {limit:g}"
         )
