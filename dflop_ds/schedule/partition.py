@@ -131,12 +131,8 @@ def partition_from_buckets(
     """The :class:`Partition` of a given split (every item of ``costs`` in one of ``buckets``),
     its bucket costs measured as :func:`partition_batch` measures them."""
     matrix = as_cost_matrix(costs)
-    n_buckets = len(buckets)
     labels = buckets_to_labels(buckets, matrix.shape[0])
-    loads = bucket_loads(matrix, labels, n_buckets)
-    order = labels_to_buckets(labels, n_buckets)  # the bucket order bucket_loads uses
-    measured = loads if microbatch_cost is None else true_times(order, microbatch_cost, matrix.shape[1])
-    return Partition(order, float(measured.max()), lower_bound(matrix, n_buckets), solver, float(loads.max()), measured)
+    return _measured(matrix, labels, len(buckets), lower_bound(matrix, len(buckets)), solver, microbatch_cost)
 
 
 def partition_batch(
@@ -258,12 +254,25 @@ def solve(problem: PartitionProblem, generators: Sequence[CandidateGenerator] = 
 
 
 def _partition(problem: PartitionProblem, candidate: Candidate) -> Partition:
-    """The :class:`Partition` of ``candidate``, its bucket costs measured by the problem's
-    microbatch cost when it has one."""
-    buckets = labels_to_buckets(candidate.labels, problem.n_buckets)
-    if any(not bucket for bucket in buckets):  # guarded by construction; never silently wrong
+    """The :class:`Partition` of ``candidate``, checked to leave no bucket empty."""
+    if np.bincount(candidate.labels, minlength=problem.n_buckets).min() == 0:  # guarded by construction
         raise AssertionError("partition produced an empty bucket")
-    loads = bucket_loads(problem.costs, candidate.labels, problem.n_buckets)
-    cost = problem.microbatch_cost
-    measured = loads if cost is None else true_times(buckets, cost, problem.costs.shape[1])
-    return Partition(buckets, float(measured.max()), problem.bound, candidate.solver, float(loads.max()), measured)
+    return _measured(
+        problem.costs, candidate.labels, problem.n_buckets, problem.bound, candidate.solver, problem.microbatch_cost
+    )
+
+
+def _measured(
+    costs: np.ndarray,
+    labels: np.ndarray,
+    n_buckets: int,
+    bound: float,
+    solver: str,
+    microbatch_cost: MicrobatchCost | None,
+) -> Partition:
+    """The :class:`Partition` of ``labels``, its bucket costs measured by ``microbatch_cost`` when
+    given (else summed)."""
+    loads = bucket_loads(costs, labels, n_buckets)
+    buckets = labels_to_buckets(labels, n_buckets)  # the bucket order bucket_loads uses
+    measured = loads if microbatch_cost is None else true_times(buckets, microbatch_cost, costs.shape[1])
+    return Partition(buckets, float(measured.max()), bound, solver, float(loads.max()), measured)
