@@ -151,6 +151,9 @@ def partition_batch(
 ) -> Partition:
     """Split items into ``n_buckets`` non-empty buckets minimising the makespan.
 
+    The keyword form of ``solve(PartitionProblem(...))`` (note its default ``time_limit_s`` of
+    1 s, where a :class:`PartitionProblem` defaults to the deterministic 0).
+
     Args:
         costs: ``(n, k)`` per-item costs (e.g. ``[encoder, llm]`` seconds); 1-D means ``k = 1``.
             Columns are compared as they are, so they should share a unit.
