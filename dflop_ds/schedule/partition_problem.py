@@ -29,7 +29,7 @@ from dflop_ds.schedule.lpt import (
 MicrobatchMemory = Callable[[list[int]], float]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Candidate:
     """A proposed split: ``labels[item] = bucket``, and the method that proposed it."""
 
@@ -37,7 +37,7 @@ class Candidate:
     solver: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PartitionProblem:
     """One batch to split into ``n_buckets`` non-empty buckets, validated.
 
@@ -70,7 +70,7 @@ class PartitionProblem:
     node_limit: int = 0
     seed: int = 0
     bound: float = field(init=False)
-    deadline: float = field(init=False, compare=False)
+    deadline: float = field(init=False)
 
     def __post_init__(self) -> None:
         matrix = as_cost_matrix(self.costs)
