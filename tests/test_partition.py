@@ -223,13 +223,13 @@ def test_one_item_per_bucket_skips_the_search(monkeypatch):
     """With as many buckets as items the only split is one item per bucket: partition_batch
     answers without the local search (the planner's final splits at thousands of GPUs are such),
     measuring every bucket with the microbatch cost."""
-    import dflop_ds.schedule.partition as partition_module
+    import dflop_ds.schedule.candidates as candidates_module
 
     def refuse(*args, **kwargs):
         raise AssertionError("the local search ran for a split with one item per bucket")
 
     for name in ("pair_sweep", "improve", "improve_with_cost", "padded_lpt"):
-        monkeypatch.setattr(partition_module, name, refuse)
+        monkeypatch.setattr(candidates_module, name, refuse)
     costs = np.random.default_rng(0).gamma(0.7, 10.0, size=(300, 2))
     padded = lambda items: costs[items].max(axis=0) * len(items)  # noqa: E731
     lengths = np.arange(300, dtype=float)

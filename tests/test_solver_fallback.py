@@ -84,7 +84,7 @@ def test_errors_without_solver_are_not_hidden(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("bug in the heuristic")
 
-    monkeypatch.setattr(partition, "partition_batch", broken)  # where the dflop splitter looks it up
+    monkeypatch.setattr(partition, "solve", broken)  # where the dflop splitter looks it up
     with pytest.raises(RuntimeError, match="bug in the heuristic"):
         split_balanced(np.ones((8, 2)), time_limit_s=0)
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
 import numpy as np
 
 from dflop_ds.schedule import partition as partitioner
 from dflop_ds.schedule.aligned import ROUNDS, aligned_split
-from dflop_ds.schedule.lpt import InfeasibleError, MicrobatchCost
+from dflop_ds.schedule.lpt import InfeasibleError, MemoryCap, MicrobatchCost
+from dflop_ds.schedule.partition_problem import PartitionProblem
 from dflop_ds.schedule.ranks import assign_to_ranks, lockstep_order
 from dflop_ds.schedule.splitters.base import MemoryBudget, SplitRequest, SplitResult, register_splitter
 from dflop_ds.sync import SyncModel
@@ -34,7 +34,8 @@ class DFLOPSplitter:
     (ties: the earlier one):
 
     - the partitioner's ``n_mb * dp`` balanced microbatches
-      (:func:`~dflop_ds.schedule.partition.partition_batch`) put onto ranks as the sync model
+      (:func:`~dflop_ds.schedule.partition.solve` of a
+      :class:`~dflop_ds.schedule.partition_problem.PartitionProblem`) put onto ranks as the sync model
       needs: ``pipeline`` balances the slowest microbatch on every column and orders each rank
       for 1F1B (:func:`~dflop_ds.schedule.ranks.assign_to_ranks`, the only candidate there);
       ``boundary`` balances the summed columns (encoder and LLM run one after the other) and the
@@ -126,23 +127,22 @@ class DFLOPSplitter:
     ) -> SplitResult:
         """The partitioner's microbatches under ``budget``, put onto ranks for the request's sync model."""
         matrix, microbatch_cost = _balanced_costs(request)
-        lengths = None if request.lengths is None else np.asarray(request.lengths, float)
-        partition, solver = _partition_or_fallback(
+        problem = PartitionProblem(
             matrix,
             request.n_mb * request.dp,
-            self.time_limit_s,
-            self.node_limit,
-            seed=request.seed,
-            microbatch_cost=microbatch_cost,
-            lengths=lengths,
-            memory=usage,
-            memory_cap=None if budget is None else budget.cap,
+            memory=None if budget is None or usage is None else MemoryCap(usage, budget.cap),
             allow_oversize=True,  # a row charged over the cap gets a microbatch of its own (checked in split)
+            microbatch_cost=microbatch_cost,
+            lengths=None if request.lengths is None else np.asarray(request.lengths, float),
             microbatch_memory=budget.microbatch if budget is not None and checked else None,
+            time_limit_s=self.time_limit_s,
+            node_limit=self.node_limit,
+            seed=request.seed,
         )
+        partition, solver = _partition_or_fallback(problem)
         return self._onto_ranks(request, partition, solver)
 
-    def _onto_ranks(self, request: SplitRequest, partition: Any, solver: str) -> SplitResult:
+    def _onto_ranks(self, request: SplitRequest, partition: partitioner.Partition, solver: str) -> SplitResult:
         """Assign ``partition``'s microbatches to ranks and order them for the request's sync model."""
         if request.sync is SyncModel.PIPELINE:
             order = assign_to_ranks(partition.bucket_costs, request.dp, request.n_mb)
@@ -181,26 +181,22 @@ def _positions(request: SplitRequest, result: SplitResult) -> list[list[list[int
     return [[[row[i] for i in mb] for mb in rank] for rank in result.ranks]
 
 
-def _partition_or_fallback(
-    cost_matrix: np.ndarray, n_buckets: int, time_limit_s: float, node_limit: int = 0, **options: Any
-):
-    """``partition_batch``, falling back to its heuristic alone when the exact solver fails.
+def _partition_or_fallback(problem: PartitionProblem) -> tuple[partitioner.Partition, str]:
+    """The partitioner's split of ``problem``, falling back to its heuristic alone when the exact
+    solver fails.
 
     Bad input (a ``ValueError``, e.g. a negative or NaN cost) is raised as is. Any other error
     with the solver enabled (a PuLP error, a missing CBC binary, an OS error starting it) is
     logged once per error type and answered by the deterministic heuristic; ``solver`` then
-    ends in :data:`FALLBACK_SUFFIX`. ``options`` go to ``partition_batch`` as they are.
-    Returns ``(partition, solver)``.
+    ends in :data:`FALLBACK_SUFFIX`. Returns ``(partition, solver)``.
     """
     try:
-        partition = partitioner.partition_batch(
-            cost_matrix, n_buckets, time_limit_s=time_limit_s, node_limit=node_limit, **options
-        )
+        partition = partitioner.solve(problem)
         return partition, partition.solver
     except ValueError:
         raise
     except Exception as error:  # noqa: BLE001 - any solver failure must not stop training
-        if time_limit_s <= 0 and node_limit <= 0:
+        if problem.time_limit_s <= 0 and problem.node_limit <= 0:
             raise
         kind = type(error).__name__
         if kind not in _warned_fallback:
@@ -211,5 +207,5 @@ def _partition_or_fallback(
                 kind,
                 error,
             )
-    partition = partitioner.partition_batch(cost_matrix, n_buckets, time_limit_s=0.0, **options)
+    partition = partitioner.solve(dataclasses.replace(problem, time_limit_s=0.0, node_limit=0))
     return partition, partition.solver + FALLBACK_SUFFIX
