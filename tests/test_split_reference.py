@@ -168,36 +168,21 @@ def test_differencing_is_the_plain_list_version(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_improve_is_the_plain_rescanning_loop(kind):
+@pytest.mark.parametrize("filtered", [False, True], ids=["as_shipped", "swap_filter_from_the_first_pair"])
+def test_improve_is_the_plain_rescanning_loop(kind, filtered, monkeypatch):
     """The partitioner's local search keeps bucket times and members in step instead of
-    rescanning: the same labels, with moves, swaps, re-splits and a memory cap."""
-    rng = np.random.default_rng(20 + len(kind))
-    for case in range(16):
-        n_buckets = int(rng.integers(2, 70))
-        n = n_buckets * int(rng.integers(2, 5)) + int(rng.integers(0, n_buckets))
+    rescanning, and (``filtered``) its swap search's lower-bound filter, on from the first pair,
+    leaves the answer of scoring every pair: the same labels, with moves, swaps, re-splits and a
+    memory cap."""
+    if filtered:
+        monkeypatch.setattr(swaps, "SWAP_FILTER_WORK", 1)
+        monkeypatch.setattr(swaps, "SWAP_FILTER_PROBES", 2)
+    rng = np.random.default_rng((30 if filtered else 20) + len(kind))
+    for case in range(12 if filtered else 16):
+        n_buckets = int(rng.integers(2, 40 if filtered else 70))
+        n = n_buckets * int(rng.integers(2, 6 if filtered else 5)) + int(rng.integers(0, n_buckets))
         costs = random_costs(rng, n, int(rng.integers(1, 4)), kind)
         start = rng.permutation(np.arange(n) % n_buckets)  # every bucket used, loads uneven
-        memory = None
-        if case % 2:
-            need = rng.integers(1, 4, n).astype(float)
-            memory = MemoryCap(need, float(np.bincount(start, weights=need).max()) + 1.0)
-        for options in ({}, {"allow_moves": False, "resplit": 0}, {"partners": (n_buckets,), "resplit": 0}):
-            expected = reference_improve(costs, start, n_buckets, memory, **options)
-            np.testing.assert_array_equal(improve(costs, start, n_buckets, memory, **options), expected)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_improve_with_its_swap_filter_is_the_plain_rescanning_loop(kind, monkeypatch):
-    """The swap search's lower-bound filter (on from the first pair here) leaves the answer of
-    scoring every pair: the same labels, with moves, swaps, re-splits and a memory cap."""
-    monkeypatch.setattr(swaps, "SWAP_FILTER_WORK", 1)
-    monkeypatch.setattr(swaps, "SWAP_FILTER_PROBES", 2)
-    rng = np.random.default_rng(30 + len(kind))
-    for case in range(12):
-        n_buckets = int(rng.integers(2, 40))
-        n = n_buckets * int(rng.integers(2, 6)) + int(rng.integers(0, n_buckets))
-        costs = random_costs(rng, n, int(rng.integers(1, 4)), kind)
-        start = rng.permutation(np.arange(n) % n_buckets)
         memory = None
         if case % 2:
             need = rng.integers(1, 4, n).astype(float)

@@ -66,10 +66,20 @@ def write_llava_dataset(
                 {"from": "human", "value": _sentence(rng, 2, 8)},
                 {"from": "gpt", "value": _sentence(rng, *answer_words)},
             ]
-        record: dict = {"id": f"r{i:04d}", "conversations": turns}
-        if paths:
-            record["image"] = paths[0] if len(paths) == 1 else paths
-        records.append(record)
+        records.append(llava_record(f"r{i:04d}", turns, paths))
+    return write_records(root, records), images
+
+
+def llava_record(record_id: str, turns: list[dict], images: list[str]) -> dict:
+    """A LLaVA record: ``id``, ``conversations`` and, when it has any, ``image`` (one name or a list)."""
+    record: dict = {"id": record_id, "conversations": turns}
+    if images:
+        record["image"] = images[0] if len(images) == 1 else images
+    return record
+
+
+def write_records(root: Path, records: list[dict]) -> Path:
+    """Write ``records`` as LLaVA JSON to ``root/data.json``; returns its path."""
     data_path = root / "data.json"
     data_path.write_text(json.dumps(records, indent=1))
-    return data_path, images
+    return data_path

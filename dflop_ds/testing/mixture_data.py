@@ -15,7 +15,7 @@ import json
 import random
 from pathlib import Path
 
-from dflop_ds.testing.llava_data import WORDS
+from dflop_ds.testing.llava_data import WORDS, llava_record, write_records
 
 #: tokens per word of :data:`~dflop_ds.testing.llava_data.WORDS` on the tiny LLaVA and Qwen2-VL
 #: tokenizers (77 and 78 tokens for 24 words, measured)
@@ -79,13 +79,8 @@ def write_mixture_dataset(
         label = max(1, min(int(row["label_tokens"]), max_text_tokens - text))
         prompt = "".join("<image>\n" for _ in paths) + _words(rng, text)
         turns = [{"from": "human", "value": prompt}, {"from": "gpt", "value": _words(rng, label)}]
-        record: dict = {"id": f"{row['id']}", "conversations": turns}
-        if paths:
-            record["image"] = paths[0] if len(paths) == 1 else paths
-        records.append(record)
-    data_path = root / "data.json"
-    data_path.write_text(json.dumps(records, indent=1))
-    return data_path, images
+        records.append(llava_record(f"{row['id']}", turns, paths))
+    return write_records(root, records), images
 
 
 __all__ = ["FRAME_SIZE", "TOKENS_PER_WORD", "frames_of", "write_mixture_dataset"]
