@@ -18,6 +18,7 @@ skips the synchronize, by the release's own blocking gather (:func:`install_wait
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from packaging.version import Version
@@ -55,6 +56,20 @@ def wait_every_gather() -> bool:
     return True
 
 
+def start_ranks_before_loading() -> None:
+    """Under a multi-process launch (``WORLD_SIZE`` > 1), start DeepSpeed's communication and make
+    ZeRO-3's gathers wait for every parameter (:func:`wait_every_gather`), before the model loads:
+    ``from_pretrained``'s ZeRO-3 ``zero.Init`` runs before a Trainer starts the communication and
+    would otherwise count one process (the CPU launchers' quirk, docs/hf_trainer.md). What the
+    frameworks' plugins call as they start; nothing in a single process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    import deepspeed
+
+    deepspeed.init_distributed()
+    wait_every_gather()
+
+
 def install_waited_gather() -> None:
     """Replace ``Init._allgather_params_coalesced`` (idempotent) by the release's own blocking gather
     of the same parameters: ``_allgather_params_sequential`` (one waited gather per parameter, from
@@ -76,4 +91,4 @@ def install_waited_gather() -> None:
     Init._allgather_params_coalesced = gather_waited
 
 
-__all__ = ["FIXED_IN", "gathers_read_early", "install_waited_gather", "wait_every_gather"]
+__all__ = ["FIXED_IN", "gathers_read_early", "install_waited_gather", "start_ranks_before_loading", "wait_every_gather"]

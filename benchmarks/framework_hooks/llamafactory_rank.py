@@ -5,13 +5,11 @@ starting DeepSpeed's communication. On CPU ranks ZeRO-3's ``zero.Init`` in ``fro
 would otherwise count one process and stop at DeepSpeed's batch assertion. It also makes ZeRO-3's
 gathers wait for every parameter on this DeepSpeed 0.18.4 (dflop_ds/zero_gather.py: without it
 the checkpoint loads into partly unwritten memory and the loss is NaN from the first step).
-``dflop-ds llamafactory train`` does both the same way, so both runs start alike."""
+``dflop-ds llamafactory train`` does both through the same function, so both runs start alike."""
 
-import deepspeed
 from llamafactory.train.tuner import run_exp
 
-from dflop_ds.zero_gather import wait_every_gather
+from dflop_ds.zero_gather import start_ranks_before_loading
 
-deepspeed.init_distributed()
-wait_every_gather()
+start_ranks_before_loading()
 run_exp()

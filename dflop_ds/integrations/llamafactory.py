@@ -37,7 +37,7 @@ from dflop_ds.hf_trainer.trainer import DFLOPTrainerMixin
 from dflop_ds.integrations.chat import media_size
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
 from dflop_ds.models.tiny_data import IGNORE_INDEX
-from dflop_ds.zero_gather import wait_every_gather
+from dflop_ds.zero_gather import start_ranks_before_loading
 
 #: LLaMA-Factory options that pack rows offline, refused with the reason
 PACKING_OPTIONS = ("packing", "neat_packing")
@@ -126,11 +126,7 @@ def train(config_path: str | Path) -> None:
     """Run LLaMA-Factory's ``run_exp`` on ``config_path`` with DFLOP's sampler (in this process)."""
     config = read_config(config_path)
     check_config(config, str(config_path))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import deepspeed
-
-        deepspeed.init_distributed()
-        wait_every_gather()  # DeepSpeed before 0.19.8 on CPU ranks: ZeRO-3 loading would keep unwritten memory
+    start_ranks_before_loading()
     from llamafactory.train.sft import workflow
     from llamafactory.train.tuner import run_exp
 

@@ -33,7 +33,6 @@ plugin makes such a row an error instead (one fetch per index), so no row trains
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from transformers import TrainerCallback
@@ -50,7 +49,7 @@ from dflop_ds.hf_trainer.guard import blank_image_for, guarded_batch
 from dflop_ds.hf_trainer.resume import check_resume_state, resumed_checkpoint, save_before_checkpoint
 from dflop_ds.integrations.chat import chat_shapes
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
-from dflop_ds.zero_gather import wait_every_gather
+from dflop_ds.zero_gather import start_ranks_before_loading
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +65,7 @@ def register() -> None:
     from swift.callbacks import callbacks_map
 
     callbacks_map[CALLBACK] = DFLOPSwiftCallback
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import deepspeed
-
-        deepspeed.init_distributed()
-        wait_every_gather()  # DeepSpeed before 0.19.8 on CPU ranks: ZeRO-3 loading would keep unwritten memory
+    start_ranks_before_loading()
 
 
 def refuse_unsupported(args: Any, trainer: Any) -> None:
