@@ -238,7 +238,7 @@ def solve(problem: PartitionProblem, generators: Sequence[CandidateGenerator] = 
             value = problem.score(candidate.labels)
             if best is None or value < best_score * (1 - SCORE_TOLERANCE):
                 best, best_score = candidate, value
-    cap, true_memory = problem.memory, problem.microbatch_memory
+    true_memory = problem.microbatch_memory
     if cap is not None and true_memory is not None:
         best = _within_true_memory(problem, best, cap, true_memory)
     if best is None:
