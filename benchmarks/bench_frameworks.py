@@ -1,7 +1,8 @@
 """`make bench-frameworks`: each framework's own training against the same with dflop-ds, ZeRO-3, 2 CPU ranks.
 
 Every run goes through the framework's own command, in its environment (``.venv-swift``,
-``.venv-llamafactory``, `make framework-envs`), on the models of `make test-frameworks` and an
+``.venv-llamafactory``, `make framework-envs`), on the models of `make test-frameworks` made
+:data:`MODEL_WIDTH` times wider (the same layers) and an
 epoch of 96 chat rows drawn from the bundled users' mixture (tests/frameworks/inputs.py
 ``--mixture``, :data:`MIXTURE`: text-only, one-image, 2-4-image and video rows in its proportions,
 a video's 4-16 frames as images, image sizes a quarter of the real ones), ``BATCH`` x ``GAS`` per
@@ -69,6 +70,13 @@ import run_frameworks as fw  # noqa: E402
 #: the shape manifest the epoch's rows are drawn from: what users train (text-only, one image,
 #: 2-4 images, videos as 4-16 frames), tests/frameworks/inputs.py --mixture
 MIXTURE = ROOT / "examples" / "data" / "mixture.jsonl"
+#: how many times wider than the test models both models are (tests/frameworks/inputs.py ``--width``,
+#: the same layers): at width 1 on these CPU ranks ZeRO-3's per-module gathers and hooks took about
+#: 0.27 s of a 0.4-1.2 s microbatch whatever its samples (a fit over 60 traced microbatches of both
+#: methods), so the work a balancer moves was a small part of a step; at width 2 (LLaVA's vision
+#: tower 512 wide, its LLM 256) a microbatch's time follows its slowest rank's images (0.034 s
+#: each) and padded tokens, as on a GPU with real model sizes
+MODEL_WIDTH = 2
 #: per-device batch x microbatches per step: 2 ranks x 4 x 2 = 16 samples a step (6 steps of 96 rows)
 BATCH, GAS = 4, 2
 #: tokens per pack row of the frameworks' own packing (``--max_length``, ``cutoff_len``): above the
@@ -268,7 +276,8 @@ def main() -> int:
         work.mkdir(parents=True)
         built = subprocess.run(
             [str(ROOT / ".venv-swift" / "bin" / "python"), str(ROOT / "tests" / "frameworks" / "inputs.py")]
-            + [str(work / "inputs"), "--records", str(cli.rows), "--encoder-heavy", "--mixture", str(MIXTURE)],
+            + [str(work / "inputs"), "--records", str(cli.rows), "--encoder-heavy", "--mixture", str(MIXTURE)]
+            + ["--width", str(MODEL_WIDTH)],
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             capture_output=True,
             text=True,

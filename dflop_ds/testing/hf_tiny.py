@@ -236,14 +236,28 @@ def build_tiny_llava(
     return copied(built, dir)
 
 
-def build_encoder_heavy_llava(dir: str | Path, *, seed: int = 0) -> Path:
+def widened(sizes: Mapping[str, Any], width: int, keys: tuple[str, ...]) -> dict[str, Any]:
+    """``sizes`` with each of ``keys`` (hidden sizes and head counts) multiplied by ``width``: the
+    same layers and head size, ``width`` x wider (``width`` x ``width`` the compute per token)."""
+    if width < 1:
+        raise ValueError(f"width must be a positive integer, not {width}")
+    return {key: value * width if key in keys else value for key, value in sizes.items()}
+
+
+#: the size keys :func:`widened` scales in a LLaVA's vision and text configs
+WIDTH_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+
+
+def build_encoder_heavy_llava(dir: str | Path, *, seed: int = 0, width: int = 1) -> Path:
     """Write the encoder-heavy tiny LLaVA (CLIP + Llama, :data:`ENCODER_HEAVY_VISION` and
     :data:`ENCODER_HEAVY_TEXT`) to ``dir``: the vision tower carries about half the work, as in
     the models whose ZeRO-3 runs meet per module. Every tower layer feeds the projector
-    (``vision_feature_layer=-1``), so every parameter gets a gradient in every step."""
-    return build_tiny_llava(
-        dir, seed=seed, vision_feature_layer=-1, vision_sizes=ENCODER_HEAVY_VISION, text_sizes=ENCODER_HEAVY_TEXT
-    )
+    (``vision_feature_layer=-1``), so every parameter gets a gradient in every step. ``width``
+    widens both towers (:func:`widened`): with the same modules, compute grows against ZeRO-3's
+    per-module gathers, which take most of a width-1 microbatch's time on CPU ranks."""
+    vision = widened(ENCODER_HEAVY_VISION, width, WIDTH_KEYS)
+    text = widened({**ENCODER_HEAVY_TEXT, "num_attention_heads": 4, "num_key_value_heads": 2}, width, WIDTH_KEYS)
+    return build_tiny_llava(dir, seed=seed, vision_feature_layer=-1, vision_sizes=vision, text_sizes=text)
 
 
 __all__ = [
@@ -255,9 +269,11 @@ __all__ = [
     "TEXT_SIZES",
     "TOKENS_PER_IMAGE",
     "VISION_LAYERS",
+    "WIDTH_KEYS",
     "build_encoder_heavy_llava",
     "build_tiny_llava",
     "build_tokenizer",
     "copied",
     "saved",
+    "widened",
 ]

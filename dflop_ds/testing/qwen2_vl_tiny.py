@@ -7,7 +7,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
-from dflop_ds.testing.hf_tiny import TEXT_SIZES, VISION_LAYERS, copied
+from dflop_ds.testing.hf_tiny import TEXT_SIZES, VISION_LAYERS, WIDTH_KEYS, copied, widened
 from dflop_ds.testing.patch_grid_tiny import (
     MAX_PIXELS,
     MERGE,
@@ -46,24 +46,28 @@ def _qwen2_vl_classes(family: str, vision: dict):
 
 @cache
 def _built_qwen2_vl(
-    family: str, tie_word_embeddings: bool, seed: int, min_pixels: int, max_pixels: int, patch_size: int
+    family: str, tie_word_embeddings: bool, seed: int, min_pixels: int, max_pixels: int, patch_size: int, width: int
 ) -> Path:
     """Build and save one tiny Qwen2-VL directory in a process-wide temporary folder (cached)."""
     tokenizer = build_patch_grid_tokenizer()
-    vision = dict(
-        depth=VISION_LAYERS,
-        embed_dim=32,
-        hidden_size=64,
-        mlp_ratio=2,
-        num_heads=2,
-        patch_size=patch_size,
-        spatial_merge_size=MERGE,
-        temporal_patch_size=2,
+    vision = widened(
+        dict(
+            depth=VISION_LAYERS,
+            embed_dim=32,
+            hidden_size=64,
+            mlp_ratio=2,
+            num_heads=2,
+            patch_size=patch_size,
+            spatial_merge_size=MERGE,
+            temporal_patch_size=2,
+        ),
+        width,
+        ("embed_dim", "hidden_size", "num_heads"),
     )
-    # head_dim 16: the rotary half (8 frequencies) split over (temporal, height, width)
+    # head_dim 16 at every width: the rotary half (8 frequencies) split over (temporal, height, width)
     text = dict(
         vocab_size=len(tokenizer),
-        **TEXT_SIZES,
+        **widened(TEXT_SIZES, width, WIDTH_KEYS),
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
         tie_word_embeddings=tie_word_embeddings,
         **special_token_ids(tokenizer),
@@ -88,6 +92,7 @@ def build_tiny_qwen2_vl(
     min_pixels: int = MIN_PIXELS,
     max_pixels: int = MAX_PIXELS,
     patch_size: int = PATCH,
+    width: int = 1,
 ) -> Path:
     """Write a tiny random Qwen2-VL model, its tokenizer and its image processor to ``dir``
     (``save_pretrained`` layout, no processor class: Qwen2-VL's wants torchvision for videos);
@@ -97,9 +102,11 @@ def build_tiny_qwen2_vl(
     own size within ``min_pixels``..``max_pixels`` (the processor's resize rule, in multiples of
     ``patch x merge`` = 8 px): every image gives its own patch grid. ``patch_size`` 14 gives the
     real models' 28 px unit (ms-swift's Qwen2-VL template resizes images to multiples of 28 itself).
+    ``width`` widens the vision tower and the LLM alike (:func:`~dflop_ds.testing.hf_tiny.widened`:
+    the same layers and head size), for benchmarks whose compute must outweigh per-module overheads.
     """
     built = _built_qwen2_vl(
-        family, bool(tie_word_embeddings), int(seed), int(min_pixels), int(max_pixels), int(patch_size)
+        family, bool(tie_word_embeddings), int(seed), int(min_pixels), int(max_pixels), int(patch_size), int(width)
     )
     return copied(built, dir)
 

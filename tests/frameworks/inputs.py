@@ -10,7 +10,10 @@ columns, ``role`` / ``content`` tags). Image placeholders are ``<image>`` in bot
 examples/data/mixture.jsonl: text-only, image, multi-image and video rows, a video's frames as images;
 :mod:`dflop_ds.testing.mixture_data`).
 
-Usage: python tests/frameworks/inputs.py OUT [--records N] [--encoder-heavy] [--mixture MANIFEST]
+``--width N`` makes both models N times wider (the same layers and head size), so that compute
+outweighs ZeRO-3's per-module gathers (`make bench-frameworks`).
+
+Usage: python tests/frameworks/inputs.py OUT [--records N] [--encoder-heavy] [--mixture MANIFEST] [--width N]
 """
 
 from __future__ import annotations
@@ -50,10 +53,13 @@ def enlarge_small_images(folder: Path, side: int) -> None:
                 image.convert("RGB").resize((max(width, side), max(height, side))).save(path)
 
 
-def build(out: Path, records: int, encoder_heavy: bool = False, mixture: Path | None = None) -> dict[str, str]:
+def build(
+    out: Path, records: int, encoder_heavy: bool = False, mixture: Path | None = None, width: int = 1
+) -> dict[str, str]:
     """Write the models and the dataset under ``out``; returns their paths by name. ``encoder_heavy``:
     the LLaVA is the encoder-heavy one (its vision tower about half the work, as the benchmark's);
-    ``mixture``: the rows are drawn from this shape manifest."""
+    ``mixture``: the rows are drawn from this shape manifest; ``width``: both models that many times
+    wider (:func:`dflop_ds.testing.hf_tiny.widened`; the encoder-heavy LLaVA, or Qwen2-VL)."""
     from dflop_ds.testing.hf_tiny import build_encoder_heavy_llava, build_tiny_llava
     from dflop_ds.testing.llava_data import write_llava_dataset
     from dflop_ds.testing.mixture_data import write_mixture_dataset
@@ -61,8 +67,10 @@ def build(out: Path, records: int, encoder_heavy: bool = False, mixture: Path | 
 
     out.mkdir(parents=True, exist_ok=True)
     pixels = {"min_pixels": QWEN_MIN_PIXELS, "max_pixels": QWEN_MAX_PIXELS}
-    qwen = build_tiny_qwen2_vl(out / "qwen2_vl", patch_size=QWEN_PATCH, **pixels)
-    llava = (build_encoder_heavy_llava if encoder_heavy else build_tiny_llava)(out / "llava")
+    qwen = build_tiny_qwen2_vl(out / "qwen2_vl", patch_size=QWEN_PATCH, width=width, **pixels)
+    if width > 1 and not encoder_heavy:
+        raise ValueError("--width widens the encoder-heavy LLaVA: pass --encoder-heavy with it")
+    llava = build_encoder_heavy_llava(out / "llava", width=width) if encoder_heavy else build_tiny_llava(out / "llava")
     paths = {"llava": str(llava), "qwen2_vl": str(qwen)}
     if mixture is not None:
         data, images = write_mixture_dataset(out / "data", mixture, records, seed=3, min_side=MIN_SIDE)
@@ -92,8 +100,9 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=28)
     parser.add_argument("--encoder-heavy", action="store_true", help="the encoder-heavy tiny LLaVA")
     parser.add_argument("--mixture", type=Path, default=None, help="draw the rows from this shape manifest")
+    parser.add_argument("--width", type=int, default=1, help="both models this many times wider (same layers)")
     cli = parser.parse_args()
-    print(json.dumps(build(cli.out, cli.records, cli.encoder_heavy, cli.mixture)))
+    print(json.dumps(build(cli.out, cli.records, cli.encoder_heavy, cli.mixture, cli.width)))
 
 
 if __name__ == "__main__":
