@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -130,6 +132,28 @@ def test_module_split_aligns_the_columns_where_the_summed_balance_does_not():
     assert module.step == pytest.approx(step_lower_bound(costs, dp, n_mb, "module"))  # 16: each column meets alone
     crossed = np.array([[[4.0, 4.0], [4.0, 4.0]]] * dp)  # a microbatch of one of each kind
     assert module.step < step_cost(crossed * [[[1.5, 0.5], [0.5, 1.5]]], "module") + 1e-9
+
+
+def test_the_trainer_logs_the_predicted_step_over_its_bound_under_the_sync_model():
+    """Under module sync DFLOP aligns a heavy microstep with a light one on every rank, so its
+    slowest / mean microbatch is far from 1 while its step sits at the bound: the log says both."""
+    from dflop_ds.hf_trainer.sampler import ScheduleLog
+    from dflop_ds.schedule.batch_schedule import BatchSchedule
+
+    dp, n_mb = 2, 2
+    costs = np.array([[3.0, 1.0]] * 2 + [[0.1, 0.1]] * 2)
+    split = make_splitter("dflop").split(SplitRequest.of_positions(costs, shapes_of(4, 0), n_mb, dp, sync="module"))
+    schedule = BatchSchedule(0, 0, split, 1.0, 4, 0.01)
+    assert schedule.step_over_bound() == pytest.approx(split.step / split.lower_bound)
+    assert schedule.step_over_bound() == pytest.approx(1.0) and float(np.max(schedule.imbalance())) > 1.8
+    log = ScheduleLog()
+    log.add(schedule)
+    drained = log.drain()
+    assert drained["dflop_predicted_step_over_bound"] == pytest.approx(1.0)
+    assert drained["dflop_predicted_imbalance"] > 1.8 and log.drain() == {}
+    unbounded = BatchSchedule(0, 1, dataclasses.replace(split, lower_bound=0.0), 1.0, 4, 0.01)
+    log.add(unbounded)
+    assert unbounded.step_over_bound() is None and "dflop_predicted_step_over_bound" not in log.drain()
 
 
 def test_the_pipeline_default_keeps_the_makespan_semantics():

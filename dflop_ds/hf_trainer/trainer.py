@@ -194,7 +194,9 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
     # -- telemetry ---------------------------------------------------------------------------
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's log, with the scheduler's telemetry since the last training log
-        (``dflop_predicted_imbalance``: mean slowest / mean microbatch cost; ``dflop_schedule_s``)."""
+        (``dflop_predicted_imbalance``: mean slowest / mean microbatch cost;
+        ``dflop_predicted_step_over_bound``: mean predicted step over its lower bound under the
+        run's sync model; ``dflop_schedule_s``)."""
         if "loss" in logs and self.dflop_batch_sampler is not None:
             logs = {**logs, **self.dflop_batch_sampler.log.drain()}
         super().log(logs, *args, **kwargs)  # type: ignore[misc]

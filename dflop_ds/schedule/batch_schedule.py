@@ -56,8 +56,20 @@ class BatchSchedule:
         """Samples in the global batch."""
         return sum(len(mb) for rank in self.split.ranks for mb in rank)
 
+    def step_over_bound(self) -> float | None:
+        """The predicted step under the run's sync model over the lower bound of any split of this
+        batch (1.0: no split could be faster; the bound knows a sample cannot be split); None when
+        the splitter computed no bound or no step (a pipeline's split is scored by the simulator)."""
+        split = self.split
+        if split.lower_bound <= 0 or split.step <= 0:
+            return None
+        return float(split.step / split.lower_bound)
+
     def imbalance(self) -> np.ndarray:
-        """Predicted max / mean microbatch cost, per cost column (1.0 is perfect balance)."""
+        """Predicted max / mean microbatch cost, per cost column (1.0 is perfect balance). Under a
+        sync model where ranks meet per microbatch or per module, microbatches of one rank may
+        differ on purpose (heavy ones aligned across ranks): :meth:`step_over_bound` is the measure
+        of the split there."""
         costs = self.split.predicted.reshape(-1, self.split.predicted.shape[-1])
         mean = costs.mean(axis=0)
         return np.divide(costs.max(axis=0), mean, out=np.ones_like(mean), where=mean > 0)

@@ -376,6 +376,7 @@ def step_record(
         **batch_tokens([mb for r in sched.split.ranks for mb in r], shapes, packed),
         microbatch_sizes=[len(mb) for mb in sched.split.ranks[sampler.dp_rank]],
         imbalance=[round(float(x), 4) for x in sched.imbalance()],
+        step_over_bound=sched.step_over_bound(),
         schedule_ms=1e3 * sched.schedule_s,
         solver=sched.split.solver,
     )
