@@ -294,15 +294,18 @@ def evaluate(
     model: PlannerCostModel,
     cluster: Cluster,
     layout: Layout,
-    shapes: Sequence[SampleShape],
+    shapes: Sequence[SampleShape] | SampleColumns,
     costs: np.ndarray,
     *,
     fast: bool = True,
     seed: int = 0,
 ) -> Evaluation:
-    """Split ``shapes`` (one global batch, per-sample ``costs``) for ``layout`` and simulate the step."""
+    """Split ``shapes`` (one global batch, or its :class:`~dflop_ds.cost.SampleColumns`; per-sample
+    ``costs``) for ``layout`` and simulate the step."""
     columns = SampleColumns.of(shapes)
-    order = split_batch(layout, shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model, columns=columns)
+    order = split_batch(
+        layout, columns.shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model, columns=columns
+    )
     st = _stats(model, columns, order)
     stages = layout.stages
     p = len(stages)
