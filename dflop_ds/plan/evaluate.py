@@ -35,6 +35,7 @@ from dflop_ds.plan.layout import Layout, flat_bounds
 from dflop_ds.plan.simulator import SimResult, simulate_1f1b, simulate_synchronised
 from dflop_ds.plan.stages import stage_shares
 from dflop_ds.schedule.aligned import aligned_split
+from dflop_ds.schedule.group_sums import group_sums
 from dflop_ds.schedule.padded import padded_lpt
 from dflop_ds.schedule.ranks import lockstep_order
 from dflop_ds.schedule.splitters import SplitRequest, make_splitter
@@ -128,7 +129,7 @@ def fast_balanced_split(
     if predict_buckets is not None:
         bucket_costs = np.asarray(predict_buckets(buckets), dtype=float)
     else:
-        bucket_costs = np.array([costs[b].sum(axis=0) for b in buckets])
+        bucket_costs = group_sums(costs, buckets)
     if sync is SyncModel.PIPELINE:
         order = _greedy_ranks(bucket_costs, dp, n_mb)
     elif sync is SyncModel.BOUNDARY:
@@ -160,7 +161,7 @@ def _best_aligned(
     if predict_buckets is not None:
         mb_times = np.asarray(predict_buckets(flat), dtype=float)
     else:
-        mb_times = np.array([costs[mb].sum(axis=0) for mb in flat])
+        mb_times = group_sums(costs, flat)
     return local if step_cost(mb_times.reshape(dp, n_mb, -1), sync) < step_cost(times, sync) else split
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflop_ds.schedule.group_sums import group_sums
 from dflop_ds.schedule.lower_bounds import as_cost_matrix
 from dflop_ds.schedule.lpt import differencing_assign, improve
 
@@ -23,18 +24,12 @@ RANK_SWAP_PARTNERS = 256
 
 
 def rank_totals(bucket_costs: np.ndarray, ranks: list[list[int]] | np.ndarray) -> np.ndarray:
-    """``(dp, k)`` summed bucket costs of each rank.
-
-    Each rank's total rounds as numpy's sum of that rank's rows alone: :func:`assign_to_ranks`
-    compares these totals, and a sum in another order (e.g. ``np.add.at``'s, with one cost column)
-    rounds differently and could resolve a near tie between two splits otherwise than before.
-    Ranks of equal size (``assign_to_ranks``', or a ``(dp, n)`` array) are gathered into one
-    ``(dp, n, k)`` array summed along its middle axis: numpy makes the same additions in the same
-    order for every rank (tests/test_ranks.py compares the bytes)."""
-    matrix = as_cost_matrix(bucket_costs)
-    if len({len(rank) for rank in ranks}) == 1:
-        return matrix[np.asarray(ranks, dtype=np.int64)].sum(axis=1)
-    return np.array([matrix[rank].sum(axis=0) for rank in ranks]).reshape(len(ranks), matrix.shape[1])
+    """``(dp, k)`` summed bucket costs of each rank, each rounded as numpy's sum of that rank's
+    rows alone (:func:`~dflop_ds.schedule.group_sums.group_sums`): :func:`assign_to_ranks`
+    compares these totals, and a sum in another order (e.g. ``np.add.at``'s, with one cost
+    column) rounds differently and could resolve a near tie between two splits otherwise than
+    before."""
+    return group_sums(as_cost_matrix(bucket_costs), ranks)
 
 
 def pipeline_order(bucket_costs: np.ndarray, buckets: list[int]) -> list[int]:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from dflop_ds.schedule.group_sums import group_sums
 from dflop_ds.schedule.lpt import InfeasibleError
 from dflop_ds.shapes import SampleShape
 from dflop_ds.sync import SyncModel, as_sync_model, step_cost, step_lower_bound
@@ -159,9 +160,8 @@ class SplitRequest:
         if self.microbatch_cost is not None:
             cost = self.microbatch_cost
             return np.array([[np.asarray(cost(mb), dtype=float) for mb in rank] for rank in local], dtype=float)
-        positions, ends = _flatten(local)
-        sums = [rows.sum(axis=0) for rows in _pieces(self.costs[positions], ends)]
-        return np.array(sums, dtype=float).reshape(len(local), -1, self.costs.shape[1])
+        sums = group_sums(self.costs, [mb for rank in local for mb in rank])
+        return sums.reshape(len(local), -1, self.costs.shape[1])
 
     def step(self, predicted: np.ndarray) -> float:
         """The step of a split with microbatch costs ``predicted`` under the request's sync model
