@@ -97,10 +97,12 @@ def _greedy_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int
     heaviest = bucket_costs.max(axis=1)
     weight = heaviest.tolist()
     for b in np.argsort(-heaviest, kind="stable").tolist():
-        load, r = heapq.heappop(heap)
+        load, r = heap[0]
         ranks[r].append(b)
         if len(ranks[r]) < n_mb:
-            heapq.heappush(heap, (load + weight[b], r))
+            heapq.heapreplace(heap, (load + weight[b], r))  # one sift instead of a pop and a push
+        else:
+            heapq.heappop(heap)
     return ranks
 
 

@@ -202,7 +202,7 @@ class SplitRequest:
 def _flatten(local: RankSplit) -> tuple[np.ndarray, list[int]]:
     """Every position of ``local``, microbatch after microbatch, and where each microbatch ends."""
     microbatches = [mb for rank in local for mb in rank]
-    ends = list(itertools.accumulate(len(mb) for mb in microbatches))
+    ends = list(itertools.accumulate(map(len, microbatches)))
     count = ends[-1] if ends else 0
     return np.fromiter(itertools.chain.from_iterable(microbatches), dtype=np.int64, count=count), ends
 
