@@ -73,6 +73,30 @@ def test_order_puts_cheap_first_stage_first_and_cheap_last_stage_last():
     assert middle_totals[peak:] == sorted(middle_totals[peak:], reverse=True)
 
 
+def _one_rank_order(costs: np.ndarray, buckets: list[int]) -> list[int]:
+    """pipeline_order's rule for one rank, in plain Python sorts by (cost, bucket number)."""
+    total = costs.sum(axis=1)
+    rest = sorted(buckets, key=lambda j: (total[j], j))
+    if len(rest) <= 1:
+        return rest
+    first = min(rest, key=lambda j: (costs[j, 0], total[j], j))
+    rest.remove(first)
+    last = min(rest, key=lambda j: (costs[j, -1], total[j], j))
+    rest.remove(last)
+    return [first, *rest[0::2], *rest[1::2][::-1], last]
+
+
+@pytest.mark.parametrize("n_mb", [1, 2, 3, 4, 7, 8])
+def test_every_rank_is_ordered_as_its_own_sort_orders_it(n_mb: int) -> None:
+    # ranks are ordered all at once; equal costs (small integers: many ties) go by bucket number
+    rng = np.random.default_rng(n_mb)
+    for k in (1, 2):
+        costs = rng.integers(0, 3, size=(5 * n_mb, k)).astype(float)
+        ranks = assign_to_ranks(costs, 5, n_mb)
+        assert ranks == [_one_rank_order(costs, sorted(rank)) for rank in ranks]
+        assert pipeline_order(costs, sorted(ranks[0])[::-1]) == ranks[0]
+
+
 def test_one_column_and_wrong_sizes():
     ranks = assign_to_ranks(np.arange(1.0, 9.0), 2, 4)
     assert [len(r) for r in ranks] == [4, 4]

@@ -8,6 +8,7 @@ batched cost predictions (:mod:`dflop_ds.cost.batched`) take them.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -56,8 +57,8 @@ class Microbatches:
     def of(cls, batch: Sequence[SampleShape] | SampleColumns, groups: Sequence[Sequence[int]]) -> Microbatches:
         """The microbatches ``groups`` (lists of positions) of ``batch`` (shapes, or their columns)."""
         columns = SampleColumns.of(batch)
-        sizes = np.array([len(g) for g in groups], dtype=np.int64)
-        items = np.fromiter((i for g in groups for i in g), dtype=np.int64, count=int(sizes.sum()))
+        sizes = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
+        items = np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64, count=int(sizes.sum()))
         return cls(columns, items, sizes)
 
     @classmethod

@@ -35,6 +35,7 @@ from dflop_ds.plan.layout import Layout, flat_bounds
 from dflop_ds.plan.simulator import SimResult, simulate_1f1b, simulate_synchronised
 from dflop_ds.plan.stages import stage_shares
 from dflop_ds.schedule.aligned import aligned_split
+from dflop_ds.schedule.group_sums import group_sums
 from dflop_ds.schedule.padded import padded_lpt
 from dflop_ds.schedule.ranks import lockstep_order
 from dflop_ds.schedule.splitters import SplitRequest, make_splitter
@@ -96,10 +97,12 @@ def _greedy_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int
     heaviest = bucket_costs.max(axis=1)
     weight = heaviest.tolist()
     for b in np.argsort(-heaviest, kind="stable").tolist():
-        load, r = heapq.heappop(heap)
+        load, r = heap[0]
         ranks[r].append(b)
         if len(ranks[r]) < n_mb:
-            heapq.heappush(heap, (load + weight[b], r))
+            heapq.heapreplace(heap, (load + weight[b], r))  # one sift instead of a pop and a push
+        else:
+            heapq.heappop(heap)
     return ranks
 
 
@@ -128,7 +131,7 @@ def fast_balanced_split(
     if predict_buckets is not None:
         bucket_costs = np.asarray(predict_buckets(buckets), dtype=float)
     else:
-        bucket_costs = np.array([costs[b].sum(axis=0) for b in buckets])
+        bucket_costs = group_sums(costs, buckets)
     if sync is SyncModel.PIPELINE:
         order = _greedy_ranks(bucket_costs, dp, n_mb)
     elif sync is SyncModel.BOUNDARY:
@@ -160,7 +163,7 @@ def _best_aligned(
     if predict_buckets is not None:
         mb_times = np.asarray(predict_buckets(flat), dtype=float)
     else:
-        mb_times = np.array([costs[mb].sum(axis=0) for mb in flat])
+        mb_times = group_sums(costs, flat)
     return local if step_cost(mb_times.reshape(dp, n_mb, -1), sync) < step_cost(times, sync) else split
 
 
@@ -200,8 +203,8 @@ def one_sample_microbatches(
     one ``predict_microbatch`` call each: a batch split one sample per microbatch (the rule at
     thousands of GPUs) asks for every one, and those calls were a tenth of a 16384-GPU search."""
     seconds = microbatch_costs(model, Microbatches.singletons(columns)) * scale
-    if summed:
-        return {(i,): np.array([sum(row)]) for i, row in enumerate(seconds.tolist())}
+    if summed:  # a row's two columns added as microbatch_seconds adds them
+        seconds = seconds.sum(axis=1, keepdims=True)
     return {(i,): row for i, row in enumerate(seconds)}
 
 
@@ -294,15 +297,18 @@ def evaluate(
     model: PlannerCostModel,
     cluster: Cluster,
     layout: Layout,
-    shapes: Sequence[SampleShape],
+    shapes: Sequence[SampleShape] | SampleColumns,
     costs: np.ndarray,
     *,
     fast: bool = True,
     seed: int = 0,
 ) -> Evaluation:
-    """Split ``shapes`` (one global batch, per-sample ``costs``) for ``layout`` and simulate the step."""
+    """Split ``shapes`` (one global batch, or its :class:`~dflop_ds.cost.SampleColumns`; per-sample
+    ``costs``) for ``layout`` and simulate the step."""
     columns = SampleColumns.of(shapes)
-    order = split_batch(layout, shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model, columns=columns)
+    order = split_batch(
+        layout, columns.shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model, columns=columns
+    )
     st = _stats(model, columns, order)
     stages = layout.stages
     p = len(stages)

@@ -181,7 +181,7 @@ def search(
         winners[name] = done[0] if done else None
         if final_partition and family.balanced and done:
             finals = [
-                score(family, inputs, s.layout, batches, s.estimate, fast=False, seed=seed) for s in done[:final_k]
+                score(family, inputs, s.layout, len(batches), s.estimate, fast=False, seed=seed) for s in done[:final_k]
             ]
             finals = [s for s in finals if s.feasible]
             if finals:  # report what the sampler's dflop splitter gives

@@ -293,11 +293,12 @@ def improve(
         _relabel(item, destination, costs, labels, loads, counts, used, memory)
         if other >= 0:
             _relabel(other, b, costs, labels, loads, counts, used, memory)
+        new_b, new_destination = float(loads[b].max()), float(loads[destination].max())
         if by_time is not None:
             exchange(members, b, destination, item, other)
-            for q in {b, destination}:
-                by_time.update(q, float(times[q]), float(loads[q].max()))
-        times[b], times[destination] = loads[b].max(), loads[destination].max()
+            by_time.update(b, float(times[b]), new_b)
+            by_time.update(destination, float(times[destination]), new_destination)
+        times[b], times[destination] = new_b, new_destination
     return labels
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflop_ds.schedule.group_sums import group_sums
 from dflop_ds.schedule.lower_bounds import as_cost_matrix
-from dflop_ds.schedule.lpt import differencing_assign, improve, labels_to_buckets
+from dflop_ds.schedule.lpt import differencing_assign, improve
 
 __all__ = ["assign_to_ranks", "lockstep_order", "pipeline_order", "rank_totals"]
 
@@ -22,14 +23,13 @@ __all__ = ["assign_to_ranks", "lockstep_order", "pipeline_order", "rank_totals"]
 RANK_SWAP_PARTNERS = 256
 
 
-def rank_totals(bucket_costs: np.ndarray, ranks: list[list[int]]) -> np.ndarray:
-    """``(dp, k)`` summed bucket costs of each rank.
-
-    Each rank's rows are summed by numpy on their own: :func:`assign_to_ranks` compares these
-    totals, and a sum in another order (e.g. ``np.add.at``'s, with one cost column) rounds
-    differently and could resolve a near tie between two splits otherwise than before."""
-    matrix = as_cost_matrix(bucket_costs)
-    return np.array([matrix[rank].sum(axis=0) for rank in ranks]).reshape(len(ranks), matrix.shape[1])
+def rank_totals(bucket_costs: np.ndarray, ranks: list[list[int]] | np.ndarray) -> np.ndarray:
+    """``(dp, k)`` summed bucket costs of each rank, each rounded as numpy's sum of that rank's
+    rows alone (:func:`~dflop_ds.schedule.group_sums.group_sums`): :func:`assign_to_ranks`
+    compares these totals, and a sum in another order (e.g. ``np.add.at``'s, with one cost
+    column) rounds differently and could resolve a near tie between two splits otherwise than
+    before."""
+    return group_sums(as_cost_matrix(bucket_costs), ranks)
 
 
 def pipeline_order(bucket_costs: np.ndarray, buckets: list[int]) -> list[int]:
@@ -45,27 +45,23 @@ def pipeline_order(bucket_costs: np.ndarray, buckets: list[int]) -> list[int]:
     others rise then fall in total cost, larger ones in the middle, where they overlap with
     their neighbours (verl places small microbatches at both ends for the same reason).
     """
-    return _ordered(*_order_keys(as_cost_matrix(bucket_costs)), buckets)
+    return _ordered(as_cost_matrix(bucket_costs), np.asarray([buckets], dtype=np.int64).reshape(1, -1))[0].tolist()
 
 
-def _order_keys(matrix: np.ndarray) -> tuple[list[float], list[float], list[float]]:
-    """What :func:`_ordered` reads of every bucket: its summed, first-column and last-column cost."""
-    return matrix.sum(axis=1).tolist(), matrix[:, 0].tolist(), matrix[:, -1].tolist()
-
-
-def _ordered(total: list[float], first_column: list[float], last_column: list[float], buckets: list[int]) -> list[int]:
-    """:func:`pipeline_order` of ``buckets`` from every bucket's summed, first-column and
-    last-column cost (plain lists, read once for all ranks: per-rank numpy reads made
-    :func:`assign_to_ranks` slower than its balancing at thousands of ranks)."""
-    rest = sorted(buckets, key=lambda j: (total[j], j))
-    if len(rest) <= 1:
-        return list(rest)
-    first = min(rest, key=lambda j: (first_column[j], total[j], j))
-    rest.remove(first)
-    last = min(rest, key=lambda j: (last_column[j], total[j], j))
-    rest.remove(last)
-    middle = rest[0::2] + rest[1::2][::-1]
-    return [first, *middle, last]
+def _ordered(matrix: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """:func:`pipeline_order` of every row of ``ranks`` (``(dp, n)`` bucket numbers into ``matrix``'s
+    rows) at once: ties between equal costs go to the lower bucket number, as in a sort by
+    ``(cost, number)`` (per-rank sorts made :func:`assign_to_ranks` slower than its balancing at
+    thousands of ranks)."""
+    total, first_column, last_column = (key[ranks] for key in (matrix.sum(axis=1), matrix[:, 0], matrix[:, -1]))
+    by_total = np.take_along_axis(ranks, np.lexsort((ranks, total), axis=-1), axis=-1)
+    if ranks.shape[1] <= 1:
+        return by_total
+    first = np.take_along_axis(ranks, np.lexsort((ranks, total, first_column), axis=-1)[:, :2], axis=-1)[:, 0]
+    lasts = np.take_along_axis(ranks, np.lexsort((ranks, total, last_column), axis=-1)[:, :2], axis=-1)
+    last = np.where(lasts[:, 0] == first, lasts[:, 1], lasts[:, 0])  # the lowest of the rest
+    rest = by_total[(by_total != first[:, None]) & (by_total != last[:, None])].reshape(len(ranks), -1)
+    return np.column_stack([first, rest[:, 0::2], rest[:, 1::2][:, ::-1], last])
 
 
 def assign_to_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:
@@ -91,13 +87,12 @@ def assign_to_ranks(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[i
     counts = np.bincount(labels, minlength=dp)
     if (counts != n_mb).any():  # guaranteed by equal-size differencing and swaps; checked anyway
         raise AssertionError(f"rank sizes {counts.tolist()} differ from n_mb={n_mb}")
-    ranks = labels_to_buckets(labels, dp)
+    ranks = np.argsort(labels, kind="stable").reshape(dp, n_mb)  # each rank's buckets, ascending
     by_size = np.argsort(-matrix.max(axis=1), kind="stable")
-    dealt = [sorted(by_size[r::dp].tolist()) for r in range(dp)]
+    dealt = np.sort(by_size.reshape(n_mb, dp).T, axis=1)  # rank r: by_size[r::dp], ascending
     if rank_totals(matrix, dealt).max() < rank_totals(matrix, ranks).max():
         ranks = dealt
-    keys = _order_keys(matrix)
-    return [_ordered(*keys, rank) for rank in ranks]
+    return _ordered(matrix, ranks).tolist()
 
 
 def lockstep_order(bucket_costs: np.ndarray, dp: int, n_mb: int) -> list[list[int]]:

@@ -137,13 +137,14 @@ def evaluate_colocated(
     model: PlannerCostModel,
     cluster: Cluster,
     layout: Layout,
-    shapes: Sequence[SampleShape],
+    shapes: Sequence[SampleShape] | SampleColumns,
     costs: np.ndarray,
     *,
     fast: bool = True,
     seed: int = 0,
 ) -> Evaluation:
-    """Split one global batch for a colocated ``layout`` and simulate its step.
+    """Split one global batch (``shapes``, or their :class:`~dflop_ds.cost.SampleColumns`) for a
+    colocated ``layout`` and simulate its step.
 
     The microbatches balance the LLM pipeline alone (the encoder's work is dispatched apart), as
     the sampler does: :func:`~dflop_ds.plan.evaluate.split_batch` of the same pipeline without
@@ -154,7 +155,9 @@ def evaluate_colocated(
     stages = tuple((0, projector, llm) for _, projector, llm in layout.stages)
     llm_only = replace(layout, encoder=layout.llm, stages=stages, colocated=False)
     columns = SampleColumns.of(shapes)
-    order = split_batch(llm_only, shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model, columns=columns)
+    order = split_batch(
+        llm_only, columns.shapes, costs, fast=fast, seed=seed, cluster=cluster, model=model, columns=columns
+    )
     return colocated_step(model, cluster, layout, columns, order)
 
 

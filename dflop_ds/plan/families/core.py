@@ -136,6 +136,12 @@ class SearchInputs:
     data: BatchStats
     global_batch: int
     nmb_choices: Sequence[int]
+    #: each batch's samples as :class:`~dflop_ds.cost.SampleColumns` (made once: every scored
+    #: layout splits and times the same few batches)
+    batch_columns: list[SampleColumns] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.batch_columns = [SampleColumns.of([self.pool[j] for j in b]) for b in self.batches]
 
 
 def pipeline_grid(cluster: Cluster, n_layers: int, batch: int, nmb: Sequence[int]) -> np.ndarray:
@@ -186,7 +192,8 @@ class Family(ABC):
         """The layout of ``key``, or None when its layers cannot be split within memory."""
 
     #: ``evaluate(model, cluster, layout, shapes, costs, *, fast, seed) -> Evaluation``: split one
-    #: global batch (``shapes``, per-sample ``costs``) for ``layout`` and simulate the step
+    #: global batch (``shapes``, or their :class:`~dflop_ds.cost.SampleColumns`, per-sample
+    #: ``costs``) for ``layout`` and simulate the step
     evaluate: Callable[..., Evaluation]
 
     def valid(self, inputs: SearchInputs, key: Key) -> bool:
@@ -198,21 +205,27 @@ def score(
     family: Family,
     inputs: SearchInputs,
     layout: Layout,
-    batches: list[np.ndarray],
+    n_batches: int,
     estimate: float,
     *,
     fast: bool,
     seed: int,
     done: Sequence[Evaluation] = (),
 ) -> Scored:
-    """Evaluate ``layout`` on ``batches`` (after the evaluations ``done``), stopping at a memory failure."""
+    """Evaluate ``layout`` on the first ``n_batches`` of ``inputs.batches`` (after the evaluations
+    ``done``), stopping at a memory failure."""
     evals = list(done)
-    for i in range(len(evals), len(batches)):
+    for i in range(len(evals), n_batches):
         if evals and not evals[-1].feasible:
             break
-        b = batches[i]
         evaluation = family.evaluate(
-            inputs.model, inputs.cluster, layout, [inputs.pool[j] for j in b], inputs.costs[b], fast=fast, seed=seed + i
+            inputs.model,
+            inputs.cluster,
+            layout,
+            inputs.batch_columns[i],
+            inputs.costs[inputs.batches[i]],
+            fast=fast,
+            seed=seed + i,
         )
         evals.append(evaluation.compact())  # candidates are many: keep no timelines
     times = [e.sim.step_time for e in evals]
@@ -252,7 +265,7 @@ def explore(
         layout = family.build(inputs, key)
         tried.add(key)
         if layout is not None:
-            scored.append(score(family, inputs, layout, inputs.batches[:1], estimate, fast=True, seed=seed))
+            scored.append(score(family, inputs, layout, 1, estimate, fast=True, seed=seed))
 
     per_layout: dict[Key, int] = {}
     for estimate, key in ranked:
@@ -275,7 +288,7 @@ def explore(
         return scored
     cutoff = (1.0 + refine_margin) * min(s.step_time for s in fits)
     return [
-        score(family, inputs, s.layout, inputs.batches, s.estimate, fast=True, seed=seed, done=s.evaluations)
+        score(family, inputs, s.layout, len(inputs.batches), s.estimate, fast=True, seed=seed, done=s.evaluations)
         if s.feasible and s.step_time <= cutoff
         else s
         for s in scored

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from dflop_ds.schedule.group_sums import group_sums
 from dflop_ds.schedule.lpt import InfeasibleError
 from dflop_ds.shapes import SampleShape
 from dflop_ds.sync import SyncModel, as_sync_model, step_cost, step_lower_bound
@@ -159,9 +160,8 @@ class SplitRequest:
         if self.microbatch_cost is not None:
             cost = self.microbatch_cost
             return np.array([[np.asarray(cost(mb), dtype=float) for mb in rank] for rank in local], dtype=float)
-        positions, ends = _flatten(local)
-        sums = [rows.sum(axis=0) for rows in _pieces(self.costs[positions], ends)]
-        return np.array(sums, dtype=float).reshape(len(local), -1, self.costs.shape[1])
+        sums = group_sums(self.costs, [mb for rank in local for mb in rank])
+        return sums.reshape(len(local), -1, self.costs.shape[1])
 
     def step(self, predicted: np.ndarray) -> float:
         """The step of a split with microbatch costs ``predicted`` under the request's sync model
@@ -178,7 +178,7 @@ class SplitRequest:
         rank, and within the request's memory budget (an :class:`OverBudgetError` otherwise);
         ``predicted`` defaults to :meth:`predict`. ``lower_bound`` is the makespan bound under a
         pipeline; otherwise the request's own step bound is reported."""
-        check_split(local, len(self.batch), self.n_mb, self.dp, solver)
+        positions, ends = _checked_positions(local, len(self.batch), self.n_mb, self.dp, solver)
         if self.memory is not None:
             over = self.memory.over(local)
             if over:
@@ -189,7 +189,6 @@ class SplitRequest:
                     f" ({len(over)} microbatch(es) over it); the dflop splitter keeps to the cap"
                 )
         predicted = self.predict(local) if predicted is None else predicted
-        positions, ends = _flatten(local)
         microbatches = _pieces(np.asarray(self.batch)[positions].astype(np.int64, copy=False).tolist(), ends)
         ranks = [microbatches[r * self.n_mb : (r + 1) * self.n_mb] for r in range(self.dp)]
         if not self.sync.pipelined:
@@ -202,7 +201,7 @@ class SplitRequest:
 def _flatten(local: RankSplit) -> tuple[np.ndarray, list[int]]:
     """Every position of ``local``, microbatch after microbatch, and where each microbatch ends."""
     microbatches = [mb for rank in local for mb in rank]
-    ends = list(itertools.accumulate(len(mb) for mb in microbatches))
+    ends = list(itertools.accumulate(map(len, microbatches)))
     count = ends[-1] if ends else 0
     return np.fromiter(itertools.chain.from_iterable(microbatches), dtype=np.int64, count=count), ends
 
@@ -215,6 +214,11 @@ def _pieces(flat: Any, ends: list[int]) -> list[Any]:
 def check_split(local: RankSplit, n_items: int, n_mb: int, dp: int, name: str) -> None:
     """Raise ``ValueError`` naming splitter ``name`` unless ``local`` has ``dp`` ranks of ``n_mb``
     non-empty microbatches holding every position ``0..n_items-1`` exactly once."""
+    _checked_positions(local, n_items, n_mb, dp, name)
+
+
+def _checked_positions(local: RankSplit, n_items: int, n_mb: int, dp: int, name: str) -> tuple[np.ndarray, list[int]]:
+    """:func:`check_split`, then ``local``'s positions and microbatch ends (:func:`_flatten`)."""
     if len(local) != dp or any(len(rank) != n_mb for rank in local):
         raise ValueError(
             f"splitter {name!r} returned {[len(rank) for rank in local]} microbatches per rank, "
@@ -222,13 +226,14 @@ def check_split(local: RankSplit, n_items: int, n_mb: int, dp: int, name: str) -
         )
     if any(not mb for rank in local for mb in rank):
         raise ValueError(f"splitter {name!r} returned an empty microbatch")
-    positions, _ = _flatten(local)
+    positions, ends = _flatten(local)
     if not (
         positions.size == n_items
         and (n_items == 0 or (positions.min() >= 0 and positions.max() < n_items))
         and np.bincount(positions, minlength=n_items).max(initial=0) <= 1
     ):
         raise ValueError(f"splitter {name!r} did not place each of the {n_items} samples exactly once")
+    return positions, ends
 
 
 class Splitter(Protocol):
