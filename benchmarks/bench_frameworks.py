@@ -31,11 +31,12 @@ training, the case of ms-swift #6283):
   model loads, as DFLOP's plugin does (ms-swift's own run stops at DeepSpeed's batch assertion
   under ZeRO-3 on CPU ranks otherwise). LLaMA-Factory: ``packing: true`` (offline greedy knapsack
   into rows of ``cutoff_len`` tokens, one row per microbatch) against ``dflop-ds llamafactory
-  train`` without it, on tiny Qwen2-VL (LLaMA-Factory's packing of LLaVA fails, see :data:`PAIRS`):
-  the plugin refuses ``packing`` and balances padded microbatches instead (LLaMA-Factory's
-  collator is not padding free, so DFLOP's own packing does not apply). ms-swift's pack rows
-  (:data:`PACK_TOKENS`) hold 4.8 samples on average, one row per microbatch; dflop-ds's
-  padding-free microbatches hold :data:`PADDING_FREE_BATCH`, so both train 5 steps of about 20.
+  train`` with the same option, on tiny Qwen2-VL (LLaMA-Factory's packing of LLaVA fails, see
+  :data:`PAIRS`): the plugin keeps the rows one sample each, balances microbatches on their packed
+  cost and packs each into one row as LLaMA-Factory's packer does. Pack rows of the frameworks'
+  own packing (:data:`PACK_TOKENS`) hold 4.8 (ms-swift) and 3.0 (LLaMA-Factory) samples on
+  average, one row per microbatch; dflop-ds's packed microbatches hold :data:`PACKED_BATCH`
+  samples, so each pair trains the same steps of about the same samples (5 of about 20, 8 of 12).
 
 The time measured is one epoch of training: rank 0's Trainer callbacks ``on_train_begin`` to
 ``on_train_end`` (framework_hooks/sitecustomize.py), so process start-up, model loading and data
@@ -84,10 +85,11 @@ BATCH, GAS = 4, 2
 #: or dropped. ms-swift's binpack fills 20 rows of 640 tokens with the 96 rows (4.8 samples a row,
 #: 5 steps of 4 rows)
 PACK_TOKENS = {"swift": 640, "llamafactory": 512}
-#: per-device batch of dflop-ds's ``--padding_free`` run: what fills a 640-token row on average (96
-#: rows in 20 pack rows), so that both runs train about the same samples per step (20 against 19.2)
-#: and the same steps (5)
-PADDING_FREE_BATCH = 5
+#: per-device batch of dflop-ds's packed runs (samples per packed row): what fills one of the
+#: framework's pack rows on average, so that both runs train about the same samples per step and
+#: the same steps. ms-swift: 96 rows in 20 rows of 640 tokens (5 steps, 20 samples against 19.2);
+#: LLaMA-Factory: 96 rows in 32 rows of 512 tokens (8 steps of 12)
+PACKED_BATCH = {"swift": 5, "llamafactory": 3}
 
 
 @dataclass(frozen=True)
@@ -105,9 +107,7 @@ class Variant:
         return f"{self.framework}_{self.family}_{kind}{'_dflop' if self.dflop else ''}"
 
 
-#: each summary figure: (the framework's own run, the same with dflop-ds). LLaMA-Factory's plugin has
-#: no packed path (LLaMA-Factory's collator is not padding free, and its ``packing`` is refused):
-#: its answer to ``packing: true`` is to drop it and balance padded microbatches. LLaMA-Factory's
+#: each summary figure: (the framework's own run, the same with dflop-ds). LLaMA-Factory's
 #: packing of the tiny LLaVA fails here (a packed row's 528 query tokens against 512 rotary
 #: positions at the first forward), so that pair runs on Qwen2-VL
 PAIRS = {
@@ -119,7 +119,7 @@ PAIRS = {
     ),
     "llamafactory_packing_speedup": (
         Variant("llamafactory", False, True, "qwen2_vl"),
-        Variant("llamafactory", True, False, "qwen2_vl"),
+        Variant("llamafactory", True, True, "qwen2_vl"),
     ),
 }
 
@@ -141,7 +141,7 @@ def deepspeed_file(work: Path, variant: Variant) -> Path:
 def swift_command(venv: Path, variant: Variant, ds: Path, out: Path, env: dict[str, str]) -> list[str]:
     """``swift sft`` for ``variant`` (``env``: the launch's environment)."""
     packs = variant.packing and not variant.dflop
-    batch = 1 if packs else PADDING_FREE_BATCH if variant.packing else BATCH
+    batch = 1 if packs else PACKED_BATCH["swift"] if variant.packing else BATCH
     command = fw.swift_options(fw.INPUTS[variant.family], variant.family, ds, out, batch=batch, gas=GAS)
     command += ["--save_strategy", "no", "--freeze_vit", "false"]
     plugins = [str(HOOKS / "swift_cpu.py")]
@@ -161,11 +161,10 @@ def llamafactory_command(venv: Path, variant: Variant, ds: Path, out: Path, env:
     ``llamafactory-cli train`` runs on each rank, under ``torchrun``
     (framework_hooks/llamafactory_rank.py: it starts DeepSpeed's communication first)."""
     packs = variant.packing and not variant.dflop
-    config = fw.llamafactory_config(
-        fw.INPUTS[variant.family], variant.family, ds, out, batch=1 if packs else BATCH, gas=GAS
-    )
+    batch = 1 if packs else PACKED_BATCH["llamafactory"] if variant.packing else BATCH
+    config = fw.llamafactory_config(fw.INPUTS[variant.family], variant.family, ds, out, batch=batch, gas=GAS)
     config["freeze_vision_tower"] = False
-    if packs:
+    if variant.packing:
         config.update(packing=True, cutoff_len=PACK_TOKENS["llamafactory"])
     path = fw.write_config(config, out.with_suffix(".yaml"))
     if variant.dflop:

@@ -12,7 +12,7 @@ import pytest
 from dflop_ds.commands.main import main
 from dflop_ds.data import DataError
 from dflop_ds.integrations.chat import chat_shapes
-from dflop_ds.integrations.llamafactory import check_config, tokenized_shapes
+from dflop_ds.integrations.llamafactory import PackedRowCollator, check_config, packed_row, tokenized_shapes
 from dflop_ds.integrations.swift import DFLOPSwiftCallback, refuse_unsupported
 
 
@@ -89,18 +89,41 @@ def test_llamafactory_tokenized_rows_count_text_without_the_expanded_image_token
     assert (second.text_tokens, second.label_tokens, second.image_sizes) == (4, 3, ())
 
 
-def test_llamafactory_packing_and_a_config_without_deepspeed_are_refused_by_name(tmp_path):
+def test_llamafactory_neat_packing_and_a_config_without_deepspeed_are_refused_by_name(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"dflop": {"sampler": {"kind": "dflop"}}}))
     check_config({"stage": "sft", "deepspeed": str(ds)}, "cfg.yaml")
-    for option in ("packing", "neat_packing"):
-        with pytest.raises(ValueError, match=rf"cfg.yaml: {option}: true packs rows offline.*remove it"):
-            check_config({"deepspeed": str(ds), option: True}, "cfg.yaml")
+    check_config({"deepspeed": str(ds), "packing": True}, "cfg.yaml")  # each balanced microbatch packed
+    with pytest.raises(ValueError, match="cfg.yaml: neat_packing: true.*use packing: true"):
+        check_config({"deepspeed": str(ds), "packing": True, "neat_packing": True}, "cfg.yaml")
     with pytest.raises(ValueError, match="cfg.yaml: no deepspeed"):
         check_config({"stage": "sft"}, "cfg.yaml")
     ds.write_text(json.dumps({"dflop": {"sampler": {"kindd": "dflop"}}}))
     with pytest.raises(ValueError, match="kindd"):
         check_config({"deepspeed": str(ds)}, "cfg.yaml")
+
+
+#: two tokenized LLaMA-Factory rows: one with two images, one text-only
+ROWS = [
+    {"input_ids": [1, 9, 9, 2], "attention_mask": [1] * 4, "labels": [-100, -100, 5, 2], "images": ["a", "b"]},
+    {"input_ids": [1, 7, 2], "attention_mask": [1] * 3, "labels": [-100, 7, 2], "images": None},
+]
+
+
+def test_a_microbatch_is_packed_into_one_row_as_llamafactory_packs():
+    row = packed_row(ROWS, pad_token_id=0)
+    assert row["input_ids"] == [1, 9, 9, 2, 1, 7, 2, 0]  # padded to a multiple of 8
+    assert row["labels"] == [-100, -100, 5, 2, -100, 7, 2, -100]
+    assert row["position_ids"] == [0, 1, 2, 3, 0, 1, 2, 0]  # restarting at each sample
+    assert row["attention_mask"] == [1] * 8 and row["images"] == ["a", "b"] and row["videos"] is None
+    exact = packed_row(ROWS[::-1], pad_token_id=0, multiple=7)
+    assert exact["input_ids"] == [1, 7, 2, 1, 9, 9, 2] and exact["images"] == ["a", "b"]
+
+
+def test_the_packed_row_collator_hands_llamafactory_one_row_per_microbatch():
+    seen = []
+    collate = PackedRowCollator(lambda rows: seen.append(rows) or len(rows), pad_token_id=0)
+    assert collate(ROWS) == 1 and seen[0][0]["input_ids"][:7] == [1, 9, 9, 2, 1, 7, 2]
 
 
 def test_swift_options_with_a_sampler_of_their_own_are_refused_naming_the_option():

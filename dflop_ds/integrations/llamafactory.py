@@ -9,8 +9,12 @@ its multimodal collator, callbacks, saving) is LLaMA-Factory's. What it reads:
 * settings: the ``"dflop"`` block of the config's ``deepspeed:`` file;
 * shapes: the tokenized training rows (``input_ids`` less the image tokens LLaMA-Factory expanded,
   ``labels``) and their images' headers; nothing is decoded;
-* ``packing`` / ``neat_packing`` are refused: their rows are packs made offline (greedy knapsack),
-  fixed before DFLOP sees them; drop them and DFLOP balances each microbatch's padded cost.
+* ``packing``: LLaMA-Factory would pack rows offline (greedy knapsack by length), fixed before
+  DFLOP sees them. Under dflop-ds its rows stay one sample each; DFLOP balances each microbatch's
+  packed cost (no padding) and packs the microbatch into one row the way LLaMA-Factory's packer
+  does (:func:`packed_row`), so LLaMA-Factory's collator, attention and M-RoPE see the rows they
+  know. ``per_device_train_batch_size`` is then the samples of one packed row. ``neat_packing``
+  is refused for now (its rows with a dummy image did not line up with their attention mask).
 
 With ``NPROC_PER_NODE`` > 1 or ``FORCE_TORCHRUN=1`` (as ``llamafactory-cli train``) the command
 starts ``torchrun`` over this module, one process per rank; each starts DeepSpeed's communication
@@ -30,7 +34,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dflop_ds.compose import run_settings
+from dflop_ds.compose import resolve_cost_model, run_settings
 from dflop_ds.data import DataError
 from dflop_ds.hf_trainer.shapes import ShapeTable
 from dflop_ds.hf_trainer.trainer import DFLOPTrainerMixin
@@ -39,8 +43,8 @@ from dflop_ds.models.hf.preprocessor import hf_preprocessor
 from dflop_ds.models.tiny_data import IGNORE_INDEX
 from dflop_ds.zero_gather import start_ranks_before_loading
 
-#: LLaMA-Factory options that pack rows offline, refused with the reason
-PACKING_OPTIONS = ("packing", "neat_packing")
+#: the media columns of a tokenized row
+MEDIA_COLUMNS = ("images", "videos", "audios")
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -57,12 +61,12 @@ def read_config(path: str | Path) -> dict[str, Any]:
 def check_config(config: Mapping[str, Any], source: str) -> None:
     """Refuse, by option, what DFLOP cannot balance; read the ``"dflop"`` block once so that a bad
     one is named before the model loads."""
-    for option in PACKING_OPTIONS:
-        if config.get(option):
-            raise ValueError(
-                f"{source}: {option}: true packs rows offline, before DFLOP sees them (each row several samples,"
-                " fixed): remove it; DFLOP then balances every microbatch by its predicted encoder and LLM cost"
-            )
+    if config.get("neat_packing"):
+        raise ValueError(
+            f"{source}: neat_packing: true: dflop-ds packs each balanced microbatch as LLaMA-Factory's packing: true"
+            " does (samples attend across one row); neat_packing's block-diagonal rows are not supported yet:"
+            " use packing: true, or drop both for padded microbatches"
+        )
     if config.get("stage", "sft") != "sft":
         raise ValueError(f"{source}: stage: {config['stage']}: dflop-ds llamafactory runs stage: sft only")
     if not config.get("deepspeed"):
@@ -92,15 +96,58 @@ def tokenized_shapes(dataset: Any, model: Any) -> ShapeTable:
     return ShapeTable(shapes, policy)
 
 
+def packed_row(features: list[Mapping[str, Any]], pad_token_id: int, multiple: int = 8) -> dict[str, Any]:
+    """One row from a microbatch's tokenized rows, as LLaMA-Factory's packer (``packing: true``)
+    builds one: their tokens, labels and media in order, positions restarting at each sample,
+    attention mask 1, then padding to a multiple of ``multiple`` tokens (its collator pads to 8 and
+    would not pad the positions)."""
+    row: dict[str, Any] = {"input_ids": [], "attention_mask": [], "position_ids": [], "labels": []}
+    media: dict[str, list[Any]] = {column: [] for column in MEDIA_COLUMNS}
+    for feature in features:
+        ids = list(feature["input_ids"])
+        row["input_ids"] += ids
+        row["labels"] += list(feature["labels"])
+        row["position_ids"] += list(range(len(ids)))
+        for column in MEDIA_COLUMNS:
+            media[column] += list(feature.get(column) or [])
+    pad = -len(row["input_ids"]) % multiple
+    row["input_ids"] += [pad_token_id] * pad
+    row["labels"] += [IGNORE_INDEX] * pad
+    row["position_ids"] += [0] * pad
+    row["attention_mask"] = [1] * len(row["input_ids"])
+    row.update({column: items or None for column, items in media.items()})
+    return row
+
+
+class PackedRowCollator:
+    """LLaMA-Factory's ``collator`` over one row per microbatch (:func:`packed_row`)."""
+
+    def __init__(self, collator: Any, pad_token_id: int) -> None:
+        self.collator, self.pad_token_id = collator, pad_token_id
+
+    def __call__(self, features: list[Mapping[str, Any]]) -> Any:
+        return self.collator([packed_row(features, self.pad_token_id)])
+
+
+def keep_rows_unpacked() -> None:
+    """Make LLaMA-Factory tokenize a ``packing`` run's rows one sample each (its supervised
+    processor in place of the packed one): dflop-ds packs each balanced microbatch instead."""
+    from llamafactory.data import loader
+    from llamafactory.data.processor import SupervisedDatasetProcessor
+
+    loader.PackedSupervisedDatasetProcessor = SupervisedDatasetProcessor
+
+
 def forward_takes_loss_kwargs(model: Any) -> bool:
     """Whether ``model``'s forward passes extra keywords (``num_items_in_batch``) to its loss."""
     parameters = inspect.signature(model.forward).parameters.values()
     return any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters)
 
 
-def dflop_trainer_class(base: type) -> type:
+def dflop_trainer_class(base: type, packing: bool = False) -> type:
     """``base`` (LLaMA-Factory's ``CustomSeq2SeqTrainer``) with DFLOP's sampler, its shapes read
-    from the training dataset it is given.
+    from the training dataset it is given; ``packing``: each microbatch is packed into one row
+    (:class:`PackedRowCollator`) and balanced on its packed cost.
 
     LLaMA-Factory sets ``model_accepts_loss_kwargs = False`` (a workaround for old transformers
     releases), which makes every microbatch's loss its own mean: uneven microbatches would weigh
@@ -118,8 +165,16 @@ def dflop_trainer_class(base: type) -> type:
         dataset = kwargs.get("train_dataset")
         shapes = None if dataset is None else tokenized_shapes(dataset, kwargs["model"])
         DFLOPTrainerMixin.__init__(self, *args, sample_shapes=shapes, **kwargs)
+        if packing:
+            self.data_collator = PackedRowCollator(self.data_collator, self.data_collator.tokenizer.pad_token_id)
 
-    return type(f"DFLOP{base.__name__}", (DFLOPTrainerMixin, token_weighted), {"__init__": __init__})
+    def packed_cost_model(self: Any) -> Any:
+        return resolve_cost_model(self.dflop_settings, self.shape_policy, self.model, padding_free=True)
+
+    members: dict[str, Any] = {"__init__": __init__}
+    if packing:
+        members["_dflop_cost_model"] = packed_cost_model
+    return type(f"DFLOP{base.__name__}", (DFLOPTrainerMixin, token_weighted), members)
 
 
 def train(config_path: str | Path) -> None:
@@ -130,7 +185,10 @@ def train(config_path: str | Path) -> None:
     from llamafactory.train.sft import workflow
     from llamafactory.train.tuner import run_exp
 
-    workflow.CustomSeq2SeqTrainer = dflop_trainer_class(workflow.CustomSeq2SeqTrainer)
+    packing = bool(config.get("packing"))
+    if packing:
+        keep_rows_unpacked()
+    workflow.CustomSeq2SeqTrainer = dflop_trainer_class(workflow.CustomSeq2SeqTrainer, packing)
     run_exp(config)
 
 

@@ -13,6 +13,9 @@ Before them, ``zero3_weights.py`` loads the encoder-heavy tiny LLaVA under ZeRO-
 the plugins do and checks every gathered weight against the checkpoint (DeepSpeed 0.18.4 on CPU
 ranks otherwise leaves parts of them unwritten: dflop_ds/zero_gather.py).
 
+In LLaMA-Factory, tiny Qwen2-VL also trains under ZeRO-3 with ``packing: true``: each of
+DFLOP's microbatches packed into one row (dflop_ds/integrations/llamafactory.py), the same checks.
+
 Then a LLaVA ZeRO-2 run of 2 epochs is stopped after step 6 (a checkpoint, in epoch 1) and resumed
 from it: the checkpoint holds DFLOP's sampler state (``dflop_sampler.json``, which the resume
 checks), and every row is fetched exactly twice over both runs (once per epoch).
@@ -181,12 +184,23 @@ def write_config(config: dict, path: Path) -> Path:
 
 
 def llamafactory_command(
-    venv: Path, model: str, family: str, ds: Path, out: Path, epochs: int, resume: Path | None, stop_at: int = 0
+    venv: Path,
+    model: str,
+    family: str,
+    ds: Path,
+    out: Path,
+    epochs: int,
+    resume: Path | None,
+    stop_at: int = 0,
+    packing: str | None = None,
 ) -> list[str]:
     """``dflop-ds llamafactory train`` on a config written beside the run (``stop_at``: ``max_steps``,
-    the first half of a stopped-and-resumed run)."""
+    the first half of a stopped-and-resumed run; ``packing``: that option of LLaMA-Factory's set,
+    e.g. ``"packing"``)."""
     config = llamafactory_config(model, family, ds, out, epochs)
     config.update(overwrite_output_dir=resume is None, save_strategy="steps", save_steps=STOP_AT)
+    if packing:
+        config[packing] = True
     if stop_at:
         config["max_steps"] = stop_at
     if resume is not None:
@@ -233,7 +247,9 @@ def launch(framework: str, venv: Path, name: str, work: Path, family: str, stage
     else:
         hooks = os.pathsep.join([str(HERE / "lf_hooks"), env["PYTHONPATH"]])
         env.update(FORCE_TORCHRUN="1", PYTHONPATH=hooks, MASTER_PORT=str(29500 + os.getpid() % 1000))
-        command = llamafactory_command(venv, INPUTS[family], family, ds, run.out, epochs, resume, kw.get("stop_at", 0))
+        command = llamafactory_command(
+            venv, INPUTS[family], family, ds, run.out, epochs, resume, kw.get("stop_at", 0), kw.get("packing")
+        )
     start = time.perf_counter()
     result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=work, timeout=1800)
     run.seconds = time.perf_counter() - start
@@ -303,13 +319,17 @@ def main() -> int:
             print(f"{'PASS' if problem is None else 'FAIL'} {framework}_zero3_weights")
             if problem:
                 print("   ", problem)
-        checks = [
-            (f"{framework}_{family}_zero{stage}", family, stage) for family in ("llava", "qwen2_vl") for stage in (2, 3)
+        checks: list[tuple[str, str, int, str | None]] = [
+            (f"{framework}_{family}_zero{stage}", family, stage, None)
+            for family in ("llava", "qwen2_vl")
+            for stage in (2, 3)
         ]
-        for name, family, stage in checks:
+        if framework == "llamafactory":  # its packing: each balanced microbatch packed into one row
+            checks.append((f"{framework}_qwen2_vl_zero3_packing", "qwen2_vl", 3, "packing"))
+        for name, family, stage, packing in checks:
             if cli.only and cli.only not in name:
                 continue
-            run = launch(framework, venv, name, work, family, stage)
+            run = launch(framework, venv, name, work, family, stage, packing=packing)
             problem = check_epoch(run)
             passed, failed = passed + (problem is None), failed + (problem is not None)
             verdict = "PASS" if problem is None else "FAIL"
