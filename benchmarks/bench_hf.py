@@ -53,6 +53,13 @@ TILE_SWEEPS = {
 QWEN_MAX_PIXELS, VIDEO_SHARE = 64 * 64, 3
 #: the families whose datasets hold images only (LLaVA's)
 IMAGE_ONLY = ("llava", "llava_encoder_heavy")
+#: how many times wider than the tests' the encoder-heavy LLaVA is (the same layers,
+#: :func:`dflop_ds.testing.hf_tiny.widened`): at width 1 ZeRO-3's per-module gathers take most of a
+#: microbatch's time on CPU ranks, whatever its samples (benchmarks/bench_frameworks.py's traces)
+ENCODER_HEAVY_WIDTH = 2
+#: the families built :data:`ENCODER_HEAVY_WIDTH` wide (their folder names the width, so a cached
+#: model of another width is not reused)
+WIDENED = ("llava_encoder_heavy",)
 
 
 def prepare(out: Path, records: int, family: str) -> dict[str, Path]:
@@ -65,13 +72,13 @@ def prepare(out: Path, records: int, family: str) -> dict[str, Path]:
     from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl
     from dflop_ds.testing.video import add_video_records
 
-    root = out if family == "llava" else out / family
+    root = out if family == "llava" else out / (f"{family}_w{ENCODER_HEAVY_WIDTH}" if family in WIDENED else family)
     model = root / "model"
     if not (model / "config.json").exists():
         if family == "llava":
             build_tiny_llava(model, vision="clip", text="llama")
         elif family == "llava_encoder_heavy":
-            build_encoder_heavy_llava(model)  # a 6-layer, 256-wide CLIP tower: about half the work
+            build_encoder_heavy_llava(model, width=ENCODER_HEAVY_WIDTH)  # a 6-layer, 512-wide CLIP tower
         elif family == "llava_onevision":
             build_tiny_llava_onevision(model)  # 16 px tiles, grids up to 3 x 3, pooled over 2 tiles' worth
         elif family == "internvl":

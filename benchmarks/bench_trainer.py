@@ -22,8 +22,9 @@ forward passes and, for DFLOP, as its cost model predicts it) and ends with
 z3_speedup_vs_best=E`: A-D of the Qwen2-VL row (DFLOP's best variant over each baseline, over the
 fastest baseline), E the same over the fastest baseline of the ZeRO-3 row.
 
-The ZeRO-3 row (``llava_z3``) trains the encoder-heavy tiny LLaVA (its vision tower about half the
-work; :func:`dflop_ds.testing.hf_tiny.build_encoder_heavy_llava`) on LLaVA's data under
+The ZeRO-3 row (``llava_z3``) trains the encoder-heavy tiny LLaVA, twice as wide as the tests'
+(:func:`dflop_ds.testing.hf_tiny.build_encoder_heavy_llava`, ``bench_hf.ENCODER_HEAVY_WIDTH``: at the
+tests' width ZeRO-3's per-module gathers take most of a microbatch on CPU ranks) on LLaVA's data under
 ds_configs/zero3_small_buckets.json (buckets below a layer's size, as real models have them: the
 vision tower and the LLM meet apart), with the Trainer loading data in 2 worker processes
 (``dataloader_num_workers``) as its users configure it, against transformers' ``random`` and
