@@ -14,7 +14,8 @@ its multimodal collator, callbacks, saving) is LLaMA-Factory's. What it reads:
   packed cost (no padding) and packs the microbatch into one row the way LLaMA-Factory's packer
   does (:func:`packed_row`), so LLaMA-Factory's collator, attention and M-RoPE see the rows they
   know. ``per_device_train_batch_size`` is then the samples of one packed row. ``neat_packing``
-  is refused for now (its rows with a dummy image did not line up with their attention mask).
+  is refused for now: rows built for it (sample numbers, packing parameters) failed at the first
+  step, their 4-D attention mask longer than the row.
 
 With ``NPROC_PER_NODE`` > 1 or ``FORCE_TORCHRUN=1`` (as ``llamafactory-cli train``) the command
 starts ``torchrun`` over this module, one process per rank; each starts DeepSpeed's communication
@@ -169,6 +170,7 @@ def dflop_trainer_class(base: type, packing: bool = False) -> type:
             self.data_collator = PackedRowCollator(self.data_collator, self.data_collator.tokenizer.pad_token_id)
 
     def packed_cost_model(self: Any) -> Any:
+        """The cost model, wrapped for microbatches packed into one row (no padding)."""
         return resolve_cost_model(self.dflop_settings, self.shape_policy, self.model, padding_free=True)
 
     members: dict[str, Any] = {"__init__": __init__}
