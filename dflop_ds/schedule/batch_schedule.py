@@ -58,8 +58,8 @@ class BatchSchedule:
 
     def step_over_bound(self) -> float | None:
         """The predicted step under the run's sync model over the lower bound of any split of this
-        batch (1.0: no split could be faster; the bound knows a sample cannot be split); None when
-        the splitter computed no bound or no step (a pipeline's split is scored by the simulator)."""
+        batch (1.0: no split could be faster; the bound knows a sample cannot be split; under a
+        pipeline, the slowest microbatch over its bound); None when the splitter computed no bound."""
         split = self.split
         if split.lower_bound <= 0 or split.step <= 0:
             return None
