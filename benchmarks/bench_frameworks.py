@@ -102,6 +102,14 @@ class Variant:
     family: str
 
     @property
+    def batch(self) -> int:
+        """Per-device batch: one pack row for the framework's own packing, :data:`PACKED_BATCH`
+        samples a packed row for dflop-ds's, else :data:`BATCH`."""
+        if self.packing:
+            return PACKED_BATCH[self.framework] if self.dflop else 1
+        return BATCH
+
+    @property
     def name(self) -> str:
         kind = "packing" if self.packing else "default"
         return f"{self.framework}_{self.family}_{kind}{'_dflop' if self.dflop else ''}"
@@ -141,8 +149,7 @@ def deepspeed_file(work: Path, variant: Variant) -> Path:
 def swift_command(venv: Path, variant: Variant, ds: Path, out: Path, env: dict[str, str]) -> list[str]:
     """``swift sft`` for ``variant`` (``env``: the launch's environment)."""
     packs = variant.packing and not variant.dflop
-    batch = 1 if packs else PACKED_BATCH["swift"] if variant.packing else BATCH
-    command = fw.swift_options(fw.INPUTS[variant.family], variant.family, ds, out, batch=batch, gas=GAS)
+    command = fw.swift_options(fw.INPUTS[variant.family], variant.family, ds, out, batch=variant.batch, gas=GAS)
     command += ["--save_strategy", "no", "--freeze_vit", "false"]
     plugins = [str(HOOKS / "swift_cpu.py")]
     if variant.dflop:
@@ -160,9 +167,7 @@ def llamafactory_command(venv: Path, variant: Variant, ds: Path, out: Path, env:
     """``dflop-ds llamafactory train`` on a config for ``variant``, or without dflop-ds what
     ``llamafactory-cli train`` runs on each rank, under ``torchrun``
     (framework_hooks/llamafactory_rank.py: it starts DeepSpeed's communication first)."""
-    packs = variant.packing and not variant.dflop
-    batch = 1 if packs else PACKED_BATCH["llamafactory"] if variant.packing else BATCH
-    config = fw.llamafactory_config(fw.INPUTS[variant.family], variant.family, ds, out, batch=batch, gas=GAS)
+    config = fw.llamafactory_config(fw.INPUTS[variant.family], variant.family, ds, out, batch=variant.batch, gas=GAS)
     config["freeze_vision_tower"] = False
     if variant.packing:
         config.update(packing=True, cutoff_len=PACK_TOKENS["llamafactory"])

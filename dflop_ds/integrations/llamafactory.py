@@ -169,13 +169,11 @@ def dflop_trainer_class(base: type, packing: bool = False) -> type:
         if packing:
             self.data_collator = PackedRowCollator(self.data_collator, self.data_collator.tokenizer.pad_token_id)
 
-    def packed_cost_model(self: Any) -> Any:
-        """The cost model, wrapped for microbatches packed into one row (no padding)."""
-        return resolve_cost_model(self.dflop_settings, self.shape_policy, self.model, padding_free=True)
+    def _dflop_cost_model(self: Any) -> Any:
+        """The mixin's cost model, wrapped for microbatches packed into one row when ``packing``."""
+        return resolve_cost_model(self.dflop_settings, self.shape_policy, self.model, padding_free=packing)
 
-    members: dict[str, Any] = {"__init__": __init__}
-    if packing:
-        members["_dflop_cost_model"] = packed_cost_model
+    members = {"__init__": __init__, "_dflop_cost_model": _dflop_cost_model}
     return type(f"DFLOP{base.__name__}", (DFLOPTrainerMixin, token_weighted), members)
 
 

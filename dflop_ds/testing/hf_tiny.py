@@ -256,7 +256,7 @@ def build_encoder_heavy_llava(dir: str | Path, *, seed: int = 0, width: int = 1)
     widens both towers (:func:`widened`): with the same modules, compute grows against ZeRO-3's
     per-module gathers, which take most of a width-1 microbatch's time on CPU ranks."""
     vision = widened(ENCODER_HEAVY_VISION, width, WIDTH_KEYS)
-    text = widened({**ENCODER_HEAVY_TEXT, "num_attention_heads": 4, "num_key_value_heads": 2}, width, WIDTH_KEYS)
+    text = widened({**TEXT_SIZES, **ENCODER_HEAVY_TEXT}, width, WIDTH_KEYS)  # the head counts widen too
     return build_tiny_llava(dir, seed=seed, vision_feature_layer=-1, vision_sizes=vision, text_sizes=text)
 
 
