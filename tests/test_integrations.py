@@ -235,3 +235,18 @@ def test_swift_refuses_the_model_options_ms_swift_has_its_own_of(llava, tmp_path
     model, rows, _ = llava
     with pytest.raises(ValueError, match=rf"dflop\.model\.{key}: .*pass {option}"):
         swift_trainer(model, rows, tmp_path, {"model": {key: True}})
+
+
+def test_swift_padding_free_on_sdpa_balances_each_row_as_one_sequence(llava, tmp_path):
+    """ms-swift's ``--padding_free`` rows reach SDPA as one row with a block-diagonal mask, run densely:
+    the sampler balances the row cost (RowPackedCost), not the sum of the samples'."""
+    from dflop_ds.cost import PackedCost, RowPackedCost
+
+    model, rows, _ = llava
+    trainer, _ = swift_trainer(model, rows, tmp_path, {"sampler": {"kind": "dflop"}})
+    assert trainer.model.config.get_text_config()._attn_implementation == "sdpa"
+    trainer.template.padding_free = True
+    cost_model = trainer.get_train_dataloader().batch_sampler.sampler.cost_model
+    assert isinstance(cost_model, RowPackedCost)
+    trainer.template.padding_free = False
+    assert not isinstance(trainer.get_train_dataloader().batch_sampler.sampler.cost_model, PackedCost)

@@ -10,7 +10,8 @@ the model, the dataset's shapes, the batch sizes and ranks) and comes here for t
 * :func:`run_settings`: the typed ``"dflop"`` block (of the DeepSpeed config or given) and where the
   data order's seed comes from;
 * :func:`resolve_cost_model`: the cost model the block names (None: the unitless proxy), checked
-  against the shapes' policy and the model's depth, wrapped for padding-free microbatches;
+  against the shapes' policy and the model's depth, wrapped for padding-free microbatches (whose
+  attention spans the whole row unless :func:`attends_per_sample`);
 * :func:`build_trainer_sampler`: after one cross-rank comparison of every input (a rank that would
   cut another split stops all of them, naming the input), this rank's
   :class:`~dflop_ds.hf_trainer.sampler.TrainerBatchSampler` for the :class:`TrainerTopology`.
@@ -49,6 +50,7 @@ from dflop_ds.compose.trainer import (
     RunInputs,
     RunSettings,
     TrainerTopology,
+    attends_per_sample,
     block_sets_seed,
     build_trainer_sampler,
     dflop_block,
@@ -69,6 +71,7 @@ __all__ = [
     "RunInputs",
     "RunSettings",
     "TrainerTopology",
+    "attends_per_sample",
     "block_sets_seed",
     "build_engine_sampler",
     "build_trainer_sampler",

@@ -110,17 +110,32 @@ def epochs_to_train(args: Any, batches_per_epoch: int) -> int:
     return max(1, math.ceil(args.num_train_epochs))
 
 
+def attends_per_sample(model: Any) -> bool:
+    """Whether ``model``'s HF attention keeps the samples of a padding-free row apart at the cost of
+    each sample's own length: a flash-attention implementation (variable-length kernels from the
+    position ids). SDPA and eager run the row's block-diagonal mask as one dense product."""
+    config = getattr(model, "config", None)
+    get_text_config = getattr(config, "get_text_config", None)
+    text = config if get_text_config is None else get_text_config()
+    return "flash" in str(getattr(text, "_attn_implementation", None) or "")
+
+
 def resolve_cost_model(
-    settings: DFLOPConfig, policy: ShapePolicy | None, model: Any, padding_free: bool = False
+    settings: DFLOPConfig,
+    policy: ShapePolicy | None,
+    model: Any,
+    padding_free: bool = False,
+    row_attention: bool = False,
 ) -> CostModel | None:
     """The cost model ``dflop.sampler.cost_model`` names (None: the proxy), checked against the
     shapes' ``policy`` (when known) and ``model``'s depth (LLaVA, Qwen2-VL); with
     ``dflop.model.packing=true`` or ``padding_free`` (the framework packs each microbatch itself)
-    wrapped for padding-free microbatches."""
+    wrapped for padding-free microbatches, whose attention spans the whole row when
+    ``row_attention`` (:class:`~dflop_ds.cost.RowPackedCost`)."""
     path = settings.sampler.cost_model
     packed = bool(settings.model.packing) or padding_free
     if path is None:
-        return sampler_cost_model(None, packed=True) if packed else None
+        return sampler_cost_model(None, packed=True, row_attention=row_attention) if packed else None
     cost_model = load_cost_model(path)
     if packed and isinstance(cost_model, PackedCost):
         raise ValueError(
@@ -135,7 +150,7 @@ def resolve_cost_model(
         llm_layers=None if depths is None else depths[1],
         source=str(path),
     )
-    return sampler_cost_model(cost_model, packed=packed)
+    return sampler_cost_model(cost_model, packed=packed, row_attention=row_attention)
 
 
 @dataclass(frozen=True)
@@ -281,6 +296,7 @@ __all__ = [
     "RunInputs",
     "RunSettings",
     "TrainerTopology",
+    "attends_per_sample",
     "block_sets_seed",
     "build_trainer_sampler",
     "dflop_block",

@@ -6,7 +6,8 @@
 * :class:`FittedCostModel`: monotone regressors fitted on a profiler's :class:`ModelProfile`.
 * :class:`AnalyticMLLM`: FLOP-count models of real MLLMs on real GPUs (:func:`reference_model`).
 * :class:`ProxyCost`: the unitless fallback when nothing was profiled.
-* :class:`PackedCost`: any of them for packed microbatches (additive plus one overhead).
+* :class:`PackedCost`: any of them for packed microbatches (additive plus one overhead);
+  :class:`RowPackedCost` for packed rows whose attention spans the whole row.
 * :class:`LLMOnlyCost`: any of them with the encoder column zeroed (a colocated encoder).
 * :class:`StageCost`: any of them per pipeline stage.
 * :func:`sampler_cost_model`: the one chain of these wrappers a sampler balances with;
@@ -35,7 +36,7 @@ from dflop_ds.cost.io import (
 )
 from dflop_ds.cost.llm_only import LLMOnlyCost
 from dflop_ds.cost.measurements import Measurement, ModelProfile
-from dflop_ds.cost.packed import PackedCost
+from dflop_ds.cost.packed import PackedCost, RowPackedCost
 from dflop_ds.cost.protocol import (
     BatchedCostModel,
     BatchedPlannerCostModel,
@@ -58,8 +59,8 @@ __all__ = [
     "EncoderScaled",
     "EngineScaled",
     "FittedCostModel",
-    "LayeredCostModel",
     "LLMOnlyCost",
+    "LayeredCostModel",
     "Measurement",
     "Microbatches",
     "ModelProfile",
@@ -68,6 +69,7 @@ __all__ = [
     "PlannerCostModel",
     "PlannerView",
     "ProxyCost",
+    "RowPackedCost",
     "SampleColumns",
     "StageCost",
     "check_policy",
@@ -78,10 +80,10 @@ __all__ = [
     "microbatch_activation_bytes",
     "microbatch_costs",
     "microbatch_working_bytes",
-    "reusable_fitted_model",
     "reference_model",
     "reference_names",
     "reference_policy",
+    "reusable_fitted_model",
     "sampler_cost_model",
     "save_cost_model",
 ]

@@ -6,7 +6,8 @@ The chain, innermost first:
 
 1. the profiled model, or :class:`~dflop_ds.cost.ProxyCost` when nothing was profiled;
 2. :class:`~dflop_ds.cost.LLMOnlyCost` under a colocated encoder (its work is dispatched apart);
-3. :class:`~dflop_ds.cost.PackedCost` when microbatches are packed (a sample costs its marginal);
+3. :class:`~dflop_ds.cost.PackedCost` when microbatches are packed (a sample costs its marginal),
+   :class:`~dflop_ds.cost.RowPackedCost` when a packed row's attention spans the whole row;
 4. :class:`~dflop_ds.cost.StageCost` on a pipeline with a profiled model, no runtime correction
    (which replaces the columns with its own per-stage seconds) and the encoder in the pipeline.
 """
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dflop_ds.cost.llm_only import LLMOnlyCost
-from dflop_ds.cost.packed import PackedCost
+from dflop_ds.cost.packed import PackedCost, RowPackedCost
 from dflop_ds.cost.protocol import CostModel, CostWrapper
 from dflop_ds.cost.proxy import ProxyCost
 from dflop_ds.cost.stage import StageCost
@@ -29,6 +30,7 @@ def sampler_cost_model(
     *,
     colocated: bool = False,
     packed: bool = False,
+    row_attention: bool = False,
     stage_shares: Callable[[], np.ndarray] | None = None,
     corrected: bool = False,
     microbatches: int = 1,
@@ -37,7 +39,8 @@ def sampler_cost_model(
     :class:`~dflop_ds.cost.ProxyCost`).
 
     ``colocated``: the encoder runs beside the pipeline, dispatched by cost; ``packed``: the
-    microbatches are packed; ``stage_shares``: None without a pipeline, else a function giving
+    microbatches are packed; ``row_attention``: a packed row's attention spans the whole row (not
+    each sample apart); ``stage_shares``: None without a pipeline, else a function giving
     ``(num_stages, 2)``, each stage's share of the encoder and LLM cost
     (:func:`dflop_ds.plan.stages.stage_shares`), called only when the chain predicts per stage;
     ``corrected``: a runtime correction adjusts the costs; ``microbatches``: how many a pipeline
@@ -46,7 +49,7 @@ def sampler_cost_model(
     if colocated:
         model = LLMOnlyCost(model)
     if packed:
-        model = PackedCost(model)
+        model = RowPackedCost(model) if row_attention else PackedCost(model)
     # per stage: a profiled model (the proxy has no layer shares) on a pipeline holding the encoder
     if stage_shares is not None and profiled is not None and not colocated and not corrected:
         model = StageCost(model, stage_shares(), microbatches=microbatches)

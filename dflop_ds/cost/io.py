@@ -15,7 +15,7 @@ from typing import Any, Union
 
 from dflop_ds.cost.analytic import AnalyticMLLM, reference_model, reference_names
 from dflop_ds.cost.fitted import FittedCostModel
-from dflop_ds.cost.packed import PackedCost
+from dflop_ds.cost.packed import PackedCost, RowPackedCost
 from dflop_ds.cost.protocol import CostModel
 from dflop_ds.cost.proxy import ProxyCost
 from dflop_ds.jsonio import read_json_object, write_json
@@ -25,7 +25,7 @@ FORMAT = "dflop-ds-costmodel"
 #: Version 3: one header for every kind of cost model (2: fitted models with ``shape_policy``).
 FORMAT_VERSION = 3
 #: The cost-model classes a file may hold, by ``kind``.
-KINDS: dict[str, Any] = {cls.kind: cls for cls in (FittedCostModel, AnalyticMLLM, ProxyCost, PackedCost)}
+KINDS: dict[str, Any] = {cls.kind: cls for cls in (FittedCostModel, AnalyticMLLM, ProxyCost, PackedCost, RowPackedCost)}
 
 
 def cost_model_to_dict(model: CostModel) -> dict[str, Any]:
@@ -57,10 +57,11 @@ def cost_model_from_dict(data: Any, source: str = "cost model") -> CostModel:
     kind = data.get("kind")
     if kind not in KINDS:
         raise ValueError(f"{source}: unknown cost-model kind {kind!r}; known: {', '.join(sorted(KINDS))}")
-    if kind == PackedCost.kind:
+    if kind in (PackedCost.kind, RowPackedCost.kind):
         if "wraps" not in data:
             raise ValueError(f'{source}: a packed cost model needs "wraps" (the model it wraps)')
-        return PackedCost(cost_model_from_dict(data["wraps"], source))
+        packed: CostModel = KINDS[kind](cost_model_from_dict(data["wraps"], source))
+        return packed
     if not isinstance(data.get("state"), dict):
         raise ValueError(f'{source}: a {kind} cost model needs a "state" object')
     model: CostModel = KINDS[kind].from_dict(data["state"], source=source)

@@ -9,6 +9,11 @@ microbatch cost is linear in the batch (:class:`~dflop_ds.cost.FittedCostModel`,
 overhead plus the sum. Since every microbatch carries the same overhead, the partitioner's
 objective is exactly additive (``additive = True`` tells the sampler to drop the padding-aware
 microbatch cost).
+
+Not every packer keeps attention inside each sample. LLaMA-Factory's ``packing`` (without
+``neat_packing``) trains a row with one causal mask over all of it, and HF's SDPA and eager
+attention run a packed row's block-diagonal mask as a dense ``N x N`` product. There the LLM pays
+for one sequence of the row's ``N`` tokens: :class:`RowPackedCost` predicts that (not additive).
 """
 
 from __future__ import annotations
@@ -95,3 +100,54 @@ class PackedCost:
         alone = np.array([np.asarray(predict([s]), dtype=float).reshape(-1) for s in shapes])
         constant = _constant(np.asarray(predict([_PROBE]), dtype=float).reshape(-1), predict)
         return np.maximum(alone - constant, 0.0).sum(axis=0) + constant
+
+
+def _row(tokens: int) -> SampleShape:
+    """The one-sample row whose LLM cost a row-attention packed microbatch pays (all its tokens, no tiles)."""
+    return SampleShape("packed-row", text_tokens=tokens, llm_tokens=tokens)
+
+
+class RowPackedCost(PackedCost):
+    """``cost_model``'s predictions for packed rows whose LLM attention spans the whole row.
+
+    The encoder runs each sample's media apart, as under :class:`PackedCost`; the LLM runs the row
+    as one sequence of all its tokens, so its column is the wrapped model's cost of one sample of
+    that many tokens (linear work over the tokens, attention over their square). Not additive: a
+    microbatch costs more than its samples' marginal costs, the more the longer its row. The LLM is
+    the last column; a per-stage model is refused (the row has no per-stage split).
+    """
+
+    kind = "packed_row"
+    #: a row's attention grows with the square of its length: the sampler scores true microbatch costs
+    additive = False
+
+    def __init__(self, cost_model: CostModel) -> None:
+        if cost_model.per_stage:
+            raise ValueError(
+                f"{type(cost_model).__name__} predicts per pipeline stage; row-attention packing costs"
+                " [encoder, llm] columns only"
+            )
+        super().__init__(cost_model)
+
+    def row_llm(self, tokens: np.ndarray) -> np.ndarray:
+        """``(n,)`` the wrapped model's LLM cost of one row of each of ``tokens`` tokens."""
+        rows = [_row(int(t)) for t in np.asarray(tokens).reshape(-1)]
+        if not rows:
+            return np.zeros(0)
+        return np.asarray(self.cost_model.predict_samples(rows), dtype=float).reshape(len(rows), -1)[:, -1]
+
+    def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
+        """``(k,)`` cost of one packed row: the encoder as :class:`PackedCost` predicts it, the LLM
+        as one sequence of all the samples' tokens."""
+        costs = super().predict_microbatch(shapes)
+        if shapes:
+            costs[-1] = self.row_llm(np.array([sum(s.llm_tokens for s in shapes)]))[0]
+        return costs
+
+    def predict_microbatches(self, groups: Microbatches) -> np.ndarray:
+        """``(n, k)`` :meth:`predict_microbatch` of each microbatch of ``groups`` (zeros for an empty one)."""
+        costs = super().predict_microbatches(groups)
+        if groups.filled.any():
+            tokens = groups.sums(groups.columns.tokens)
+            costs[groups.filled, -1] = self.row_llm(tokens[groups.filled])
+        return costs

@@ -170,8 +170,9 @@ def dflop_trainer_class(base: type, packing: bool = False) -> type:
             self.data_collator = PackedRowCollator(self.data_collator, self.data_collator.tokenizer.pad_token_id)
 
     def _dflop_cost_model(self: Any) -> Any:
-        """The mixin's cost model, wrapped for microbatches packed into one row when ``packing``."""
-        return resolve_cost_model(self.dflop_settings, self.shape_policy, self.model, padding_free=packing)
+        """The mixin's cost model, wrapped for microbatches packed into one row when ``packing``
+        (one causal mask over the row, as LLaMA-Factory's ``packing`` trains it: row attention)."""
+        return resolve_cost_model(self.dflop_settings, self.shape_policy, self.model, packing, row_attention=packing)
 
     members = {"__init__": __init__, "_dflop_cost_model": _dflop_cost_model}
     return type(f"DFLOP{base.__name__}", (DFLOPTrainerMixin, token_weighted), members)

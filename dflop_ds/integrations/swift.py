@@ -14,7 +14,9 @@ own collator. What it reads:
   for multimodal data) needs nothing else;
 * the model's folder (``model_info.model_dir``): the family's shape policy;
 * ``--padding_free true``: ms-swift packs each microbatch into one row, so the sampler balances the
-  packed cost. ``--packing true`` is refused: its rows are packs made offline, fixed before DFLOP
+  packed cost: each sample's attention apart under flash attention, the whole row's under SDPA or
+  eager (they run the row's block-diagonal mask densely; :class:`~dflop_ds.cost.RowPackedCost`).
+  ``--packing true`` is refused: its rows are packs made offline, fixed before DFLOP
   sees them; ``--padding_free true`` is the alternative. ``--streaming``, ``--group_by_length``
   and sequence parallelism are refused too (each brings a sampler of its own).
 
@@ -40,6 +42,7 @@ from transformers import TrainerCallback
 from dflop_ds.compose import (
     RunInputs,
     TrainerTopology,
+    attends_per_sample,
     build_trainer_sampler,
     resolve_cost_model,
     run_settings,
@@ -174,7 +177,8 @@ class DFLOPSwiftCallback(TrainerCallback):
         config = self.settings.config
         seed, seed_source = self.settings.seed(args.data_seed, args.seed)
         padding_free = bool(getattr(trainer.template, "padding_free", False))
-        cost_model = resolve_cost_model(config, policy, trainer.model, padding_free=padding_free)
+        row_attention = padding_free and not attends_per_sample(trainer.model)
+        cost_model = resolve_cost_model(config, policy, trainer.model, padding_free, row_attention)
         topology = TrainerTopology.of_trainer(trainer)
         batch_sampler = build_trainer_sampler(
             RunInputs(config, shapes, cost_model, seed, seed_source, self.settings.sync), topology
