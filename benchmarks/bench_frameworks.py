@@ -24,7 +24,9 @@ training, the case of ms-swift #6283):
 * ``packing``: the framework's own packing against what dflop-ds does with it. ms-swift:
   ``--packing true`` (offline bin packing into rows of ``--max_length`` tokens, one row per
   microbatch) against ``--padding_free true --callbacks dflop`` (DFLOP's balanced microbatches,
-  each packed into one row by ms-swift, balanced on the packed cost), on tiny Qwen2-VL (ms-swift's
+  each packed into one row by ms-swift, balanced on the packed cost; ``--lazy_tokenize false``,
+  so that its dataset is encoded before training as ``--packing``'s must be and both epochs
+  time training alone), on tiny Qwen2-VL (ms-swift's
   LLaVA template allows neither); both need a flash-attention build in ms-swift, which this CPU has
   none of, so a benchmark plugin (framework_hooks/swift_cpu.py, loaded by every ms-swift run)
   lifts that rule and both run with sdpa; it also starts DeepSpeed's communication before the
@@ -47,7 +49,7 @@ with ``frameworks swift_speedup=A swift_packing_speedup=B llamafactory_speedup=C
 llamafactory_packing_speedup=D``: each the framework's median epoch time over dflop-ds's.
 
 Usage: python benchmarks/bench_frameworks.py [--rounds 3] [--rows 96] [--frameworks swift llamafactory]
-       [--cost profiled|proxy] [--out DIR] [--report]   (--report: the table and summary of the runs already in DIR)
+       [--pairs swift_packing_speedup ...] [--cost profiled|proxy] [--out DIR] [--report]   (--report: the table and summary of the runs already in DIR)
 """
 
 from __future__ import annotations
@@ -158,7 +160,7 @@ def swift_command(venv: Path, variant: Variant, ds: Path, out: Path, env: dict[s
     if variant.dflop:
         command += ["--callbacks", "dflop"]
     if variant.packing:
-        command += ["--padding_free", "true"] if variant.dflop else ["--packing", "true"]
+        command += ["--padding_free", "true", "--lazy_tokenize", "false"] if variant.dflop else ["--packing", "true"]
         command += ["--max_length", str(PACK_TOKENS["swift"])] if packs else []
     return command
 
@@ -271,6 +273,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=96, help="chat rows of the epoch")
     parser.add_argument("--cost", choices=("profiled", "proxy"), default="profiled", help="dflop-ds's cost model")
     parser.add_argument("--frameworks", nargs="+", default=fw.FRAMEWORKS, choices=fw.FRAMEWORKS)
+    parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS), help="the comparisons to run")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_frameworks")
     parser.add_argument("--report", action="store_true", help="launch nothing: report the runs already in --out")
     cli = parser.parse_args()
@@ -288,7 +291,7 @@ def main() -> int:
             check=True,
         )
         fw.INPUTS.update(json.loads(built.stdout.strip().splitlines()[-1]))
-    pairs = {key: pair for key, pair in PAIRS.items() if pair[0].framework in cli.frameworks}
+    pairs = {key: pair for key, pair in PAIRS.items() if pair[0].framework in cli.frameworks and key in cli.pairs}
     if cli.cost == "profiled" and not cli.report:
         profile_cost_models(work, sorted({v.family for pair in pairs.values() for v in pair}))
     variants = list(dict.fromkeys(v for pair in pairs.values() for v in pair))

@@ -128,20 +128,30 @@ class RowPackedCost(PackedCost):
                 " [encoder, llm] columns only"
             )
         super().__init__(cost_model)
+        # a splitter asks for thousands of rows of a few dozen samples: each sample's marginal cost
+        # and each row length's LLM cost are predicted once
+        self._marginals: dict[SampleShape, np.ndarray] = {}
+        self._rows: dict[int, float] = {}
 
     def row_llm(self, tokens: np.ndarray) -> np.ndarray:
         """``(n,)`` the wrapped model's LLM cost of one row of each of ``tokens`` tokens."""
-        rows = [_row(int(t)) for t in np.asarray(tokens).reshape(-1)]
-        if not rows:
-            return np.zeros(0)
-        return np.asarray(self.cost_model.predict_samples(rows), dtype=float).reshape(len(rows), -1)[:, -1]
+        lengths = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        new = sorted(set(lengths) - self._rows.keys())
+        if new:
+            costs = np.asarray(self.cost_model.predict_samples([_row(n) for n in new]), dtype=float)
+            self._rows.update(zip(new, costs.reshape(len(new), -1)[:, -1].tolist()))
+        return np.array([self._rows[n] for n in lengths], dtype=float)
 
     def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """``(k,)`` cost of one packed row: the encoder as :class:`PackedCost` predicts it, the LLM
         as one sequence of all the samples' tokens."""
-        costs = super().predict_microbatch(shapes)
-        if shapes:
-            costs[-1] = self.row_llm(np.array([sum(s.llm_tokens for s in shapes)]))[0]
+        if not shapes:
+            return np.zeros_like(self.overhead_)
+        new = [s for s in dict.fromkeys(shapes) if s not in self._marginals]
+        if new:
+            self._marginals.update(zip(new, self.predict_samples(new)))
+        costs = np.sum([self._marginals[s] for s in shapes], axis=0) + self.overhead_
+        costs[-1] = self.row_llm(np.array([sum(s.llm_tokens for s in shapes)]))[0]
         return costs
 
     def predict_microbatches(self, groups: Microbatches) -> np.ndarray:
