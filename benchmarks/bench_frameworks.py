@@ -49,7 +49,8 @@ with ``frameworks swift_speedup=A swift_packing_speedup=B llamafactory_speedup=C
 llamafactory_packing_speedup=D``: each the framework's median epoch time over dflop-ds's.
 
 Usage: python benchmarks/bench_frameworks.py [--rounds 3] [--rows 96] [--frameworks swift llamafactory]
-       [--pairs swift_packing_speedup ...] [--cost profiled|proxy] [--out DIR] [--report]   (--report: the table and summary of the runs already in DIR)
+       [--pairs swift_packing_speedup ...] [--cost profiled|proxy] [--out DIR] [--report]
+(--report: the table and summary of the runs already in DIR)
 """
 
 from __future__ import annotations
