@@ -26,14 +26,14 @@ training, the case of ms-swift #6283):
   microbatch) against ``--padding_free true --callbacks dflop`` (DFLOP's balanced microbatches,
   each packed into one row by ms-swift, balanced on the packed cost; ``--lazy_tokenize false``,
   so that its dataset is encoded before training as ``--packing``'s must be and both epochs
-  time training alone), on tiny Qwen2-VL (ms-swift's
+  time training alone), on the encoder-heavy tiny Qwen2-VL (ms-swift's
   LLaVA template allows neither); both need a flash-attention build in ms-swift, which this CPU has
   none of, so a benchmark plugin (framework_hooks/swift_cpu.py, loaded by every ms-swift run)
   lifts that rule and both run with sdpa; it also starts DeepSpeed's communication before the
   model loads, as DFLOP's plugin does (ms-swift's own run stops at DeepSpeed's batch assertion
   under ZeRO-3 on CPU ranks otherwise). LLaMA-Factory: ``packing: true`` (offline greedy knapsack
   into rows of ``cutoff_len`` tokens, one row per microbatch) against ``dflop-ds llamafactory
-  train`` with the same option, on tiny Qwen2-VL (LLaMA-Factory's packing of LLaVA fails, see
+  train`` with the same option, on the encoder-heavy tiny Qwen2-VL (LLaMA-Factory's packing of LLaVA fails, see
   :data:`PAIRS`): the plugin keeps the rows one sample each, balances microbatches on their packed
   cost and packs each into one row as LLaMA-Factory's packer does. Pack rows of the frameworks'
   own packing (:data:`PACK_TOKENS`) hold 4.8 (ms-swift) and 3.0 (LLaMA-Factory) samples on
@@ -184,10 +184,11 @@ def llamafactory_command(venv: Path, variant: Variant, ds: Path, out: Path, env:
 #: each family's profiled cost model (``dflop-ds profile model``), by family; empty: the proxy cost
 COST_MODELS: dict[str, str] = {}
 #: the profile's sweeps per family: LLaVA image counts up to the data's 16 frames, Qwen2-VL patches
-#: up to its 384 (16 frames of 24), and sequence lengths past the longest row
+#: up to its 384 (16 frames of 24), and sequence lengths past the longest row (Qwen2-VL: past the
+#: longest packed row too, about 1000 tokens, whose attention spans the row)
 PROFILE_SWEEPS = {
     "llava": ["--tiles", "1,2,4,8,16", "--seq-lens", "32,64,128,256,512"],
-    "qwen2_vl": ["--tiles", "4,16,64,128,256,512", "--seq-lens", "32,64,128,256,512"],
+    "qwen2_vl": ["--tiles", "4,16,64,128,256,512", "--seq-lens", "32,64,128,256,512,1024"],
 }
 
 

@@ -52,3 +52,27 @@ def test_a_wider_qwen2_vl_keeps_its_rotary_head_size(tmp_path):
     assert wide.vision_config.embed_dim // wide.vision_config.num_heads == (
         narrow.vision_config.embed_dim // narrow.vision_config.num_heads
     )
+
+
+def test_the_encoder_heavy_qwen2_vl_widens_its_tower_alone_and_trains(tmp_path):
+    from dflop_ds.testing.qwen2_vl_tiny import ENCODER_HEAVY_VISION_WIDTH
+
+    narrow = AutoConfig.from_pretrained(build_tiny_qwen2_vl(tmp_path / "plain", width=2))
+    model_dir = build_tiny_qwen2_vl(tmp_path / "heavy", width=2, encoder_heavy=True)
+    heavy = AutoConfig.from_pretrained(model_dir)
+    assert heavy.vision_config.embed_dim == ENCODER_HEAVY_VISION_WIDTH * narrow.vision_config.embed_dim
+    assert heavy.vision_config.depth == narrow.vision_config.depth
+    assert heavy.vision_config.embed_dim // heavy.vision_config.num_heads == (
+        narrow.vision_config.embed_dim // narrow.vision_config.num_heads
+    )
+    assert heavy.text_config.to_dict() == narrow.text_config.to_dict()  # the LLM as the plain model's
+    assert heavy.vision_config.hidden_size == heavy.text_config.hidden_size
+    tower = AutoModelForImageTextToText.from_pretrained(model_dir).model.visual
+    grid = torch.tensor([[1, 4, 4]])  # one image of 4 x 4 patches: 2 x 2 merged tokens
+    patch = heavy.vision_config
+    pixels = torch.randn(16, 3 * patch.temporal_patch_size * patch.patch_size**2)
+    out = tower(pixels, grid_thw=grid)
+    features = getattr(out, "pooler_output", out)  # the merged tokens the LLM gets
+    assert features.shape == (4, heavy.text_config.hidden_size)
+    features.square().mean().backward()
+    assert all(p.grad is not None and p.grad.any() for p in tower.blocks.parameters())

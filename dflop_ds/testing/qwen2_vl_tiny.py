@@ -21,6 +21,11 @@ from dflop_ds.testing.patch_grid_tiny import (
 )
 
 QWEN2_VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+#: how many times wider the encoder-heavy model's vision tower is (the same layers and head size):
+#: 4x the compute per patch, about 3x the LLM's work per image token (each token is 2 x 2 merged
+#: patches), as Qwen2-VL-2B's 675M-parameter ViT does about 2x its LLM's before attention over
+#: each image's patches
+ENCODER_HEAVY_VISION_WIDTH = 2
 
 
 def _qwen2_vl_classes(family: str, vision: dict):
@@ -46,24 +51,30 @@ def _qwen2_vl_classes(family: str, vision: dict):
 
 @cache
 def _built_qwen2_vl(
-    family: str, tie_word_embeddings: bool, seed: int, min_pixels: int, max_pixels: int, patch_size: int, width: int
+    family: str,
+    tie_word_embeddings: bool,
+    seed: int,
+    min_pixels: int,
+    max_pixels: int,
+    patch_size: int,
+    width: int,
+    encoder_heavy: bool,
 ) -> Path:
     """Build and save one tiny Qwen2-VL directory in a process-wide temporary folder (cached)."""
     tokenizer = build_patch_grid_tokenizer()
-    vision = widened(
-        dict(
-            depth=VISION_LAYERS,
-            embed_dim=32,
-            hidden_size=64,
-            mlp_ratio=2,
-            num_heads=2,
-            patch_size=patch_size,
-            spatial_merge_size=MERGE,
-            temporal_patch_size=2,
-        ),
-        width,
-        ("embed_dim", "hidden_size", "num_heads"),
+    tower = dict(
+        depth=VISION_LAYERS,
+        embed_dim=32,
+        hidden_size=64,
+        mlp_ratio=2,
+        num_heads=2,
+        patch_size=patch_size,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=2,
     )
+    if encoder_heavy:  # the tower alone (its output, hidden_size, is the LLM's width)
+        tower = widened(tower, ENCODER_HEAVY_VISION_WIDTH, ("embed_dim", "num_heads"))
+    vision = widened(tower, width, ("embed_dim", "hidden_size", "num_heads"))
     # head_dim 16 at every width: the rotary half (8 frequencies) split over (temporal, height, width)
     text = dict(
         vocab_size=len(tokenizer),
@@ -93,6 +104,7 @@ def build_tiny_qwen2_vl(
     max_pixels: int = MAX_PIXELS,
     patch_size: int = PATCH,
     width: int = 1,
+    encoder_heavy: bool = False,
 ) -> Path:
     """Write a tiny random Qwen2-VL model, its tokenizer and its image processor to ``dir``
     (``save_pretrained`` layout, no processor class: Qwen2-VL's wants torchvision for videos);
@@ -104,11 +116,20 @@ def build_tiny_qwen2_vl(
     real models' 28 px unit (ms-swift's Qwen2-VL template resizes images to multiples of 28 itself).
     ``width`` widens the vision tower and the LLM alike (:func:`~dflop_ds.testing.hf_tiny.widened`:
     the same layers and head size), for benchmarks whose compute must outweigh per-module overheads.
+    ``encoder_heavy``: the vision tower :data:`ENCODER_HEAVY_VISION_WIDTH` times wider, so that it
+    carries most of an image's work, as in real Qwen2-VL models.
     """
     built = _built_qwen2_vl(
-        family, bool(tie_word_embeddings), int(seed), int(min_pixels), int(max_pixels), int(patch_size), int(width)
+        family,
+        bool(tie_word_embeddings),
+        int(seed),
+        int(min_pixels),
+        int(max_pixels),
+        int(patch_size),
+        int(width),
+        bool(encoder_heavy),
     )
     return copied(built, dir)
 
 
-__all__ = ["QWEN2_VL_FAMILIES", "build_tiny_qwen2_vl"]
+__all__ = ["ENCODER_HEAVY_VISION_WIDTH", "QWEN2_VL_FAMILIES", "build_tiny_qwen2_vl"]

@@ -57,9 +57,10 @@ def build(
     out: Path, records: int, encoder_heavy: bool = False, mixture: Path | None = None, width: int = 1
 ) -> dict[str, str]:
     """Write the models and the dataset under ``out``; returns their paths by name. ``encoder_heavy``:
-    the LLaVA is the encoder-heavy one (its vision tower about half the work, as the benchmark's);
+    both models are the encoder-heavy ones (the LLaVA's vision tower about half the work, Qwen2-VL's
+    about 3x the LLM's per image token, as the benchmark's);
     ``mixture``: the rows are drawn from this shape manifest; ``width``: both models that many times
-    wider (:func:`dflop_ds.testing.hf_tiny.widened`; the encoder-heavy LLaVA, or Qwen2-VL)."""
+    wider (:func:`dflop_ds.testing.hf_tiny.widened`; with ``encoder_heavy`` only)."""
     from dflop_ds.testing.hf_tiny import build_encoder_heavy_llava, build_tiny_llava
     from dflop_ds.testing.llava_data import write_llava_dataset
     from dflop_ds.testing.mixture_data import write_mixture_dataset
@@ -67,9 +68,11 @@ def build(
 
     out.mkdir(parents=True, exist_ok=True)
     pixels = {"min_pixels": QWEN_MIN_PIXELS, "max_pixels": QWEN_MAX_PIXELS}
-    qwen = build_tiny_qwen2_vl(out / "qwen2_vl", patch_size=QWEN_PATCH, width=width, **pixels)
     if width > 1 and not encoder_heavy:
-        raise ValueError("--width widens the encoder-heavy LLaVA: pass --encoder-heavy with it")
+        raise ValueError("--width widens the encoder-heavy models: pass --encoder-heavy with it")
+    qwen = build_tiny_qwen2_vl(
+        out / "qwen2_vl", patch_size=QWEN_PATCH, width=width, encoder_heavy=encoder_heavy, **pixels
+    )
     llava = build_encoder_heavy_llava(out / "llava", width=width) if encoder_heavy else build_tiny_llava(out / "llava")
     paths = {"llava": str(llava), "qwen2_vl": str(qwen)}
     if mixture is not None:
@@ -98,7 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--records", type=int, default=28)
-    parser.add_argument("--encoder-heavy", action="store_true", help="the encoder-heavy tiny LLaVA")
+    parser.add_argument("--encoder-heavy", action="store_true", help="the encoder-heavy tiny LLaVA and Qwen2-VL")
     parser.add_argument("--mixture", type=Path, default=None, help="draw the rows from this shape manifest")
     parser.add_argument("--width", type=int, default=1, help="both models this many times wider (same layers)")
     cli = parser.parse_args()
