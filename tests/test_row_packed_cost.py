@@ -95,6 +95,22 @@ def test_the_split_under_row_attention_keeps_rows_even_where_the_additive_split_
     assert np.mean(ratios) < 0.985, ratios
 
 
+def test_the_sampler_gives_the_splitter_lengths_only_for_padded_microbatches(fitted):
+    """Lengths drive the padding-aware starts (samples of like length together): right for padded
+    microbatches, wrong for packed rows, whose cost is not additive either."""
+    from dflop_ds.schedule.sampler import SamplerSettings, make_sampler
+
+    shapes = [cost_shape(i % 3, 40 + 25 * i, f"s{i}") for i in range(16)]
+    batch = np.arange(8)
+    for model, padded in ((fitted, True), (PackedCost(fitted), False), (RowPackedCost(fitted), False)):
+        sampler = make_sampler(
+            SamplerSettings("dflop"), shapes, global_batch_size=8, gradient_accumulation_steps=2, cost_model=model
+        )
+        request = sampler.split_request(batch, sampler.costs[batch], 0)
+        assert (request.lengths is not None) is padded, type(model).__name__
+        assert (request.microbatch_cost is None) is model.additive
+
+
 def test_flash_attention_keeps_a_padding_free_rows_samples_apart_and_sdpa_does_not():
     def model(impl, nested=False):
         text = SimpleNamespace(_attn_implementation=impl)

@@ -11,7 +11,8 @@
 * :class:`LLMOnlyCost`: any of them with the encoder column zeroed (a colocated encoder).
 * :class:`StageCost`: any of them per pipeline stage.
 * :func:`sampler_cost_model`: the one chain of these wrappers a sampler balances with;
-  :func:`memory_blind_model`: the model of a chain that predicts no memory.
+  :func:`memory_blind_model`: the model of a chain that predicts no memory; :func:`packs_microbatches`:
+  whether a chain packs.
 * :class:`PackedView`, :class:`EncoderScaled`, :class:`EngineScaled`: the planner's views of a model.
 * :func:`save_cost_model` / :func:`load_cost_model`: the one versioned JSON format.
 * :class:`Microbatches` and :func:`microbatch_costs` (and the bytes): many microbatches of one
@@ -24,7 +25,7 @@ from dflop_ds.cost.batched import (
     microbatch_costs,
     microbatch_working_bytes,
 )
-from dflop_ds.cost.chain import memory_blind_model, sampler_cost_model
+from dflop_ds.cost.chain import memory_blind_model, packs_microbatches, sampler_cost_model
 from dflop_ds.cost.columns import Microbatches, SampleColumns
 from dflop_ds.cost.fitted import FittedCostModel, check_policy
 from dflop_ds.cost.io import (
@@ -80,6 +81,7 @@ __all__ = [
     "microbatch_activation_bytes",
     "microbatch_costs",
     "microbatch_working_bytes",
+    "packs_microbatches",
     "reference_model",
     "reference_names",
     "reference_policy",

@@ -1,6 +1,6 @@
 """The wrapper chain: which wrappers a cost model gets before a sampler balances with it, and in what order: the one
 place that decides it (the training loop and the benchmarks call :func:`sampler_cost_model`), and which model of a chain
-predicts no memory (:func:`memory_blind_model`).
+predicts no memory (:func:`memory_blind_model`), and whether a chain packs (:func:`packs_microbatches`).
 
 The chain, innermost first:
 
@@ -67,3 +67,14 @@ def memory_blind_model(cost_model: CostModel) -> CostModel | None:
         blind = model
         model = model.cost_model if isinstance(model, CostWrapper) else None
     return blind
+
+
+def packs_microbatches(cost_model: CostModel) -> bool:
+    """Whether ``cost_model``'s chain (itself and the models it wraps) packs microbatches (a
+    :class:`~dflop_ds.cost.PackedCost` in it): no padding, whatever its cost's additivity."""
+    model: CostModel | None = cost_model
+    while model is not None:
+        if isinstance(model, PackedCost):
+            return True
+        model = model.cost_model if isinstance(model, CostWrapper) else None
+    return False

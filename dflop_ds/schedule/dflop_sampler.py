@@ -68,7 +68,7 @@ class DFLOPBatchSampler(GlobalBatchSampler):
         does not depend on costs (:func:`~dflop_ds.schedule.memory.fit_under_cap`), or None."""
         assert self.memory is not None
         shapes = [self.shapes[i] for i in batch]
-        key = self.memory[batch] if self.additive else self.lengths[batch]
+        key = self.lengths[batch] if self.padded else self.memory[batch]
         return fit_under_cap(
             self.memory[batch],
             key,

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from dflop_ds.cost import CostModel, ProxyCost
+from dflop_ds.cost import CostModel, ProxyCost, packs_microbatches
 from dflop_ds.schedule.batch_schedule import SCHEDULE_TIMEOUT_S, BatchSchedule, CostAdjuster
 from dflop_ds.schedule.epoch import check_batch_sizes, dropped_per_epoch, epoch_batches, first_batch
 from dflop_ds.schedule.index import ScheduledIndex
@@ -105,6 +105,9 @@ class GlobalBatchSampler:
         self.lengths = np.array([s.llm_tokens for s in self.shapes], dtype=float)
         #: packed microbatches cost the sum of their samples: no padding-aware microbatch cost
         self.additive = bool(cost_model.additive)
+        #: collated microbatches pad to their longest sample (not packed, even into rows whose
+        #: attention spans the row): the splitter gets their lengths
+        self.padded = not packs_microbatches(cost_model)
         self.cost_adjuster = cost_adjuster
         self.drop_last = bool(drop_last)
         self.schedule_timeout_s = None if schedule_timeout_s is None else float(schedule_timeout_s)
@@ -180,7 +183,7 @@ class GlobalBatchSampler:
             self.dp_size,
             shapes=[self.shapes[i] for i in batch],
             microbatch_cost=self._microbatch_cost(batch, costs),
-            lengths=None if self.additive else self.lengths[batch],
+            lengths=self.lengths[batch] if self.padded else None,
             seed=batch_seed,
             sync=self.sync,
             memory=self.memory_budget(batch),
