@@ -106,6 +106,6 @@ test-frameworks: framework-envs
 	PYTHONUNBUFFERED=1 $(PYTHON) tests/frameworks/run_frameworks.py
 
 # each framework's own sampler and packing against the same run with dflop-ds, ZeRO-3, 2 ranks,
-# interleaved rounds (benchmarks/bench_frameworks.py; 46 min on the shared 2-core machine, start-up dominating)
+# interleaved rounds (benchmarks/bench_frameworks.py; 23 min on the idle 2-core machine, 29 Nov, start-up dominating)
 bench-frameworks: framework-envs
 	PYTHONUNBUFFERED=1 nice $(PYTHON) benchmarks/bench_frameworks.py
