@@ -113,11 +113,16 @@ def epochs_to_train(args: Any, batches_per_epoch: int) -> int:
 def attends_per_sample(model: Any) -> bool:
     """Whether ``model``'s HF attention keeps the samples of a padding-free row apart at the cost of
     each sample's own length: a flash-attention implementation (variable-length kernels from the
-    position ids). SDPA and eager run the row's block-diagonal mask as one dense product."""
+    position ids, transformers' ``is_flash_attention_requested``, as
+    :func:`dflop_ds.models.hf.base.packed.packed_attention` asks it). SDPA and eager run the row's
+    block-diagonal mask as one dense product."""
+    from transformers.utils.generic import is_flash_attention_requested
+
     config = getattr(model, "config", None)
+    if config is None:
+        return False
     get_text_config = getattr(config, "get_text_config", None)
-    text = config if get_text_config is None else get_text_config()
-    return "flash" in str(getattr(text, "_attn_implementation", None) or "")
+    return is_flash_attention_requested(config if get_text_config is None else get_text_config())
 
 
 def resolve_cost_model(
