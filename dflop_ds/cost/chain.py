@@ -14,7 +14,7 @@ The chain, innermost first:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -56,25 +56,28 @@ def sampler_cost_model(
     return model
 
 
+def _chain(cost_model: CostModel) -> Iterator[CostModel]:
+    """``cost_model`` and the models it wraps (``.cost_model``), outermost first."""
+    model: CostModel | None = cost_model
+    while model is not None:
+        yield model
+        model = model.cost_model if isinstance(model, CostWrapper) else None
+
+
 def memory_blind_model(cost_model: CostModel) -> CostModel | None:
     """The model of ``cost_model``'s chain (itself and the models it wraps, ``.cost_model``) that
     makes it predict no memory: the innermost one without ``predicts_memory`` whose inner model has
     it (e.g. the :class:`~dflop_ds.cost.LLMOnlyCost` in a :class:`~dflop_ds.cost.PackedCost`);
     None when the chain predicts memory."""
     blind = None
-    model: CostModel | None = cost_model
-    while model is not None and not model.predicts_memory:
+    for model in _chain(cost_model):
+        if model.predicts_memory:
+            break
         blind = model
-        model = model.cost_model if isinstance(model, CostWrapper) else None
     return blind
 
 
 def packs_microbatches(cost_model: CostModel) -> bool:
     """Whether ``cost_model``'s chain (itself and the models it wraps) packs microbatches (a
     :class:`~dflop_ds.cost.PackedCost` in it): no padding, whatever its cost's additivity."""
-    model: CostModel | None = cost_model
-    while model is not None:
-        if isinstance(model, PackedCost):
-            return True
-        model = model.cost_model if isinstance(model, CostWrapper) else None
-    return False
+    return any(isinstance(model, PackedCost) for model in _chain(cost_model))
