@@ -52,13 +52,16 @@ class RightPadCollator:
         return {**batch, **concatenated_media(items, self.keys, self.padded)}
 
 
-def image_chats(config, count: int, every: int = 2, seed: int = 3) -> list[dict]:
+def image_chats(config, count: int, every: int = 2, seed: int = 3, video_every: int = 0) -> list[dict]:
     """``count`` HF model inputs of varied length, one in ``every`` with an image of the model's
     (its image tokens ignored in the labels; Qwen2-VL's also with ``mm_token_type_ids``, the image
     2 x 2 merged patches, so its M-RoPE positions are not the text's; LLaVA-OneVision's with its
-    ``image_sizes``); the others say ``pixel_values=None``, as a user's text-only items may."""
+    ``image_sizes``); the others say ``pixel_values=None``, as a user's text-only items may.
+    ``video_every`` (a family whose tower runs apart for videos, Qwen2-VL's): one in that many
+    items also holds a one-step video of the image's size (``pixel_values_videos``)."""
     blank = blank_image_for(config)
     assert blank is not None
+    assert not video_every or blank.video_token_id is not None, "this family takes no separate videos"
     generator = torch.Generator().manual_seed(seed)
     qwen = blank.grid_thw is not None
     if qwen:
@@ -67,17 +70,22 @@ def image_chats(config, count: int, every: int = 2, seed: int = 3) -> list[dict]
         blank = dataclasses.replace(
             blank, pixel_shape=(4 * merged, patch_dim), tokens=4, grid_thw=(1, 2 * height, 2 * width)
         )
+    media_tokens = {blank.image_token_id, blank.video_token_id}
     items = []
     for i in range(count):
         ids = torch.randint(5, 150, (6 + 3 * i,), generator=generator)
-        ids[ids == blank.image_token_id] = blank.image_token_id + 1  # image tokens only where the image is
+        for token in media_tokens - {None}:
+            ids[ids == token] = token + 1  # media tokens only where the media are
         image = i % every == 0
+        video = bool(video_every) and i % video_every == 1
         if image:
             ids = torch.cat([ids[:2], torch.full((blank.tokens,), blank.image_token_id), ids[2:]])
-        labels = torch.where(ids == blank.image_token_id, -100, ids)
+        if video:
+            ids = torch.cat([ids[:1], torch.full((blank.tokens,), blank.video_token_id), ids[1:]])
+        labels = torch.where(torch.isin(ids, torch.tensor(sorted(media_tokens - {None}))), -100, ids)
         item = {"input_ids": ids, "labels": labels}
         if qwen:
-            item["mm_token_type_ids"] = (ids == blank.image_token_id).long()
+            item["mm_token_type_ids"] = (ids == blank.image_token_id).long() + 2 * (ids == blank.video_token_id).long()
         if image:
             item["pixel_values"] = torch.rand(blank.pixel_shape, generator=generator)
             if qwen:
@@ -86,5 +94,8 @@ def image_chats(config, count: int, every: int = 2, seed: int = 3) -> list[dict]
                 item["image_sizes"] = torch.tensor([blank.image_sizes])
         else:
             item["pixel_values"] = None
+        if video:
+            item["pixel_values_videos"] = torch.rand(blank.pixel_shape, generator=generator)
+            item["video_grid_thw"] = torch.tensor([blank.grid_thw])
         items.append(item)
     return items

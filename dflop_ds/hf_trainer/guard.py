@@ -15,8 +15,15 @@ The blank image is the model family's (:class:`~dflop_ds.models.hf.trainer_parts
 looked up once through the registry): its pixel shape, its token count and the extra tensors the
 model takes with it (Qwen2-VL's ``image_grid_thw`` and ``mm_token_type_ids``, LLaVA-OneVision's
 ``image_sizes``). A padding-free batch's ``position_ids`` (``[B, L]`` or ``[3 or 4, B, L]``) are
-extended with zeros: the blank tokens start sequences of their own. Qwen2-VL runs one tower for
-images and videos, so a microbatch with a video needs nothing.
+extended with zeros: the blank tokens start sequences of their own.
+
+Qwen2-VL (and Qwen3-VL) run the vision tower once for a microbatch's images and once more for its
+videos. Under ZeRO-3 (and FSDP) each run gathers the tower's parameters, a collective, so a rank
+with images and videos would gather twice while a rank with images alone gathers once, and the
+ranks' collectives no longer match (gloo: ``Received data size doesn't match expected size``).
+There the guard also completes each microbatch's pair: a blank one-step video where it has no
+video (:func:`with_blank_video`), a blank image where it has videos alone, so that every rank runs
+the tower twice in the same order.
 """
 
 from __future__ import annotations
@@ -37,8 +44,8 @@ logger = logging.getLogger(__name__)
 TARGET_KEYS = ("labels", "shift_labels")
 #: batch keys that carry visual input: a batch with any of them non-empty runs the vision tower
 VISUAL_KEYS = ("pixel_values", "pixel_values_videos")
-#: Qwen2-VL's per-token modality key and its value for image tokens (text is 0, video 2)
-TOKEN_TYPE_KEY, IMAGE_TOKEN_TYPE = "mm_token_type_ids", 1
+#: Qwen2-VL's per-token modality key and its values for image and video tokens (text is 0)
+TOKEN_TYPE_KEY, IMAGE_TOKEN_TYPE, VIDEO_TOKEN_TYPE = "mm_token_type_ids", 1, 2
 
 
 def blank_image_for(config: Any) -> BlankImage | None:
@@ -48,10 +55,15 @@ def blank_image_for(config: Any) -> BlankImage | None:
     return None if parts is None else parts.blank_image(config)
 
 
+def has_media(inputs: Mapping[str, Any], key: str) -> bool:
+    """Whether ``inputs[key]`` is present and not empty."""
+    return inputs.get(key) is not None and inputs[key].numel() > 0
+
+
 def has_images(inputs: Mapping[str, Any]) -> bool:
     """Whether a batch carries visual input: ``pixel_values`` (or Qwen2-VL's
     ``pixel_values_videos``) present and not empty."""
-    return any(inputs.get(key) is not None and inputs[key].numel() > 0 for key in VISUAL_KEYS)
+    return any(has_media(inputs, key) for key in VISUAL_KEYS)
 
 
 def with_blank_image(inputs: Mapping[str, Any], blank: BlankImage) -> dict[str, Any]:
@@ -60,12 +72,42 @@ def with_blank_image(inputs: Mapping[str, Any], blank: BlankImage) -> dict[str, 
     positions are 0 in ``attention_mask`` and ``position_ids``, ignored in ``labels``, a sample of
     their own in a padding-free batch's ``cu_seq_lens_q/k``; every other ``[B, L]`` tensor is
     extended with zeros. The loss and the gradients are those of ``inputs``."""
+    out = _with_blank_tokens(inputs, blank, blank.image_token_id, IMAGE_TOKEN_TYPE)
+    ids = out["input_ids"]
+    out["pixel_values"] = torch.zeros(blank.pixel_shape, device=ids.device)
+    if blank.image_sizes is not None:
+        out["image_sizes"] = torch.tensor([blank.image_sizes], dtype=torch.long, device=ids.device)
+    if "batch_num_images" in inputs:  # images per row: the blank one is row 0's
+        rows = ids.shape[0]
+        out["batch_num_images"] = torch.tensor([1] + [0] * (rows - 1), dtype=torch.long, device=ids.device)
+    if blank.grid_thw is not None:
+        out["image_grid_thw"] = torch.tensor([blank.grid_thw], dtype=torch.long, device=ids.device)
+    return out
+
+
+def with_blank_video(inputs: Mapping[str, Any], blank: BlankImage) -> dict[str, Any]:
+    """``inputs`` (a batch with ``input_ids [B, L]`` and no videos) with the blank image appended
+    as a one-step video (``blank.video_token_id``: Qwen2-VL's) after position ``L - 1``, the rest
+    as :func:`with_blank_image` does it."""
+    if blank.video_token_id is None or blank.grid_thw is None:
+        raise ValueError("this model family takes no blank video: its tower runs once for images and videos")
+    out = _with_blank_tokens(inputs, blank, blank.video_token_id, VIDEO_TOKEN_TYPE)
+    device = out["input_ids"].device
+    out["pixel_values_videos"] = torch.zeros(blank.pixel_shape, device=device)
+    out["video_grid_thw"] = torch.tensor([blank.grid_thw], dtype=torch.long, device=device)
+    return out
+
+
+def _with_blank_tokens(inputs: Mapping[str, Any], blank: BlankImage, token_id: int, token_type: int) -> dict[str, Any]:
+    """``inputs`` with ``blank.tokens`` tokens ``token_id`` appended to row 0 (padding on the
+    other rows), masked out of attention and of the loss (see :func:`with_blank_image`), typed
+    ``token_type`` in ``mm_token_type_ids`` when the family types its tokens (a ``grid_thw``)."""
     ids = inputs["input_ids"]
     rows, length = ids.shape
     extra = blank.tokens
     out: dict[str, Any] = dict(inputs)
     tail = torch.full((rows, extra), blank.pad_token_id, dtype=ids.dtype, device=ids.device)
-    tail[0] = blank.image_token_id
+    tail[0] = token_id
     out["input_ids"] = torch.cat([ids, tail], dim=1)
     for key, value in inputs.items():
         if key == "input_ids" or not torch.is_tensor(value):
@@ -82,28 +124,35 @@ def with_blank_image(inputs: Mapping[str, Any], blank: BlankImage) -> dict[str, 
             out[key] = torch.cat([bounds, bounds[-1:] + extra])
         for key in ("max_length_q", "max_length_k"):
             out[key] = max(int(inputs[key]), extra)
-    out["pixel_values"] = torch.zeros(blank.pixel_shape, device=ids.device)
-    if blank.image_sizes is not None:
-        out["image_sizes"] = torch.tensor([blank.image_sizes], dtype=torch.long, device=ids.device)
-    if "batch_num_images" in inputs:  # images per row: the blank one is row 0's
-        out["batch_num_images"] = torch.tensor([1] + [0] * (rows - 1), dtype=torch.long, device=ids.device)
     if blank.grid_thw is not None:
-        out["image_grid_thw"] = torch.tensor([blank.grid_thw], dtype=torch.long, device=ids.device)
         types = out.get(TOKEN_TYPE_KEY)
         if types is None:
             types = torch.zeros_like(out["input_ids"], dtype=torch.int)
         types = types.clone()
-        types[0, length:] = IMAGE_TOKEN_TYPE
+        types[0, length:] = token_type
         out[TOKEN_TYPE_KEY] = types
     return out
 
 
-def guarded_batch(model: Any, inputs: Any, blank: BlankImage | None) -> Any:
+def guarded_batch(model: Any, inputs: Any, blank: BlankImage | None, gathers_per_call: bool = False) -> Any:
     """``inputs`` with :func:`with_blank_image` when ``model`` trains on a microbatch without visual
-    input and ``blank`` is its blank image; else ``inputs`` unchanged."""
-    if blank is not None and model.training and "input_ids" in inputs and not has_images(inputs):
-        return with_blank_image(inputs, blank)
-    return inputs
+    input and ``blank`` is its blank image; when ``gathers_per_call`` (ZeRO-3, FSDP) and the
+    family runs its tower apart for videos (``blank.video_token_id``), with a blank image where
+    the microbatch has none and a blank video where it has none; else ``inputs`` unchanged."""
+    if blank is None or not model.training or "input_ids" not in inputs:
+        return inputs
+    if not (gathers_per_call and blank.video_token_id is not None):
+        return inputs if has_images(inputs) else with_blank_image(inputs, blank)
+    out = inputs if has_media(inputs, "pixel_values") else with_blank_image(inputs, blank)
+    return out if has_media(out, "pixel_values_videos") else with_blank_video(out, blank)
+
+
+def gathers_parameters_per_call(trainer: Any) -> bool:
+    """Whether ``trainer``'s engine gathers a module's parameters on every call of it: DeepSpeed
+    ZeRO-3 or FSDP."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    return bool(is_deepspeed_zero3_enabled() or getattr(trainer, "is_fsdp_enabled", False))
 
 
 class BlankImageGuardMixin:
@@ -127,7 +176,17 @@ class BlankImageGuardMixin:
 
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's loss, after the blank image where a training microbatch has no visual input."""
-        return super().compute_loss(model, guarded_batch(model, inputs, self._blank_image), *args, **kwargs)  # type: ignore[misc]
+        guarded = guarded_batch(model, inputs, self._blank_image, gathers_parameters_per_call(self))
+        return super().compute_loss(model, guarded, *args, **kwargs)  # type: ignore[misc]
 
 
-__all__ = ["BlankImage", "BlankImageGuardMixin", "blank_image_for", "guarded_batch", "has_images", "with_blank_image"]
+__all__ = [
+    "BlankImage",
+    "BlankImageGuardMixin",
+    "blank_image_for",
+    "gathers_parameters_per_call",
+    "guarded_batch",
+    "has_images",
+    "with_blank_image",
+    "with_blank_video",
+]

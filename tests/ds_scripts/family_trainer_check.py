@@ -10,6 +10,10 @@ text-only with ``pixel_values=None``, so most microbatches hold no image):
 Each run trains ``--steps`` optimizer steps of 2 microbatches of 2 items per rank and reports its
 logged losses and whether each microbatch the rank collated held an image; rank ``r`` writes
 ``--out/rank{r}.json``, ``{model directory: {"padded": ..., "packed": ...}}``.
+
+``--zero3``: under ds_configs/zero3_small_buckets.json instead (every module's parameters gathered
+on each call), with one item in three also holding a video (the families whose tower runs apart for
+videos, Qwen2-VL's); each run then also reports whether each microbatch held a video.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dflop_ds.models.hf.registry import trainer_parts_of  # noqa: E402
 from dflop_ds.rank_lifecycle import finish_rank  # noqa: E402
 from dflop_ds.shapes import SampleShape  # noqa: E402
 
-CONFIG = Path(__file__).resolve().parents[2] / "ds_configs" / "hf_trainer_zero2.json"
+CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
 
 
 class Recording:
@@ -39,25 +43,34 @@ class Recording:
     def __init__(self, collate) -> None:
         self.collate = collate
         self.had_images: list[bool] = []
+        self.had_videos: list[bool] = []
 
     def __call__(self, items: list[dict]) -> dict:
         self.had_images.append(any(item.get("pixel_values") is not None for item in items))
+        self.had_videos.append(any(item.get("pixel_values_videos") is not None for item in items))
         return self.collate(items)
 
 
-def run(model_dir: str, out: Path, steps: int, packing: bool) -> tuple[dict, DFLOPTrainer]:
-    """One training run: its losses and the image flags of the microbatches this rank collated,
+def start_deepspeed_comm() -> None:
+    """Start deepspeed.comm before a ZeRO-3 model is made: under ``use_cpu`` the Trainer starts
+    torch.distributed, not deepspeed.comm, so zero.Init would count one rank."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed(get_accelerator().communication_backend_name())
+
+
+def run(model_dir: str, out: Path, steps: int, packing: bool, zero3: bool = False) -> tuple[dict, DFLOPTrainer]:
+    """One training run: its losses and the media flags of the microbatches this rank collated,
     and the trainer (whose sampler the caller closes)."""
-    model = AutoModelForImageTextToText.from_pretrained(model_dir)
-    items = image_chats(model.config, 16, every=4)
-    table = [
-        SampleShape(f"s{i}", text_tokens=len(x["input_ids"]), llm_tokens=len(x["input_ids"]))
-        for i, x in enumerate(items)
-    ]
-    args = TrainingArguments(
+    config = CONFIGS / ("zero3_small_buckets.json" if zero3 else "hf_trainer_zero2.json")
+    if zero3:
+        start_deepspeed_comm()
+    args = TrainingArguments(  # before the model: under ZeRO-3 it is made partitioned
         output_dir=str(out),
         use_cpu=True,
-        deepspeed=str(CONFIG),
+        deepspeed=str(config),
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
         learning_rate=5e-3,
@@ -67,6 +80,12 @@ def run(model_dir: str, out: Path, steps: int, packing: bool) -> tuple[dict, DFL
         report_to="none",
         seed=7,
     )
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    items = image_chats(model.config, 16, every=4, video_every=3 if zero3 else 0)
+    table = [
+        SampleShape(f"s{i}", text_tokens=len(x["input_ids"]), llm_tokens=len(x["input_ids"]))
+        for i, x in enumerate(items)
+    ]
     parts = trainer_parts_of(model.config)
     assert parts is not None
     collator = None if packing else RightPadCollator(parts.media_keys, parts.padded_keys)
@@ -82,7 +101,7 @@ def run(model_dir: str, out: Path, steps: int, packing: bool) -> tuple[dict, DFL
     trainer.data_collator = recording
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return {"losses": losses, "had_images": recording.had_images}, trainer
+    return {"losses": losses, "had_images": recording.had_images, "had_videos": recording.had_videos}, trainer
 
 
 def main() -> None:
@@ -90,12 +109,13 @@ def main() -> None:
     parser.add_argument("--model", action="append", required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--zero3", action="store_true", help="ZeRO-3 with buckets below a layer, and videos")
     parser.add_argument("--local_rank", type=int, default=0)  # the DeepSpeed launcher passes it
     cli = parser.parse_args()
     reports, samplers = {}, []
     for index, model in enumerate(cli.model):
-        padded, first = run(model, cli.out / f"{index}" / "padded", cli.steps, packing=False)
-        packed, second = run(model, cli.out / f"{index}" / "packed", cli.steps, packing=True)
+        padded, first = run(model, cli.out / f"{index}" / "padded", cli.steps, packing=False, zero3=cli.zero3)
+        packed, second = run(model, cli.out / f"{index}" / "packed", cli.steps, packing=True, zero3=cli.zero3)
         reports[model] = {"padded": padded, "packed": packed}
         samplers += [first.dflop_batch_sampler, second.dflop_batch_sampler]
     (cli.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(reports))

@@ -31,7 +31,11 @@ class BlankImage:
     """What a model needs to take one blank image: its ``pixel_values`` tensor shape, the image
     token and how many of them the image becomes, a token id for the other rows' padding,
     (Qwen2-VL) the image's ``image_grid_thw`` row (its tokens are then typed as image tokens in
-    ``mm_token_type_ids``) and (LLaVA-OneVision) its ``image_sizes`` row ``(height, width)``."""
+    ``mm_token_type_ids``) and (LLaVA-OneVision) its ``image_sizes`` row ``(height, width)``.
+
+    ``video_token_id`` (Qwen2-VL): the model runs its vision tower once for a microbatch's images
+    and once more for its videos, and takes the same placeholder as a one-step video
+    (``pixel_values_videos``, ``video_grid_thw``, these tokens typed as video)."""
 
     pixel_shape: tuple[int, ...]
     image_token_id: int
@@ -39,6 +43,7 @@ class BlankImage:
     pad_token_id: int
     grid_thw: tuple[int, int, int] | None = None
     image_sizes: tuple[int, int] | None = None
+    video_token_id: int | None = None
 
 
 def text_pad_token(config: Any, image_token_id: int) -> int:

@@ -12,13 +12,15 @@ from dflop_ds.models.hf.trainer_parts import DEFAULT_MEDIA_KEYS, BlankImage, Tra
 
 def patch_grid_blank_image(config: Any) -> BlankImage:
     """The placeholder image ``[1, m, m]`` (one LLM token) as HF's model takes it: its flattened
-    patches ``[m * m, C * T * p * p]`` and its ``image_grid_thw`` row."""
+    patches ``[m * m, C * T * p * p]`` and its ``image_grid_thw`` row; the same as a one-step
+    video (the tower runs apart for images and videos)."""
     vision = config.vision_config
     merge = int(vision.spatial_merge_size)
     patch_dim = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
     image_token_id = int(config.image_token_id)
     pad = text_pad_token(config, image_token_id)
-    return BlankImage((merge**2, patch_dim), image_token_id, 1, pad, grid_thw=(1, merge, merge))
+    video_token_id = int(config.video_token_id)
+    return BlankImage((merge**2, patch_dim), image_token_id, 1, pad, (1, merge, merge), video_token_id=video_token_id)
 
 
 def patch_grid_trainer() -> TrainerParts:
