@@ -48,7 +48,7 @@ them, rank 0's median step time over steps 2-N of every round, loss of the last 
 with ``frameworks swift_speedup=A swift_packing_speedup=B llamafactory_speedup=C
 llamafactory_packing_speedup=D``: each the framework's median epoch time over dflop-ds's.
 
-Usage: python benchmarks/bench_frameworks.py [--rounds 3] [--rows 96] [--frameworks swift llamafactory]
+Usage: python benchmarks/bench_frameworks.py [--rounds 3] [--rows 96] [--width 2] [--frameworks swift llamafactory]
        [--pairs swift_packing_speedup ...] [--cost profiled|proxy] [--out DIR] [--report]
 (--report: the table and summary of the runs already in DIR)
 """
@@ -282,6 +282,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", type=int, default=96, help="chat rows of the epoch")
+    parser.add_argument("--width", type=int, default=MODEL_WIDTH, help="how many times wider than the test models")
     parser.add_argument("--cost", choices=("profiled", "proxy"), default="profiled", help="dflop-ds's cost model")
     parser.add_argument("--frameworks", nargs="+", default=fw.FRAMEWORKS, choices=fw.FRAMEWORKS)
     parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS), help="the comparisons to run")
@@ -295,7 +296,7 @@ def main() -> int:
         built = subprocess.run(
             [str(ROOT / ".venv-swift" / "bin" / "python"), str(ROOT / "tests" / "frameworks" / "inputs.py")]
             + [str(work / "inputs"), "--records", str(cli.rows), "--encoder-heavy", "--mixture", str(MIXTURE)]
-            + ["--width", str(MODEL_WIDTH)],
+            + ["--width", str(cli.width)],
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             capture_output=True,
             text=True,

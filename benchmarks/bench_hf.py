@@ -45,6 +45,7 @@ TILE_SWEEPS = {
     "llava": "1,2,4,8,16",
     "llava_encoder_heavy": "1,2,4,8,16",
     "qwen2_vl": "4,16,64,128,256,512",
+    "qwen2_vl_encoder_heavy": "4,16,64,128,256,512",
     "llava_onevision": "1,2,4,8,16,32",
     "internvl": "1,2,4,8,16,32",
 }
@@ -53,18 +54,18 @@ TILE_SWEEPS = {
 QWEN_MAX_PIXELS, VIDEO_SHARE = 64 * 64, 3
 #: the families whose datasets hold images only (LLaVA's)
 IMAGE_ONLY = ("llava", "llava_encoder_heavy")
-#: how many times wider than the tests' the encoder-heavy LLaVA is (the same layers,
-#: :func:`dflop_ds.testing.hf_tiny.widened`): at width 1 ZeRO-3's per-module gathers take most of a
-#: microbatch's time on CPU ranks, whatever its samples (benchmarks/bench_frameworks.py's traces)
-ENCODER_HEAVY_WIDTH = 2
-#: the families built :data:`ENCODER_HEAVY_WIDTH` wide (their folder names the width, so a cached
-#: model of another width is not reused)
-WIDENED = ("llava_encoder_heavy",)
+#: how many times wider than the tests' each encoder-heavy model is (the same layers,
+#: :func:`dflop_ds.testing.hf_tiny.widened`; its folder names the width, so a cached model of another
+#: width is not reused): at width 1 ZeRO-3's per-module gathers take most of a microbatch's time on
+#: CPU ranks, whatever its samples (benchmarks/bench_frameworks.py's traces); packed Qwen2-VL rows
+#: still did at width 2
+WIDENED = {"llava_encoder_heavy": 2, "qwen2_vl_encoder_heavy": 4}
 
 
 def prepare(out: Path, records: int, family: str) -> dict[str, Path]:
     """The model directory, data file, media folders and cost model of ``family`` (made once, then
-    reused); ``llava_encoder_heavy`` is LLaVA's data on the encoder-heavy tiny LLaVA."""
+    reused); ``llava_encoder_heavy`` is LLaVA's data on the encoder-heavy tiny LLaVA,
+    ``qwen2_vl_encoder_heavy`` Qwen2-VL's data on the encoder-heavy tiny Qwen2-VL."""
     from dflop_ds.testing.hf_tiny import build_encoder_heavy_llava, build_tiny_llava
     from dflop_ds.testing.internvl_tiny import build_tiny_internvl
     from dflop_ds.testing.llava_data import write_llava_dataset
@@ -72,17 +73,19 @@ def prepare(out: Path, records: int, family: str) -> dict[str, Path]:
     from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl
     from dflop_ds.testing.video import add_video_records
 
-    root = out if family == "llava" else out / (f"{family}_w{ENCODER_HEAVY_WIDTH}" if family in WIDENED else family)
+    root = out if family == "llava" else out / (f"{family}_w{WIDENED[family]}" if family in WIDENED else family)
     model = root / "model"
     if not (model / "config.json").exists():
         if family == "llava":
             build_tiny_llava(model, vision="clip", text="llama")
         elif family == "llava_encoder_heavy":
-            build_encoder_heavy_llava(model, width=ENCODER_HEAVY_WIDTH)  # a 6-layer, 512-wide CLIP tower
+            build_encoder_heavy_llava(model, width=WIDENED[family])  # a 6-layer, 512-wide CLIP tower
         elif family == "llava_onevision":
             build_tiny_llava_onevision(model)  # 16 px tiles, grids up to 3 x 3, pooled over 2 tiles' worth
         elif family == "internvl":
             build_tiny_internvl(model)  # 16 px tiles, 1-6 tiles and a thumbnail
+        elif family == "qwen2_vl_encoder_heavy":
+            build_tiny_qwen2_vl(model, max_pixels=QWEN_MAX_PIXELS, encoder_heavy=True, width=WIDENED[family])
         else:
             build_tiny_qwen2_vl(model, max_pixels=QWEN_MAX_PIXELS)
     data, images, videos = root / "data" / "data.json", root / "data" / "images", root / "data" / "videos"
