@@ -15,12 +15,15 @@ from dflop_ds.schedule.aligned import ROUNDS, aligned_split
 from dflop_ds.schedule.lpt import InfeasibleError, MemoryCap, MicrobatchCost
 from dflop_ds.schedule.partition_problem import PartitionProblem
 from dflop_ds.schedule.ranks import assign_to_ranks, lockstep_order
+from dflop_ds.schedule.refine import refine_split
 from dflop_ds.schedule.splitters.base import MemoryBudget, SplitRequest, SplitResult, register_splitter
 from dflop_ds.sync import SyncModel
 
 logger = logging.getLogger(__name__)
 #: Suffix of ``SplitResult.solver`` when the exact solver failed and the heuristic answered.
 FALLBACK_SUFFIX = "+fallback"
+#: Suffix of ``SplitResult.solver`` when the true-cost local search improved the best candidate.
+REFINED_SUFFIX = "+refined"
 #: Splits under a memory budget, re-weighting the bytes charged to rows of over-cap microbatches.
 MEMORY_ROUNDS = 16
 _warned_fallback: set[str] = set()
@@ -44,6 +47,11 @@ class DFLOPSplitter:
     - under ``microstep`` (on the summed column) and ``module`` (on each column), the
       microstep-aligned split of :func:`~dflop_ds.schedule.aligned.aligned_split`; under a
       memory budget only when within its cap.
+
+    When the request's ``microbatch_cost`` is not the sum of the rows (padded text, a packed row
+    attended as one sequence) and the sync model has a closed form, the best candidate is then
+    improved by moves and swaps scored by that true cost
+    (:func:`~dflop_ds.schedule.refine.refine_split`).
 
     The request's ``microbatch_cost`` gives a microbatch's true (e.g. padded) cost; its
     ``lengths`` enable the padding-aware starts when that cost pads to the longest sample; its
@@ -120,6 +128,8 @@ class DFLOPSplitter:
                 predicted = request.predict(local)
                 if request.step(predicted) < best.step:
                     best = request.result(local, "aligned", predicted)
+        if request.microbatch_cost is not None and not request.sync.pipelined:
+            best = _refined(request, best, budget)
         return best
 
     def _partitioned(
@@ -168,6 +178,20 @@ def _balanced_costs(request: SplitRequest) -> tuple[np.ndarray, MicrobatchCost |
     if columns is not None:
         summed = lambda positions: np.atleast_1d(np.asarray(columns(positions), dtype=float).sum())  # noqa: E731
     return request.costs.sum(axis=1, keepdims=True), summed
+
+
+def _refined(request: SplitRequest, best: SplitResult, budget: MemoryBudget | None) -> SplitResult:
+    """``best`` improved by moves and swaps scored by the request's true microbatch cost
+    (:func:`~dflop_ds.schedule.refine.refine_split`), within ``budget``; ``best`` itself when
+    nothing lowers its step."""
+    fits = None if budget is None else (lambda rows: budget.bytes_of(rows) <= budget.cap)
+    assert request.microbatch_cost is not None
+    local, predicted = refine_split(
+        _positions(request, best), best.predicted, request.microbatch_cost, request.sync, fits
+    )
+    if request.step(predicted) >= best.step:
+        return best
+    return request.result(local, f"{best.solver}{REFINED_SUFFIX}", predicted)
 
 
 def _under_budget(request: SplitRequest, result: SplitResult) -> SplitResult:

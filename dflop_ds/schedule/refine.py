@@ -1,0 +1,160 @@
+"""Local search on a split's true step, for microbatches whose cost is not the sum of their rows.
+
+The DFLOP splitter builds its candidates from each row's own cost, columns that add up. A padded
+microbatch (every row pays for the longest one) or a packed row whose attention spans the whole
+row (its cost grows with the row's length squared) costs more than that sum, by an amount that
+depends on which rows share it, so the best candidate by the rows' sums may be far from the best
+split by the true cost. :func:`refine_split` improves a split by that true cost:
+
+- a change moves one row of a *critical* microbatch (one that sets its microstep's maximum on
+  some column, or its rank's total under ``boundary``) into another microbatch, or swaps it with
+  a row of another microbatch;
+- each change is scored by the step under the sync model (:func:`~dflop_ds.sync.step_cost`),
+  the two changed microbatches costed by the true microbatch cost (each grouping computed once);
+- the first change that lowers the step is kept and the search starts again from the new
+  critical microbatches, until no change lowers it, ``max_evaluations`` microbatch costs have
+  been computed or :data:`TRIALS_PER_EVALUATION` times as many changes have been scored.
+
+Pure and deterministic: critical microbatches in decreasing excess over their microstep's mean,
+rows and targets in index order, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from dflop_ds.sync import SyncModel, step_cost
+
+__all__ = ["MAX_EVALUATIONS", "refine_split"]
+
+#: Microbatch costs :func:`refine_split` computes at most per split (each a call of the true cost,
+#: tens of microseconds for the packed and padded costs): bounds its time on large batches.
+MAX_EVALUATIONS = 2_000
+#: Changes scored at most per microbatch cost computed (rescans score cached groupings again).
+TRIALS_PER_EVALUATION = 16
+#: A change must lower the step by more than this (relative) to be kept.
+_GAIN = 1e-9
+
+Grid = list[list[list[int]]]
+Cell = tuple[int, int]
+
+
+def refine_split(
+    local: Sequence[Sequence[Sequence[int]]],
+    predicted: np.ndarray,
+    microbatch_cost: Callable[[Sequence[int]], np.ndarray],
+    sync: SyncModel,
+    fits: Callable[[Sequence[int]], bool] | None = None,
+    max_evaluations: int = MAX_EVALUATIONS,
+) -> tuple[Grid, np.ndarray]:
+    """``local`` (``local[r][k]``: the rows of rank ``r``'s ``k``-th microbatch) and its
+    ``(dp, n_mb, c)`` ``predicted`` costs, improved by moves and swaps of rows scored by
+    ``microbatch_cost`` under ``sync`` (see the module docstring); ``fits``: whether a microbatch
+    of two or more rows may be formed (e.g. under a memory cap; None: any). Returns the new grid
+    and its predicted costs; every microbatch keeps at least one row."""
+    if sync is SyncModel.PIPELINE:
+        raise ValueError("a pipeline's step has no closed form: refine_split needs a sync model with one")
+    grid: Grid = [[list(mb) for mb in rank] for rank in local]
+    costs = np.array(predicted, dtype=float, copy=True)
+    known: dict[tuple[int, ...], np.ndarray] = {}
+
+    def cost_of(rows: list[int]) -> np.ndarray | None:
+        key = tuple(sorted(rows))
+        if key not in known:
+            if len(known) >= max_evaluations:
+                return None
+            known[key] = np.asarray(microbatch_cost(list(key)), dtype=float).reshape(costs.shape[2])
+        return known[key]
+
+    step = step_cost(costs, sync)
+    trials = [max_evaluations * TRIALS_PER_EVALUATION]
+    while True:
+        change = _first_gain(grid, costs, step, sync, cost_of, fits, trials)
+        if change is None:
+            return grid, costs
+        (a, rows_a, cost_a), (b, rows_b, cost_b), step = change
+        grid[a[0]][a[1]], grid[b[0]][b[1]] = rows_a, rows_b
+        costs[a], costs[b] = cost_a, cost_b
+
+
+def _first_gain(
+    grid: Grid,
+    costs: np.ndarray,
+    step: float,
+    sync: SyncModel,
+    cost_of: Callable[[list[int]], np.ndarray | None],
+    fits: Callable[[Sequence[int]], bool] | None,
+    trials: list[int],
+) -> tuple[tuple[Cell, list[int], np.ndarray], tuple[Cell, list[int], np.ndarray], float] | None:
+    """The first move or swap out of a critical microbatch that lowers ``step``: the two changed
+    cells with their rows and costs, and the new step; None when none does or a budget ran out
+    (``trials[0]``: changes left to score, counted down)."""
+    dp, n_mb = costs.shape[:2]
+    cells = [(r, k) for r in range(dp) for k in range(n_mb)]
+    trial = costs.copy()
+    for a in _critical_cells(costs, sync):
+        source = grid[a[0]][a[1]]
+        for i, row in enumerate(source):
+            rest = source[:i] + source[i + 1 :]
+            for b in cells:
+                if b == a:
+                    continue
+                target = grid[b[0]][b[1]]
+                for rows_a, rows_b in _changes(rest, row, target):
+                    if fits is not None and not (_allowed(rows_a, fits) and _allowed(rows_b, fits)):
+                        continue
+                    cost_a, cost_b = cost_of(rows_a), cost_of(rows_b)
+                    trials[0] -= 1
+                    if cost_a is None or cost_b is None or trials[0] < 0:
+                        return None
+                    trial[a], trial[b] = cost_a, cost_b
+                    steps = sorted({a[1], b[1]})
+                    new = step - _part(costs, steps, sync) + _part(trial, steps, sync)
+                    trial[a], trial[b] = costs[a], costs[b]
+                    if new < step * (1 - _GAIN):
+                        return (a, rows_a, cost_a), (b, rows_b, cost_b), new
+    return None
+
+
+def _part(costs: np.ndarray, steps: list[int], sync: SyncModel) -> float:
+    """The part of the step that microsteps ``steps`` add (under ``boundary``, the whole step)."""
+    if sync is SyncModel.BOUNDARY:
+        return step_cost(costs, sync)
+    return step_cost(costs[:, steps], sync)
+
+
+def _changes(rest: list[int], row: int, target: list[int]) -> Iterator[tuple[list[int], list[int]]]:
+    """The source's and target's rows after moving ``row`` (when the source keeps a row) and
+    after swapping it with each row of ``target``."""
+    if rest:
+        yield rest, [*target, row]
+    for j, other in enumerate(target):
+        yield [*rest, other], [*target[:j], row, *target[j + 1 :]]
+
+
+def _allowed(rows: list[int], fits: Callable[[Sequence[int]], bool]) -> bool:
+    """A single row always forms a microbatch; more only when ``fits`` says so."""
+    return len(rows) < 2 or fits(rows)
+
+
+def _critical_cells(costs: np.ndarray, sync: SyncModel) -> list[Cell]:
+    """The microbatches that set the step: under ``module`` the slowest rank of every microstep
+    and column, under ``microstep`` of every microstep's summed column, under ``boundary`` every
+    microbatch of the slowest rank; in decreasing excess over their microstep's (or the ranks')
+    mean, ties by position."""
+    if sync is SyncModel.BOUNDARY:
+        totals = costs.sum(axis=(1, 2))
+        slowest = int(np.argmax(totals))
+        order = np.argsort(-costs[slowest].sum(axis=1), kind="stable")
+        return [(slowest, int(k)) for k in order]
+    columns = costs.sum(axis=2, keepdims=True) if sync is SyncModel.MICROSTEP else costs
+    excess: dict[Cell, float] = {}
+    for k in range(columns.shape[1]):
+        for c in range(columns.shape[2]):
+            loads = columns[:, k, c]
+            r = int(np.argmax(loads))
+            cell = (r, k)
+            excess[cell] = max(excess.get(cell, 0.0), float(loads[r] - loads.mean()))
+    return sorted(excess, key=lambda cell: (-excess[cell], cell))
