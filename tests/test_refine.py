@@ -69,6 +69,23 @@ def test_refining_forms_no_microbatch_that_does_not_fit_and_stops_at_its_budget(
         refine_split(start, times(start, cost), cost, SyncModel.PIPELINE)
 
 
+def test_refining_a_large_grid_computes_at_most_its_budget_of_microbatch_costs():
+    n, dp, n_mb = 1024, 128, 4
+    costs, lengths = batch(n, 9)
+    cost = padded_cost(costs, lengths)
+    calls = []
+
+    def counted(rows):
+        calls.append(tuple(rows))
+        return cost(rows)
+
+    start = interleaved(n, dp, n_mb)
+    local, predicted = refine_split(start, times(start, cost), counted, SyncModel.MODULE, max_evaluations=300)
+    assert len(calls) <= 300
+    assert step_cost(predicted, SyncModel.MODULE) < step_cost(times(start, cost), SyncModel.MODULE)
+    np.testing.assert_allclose(predicted, times(local, cost))
+
+
 @pytest.mark.parametrize("sync", ["module", "microstep"])
 def test_dflop_refines_padded_microbatches_and_beats_the_baselines_on_their_true_cost(sync):
     refined = 0

@@ -8,7 +8,8 @@ split by the true cost. :func:`refine_split` improves a split by that true cost:
 
 - a change moves one row of a *critical* microbatch (one that sets its microstep's maximum on
   some column, or its rank's total under ``boundary``) into another microbatch, or swaps it with
-  a row of another microbatch;
+  a row of another microbatch, among the :data:`TARGETS` least loaded ranks of each microstep
+  (all of them on small grids);
 - each change is scored by the step under the sync model (:func:`~dflop_ds.sync.step_cost`),
   the two changed microbatches costed by the true microbatch cost (each grouping computed once);
 - the first change that lowers the step is kept and the search starts again from the new
@@ -32,6 +33,9 @@ __all__ = ["MAX_EVALUATIONS", "refine_split"]
 #: Microbatch costs :func:`refine_split` computes at most per split (each a call of the true cost,
 #: tens of microseconds for the packed and padded costs): bounds its time on large batches.
 MAX_EVALUATIONS = 2_000
+#: The least loaded ranks of each microstep whose microbatches a critical row may move to or
+#: swap with (bounds a scan on thousands of ranks).
+TARGETS = 8
 #: Changes scored at most per microbatch cost computed (rescans score cached groupings again).
 TRIALS_PER_EVALUATION = 16
 #: A change must lower the step by more than this (relative) to be kept.
@@ -91,8 +95,7 @@ def _first_gain(
     """The first move or swap out of a critical microbatch that lowers ``step``: the two changed
     cells with their rows and costs, and the new step; None when none does or a budget ran out
     (``trials[0]``: changes left to score, counted down)."""
-    dp, n_mb = costs.shape[:2]
-    cells = [(r, k) for r in range(dp) for k in range(n_mb)]
+    cells = _target_cells(costs)
     trial = costs.copy()
     for a in _critical_cells(costs, sync):
         source = grid[a[0]][a[1]]
@@ -137,6 +140,13 @@ def _changes(rest: list[int], row: int, target: list[int]) -> Iterator[tuple[lis
 def _allowed(rows: list[int], fits: Callable[[Sequence[int]], bool]) -> bool:
     """A single row always forms a microbatch; more only when ``fits`` says so."""
     return len(rows) < 2 or fits(rows)
+
+
+def _target_cells(costs: np.ndarray) -> list[Cell]:
+    """The :data:`TARGETS` least loaded ranks (summed columns) of every microstep, in microstep
+    order, least loaded first (ties by rank)."""
+    loads = costs.sum(axis=2)
+    return [(int(r), k) for k in range(loads.shape[1]) for r in np.argsort(loads[:, k], kind="stable")[:TARGETS]]
 
 
 def _critical_cells(costs: np.ndarray, sync: SyncModel) -> list[Cell]:
