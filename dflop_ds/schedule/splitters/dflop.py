@@ -49,7 +49,7 @@ class DFLOPSplitter:
       memory budget only when within its cap.
 
     When the request's ``microbatch_cost`` is not the sum of the rows (padded text, a packed row
-    attended as one sequence) and the sync model has a closed form, the best candidate is then
+    attended as one sequence) and ranks meet every microbatch (``microstep``, ``module``), the best candidate is then
     improved by moves and swaps scored by that true cost
     (:func:`~dflop_ds.schedule.refine.refine_split`).
 
@@ -128,7 +128,7 @@ class DFLOPSplitter:
                 predicted = request.predict(local)
                 if request.step(predicted) < best.step:
                     best = request.result(local, "aligned", predicted)
-        if request.microbatch_cost is not None and not request.sync.pipelined:
+        if request.microbatch_cost is not None and request.sync in (SyncModel.MICROSTEP, SyncModel.MODULE):
             best = _refined(request, best, budget)
         return best
 
