@@ -4,10 +4,11 @@ The DFLOP splitter builds its candidates from each row's own cost, columns that 
 microbatch (every row pays for the longest one) or a packed row whose attention spans the whole
 row (its cost grows with the row's length squared) costs more than that sum, by an amount that
 depends on which rows share it, so the best candidate by the rows' sums may be far from the best
-split by the true cost. :func:`refine_split` improves a split by that true cost:
+split by the true cost. :func:`refine_split` improves a split by that true cost, for the sync
+models whose ranks meet every microbatch (``microstep``, ``module``):
 
 - a change moves one row of a *critical* microbatch (one that sets its microstep's maximum on
-  some column, or its rank's total under ``boundary``) into another microbatch, or swaps it with
+  some column) into another microbatch, or swaps it with
   a row of another microbatch, among the :data:`TARGETS` least loaded ranks of each microstep
   (all of them on small grids);
 - each change is scored by the step under the sync model (:func:`~dflop_ds.sync.step_cost`),
@@ -58,8 +59,8 @@ def refine_split(
     ``microbatch_cost`` under ``sync`` (see the module docstring); ``fits``: whether a microbatch
     of two or more rows may be formed (e.g. under a memory cap; None: any). Returns the new grid
     and its predicted costs; every microbatch keeps at least one row."""
-    if sync is SyncModel.PIPELINE:
-        raise ValueError("a pipeline's step has no closed form: refine_split needs a sync model with one")
+    if sync not in (SyncModel.MICROSTEP, SyncModel.MODULE):
+        raise ValueError(f"refine_split balances ranks meeting every microbatch (microstep, module), not {sync.value}")
     grid: Grid = [[list(mb) for mb in rank] for rank in local]
     costs = np.array(predicted, dtype=float, copy=True)
     known: dict[tuple[int, ...], np.ndarray] = {}
@@ -113,19 +114,12 @@ def _first_gain(
                     if cost_a is None or cost_b is None or trials[0] < 0:
                         return None
                     trial[a], trial[b] = cost_a, cost_b
-                    steps = sorted({a[1], b[1]})
-                    new = step - _part(costs, steps, sync) + _part(trial, steps, sync)
+                    steps = sorted({a[1], b[1]})  # the microsteps the change touches
+                    new = step - step_cost(costs[:, steps], sync) + step_cost(trial[:, steps], sync)
                     trial[a], trial[b] = costs[a], costs[b]
                     if new < step * (1 - _GAIN):
                         return (a, rows_a, cost_a), (b, rows_b, cost_b), new
     return None
-
-
-def _part(costs: np.ndarray, steps: list[int], sync: SyncModel) -> float:
-    """The part of the step that microsteps ``steps`` add (under ``boundary``, the whole step)."""
-    if sync is SyncModel.BOUNDARY:
-        return step_cost(costs, sync)
-    return step_cost(costs[:, steps], sync)
 
 
 def _changes(rest: list[int], row: int, target: list[int]) -> Iterator[tuple[list[int], list[int]]]:
@@ -151,14 +145,8 @@ def _target_cells(costs: np.ndarray) -> list[Cell]:
 
 def _critical_cells(costs: np.ndarray, sync: SyncModel) -> list[Cell]:
     """The microbatches that set the step: under ``module`` the slowest rank of every microstep
-    and column, under ``microstep`` of every microstep's summed column, under ``boundary`` every
-    microbatch of the slowest rank; in decreasing excess over their microstep's (or the ranks')
-    mean, ties by position."""
-    if sync is SyncModel.BOUNDARY:
-        totals = costs.sum(axis=(1, 2))
-        slowest = int(np.argmax(totals))
-        order = np.argsort(-costs[slowest].sum(axis=1), kind="stable")
-        return [(slowest, int(k)) for k in order]
+    and column, under ``microstep`` of every microstep's summed column; in decreasing excess over
+    their microstep's mean, ties by position."""
     columns = costs.sum(axis=2, keepdims=True) if sync is SyncModel.MICROSTEP else costs
     excess: dict[Cell, float] = {}
     for k in range(columns.shape[1]):
