@@ -166,6 +166,7 @@ class BlankImageGuardMixin:
         super().__init__(*args, **kwargs)
         config = getattr(getattr(self, "model", None), "config", None)
         self._blank_image = blank_image_for(config)
+        self._gathers_per_call = gathers_parameters_per_call(self)
         if self._blank_image is None and getattr(config, "vision_config", None) is not None:
             logger.warning(
                 "no blank-image guard for model type %r (no registered family gives one for this config): under"
@@ -176,7 +177,7 @@ class BlankImageGuardMixin:
 
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's loss, after the blank image where a training microbatch has no visual input."""
-        guarded = guarded_batch(model, inputs, self._blank_image, gathers_parameters_per_call(self))
+        guarded = guarded_batch(model, inputs, self._blank_image, self._gathers_per_call)
         return super().compute_loss(model, guarded, *args, **kwargs)  # type: ignore[misc]
 
 
