@@ -70,11 +70,11 @@ def image_chats(config, count: int, every: int = 2, seed: int = 3, video_every: 
         blank = dataclasses.replace(
             blank, pixel_shape=(4 * merged, patch_dim), tokens=4, grid_thw=(1, 2 * height, 2 * width)
         )
-    media_tokens = {blank.image_token_id, blank.video_token_id}
+    media_tokens = sorted({blank.image_token_id, blank.video_token_id} - {None})
     items = []
     for i in range(count):
         ids = torch.randint(5, 150, (6 + 3 * i,), generator=generator)
-        for token in media_tokens - {None}:
+        for token in media_tokens:
             ids[ids == token] = token + 1  # media tokens only where the media are
         image = i % every == 0
         video = bool(video_every) and i % video_every == 1
@@ -82,7 +82,7 @@ def image_chats(config, count: int, every: int = 2, seed: int = 3, video_every: 
             ids = torch.cat([ids[:2], torch.full((blank.tokens,), blank.image_token_id), ids[2:]])
         if video:
             ids = torch.cat([ids[:1], torch.full((blank.tokens,), blank.video_token_id), ids[1:]])
-        labels = torch.where(torch.isin(ids, torch.tensor(sorted(media_tokens - {None}))), -100, ids)
+        labels = torch.where(torch.isin(ids, torch.tensor(media_tokens)), -100, ids)
         item = {"input_ids": ids, "labels": labels}
         if qwen:
             item["mm_token_type_ids"] = (ids == blank.image_token_id).long() + 2 * (ids == blank.video_token_id).long()

@@ -33,6 +33,7 @@ from dflop_ds.hf_trainer import DFLOPTrainer  # noqa: E402
 from dflop_ds.models.hf.registry import trainer_parts_of  # noqa: E402
 from dflop_ds.rank_lifecycle import finish_rank  # noqa: E402
 from dflop_ds.shapes import SampleShape  # noqa: E402
+from dflop_ds.zero_gather import start_ranks_before_loading  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
 
@@ -51,22 +52,12 @@ class Recording:
         return self.collate(items)
 
 
-def start_deepspeed_comm() -> None:
-    """Start deepspeed.comm before a ZeRO-3 model is made: under ``use_cpu`` the Trainer starts
-    torch.distributed, not deepspeed.comm, so zero.Init would count one rank."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    if not deepspeed.comm.is_initialized():
-        deepspeed.init_distributed(get_accelerator().communication_backend_name())
-
-
 def run(model_dir: str, out: Path, steps: int, packing: bool, zero3: bool = False) -> tuple[dict, DFLOPTrainer]:
     """One training run: its losses and the media flags of the microbatches this rank collated,
     and the trainer (whose sampler the caller closes)."""
     config = CONFIGS / ("zero3_small_buckets.json" if zero3 else "hf_trainer_zero2.json")
     if zero3:
-        start_deepspeed_comm()
+        start_ranks_before_loading()  # as docs/hf_trainer.md tells ZeRO-3 users on CPU ranks
     args = TrainingArguments(  # before the model: under ZeRO-3 it is made partitioned
         output_dir=str(out),
         use_cpu=True,
