@@ -57,35 +57,40 @@ def image_chats(config, count: int, every: int = 2, seed: int = 3, video_every: 
     (its image tokens ignored in the labels; Qwen2-VL's also with ``mm_token_type_ids``, the image
     2 x 2 merged patches, so its M-RoPE positions are not the text's; LLaVA-OneVision's with its
     ``image_sizes``); the others say ``pixel_values=None``, as a user's text-only items may.
-    ``video_every`` (a family whose tower runs apart for videos, Qwen2-VL's): one in that many
-    items also holds a one-step video of the image's size (``pixel_values_videos``)."""
+    ``video_every`` (a family whose tower runs apart for videos: Qwen2-VL's, LLaVA-OneVision's): one
+    in that many items also holds a video of the family's blank video's shape (``pixel_values_videos``;
+    Qwen2-VL's of the image's size)."""
     blank = blank_image_for(config)
     assert blank is not None
-    assert not video_every or blank.video_token_id is not None, "this family takes no separate videos"
+    assert not video_every or blank.video is not None, "this family takes no separate videos"
     generator = torch.Generator().manual_seed(seed)
     qwen = blank.grid_thw is not None
     if qwen:
         merged, patch_dim = blank.pixel_shape
         _, height, width = blank.grid_thw
-        blank = dataclasses.replace(
-            blank, pixel_shape=(4 * merged, patch_dim), tokens=4, grid_thw=(1, 2 * height, 2 * width)
-        )
-    media_tokens = sorted({blank.image_token_id, blank.video_token_id} - {None})
+        shape, grid = (4 * merged, patch_dim), (1, 2 * height, 2 * width)
+        blank = dataclasses.replace(blank, pixel_shape=shape, tokens=4, grid_thw=grid)
+        if blank.video is not None:
+            blank = dataclasses.replace(
+                blank, video=dataclasses.replace(blank.video, pixel_shape=shape, tokens=4, grid_thw=grid)
+            )
+    video_token = None if blank.video is None else blank.video.token_id
+    media_tokens = sorted({blank.image_token_id, video_token} - {None})
     items = []
     for i in range(count):
         ids = torch.randint(5, 150, (6 + 3 * i,), generator=generator)
         for token in media_tokens:
             ids[ids == token] = token + 1  # media tokens only where the media are
         image = i % every == 0
-        video = bool(video_every) and i % video_every == 1
+        video = blank.video if video_every and i % video_every == 1 else None
         if image:
             ids = torch.cat([ids[:2], torch.full((blank.tokens,), blank.image_token_id), ids[2:]])
-        if video:
-            ids = torch.cat([ids[:1], torch.full((blank.tokens,), blank.video_token_id), ids[1:]])
+        if video is not None:
+            ids = torch.cat([ids[:1], torch.full((video.tokens,), video.token_id), ids[1:]])
         labels = torch.where(torch.isin(ids, torch.tensor(media_tokens)), -100, ids)
         item = {"input_ids": ids, "labels": labels}
         if qwen:
-            item["mm_token_type_ids"] = (ids == blank.image_token_id).long() + 2 * (ids == blank.video_token_id).long()
+            item["mm_token_type_ids"] = (ids == blank.image_token_id).long() + 2 * (ids == video_token).long()
         if image:
             item["pixel_values"] = torch.rand(blank.pixel_shape, generator=generator)
             if qwen:
@@ -94,8 +99,9 @@ def image_chats(config, count: int, every: int = 2, seed: int = 3, video_every: 
                 item["image_sizes"] = torch.tensor([blank.image_sizes])
         else:
             item["pixel_values"] = None
-        if video:
-            item["pixel_values_videos"] = torch.rand(blank.pixel_shape, generator=generator)
-            item["video_grid_thw"] = torch.tensor([blank.grid_thw])
+        if video is not None:
+            item["pixel_values_videos"] = torch.rand(video.pixel_shape, generator=generator)
+            if video.grid_thw is not None:
+                item["video_grid_thw"] = torch.tensor([video.grid_thw])
         items.append(item)
     return items

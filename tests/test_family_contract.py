@@ -179,18 +179,24 @@ def test_a_trainer_script_trains_image_free_microbatches_padded_and_padding_free
 
 
 @pytest.mark.slow
-def test_qwen2_vl_trains_images_videos_and_text_on_two_zero3_ranks(tmp_path):
-    """Under ZeRO-3 every call of the vision tower gathers its parameters across ranks, and Qwen2-VL
-    runs it apart for images and for videos: a microbatch with a video beside one without broke the
-    ranks' collectives (gloo: a size mismatch) until the guard gave every microbatch both. Padded
-    and padding-free, 4 steps each, sub-layer buckets (ds_configs/zero3_small_buckets.json)."""
-    model = str(FAMILY_BUILDERS["Qwen2-VL"](tmp_path / "m"))
+def test_families_with_a_separate_video_pass_train_images_videos_and_text_on_two_zero3_ranks(tmp_path):
+    """Under ZeRO-3 every call of the vision tower gathers its parameters across ranks, and HF's
+    Qwen2-VL and LLaVA-OneVision run it apart for images and for videos: a microbatch with a video
+    beside one without broke the ranks' collectives (gloo: a size mismatch) until the guard gave
+    every microbatch both. Both families in one launch, padded and padding-free, 4 steps each,
+    sub-layer buckets (ds_configs/zero3_small_buckets.json)."""
+    models = {
+        name: str(FAMILY_BUILDERS[name](tmp_path / f"m{i}")) for i, name in enumerate(("Qwen2-VL", "LLaVA-OneVision"))
+    }
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = run_on_ranks(SCRIPT, ["--model", model, "--out", str(tmp_path), "--zero3"], extra_env=env, timeout=900)
+    args = [arg for model in models.values() for arg in ("--model", model)] + ["--out", str(tmp_path), "--zero3"]
+    result = run_on_ranks(SCRIPT, args, extra_env=env, timeout=900)
     assert all(f"{CLEAN_SHUTDOWN} {r}\n" in result.stdout for r in (0, 1)), result.stdout[-3000:]
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text())[model] for r in (0, 1)]
-    for run in ("padded", "packed"):
-        losses = reports[0][run]["losses"]
-        assert len(losses) == 4 and all(loss == loss for loss in losses) and losses[-1] < losses[0], (run, losses)
-        videos = [report[run]["had_videos"] for report in reports]
-        assert len(videos[0]) == len(videos[1]) and any(a != b for a, b in zip(*videos)), (run, videos)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for name, model in models.items():
+        for run in ("padded", "packed"):
+            losses = reports[0][model][run]["losses"]
+            assert len(losses) == 4 and all(loss == loss for loss in losses), (name, run, losses)
+            assert losses[-1] < losses[0], (name, run, losses)
+            videos = [report[model][run]["had_videos"] for report in reports]
+            assert len(videos[0]) == len(videos[1]) and any(a != b for a, b in zip(*videos)), (name, run, videos)

@@ -255,61 +255,76 @@ def test_qwen2_vl_blank_image_runs_the_tower_and_leaves_loss_and_gradients_uncha
                 assert torch.allclose(g, guarded_grads[k], atol=1e-6), k
 
 
-def test_under_per_call_gathers_every_qwen2_vl_microbatch_runs_the_tower_for_images_then_videos(tmp_path):
-    """Qwen2-VL runs its tower once for images and once more for videos: under ZeRO-3 a rank with
-    both gathers the tower twice, a rank with images alone once, and the ranks' collectives no
-    longer match. With per-call gathers the guard completes the pair (a blank video, a blank
-    image, or both), each masked out: the same loss and gradients, and two tower runs."""
+@pytest.mark.parametrize("family", ["Qwen2-VL", "LLaVA-OneVision"])
+def test_under_per_call_gathers_every_microbatch_runs_the_tower_for_images_then_videos(family, tmp_path):
+    """Qwen2-VL and LLaVA-OneVision run their tower once for images and once more for videos: under
+    ZeRO-3 a rank with both gathers the tower twice, a rank with images alone once, and the ranks'
+    collectives no longer match. With per-call gathers the guard completes the pair (a blank
+    video, a blank image, or both), each masked out: the same loss and gradients, and two tower runs."""
     from transformers import AutoModelForImageTextToText
 
     from dflop_ds.hf_trainer.guard import guarded_batch
-    from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl
 
-    model = AutoModelForImageTextToText.from_pretrained(str(build_tiny_qwen2_vl(tmp_path / "qwen2_vl")))
+    model = AutoModelForImageTextToText.from_pretrained(str(FAMILY_BUILDERS[family](tmp_path / "m")))
     model.train()
     blank = blank_image_for(model.config)
-    assert blank is not None and blank.video_token_id == model.config.video_token_id
+    assert blank is not None and blank.video is not None and blank.video.token_id == model.config.video_token_id
+    video = blank.video
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, 200, (1, 12), generator=generator)
-    types = torch.zeros_like(ids, dtype=torch.int)
-    patches = torch.rand(16, blank.pixel_shape[1], generator=generator)  # a 1 x 4 x 4 grid: 4 tokens
-    image, video = ids.clone(), ids.clone()
-    image[0, 2:6], video[0, 2:6] = blank.image_token_id, blank.video_token_id
-    grid = torch.tensor([[1, 4, 4]])
-    batches = {
-        "image": {"input_ids": image, "pixel_values": patches, "image_grid_thw": grid, "mm_token_type_ids": types + 0},
-        "video": {"input_ids": video, "pixel_values_videos": patches, "video_grid_thw": grid},
-        "text": {"input_ids": ids},
-    }
-    batches["image"]["mm_token_type_ids"][0, 2:6] = 1
-    batches["video"]["mm_token_type_ids"] = types.clone()
-    batches["video"]["mm_token_type_ids"][0, 2:6] = 2
-    calls: list[int] = []
-    model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    text = torch.randint(5, 200, (1, 12), generator=generator)
+    for token in (blank.image_token_id, video.token_id, blank.pad_token_id):
+        text[text == token] = token + 1
 
-    def run(inputs):
+    def with_media(token: int, count: int, token_type: int, **media) -> dict:
+        """``text`` with ``count`` media tokens at positions 2.. (real tokens read them) and ``media``."""
+        ids = torch.cat([text[:, :2], torch.full((1, count), token), text[:, 2:]], dim=1)
+        batch = {"input_ids": ids, **media}
+        if blank.grid_thw is not None:  # Qwen2-VL types its media tokens
+            batch["mm_token_type_ids"] = (ids == token).int() * token_type
+        return batch
+
+    image_media = {"pixel_values": torch.rand(blank.pixel_shape, generator=generator)}
+    if blank.grid_thw is not None:
+        image_media["image_grid_thw"] = torch.tensor([blank.grid_thw])
+    if blank.image_sizes is not None:
+        image_media["image_sizes"] = torch.tensor([blank.image_sizes])
+    video_media = {"pixel_values_videos": torch.rand(video.pixel_shape, generator=generator)}
+    if video.grid_thw is not None:
+        video_media["video_grid_thw"] = torch.tensor([video.grid_thw])
+    batches = {
+        "image": with_media(blank.image_token_id, blank.tokens, 1, **image_media),
+        "video": with_media(video.token_id, video.tokens, 2, **video_media),
+        "text": {"input_ids": text},
+    }
+    calls: list[int] = []
+    tower = getattr(model.model, "visual", None) or model.model.vision_tower
+    tower.register_forward_hook(lambda *_: calls.append(1))
+
+    def run(inputs, length):
         model.zero_grad()
         calls.clear()
         labels = inputs["input_ids"].clone()
-        labels[:, 12:] = -100  # the blank media's tokens
+        labels[:, length:] = -100  # the blank media's tokens
         loss = model(**inputs, labels=labels).loss
         loss.backward()
         return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
     for kind, batch in batches.items():
+        length = batch["input_ids"].shape[1]
         if kind != "text":
             assert guarded_batch(model, batch, blank) is batch  # gathered once per step: nothing to pair
         guarded = guarded_batch(model, batch, blank, gathers_per_call=True)
-        assert guarded["video_grid_thw"].shape == (1, 3) and guarded["image_grid_thw"].shape == (1, 3)
-        added = guarded["input_ids"][0, 12:].tolist()
-        expected = {"image": [blank.video_token_id], "video": [blank.image_token_id]}
-        assert added == expected.get(kind, [blank.image_token_id, blank.video_token_id]), kind
+        assert all(guarded[key].numel() for key in ("pixel_values", "pixel_values_videos")), kind
+        added = guarded["input_ids"][0, length:].tolist()
+        blank_image, blank_video = [blank.image_token_id] * blank.tokens, [video.token_id] * video.tokens
+        expected = {"image": blank_video, "video": blank_image, "text": blank_image + blank_video}[kind]
+        assert added == expected, kind
         mask = torch.ones_like(guarded["input_ids"])
-        mask[0, 12:] = 0
+        mask[0, length:] = 0
         guarded = {**guarded, "attention_mask": mask}
-        loss, grads = run(batch)
+        loss, grads = run(batch, length)
         assert len(calls) == (0 if kind == "text" else 1)
-        guarded_loss, guarded_grads = run(guarded)
+        guarded_loss, guarded_grads = run(guarded, length)
         assert len(calls) == 2, kind  # the tower ran for the images, then for the videos
         assert torch.allclose(loss, guarded_loss, atol=1e-6), kind
         for k, g in grads.items():

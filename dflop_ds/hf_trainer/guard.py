@@ -17,13 +17,14 @@ model takes with it (Qwen2-VL's ``image_grid_thw`` and ``mm_token_type_ids``, LL
 ``image_sizes``). A padding-free batch's ``position_ids`` (``[B, L]`` or ``[3 or 4, B, L]``) are
 extended with zeros: the blank tokens start sequences of their own.
 
-Qwen2-VL (and Qwen3-VL) run the vision tower once for a microbatch's images and once more for its
-videos. Under ZeRO-3 (and FSDP) each run gathers the tower's parameters, a collective, so a rank
-with images and videos would gather twice while a rank with images alone gathers once, and the
-ranks' collectives no longer match (gloo: ``Received data size doesn't match expected size``).
-There the guard also completes each microbatch's pair: a blank one-step video where it has no
-video (:func:`with_blank_video`), a blank image where it has videos alone, so that every rank runs
-the tower twice in the same order.
+HF's Qwen2-VL, Qwen3-VL and LLaVA-OneVision run the vision tower once for a microbatch's images
+and once more for its videos. Under ZeRO-3 (and FSDP) each run gathers the tower's parameters, a
+collective, so a rank with images and videos would gather twice while a rank with images alone
+gathers once, and the ranks' collectives no longer match (gloo: ``Received data size doesn't match
+expected size``). There the guard also completes each microbatch's pair: the family's blank video
+(:class:`~dflop_ds.models.hf.trainer_parts.BlankVideo`: a one-step Qwen2-VL video, a one-frame
+LLaVA-OneVision video) where it has no video (:func:`with_blank_video`), a blank image where it
+has videos alone, so that every rank runs the tower twice in the same order.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 
 from dflop_ds.models.hf.registry import trainer_parts_of
-from dflop_ds.models.hf.trainer_parts import BlankImage
+from dflop_ds.models.hf.trainer_parts import BlankImage, BlankVideo
 from dflop_ds.models.tiny_data import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ def with_blank_image(inputs: Mapping[str, Any], blank: BlankImage) -> dict[str, 
     positions are 0 in ``attention_mask`` and ``position_ids``, ignored in ``labels``, a sample of
     their own in a padding-free batch's ``cu_seq_lens_q/k``; every other ``[B, L]`` tensor is
     extended with zeros. The loss and the gradients are those of ``inputs``."""
-    out = _with_blank_tokens(inputs, blank, blank.image_token_id, IMAGE_TOKEN_TYPE)
+    typed = IMAGE_TOKEN_TYPE if blank.grid_thw is not None else None
+    out = _with_blank_tokens(inputs, blank.pad_token_id, blank.image_token_id, blank.tokens, typed)
     ids = out["input_ids"]
     out["pixel_values"] = torch.zeros(blank.pixel_shape, device=ids.device)
     if blank.image_sizes is not None:
@@ -86,27 +88,30 @@ def with_blank_image(inputs: Mapping[str, Any], blank: BlankImage) -> dict[str, 
 
 
 def with_blank_video(inputs: Mapping[str, Any], blank: BlankImage) -> dict[str, Any]:
-    """``inputs`` (a batch with ``input_ids [B, L]`` and no videos) with the blank image appended
-    as a one-step video (``blank.video_token_id``: Qwen2-VL's) after position ``L - 1``, the rest
-    as :func:`with_blank_image` does it."""
-    if blank.video_token_id is None or blank.grid_thw is None:
+    """``inputs`` (a batch with ``input_ids [B, L]`` and no videos) with the family's blank video
+    (``blank.video``) appended after position ``L - 1``, the rest as :func:`with_blank_image` does it."""
+    video: BlankVideo | None = blank.video
+    if video is None:
         raise ValueError("this model family takes no blank video: its tower runs once for images and videos")
-    out = _with_blank_tokens(inputs, blank, blank.video_token_id, VIDEO_TOKEN_TYPE)
+    typed = VIDEO_TOKEN_TYPE if video.grid_thw is not None else None
+    out = _with_blank_tokens(inputs, blank.pad_token_id, video.token_id, video.tokens, typed)
     device = out["input_ids"].device
-    out["pixel_values_videos"] = torch.zeros(blank.pixel_shape, device=device)
-    out["video_grid_thw"] = torch.tensor([blank.grid_thw], dtype=torch.long, device=device)
+    out["pixel_values_videos"] = torch.zeros(video.pixel_shape, device=device)
+    if video.grid_thw is not None:
+        out["video_grid_thw"] = torch.tensor([video.grid_thw], dtype=torch.long, device=device)
     return out
 
 
-def _with_blank_tokens(inputs: Mapping[str, Any], blank: BlankImage, token_id: int, token_type: int) -> dict[str, Any]:
-    """``inputs`` with ``blank.tokens`` tokens ``token_id`` appended to row 0 (padding on the
+def _with_blank_tokens(
+    inputs: Mapping[str, Any], pad_token_id: int, token_id: int, extra: int, token_type: int | None
+) -> dict[str, Any]:
+    """``inputs`` with ``extra`` tokens ``token_id`` appended to row 0 (``pad_token_id`` on the
     other rows), masked out of attention and of the loss (see :func:`with_blank_image`), typed
-    ``token_type`` in ``mm_token_type_ids`` when the family types its tokens (a ``grid_thw``)."""
+    ``token_type`` in ``mm_token_type_ids`` when the family types its tokens (not None)."""
     ids = inputs["input_ids"]
     rows, length = ids.shape
-    extra = blank.tokens
     out: dict[str, Any] = dict(inputs)
-    tail = torch.full((rows, extra), blank.pad_token_id, dtype=ids.dtype, device=ids.device)
+    tail = torch.full((rows, extra), pad_token_id, dtype=ids.dtype, device=ids.device)
     tail[0] = token_id
     out["input_ids"] = torch.cat([ids, tail], dim=1)
     for key, value in inputs.items():
@@ -118,13 +123,13 @@ def _with_blank_tokens(inputs: Mapping[str, Any], blank: BlankImage, token_id: i
             fill = IGNORE_INDEX if key in TARGET_KEYS else 0
             pad = torch.full((rows, extra, *value.shape[2:]), fill, dtype=value.dtype, device=value.device)
             out[key] = torch.cat([value, pad], dim=1)
-    if "cu_seq_lens_q" in inputs:  # a padding-free batch's sample bounds: the blank image is one more sample
+    if "cu_seq_lens_q" in inputs:  # a padding-free batch's sample bounds: the blank media are one more sample
         for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
             bounds = inputs[key]
             out[key] = torch.cat([bounds, bounds[-1:] + extra])
         for key in ("max_length_q", "max_length_k"):
             out[key] = max(int(inputs[key]), extra)
-    if blank.grid_thw is not None:
+    if token_type is not None:
         types = out.get(TOKEN_TYPE_KEY)
         if types is None:
             types = torch.zeros_like(out["input_ids"], dtype=torch.int)
@@ -137,11 +142,11 @@ def _with_blank_tokens(inputs: Mapping[str, Any], blank: BlankImage, token_id: i
 def guarded_batch(model: Any, inputs: Any, blank: BlankImage | None, gathers_per_call: bool = False) -> Any:
     """``inputs`` with :func:`with_blank_image` when ``model`` trains on a microbatch without visual
     input and ``blank`` is its blank image; when ``gathers_per_call`` (ZeRO-3, FSDP) and the
-    family runs its tower apart for videos (``blank.video_token_id``), with a blank image where
+    family runs its tower apart for videos (``blank.video``), with a blank image where
     the microbatch has none and a blank video where it has none; else ``inputs`` unchanged."""
     if blank is None or not model.training or "input_ids" not in inputs:
         return inputs
-    if not (gathers_per_call and blank.video_token_id is not None):
+    if not (gathers_per_call and blank.video is not None):
         return inputs if has_images(inputs) else with_blank_image(inputs, blank)
     out = inputs if has_media(inputs, "pixel_values") else with_blank_image(inputs, blank)
     return out if has_media(out, "pixel_values_videos") else with_blank_video(out, blank)
@@ -183,6 +188,7 @@ class BlankImageGuardMixin:
 
 __all__ = [
     "BlankImage",
+    "BlankVideo",
     "BlankImageGuardMixin",
     "blank_image_for",
     "gathers_parameters_per_call",

@@ -27,15 +27,28 @@ DEFAULT_MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "
 
 
 @dataclass(frozen=True)
+class BlankVideo:
+    """What a model needs to take one blank video, for a family whose model runs its vision tower
+    once for a microbatch's images and once more for its videos (Qwen2-VL, Qwen3-VL,
+    LLaVA-OneVision): its ``pixel_values_videos`` shape, the video token and how many of them the
+    video becomes, and (Qwen2-VL) its ``video_grid_thw`` row (its tokens are then typed as video
+    tokens in ``mm_token_type_ids``)."""
+
+    pixel_shape: tuple[int, ...]
+    token_id: int
+    tokens: int
+    grid_thw: tuple[int, int, int] | None = None
+
+
+@dataclass(frozen=True)
 class BlankImage:
     """What a model needs to take one blank image: its ``pixel_values`` tensor shape, the image
     token and how many of them the image becomes, a token id for the other rows' padding,
     (Qwen2-VL) the image's ``image_grid_thw`` row (its tokens are then typed as image tokens in
     ``mm_token_type_ids``) and (LLaVA-OneVision) its ``image_sizes`` row ``(height, width)``.
 
-    ``video_token_id`` (Qwen2-VL): the model runs its vision tower once for a microbatch's images
-    and once more for its videos, and takes the same placeholder as a one-step video
-    (``pixel_values_videos``, ``video_grid_thw``, these tokens typed as video)."""
+    ``video``: the family's blank video where its model runs the tower apart for videos (None:
+    one tower call takes a microbatch's images and videos, or the family has no videos)."""
 
     pixel_shape: tuple[int, ...]
     image_token_id: int
@@ -43,14 +56,15 @@ class BlankImage:
     pad_token_id: int
     grid_thw: tuple[int, int, int] | None = None
     image_sizes: tuple[int, int] | None = None
-    video_token_id: int | None = None
+    video: BlankVideo | None = None
 
 
-def text_pad_token(config: Any, image_token_id: int) -> int:
-    """The text model's padding id, or another id that is not the image token."""
+def text_pad_token(config: Any, *media_token_ids: int) -> int:
+    """The text model's padding id, or the smallest id that is no media token (the image token,
+    and the video token of a family that takes videos)."""
     pad = getattr(config.get_text_config(), "pad_token_id", None)
-    if pad is None or int(pad) == image_token_id:
-        return 0 if image_token_id != 0 else 1
+    if pad is None or int(pad) in media_token_ids:
+        return next(token for token in range(len(media_token_ids) + 1) if token not in media_token_ids)
     return int(pad)
 
 
@@ -76,4 +90,4 @@ class TrainerParts:
     rope_index: Callable[[Any], Callable[..., Any] | None] = no_rope_index
 
 
-__all__ = ["DEFAULT_MEDIA_KEYS", "BlankImage", "TrainerParts", "no_rope_index", "text_pad_token"]
+__all__ = ["DEFAULT_MEDIA_KEYS", "BlankImage", "BlankVideo", "TrainerParts", "no_rope_index", "text_pad_token"]

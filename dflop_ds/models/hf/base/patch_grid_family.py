@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from dflop_ds.models.hf.trainer_parts import DEFAULT_MEDIA_KEYS, BlankImage, TrainerParts, text_pad_token
+from dflop_ds.models.hf.trainer_parts import DEFAULT_MEDIA_KEYS, BlankImage, BlankVideo, TrainerParts, text_pad_token
 
 
 def patch_grid_blank_image(config: Any) -> BlankImage:
@@ -17,10 +17,11 @@ def patch_grid_blank_image(config: Any) -> BlankImage:
     vision = config.vision_config
     merge = int(vision.spatial_merge_size)
     patch_dim = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
-    image_token_id = int(config.image_token_id)
-    pad = text_pad_token(config, image_token_id)
-    video_token_id = int(config.video_token_id)
-    return BlankImage((merge**2, patch_dim), image_token_id, 1, pad, (1, merge, merge), video_token_id=video_token_id)
+    image_token_id, video_token_id = int(config.image_token_id), int(config.video_token_id)
+    pad = text_pad_token(config, image_token_id, video_token_id)
+    shape, grid = (merge**2, patch_dim), (1, merge, merge)
+    video = BlankVideo(shape, video_token_id, 1, grid)
+    return BlankImage(shape, image_token_id, 1, pad, grid, video=video)
 
 
 def patch_grid_trainer() -> TrainerParts:

@@ -30,7 +30,7 @@ from dflop_ds.models.hf.llava_onevision.synthetic import (
     config_rule,
     onevision_hf_kwargs,
 )
-from dflop_ds.models.hf.trainer_parts import BlankImage, TrainerParts, text_pad_token
+from dflop_ds.models.hf.trainer_parts import BlankImage, BlankVideo, TrainerParts, text_pad_token
 
 #: The :class:`~dflop_ds.models.hf.llava_onevision.data.OnevisionPreprocessor` of a model directory.
 llava_onevision_preprocessor = tiled_preprocessor_loader(OnevisionPreprocessor)
@@ -38,13 +38,20 @@ llava_onevision_preprocessor = tiled_preprocessor_loader(OnevisionPreprocessor)
 
 def llava_onevision_blank_image(config: Any) -> BlankImage:
     """One blank tile-sized image as HF's model takes it: its AnyRes tiles ``[1, tiles, C, T, T]``,
-    its ``image_sizes`` row and the tokens it becomes (the counting rule of the config)."""
+    its ``image_sizes`` row and the tokens it becomes (the counting rule of the config); and a
+    blank one-frame video ``[1, 1, C, T, T]`` (HF's model runs its tower apart for videos)."""
     rule = config_rule(config)
     tile = rule.tile_size
     tiles, tokens = rule.image(tile, tile)
     image_token_id = int(config.image_token_id)
-    pixels = (1, tiles, int(getattr(config.vision_config, "num_channels", 3)), tile, tile)
-    return BlankImage(pixels, image_token_id, tokens, text_pad_token(config, image_token_id), image_sizes=(tile, tile))
+    channels = int(getattr(config.vision_config, "num_channels", 3))
+    _, video_tokens = rule.video(1)
+    video_token_id = int(config.video_token_id)
+    video = BlankVideo((1, 1, channels, tile, tile), video_token_id, video_tokens)
+    pad = text_pad_token(config, image_token_id, video_token_id)
+    return BlankImage(
+        (1, tiles, channels, tile, tile), image_token_id, tokens, pad, image_sizes=(tile, tile), video=video
+    )
 
 
 def llava_onevision_trainer() -> TrainerParts:
