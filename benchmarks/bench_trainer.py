@@ -17,7 +17,9 @@ Each baseline first runs one epoch as its users run it, without the blank-image 
 crashes is shown as crashed with its error, and is measured with the project's guard
 (``BlankImageGuardMixin``, which DFLOPTrainer always has) and labelled so. Prints per row a table
 (samples/s median and min-max over rounds, padding efficiency, rank imbalance measured on the
-forward passes and, for DFLOP, as its cost model predicts it) and ends with
+forward passes and, for the strategies DFLOPTrainer runs, as the cost model predicts it, with
+the predicted step over its lower bound under the row's sync model: how much any split could still
+gain over that strategy by the cost model's account) and ends with
 `trainer speedup_vs_random=A speedup_vs_batch_rebalance=B speedup_vs_best=C padding_efficiency=D
 z3_speedup_vs_best=E`: A-D of the Qwen2-VL row (DFLOP's best variant over each baseline, over the
 fastest baseline), E the same over the fastest baseline of the ZeRO-3 rows (the smallest of them).
@@ -166,16 +168,27 @@ def summarize(results: list[dict]) -> dict[str, dict]:
     for strategy in dict.fromkeys(r["strategy"] for r in results):
         rows = [r for r in results if r["strategy"] == strategy]
         rates = [r["samples_per_s"] for r in rows]
-        predicted = [r["predicted_imbalance"] for r in rows if r.get("predicted_imbalance") is not None]
         table[strategy] = {
             "median": float(np.median(rates)),
             "min": min(rates),
             "max": max(rates),
             "padding_efficiency": float(np.mean([r["padding_efficiency"] for r in rows])),
             "imbalance": float(np.mean([r["imbalance"] for r in rows])),
-            "predicted": float(np.mean(predicted)) if predicted else None,
+            "predicted": mean_of(rows, "predicted_imbalance"),
+            "over_bound": mean_of(rows, "predicted_step_over_bound"),
         }
     return table
+
+
+def mean_of(rows: list[dict], key: str) -> float | None:
+    """The mean of ``key`` over the rounds that report it (None where none does)."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return float(np.mean(values)) if values else None
+
+
+def optional(value: float | None) -> str:
+    """A table cell of 11 characters: the value to 3 decimals, or a dash."""
+    return f"{value:>11.3f}" if value is not None else f"{'-':>11}"
 
 
 def report(row: str, table: dict[str, dict], unguarded: dict[str, str]) -> str:
@@ -184,13 +197,15 @@ def report(row: str, table: dict[str, dict], unguarded: dict[str, str]) -> str:
     lines = [f"[{row}] unguarded epoch of {name}: {outcome}" for name, outcome in unguarded.items()]
     lines.append(
         f"[{row}] {'strategy':<28}{'samples/s':>10}{'min-max':>16}{'padding eff':>13}{'imbalance':>11}{'predicted':>11}"
+        f"{'step/bound':>11}"
     )
     for name, entry in table.items():
         label = f"{name} (guarded)" if not unguarded.get(name, "ran").startswith("ran") else name
         lines.append(
             f"[{row}] {label:<28}{entry['median']:>10.2f}{entry['min']:>8.2f}-{entry['max']:<7.2f}"
             f"{entry['padding_efficiency']:>13.3f}{entry['imbalance']:>11.3f}"
-            + (f"{entry['predicted']:>11.3f}" if entry["predicted"] is not None else f"{'-':>11}")
+            + optional(entry["predicted"])
+            + optional(entry["over_bound"])
         )
     return "\n".join(lines)
 

@@ -218,13 +218,15 @@ def run(strategy: str, cli, shapes) -> dict:
         "padding_efficiency": trainer.real / max(trainer.padded, 1),
         "imbalance": imbalance,
         "mixed_microbatches": mixed_microbatches(trainer.visual),
-        "predicted_imbalance": predicted_imbalance(trainer.state.log_history),
+        "predicted_imbalance": mean_logged(trainer.state.log_history, "dflop_predicted_imbalance"),
+        "predicted_step_over_bound": mean_logged(trainer.state.log_history, "dflop_predicted_step_over_bound"),
     }
 
 
-def predicted_imbalance(log_history: list[dict]) -> float | None:
-    """DFLOPTrainer's mean ``dflop_predicted_imbalance`` over the run's logs (None for the others)."""
-    values = [entry["dflop_predicted_imbalance"] for entry in log_history if "dflop_predicted_imbalance" in entry]
+def mean_logged(log_history: list[dict], key: str) -> float | None:
+    """The mean of DFLOPTrainer's telemetry ``key`` over the run's logs (None for a run that logs none:
+    transformers' own samplers)."""
+    values = [entry[key] for entry in log_history if key in entry]
     return float(np.mean(values)) if values else None
 
 
