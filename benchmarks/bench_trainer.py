@@ -19,7 +19,8 @@ crashes is shown as crashed with its error, and is measured with the project's g
 (samples/s median and min-max over rounds, padding efficiency, rank imbalance measured on the
 forward passes and, for the strategies DFLOPTrainer runs, as the cost model predicts it, with
 the predicted step over its lower bound under the row's sync model: how much any split could still
-gain over that strategy by the cost model's account) and ends with
+gain over that strategy by the cost model's account; the median measured step and, for those
+strategies, the predicted one: the share of a step the cost model sees) and ends with
 `trainer speedup_vs_random=A speedup_vs_batch_rebalance=B speedup_vs_best=C padding_efficiency=D
 z3_speedup_vs_best=E`: A-D of the Qwen2-VL row (DFLOP's best variant over each baseline, over the
 fastest baseline), E the same over the fastest baseline of the ZeRO-3 rows (the smallest of them).
@@ -176,6 +177,8 @@ def summarize(results: list[dict]) -> dict[str, dict]:
             "imbalance": float(np.mean([r["imbalance"] for r in rows])),
             "predicted": mean_of(rows, "predicted_imbalance"),
             "over_bound": mean_of(rows, "predicted_step_over_bound"),
+            "step_s": float(np.median([r["step_s"] for r in rows])),
+            "predicted_step_s": mean_of(rows, "predicted_step_s"),
         }
     return table
 
@@ -197,7 +200,7 @@ def report(row: str, table: dict[str, dict], unguarded: dict[str, str]) -> str:
     lines = [f"[{row}] unguarded epoch of {name}: {outcome}" for name, outcome in unguarded.items()]
     lines.append(
         f"[{row}] {'strategy':<28}{'samples/s':>10}{'min-max':>16}{'padding eff':>13}{'imbalance':>11}{'predicted':>11}"
-        f"{'step/bound':>11}"
+        f"{'step/bound':>11}{'step s':>11}{'predicted':>11}"
     )
     for name, entry in table.items():
         label = f"{name} (guarded)" if not unguarded.get(name, "ran").startswith("ran") else name
@@ -206,6 +209,8 @@ def report(row: str, table: dict[str, dict], unguarded: dict[str, str]) -> str:
             f"{entry['padding_efficiency']:>13.3f}{entry['imbalance']:>11.3f}"
             + optional(entry["predicted"])
             + optional(entry["over_bound"])
+            + f"{entry['step_s']:>11.3f}"
+            + optional(entry["predicted_step_s"])
         )
     return "\n".join(lines)
 

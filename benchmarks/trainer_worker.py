@@ -220,6 +220,7 @@ def run(strategy: str, cli, shapes) -> dict:
         "mixed_microbatches": mixed_microbatches(trainer.visual),
         "predicted_imbalance": mean_logged(trainer.state.log_history, "dflop_predicted_imbalance"),
         "predicted_step_over_bound": mean_logged(trainer.state.log_history, "dflop_predicted_step_over_bound"),
+        "predicted_step_s": mean_logged(trainer.state.log_history, "dflop_predicted_step_s"),
     }
 
 

@@ -751,6 +751,7 @@ def test_trainer_zero2_killed_and_resumed_trains_every_sample_once_in_gas_microb
     telemetry = runs[0]["telemetry"]
     assert len(telemetry) == steps and all(t["dflop_predicted_imbalance"] >= 1.0 for t in telemetry)
     assert all(t["dflop_predicted_step_over_bound"] >= 1.0 - 1e-9 for t in telemetry)  # the sync model's bound
+    assert all(t["dflop_predicted_step_s"] > 0 for t in telemetry)
 
 
 @pytest.mark.slow

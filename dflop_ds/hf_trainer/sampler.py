@@ -86,6 +86,7 @@ class ScheduleLog:
 
     imbalance: list[float] = field(default_factory=list)
     step_over_bound: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
     schedule_s: list[float] = field(default_factory=list)
 
     def add(self, schedule: BatchSchedule) -> None:
@@ -94,23 +95,25 @@ class ScheduleLog:
         over = schedule.step_over_bound()
         if over is not None:
             self.step_over_bound.append(over)
+        self.step_s.append(float(schedule.split.step))
         self.schedule_s.append(float(schedule.schedule_s))
 
     def drain(self) -> dict[str, float]:
         """Mean predicted imbalance (slowest / mean microbatch), mean predicted step over its lower
-        bound under the run's sync model (when the splitter bounds it) and total scheduler seconds
-        of the schedules since the last call, as Trainer log entries (empty when there were none)."""
+        bound under the run's sync model (when the splitter bounds it), mean predicted step seconds
+        and total scheduler seconds of the schedules since the last call, as Trainer log entries
+        (empty when there were none)."""
         if not self.imbalance:
             return {}
         logs = {
             "dflop_predicted_imbalance": float(np.mean(self.imbalance)),
+            "dflop_predicted_step_s": float(np.mean(self.step_s)),
             "dflop_schedule_s": float(np.sum(self.schedule_s)),
         }
         if self.step_over_bound:
             logs["dflop_predicted_step_over_bound"] = float(np.mean(self.step_over_bound))
-        self.imbalance.clear()
-        self.step_over_bound.clear()
-        self.schedule_s.clear()
+        for values in (self.imbalance, self.step_over_bound, self.step_s, self.schedule_s):
+            values.clear()
         return logs
 
 

@@ -196,7 +196,8 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         """The Trainer's log, with the scheduler's telemetry since the last training log
         (``dflop_predicted_imbalance``: mean slowest / mean microbatch cost;
         ``dflop_predicted_step_over_bound``: mean predicted step over its lower bound under the
-        run's sync model; ``dflop_schedule_s``)."""
+        run's sync model; ``dflop_predicted_step_s``: the mean predicted step in the cost model's
+        seconds; ``dflop_schedule_s``)."""
         if "loss" in logs and self.dflop_batch_sampler is not None:
             logs = {**logs, **self.dflop_batch_sampler.log.drain()}
         super().log(logs, *args, **kwargs)  # type: ignore[misc]

@@ -196,7 +196,8 @@ class DFLOPSwiftCallback(TrainerCallback):
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """ms-swift's log, with the scheduler's telemetry since the last training log
-        (``dflop_predicted_imbalance``, ``dflop_predicted_step_over_bound``, ``dflop_schedule_s``)."""
+        (``dflop_predicted_imbalance``, ``dflop_predicted_step_over_bound``, ``dflop_predicted_step_s``,
+        ``dflop_schedule_s``)."""
         if "loss" in logs and self.batch_sampler is not None:
             logs = {**logs, **self.batch_sampler.log.drain()}
         self._log(logs, *args, **kwargs)

@@ -141,7 +141,12 @@ def losses(trainer) -> list[float]:
 
 
 def telemetry(trainer) -> list[dict]:
-    keys = ("dflop_predicted_imbalance", "dflop_predicted_step_over_bound", "dflop_schedule_s")
+    keys = (
+        "dflop_predicted_imbalance",
+        "dflop_predicted_step_over_bound",
+        "dflop_predicted_step_s",
+        "dflop_schedule_s",
+    )
     return [{k: entry.get(k) for k in keys} for entry in trainer.state.log_history if keys[0] in entry]
 
 
