@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_hf import prepare  # noqa: E402
+from benchmarks.common import mean_of  # noqa: E402
 from dflop_ds.launch import run_deepspeed  # noqa: E402
 
 WORKER = ROOT / "benchmarks" / "trainer_worker.py"
@@ -183,13 +184,7 @@ def summarize(results: list[dict]) -> dict[str, dict]:
     return table
 
 
-def mean_of(rows: list[dict], key: str) -> float | None:
-    """The mean of ``key`` over the rounds that report it (None where none does)."""
-    values = [r[key] for r in rows if r.get(key) is not None]
-    return float(np.mean(values)) if values else None
-
-
-def optional(value: float | None) -> str:
+def cell(value: float | None) -> str:
     """A table cell of 11 characters: the value to 3 decimals, or a dash."""
     return f"{value:>11.3f}" if value is not None else f"{'-':>11}"
 
@@ -207,10 +202,10 @@ def report(row: str, table: dict[str, dict], unguarded: dict[str, str]) -> str:
         lines.append(
             f"[{row}] {label:<28}{entry['median']:>10.2f}{entry['min']:>8.2f}-{entry['max']:<7.2f}"
             f"{entry['padding_efficiency']:>13.3f}{entry['imbalance']:>11.3f}"
-            + optional(entry["predicted"])
-            + optional(entry["over_bound"])
+            + cell(entry["predicted"])
+            + cell(entry["over_bound"])
             + f"{entry['step_s']:>11.3f}"
-            + optional(entry["predicted_step_s"])
+            + cell(entry["predicted_step_s"])
         )
     return "\n".join(lines)
 

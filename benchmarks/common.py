@@ -164,3 +164,10 @@ def timed_rows(rows: list[dict]) -> dict[str, list[dict]]:
         method: [r for r in rows if r["method"] == method and not r["warmup"]]
         for method in dict.fromkeys(r["method"] for r in rows)
     }
+
+
+def mean_of(entries: Sequence[dict], key: str) -> float | None:
+    """The mean of ``key`` over the entries (log records, result rows) that give it, not None;
+    None where none does."""
+    values = [entry[key] for entry in entries if entry.get(key) is not None]
+    return float(sum(values) / len(values)) if values else None

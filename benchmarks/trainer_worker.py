@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainerCallback, TrainingArguments
 
+from benchmarks.common import mean_of
 from benchmarks.trainer_qwen2_vl import Qwen2VLJsonDataset, Qwen2VLPadCollator
 from dflop_ds.hf_trainer import (
     BlankImageGuardMixin,
@@ -218,17 +219,10 @@ def run(strategy: str, cli, shapes) -> dict:
         "padding_efficiency": trainer.real / max(trainer.padded, 1),
         "imbalance": imbalance,
         "mixed_microbatches": mixed_microbatches(trainer.visual),
-        "predicted_imbalance": mean_logged(trainer.state.log_history, "dflop_predicted_imbalance"),
-        "predicted_step_over_bound": mean_logged(trainer.state.log_history, "dflop_predicted_step_over_bound"),
-        "predicted_step_s": mean_logged(trainer.state.log_history, "dflop_predicted_step_s"),
+        "predicted_imbalance": mean_of(trainer.state.log_history, "dflop_predicted_imbalance"),
+        "predicted_step_over_bound": mean_of(trainer.state.log_history, "dflop_predicted_step_over_bound"),
+        "predicted_step_s": mean_of(trainer.state.log_history, "dflop_predicted_step_s"),
     }
-
-
-def mean_logged(log_history: list[dict], key: str) -> float | None:
-    """The mean of DFLOPTrainer's telemetry ``key`` over the run's logs (None for a run that logs none:
-    transformers' own samplers)."""
-    values = [entry[key] for entry in log_history if key in entry]
-    return float(np.mean(values)) if values else None
 
 
 def main() -> None:

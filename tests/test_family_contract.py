@@ -159,12 +159,14 @@ def test_trains_on_two_pipeline_stages_through_the_deepspeed_loop(family_data, t
     assert_trains_with_media(train, "hf_pp2.json", (model, data, images, videos), tmp_path / "out", prefix)
 
 
-@pytest.mark.slow
-def test_a_trainer_script_trains_image_free_microbatches_padded_and_padding_free_on_two_zero2_ranks(tmp_path):
-    """Every family in one launch (one after the other; a launch's start-up costs more than a family's run)."""
-    models = {name: str(FAMILY_BUILDERS[name](tmp_path / f"m{index}")) for index, name in enumerate(FAMILIES)}
+def assert_trainer_script_trains(families: list[str], flag: str, tmp_path, *options: str) -> None:
+    """Launch tests/ds_scripts/family_trainer_check.py on 2 ranks for ``families`` (one launch: its
+    start-up costs more than a family's run) and check, padded and padding-free, 4 finite and
+    falling losses, and that some microbatch had ``flag`` ("had_images", "had_videos") on one rank
+    and not on the other."""
+    models = {name: str(FAMILY_BUILDERS[name](tmp_path / f"m{index}")) for index, name in enumerate(families)}
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    args = [arg for model in models.values() for arg in ("--model", model)] + ["--out", str(tmp_path)]
+    args = [arg for model in models.values() for arg in ("--model", model)] + ["--out", str(tmp_path), *options]
     result = run_on_ranks(SCRIPT, args, extra_env=env, timeout=900)
     assert all(f"{CLEAN_SHUTDOWN} {r}\n" in result.stdout for r in (0, 1)), result.stdout[-3000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -173,30 +175,22 @@ def test_a_trainer_script_trains_image_free_microbatches_padded_and_padding_free
             losses = reports[0][model][run]["losses"]
             assert len(losses) == 4 and all(loss == loss for loss in losses), (name, run, losses)
             assert losses[-1] < losses[0], (name, run, losses)
-            flags = [report[model][run]["had_images"] for report in reports]
+            flags = [report[model][run][flag] for report in reports]
             assert len(flags[0]) == len(flags[1])
-            assert any(a != b for a, b in zip(*flags)), (name, run, "no image-free microbatch beside one with images")
+            assert any(a != b for a, b in zip(*flags)), (name, run, f"no microbatch {flag} beside one without")
+
+
+@pytest.mark.slow
+def test_a_trainer_script_trains_image_free_microbatches_padded_and_padding_free_on_two_zero2_ranks(tmp_path):
+    """Every family in one launch, image-free microbatches beside ones with images."""
+    assert_trainer_script_trains(FAMILIES, "had_images", tmp_path)
 
 
 @pytest.mark.slow
 def test_families_with_a_separate_video_pass_train_images_videos_and_text_on_two_zero3_ranks(tmp_path):
     """Under ZeRO-3 every call of the vision tower gathers its parameters across ranks, and HF's
     Qwen2-VL and LLaVA-OneVision run it apart for images and for videos: a microbatch with a video
-    beside one without broke the ranks' collectives (gloo: a size mismatch) until the guard gave
-    every microbatch both. Both families in one launch, padded and padding-free, 4 steps each,
+    beside one without broke the ranks' collectives (gloo: a size mismatch; a hang) until the guard
+    gave every microbatch both. Both families in one launch, padded and padding-free, 4 steps each,
     sub-layer buckets (ds_configs/zero3_small_buckets.json)."""
-    models = {
-        name: str(FAMILY_BUILDERS[name](tmp_path / f"m{i}")) for i, name in enumerate(("Qwen2-VL", "LLaVA-OneVision"))
-    }
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    args = [arg for model in models.values() for arg in ("--model", model)] + ["--out", str(tmp_path), "--zero3"]
-    result = run_on_ranks(SCRIPT, args, extra_env=env, timeout=900)
-    assert all(f"{CLEAN_SHUTDOWN} {r}\n" in result.stdout for r in (0, 1)), result.stdout[-3000:]
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for name, model in models.items():
-        for run in ("padded", "packed"):
-            losses = reports[0][model][run]["losses"]
-            assert len(losses) == 4 and all(loss == loss for loss in losses), (name, run, losses)
-            assert losses[-1] < losses[0], (name, run, losses)
-            videos = [report[model][run]["had_videos"] for report in reports]
-            assert len(videos[0]) == len(videos[1]) and any(a != b for a, b in zip(*videos)), (name, run, videos)
+    assert_trainer_script_trains(["Qwen2-VL", "LLaVA-OneVision"], "had_videos", tmp_path, "--zero3")

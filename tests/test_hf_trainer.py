@@ -255,9 +255,9 @@ def test_qwen2_vl_blank_image_runs_the_tower_and_leaves_loss_and_gradients_uncha
                 assert torch.allclose(g, guarded_grads[k], atol=1e-6), k
 
 
-@pytest.mark.parametrize("family", ["Qwen2-VL", "LLaVA-OneVision"])
+@pytest.mark.parametrize("family", ["Qwen2-VL", "Qwen3-VL", "LLaVA-OneVision"])
 def test_under_per_call_gathers_every_microbatch_runs_the_tower_for_images_then_videos(family, tmp_path):
-    """Qwen2-VL and LLaVA-OneVision run their tower once for images and once more for videos: under
+    """Qwen2-VL, Qwen3-VL and LLaVA-OneVision run their tower once for images and once more for videos: under
     ZeRO-3 a rank with both gathers the tower twice, a rank with images alone once, and the ranks'
     collectives no longer match. With per-call gathers the guard completes the pair (a blank
     video, a blank image, or both), each masked out: the same loss and gradients, and two tower runs."""
@@ -272,8 +272,8 @@ def test_under_per_call_gathers_every_microbatch_runs_the_tower_for_images_then_
     video = blank.video
     generator = torch.Generator().manual_seed(0)
     text = torch.randint(5, 200, (1, 12), generator=generator)
-    for token in (blank.image_token_id, video.token_id, blank.pad_token_id):
-        text[text == token] = token + 1
+    reserved = torch.tensor([blank.image_token_id, video.token_id, blank.pad_token_id])
+    text[torch.isin(text, reserved)] = next(t for t in range(5, 300) if t not in reserved)  # text tokens only
 
     def with_media(token: int, count: int, token_type: int, **media) -> dict:
         """``text`` with ``count`` media tokens at positions 2.. (real tokens read them) and ``media``."""
@@ -313,7 +313,7 @@ def test_under_per_call_gathers_every_microbatch_runs_the_tower_for_images_then_
         length = batch["input_ids"].shape[1]
         if kind != "text":
             assert guarded_batch(model, batch, blank) is batch  # gathered once per step: nothing to pair
-        guarded = guarded_batch(model, batch, blank, gathers_per_call=True)
+        guarded = guarded_batch(model, batch, blank, pair_videos=True)
         assert all(guarded[key].numel() for key in ("pixel_values", "pixel_values_videos")), kind
         added = guarded["input_ids"][0, length:].tolist()
         blank_image, blank_video = [blank.image_token_id] * blank.tokens, [video.token_id] * video.tokens
@@ -418,6 +418,23 @@ def test_wrong_shapes_and_bad_settings_are_refused_before_training(tiny_trainer_
     trainer = DFLOPTrainer(model=model, args=args, train_dataset=dataset)
     with pytest.raises(ValueError, match="needs sample_shapes="):
         trainer.get_train_dataloader()
+
+
+def test_under_per_call_gathers_only_data_with_videos_pairs_a_blank_video(tiny_trainer_parts, monkeypatch):
+    """A shape table from the shape helpers that counts no video spares every microbatch the blank
+    video (a second tower call); one with a video, or shapes of unknown origin, keep the pairing."""
+    import dataclasses
+
+    from dflop_ds.hf_trainer.shapes import ShapeTable
+
+    model, args, dataset, good = tiny_trainer_parts
+    monkeypatch.setattr("dflop_ds.hf_trainer.guard.gathers_parameters_per_call", lambda trainer: True)
+    with_video = ShapeTable([*good[:-1], dataclasses.replace(good[-1], video_frames=8)], good.policy)
+    pairs = {
+        name: DFLOPTrainer(model=model, args=args, train_dataset=dataset, sample_shapes=table)._pair_videos
+        for name, table in (("no video", good), ("a video", with_video), ("a plain list", list(good)))
+    }
+    assert pairs == {"no video": False, "a video": True, "a plain list": True}
 
 
 def test_single_process_loader_yields_gas_microbatches_of_the_global_batch(tiny_trainer_parts):

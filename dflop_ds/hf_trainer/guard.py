@@ -24,7 +24,9 @@ gathers once, and the ranks' collectives no longer match (gloo: ``Received data 
 expected size``). There the guard also completes each microbatch's pair: the family's blank video
 (:class:`~dflop_ds.models.hf.trainer_parts.BlankVideo`: a one-step Qwen2-VL video, a one-frame
 LLaVA-OneVision video) where it has no video (:func:`with_blank_video`), a blank image where it
-has videos alone, so that every rank runs the tower twice in the same order.
+has videos alone, so that every rank runs the tower twice in the same order. A
+:class:`~dflop_ds.hf_trainer.DFLOPTrainer` whose shape table (the shape helpers') counts no video
+in the data skips the pairing: no microbatch calls the tower a second time.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ def has_media(inputs: Mapping[str, Any], key: str) -> bool:
 
 
 def has_images(inputs: Mapping[str, Any]) -> bool:
-    """Whether a batch carries visual input: ``pixel_values`` (or Qwen2-VL's
-    ``pixel_values_videos``) present and not empty."""
+    """Whether a batch carries visual input: ``pixel_values`` or ``pixel_values_videos`` present
+    and not empty."""
     return any(has_media(inputs, key) for key in VISUAL_KEYS)
 
 
@@ -74,7 +76,9 @@ def with_blank_image(inputs: Mapping[str, Any], blank: BlankImage) -> dict[str, 
     their own in a padding-free batch's ``cu_seq_lens_q/k``; every other ``[B, L]`` tensor is
     extended with zeros. The loss and the gradients are those of ``inputs``."""
     typed = IMAGE_TOKEN_TYPE if blank.grid_thw is not None else None
-    out = _with_blank_tokens(inputs, blank.pad_token_id, blank.image_token_id, blank.tokens, typed)
+    out = _with_blank_tokens(
+        inputs, pad=blank.pad_token_id, token=blank.image_token_id, count=blank.tokens, typed=typed
+    )
     ids = out["input_ids"]
     out["pixel_values"] = torch.zeros(blank.pixel_shape, device=ids.device)
     if blank.image_sizes is not None:
@@ -94,7 +98,7 @@ def with_blank_video(inputs: Mapping[str, Any], blank: BlankImage) -> dict[str, 
     if video is None:
         raise ValueError("this model family takes no blank video: its tower runs once for images and videos")
     typed = VIDEO_TOKEN_TYPE if video.grid_thw is not None else None
-    out = _with_blank_tokens(inputs, blank.pad_token_id, video.token_id, video.tokens, typed)
+    out = _with_blank_tokens(inputs, pad=blank.pad_token_id, token=video.token_id, count=video.tokens, typed=typed)
     device = out["input_ids"].device
     out["pixel_values_videos"] = torch.zeros(video.pixel_shape, device=device)
     if video.grid_thw is not None:
@@ -103,50 +107,51 @@ def with_blank_video(inputs: Mapping[str, Any], blank: BlankImage) -> dict[str, 
 
 
 def _with_blank_tokens(
-    inputs: Mapping[str, Any], pad_token_id: int, token_id: int, extra: int, token_type: int | None
+    inputs: Mapping[str, Any], *, pad: int, token: int, count: int, typed: int | None
 ) -> dict[str, Any]:
-    """``inputs`` with ``extra`` tokens ``token_id`` appended to row 0 (``pad_token_id`` on the
-    other rows), masked out of attention and of the loss (see :func:`with_blank_image`), typed
-    ``token_type`` in ``mm_token_type_ids`` when the family types its tokens (not None)."""
+    """``inputs`` with ``count`` tokens ``token`` appended to row 0 (``pad`` on the other rows),
+    masked out of attention and of the loss (see :func:`with_blank_image`), typed ``typed`` in
+    ``mm_token_type_ids`` when the family types its tokens (not None)."""
     ids = inputs["input_ids"]
     rows, length = ids.shape
     out: dict[str, Any] = dict(inputs)
-    tail = torch.full((rows, extra), pad_token_id, dtype=ids.dtype, device=ids.device)
-    tail[0] = token_id
+    tail = torch.full((rows, count), pad, dtype=ids.dtype, device=ids.device)
+    tail[0] = token
     out["input_ids"] = torch.cat([ids, tail], dim=1)
     for key, value in inputs.items():
         if key == "input_ids" or not torch.is_tensor(value):
             continue
         if key == "position_ids" and value.dim() == 3 and tuple(value.shape[1:]) == (rows, length):
-            out[key] = torch.cat([value, value.new_zeros((*value.shape[:2], extra))], dim=2)
+            out[key] = torch.cat([value, value.new_zeros((*value.shape[:2], count))], dim=2)
         elif tuple(value.shape[:2]) == (rows, length):
             fill = IGNORE_INDEX if key in TARGET_KEYS else 0
-            pad = torch.full((rows, extra, *value.shape[2:]), fill, dtype=value.dtype, device=value.device)
-            out[key] = torch.cat([value, pad], dim=1)
+            filler = torch.full((rows, count, *value.shape[2:]), fill, dtype=value.dtype, device=value.device)
+            out[key] = torch.cat([value, filler], dim=1)
     if "cu_seq_lens_q" in inputs:  # a padding-free batch's sample bounds: the blank media are one more sample
         for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
             bounds = inputs[key]
-            out[key] = torch.cat([bounds, bounds[-1:] + extra])
+            out[key] = torch.cat([bounds, bounds[-1:] + count])
         for key in ("max_length_q", "max_length_k"):
-            out[key] = max(int(inputs[key]), extra)
-    if token_type is not None:
+            out[key] = max(int(inputs[key]), count)
+    if typed is not None:
         types = out.get(TOKEN_TYPE_KEY)
         if types is None:
             types = torch.zeros_like(out["input_ids"], dtype=torch.int)
         types = types.clone()
-        types[0, length:] = token_type
+        types[0, length:] = typed
         out[TOKEN_TYPE_KEY] = types
     return out
 
 
-def guarded_batch(model: Any, inputs: Any, blank: BlankImage | None, gathers_per_call: bool = False) -> Any:
+def guarded_batch(model: Any, inputs: Any, blank: BlankImage | None, pair_videos: bool = False) -> Any:
     """``inputs`` with :func:`with_blank_image` when ``model`` trains on a microbatch without visual
-    input and ``blank`` is its blank image; when ``gathers_per_call`` (ZeRO-3, FSDP) and the
-    family runs its tower apart for videos (``blank.video``), with a blank image where
-    the microbatch has none and a blank video where it has none; else ``inputs`` unchanged."""
+    input and ``blank`` is its blank image; when ``pair_videos`` (the engine gathers parameters per
+    call: ZeRO-3, FSDP; and the data may hold videos) and the family runs its tower apart for
+    videos (``blank.video``), with a blank image where the microbatch has none and a blank video
+    where it has none; else ``inputs`` unchanged."""
     if blank is None or not model.training or "input_ids" not in inputs:
         return inputs
-    if not (gathers_per_call and blank.video is not None):
+    if not (pair_videos and blank.video is not None):
         return inputs if has_images(inputs) else with_blank_image(inputs, blank)
     out = inputs if has_media(inputs, "pixel_values") else with_blank_image(inputs, blank)
     return out if has_media(out, "pixel_values_videos") else with_blank_video(out, blank)
@@ -171,7 +176,9 @@ class BlankImageGuardMixin:
         super().__init__(*args, **kwargs)
         config = getattr(getattr(self, "model", None), "config", None)
         self._blank_image = blank_image_for(config)
-        self._gathers_per_call = gathers_parameters_per_call(self)
+        #: whether every microbatch gets both a blank image and a blank video where it lacks them
+        #: (per-call gathers; a subclass that knows the data holds no video turns it off)
+        self._pair_videos = gathers_parameters_per_call(self)
         if self._blank_image is None and getattr(config, "vision_config", None) is not None:
             logger.warning(
                 "no blank-image guard for model type %r (no registered family gives one for this config): under"
@@ -182,7 +189,7 @@ class BlankImageGuardMixin:
 
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's loss, after the blank image where a training microbatch has no visual input."""
-        guarded = guarded_batch(model, inputs, self._blank_image, self._gathers_per_call)
+        guarded = guarded_batch(model, inputs, self._blank_image, self._pair_videos)
         return super().compute_loss(model, guarded, *args, **kwargs)  # type: ignore[misc]
 
 

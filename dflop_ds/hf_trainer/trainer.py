@@ -67,6 +67,7 @@ from dflop_ds.hf_trainer.resume import (
 )
 from dflop_ds.hf_trainer.sampler import TrainerBatchSampler, TrainerDataLoader
 from dflop_ds.hf_trainer.shape_checks import check_shapes
+from dflop_ds.hf_trainer.shapes import ShapeTable
 from dflop_ds.hf_trainer.version import check_transformers_version, epoch_adapters
 from dflop_ds.rank_lifecycle import release_shm_buffer_once_mapped
 from dflop_ds.shapes import SampleShape
@@ -139,6 +140,9 @@ class DFLOPTrainerMixin(BlankImageGuardMixin):
         self.sample_shapes = None if sample_shapes is None else list(sample_shapes)
         if trainer.train_dataset is not None and self.sample_shapes is not None:
             check_shapes(self.sample_shapes, trainer.train_dataset)
+        if isinstance(sample_shapes, ShapeTable) and not any(shape.video_frames > 0 for shape in sample_shapes):
+            # the shape helpers counted no video in the data: no second tower call to pair under ZeRO-3
+            self._pair_videos = False
         self.dflop_batch_sampler: TrainerBatchSampler | None = None
         self._dflop_resume: str | None = None
         for adapter in epoch_adapters(lambda: self.dflop_batch_sampler):

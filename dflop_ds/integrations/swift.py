@@ -102,8 +102,8 @@ def guard_image_free_microbatches(trainer: Any) -> None:
     a 2-rank run hung at its third step). Every family with a blank image in the registry is guarded;
     a microbatch that already carries visual input (ms-swift's Qwen2-VL template may add its own
     dummy image) is left as it is. Unlike the Trainer's guard under ZeRO-3, no blank video is paired
-    with the images: ms-swift's Qwen2-VL template runs the tower once on a microbatch's images and
-    videos together (``Template._get_inputs_embeds_hf``), and its LLaVA-OneVision template encodes
+    with the images: ms-swift's Qwen2-VL and Qwen3-VL templates run the tower once on a microbatch's
+    images and videos together (``pixel_values_mixed``), and its LLaVA-OneVision template encodes
     no videos (ms-swift 4.6.0)."""
     blank = blank_image_for(getattr(trainer.model, "config", None))
     if blank is None:

@@ -13,7 +13,7 @@ logged losses and whether each microbatch the rank collated held an image; rank 
 
 ``--zero3``: under ds_configs/zero3_small_buckets.json instead (every module's parameters gathered
 on each call), with one item in three also holding a video (the families whose tower runs apart for
-videos, Qwen2-VL's); each run then also reports whether each microbatch held a video.
+videos: Qwen2-VL's, LLaVA-OneVision's); each run then also reports whether each microbatch held a video.
 """
 
 from __future__ import annotations

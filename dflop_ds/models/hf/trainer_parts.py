@@ -6,6 +6,8 @@ A user's HF model and collator run there, not the package's layer lists, so a fa
   under ZeRO-2/3 would otherwise skip the tower on one rank and break the gradient reduction): the
   ``pixel_values`` shape HF's model takes for one image, its image token and how many of them it
   becomes, and the extra per-image tensors the model needs (Qwen2-VL's grid, LLaVA-OneVision's size);
+  and, for a family whose model runs the tower apart for videos, the **blank video** the guard
+  pairs with it under ZeRO-3 (every rank then calls the tower as often);
 * its **padding-free collation**: the per-sample media keys concatenated in sample order, which of
   them are padded to a common shape first (LLaVA-OneVision's tiles per image differ by image; HF
   slices each image's tiles by its ``image_sizes``), and (Qwen2-VL) the model's ``get_rope_index``
