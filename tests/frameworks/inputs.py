@@ -67,11 +67,15 @@ def build(
     from dflop_ds.testing.qwen2_vl_tiny import build_tiny_qwen2_vl
 
     out.mkdir(parents=True, exist_ok=True)
-    pixels = {"min_pixels": QWEN_MIN_PIXELS, "max_pixels": QWEN_MAX_PIXELS}
     if width > 1 and not encoder_heavy:
         raise ValueError("--width widens the encoder-heavy models: pass --encoder-heavy with it")
     qwen = build_tiny_qwen2_vl(
-        out / "qwen2_vl", patch_size=QWEN_PATCH, width=width, encoder_heavy=encoder_heavy, **pixels
+        out / "qwen2_vl",
+        min_pixels=QWEN_MIN_PIXELS,
+        max_pixels=QWEN_MAX_PIXELS,
+        patch_size=QWEN_PATCH,
+        width=width,
+        encoder_heavy=encoder_heavy,
     )
     llava = build_encoder_heavy_llava(out / "llava", width=width) if encoder_heavy else build_tiny_llava(out / "llava")
     paths = {"llava": str(llava), "qwen2_vl": str(qwen)}
