@@ -91,17 +91,34 @@ def release_shm_buffers(master_port: int | str, *, shm_dir: Path = SHM_DIR) -> l
     return removed
 
 
+def interpreter_first_path() -> str:
+    """``PATH`` with this interpreter's ``bin`` first: where pip put the ``deepspeed`` launcher and
+    ``ninja``. Launches and the op build use it alike: torch keys a JIT build on the ninja that
+    ran it (ninja 1.11 and 1.13 log their commands under different hashes), so a build run by
+    another ninja than the launches' is rebuilt by the next launch, and that one by the next build."""
+    return f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
 def build_deepspeed_ops() -> str:
     """JIT-build (or find built) the DeepSpeed op every CPU launch loads, its shared-memory
-    communication op, in this environment's folder (:func:`extensions_dir_setting`), so that the
-    first launch does not pay for the build (about a minute of two cores). ``make setup`` calls it
-    once per environment. Nothing to build where the accelerator has no such op (GPUs). Returns
-    what was done."""
+    communication op, in this environment's folder (:func:`extensions_dir_setting`) with the
+    launches' ninja (:func:`interpreter_first_path`), so that the first launch does not pay for the
+    build (about a minute of two cores). ``make setup`` calls it once per environment. Nothing to
+    build where the accelerator has no such op (GPUs). Returns what was done."""
     setting = extensions_dir_setting()
     if setting is not None:
         os.environ["TORCH_EXTENSIONS_DIR"] = setting
     from deepspeed.comm.torch import build_shm_op
 
-    if build_shm_op() is None:
+    path = os.environ.get("PATH")
+    os.environ["PATH"] = interpreter_first_path()
+    try:
+        built = build_shm_op()
+    finally:
+        if path is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = path
+    if built is None:
         return "no JIT-built communication op on this accelerator"
     return f"DeepSpeed's communication op is built in {extensions_root()}"

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from dflop_ds.host import clear_stale_build_locks, extensions_dir_setting, release_shm_buffers
+from dflop_ds.host import clear_stale_build_locks, extensions_dir_setting, interpreter_first_path, release_shm_buffers
 
 
 def launch_env(**extra: str) -> dict[str, str]:
@@ -23,8 +23,7 @@ def launch_env(**extra: str) -> dict[str, str]:
     ``deepspeed`` launcher and ``ninja`` (DeepSpeed JIT-builds a communication op with it),
     ``TORCH_EXTENSIONS_DIR`` set to this environment's build folder (:func:`extensions_dir_setting`),
     plus ``extra`` variables."""
-    bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {**os.environ, "PATH": interpreter_first_path()}
     extensions = extensions_dir_setting()
     if extensions is not None:
         env["TORCH_EXTENSIONS_DIR"] = extensions

@@ -123,6 +123,21 @@ def test_setup_builds_the_communication_op_into_the_environments_folder() -> Non
     assert any(extensions_root().glob("*shm_comm*/*.so")), list(extensions_root().iterdir())
 
 
+def test_the_op_builds_with_the_ninja_launches_use_whatever_path_the_caller_has(monkeypatch) -> None:
+    """torch keys a JIT build on the ninja that ran it: a build with the system's ninja (1.11 here)
+    and launches with the environment's (1.13) rebuilt the op in turn, about 40 s each. The build
+    sees the interpreter's ``bin`` first on PATH, as launches do, and the caller's PATH is kept."""
+    import importlib
+
+    seen: list[str] = []
+    comm = importlib.import_module("deepspeed.comm.torch")  # not deepspeed.comm's `torch` attribute
+    monkeypatch.setattr(comm, "build_shm_op", lambda: seen.append(os.environ["PATH"]))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert build_deepspeed_ops() == "no JIT-built communication op on this accelerator"
+    assert seen == [f"{Path(sys.executable).parent}{os.pathsep}/usr/bin:/bin"]
+    assert os.environ["PATH"] == "/usr/bin:/bin" and launch_env()["PATH"] == seen[0]
+
+
 #: a short DFLOP pipeline run on 2 ranks: background scheduling, 2 loader workers per rank, gloo
 SHORT_RUN = {**DFLOP_PP2["dflop"], "steps": 2, "warmup_steps": 0, "max_samples": 64, "cost_model": "proxy"}
 
