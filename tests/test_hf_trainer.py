@@ -35,6 +35,7 @@ from dflop_ds.hf_trainer.sampler import (
     last_step_microbatches,
     trainer_data_parallel_coords,
 )
+from dflop_ds.models.hf.registry import trainer_parts_of
 from dflop_ds.rank_lifecycle import CLEAN_SHUTDOWN
 from dflop_ds.schedule import DFLOPBatchSampler
 from dflop_ds.shapes import SampleShape
@@ -270,42 +271,20 @@ def test_under_per_call_gathers_every_microbatch_runs_the_tower_for_images_then_
     blank = blank_image_for(model.config)
     assert blank is not None and blank.video is not None and blank.video.token_id == model.config.video_token_id
     video = blank.video
-    generator = torch.Generator().manual_seed(0)
-    text = torch.randint(5, 200, (1, 12), generator=generator)
-    reserved = torch.tensor([blank.image_token_id, video.token_id, blank.pad_token_id])
-    text[torch.isin(text, reserved)] = next(t for t in range(5, 300) if t not in reserved)  # text tokens only
-
-    def with_media(token: int, count: int, token_type: int, **media) -> dict:
-        """``text`` with ``count`` media tokens at positions 2.. (real tokens read them) and ``media``."""
-        ids = torch.cat([text[:, :2], torch.full((1, count), token), text[:, 2:]], dim=1)
-        batch = {"input_ids": ids, **media}
-        if blank.grid_thw is not None:  # Qwen2-VL types its media tokens
-            batch["mm_token_type_ids"] = (ids == token).int() * token_type
-        return batch
-
-    image_media = {"pixel_values": torch.rand(blank.pixel_shape, generator=generator)}
-    if blank.grid_thw is not None:
-        image_media["image_grid_thw"] = torch.tensor([blank.grid_thw])
-    if blank.image_sizes is not None:
-        image_media["image_sizes"] = torch.tensor([blank.image_sizes])
-    video_media = {"pixel_values_videos": torch.rand(video.pixel_shape, generator=generator)}
-    if video.grid_thw is not None:
-        video_media["video_grid_thw"] = torch.tensor([video.grid_thw])
-    batches = {
-        "image": with_media(blank.image_token_id, blank.tokens, 1, **image_media),
-        "video": with_media(video.token_id, video.tokens, 2, **video_media),
-        "text": {"input_ids": text},
-    }
+    parts = trainer_parts_of(model.config)
+    assert parts is not None
+    collate = RightPadCollator(parts.media_keys, parts.padded_keys)
+    image, with_video, text = image_chats(model.config, 3, every=3, video_every=3)  # media among real tokens
+    batches = {kind: collate([item]) for kind, item in (("image", image), ("video", with_video), ("text", text))}
+    assert has_images(batches["image"]) and "pixel_values" not in batches["video"] and not has_images(batches["text"])
     calls: list[int] = []
     tower = getattr(model.model, "visual", None) or model.model.vision_tower
     tower.register_forward_hook(lambda *_: calls.append(1))
 
-    def run(inputs, length):
+    def run(inputs):
         model.zero_grad()
         calls.clear()
-        labels = inputs["input_ids"].clone()
-        labels[:, length:] = -100  # the blank media's tokens
-        loss = model(**inputs, labels=labels).loss
+        loss = model(**inputs).loss
         loss.backward()
         return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
@@ -319,12 +298,11 @@ def test_under_per_call_gathers_every_microbatch_runs_the_tower_for_images_then_
         blank_image, blank_video = [blank.image_token_id] * blank.tokens, [video.token_id] * video.tokens
         expected = {"image": blank_video, "video": blank_image, "text": blank_image + blank_video}[kind]
         assert added == expected, kind
-        mask = torch.ones_like(guarded["input_ids"])
-        mask[0, length:] = 0
-        guarded = {**guarded, "attention_mask": mask}
-        loss, grads = run(batch, length)
+        # the blank media are masked out of attention and of the loss
+        assert not guarded["attention_mask"][:, length:].any() and (guarded["labels"][:, length:] == -100).all()
+        loss, grads = run(batch)
         assert len(calls) == (0 if kind == "text" else 1)
-        guarded_loss, guarded_grads = run(guarded, length)
+        guarded_loss, guarded_grads = run(guarded)
         assert len(calls) == 2, kind  # the tower ran for the images, then for the videos
         assert torch.allclose(loss, guarded_loss, atol=1e-6), kind
         for k, g in grads.items():
@@ -628,7 +606,6 @@ def test_packing_trains_the_padded_loss_and_balances_the_packed_cost(family, tmp
     from transformers import AutoConfig, AutoModelForImageTextToText, TrainingArguments
 
     from dflop_ds.cost import PackedCost, ProxyCost
-    from dflop_ds.models.hf.registry import trainer_parts_of
 
     model_dir = FAMILY_BUILDERS[family](tmp_path / "model")
     load = lambda: AutoModelForImageTextToText.from_pretrained(str(model_dir)).eval()  # noqa: E731
