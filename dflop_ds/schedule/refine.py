@@ -98,6 +98,7 @@ def _first_gain(
     (``trials[0]``: changes left to score, counted down)."""
     cells = _target_cells(costs)
     trial = costs.copy()
+    current: dict[tuple[int, ...], float] = {}  # the step's share of each pair of microsteps, as it is
     for a in _critical_cells(costs, sync):
         source = grid[a[0]][a[1]]
         for i, row in enumerate(source):
@@ -114,8 +115,10 @@ def _first_gain(
                     if cost_a is None or cost_b is None or trials[0] < 0:
                         return None
                     trial[a], trial[b] = cost_a, cost_b
-                    steps = sorted({a[1], b[1]})  # the microsteps the change touches
-                    new = step - step_cost(costs[:, steps], sync) + step_cost(trial[:, steps], sync)
+                    steps = tuple(sorted({a[1], b[1]}))  # the microsteps the change touches
+                    if steps not in current:
+                        current[steps] = step_cost(costs[:, list(steps)], sync)
+                    new = step - current[steps] + step_cost(trial[:, list(steps)], sync)
                     trial[a], trial[b] = costs[a], costs[b]
                     if new < step * (1 - _GAIN):
                         return (a, rows_a, cost_a), (b, rows_b, cost_b), new
