@@ -38,9 +38,12 @@ lint: setup
 	$(VENV)/bin/ruff format --check dflop_ds tests benchmarks examples
 	$(VENV)/bin/mypy
 
-# lint first: a type or style error stops CI before the (long) suite runs
+# lint first: a type or style error stops CI before the (long) suite runs. Two pytest-xdist workers,
+# each running whole test files (tests/conftest.py groups them): a 2-rank launch keeps about 1.4 of 2
+# cores busy and the unit tests one, so two at a time fill the cores (more would oversubscribe them)
+TEST_WORKERS ?= 2
 test: setup lint
-	$(RUN) $(PY) -m pytest -q -p no:cacheprovider
+	$(RUN) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
 
 bench-partition: setup
 	$(PY) -m pip install --quiet -e ".[bench]" || echo "ortools not installable: the DFLOP ILP baseline uses PuLP/CBC"

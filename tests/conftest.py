@@ -1,6 +1,7 @@
 """Fixtures the test files share: JSONL data files, bundled DeepSpeed configs written to
 ``tmp_path`` with keys overridden, and 2-rank runs of ``examples/train.py``; the
-``--deny-precisions`` option (see tests/capabilities.py)."""
+``--deny-precisions`` option (see tests/capabilities.py); the test files' groups for
+pytest-xdist's ``--dist loadgroup`` (what ``make test`` runs)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,32 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> str | None:
     denied = config.getoption("--deny-precisions")
     return f"precisions reported unsupported by the accelerator: {denied}" if denied else None
+
+
+#: the session-scoped runs below: a test file using one joins the group of every other file using it
+SESSION_RUNS = ("dflop_pp2_run", "colocated_reports", "colocated_plan_run")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, one ``xdist_group`` per test file, so that a worker runs a file whole
+    and its module-scoped launches once; files that use the same session-scoped run share a group,
+    so that the run is launched once in the session, not once per worker."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+
+    for item in items:
+        for run in SESSION_RUNS:
+            if run in getattr(item, "fixturenames", ()):
+                parent[root(item.path.name)] = root(run)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(root(item.path.name)))
 
 
 def _write_jsonl(path: Path, records: list) -> Path:
