@@ -30,13 +30,21 @@ def _threads_after(grace_s: float) -> list[threading.Thread]:
     return [t for t in others if t.is_alive()]
 
 
+def close_running(*running: Any) -> None:
+    """``close()`` each of ``running`` that is not None: what a run started and must stop before
+    the next run or the rank's end (a sampler's scheduling thread, telemetry, a loader's epoch
+    iterator, whose closing stops its DataLoader worker processes)."""
+    for item in running:
+        if item is not None:
+            item.close()
+
+
 def finish_rank(*running: Any) -> None:
     """End a finished launch on this rank (every entry point calls it last, on every rank).
 
-    ``close()`` each of ``running`` that is not None (a sampler's background scheduling thread,
-    telemetry, a loader's epoch iterator, whose closing stops its DataLoader worker processes);
-    wait for every rank; destroy the process group; unlink this rank's DeepSpeed CPU all-reduce
-    buffer (:func:`release_own_shm_buffer`). A process group left to the interpreter's teardown can
+    Close ``running`` (:func:`close_running`); wait for every rank; destroy the process group;
+    unlink this rank's DeepSpeed CPU all-reduce buffer (:func:`release_own_shm_buffer`). A
+    process group left to the interpreter's teardown can
     abort a finished run: gloo's C++ worker threads still hold work whose tensors need the
     interpreter (``terminate called without an active exception``, exit -6; torch issue 190489),
     as can a thread still computing then. Threads still alive after :data:`LEFTOVER_GRACE_S` and
@@ -47,9 +55,7 @@ def finish_rank(*running: Any) -> None:
     """
     import torch.distributed as dist
 
-    for item in running:
-        if item is not None:
-            item.close()
+    close_running(*running)
     rank = os.environ.get("RANK", "0")
     if dist.is_available() and dist.is_initialized():
         rank = str(dist.get_rank())

@@ -7,7 +7,7 @@ import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,6 +52,23 @@ def run_on_ranks(
     else:
         assert result.returncode == expect, output
     return result
+
+
+def run_train_batch(runs: Mapping[str, Sequence[Any]], folder: Path, *, timeout: float = 900) -> dict[str, dict]:
+    """examples/train.py's runs ``{name: command line}`` in one 2-rank launch
+    (``ds_scripts/train_runs.py``: runs of one engine kind, trained in turn), each with
+    ``--summary folder/NAME.summary.json`` added; asserts the launch exits 0 and returns each run's
+    summary (``{"summary": ..., "steps": [...]}``) by name. One launch starts the ranks once: the
+    imports are most of a tiny model's run."""
+    summaries = {name: folder / f"{name}.summary.json" for name in runs}
+    options = [
+        arg
+        for name, argv in runs.items()
+        for arg in ("--run", shlex.join([*map(str, argv), "--summary", str(summaries[name])]))
+    ]
+    extra_env = {"PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run_on_ranks(REPO / "tests" / "ds_scripts" / "train_runs.py", options, extra_env=extra_env, timeout=timeout)
+    return {name: json.loads(path.read_text()) for name, path in summaries.items()}
 
 
 def run_with_accelerate(

@@ -7,10 +7,11 @@ registers only when it passes them all; tests/family_inputs.py gives each one's 
   loss, packed equals padded;
 * the Trainer's image-free guard: the family's blank image runs the tower and leaves HF's loss as it was;
 * slow, on 2 ZeRO-2 ranks: examples/train.py through the DeepSpeed loop (six steps, falling loss,
-  the saved model changed), and a user's ``DFLOPTrainer`` script with image-free microbatches beside
-  ones with images, padded and with the family's padding-free collator (one launch for all families);
+  the saved model changed; one launch for all families), and a user's ``DFLOPTrainer`` script with
+  image-free microbatches beside ones with images, padded and with the family's padding-free
+  collator (one launch for all families);
 * slow, on 2 pipeline stages: examples/train.py, for the families whose own test files do not
-  already run it (:data:`PIPELINE_ELSEWHERE`).
+  already run it (:data:`PIPELINE_ELSEWHERE`; one launch).
 
 The shape policy's counts against each family's real processor are in the family's own test file
 (each builds its processor by hand: the tiny checkpoints save none).
@@ -19,6 +20,7 @@ The shape policy's counts against each family's real processor are in the family
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,9 +28,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from ds_runs import REPO, run_on_ranks  # noqa: E402
+from conftest import write_ds_config  # noqa: E402
+from ds_runs import REPO, run_on_ranks, run_train_batch  # noqa: E402
 from family_inputs import FAMILY_BUILDERS, RightPadCollator, image_chats  # noqa: E402
-from hf_stage_checks import assert_trains_with_media  # noqa: E402
+from hf_stage_checks import assert_trained_with_media, media_run_args  # noqa: E402
 
 from dflop_ds.hf_trainer.guard import blank_image_for, with_blank_image  # noqa: E402
 from dflop_ds.models.hf.base.synthetic import hf_labels  # noqa: E402
@@ -47,21 +50,29 @@ def test_every_registered_family_has_a_tiny_builder():
     assert sorted(FAMILY_BUILDERS) == sorted(FAMILIES)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family_data(request, tmp_path_factory):
-    """``(name, model, data, images, videos)``: the family's tiny checkpoint, 16 LLaVA records (1-3
-    images, text-only ones) and, where its dataset takes videos, 4 short videos."""
+@pytest.fixture(scope="module")
+def every_family_data(tmp_path_factory) -> dict[str, tuple]:
+    """For every family, ``(name, model, data, images, videos)``: its tiny checkpoint, 16 LLaVA
+    records (1-3 images, text-only ones) and, where its dataset takes videos, 4 short videos."""
     from dflop_ds.testing.video import add_video_records
 
-    name = request.param
-    root = tmp_path_factory.mktemp(name.lower().replace("-", "_"))
-    model = FAMILY_BUILDERS[name](root / "m")
-    data, images = write_llava_dataset(root / "data", 16, seed=6, text_only=0.2)
-    videos = root / "videos"
-    videos.mkdir()
-    if family_of(model).training().dataset.supports_video:
-        add_video_records(data, videos, 4, seed=6)
-    return name, model, data, images, videos
+    every = {}
+    for name in FAMILIES:
+        root = tmp_path_factory.mktemp(name.lower().replace("-", "_"))
+        model = FAMILY_BUILDERS[name](root / "m")
+        data, images = write_llava_dataset(root / "data", 16, seed=6, text_only=0.2)
+        videos = root / "videos"
+        videos.mkdir()
+        if family_of(model).training().dataset.supports_video:
+            add_video_records(data, videos, 4, seed=6)
+        every[name] = (name, model, data, images, videos)
+    return every
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_data(request, every_family_data):
+    """One family's :func:`every_family_data`."""
+    return every_family_data[request.param]
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
@@ -132,15 +143,6 @@ def test_the_blank_image_leaves_the_loss_and_gets_the_gradients_an_image_gets(na
     assert blank_grads == image_grads and text_grads < image_grads, (name, sorted(image_grads ^ blank_grads)[:5])
 
 
-@pytest.mark.slow
-def test_trains_through_the_deepspeed_loop_on_two_zero2_ranks(family_data, tmp_path, train):
-    name, model, data, images, videos = family_data
-    prefix = family_of(model).model_types[0]
-    assert_trains_with_media(
-        train, "hf_zero2.json", (model, data, images, videos), tmp_path / "out", prefix, zero_stage=2
-    )
-
-
 #: families whose 2-stage pipeline run through examples/train.py is in their own test files
 PIPELINE_ELSEWHERE = {
     "LLaVA": "test_train_hf.py",
@@ -149,14 +151,53 @@ PIPELINE_ELSEWHERE = {
 }
 
 
+def train_every_family(
+    every_family_data: dict, names: list[str], config: str, root: Path
+) -> dict[str, tuple[dict, Path]]:
+    """Six steps of examples/train.py with the bundled ``config`` on each family of ``names``, one
+    launch for all (its start-up costs more than a family's run): by family, the run's summary and
+    the folder its trained model was saved to."""
+    runs = {}
+    for name in names:
+        _, *media = every_family_data[name]
+        (root / name).mkdir()
+        ds_config = write_ds_config(root / name / "config.json", config, {"steps": 6})
+        runs[name] = media_run_args(media, ds_config, root / name / "out")
+    summaries = run_train_batch(runs, root)
+    return {name: (summaries[name], root / name / "out") for name in names}
+
+
+@pytest.fixture(scope="module")
+def zero2_runs(every_family_data, tmp_path_factory) -> dict[str, tuple[dict, Path]]:
+    """Every family on 2 ZeRO-2 ranks (hf_zero2.json), in one launch."""
+    return train_every_family(every_family_data, FAMILIES, "hf_zero2.json", tmp_path_factory.mktemp("zero2_runs"))
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(every_family_data, tmp_path_factory) -> dict[str, tuple[dict, Path]]:
+    """The families not in :data:`PIPELINE_ELSEWHERE` on 2 pipeline stages (hf_pp2.json), in one launch."""
+    names = [name for name in FAMILIES if name not in PIPELINE_ELSEWHERE]
+    return train_every_family(every_family_data, names, "hf_pp2.json", tmp_path_factory.mktemp("pipeline_runs"))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family_data", [name for name in FAMILIES if name not in PIPELINE_ELSEWHERE], indirect=True)
-def test_trains_on_two_pipeline_stages_through_the_deepspeed_loop(family_data, tmp_path, train):
+@pytest.mark.parametrize("name", FAMILIES)
+def test_trains_through_the_deepspeed_loop_on_two_zero2_ranks(name, every_family_data, zero2_runs):
+    """examples/train.py with hf_zero2.json on the family's images, several-image, text-only and
+    video records: six steps, falling loss, the saved model changed."""
+    _, model, *_ = every_family_data[name]
+    run, out = zero2_runs[name]
+    assert_trained_with_media(run, model, out, family_of(model).model_types[0], zero_stage=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name in FAMILIES if name not in PIPELINE_ELSEWHERE])
+def test_trains_on_two_pipeline_stages_through_the_deepspeed_loop(name, every_family_data, pipeline_runs):
     """examples/train.py with hf_pp2.json on the family's images, several-image, text-only and video
     records: six steps, falling loss, the saved model changed (pipeline stages take no ZeRO-2)."""
-    name, model, data, images, videos = family_data
-    prefix = family_of(model).model_types[0]
-    assert_trains_with_media(train, "hf_pp2.json", (model, data, images, videos), tmp_path / "out", prefix)
+    _, model, *_ = every_family_data[name]
+    run, out = pipeline_runs[name]
+    assert_trained_with_media(run, model, out, family_of(model).model_types[0])
 
 
 def assert_trainer_script_trains(families: list[str], flag: str, tmp_path, *options: str) -> None:

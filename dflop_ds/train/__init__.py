@@ -1,9 +1,9 @@
 """dflop_ds.train: the one training loop, over DeepSpeed's pipeline engine or its plain (ZeRO) engine.
 
-:func:`main` is what ``examples/train.py`` runs; :class:`TrainingEngine` and :func:`build_engine`
-are the pieces a script of one's own can use (one step on either engine kind:
-:meth:`TrainingEngine.train_step`). The names are imported lazily, so that the light modules of
-this package (its options, the launch inputs) load without DeepSpeed.
+:func:`main` is what ``examples/train.py`` runs (:func:`run_training`, then the rank's end);
+:class:`TrainingEngine` and :func:`build_engine` are the pieces a script of one's own can use (one
+step on either engine kind: :meth:`TrainingEngine.train_step`). The names are imported lazily,
+so that the light modules of this package (its options, the launch inputs) load without DeepSpeed.
 """
 
 from importlib import import_module
@@ -17,6 +17,7 @@ _HOMES = {
     "build_engine": "dflop_ds.train.engine",
     "data_parallel_coords": "dflop_ds.train.engine",
     "main": "dflop_ds.train.loop",
+    "run_training": "dflop_ds.train.loop",
     "SequentialMLLM": "dflop_ds.train.sequential",
 }
 

@@ -35,7 +35,7 @@ from dflop_ds.loader import ResumableLoader, make_loader
 from dflop_ds.models.faults import inject_fault
 from dflop_ds.models.source import ModelSource
 from dflop_ds.plan.stages import cost_balanced_bounds
-from dflop_ds.rank_lifecycle import finish_rank, release_shm_buffer_once_mapped, share_cpu_threads
+from dflop_ds.rank_lifecycle import close_running, finish_rank, release_shm_buffer_once_mapped, share_cpu_threads
 from dflop_ds.schedule.correction import CostCorrection, make_correction
 from dflop_ds.schedule.global_sampler import GlobalBatchSampler
 from dflop_ds.setup_checks import check_training_setup
@@ -98,8 +98,19 @@ class Run:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Train as the config says; 0 on success. The launch's settings, inputs and sampler come from
-    the composition root (:mod:`dflop_ds.compose`); the engine, loader and steps are this loop's."""
+    """Train as the config says, then end this rank (:func:`finish_rank`); 0 on success."""
+    run_training(argv)
+    finish_rank()
+    return 0
+
+
+def run_training(argv: Sequence[str] | None = None) -> None:
+    """One training run of the command line ``argv``, leaving this rank's process group up (the
+    process group is started on the first run). The launch's settings, inputs and sampler come
+    from the composition root (:mod:`dflop_ds.compose`); the engine, loader and steps are this
+    loop's. Several runs in one process must share one engine kind: DeepSpeed keeps a pipeline's
+    topology in module state (``deepspeed.utils.groups.mpu``) that a later plain engine would take
+    for its own data-parallel group."""
     settings = launch_settings(argv)
     world, rank = start_distributed(settings.config.train.seed)
     inputs = resolve_launch_inputs(settings, rank)
@@ -107,7 +118,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     scheduled = build_sampler(settings, inputs, parts, rank)
     sampler, loader = build_loader(settings.config, inputs, parts, scheduled.sampler)
     train(Run(settings, inputs, rank, parts, scheduled, sampler, loader))
-    return 0
 
 
 def start_distributed(seed: int) -> tuple[int, int]:
@@ -259,8 +269,8 @@ def train(run: Run) -> None:
     if run.rank == 0 and records:
         write_summary(run, records)
     print_stand_ins(run.inputs.dataset, run.rank)
-    # scheduling thread, loader workers (the live epoch iterator) and process group stopped before exit
-    finish_rank(tracker, run.sampler, data_iter.data_iter)
+    # the scheduling thread and the loader workers (the live epoch iterator) stop with the run
+    close_running(tracker, run.sampler, data_iter.data_iter)
 
 
 def train_one_step(run: Run, step: int, data_iter: Any, tracker: RuntimeTracker | None) -> dict:
