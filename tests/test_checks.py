@@ -14,6 +14,7 @@ import pytest
 from dflop_ds.config import DFLOPConfig, fill_from_plan, get_setting, plan_deepspeed_config, set_settings
 from dflop_ds.plan import Plan
 from dflop_ds.plan.layout import Layout, Segment
+from dflop_ds.profile.cache import CACHE_ENV
 from dflop_ds.setup_checks import SetupError, check_cost_model, check_training_setup, resolve_batch_keys
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -224,7 +225,8 @@ def test_a_node_limited_solver_is_allowed_on_several_ranks():
 @pytest.mark.slow
 def test_train_script_prints_the_skip_report_and_refuses_the_setup(tmp_path):
     """examples/train.py, one process: bad records are skipped and listed, then the too-small
-    dataset is refused before any engine is built."""
+    dataset is refused before any engine is built, and before the tiny model's cost model is
+    profiled (an empty profile cache stays empty)."""
     data = tmp_path / "data.jsonl"
     data.write_text(
         '{"id": "a", "text_tokens": 5}\n{"id": "b", "text_tokens": -1}\nnot json\n{"id": "c", "text_tokens": 7}\n'
@@ -241,6 +243,7 @@ def test_train_script_prints_the_skip_report_and_refuses_the_setup(tmp_path):
         "WORLD_SIZE": "1",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(29400 + os.getpid() % 1000),
+        CACHE_ENV: str(tmp_path / "profile_cache"),
     }
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train.py"), "--deepspeed_config", str(path)],
@@ -256,3 +259,4 @@ def test_train_script_prints_the_skip_report_and_refuses_the_setup(tmp_path):
     assert f"skipped: {data} line 2 (id 'b'), field 'text_tokens'" in output
     assert f"skipped: {data} line 3: malformed JSON" in output
     assert "SetupError" in output and "has 2 usable samples" in output and "train_batch_size=32" in output
+    assert not (tmp_path / "profile_cache").exists() or not any((tmp_path / "profile_cache").iterdir())

@@ -14,6 +14,7 @@ from dflop_ds.compose.sampler import schedule_sampler
 from dflop_ds.config import DFLOPConfig
 from dflop_ds.cost import CostModel, LayeredCostModel, memory_blind_model, sampler_cost_model
 from dflop_ds.cost.stage import stage_memory_caps
+from dflop_ds.data import ReadResult
 from dflop_ds.data.records import ReadReport
 from dflop_ds.models.hf.source import hf_source
 from dflop_ds.models.source import ModelSource, tiny_source
@@ -22,7 +23,7 @@ from dflop_ds.plan import Plan
 from dflop_ds.plan.stages import stage_shares
 from dflop_ds.schedule.batch_schedule import CostAdjuster
 from dflop_ds.schedule.global_sampler import GlobalBatchSampler
-from dflop_ds.setup_checks import check_cost_model_fits
+from dflop_ds.setup_checks import check_cost_model_fits, check_training_setup
 from dflop_ds.shapes import SampleShape
 from dflop_ds.sync import SyncModel, sync_model_of
 from dflop_ds.train.launch_inputs import agree_on_inputs, all_ranks_or_none
@@ -102,21 +103,33 @@ class LaunchRunInputs:
     cost_model: CostModel | None
 
 
-def resolve_launch_inputs(settings: LaunchSettings, rank: int) -> LaunchRunInputs:
-    """The model source, the shape table, the dataset and the cost model of a launch, agreed on by
-    every rank (read on rank 0, bad records named, or skipped and counted, see
-    :func:`~dflop_ds.train.launch_inputs.agree_on_inputs`) and checked against the model. A
-    collective: every rank calls it after ``deepspeed.init_distributed``."""
+def resolve_launch_inputs(settings: LaunchSettings, world: int) -> LaunchRunInputs:
+    """The model source, the shape table, the dataset and the cost model of a launch of ``world``
+    ranks, agreed on by every rank (read on rank 0, bad records named, or skipped and counted, see
+    :func:`~dflop_ds.train.launch_inputs.agree_on_inputs`) and checked against the model. As soon
+    as rank 0 has read the shapes it prints what was skipped or cut and checks the training setup
+    (:func:`~dflop_ds.setup_checks.check_training_setup`: batch keys, stages, plan, a dataset
+    smaller than one global batch), before a cost model is profiled. A collective: every rank
+    calls it after ``deepspeed.init_distributed``."""
     config = settings.config
     # every rank is told of one rank's failure to load the model (no rank left waiting in a collective)
     source = all_ranks_or_none("loading the model", lambda: model_source(config))
-    agreed = agree_on_inputs(
-        config, lambda: source.read_shapes(config.data.path, config.data.on_bad_sample), settings.plan
-    )
-    if rank == 0:
-        print_skip_report(agreed.shapes.report)
+
+    def report_and_check(shapes: ReadResult) -> None:  # on rank 0, as soon as the shapes are read
+        print_skip_report(shapes.report)
         if source.truncated_samples():
             print(f"[dflop-ds] {source.truncated_samples()} sample(s) cut at dflop.data.max_length", flush=True)
+        n_samples = len(shapes[: config.data.max_samples])
+        check_training_setup(
+            settings.ds_config, config, world, plan=settings.plan, n_samples=n_samples, n_layers=source.n_layers
+        )
+
+    agreed = agree_on_inputs(
+        config,
+        lambda: source.read_shapes(config.data.path, config.data.on_bad_sample),
+        settings.plan,
+        check_shapes=report_and_check,
+    )
     shapes = list(agreed.shapes[: config.data.max_samples])
     dataset = source.make_dataset(shapes, config.data.path, config.data.on_bad_sample)  # bad media stand in under skip
     if agreed.cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on

@@ -264,11 +264,14 @@ def agree_on_inputs(
     read_shapes: Callable[[], ReadResult],
     plan: Any = None,
     log: Callable[[str], None] = print,
+    check_shapes: Callable[[ReadResult], None] | None = None,
 ) -> LaunchInputs:
     """The launch's shape table and cost model, resolved on global rank 0 (``read_shapes()``,
     :func:`resolve_cost_model`) and broadcast; every rank's own data file, plan (``plan``, as
     loaded from ``cfg.plan``) and named cost model checked against rank 0's. Raises
-    :class:`InputMismatchError` on every rank when any rank disagrees. A collective: every rank
+    :class:`InputMismatchError` on every rank when any rank disagrees. ``check_shapes(shapes)``
+    runs on rank 0 between reading the shapes and resolving the cost model (the tiny model's is
+    profiled on first use): its error stops every rank before that work. A collective: every rank
     calls it after ``deepspeed.init_distributed``."""
     import torch.distributed as dist
 
@@ -280,7 +283,7 @@ def agree_on_inputs(
     failure: Exception | None = None
     if rank == 0:
         try:
-            payload = [_resolve_on_rank_zero(cfg, read_shapes, plan_state, plan_source, log)]
+            payload = [_resolve_on_rank_zero(cfg, read_shapes, plan_state, plan_source, log, check_shapes)]
         except Exception as error:  # every rank stops with rank 0's reason, not a collective timeout
             failure = error
             payload = [{"error": f"{type(error).__name__}: {error}"}]
@@ -357,11 +360,14 @@ def _resolve_on_rank_zero(
     plan_state: dict[str, Any] | None,
     plan_source: str,
     log: Callable[[str], None],
+    check_shapes: Callable[[ReadResult], None] | None,
 ) -> dict[str, Any]:
-    """What rank 0 broadcasts: the shape table, the cost model (the object: pickled by the
-    broadcast, no file format on the way) and its source, the media listing (so that another
-    rank's differing files can be named) and the digests of every input it holds."""
+    """What rank 0 broadcasts: the shape table (checked by ``check_shapes``), the cost model (the
+    object: pickled by the broadcast, no file format on the way) and its source, the media listing
+    (so that another rank's differing files can be named) and the digests of every input it holds."""
     shapes = read_shapes()
+    if check_shapes is not None:
+        check_shapes(shapes)
     cost_model, cost_source = resolve_cost_model(cfg, log)
     media = _own_media(cfg)
     reference = input_digests(

@@ -113,7 +113,7 @@ def run_training(argv: Sequence[str] | None = None) -> None:
     for its own data-parallel group."""
     settings = launch_settings(argv)
     world, rank = start_distributed(settings.config.train.seed)
-    inputs = resolve_launch_inputs(settings, rank)
+    inputs = resolve_launch_inputs(settings, world)
     parts = build_trainer(settings, inputs, world)
     scheduled = build_sampler(settings, inputs, parts, rank)
     sampler, loader = build_loader(settings.config, inputs, parts, scheduled.sampler)
@@ -173,6 +173,7 @@ def build_trainer(settings: LaunchSettings, inputs: LaunchRunInputs, world: int)
     colocated = cfg.model.encoder == "colocated"
     encoder, projector, llm = source.layers()
     encoder = inject_fault(encoder, cfg.testing.fault, deepspeed_keys(ds_config))  # testing only: a slow shape class
+    # rank 0 checked it before resolving the cost model (resolve_launch_inputs); every rank checks its own config
     check_training_setup(
         ds_config, cfg, world, plan=settings.plan, n_samples=len(inputs.shapes), n_layers=source.n_layers
     )
