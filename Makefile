@@ -43,7 +43,7 @@ lint: setup
 # cores busy and the unit tests one, so two at a time fill the cores (more would oversubscribe them)
 TEST_WORKERS ?= 2
 test: setup lint
-	$(RUN) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
+	$(RUN) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 bench-partition: setup
 	$(PY) -m pip install --quiet -e ".[bench]" || echo "ortools not installable: the DFLOP ILP baseline uses PuLP/CBC"

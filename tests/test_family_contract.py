@@ -147,7 +147,6 @@ def test_the_blank_image_leaves_the_loss_and_gets_the_gradients_an_image_gets(na
 PIPELINE_ELSEWHERE = {
     "LLaVA": "test_train_hf.py",
     "Qwen2-VL": "test_hf_qwen2_vl_video.py (videos), test_train_hf.py (Qwen2.5-VL)",
-    "Qwen3-VL": "test_hf_qwen3_vl.py (deepstack features across the boundary)",
 }
 
 
