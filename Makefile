@@ -39,7 +39,7 @@ lint: setup
 	$(VENV)/bin/mypy
 
 # lint first: a type or style error stops CI before the (long) suite runs. Two pytest-xdist workers,
-# each running whole test files (tests/conftest.py groups them): a 2-rank launch keeps about 1.4 of 2
+# each running whole test files (tests/xdist_groups.py groups them): a 2-rank launch keeps about 1.4 of 2
 # cores busy and the unit tests one, so two at a time fill the cores (more would oversubscribe them)
 TEST_WORKERS ?= 2
 test: setup lint

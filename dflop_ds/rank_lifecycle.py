@@ -30,6 +30,16 @@ def _threads_after(grace_s: float) -> list[threading.Thread]:
     return [t for t in others if t.is_alive()]
 
 
+def collect_then_freeze() -> None:
+    """Collect the garbage once (finalizers of objects in reference cycles run), then freeze the
+    collector (:func:`gc.freeze`): the interpreter's teardown then skips re-examining the few
+    hundred thousand objects torch and transformers keep alive, 1.2-1.4 s of a rank's exit here
+    (0.2 s for this collection). Objects still alive at exit get no finalizer call, which CPython
+    never promises them."""
+    gc.collect()
+    gc.freeze()
+
+
 def close_running(*running: Any) -> None:
     """``close()`` each of ``running`` that is not None: what a run started and must stop before
     the next run or the rank's end (a sampler's scheduling thread, telemetry, a loader's epoch
@@ -49,9 +59,8 @@ def finish_rank(*running: Any) -> None:
     interpreter (``terminate called without an active exception``, exit -6; torch issue 190489),
     as can a thread still computing then. Threads still alive after :data:`LEFTOVER_GRACE_S` and
     child processes still alive are named on stderr; then :data:`CLEAN_SHUTDOWN` and the rank are printed.
-    At the interpreter's exit the collector is frozen (:func:`gc.freeze`) first: its teardown then
-    skips re-examining the few hundred thousand objects torch and transformers made, about a second
-    of every rank's exit; what it frees the process's end frees too.
+    At the interpreter's exit :func:`collect_then_freeze` runs first, about a second less of every
+    rank's exit.
     """
     import torch.distributed as dist
 
@@ -67,7 +76,7 @@ def finish_rank(*running: Any) -> None:
     if left:  # one write per line: the ranks share the launcher's output
         sys.stderr.write(f"[dflop-ds] rank {rank}: still running at exit: {', '.join(left)}\n")
         sys.stderr.flush()
-    atexit.register(gc.freeze)
+    atexit.register(collect_then_freeze)
     sys.stdout.write(f"{CLEAN_SHUTDOWN} {rank}\n")
     sys.stdout.flush()
 

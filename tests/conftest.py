@@ -1,7 +1,7 @@
 """Fixtures the test files share: JSONL data files, bundled DeepSpeed configs written to
 ``tmp_path`` with keys overridden, and 2-rank runs of ``examples/train.py``; the
-``--deny-precisions`` option (see tests/capabilities.py); the test files' groups for
-pytest-xdist's ``--dist loadgroup`` (what ``make test`` runs)."""
+``--deny-precisions`` option (see tests/capabilities.py); how pytest-xdist's workers (``make
+test``) share the test files (see tests/xdist_groups.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 from capabilities import DENY_ENV, deny_precisions, parse_denied
 from ds_runs import REPO, Launcher, run_on_ranks
 from tiny_plans import tiny_plan
+from xdist_groups import schedule_key, scope_of
 
 from dflop_ds.config import set_settings
 from dflop_ds.plan.layout import Layout, Segment
@@ -44,30 +45,25 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return f"precisions reported unsupported by the accelerator: {denied}" if denied else None
 
 
-#: the session-scoped runs below: a test file using one joins the group of every other file using it
-SESSION_RUNS = ("dflop_pp2_run", "colocated_reports", "colocated_plan_run")
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With ``-n N``: each worker takes whole groups of test files (:mod:`xdist_groups`), the
+    groups in the order the workers collected them (:func:`pytest_collection_modifyitems`)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    config.option.loadscopereorder = False
+    return FileGroupScheduling(config, log)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, one ``xdist_group`` per test file, so that a worker runs a file whole
-    and its module-scoped launches once; files that use the same session-scoped run share a group,
-    so that the run is launched once in the session, not once per worker."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    parent: dict[str, str] = {}
-
-    def root(name: str) -> str:
-        while parent.setdefault(name, name) != name:
-            name = parent[name]
-        return name
-
-    for item in items:
-        for run in SESSION_RUNS:
-            if run in getattr(item, "fixturenames", ()):
-                parent[root(item.path.name)] = root(run)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(root(item.path.name)))
+    """On a pytest-xdist worker, the groups with more slow tests first (:func:`xdist_groups.schedule_key`;
+    a stable sort: each file's own order stays)."""
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: schedule_key(item.nodeid))
 
 
 def _write_jsonl(path: Path, records: list) -> Path:

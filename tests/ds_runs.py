@@ -60,6 +60,8 @@ def run_train_batch(runs: Mapping[str, Sequence[Any]], folder: Path, *, timeout:
     ``--summary folder/NAME.summary.json`` added; asserts the launch exits 0 and returns each run's
     summary (``{"summary": ..., "steps": [...]}``) by name. One launch starts the ranks once: the
     imports are most of a tiny model's run."""
+    given = [name for name, argv in runs.items() if "--summary" in map(str, argv)]
+    assert not given, f"run_train_batch adds --summary itself; runs {given} give their own"
     summaries = {name: folder / f"{name}.summary.json" for name in runs}
     options = [
         arg

@@ -157,20 +157,29 @@ def test_repeated_two_rank_runs_exit_zero_on_every_rank(ds_config, run_train) ->
         assert "still running at exit" not in output, f"launch {attempt}: {output[-3000:]}"
 
 
-def test_a_finished_rank_freezes_the_collector_before_the_interpreter_tears_down() -> None:
-    """After :func:`finish_rank`, the interpreter's exit finds the collector frozen, so its teardown
-    skips the objects torch made (about a second of every rank's exit, most of it collection).
-    An exit handler registered before the rank finished runs after the freeze and reports it."""
+def test_a_finished_rank_collects_then_freezes_before_the_interpreter_tears_down() -> None:
+    """After :func:`finish_rank`, the interpreter's exit first collects the garbage (a finalizer in
+    a reference cycle still runs) and then freezes the collector, so its teardown skips the
+    objects torch made (about a second of every rank's exit, most of it collection). An exit
+    handler registered before the rank finished runs after that and reports both."""
     code = (
         "import atexit, gc, torch\n"
         "from dflop_ds.rank_lifecycle import finish_rank\n"
         "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count()))\n"
+        "class Cycle:\n"
+        "    def __del__(self):\n"
+        "        print('finalized', flush=True)\n"
+        "cycle = Cycle()\n"
+        "cycle.me = cycle\n"
+        "del cycle\n"
+        "gc.disable()  # the cycle stays uncollected until exit\n"
         "print('frozen before:', gc.get_freeze_count())\n"
         "finish_rank()\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "frozen before: 0\n" in result.stdout, result.stdout
+    assert result.stdout.index("finalized") < result.stdout.index("frozen at exit:"), result.stdout
     frozen = int(result.stdout.split("frozen at exit:")[1])
     assert frozen > 10_000, result.stdout  # every object torch made, not a handful
 

@@ -54,6 +54,24 @@ def config(**settings) -> DFLOPConfig:
     return DFLOPConfig.from_dict(set_settings({"data": {"policy": "tiny"}}, **settings))
 
 
+def test_the_shapes_are_checked_before_the_cost_model_is_read(tmp_path, write_jsonl):
+    """``check_shapes`` runs on the shapes read, before the cost model (a file that is not there
+    here, or the tiny model's profile): its error is what stops the launch."""
+    data = write_jsonl(tmp_path / "data.jsonl", [{"id": "a", "text_tokens": 5}, {"id": "b", "text_tokens": 7}])
+    cfg = config(data=str(data), cost_model=str(tmp_path / "absent_costmodel.json"))
+    seen = []
+
+    def refuse(shapes) -> None:
+        seen.append(len(shapes))
+        raise ValueError("too few samples")
+
+    with pytest.raises(ValueError, match="too few samples"):
+        agree_on_inputs(cfg, lambda: read_dataset(data, TINY_POLICY), log=lambda _: None, check_shapes=refuse)
+    assert seen == [2]
+    with pytest.raises(Exception, match="absent_costmodel"):  # without the check, the missing file stops it
+        agree_on_inputs(cfg, lambda: read_dataset(data, TINY_POLICY), log=lambda _: None)
+
+
 def test_json_digest_depends_on_content_not_key_order():
     assert json_digest({"a": 1, "b": [1.5, 2]}) == json_digest({"b": [1.5, 2], "a": 1})
     assert json_digest({"a": 1}) != json_digest({"a": 2})
@@ -249,7 +267,7 @@ def test_two_ranks_with_different_data_files_both_stop_naming_it(tmp_path):
         ):
             assert part in message, (part, message)
     assert outcomes[0]["rank 0 fails"].startswith("DataError")  # its own error, as before
-    assert "rank 0 could not resolve" in outcomes[1]["rank 0 fails"]
+    assert "rank 0 stopped the launch" in outcomes[1]["rank 0 fails"]
     assert "absent.jsonl" in outcomes[1]["rank 0 fails"]
 
 

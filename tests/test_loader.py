@@ -173,7 +173,7 @@ def test_an_overrunning_exact_solve_falls_back_to_the_heuristic():
     reference = DFLOPBatchSampler(SHAPES, global_batch_size=16, gradient_accumulation_steps=4, prefetch=0)
     start = time.monotonic()
     mbs = take(iter(sampler), 4)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30  # the 3 s timeout, then the fallback: not the stuck solve
     assert sampler.last_schedule.split.solver.endswith("+fallback")
     assert mbs == take(iter(reference), 4)  # the heuristic's split: the same on every rank
     sampler.release.set()

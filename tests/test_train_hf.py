@@ -74,7 +74,7 @@ def test_hf_llava_trains_on_two_pipeline_stages(pipeline_runs):
 
 
 @pytest.mark.slow
-# ZeRO-2: the one-step-equals-HF test (DFLOP sampler) and the LoRA test (stock sampler) below
+# ZeRO-3 here; ZeRO-2: the one-step-equals-HF test (DFLOP sampler) and the LoRA test (stock sampler) below
 def test_hf_llava_trains_on_two_zero3_ranks(tmp_path, llava_run_inputs, train):
     model, data, images = llava_run_inputs
     out = tmp_path / "trained"

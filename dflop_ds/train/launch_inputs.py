@@ -293,7 +293,7 @@ def agree_on_inputs(
     if failure is not None:
         raise failure
     if "error" in payload[0]:
-        raise RuntimeError(f"rank 0 could not resolve the launch's inputs: {payload[0]['error']}")
+        raise RuntimeError(f"rank 0 stopped the launch while reading its inputs: {payload[0]['error']}")
     shared = payload[0]
     problems = [] if rank == 0 else check_against_rank_zero(cfg, shared, plan_state, plan_source, rank)
     if distributed:

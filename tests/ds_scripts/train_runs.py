@@ -6,9 +6,9 @@ Each ``--run`` holds one train.py command line, shell-quoted; the runs train in 
 (:func:`dflop_ds.train.loop.run_training`), and :func:`~dflop_ds.rank_lifecycle.finish_rank` ends
 the rank after the last. The ranks start once (importing torch, DeepSpeed and transformers takes
 most of a tiny model's run), not once per run. The runs must share one engine kind (pipeline
-stages, ZeRO stage, AutoTP size): DeepSpeed keeps a pipeline's topology, and transformers a ZeRO-3
-config, in module state that a later run of another kind would inherit. Used by the tests through
-:func:`ds_runs.run_train_batch`.
+stages, ZeRO stage, AutoTP size): DeepSpeed keeps a pipeline's topology and AutoTP's groups in
+module state (``deepspeed.utils.groups``) that a later run of another kind would inherit. Used by
+the tests through :func:`ds_runs.run_train_batch`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,11 @@ def main() -> int:
         raise SystemExit(f"train_runs.py: runs of one engine kind only, got (stages, ZeRO, AutoTP) {sorted(kinds)}")
     for index, argv in enumerate(runs):
         print(f"[train_runs] run {index + 1} of {len(runs)}: {shlex.join(argv)}", flush=True)
-        run_training(argv)
+        try:
+            run_training(argv)
+        except BaseException:
+            print(f"[train_runs] run {index + 1} of {len(runs)} failed; the runs after it did not start", flush=True)
+            raise
     finish_rank()
     return 0
 
