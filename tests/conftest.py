@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from capabilities import DENY_ENV, deny_precisions, parse_denied
-from ds_runs import REPO, Launcher, run_on_ranks
+from ds_runs import REPO, Launcher, hf_data_args, run_on_ranks
 from tiny_plans import tiny_plan
 from xdist_groups import schedule_key, scope_of
 
@@ -138,15 +138,7 @@ def train(tmp_path: Path, ds_config, run_train) -> Callable[..., dict]:
         summary = tmp_path / "summary.json"
         run_train(
             ds_config(config, dflop, **(ds or {})),
-            "--model_name_or_path",
-            str(model),
-            "--data_path",
-            str(data),
-            "--image_folder",
-            str(images),
-            "--summary",
-            str(summary),
-            *args,
+            *hf_data_args(model, data, images, "--summary", summary, *args),
             timeout=500,
         )
         return json.loads(summary.read_text())

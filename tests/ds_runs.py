@@ -54,6 +54,20 @@ def run_on_ranks(
     return result
 
 
+def hf_data_args(model: Path, data: Path, images: Path, *args: Any) -> list[str]:
+    """examples/train.py's options for an HF model: the ``model`` folder, the LLaVA ``data`` and
+    its ``images`` folder, then ``args``."""
+    return [
+        "--model_name_or_path",
+        str(model),
+        "--data_path",
+        str(data),
+        "--image_folder",
+        str(images),
+        *map(str, args),
+    ]
+
+
 def run_train_batch(runs: Mapping[str, Sequence[Any]], folder: Path, *, timeout: float = 900) -> dict[str, dict]:
     """examples/train.py's runs ``{name: command line}`` in one 2-rank launch
     (``ds_scripts/train_runs.py``: runs of one engine kind, trained in turn), each with

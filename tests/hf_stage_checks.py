@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ds_runs import hf_data_args
 
 from dflop_ds.models.hf.check import run_stages
 from dflop_ds.pipe import plan_stage_bounds, token_normalized_loss
@@ -73,9 +74,10 @@ def media_run_args(media: Sequence[Any], config: Path, out: Path) -> list[str]:
     data, image folder, video folder), the DeepSpeed ``config`` and the trained model saved to ``out``."""
     model, data, images, videos = media
     return [
-        "--deepspeed_config", str(config), "--model_name_or_path", str(model), "--data_path", str(data),
-        "--image_folder", str(images), "--video_folder", str(videos), "--output_dir", str(out),
-    ]  # fmt: skip
+        "--deepspeed_config",
+        str(config),
+        *hf_data_args(model, data, images, "--video_folder", videos, "--output_dir", out),
+    ]
 
 
 def assert_trained_with_media(run: dict, model: Path, out: Path, family: str, **summary: Any) -> None:

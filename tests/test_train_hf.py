@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import write_ds_config
-from ds_runs import run_train_batch
+from ds_runs import hf_data_args, run_train_batch
 from hf_stage_checks import changed_tensors
 
 
@@ -34,9 +34,10 @@ def run_args(root: Path, config: str, media: tuple, *args: str, dflop: dict, ds:
     root.mkdir(parents=True)
     path = write_ds_config(root / "config.json", config, dflop, **(ds or {}))
     return [
-        "--deepspeed_config", str(path), "--model_name_or_path", str(model), "--data_path", str(data),
-        "--image_folder", str(images), "--output_dir", str(root / "trained"), *args,
-    ]  # fmt: skip
+        "--deepspeed_config",
+        str(path),
+        *hf_data_args(model, data, images, "--output_dir", root / "trained", *args),
+    ]
 
 
 @pytest.fixture(scope="module")
