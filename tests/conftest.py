@@ -81,8 +81,12 @@ def write_jsonl() -> Callable[[Path, list], Path]:
 
 def write_ds_config(path: Path, name: str, dflop: dict[str, Any] | None = None, **keys: Any) -> Path:
     """The bundled ``ds_configs/<name>`` with the top-level DeepSpeed ``keys`` and the ``"dflop"``
-    block's ``dflop`` keys overridden, written to ``path``; returns ``path``."""
+    block's ``dflop`` keys overridden, written to ``path``; returns ``path``. A CSV monitor the
+    bundled config writes into the repository writes beside ``path`` instead (``monitor/``), so
+    that launches of two test workers never share its files."""
     config = json.loads((REPO / "ds_configs" / name).read_text())
+    if "csv_monitor" in config:
+        config["csv_monitor"] = {**config["csv_monitor"], "output_path": str(path.parent / "monitor")}
     config.update(keys)
     set_settings(config["dflop"], **(dflop or {}))
     path.write_text(json.dumps(config))
