@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ds_runs import run_on_ranks
+from ds_runs import hf_data_args, run_on_ranks
 
 from dflop_ds.config import DFLOPConfig, fill_from_plan, set_settings
 from dflop_ds.plan import Plan
@@ -200,19 +200,8 @@ def run(tmp_path: Path, name: str, model: Path, data: Path, images: Path, *, ran
         ROOT / "examples" / "train.py",
         [
             "--deepspeed_config",
-            str(path),
-            "--model_name_or_path",
-            str(model),
-            "--data_path",
-            str(data),
-            "--image_folder",
-            str(images),
-            "--summary",
-            str(summary),
-            "--trace",
-            str(trace),
-            "--output_dir",
-            str(out),
+            path,
+            *hf_data_args(model, data, images, "--summary", summary, "--trace", trace, "--output_dir", out),
         ],
         ranks=ranks,
         timeout=500,

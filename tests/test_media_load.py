@@ -14,6 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+from ds_runs import hf_data_args  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from dflop_ds.data import DataError, read_dataset, validate_dataset  # noqa: E402
@@ -204,8 +205,7 @@ def test_two_ranks_stay_in_lockstep_when_samples_fail_to_load_under_skip(tmp_pat
     config = ds_config("hf_zero2.json", {"steps": 2, "on_bad_sample": "skip", "max_samples": 16})
     run = run_train(
         config,
-        *("--model_name_or_path", model, "--data_path", data, "--image_folder", images),
-        *("--summary", summary),
+        *hf_data_args(model, data, images, "--summary", summary),
         timeout=500,
     )
     output = run.stdout + run.stderr
