@@ -103,26 +103,30 @@ class LaunchRunInputs:
     cost_model: CostModel | None
 
 
-def resolve_launch_inputs(settings: LaunchSettings, world: int) -> LaunchRunInputs:
+def resolve_launch_inputs(settings: LaunchSettings, rank: int, world: int) -> LaunchRunInputs:
     """The model source, the shape table, the dataset and the cost model of a launch of ``world``
     ranks, agreed on by every rank (read on rank 0, bad records named, or skipped and counted, see
-    :func:`~dflop_ds.train.launch_inputs.agree_on_inputs`) and checked against the model. As soon
-    as rank 0 has read the shapes it prints what was skipped or cut and checks the training setup
+    :func:`~dflop_ds.train.launch_inputs.agree_on_inputs`) and checked against the model. Every
+    rank checks the training setup of its own config
     (:func:`~dflop_ds.setup_checks.check_training_setup`: batch keys, stages, plan, a dataset
-    smaller than one global batch), before a cost model is profiled. A collective: every rank
-    calls it after ``deepspeed.init_distributed``."""
+    smaller than one global batch); rank 0 does so, after printing what was skipped or cut, as soon
+    as it has read the shapes, before a cost model is profiled. A collective: every rank calls it
+    after ``deepspeed.init_distributed``."""
     config = settings.config
     # every rank is told of one rank's failure to load the model (no rank left waiting in a collective)
     source = all_ranks_or_none("loading the model", lambda: model_source(config))
+
+    def check_setup(shapes: Sequence[SampleShape]) -> None:
+        n_samples = len(shapes[: config.data.max_samples])
+        check_training_setup(
+            settings.ds_config, config, world, plan=settings.plan, n_samples=n_samples, n_layers=source.n_layers
+        )
 
     def report_and_check(shapes: ReadResult) -> None:  # on rank 0, as soon as the shapes are read
         print_skip_report(shapes.report)
         if source.truncated_samples():
             print(f"[dflop-ds] {source.truncated_samples()} sample(s) cut at dflop.data.max_length", flush=True)
-        n_samples = len(shapes[: config.data.max_samples])
-        check_training_setup(
-            settings.ds_config, config, world, plan=settings.plan, n_samples=n_samples, n_layers=source.n_layers
-        )
+        check_setup(shapes)
 
     agreed = agree_on_inputs(
         config,
@@ -130,6 +134,8 @@ def resolve_launch_inputs(settings: LaunchSettings, world: int) -> LaunchRunInpu
         settings.plan,
         check_shapes=report_and_check,
     )
+    if rank != 0:
+        check_setup(agreed.shapes)
     shapes = list(agreed.shapes[: config.data.max_samples])
     dataset = source.make_dataset(shapes, config.data.path, config.data.on_bad_sample)  # bad media stand in under skip
     if agreed.cost_model is not None:  # predictions hold only for the tiles and tokens they were profiled on

@@ -38,7 +38,6 @@ from dflop_ds.plan.stages import cost_balanced_bounds
 from dflop_ds.rank_lifecycle import close_running, finish_rank, release_shm_buffer_once_mapped, share_cpu_threads
 from dflop_ds.schedule.correction import CostCorrection, make_correction
 from dflop_ds.schedule.global_sampler import GlobalBatchSampler
-from dflop_ds.setup_checks import check_training_setup
 from dflop_ds.shapes import SampleShape
 from dflop_ds.telemetry.record import batch_tokens, throughput
 from dflop_ds.telemetry.runtime import RuntimeTracker, default_jsonl_path
@@ -113,8 +112,8 @@ def run_training(argv: Sequence[str] | None = None) -> None:
     for its own data-parallel group."""
     settings = launch_settings(argv)
     world, rank = start_distributed(settings.config.train.seed)
-    inputs = resolve_launch_inputs(settings, world)
-    parts = build_trainer(settings, inputs, world)
+    inputs = resolve_launch_inputs(settings, rank, world)
+    parts = build_trainer(settings, inputs)
     scheduled = build_sampler(settings, inputs, parts, rank)
     sampler, loader = build_loader(settings.config, inputs, parts, scheduled.sampler)
     train(Run(settings, inputs, rank, parts, scheduled, sampler, loader))
@@ -166,17 +165,13 @@ def stage_bounds(
     return given
 
 
-def build_trainer(settings: LaunchSettings, inputs: LaunchRunInputs, world: int) -> EngineParts:
+def build_trainer(settings: LaunchSettings, inputs: LaunchRunInputs) -> EngineParts:
     """The training engine on the source's layers (the encoder's optional testing fault
-    injected), after the setup checks, with the run's correction and packing switch."""
+    injected; the setup was checked with the inputs), with the run's correction and packing switch."""
     cfg, source, ds_config = settings.config, inputs.source, settings.ds_config
     colocated = cfg.model.encoder == "colocated"
     encoder, projector, llm = source.layers()
     encoder = inject_fault(encoder, cfg.testing.fault, deepspeed_keys(ds_config))  # testing only: a slow shape class
-    # rank 0 checked it before resolving the cost model (resolve_launch_inputs); every rank checks its own config
-    check_training_setup(
-        ds_config, cfg, world, plan=settings.plan, n_samples=len(inputs.shapes), n_layers=source.n_layers
-    )
     tile_pixels = source.colocated_tile_pixels() if colocated else None  # refused now, not after building
     bounds = stage_bounds(
         cfg.plan.pipeline_stages,
