@@ -61,14 +61,18 @@ def file_groups(tests: Path = TESTS) -> dict[str, tuple[str, int]]:
     return {name: (group[name], slow[group[name]]) for name in facts}
 
 
-def scope_of(nodeid: str) -> str:
-    """The group a test's node id falls in (its file's name outside ``tests/``)."""
+def _group_of(nodeid: str) -> tuple[str, int]:
+    """A test's group (its file's name outside ``tests/``) and the group's count of slow tests."""
     file = nodeid.split("::", 1)[0]
-    return file_groups().get(Path(file).name, (file, 0))[0]
+    return file_groups().get(Path(file).name, (file, 0))
+
+
+def scope_of(nodeid: str) -> str:
+    """The group a test's node id falls in."""
+    return _group_of(nodeid)[0]
 
 
 def schedule_key(nodeid: str) -> tuple[int, str]:
     """Where a test's group goes in the workers' queue: more slow tests first, then by name."""
-    file = Path(nodeid.split("::", 1)[0]).name
-    name, slow = file_groups().get(file, (file, 0))
+    name, slow = _group_of(nodeid)
     return -slow, name
