@@ -19,6 +19,11 @@ from dflop_ds.launch import free_port, launch_env, run_deepspeed
 REPO = Path(__file__).resolve().parents[1]
 
 
+def repo_first_pythonpath() -> str:
+    """``PYTHONPATH`` with this repository first: the scripts the tests launch import its dflop_ds."""
+    return f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+
+
 #: how :func:`run_on_ranks` starts the ranks: directly (:func:`direct_ranks.run_ranks`), or through
 #: the ``deepspeed`` launcher as a user does (:func:`dflop_ds.launch.run_deepspeed`)
 Launcher = Literal["direct", "deepspeed"]
@@ -82,7 +87,7 @@ def run_train_batch(runs: Mapping[str, Sequence[Any]], folder: Path, *, timeout:
         for name, argv in runs.items()
         for arg in ("--run", shlex.join([*map(str, argv), "--summary", str(summaries[name])]))
     ]
-    extra_env = {"PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    extra_env = {"PYTHONPATH": repo_first_pythonpath()}
     run_on_ranks(REPO / "tests" / "ds_scripts" / "train_runs.py", options, extra_env=extra_env, timeout=timeout)
     return {name: json.loads(path.read_text()) for name, path in summaries.items()}
 
@@ -124,7 +129,7 @@ def run_pipeline_variants(
     (see ``ds_scripts/pipe_checks.py``), in one launch on 2 ranks with this repository first on
     PYTHONPATH: the ``rank{r}.json`` reports each wrote into ``out/NAME``, stage 0's then stage 1's."""
     extra_env = {
-        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "PYTHONPATH": repo_first_pythonpath(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     }
     options = [a for name, opts in variants.items() for a in ("--variant", f"{name}={shlex.join(opts)}")]

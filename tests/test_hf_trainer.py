@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ds_runs import REPO, run_on_ranks, run_with_accelerate
+from ds_runs import REPO, repo_first_pythonpath, run_on_ranks, run_with_accelerate
 from family_inputs import FAMILY_BUILDERS, RightPadCollator, image_chats
 
 from dflop_ds.hf_trainer import (
@@ -714,7 +714,7 @@ def test_packing_keeps_a_padding_free_collator_and_refuses_a_padded_one_by_name(
 def rank_env() -> dict[str, str]:
     """What the launched ranks need: this checkout's dflop_ds first, one thread each."""
     return {
-        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "PYTHONPATH": repo_first_pythonpath(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     }
 

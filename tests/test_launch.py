@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import DFLOP_PP2
 from deepspeed.accelerator import get_accelerator
-from ds_runs import REPO
+from ds_runs import REPO, repo_first_pythonpath
 
 from dflop_ds.host import (
     SHM_BUFFER_PREFIX,
@@ -226,7 +226,7 @@ def test_a_rank_that_fails_in_set_up_leaves_nothing_in_dev_shm(tmp_path) -> None
         ranks=2,
         master_port=port,
     )
-    env = launch_env(PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    env = launch_env(PYTHONPATH=repo_first_pythonpath(), OMP_NUM_THREADS="1")
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     leaked = [p.name for p in SHM_DIR.glob(f"{SHM_BUFFER_PREFIX}_{os.getuid()}_*_{port}_*")]
     release_shm_buffers(port)  # whatever the outcome, leave the machine clean
