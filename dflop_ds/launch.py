@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -39,8 +40,45 @@ def deepspeed_launcher() -> str:
     return found
 
 
-def free_port() -> int:
-    """A TCP port free on this host right now (for the launcher's ``--master_port``)."""
+#: the lowest port :func:`free_port` draws from (below it sit well-known services' ports)
+LOWEST_DRAWN_PORT = 20000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_ports(setting: Path | None = None) -> range:
+    """The ports the kernel hands to sockets bound to port 0 and to outgoing connections
+    (Linux's ``ip_local_port_range``, or the file ``setting``; the kernel's default 32768-60999
+    where it cannot be read)."""
+    try:
+        low, high = (int(field) for field in (setting or _EPHEMERAL_RANGE).read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(tries: int = 64) -> int:
+    """A TCP port free on this host right now (for the launcher's ``--master_port``).
+
+    Drawn at random below the kernel's ephemeral range: a port the kernel gave out (``bind`` to
+    port 0) could be handed again, between this call and rank 0 binding it, to any outgoing
+    connection on the host, such as a concurrent launch's gloo connections (pytest-xdist runs two
+    launches at once). Falls back to a kernel-chosen port when that range is too small or full."""
+    drawn = secrets.SystemRandom()
+    ephemeral = ephemeral_ports()
+    if ephemeral.start - LOWEST_DRAWN_PORT >= tries:
+        for _ in range(tries):
+            port = drawn.randrange(LOWEST_DRAWN_PORT, ephemeral.start)
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])

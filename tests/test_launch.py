@@ -6,7 +6,9 @@ whose rank does not is reported as an exit fault, not a failed benchmark."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -26,7 +28,7 @@ from dflop_ds.host import (
     release_shm_buffers,
     shm_buffer_name,
 )
-from dflop_ds.launch import deepspeed_command, free_port, launch_env, rank_exits
+from dflop_ds.launch import LOWEST_DRAWN_PORT, deepspeed_command, ephemeral_ports, free_port, launch_env, rank_exits
 from dflop_ds.rank_lifecycle import CLEAN_SHUTDOWN, release_own_shm_buffer
 
 
@@ -213,6 +215,33 @@ def test_a_benchmark_worker_failing_after_its_rounds_is_an_exit_fault_naming_the
     script.write_text("raise SystemExit(5)")
     with pytest.raises(RuntimeError, match="failed with exit code 5 before writing"):
         run_worker(str(script), ["--out", str(out)], out, timeout=300)
+
+
+def test_a_launch_port_is_drawn_below_the_kernels_ephemeral_range_and_is_free() -> None:
+    """Two pytest-xdist workers launch at once: a port the kernel handed out (bind to 0) can go
+    to the other launch's outgoing gloo connections before rank 0 binds it; a drawn one cannot,
+    and the global ``random`` state (which tests seed alike) does not decide the draw."""
+    ephemeral = ephemeral_ports()
+    ports = set()
+    for _ in range(8):
+        random.seed(0)
+        port = free_port()
+        assert LOWEST_DRAWN_PORT <= port < ephemeral.start
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+            listener.bind(("127.0.0.1", port))
+        ports.add(port)
+    assert len(ports) > 1
+
+
+def test_the_ephemeral_range_is_read_from_its_setting(tmp_path: Path, monkeypatch) -> None:
+    setting = tmp_path / "ip_local_port_range"
+    setting.write_text("40000\t50000\n")
+    assert ephemeral_ports(setting) == range(40000, 50001)
+    assert ephemeral_ports(tmp_path / "absent") == range(32768, 61000)
+    kernels = ephemeral_ports()
+    setting.write_text(f"{LOWEST_DRAWN_PORT + 2} 60999\n")  # no room below it: the kernel chooses
+    monkeypatch.setattr("dflop_ds.launch._EPHEMERAL_RANGE", setting)
+    assert all(free_port() in kernels for _ in range(4))
 
 
 def test_a_rank_that_fails_in_set_up_leaves_nothing_in_dev_shm(tmp_path) -> None:
