@@ -55,6 +55,32 @@ def test_many_rows_at_once_match_one_at_a_time_and_an_empty_row_costs_nothing(fi
     assert not batched[1].any()
 
 
+class _CacheThatMustNotBeWalked(dict):
+    def __iter__(self):
+        raise AssertionError("the row-length cache was walked")
+
+    def keys(self):
+        raise AssertionError("the row-length cache was walked")
+
+
+def test_each_row_length_is_predicted_once_and_looked_up_without_walking_the_cache(fitted, monkeypatch):
+    """A splitter costs thousands of rows per global batch and the cache holds every row length of
+    the run: a lookup that walked it (``set(lengths) - cache.keys()``) made a 16-sample split four
+    times slower and grew with the run."""
+    row = RowPackedCost(fitted)
+    row._rows = _CacheThatMustNotBeWalked({n: float(n) for n in range(1000, 5000)})
+    asked: list[int] = []
+    predict = fitted.predict_samples
+    monkeypatch.setattr(
+        fitted, "predict_samples", lambda shapes: asked.extend(s.llm_tokens for s in shapes) or predict(shapes)
+    )
+    first = row.row_llm(np.array([300, 120, 300, 1500]))
+    again = row.row_llm(np.array([120, 300]))
+    assert sorted(asked) == [120, 300]  # the new lengths once each; 1500 was cached
+    np.testing.assert_allclose(first, [first[0], first[1], first[0], 1500.0])
+    np.testing.assert_allclose(again, [first[1], first[0]])
+
+
 def test_row_packed_models_are_saved_as_their_kind_and_per_stage_models_are_refused(fitted):
     row = RowPackedCost(fitted)
     loaded = cost_model_from_dict(cost_model_to_dict(row))

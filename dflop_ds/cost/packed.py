@@ -136,7 +136,8 @@ class RowPackedCost(PackedCost):
     def row_llm(self, tokens: np.ndarray) -> np.ndarray:
         """``(n,)`` the wrapped model's LLM cost of one row of each of ``tokens`` tokens."""
         lengths = [int(t) for t in np.asarray(tokens).reshape(-1)]
-        new = sorted(set(lengths) - self._rows.keys())
+        # not ``set(lengths) - self._rows.keys()``: that walks the whole cache on every call
+        new = sorted({n for n in lengths if n not in self._rows})
         if new:
             costs = np.asarray(self.cost_model.predict_samples([_row(n) for n in new]), dtype=float)
             self._rows.update(zip(new, costs.reshape(len(new), -1)[:, -1].tolist()))
