@@ -14,10 +14,12 @@ from dflop_ds.cost import (
     FittedCostModel,
     Microbatches,
     PackedCost,
+    PositionalCostModel,
     RowPackedCost,
     StageCost,
     cost_model_from_dict,
     cost_model_to_dict,
+    microbatch_cost_by_position,
 )
 from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 from dflop_ds.shapes import SampleShape
@@ -79,6 +81,31 @@ def test_each_row_length_is_predicted_once_and_looked_up_without_walking_the_cac
     assert sorted(asked) == [120, 300]  # the new lengths once each; 1500 was cached
     np.testing.assert_allclose(first, [first[0], first[1], first[0], 1500.0])
     np.testing.assert_allclose(again, [first[1], first[0]])
+
+
+def test_rows_costed_by_position_match_rows_costed_by_shapes_for_positional_and_other_models(fitted):
+    """A splitter costs a batch's rows by positions: RowPackedCost looks each sample up once for the
+    batch (no shape hashed per row); any other model is asked with the row's shapes. Both give
+    ``predict_microbatch``, the sampler uses the positional form, and the shapes are not asked again."""
+    shapes = [cost_shape(t, s, f"s{i}") for i, (t, s) in enumerate([(1, 180), (0, 400), (4, 600), (0, 30), (2, 250)])]
+    rows = [[0, 1], [2, 3, 4], (4, 0), [3], []]
+    row = RowPackedCost(fitted)
+    assert isinstance(row, PositionalCostModel) and not isinstance(fitted, PositionalCostModel)
+    for model in (row, fitted):
+        by_position = microbatch_cost_by_position(model, shapes)
+        for positions in rows:
+            expected = model.predict_microbatch([shapes[p] for p in positions]) if positions else np.zeros(2)
+            np.testing.assert_allclose(by_position(positions), expected, rtol=1e-12, err_msg=str(positions))
+
+    from dflop_ds.schedule.sampler import SamplerSettings, make_sampler
+
+    sampler = make_sampler(
+        SamplerSettings("dflop"), shapes * 2, global_batch_size=4, gradient_accumulation_steps=2, cost_model=row
+    )
+    batch = np.array([1, 6, 2, 9])
+    cost = sampler.split_request(batch, sampler.costs[batch], 0).microbatch_cost
+    row.predict_microbatch = None  # the sampler's rows must not go back to it
+    np.testing.assert_allclose(cost([0, 2]), RowPackedCost(fitted).predict_microbatch([shapes[1], shapes[2]]))
 
 
 def test_row_packed_models_are_saved_as_their_kind_and_per_stage_models_are_refused(fitted):

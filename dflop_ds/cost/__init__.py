@@ -16,12 +16,15 @@
 * :class:`PackedView`, :class:`EncoderScaled`, :class:`EngineScaled`: the planner's views of a model.
 * :func:`save_cost_model` / :func:`load_cost_model`: the one versioned JSON format.
 * :class:`Microbatches` and :func:`microbatch_costs` (and the bytes): many microbatches of one
-  batch predicted in one call, vectorised where a model declares it (:class:`BatchedCostModel`).
+  batch predicted in one call, vectorised where a model declares it (:class:`BatchedCostModel`);
+  :func:`microbatch_cost_by_position`: one batch's microbatches costed from their positions
+  (:class:`PositionalCostModel`), for a splitter's many calls.
 """
 
 from dflop_ds.cost.analytic import AnalyticMLLM, reference_model, reference_names
 from dflop_ds.cost.batched import (
     microbatch_activation_bytes,
+    microbatch_cost_by_position,
     microbatch_costs,
     microbatch_working_bytes,
 )
@@ -45,6 +48,7 @@ from dflop_ds.cost.protocol import (
     CostWrapper,
     LayeredCostModel,
     PlannerCostModel,
+    PositionalCostModel,
 )
 from dflop_ds.cost.proxy import ProxyCost
 from dflop_ds.cost.reference_policies import reference_policy
@@ -69,6 +73,7 @@ __all__ = [
     "PackedView",
     "PlannerCostModel",
     "PlannerView",
+    "PositionalCostModel",
     "ProxyCost",
     "RowPackedCost",
     "SampleColumns",
@@ -79,6 +84,7 @@ __all__ = [
     "load_cost_model",
     "memory_blind_model",
     "microbatch_activation_bytes",
+    "microbatch_cost_by_position",
     "microbatch_costs",
     "microbatch_working_bytes",
     "packs_microbatches",

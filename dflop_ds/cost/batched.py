@@ -21,7 +21,13 @@ from typing import Any
 import numpy as np
 
 from dflop_ds.cost.columns import Microbatches
-from dflop_ds.cost.protocol import BatchedCostModel, BatchedPlannerCostModel, CostModel, PlannerCostModel
+from dflop_ds.cost.protocol import (
+    BatchedCostModel,
+    BatchedPlannerCostModel,
+    CostModel,
+    PlannerCostModel,
+    PositionalCostModel,
+)
 from dflop_ds.shapes import SampleShape
 
 
@@ -36,6 +42,18 @@ def microbatch_costs(model: CostModel, groups: Microbatches) -> np.ndarray:
     if isinstance(model, BatchedCostModel):
         return model.predict_microbatches(groups)
     return _each(model.predict_microbatch, groups)
+
+
+def microbatch_cost_by_position(
+    model: CostModel, shapes: Sequence[SampleShape]
+) -> Callable[[Sequence[int]], np.ndarray]:
+    """A function of positions in ``shapes`` giving ``model.predict_microbatch`` of those samples:
+    the model's own positional form where it has one (:class:`~dflop_ds.cost.PositionalCostModel`),
+    else a call with the microbatch's shapes."""
+    if isinstance(model, PositionalCostModel):
+        return model.microbatch_cost_by_position(shapes)
+    predict = model.predict_microbatch
+    return lambda positions: predict([shapes[p] for p in positions])
 
 
 def microbatch_activation_bytes(model: PlannerCostModel, groups: Microbatches) -> np.ndarray:

@@ -18,7 +18,7 @@ for one sequence of the row's ``N`` tokens: :class:`RowPackedCost` predicts that
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -146,14 +146,30 @@ class RowPackedCost(PackedCost):
     def predict_microbatch(self, shapes: Sequence[SampleShape]) -> np.ndarray:
         """``(k,)`` cost of one packed row: the encoder as :class:`PackedCost` predicts it, the LLM
         as one sequence of all the samples' tokens."""
-        if not shapes:
-            return np.zeros_like(self.overhead_)
+        return self.microbatch_cost_by_position(shapes)(range(len(shapes)))
+
+    def microbatch_cost_by_position(self, shapes: Sequence[SampleShape]) -> Callable[[Sequence[int]], np.ndarray]:
+        """:meth:`predict_microbatch` of the rows made of the samples at given positions of
+        ``shapes``, their marginal costs and tokens looked up once for all of them (a splitter
+        costs thousands of rows of one batch; hashing each sample's shape per row cost more than
+        the prediction)."""
         new = [s for s in dict.fromkeys(shapes) if s not in self._marginals]
         if new:
             self._marginals.update(zip(new, self.predict_samples(new)))
-        costs = np.sum([self._marginals[s] for s in shapes], axis=0) + self.overhead_
-        costs[-1] = self.row_llm(np.array([sum(s.llm_tokens for s in shapes)]))[0]
-        return costs
+        width = len(self.overhead_)
+        marginals = np.array([self._marginals[s] for s in shapes], dtype=float).reshape(len(shapes), width)
+        tokens = [s.llm_tokens for s in shapes]
+
+        def row_cost(positions: Sequence[int]) -> np.ndarray:
+            if not len(positions):
+                return np.zeros(width)
+            costs = marginals[list(positions)].sum(axis=0) + self.overhead_
+            length = sum(tokens[p] for p in positions)
+            known = self._rows.get(length)
+            costs[-1] = self.row_llm(np.array([length]))[0] if known is None else known
+            return costs
+
+        return row_cost
 
     def predict_microbatches(self, groups: Microbatches) -> np.ndarray:
         """``(n, k)`` :meth:`predict_microbatch` of each microbatch of ``groups`` (zeros for an empty one)."""

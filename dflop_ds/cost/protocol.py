@@ -5,13 +5,14 @@ A cost model's capabilities are declared, never probed: every cost model has the
 :class:`CostModel` (a wrapper forwards its inner model's, changing only what it changes); a model
 that knows its architecture is a :class:`LayeredCostModel`, one the planner can search with a
 :class:`PlannerCostModel`; one that predicts many microbatches in one call is a
-:class:`BatchedCostModel` (:class:`BatchedPlannerCostModel` with its bytes too). Check them with
+:class:`BatchedCostModel` (:class:`BatchedPlannerCostModel` with its bytes too), one that costs a
+batch's microbatches from their positions a :class:`PositionalCostModel`. Check them with
 ``isinstance`` (the protocols are runtime-checkable).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
@@ -90,6 +91,18 @@ class BatchedCostModel(CostModel, Protocol):
 
     def predict_microbatches(self, groups: Microbatches) -> np.ndarray:
         """``(n, k)``: row ``j`` is :meth:`predict_microbatch` of microbatch ``j`` of ``groups``."""
+        ...
+
+
+@runtime_checkable
+class PositionalCostModel(CostModel, Protocol):
+    """A cost model that costs the microbatches of one batch from their samples' positions, each
+    sample's share looked up once for the batch (:func:`dflop_ds.cost.batched.microbatch_cost_by_position`
+    asks it; any other model is asked with the microbatch's shapes): for a splitter that costs
+    thousands of groupings of one batch."""
+
+    def microbatch_cost_by_position(self, shapes: Sequence[SampleShape]) -> Callable[[Sequence[int]], np.ndarray]:
+        """A function of positions in ``shapes`` giving :meth:`predict_microbatch` of those samples."""
         ...
 
 

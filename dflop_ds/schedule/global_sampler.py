@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from dflop_ds.cost import CostModel, ProxyCost, packs_microbatches
+from dflop_ds.cost.batched import microbatch_cost_by_position
 from dflop_ds.schedule.batch_schedule import SCHEDULE_TIMEOUT_S, BatchSchedule, CostAdjuster
 from dflop_ds.schedule.epoch import check_batch_sizes, dropped_per_epoch, epoch_batches, first_batch
 from dflop_ds.schedule.index import ScheduledIndex
@@ -222,20 +223,19 @@ class GlobalBatchSampler:
         cost columns (``replaces_columns``), a microbatch costs the sum of its samples' adjusted
         costs (None).
         """
-        predict = self.cost_model.predict_microbatch
         if self.additive:
             return None
-        shapes = [self.shapes[i] for i in batch]
+        predict = microbatch_cost_by_position(self.cost_model, [self.shapes[i] for i in batch])
         if costs is None or self.cost_adjuster is None:
-            return lambda positions: predict([shapes[p] for p in positions])
+            return predict
         base, adjusted = self.costs[batch], np.asarray(costs, dtype=float)
         if adjusted.shape != base.shape or self.cost_adjuster.replaces_columns:
             return None
         if np.array_equal(adjusted, base):
-            return lambda positions: predict([shapes[p] for p in positions])
+            return predict
 
         def corrected(positions):
-            raw = np.asarray(predict([shapes[p] for p in positions]), dtype=float)
+            raw = np.asarray(predict(positions), dtype=float)
             before, after = base[positions].sum(axis=0), adjusted[positions].sum(axis=0)
             return raw * np.divide(after, before, out=np.ones_like(after), where=before > 0)
 
