@@ -21,6 +21,7 @@ from dflop_ds.cost import (
     cost_model_to_dict,
     microbatch_cost_by_position,
 )
+from dflop_ds.cost.packed import ROW_LENGTH_BLOCK
 from dflop_ds.schedule.splitters import SplitRequest, make_splitter
 from dflop_ds.shapes import SampleShape
 from dflop_ds.sync import SyncModel
@@ -77,10 +78,15 @@ def test_each_row_length_is_predicted_once_and_looked_up_without_walking_the_cac
         fitted, "predict_samples", lambda shapes: asked.extend(s.llm_tokens for s in shapes) or predict(shapes)
     )
     first = row.row_llm(np.array([300, 120, 300, 1500]))
-    again = row.row_llm(np.array([120, 300]))
-    assert sorted(asked) == [120, 300]  # the new lengths once each; 1500 was cached
+    asked_first = len(asked)
+    again = row.row_llm(np.array([120, 300, 7]))
+    assert len(asked) == asked_first
+    # the blocks of the new lengths in one call, each length once; 1500 was cached
+    assert asked == sorted({*range(1, ROW_LENGTH_BLOCK), *range(2 * ROW_LENGTH_BLOCK, 3 * ROW_LENGTH_BLOCK)})
     np.testing.assert_allclose(first, [first[0], first[1], first[0], 1500.0])
-    np.testing.assert_allclose(again, [first[1], first[0]])
+    np.testing.assert_allclose(
+        again, [first[1], first[0], fitted.predict_samples([SampleShape("r", text_tokens=7, llm_tokens=7)])[0, 1]]
+    )
 
 
 def test_rows_costed_by_position_match_rows_costed_by_shapes_for_positional_and_other_models(fitted):

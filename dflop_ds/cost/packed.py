@@ -28,6 +28,8 @@ from dflop_ds.cost.columns import Microbatches
 from dflop_ds.cost.protocol import CostModel
 from dflop_ds.shapes import SampleShape
 
+#: row lengths whose LLM cost :class:`RowPackedCost` predicts together (the block of a missing one)
+ROW_LENGTH_BLOCK = 128
 #: one tile and one token: the smallest sample whose doubling isolates the per-microbatch constant
 _PROBE = SampleShape("packing-overhead-probe", encoder_tiles=1, llm_tokens=1, text_tokens=1)
 
@@ -137,8 +139,13 @@ class RowPackedCost(PackedCost):
         """``(n,)`` the wrapped model's LLM cost of one row of each of ``tokens`` tokens."""
         lengths = [int(t) for t in np.asarray(tokens).reshape(-1)]
         # not ``set(lengths) - self._rows.keys()``: that walks the whole cache on every call
-        new = sorted({n for n in lengths if n not in self._rows})
-        if new:
+        missing = {n for n in lengths if n not in self._rows}
+        if missing:
+            # the whole block of lengths around each missing one in one call: a splitter asks for
+            # a few new lengths at a time, and a call costs far more than a length in it
+            blocks = {n // ROW_LENGTH_BLOCK for n in missing if n > 0}
+            block_lengths = (n for b in blocks for n in range(b * ROW_LENGTH_BLOCK, (b + 1) * ROW_LENGTH_BLOCK))
+            new = sorted(missing | {n for n in block_lengths if n > 0 and n not in self._rows})
             costs = np.asarray(self.cost_model.predict_samples([_row(n) for n in new]), dtype=float)
             self._rows.update(zip(new, costs.reshape(len(new), -1)[:, -1].tolist()))
         return np.array([self._rows[n] for n in lengths], dtype=float)
