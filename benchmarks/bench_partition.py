@@ -9,8 +9,12 @@ LLaVA-OneVision-7B-like model: encoder (SigLIP-400M) ``6 * 0.4e9 * 729`` FLOPs p
 LLM (7B) ``6 * 7e9`` FLOPs per token plus attention ``12 * 28 * 3584 * s**2``; both divided
 by one throughput, ``THROUGHPUT`` FLOP/s. Every makespan is divided by the instance's lower
 bound from ``dflop_ds.schedule.lower_bounds`` (valid for every split), so 1.000 is optimal.
-The last line reads ``partition makespan/lb mean=.. worst=.. p95_ms=..`` for our method at
-2048 items into 128 buckets.
+Then the DFLOP splitter as the samplers run it once per global batch (:func:`split_latency`):
+ZeRO-3's ``module`` sync model, the reference ``llava-ov-0.5b-h100`` cost model padded, packed
+(additive) and packed into rows attended as one sequence (``RowPackedCost``, what the ms-swift and
+LLaMA-Factory plugins balance with under SDPA), at the layouts of :data:`SPLIT_LAYOUTS`.
+The last line reads ``partition makespan/lb mean=.. worst=.. p95_ms=.. split_p95_ms=..`` (our
+method at 2048 items into 128 buckets; the slowest p95 of the splitter table).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -31,10 +36,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import baselines  # noqa: E402
+from dflop_ds.cost import PackedCost, RowPackedCost, load_cost_model, microbatch_cost_by_position  # noqa: E402
 from dflop_ds.data import read_manifest  # noqa: E402
 from dflop_ds.schedule.lower_bounds import lower_bound  # noqa: E402
 from dflop_ds.schedule.partition import partition_batch  # noqa: E402
+from dflop_ds.schedule.splitters import SplitRequest, make_splitter  # noqa: E402
 from dflop_ds.shapes import SampleShape, ShapePolicy  # noqa: E402
+from dflop_ds.sync import SyncModel  # noqa: E402
 
 MIXTURE = ROOT / "examples" / "data" / "mixture.jsonl"
 #: Effective training throughput in FLOP/s used to turn FLOPs into seconds (any constant works:
@@ -43,6 +51,10 @@ THROUGHPUT = 400e12
 TOKENS_PER_TILE = 729
 ENCODER_PARAMS, LLM_PARAMS, LLM_LAYERS, LLM_HIDDEN = 0.4e9, 7e9, 28, 3584
 SIZES = ((128, 8), (512, 32), (2048, 128))
+#: (samples per global batch, data-parallel ranks, microbatches per rank) of the splitter table:
+#: the framework benchmarks' 2 ranks, then 8 and 32 ranks of 2 samples a microbatch
+SPLIT_LAYOUTS = ((16, 2, 2), (64, 8, 4), (256, 32, 4))
+SPLIT_COST_MODEL = "llava-ov-0.5b-h100"
 
 
 def item_costs(shapes: list[SampleShape]) -> np.ndarray:
@@ -155,10 +167,54 @@ def run(batches: int, dflop_batches: int, dflop_limits: dict[int, float], seed: 
             print(record.row(name))
         if n == 2048:
             final = records["ours (partition_batch)"]
+    split_p95 = split_latency(shapes, batches, rng)
     r = np.array(final.ratios)
     p95 = np.percentile(np.array(final.seconds) * 1e3, 95)
-    print(f"\npartition makespan/lb mean={r.mean():.5f} worst={r.max():.5f} p95_ms={p95:.1f}")
+    print(
+        f"\npartition makespan/lb mean={r.mean():.5f} worst={r.max():.5f} p95_ms={p95:.1f} split_p95_ms={split_p95:.1f}"
+    )
     return float(p95)
+
+
+def split_latency(shapes: list[SampleShape], batches: int, rng: np.random.Generator) -> float:
+    """Print the DFLOP splitter's milliseconds per global batch as a sampler runs it (ZeRO-3's
+    ``module`` sync, microbatches costed by position) for each cost kind and layout of
+    :data:`SPLIT_LAYOUTS`, over ``batches`` sampled batches each (a fresh wrapper per layout, so the
+    row-packed cost's caches start cold and warm as a run's do: its p95 is mostly that first
+    batch); returns the slowest p95."""
+    base = load_cost_model(SPLIT_COST_MODEL)
+    kinds = {"padded": lambda: base, "packed": lambda: PackedCost(base), "row-packed": lambda: RowPackedCost(base)}
+    print(f"\nDFLOP splitter per global batch, module sync, {SPLIT_COST_MODEL} ({batches} batches per cell; ms)")
+    print(f"  {'cost':<11} " + " ".join(f"{f'{n} on {dp}x{mb}':>22}" for n, dp, mb in SPLIT_LAYOUTS))
+    splitter, worst = make_splitter("dflop"), 0.0
+    for kind, build in kinds.items():
+        cells = []
+        for n, dp, mb in SPLIT_LAYOUTS:
+            model, seconds = build(), []
+            for b in range(batches):
+                batch = [shapes[i] for i in rng.choice(len(shapes), size=n, replace=False)]
+                costs = np.asarray(model.predict_samples(batch), dtype=float)  # a sampler predicts them up front
+                lengths = np.array([s.llm_tokens for s in batch], dtype=float) if kind == "padded" else None
+                start = time.perf_counter()
+                cost = None if model.additive else microbatch_cost_by_position(model, batch)
+                request = SplitRequest(
+                    list(range(n)),
+                    costs,
+                    mb,
+                    dp,
+                    shapes=batch,
+                    microbatch_cost=cost,
+                    lengths=lengths,
+                    seed=b,
+                    sync=SyncModel.MODULE,
+                )
+                splitter.split(request)
+                seconds.append(time.perf_counter() - start)
+            ms = np.array(seconds) * 1e3
+            worst = max(worst, float(np.percentile(ms, 95)))
+            cells.append(f"median {np.median(ms):5.1f} p95 {np.percentile(ms, 95):5.1f}")
+        print(f"  {kind:<11} " + " ".join(f"{cell:>22}" for cell in cells))
+    return worst
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,30 +57,40 @@ def ephemeral_ports(setting: Path | None = None) -> range:
 
 
 def _bindable(port: int) -> bool:
+    """Whether ``port`` can be bound on every interface, as rank 0's rendezvous store binds it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         try:
-            probe.bind(("127.0.0.1", port))
+            probe.bind(("", port))
         except OSError:
             return False
     return True
 
 
+def drawn_ports(ephemeral: range) -> list[range]:
+    """The ports :func:`free_port` draws from: those from :data:`LOWEST_DRAWN_PORT` up that lie
+    outside ``ephemeral`` (below it and above it)."""
+    below = range(LOWEST_DRAWN_PORT, max(LOWEST_DRAWN_PORT, ephemeral.start))
+    above = range(max(LOWEST_DRAWN_PORT, ephemeral.stop), 65536)
+    return [gap for gap in (below, above) if len(gap)]
+
+
 def free_port(tries: int = 64) -> int:
     """A TCP port free on this host right now (for the launcher's ``--master_port``).
 
-    Drawn at random below the kernel's ephemeral range: a port the kernel gave out (``bind`` to
+    Drawn at random outside the kernel's ephemeral range: a port the kernel gave out (``bind`` to
     port 0) could be handed again, between this call and rank 0 binding it, to any outgoing
     connection on the host, such as a concurrent launch's gloo connections (pytest-xdist runs two
-    launches at once). Falls back to a kernel-chosen port when that range is too small or full."""
+    launches at once). Falls back to a kernel-chosen port when the ephemeral range leaves no room
+    or every try is taken."""
     drawn = secrets.SystemRandom()
-    ephemeral = ephemeral_ports()
-    if ephemeral.start - LOWEST_DRAWN_PORT >= tries:
-        for _ in range(tries):
-            port = drawn.randrange(LOWEST_DRAWN_PORT, ephemeral.start)
-            if _bindable(port):
-                return port
+    gaps = drawn_ports(ephemeral_ports())
+    weights = [len(gap) for gap in gaps]
+    for _ in range(tries if gaps else 0):
+        port = drawn.choice(drawn.choices(gaps, weights=weights)[0])
+        if _bindable(port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind(("", 0))
         return int(probe.getsockname()[1])
 
 

@@ -28,7 +28,15 @@ from dflop_ds.host import (
     release_shm_buffers,
     shm_buffer_name,
 )
-from dflop_ds.launch import LOWEST_DRAWN_PORT, deepspeed_command, ephemeral_ports, free_port, launch_env, rank_exits
+from dflop_ds.launch import (
+    LOWEST_DRAWN_PORT,
+    deepspeed_command,
+    drawn_ports,
+    ephemeral_ports,
+    free_port,
+    launch_env,
+    rank_exits,
+)
 from dflop_ds.rank_lifecycle import CLEAN_SHUTDOWN, release_own_shm_buffer
 
 
@@ -217,7 +225,7 @@ def test_a_benchmark_worker_failing_after_its_rounds_is_an_exit_fault_naming_the
         run_worker(str(script), ["--out", str(out)], out, timeout=300)
 
 
-def test_a_launch_port_is_drawn_below_the_kernels_ephemeral_range_and_is_free() -> None:
+def test_a_launch_port_is_drawn_outside_the_kernels_ephemeral_range_and_is_free() -> None:
     """Two pytest-xdist workers launch at once: a port the kernel handed out (bind to 0) can go
     to the other launch's outgoing gloo connections before rank 0 binds it; a drawn one cannot,
     and the global ``random`` state (which tests seed alike) does not decide the draw."""
@@ -226,7 +234,7 @@ def test_a_launch_port_is_drawn_below_the_kernels_ephemeral_range_and_is_free() 
     for _ in range(8):
         random.seed(0)
         port = free_port()
-        assert LOWEST_DRAWN_PORT <= port < ephemeral.start
+        assert port >= LOWEST_DRAWN_PORT and port not in ephemeral
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
             listener.bind(("127.0.0.1", port))
         ports.add(port)
@@ -238,9 +246,12 @@ def test_the_ephemeral_range_is_read_from_its_setting(tmp_path: Path, monkeypatc
     setting.write_text("40000\t50000\n")
     assert ephemeral_ports(setting) == range(40000, 50001)
     assert ephemeral_ports(tmp_path / "absent") == range(32768, 61000)
+    assert drawn_ports(range(32768, 61000)) == [range(LOWEST_DRAWN_PORT, 32768), range(61000, 65536)]
+    assert drawn_ports(range(40000, 65536)) == [range(LOWEST_DRAWN_PORT, 40000)]
     kernels = ephemeral_ports()
-    setting.write_text(f"{LOWEST_DRAWN_PORT + 2} 60999\n")  # no room below it: the kernel chooses
+    setting.write_text("1024 65535\n")  # no room outside it: the kernel chooses
     monkeypatch.setattr("dflop_ds.launch._EPHEMERAL_RANGE", setting)
+    assert drawn_ports(ephemeral_ports()) == []
     assert all(free_port() in kernels for _ in range(4))
 
 

@@ -91,27 +91,46 @@ def test_each_row_length_is_predicted_once_and_looked_up_without_walking_the_cac
 
 def test_rows_costed_by_position_match_rows_costed_by_shapes_for_positional_and_other_models(fitted):
     """A splitter costs a batch's rows by positions: RowPackedCost looks each sample up once for the
-    batch (no shape hashed per row); any other model is asked with the row's shapes. Both give
-    ``predict_microbatch``, the sampler uses the positional form, and the shapes are not asked again."""
+    batch (no shape hashed per row); any other model is asked with the row's shapes. Both give the
+    row's cost, and the sampler uses the positional form, corrected costs included."""
     shapes = [cost_shape(t, s, f"s{i}") for i, (t, s) in enumerate([(1, 180), (0, 400), (4, 600), (0, 30), (2, 250)])]
     rows = [[0, 1], [2, 3, 4], (4, 0), [3], []]
-    row = RowPackedCost(fitted)
+    row, packed = RowPackedCost(fitted), PackedCost(fitted)
     assert isinstance(row, PositionalCostModel) and not isinstance(fitted, PositionalCostModel)
-    for model in (row, fitted):
+
+    def row_by_shapes(group):  # the encoder as packed, the LLM one sequence of all the tokens
+        tokens = sum(s.llm_tokens for s in group)
+        llm = fitted.predict_samples([SampleShape("whole", text_tokens=tokens, llm_tokens=tokens)])[0, 1]
+        return np.array([packed.predict_microbatch(group)[0], llm])
+
+    for model, by_shapes in ((row, row_by_shapes), (fitted, fitted.predict_microbatch)):
         by_position = microbatch_cost_by_position(model, shapes)
         for positions in rows:
-            expected = model.predict_microbatch([shapes[p] for p in positions]) if positions else np.zeros(2)
-            np.testing.assert_allclose(by_position(positions), expected, rtol=1e-12, err_msg=str(positions))
+            expected = by_shapes([shapes[p] for p in positions]) if positions else np.zeros(2)
+            np.testing.assert_allclose(by_position(positions), expected, rtol=1e-9, err_msg=str(positions))
 
     from dflop_ds.schedule.sampler import SamplerSettings, make_sampler
 
     sampler = make_sampler(
         SamplerSettings("dflop"), shapes * 2, global_batch_size=4, gradient_accumulation_steps=2, cost_model=row
     )
-    batch = np.array([1, 6, 2, 9])
+    batch, pair = np.array([1, 6, 2, 9]), [shapes[1], shapes[2]]
+    expected = row_by_shapes(pair)
+
+    def refused(_shapes):
+        raise AssertionError("the sampler costed a row by its shapes")
+
+    row.predict_microbatch = refused  # the sampler's rows must come from the positional form
     cost = sampler.split_request(batch, sampler.costs[batch], 0).microbatch_cost
-    row.predict_microbatch = None  # the sampler's rows must not go back to it
-    np.testing.assert_allclose(cost([0, 2]), RowPackedCost(fitted).predict_microbatch([shapes[1], shapes[2]]))
+    np.testing.assert_allclose(cost([0, 2]), expected, rtol=1e-9)
+    # with costs a runtime correction adjusted, each column scales by the row's adjusted / base cost
+    sampler.cost_adjuster = SimpleNamespace(replaces_columns=False)
+    adjusted = sampler.costs[batch] * np.array([[2.0, 1.0], [1.0, 1.0], [1.0, 3.0], [1.0, 1.0]])
+    corrected = sampler.split_request(batch, adjusted, 0).microbatch_cost
+    scale = adjusted[[0, 2]].sum(axis=0) / sampler.costs[batch][[0, 2]].sum(axis=0)
+    np.testing.assert_allclose(corrected([0, 2]), expected * scale, rtol=1e-9)
+    sampler.cost_adjuster = SimpleNamespace(replaces_columns=True)  # other columns: the rows' sum
+    assert sampler.split_request(batch, adjusted, 0).microbatch_cost is None
 
 
 def test_row_packed_models_are_saved_as_their_kind_and_per_stage_models_are_refused(fitted):

@@ -225,12 +225,12 @@ class GlobalBatchSampler:
         """
         if self.additive:
             return None
-        predict = microbatch_cost_by_position(self.cost_model, [self.shapes[i] for i in batch])
         if costs is None or self.cost_adjuster is None:
-            return predict
+            return microbatch_cost_by_position(self.cost_model, [self.shapes[i] for i in batch])
         base, adjusted = self.costs[batch], np.asarray(costs, dtype=float)
         if adjusted.shape != base.shape or self.cost_adjuster.replaces_columns:
             return None
+        predict = microbatch_cost_by_position(self.cost_model, [self.shapes[i] for i in batch])
         if np.array_equal(adjusted, base):
             return predict
 
