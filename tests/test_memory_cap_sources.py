@@ -24,7 +24,7 @@ from dflop_ds.plan.planner import activation_budget
 from dflop_ds.schedule.memory import OversizeSampleError, microbatch_bytes, sample_bytes
 from dflop_ds.train.memory_cap import (
     DEFAULT_MEMORY_MARGIN,
-    MemoryCap,
+    RunMemoryCap,
     device_activation_budget,
     device_memory_cap,
     rank_state_bytes,
@@ -36,7 +36,7 @@ DATA = ROOT / "examples" / "data" / "mixture.jsonl"
 SHARES = np.array([[0.9, 0.2], [0.1, 0.8]])  # stage 0: most of the encoder; stage 1: most of the LLM
 
 
-def never() -> MemoryCap:
+def never() -> RunMemoryCap:
     """A device default that must not be asked for."""
     raise AssertionError("the device is not asked")
 
@@ -94,11 +94,11 @@ def test_planted_long_videos_keep_every_stage_under_its_cap():
 
 
 def test_without_per_stage_predictions_a_pipeline_compares_whole_bytes_with_the_smallest_stage_cap():
-    cap = MemoryCap(8e9, "config")
+    cap = RunMemoryCap(8e9, "config")
     assert sampler_memory_cap(cap, ProxyCost(), num_stages=2, microbatches=4) == 4e9
     assert sampler_memory_cap(cap, ProxyCost(), num_stages=1, microbatches=4) == 8e9
     assert sampler_memory_cap(cap, StageCost(ProxyCost(), SHARES, 4), num_stages=2, microbatches=4) == 8e9
-    assert sampler_memory_cap(MemoryCap(None, "off"), ProxyCost(), num_stages=2, microbatches=4) is None
+    assert sampler_memory_cap(RunMemoryCap(None, "off"), ProxyCost(), num_stages=2, microbatches=4) is None
 
 
 # -- the plan sets the cap ------------------------------------------------------------------------------
@@ -152,13 +152,13 @@ def test_planted_long_videos_against_a_plan_given_cap():
     plan = one_stage_plan(memory_cap_bytes=1.4 * video)
     _, block = fill_from_plan({}, {}, plan)
     cap = resolve_memory_cap(DFLOPConfig.from_dict(block).sampler.memory_cap_bytes, "dflop", True, never)
-    assert cap == MemoryCap(1.4 * video, "plan")
+    assert cap == RunMemoryCap(1.4 * video, "plan")
     capped = trained(sampler(shapes, cost, memory_cap=cap.bytes))
     assert max(microbatch_bytes(cost, [shapes[i] for i in mb]) for rank in capped for mb in rank) <= cap.bytes
     # the config's own cap wins: below one video alone, the video is refused by name
     _, block = fill_from_plan({}, set_settings({}, memory_cap_bytes=0.5 * video), plan)
     mine = resolve_memory_cap(DFLOPConfig.from_dict(block).sampler.memory_cap_bytes, "dflop", False, never)
-    assert mine == MemoryCap(0.5 * video, "config")
+    assert mine == RunMemoryCap(0.5 * video, "config")
     with pytest.raises(OversizeSampleError, match="'video"):
         sampler(shapes, cost, memory_cap=mine.bytes)
 
@@ -222,14 +222,16 @@ def test_the_device_default_never_refuses_the_bundled_data():
 
 
 def test_off_and_other_samplers_have_no_cap_and_the_setting_is_typed():
-    assert resolve_memory_cap("off", "dflop", False, never) == MemoryCap(None, "off")
+    assert resolve_memory_cap("off", "dflop", False, never) == RunMemoryCap(None, "off")
     assert resolve_memory_cap("auto", "stock", False, never).bytes is None
-    assert resolve_memory_cap(2e9, "dflop", False, never) == MemoryCap(2e9, "config")
+    assert resolve_memory_cap(2e9, "dflop", False, never) == RunMemoryCap(2e9, "config")
     # a colocated encoder's sampler balances LLMOnlyCost, which predicts no memory: "auto" is no cap,
     # a number is refused by the sampler naming the model
     blind = memory_blind_model(PackedCost(LLMOnlyCost(ProxyCost())))
     assert isinstance(blind, LLMOnlyCost) and memory_blind_model(PackedCost(ProxyCost())) is None
-    assert resolve_memory_cap("auto", "dflop", False, never, blind) == MemoryCap(None, "LLMOnlyCost predicts no memory")
+    assert resolve_memory_cap("auto", "dflop", False, never, blind) == RunMemoryCap(
+        None, "LLMOnlyCost predicts no memory"
+    )
     with pytest.raises(ValueError, match="predicts memory.*LLMOnlyCost does not"):
         sampler(planted(32, 1), PackedCost(LLMOnlyCost(ProxyCost())), memory_cap=1e9)
     for good in ("auto", "off", 1, 2.5e9):

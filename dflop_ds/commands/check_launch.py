@@ -24,7 +24,7 @@ from dflop_ds.deepspeed_keys import deepspeed_keys
 from dflop_ds.setup_checks import SetupError, check_cost_model_fits, check_training_setup, resolve_batch_keys
 from dflop_ds.sync import sync_model_of
 from dflop_ds.train.launch_inputs import PROXY
-from dflop_ds.train.memory_cap import MemoryCap
+from dflop_ds.train.memory_cap import RunMemoryCap
 from dflop_ds.train.options import build_parser, load_run_settings
 
 
@@ -49,13 +49,13 @@ def memory_cap_line(cfg: DFLOPConfig, plan: Any) -> str:
     config's number, the plan's, none, or each device's default (decided at launch)."""
     cap = cfg.sampler.memory_cap_bytes
     if cfg.sampler.kind != "dflop":
-        return MemoryCap(None, "not the dflop sampler").describe()
+        return RunMemoryCap(None, "not the dflop sampler").describe()
     if cap == OFF:
-        return MemoryCap(None, "dflop.sampler.memory_cap_bytes = off").describe()
+        return RunMemoryCap(None, "dflop.sampler.memory_cap_bytes = off").describe()
     if cap == AUTO:
         return "memory cap: each device's default from its free memory, the smallest over all ranks (decided at launch)"
     source = "plan" if plan is not None and plan.memory_cap_bytes == cap else "config"
-    return MemoryCap(float(cap), source).describe()
+    return RunMemoryCap(float(cap), source).describe()
 
 
 def check_launch(args: argparse.Namespace) -> list[str]:

@@ -27,7 +27,7 @@ from dflop_ds.setup_checks import check_cost_model_fits, check_training_setup
 from dflop_ds.shapes import SampleShape
 from dflop_ds.sync import SyncModel, sync_model_of
 from dflop_ds.train.launch_inputs import agree_on_inputs, all_ranks_or_none
-from dflop_ds.train.memory_cap import MemoryCap, resolve_memory_cap
+from dflop_ds.train.memory_cap import RunMemoryCap, resolve_memory_cap
 from dflop_ds.train.options import build_parser, load_run_settings
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ def engine_sampler_cost(
     )
 
 
-def sampler_memory_cap(cap: MemoryCap, sampler_cost: CostModel, num_stages: int, microbatches: int) -> float | None:
+def sampler_memory_cap(cap: RunMemoryCap, sampler_cost: CostModel, num_stages: int, microbatches: int) -> float | None:
     """The cap the sampler compares microbatches with: the device budget itself for a cost model
     that predicts per stage (:class:`StageCost`: each stage's share times its microbatches in
     flight) or for one stage; otherwise whole-model bytes against the smallest per-stage cap
@@ -209,7 +209,7 @@ class EngineSampler:
     """A DeepSpeed-loop rank's sampler, the memory cap it splits under and how the ranks meet."""
 
     sampler: GlobalBatchSampler
-    memory_cap: MemoryCap
+    memory_cap: RunMemoryCap
     sync: SyncModel
 
 
@@ -218,7 +218,7 @@ def build_engine_sampler(
     inputs: LaunchRunInputs,
     topology: EngineTopology,
     sampler_cost: CostModel,
-    device_cap: Callable[[], MemoryCap],
+    device_cap: Callable[[], RunMemoryCap],
     *,
     cost_adjuster: CostAdjuster | None = None,
     rank: int = 0,

@@ -20,7 +20,9 @@ SWAP_FILTER_PROBES = 8
 
 @dataclass(frozen=True)
 class MemoryCap:
-    """Per-item memory and the per-bucket cap it must respect."""
+    """Per-item memory and the per-bucket cap it must respect (the partitioner's form of a
+    splitter's :class:`~dflop_ds.schedule.splitters.MemoryBudget`; a run's cap and where it came
+    from: :class:`~dflop_ds.train.memory_cap.RunMemoryCap`)."""
 
     memory: np.ndarray
     cap: float

@@ -36,7 +36,7 @@ GB = 1e9
 
 
 @dataclass(frozen=True)
-class MemoryCap:
+class RunMemoryCap:
     """The cap a run trains under and where it came from.
 
     Attributes:
@@ -98,7 +98,7 @@ def smallest_over_ranks(value: float, device_name: str) -> float:
     return float(tensor.item())
 
 
-def device_memory_cap(module: torch.nn.Module, ds_config: Mapping[str, Any], dp: int, accelerator: Any) -> MemoryCap:
+def device_memory_cap(module: torch.nn.Module, ds_config: Mapping[str, Any], dp: int, accelerator: Any) -> RunMemoryCap:
     """The device default: :func:`device_activation_budget` of ``accelerator`` (DeepSpeed's
     ``get_accelerator()``) for this rank's ``module``, the smallest over all ranks (a collective
     when torch.distributed is initialized: every rank calls it).
@@ -124,28 +124,28 @@ def device_memory_cap(module: torch.nn.Module, ds_config: Mapping[str, Any], dp:
             f"dflop.sampler.memory_cap_bytes is 'auto' and the device leaves no memory for activations"
             f" ({detail}): set a number of bytes or 'off'"
         )
-    return MemoryCap(budget, "device", detail)
+    return RunMemoryCap(budget, "device", detail)
 
 
 def resolve_memory_cap(
     setting: float | str,
     sampler: str,
     from_plan: bool,
-    device_default: Callable[[], MemoryCap],
+    device_default: Callable[[], RunMemoryCap],
     memory_blind: Any = None,
-) -> MemoryCap:
-    """The run's :class:`MemoryCap` from ``dflop.sampler.memory_cap_bytes`` (after
+) -> RunMemoryCap:
+    """The run's :class:`RunMemoryCap` from ``dflop.sampler.memory_cap_bytes`` (after
     :func:`~dflop_ds.config.fill_from_plan`): a number is the plan's (``from_plan``: the plan
     put it there) or the config's, ``"off"`` none, ``"auto"`` ``device_default()`` for the DFLOP
     sampler and none for the others (they cut microbatches whatever their memory) or when the
     sampler's cost model includes ``memory_blind``, a model that predicts no memory
     (:func:`~dflop_ds.cost.memory_blind_model`; a number is refused for it, by the sampler)."""
     if setting == OFF:
-        return MemoryCap(None, "off")
+        return RunMemoryCap(None, "off")
     if setting == AUTO and sampler != "dflop":
-        return MemoryCap(None, "not the dflop sampler")
+        return RunMemoryCap(None, "not the dflop sampler")
     if setting == AUTO and memory_blind is not None:
-        return MemoryCap(None, f"{type(memory_blind).__name__} predicts no memory")
+        return RunMemoryCap(None, f"{type(memory_blind).__name__} predicts no memory")
     if setting == AUTO:
         return device_default()
-    return MemoryCap(float(setting), "plan" if from_plan else "config")
+    return RunMemoryCap(float(setting), "plan" if from_plan else "config")
