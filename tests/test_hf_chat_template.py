@@ -295,3 +295,31 @@ def test_a_template_that_raises_makes_a_bad_record_not_a_crash(tmp_path):
     assert pre.count([("human", "hi"), ("gpt", "hello")], [])[1] > 0
     with pytest.raises(ValueError, match="chat template fails on this conversation: roles must alternate"):
         pre.count([("gpt", "hello"), ("human", "hi")], [])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_first_system_turn_is_the_conversations_system_message_and_a_later_one_is_refused(family, tmp_path):
+    """ms-swift and LLaMA-Factory datasets and HF chat templates take a first ``system`` message;
+    it replaces the template's own (or the built-in one's) for that conversation, in the tokens
+    and in the shape counts alike."""
+    model, template = model_with_template(family, tmp_path / "m")
+    preprocessor_class = FAMILIES[family][1]
+    image_tokens = [5, 9]
+    with_system = [("system", "Answer in one line."), *CONVERSATION]
+    for choice in (True, False):  # the checkpoint's template, the built-in one
+        pre = preprocessor_class.from_pretrained(model, chat_template=choice)
+        told = preprocessor_class.from_pretrained(model, chat_template=choice, system="Answer in one line.")
+        encoded = pre.encode_media(with_system, image_tokens)
+        assert encoded.input_ids == told.encode_media(CONVERSATION, image_tokens).input_ids
+        assert encoded.input_ids != pre.encode_media(CONVERSATION, image_tokens).input_ids
+        assert pre.count(with_system, image_tokens) == told.count(CONVERSATION, image_tokens)
+    pre = preprocessor_class.from_pretrained(model)
+    user_turns = [("user" if r == "human" else "assistant", v) for r, v in CONVERSATION]
+    messages = pre.chat_template.messages(user_turns, "Answer in one line.")
+    rendered = pre.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+    assert rendered.startswith("[system]\nAnswer in one line.")
+    assert "Be brief." not in pre.tokenizer.decode(pre.encode_media(with_system, image_tokens).input_ids)
+    with pytest.raises(ValueError, match=r"conversations\[2\]\.from: a system turn after the first"):
+        pre.encode_media([*CONVERSATION[:2], ("system", "late"), *CONVERSATION[2:]], image_tokens)
+    with pytest.raises(ValueError, match=r"conversations\[0\]\.value: an image or video placeholder"):
+        pre.encode_media([("system", "<image> look"), *CONVERSATION], [5, 9, 3])

@@ -50,6 +50,8 @@ DEFAULT_SYSTEM = (
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
 USER_ROLES = frozenset({"human", "user"})
+#: the role of a conversation's first turn that sets its system message
+SYSTEM_ROLE = "system"
 ASSISTANT_ROLES = frozenset({"gpt", "assistant"})
 TRUNCATION = ("error", "truncate")
 #: tokenizers without a real limit report a huge ``model_max_length``; above this it means none
@@ -207,15 +209,28 @@ class TemplatePreprocessor:
 
     def _normalize(
         self, turns: Sequence[tuple[str, str]], n_images: int, videos: bool = False
-    ) -> list[tuple[str, str]]:
-        """Turns with roles mapped to user/assistant and image placeholders matched to ``n_images``
-        (``<video>`` placeholders are refused unless ``videos``: a family that takes videos places them)."""
-        normalized, placeholders = [], 0
+    ) -> tuple[list[tuple[str, str]], str | None]:
+        """``(turns, system)``: the turns with roles mapped to user/assistant and image placeholders
+        matched to ``n_images`` (``<video>`` placeholders are refused unless ``videos``: a family
+        that takes videos places them), and the system message to write them with: a first
+        ``system`` turn's text (as chat templates and the frameworks take it), else the
+        preprocessor's (None: the template's own)."""
+        normalized, placeholders, system = [], 0, self.system
         for i, (role, value) in enumerate(turns):
+            if role.lower() == SYSTEM_ROLE:
+                if i:
+                    raise ValueError(
+                        f"conversations[{i}].from: a system turn after the first: only the first turn may be one"
+                    )
+                if IMAGE_PLACEHOLDER in value or VIDEO_PLACEHOLDER in value:
+                    raise ValueError("conversations[0].value: an image or video placeholder in the system turn")
+                system = value
+                continue
             kind = "user" if role.lower() in USER_ROLES else "assistant" if role.lower() in ASSISTANT_ROLES else None
             if kind is None:
                 raise ValueError(
-                    f"conversations[{i}].from: unknown role {role!r} (expected human/user or gpt/assistant, any case)"
+                    f"conversations[{i}].from: unknown role {role!r} (expected system (first), human/user or"
+                    " gpt/assistant, any case)"
                 )
             if VIDEO_PLACEHOLDER in value and not videos:
                 raise ValueError(f"conversations[{i}].value: {VIDEO_PLACEHOLDER} is not supported by this model family")
@@ -232,7 +247,7 @@ class TemplatePreprocessor:
             raise ValueError(
                 f"conversations: {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) for {n_images} image(s) in 'image'"
             )
-        return normalized
+        return normalized, system
 
     def encode(self, turns: Sequence[tuple[str, str]], n_images: int) -> Encoded:
         """Token ids and supervision mask of a conversation of ``(role, value)`` turns with ``n_images``
@@ -264,7 +279,7 @@ class TemplatePreprocessor:
             if video_id is None:
                 raise ValueError(f"{self.name}: the model takes no videos")
             turns = mark_video(turns, len(image_tokens))
-        normalized = self._normalize(turns, len(image_tokens), videos=video_tokens is not None)
+        normalized, system = self._normalize(turns, len(image_tokens), videos=video_tokens is not None)
         images = [self._image_block(tokens) for tokens in image_tokens]
         video, video_visual = None, 0
         if isinstance(video_tokens, (list, tuple)):  # the block itself, all of it visual
@@ -274,9 +289,9 @@ class TemplatePreprocessor:
             video_visual = int(video_tokens)  # type: ignore[arg-type]  # a count (int or numpy/torch scalar)
             video = self._video_block(int(video_id or 0), video_visual)
         if self.chat_template is None:
-            ids, supervised = self._builtin(normalized, images, video, system=self.system or "")
+            ids, supervised = self._builtin(normalized, images, video, system=system or "")
         else:
-            ids, supervised = self.chat_template.encode(normalized, images, video, system=self.system)
+            ids, supervised = self.chat_template.encode(normalized, images, video, system=system)
         return self._fit(Encoded(ids, supervised, sum(image_tokens) + video_visual))
 
     def _builtin(
