@@ -11,6 +11,7 @@ import pytest
 
 from dflop_ds.commands.main import main
 from dflop_ds.data import DataError
+from dflop_ds.data.images import MAX_PIXELS_ENV
 from dflop_ds.integrations.chat import chat_shapes
 from dflop_ds.integrations.llamafactory import PackedRowCollator, check_config, packed_row, tokenized_shapes
 from dflop_ds.integrations.swift import DFLOPSwiftCallback, refuse_unsupported
@@ -52,7 +53,23 @@ def test_chat_rows_shape_like_the_llava_records_they_hold(llava):
     assert any(s.image_sizes for s in shapes) and any(not s.image_sizes for s in shapes)
 
 
-def test_a_bad_chat_row_is_named_by_its_index(llava, tmp_path):
+def test_chat_rows_with_a_system_message_shape_with_it(llava):
+    """ms-swift's and LLaMA-Factory's chat rows often open with a ``system`` message: it is the
+    row's system prompt (the template's own is replaced), so every row's text grows by the same
+    count and its labels stay."""
+    from dflop_ds.models.hf.preprocessor import hf_preprocessor
+
+    model, rows, _ = llava
+    policy = hf_preprocessor(str(model)).policy()
+    plain = chat_shapes(rows, policy, "rows")
+    system = [{**row, "messages": [{"role": "system", "content": "Answer briefly."}, *row["messages"]]} for row in rows]
+    told = chat_shapes(system, policy, "rows")
+    grown = {t.text_tokens - p.text_tokens for t, p in zip(told, plain)}
+    assert len(grown) == 1 and grown != {0}
+    assert [t.label_tokens for t in told] == [p.label_tokens for p in plain]
+
+
+def test_a_bad_chat_row_is_named_by_its_index(llava, tmp_path, monkeypatch):
     from dflop_ds.models.hf.preprocessor import hf_preprocessor
 
     model, rows, _ = llava
@@ -62,6 +79,19 @@ def test_a_bad_chat_row_is_named_by_its_index(llava, tmp_path):
         chat_shapes(missing, policy, "rows")
     with pytest.raises(DataError, match=r"1.*videos"):
         chat_shapes([rows[0], {**rows[1], "videos": ["clip.mp4"]}], policy, "rows")
+    with pytest.raises(DataError, match=r"^the rows index 2.*messages\[1\].*must be an object.*got str"):
+        chat_shapes([*rows[:2], {**rows[2], "messages": [rows[2]["messages"][0], "hi"]}], policy, "the rows")
+    with_image = next(i for i, row in enumerate(rows) if row["images"])
+    monkeypatch.setenv(MAX_PIXELS_ENV, "10")  # every image over the pixel limit: named, not PIL's bare error
+    with pytest.raises(DataError, match=rf"index {with_image}.*images.*over the limit of 10 pixels.*{MAX_PIXELS_ENV}"):
+        chat_shapes(rows, policy, "rows")
+
+
+def test_an_empty_dataset_is_refused_as_smaller_than_a_global_batch() -> None:
+    from dflop_ds.schedule.sampler import SamplerSettings, make_sampler
+
+    with pytest.raises(ValueError, match="dataset has 0 samples, fewer than one global batch"):
+        make_sampler(SamplerSettings("dflop"), [], global_batch_size=8, gradient_accumulation_steps=2)
 
 
 def test_llamafactory_tokenized_rows_count_text_without_the_expanded_image_tokens(llava):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, BinaryIO
 
 from dflop_ds.data.errors import PathArg
 
@@ -47,8 +47,8 @@ def max_image_pixels() -> int | None:
 
 
 @contextmanager
-def open_image(path: PathArg) -> Iterator[Any]:
-    """The image at ``path`` opened by PIL (header read, pixels not yet decoded), closed on exit.
+def open_image(path: PathArg | BinaryIO) -> Iterator[Any]:
+    """The image at ``path`` (or in a file object) opened by PIL (header read, pixels not yet decoded), closed on exit.
 
     Raises:
         ImageTooLarge: it has more pixels than :func:`max_image_pixels` allows.

@@ -9,6 +9,7 @@ from typing import Any
 from dflop_ds.data import DataError
 from dflop_ds.data.errors import PathArg
 from dflop_ds.data.formats import shape_reader
+from dflop_ds.data.images import open_image
 from dflop_ds.models.hf.preprocessor import hf_preprocessor
 from dflop_ds.models.hf.registry import processor_family
 from dflop_ds.shapes import SampleShape, ShapePolicy
@@ -70,12 +71,10 @@ def image_size(image: Any) -> tuple[int, int]:
             f"an image given as a {type(image).__name__} ({str(image)[:80]!r}): give PIL images or a datasets.Image"
             " column (cast_column('images', Sequence(Image()))), which TRL's collator can load"
         )
-    from PIL import Image
-
     source = io.BytesIO(image["bytes"]) if image.get("bytes") else image.get("path")
     if source is None:
         raise ValueError("an image entry with neither bytes nor a path")
-    with Image.open(source) as opened:  # reads the header; pixels are decoded only on access
+    with open_image(source) as opened:  # the header; over the pixel limit an OSError (ImageTooLarge)
         return opened.size
 
 

@@ -32,19 +32,31 @@ def media_size(image: Any) -> tuple[int, int]:
     return image_size(image)
 
 
-def llava_record(index: int, row: Mapping[str, Any], content_key: str = "content", role_key: str = "role") -> dict:
-    """Row ``index`` as a LLaVA record with its images' sizes (``image_sizes``), read from headers."""
+def llava_record(
+    index: int, row: Mapping[str, Any], content_key: str = "content", role_key: str = "role", source: str | None = None
+) -> dict:
+    """Row ``index`` (of ``source``, named in errors) as a LLaVA record with its images' sizes
+    (``image_sizes``), read from headers."""
+
+    def refused(reason: str, field: str) -> DataError:
+        return DataError(reason, path=source, record=index, record_kind="index", sample_id=str(index), field=field)
+
     for key in UNSHAPED_MEDIA:
         if row.get(key):
-            raise DataError(f"has {key}, which the framework plugins do not shape yet", sample_id=str(index), field=key)
+            raise refused(f"has {key}, which the framework plugins do not shape yet", key)
     images: Sequence[Any] = row.get("images") or []
     try:
         sizes = [list(media_size(image)) for image in images]
     except (OSError, ValueError) as error:
-        raise DataError(f"cannot read an image header: {error}", sample_id=str(index), field="images") from error
+        raise refused(f"cannot read an image header: {error}", "images") from error
     messages = row.get("messages")
     if not isinstance(messages, list):
-        raise DataError("has no 'messages' list", sample_id=str(index), field="messages")
+        raise refused("has no 'messages' list", "messages")
+    for i, turn in enumerate(messages):
+        if not isinstance(turn, Mapping):
+            raise refused(
+                f"must be an object with {role_key!r} and {content_key!r}, got {type(turn).__name__}", f"messages[{i}]"
+            )
     turns = [{"from": turn.get(role_key), "value": turn.get(content_key)} for turn in messages]
     record: dict[str, Any] = {"id": str(index), "conversations": turns}
     if sizes:
@@ -56,7 +68,7 @@ def chat_shapes(rows: Iterable[Mapping[str, Any]], policy: ShapePolicy, source: 
     """One shape per row of ``rows`` (a dataset's ``messages`` / ``images`` rows, in index order)
     under ``policy``; a bad row is a :class:`~dflop_ds.data.DataError` naming ``source`` and the
     row's index."""
-    records = [RawRecord(index, "index", llava_record(index, row)) for index, row in enumerate(rows)]
+    records = [RawRecord(index, "index", llava_record(index, row, source=source)) for index, row in enumerate(rows)]
     shapes = read_loaded(source, records, policy, fmt=LLAVA, media=MediaOptions(), on_bad_sample="error")
     return ShapeTable(shapes, policy)
 

@@ -92,6 +92,7 @@ class GlobalBatchSampler:
             cost_model = ProxyCost()
         self.shapes = list(shapes)
         check_shape_values(self.shapes)
+        check_batch_sizes(len(self.shapes), int(global_batch_size), int(gradient_accumulation_steps) * int(dp_size))
         self.global_batch_size = int(global_batch_size)
         self.n_mb = int(gradient_accumulation_steps)
         self.dp_rank = int(dp_rank)
@@ -117,7 +118,6 @@ class GlobalBatchSampler:
             raise ValueError(f"memory_cap must be > 0 bytes (or None: no cap), got {memory_cap!r}")
         self.memory_cap = None if memory_cap is None else float(memory_cap)
         self.memory = None if self.memory_cap is None else sample_bytes(cost_model, self.shapes)
-        check_batch_sizes(len(self.shapes), self.global_batch_size, self.n_mb * self.dp_size)
         self.dropped_per_epoch = dropped_per_epoch(len(self.shapes), self.global_batch_size, self.drop_last)
         if self.dropped_per_epoch:
             logger.warning(
