@@ -99,6 +99,25 @@ def test_truncated_cost_model_names_the_missing_part(tmp_path):
         assert str(path) in str(caught.value)
 
 
+def test_a_hand_edited_fitted_cost_model_names_the_file(tmp_path):
+    """Values of the right keys but the wrong kind (coefficients as text, a policy as a string)
+    are refused naming the file, not as a bare conversion or attribute error."""
+    from test_costmodel import synthetic_profile
+
+    from dflop_ds.cost import FittedCostModel, cost_model_to_dict
+
+    good = cost_model_to_dict(FittedCostModel().fit(synthetic_profile()))
+    path = tmp_path / "edited.json"
+    text_coef = json.loads(json.dumps(good))
+    text_coef["state"]["fits"]["encoder_time"]["coef"] = ["a", "b"]
+    string_policy = json.loads(json.dumps(good))
+    string_policy["state"]["shape_policy"] = "bogus"
+    for edited, what in ((text_coef, "could not convert"), (string_policy, "shape_policy must be an object")):
+        path.write_text(json.dumps(edited))
+        with pytest.raises(ValueError, match=rf"edited\.json: malformed cost model.*{what}"):
+            load_cost_model(path)
+
+
 @pytest.mark.parametrize(
     "old",
     [

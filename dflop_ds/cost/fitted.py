@@ -327,7 +327,9 @@ class FittedCostModel:
             model.llm_peak_ = None if fits["llm_peak"] is None else MonotoneFit.from_dict(fits["llm_peak"])
             model._set_planner_attributes(ModelProfile.from_dict(data["profile"]))
             model.shape_policy = data.get("shape_policy")
-        except (KeyError, TypeError) as exc:
+            if model.shape_policy is not None and not isinstance(model.shape_policy, dict):
+                raise TypeError(f"shape_policy must be an object or null, got {type(model.shape_policy).__name__}")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{source}: malformed cost model, {type(exc).__name__}: {exc}") from exc
         return model
 
