@@ -389,7 +389,8 @@ def _flatten(block: Any, source: str) -> dict[str, Any]:
             values[keys[WHOLE_SECTION]] = content
             continue
         if not isinstance(content, dict):
-            moved = f" (a flat dflop.{section} moved to {DFLOPConfig.path(section)})" if section in _SETTINGS else ""
+            flat = section in _SETTINGS and content is not None  # a value where the old flat key was
+            moved = f" (a flat dflop.{section} moved to {DFLOPConfig.path(section)})" if flat else ""
             raise ValueError(
                 f"{source}: dflop.{section} must be an object ({{...}}) of {sorted(keys)}, got {content!r}{moved}"
             )

@@ -108,6 +108,11 @@ def test_old_flat_keys_and_unknown_keys_are_refused_by_their_full_path(block, na
     assert str(info.value).startswith("cfg.json: ") and named in str(info.value)
 
 
+def test_a_null_section_is_refused_without_the_flat_key_hint():
+    with pytest.raises(ValueError, match=r"cfg\.json: dflop\.sampler must be an object.*got None$"):
+        DFLOPConfig.from_dict({"sampler": None}, source="cfg.json")
+
+
 def test_every_setting_has_one_path_and_round_trips_through_the_nested_block():
     names = setting_names()
     paths = [DFLOPConfig.path(name) for name in names]

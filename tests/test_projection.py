@@ -118,6 +118,9 @@ def test_calibration_reads_the_last_validation_run(tmp_path: Path) -> None:
     path.write_text(json.dumps({"error": 0.1}))
     with pytest.raises(ValueError, match=r"calibration\.json: not a simulator calibration record \(missing"):
         load_calibration(path)
+    path.write_text("root:x:0:0:root:/root:/bin/bash\n")  # not JSON at all: the file is named
+    with pytest.raises(ValueError, match=r"calibration\.json"):
+        load_calibration(path)
 
 
 def test_a_size_nothing_fits_has_no_plans_and_no_gain(data: Path) -> None:

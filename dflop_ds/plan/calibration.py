@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflop_ds.jsonio import read_json_object
+
 #: where ``make validate-simulator`` writes its result, relative to the repository root
 CALIBRATION_FILE = Path("out") / "simulator_calibration.json"
 FIGURES = ("error", "cost_model_only", "colocated_error", "colocated_cost_model_only")
@@ -82,7 +84,7 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
     file = Path(path) if path is not None else CALIBRATION_FILE
     if path is None and not file.exists():
         return DOCUMENTED
-    data = json.loads(file.read_text())
+    data = read_json_object(file)
     missing = [key for key in (*FIGURES, "measured", "machine") if key not in data]
     if missing:
         raise ValueError(f"{file}: not a simulator calibration record (missing {', '.join(missing)})")
