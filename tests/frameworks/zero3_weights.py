@@ -7,7 +7,7 @@ checkpoint written into the partitions one module at a time), gathers every para
 it with the same checkpoint loaded without ZeRO. On DeepSpeed before 0.19.8 on CPU ranks, without
 the plugins' fix, parts of the weights keep the memory the gather buffers held (the NaN losses of
 LLaMA-Factory 0.9.5's ZeRO-3 runs). Rank 0 prints ``weights ok: N parameters`` or names every
-parameter that differs, and the rank exits 1.
+parameter that differs, and the rank exits 1. Each rank ends with :func:`~dflop_ds.rank_lifecycle.finish_rank`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 from transformers.integrations import HfDeepSpeedConfig
 
+from dflop_ds.rank_lifecycle import finish_rank
 from dflop_ds.zero_gather import wait_every_gather
 
 #: every parameter partitioned (none kept whole on every rank), as the frameworks' ZeRO-3 runs
@@ -50,6 +51,9 @@ def main(model_dir: str) -> int:
     if torch.distributed.get_rank() == 0:
         count = sum(1 for _ in model.parameters())
         print(f"weights ok: {count} parameters" if not wrong else f"{len(wrong)} of {count} differ: {wrong}")
+    # the process group is not left to the interpreter's teardown, where gloo's threads can abort
+    # a rank that has finished (``terminate called without an active exception``, exit -6)
+    finish_rank()
     return 1 if wrong else 0
 
 
