@@ -130,7 +130,12 @@ def test_placeholders_expand_where_the_prompt_puts_them(pre: LlavaPreprocessor) 
     [
         ([("human", "<image> <image> two?"), ("gpt", "x")], 1, "conversations: 2 <image> placeholder"),
         ([("human", "<image> hi"), ("gpt", "x")], 0, "conversations: 1 <image> placeholder"),
-        ([("system", "be nice"), ("human", "hi"), ("gpt", "x")], 0, r"conversations\[0\].from: unknown role 'system'"),
+        (
+            [("human", "hi"), ("system", "be nice"), ("gpt", "x")],
+            0,
+            r"conversations\[1\].from: a system turn after the first",
+        ),
+        ([("narrator", "once"), ("human", "hi"), ("gpt", "x")], 0, r"conversations\[0\].from: unknown role 'narrator'"),
         ([("human", "hi"), ("gpt", "see <image>")], 1, r"conversations\[1\].value: <image> in an assistant turn"),
         ([("human", "<video> what?"), ("gpt", "x")], 0, r"conversations\[0\].value: <video> is not supported"),
     ],
