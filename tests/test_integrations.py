@@ -131,6 +131,18 @@ def test_llamafactory_neat_packing_and_a_config_without_deepspeed_are_refused_by
     ds.write_text(json.dumps({"dflop": {"sampler": {"kindd": "dflop"}}}))
     with pytest.raises(ValueError, match="kindd"):
         check_config({"deepspeed": str(ds)}, "cfg.yaml")
+    # the DeepSpeed config inline in the YAML, as TrainingArguments.deepspeed takes it
+    check_config({"deepspeed": {"dflop": {"sampler": {"kind": "dflop"}}}}, "cfg.yaml")
+    with pytest.raises(ValueError, match=r"cfg\.yaml: deepspeed.*kindd"):
+        check_config({"deepspeed": {"dflop": {"sampler": {"kindd": "dflop"}}}}, "cfg.yaml")
+
+
+def test_llamafactory_launch_names_a_process_count_that_is_not_a_number(monkeypatch, tmp_path):
+    from dflop_ds.integrations.llamafactory import launch
+
+    monkeypatch.setenv("NPROC_PER_NODE", "two")
+    with pytest.raises(ValueError, match="NPROC_PER_NODE='two': expected the number of processes"):
+        launch(tmp_path / "cfg.yaml")
 
 
 #: two tokenized LLaMA-Factory rows: one with two images, one text-only

@@ -6,7 +6,7 @@ config, with one change: the supervised fine-tuning workflow builds :class:`DFLO
 DFLOP's (through :mod:`dflop_ds.compose`). Everything else (model loading, template, tokenization,
 its multimodal collator, callbacks, saving) is LLaMA-Factory's. What it reads:
 
-* settings: the ``"dflop"`` block of the config's ``deepspeed:`` file;
+* settings: the ``"dflop"`` block of the config's ``deepspeed:`` file (or of the config inline);
 * shapes: the tokenized training rows (``input_ids`` less the image tokens LLaMA-Factory expanded,
   ``labels``) and their images' headers; nothing is decoded;
 * ``packing``: LLaMA-Factory would pack rows offline (greedy knapsack by length), fixed before
@@ -70,9 +70,13 @@ def check_config(config: Mapping[str, Any], source: str) -> None:
         )
     if config.get("stage", "sft") != "sft":
         raise ValueError(f"{source}: stage: {config['stage']}: dflop-ds llamafactory runs stage: sft only")
-    if not config.get("deepspeed"):
+    deepspeed = config.get("deepspeed")
+    if not deepspeed:
         raise ValueError(f'{source}: no deepspeed: config; its "dflop" block holds DFLOP\'s settings')
-    run_settings(None, str(config["deepspeed"]))
+    if isinstance(deepspeed, Mapping):  # the config inline, as TrainingArguments.deepspeed takes it
+        run_settings(None, deepspeed, f"{source}: deepspeed")
+    else:
+        run_settings(None, str(deepspeed))
 
 
 def tokenized_shapes(dataset: Any, model: Any) -> ShapeTable:
@@ -197,7 +201,11 @@ def launch(config_path: str | Path) -> int:
     """``dflop-ds llamafactory train``: :func:`train` here, or under ``torchrun`` on
     ``NPROC_PER_NODE`` processes when that is above 1 or ``FORCE_TORCHRUN=1`` (as
     ``llamafactory-cli train``); returns the exit status."""
-    procs = int(os.environ.get("NPROC_PER_NODE", "1"))
+    text = os.environ.get("NPROC_PER_NODE", "1")
+    try:
+        procs = int(text)
+    except ValueError:
+        raise ValueError(f"NPROC_PER_NODE={text!r}: expected the number of processes to start (an integer)") from None
     if procs <= 1 and os.environ.get("FORCE_TORCHRUN", "0").lower() not in ("1", "true"):
         train(config_path)
         return 0
