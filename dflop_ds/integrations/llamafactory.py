@@ -73,10 +73,8 @@ def check_config(config: Mapping[str, Any], source: str) -> None:
     deepspeed = config.get("deepspeed")
     if not deepspeed:
         raise ValueError(f'{source}: no deepspeed: config; its "dflop" block holds DFLOP\'s settings')
-    if isinstance(deepspeed, Mapping):  # the config inline, as TrainingArguments.deepspeed takes it
-        run_settings(None, deepspeed, f"{source}: deepspeed")
-    else:
-        run_settings(None, str(deepspeed))
+    # a file, or the config inline as TrainingArguments.deepspeed takes it (named by ``source``)
+    run_settings(None, deepspeed if isinstance(deepspeed, Mapping) else str(deepspeed), f"{source}: deepspeed")
 
 
 def tokenized_shapes(dataset: Any, model: Any) -> ShapeTable:
