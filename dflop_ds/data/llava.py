@@ -37,9 +37,12 @@ from dflop_ds.data.media import MediaLookup
 from dflop_ds.data.video import VideoInfo
 from dflop_ds.shapes import SampleShape, ShapePolicy
 
+#: Roles of LLaVA / ShareGPT conversations, compared case-insensitively ("Human", "GPT" too): the
+#: user's, the assistant's, and the system message's (a conversation's first turn)
+USER_ROLES = frozenset({"human", "user"})
 ASSISTANT_ROLES = frozenset({"gpt", "assistant"})
-#: Roles of LLaVA / ShareGPT conversations, compared case-insensitively ("Human", "GPT" too).
-KNOWN_ROLES = frozenset({"human", "user", "system"}) | ASSISTANT_ROLES
+SYSTEM_ROLE = "system"
+KNOWN_ROLES = USER_ROLES | ASSISTANT_ROLES | {SYSTEM_ROLE}
 PLACEHOLDERS = ("<image>", "<video>")
 FRAME_KEYS = ("video_frames", "frame_count")
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from dflop_ds.data.llava import ASSISTANT_ROLES, SYSTEM_ROLE, USER_ROLES
 from dflop_ds.models.hf.base.chat_template import ModelChatTemplate, checkpoint_chat_template, encode_alike
 from dflop_ds.shapes import ShapePolicy, length_rule
 
@@ -49,10 +50,6 @@ DEFAULT_SYSTEM = (
 )
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
-USER_ROLES = frozenset({"human", "user"})
-#: the role of a conversation's first turn that sets its system message
-SYSTEM_ROLE = "system"
-ASSISTANT_ROLES = frozenset({"gpt", "assistant"})
 TRUNCATION = ("error", "truncate")
 #: tokenizers without a real limit report a huge ``model_max_length``; above this it means none
 NO_LIMIT = 10**8
